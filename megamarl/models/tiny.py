@@ -1,0 +1,70 @@
+"""Tiny random models for fast tests: real HF architectures, a few layers, no download.
+
+They reuse the packaged SmolLM2 tokenizer (so prompts, chat templates and EOS behave like the
+real model) and differ per family only in what the family tests must exercise: GQA, QKV bias,
+tied/untied embeddings, QK-norm.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+TINY_DEFAULTS = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-6,
+    rope_theta=10000.0,
+)
+
+
+def tiny_config(family: str = "llama", *, vocab_size: int = 49152, **overrides):
+    """A transformers config for ``family`` in {llama, qwen2, qwen3} at test size."""
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+
+    kwargs = dict(TINY_DEFAULTS, vocab_size=vocab_size, **overrides)
+    if family == "llama":
+        kwargs.setdefault("tie_word_embeddings", True)
+        return LlamaConfig(**kwargs)
+    if family == "qwen2":
+        kwargs.setdefault("tie_word_embeddings", False)
+        return Qwen2Config(**kwargs)
+    if family == "qwen3":
+        kwargs.setdefault("tie_word_embeddings", False)
+        kwargs.setdefault("head_dim", kwargs["hidden_size"] // kwargs["num_attention_heads"])
+        return Qwen3Config(**kwargs)
+    raise ValueError(f"tiny model family '{family}' unknown; allowed: llama, qwen2, qwen3")
+
+
+def tiny_model(family: str = "llama", *, seed: int = 0, **overrides):
+    """A randomly initialised fp32 ``*ForCausalLM`` (deterministic for a seed)."""
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_config(family, **overrides)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # HF initialises with std 0.02: logits are nearly flat. A larger std gives peaked, seed-specific
+    # distributions, which makes greedy decoding and logit-equality tests meaningful.
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.dim() > 1:
+                param.normal_(0.0, 0.15)
+    return model.eval()
+
+
+def save_tiny_model(path: str | Path, family: str = "llama", *, seed: int = 0, **overrides) -> Path:
+    """Write a tiny model plus the packaged SmolLM2 tokenizer as an HF directory; returns ``path``."""
+    from transformers import AutoTokenizer
+
+    from megamarl.models.packaged import resolve_model_path
+
+    path = Path(path)
+    model = tiny_model(family, seed=seed, **overrides)
+    model.save_pretrained(path, safe_serialization=True)
+    AutoTokenizer.from_pretrained(resolve_model_path("smollm2-135m-instruct")).save_pretrained(path)
+    return path

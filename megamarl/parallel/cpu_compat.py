@@ -1,0 +1,116 @@
+"""Run megatron-core on CPU ranks over gloo.
+
+megatron-core assumes CUDA in a handful of places that the CPU forward/backward path touches:
+``torch.cuda.current_device()`` as a device argument, ``torch.cuda`` RNG calls in the tensor-parallel
+RNG tracker, ``torch.cuda.synchronize`` in p2p communication and ``device="cuda"`` scalars in the
+pipeline schedules. On a machine without CUDA those calls raise, so this module redirects exactly
+them to their CPU equivalents. It is inert when CUDA is present: ``enable_cpu_compat`` returns an
+empty list and patches nothing (megatron-core then runs unmodified on GPUs).
+
+Each patch is listed by name in ``PATCHES`` so tests can check exactly what was (or was not) changed.
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+
+import torch
+
+_APPLIED: list[str] = []
+
+
+def _cpu_device(*_args, **_kwargs) -> str:
+    return "cpu"
+
+
+def _cpu_get_rng_state(device="cuda", *_args, **_kwargs) -> torch.Tensor:  # noqa: ARG001
+    return torch.get_rng_state()
+
+
+def _cpu_set_rng_state(new_state: torch.Tensor, device=-1, *_args, **_kwargs) -> None:  # noqa: ARG001
+    torch.set_rng_state(new_state)
+
+
+def _cpu_manual_seed(seed: int) -> None:
+    # Not torch.manual_seed: that one calls torch.cuda.manual_seed_all itself.
+    torch.default_generator.manual_seed(int(seed))
+
+
+class _CudaToCpuTorch(types.ModuleType):
+    """``torch`` as seen by the pipeline schedules: tensors asked for on "cuda" are made on CPU."""
+
+    def __init__(self):
+        super().__init__("torch")
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def _on_cpu(factory):
+        @functools.wraps(factory)
+        def wrapped(*args, device=None, **kwargs):
+            if device is not None and str(device).startswith("cuda"):
+                device = "cpu"
+            return factory(*args, device=device, **kwargs)
+
+        return wrapped
+
+    @property
+    def zeros(self):
+        return self._on_cpu(torch.zeros)
+
+    @property
+    def ones(self):
+        return self._on_cpu(torch.ones)
+
+    @property
+    def tensor(self):
+        return self._on_cpu(torch.tensor)
+
+
+def _patch_torch_cuda() -> None:
+    torch.cuda.current_device = _cpu_device
+    torch.cuda.synchronize = lambda *a, **k: None
+    torch.cuda.get_rng_state = _cpu_get_rng_state
+    torch.cuda.set_rng_state = _cpu_set_rng_state
+    torch.cuda.manual_seed = _cpu_manual_seed
+    # torch.manual_seed seeds "all CUDA devices" after the CPU one: there are none.
+    torch.cuda.manual_seed_all = lambda seed: None
+    torch.cuda.random.get_rng_state = _cpu_get_rng_state
+
+
+def _patch_tp_random() -> None:
+    from megatron.core.tensor_parallel import random as tp_random
+
+    tp_random._get_cuda_rng_state = _cpu_get_rng_state
+    tp_random._set_cuda_rng_state = _cpu_set_rng_state
+
+
+def _patch_schedules() -> None:
+    from megatron.core.pipeline_parallel import schedules
+
+    schedules.torch = _CudaToCpuTorch()
+
+
+# name -> what it redirects; applied in this order.
+PATCHES: dict[str, callable] = {
+    "torch.cuda (current_device, synchronize, rng)": _patch_torch_cuda,
+    "megatron.core.tensor_parallel.random (_get/_set_cuda_rng_state)": _patch_tp_random,
+    "megatron.core.pipeline_parallel.schedules (device='cuda' tensors)": _patch_schedules,
+}
+
+
+def cpu_compat_needed() -> bool:
+    return not torch.cuda.is_available()
+
+
+def enable_cpu_compat() -> list[str]:
+    """Apply every patch once when CUDA is absent; return the names of the patches in force."""
+    if not cpu_compat_needed():
+        return []
+    for name, patch in PATCHES.items():
+        if name not in _APPLIED:
+            patch()
+            _APPLIED.append(name)
+    return list(_APPLIED)

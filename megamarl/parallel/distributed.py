@@ -1,0 +1,77 @@
+"""Process start-up: backends, devices and the CPU control group, chosen from what the machine has.
+
+NCCL + CUDA when a GPU is present, gloo + CPU otherwise (with the megatron-core CPU compatibility
+layer switched on). Works under torchrun (env://) and in a single process (world size 1).
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from megamarl.parallel.cpu_compat import enable_cpu_compat
+
+
+def device_backend() -> str:
+    """Backend for bulk tensors: NCCL on CUDA machines, gloo otherwise."""
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def local_device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def init_distributed(*, timeout_s: float = 600.0) -> torch.device:
+    """Initialise the default process group from the torchrun environment (or as a 1-rank world).
+
+    Returns this rank's device. Idempotent.
+    """
+    device = local_device()
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    else:
+        enable_cpu_compat()
+    if not dist.is_initialized():
+        if "RANK" not in os.environ:  # plain `python scripts/train.py`: a one-rank world
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", str(_free_port()))
+            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        dist.init_process_group(
+            backend=device_backend(),
+            timeout=timedelta(seconds=timeout_s),
+            device_id=device if device.type == "cuda" else None,
+        )
+    _init_megatron_globals()
+    return device
+
+
+def _init_megatron_globals() -> None:
+    """The few megatron-core globals that stay process-wide even with per-WG process groups."""
+    from megatron.core import parallel_state
+
+    if getattr(parallel_state, "_GLOBAL_MEMORY_BUFFER", None) is None:
+        parallel_state._set_global_memory_buffer()
+
+
+_CONTROL_GROUP = None
+
+
+def control_group():
+    """A gloo group over all ranks for small control messages (objects, barriers), even on GPU."""
+    global _CONTROL_GROUP
+    if _CONTROL_GROUP is None:
+        _CONTROL_GROUP = dist.new_group(backend="gloo") if device_backend() != "gloo" else dist.group.WORLD
+    return _CONTROL_GROUP
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

@@ -1,0 +1,221 @@
+"""Placement: which global ranks hold which worker group (WG), and each WG's process groups.
+
+A WG is one policy's Megatron instance with its own TP x PP x DP mesh on a subset of ranks. Unlike
+Megatron-LM's single global ``parallel_state``, every WG gets its own megatron-core
+``ProcessGroupCollection`` (passed to models as ``pg_collection``), so several WGs can live side by
+side: on disjoint rank sets (disaggregated) or on the same ranks (colocated time-sharing, one rank
+holding shards of several WGs).
+
+Rank layout inside a WG follows megatron-core's order (tp fastest, then cp, ep, dp, pp), computed
+by ``HyperCommGrid`` on logical ranks 0..n-1 and mapped onto the WG's global ranks, so a WG may sit
+on any (even non-contiguous) rank list. Process-group creation is collective over the whole world:
+``build_worker_groups`` must run on every rank with the same config.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+
+from megamarl.parallel.distributed import device_backend
+
+AXES = ("tp", "cp", "ep", "dp", "pp")  # megatron-core rank order, fastest-varying first
+PLACEMENT_MODES = ("colocated", "disaggregated")
+
+
+@dataclass
+class WorkerGroupLayout:
+    """Where one policy's WG lives. ``dp`` defaults to ``len(ranks) // (tp * pp)``."""
+
+    ranks: list[int]
+    tp: int = 1
+    pp: int = 1
+    dp: int | None = None
+    key: str = "placement.worker_groups.<wg>"  # config key used in error messages
+
+    def __post_init__(self) -> None:
+        self.ranks = list(self.ranks)
+        for axis in ("tp", "pp"):
+            if getattr(self, axis) < 1:
+                raise ValueError(f"{self.key}.{axis} must be >= 1, got {getattr(self, axis)}")
+        if not self.ranks:
+            raise ValueError(f"{self.key}.ranks is empty")
+        if len(set(self.ranks)) != len(self.ranks):
+            raise ValueError(f"{self.key}.ranks has duplicates: {self.ranks}")
+        model_parallel = self.tp * self.pp
+        if self.dp is None:
+            if len(self.ranks) % model_parallel:
+                raise ValueError(
+                    f"{self.key}: {len(self.ranks)} ranks are not divisible by tp*pp = "
+                    f"{self.tp}*{self.pp} = {model_parallel}"
+                )
+            self.dp = len(self.ranks) // model_parallel
+        if self.tp * self.pp * self.dp != len(self.ranks):
+            raise ValueError(
+                f"{self.key}: tp*pp*dp = {self.tp}*{self.pp}*{self.dp} = {self.tp * self.pp * self.dp} "
+                f"differs from the WG's rank count {len(self.ranks)} (ranks={self.ranks})"
+            )
+
+    @property
+    def world_size(self) -> int:
+        return len(self.ranks)
+
+    def check_model(self, *, num_heads: int, num_kv_heads: int, num_layers: int) -> None:
+        """Raise when the model cannot be sharded with this layout."""
+        if num_heads % self.tp:
+            raise ValueError(f"{self.key}.tp={self.tp} does not divide the model's {num_heads} attention heads")
+        if num_kv_heads % self.tp:
+            raise ValueError(
+                f"{self.key}.tp={self.tp} does not divide the model's {num_kv_heads} KV heads (query groups)"
+            )
+        if num_layers % self.pp:
+            raise ValueError(f"{self.key}.pp={self.pp} does not divide the model's {num_layers} layers")
+
+
+@dataclass
+class PlacementConfig:
+    """All WGs of a run. ``colocated``: WGs may share ranks; ``disaggregated``: rank sets are disjoint."""
+
+    worker_groups: dict[str, WorkerGroupLayout]
+    mode: str = "colocated"
+
+    def __post_init__(self) -> None:
+        if self.mode not in PLACEMENT_MODES:
+            raise ValueError(f"placement.mode='{self.mode}' unknown; allowed: {list(PLACEMENT_MODES)}")
+        if not self.worker_groups:
+            raise ValueError("placement.worker_groups is empty: at least one policy needs a worker group")
+        for name, layout in self.worker_groups.items():
+            layout.key = f"placement.worker_groups.{name}"
+        if self.mode == "disaggregated":
+            owner: dict[int, str] = {}
+            for name, layout in self.worker_groups.items():
+                for rank in layout.ranks:
+                    if rank in owner:
+                        raise ValueError(
+                            f"placement.mode=disaggregated but placement.worker_groups.{name}.ranks and "
+                            f"placement.worker_groups.{owner[rank]}.ranks overlap at rank {rank}"
+                        )
+                    owner[rank] = name
+
+    def validate_world(self, world_size: int) -> None:
+        for name, layout in self.worker_groups.items():
+            bad = [r for r in layout.ranks if not 0 <= r < world_size]
+            if bad:
+                raise ValueError(
+                    f"placement.worker_groups.{name}.ranks {bad} out of range for world size {world_size}"
+                )
+
+
+@dataclass
+class WorkerGroup:
+    """One WG as seen from this rank. ``pgs`` is None on ranks that hold none of its shards."""
+
+    name: str
+    layout: WorkerGroupLayout
+    pgs: object | None = None  # megatron.core.process_groups_config.ProcessGroupCollection
+    coords: dict[str, int] = field(default_factory=dict)  # this rank's tp/pp/dp index
+
+    @property
+    def is_member(self) -> bool:
+        return self.pgs is not None
+
+    @property
+    def tp_rank(self) -> int:
+        return self.coords["tp"]
+
+    @property
+    def pp_rank(self) -> int:
+        return self.coords["pp"]
+
+    @property
+    def dp_rank(self) -> int:
+        return self.coords["dp"]
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.layout.pp - 1
+
+
+def rank_grid(layout: WorkerGroupLayout):
+    """megatron-core ``HyperCommGrid`` over the WG's logical ranks 0..n-1 (axes tp, cp, ep, dp, pp)."""
+    import os
+
+    from megatron.core.hyper_comm_grid import HyperCommGrid
+
+    shape = [layout.tp, 1, 1, layout.dp, layout.pp]
+    # HyperCommGrid checks its size against WORLD_SIZE; the grid is logical, so size it to the WG.
+    saved = os.environ.get("WORLD_SIZE")
+    os.environ["WORLD_SIZE"] = str(max(layout.world_size, int(saved or 0)))
+    try:
+        return HyperCommGrid(shape, list(AXES))
+    finally:
+        if saved is None:
+            os.environ.pop("WORLD_SIZE")
+        else:
+            os.environ["WORLD_SIZE"] = saved
+
+
+def group_enumeration(layout: WorkerGroupLayout, axes: list[str]) -> list[list[int]]:
+    """Global-rank lists of every group spanning ``axes`` (what ``new_subgroups_by_enumeration`` takes)."""
+    logical = rank_grid(layout).get_rank_enum(axes)
+    return [[layout.ranks[i] for i in group] for group in logical]
+
+
+def rank_coords(layout: WorkerGroupLayout, global_rank: int) -> dict[str, int]:
+    """This rank's index along every axis of the WG (tp fastest)."""
+    index = layout.ranks.index(global_rank)
+    coords = {}
+    for axis, size in zip(AXES, [layout.tp, 1, 1, layout.dp, layout.pp]):
+        coords[axis] = index % size
+        index //= size
+    return coords
+
+
+def _new_groups(enumeration: list[list[int]], backend: str):
+    group, _ = dist.new_subgroups_by_enumeration(enumeration, backend=backend)
+    return group
+
+
+def build_worker_group(name: str, layout: WorkerGroupLayout, *, backend: str | None = None) -> WorkerGroup:
+    """Create every process group of one WG (collective over the world) and return this rank's view."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    backend = backend or device_backend()
+    rank = dist.get_rank()
+    groups = {
+        "tp": _new_groups(group_enumeration(layout, ["tp"]), backend),
+        "pp": _new_groups(group_enumeration(layout, ["pp"]), backend),
+        "dp": _new_groups(group_enumeration(layout, ["dp"]), backend),
+        "cp": _new_groups(group_enumeration(layout, ["cp"]), backend),
+        "ep": _new_groups(group_enumeration(layout, ["ep"]), backend),
+        "mp": _new_groups(group_enumeration(layout, ["tp", "pp"]), backend),
+        "tp_cp": _new_groups(group_enumeration(layout, ["tp", "cp"]), backend),
+        "dp_cp": _new_groups(group_enumeration(layout, ["cp", "dp"]), backend),
+        "tp_dp_cp": _new_groups(group_enumeration(layout, ["tp", "cp", "dp"]), backend),
+        "tp_ep_pp": _new_groups(group_enumeration(layout, ["tp", "ep", "pp"]), backend),
+    }
+    # Tied embeddings: the first and last pipeline stage of each pipeline share the embedding grads.
+    pipelines = group_enumeration(layout, ["pp"])
+    groups["embd"] = _new_groups([sorted({p[0], p[-1]}) for p in pipelines], backend)
+    groups["pos_embd"] = _new_groups([[p[0]] for p in pipelines], backend)
+    if rank not in layout.ranks:
+        return WorkerGroup(name, layout)
+    pgs = ProcessGroupCollection()
+    for attr, group in groups.items():
+        setattr(pgs, attr, group)
+    # Dense models: the expert axes collapse onto the dense ones.
+    pgs.expt_tp, pgs.expt_dp, pgs.tp_ep = groups["tp"], groups["dp"], groups["tp"]
+    pgs.intra_dp_cp, pgs.intra_expt_dp = groups["dp_cp"], groups["dp"]
+    pgs.hcp = []
+    return WorkerGroup(name, layout, pgs, rank_coords(layout, rank))
+
+
+def build_worker_groups(placement: PlacementConfig, *, backend: str | None = None) -> dict[str, WorkerGroup]:
+    """Build every WG of ``placement`` on every rank (same order everywhere: group creation is collective)."""
+    placement.validate_world(dist.get_world_size())
+    return {name: build_worker_group(name, layout, backend=backend) for name, layout in placement.worker_groups.items()}

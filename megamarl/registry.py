@@ -1,0 +1,61 @@
+"""Name -> implementation registries for every extension point (estimators, engines, agents, envs...).
+
+One small class instead of ad-hoc dicts: registering twice is an error (two plugins silently
+shadowing each other is the bug this prevents), an unknown name lists the registered ones, and
+plugin modules are imported eagerly so that a plugin that fails to import raises instead of being
+silently missing from the registry.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Callable, Generic, Iterable, TypeVar
+
+T = TypeVar("T")
+
+
+class Registry(Generic[T]):
+    """A named table of implementations of one extension point."""
+
+    def __init__(self, kind: str):
+        self.kind = kind
+        self._items: dict[str, T] = {}
+
+    def register(self, name: str) -> Callable[[T], T]:
+        """Decorator: ``@REGISTRY.register("name")``."""
+
+        def decorator(obj: T) -> T:
+            self.add(name, obj)
+            return obj
+
+        return decorator
+
+    def add(self, name: str, obj: T) -> None:
+        if name in self._items and self._items[name] is not obj:
+            raise ValueError(f"{self.kind} '{name}' is already registered ({self._items[name]!r})")
+        self._items[name] = obj
+
+    def get(self, name: str, *, key: str | None = None) -> T:
+        """Look up ``name``; ``key`` is the config key the name came from, used in the error."""
+        if name not in self._items:
+            where = f"{key}=" if key else ""
+            raise ValueError(
+                f"unknown {self.kind} {where}'{name}'; registered: {sorted(self._items) or 'none'}"
+            )
+        return self._items[name]
+
+    def names(self) -> list[str]:
+        return sorted(self._items)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._items
+
+
+def import_plugins(modules: Iterable[str]) -> None:
+    """Import user plugin modules (they register on import). A failing import is re-raised with
+    the module named: a plugin that does not load must stop the run, not vanish from a registry."""
+    for module in modules:
+        try:
+            importlib.import_module(module)
+        except Exception as exc:  # noqa: BLE001 - re-raised with context
+            raise ImportError(f"plugin module '{module}' failed to import: {exc!r}") from exc

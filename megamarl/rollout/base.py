@@ -1,0 +1,99 @@
+"""The engine protocol every rollout backend implements (vLLM, SGLang, HF, scripted test policies).
+
+Token ids in, token ids and per-token logprobs out: prompts are never re-tokenized inside an
+engine, so training sees exactly the tokens that were sampled. Weight updates arrive as an
+iterator of (HF name, tensor) pairs, the same stream that ``megamarl.models`` exports from a
+Megatron worker group, and each update stamps a new ``weight_version`` that every later
+``Generation`` carries.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import Iterable, Iterator
+
+import torch
+
+from megamarl.registry import Registry
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1: disabled
+    max_tokens: int = 64
+    stop_token_ids: tuple[int, ...] = ()
+    n: int = 1
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"sampling.temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"sampling.top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k == 0 or self.top_k < -1:
+            raise ValueError(f"sampling.top_k must be -1 (off) or >= 1, got {self.top_k}")
+        if self.max_tokens < 1:
+            raise ValueError(f"sampling.max_tokens must be >= 1, got {self.max_tokens}")
+        if self.n < 1:
+            raise ValueError(f"sampling.n must be >= 1, got {self.n}")
+
+
+@dataclass
+class Generation:
+    """One sampled completion."""
+
+    token_ids: list[int]
+    logprobs: list[float]  # logprob of each sampled token under the engine's weights
+    finish_reason: str  # "stop" (EOS or a stop token) or "length"
+    weight_version: int
+    meta: dict = field(default_factory=dict)  # engine-specific extras (timings), logging only
+
+
+class Engine(abc.ABC):
+    """An inference engine serving one policy (optionally several LoRA adapters)."""
+
+    weight_version: int = 0
+
+    @abc.abstractmethod
+    async def generate(
+        self, prompt_ids: list[int], sampling: SamplingParams, *, lora: str | None = None
+    ) -> list[Generation]:
+        """Return ``sampling.n`` completions of ``prompt_ids`` (concurrent calls are batched)."""
+
+    @abc.abstractmethod
+    def update_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor]], *, version: int, lora: str | None = None
+    ) -> None:
+        """Load HF-named tensors (full or adapter-only when ``lora`` names an adapter) and set
+        ``weight_version``. Callers pause the engine first; the engine flushes caches after."""
+
+    def sleep(self) -> None:
+        """Release weights and KV cache memory (colocated training runs meanwhile)."""
+
+    def wake(self) -> None:
+        """Restore what ``sleep`` released."""
+
+    def pause(self) -> None:
+        """Stop admitting new requests; in-flight ones drain or are held."""
+
+    def resume(self) -> None:
+        """Admit requests again."""
+
+    def flush_cache(self) -> None:
+        """Drop cached prefixes/KV computed with older weights."""
+
+    def health(self) -> bool:
+        return True
+
+    def shutdown(self) -> None:
+        """Free resources; the engine is unusable afterwards."""
+
+
+def iter_state_dict(state_dict: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+    yield from state_dict.items()
+
+
+ENGINES: Registry[type[Engine]] = Registry("engine")
