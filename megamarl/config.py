@@ -1,0 +1,257 @@
+"""The run configuration: typed dataclasses loaded from YAML with OmegaConf, validated at start-up.
+
+``load_config(path, overrides)`` merges a YAML file and hydra-style ``key=value`` overrides onto the
+structured schema below. OmegaConf rejects unknown keys and wrong types (the error names the full
+key); our ``__post_init__`` checks add the cross-field rules (a layout that cannot be placed, an
+agent pointing at a policy that does not exist...). Defaults live here and nowhere else.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from omegaconf import MISSING, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from megamarl.parallel.placement import PLACEMENT_MODES, PlacementConfig, WorkerGroupLayout
+
+TRAINER_MODES = ("sync", "one_step_off", "fully_async")
+ENGINE_BACKENDS = ("hf", "vllm", "sglang")
+
+
+@dataclass
+class LoraConfig:
+    rank: int = 8
+    alpha: float = 16.0
+    targets: list[str] = field(default_factory=lambda: ["qkv", "proj", "fc1", "fc2"])
+    adapters: list[str] = field(default_factory=list)  # adapter names (one per agent); filled from agents
+
+    def __post_init__(self) -> None:
+        if self.rank < 1:
+            raise ValueError(f"policies.<p>.lora.rank must be >= 1, got {self.rank}")
+        allowed = {"qkv", "proj", "fc1", "fc2"}
+        if not self.targets or set(self.targets) - allowed:
+            raise ValueError(f"policies.<p>.lora.targets={self.targets}: allowed {sorted(allowed)}")
+
+
+@dataclass
+class EngineConfig:
+    backend: str = "vllm"  # vllm | hf | sglang; vllm falls back to hf when not installed (logged)
+    num_replicas: int = 1
+    ranks: list[int] = field(default_factory=list)  # disaggregated: ranks hosting replicas
+    tp: int = 1
+    max_num_seqs: int = 64
+    kv_cache_gib: float = 1.0
+    server_urls: list[str] = field(default_factory=list)  # external servers (disaggregated HTTP)
+    bucket_mb: int = 64  # weight-sync bucket size
+
+    def __post_init__(self) -> None:
+        if self.backend not in ENGINE_BACKENDS:
+            raise ValueError(f"policies.<p>.engine.backend='{self.backend}' unknown; allowed: {list(ENGINE_BACKENDS)}")
+        if self.num_replicas < 1:
+            raise ValueError(f"policies.<p>.engine.num_replicas must be >= 1, got {self.num_replicas}")
+
+
+@dataclass
+class PolicyConfig:
+    model: str = MISSING  # packaged model name or local HF directory
+    ranks: Optional[list[int]] = None  # WG ranks; default: all ranks
+    tp: int = 1
+    pp: int = 1
+    lr: float = 1e-6
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    micro_batch_size: int = 8
+    ppo_epochs: int = 1
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    kl_coef: float = 0.0
+    entropy_coef: float = 0.0
+    frozen: bool = False
+    lora: Optional[LoraConfig] = None
+    engine: EngineConfig = field(default_factory=EngineConfig)
+
+    def __post_init__(self) -> None:
+        if self.lr <= 0:
+            raise ValueError(f"policies.<p>.lr must be > 0, got {self.lr}")
+        if self.micro_batch_size < 1:
+            raise ValueError(f"policies.<p>.micro_batch_size must be >= 1, got {self.micro_batch_size}")
+
+
+@dataclass
+class SamplingConfig:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_tokens: int = 64
+
+
+@dataclass
+class AgentConfig:
+    policy: str = MISSING
+    role: str = ""  # registered agent name; defaults to the agent's key
+    lora: Optional[str] = None  # L2: adapter name on the policy's shared base
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class EnvConfig:
+    name: str = "math"
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class OrchestraConfig:
+    name: str = "solve_verify"
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class RolloutConfig:
+    num_tasks: int = 16  # tasks per step
+    group_size: int = 4  # episodes per task (GRPO group)
+    max_concurrency: int = 64
+    tree_k: int = 0  # >1: tree-sample K candidates at agent steps (AT-GRPO)
+    env_timeout_s: float = 30.0
+
+
+@dataclass
+class AlgorithmConfig:
+    estimator: str = "at_grpo"
+    group_by: list[str] = field(default_factory=lambda: ["task", "agent", "turn"])
+    normalize_std: bool = True
+    team_alpha: float = 1.0  # reward = team + alpha * local
+    turn_gamma: float = 1.0
+    invalid_penalty: float = 0.0
+    dynamic_sampling: bool = False
+    loss_agg: str = "token-mean"
+    kl_type: str = "k3"
+    tis_cap: float = 2.0  # truncated IS cap (rollout vs training logprobs); 0 disables
+    estimator_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class EvalConfig:
+    every: int = 0  # steps; 0 disables periodic eval (still runs at start and end when num_tasks > 0)
+    num_tasks: int = 0
+    k: int = 1  # samples per task for avg@k / pass@k
+    temperature: float = 0.0
+
+
+@dataclass
+class TrainerConfig:
+    total_steps: int = 10
+    mode: str = "sync"
+    max_staleness: int = 1  # async modes: max weight versions behind
+    sync_every: int = 1  # fully_async: weight sync every N updates
+    partial_rollout: bool = False
+    save_every: int = 0
+    resume: str = "none"  # none | auto | <run dir>
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.mode not in TRAINER_MODES:
+            raise ValueError(f"trainer.mode='{self.mode}' unknown; allowed: {list(TRAINER_MODES)}")
+        if self.total_steps < 0:
+            raise ValueError(f"trainer.total_steps must be >= 0, got {self.total_steps}")
+
+
+@dataclass
+class WandbConfig:
+    mode: str = "offline"  # offline | online | disabled
+    project: str = "megamarl"
+    entity: Optional[str] = None
+
+
+@dataclass
+class LoggerConfig:
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    progress: bool = True
+
+
+@dataclass
+class ClusterConfig:
+    """Declared cluster for --dry-run (and checks at start-up)."""
+
+    num_nodes: int = 1
+    gpus_per_node: int = 0  # 0: CPU ranks
+    gpu_memory_gib: float = 80.0
+
+
+@dataclass
+class RunConfig:
+    name: str = "run"
+    output_dir: str = "runs"
+    policies: dict[str, PolicyConfig] = field(default_factory=dict)
+    agents: dict[str, AgentConfig] = field(default_factory=dict)
+    env: EnvConfig = field(default_factory=EnvConfig)
+    orchestra: OrchestraConfig = field(default_factory=OrchestraConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    placement_mode: str = "colocated"
+    plugins: list[str] = field(default_factory=list)  # modules that register agents/envs/orchestras
+
+    def __post_init__(self) -> None:
+        if self.placement_mode not in PLACEMENT_MODES:
+            raise ValueError(f"placement_mode='{self.placement_mode}' unknown; allowed: {list(PLACEMENT_MODES)}")
+        if not self.policies:
+            raise ValueError("policies is empty: define at least one policy")
+        if not self.agents:
+            raise ValueError("agents is empty: define at least one agent")
+        for name, agent in self.agents.items():
+            if agent.policy not in self.policies:
+                raise ValueError(
+                    f"agents.{name}.policy='{agent.policy}' is not a policy; defined: {sorted(self.policies)}"
+                )
+            if agent.lora is not None and self.policies[agent.policy].lora is None:
+                raise ValueError(f"agents.{name}.lora='{agent.lora}' but policies.{agent.policy}.lora is not set")
+
+    def placement(self, world_size: int) -> PlacementConfig:
+        """The WG layouts for a world of ``world_size`` ranks (policies without ranks take all)."""
+        layouts = {
+            name: WorkerGroupLayout(
+                ranks=list(p.ranks) if p.ranks else list(range(world_size)),
+                tp=p.tp,
+                pp=p.pp,
+                key=f"policies.{name}",
+            )
+            for name, p in self.policies.items()
+        }
+        placement = PlacementConfig(layouts, mode=self.placement_mode)
+        for name, layout in placement.worker_groups.items():
+            layout.key = f"policies.{name}"
+        placement.validate_world(world_size)
+        return placement
+
+
+def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """YAML + ``key=value`` overrides -> validated ``RunConfig``. Errors name the offending key."""
+    schema = OmegaConf.structured(RunConfig)
+    try:
+        merged = schema
+        if path is not None:
+            path = Path(path)
+            if not path.is_file():
+                raise ValueError(f"--config {path}: file not found")
+            merged = OmegaConf.merge(merged, OmegaConf.load(path))
+        if overrides:
+            merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(list(overrides)))
+        return OmegaConf.to_object(merged)
+    except OmegaConfBaseException as exc:
+        key = getattr(exc, "full_key", None) or "?"
+        raise ValueError(f"config key '{key}': {_first_line(exc)}") from exc
+
+
+def _first_line(exc: Exception) -> str:
+    return str(exc).strip().splitlines()[0]
+
+
+def to_yaml(cfg: RunConfig) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))

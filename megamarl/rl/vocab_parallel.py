@@ -1,0 +1,88 @@
+"""Per-token log-probabilities and entropy from vocab-parallel logits, with an explicit TP group.
+
+Each tensor-parallel rank holds logits for its slice of the vocabulary ``[vocab_start,
+vocab_start + V_local)``. megatron-core's ``vocab_parallel_cross_entropy`` does the same reduction
+but reads the *global* ``parallel_state`` TP group, which megamarl does not set (every worker group
+has its own groups), so this variant takes ``tp_group`` as an argument. Forward: two all-reduces
+(max, sum-exp) and one for the target logit. Backward is local (no communication):
+
+    d logp(y) / d z_i = 1[i = y] - p_i
+    H = log Z - sum_i p_i z_i,      d H / d z_i = -p_i (z_i - sum_j p_j z_j)
+
+Columns at or beyond ``vocab_size`` (vocab padding for TP divisibility) are masked to -inf so they
+never take probability mass.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+class _VocabParallelLogprobEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, targets, tp_group, vocab_start, vocab_size):  # logits [B, T, V_local] float
+        num_local = logits.shape[-1]
+        z = logits.float()
+        if vocab_start + num_local > vocab_size:  # padded vocab columns on this rank
+            pad_from = max(vocab_size - vocab_start, 0)
+            z = z.clone()
+            z[..., pad_from:] = float("-inf")
+        z_max = z.max(dim=-1).values
+        _all_reduce(z_max, dist.ReduceOp.MAX, tp_group)
+        shifted = z - z_max.unsqueeze(-1)  # [B, T, V_local]
+        exp = shifted.exp()
+        sum_exp = exp.sum(dim=-1)
+        _all_reduce(sum_exp, dist.ReduceOp.SUM, tp_group)
+        probs = exp / sum_exp.unsqueeze(-1)
+        # sum_j p_j z_j over the whole vocab (finite columns only)
+        finite_shifted = torch.where(torch.isfinite(shifted), shifted, torch.zeros_like(shifted))
+        expected_shifted = (probs * finite_shifted).sum(dim=-1)
+        _all_reduce(expected_shifted, dist.ReduceOp.SUM, tp_group)
+        local_target = targets - vocab_start
+        in_range = (local_target >= 0) & (local_target < num_local)
+        index = local_target.clamp(0, num_local - 1).unsqueeze(-1)
+        target_shifted = torch.gather(finite_shifted, -1, index).squeeze(-1) * in_range
+        _all_reduce(target_shifted, dist.ReduceOp.SUM, tp_group)
+        log_z = sum_exp.log()
+        logprobs = target_shifted - log_z
+        entropy = log_z - expected_shifted
+        ctx.save_for_backward(probs, finite_shifted, expected_shifted, index, in_range)
+        return logprobs, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logprobs, grad_entropy):
+        probs, finite_shifted, expected_shifted, index, in_range = ctx.saved_tensors
+        grad = -probs * grad_logprobs.unsqueeze(-1)
+        onehot = torch.zeros_like(probs).scatter_(-1, index, in_range.unsqueeze(-1).to(probs.dtype))
+        grad = grad + onehot * grad_logprobs.unsqueeze(-1)
+        grad = grad - probs * (finite_shifted - expected_shifted.unsqueeze(-1)) * grad_entropy.unsqueeze(-1)
+        return grad, None, None, None, None
+
+
+def _all_reduce(tensor: torch.Tensor, op, group) -> None:
+    if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(tensor, op=op, group=group)
+
+
+def vocab_parallel_logprobs(
+    logits: torch.Tensor,  # [B, T, V_local], logits at t predict tokens[t + 1]
+    tokens: torch.Tensor,  # [B, T]
+    *,
+    tp_group=None,
+    vocab_start: int = 0,
+    vocab_size: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return (logprobs [B, T], entropy [B, T]) aligned with ``tokens``: value at t is the logprob of
+    tokens[t] given tokens[:t] (position 0, which has no context, gets 0)."""
+    vocab_size = vocab_size if vocab_size is not None else vocab_start + logits.shape[-1] * _size(tp_group)
+    targets = tokens[:, 1:]
+    logprobs, entropy = _VocabParallelLogprobEntropy.apply(
+        logits[:, :-1], targets, tp_group, vocab_start, vocab_size
+    )
+    pad = logprobs.new_zeros(tokens.shape[0], 1)
+    return torch.cat([pad, logprobs], dim=1), torch.cat([pad, entropy], dim=1)
+
+
+def _size(group) -> int:
+    return dist.get_world_size(group) if group is not None and dist.is_initialized() else 1

@@ -1,0 +1,90 @@
+"""Placement: layout validation errors name the key and the numbers; rank layout math is exact."""
+
+import pytest
+import torch
+
+from megamarl.parallel import cpu_compat
+from megamarl.parallel.placement import (
+    PlacementConfig,
+    WorkerGroupLayout,
+    group_enumeration,
+    rank_coords,
+)
+
+
+def test_dp_is_derived_from_ranks():
+    layout = WorkerGroupLayout(ranks=[0, 1, 2, 3], tp=2)
+    assert (layout.tp, layout.pp, layout.dp) == (2, 1, 2)
+
+
+def test_tp_pp_dp_must_match_rank_count():
+    with pytest.raises(ValueError, match=r"placement.worker_groups.actor: tp\*pp\*dp = 2\*2\*2 = 8 differs .* 4"):
+        PlacementConfig({"actor": WorkerGroupLayout(ranks=[0, 1, 2, 3], tp=2, pp=2, dp=2, key="placement.worker_groups.actor")})
+    with pytest.raises(ValueError, match=r"3 ranks are not divisible by tp\*pp = 2\*1 = 2"):
+        WorkerGroupLayout(ranks=[0, 1, 2], tp=2)
+
+
+@pytest.mark.parametrize(
+    "kwargs, heads, kv, layers, message",
+    [
+        (dict(tp=2), 9, 3, 30, r"\.tp=2 does not divide the model's 9 attention heads"),
+        (dict(tp=4), 8, 2, 4, r"\.tp=4 does not divide the model's 2 KV heads"),
+        (dict(pp=4), 8, 8, 30, r"\.pp=4 does not divide the model's 30 layers"),
+    ],
+)
+def test_model_divisibility_errors(kwargs, heads, kv, layers, message):
+    ranks = list(range(kwargs.get("tp", 1) * kwargs.get("pp", 1)))
+    placement = PlacementConfig({"solver": WorkerGroupLayout(ranks=ranks, **kwargs)})
+    with pytest.raises(ValueError, match=r"placement.worker_groups.solver" + message):
+        placement.worker_groups["solver"].check_model(num_heads=heads, num_kv_heads=kv, num_layers=layers)
+
+
+def test_ranks_out_of_range():
+    placement = PlacementConfig({"a": WorkerGroupLayout(ranks=[2, 3, 4, 5], tp=2)})
+    with pytest.raises(ValueError, match=r"placement.worker_groups.a.ranks \[4, 5\] out of range for world size 4"):
+        placement.validate_world(4)
+
+
+def test_overlapping_disaggregated_worker_groups():
+    wgs = {"a": WorkerGroupLayout(ranks=[0, 1], tp=2), "b": WorkerGroupLayout(ranks=[1, 2], tp=2)}
+    with pytest.raises(ValueError, match=r"disaggregated .*worker_groups.b.ranks and .*worker_groups.a.ranks overlap at rank 1"):
+        PlacementConfig(wgs, mode="disaggregated")
+    PlacementConfig(wgs, mode="colocated")  # sharing ranks is what colocated means
+
+
+def test_unknown_mode_lists_allowed():
+    with pytest.raises(ValueError, match=r"placement.mode='spread' unknown; allowed: \['colocated', 'disaggregated'\]"):
+        PlacementConfig({"a": WorkerGroupLayout(ranks=[0])}, mode="spread")
+
+
+def test_rank_enumeration_follows_megatron_order_on_non_contiguous_ranks():
+    # tp fastest, then dp, then pp; mapped onto global ranks 4..11 in a scrambled order.
+    ranks = [4, 5, 6, 7, 8, 9, 10, 11]
+    layout = WorkerGroupLayout(ranks=ranks, tp=2, pp=2, dp=2)
+    assert group_enumeration(layout, ["tp"]) == [[4, 5], [6, 7], [8, 9], [10, 11]]
+    assert group_enumeration(layout, ["dp"]) == [[4, 6], [5, 7], [8, 10], [9, 11]]
+    assert group_enumeration(layout, ["pp"]) == [[4, 8], [5, 9], [6, 10], [7, 11]]
+    assert rank_coords(layout, 9) == {"tp": 1, "cp": 0, "ep": 0, "dp": 0, "pp": 1}
+    odd = WorkerGroupLayout(ranks=[7, 1, 5, 3], tp=2)
+    assert group_enumeration(odd, ["tp"]) == [[7, 1], [5, 3]]
+
+
+def test_cpu_compat_is_inert_when_cuda_is_present(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    before = torch.cuda.current_device
+    assert cpu_compat.enable_cpu_compat() == []
+    assert torch.cuda.current_device is before
+
+
+def test_cpu_compat_patches_exactly_the_listed_places():
+    if torch.cuda.is_available():
+        pytest.skip("CPU-only check")
+    applied = cpu_compat.enable_cpu_compat()
+    assert applied == list(cpu_compat.PATCHES)
+    assert torch.cuda.current_device() == "cpu"
+    from megatron.core.pipeline_parallel import schedules
+
+    assert schedules.torch.zeros([], device="cuda").device.type == "cpu"
+    torch.manual_seed(3)
+    state = torch.cuda.get_rng_state()
+    assert torch.equal(state, torch.get_rng_state())
