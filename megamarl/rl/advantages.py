@@ -1,0 +1,356 @@
+"""Advantage estimators over an agent-tagged batch: pure tensor functions plus one registry.
+
+Every sample is one agent call, tagged with index columns (task, episode, agent, policy, turn,
+branch, step). Estimators differ mainly in *which samples form a group*: plain GRPO normalises over
+the episodes of a task, AT-GRPO over the tree-sampled candidates of one agent step
+(task, agent, turn), Dr.MAS over all calls of one agent in one task (task, agent). GiGPO adds a
+step-level advantage over samples that acted on the same anchor observation.
+
+Conventions (all estimators):
+  * group statistics use the population std (divide by n, not n - 1): a group of 2 rewards {1, 0}
+    gets advantages {+1, -1} with std normalisation;
+  * the normaliser is ``std + eps``, so a zero-variance group yields 0, never NaN;
+  * statistics are computed in float64 and cast back to the rewards' dtype.
+
+Registry contract: ``ADVANTAGE_ESTIMATORS`` maps a name to
+``fn(rewards [N], index: GroupIndex, cfg: AdvantageConfig, *, response_mask=None, values=None)``
+returning ``[N]`` (sample-level) or ``[N, T]`` (token-level, ``gae`` only; it needs
+``response_mask`` and ``values``). The math lives in the keyword-argument functions above each
+registered adapter, which only read ``cfg`` and pick the group key.
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+from torch import Tensor
+
+from megamarl.registry import Registry
+
+GROUP_KEYS = ("task", "episode", "agent", "policy", "turn", "branch", "step")
+
+Estimator = Callable[..., Tensor]
+ADVANTAGE_ESTIMATORS: Registry[Estimator] = Registry("advantage estimator")
+
+
+@dataclass
+class GroupIndex:
+    """Integer index columns of N samples (``SampleBatch.group_index()`` builds one).
+
+    Columns left as None are filled with zeros (convenient in tests; the batch fills them all).
+    ``anchors`` holds GiGPO anchor observations (one per sample, None = no anchor) or is empty.
+    """
+
+    task: Tensor | None = None  # [N] long
+    episode: Tensor | None = None
+    agent: Tensor | None = None
+    policy: Tensor | None = None
+    turn: Tensor | None = None
+    branch: Tensor | None = None
+    step: Tensor | None = None
+    anchors: Sequence[str | None] = ()
+
+    def __post_init__(self) -> None:
+        given = [getattr(self, k) for k in GROUP_KEYS if getattr(self, k) is not None]
+        n = len(given[0]) if given else len(self.anchors)
+        for key in GROUP_KEYS:
+            col = getattr(self, key)
+            col = torch.zeros(n, dtype=torch.long) if col is None else torch.as_tensor(col).long()
+            if col.shape != (n,):
+                raise ValueError(f"GroupIndex.{key} has shape {tuple(col.shape)}, expected ({n},)")
+            setattr(self, key, col)
+        if self.anchors and len(self.anchors) != n:
+            raise ValueError(f"GroupIndex.anchors has {len(self.anchors)} entries, expected {n}")
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.task)
+
+
+def group_ids(index: GroupIndex, group_by: Sequence[str]) -> Tensor:
+    """Contiguous group ids ``[N]`` in 0..G-1 for the key ``group_by`` (any of ``GROUP_KEYS``).
+
+    Ids follow the lexicographic order of the key tuples, so they are deterministic. An empty key
+    puts every sample in group 0.
+    """
+    bad = [k for k in group_by if k not in GROUP_KEYS]
+    if bad:
+        raise ValueError(f"advantage.group_by has unknown keys {bad}; allowed: {list(GROUP_KEYS)}")
+    n = index.num_samples
+    if not group_by or n == 0:
+        return torch.zeros_like(index.task)
+    cols = torch.stack([getattr(index, k) for k in group_by], dim=1)  # [N, K]
+    return torch.unique(cols, dim=0, return_inverse=True)[1]
+
+
+def group_stats(x: Tensor, gid: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Per-sample (mean, population std, count) of ``x [N]`` over its group ``gid [N]`` (float64)."""
+    x = x.double()
+    zeros = x.new_zeros(int(gid.max()) + 1 if gid.numel() else 0)  # [G]
+    count = zeros.index_add(0, gid, torch.ones_like(x))
+    mean = zeros.index_add(0, gid, x) / count
+    var = zeros.index_add(0, gid, (x - mean[gid]) ** 2) / count
+    return mean[gid], var.sqrt()[gid], count[gid]
+
+
+def discounted_returns(rewards: Tensor, seq_ids: Tensor, order: Tensor, *, gamma: float) -> Tensor:
+    """``G_i = sum_{j in seq(i), pos_j >= pos_i} gamma^(pos_j - pos_i) * r_j``.
+
+    ``pos`` is the rank of a sample inside its sequence when sorted by ``order`` (ties keep input
+    order), so gaps in ``order`` (e.g. global step ids shared by several agents) do not discount.
+    """
+    seqs, keys, r = seq_ids.tolist(), order.tolist(), rewards.double().tolist()
+    out = [0.0] * len(r)
+    running, prev_seq = 0.0, None
+    for i in sorted(range(len(r)), key=lambda i: (seqs[i], keys[i], i), reverse=True):
+        running = r[i] + (gamma * running if seqs[i] == prev_seq else 0.0)
+        out[i], prev_seq = running, seqs[i]
+    return torch.tensor(out, dtype=torch.float64, device=rewards.device).to(rewards.dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# group-normalised estimators
+
+
+def grpo_advantages(rewards: Tensor, gid: Tensor, *, eps: float = 1e-6, norm_std: bool = True) -> Tensor:
+    """GRPO: ``A_i = (r_i - mean_g) / (std_g + eps)``; without ``norm_std``: ``A_i = r_i - mean_g``.
+
+    A singleton group or a zero-variance group gives 0.
+    """
+    mean, std, _ = group_stats(rewards, gid)
+    adv = rewards.double() - mean
+    if norm_std:
+        adv = adv / (std + eps)
+    return adv.to(rewards.dtype)
+
+
+def drmas_advantages(rewards: Tensor, gid: Tensor, *, eps: float = 1e-6, norm_std: bool = True) -> Tensor:
+    """Dr.MAS agent-wise GRPO: ``A_i = (r_i - mean_g) / (std_g + eps)`` with g = (task, agent),
+    pooling every invocation of the agent in every episode of the task.
+
+    A singleton group (the agent acted once in the whole task) uses mean 0 and std 1 (no eps), so
+    ``A_i = r_i``: it keeps its raw reward signal instead of being zeroed.
+    """
+    mean, std, count = group_stats(rewards, gid)
+    single = count == 1
+    mean = torch.where(single, torch.zeros_like(mean), mean)
+    denom = torch.where(single, torch.ones_like(std), std + eps) if norm_std else torch.ones_like(std)
+    return ((rewards.double() - mean) / denom).to(rewards.dtype)
+
+
+def rloo_advantages(rewards: Tensor, gid: Tensor) -> Tensor:
+    """RLOO: ``A_i = r_i - (sum_g r - r_i) / (n_g - 1)``; a singleton group gives 0."""
+    mean, _, count = group_stats(rewards, gid)
+    r = rewards.double()
+    loo = (mean * count - r) / (count - 1).clamp(min=1)
+    return torch.where(count > 1, r - loo, torch.zeros_like(r)).to(rewards.dtype)
+
+
+def reinforce_pp_advantages(
+    rewards: Tensor, seq_ids: Tensor, turns: Tensor, *, gamma: float = 1.0, discount_turns: bool = False,
+    eps: float = 1e-6, norm_std: bool = True,
+) -> Tensor:
+    """REINFORCE++: returns normalised over the whole batch, ``A_i = (G_i - mean(G)) / (std(G) + eps)``.
+
+    ``G_i = r_i``, or with ``discount_turns`` the discounted return over the later turns of the same
+    (task, episode, agent) sequence, ``G_i = sum_{k >= 0} gamma^k r_{turn_i + k}`` (one sample per turn
+    assumed; ``seq_ids`` identifies the sequence).
+    """
+    returns = discounted_returns(rewards, seq_ids, turns, gamma=gamma) if discount_turns else rewards
+    return grpo_advantages(returns, torch.zeros_like(seq_ids), eps=eps, norm_std=norm_std)
+
+
+def anchor_ids(
+    prefix_ids: Tensor, anchors: Sequence[str | None], *, similarity: float | None = None,
+) -> Tensor:
+    """GiGPO anchor-state groups ``[N]``: samples with the same ``prefix_ids`` (e.g. task, agent) and
+    the same anchor observation share a group; a None anchor is a group of its own.
+
+    With ``similarity = t``, anchors are clustered greedily in first-appearance order: a new anchor
+    string joins the first cluster (same prefix) whose first string has
+    ``difflib.SequenceMatcher(None, a, b).ratio() >= t``, else it opens a new cluster.
+    """
+    clusters: dict[tuple[int, int], int] = {}  # (prefix, cluster) -> group id
+    reps: dict[int, list[str]] = {}  # prefix -> representative strings of its clusters
+    exact: dict[tuple[int, str], int] = {}  # (prefix, anchor) -> cluster
+    out = []
+    for i, (p, anchor) in enumerate(zip(prefix_ids.tolist(), anchors)):
+        if anchor is None:
+            out.append(len(clusters))
+            clusters[(p, -1 - i)] = len(clusters)
+            continue
+        if (p, anchor) not in exact:
+            known = reps.setdefault(p, [])
+            match = None
+            if similarity is not None:
+                match = next((c for c, rep in enumerate(known)
+                              if difflib.SequenceMatcher(None, anchor, rep).ratio() >= similarity), None)
+            if match is None:
+                match = len(known)
+                known.append(anchor)
+                clusters[(p, match)] = len(clusters)
+            exact[(p, anchor)] = match
+        out.append(clusters[(p, exact[(p, anchor)])])
+    return torch.tensor(out, dtype=torch.long, device=prefix_ids.device)
+
+
+def gigpo_advantages(
+    rewards: Tensor, task_ids: Tensor, episode_ids: Tensor, steps: Tensor, anchor_gid: Tensor, *,
+    gamma: float = 1.0, omega: float = 1.0, eps: float = 1e-6, norm_std: bool = True,
+) -> Tensor:
+    """GiGPO: ``A_i = A_E(e(i)) + omega * A_S(i)``.
+
+    Episode level: ``R_e = sum_{i in e} r_i``; ``A_E = (R_e - mean_task R) / (std_task R + eps)``, the
+    statistics taken over the *episodes* of the task (each counted once, whatever its length).
+    Step level: ``G_i = sum_{j in e(i), pos_j >= pos_i} gamma^(pos_j - pos_i) r_j`` (positions by
+    ``step`` inside the episode), ``A_S = (G_i - mean_a G) / (std_a G + eps)`` over the anchor group
+    ``a = anchor_gid[i]``; a singleton anchor group gives ``A_S = 0``.
+    ``episode_ids`` must be unique across tasks. A team reward copied onto every sample of an episode
+    counts once per sample in ``R_e`` and ``G_i``; shape it onto the final step if that is not meant.
+    """
+    num_eps = int(episode_ids.max()) + 1 if episode_ids.numel() else 0
+    ep_return = rewards.new_zeros(num_eps, dtype=torch.float64).index_add_(0, episode_ids, rewards.double())
+    ep_task = task_ids.new_zeros(num_eps).scatter_(0, episode_ids, task_ids)  # [E]
+    present = task_ids.new_zeros(num_eps, dtype=torch.bool).index_fill_(0, episode_ids, True)
+    ep_adv = torch.zeros_like(ep_return)
+    ep_adv[present] = grpo_advantages(ep_return[present], ep_task[present], eps=eps, norm_std=norm_std)
+    step_returns = discounted_returns(rewards.double(), episode_ids, steps, gamma=gamma)
+    step_adv = grpo_advantages(step_returns, anchor_gid, eps=eps, norm_std=norm_std)
+    return (ep_adv[episode_ids] + omega * step_adv).to(rewards.dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# critic-based
+
+
+def gae(
+    token_rewards: Tensor, values: Tensor, mask: Tensor, *, gamma: float = 1.0, lam: float = 1.0,
+) -> tuple[Tensor, Tensor]:
+    """GAE over tokens, returning ``(advantages [B, T], returns [B, T])``, both 0 where ``mask`` is False.
+
+    ``delta_t = r_t + gamma * V_{t'} - V_t`` and ``A_t = delta_t + gamma * lam * A_{t'}``, where t' is
+    the next *masked* position of the row (``V = A = 0`` past the last one); unmasked positions are
+    skipped, so padding and masked-out segments never enter. ``returns = A + V``.
+    """
+    mask = mask.bool()
+    r = torch.where(mask, token_rewards, 0.0).double()  # [B, T]
+    v = torch.where(mask, values, 0.0).double()  # [B, T]
+    adv = torch.zeros_like(r)
+    next_value = r.new_zeros(r.shape[0])  # [B]
+    next_adv = torch.zeros_like(next_value)
+    for t in reversed(range(r.shape[1])):
+        delta = r[:, t] + gamma * next_value - v[:, t]
+        a_t = delta + gamma * lam * next_adv
+        m = mask[:, t]
+        adv[:, t] = torch.where(m, a_t, 0.0)
+        next_value = torch.where(m, v[:, t], next_value)
+        next_adv = torch.where(m, a_t, next_adv)
+    return adv.to(values.dtype), (adv + v).to(values.dtype)
+
+
+def masked_whiten(x: Tensor, mask: Tensor, *, eps: float = 1e-6) -> Tensor:
+    """``(x - mean_m) / (std_m + eps)`` over positions where ``mask`` (population std); 0 elsewhere."""
+    mask = mask.bool()
+    vals = x[mask].double()
+    if vals.numel() == 0:
+        return torch.zeros_like(x)
+    out = (x.double() - vals.mean()) / (vals.std(unbiased=False) + eps)
+    return torch.where(mask, out, 0.0).to(x.dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# config and registered adapters
+
+
+@dataclass
+class AdvantageConfig:
+    estimator: str = "grpo"
+    # Group key of grpo / dr_grpo / rloo; at_grpo, drmas_grpo and gigpo fix their own key.
+    group_by: list[str] = field(default_factory=lambda: ["task"])
+    norm_std: bool = True  # divide by the group std (gae: whiten over response tokens)
+    eps: float = 1e-6
+    gamma: float = 1.0  # gae, gigpo step returns, reinforce_pp with discount_turns
+    lam: float = 1.0  # gae
+    discount_turns: bool = False  # reinforce_pp: discounted return over an agent's later turns
+    gigpo_omega: float = 1.0  # weight of the step-level advantage
+    gigpo_similarity: float | None = None  # None: exact anchor match; t in (0, 1]: difflib ratio >= t
+
+    def __post_init__(self) -> None:
+        ADVANTAGE_ESTIMATORS.get(self.estimator, key="advantage.estimator")
+        bad = [k for k in self.group_by if k not in GROUP_KEYS]
+        if bad:
+            raise ValueError(f"advantage.group_by has unknown keys {bad}; allowed: {list(GROUP_KEYS)}")
+        if not self.eps > 0:
+            raise ValueError(f"advantage.eps must be > 0, got {self.eps}")
+        for key in ("gamma", "lam"):
+            if not 0 <= getattr(self, key) <= 1:
+                raise ValueError(f"advantage.{key} must be in [0, 1], got {getattr(self, key)}")
+        if self.gigpo_omega < 0:
+            raise ValueError(f"advantage.gigpo_omega must be >= 0, got {self.gigpo_omega}")
+        if self.gigpo_similarity is not None and not 0 < self.gigpo_similarity <= 1:
+            raise ValueError(
+                f"advantage.gigpo_similarity must be None or in (0, 1], got {self.gigpo_similarity}"
+            )
+
+
+def compute_advantages(rewards: Tensor, index: GroupIndex, cfg: AdvantageConfig, **kwargs) -> Tensor:
+    """Run the estimator named by ``cfg.estimator`` (kwargs: ``response_mask``, ``values`` for gae)."""
+    return ADVANTAGE_ESTIMATORS.get(cfg.estimator, key="advantage.estimator")(rewards, index, cfg, **kwargs)
+
+
+@ADVANTAGE_ESTIMATORS.register("grpo")
+def _grpo(rewards, index, cfg, **_):
+    return grpo_advantages(rewards, group_ids(index, cfg.group_by), eps=cfg.eps, norm_std=cfg.norm_std)
+
+
+@ADVANTAGE_ESTIMATORS.register("at_grpo")
+def _at_grpo(rewards, index, cfg, **_):
+    gid = group_ids(index, ("task", "agent", "turn"))
+    return grpo_advantages(rewards, gid, eps=cfg.eps, norm_std=cfg.norm_std)
+
+
+@ADVANTAGE_ESTIMATORS.register("drmas_grpo")
+def _drmas_grpo(rewards, index, cfg, **_):
+    gid = group_ids(index, ("task", "agent"))
+    return drmas_advantages(rewards, gid, eps=cfg.eps, norm_std=cfg.norm_std)
+
+
+@ADVANTAGE_ESTIMATORS.register("dr_grpo")
+def _dr_grpo(rewards, index, cfg, **_):
+    return grpo_advantages(rewards, group_ids(index, cfg.group_by), norm_std=False)
+
+
+@ADVANTAGE_ESTIMATORS.register("rloo")
+def _rloo(rewards, index, cfg, **_):
+    return rloo_advantages(rewards, group_ids(index, cfg.group_by))
+
+
+@ADVANTAGE_ESTIMATORS.register("reinforce_pp")
+def _reinforce_pp(rewards, index, cfg, **_):
+    seq = group_ids(index, ("task", "episode", "agent"))
+    return reinforce_pp_advantages(rewards, seq, index.turn, gamma=cfg.gamma,
+                                   discount_turns=cfg.discount_turns, eps=cfg.eps, norm_std=cfg.norm_std)
+
+
+@ADVANTAGE_ESTIMATORS.register("gigpo")
+def _gigpo(rewards, index, cfg, **_):
+    episodes = group_ids(index, ("task", "episode"))
+    anchors = index.anchors or [None] * index.num_samples
+    # Anchor groups are per (task, agent): two roles seeing the same text are not alternatives.
+    agid = anchor_ids(group_ids(index, ("task", "agent")), anchors, similarity=cfg.gigpo_similarity)
+    return gigpo_advantages(rewards, index.task, episodes, index.step, agid, gamma=cfg.gamma,
+                            omega=cfg.gigpo_omega, eps=cfg.eps, norm_std=cfg.norm_std)
+
+
+@ADVANTAGE_ESTIMATORS.register("gae")
+def _gae(rewards, index, cfg, *, response_mask=None, values=None, **_):
+    if response_mask is None or values is None:
+        raise ValueError("advantage.estimator='gae' needs response_mask and critic values")
+    from megamarl.rl.rewards import rewards_to_tokens
+
+    token_rewards = rewards_to_tokens(rewards, response_mask)  # [N, T]
+    adv, _ = gae(token_rewards, values, response_mask, gamma=cfg.gamma, lam=cfg.lam)
+    return masked_whiten(adv, response_mask, eps=cfg.eps) if cfg.norm_std else adv

@@ -1,0 +1,98 @@
+"""Reward shaping for agent-tagged samples: pure tensor functions, applied before advantages.
+
+A sample (one agent call) carries the episode's ``team_reward`` and the agent's own
+``local_reward``. Shaping, in the order ``shape_rewards`` applies it:
+
+  1. mix:      ``r_i = team_i + alpha * local_i``
+  2. discount: ``r_i <- gamma^(T_last(s) - t_i) * r_i`` for the sequence s = (task, episode, agent)
+               of sample i, ``t_i`` its turn and ``T_last(s)`` the last turn of that agent in that
+               episode: the last call keeps the full reward, a call k turns earlier gets gamma^k.
+               Unlike return discounting (sum over future rewards), this only scales the reward a
+               sample already carries, which is what a team reward copied to every turn needs.
+  3. penalty:  ``r_i <- r_i + penalty`` where the action did not parse (``valid_i`` False); the
+               penalty is not discounted.
+
+Dynamic sampling (DAPO) is a filter, not shaping: groups whose rewards are all equal carry no
+GRPO signal and are dropped before the update.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+def mix_rewards(team: Tensor, local: Tensor, *, alpha: float) -> Tensor:
+    """``r = team + alpha * local`` (all ``[N]``)."""
+    return team + alpha * local
+
+
+def discount_turns(rewards: Tensor, seq_ids: Tensor, turns: Tensor, *, gamma: float) -> Tensor:
+    """``r_i * gamma^(T_last(seq_i) - t_i)`` with ``T_last`` the max turn within ``seq_ids`` (``[N]``)."""
+    if rewards.numel() == 0:
+        return rewards
+    num_seqs = int(seq_ids.max()) + 1
+    last = seq_ids.new_full((num_seqs,), -1).scatter_reduce(0, seq_ids, turns.long(), "amax")
+    power = (last[seq_ids] - turns).double()
+    return (rewards.double() * gamma**power).to(rewards.dtype)
+
+
+def invalid_action_penalty(rewards: Tensor, valid: Tensor, *, penalty: float) -> Tensor:
+    """``r_i + penalty`` where ``valid_i`` is False, ``r_i`` otherwise."""
+    return torch.where(valid.bool(), rewards, rewards + penalty)
+
+
+def rewards_to_tokens(rewards: Tensor, response_mask: Tensor) -> Tensor:
+    """Place each sample reward ``[B]`` on the last response token of its row: ``[B, T]``, 0 elsewhere
+    (rows without response tokens get all zeros). Used to feed sample rewards to token-level GAE."""
+    mask = response_mask.bool()
+    num_cols = mask.shape[1]
+    positions = torch.arange(num_cols, device=mask.device).expand_as(mask)  # [B, T]
+    last = torch.where(mask, positions, -1).amax(dim=1) if num_cols else positions.new_full((len(mask),), -1)
+    out = rewards.new_zeros(mask.shape)  # [B, T]
+    rows = torch.nonzero(last >= 0).squeeze(1)
+    out[rows, last[rows]] = rewards[rows]
+    return out
+
+
+def dynamic_sampling_mask(rewards: Tensor, gid: Tensor, *, tol: float = 0.0) -> tuple[Tensor, int]:
+    """Keep mask ``[N]`` dropping every group whose rewards satisfy ``max - min <= tol`` (zero variance;
+    a singleton group counts as zero variance), and the number of dropped groups."""
+    if rewards.numel() == 0:
+        return torch.zeros(0, dtype=torch.bool), 0
+    num_groups = int(gid.max()) + 1
+    r = rewards.double()
+    hi = r.new_full((num_groups,), -torch.inf).scatter_reduce(0, gid, r, "amax")  # [G]
+    lo = r.new_full((num_groups,), torch.inf).scatter_reduce(0, gid, r, "amin")  # [G]
+    present = gid.new_zeros(num_groups, dtype=torch.bool).index_fill_(0, gid, True)
+    flat = (hi - lo <= tol) & present
+    return ~flat[gid], int(flat.sum())
+
+
+@dataclass
+class RewardConfig:
+    alpha: float = 0.0  # weight of the agent's local reward next to the team reward
+    turn_gamma: float = 1.0  # 1.0: no turn discount
+    invalid_penalty: float = 0.0  # added (so <= 0) to samples whose action did not parse
+    dynamic_sampling: bool = False  # drop zero-variance groups (group key: the advantage group_by)
+
+    def __post_init__(self) -> None:
+        if not 0 < self.turn_gamma <= 1:
+            raise ValueError(f"reward.turn_gamma must be in (0, 1], got {self.turn_gamma}")
+        if self.invalid_penalty > 0:
+            raise ValueError(f"reward.invalid_penalty is added to invalid samples and must be <= 0, "
+                             f"got {self.invalid_penalty}")
+
+
+def shape_rewards(
+    team: Tensor, local: Tensor, *, valid: Tensor, seq_ids: Tensor, turns: Tensor, cfg: RewardConfig,
+) -> Tensor:
+    """Mix, turn-discount, then penalise invalid actions (see the module docstring). All ``[N]``;
+    ``seq_ids`` identify (task, episode, agent) sequences, e.g. ``group_ids(index, ("task",
+    "episode", "agent"))``."""
+    r = mix_rewards(team, local, alpha=cfg.alpha)
+    if cfg.turn_gamma != 1.0:
+        r = discount_turns(r, seq_ids, turns, gamma=cfg.turn_gamma)
+    return invalid_action_penalty(r, valid, penalty=cfg.invalid_penalty)

@@ -1,0 +1,191 @@
+"""Advantage estimators against hand-computed numbers (population std; eps=1e-12 where exactness matters)."""
+
+import math
+
+import pytest
+import torch
+
+from megamarl.rl.advantages import (
+    ADVANTAGE_ESTIMATORS, AdvantageConfig, GroupIndex, anchor_ids, compute_advantages, gae, group_ids,
+)
+
+EPS = 1e-12
+
+
+def adv(name, rewards, index, **cfg):
+    cfg.setdefault("eps", EPS)
+    return compute_advantages(torch.tensor(rewards), index, AdvantageConfig(estimator=name, **cfg))
+
+
+def close(actual, expected, atol=1e-6):
+    assert torch.isfinite(actual).all()
+    torch.testing.assert_close(actual, torch.tensor(expected, dtype=actual.dtype), atol=atol, rtol=0)
+
+
+def test_group_ids_contiguous_lexicographic():
+    index = GroupIndex(task=[1, 0, 1, 0], agent=[0, 0, 1, 1])
+    assert group_ids(index, ("task", "agent")).tolist() == [2, 0, 3, 1]
+    assert group_ids(index, ("agent",)).tolist() == [0, 0, 1, 1]
+    assert group_ids(index, ()).tolist() == [0, 0, 0, 0]
+    with pytest.raises(ValueError, match="group_by"):
+        group_ids(index, ("colour",))
+
+
+def test_grpo_groups_singletons_and_equal_rewards():
+    index = GroupIndex(task=[0, 0, 0, 0, 1, 1, 2])
+    # task 0: mean 0.5, std 0.5; task 1: all equal -> 0; task 2: singleton -> 0.
+    close(adv("grpo", [1.0, 0, 0, 1, 2, 2, 5], index), [1, -1, -1, 1, 0, 0, 0])
+    close(adv("grpo", [1.0, 0, 0, 1, 2, 2, 5], index, norm_std=False), [0.5, -0.5, -0.5, 0.5, 0, 0, 0])
+    # mean 2, std sqrt(2/3)
+    s = math.sqrt(2 / 3)
+    close(adv("grpo", [3.0, 1, 2], GroupIndex(task=[0, 0, 0])), [1 / s, -1 / s, 0])
+
+
+def test_grpo_default_eps_all_equal_no_nan():
+    out = compute_advantages(torch.ones(4), GroupIndex(task=[0, 0, 0, 0]), AdvantageConfig())
+    assert out.tolist() == [0.0, 0.0, 0.0, 0.0]
+
+
+def test_grpo_configurable_group_by():
+    index = GroupIndex(task=[0, 0, 0, 0], agent=[0, 0, 1, 1])
+    close(adv("grpo", [1.0, 0, 4, 2], index, group_by=["task", "agent"]), [1, -1, 1, -1])
+    close(adv("grpo", [1.0, 0, 4, 2], index, group_by=["task"], norm_std=False), [-0.75, -1.75, 2.25, 0.25])
+
+
+def test_at_grpo_groups_tree_candidates_of_one_step():
+    # agent 0 turn 0: 3 branches; agent 0 turn 1: 2 equal branches; agent 1 turn 0: singleton.
+    index = GroupIndex(task=[0] * 6, agent=[0, 0, 0, 0, 0, 1], turn=[0, 0, 0, 1, 1, 0],
+                       branch=[0, 1, 2, 0, 1, 0])
+    # group {1,0,0}: mean 1/3, std sqrt(2/9) -> (2/3)/sqrt(2/9) = sqrt(2), (-1/3)/sqrt(2/9) = -1/sqrt(2)
+    r2 = math.sqrt(2)
+    close(adv("at_grpo", [1.0, 0, 0, 1, 1, 1], index), [r2, -1 / r2, -1 / r2, 0, 0, 0])
+
+
+def test_drmas_agent_invoked_several_times_and_singleton():
+    # task 0: agent A twice in each of 2 episodes (rewards 1,0,0,0); agent B once (0.5) -> singleton.
+    # task 1: agent A twice with equal rewards -> 0.
+    index = GroupIndex(task=[0, 0, 0, 0, 0, 1, 1], episode=[0, 0, 1, 1, 0, 2, 2],
+                       agent=[0, 0, 0, 0, 1, 0, 0], turn=[0, 1, 0, 1, 0, 0, 1])
+    # A in task 0: mean 0.25, std sqrt(0.1875) = 0.4330127
+    s = math.sqrt(0.1875)
+    expected = [0.75 / s, -0.25 / s, -0.25 / s, -0.25 / s, 0.5, 0, 0]
+    close(adv("drmas_grpo", [1.0, 0, 0, 0, 0.5, 1, 1], index), expected)
+
+
+def test_dr_grpo_no_std_division():
+    close(adv("dr_grpo", [1.0, 0, 0, 3], GroupIndex(task=[0, 0, 0, 1])), [2 / 3, -1 / 3, -1 / 3, 0])
+
+
+def test_rloo_leave_one_out_and_singleton():
+    index = GroupIndex(task=[0, 0, 0, 0, 1, 1, 2])
+    # group 0 sum 2: 1 - 1/3, 0 - 2/3; group 1: 3 - 1, 1 - 3; singleton: 0
+    close(adv("rloo", [1.0, 0, 0, 1, 3, 1, 7], index), [2 / 3, -2 / 3, -2 / 3, 2 / 3, 2, -2, 0])
+
+
+def test_reinforce_pp_batch_normalised():
+    index = GroupIndex(task=[0, 0, 1, 1])  # groups are ignored: whole-batch statistics
+    close(adv("reinforce_pp", [1.0, 2, 3, 6], index), [x / math.sqrt(3.5) for x in (-2, -1, 0, 3)])
+
+
+def test_reinforce_pp_discounted_over_turns():
+    # agent 0 turns 2, 0, 1 (shuffled) with rewards 1, 0, 0; agent 1 turn 0 reward 0. gamma 0.5
+    # returns: turn0 0.25, turn1 0.5, turn2 1, agent1 0 -> mean 0.4375
+    index = GroupIndex(episode=[0, 0, 0, 0], agent=[0, 0, 1, 0], turn=[2, 0, 0, 1])
+    out = adv("reinforce_pp", [1.0, 0, 0, 0], index, discount_turns=True, gamma=0.5, norm_std=False)
+    close(out, [0.5625, -0.1875, -0.4375, 0.0625])
+
+
+def _gigpo_index():
+    # task 0: e0 = [s0 r0, s1 r1], e1 = [s0 r0, s2 r0, s1 r0]; task 1: e2 = [s0 r1]. Shuffled rows.
+    rows = [  # (task, episode, step, anchor, reward)
+        (0, 1, 2, "s1", 0.0), (0, 0, 0, "s0", 0.0), (1, 2, 0, "s0", 1.0),
+        (0, 1, 0, "s0", 0.0), (0, 0, 1, "s1", 1.0), (0, 1, 1, "s2", 0.0),
+    ]
+    index = GroupIndex(task=[r[0] for r in rows], episode=[r[1] for r in rows], step=[r[2] for r in rows],
+                       anchors=[r[3] for r in rows])
+    return index, [r[4] for r in rows]
+
+
+def test_gigpo_shared_anchor_across_episodes():
+    index, rewards = _gigpo_index()
+    # A_E: task 0 returns {e0: 1, e1: 0} -> +1/-1; task 1 singleton -> 0.
+    # step returns (gamma .5): e0 s0 .5, e0 s1 1; e1 all 0.
+    # anchors: s0 {.5, 0} -> +1/-1; s1 {1 (e0), 0 (e1)} -> +1/-1; s2 singleton -> 0; task-1 s0 singleton.
+    close(adv("gigpo", rewards, index, gamma=0.5), [-2, 2, 0, -2, 2, -1])
+    close(adv("gigpo", rewards, index, gamma=0.5, gigpo_omega=0.5), [-1.5, 1.5, 0, -1.5, 1.5, -1])
+
+
+def test_anchor_ids_exact_similarity_and_none():
+    prefix = torch.zeros(6, dtype=torch.long)
+    anchors = ["abcd", "abce", "xyz", "abcd", None, None]
+    assert anchor_ids(prefix, anchors).tolist() == [0, 1, 2, 0, 3, 4]
+    # ratio("abce", "abcd") = 2*3/8 = 0.75 >= 0.7 -> merged
+    assert anchor_ids(prefix, anchors, similarity=0.7).tolist() == [0, 0, 1, 0, 2, 3]
+    assert anchor_ids(torch.tensor([0, 1]), ["a", "a"]).tolist() == [0, 1]
+
+
+def test_gigpo_similarity_merges_anchor_groups():
+    index = GroupIndex(episode=[0, 1], anchors=["the cat sat", "the cat sat."])  # ratio 22/23
+    # one task: A_E = +1/-1; step groups: separate singletons (exact) or one group (+1/-1)
+    close(adv("gigpo", [1.0, 0.0], index), [1, -1])
+    close(adv("gigpo", [1.0, 0.0], index, gigpo_similarity=0.9), [2, -2])
+
+
+def test_gae_hand_computed_and_padding_ignored():
+    nan = float("nan")
+    mask = torch.tensor([[0, 1, 1, 1, 0], [0, 0, 0, 0, 0]], dtype=torch.bool)
+    rewards = torch.tensor([[nan, 0, 0, 1, 9], [1, 1, 1, 1, 1]])
+    values = torch.tensor([[nan, 0.5, 0.6, 0.7, 1e9], [1, 2, 3, 4, 5]])
+    a, ret = gae(rewards, values, mask, gamma=1.0, lam=1.0)
+    close(a, [[0, 0.5, 0.4, 0.3, 0], [0] * 5])
+    close(ret, [[0, 1, 1, 1, 0], [0] * 5])
+    # gamma .9 lam .8: A3 = .3; A2 = .03 + .72*.3 = .246; A1 = .04 + .72*.246 = .21712
+    a, ret = gae(rewards, values, mask, gamma=0.9, lam=0.8)
+    close(a, [[0, 0.21712, 0.246, 0.3, 0], [0] * 5])
+    close(ret, [[0, 0.71712, 0.846, 1.0, 0], [0] * 5])
+
+
+def test_gae_skips_masked_gaps():
+    gapped = gae(torch.tensor([[0.0, 5, 1]]), torch.tensor([[0.5, 7, 0.7]]), torch.tensor([[1, 0, 1]]).bool(),
+                 gamma=0.9, lam=0.8)[0]
+    contiguous = gae(torch.tensor([[0.0, 1]]), torch.tensor([[0.5, 0.7]]), torch.ones(1, 2).bool(),
+                     gamma=0.9, lam=0.8)[0]
+    close(gapped[:, [0, 2]], contiguous.tolist())
+    assert gapped[0, 1] == 0
+
+
+def test_gae_estimator_places_reward_on_last_token_and_whitens():
+    mask = torch.tensor([[0, 1, 1, 0]], dtype=torch.bool)
+    values = torch.tensor([[0.0, 0.25, 0.5, 0.0]])
+    index = GroupIndex(task=[0])
+    out = compute_advantages(torch.tensor([1.0]), index, AdvantageConfig(estimator="gae", norm_std=False),
+                             response_mask=mask, values=values)
+    close(out, [[0, 0.75, 0.5, 0]])
+    out = compute_advantages(torch.tensor([1.0]), index, AdvantageConfig(estimator="gae", eps=EPS),
+                             response_mask=mask, values=values)
+    close(out, [[0, 1, -1, 0]])  # mean .625, std .125
+    with pytest.raises(ValueError, match="gae"):
+        compute_advantages(torch.tensor([1.0]), index, AdvantageConfig(estimator="gae"))
+
+
+def test_registry_contract_common_signature():
+    assert set(ADVANTAGE_ESTIMATORS.names()) == {
+        "grpo", "at_grpo", "drmas_grpo", "dr_grpo", "rloo", "reinforce_pp", "gigpo", "gae"}
+    index = GroupIndex(task=[0, 0, 1], episode=[0, 1, 2], agent=[0, 0, 1], turn=[0, 0, 0],
+                       anchors=["a", "a", None])
+    rewards = torch.tensor([1.0, 0.0, 1.0])
+    for name in ADVANTAGE_ESTIMATORS.names():
+        out = compute_advantages(rewards, index, AdvantageConfig(estimator=name),
+                                 response_mask=torch.ones(3, 2, dtype=torch.bool), values=torch.zeros(3, 2))
+        assert out.shape[0] == 3 and torch.isfinite(out).all(), name
+
+
+@pytest.mark.parametrize("kwargs, key", [
+    (dict(estimator="ppo2"), "advantage.estimator"), (dict(group_by=["colour"]), "advantage.group_by"),
+    (dict(eps=0.0), "advantage.eps"), (dict(gamma=1.5), "advantage.gamma"), (dict(lam=-0.1), "advantage.lam"),
+    (dict(gigpo_omega=-1.0), "advantage.gigpo_omega"),
+    (dict(gigpo_similarity=0.0), "advantage.gigpo_similarity"),
+])
+def test_config_validation_names_key(kwargs, key):
+    with pytest.raises(ValueError, match=key):
+        AdvantageConfig(**kwargs)

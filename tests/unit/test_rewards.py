@@ -1,0 +1,64 @@
+"""Reward shaping and dynamic sampling against hand-computed numbers."""
+
+import pytest
+import torch
+
+from megamarl.rl.rewards import (
+    RewardConfig, discount_turns, dynamic_sampling_mask, invalid_action_penalty, mix_rewards,
+    rewards_to_tokens, shape_rewards,
+)
+
+
+def close(actual, expected):
+    torch.testing.assert_close(actual, torch.tensor(expected, dtype=actual.dtype), atol=1e-6, rtol=0)
+
+
+def test_mix_team_and_local():
+    close(mix_rewards(torch.tensor([1.0, 1, 0]), torch.tensor([1.0, 0, 1]), alpha=0.5), [1.5, 1, 0.5])
+
+
+def test_discount_turns_from_last_turn_of_each_sequence():
+    # seq 0: turns 0,1,2 -> gamma^2, gamma^1, gamma^0; seq 1: turns 3 and 0 (gap) -> 1 and gamma^3
+    seq = torch.tensor([0, 0, 0, 1, 1])
+    turns = torch.tensor([0, 1, 2, 3, 0])
+    out = discount_turns(torch.tensor([1.0, 1, 1, 2, 2]), seq, turns, gamma=0.5)
+    close(out, [0.25, 0.5, 1, 2, 0.25])
+
+
+def test_invalid_action_penalty():
+    valid = torch.tensor([True, False, False])
+    out = invalid_action_penalty(torch.tensor([1.0, 0, 0.5]), valid, penalty=-1.0)
+    close(out, [1, -1, -0.5])
+
+
+def test_shape_rewards_order_mix_discount_penalty():
+    cfg = RewardConfig(alpha=0.5, turn_gamma=0.5, invalid_penalty=-0.1)
+    out = shape_rewards(torch.tensor([1.0, 1]), torch.tensor([0.0, 1]), valid=torch.tensor([False, True]),
+                        seq_ids=torch.tensor([0, 0]), turns=torch.tensor([0, 1]), cfg=cfg)
+    # mix [1, 1.5] -> discount [0.5, 1.5] -> penalty (not discounted) [0.4, 1.5]
+    close(out, [0.4, 1.5])
+
+
+def test_rewards_to_tokens_last_response_token():
+    mask = torch.tensor([[0, 1, 1, 0], [0, 0, 0, 0], [1, 0, 0, 0]], dtype=torch.bool)
+    out = rewards_to_tokens(torch.tensor([2.0, 3, 4]), mask)
+    close(out, [[0, 0, 2, 0], [0, 0, 0, 0], [4, 0, 0, 0]])
+
+
+def test_dynamic_sampling_drops_zero_variance_groups():
+    rewards = torch.tensor([1.0, 0, 1, 1, 0.5, 0, 0, 1])
+    gid = torch.tensor([0, 0, 1, 1, 2, 3, 3, 3])  # group 1 flat, group 2 singleton (flat)
+    keep, dropped = dynamic_sampling_mask(rewards, gid)
+    assert keep.tolist() == [True, True, False, False, False, True, True, True]
+    assert dropped == 2
+    gid = torch.tensor([0, 0, 2, 2])  # group id 1 absent: not counted
+    keep, dropped = dynamic_sampling_mask(torch.tensor([1.0, 1, 0, 1]), gid)
+    assert keep.tolist() == [False, False, True, True] and dropped == 1
+
+
+@pytest.mark.parametrize("kwargs, key", [
+    (dict(turn_gamma=0.0), "reward.turn_gamma"), (dict(invalid_penalty=0.5), "reward.invalid_penalty"),
+])
+def test_config_validation_names_key(kwargs, key):
+    with pytest.raises(ValueError, match=key):
+        RewardConfig(**kwargs)
