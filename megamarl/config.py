@@ -19,6 +19,7 @@ from megamarl.parallel.placement import PLACEMENT_MODES, PlacementConfig, Worker
 
 TRAINER_MODES = ("sync", "one_step_off", "fully_async")
 ENGINE_BACKENDS = ("hf", "vllm", "sglang")
+WANDB_MODES = ("offline", "online", "disabled")
 
 
 @dataclass
@@ -43,7 +44,7 @@ class EngineConfig:
     ranks: list[int] = field(default_factory=list)  # disaggregated: ranks hosting replicas
     tp: int = 1
     max_num_seqs: int = 64
-    kv_cache_gib: float = 1.0
+    kv_cache_gib: float = 1.0  # per GPU; 0: derived from max_num_seqs * policy seq_len (see megamarl.dryrun)
     server_urls: list[str] = field(default_factory=list)  # external servers (disaggregated HTTP)
     bucket_mb: int = 64  # weight-sync bucket size
 
@@ -70,6 +71,10 @@ class PolicyConfig:
     kl_coef: float = 0.0
     entropy_coef: float = 0.0
     frozen: bool = False
+    seq_len: int = 2048  # tokens per sample (prompt + response): activation and derived KV-cache estimates
+    recompute: bool = False  # full activation recomputation (keep only each layer's input)
+    distributed_optimizer: bool = True  # shard fp32 master weights and Adam moments over DP
+    offload_train_state: bool = True  # colocated: weights/grads/optimizer leave the GPU while engines generate
     lora: Optional[LoraConfig] = None
     engine: EngineConfig = field(default_factory=EngineConfig)
 
@@ -78,6 +83,8 @@ class PolicyConfig:
             raise ValueError(f"policies.<p>.lr must be > 0, got {self.lr}")
         if self.micro_batch_size < 1:
             raise ValueError(f"policies.<p>.micro_batch_size must be >= 1, got {self.micro_batch_size}")
+        if self.seq_len < 1:
+            raise ValueError(f"policies.<p>.seq_len must be >= 1, got {self.seq_len}")
 
 
 @dataclass
@@ -90,11 +97,35 @@ class SamplingConfig:
 
 @dataclass
 class AgentConfig:
+    """``agents.<role>``; mirrors ``megamarl.orchestration.agents.AgentConfig`` (validated there too)."""
+
     policy: str = MISSING
-    role: str = ""  # registered agent name; defaults to the agent's key
+    kind: str = ""  # registered agent kind; empty: the env's default kind for this role
     lora: Optional[str] = None  # L2: adapter name on the policy's shared base
+    system_prompt: Optional[str] = None
+    prompt_template: Optional[str] = None
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
-    kwargs: dict[str, Any] = field(default_factory=dict)
+    multi_turn: bool = False
+    memory_tokens: int = 0
+    memory_scope: str = "team"
+    tree_k: int = 1  # >1: tree sampling (AT-GRPO), K candidates per call
+    max_prompt_tokens: int = 4096
+    choices: list[str] = field(default_factory=list)
+
+    def to_orchestration(self):
+        from megamarl.orchestration.agents import AgentConfig as OrchAgentConfig
+        from megamarl.rollout.base import SamplingParams
+
+        return OrchAgentConfig(
+            kind=self.kind, policy=self.policy, lora=self.lora, system_prompt=self.system_prompt,
+            prompt_template=self.prompt_template,
+            sampling=SamplingParams(
+                temperature=self.sampling.temperature, top_p=self.sampling.top_p,
+                top_k=self.sampling.top_k, max_tokens=self.sampling.max_tokens,
+            ),
+            multi_turn=self.multi_turn, memory_tokens=self.memory_tokens, memory_scope=self.memory_scope,
+            tree_k=self.tree_k, max_prompt_tokens=self.max_prompt_tokens, choices=tuple(self.choices),
+        )
 
 
 @dataclass
@@ -114,7 +145,6 @@ class RolloutConfig:
     num_tasks: int = 16  # tasks per step
     group_size: int = 4  # episodes per task (GRPO group)
     max_concurrency: int = 64
-    tree_k: int = 0  # >1: tree-sample K candidates at agent steps (AT-GRPO)
     env_timeout_s: float = 30.0
 
 
@@ -165,6 +195,10 @@ class WandbConfig:
     project: str = "megamarl"
     entity: Optional[str] = None
 
+    def __post_init__(self) -> None:
+        if self.mode not in WANDB_MODES:
+            raise ValueError(f"logger.wandb.mode='{self.mode}' unknown; allowed: {list(WANDB_MODES)}")
+
 
 @dataclass
 class LoggerConfig:
@@ -179,6 +213,7 @@ class ClusterConfig:
     num_nodes: int = 1
     gpus_per_node: int = 0  # 0: CPU ranks
     gpu_memory_gib: float = 80.0
+    reserved_gib: float = 4.0  # per GPU, outside the estimate: CUDA context, NCCL buffers, fragmentation
 
 
 @dataclass
