@@ -93,6 +93,9 @@ class SamplingConfig:
     top_p: float = 1.0
     top_k: int = -1
     max_tokens: int = 64
+    # Constrained decoding: sample only these strings' tokens (each must be one token), e.g. the
+    # ten symbols of the signalling game. Empty: unconstrained.
+    allowed_tokens: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -112,7 +115,7 @@ class AgentConfig:
     max_prompt_tokens: int = 4096
     choices: list[str] = field(default_factory=list)
 
-    def to_orchestration(self):
+    def to_orchestration(self, tokenizer=None):
         from megamarl.orchestration.agents import AgentConfig as OrchAgentConfig
         from megamarl.rollout.base import SamplingParams
 
@@ -122,10 +125,23 @@ class AgentConfig:
             sampling=SamplingParams(
                 temperature=self.sampling.temperature, top_p=self.sampling.top_p,
                 top_k=self.sampling.top_k, max_tokens=self.sampling.max_tokens,
+                allowed_token_ids=_single_token_ids(self.sampling.allowed_tokens, tokenizer),
             ),
             multi_turn=self.multi_turn, memory_tokens=self.memory_tokens, memory_scope=self.memory_scope,
             tree_k=self.tree_k, max_prompt_tokens=self.max_prompt_tokens, choices=tuple(self.choices),
         )
+
+
+def _single_token_ids(texts: list[str], tokenizer) -> tuple[int, ...]:
+    if not texts:
+        return ()
+    ids = []
+    for text in texts:
+        encoded = tokenizer.encode(text, add_special_tokens=False)
+        if len(encoded) != 1:
+            raise ValueError(f"agents.<a>.sampling.allowed_tokens: {text!r} is {len(encoded)} tokens, not one")
+        ids.append(encoded[0])
+    return tuple(ids)
 
 
 @dataclass

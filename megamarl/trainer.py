@@ -14,7 +14,7 @@ import json
 import os
 import random
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import numpy as np
@@ -190,7 +190,7 @@ class RolloutDriver:
 
         from megamarl.metrics import MetricsLogger
         from megamarl.models.packaged import resolve_model_path
-        from megamarl.orchestration import load_builtins
+        import megamarl.orchestration  # noqa: F401 - registers the built-in agents, envs, orchestras
         from megamarl.orchestration.agents import build_agents
         from megamarl.orchestration.env import EnvMaker
         from megamarl.orchestration.orchestras import build_orchestra
@@ -201,7 +201,6 @@ class RolloutDriver:
         self.run_dir = run_dir
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(to_yaml(cfg))
-        load_builtins()
         import_plugins(cfg.plugins)
         paths = {name: resolve_model_path(p.model, key=f"policies.{name}.model") for name, p in cfg.policies.items()}
         self.tokenizers = {name: AutoTokenizer.from_pretrained(path) for name, path in paths.items()}
@@ -210,7 +209,7 @@ class RolloutDriver:
         self.env = EnvMaker(cfg.env.name, **cfg.env.kwargs)
         self.orchestra = build_orchestra(cfg.orchestra.name, **cfg.orchestra.kwargs)
         self.agents = build_agents(
-            {role: a.to_orchestration() for role, a in cfg.agents.items()}, self.tokenizers,
+            {role: a.to_orchestration(self.tokenizers[a.policy]) for role, a in cfg.agents.items()}, self.tokenizers,
             default_kinds=self.env.default_agents,
         )
         self.logger = MetricsLogger(run_dir, cfg.logger, cfg.name, json.loads(json.dumps(asdict(cfg), default=str)), rank=0)
@@ -274,8 +273,8 @@ class RolloutDriver:
         e = self.cfg.eval
         greedy = {}
         for role, a in self.cfg.agents.items():
-            oc = a.to_orchestration()
-            oc.sampling = type(oc.sampling)(temperature=e.temperature, top_p=1.0, top_k=-1, max_tokens=oc.sampling.max_tokens)
+            oc = a.to_orchestration(self.tokenizers[a.policy])
+            oc.sampling = replace(oc.sampling, temperature=e.temperature, top_p=1.0, top_k=-1)
             greedy[role] = oc
         agents = build_agents(greedy, self.tokenizers, default_kinds=self.env.default_agents)
         tasks = self.env.tasks(e.num_tasks, seed=10**9 + 7)  # held out: a seed the training stream never uses

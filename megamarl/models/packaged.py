@@ -23,11 +23,24 @@ def cache_dir() -> Path:
     return Path(os.environ.get("MEGAMARL_CACHE", Path.home() / ".cache" / "megamarl"))
 
 
+# Tiny random models (tests, smoke runs): ``tiny-random-<family>`` with the SmolLM2 tokenizer.
+TINY_MODELS = {f"tiny-random-{family}": family for family in ("llama", "qwen2", "qwen3")}
+
+
 def resolve_model_path(name_or_path: str | os.PathLike, *, key: str = "model.path") -> Path:
     """Return a local HF checkpoint directory for a packaged model name or an existing directory."""
     name = str(name_or_path)
     if name in PACKAGED_MODELS:
         return _materialize_packaged(name)
+    if name in TINY_MODELS:
+        target = cache_dir() / "models" / name
+        if not (target / "model.safetensors").is_file():
+            from megamarl.models.tiny import save_tiny_model
+
+            tmp = target.with_name(f"{name}.tmp{os.getpid()}")
+            save_tiny_model(tmp, TINY_MODELS[name], seed=0)
+            _replace_dir(tmp, target) if target.exists() else tmp.replace(target)
+        return target
     path = Path(name).expanduser()
     if path.is_dir() and (path / "config.json").is_file():
         return path
@@ -35,7 +48,7 @@ def resolve_model_path(name_or_path: str | os.PathLike, *, key: str = "model.pat
         raise ValueError(f"{key}='{name}' exists but is not a Hugging Face model directory (no config.json)")
     raise ValueError(
         f"{key}='{name}' is neither a local HF model directory nor a packaged model; "
-        f"packaged models: {sorted(PACKAGED_MODELS)} (there is no model hub here)"
+        f"packaged models: {sorted(PACKAGED_MODELS) + sorted(TINY_MODELS)} (there is no model hub here)"
     )
 
 

@@ -27,6 +27,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     n: int = 1
     seed: int | None = None
+    # Constrained decoding (as vLLM's ``allowed_token_ids``): sample only among these tokens; the
+    # returned logprobs are under that restricted distribution. Empty: no constraint.
+    allowed_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -46,7 +49,10 @@ class Generation:
     """One sampled completion."""
 
     token_ids: list[int]
-    logprobs: list[float]  # logprob of each sampled token under the engine's weights
+    # logprob of each sampled token under the distribution it was drawn from: log_softmax(logits / T)
+    # renormalised to the top-k/top-p support (vLLM's "processed_logprobs"); T=0 (greedy) reports
+    # log_softmax(logits). With top-k/top-p off this is the policy at the sampling temperature.
+    logprobs: list[float]
     finish_reason: str  # "stop" (EOS or a stop token) or "length"
     weight_version: int
     meta: dict = field(default_factory=dict)  # engine-specific extras (timings), logging only
@@ -70,8 +76,10 @@ class Engine(abc.ABC):
         """Load HF-named tensors (full or adapter-only when ``lora`` names an adapter) and set
         ``weight_version``. Callers pause the engine first; the engine flushes caches after."""
 
-    def sleep(self) -> None:
-        """Release weights and KV cache memory (colocated training runs meanwhile)."""
+    def sleep(self, *, level: int = 1) -> None:
+        """Release memory while colocated training runs: level 1 frees the KV cache and offloads
+        weights to host memory; level 2 also discards the weights (the next ``update_weights``
+        must then carry all of them). Requests wait until ``wake``."""
 
     def wake(self) -> None:
         """Restore what ``sleep`` released."""

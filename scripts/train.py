@@ -1,0 +1,38 @@
+"""Train a team of LLM agents.
+
+    torchrun --nproc_per_node 2 scripts/train.py --config configs/quickstart_cpu.yaml [key=value ...]
+    python scripts/train.py --config configs/70b_hetero.yaml --dry-run
+
+The loop (megamarl.trainer.Trainer.fit): rollout -> advantages -> update each policy -> sync weights
+-> log / eval / checkpoint.
+"""
+
+import argparse
+import sys
+
+from megamarl.config import load_config
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", required=True, help="YAML run config (see configs/)")
+    parser.add_argument("--dry-run", action="store_true", help="validate placement and memory for the declared cluster")
+    parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. trainer.total_steps=5")
+    args = parser.parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ValueError as exc:
+        print(f"config error: {exc}", file=sys.stderr)
+        return 2
+    if args.dry_run:
+        from megamarl.dryrun import main_dry_run
+
+        return main_dry_run(cfg)
+    from megamarl.trainer import Trainer
+
+    Trainer(cfg).fit()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
