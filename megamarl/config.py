@@ -276,8 +276,6 @@ class RunConfig:
             for name, p in self.policies.items()
         }
         placement = PlacementConfig(layouts, mode=self.placement_mode)
-        for name, layout in placement.worker_groups.items():
-            layout.key = f"policies.{name}"
         placement.validate_world(world_size)
         return placement
 

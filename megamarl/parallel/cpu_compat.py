@@ -78,6 +78,9 @@ def _patch_torch_cuda() -> None:
     # torch.manual_seed seeds "all CUDA devices" after the CPU one: there are none.
     torch.cuda.manual_seed_all = lambda seed: None
     torch.cuda.random.get_rng_state = _cpu_get_rng_state
+    # ``tensor.cuda()`` (e.g. LanguageModule.setup_embeddings_and_output_layer with tied embeddings
+    # and PP>1) keeps the tensor where it is: on a CUDA-less machine the only device is the CPU.
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self
 
 
 def _patch_tp_random() -> None:
@@ -95,7 +98,7 @@ def _patch_schedules() -> None:
 
 # name -> what it redirects; applied in this order.
 PATCHES: dict[str, callable] = {
-    "torch.cuda (current_device, synchronize, rng)": _patch_torch_cuda,
+    "torch.cuda (current_device, synchronize, rng), Tensor.cuda": _patch_torch_cuda,
     "megatron.core.tensor_parallel.random (_get/_set_cuda_rng_state)": _patch_tp_random,
     "megatron.core.pipeline_parallel.schedules (device='cuda' tensors)": _patch_schedules,
 }

@@ -86,15 +86,16 @@ class PlacementConfig:
         if not self.worker_groups:
             raise ValueError("placement.worker_groups is empty: at least one policy needs a worker group")
         for name, layout in self.worker_groups.items():
-            layout.key = f"placement.worker_groups.{name}"
+            if layout.key == WorkerGroupLayout.key:  # not named by the caller (e.g. policies.<p>)
+                layout.key = f"placement.worker_groups.{name}"
         if self.mode == "disaggregated":
             owner: dict[int, str] = {}
             for name, layout in self.worker_groups.items():
                 for rank in layout.ranks:
                     if rank in owner:
                         raise ValueError(
-                            f"placement.mode=disaggregated but placement.worker_groups.{name}.ranks and "
-                            f"placement.worker_groups.{owner[rank]}.ranks overlap at rank {rank}"
+                            f"placement.mode=disaggregated but {layout.key}.ranks and "
+                            f"{self.worker_groups[owner[rank]].key}.ranks overlap at rank {rank}"
                         )
                     owner[rank] = name
 
@@ -102,9 +103,7 @@ class PlacementConfig:
         for name, layout in self.worker_groups.items():
             bad = [r for r in layout.ranks if not 0 <= r < world_size]
             if bad:
-                raise ValueError(
-                    f"placement.worker_groups.{name}.ranks {bad} out of range for world size {world_size}"
-                )
+                raise ValueError(f"{layout.key}.ranks {bad} out of range for world size {world_size}")
 
 
 @dataclass

@@ -1,0 +1,541 @@
+"""Cluster dry-run: check a run's placement and per-GPU memory on one CPU process, before asking Slurm.
+
+``dry_run(cfg)`` takes the declared cluster (``cluster.num_nodes * cluster.gpus_per_node`` ranks,
+node-major like torchrun), then
+
+1. builds the placement (layout errors name the config key),
+2. builds every worker group's TP/PP/DP process groups in a FAKE world of that size
+   (``torch.testing._internal.distributed.fake_pg``: no GPUs, no network, milliseconds),
+3. checks each policy's model shape against its layout (``check_model``) and its engine TP,
+   where the shape comes from an architecture preset or a local HF ``config.json``
+   (``megamarl.model_presets``), so 70B-class runs are planned without downloading weights,
+4. prints which GPU holds which WG shard (tp/pp/dp coordinates) and which engine replica, with a
+   per-GPU memory estimate, and raises ``ValueError`` naming the policy, the GPU (node/local index)
+   and the numbers when a GPU does not fit ``cluster.gpu_memory_gib``.
+
+Memory model (bytes per GPU; GiB = 2**30 bytes). P_s = parameters of pipeline stage s (its share
+of layers; the embedding on the first stage; the output layer on the last, which also holds a copy
+of a tied embedding when pp > 1); everything is divided by tp (norms too: negligible):
+
+- weights      2 * P_s / tp                        (bf16)
+- grads        4 * P_s / tp                        (fp32 main grads, Megatron DDP)
+- optimizer   12 * P_s / tp [/ dp]                 (fp32 master + Adam m + v; / dp with the
+                                                    distributed optimizer)
+- activations  in_flight_s * L_s * A_layer + logits on the last stage, tokens T = mbs * seq_len:
+               A_layer = 2 * T * (4h + q + 2kv + q + 3f) / tp  tensors a layer keeps for backward
+               (inputs of both norms and of the QKV and fc1 matmuls; q, k, v; the attention
+               output; gate, up and SwiGLU output), with flash attention (no s^2 scores) and
+               sequence parallelism (the h-sized tensors are split over tp too);
+               recompute: 2 * T * h / tp per layer (its input) plus one A_layer being rebuilt;
+               in_flight_s = pp - s micro-batches under the 1F1B schedule; logits 4 * T * V / tp.
+- LoRA         base weights as above without grads/optimizer; adapters (per adapter and layer,
+               r * (in + out) summed over the targeted linears) cost 2 + 4 + 12 [/ dp] bytes.
+- frozen       weights only.
+- engine       weights 2 * P / tp_e (no PP), KV cache ``engine.kv_cache_gib`` per GPU, or when 0:
+               max_num_seqs * seq_len * 2 (K, V) * L * ceil(kv_heads / tp_e) * head_dim * 2 bytes.
+
+A GPU adds up what it holds. Training phase: the static state (weights, grads, optimizer, LoRA) of
+every WG on it plus the largest activation peak (colocated WGs update one after another).
+Rollout phase: its engine replicas plus the training state of WGs with
+``offload_train_state=false``. In ``trainer.mode=sync`` engines sleep (release weights and KV)
+during training and training state is offloaded during rollout, so the GPU needs
+max(train, rollout); the async modes overlap the two, so they add up. ``cluster.reserved_gib`` is
+added on top for the CUDA context, NCCL buffers and allocator fragmentation.
+
+Engine placement: ``engine.ranks`` empty -> replica i sits on the policy's WG ranks
+[i*tp_e, (i+1)*tp_e) (colocated); set -> the replicas take those ranks in the same order
+(``len(engine.ranks)`` must equal ``num_replicas * tp``); ``server_urls`` -> external, no GPU here.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+
+from megamarl.config import PolicyConfig, RunConfig
+from megamarl.model_presets import ModelShape, resolve_model_shape
+from megamarl.parallel.placement import (
+    PlacementConfig,
+    WorkerGroupLayout,
+    build_worker_groups,
+    group_enumeration,
+    rank_coords,
+)
+
+GIB = 2**30
+LORA_TARGET_DIMS = ("qkv", "proj", "fc1", "fc2")
+
+
+@dataclass
+class Memory:
+    """Bytes per GPU, by kind."""
+
+    weights: float = 0.0
+    grads: float = 0.0
+    optimizer: float = 0.0
+    activations: float = 0.0
+    lora: float = 0.0
+    kv_cache: float = 0.0
+
+    @property
+    def static(self) -> float:
+        """Everything but activations (what stays allocated between steps)."""
+        return self.weights + self.grads + self.optimizer + self.lora + self.kv_cache
+
+    @property
+    def total(self) -> float:
+        return self.static + self.activations
+
+
+@dataclass
+class WorkerGroupReport:
+    name: str
+    model: str
+    shape: ModelShape
+    layout: WorkerGroupLayout
+    stages: list[Memory]  # per pipeline stage (every GPU of a stage holds the same)
+
+
+@dataclass
+class EngineReport:
+    policy: str
+    backend: str
+    tp: int
+    replicas: list[list[int]]  # global ranks of each replica (empty: external servers)
+    colocated: bool
+    memory: Memory
+
+
+@dataclass(frozen=True)
+class Shard:
+    """One WG shard on a GPU: policy and its (tp, pp, dp) coordinates."""
+
+    policy: str
+    tp: int
+    pp: int
+    dp: int
+
+    def __str__(self) -> str:
+        return f"{self.policy} tp{self.tp} pp{self.pp} dp{self.dp}"
+
+
+@dataclass(frozen=True)
+class EngineShard:
+    """One engine replica's shard on a GPU."""
+
+    policy: str
+    replica: int
+    tp: int
+
+    def __str__(self) -> str:
+        return f"{self.policy}#{self.replica} tp{self.tp}"
+
+
+@dataclass
+class GpuReport:
+    rank: int
+    node: int
+    local: int
+    shards: list[Shard] = field(default_factory=list)
+    engines: list[EngineShard] = field(default_factory=list)
+    train: float = 0.0  # bytes
+    rollout: float = 0.0
+    total: float = 0.0  # max(train, rollout) or train + rollout, plus cluster.reserved_gib
+
+
+@dataclass
+class DryRunReport:
+    world_size: int
+    gpus_per_node: int
+    gpu_memory_gib: float
+    worker_groups: dict[str, WorkerGroupReport]
+    engines: dict[str, EngineReport]
+    gpus: list[GpuReport]
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def peak_gib(self) -> float:
+        return max(g.total for g in self.gpus) / GIB
+
+
+def dry_run(cfg: RunConfig, *, console=None, world_size: int | None = None) -> DryRunReport:
+    """Validate ``cfg`` against its declared cluster, print the placement and memory tables.
+
+    Raises ``ValueError`` on a layout that cannot be built, a model that cannot be sharded with its
+    layout, or a GPU whose estimate exceeds ``cluster.gpu_memory_gib``.
+    """
+    from rich.console import Console
+
+    # Log files (Slurm, CI) are not terminals: rich would wrap the tables at 80 columns.
+    console = console or Console(width=None if sys.stdout.isatty() else 200)
+    cluster = cfg.cluster
+    on_gpus = cluster.gpus_per_node > 0
+    if world_size is None:
+        world_size = cluster.num_nodes * cluster.gpus_per_node if on_gpus else _cpu_world_size(cfg)
+    placement = cfg.placement(world_size)
+    gpus_per_node = cluster.gpus_per_node or world_size
+
+    worker_groups, engines, warnings = {}, {}, []
+    for name, policy in cfg.policies.items():
+        layout = placement.worker_groups[name]
+        shape = resolve_model_shape(policy.model, key=f"policies.{name}.model")
+        layout.check_model(
+            num_heads=shape.num_heads, num_kv_heads=shape.num_kv_heads, num_layers=shape.num_layers
+        )
+        num_adapters = _num_adapters(cfg, name)
+        stages = [
+            train_memory(shape, policy, layout, stage=s, num_adapters=num_adapters) for s in range(layout.pp)
+        ]
+        worker_groups[name] = WorkerGroupReport(name, policy.model, shape, layout, stages)
+        engines[name] = _engine_report(name, policy, shape, layout, world_size, num_adapters)
+        warnings += _cross_node_warnings(name, layout, engines[name], gpus_per_node)
+
+    group_sizes = build_fake_groups(placement, world_size)
+    for name, sizes in group_sizes.items():
+        layout = placement.worker_groups[name]
+        expected = {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp}
+        if sizes != expected:  # a bug in placement, not in the user's config
+            raise RuntimeError(f"worker group {name}: built groups {sizes} differ from the layout {expected}")
+
+    gpus = _gpu_totals(cfg, worker_groups, engines, world_size, gpus_per_node)
+    report = DryRunReport(
+        world_size, gpus_per_node, cluster.gpu_memory_gib, worker_groups, engines, gpus, warnings
+    )
+    print_report(report, console)
+    if on_gpus:
+        _check_capacity(report, cfg)
+    else:
+        console.print("cluster.gpus_per_node=0 (CPU ranks): memory estimated, not checked against a GPU")
+    return report
+
+
+def _cpu_world_size(cfg: RunConfig) -> int:
+    """CPU runs declare no cluster: take the smallest world the config can run on (WORLD_SIZE under
+    torchrun), i.e. every explicit rank and one full model-parallel group of each rank-less policy."""
+    import os
+
+    needed = [int(os.environ.get("WORLD_SIZE", 1))]
+    for policy in cfg.policies.values():
+        needed += [max(policy.ranks) + 1] if policy.ranks else [policy.tp * policy.pp]
+        needed += [max(policy.engine.ranks) + 1] if policy.engine.ranks else []
+    return max(needed)
+
+
+# ----------------------------------------------------------------------------------- memory
+
+
+def train_memory(
+    shape: ModelShape, policy: PolicyConfig, layout: WorkerGroupLayout, *, stage: int, num_adapters: int = 1
+) -> Memory:
+    """Per-GPU training memory of pipeline stage ``stage`` (formulas in the module docstring)."""
+    tp, pp, dp = layout.tp, layout.pp, layout.dp
+    layers = shape.num_layers // pp
+    params = layers * shape.layer_params
+    if stage == 0:
+        params += shape.embedding_params
+    if stage == pp - 1:
+        params += shape.hidden_size  # final norm
+        if not shape.tied_embeddings or pp > 1:
+            params += shape.embedding_params  # output layer (a copy of the tied embedding when pp > 1)
+    params /= tp
+    optimizer_shards = dp if policy.distributed_optimizer else 1
+    memory = Memory(weights=2 * params)
+    if policy.frozen:
+        return memory
+    if policy.lora is None:
+        memory.grads = 4 * params
+        memory.optimizer = 12 * params / optimizer_shards
+    else:
+        adapters = num_adapters * layers * _lora_params_per_layer(shape, policy.lora) / tp
+        memory.lora = (2 + 4) * adapters + 12 * adapters / optimizer_shards
+    memory.activations = activation_bytes(shape, policy, layout, stage=stage)
+    return memory
+
+
+def activation_bytes(
+    shape: ModelShape, policy: PolicyConfig, layout: WorkerGroupLayout, *, stage: int
+) -> float:
+    """Bytes of activations stage ``stage`` keeps for backward at its peak (module docstring)."""
+    tokens = policy.micro_batch_size * policy.seq_len
+    h, f = shape.hidden_size, shape.ffn_hidden_size
+    q, kv = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
+    per_layer = 2 * tokens * (4 * h + q + 2 * kv + q + 3 * f) / layout.tp
+    layers = shape.num_layers // layout.pp
+    in_flight = layout.pp - stage  # 1F1B: stage s holds pp - s micro-batches' activations
+    if policy.recompute:
+        stored = in_flight * layers * 2 * tokens * h / layout.tp + per_layer
+    else:
+        stored = in_flight * layers * per_layer
+    if stage == layout.pp - 1:
+        stored += 4 * tokens * shape.vocab_size / layout.tp  # fp32 logits for logprobs and the loss
+    return stored
+
+
+def engine_memory(shape: ModelShape, policy: PolicyConfig, *, num_adapters: int = 0) -> Memory:
+    engine = policy.engine
+    tp = engine.tp
+    memory = Memory(weights=2 * shape.num_params / tp)
+    if engine.kv_cache_gib > 0:
+        memory.kv_cache = engine.kv_cache_gib * GIB
+    else:
+        kv_heads = math.ceil(shape.num_kv_heads / tp)  # vLLM replicates KV heads when tp > kv heads
+        per_token = 2 * shape.num_layers * kv_heads * shape.head_dim * 2
+        memory.kv_cache = engine.max_num_seqs * policy.seq_len * per_token
+    if policy.lora is not None:
+        adapters = num_adapters * shape.num_layers * _lora_params_per_layer(shape, policy.lora)
+        memory.lora = 2 * adapters / tp
+    return memory
+
+
+def _lora_params_per_layer(shape: ModelShape, lora) -> int:
+    """Adapter parameters of one layer: r * (in + out) for every targeted linear (fused as in Megatron)."""
+    h, f = shape.hidden_size, shape.ffn_hidden_size
+    q, kv = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
+    dims = {"qkv": (h, q + 2 * kv), "proj": (q, h), "fc1": (h, 2 * f), "fc2": (f, h)}
+    return sum(lora.rank * (dims[t][0] + dims[t][1]) for t in lora.targets)
+
+
+def _num_adapters(cfg: RunConfig, policy_name: str) -> int:
+    policy = cfg.policies[policy_name]
+    if policy.lora is None:
+        return 0
+    if policy.lora.adapters:
+        return len(policy.lora.adapters)
+    names = {a.lora for a in cfg.agents.values() if a.policy == policy_name and a.lora is not None}
+    return max(1, len(names))
+
+
+def _engine_report(name, policy: PolicyConfig, shape, layout, world_size, num_adapters) -> EngineReport:
+    engine = policy.engine
+    key = f"policies.{name}.engine"
+    if shape.num_heads % engine.tp:
+        raise ValueError(
+            f"{key}.tp={engine.tp} does not divide the model's {shape.num_heads} attention heads"
+        )
+    if shape.num_kv_heads % engine.tp and engine.tp % shape.num_kv_heads:
+        raise ValueError(
+            f"{key}.tp={engine.tp}: the model's {shape.num_kv_heads} KV heads can be neither split "
+            "nor replicated evenly over it"
+        )
+    needed = engine.num_replicas * engine.tp
+    if engine.server_urls:
+        replicas, colocated = [], False
+    elif engine.ranks:
+        if len(engine.ranks) != needed:
+            raise ValueError(
+                f"{key}.ranks has {len(engine.ranks)} ranks; num_replicas * tp = "
+                f"{engine.num_replicas} * {engine.tp} = {needed}"
+            )
+        bad = [r for r in engine.ranks if not 0 <= r < world_size]
+        if bad:
+            raise ValueError(f"{key}.ranks {bad} out of range for world size {world_size}")
+        replicas, colocated = _chunks(list(engine.ranks), engine.tp), False
+    else:
+        if needed > layout.world_size:
+            raise ValueError(
+                f"{key}: num_replicas * tp = {engine.num_replicas} * {engine.tp} = {needed} engine GPUs "
+                f"but policies.{name} has {layout.world_size} ranks to colocate them on"
+            )
+        replicas, colocated = _chunks(layout.ranks[:needed], engine.tp), True
+    return EngineReport(name, engine.backend, engine.tp, replicas, colocated,
+                        engine_memory(shape, policy, num_adapters=num_adapters))
+
+
+def _chunks(ranks: list[int], size: int) -> list[list[int]]:
+    return [ranks[i:i + size] for i in range(0, len(ranks), size)]
+
+
+def _gpu_totals(cfg, worker_groups, engines, world_size, gpus_per_node) -> list[GpuReport]:
+    gpus = [GpuReport(r, r // gpus_per_node, r % gpus_per_node) for r in range(world_size)]
+    static = [0.0] * world_size
+    peak_activations = [0.0] * world_size
+    resident = [0.0] * world_size  # training state that stays during rollout
+    for name, wg in worker_groups.items():
+        layout = wg.layout
+        for rank in layout.ranks:
+            coords = rank_coords(layout, rank)
+            memory = wg.stages[coords["pp"]]
+            gpus[rank].shards.append(Shard(name, coords["tp"], coords["pp"], coords["dp"]))
+            static[rank] += memory.static
+            peak_activations[rank] = max(peak_activations[rank], memory.activations)
+            if not cfg.policies[name].offload_train_state:
+                resident[rank] += memory.static
+    engine_bytes = [0.0] * world_size
+    for name, engine in engines.items():
+        for replica, ranks in enumerate(engine.replicas):
+            for tp_rank, rank in enumerate(ranks):
+                gpus[rank].engines.append(EngineShard(name, replica, tp_rank))
+                engine_bytes[rank] += engine.memory.total
+    overlap = cfg.trainer.mode != "sync"
+    for gpu in gpus:
+        r = gpu.rank
+        gpu.train = static[r] + peak_activations[r]
+        gpu.rollout = engine_bytes[r] + resident[r]
+        peak = gpu.train + engine_bytes[r] if overlap else max(gpu.train, gpu.rollout)
+        gpu.total = peak + cfg.cluster.reserved_gib * GIB if (gpu.shards or gpu.engines) else 0.0
+    return gpus
+
+
+def _check_capacity(report: DryRunReport, cfg: RunConfig) -> None:
+    capacity = cfg.cluster.gpu_memory_gib * GIB
+    over = [g for g in report.gpus if g.total > capacity]
+    if not over:
+        return
+    gpu = over[0]
+    holders = sorted({s.policy for s in gpu.shards} | {e.policy for e in gpu.engines})
+    detail = []
+    for shard in gpu.shards:
+        m = report.worker_groups[shard.policy].stages[shard.pp]
+        detail.append(f"policies.{shard.policy} training (tp{shard.tp} pp{shard.pp} dp{shard.dp}): weights "
+                      f"{_g(m.weights)} + grads {_g(m.grads)} + optimizer {_g(m.optimizer)} + activations "
+                      f"{_g(m.activations)} + lora {_g(m.lora)} = {_g(m.total)} GiB")
+    for engine in gpu.engines:
+        m = report.engines[engine.policy].memory
+        detail.append(
+            f"policies.{engine.policy} engine replica {engine.replica}: weights {_g(m.weights)} + kv cache "
+            f"{_g(m.kv_cache)} + lora {_g(m.lora)} = {_g(m.total)} GiB"
+        )
+    phases = "train + rollout" if cfg.trainer.mode != "sync" else "max(train, rollout)"
+    raise ValueError(
+        f"{' + '.join(f'policies.{h}' for h in holders)}: GPU node {gpu.node} local {gpu.local} (global rank "
+        f"{gpu.rank}) needs {_g(gpu.total)} GiB > cluster.gpu_memory_gib={cfg.cluster.gpu_memory_gib} "
+        f"[{phases} = {_g(gpu.train)} / {_g(gpu.rollout)} GiB + reserved {cfg.cluster.reserved_gib} GiB; "
+        + "; ".join(detail)
+        + f"]; {len(over)} of {report.world_size} GPUs over. Raise tp/pp, enable recompute or the "
+        "distributed optimizer, lower micro_batch_size/seq_len or engine.kv_cache_gib."
+    )
+
+
+def _g(num_bytes: float) -> str:
+    return f"{num_bytes / GIB:.1f}"
+
+
+# ----------------------------------------------------------------------------------- groups
+
+
+def build_fake_groups(placement: PlacementConfig, world_size: int) -> dict[str, dict[str, int]]:
+    """Build every WG's process groups in a fake world of ``world_size`` ranks, as seen from one member
+    rank of each WG; return each WG's built tp/pp/dp group sizes."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError("dry_run builds a fake world of its own: call it before init_distributed()")
+    sizes = {}
+    for name, layout in placement.worker_groups.items():
+        dist.init_process_group("fake", store=FakeStore(), rank=layout.ranks[0], world_size=world_size)
+        try:
+            pgs = build_worker_groups(placement, backend="fake")[name].pgs
+            sizes[name] = {"tp": pgs.tp.size(), "pp": pgs.pp.size(), "dp": pgs.dp.size()}
+        finally:
+            dist.destroy_process_group()
+    return sizes
+
+
+def _cross_node_warnings(name, layout, engine: EngineReport, gpus_per_node: int) -> list[str]:
+    warnings = []
+    if any(len({r // gpus_per_node for r in group}) > 1 for group in group_enumeration(layout, ["tp"])):
+        warnings.append(f"policies.{name}.tp={layout.tp}: TP groups span nodes (TP all-reduces leave NVLink)")
+    if any(len({r // gpus_per_node for r in ranks}) > 1 for ranks in engine.replicas):
+        warnings.append(f"policies.{name}.engine.tp={engine.tp}: engine replicas span nodes")
+    return warnings
+
+
+# ----------------------------------------------------------------------------------- printing
+
+
+def rank_ranges(ranks: list[int]) -> str:
+    """[0, 1, 2, 5, 6] -> '0-2,5-6'."""
+    if not ranks:
+        return "-"
+    ranks, spans, start = sorted(ranks), [], None
+    for i, r in enumerate(ranks):
+        start = r if start is None else start
+        if i + 1 == len(ranks) or ranks[i + 1] != r + 1:
+            spans.append(f"{start}-{r}" if r != start else f"{r}")
+            start = None
+    return ",".join(spans)
+
+
+def print_report(report: DryRunReport, console) -> None:
+    """Three rich tables: worker groups (per stage), engines, and every GPU with what it holds."""
+    from rich.table import Table
+
+    per_node = report.gpus_per_node
+    numbers = ("weights", "grads", "optim", "activ.", "lora", "total GiB")
+    wgs = Table(title=f"Worker groups ({report.world_size} GPUs, {per_node} per node; GiB per GPU)")
+    for col in ("policy", "model", "ranks", "nodes", "tp x pp x dp", "stage") + numbers:
+        wgs.add_column(col, justify="right" if col in numbers else "left")
+    for name, wg in report.worker_groups.items():
+        lay = wg.layout
+        head = [
+            name,
+            f"{wg.model} ({wg.shape.num_params / 1e9:.1f}B)",
+            rank_ranges(lay.ranks),
+            rank_ranges(sorted({r // per_node for r in lay.ranks})),
+            f"{lay.tp} x {lay.pp} x {lay.dp}",
+        ]
+        for stage, m in enumerate(wg.stages):
+            cells = head if stage == 0 else [""] * len(head)
+            memory = (m.weights, m.grads, m.optimizer, m.activations, m.lora, m.total)
+            wgs.add_row(*cells, f"pp{stage}", *map(_g, memory))
+    console.print(wgs)
+
+    engines = Table(title="Engines (GiB per GPU)")
+    numbers = ("weights", "kv cache", "lora", "total GiB")
+    for col in ("policy", "backend", "replicas x tp", "ranks", "placement") + numbers:
+        engines.add_column(col, justify="right" if col in numbers else "left")
+    for name, e in report.engines.items():
+        where = "colocated (sleep/wake)" if e.colocated else ("external" if not e.replicas else "own GPUs")
+        ranks = rank_ranges([r for replica in e.replicas for r in replica])
+        memory = (e.memory.weights, e.memory.kv_cache, e.memory.lora, e.memory.total)
+        engines.add_row(name, e.backend, f"{len(e.replicas)} x {e.tp}", ranks, where, *map(_g, memory))
+    console.print(engines)
+
+    gpus = Table(title=f"GPUs (GiB; capacity {report.gpu_memory_gib}, total includes reserved)")
+    for col in ("rank", "node:gpu", "WG shards", "engine replicas", "train", "rollout", "total"):
+        gpus.add_column(col, justify="right" if col in ("train", "rollout", "total") else "left")
+    capacity = report.gpu_memory_gib * GIB
+    for g in report.gpus:
+        shards = ", ".join(map(str, g.shards)) or "-"
+        replicas = ", ".join(map(str, g.engines)) or "-"
+        style = "bold red" if g.total > capacity else None
+        gpus.add_row(str(g.rank), f"{g.node}:{g.local}", shards, replicas, _g(g.train), _g(g.rollout),
+                     _g(g.total), style=style)
+    console.print(gpus)
+    for warning in report.warnings:
+        console.print(f"[yellow]warning:[/yellow] {warning}")
+    console.print(f"peak {report.peak_gib:.1f} GiB of {report.gpu_memory_gib} GiB per GPU")
+
+def main_dry_run(cfg: RunConfig, *, console=None) -> int:
+    """``scripts/train.py --dry-run``: run ``dry_run``; a failed check prints its reason, returns 1."""
+    try:
+        dry_run(cfg, console=console)
+    except ValueError as exc:
+        print(f"dry-run failed: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m megamarl.dryrun CONFIG [key=value ...]``: the same check as ``train.py --dry-run``."""
+    import argparse
+
+    from megamarl.config import load_config
+
+    parser = argparse.ArgumentParser(description="Check a run's placement and per-GPU memory without GPUs.")
+    parser.add_argument("config")
+    parser.add_argument("overrides", nargs="*", help="key=value overrides")
+    args = parser.parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ValueError as exc:
+        print(f"config error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+    raise SystemExit(main_dry_run(cfg))
+
+
+if __name__ == "__main__":
+    main()

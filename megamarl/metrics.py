@@ -1,0 +1,270 @@
+"""Run metrics: a local JSONL log that needs no account, wandb (offline by default), timers, progress.
+
+Only global rank 0 (the driver) writes. Every ``log(step, metrics)`` appends one line to
+``<run_dir>/metrics.jsonl``::
+
+    {"step": 3, "time": 1732180000.12, "elapsed_s": 41.7, "agent/planner/reward_mean": 0.5, ...}
+
+(``time`` is Unix time, ``elapsed_s`` counts from the logger's creation; non-finite values are
+written as ``null`` so the file stays strict JSON) and sends the same dict to wandb. Evaluations go
+to ``<run_dir>/eval.json``, a JSON list rewritten atomically after each ``log_eval``, so a reader
+never sees a half-written file. wandb keeps its files in ``<run_dir>/wandb``; ``offline`` and
+``disabled`` never need an account (``logger.wandb.mode=online`` uploads).
+
+Metric names (one wandb panel per prefix, one curve per agent/policy):
+
+- ``agent/<name>/reward_mean``, ``agent/<name>/success``, ``agent/<name>/response_len``,
+  ``agent/<name>/pg_loss`` (and any other per-agent value: ``agent/<name>/<metric>``);
+- global loss statistics ``kl``, ``entropy``, ``clip_frac``, ``invalid_rate``;
+- ``policy/<name>/grad_norm``, ``policy/<name>/lr``, ``policy/<name>/loss`` (per worker group);
+- ``timing/rollout_s``, ``timing/logprob_s``, ``timing/update_s``, ``timing/weight_sync_s``,
+  ``timing/idle_s``, ``timing/step_s`` (see ``Timer``);
+- ``rollout/...`` (episodes, tokens/s, dropped/stale counts), ``eval/...`` (evaluation results).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Iterator, Mapping, Sequence
+
+from megamarl.config import LoggerConfig
+
+METRICS_FILE = "metrics.jsonl"
+EVAL_FILE = "eval.json"
+
+
+class MetricsLogger:
+    """JSONL + wandb logger for one run. On ranks other than 0 every method is a no-op."""
+
+    def __init__(
+        self,
+        run_dir: str | os.PathLike,
+        cfg: LoggerConfig,
+        run_name: str,
+        config_dict: Mapping[str, Any] | None = None,
+        rank: int = 0,
+    ):
+        self.run_dir = Path(run_dir)
+        self.cfg = cfg
+        self.is_writer = rank == 0
+        self._start = time.time()
+        self._wandb_run = None
+        if not self.is_writer:
+            return
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._jsonl = open(self.run_dir / METRICS_FILE, "a", encoding="utf-8")
+        if cfg.wandb.mode != "disabled":
+            self._wandb_run = _init_wandb(self.run_dir, cfg, run_name, dict(config_dict or {}))
+
+    @property
+    def wandb_run(self):
+        """The wandb ``Run`` (None when disabled or on ranks other than 0)."""
+        return self._wandb_run
+
+    def log(self, step: int, metrics: Mapping[str, Any]) -> None:
+        """Append one JSONL record and log ``metrics`` to wandb at ``step``."""
+        if not self.is_writer:
+            return
+        values = {key: _to_float(value) for key, value in metrics.items()}
+        now = time.time()
+        record = {"step": int(step), "time": round(now, 3), "elapsed_s": round(now - self._start, 3)}
+        record.update(values)
+        self._jsonl.write(json.dumps(record) + "\n")
+        self._jsonl.flush()  # a crashed run still leaves every completed step on disk
+        if self._wandb_run is not None:
+            self._wandb_run.log({k: v for k, v in values.items() if v is not None}, step=int(step))
+
+    def log_eval(self, step: int, results: Mapping[str, Any]) -> None:
+        """Add ``{"step", "time", "results"}`` to eval.json (rewritten atomically) and to wandb."""
+        if not self.is_writer:
+            return
+        path = self.run_dir / EVAL_FILE
+        entries = read_eval(self.run_dir)
+        values = {key: _to_float(value) for key, value in results.items()}
+        entries.append({"step": int(step), "time": round(time.time(), 3), "results": values})
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(entries, indent=1), encoding="utf-8")
+        os.replace(tmp, path)  # atomic on POSIX: readers see the old or the new list, never half
+        if self._wandb_run is not None:
+            prefixed = {k if k.startswith("eval/") else f"eval/{k}": v for k, v in values.items()}
+            self._wandb_run.log({k: v for k, v in prefixed.items() if v is not None}, step=int(step))
+
+    def progress(self, total: int, description: str):
+        """``progress(...)`` bound to this logger: silent off rank 0 or with ``logger.progress=false``."""
+        return progress(total, description, enabled=self.is_writer and self.cfg.progress)
+
+    def close(self) -> None:
+        if not self.is_writer:
+            return
+        if not self._jsonl.closed:
+            self._jsonl.close()
+        if self._wandb_run is not None:
+            self._wandb_run.finish()
+            self._wandb_run = None
+
+    def __enter__(self) -> "MetricsLogger":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _init_wandb(run_dir: Path, cfg: LoggerConfig, run_name: str, config_dict: dict):
+    import wandb
+
+    # console="off": stdout already goes to the Slurm log; system stats (GPU memory/util) stay on.
+    settings = wandb.Settings(silent=True, console="off", disable_git=True)
+    return wandb.init(
+        project=cfg.wandb.project,
+        entity=cfg.wandb.entity,
+        name=run_name,
+        config=config_dict,
+        dir=str(run_dir),  # wandb writes <run_dir>/wandb/<offline-run-...>
+        mode=cfg.wandb.mode,
+        settings=settings,
+    )
+
+
+def read_metrics(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
+    """All records of ``run_dir/metrics.jsonl`` (a truncated last line from a crash is skipped)."""
+    path = Path(run_dir) / METRICS_FILE
+    records = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return records
+
+
+def read_eval(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
+    path = Path(run_dir) / EVAL_FILE
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else []
+
+
+def _to_float(value: Any) -> float | None:
+    if hasattr(value, "item"):  # torch / numpy scalars
+        value = value.item()
+    value = float(value)
+    return value if math.isfinite(value) else None
+
+
+# ----------------------------------------------------------------------------------- aggregation
+
+
+def mean(values: Sequence[float]) -> float:
+    """Mean of ``values``; NaN for an empty list (logged as null rather than a misleading 0)."""
+    return float(statistics.fmean(values)) if len(values) else float("nan")
+
+
+def describe(name: str, values: Sequence[float]) -> dict[str, float]:
+    """``{name_mean, name_std, name_min, name_max}`` (population std) of a list of values."""
+    if not len(values):
+        return {f"{name}_mean": float("nan")}
+    return {
+        f"{name}_mean": mean(values),
+        f"{name}_std": float(statistics.pstdev(values)),
+        f"{name}_min": float(min(values)),
+        f"{name}_max": float(max(values)),
+    }
+
+
+def agent_metrics(per_agent: Mapping[str, Mapping[str, Sequence[float]]]) -> dict[str, float]:
+    """``{agent: {metric: [values]}}`` -> ``{"agent/<agent>/<metric>": mean}``.
+
+    >>> agent_metrics({"planner": {"reward_mean": [1.0, 0.0], "success": [1, 1]}})
+    {'agent/planner/reward_mean': 0.5, 'agent/planner/success': 1.0}
+    """
+    return {
+        f"agent/{agent}/{metric}": mean(values)
+        for agent, metrics in per_agent.items()
+        for metric, values in metrics.items()
+    }
+
+
+# ----------------------------------------------------------------------------------- timing
+
+
+class Timer:
+    """Wall-clock sections of a step, reported as ``timing/<name>_s``; repeated sections add up.
+
+    ``with timer("step"):`` around the whole step also yields ``timing/idle_s`` = step minus the
+    other sections (the time no named section accounts for), unless ``idle`` was timed explicitly.
+    On CUDA the device is synchronized at the end of a section, so GPU work is charged to the
+    section that queued it.
+    """
+
+    def __init__(self):
+        self._totals: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            _cuda_sync()
+            self._totals[name] = self._totals.get(name, 0.0) + time.perf_counter() - start
+
+    def add(self, name: str, seconds: float) -> None:
+        self._totals[name] = self._totals.get(name, 0.0) + seconds
+
+    def metrics(self) -> dict[str, float]:
+        out = {f"timing/{name}_s": seconds for name, seconds in self._totals.items()}
+        if "step" in self._totals and "idle" not in self._totals:
+            accounted = sum(s for name, s in self._totals.items() if name != "step")
+            out["timing/idle_s"] = max(0.0, self._totals["step"] - accounted)
+        return out
+
+    def pop(self) -> dict[str, float]:
+        """``metrics()`` and reset: call once per step."""
+        out = self.metrics()
+        self._totals.clear()
+        return out
+
+
+def _cuda_sync() -> None:
+    torch = sys.modules.get("torch")  # never import torch just to time a section
+    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+# ----------------------------------------------------------------------------------- progress
+
+
+class _Bar:
+    def __init__(self, progress=None, task=None):
+        self._progress, self._task = progress, task
+
+    def advance(self, n: float = 1) -> None:
+        if self._progress is not None:
+            self._progress.advance(self._task, n)
+
+    def update(self, *, completed: float | None = None, description: str | None = None) -> None:
+        if self._progress is not None:
+            self._progress.update(self._task, completed=completed, description=description)
+
+
+@contextlib.contextmanager
+def progress(total: int, description: str, *, enabled: bool = True) -> Iterator[_Bar]:
+    """A rich progress bar for rollout / update loops: ``with progress(n, "rollout") as bar: bar.advance()``.
+
+    Silent (a no-op bar) when disabled or when stderr is not a terminal (batch jobs, CI, log files):
+    bars in a Slurm log are noise.
+    """
+    if not enabled or not sys.stderr.isatty():
+        yield _Bar()
+        return
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
+        yield _Bar(bar, bar.add_task(description, total=total))
