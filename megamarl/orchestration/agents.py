@@ -1,0 +1,195 @@
+"""Agents: a role with a prompt template, a policy to sample from, an output parser, an optional
+local reward and its own sampling parameters.
+
+An agent *kind* is a class registered in ``AGENTS`` (``@AGENTS.register("math_solver")``); an
+agent *instance* is that class built from an ``AgentConfig`` (which role it plays, which policy and
+LoRA adapter it samples from, sampling, prompt overrides, memory budget, tree width). Agents hold
+no per-episode state: conversations live in the episode context, so one agent object serves every
+concurrent episode. User agents live in plugin modules imported with
+``megamarl.registry.import_plugins`` (a failing import stops the run).
+
+Parsers return ``(value, valid)``: ``valid=False`` marks the sample for the invalid-action penalty
+and tells the env to treat the action as a no-op. ``last_number`` takes the LAST number of the
+reply, because models write "3 + 2 = 5".
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any, ClassVar, Mapping
+
+from megamarl.registry import Registry
+from megamarl.rollout.base import SamplingParams
+
+if TYPE_CHECKING:
+    from megamarl.orchestration.context import Action
+    from megamarl.orchestration.env import Env
+
+MEMORY_SCOPES = ("self", "team")
+
+
+@dataclass
+class AgentConfig:
+    """``agents.<role>`` in the config. ``kind`` defaults to the env's default kind for the role."""
+
+    kind: str = ""
+    policy: str = "default"  # engine / worker group the agent samples from (L1 shared, L3 own)
+    lora: str | None = None  # L2: adapter name on the shared base policy
+    system_prompt: str | None = None  # overrides the kind's default
+    prompt_template: str | None = None  # overrides the kind's default; must contain {observation}
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    multi_turn: bool = False  # keep this agent's conversation across its turns (token-exact)
+    memory_tokens: int = 0  # >0: prepend earlier turns (oldest dropped) within this token budget
+    memory_scope: str = "team"  # "self": own turns only; "team": every agent's turns
+    tree_k: int = 1  # >1: tree sampling, K candidates per call, continue from the best
+    max_prompt_tokens: int = 4096  # longer prompts drop the episode (counted, reason prompt_too_long)
+    choices: tuple[str, ...] = ()  # for choice-parsing agents (routers)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.sampling, Mapping):
+            self.sampling = SamplingParams(**self.sampling)
+        if self.prompt_template is not None and "{observation}" not in self.prompt_template:
+            raise ValueError("agents.<name>.prompt_template must contain '{observation}'")
+        if self.memory_tokens < 0:
+            raise ValueError(f"agents.<name>.memory_tokens must be >= 0, got {self.memory_tokens}")
+        if self.memory_scope not in MEMORY_SCOPES:
+            raise ValueError(
+                f"agents.<name>.memory_scope must be one of {MEMORY_SCOPES}, got {self.memory_scope!r}"
+            )
+        if self.tree_k < 1:
+            raise ValueError(f"agents.<name>.tree_k must be >= 1, got {self.tree_k}")
+        if self.max_prompt_tokens < 1:
+            raise ValueError(f"agents.<name>.max_prompt_tokens must be >= 1, got {self.max_prompt_tokens}")
+        self.choices = tuple(self.choices)
+
+
+class Agent:
+    """Base agent kind. Subclasses override the class defaults and ``parse``/``local_reward``."""
+
+    system_prompt: ClassVar[str | None] = None  # None: the chat template's default system turn
+    prompt_template: ClassVar[str] = "{observation}"
+
+    def __init__(self, role: str, config: AgentConfig, tokenizer: Any) -> None:
+        self.role = role
+        self.config = config
+        self.tokenizer = tokenizer
+        self.policy = config.policy
+        self.lora = config.lora
+        self.system = config.system_prompt if config.system_prompt is not None else self.system_prompt
+        self.template = config.prompt_template or self.prompt_template
+        eos = getattr(tokenizer, "eos_token_id", None)
+        stops = tuple(config.sampling.stop_token_ids)
+        if eos is not None and eos not in stops:
+            stops += (eos,)
+        self.sampling = replace(config.sampling, stop_token_ids=stops)
+        self.stop_token_ids = frozenset(stops)
+
+    def user_message(self, observation: str) -> str:
+        """The user-turn text for an observation (the role's prompt template applied)."""
+        return self.template.format(observation=observation)
+
+    def response_text(self, response_ids: list[int]) -> str:
+        """Reply content: the decoded ids without a trailing stop token."""
+        ids = response_ids[:-1] if response_ids and response_ids[-1] in self.stop_token_ids else response_ids
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+    def parse(self, text: str) -> tuple[Any, bool]:
+        """``(action value, valid)``; the base kind accepts any non-empty reply as text."""
+        stripped = text.strip()
+        return stripped, bool(stripped)
+
+    def local_reward(self, action: Action, env: Env) -> float | None:
+        """Optional per-agent reward, read after the env stepped; overrides the env's local reward."""
+        return None
+
+
+AGENTS: Registry[type[Agent]] = Registry("agent")
+AGENTS.add("text", Agent)
+
+
+def build_agents(
+    configs: Mapping[str, AgentConfig],
+    tokenizers: Mapping[str, Any] | Any,
+    *,
+    default_kinds: Mapping[str, str] | None = None,
+) -> dict[str, Agent]:
+    """Instantiate one agent per role. ``tokenizers`` is one tokenizer or a mapping policy -> tokenizer
+    (heterogeneous policies may use different vocabularies)."""
+    agents = {}
+    for role, config in configs.items():
+        kind = config.kind or (default_kinds or {}).get(role, "")
+        if not kind:
+            raise ValueError(f"agents.{role}.kind is empty and the env has no default kind for role '{role}'")
+        cls = AGENTS.get(kind, key=f"agents.{role}.kind")
+        if isinstance(tokenizers, Mapping):
+            if config.policy not in tokenizers:
+                raise ValueError(
+                    f"agents.{role}.policy='{config.policy}' has no tokenizer; have {sorted(tokenizers)}"
+                )
+            tokenizer = tokenizers[config.policy]
+        else:
+            tokenizer = tokenizers
+        agents[role] = cls(role, config, tokenizer)
+    return agents
+
+
+# -- parsers ------------------------------------------------------------------------------------
+
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+
+
+def last_number(text: str) -> tuple[float | None, bool]:
+    """The last number in ``text`` ("3 + 2 = 5" -> 5.0); thousands separators are removed."""
+    found = _NUMBER.findall(re.sub(r"(?<=\d),(?=\d{3}\b)", "", text))
+    return (float(found[-1]), True) if found else (None, False)
+
+
+_VERDICT = re.compile(r"\b(yes|no|correct|incorrect|approve|reject)\b", re.IGNORECASE)
+_APPROVING = {"yes", "correct", "approve"}
+
+
+def verdict(text: str) -> tuple[bool | None, bool]:
+    """The last yes/no-style word: True approves, False rejects, invalid when none is present."""
+    found = _VERDICT.findall(text)
+    return (found[-1].lower() in _APPROVING, True) if found else (None, False)
+
+
+def first_choice(text: str, choices: tuple[str, ...]) -> tuple[str | None, bool]:
+    """The earliest of ``choices`` (whole word, case-insensitive) mentioned in ``text``."""
+    best: tuple[int, str] | None = None
+    for choice in choices:
+        match = re.search(rf"\b{re.escape(choice)}\b", text, re.IGNORECASE)
+        if match and (best is None or match.start() < best[0]):
+            best = (match.start(), choice)
+    return (best[1], True) if best else (None, False)
+
+
+_CODE_BLOCK = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)```", re.DOTALL)
+
+
+def code_block(text: str) -> tuple[str | None, bool]:
+    """The last fenced code block (or the whole reply when unfenced); valid if it compiles."""
+    blocks = _CODE_BLOCK.findall(text)
+    code = blocks[-1] if blocks else text
+    try:
+        compile(code, "<reply>", "exec")
+    except (SyntaxError, ValueError):
+        return code, False
+    return code, bool(code.strip())
+
+
+@AGENTS.register("router")
+class RouterAgent(Agent):
+    """Picks the next agent: its reply must name one of ``config.choices``."""
+
+    system_prompt = "You coordinate a team. Decide which teammate acts next."
+    prompt_template = "{observation}"
+
+    def __init__(self, role: str, config: AgentConfig, tokenizer: Any) -> None:
+        super().__init__(role, config, tokenizer)
+        if not config.choices:
+            raise ValueError(f"agents.{role}.choices must list the agents a router can pick")
+
+    def parse(self, text: str) -> tuple[Any, bool]:
+        return first_choice(text, self.config.choices)

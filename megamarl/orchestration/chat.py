@@ -1,0 +1,99 @@
+"""Token-exact chat transcripts: an agent's conversation is kept as token ids, never re-tokenized.
+
+The usual multi-turn recipe (render the whole conversation with the chat template, tokenize it,
+send it) silently changes history: the model's own reply is re-tokenized (BPE merges differ from
+what was sampled), special tokens move, templates strip or rewrite old turns. Then the
+``prompt_ids`` training sees are not what the engine saw. Here a ``ChatTranscript`` owns
+``ids``, the exact token ids of the conversation so far, and only ever *appends*:
+
+* a new user turn: render the full message list (with the generation prompt) as text, check that
+  the text rendered before is an unchanged prefix of it, and tokenize only the new suffix (the
+  "delta"). A template that rewrites earlier turns (e.g. one that drops past reasoning) fails the
+  prefix check and raises ``TemplateDeltaError`` instead of desynchronising tokens from text.
+* a model reply: its sampled token ids are appended verbatim. The template's closing text for an
+  assistant turn (SmolLM2/ChatML: ``<|im_end|>\\n``) is found once by rendering a sentinel reply;
+  when the reply already ended on a stop token whose text begins that closing, only the rest
+  (``\\n``) is tokenized and appended, otherwise the whole closing is (truncated replies).
+
+Deltas begin at special-token boundaries for ChatML-style templates, so tokenizing them alone
+gives the same ids a full render would. The template's text view of the reply (decoded text) is
+kept only to check later prefixes; the ids stay exactly the sampled ones.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+_SENTINEL = "\x00megamarl-reply\x00"
+
+
+class TemplateDeltaError(ValueError):
+    """The chat template re-rendered earlier turns differently, so appending a delta is unsafe."""
+
+
+class ChatTranscript:
+    """One agent's conversation in one episode: ``messages`` (text) and ``ids`` (exact tokens)."""
+
+    def __init__(self, tokenizer: Any, system_prompt: str | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.messages: list[dict[str, str]] = []
+        if system_prompt is not None:
+            self.messages.append({"role": "system", "content": system_prompt})
+        self.ids: list[int] = []
+        self._text = ""  # the template's rendering of ``messages`` that ``ids`` corresponds to
+        self._closing: str | None = None
+
+    def _render(self, messages: list[dict[str, str]], *, generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=generation_prompt
+        )
+
+    def _delta(self, full: str) -> str:
+        if not full.startswith(self._text):
+            raise TemplateDeltaError(
+                "the chat template rendered earlier turns differently after appending a message; "
+                "token-exact multi-turn prompts need a template that only appends (use "
+                "agents.<name>.multi_turn=false for this model)"
+            )
+        return full[len(self._text) :]
+
+    def _encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False) if text else []
+
+    def add_user(self, content: str) -> list[int]:
+        """Append a user turn plus the assistant generation prompt; return the appended ids."""
+        messages = self.messages + [{"role": "user", "content": content}]
+        full = self._render(messages, generation_prompt=True)
+        new_ids = self._encode(self._delta(full))
+        self.ids.extend(new_ids)
+        self.messages, self._text = messages, full
+        return new_ids
+
+    def closing(self) -> str:
+        """Text the template writes after an assistant message's content (e.g. ``<|im_end|>\\n``)."""
+        if self._closing is None:
+            probe = self._render(
+                [{"role": "user", "content": "q"}, {"role": "assistant", "content": _SENTINEL}],
+                generation_prompt=False,
+            )
+            self._closing = probe[probe.rindex(_SENTINEL) + len(_SENTINEL) :]
+        return self._closing
+
+    def add_response(self, response_ids: list[int], text: str) -> list[int]:
+        """Append a sampled reply (``text`` is its content without the stop token); return the ids
+        appended after ``response_ids`` to close the turn."""
+        messages = self.messages + [{"role": "assistant", "content": text}]
+        closed = self._render(messages, generation_prompt=False)
+        self._delta(closed)  # history must be unchanged
+        closing = self.closing()
+        emitted = self.tokenizer.decode(response_ids[-1:], skip_special_tokens=False) if response_ids else ""
+        if emitted and closing.startswith(emitted) and response_ids[-1] in self.tokenizer.all_special_ids:
+            closing = closing[len(emitted) :]  # the reply ended on the template's own end token
+        tail = self._encode(closing)
+        self.ids.extend(response_ids)
+        self.ids.extend(tail)
+        self.messages, self._text = messages, closed
+        return tail
+
+    def __len__(self) -> int:
+        return len(self.ids)

@@ -1,0 +1,270 @@
+"""The episode context: what an orchestra's async code talks to.
+
+``await ctx.act(agent, observation)`` builds the agent's prompt (token-exact, see ``chat.py``),
+calls the engine of the agent's policy, parses the reply and records one ``Sample`` per sampled
+candidate, tagged (task_id, episode_id, agent, policy, turn, branch, weight_version, valid, step,
+anchor). ``await ctx.step(agent, action)`` applies it to the env (in an env worker when the env
+says ``remote_step``). ``ctx.turn(agent)`` is observe + act + step.
+
+Active mask: once the env is done, ``act`` raises ``EpisodeDone`` (the driver treats it as the
+normal end), so an orchestra that forgets to check ``ctx.done`` still never calls an agent of a
+finished episode.
+
+Memory: with ``memory_tokens > 0`` an agent's observation text is prefixed with earlier turns
+(its own with ``memory_scope="self"``, every agent's with ``"team"``), newest kept, *oldest whole
+turns dropped* until the memory fits the token budget. This edits observation text only, so it
+works with single-turn prompts; multi-turn agents keep their full token history instead.
+
+Tree sampling (``tree_k = K > 1``): one engine call with ``n=K``; every candidate is parsed and
+scored (the agent's ``local_reward`` if it returns a value, else the env's ``score`` check fn);
+the conversation continues from the best (lowest branch on ties); all K become Samples sharing
+(task, agent, turn) with branch 0..K-1 and their score as ``local_reward``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Mapping
+
+from megamarl.orchestration.chat import ChatTranscript
+from megamarl.orchestration.env import Env, StepResult, Task
+from megamarl.rl.sample import Sample
+from megamarl.rollout.base import Engine
+
+if TYPE_CHECKING:
+    from megamarl.orchestration.agents import Agent
+    from megamarl.orchestration.workers import EnvWorkers
+
+
+class ConfigError(ValueError):
+    """A configuration mistake (unknown agent, missing engine or scorer): raised, never counted as
+    an episode failure, so a misconfigured run stops at once."""
+
+
+class EpisodeDone(Exception):
+    """Raised by ``act`` on a finished episode (the active mask)."""
+
+
+class EpisodeDropped(Exception):
+    """The episode cannot continue for a budget reason (e.g. prompt too long); ``reason`` is counted."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+@dataclass
+class Action:
+    """One agent decision: the chosen candidate's text and parsed value, plus every candidate's Sample."""
+
+    agent: str
+    text: str
+    value: Any
+    valid: bool
+    turn: int
+    step: int
+    branch: int = 0  # the candidate continued from
+    samples: list[Sample] = field(default_factory=list, repr=False)
+    scores: list[float] | None = None  # tree sampling: one per candidate
+
+    def stripped(self) -> Action:
+        """A copy without token-heavy samples, for sending to env workers."""
+        return dataclasses.replace(self, samples=[])
+
+
+@dataclass
+class MemoryEntry:
+    agent: str
+    text: str
+    num_tokens: int
+
+
+class EpisodeContext:
+    """State of one running episode; created by the driver, handed to ``orchestra.run``."""
+
+    def __init__(
+        self,
+        *,
+        task: Task,
+        episode_id: str,
+        env: Env,
+        agents: Mapping[str, Agent],
+        engines: Mapping[str, Engine],
+        workers: EnvWorkers | None = None,
+        step_timeout_s: float = 60.0,
+    ) -> None:
+        self.task = task
+        self.episode_id = episode_id
+        self.env = env
+        self.agents = agents
+        self.engines = engines
+        self.workers = workers
+        self.step_timeout_s = step_timeout_s
+        self.samples: list[Sample] = []
+        self.actions: list[Action] = []
+        self.num_steps = 0  # global step counter over all agents
+        self.turns: dict[str, int] = {}  # per-agent invocation counter
+        self.transcripts: dict[str, ChatTranscript] = {}
+        self.memory: list[MemoryEntry] = []
+        self._step_rewards: dict[int, float] = {}  # id(sample) -> local reward from env/agent
+        self._scored: set[int] = set()  # id(sample) of tree candidates (local reward = score)
+
+    @property
+    def done(self) -> bool:
+        return self.env.done
+
+    # -- acting --------------------------------------------------------------------------------
+
+    def _agent(self, name: str) -> Agent:
+        if name not in self.agents:
+            raise ConfigError(
+                f"orchestra asked agent '{name}' to act; configured agents: {sorted(self.agents)}"
+            )
+        return self.agents[name]
+
+    def _memory_text(self, agent: Agent) -> str:
+        budget = agent.config.memory_tokens
+        entries = [e for e in self.memory if agent.config.memory_scope == "team" or e.agent == agent.role]
+        kept: list[MemoryEntry] = []
+        for entry in reversed(entries):  # newest first; stop before the budget is exceeded
+            if entry.num_tokens > budget:
+                break
+            kept.append(entry)
+            budget -= entry.num_tokens
+        return "".join(f"[{e.agent}] {e.text}\n" for e in reversed(kept))
+
+    def _prompt(self, agent: Agent, observation: str) -> ChatTranscript:
+        text = observation
+        if agent.config.memory_tokens > 0:
+            memory = self._memory_text(agent)
+            text = f"Earlier turns:\n{memory}\n{observation}" if memory else observation
+        transcript = self.transcripts.get(agent.role) if agent.config.multi_turn else None
+        if transcript is None:
+            transcript = ChatTranscript(agent.tokenizer, agent.system)
+        transcript.add_user(agent.user_message(text))
+        if len(transcript.ids) > agent.config.max_prompt_tokens:
+            raise EpisodeDropped("prompt_too_long")
+        return transcript
+
+    async def act(self, agent_name: str, observation: str) -> Action:
+        """Sample ``agent_name``'s reply to ``observation``; record Samples; return the chosen Action."""
+        if self.env.done:
+            raise EpisodeDone(self.episode_id)
+        agent = self._agent(agent_name)
+        engine = self.engines.get(agent.policy)
+        if engine is None:
+            raise ConfigError(
+                f"agents.{agent_name}.policy='{agent.policy}' has no engine; have {sorted(self.engines)}"
+            )
+        transcript = self._prompt(agent, observation)
+        prompt_ids = list(transcript.ids)
+        # Counters are taken before the engine call so concurrent agents get them in call order.
+        turn, step = self.turns.get(agent_name, 0), self.num_steps
+        self.turns[agent_name] = turn + 1
+        self.num_steps += 1
+        num_candidates = agent.config.tree_k
+        sampling = agent.sampling
+        if num_candidates > 1:
+            sampling = dataclasses.replace(sampling, n=num_candidates)
+        generations = await engine.generate(prompt_ids, sampling, lora=agent.lora)
+        if len(generations) != num_candidates:
+            raise RuntimeError(
+                f"engine of policy '{agent.policy}' returned {len(generations)} of {num_candidates}"
+            )
+        candidates = []
+        for branch, gen in enumerate(generations):
+            text = agent.response_text(gen.token_ids)
+            value, valid = agent.parse(text)
+            sample = Sample(
+                task_id=self.task.task_id, episode_id=self.episode_id, agent=agent_name, policy=agent.policy,
+                turn=turn, branch=branch, weight_version=gen.weight_version, valid=bool(valid), step=step,
+                prompt_ids=prompt_ids, response_ids=list(gen.token_ids), rollout_logprobs=list(gen.logprobs),
+                anchor=observation, truncated=gen.finish_reason == "length", response_text=text,
+            )
+            candidates.append(Action(agent_name, text, value, bool(valid), turn, step, branch, [sample]))
+        samples = [c.samples[0] for c in candidates]
+        best = candidates[0]
+        scores = None
+        if num_candidates > 1:
+            scores = [await self._score(agent, c) for c in candidates]
+            best = candidates[max(range(num_candidates), key=lambda i: (scores[i], -i))]
+            for sample, score in zip(samples, scores):
+                sample.local_reward = score
+                self._scored.add(id(sample))
+        action = dataclasses.replace(best, samples=samples, scores=scores)
+        best_sample = samples[best.branch]
+        if agent.config.multi_turn:
+            transcript.add_response(best_sample.response_ids, best.text)
+            self.transcripts[agent_name] = transcript
+        self.samples.extend(samples)
+        self.actions.append(action)
+        if agent.config.memory_tokens > 0 or any(a.config.memory_tokens > 0 for a in self.agents.values()):
+            entry_text = best.text.strip()
+            self.memory.append(MemoryEntry(agent_name, entry_text, len(agent.tokenizer.encode(entry_text))))
+        return action
+
+    async def _score(self, agent: Agent, candidate: Action) -> float:
+        score = agent.local_reward(candidate, self.env)
+        if score is None:
+            score = await self._in_env(_score_env, candidate.agent, candidate.stripped(), mutates=False)
+        if score is None:
+            raise ConfigError(
+                f"agents.{agent.role}.tree_k>1 needs a scorer: the agent's local_reward or the env's score() "
+                f"for '{agent.role}' ({type(self.env).__name__} has none)"
+            )
+        return float(score)
+
+    # -- env -------------------------------------------------------------------------------------
+
+    async def _in_env(self, fn, agent: str, action: Action, *, mutates: bool):
+        if not (self.env.remote_step and self.workers is not None):
+            env, result = fn(self.env, agent, action)
+        else:
+            env, result = await self.workers.call(fn, self.env, agent, action, timeout_s=self.step_timeout_s)
+        if mutates:
+            self.env = env
+        return result
+
+    async def step(self, agent_name: str, action: Action) -> StepResult:
+        """Apply ``action`` to the env and record local rewards for its (non-tree) sample."""
+        result = await self._in_env(_step_env, agent_name, action.stripped(), mutates=True)
+        reward = self._agent(agent_name).local_reward(action, self.env)
+        if reward is None:
+            reward = result.local_reward
+        if reward is not None:
+            for sample in action.samples:
+                if id(sample) not in self._scored:
+                    self._step_rewards[id(sample)] = float(reward)
+        return result
+
+    async def turn(self, agent_name: str, observation: str | None = None) -> Action:
+        """Observe (unless ``observation`` is given), act and step: one agent turn."""
+        obs = self.env.observe(agent_name) if observation is None else observation
+        action = await self.act(agent_name, obs)
+        await self.step(agent_name, action)
+        return action
+
+    # -- end -------------------------------------------------------------------------------------
+
+    def finalize(self) -> float:
+        """Fill team and local rewards on every Sample; return the team reward."""
+        team = float(self.env.team_reward())
+        for sample in self.samples:
+            sample.team_reward = team
+            if id(sample) in self._scored:
+                continue
+            local = self._step_rewards.get(id(sample))
+            if local is None:
+                local = self.env.agent_reward(sample.agent)
+            sample.local_reward = float(local) if local is not None else 0.0
+        return team
+
+
+def _step_env(env: Env, agent: str, action: Action) -> tuple[Env, StepResult]:
+    """Top-level (picklable) so env workers can run it; returns the stepped env."""
+    return env, env.step(agent, action)
+
+
+def _score_env(env: Env, agent: str, action: Action) -> tuple[Env, float | None]:
+    return env, env.score(agent, action)

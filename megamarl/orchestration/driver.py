@@ -1,0 +1,168 @@
+"""Rollout driver: run many episodes concurrently and hand back agent-tagged Samples plus stats.
+
+``run_episodes`` creates ``group_size`` episodes per task (GRPO groups share the task id), runs up
+to ``max_concurrency`` of them at once on one asyncio loop (engines batch the concurrent
+requests), and at each episode's end fills ``team_reward``/``local_reward`` on its Samples.
+
+An episode ends in one of three states, all counted in ``RolloutResult``:
+* ``ok``: the orchestra returned (env done, or its budget ran out: ``env_done`` tells which);
+* ``dropped``: a budget made it unusable (``EpisodeDropped``, e.g. ``prompt_too_long``);
+* ``failed``: the env crashed, hung (env worker timeout), raised, or the episode timed out.
+Samples of dropped and failed episodes are discarded (their count is kept); the run goes on.
+Programming errors in configuration (an agent with no engine, an unknown agent name) raise
+immediately instead of failing every episode one by one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Callable, Mapping, Sequence
+
+from megamarl.orchestration.agents import Agent
+from megamarl.orchestration.chat import TemplateDeltaError
+from megamarl.orchestration.context import ConfigError, EpisodeContext, EpisodeDone, EpisodeDropped
+from megamarl.orchestration.env import Env, Task
+from megamarl.orchestration.orchestras import Orchestra
+from megamarl.orchestration.workers import EnvWorkerError, EnvWorkers
+from megamarl.rl.sample import Sample
+from megamarl.rollout.base import Engine
+
+
+@dataclass
+class EpisodeStats:
+    task_id: str
+    episode_id: str
+    status: str  # ok | dropped | failed
+    reason: str = ""
+    team_reward: float = 0.0
+    success: bool = False
+    env_done: bool = False
+    num_samples: int = 0
+    num_calls: dict[str, int] = field(default_factory=dict)  # agent -> number of act() calls
+    num_invalid: int = 0
+
+
+@dataclass
+class RolloutResult:
+    samples: list[Sample]
+    episodes: list[EpisodeStats]
+
+    @property
+    def num_failed(self) -> int:
+        return sum(e.status == "failed" for e in self.episodes)
+
+    @property
+    def num_dropped(self) -> int:
+        return sum(e.status == "dropped" for e in self.episodes)
+
+    def reasons(self) -> Counter:
+        """Failure/drop reasons, e.g. ``{"env_worker:timeout": 2, "prompt_too_long": 1}``."""
+        return Counter(e.reason for e in self.episodes if e.status != "ok")
+
+    def summary(self) -> dict[str, float]:
+        ok = [e for e in self.episodes if e.status == "ok"]
+        out = {
+            "rollout/num_episodes": float(len(self.episodes)),
+            "rollout/num_failed": float(self.num_failed),
+            "rollout/num_dropped": float(self.num_dropped),
+            "rollout/num_samples": float(len(self.samples)),
+            "rollout/team_reward_mean": sum(e.team_reward for e in ok) / max(len(ok), 1),
+            "rollout/success_rate": sum(e.success for e in ok) / max(len(ok), 1),
+        }
+        calls = Counter()
+        for e in ok:
+            calls.update(e.num_calls)
+        for agent, num in sorted(calls.items()):
+            out[f"agent/{agent}/num_calls"] = float(num)
+        return out
+
+
+_CONFIG_ERRORS = (ConfigError, TemplateDeltaError)
+
+
+async def run_episode(
+    orchestra: Orchestra,
+    env: Env,
+    task: Task,
+    *,
+    episode_id: str,
+    agents: Mapping[str, Agent],
+    engines: Mapping[str, Engine],
+    workers: EnvWorkers | None = None,
+    step_timeout_s: float = 60.0,
+    episode_timeout_s: float | None = None,
+) -> tuple[list[Sample], EpisodeStats]:
+    """One episode; returns (samples, stats). Samples are empty unless the status is ok."""
+    ctx = EpisodeContext(
+        task=task, episode_id=episode_id, env=env, agents=agents, engines=engines, workers=workers,
+        step_timeout_s=step_timeout_s,
+    )
+    stats = EpisodeStats(task.task_id, episode_id, "ok")
+    try:
+        await asyncio.wait_for(_run_to_end(orchestra, ctx), episode_timeout_s)
+    except EpisodeDropped as exc:
+        stats.status, stats.reason = "dropped", exc.reason
+    except EnvWorkerError as exc:
+        stats.status, stats.reason = "failed", f"env_worker:{exc.reason.split(':')[0]}"
+    except asyncio.TimeoutError:
+        stats.status, stats.reason = "failed", "episode_timeout"
+    except _CONFIG_ERRORS:
+        raise
+    except Exception as exc:  # noqa: BLE001 - an env/engine failure fails this episode only
+        stats.status, stats.reason = "failed", f"error:{type(exc).__name__}"
+    stats.num_calls = dict(Counter(s.agent for s in ctx.samples if s.branch == 0))
+    if stats.status != "ok":
+        stats.num_samples = 0
+        return [], stats
+    stats.team_reward = ctx.finalize()
+    stats.success = bool(ctx.env.success())
+    stats.env_done = bool(ctx.env.done)
+    stats.num_samples = len(ctx.samples)
+    stats.num_invalid = sum(not s.valid for s in ctx.samples)
+    return ctx.samples, stats
+
+
+async def _run_to_end(orchestra: Orchestra, ctx: EpisodeContext) -> None:
+    try:
+        await orchestra.run(ctx)
+    except EpisodeDone:
+        pass
+
+
+async def run_episodes(
+    orchestra: Orchestra,
+    make_env: Callable[[Task], Env],
+    tasks: Sequence[Task],
+    *,
+    agents: Mapping[str, Agent],
+    engines: Mapping[str, Engine],
+    group_size: int = 1,
+    max_concurrency: int = 64,
+    workers: EnvWorkers | None = None,
+    step_timeout_s: float = 60.0,
+    episode_timeout_s: float | None = None,
+) -> RolloutResult:
+    """Run ``len(tasks) * group_size`` episodes, at most ``max_concurrency`` at a time.
+
+    Episode ids are ``f"{task_id}/{g}"``; results keep task-major, group-minor order regardless
+    of completion order, so a seeded run yields samples in a reproducible order.
+    """
+    if group_size < 1:
+        raise ValueError(f"rollout.group_size must be >= 1, got {group_size}")
+    if max_concurrency < 1:
+        raise ValueError(f"rollout.max_concurrency must be >= 1, got {max_concurrency}")
+    semaphore = asyncio.Semaphore(max_concurrency)
+
+    async def one(task: Task, index: int) -> tuple[list[Sample], EpisodeStats]:
+        async with semaphore:
+            return await run_episode(
+                orchestra, make_env(task), task, episode_id=f"{task.task_id}/{index}", agents=agents,
+                engines=engines, workers=workers, step_timeout_s=step_timeout_s,
+                episode_timeout_s=episode_timeout_s,
+            )
+
+    results = await asyncio.gather(*(one(task, g) for task in tasks for g in range(group_size)))
+    samples = [s for episode_samples, _ in results for s in episode_samples]
+    return RolloutResult(samples=samples, episodes=[stats for _, stats in results])

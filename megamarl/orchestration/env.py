@@ -1,0 +1,128 @@
+"""The environment contract: task state, observations per agent, transitions, rewards, done.
+
+An ``Env`` instance is one episode of one ``Task``. Orchestras read ``observe(agent)`` and call
+``step(agent, action)`` through the episode context; the driver reads ``team_reward()`` and
+``agent_reward(agent)`` when the episode ends. Compared with a gym/PettingZoo env there is no
+``reset``: tasks are values (``generate_tasks`` is seeded and deterministic), so GRPO groups are
+several fresh ``Env(task)`` instances of the same task, and an env can be pickled to a worker
+process, stepped there (``remote_step``) and sent back.
+
+Register an env class with ``@ENVS.register("name")``; its typed ``Config`` dataclass validates
+itself; ``default_agents`` maps each role to a registered agent kind.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from megamarl.registry import Registry
+
+if TYPE_CHECKING:
+    from megamarl.orchestration.context import Action
+
+
+@dataclass(frozen=True)
+class Task:
+    """One task instance; ``payload`` is the env's own typed problem record."""
+
+    task_id: str
+    payload: Any
+
+
+@dataclass
+class StepResult:
+    """What one agent's action did. ``local_reward`` (when not None) becomes that sample's local
+    reward; ``feedback`` is free text for logs."""
+
+    local_reward: float | None = None
+    feedback: str = ""
+
+
+@dataclass
+class EnvConfig:
+    """Base config; envs subclass it with their own validated fields."""
+
+
+class Env(abc.ABC):
+    """One episode. Subclasses set ``agents``, ``default_agents``, ``Config`` and implement the
+    abstract methods; the rest have sensible defaults."""
+
+    Config: ClassVar[type[EnvConfig]] = EnvConfig
+    agents: tuple[str, ...] = ()
+    default_agents: ClassVar[dict[str, str]] = {}  # role -> AGENTS kind
+    remote_step: ClassVar[bool] = False  # step in an env worker (slow or untrusted work)
+
+    def __init__(self, task: Task, config: EnvConfig) -> None:
+        self.task = task
+        self.config = config
+        self.done = False
+
+    @classmethod
+    @abc.abstractmethod
+    def generate_tasks(cls, config: EnvConfig, *, num_tasks: int, seed: int) -> list[Task]:
+        """Deterministic for (config, num_tasks, seed)."""
+
+    @abc.abstractmethod
+    def observe(self, agent: str) -> str:
+        """The observation text ``agent`` acts on now."""
+
+    @abc.abstractmethod
+    def step(self, agent: str, action: Action) -> StepResult:
+        """Apply ``agent``'s parsed action (``action.value``/``action.valid``/``action.text``)."""
+
+    @abc.abstractmethod
+    def team_reward(self) -> float:
+        """The shared reward of the episode so far (read once at the end)."""
+
+    def active_agents(self) -> list[str]:
+        """Agents allowed to act now, in order; empty once done (the active mask)."""
+        return [] if self.done else list(self.agents)
+
+    def success(self) -> bool:
+        return self.team_reward() >= 1.0
+
+    def agent_reward(self, agent: str) -> float | None:
+        """Episode-level local reward of ``agent`` for samples whose step gave none."""
+        return None
+
+    def score(self, agent: str, action: Action) -> float | None:
+        """Check fn for tree sampling: how good ``action`` would be now, without changing state.
+        None: this env has no check for ``agent``."""
+        return None
+
+
+ENVS: Registry[type[Env]] = Registry("env")
+
+
+class EnvMaker:
+    """A named, configured env: ``maker.tasks(n, seed=...)`` and ``maker(task) -> Env``."""
+
+    def __init__(self, name: str, config: EnvConfig | None = None, **overrides: Any) -> None:
+        self.name = name
+        self.env_cls = ENVS.get(name, key="env.name")
+        if config is None:
+            config = self.env_cls.Config(**overrides)
+        elif overrides:
+            raise ValueError("EnvMaker takes either a config object or keyword overrides, not both")
+        if not isinstance(config, self.env_cls.Config):
+            expected = self.env_cls.Config.__name__
+            raise ValueError(f"env '{name}' needs a {expected}, got {type(config).__name__}")
+        self.config = config
+
+    def tasks(self, num_tasks: int, *, seed: int = 0) -> list[Task]:
+        if num_tasks < 1:
+            raise ValueError(f"num_tasks must be >= 1, got {num_tasks}")
+        return self.env_cls.generate_tasks(self.config, num_tasks=num_tasks, seed=seed)
+
+    def __call__(self, task: Task) -> Env:
+        return self.env_cls(task, self.config)
+
+    @property
+    def agents(self) -> tuple[str, ...]:
+        return self.env_cls.agents
+
+    @property
+    def default_agents(self) -> dict[str, str]:
+        return dict(self.env_cls.default_agents)

@@ -1,0 +1,201 @@
+"""Math: a solver answers an arithmetic question, a verifier approves or rejects the answer.
+
+Tasks are procedurally generated and seeded (``kinds``): ``add1`` (1-digit +), ``mul1`` (1-digit
+x), ``add2`` (2-digit +), ``mul12`` (up to 12 x 12) and ``word`` (templated word problems with +,
+-, x); or loaded from a user JSONL file of ``{"question": ..., "answer": ...}`` lines
+(``dataset_path``). Answers are exact numbers.
+
+Answer extraction takes the LAST number of the solver's reply (the model writes "3 + 2 = 5"; the
+first number would be 3). Transitions: the solver's step records its answer; the verifier's step
+records its verdict (last yes/no-style word) and, if it approves, ends the episode; with
+``with_verifier=False`` the episode ends after the solver. A rejected answer is shown to the
+solver in its next observation.
+
+Rewards: team = 1 if the final (latest) solver answer equals the truth, else 0; verifier local
+reward per turn = 1 if its verdict matches whether the answer it judged is correct, else 0
+(an unparseable verdict scores 0). The solver's local reward is its answer's correctness, which
+also serves as the tree-sampling check fn for the solver.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from megamarl.orchestration.agents import AGENTS, Agent, last_number, verdict
+from megamarl.orchestration.env import ENVS, Env, EnvConfig, StepResult, Task
+
+
+@dataclass(frozen=True)
+class MathProblem:
+    question: str
+    answer: float
+    kind: str
+
+
+def _binary(lo: int, hi: int, symbol: str, op: Callable[[int, int], int]):
+    def make(rng: random.Random) -> tuple[str, float]:
+        a, b = rng.randint(lo, hi), rng.randint(lo, hi)
+        return f"What is {a} {symbol} {b}?", float(op(a, b))
+
+    return make
+
+
+_WORD_TEMPLATES = (
+    ("{name} has {a} apples and buys {b} more. How many apples does {name} have now?", lambda a, b: a + b),
+    ("{name} had {a} stickers and gave away {b}. How many stickers are left?", lambda a, b: a - b),
+    ("A box holds {a} pencils. How many pencils are in {b} boxes?", lambda a, b: a * b),
+    ("{name} reads {a} pages a day for {b} days. How many pages does {name} read?", lambda a, b: a * b),
+    ("There are {a} birds on a tree and {b} more arrive. How many birds are there now?", lambda a, b: a + b),
+)
+_NAMES = ("Tom", "Sara", "Ali", "Mia", "Ken", "Ana")
+
+
+def _word(rng: random.Random) -> tuple[str, float]:
+    template, op = rng.choice(_WORD_TEMPLATES)
+    a, b = rng.randint(2, 12), rng.randint(2, 12)
+    a, b = max(a, b), min(a, b)  # keeps subtraction non-negative
+    return template.format(name=rng.choice(_NAMES), a=a, b=b), float(op(a, b))
+
+
+PROBLEM_KINDS: dict[str, Callable[[random.Random], tuple[str, float]]] = {
+    "add1": _binary(0, 9, "+", lambda a, b: a + b),
+    "mul1": _binary(0, 9, "x", lambda a, b: a * b),
+    "add2": _binary(10, 99, "+", lambda a, b: a + b),
+    "mul12": _binary(1, 12, "x", lambda a, b: a * b),
+    "word": _word,
+}
+
+
+@dataclass
+class MathConfig(EnvConfig):
+    kinds: tuple[str, ...] = ("add1", "mul1", "add2", "mul12", "word")
+    dataset_path: str | None = None  # JSONL {"question", "answer"}; replaces generation
+    with_verifier: bool = True
+
+    def __post_init__(self) -> None:
+        self.kinds = tuple(self.kinds)
+        bad = [k for k in self.kinds if k not in PROBLEM_KINDS]
+        if bad or not self.kinds:
+            raise ValueError(f"env.kinds has {bad or 'nothing'}; allowed: {sorted(PROBLEM_KINDS)}")
+        if self.dataset_path is not None and not Path(self.dataset_path).is_file():
+            raise ValueError(f"env.dataset_path='{self.dataset_path}' is not a file")
+
+
+def load_jsonl(path: str | Path) -> list[MathProblem]:
+    """Read ``{"question": str, "answer": number or numeric string}`` lines."""
+    problems = []
+    for line_no, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        record = json.loads(line)
+        if "question" not in record or "answer" not in record:
+            raise ValueError(f"{path}:{line_no}: each line needs 'question' and 'answer'")
+        answer, ok = last_number(str(record["answer"]))
+        if not ok:
+            raise ValueError(f"{path}:{line_no}: answer {record['answer']!r} is not a number")
+        problems.append(MathProblem(str(record["question"]), answer, "dataset"))
+    return problems
+
+
+def answer_correct(value: float | None, truth: float) -> bool:
+    return value is not None and abs(value - truth) < 1e-6
+
+
+@AGENTS.register("math_solver")
+class MathSolver(Agent):
+    system_prompt = "You are a careful math solver."
+    prompt_template = "{observation}\nEnd your reply with the final answer as a number."
+
+    def parse(self, text: str):
+        return last_number(text)
+
+
+@AGENTS.register("math_verifier")
+class MathVerifier(Agent):
+    system_prompt = "You check solutions to math problems."
+
+    def parse(self, text: str):
+        return verdict(text)
+
+
+@ENVS.register("math")
+class MathEnv(Env):
+    Config = MathConfig
+    agents = ("solver", "verifier")
+    default_agents = {"solver": "math_solver", "verifier": "math_verifier"}
+
+    def __init__(self, task: Task, config: MathConfig) -> None:
+        super().__init__(task, config)
+        self.problem: MathProblem = task.payload
+        self.answer: float | None = None
+        self.answer_text = ""
+        self.rejected: list[str] = []  # answers the verifier rejected, shown to the solver
+        self.num_solver_turns = 0
+
+    @classmethod
+    def generate_tasks(cls, config: MathConfig, *, num_tasks: int, seed: int) -> list[Task]:
+        if config.dataset_path is not None:
+            problems = load_jsonl(config.dataset_path)
+            order = list(range(len(problems)))
+            random.Random(seed).shuffle(order)
+            picks = [order[i % len(order)] for i in range(num_tasks)]
+            return [Task(f"math-file-{j}", problems[j]) for j in picks]
+        rng = random.Random(seed)
+        tasks = []
+        for i in range(num_tasks):
+            kind = config.kinds[i % len(config.kinds)]
+            question, answer = PROBLEM_KINDS[kind](rng)
+            tasks.append(Task(f"math-{seed}-{i}", MathProblem(question, answer, kind)))
+        return tasks
+
+    def active_agents(self) -> list[str]:
+        if self.done:
+            return []
+        return ["solver", "verifier"] if self.config.with_verifier else ["solver"]
+
+    def observe(self, agent: str) -> str:
+        if agent == "solver":
+            if not self.rejected:
+                return self.problem.question
+            last = self.rejected[-1]
+            return f"{self.problem.question}\nA reviewer rejected your previous answer: {last}. Try again."
+        return (
+            f"Problem: {self.problem.question}\nProposed solution: {self.answer_text.strip()}\n"
+            "Is the final answer correct? Reply yes or no."
+        )
+
+    def step(self, agent: str, action) -> StepResult:
+        if agent == "solver":
+            self.answer = action.value if action.valid else None
+            self.answer_text = action.text
+            self.num_solver_turns += 1
+            if not self.config.with_verifier:
+                self.done = True
+            return StepResult(local_reward=float(answer_correct(self.answer, self.problem.answer)))
+        truth = answer_correct(self.answer, self.problem.answer)
+        matched = action.valid and action.value == truth
+        if action.valid and action.value:
+            self.done = True
+        elif action.valid:
+            self.rejected.append(_format_number(self.answer))
+        return StepResult(local_reward=float(matched), feedback="approved" if self.done else "rejected")
+
+    def score(self, agent: str, action) -> float | None:
+        if agent == "solver":
+            return float(action.valid and answer_correct(action.value, self.problem.answer))
+        if agent == "verifier":
+            return float(action.valid and action.value == answer_correct(self.answer, self.problem.answer))
+        return None
+
+    def team_reward(self) -> float:
+        return float(answer_correct(self.answer, self.problem.answer))
+
+
+def _format_number(value: float | None) -> str:
+    if value is None:
+        return "no number"
+    return str(int(value)) if float(value).is_integer() else str(value)

@@ -1,0 +1,204 @@
+"""Orchestras: who acts when, as plain async code over an ``EpisodeContext``.
+
+Each orchestra is a class registered in ``ORCHESTRAS`` with its own validated ``Config``; its
+``run(ctx)`` is ordinary async Python (loops, ifs, ``asyncio.gather``), not a graph DSL. Built-ins:
+
+* ``sequential``: a turn-order FSM; agents act in ``order`` (default: the env's agents), skipping
+  those the env marks inactive, until the env is done or ``max_steps`` agent calls were made.
+* ``router``: the router agent's parsed reply names the next agent; that agent takes a turn;
+  repeat until done, an invalid routing decision, or ``max_hops``.
+* ``solve_verify``: solver turn, verifier turn, repeated up to ``max_loops``; stops early when the
+  env is done (e.g. it accepted the verifier's approval) or the verifier's parsed value equals
+  ``approve_value`` when that is set.
+* ``dag``: ``nodes`` maps each agent to the agents whose outputs it reads; nodes run level by
+  level in topological order, nodes of one level concurrently, each seeing the env's observation
+  followed by its inputs' replies. Env steps of a level are applied in sorted agent order after the
+  level's replies are in, so transitions are deterministic despite concurrency.
+* ``simultaneous``: every active agent acts concurrently on its own observation, then all step
+  (parallel-API games, e.g. PettingZoo parallel envs).
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from megamarl.orchestration.context import Action, EpisodeContext
+from megamarl.registry import Registry
+
+
+@dataclass
+class OrchestraConfig:
+    pass
+
+
+class Orchestra(abc.ABC):
+    Config: ClassVar[type[OrchestraConfig]] = OrchestraConfig
+
+    def __init__(self, config: OrchestraConfig | None = None) -> None:
+        self.config = config if config is not None else self.Config()
+
+    @abc.abstractmethod
+    async def run(self, ctx: EpisodeContext) -> None:
+        """Drive one episode until it is done or out of budget."""
+
+
+ORCHESTRAS: Registry[type[Orchestra]] = Registry("orchestra")
+
+
+def build_orchestra(name: str, **config: Any) -> Orchestra:
+    cls = ORCHESTRAS.get(name, key="orchestra.name")
+    return cls(cls.Config(**config))
+
+
+def _positive(value: int, key: str) -> None:
+    if value < 1:
+        raise ValueError(f"orchestra.{key} must be >= 1, got {value}")
+
+
+@ORCHESTRAS.register("sequential")
+class Sequential(Orchestra):
+    @dataclass
+    class Config(OrchestraConfig):
+        order: tuple[str, ...] = ()  # empty: the env's agents
+        max_steps: int = 16
+
+        def __post_init__(self) -> None:
+            self.order = tuple(self.order)
+            _positive(self.max_steps, "max_steps")
+
+    async def run(self, ctx: EpisodeContext) -> None:
+        order = self.config.order or tuple(ctx.env.agents)
+        num_steps = 0
+        while not ctx.done and num_steps < self.config.max_steps:
+            acted = False
+            for agent in order:
+                if ctx.done or num_steps >= self.config.max_steps:
+                    return
+                if agent not in ctx.env.active_agents():
+                    continue
+                await ctx.turn(agent)
+                num_steps += 1
+                acted = True
+            if not acted:  # nobody in ``order`` may act: the FSM is stuck, end the episode
+                return
+
+
+@ORCHESTRAS.register("router")
+class Router(Orchestra):
+    @dataclass
+    class Config(OrchestraConfig):
+        router: str = "router"
+        max_hops: int = 6
+
+        def __post_init__(self) -> None:
+            _positive(self.max_hops, "max_hops")
+
+    async def run(self, ctx: EpisodeContext) -> None:
+        for _ in range(self.config.max_hops):
+            if ctx.done:
+                return
+            decision = await ctx.turn(self.config.router)
+            if not decision.valid or decision.value not in ctx.agents or ctx.done:
+                return  # an unusable routing decision ends the episode (sample is marked invalid)
+            await ctx.turn(decision.value)
+
+
+@ORCHESTRAS.register("solve_verify")
+class SolveVerify(Orchestra):
+    @dataclass
+    class Config(OrchestraConfig):
+        solver: str = "solver"
+        verifier: str = "verifier"
+        max_loops: int = 3
+        approve_value: Any = None  # None: only the env's done ends the loop early
+
+        def __post_init__(self) -> None:
+            _positive(self.max_loops, "max_loops")
+
+    async def run(self, ctx: EpisodeContext) -> None:
+        for _ in range(self.config.max_loops):
+            if ctx.done:
+                return
+            await ctx.turn(self.config.solver)
+            if ctx.done:
+                return
+            verdict = await ctx.turn(self.config.verifier)
+            approve = self.config.approve_value
+            if approve is not None and verdict.valid and verdict.value == approve:
+                return
+
+
+def topological_levels(nodes: dict[str, tuple[str, ...]]) -> list[list[str]]:
+    """Kahn's algorithm by levels; raises ValueError naming ``orchestra.nodes`` on cycles/unknown inputs."""
+    for node, deps in nodes.items():
+        unknown = [d for d in deps if d not in nodes]
+        if unknown:
+            raise ValueError(f"orchestra.nodes.{node} reads unknown nodes {unknown}; nodes: {sorted(nodes)}")
+    remaining = {node: set(deps) for node, deps in nodes.items()}
+    levels: list[list[str]] = []
+    while remaining:
+        ready = sorted(node for node, deps in remaining.items() if not deps)
+        if not ready:
+            raise ValueError(f"orchestra.nodes has a cycle among {sorted(remaining)}")
+        levels.append(ready)
+        for node in ready:
+            del remaining[node]
+        for deps in remaining.values():
+            deps.difference_update(ready)
+    return levels
+
+
+@ORCHESTRAS.register("dag")
+class Dag(Orchestra):
+    @dataclass
+    class Config(OrchestraConfig):
+        nodes: dict[str, tuple[str, ...]] = field(default_factory=dict)
+        rounds: int = 1
+
+        def __post_init__(self) -> None:
+            if not self.nodes:
+                raise ValueError("orchestra.nodes must map each agent to the agents it reads")
+            self.nodes = {node: tuple(deps) for node, deps in self.nodes.items()}
+            _positive(self.rounds, "rounds")
+            self.levels = topological_levels(self.nodes)
+
+    async def _node(self, ctx: EpisodeContext, agent: str, outputs: dict[str, Action]) -> Action:
+        inputs = "".join(f"\n[{dep}] {outputs[dep].text.strip()}" for dep in self.config.nodes[agent])
+        observation = ctx.env.observe(agent)
+        return await ctx.act(agent, f"{observation}\n\nInputs:{inputs}" if inputs else observation)
+
+    async def run(self, ctx: EpisodeContext) -> None:
+        for _ in range(self.config.rounds):
+            outputs: dict[str, Action] = {}
+            for level in self.config.levels:
+                level = [a for a in level if a in ctx.env.active_agents()]
+                if ctx.done or not level:
+                    return
+                actions = await asyncio.gather(*(self._node(ctx, agent, outputs) for agent in level))
+                for agent, action in zip(level, actions):
+                    outputs[agent] = action
+                    if not ctx.done:
+                        await ctx.step(agent, action)
+
+
+@ORCHESTRAS.register("simultaneous")
+class Simultaneous(Orchestra):
+    @dataclass
+    class Config(OrchestraConfig):
+        max_rounds: int = 8
+
+        def __post_init__(self) -> None:
+            _positive(self.max_rounds, "max_rounds")
+
+    async def run(self, ctx: EpisodeContext) -> None:
+        for _ in range(self.config.max_rounds):
+            active = ctx.env.active_agents()
+            if ctx.done or not active:
+                return
+            observations = {agent: ctx.env.observe(agent) for agent in active}
+            actions = await asyncio.gather(*(ctx.act(agent, observations[agent]) for agent in active))
+            for agent, action in zip(active, actions):
+                await ctx.step(agent, action)

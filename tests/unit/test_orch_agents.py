@@ -1,0 +1,85 @@
+"""Agent configs, the AGENTS registry, plugins, per-agent policy/LoRA/sampling routing."""
+
+import asyncio
+import sys
+
+import pytest
+
+from megamarl.orchestration import AGENTS, Agent, AgentConfig, EnvMaker, build_agents, build_orchestra, run_episodes
+from megamarl.orchestration.agents import first_choice
+from megamarl.orchestration.testing import ScriptedEngine, fixed, smollm2_tokenizer
+from megamarl.registry import import_plugins
+from megamarl.rollout.base import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return smollm2_tokenizer()
+
+
+def test_config_validation_names_keys():
+    with pytest.raises(ValueError, match="prompt_template"):
+        AgentConfig(prompt_template="no placeholder")
+    with pytest.raises(ValueError, match="memory_scope"):
+        AgentConfig(memory_scope="world")
+    with pytest.raises(ValueError, match="tree_k"):
+        AgentConfig(tree_k=0)
+    assert AgentConfig(sampling={"temperature": 0.5, "max_tokens": 8}).sampling == SamplingParams(temperature=0.5, max_tokens=8)
+
+
+def test_build_agents_errors(tok):
+    with pytest.raises(ValueError, match="agents.x.kind"):
+        build_agents({"x": AgentConfig()}, tok)
+    with pytest.raises(ValueError, match="unknown agent agents.x.kind='nope'"):
+        build_agents({"x": AgentConfig(kind="nope")}, tok)
+    with pytest.raises(ValueError, match="no tokenizer"):
+        build_agents({"x": AgentConfig(kind="text", policy="p2")}, {"default": tok})
+    with pytest.raises(ValueError, match="choices"):
+        build_agents({"r": AgentConfig(kind="router")}, tok)
+
+
+def test_eos_is_a_stop_token_and_template_applies(tok):
+    agent = build_agents({"s": AgentConfig(prompt_template="Q: {observation}")}, tok, default_kinds={"s": "math_solver"})["s"]
+    assert tok.eos_token_id in agent.sampling.stop_token_ids
+    assert agent.user_message("1+1") == "Q: 1+1" and agent.system == "You are a careful math solver."
+    assert agent.response_text(tok.encode("x = 2", add_special_tokens=False) + [tok.eos_token_id]) == "x = 2"
+
+
+def test_first_choice_parser():
+    assert first_choice("Let the answerer go, not the searcher", ("searcher", "answerer")) == ("answerer", True)
+    assert first_choice("nobody", ("searcher",)) == (None, False)
+
+
+def test_plugin_registration_and_failing_import(tmp_path, monkeypatch):
+    (tmp_path / "my_agents_plugin.py").write_text(
+        "from megamarl.orchestration import AGENTS, Agent\n"
+        "@AGENTS.register('shouter')\nclass Shouter(Agent):\n    def parse(self, text):\n        return text.upper(), True\n"
+    )
+    (tmp_path / "broken_plugin.py").write_text("import does_not_exist\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import_plugins(["my_agents_plugin"])
+    assert "shouter" in AGENTS
+    with pytest.raises(ImportError, match="broken_plugin"):
+        import_plugins(["broken_plugin"])
+    with pytest.raises(ValueError, match="already registered"):
+        AGENTS.add("shouter", Agent)
+    sys.modules.pop("my_agents_plugin", None)
+
+
+def test_policies_lora_and_sampling_route_per_agent(tok):
+    """L1/L2/L3 mixes: each agent calls its own policy's engine with its adapter and sampling."""
+    maker = EnvMaker("math", kinds=("add1",))
+    configs = {
+        "solver": AgentConfig(policy="base", lora="solver_adapter", sampling=SamplingParams(temperature=0.7, max_tokens=16)),
+        "verifier": AgentConfig(policy="big", sampling=SamplingParams(temperature=0.0, max_tokens=4)),
+    }
+    agents = build_agents(configs, {"base": tok, "big": tok}, default_kinds=maker.default_agents)
+    base, big = ScriptedEngine(tok, fixed("4"), weight_version=3), ScriptedEngine(tok, fixed("yes"), weight_version=9)
+    result = asyncio.run(run_episodes(build_orchestra("solve_verify"), maker, maker.tasks(1), agents=agents,
+                                      engines={"base": base, "big": big}))
+    (_, s_sampling, s_lora), = base.requests
+    (_, v_sampling, v_lora), = big.requests
+    assert (s_lora, s_sampling.temperature, s_sampling.max_tokens) == ("solver_adapter", 0.7, 16)
+    assert (v_lora, v_sampling.temperature) == (None, 0.0)
+    assert [(s.agent, s.policy, s.weight_version) for s in result.samples] == [("solver", "base", 3), ("verifier", "big", 9)]
+    assert all(len(s.rollout_logprobs) == len(s.response_ids) for s in result.samples)
