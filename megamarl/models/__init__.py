@@ -1,1 +1,9 @@
+"""Models: HF <-> Megatron bridge per family, TP-aware LoRA, checkpoints, packaged/tiny models.
 
+- ``bridge``: ``build_model``, ``load_hf_weights``, ``export_hf_weights`` (streaming), ``forward_logits``,
+  ``run_forward_backward``, ``gather_logits``.
+- ``registry.MODEL_FAMILIES``: HF ``model_type`` -> family folder (``llama``, ``qwen2``, ``qwen3``).
+- ``lora``: per-agent adapters on one frozen base, PEFT export.
+- ``checkpoint``: ``dist_checkpointing`` (torch_dist) save/load of model + AdamW state, any layout.
+- ``convert``: ``python -m megamarl.models.convert`` HF <-> Megatron CLI.
+"""

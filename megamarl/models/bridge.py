@@ -1,0 +1,292 @@
+"""HF <-> Megatron bridge: build a worker group's sharded ``GPTModel`` from an HF config, load HF
+weights into it, stream it back out as HF-named full tensors, and run it.
+
+Who does what, for a WG with layout TP x PP x DP:
+
+- ``build_model`` / ``load_hf_weights`` run on every rank of the WG; each rank builds and fills only
+  its own stage and TP shard (loading reads the HF tensors it needs, no communication).
+- ``export_hf_weights`` is a generator that yields ``(hf_name, full_tensor)`` one tensor at a time.
+  Every rank of a PP stage yields that stage's tensors (stage 0: ``model.embed_tokens``; its
+  layers under their *global* ``model.layers.{i}`` names; last stage: ``model.norm`` and, when
+  untied, ``lm_head``), TP-gathered over the WG's TP group, so TP peers yield identical tensors
+  and must iterate in lockstep. DP replicas hold identical weights: ranks with ``dp_rank > 0`` may
+  skip iterating (their TP groups are their own). ``is_sender(wg)`` (tp_rank 0 and dp_rank 0)
+  marks the one rank per stage that should push tensors to engines or disk.
+- ``model_forward`` runs one stage's forward with an explicit causal mask (megatron-core's local
+  attention needs it); ``run_forward_backward`` runs megatron-core's pipeline schedule for any PP.
+
+Model code never calls ``torch.distributed`` with the default group: collectives go over the WG's
+groups (``wg.pgs``), passed in by the caller.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import partial
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+
+from megamarl.models.mapping import LORA_MARKER, TP_KINDS, hf_from_shards, rule_for, shard_from_hf
+from megamarl.models.registry import arch_from_hf
+from megamarl.models.spec import DecoderArch, gpt_model_kwargs, layer_spec, transformer_config
+
+
+# ---- config and model ------------------------------------------------------------------------------
+
+
+def load_hf_config(source):
+    """An HF ``PretrainedConfig`` from a config object, a model, or a checkpoint directory."""
+    from transformers import AutoConfig, PretrainedConfig
+
+    if isinstance(source, PretrainedConfig):
+        return source
+    if hasattr(source, "config") and isinstance(source.config, PretrainedConfig):
+        return source.config
+    return AutoConfig.from_pretrained(str(source))
+
+
+def build_model(hf_config, wg, *, seed: int = 0, dtype: torch.dtype = torch.float32, init_weights: bool = True,
+                use_te: bool | None = None, vocab_multiple: int = 1, **config_overrides):
+    """This rank's stage/TP shard of a megatron-core ``GPTModel`` for ``hf_config`` in WG ``wg``.
+
+    ``init_weights=False`` skips random init (faster; use when ``load_hf_weights`` follows).
+    The ``DecoderArch`` is attached as ``model.hf_arch`` for the weight mapping.
+    """
+    from megatron.core import tensor_parallel
+    from megatron.core.models.gpt import GPTModel
+
+    hf_config = load_hf_config(hf_config)
+    arch = arch_from_hf(hf_config)
+    layout = wg.layout
+    layout.check_model(num_heads=arch.num_heads, num_kv_heads=arch.num_kv_heads, num_layers=arch.num_layers)
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed, tp_rank=wg.tp_rank, ep_rank=0, etp_rank=0)
+    config = transformer_config(arch, tp=layout.tp, pp=layout.pp, dtype=dtype, init_weights=init_weights,
+                                **config_overrides)
+    model = GPTModel(
+        config, layer_spec(arch, use_te=use_te), pre_process=wg.is_first_stage, post_process=wg.is_last_stage,
+        pg_collection=wg.pgs, **gpt_model_kwargs(arch, tp=layout.tp, vocab_multiple=vocab_multiple),
+    )
+    model.hf_arch = arch
+    return model
+
+
+def unwrap(model):
+    """The ``GPTModel`` inside DDP / Float16Module wrappers."""
+    while not hasattr(model, "hf_arch") and hasattr(model, "module"):
+        model = model.module
+    if not hasattr(model, "hf_arch"):
+        raise ValueError("not a model built by megamarl.models.bridge.build_model (no hf_arch)")
+    return model
+
+
+def is_sender(wg) -> bool:
+    """The rank of each PP stage that pushes exported tensors (tp_rank 0, dp_rank 0)."""
+    return wg.tp_rank == 0 and wg.dp_rank == 0
+
+
+# ---- HF tensors in ---------------------------------------------------------------------------------
+
+
+class HFTensorSource:
+    """Read HF tensors by name from a state dict or a safetensors checkpoint directory (lazily)."""
+
+    def __init__(self, source):
+        self._dict = None
+        self._files: dict[str, Path] = {}
+        if isinstance(source, dict):
+            self._dict = source
+            return
+        path = Path(source)
+        index = path / "model.safetensors.index.json"
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            self._files = {name: path / file for name, file in weight_map.items()}
+        else:
+            from safetensors import safe_open
+
+            file = path / "model.safetensors"
+            if not file.is_file():
+                raise ValueError(f"{path} holds no model.safetensors(.index.json)")
+            with safe_open(str(file), "pt") as handle:
+                self._files = {name: file for name in handle.keys()}
+
+    def names(self) -> list[str]:
+        return list(self._dict) if self._dict is not None else list(self._files)
+
+    def __contains__(self, name: str) -> bool:
+        return name in (self._dict if self._dict is not None else self._files)
+
+    def get(self, name: str) -> torch.Tensor:
+        if self._dict is not None:
+            return self._dict[name]
+        from safetensors import safe_open
+
+        with safe_open(str(self._files[name]), "pt") as handle:
+            return handle.get_tensor(name)
+
+
+def _base_params(model) -> Iterator[tuple[str, torch.nn.Parameter]]:
+    for name, param in model.named_parameters():
+        if LORA_MARKER not in name:
+            yield name, param
+
+
+def _global_layer(model, local: int | None) -> int | None:
+    return None if local is None else model.decoder.layers[local].layer_number - 1
+
+
+def _hf_names_for(model, name: str):
+    rule, local, _ = rule_for(name)
+    arch: DecoderArch = model.hf_arch
+    names = rule.names(_global_layer(model, local))
+    if name == "output_layer.weight" and arch.tied_embeddings:
+        names = ["model.embed_tokens.weight"]  # the last stage's copy of the tied embedding
+    return rule, names
+
+
+@torch.no_grad()
+def load_hf_weights(model, source, wg) -> None:
+    """Fill this rank's shard from HF tensors: a state dict ``{hf_name: tensor}`` or an HF directory."""
+    model = unwrap(model)
+    hf = source if isinstance(source, HFTensorSource) else HFTensorSource(source)
+    padded_vocab = model.vocab_size
+    for name, param in _base_params(model):
+        rule, hf_names = _hf_names_for(model, name)
+        missing = [n for n in hf_names if n not in hf]
+        if missing:
+            raise KeyError(f"HF checkpoint lacks {missing} (needed for Megatron '{name}')")
+        shard = shard_from_hf(rule, [hf.get(n) for n in hf_names], tp_rank=wg.tp_rank, tp=wg.layout.tp,
+                              arch=model.hf_arch, padded_vocab=padded_vocab)
+        if tuple(shard.shape) != tuple(param.shape):
+            raise ValueError(f"'{name}': HF gives shape {tuple(shard.shape)}, Megatron shard is {tuple(param.shape)}")
+        param.copy_(shard)
+
+
+# ---- HF tensors out --------------------------------------------------------------------------------
+
+
+def tp_all_gather(tensor: torch.Tensor, group) -> list[torch.Tensor]:
+    """All TP ranks' versions of ``tensor`` (same shape everywhere), in TP-rank order."""
+    size = dist.get_world_size(group)
+    if size == 1:
+        return [tensor]
+    tensor = tensor.contiguous()
+    out = [torch.empty_like(tensor) for _ in range(size)]
+    dist.all_gather(out, tensor, group=group)
+    return out
+
+
+@torch.no_grad()
+def export_hf_weights(model, wg, *, source: Callable[[torch.nn.Parameter], torch.Tensor] | None = None,
+                      ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Stream this PP stage's weights as ``(hf_name, full tensor)``, one at a time (see module doc).
+
+    ``source`` picks what to export per parameter (default: the parameter itself); e.g.
+    ``lambda p: p.main_grad`` exports DP-reduced gradients under the same HF names.
+    Tied embeddings are exported once, as ``model.embed_tokens.weight`` by the first stage.
+    """
+    model = unwrap(model)
+    arch: DecoderArch = model.hf_arch
+    source = source or (lambda p: p)
+    for name, param in _base_params(model):
+        if name == "output_layer.weight" and arch.tied_embeddings:
+            continue
+        rule, local, _ = rule_for(name)
+        tensor = source(param).detach()
+        shards = tp_all_gather(tensor, wg.pgs.tp) if rule.kind in TP_KINDS else [tensor]
+        for hf_name, full in zip(rule.names(_global_layer(model, local)), hf_from_shards(rule, shards, arch=arch)):
+            yield hf_name, full
+
+
+def export_hf_grads(model, wg) -> Iterator[tuple[str, torch.Tensor]]:
+    """``export_hf_weights`` over ``param.main_grad`` (DDP) or ``param.grad``."""
+    def grad(p):
+        g = getattr(p, "main_grad", None)
+        g = p.grad if g is None else g
+        return torch.zeros_like(p) if g is None else g
+
+    return export_hf_weights(model, wg, source=grad)
+
+
+# ---- running the model ----------------------------------------------------------------------------
+
+
+def attention_mask_for(input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Megatron's boolean mask (True = masked): causal, plus key padding when ``attention_mask`` [B, T] is given."""
+    seq = input_ids.shape[1]
+    causal = torch.triu(torch.ones(1, 1, seq, seq, dtype=torch.bool, device=input_ids.device), diagonal=1)
+    if attention_mask is None:
+        return causal
+    return causal | ~attention_mask.bool()[:, None, None, :]
+
+
+def default_position_ids(input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    if attention_mask is None:
+        return torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # left padding: real tokens start at 0
+
+
+def model_forward(model, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
+                  attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """One stage's forward: logits [B, T, V_padded/TP] (vocab-parallel) on the last stage, hidden
+    states [T, B, H] elsewhere (for PP>1 use ``run_forward_backward``)."""
+    if position_ids is None:
+        position_ids = default_position_ids(input_ids, attention_mask)
+    return model(input_ids, position_ids, attention_mask_for(input_ids, attention_mask))
+
+
+def gather_logits(logits: torch.Tensor, wg, *, vocab_size: int) -> torch.Tensor:
+    """Full-vocab logits [..., vocab_size] from vocab-parallel ones (differentiable; padding stripped)."""
+    from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
+
+    if wg.layout.tp > 1:
+        logits = gather_from_tensor_model_parallel_region(logits, group=wg.pgs.tp)
+    return logits[..., :vocab_size]
+
+
+def run_forward_backward(model, wg, microbatches: list[dict], loss_fn: Callable, *, forward_only: bool = False):
+    """megatron-core's schedule over ``microbatches`` (dicts with ``input_ids`` [B, T] and optional
+    ``position_ids``/``attention_mask``; same shape each); works for PP=1 and PP>1.
+
+    ``loss_fn(logits, microbatch) -> (loss, info_dict)`` runs on the last stage with vocab-parallel
+    logits; the loss is divided by the number of microbatches (megatron-core's convention) before
+    backward. Returns the list of ``info_dict`` per microbatch on the last stage, [] elsewhere.
+    """
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+
+    inner = unwrap(model)
+    batch_size, seq_len = microbatches[0]["input_ids"].shape
+
+    def forward_step(data_iterator, module):
+        batch = next(data_iterator)
+        output = model_forward(module, batch["input_ids"], batch.get("position_ids"), batch.get("attention_mask"))
+        return output, partial(loss_fn, microbatch=batch)
+
+    kwargs = dict(pg_collection=wg.pgs)
+    if wg.layout.pp > 1:
+        kwargs["p2p_communicator"] = P2PCommunicator(wg.pgs.pp, inner.config)
+    schedule = get_forward_backward_func(pp_size=wg.layout.pp, vp_size=None)
+    return schedule(
+        forward_step_func=lambda it, m: forward_step(it, m), data_iterator=iter(microbatches), model=[model],
+        num_microbatches=len(microbatches), seq_length=seq_len, micro_batch_size=batch_size,
+        forward_only=forward_only, **kwargs,
+    )
+
+
+def forward_logits(model, wg, input_ids: torch.Tensor, *, attention_mask: torch.Tensor | None = None,
+                   position_ids: torch.Tensor | None = None) -> torch.Tensor | None:
+    """Full-vocab logits [B, T, V] for any TP/PP (no grad): on last-stage ranks; None elsewhere."""
+    vocab = unwrap(model).hf_arch.vocab_size
+
+    def collect(logits, microbatch):
+        return logits.sum() * 0.0, {"logits": gather_logits(logits, wg, vocab_size=vocab).detach()}
+
+    batch = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
+    with torch.no_grad():
+        out = run_forward_backward(model, wg, [batch], collect, forward_only=True)
+    return out[0]["logits"] if wg.is_last_stage else None

@@ -1,0 +1,118 @@
+"""Save and load a worker group's model (and optimizer state) with megatron-core ``dist_checkpointing``
+in the ``torch_dist`` format, so a checkpoint written at one TP x PP x DP layout loads at any other.
+
+Model: ``GPTModel.sharded_state_dict`` (global tensor keys with the layer axis and TP slices as
+offsets; tied output layers are replicas of the embedding), built with the WG's DP group.
+
+Optimizer: megatron-core's optimizers hard-code CUDA tensors, so on CPU we train with a plain
+``torch.optim.AdamW`` (or Adam) over the model parameters. Its per-parameter state tensors
+(``exp_avg``, ``exp_avg_sq``) have the parameter's shape and sharding, so each is saved as a
+``ShardedTensor`` that copies its parameter's sharding metadata under the key
+``optimizer.state.<state>.<param key>`` (megatron-core's ``optim_state_to_sharding_state``); the
+scalar ``step`` is saved once as a ``ShardedObject``; hyper-parameters (``param_groups``) are not
+saved: they come from the config of the run that loads. On GPUs with megatron-core's own optimizer
+use its ``sharded_state_dict`` instead.
+
+Collectives: megatron-core 0.16's ``dist_checkpointing.save/load`` run over the *whole world*
+(global rank 0 writes the metadata). So ``save_checkpoint``/``load_checkpoint`` are collective
+over all ranks: ranks outside the WG call them with ``model=None`` (they contribute nothing).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+STEP_KEY = "optimizer.step"
+
+
+def model_sharded_state_dict(model, wg) -> dict:
+    from megatron.core import parallel_state
+
+    from megamarl.models.bridge import unwrap
+
+    # megatron-core 0.16 gap: with tied embeddings on a last stage that is not also the first
+    # (PP>1), LanguageModule.tie_embeddings_and_output_weights_state_dict asks the *global*
+    # parallel_state for the DP rank, which per-WG process groups never initialise. Answer from
+    # the WG's group for the duration of the call.
+    saved = parallel_state.get_data_parallel_rank
+    parallel_state.get_data_parallel_rank = lambda *args, **kwargs: wg.pgs.dp_cp.rank()
+    try:
+        return unwrap(model).sharded_state_dict(metadata={"dp_cp_group": wg.pgs.dp_cp})
+    finally:
+        parallel_state.get_data_parallel_rank = saved
+
+
+def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Give every parameter Adam(W) state (zeros, step 0) so it can serve as a load template."""
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            state = optimizer.state[param]
+            if not state:
+                state["step"] = torch.tensor(0.0)
+                state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+
+
+def _optimizer_step(optimizer) -> float:
+    steps = {float(s["step"]) for s in optimizer.state.values() if "step" in s}
+    if len(steps) > 1:
+        raise ValueError(f"parameters are at different optimizer steps {sorted(steps)}: cannot save one step")
+    return steps.pop() if steps else 0.0
+
+
+def optimizer_sharded_state_dict(model_ssd: dict, optimizer: torch.optim.Optimizer, wg) -> dict:
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+    from megatron.core.dist_checkpointing.optimizer import (
+        get_param_id_to_sharded_param_map,
+        optim_state_to_sharding_state,
+    )
+
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    id_map = get_param_id_to_sharded_param_map(model_ssd, params)
+    state = optimizer.state_dict()
+    optim_state_to_sharding_state(state, id_map, exclude_keys=("step",))
+    first = wg.tp_rank == 0 and wg.pp_rank == 0 and wg.dp_rank == 0
+    step = ShardedObject(STEP_KEY, _optimizer_step(optimizer), (1,), (0,), replica_id=0 if first else 1)
+    return {"optimizer": state, "step": step}
+
+
+def save_checkpoint(path: str | Path, model, wg, *, optimizer: torch.optim.Optimizer | None = None) -> None:
+    """Write this WG's model (+ optimizer) shards to ``path``. Collective over all ranks (see module doc)."""
+    from megatron.core import dist_checkpointing
+
+    Path(path).mkdir(parents=True, exist_ok=True)
+    state = {}
+    if model is not None:
+        state["model"] = model_sharded_state_dict(model, wg)
+        if optimizer is not None:
+            state.update(optimizer_sharded_state_dict(state["model"], optimizer, wg))
+    dist_checkpointing.save(state, str(path))
+
+
+def load_checkpoint(path: str | Path, model, wg, *, optimizer: torch.optim.Optimizer | None = None) -> None:
+    """Load ``path`` into this rank's shards (any layout). Collective over all ranks (see module doc)."""
+    from megatron.core import dist_checkpointing
+
+    from megamarl.models.bridge import unwrap
+
+    template = {}
+    if model is not None:
+        template["model"] = model_sharded_state_dict(model, wg)
+        if optimizer is not None:
+            init_optimizer_state(optimizer)
+            template.update(optimizer_sharded_state_dict(template["model"], optimizer, wg))
+    loaded = dist_checkpointing.load(template, str(path))
+    if model is None:
+        return
+    result = unwrap(model).load_state_dict(loaded["model"], strict=False)
+    missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
+    if missing or result.unexpected_keys:
+        raise RuntimeError(f"checkpoint {path}: missing {missing}, unexpected {result.unexpected_keys}")
+    if optimizer is not None:
+        optim_state = loaded["optimizer"]
+        optim_state["param_groups"] = optimizer.state_dict()["param_groups"]
+        for param_state in optim_state["state"].values():
+            param_state["step"] = torch.tensor(float(loaded["step"]))
+        optimizer.load_state_dict(optim_state)

@@ -1,0 +1,143 @@
+"""Convert checkpoints between Hugging Face and Megatron (megatron-core ``dist_checkpointing``).
+
+    python -m megamarl.models.convert --from hf --to megatron --tp 2 --pp 2 SRC_HF_DIR DST
+    python -m megamarl.models.convert --from megatron --to hf [--tp 1 --pp 1] SRC DST_HF_DIR
+
+Megatron side (``DST`` of the first command): ``config.json`` and tokenizer files copied from the
+HF directory, plus ``megatron/`` holding the ``torch_dist`` sharded checkpoint of the model. Because
+``dist_checkpointing`` stores global tensors with their shard offsets, the ``--tp/--pp`` of the
+second command (the layout the checkpoint is *loaded* at) need not match the one it was saved at.
+
+Ranks: by default the command spawns ``tp * pp`` local CPU/gloo ranks with
+``megamarl.parallel.launch.run_ranks``. Under ``torchrun --nproc_per_node tp*pp -m
+megamarl.models.convert ...`` (``RANK`` set) it runs in place on the launched ranks instead (GPUs:
+NCCL). The HF output is one safetensors file per pipeline stage (written by that stage's
+tp_rank-0 rank) plus ``model.safetensors.index.json``; a single stage writes ``model.safetensors``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+MEGATRON_SUBDIR = "megatron"
+_COPY_SKIP = (".safetensors", ".bin", ".pt", ".index.json")
+
+
+def _copy_side_files(src: Path, dst: Path) -> None:
+    """config, tokenizer, generation config... everything that is not a weight file."""
+    dst.mkdir(parents=True, exist_ok=True)
+    for file in src.iterdir():
+        if file.is_file() and not file.name.endswith(_COPY_SKIP):
+            shutil.copy2(file, dst / file.name)
+
+
+def _progress(iterable, *, total: int, desc: str, enabled: bool):
+    if not enabled:
+        return iterable
+    from tqdm import tqdm
+
+    return tqdm(iterable, total=total, desc=desc, file=sys.stderr, dynamic_ncols=True)
+
+
+def _worker_group(tp: int, pp: int):
+    import torch.distributed as dist
+
+    from megamarl.parallel.placement import PlacementConfig, WorkerGroupLayout, build_worker_groups
+
+    layout = WorkerGroupLayout(ranks=list(range(dist.get_world_size())), tp=tp, pp=pp)
+    return build_worker_groups(PlacementConfig({"convert": layout}))["convert"]
+
+
+def hf_to_megatron(rank: int, src: str, dst: str, tp: int, pp: int) -> None:
+    """Body on each rank: build the sharded model, fill it from ``src`` (HF), save ``dst/megatron``."""
+    from megamarl.models import bridge, checkpoint
+
+    wg = _worker_group(tp, pp)
+    model = bridge.build_model(src, wg, init_weights=False)
+    bridge.load_hf_weights(model, src, wg)
+    if rank == 0:
+        print(f"saving torch_dist checkpoint (tp={tp}, pp={pp}) to {dst}/{MEGATRON_SUBDIR}", file=sys.stderr)
+    checkpoint.save_checkpoint(Path(dst) / MEGATRON_SUBDIR, model, wg)
+
+
+def megatron_to_hf(rank: int, src: str, dst: str, tp: int, pp: int) -> list[str]:
+    """Body on each rank: load ``src/megatron`` at tp x pp, stream HF tensors, senders write files."""
+    from safetensors.torch import save_file
+
+    from megamarl.models import bridge, checkpoint
+    from megamarl.models.mapping import hf_param_names
+
+    wg = _worker_group(tp, pp)
+    model = bridge.build_model(src, wg, init_weights=False)
+    checkpoint.load_checkpoint(Path(src) / MEGATRON_SUBDIR, model, wg)
+    sender = bridge.is_sender(wg)
+    total = len(hf_param_names(bridge.unwrap(model).hf_arch))
+    stream = _progress(bridge.export_hf_weights(model, wg), total=total, desc=f"stage {wg.pp_rank} -> HF",
+                       enabled=sender)
+    tensors = {name: tensor.contiguous() for name, tensor in stream}
+    if not sender:
+        return []
+    file = "model.safetensors" if pp == 1 else f"model-{wg.pp_rank + 1:05d}-of-{pp:05d}.safetensors"
+    save_file(tensors, str(Path(dst) / file), metadata={"format": "pt"})
+    return [f"{file}\t{name}" for name in tensors]
+
+
+def _run(body, world: int, *args) -> list:
+    if "RANK" in os.environ:  # under torchrun: this process is one of the ranks
+        from megamarl.parallel.distributed import init_distributed
+
+        init_distributed()
+        import torch.distributed as dist
+
+        if dist.get_world_size() != world:
+            raise ValueError(f"torchrun world size {dist.get_world_size()} != tp*pp = {world}")
+        return [body(dist.get_rank(), *args)]
+    from megamarl.parallel.launch import run_ranks
+
+    return run_ranks(body, world, *args, timeout_s=3600)
+
+
+def convert(src: str | Path, dst: str | Path, *, from_format: str, to_format: str, tp: int = 1, pp: int = 1) -> Path:
+    """Library entry point of the CLI (same arguments); returns ``dst``."""
+    src, dst = Path(src), Path(dst)
+    if (from_format, to_format) not in (("hf", "megatron"), ("megatron", "hf")):
+        raise ValueError(f"--from {from_format} --to {to_format} unsupported; allowed: hf->megatron, megatron->hf")
+    if not (src / "config.json").is_file():
+        raise ValueError(f"{src} has no config.json")
+    _copy_side_files(src, dst)
+    if from_format == "hf":
+        _run(hf_to_megatron, tp * pp, str(src), str(dst), tp, pp)
+        (dst / "megamarl_convert.json").write_text(json.dumps({"saved_tp": tp, "saved_pp": pp}))
+        return dst
+    (dst / "megamarl_convert.json").unlink(missing_ok=True)
+    lines = [line for rank_lines in _run(megatron_to_hf, tp * pp, str(src), str(dst), tp, pp) for line in rank_lines]
+    if pp > 1 and lines:
+        weight_map = dict(reversed(line.split("\t")) for line in lines)
+        (dst / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2))
+    return dst
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="megamarl-convert", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--from", dest="from_format", choices=["hf", "megatron"], required=True)
+    parser.add_argument("--to", dest="to_format", choices=["hf", "megatron"], required=True)
+    parser.add_argument("--tp", type=int, default=1, help="tensor parallel size of the ranks doing the conversion")
+    parser.add_argument("--pp", type=int, default=1, help="pipeline parallel size of the ranks doing the conversion")
+    parser.add_argument("src")
+    parser.add_argument("dst")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("PYTHONWARNINGS", "ignore")
+    # Through the importable module, not __main__: spawned ranks unpickle the rank bodies by name.
+    from megamarl.models.convert import convert
+
+    out = convert(args.src, args.dst, from_format=args.from_format, to_format=args.to_format, tp=args.tp, pp=args.pp)
+    print(f"wrote {out}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

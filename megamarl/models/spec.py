@@ -1,0 +1,133 @@
+"""What every decoder family shares: the architecture facts read from an HF config, and how they
+become a megatron-core ``TransformerConfig``, a layer spec and ``GPTModel`` arguments.
+
+A family (``megamarl/models/<family>/``) only turns its HF config into a ``DecoderArch`` (and
+rejects what it cannot express); everything downstream (Megatron config, weight mapping, LoRA,
+checkpoints) reads the ``DecoderArch``. The Megatron side is always the same pre-norm decoder:
+RMSNorm, rotary embeddings (non-interleaved, like HF's ``rotate_half``), SwiGLU MLP, GQA, optional
+QKV bias (Qwen2) and per-head RMSNorm on queries and keys (Qwen3).
+
+Layer spec: megatron-core's local spec (plain torch modules) when Transformer Engine is absent or
+there is no CUDA device (this machine); the Transformer Engine spec on GPUs with TE installed.
+Both specs have the same parameter layout (TE fuses the pre-norms into the next linear:
+``linear_qkv.layer_norm_weight`` / ``linear_fc1.layer_norm_weight``, handled by the weight mapping).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class DecoderArch:
+    """The HF-config facts a llama-style decoder needs; built by a family's ``arch_from_hf``."""
+
+    family: str
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    ffn_hidden_size: int
+    vocab_size: int
+    max_position_embeddings: int
+    norm_eps: float
+    rope_theta: float
+    rope_scaling_factor: float | None = None  # llama3-style rope scaling (megatron: factor only)
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    tied_embeddings: bool = False
+
+    def padded_vocab_size(self, tp: int, *, multiple: int = 1) -> int:
+        """Vocab rows on the Megatron side: a multiple of ``tp * multiple`` (extra rows are zeros)."""
+        step = tp * multiple
+        return -(-self.vocab_size // step) * step
+
+
+def rope_from_hf(hf_config) -> tuple[float, float | None]:
+    """(theta, llama3 scaling factor or None) from an HF config (transformers 4.x or 5.x layout)."""
+    params = dict(getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {})
+    theta = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "default":
+        return float(theta), None
+    if rope_type == "llama3":
+        # megatron-core's RotaryEmbedding hard-codes the Llama-3.1 constants except the factor.
+        fixed = dict(low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)
+        bad = {k: params.get(k) for k, v in fixed.items() if k in params and float(params[k]) != v}
+        if bad:
+            raise ValueError(f"rope_parameters {bad} unsupported: megatron-core fixes them to {fixed}")
+        return float(theta), float(params.get("factor", 8.0))
+    raise ValueError(f"rope_type='{rope_type}' unsupported; allowed: ['default', 'llama3']")
+
+
+def transformer_engine_available() -> bool:
+    return torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
+
+
+def transformer_config(arch: DecoderArch, *, tp: int = 1, pp: int = 1, dtype: torch.dtype = torch.float32,
+                       init_weights: bool = True, **overrides):
+    """megatron-core ``TransformerConfig`` for ``arch`` at ``tp`` x ``pp`` (no sequence parallel)."""
+    from megatron.core.transformer import TransformerConfig
+
+    kwargs = dict(
+        num_layers=arch.num_layers,
+        hidden_size=arch.hidden_size,
+        num_attention_heads=arch.num_heads,
+        num_query_groups=arch.num_kv_heads,
+        kv_channels=arch.head_dim,
+        ffn_hidden_size=arch.ffn_hidden_size,
+        normalization="RMSNorm",
+        layernorm_epsilon=arch.norm_eps,
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        add_bias_linear=False,
+        add_qkv_bias=arch.qkv_bias,
+        qk_layernorm=arch.qk_norm,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        use_cpu_initialization=not torch.cuda.is_available(),
+        perform_initialization=init_weights,
+        attention_softmax_in_fp32=True,
+        sequence_parallel=False,
+        gradient_accumulation_fusion=False,
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+    )
+    kwargs.update(overrides)
+    return TransformerConfig(**kwargs)
+
+
+def layer_spec(arch: DecoderArch, *, use_te: bool | None = None):
+    """The transformer-layer ``ModuleSpec``: TE on GPUs with transformer_engine, local otherwise."""
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    use_te = transformer_engine_available() if use_te is None else use_te
+    if use_te:
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=arch.qk_norm)
+    return gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=arch.qk_norm, normalization="RMSNorm")
+
+
+def gpt_model_kwargs(arch: DecoderArch, *, tp: int, vocab_multiple: int = 1) -> dict:
+    """``GPTModel`` constructor arguments other than config, spec and process groups."""
+    return dict(
+        vocab_size=arch.padded_vocab_size(tp, multiple=vocab_multiple),
+        max_sequence_length=arch.max_position_embeddings,
+        position_embedding_type="rope",
+        rotary_base=arch.rope_theta,
+        rope_scaling=arch.rope_scaling_factor is not None,
+        rope_scaling_factor=arch.rope_scaling_factor or 8.0,
+        share_embeddings_and_output_weights=arch.tied_embeddings,
+        parallel_output=True,
+    )
