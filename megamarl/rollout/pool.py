@@ -1,0 +1,250 @@
+"""``EnginePool``: several replicas of one policy behind the ``Engine`` protocol.
+
+Routing: each request goes to the live replica with the fewest requests in flight (ties rotate).
+Failure: a replica whose request raises ``ConnectionError`` (an unreachable disaggregated server)
+or whose ``health()`` fails is marked dead, the request is retried on another replica, and the
+replica is rebuilt by ``factory(index)`` in the background. A rebuilt replica starts from its
+checkpoint, so it only takes traffic again once its ``weight_version`` equals the pool's: at once
+when ``weights_provider`` can re-send the current weights, otherwise at the next update.
+
+Weight updates fan out to every replica as one barrier: the pool stops admitting, every replica
+pauses and drains, the single weight stream is teed to all replicas concurrently (bounded queues,
+never materialised), caches are flushed, then everything resumes at the new version. A request
+therefore never sees a replica with half-updated weights, and all replicas answer with the same
+``weight_version``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import queue
+import threading
+from typing import Callable, Iterable, Iterator
+
+import torch
+
+from megamarl.rollout.base import Engine, Generation, SamplingParams
+from megamarl.rollout.batching import AdmissionGate
+
+_DONE = object()
+
+
+class NoLiveReplicaError(RuntimeError):
+    pass
+
+
+class EnginePool(Engine):
+    def __init__(
+        self,
+        factory: Callable[[int], Engine],
+        num_replicas: int,
+        *,
+        max_attempts: int = 3,
+        weights_provider: Callable[[], Iterable[tuple[str, torch.Tensor]]] | None = None,
+    ) -> None:
+        if num_replicas < 1:
+            raise ValueError(f"num_replicas must be >= 1, got {num_replicas}")
+        self.factory = factory
+        self.max_attempts = max_attempts
+        self.weights_provider = weights_provider
+        self.replicas: list[Engine] = [factory(i) for i in range(num_replicas)]
+        self.in_flight = [0] * num_replicas
+        self.live = [True] * num_replicas
+        self.num_restarts = [0] * num_replicas
+        self.weight_version = 0
+        self._gate = AdmissionGate()
+        self._lock = threading.RLock()  # replica table
+        self._update_lock = threading.Lock()
+        self._restarting: set[int] = set()
+        self.restart_errors: list[tuple[int, BaseException]] = []
+        self._rotation = itertools.count()
+
+    # -- routing ---------------------------------------------------------------------------------
+
+    def _pick(self, exclude: set[int]) -> int:
+        with self._lock:
+            ready = [
+                i for i in range(len(self.replicas))
+                if self.live[i] and i not in exclude and self.replicas[i].weight_version == self.weight_version
+            ]
+            if not ready:
+                raise NoLiveReplicaError(
+                    f"no live replica at weight_version {self.weight_version} "
+                    f"(live={self.live}, restarting={sorted(self._restarting)})"
+                )
+            start = next(self._rotation)
+            ready.sort(key=lambda i: (self.in_flight[i], (i - start) % len(self.replicas)))
+            choice = ready[0]
+            self.in_flight[choice] += 1
+            return choice
+
+    async def generate(
+        self, prompt_ids: list[int], sampling: SamplingParams, *, lora: str | None = None
+    ) -> list[Generation]:
+        tried: set[int] = set()
+        last_error: BaseException | None = None
+        for _ in range(self.max_attempts):
+            await self._gate.wait()
+            try:
+                index = self._pick(tried)
+            except NoLiveReplicaError:
+                if last_error is not None:
+                    break
+                raise
+            replica = self.replicas[index]
+            try:
+                return await replica.generate(prompt_ids, sampling, lora=lora)
+            except ConnectionError as exc:
+                last_error = exc
+                tried.add(index)
+                self._mark_dead(index, replica)
+            finally:
+                with self._lock:
+                    self.in_flight[index] -= 1
+        raise NoLiveReplicaError(f"request failed on replicas {sorted(tried)}: {last_error!r}") from last_error
+
+    # -- failure handling ------------------------------------------------------------------------
+
+    def _mark_dead(self, index: int, replica: Engine) -> None:
+        with self._lock:
+            if self.replicas[index] is not replica or index in self._restarting:
+                return  # already handled
+            self.live[index] = False
+            self._restarting.add(index)
+        threading.Thread(target=self._restart, args=(index, replica), daemon=True).start()
+
+    def _restart(self, index: int, dead: Engine) -> None:
+        try:
+            dead.shutdown()
+        except Exception:  # noqa: BLE001 - the replica is already gone
+            pass
+        try:
+            fresh = self.factory(index)
+        except Exception as exc:  # noqa: BLE001 - stays dead; routing skips it, check_health retries
+            self.restart_errors.append((index, exc))
+            with self._lock:
+                self._restarting.discard(index)
+            return
+        try:
+            with self._update_lock:  # no weight update may interleave with the resync
+                if self.weight_version != fresh.weight_version and self.weights_provider is not None:
+                    fresh.update_weights(self.weights_provider(), version=self.weight_version)
+                with self._lock:
+                    self.replicas[index] = fresh
+                    self.live[index] = True
+                    self.num_restarts[index] += 1
+        finally:
+            with self._lock:
+                self._restarting.discard(index)
+
+    def check_health(self) -> list[bool]:
+        """Probe every live replica; dead ones are restarted. Returns the health seen."""
+        seen = []
+        for index, replica in enumerate(list(self.replicas)):
+            ok = self.live[index] and replica.health()
+            if not ok:
+                self._mark_dead(index, replica)
+            seen.append(ok)
+        return seen
+
+    def wait_restarts(self, timeout_s: float = 300.0) -> None:
+        deadline = threading.Event()
+        for _ in range(int(timeout_s / 0.05)):
+            if not self._restarting:
+                return
+            deadline.wait(0.05)
+        raise TimeoutError(f"replicas {sorted(self._restarting)} still restarting after {timeout_s}s")
+
+    # -- weights ---------------------------------------------------------------------------------
+
+    def update_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor]], *, version: int, lora: str | None = None
+    ) -> None:
+        with self._update_lock:
+            self._gate.close()
+            try:
+                targets = [r for i, r in enumerate(self.replicas) if self.live[i]]
+                for replica in targets:
+                    replica.pause()
+                errors = _tee_update(targets, weights, version=version, lora=lora)
+                for replica in targets:
+                    replica.flush_cache()
+                    replica.resume()
+                for replica, error in zip(targets, errors):
+                    if isinstance(error, ConnectionError):
+                        self._mark_dead(self.replicas.index(replica), replica)
+                    elif error is not None:
+                        raise error
+                self.weight_version = version
+            finally:
+                self._gate.open()
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    def sleep(self, *, level: int = 1) -> None:
+        for replica in self.replicas:
+            replica.sleep(level=level)
+
+    def wake(self) -> None:
+        for replica in self.replicas:
+            replica.wake()
+
+    def pause(self) -> None:
+        self._gate.close()
+
+    def resume(self) -> None:
+        self._gate.open()
+
+    def flush_cache(self) -> None:
+        for replica in self.replicas:
+            replica.flush_cache()
+
+    def health(self) -> bool:
+        return any(self.live)
+
+    def shutdown(self) -> None:
+        for replica in self.replicas:
+            replica.shutdown()
+
+
+def _tee_update(
+    replicas: list[Engine], weights: Iterable[tuple[str, torch.Tensor]], *, version: int, lora: str | None
+) -> list[BaseException | None]:
+    """Read ``weights`` once and stream it to every replica's ``update_weights`` concurrently."""
+    if len(replicas) == 1:
+        try:
+            replicas[0].update_weights(weights, version=version, lora=lora)
+            return [None]
+        except Exception as exc:  # noqa: BLE001 - reported per replica
+            return [exc]
+    queues = [queue.Queue(maxsize=4) for _ in replicas]
+    errors: list[BaseException | None] = [None] * len(replicas)
+
+    finished = [False] * len(replicas)
+
+    def consume(i: int) -> Iterator[tuple[str, torch.Tensor]]:
+        while (item := queues[i].get()) is not _DONE:
+            yield item
+        finished[i] = True
+
+    def run(i: int) -> None:
+        try:
+            replicas[i].update_weights(consume(i), version=version, lora=lora)
+        except Exception as exc:  # noqa: BLE001
+            errors[i] = exc
+        finally:
+            while not finished[i] and queues[i].get() is not _DONE:  # producer must never block
+                pass
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(replicas))]
+    for t in threads:
+        t.start()
+    for item in weights:
+        for q in queues:
+            q.put(item)
+    for q in queues:
+        q.put(_DONE)
+    for t in threads:
+        t.join()
+    return errors

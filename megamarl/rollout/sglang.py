@@ -1,0 +1,234 @@
+"""``sglang`` engines: a client for the SGLang HTTP server and a thin in-process wrapper.
+
+Protocol followed: SGLang 0.5.x native server (``python/sglang/srt/entrypoints/http_server.py``
+and the request dataclasses in ``managers/io_struct.py``):
+
+- ``POST /generate`` ``{"input_ids": [[...]], "sampling_params": [{...}], "return_logprob": true,
+  "lora_path": name}`` -> one object per input with ``output_ids`` and ``meta_info``
+  (``finish_reason: {"type": "stop"|"length", ...}``, ``output_token_logprobs: [[logprob, id,
+  text], ...]``, ``weight_version``). Sampling keys: temperature, top_p, top_k (-1 off),
+  max_new_tokens, stop_token_ids, sampling_seed.
+- ``POST /update_weights_from_tensor`` ``{"serialized_named_tensors": [str per TP rank],
+  "load_format": null, "flush_cache": true, "weight_version": "7"}``: each string is SGLang's
+  ``MultiprocessingSerializer.serialize(named_tensors, output_str=True)``, i.e. base64 of a
+  ``ForkingPickler`` dump of ``[(name, tensor), ...]`` (tensor handles: same-node only).
+- ``POST /init_weights_update_group`` ``{"master_address", "master_port", "rank_offset",
+  "world_size", "group_name", "backend"}`` then ``POST /update_weights_from_distributed``
+  ``{"names", "dtypes", "shapes", "group_name", "flush_cache", "weight_version"}`` while the trainer
+  broadcasts the tensors from rank 0 of that group (cross-node path).
+- ``POST /release_memory_occupation`` / ``/resume_memory_occupation`` ``{"tags": [...] | null}``,
+  ``POST /pause_generation`` ``{"mode": "abort"|"retract"|"in_place"}``, ``POST
+  /continue_generation``, ``POST /flush_cache``, ``GET /health``. Replies to the weight endpoints
+  are ``{"success": bool, "message": str}``.
+
+SGLang cannot run on the CPU machines this project is developed on, so the client is tested
+against a local server speaking the protocol above (``tests/unit/test_engine_sglang.py``).
+Logprobs: SGLang returns logprobs of the temperature-scaled distribution
+(``--return-logprob`` after temperature); the same quantity as our ``hf``/``vllm`` engines when
+top-k/top-p are off.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+from typing import Any, Iterable
+
+import torch
+
+from megamarl.rollout._http import JSONClient
+from megamarl.rollout.base import ENGINES, Engine, Generation, SamplingParams
+
+
+def serialize_named_tensors(named_tensors: list[tuple[str, torch.Tensor]]) -> str:
+    """SGLang's ``MultiprocessingSerializer.serialize(obj, output_str=True)`` format."""
+    from multiprocessing.reduction import ForkingPickler
+
+    import torch.multiprocessing  # noqa: F401 - registers the tensor reducers with ForkingPickler
+
+    buf = io.BytesIO()
+    ForkingPickler(buf).dump(named_tensors)
+    return base64.b64encode(buf.getvalue()).decode("utf-8")
+
+
+def deserialize_named_tensors(data: str) -> list[tuple[str, torch.Tensor]]:
+    from multiprocessing.reduction import ForkingPickler
+
+    import torch.multiprocessing  # noqa: F401
+
+    return ForkingPickler.loads(base64.b64decode(data))
+
+
+def sglang_sampling(sampling: SamplingParams, sample_index: int) -> dict[str, Any]:
+    params: dict[str, Any] = {
+        "temperature": sampling.temperature,
+        "top_p": sampling.top_p,
+        "top_k": sampling.top_k,
+        "max_new_tokens": sampling.max_tokens,
+        "stop_token_ids": list(sampling.stop_token_ids),
+        "skip_special_tokens": False,
+        "no_stop_trim": True,
+    }
+    if sampling.seed is not None:
+        params["sampling_seed"] = sampling.seed + sample_index
+    return params
+
+
+def _check(reply: Any, what: str) -> Any:
+    if isinstance(reply, dict) and reply.get("success") is False:
+        raise RuntimeError(f"SGLang {what} failed: {reply.get('message')}")
+    return reply
+
+
+@ENGINES.register("sglang")
+class SGLangClient(Engine):
+    """Disaggregated SGLang server at ``base_url`` (``http://host:port``)."""
+
+    def __init__(self, base_url: str, *, timeout_s: float = 600.0, tp_size: int = 1, bucket_bytes: int = 512 * 2**20):
+        self.http = JSONClient(base_url, timeout_s=timeout_s)
+        self.tp_size = tp_size
+        self.bucket_bytes = bucket_bytes
+        self.weight_version = 0
+
+    async def generate(
+        self, prompt_ids: list[int], sampling: SamplingParams, *, lora: str | None = None
+    ) -> list[Generation]:
+        payload: dict[str, Any] = {
+            "input_ids": [list(prompt_ids)] * sampling.n,
+            "sampling_params": [sglang_sampling(sampling, j) for j in range(sampling.n)],
+            "return_logprob": True,
+        }
+        if lora is not None:
+            payload["lora_path"] = [lora] * sampling.n
+        replies = await self.http.apost("/generate", payload)
+        return [self._to_generation(r) for r in (replies if isinstance(replies, list) else [replies])]
+
+    def _to_generation(self, reply: dict) -> Generation:
+        meta = reply["meta_info"]
+        logprobs = [float(lp) for lp, _tok, *_ in meta["output_token_logprobs"]]
+        tokens = reply.get("output_ids") or [int(tok) for _lp, tok, *_ in meta["output_token_logprobs"]]
+        reason = (meta.get("finish_reason") or {}).get("type", "length")
+        version = int(meta.get("weight_version", self.weight_version) or 0)
+        return Generation(list(tokens), logprobs, "stop" if reason == "stop" else "length", version)
+
+    # -- weights ---------------------------------------------------------------------------------
+
+    def update_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor]], *, version: int, lora: str | None = None
+    ) -> None:
+        """Send tensors in buckets through ``/update_weights_from_tensor`` (same-node servers)."""
+        if lora is not None:
+            raise NotImplementedError("SGLangClient: LoRA updates go through /load_lora_adapter (not wired yet)")
+        bucket: list[tuple[str, torch.Tensor]] = []
+        size = 0
+        for name, tensor in weights:
+            bucket.append((name, tensor.detach().contiguous()))
+            size += tensor.numel() * tensor.element_size()
+            if size >= self.bucket_bytes:
+                self._send_bucket(bucket, version=None)
+                bucket, size = [], 0
+        self._send_bucket(bucket, version=version)  # the last bucket flushes and stamps the version
+        self.weight_version = version
+
+    def _send_bucket(self, bucket: list[tuple[str, torch.Tensor]], *, version: int | None) -> None:
+        serialized = serialize_named_tensors(bucket)
+        payload = {
+            "serialized_named_tensors": [serialized] * self.tp_size,
+            "load_format": None,
+            "flush_cache": version is not None,
+            "weight_version": None if version is None else str(version),
+        }
+        _check(self.http.post("/update_weights_from_tensor", payload), "update_weights_from_tensor")
+
+    def init_weights_update_group(
+        self, *, master_address: str, master_port: int, rank_offset: int, world_size: int,
+        group_name: str = "weight_update_group", backend: str = "nccl",
+    ) -> None:
+        payload = dict(
+            master_address=master_address, master_port=master_port, rank_offset=rank_offset,
+            world_size=world_size, group_name=group_name, backend=backend,
+        )
+        _check(self.http.post("/init_weights_update_group", payload), "init_weights_update_group")
+
+    def update_weights_from_distributed(
+        self, names: list[str], dtypes: list[str], shapes: list[list[int]], *, version: int,
+        group_name: str = "weight_update_group", flush_cache: bool = True,
+    ) -> None:
+        """Announce a broadcast; the caller broadcasts the tensors on the group concurrently."""
+        payload = dict(
+            names=names, dtypes=dtypes, shapes=shapes, group_name=group_name,
+            flush_cache=flush_cache, weight_version=str(version),
+        )
+        _check(self.http.post("/update_weights_from_distributed", payload), "update_weights_from_distributed")
+        self.weight_version = version
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    def sleep(self, *, level: int = 1) -> None:
+        tags = None if level >= 2 else ["kv_cache"]
+        self.http.post("/release_memory_occupation", {"tags": tags})
+
+    def wake(self) -> None:
+        self.http.post("/resume_memory_occupation", {"tags": None})
+
+    def pause(self) -> None:
+        self.http.post("/pause_generation", {"mode": "in_place"})
+
+    def resume(self) -> None:
+        self.http.post("/continue_generation", {})
+
+    def flush_cache(self) -> None:
+        self.http.post("/flush_cache")
+
+    def health(self) -> bool:
+        try:
+            self.http.get("/health", timeout_s=5)
+            return True
+        except Exception:  # noqa: BLE001 - any failure means unhealthy
+            return False
+
+    def shutdown(self) -> None:
+        self.http.close()
+
+
+@ENGINES.register("sglang_inprocess")
+class SGLangEngine(Engine):
+    """In-process ``sglang.Engine`` (needs the ``sglang`` package and a GPU)."""
+
+    def __init__(self, model: str, **engine_kwargs: Any) -> None:
+        try:
+            import sglang
+        except ImportError as exc:
+            raise ImportError(
+                "SGLangEngine needs the 'sglang' package (pip install 'megamarl[sglang]', GPU only); "
+                "on CPU use engine 'vllm' or 'hf', or SGLangClient against a running server"
+            ) from exc
+        self._engine = sglang.Engine(model_path=model, **engine_kwargs)
+        self.weight_version = 0
+
+    async def generate(
+        self, prompt_ids: list[int], sampling: SamplingParams, *, lora: str | None = None
+    ) -> list[Generation]:
+        out = await self._engine.async_generate(
+            input_ids=[list(prompt_ids)] * sampling.n,
+            sampling_params=[sglang_sampling(sampling, j) for j in range(sampling.n)],
+            return_logprob=True,
+            lora_path=None if lora is None else [lora] * sampling.n,
+        )
+        return [SGLangClient._to_generation(self, r) for r in out]  # same reply shape as HTTP
+
+    def update_weights(self, weights, *, version: int, lora: str | None = None) -> None:
+        self._engine.update_weights_from_tensor(list(weights), flush_cache=True)
+        self.weight_version = version
+
+    def sleep(self, *, level: int = 1) -> None:
+        self._engine.release_memory_occupation()
+
+    def wake(self) -> None:
+        self._engine.resume_memory_occupation()
+
+    def flush_cache(self) -> None:
+        self._engine.flush_cache()
+
+    def shutdown(self) -> None:
+        self._engine.shutdown()

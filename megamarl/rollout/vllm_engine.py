@@ -1,0 +1,380 @@
+"""``vllm`` engine: an in-process (colocated) vLLM ``LLMEngine`` with continuous batching.
+
+vLLM's ``AsyncLLM`` always runs its engine core in a separate process, which breaks the in-place
+weight reload we need (the update would have to be serialized to that process). So we build the
+synchronous ``vllm.LLM`` in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) and drive its
+``LLMEngine`` from one background thread: concurrent ``generate`` calls are added to the running
+engine between steps (true continuous batching, not a batch queue), and each finished request
+resolves its caller's future on the caller's event loop. Every call into the engine holds one lock
+because ``LLMEngine`` is not thread-safe.
+
+Logprobs: ``logprobs_mode="processed_logprobs"``: the sampled token's log-probability under the
+distribution it was drawn from (temperature, then top-k/top-p renormalised); greedy reports
+``log_softmax(logits)``. The ``hf`` engine uses the same definition.
+
+Weights: ``update_weights`` streams HF-named tensors into the worker's
+``model_runner.reload_weights(weights_iterator=...)`` through ``collective_rpc`` (vLLM's in-place
+reload; calling ``model.load_weights`` directly fails on the CPU backend), after draining running
+requests, then flushes the prefix cache. A partial update must carry whole vLLM layers (all of
+q/k/v of an attention block, gate and up of an MLP): vLLM fuses them and re-processes the fused
+layer from what it received.
+
+Sleep: on GPUs vLLM's own ``sleep(level)``/``wake_up`` (engine built with ``enable_sleep_mode``).
+vLLM-CPU ignores sleep in its worker ("sleep mode is not supported on CPU"), so on CPU we do the
+nearest real thing ourselves: level 1 holds requests and flushes the prefix cache (weights already
+live in host memory: nothing to offload); level 2 also frees every weight storage in the worker
+(``storage.resize_(0)``) and re-allocates it on ``wake``; weights must then be re-sent in full with
+``update_weights`` (exactly vLLM's GPU level-2 contract). The CPU KV cache stays allocated.
+
+LoRA (L2 multi-LoRA serving): ``enable_lora=True``; adapters are PEFT-format directories
+registered with ``add_lora(name, path)``; ``generate(..., lora=name)`` uses that adapter.
+``update_weights(..., lora=name)`` writes the PEFT-named tensors as a new adapter version next to
+the registered config and reloads the adapter in place (``LoRARequest(load_inplace=True)``).
+vLLM-CPU supports LoRA (``PunicaWrapperCPU``; it forces eager mode).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any, Iterable
+
+# Must precede any vllm import in this process: keep the engine core in-process (colocation and
+# in-place weight reload both need it).
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+import torch  # noqa: E402
+
+from megamarl.rollout.base import ENGINES, Engine, Generation, SamplingParams  # noqa: E402
+from megamarl.rollout.batching import AdmissionGate, _set_exception, _set_result  # noqa: E402
+
+CPU_KV_CACHE_BYTES = 256 * 2**20  # small default KV cache on CPU (vLLM's own default is GiBs)
+
+
+def _reload_weights(worker, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    worker.model_runner.reload_weights(weights_iterator=weights)
+
+
+def _weight_storages(worker) -> list[torch.UntypedStorage]:
+    seen, storages = set(), []
+    for param in worker.model_runner.get_model().parameters():
+        storage = param.untyped_storage()
+        if storage.data_ptr() not in seen:  # tied weights share one storage
+            seen.add(storage.data_ptr())
+            storages.append(storage)
+    return storages
+
+
+def _discard_weights(worker) -> int:
+    storages = _weight_storages(worker)
+    worker._megamarl_discarded = [(s, s.nbytes()) for s in storages]
+    for storage in storages:
+        storage.resize_(0)
+    return sum(nbytes for _, nbytes in worker._megamarl_discarded)
+
+
+def _restore_weight_storage(worker) -> None:
+    for storage, nbytes in getattr(worker, "_megamarl_discarded", []):
+        storage.resize_(nbytes)
+    worker._megamarl_discarded = []
+
+
+def _weight_bytes(worker) -> int:
+    return sum(p.untyped_storage().nbytes() for p in worker.model_runner.get_model().parameters())
+
+
+def to_generations(output: Any, version: int) -> list[Generation]:
+    """vLLM ``RequestOutput`` -> our ``Generation`` list (sampled-token logprobs only)."""
+    generations = []
+    for completion in sorted(output.outputs, key=lambda c: c.index):
+        tokens = list(completion.token_ids)
+        logprobs = [float(step[tok].logprob) for step, tok in zip(completion.logprobs, tokens)]
+        reason = "stop" if completion.finish_reason == "stop" else completion.finish_reason or "length"
+        generations.append(Generation(tokens, logprobs, reason, version))
+    return generations
+
+
+def to_vllm_sampling(sampling: SamplingParams):
+    from vllm import SamplingParams as VLLMSamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    return VLLMSamplingParams(
+        n=sampling.n,
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        top_k=sampling.top_k if sampling.top_k > 0 else 0,  # vLLM: 0 (or -1) disables
+        max_tokens=sampling.max_tokens,
+        stop_token_ids=list(sampling.stop_token_ids),
+        seed=sampling.seed,
+        logprobs=0,  # the sampled token's logprob only
+        output_kind=RequestOutputKind.FINAL_ONLY,
+        detokenize=False,
+        allowed_token_ids=list(sampling.allowed_token_ids) or None,
+    )
+
+
+@ENGINES.register("vllm")
+class VLLMEngine(Engine):
+    """In-process vLLM serving one policy (and, with ``enable_lora``, its LoRA adapters)."""
+
+    def __init__(
+        self,
+        model: str | Path,
+        *,
+        dtype: str = "auto",
+        seed: int = 0,
+        max_model_len: int = 2048,
+        kv_cache_bytes: int | None = None,
+        gpu_memory_utilization: float = 0.5,
+        enforce_eager: bool = True,
+        enable_prefix_caching: bool = True,
+        enable_lora: bool = False,
+        max_loras: int = 4,
+        max_lora_rank: int = 16,
+        lora_dir: str | Path | None = None,
+        **engine_kwargs: Any,
+    ) -> None:
+        from vllm import LLM
+        from vllm.platforms import current_platform
+
+        self.on_cpu = current_platform.is_cpu()
+        self.native_sleep = current_platform.is_sleep_mode_available()
+        if kv_cache_bytes is None and self.on_cpu and "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
+            kv_cache_bytes = CPU_KV_CACHE_BYTES
+        kwargs: dict[str, Any] = dict(
+            model=str(model), dtype=dtype, seed=seed, max_model_len=max_model_len,
+            enforce_eager=enforce_eager, enable_prefix_caching=enable_prefix_caching,
+            gpu_memory_utilization=gpu_memory_utilization, logprobs_mode="processed_logprobs",
+            enable_sleep_mode=self.native_sleep,
+        )
+        if kv_cache_bytes is not None:
+            kwargs["kv_cache_memory_bytes"] = kv_cache_bytes
+        if enable_lora:
+            kwargs.update(enable_lora=True, max_loras=max_loras, max_lora_rank=max_lora_rank)
+        kwargs.update(engine_kwargs)
+        self.llm = LLM(**kwargs)
+        self._engine = self.llm.llm_engine
+        self.weight_version = 0
+        self.enable_lora = enable_lora
+        self._loras: dict[str, Any] = {}  # name -> LoRARequest
+        self._lora_dir = Path(lora_dir) if lora_dir else Path(tempfile.mkdtemp(prefix="megamarl-lora-"))
+
+        self._lock = threading.RLock()  # every LLMEngine call
+        self._inbox: list[tuple[str, dict, Any, Any, asyncio.AbstractEventLoop, asyncio.Future]] = []
+        self._futures: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
+        self._hold = False  # set while draining for a weight change: inbox requests wait
+        self._wakeup = threading.Event()
+        self._gate = AdmissionGate()  # pause/resume
+        self._awake = AdmissionGate()  # sleep/wake
+        self._weights_valid = True
+        self._next_id = 0
+        self._error: BaseException | None = None
+        self._stopped = False
+        self._thread = threading.Thread(target=self._drive, name="vllm-engine-driver", daemon=True)
+        self._thread.start()
+
+    # -- generation ------------------------------------------------------------------------------
+
+    async def generate(
+        self, prompt_ids: list[int], sampling: SamplingParams, *, lora: str | None = None
+    ) -> list[Generation]:
+        lora_request = self._lora_request(lora)
+        await self._gate.wait()
+        await self._awake.wait()
+        if not self._weights_valid:
+            raise RuntimeError("weights were discarded by sleep(level=2); call update_weights first")
+        if self._error is not None or self._stopped:
+            raise RuntimeError(f"vLLM engine is not running: {self._error!r}")
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        with self._lock:
+            request_id = f"req-{self._next_id}"
+            self._next_id += 1
+            prompt = {"prompt_token_ids": list(prompt_ids)}
+            self._inbox.append((request_id, prompt, to_vllm_sampling(sampling), lora_request, loop, future))
+        self._wakeup.set()
+        return await future
+
+    def _drive(self) -> None:
+        """Background thread: admit queued requests, step the engine, deliver finished outputs."""
+        while not self._stopped:
+            try:
+                with self._lock:
+                    if not self._hold:
+                        self._admit()
+                    outputs = self._engine.step() if self._engine.has_unfinished_requests() else None
+                    version = self.weight_version
+            except Exception as exc:  # noqa: BLE001 - fail every waiting caller, then stop
+                self._fail_all(exc)
+                return
+            if outputs is None:
+                self._wakeup.wait(timeout=0.5)
+                self._wakeup.clear()
+                continue
+            for output in outputs:
+                if output.finished and output.request_id in self._futures:
+                    loop, future = self._futures.pop(output.request_id)
+                    loop.call_soon_threadsafe(_set_result, future, to_generations(output, version))
+
+    def _admit(self) -> None:
+        inbox, self._inbox = self._inbox, []
+        for request_id, prompt, params, lora_request, loop, future in inbox:
+            self._futures[request_id] = (loop, future)
+            try:
+                self._engine.add_request(request_id, prompt, params, lora_request=lora_request)
+            except Exception as exc:  # noqa: BLE001 - a bad request fails only its caller
+                self._futures.pop(request_id)
+                loop.call_soon_threadsafe(_set_exception, future, exc)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        self._error = exc
+        with self._lock:
+            waiting = list(self._futures.values()) + [(e[4], e[5]) for e in self._inbox]
+            self._futures.clear()
+            self._inbox.clear()
+        for loop, future in waiting:
+            loop.call_soon_threadsafe(_set_exception, future, RuntimeError(f"vLLM engine failed: {exc!r}"))
+
+    def _drained(self) -> "_Drained":
+        return _Drained(self)
+
+    def exclusive(self) -> "_Drained":
+        """Context for using ``self.llm`` directly (benchmarks): drains our requests and keeps the
+        driver thread off the engine until exit (two threads stepping one LLMEngine corrupt it)."""
+        return _Drained(self)
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._futures) + len(self._inbox)
+
+    # -- weights ---------------------------------------------------------------------------------
+
+    def update_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor]], *, version: int, lora: str | None = None
+    ) -> None:
+        """Reload HF-named base weights in place (or, with ``lora``, that adapter's PEFT tensors)."""
+        with self._drained():
+            if lora is not None:
+                self._update_lora(lora, weights)
+            else:
+                self.llm.collective_rpc(_reload_weights, args=(iter(weights),))
+                self._weights_valid = True
+            self._engine.reset_prefix_cache()
+            self.weight_version = version
+
+    def flush_cache(self) -> None:
+        with self._drained():
+            self._engine.reset_prefix_cache()
+
+    def weight_bytes(self) -> int:
+        """Bytes of weight storage held by the worker (0 after ``sleep(level=2)`` on CPU)."""
+        with self._lock:
+            return self.llm.collective_rpc(_weight_bytes)[0]
+
+    # -- LoRA ------------------------------------------------------------------------------------
+
+    def add_lora(self, name: str, path: str | Path) -> None:
+        """Register a PEFT adapter directory under ``name`` (loaded on first use)."""
+        from vllm.lora.request import LoRARequest
+
+        if not self.enable_lora:
+            raise ValueError("add_lora needs VLLMEngine(enable_lora=True)")
+        if not (Path(path) / "adapter_config.json").is_file():
+            raise ValueError(f"LoRA '{name}': {path} is not a PEFT adapter directory (no adapter_config.json)")
+        lora_id = self._loras[name].lora_int_id if name in self._loras else len(self._loras) + 1
+        self._loras[name] = LoRARequest(name, lora_id, str(path))
+
+    def _lora_request(self, name: str | None):
+        if name is None:
+            return None
+        if name not in self._loras:
+            raise ValueError(f"unknown LoRA adapter '{name}'; registered: {sorted(self._loras) or 'none'}")
+        return self._loras[name]
+
+    def _update_lora(self, name: str, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        from safetensors.torch import save_file
+        from vllm.lora.request import LoRARequest
+
+        current = self._lora_request(name)
+        target = self._lora_dir / name / f"v{self._next_id}-{time.monotonic_ns()}"
+        target.mkdir(parents=True)
+        shutil.copy(Path(current.lora_path) / "adapter_config.json", target / "adapter_config.json")
+        save_file({k: v.detach().to("cpu").contiguous() for k, v in weights}, str(target / "adapter_model.safetensors"))
+        self._engine.add_lora(LoRARequest(name, current.lora_int_id, str(target), load_inplace=True))
+        self._loras[name] = LoRARequest(name, current.lora_int_id, str(target))
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    def sleep(self, *, level: int = 1) -> None:
+        """Level 1: release KV cache (GPU: offload weights). Level 2: also discard weights."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level}")
+        self._awake.close()
+        with self._drained():
+            if self.native_sleep:
+                self.llm.sleep(level=level)
+            else:
+                self._engine.reset_prefix_cache()
+                if level == 2:
+                    self.llm.collective_rpc(_discard_weights)
+            if level == 2:
+                self._weights_valid = False
+
+    def wake(self) -> None:
+        with self._lock:
+            if self.native_sleep:
+                self.llm.wake_up()
+            else:
+                self.llm.collective_rpc(_restore_weight_storage)
+        self._awake.open()
+
+    @property
+    def is_sleeping(self) -> bool:
+        return not self._awake.is_open
+
+    def pause(self) -> None:
+        self._gate.close()
+
+    def resume(self) -> None:
+        self._gate.open()
+
+    def health(self) -> bool:
+        return self._error is None and not self._stopped and self._thread.is_alive()
+
+    def shutdown(self) -> None:
+        self._stopped = True
+        self._wakeup.set()
+        self._thread.join(timeout=10)
+        self._fail_all(RuntimeError("engine shut down"))
+        with self._lock:
+            core = getattr(self._engine, "engine_core", None)
+            if core is not None and hasattr(core, "shutdown"):
+                core.shutdown()
+
+
+class _Drained:
+    """Context: hold admission, wait until no request runs, keep the engine lock inside."""
+
+    def __init__(self, engine: VLLMEngine) -> None:
+        self.engine = engine
+
+    def __enter__(self) -> None:
+        engine = self.engine
+        engine._hold = True
+        while True:
+            engine._lock.acquire()
+            if not engine._engine.has_unfinished_requests():
+                return
+            engine._lock.release()
+            time.sleep(0.002)
+
+    def __exit__(self, *exc) -> None:
+        self.engine._hold = False
+        self.engine._lock.release()
+        self.engine._wakeup.set()

@@ -1,0 +1,142 @@
+"""EnginePool: least-loaded routing, failover + restart of a dead server, consistent weight fan-out."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from megamarl.models.tiny import tiny_model
+from megamarl.rollout.base import SamplingParams
+from megamarl.rollout.fakes import FakeSGLangServer
+from megamarl.rollout.hf import HFEngine
+from megamarl.rollout.pool import EnginePool, NoLiveReplicaError
+from megamarl.rollout.sglang import SGLangClient
+
+PROMPTS = [[1, 9690, 198, 2683, 359], [1, 300, 301], [1, 5, 6, 7]]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6)
+
+
+def run(engine, prompts, sampling=GREEDY):
+    async def main():
+        return await asyncio.gather(*(engine.generate(p, sampling) for p in prompts))
+
+    return [g[0] for g in asyncio.run(main())]
+
+
+@pytest.fixture(scope="module")
+def expected():
+    return [g.token_ids for g in run(HFEngine(tiny_model("llama", seed=0)), PROMPTS)]
+
+
+class ServerFarm:
+    """Factory of SGLang replicas, each a fresh local server (what a cluster launcher would do)."""
+
+    def __init__(self) -> None:
+        self.servers: list[FakeSGLangServer] = []
+
+    def __call__(self, index: int) -> SGLangClient:
+        server = FakeSGLangServer(HFEngine(tiny_model("llama", seed=0), max_wait_ms=1))
+        self.servers.append(server)
+        return SGLangClient(server.url, timeout_s=30)
+
+    def close(self) -> None:
+        for server in self.servers:
+            try:
+                server.kill()
+            except Exception:  # noqa: BLE001 - already killed
+                pass
+
+
+def test_routes_to_least_loaded_replica(expected):
+    pool = EnginePool(lambda i: HFEngine(tiny_model("llama", seed=0), max_wait_ms=20), 3)
+    outs = run(pool, PROMPTS * 4)
+    assert [g.token_ids for g in outs] == expected * 4
+    rows = [sum(r.batcher.batch_rows) for r in pool.replicas]
+    assert rows == [4, 4, 4]  # 12 concurrent requests spread evenly by in-flight count
+    assert pool.in_flight == [0, 0, 0]
+
+
+def test_failover_and_restart_of_dead_server(expected):
+    farm = ServerFarm()
+    pool = EnginePool(farm, 2)
+    try:
+        assert [g.token_ids for g in run(pool, PROMPTS)] == expected
+        farm.servers[0].kill()
+        outs = run(pool, PROMPTS * 2)  # requests routed to replica 0 fail over to replica 1
+        assert [g.token_ids for g in outs] == expected * 2
+        pool.wait_restarts(60)
+        assert pool.num_restarts == [1, 0] and pool.live == [True, True]
+        assert len(farm.servers) == 3 and pool.replicas[0].http.base_url == farm.servers[2].url
+        assert pool.check_health() == [True, True]
+        farm.servers[1].kill()
+        assert pool.check_health() == [True, False]
+        pool.wait_restarts(60)
+        assert pool.num_restarts == [1, 1]
+        assert [g.token_ids for g in run(pool, PROMPTS)] == expected
+    finally:
+        farm.close()
+
+
+def test_update_fans_out_consistently_and_restarted_replica_waits_for_weights(expected):
+    farm = ServerFarm()
+    pool = EnginePool(farm, 2)
+    state = tiny_model("llama", seed=0).state_dict()
+    perturbed = {k: v + 0.3 * torch.randn_like(v) for k, v in state.items()}
+    try:
+        pool.update_weights(iter(perturbed.items()), version=1)  # one stream, teed to both replicas
+        assert [r.weight_version for r in pool.replicas] == [1, 1]
+        outs = run(pool, PROMPTS * 2)
+        assert {g.weight_version for g in outs} == {1}
+        assert outs[: len(PROMPTS)] == outs[len(PROMPTS) :] or [g.token_ids for g in outs[:3]] == [
+            g.token_ids for g in outs[3:]
+        ]
+        changed = [g.token_ids for g in outs[: len(PROMPTS)]]
+        assert changed != expected
+        for server in farm.servers:  # every replica paused, got the update, flushed, resumed
+            paths = server.paths()
+            assert paths.index("/pause_generation") < paths.index("/update_weights_from_tensor")
+            assert "/flush_cache" in paths and "/continue_generation" in paths
+
+        farm.servers[0].kill()
+        assert pool.check_health() == [False, True]
+        pool.wait_restarts(60)
+        # restarted from its checkpoint (version 0): kept out of routing until it has version 1
+        assert pool.replicas[0].weight_version == 0
+        assert [g.token_ids for g in run(pool, PROMPTS * 2)] == changed * 2
+        assert sum(p == "/generate" for p in farm.servers[2].paths()) == 0
+
+        pool.update_weights(iter(state.items()), version=2)
+        outs = run(pool, PROMPTS * 2)
+        assert [g.token_ids for g in outs] == expected * 2 and {g.weight_version for g in outs} == {2}
+        assert sum(p == "/generate" for p in farm.servers[2].paths()) > 0
+    finally:
+        farm.close()
+
+
+def test_restart_resyncs_with_weights_provider(expected):
+    farm = ServerFarm()
+    state = tiny_model("llama", seed=0).state_dict()
+    perturbed = {k: v * 1.3 for k, v in state.items()}
+    pool = EnginePool(farm, 2, weights_provider=lambda: iter(perturbed.items()))
+    try:
+        pool.update_weights(iter(perturbed.items()), version=1)
+        changed = [g.token_ids for g in run(pool, PROMPTS)]
+        farm.servers[1].kill()
+        pool.check_health()
+        pool.wait_restarts(60)
+        assert [r.weight_version for r in pool.replicas] == [1, 1]
+        assert [g.token_ids for g in run(pool.replicas[1], PROMPTS)] == changed
+    finally:
+        farm.close()
+
+
+def test_all_dead_raises():
+    farm = ServerFarm()
+    pool = EnginePool(farm, 1, max_attempts=2)
+    pool.factory = lambda i: (_ for _ in ()).throw(RuntimeError("cannot restart"))
+    farm.servers[0].kill()
+    with pytest.raises(NoLiveReplicaError):
+        run(pool, PROMPTS[:1])
+    farm.close()
