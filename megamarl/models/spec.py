@@ -47,6 +47,32 @@ class DecoderArch:
         return -(-self.vocab_size // step) * step
 
 
+def decoder_arch(hf_config, family: str, **quirks) -> DecoderArch:
+    """The fields every llama-style HF config shares; a family passes only its ``quirks``
+    (e.g. ``qkv_bias=True``, ``qk_norm=True``, a ``head_dim`` rule) as ``DecoderArch`` overrides."""
+    if getattr(hf_config, "hidden_act", "silu") != "silu":
+        raise ValueError(f"{family}: hidden_act='{hf_config.hidden_act}' unsupported; allowed: ['silu']")
+    theta, scaling = rope_from_hf(hf_config)
+    num_heads = hf_config.num_attention_heads
+    fields = dict(
+        family=family,
+        num_layers=hf_config.num_hidden_layers,
+        hidden_size=hf_config.hidden_size,
+        num_heads=num_heads,
+        num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or num_heads,
+        head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads,
+        ffn_hidden_size=hf_config.intermediate_size,
+        vocab_size=hf_config.vocab_size,
+        max_position_embeddings=hf_config.max_position_embeddings,
+        norm_eps=hf_config.rms_norm_eps,
+        rope_theta=theta,
+        rope_scaling_factor=scaling,
+        tied_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+    )
+    fields.update(quirks)
+    return DecoderArch(**fields)
+
+
 def rope_from_hf(hf_config) -> tuple[float, float | None]:
     """(theta, llama3 scaling factor or None) from an HF config (transformers 4.x or 5.x layout)."""
     params = dict(getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {})
