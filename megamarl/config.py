@@ -75,6 +75,8 @@ class PolicyConfig:
     recompute: bool = False  # full activation recomputation (keep only each layer's input)
     distributed_optimizer: bool = True  # shard fp32 master weights and Adam moments over DP
     offload_train_state: bool = True  # colocated: weights/grads/optimizer leave the GPU while engines generate
+    value_coef: float = 0.5  # algorithm.estimator=gae: weight of the critic's (value head's) loss
+    value_clip: Optional[float] = 0.2  # gae: clip range of the value update (None: unclipped)
     lora: Optional[LoraConfig] = None
     engine: EngineConfig = field(default_factory=EngineConfig)
 
@@ -114,6 +116,21 @@ class AgentConfig:
     tree_k: int = 1  # >1: tree sampling (AT-GRPO), K candidates per call
     max_prompt_tokens: int = 4096
     choices: list[str] = field(default_factory=list)
+    # Per-agent training hyperparameters; None inherits the policy's value. ``lr`` needs the agent's
+    # own parameters (an L2 LoRA adapter or an L3 policy of its own): agents sharing weights share one
+    # optimizer step. ``frozen``: the agent acts but its samples never train the policy.
+    lr: Optional[float] = None
+    clip_low: Optional[float] = None
+    clip_high: Optional[float] = None
+    kl_coef: Optional[float] = None
+    entropy_coef: Optional[float] = None
+    micro_batch_size: Optional[int] = None
+    frozen: bool = False
+
+    def train_overrides(self) -> dict[str, float]:
+        """The per-agent hyperparameters this agent sets (None values omitted)."""
+        keys = ("lr", "clip_low", "clip_high", "kl_coef", "entropy_coef", "micro_batch_size")
+        return {k: getattr(self, k) for k in keys if getattr(self, k) is not None}
 
     def to_orchestration(self, tokenizer=None):
         from megamarl.orchestration.agents import AgentConfig as OrchAgentConfig
@@ -191,18 +208,33 @@ class EvalConfig:
 class TrainerConfig:
     total_steps: int = 10
     mode: str = "sync"
-    max_staleness: int = 1  # async modes: max weight versions behind
-    sync_every: int = 1  # fully_async: weight sync every N updates
-    partial_rollout: bool = False
-    save_every: int = 0
-    resume: str = "none"  # none | auto | <run dir>
+    # Async modes (docs/async.md): a weight version is one push into the engines; samples more
+    # than max_staleness versions behind the trainer are dropped (counted), never trained on.
+    max_staleness: int = 1
+    sync_every: int = 1  # fully_async: push a policy's weights every N of its updates
+    partial_rollout: bool = False  # fully_async: pause in-flight episodes at a push instead of draining them
+    save_every: int = 0  # steps between checkpoints; 0: only at the end (docs/checkpointing.md)
+    keep_last: int = 0  # keep only the newest K complete checkpoints; 0 keeps all
+    resume: str = "none"  # none | auto (latest in this run dir) | <run dir or checkpoint dir>
     seed: int = 0
 
     def __post_init__(self) -> None:
         if self.mode not in TRAINER_MODES:
             raise ValueError(f"trainer.mode='{self.mode}' unknown; allowed: {list(TRAINER_MODES)}")
-        if self.total_steps < 0:
-            raise ValueError(f"trainer.total_steps must be >= 0, got {self.total_steps}")
+        for key in ("total_steps", "save_every", "keep_last"):
+            if getattr(self, key) < 0:
+                raise ValueError(f"trainer.{key} must be >= 0, got {getattr(self, key)}")
+        if not self.resume:
+            raise ValueError("trainer.resume is empty; use none, auto or a checkpoint/run directory")
+        if self.sync_every < 1:
+            raise ValueError(f"trainer.sync_every must be >= 1, got {self.sync_every}")
+        if self.max_staleness < 0:
+            raise ValueError(f"trainer.max_staleness must be >= 0, got {self.max_staleness}")
+        if self.mode != "sync" and self.max_staleness < 1:
+            raise ValueError(
+                f"trainer.max_staleness must be >= 1 with trainer.mode={self.mode} "
+                "(0 would drop every sample generated while the trainer trains)"
+            )
 
 
 @dataclass
@@ -263,6 +295,39 @@ class RunConfig:
                 )
             if agent.lora is not None and self.policies[agent.policy].lora is None:
                 raise ValueError(f"agents.{name}.lora='{agent.lora}' but policies.{agent.policy}.lora is not set")
+            sharing = [a for a, other in self.agents.items() if other.policy == agent.policy and a != name]
+            if agent.lr is not None and agent.lora is None and sharing:
+                raise ValueError(
+                    f"agents.{name}.lr is set but the agent shares policies.{agent.policy}'s weights with "
+                    f"{sharing}; a per-agent learning rate needs the agent's own parameters (agents.{name}.lora) "
+                    f"or a policy of its own; use policies.{agent.policy}.lr instead"
+                )
+            for key, value in agent.train_overrides().items():
+                if key == "micro_batch_size" and value < 1 or key != "micro_batch_size" and value < 0:
+                    raise ValueError(f"agents.{name}.{key} must be {'>= 1' if key == 'micro_batch_size' else '>= 0'}, got {value}")
+        self._check_registered_names()
+
+    def _check_registered_names(self) -> None:
+        """Registry names and their kwargs, after importing ``plugins`` (they may register more), so
+        a typo stops the run at load time instead of after the models are built."""
+        import megamarl.orchestration  # noqa: F401 - registers the built-in agents, envs, orchestras
+        from megamarl.orchestration.agents import AGENTS
+        from megamarl.orchestration.env import ENVS
+        from megamarl.orchestration.orchestras import ORCHESTRAS
+        from megamarl.registry import import_plugins
+        from megamarl.rl.advantages import ADVANTAGE_ESTIMATORS
+
+        import_plugins(self.plugins)
+        ADVANTAGE_ESTIMATORS.get(self.algorithm.estimator, key="algorithm.estimator")
+        for key, registry, section in (("env", ENVS, self.env), ("orchestra", ORCHESTRAS, self.orchestra)):
+            cls = registry.get(section.name, key=f"{key}.name")
+            try:
+                cls.Config(**section.kwargs)
+            except TypeError as exc:  # an unknown keyword
+                raise ValueError(f"{key}.kwargs for {key} '{section.name}': {exc}") from exc
+        for role, agent in self.agents.items():
+            if agent.kind:
+                AGENTS.get(agent.kind, key=f"agents.{role}.kind")
 
     def placement(self, world_size: int) -> PlacementConfig:
         """The WG layouts for a world of ``world_size`` ranks (policies without ranks take all)."""

@@ -1,20 +1,46 @@
-"""Glue between a policy's config and its Megatron shard: build + load HF weights, save/resume.
+"""Glue between a policy's config and its Megatron shard (build + load HF weights), and the run
+checkpoint around the shards (``Trainer.save`` / ``Trainer._maybe_resume``; see docs/checkpointing.md).
 
-Checkpoints here are per-rank ``torch.save`` files of the DDP-wrapped model and its optimizer, so a
-run resumes on the same layout. Layout-changing checkpoints (save at TP=2, load at TP=1) are
-megatron-core ``dist_checkpointing``, in ``megamarl.models`` (see ``docs/models.md``).
+One directory per saved step::
+
+    <run_dir>/checkpoints/step_000040/
+        policies/<policy>/   model + AdamW state in megatron-core dist_checkpointing (torch_dist):
+                             loads at any TP x PP x DP layout (``megamarl.models.checkpoint``)
+        rng/rank_00000.pt    each rank's python / numpy / torch (+ CUDA) generator states
+        trainer.pt           step, weight versions, update counts, the driver's running totals
+        COMPLETE             the marker, written last
+
+How it differs from a plain "torch.save per rank": the shards are layout-free, and the directory
+appears atomically. Ranks write into ``step_000040.partial``; the driver writes ``trainer.pt`` and
+``COMPLETE`` and renames the directory (a rename is atomic on POSIX), so a crash at any moment leaves
+the earlier checkpoints intact and at most a ``.partial`` directory, which resume ignores.
+
+Resume rewinds the run directory to the checkpoint: ``metrics.jsonl`` lines and ``eval.json``
+entries after its step are cut (the resumed run logs those steps again), and complete checkpoints
+after it (an abandoned future, when resuming from an older one) are renamed ``*.discarded``.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import random
+import re
+import shutil
 from pathlib import Path
 
+import numpy as np
 import torch
-import torch.distributed as dist
 
 from megamarl.config import PolicyConfig
 from megamarl.parallel.placement import WorkerGroup
 from megamarl.rl.worker import ModelHandle
+
+CHECKPOINTS = "checkpoints"
+COMPLETE = "COMPLETE"
+TRAINER_STATE = "trainer.pt"
+POLICIES = "policies"
+_STEP_DIR = re.compile(r"step_(\d+)")
 
 
 def load_policy_model(policy: PolicyConfig, wg: WorkerGroup, *, seed: int) -> ModelHandle:
@@ -28,31 +54,207 @@ def load_policy_model(policy: PolicyConfig, wg: WorkerGroup, *, seed: int) -> Mo
     return ModelHandle(model=model, vocab_size=hf_config.vocab_size)
 
 
-def _rank_file(path: Path) -> Path:
-    return path / f"rank_{dist.get_rank():05d}.pt"
+# ---- where checkpoints are -----------------------------------------------------------------------
 
 
-def save_checkpoint(path: Path, worker) -> None:
-    path.mkdir(parents=True, exist_ok=True)
-    state = {
-        "model": worker.model.state_dict(),
-        "optimizer": worker.optimizer.state_dict(),
-        "num_updates": worker.num_updates,
-        "layout": (worker.wg.layout.tp, worker.wg.layout.pp, worker.wg.layout.dp),
-    }
-    tmp = _rank_file(path).with_suffix(".tmp")
-    torch.save(state, tmp)
-    tmp.replace(_rank_file(path))
+def checkpoint_path(run_dir: str | Path, step: int) -> Path:
+    return Path(run_dir) / CHECKPOINTS / f"step_{step:06d}"
 
 
-def load_checkpoint(path: Path, worker) -> None:
-    state = torch.load(_rank_file(path), weights_only=False)
-    layout = (worker.wg.layout.tp, worker.wg.layout.pp, worker.wg.layout.dp)
-    if tuple(state["layout"]) != layout:
-        raise ValueError(
-            f"checkpoint {path} was saved with (tp, pp, dp)={tuple(state['layout'])}, this run has {layout}; "
-            "convert it with megamarl.models.convert or resume with the same layout"
+def staging_path(path: Path) -> Path:
+    return path.with_name(path.name + ".partial")
+
+
+def checkpoint_step(path: Path) -> int:
+    return int(_STEP_DIR.fullmatch(path.name).group(1))
+
+
+def list_checkpoints(run_dir: str | Path) -> list[Path]:
+    """The complete checkpoints of ``run_dir``, oldest first (``.partial`` and marker-less ignored)."""
+    root = Path(run_dir) / CHECKPOINTS
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if _STEP_DIR.fullmatch(p.name) and (p / COMPLETE).is_file()]
+    return sorted(found, key=checkpoint_step)
+
+
+def find_checkpoint(resume: str, run_dir: str | Path) -> Path | None:
+    """``trainer.resume`` -> the checkpoint to load. ``none``: None. ``auto``: the latest complete
+    checkpoint of ``run_dir`` (None when there is none: a fresh start). Otherwise a checkpoint
+    directory, or a run directory whose latest complete checkpoint is taken."""
+    if resume == "none":
+        return None
+    if resume == "auto":
+        found = list_checkpoints(run_dir)
+        return found[-1] if found else None
+    path = Path(resume)
+    if (path / COMPLETE).is_file():
+        return path
+    found = list_checkpoints(path)
+    if found:
+        return found[-1]
+    if not path.is_dir():
+        why = "does not exist"
+    elif _STEP_DIR.fullmatch(path.name.split(".")[0]):
+        why = "has no COMPLETE marker (an interrupted save)"
+    else:
+        why = "holds no complete checkpoint"
+    raise ValueError(
+        f"trainer.resume={resume}: {why}; give a checkpoint directory (<run_dir>/{CHECKPOINTS}/step_N) "
+        "or a run directory with complete checkpoints, or trainer.resume=auto"
+    )
+
+
+# ---- policies (collective over all ranks) --------------------------------------------------------
+
+
+CRITIC_FILE = "value_head.pt"  # GAE critic: value head + its optimizer (TP/DP-replicated, last stage)
+
+
+def save_policies(path: Path, policies: dict[str, PolicyConfig], workers: dict, wgs: dict) -> None:
+    """Every trained policy's model + optimizer under ``path/policies/<name>``. Collective: every
+    rank calls it; ranks outside a policy's WG contribute nothing to that policy."""
+    from megamarl.models.checkpoint import save_checkpoint
+
+    for name, policy in policies.items():
+        if policy.frozen:
+            continue
+        worker = workers.get(name)
+        save_checkpoint(
+            path / POLICIES / name, worker.model if worker else None, wgs[name],
+            optimizer=worker.optimizer if worker else None,
         )
-    worker.model.load_state_dict(state["model"])
-    worker.optimizer.load_state_dict(state["optimizer"])
-    worker.num_updates = state["num_updates"]
+        critic = worker.critic_state() if worker else None
+        if critic is not None and wgs[name].tp_rank == 0 and wgs[name].dp_rank == 0:
+            torch.save(critic, path / POLICIES / name / CRITIC_FILE)  # replicated: one writer
+
+
+def load_policies(path: Path, policies: dict[str, PolicyConfig], workers: dict, wgs: dict) -> None:
+    """Load every trained policy from ``path`` at this run's layout (any TP/PP/DP). Collective."""
+    from megamarl.models.checkpoint import load_checkpoint
+
+    trained = [name for name, policy in policies.items() if not policy.frozen]
+    missing = [name for name in trained if not (path / POLICIES / name).is_dir()]
+    if missing:  # every rank sees the same directory, so every rank raises (no hang)
+        have = sorted(p.name for p in (path / POLICIES).iterdir()) if (path / POLICIES).is_dir() else []
+        raise ValueError(f"trainer.resume: checkpoint {path} has no policies {missing}; it has {have}")
+    for name in trained:
+        worker = workers.get(name)
+        load_checkpoint(
+            path / POLICIES / name, worker.model if worker else None, wgs[name],
+            optimizer=worker.optimizer if worker else None,
+        )
+        if worker is not None and worker.value_head is not None:
+            critic_file = path / POLICIES / name / CRITIC_FILE
+            if not critic_file.is_file():
+                raise ValueError(f"trainer.resume: {critic_file} is missing; the run uses a critic (algorithm.estimator=gae)")
+            worker.load_critic_state(torch.load(critic_file, weights_only=False))
+
+
+# ---- RNG and run state ---------------------------------------------------------------------------
+
+
+def rng_state() -> dict:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _rng_file(path: Path, rank: int) -> Path:
+    return path / "rng" / f"rank_{rank:05d}.pt"
+
+
+def save_rng(path: Path, rank: int) -> None:
+    file = _rng_file(path, rank)
+    file.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(rng_state(), file)
+
+
+def load_rng(path: Path, rank: int) -> bool:
+    """Restore this rank's generators; False when the checkpoint has no file for this rank (it was
+    saved with fewer ranks): the caller seeds that rank afresh."""
+    file = _rng_file(path, rank)
+    if not file.is_file():
+        return False
+    set_rng_state(torch.load(file, weights_only=False))
+    return True
+
+
+def load_trainer_state(path: Path) -> dict:
+    return torch.load(path / TRAINER_STATE, weights_only=False)
+
+
+def commit(staging: Path, final: Path, trainer_state: dict) -> None:
+    """Driver only, after every rank wrote its shards into ``staging``: add the run state and the
+    marker, then rename ``staging`` to ``final`` in one step."""
+    torch.save(trainer_state, staging / TRAINER_STATE)
+    (staging / COMPLETE).write_text(json.dumps({"step": trainer_state["step"]}) + "\n")
+    stale = None
+    if final.exists():  # the same step saved again (a run resumed from an older checkpoint)
+        stale = final.with_name(final.name + ".stale")
+        clear(stale)
+        os.replace(final, stale)
+    os.replace(staging, final)
+    if stale is not None:
+        shutil.rmtree(stale)
+
+
+def clear(path: Path) -> None:
+    if path.exists():
+        shutil.rmtree(path)
+
+
+def prune(run_dir: str | Path, *, keep_last: int) -> None:
+    """Delete all but the newest ``keep_last`` complete checkpoints (0 keeps all)."""
+    if keep_last > 0:
+        for old in list_checkpoints(run_dir)[:-keep_last]:
+            shutil.rmtree(old)
+
+
+def rewind_run_dir(run_dir: str | Path, step: int) -> None:
+    """Make ``run_dir`` look as it did right after ``step`` was saved (see the module doc)."""
+    from megamarl.metrics import EVAL_FILE, METRICS_FILE
+
+    run_dir = Path(run_dir)
+    truncate_jsonl_after(run_dir / METRICS_FILE, step)
+    eval_path = run_dir / EVAL_FILE
+    if eval_path.is_file():
+        entries = json.loads(eval_path.read_text(encoding="utf-8"))
+        kept = [e for e in entries if e["step"] <= step]
+        if len(kept) != len(entries):
+            tmp = eval_path.with_name(eval_path.name + ".tmp")
+            tmp.write_text(json.dumps(kept, indent=1), encoding="utf-8")
+            os.replace(tmp, eval_path)
+    for later in list_checkpoints(run_dir):
+        if checkpoint_step(later) > step:
+            discarded = later.with_name(later.name + ".discarded")
+            clear(discarded)
+            os.replace(later, discarded)
+
+
+def truncate_jsonl_after(path: Path, step: int) -> None:
+    """Cut ``path`` at its first record with ``"step" > step`` or that does not parse (a line torn by
+    a crash). In place, not by replacing the file: the metrics logger already holds it open for
+    appending, and its next line lands at the new end."""
+    if not path.is_file():
+        return
+    offset = 0
+    with open(path, "rb+") as f:
+        for line in f:
+            try:
+                record = json.loads(line)
+                if record["step"] > step:
+                    break
+            except (ValueError, KeyError, TypeError):
+                break
+            offset += len(line)
+        f.truncate(offset)

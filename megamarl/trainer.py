@@ -9,11 +9,11 @@ envs, orchestras) are looked up by name in registries; the loop itself has no pe
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import random
 import time
+from contextlib import nullcontext
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -21,15 +21,17 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megamarl.async_rollout import RolloutLoop
 from megamarl.config import RunConfig, to_yaml
 from megamarl.parallel.distributed import control_group, init_distributed
 from megamarl.parallel.placement import build_worker_groups
-from megamarl.rl.advantages import AdvantageConfig, compute_advantages, group_ids
+from megamarl.rl.advantages import CRITIC_ESTIMATORS, AdvantageConfig, compute_advantages, group_ids
 from megamarl.rl.batch import SampleBatch, collate
 from megamarl.rl.losses import LossConfig
 from megamarl.rl.rewards import RewardConfig, dynamic_sampling_mask, shape_rewards
-from megamarl.rl.worker import PolicyWorker
+from megamarl.rl.worker import AgentTraining, CriticConfig, PolicyWorker
 from megamarl.rollout.weight_sync import sync_weights
+from megamarl.schedules import build_schedule, sync_interval
 
 DRIVER = 0
 
@@ -48,7 +50,9 @@ class Trainer:
         self.is_driver = self.rank == DRIVER
         self.run_dir = Path(run_dir or Path(cfg.output_dir) / cfg.name)
         self.step = 0
-        self.versions = {name: 0 for name in cfg.policies}
+        self.versions = {name: 0 for name in cfg.policies}  # weight pushes into the engines so far
+        self.updates_since_sync = {name: 0 for name in cfg.policies}
+        self.sync_every = sync_interval(cfg.trainer)  # updates of a policy per weight push
         seed_everything(cfg.trainer.seed)
         self.wgs = build_worker_groups(cfg.placement(self.world_size))
         self.workers = self._build_workers()
@@ -59,20 +63,45 @@ class Trainer:
     def _build_workers(self) -> dict[str, PolicyWorker]:
         from megamarl.policy_io import load_policy_model
 
-        algo = self.cfg.algorithm
         workers = {}
         for name, policy in self.cfg.policies.items():
             wg = self.wgs[name]
             if not wg.is_member or policy.frozen:
                 continue
-            loss_cfg = LossConfig(
-                clip_low=policy.clip_low, clip_high=policy.clip_high, kl_coef=policy.kl_coef,
-                kl_type=algo.kl_type, entropy_coef=policy.entropy_coef, agg_mode=algo.loss_agg,
-                tis_mode="token" if algo.tis_cap > 0 else "none", tis_cap=algo.tis_cap or 2.0,
-            )
+            loss_cfg = self._loss_config(policy)
+            agents = {
+                role: AgentTraining(
+                    loss=self._loss_config(policy, **agent.train_overrides()),
+                    micro_batch_size=agent.micro_batch_size or policy.micro_batch_size, frozen=agent.frozen,
+                )
+                for role, agent in self.cfg.agents.items()
+                if agent.policy == name and (agent.train_overrides() or agent.frozen)
+            }
             handle = load_policy_model(policy, wg, seed=self.cfg.trainer.seed)
-            workers[name] = PolicyWorker(name, policy, wg, handle, loss_cfg)
+            needs_ref = policy.kl_coef > 0 or any(a.loss.kl_coef > 0 for a in agents.values())
+            ref = load_policy_model(policy, wg, seed=self.cfg.trainer.seed) if needs_ref else None
+            workers[name] = PolicyWorker(name, policy, wg, handle, loss_cfg, agents=agents, ref_handle=ref,
+                                         critic=self._critic_config(policy))
         return workers
+
+    def _critic_config(self, policy) -> CriticConfig | None:
+        algo = self.cfg.algorithm
+        if algo.estimator not in CRITIC_ESTIMATORS:
+            return None
+        adv = AdvantageConfig(estimator=algo.estimator, norm_std=algo.normalize_std, **algo.estimator_kwargs)
+        return CriticConfig(gamma=adv.gamma, lam=adv.lam, whiten=adv.norm_std, value_coef=policy.value_coef,
+                            value_clip=policy.value_clip)
+
+    def _loss_config(self, policy, **overrides) -> LossConfig:
+        """The policy's loss settings, with an agent's overrides (``agents.<a>.clip_high``, ...) applied."""
+        algo = self.cfg.algorithm
+        values = dict(clip_low=policy.clip_low, clip_high=policy.clip_high, kl_coef=policy.kl_coef,
+                      entropy_coef=policy.entropy_coef)
+        values.update({k: v for k, v in overrides.items() if k in values})
+        return LossConfig(
+            **values, kl_type=algo.kl_type, agg_mode=algo.loss_agg,
+            tis_mode="token" if algo.tis_cap > 0 else "none", tis_cap=algo.tis_cap or 2.0,
+        )
 
     # ---- the loop -------------------------------------------------------------------------------
     def fit(self) -> None:
@@ -84,7 +113,7 @@ class Trainer:
             step_start = time.perf_counter()
             batch, metrics = self.rollout_and_prepare()
             metrics.update(self.update(batch))
-            metrics.update(self.sync_all_weights())
+            metrics.update(self.sync_all_weights(self.due_for_sync()))
             self.step += 1
             metrics["timing/step_s"] = time.perf_counter() - step_start
             self.log(metrics)
@@ -98,8 +127,9 @@ class Trainer:
         return every > 0 and self.step % every == 0
 
     def rollout_and_prepare(self) -> tuple[SampleBatch, dict[str, float]]:
-        """Driver runs episodes and computes advantages; every rank receives the batch."""
-        payload = [self.driver.collect(self.step) if self.is_driver else None]
+        """Driver takes the next batch from its schedule (trainer.mode) and computes advantages;
+        every rank receives the batch. It may hold only some policies (fully_async, per-policy)."""
+        payload = [self.driver.collect(self.step, self.versions) if self.is_driver else None]
         dist.broadcast_object_list(payload, src=DRIVER, group=control_group())
         return payload[0]
 
@@ -107,6 +137,9 @@ class Trainer:
         start = time.perf_counter()
         metrics: dict[str, float] = {}
         for name, part in batch.split_by_policy().items():
+            if self.cfg.policies[name].frozen:
+                continue
+            self.updates_since_sync[name] += 1  # on every rank: the batch is the same everywhere
             if name in self.workers:
                 for key, value in self.workers[name].train_step(part).items():
                     metrics[f"policy/{name}/{key}"] = value
@@ -116,18 +149,33 @@ class Trainer:
         merged["timing/update_s"] = time.perf_counter() - start
         return merged
 
-    def sync_all_weights(self) -> dict[str, float]:
+    def due_for_sync(self) -> list[str]:
+        """Policies with ``sync_every`` updates since their last weight push (same on every rank)."""
+        return [name for name, num in self.updates_since_sync.items() if num >= self.sync_every]
+
+    def sync_all_weights(self, policies: list[str] | None = None) -> dict[str, float]:
+        """Push ``policies`` (default: all) into their engines; each push is one new weight version,
+        stamped on everything the engines generate afterwards. Frozen policies get the version but
+        no push (their engines already serve the checkpoint)."""
+        names = list(self.cfg.policies) if policies is None else policies
+        if not names:
+            return {}
         start = time.perf_counter()
         metrics = {}
-        for name, policy in self.cfg.policies.items():
-            self.versions[name] += 1
-            worker = self.workers.get(name)
-            engines = self.driver.engines_for(name) if self.is_driver else None
-            stats = sync_weights(
-                self.wgs[name], worker.export if worker else None, engines,
-                version=self.versions[name], engine_rank=DRIVER, bucket_mb=policy.engine.bucket_mb,
-            )
-            metrics.update(stats.as_dict(f"weight_sync/{name}"))
+        with self.driver.weight_update() if self.is_driver else nullcontext():  # drain/pause rollout
+            for name in names:
+                self.versions[name] += 1
+                self.updates_since_sync[name] = 0
+                policy = self.cfg.policies[name]
+                if policy.frozen:
+                    continue
+                worker = self.workers.get(name)
+                engines = self.driver.engines_for(name) if self.is_driver else None
+                stats = sync_weights(
+                    self.wgs[name], worker.export if worker else None, engines,
+                    version=self.versions[name], engine_rank=DRIVER, bucket_mb=policy.engine.bucket_mb,
+                )
+                metrics.update(stats.as_dict(f"weight_sync/{name}"))
         dist.barrier(group=control_group())
         metrics["timing/weight_sync_s"] = time.perf_counter() - start
         return metrics
@@ -142,39 +190,58 @@ class Trainer:
 
     # ---- checkpoint / resume --------------------------------------------------------------------
     def _ckpt_dir(self, step: int) -> Path:
-        return self.run_dir / "checkpoints" / f"step_{step:06d}"
+        from megamarl.policy_io import checkpoint_path
+
+        return checkpoint_path(self.run_dir, step)
 
     def save(self) -> None:
-        from megamarl.policy_io import save_checkpoint
+        """Collective: every policy's shards (layout-free), every rank's RNG, then the driver commits
+        the run state and the COMPLETE marker atomically (megamarl.policy_io, docs/checkpointing.md)."""
+        from megamarl import policy_io
 
-        path = self._ckpt_dir(self.step)
-        for name, worker in self.workers.items():
-            save_checkpoint(path / name, worker)
-        dist.barrier(group=control_group())
+        final = self._ckpt_dir(self.step)
+        staging = policy_io.staging_path(final)
         if self.is_driver:
-            state = {"step": self.step, "versions": self.versions, "driver": self.driver.state_dict()}
-            torch.save(state, path / "trainer.pt")
-            (path / "COMPLETE").touch()  # a checkpoint without it is ignored on resume
+            policy_io.clear(staging)  # left by a run killed while saving this step
+        dist.barrier(group=control_group())
+        policy_io.save_policies(staging, self.cfg.policies, self.workers, self.wgs)
+        policy_io.save_rng(staging, self.rank)
+        num_updates = [None] * self.world_size
+        dist.all_gather_object(
+            num_updates, {name: w.num_updates for name, w in self.workers.items()}, group=control_group()
+        )
+        if self.is_driver:
+            state = {
+                "step": self.step, "versions": dict(self.versions), "world_size": self.world_size,
+                "num_updates": {k: v for counts in num_updates for k, v in counts.items()},
+                "driver": self.driver.state_dict(),
+            }
+            policy_io.commit(staging, final, state)
+            policy_io.prune(self.run_dir, keep_last=self.cfg.trainer.keep_last)
         dist.barrier(group=control_group())
 
     def _maybe_resume(self) -> None:
-        from megamarl.policy_io import load_checkpoint
+        from megamarl import policy_io
 
-        if self.cfg.trainer.resume == "none":
+        path = policy_io.find_checkpoint(self.cfg.trainer.resume, self.run_dir)
+        if path is None:
+            if self.is_driver and self.cfg.trainer.resume == "auto":
+                self.driver.console_print(f"trainer.resume=auto: no checkpoint in {self.run_dir}; from step 0")
             return
-        root = self.run_dir if self.cfg.trainer.resume == "auto" else Path(self.cfg.trainer.resume)
-        done = sorted((root / "checkpoints").glob("step_*/COMPLETE")) if (root / "checkpoints").is_dir() else []
-        if not done:
-            return
-        path = done[-1].parent
+        state = policy_io.load_trainer_state(path)
+        policy_io.load_policies(path, self.cfg.policies, self.workers, self.wgs)  # at this run's layout
         for name, worker in self.workers.items():
-            load_checkpoint(path / name, worker)
-        state = torch.load(path / "trainer.pt", weights_only=False)
-        self.step, self.versions = state["step"], state["versions"]
+            worker.num_updates = state["num_updates"][name]
+        self.step = state["step"]
+        # sync_all_weights stamps version + 1: start one below so engines carry the saved versions
+        self.versions = {name: state["versions"].get(name, 1) - 1 for name in self.cfg.policies}
+        self.sync_all_weights()
+        if not policy_io.load_rng(path, self.rank):  # saved with fewer ranks
+            seed_everything(self.cfg.trainer.seed + 1_000_003 * self.step + self.rank)
         if self.is_driver:
             self.driver.load_state_dict(state["driver"])
+            policy_io.rewind_run_dir(self.run_dir, self.step)  # later metrics lines are logged again
             self.driver.console_print(f"resumed from {path} at step {self.step}")
-        self.sync_all_weights()
 
     def close(self) -> None:
         if self.is_driver:
@@ -215,28 +282,46 @@ class RolloutDriver:
         self.logger = MetricsLogger(run_dir, cfg.logger, cfg.name, json.loads(json.dumps(asdict(cfg), default=str)), rank=0)
         self.rollout_seconds = 0.0
         self.totals = {"dropped_episodes": 0, "failed_episodes": 0, "dropped_groups": 0}
+        self.loop = RolloutLoop()  # every engine call of the driver runs on this one event loop
+        self.schedule = build_schedule(cfg, self, self.loop)  # trainer.mode
+        self.console_print(self.schedule.describe())
 
     def engines_for(self, policy: str) -> list:
         return self.engines[policy]
 
-    def _run(self, tasks, *, group_size: int, agents=None):
+    def task_chunk(self, index: int):
+        """The ``index``-th chunk of training tasks and its sampling seed (sync: chunk = step)."""
+        seed = self.cfg.trainer.seed * 1_000_003 + index
+        return self.env.tasks(self.cfg.rollout.num_tasks, seed=seed), seed
+
+    async def episodes(self, tasks, *, group_size: int, agents=None, seed: int | None = None):
         from megamarl.orchestration.driver import run_episodes
 
         engines = {name: pool[0] if len(pool) == 1 else pool for name, pool in self.engines.items()}
-        return asyncio.run(run_episodes(
+        return await run_episodes(
             self.orchestra, self.env, tasks, agents=agents or self.agents, engines=engines,
             group_size=group_size, max_concurrency=self.cfg.rollout.max_concurrency,
-            step_timeout_s=self.cfg.rollout.env_timeout_s,
-        ))
+            step_timeout_s=self.cfg.rollout.env_timeout_s, seed=seed,
+        )
 
-    def collect(self, step: int) -> tuple[SampleBatch, dict[str, float]]:
+    def _run(self, tasks, *, group_size: int, agents=None, seed: int | None = None):
+        return self.loop.run(self.episodes(tasks, group_size=group_size, agents=agents, seed=seed))
+
+    def weight_update(self):
+        """Context for a weight push: the schedule drains or pauses the rollout around it."""
+        return self.schedule.weight_update()
+
+    def collect(self, step: int, versions: dict[str, int]) -> tuple[SampleBatch, dict[str, float]]:
+        """The next batch from the schedule, with advantages; ``versions`` are the trainer's weight
+        versions, against which samples beyond ``trainer.max_staleness`` are dropped."""
         start = time.perf_counter()
-        r = self.cfg.rollout
-        tasks = self.env.tasks(r.num_tasks, seed=self.cfg.trainer.seed * 1_000_003 + step)
-        result = self._run(tasks, group_size=r.group_size)
-        metrics = {"timing/rollout_s": time.perf_counter() - start, **result.summary()}
+        trainable = {name: v for name, v in versions.items() if not self.cfg.policies[name].frozen}
+        result, metrics = self.schedule.next_rollout(step, trainable)
+        metrics.update({"timing/rollout_s": time.perf_counter() - start, **result.summary()})
         self.totals["dropped_episodes"] += result.num_dropped
         self.totals["failed_episodes"] += result.num_failed
+        for key in ("dropped_stale_groups", "dropped_stale_samples"):
+            self.totals[key] = self.totals.get(key, 0) + int(metrics[f"async/{key}"])  # absent in old checkpoints
         if not result.samples:
             raise RuntimeError(f"step {step}: no samples (all {len(result.episodes)} episodes failed: {dict(result.reasons())})")
         pad_id = next(iter(self.pad_ids.values()))
@@ -262,6 +347,8 @@ class RolloutDriver:
             self.totals["dropped_groups"] += num_dropped
             if keep.any():
                 batch = batch.select(keep)
+        if a.estimator in CRITIC_ESTIMATORS:
+            return batch, metrics  # each policy's workers compute GAE from their critic's values
         adv_cfg = AdvantageConfig(estimator=a.estimator, group_by=list(a.group_by), norm_std=a.normalize_std, **a.estimator_kwargs)
         advantages = compute_advantages(batch.rewards, batch.group_index(), adv_cfg)
         return batch.replace(advantages=advantages), metrics
@@ -278,7 +365,7 @@ class RolloutDriver:
             greedy[role] = oc
         agents = build_agents(greedy, self.tokenizers, default_kinds=self.env.default_agents)
         tasks = self.env.tasks(e.num_tasks, seed=10**9 + 7)  # held out: a seed the training stream never uses
-        result = self._run(tasks, group_size=e.k, agents=agents)
+        result = self._run(tasks, group_size=e.k, agents=agents, seed=10**9 + 7)
         results = eval_summary(result, k=e.k)
         results["step"] = step
         self.logger.log_eval(step, results)
@@ -286,6 +373,7 @@ class RolloutDriver:
         return results
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
+        metrics.update(self.schedule.interval_metrics())
         for key, value in self.totals.items():
             metrics[f"rollout/total_{key}"] = float(value)
         self.logger.log(step, metrics)
@@ -296,16 +384,18 @@ class RolloutDriver:
         print(f"[megamarl] {text}", flush=True)
 
     def state_dict(self) -> dict:
-        return {"totals": dict(self.totals), "python_rng": random.getstate(), "torch_rng": torch.get_rng_state()}
+        """Running totals. Nothing else is stateful: tasks and sampling seeds are functions of
+        (trainer.seed, step), and RNGs are saved per rank by Trainer.save."""
+        return {"totals": dict(self.totals)}
 
     def load_state_dict(self, state: dict) -> None:
-        self.totals = state["totals"]
-        random.setstate(state["python_rng"])
-        torch.set_rng_state(state["torch_rng"])
+        self.totals = dict(state["totals"])
 
     def close(self) -> None:
         from megamarl.plot import plot_run
 
+        self.schedule.close()
+        self.loop.close()
         self.logger.close()
         for pool in self.engines.values():
             for engine in pool:

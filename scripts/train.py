@@ -8,6 +8,7 @@ The loop (megamarl.trainer.Trainer.fit): rollout -> advantages -> update each po
 """
 
 import argparse
+import os
 import sys
 
 from megamarl.config import load_config
@@ -21,7 +22,9 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
-    except ValueError as exc:
+        if not args.dry_run:  # the dry run checks its declared cluster instead
+            cfg.placement(int(os.environ.get("WORLD_SIZE", "1")))
+    except (ValueError, ImportError) as exc:  # ImportError: a plugin module that does not load
         print(f"config error: {exc}", file=sys.stderr)
         return 2
     if args.dry_run:

@@ -71,7 +71,31 @@ def build_model(hf_config, wg, *, seed: int = 0, dtype: torch.dtype = torch.floa
         pg_collection=wg.pgs, **gpt_model_kwargs(arch, tp=layout.tp, vocab_multiple=vocab_multiple),
     )
     model.hf_arch = arch
+    if not init_weights:
+        mark_tensor_parallel_params(model)
     return model
+
+
+def mark_tensor_parallel_params(model) -> None:
+    """Set megatron's ``tensor_model_parallel`` attributes that skipped initialisation leaves unset.
+
+    megatron-core's local parallel layers set them inside their init functions, which do not run with
+    ``perform_initialization=False``; without them every TP-sharded weight looks replicated to the
+    gradient-norm and distributed-optimizer code (``param_is_not_tensor_parallel_duplicate``)."""
+    from megatron.core import tensor_parallel as tp
+
+    dims = {tp.ColumnParallelLinear: 0, tp.RowParallelLinear: 1, tp.VocabParallelEmbedding: 0}
+    for module in model.modules():
+        dim = next((d for cls, d in dims.items() if isinstance(module, cls)), None)
+        if dim is None:
+            continue
+        for name, param in module.named_parameters(recurse=False):
+            if getattr(param, "tensor_model_parallel", False):
+                continue
+            if name == "weight":
+                tp.set_tensor_model_parallel_attributes(param, True, dim, 1)
+            elif name == "bias" and isinstance(module, tp.ColumnParallelLinear):
+                tp.set_tensor_model_parallel_attributes(param, True, 0, 1)
 
 
 def unwrap(model):

@@ -23,8 +23,12 @@ def cache_dir() -> Path:
     return Path(os.environ.get("MEGAMARL_CACHE", Path.home() / ".cache" / "megamarl"))
 
 
-# Tiny random models (tests, smoke runs): ``tiny-random-<family>`` with the SmolLM2 tokenizer.
-TINY_MODELS = {f"tiny-random-{family}": family for family in ("llama", "qwen2", "qwen3")}
+# Tiny random models (tests, smoke runs) with the SmolLM2 tokenizer and large random weights (peaked,
+# seed-specific outputs): ``tiny-random-<family>`` keeps SmolLM2's chat template; ``tiny-plain-<family>``
+# has a plain one (turns joined by newlines, ``tiny.PLAIN_CHAT_TEMPLATE``), so a short observation is the
+# last prompt token -- what a model trained from scratch (the learning tests) can pick up quickly.
+FAMILIES = ("llama", "qwen2", "qwen3")
+TINY_MODELS = {f"tiny-{kind}-{family}": family for kind in ("random", "plain") for family in FAMILIES}
 
 
 def resolve_model_path(name_or_path: str | os.PathLike, *, key: str = "model.path") -> Path:
@@ -35,10 +39,11 @@ def resolve_model_path(name_or_path: str | os.PathLike, *, key: str = "model.pat
     if name in TINY_MODELS:
         target = cache_dir() / "models" / name
         if not (target / "model.safetensors").is_file():
-            from megamarl.models.tiny import save_tiny_model
+            from megamarl.models.tiny import PLAIN_CHAT_TEMPLATE, save_tiny_model
 
             tmp = target.with_name(f"{name}.tmp{os.getpid()}")
-            save_tiny_model(tmp, TINY_MODELS[name], seed=0)
+            template = PLAIN_CHAT_TEMPLATE if name.startswith("tiny-plain-") else None
+            save_tiny_model(tmp, TINY_MODELS[name], seed=0, chat_template=template)
             _replace_dir(tmp, target) if target.exists() else tmp.replace(target)
         return target
     path = Path(name).expanduser()

@@ -41,8 +41,11 @@ def tiny_config(family: str = "llama", *, vocab_size: int = 49152, **overrides):
     raise ValueError(f"tiny model family '{family}' unknown; allowed: llama, qwen2, qwen3")
 
 
-def tiny_model(family: str = "llama", *, seed: int = 0, **overrides):
-    """A randomly initialised fp32 ``*ForCausalLM`` (deterministic for a seed)."""
+def tiny_model(family: str = "llama", *, seed: int = 0, init_std: float | None = 0.15, **overrides):
+    """A randomly initialised fp32 ``*ForCausalLM`` (deterministic for a seed).
+
+    ``init_std=None`` keeps HF's own initialisation (std 0.02: near-uniform outputs, the usual start
+    for training from scratch, e.g. the learning tests)."""
     from transformers import AutoModelForCausalLM
 
     config = tiny_config(family, **overrides)
@@ -50,21 +53,34 @@ def tiny_model(family: str = "llama", *, seed: int = 0, **overrides):
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     # HF initialises with std 0.02: logits are nearly flat. A larger std gives peaked, seed-specific
     # distributions, which makes greedy decoding and logit-equality tests meaningful.
+    if init_std is None:
+        return model.eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
             if param.dim() > 1:
-                param.normal_(0.0, 0.15)
+                param.normal_(0.0, init_std)
     return model.eval()
 
 
-def save_tiny_model(path: str | Path, family: str = "llama", *, seed: int = 0, **overrides) -> Path:
+# A model trained from scratch knows no chat format; this template only joins turns with newlines
+# and adds no generation prompt, so the last prompt token is the observation's own last token.
+PLAIN_CHAT_TEMPLATE = (
+    "{%- for m in messages -%}{{ m['content'] }}{{ '' if m['role'] == 'user' else '\n' }}{%- endfor -%}"
+)
+
+
+def save_tiny_model(path: str | Path, family: str = "llama", *, seed: int = 0, init_std: float | None = 0.15,
+                    chat_template: str | None = None, **overrides) -> Path:
     """Write a tiny model plus the packaged SmolLM2 tokenizer as an HF directory; returns ``path``."""
     from transformers import AutoTokenizer
 
     from megamarl.models.packaged import resolve_model_path
 
     path = Path(path)
-    model = tiny_model(family, seed=seed, **overrides)
+    model = tiny_model(family, seed=seed, init_std=init_std, **overrides)
     model.save_pretrained(path, safe_serialization=True)
-    AutoTokenizer.from_pretrained(resolve_model_path("smollm2-135m-instruct")).save_pretrained(path)
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path("smollm2-135m-instruct"))
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
+    tokenizer.save_pretrained(path)
     return path

@@ -19,11 +19,17 @@ Tree sampling (``tree_k = K > 1``): one engine call with ``n=K``; every candidat
 scored (the agent's ``local_reward`` if it returns a value, else the env's ``score`` check fn);
 the conversation continues from the best (lowest branch on ties); all K become Samples sharing
 (task, agent, turn) with branch 0..K-1 and their score as ``local_reward``.
+
+Seeded sampling: a context built with ``seed`` (the driver derives it from the rollout seed and the
+episode id) sends every engine call ``seed = derive_seed(seed, agent, turn)``, so a sample depends
+on (run seed, step, task, episode, agent, turn) and not on how the engine batched the requests or
+on what it generated before: a resumed run samples exactly what the uninterrupted run sampled.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Mapping
 
@@ -35,6 +41,13 @@ from megamarl.rollout.base import Engine
 if TYPE_CHECKING:
     from megamarl.orchestration.agents import Agent
     from megamarl.orchestration.workers import EnvWorkers
+
+
+def derive_seed(base: int, *parts: object) -> int:
+    """A 62-bit seed from ``base`` and ``parts`` (stable across processes, unlike ``hash``); 62 bits
+    leave room for the engines' ``seed + sample_index`` per candidate."""
+    digest = hashlib.blake2b(repr((int(base), *parts)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 2
 
 
 class ConfigError(ValueError):
@@ -93,8 +106,10 @@ class EpisodeContext:
         engines: Mapping[str, Engine],
         workers: EnvWorkers | None = None,
         step_timeout_s: float = 60.0,
+        seed: int | None = None,
     ) -> None:
         self.task = task
+        self.seed = seed  # None: engine calls carry the agent's own sampling seed (usually none)
         self.episode_id = episode_id
         self.env = env
         self.agents = agents
@@ -165,6 +180,8 @@ class EpisodeContext:
         self.num_steps += 1
         num_candidates = agent.config.tree_k
         sampling = agent.sampling
+        if self.seed is not None:
+            sampling = dataclasses.replace(sampling, seed=derive_seed(self.seed, agent_name, turn))
         if num_candidates > 1:
             sampling = dataclasses.replace(sampling, n=num_candidates)
         generations = await engine.generate(prompt_ids, sampling, lora=agent.lora)
@@ -181,6 +198,7 @@ class EpisodeContext:
                 turn=turn, branch=branch, weight_version=gen.weight_version, valid=bool(valid), step=step,
                 prompt_ids=prompt_ids, response_ids=list(gen.token_ids), rollout_logprobs=list(gen.logprobs),
                 anchor=observation, truncated=gen.finish_reason == "length", response_text=text,
+                allowed_token_ids=tuple(sampling.allowed_token_ids) if sampling.allowed_token_ids else None,
             )
             candidates.append(Action(agent_name, text, value, bool(valid), turn, step, branch, [sample]))
         samples = [c.samples[0] for c in candidates]

@@ -22,7 +22,9 @@ from typing import Callable, Mapping, Sequence
 
 from megamarl.orchestration.agents import Agent
 from megamarl.orchestration.chat import TemplateDeltaError
-from megamarl.orchestration.context import ConfigError, EpisodeContext, EpisodeDone, EpisodeDropped
+from megamarl.orchestration.context import (
+    ConfigError, EpisodeContext, EpisodeDone, EpisodeDropped, derive_seed,
+)
 from megamarl.orchestration.env import Env, Task
 from megamarl.orchestration.orchestras import Orchestra
 from megamarl.orchestration.workers import EnvWorkerError, EnvWorkers
@@ -93,11 +95,13 @@ async def run_episode(
     workers: EnvWorkers | None = None,
     step_timeout_s: float = 60.0,
     episode_timeout_s: float | None = None,
+    seed: int | None = None,
 ) -> tuple[list[Sample], EpisodeStats]:
-    """One episode; returns (samples, stats). Samples are empty unless the status is ok."""
+    """One episode; returns (samples, stats). Samples are empty unless the status is ok.
+    ``seed``: this episode's sampling seed (see ``EpisodeContext``)."""
     ctx = EpisodeContext(
         task=task, episode_id=episode_id, env=env, agents=agents, engines=engines, workers=workers,
-        step_timeout_s=step_timeout_s,
+        step_timeout_s=step_timeout_s, seed=seed,
     )
     stats = EpisodeStats(task.task_id, episode_id, "ok")
     try:
@@ -143,11 +147,14 @@ async def run_episodes(
     workers: EnvWorkers | None = None,
     step_timeout_s: float = 60.0,
     episode_timeout_s: float | None = None,
+    seed: int | None = None,
 ) -> RolloutResult:
     """Run ``len(tasks) * group_size`` episodes, at most ``max_concurrency`` at a time.
 
     Episode ids are ``f"{task_id}/{g}"``; results keep task-major, group-minor order regardless
-    of completion order, so a seeded run yields samples in a reproducible order.
+    of completion order, so a seeded run yields samples in a reproducible order. ``seed`` (the
+    trainer passes one per step) seeds every engine call from (seed, episode id, agent, turn);
+    None leaves sampling to the engines' own generators.
     """
     if group_size < 1:
         raise ValueError(f"rollout.group_size must be >= 1, got {group_size}")
@@ -161,6 +168,7 @@ async def run_episodes(
                 orchestra, make_env(task), task, episode_id=f"{task.task_id}/{index}", agents=agents,
                 engines=engines, workers=workers, step_timeout_s=step_timeout_s,
                 episode_timeout_s=episode_timeout_s,
+                seed=None if seed is None else derive_seed(seed, task.task_id, index),
             )
 
     results = await asyncio.gather(*(one(task, g) for task in tasks for g in range(group_size)))

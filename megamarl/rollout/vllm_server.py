@@ -29,6 +29,7 @@ import torch
 
 from megamarl.rollout._http import JSONClient
 from megamarl.rollout.base import ENGINES, Engine, Generation, SamplingParams
+from megamarl.rollout.weight_sync import buckets
 
 
 class WeightTransport(Protocol):
@@ -114,15 +115,7 @@ class VLLMServerClient(Engine):
             )
         self.http.post("/start_weight_update")
         with ThreadPoolExecutor(max_workers=1) as announcer:
-            bucket: list[tuple[str, torch.Tensor]] = []
-            size = 0
-            for name, tensor in weights:
-                bucket.append((name, tensor))
-                size += tensor.numel() * tensor.element_size()
-                if size >= self.bucket_bytes:
-                    self._send_bucket(announcer, bucket)
-                    bucket, size = [], 0
-            if bucket:
+            for bucket in buckets(weights, self.bucket_bytes):
                 self._send_bucket(announcer, bucket)
         self.http.post("/finish_weight_update", {"weight_version": str(version)})
         self.http.post("/reset_prefix_cache")

@@ -3,10 +3,14 @@
 Training layout (TP_t, PP_t, DP_t) -> HF-named full tensors -> the engine, which shards them for its
 own layout. Per pipeline stage, the ranks with dp_rank 0 run the streaming export (a TP gather per
 tensor inside the stage's TP group); the stage's *sender* (tp_rank 0, dp_rank 0) packs tensors into
-buckets of ``bucket_mb`` and sends each bucket to the engine host. When the sender is the engine host
-itself (colocated), tensors are handed over in-process with no copy. The engine is paused before the
-first tensor and resumed after the last, with its caches flushed, so it never serves a half-updated
-model; the update stamps ``version`` on everything it generates afterwards.
+buckets of ``bucket_mb`` and sends each bucket to the engine host. When the engine host is itself one
+of the stage's exporting ranks (colocated), it consumes its own copy of the stream in-process: no
+copy, nothing sent. The engine is paused before the first tensor and resumed after the last, with its
+caches flushed, so it never serves a half-updated model; the update stamps ``version`` on everything
+it generates afterwards.
+
+L2 (one LoRA adapter per agent on a frozen base): the same path with ``lora=<adapter>`` and the
+adapter's PEFT export; only the adapter's tensors travel, and only that adapter's version changes.
 
 Transport: point-to-point over the default group (gloo on CPU; on GPU an NCCL broadcast group
 between senders and engine ranks is the intended path for disaggregated engines).
@@ -39,10 +43,16 @@ class SyncStats:
         }
 
 
+def stage_ranks(wg: WorkerGroup, pp_rank: int) -> list[int]:
+    """Global ranks of pipeline stage ``pp_rank`` with dp_rank 0 (its TP group), in TP order."""
+    layout = wg.layout
+    first = pp_rank * layout.tp * layout.dp  # megatron order: tp fastest, then dp, then pp
+    return layout.ranks[first : first + layout.tp]
+
+
 def stage_sender(wg: WorkerGroup, pp_rank: int) -> int:
     """Global rank that sends pipeline stage ``pp_rank`` (tp 0, dp 0 of that stage)."""
-    layout = wg.layout
-    return layout.ranks[pp_rank * layout.tp * layout.dp]  # megatron order: tp fastest, then dp, then pp
+    return stage_ranks(wg, pp_rank)[0]
 
 
 def buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
@@ -59,8 +69,10 @@ def buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Ite
         yield bucket
 
 
-def _send_buckets(named: Iterable[tuple[str, torch.Tensor]], dst: int, bucket_bytes: int) -> None:
+def _send_buckets(named: Iterable[tuple[str, torch.Tensor]], dst: int, bucket_bytes: int) -> int:
+    num_buckets = 0
     for bucket in buckets(named, bucket_bytes):
+        num_buckets += 1
         meta = [(name, tuple(t.shape), t.dtype) for name, t in bucket]
         dist.send_object_list([meta], dst=dst)
         dtype = bucket[0][1].dtype
@@ -70,6 +82,7 @@ def _send_buckets(named: Iterable[tuple[str, torch.Tensor]], dst: int, bucket_by
         else:
             dist.send(torch.cat([t.reshape(-1) for _, t in bucket]), dst=dst)
     dist.send_object_list([None], dst=dst)
+    return num_buckets
 
 
 def _recv_buckets(src: int, stats: SyncStats) -> Iterator[tuple[str, torch.Tensor]]:
@@ -111,43 +124,64 @@ def sync_weights(
     version: int,
     engine_rank: int = 0,
     bucket_mb: float = 64,
+    lora: str | None = None,
 ) -> SyncStats:
     """Collective over the WG's dp-rank-0 ranks and ``engine_rank``. ``export`` is the WG's streaming
-    HF export (None on ranks outside the WG); ``engines`` the engine replicas (on ``engine_rank``)."""
+    export (None on ranks outside the WG); ``engines`` the engine replicas (on ``engine_rank``).
+
+    Full sync: ``export`` streams HF-named weights (``PolicyWorker.export``). L2 adapter-only sync:
+    ``lora`` names the agent's adapter and ``export`` streams its PEFT tensors
+    (``megamarl.models.lora.export_lora_weights``); engines receive ``update_weights(..., lora=lora)``
+    and stamp ``version`` on that adapter only. Returns this rank's counts (on the engine rank: what
+    the engines received).
+    """
     rank = dist.get_rank()
     stats = SyncStats()
     start = time.perf_counter()
     bucket_bytes = int(bucket_mb * 2**20)
-    if wg.is_member and wg.dp_rank == 0 and export is not None:
-        sender = stage_sender(wg, wg.pp_rank)
-        if rank != engine_rank:
-            named = export()
-            if rank == sender:
-                _send_buckets(named, engine_rank, bucket_bytes)
-            else:
-                for _ in named:  # TP peers take part in the gathers
-                    pass
+    if rank != engine_rank and wg.is_member and wg.dp_rank == 0 and export is not None:
+        named = export()
+        if rank == stage_sender(wg, wg.pp_rank) and engine_rank not in stage_ranks(wg, wg.pp_rank):
+            stats.num_buckets = _send_buckets(_counted(named, stats), engine_rank, bucket_bytes)
+        else:
+            _drain(named)  # TP peers take part in the gathers (an engine rank among them keeps its copy)
     if rank == engine_rank:
-        stream = _engine_stream(wg, export, stats, rank)
-        for engine in engines or []:
+        stream = _counted(_engine_stream(wg, export, stats, rank), stats)
+        engines = list(engines or [])
+        for engine in engines:
             engine.pause()
-        materialised = list(stream) if len(engines or []) > 1 else None
-        for engine in engines or []:
-            engine.update_weights(iter(materialised) if materialised is not None else stream, version=version)
-            engine.flush_cache()
-            engine.resume()
-        if not engines:
-            for _ in stream:
-                pass
+        try:
+            replicated = list(stream) if len(engines) > 1 else None  # every replica gets the same tensors
+            for engine in engines:
+                engine.update_weights(
+                    iter(replicated) if replicated is not None else stream, version=version, lora=lora
+                )
+                engine.flush_cache()
+        finally:
+            _drain(stream)  # the senders finish even when an engine stopped early (or there is none)
+            for engine in engines:
+                engine.resume()
     stats.seconds = time.perf_counter() - start
     return stats
 
 
+def _drain(named: Iterable) -> None:
+    for _ in named:
+        pass
+
+
+def _counted(named: Iterable[tuple[str, torch.Tensor]], stats: SyncStats) -> Iterator[tuple[str, torch.Tensor]]:
+    for name, tensor in named:
+        stats.num_tensors += 1
+        stats.num_bytes += tensor.numel() * tensor.element_size()
+        yield name, tensor
+
+
 def _engine_stream(wg: WorkerGroup, export, stats: SyncStats, rank: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every stage's tensors, in stage order: the engine rank's own export for a stage whose TP group
+    it belongs to (colocated: no copy), else the stage sender's buckets."""
     for pp_rank in range(wg.layout.pp):
-        src = stage_sender(wg, pp_rank)
-        named = export() if src == rank else _recv_buckets(src, stats)
-        for name, tensor in named:
-            stats.num_tensors += 1
-            stats.num_bytes += tensor.numel() * tensor.element_size()
-            yield name, tensor
+        local = wg.is_member and wg.dp_rank == 0 and rank in stage_ranks(wg, pp_rank)
+        if local and export is None:
+            raise ValueError(f"sync_weights: rank {rank} holds stage {pp_rank} of '{wg.name}' but got no export")
+        yield from export() if local else _recv_buckets(stage_sender(wg, pp_rank), stats)

@@ -77,7 +77,7 @@ def _ranks_body(rank, model_dir):
         diffs[name] = max((grads[n] - reference[n]).abs().max().item() for n in grads)
         diffs[name + "_num"] = len(grads)
         before = {n: t.clone() for n, t in worker.export()}
-        worker._clip_and_step()
+        diffs[name + "_norm"] = worker._clip_and_step()
         after = dict(worker.export())
         diffs[name + "_changed"] = all(not torch.equal(before[n], after[n]) for n in before)
     return diffs
@@ -88,9 +88,196 @@ def test_megatron_policy_gradients_equal_single_process_reference(tmp_path):
 
     model_dir = save_tiny_model(tmp_path / "tiny", "llama", seed=0)
     results = run_ranks(_ranks_body, 2, str(model_dir))
+    reference_norm = float(torch.sqrt(sum(g.double().pow(2).sum() for g in _reference_grads(model_dir).values())))
     for rank, diffs in enumerate(results):
         for layout in ("tp2", "pp2", "dp2"):
             assert diffs[layout] < 1e-5, (rank, layout, diffs)
             assert diffs[layout + "_changed"], (rank, layout)
+            assert abs(diffs[layout + "_norm"] - reference_norm) < 1e-5 * reference_norm, (layout, diffs, reference_norm)
     # PP=2: each stage exports its own layers; together they cover every HF tensor.
     assert results[0]["pp2_num"] + results[1]["pp2_num"] >= results[0]["tp2_num"]
+
+
+# ---- per-agent settings, reference-model KL and restricted sampling vocabularies -----------------
+
+def _agent_cfgs():
+    from megamarl.rl.losses import LossConfig
+    from megamarl.rl.worker import AgentTraining
+
+    solver = LossConfig(clip_low=0.1, clip_high=0.5, kl_coef=0.3, kl_type="k3", tis_mode="token", tis_cap=2.0)
+    return {"solver": AgentTraining(loss=solver, micro_batch_size=1)}
+
+
+def _restricted_batch():
+    batch = _batch()
+    allowed = []
+    for row in range(batch.num_samples):
+        response = batch.tokens[row][batch.response_mask[row]].tolist()
+        allowed.append(tuple(sorted(set(response) | {7, 11, 40000})) if row % 2 == 0 else None)
+    return batch.replace(allowed=tuple(allowed))
+
+
+def _reference_grads_per_agent(model_dir, ref_dir):
+    from transformers import AutoModelForCausalLM
+
+    from megamarl.rl.losses import policy_loss
+    from megamarl.rl.vocab_parallel import vocab_parallel_logprobs
+    from megamarl.rl.worker import restricted_vocab_mask
+
+    batch = _restricted_batch()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    ref_model = AutoModelForCausalLM.from_pretrained(ref_dir, dtype=torch.float32)
+
+    def logprobs_of(m):
+        logits = m(batch.tokens, attention_mask=batch.attention_mask.long()).logits
+        logits = logits.masked_fill(restricted_vocab_mask(batch.allowed, 0, logits.shape[-1]).unsqueeze(1), float("-inf"))
+        return vocab_parallel_logprobs(logits, batch.tokens)
+
+    logprobs, entropy = logprobs_of(model)
+    with torch.no_grad():
+        ref_logprobs, _ = logprobs_of(ref_model)
+    counts = dict(num_tokens=int(batch.response_mask.sum()), num_seqs=batch.num_samples)
+    cfgs = {"solver": _agent_cfgs()["solver"].loss, "verifier": _loss_cfg()}
+    total = 0.0
+    for agent, cfg in cfgs.items():
+        rows = torch.tensor([a == agent for a in batch.names("agent")])
+        loss, _ = policy_loss(
+            logprobs[rows], batch.advantages[rows], batch.response_mask[rows], cfg,
+            rollout_logprobs=batch.rollout_logprobs[rows], entropy=entropy[rows],
+            ref_logprobs=ref_logprobs[rows] if cfg.kl_coef > 0 else None, **counts,
+        )
+        total = total + loss
+    total.backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _per_agent_body(rank, model_dir, ref_dir):
+    from megamarl.config import PolicyConfig
+    from megamarl.models.bridge import export_hf_grads
+    from megamarl.parallel.placement import PlacementConfig, WorkerGroupLayout, build_worker_groups
+    from megamarl.policy_io import load_policy_model
+    from megamarl.rl.worker import PolicyWorker
+
+    placement = PlacementConfig({
+        "tp2": WorkerGroupLayout(ranks=[0, 1], tp=2),
+        "pp2": WorkerGroupLayout(ranks=[0, 1], pp=2),
+    })
+    wgs = build_worker_groups(placement)
+    reference = _reference_grads_per_agent(model_dir, ref_dir)
+    batch = _restricted_batch()
+    counts = dict(num_tokens=int(batch.response_mask.sum()), num_seqs=batch.num_samples)
+    diffs = {}
+    for name, wg in wgs.items():
+        policy = PolicyConfig(model=str(model_dir), micro_batch_size=2, lr=1e-3, grad_clip=0.0)
+        ref = load_policy_model(PolicyConfig(model=str(ref_dir)), wg, seed=0)
+        worker = PolicyWorker(name, policy, wg, load_policy_model(policy, wg, seed=0), _loss_cfg(),
+                              agents=_agent_cfgs(), ref_handle=ref)
+        part = worker.my_part(batch)
+        ref_logprobs = worker.compute_logprobs(part, reference=True)
+        worker.backward(part, None, counts, ref=ref_logprobs)
+        grads = dict(export_hf_grads(worker.model, wg))
+        diffs[name] = max((grads[n] - reference[n]).abs().max().item() for n in grads)
+        diffs[name + "_mbs"] = [mb.names("agent") for mb in worker._micro_batches(part)]
+    return diffs
+
+
+def test_per_agent_losses_reference_kl_and_restricted_vocab_match_reference(tmp_path):
+    """Per-agent clip/KL settings (solver: own clip range, k3 KL to a reference model, micro-batches of 1),
+    a reference model with other weights, and rows sampled from restricted vocabularies: the Megatron
+    gradients at TP=2 and PP=2 equal the single-process sum of per-agent losses."""
+    from megamarl.models.tiny import save_tiny_model
+
+    model_dir = save_tiny_model(tmp_path / "tiny", "llama", seed=0)
+    ref_dir = save_tiny_model(tmp_path / "ref", "llama", seed=1)
+    results = run_ranks(_per_agent_body, 2, str(model_dir), str(ref_dir))
+    for rank, diffs in enumerate(results):
+        for layout in ("tp2", "pp2"):
+            assert diffs[layout] < 1e-5, (rank, layout, diffs[layout])
+            mbs = diffs[layout + "_mbs"]
+            assert all(len(set(agents)) == 1 for agents in mbs), mbs  # one agent per micro-batch
+            assert all(len(agents) == 1 for agents in mbs if agents[0] == "solver"), mbs
+
+
+# ---- GAE with a critic (value head on the Megatron model) ---------------------------------------
+
+def _critic_cfg():
+    from megamarl.rl.worker import CriticConfig
+
+    return CriticConfig(gamma=0.9, lam=0.8, whiten=True, value_coef=0.5, value_clip=0.2)
+
+
+def _critic_reference(model_dir):
+    """Single process: HF trunk + a zero-initialised linear value head, GAE, whitening, PPO + value loss."""
+    from transformers import AutoModelForCausalLM
+
+    from megamarl.rl.advantages import gae, masked_whiten
+    from megamarl.rl.losses import LOSS_AGGREGATIONS, policy_loss, value_loss
+    from megamarl.rl.rewards import rewards_to_tokens
+    from megamarl.rl.vocab_parallel import vocab_parallel_logprobs
+
+    cfg = _critic_cfg()
+    batch = _batch()
+    batch = batch.replace(rewards=torch.tensor([1.0, 0.0, 0.5, 2.0, -1.0]))
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    head = torch.nn.Linear(model.config.hidden_size, 1)
+    torch.nn.init.zeros_(head.weight), torch.nn.init.zeros_(head.bias)
+    hidden = model.model(batch.tokens, attention_mask=batch.attention_mask.long()).last_hidden_state  # [B, T, H]
+    logits = model.lm_head(hidden)
+    logprobs, entropy = vocab_parallel_logprobs(logits, batch.tokens)
+    values = torch.cat([torch.zeros(batch.num_samples, 1), head(hidden).squeeze(-1)[:, :-1]], dim=1)
+    mask = batch.response_mask
+    adv, returns = gae(rewards_to_tokens(batch.rewards, mask), values.detach(), mask, gamma=cfg.gamma, lam=cfg.lam)
+    adv = masked_whiten(adv, mask)
+    counts = dict(num_tokens=int(mask.sum()), num_seqs=batch.num_samples)
+    loss, _ = policy_loss(logprobs, adv, mask, _loss_cfg(), rollout_logprobs=batch.rollout_logprobs,
+                          entropy=entropy, **counts)
+    per_token, _ = value_loss(values, values.detach(), returns, mask, clip=cfg.value_clip)
+    loss = loss + cfg.value_coef * LOSS_AGGREGATIONS.get("token-mean")(per_token, mask, **counts)
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    return grads, {n: p.grad.clone() for n, p in head.named_parameters()}
+
+
+def _critic_body(rank, model_dir):
+    from megamarl.config import PolicyConfig
+    from megamarl.models.bridge import export_hf_grads
+    from megamarl.parallel.placement import PlacementConfig, WorkerGroupLayout, build_worker_groups
+    from megamarl.policy_io import load_policy_model
+    from megamarl.rl.worker import PolicyWorker
+
+    placement = PlacementConfig({
+        "tp2": WorkerGroupLayout(ranks=[0, 1], tp=2),
+        "pp2": WorkerGroupLayout(ranks=[0, 1], pp=2),
+        "dp2": WorkerGroupLayout(ranks=[0, 1]),
+    })
+    wgs = build_worker_groups(placement)
+    reference, reference_head = _critic_reference(model_dir)
+    batch = _batch().replace(rewards=torch.tensor([1.0, 0.0, 0.5, 2.0, -1.0]), advantages=None)
+    counts = dict(num_tokens=int(batch.response_mask.sum()), num_seqs=batch.num_samples)
+    diffs = {}
+    for name, wg in wgs.items():
+        policy = PolicyConfig(model=str(model_dir), micro_batch_size=2, lr=1e-3, grad_clip=0.0)
+        worker = PolicyWorker(name, policy, wg, load_policy_model(policy, wg, seed=0), _loss_cfg(), critic=_critic_cfg())
+        part, returns, values = worker.critic_targets(worker.my_part(batch))
+        worker.backward(part, None, counts, critic=(returns, values))
+        grads = dict(export_hf_grads(worker.model, wg))
+        diffs[name] = max((grads[n] - reference[n]).abs().max().item() for n in grads)
+        if worker.value_head is not None:
+            head = {n.removeprefix("linear."): p.grad for n, p in worker.value_head.named_parameters()}
+            diffs[name + "_head"] = max((head[n] - reference_head[n]).abs().max().item() for n in head)
+    return diffs
+
+
+def test_gae_critic_gradients_equal_single_process_reference(tmp_path):
+    """GAE advantages from the value head, whitened over every DP rank's tokens, PPO + clipped value
+    loss: Megatron gradients (trunk and value head) at TP=2, PP=2 and DP=2 equal the single-process ones."""
+    from megamarl.models.tiny import save_tiny_model
+
+    model_dir = save_tiny_model(tmp_path / "tiny", "llama", seed=0)
+    results = run_ranks(_critic_body, 2, str(model_dir))
+    for rank, diffs in enumerate(results):
+        for layout in ("tp2", "pp2", "dp2"):
+            assert diffs[layout] < 1e-5, (rank, layout, diffs)
+    assert results[1]["pp2_head"] < 1e-6 and "pp2_head" not in results[0]  # head lives on the last stage
+    for layout in ("tp2", "dp2"):
+        assert max(r[layout + "_head"] for r in results) < 1e-6, results

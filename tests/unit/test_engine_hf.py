@@ -160,3 +160,87 @@ def test_sleep_wake_and_pause_resume_round_trips(reference):
         return await asyncio.wait_for(task, 30)
 
     assert asyncio.run(paused_round_trip())[0].token_ids == before[0]
+
+
+# -- multi-LoRA (L2) -------------------------------------------------------------------------------
+
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def peft_adapter(path, seed):
+    """A PEFT adapter directory with random (non-zero) A and B for the tiny model; returns its tensors."""
+    from peft import LoraConfig, get_peft_model
+    from peft.utils import get_peft_model_state_dict
+
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=LORA_TARGETS)
+    model = get_peft_model(tiny_model("llama", seed=0), config)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_" in name:  # non-zero B, larger than PEFT's init: the adapter must change greedy tokens
+                param.normal_(0.0, 0.3, generator=gen)
+    model.save_pretrained(path)
+    return {k: v.clone() for k, v in get_peft_model_state_dict(model).items()}
+
+
+def is_peft_greedy(path, prompts, responses) -> bool:
+    """True when every response token is transformers+PEFT's argmax after its prefix (teacher-forced:
+    one forward per prompt proves the greedy decode equal, since greedy is argmax at each prefix)."""
+    from peft import PeftModel
+
+    model = PeftModel.from_pretrained(tiny_model("llama", seed=0), str(path)).eval()
+    for prompt, response in zip(prompts, responses):
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([prompt + response])).logits[0, len(prompt) - 1 : -1]
+        if logits.argmax(-1).tolist() != response:
+            return False
+    return True
+
+
+def test_lora_adapters_match_peft_and_mix_in_one_micro_batch(tmp_path):
+    peft_adapter(tmp_path / "solver", seed=1)
+    peft_adapter(tmp_path / "verifier", seed=2)
+    engine = make_engine(max_wait_ms=50)
+    base = [g[0].token_ids for g in generate_all(engine, PROMPTS, GREEDY)]
+    engine.add_lora("solver", tmp_path / "solver")
+    engine.add_lora("verifier", tmp_path / "verifier")
+
+    async def mixed():
+        calls = [engine.generate(p, GREEDY, lora=lora) for lora in (None, "solver", "verifier") for p in PROMPTS]
+        return await asyncio.gather(*calls)
+
+    outs = [g[0].token_ids for g in asyncio.run(mixed())]
+    assert engine.batcher.batch_rows[-1] == 3 * len(PROMPTS)  # one micro-batch, decoded per adapter group
+    solver, verifier = outs[len(PROMPTS) : 2 * len(PROMPTS)], outs[2 * len(PROMPTS) :]
+    assert outs[: len(PROMPTS)] == base  # base requests are untouched by the adapters
+    assert solver != base and verifier != solver
+    assert is_peft_greedy(tmp_path / "solver", PROMPTS, solver)
+    assert is_peft_greedy(tmp_path / "verifier", PROMPTS, verifier)
+    with pytest.raises(ValueError, match="unknown LoRA adapter 'nobody'"):
+        generate_all_lora(engine, PROMPTS[:1], "nobody")
+
+
+def generate_all_lora(engine, prompts, lora):
+    async def main():
+        return await asyncio.gather(*(engine.generate(p, GREEDY, lora=lora) for p in prompts))
+
+    return asyncio.run(main())
+
+
+def test_lora_update_in_place_stamps_adapter_version_only(tmp_path, reference):
+    peft_adapter(tmp_path / "solver", seed=1)
+    other = peft_adapter(tmp_path / "other", seed=3)
+    engine = make_engine()
+    engine.add_lora("solver", tmp_path / "solver")
+    engine.update_weights(reference.state_dict().items(), version=7)  # base update with PEFT-wrapped linears
+    engine.update_weights(other.items(), version=3, lora="solver")  # in place, PEFT file names
+    gens = generate_all_lora(engine, PROMPTS, "solver")
+    assert is_peft_greedy(tmp_path / "other", PROMPTS, [g[0].token_ids for g in gens])
+    assert {g[0].weight_version for g in gens} == {3}
+    assert {g[0].weight_version for g in generate_all(engine, PROMPTS, GREEDY)} == {7}
+    assert engine.lora_versions == {"solver": 3} and engine.weight_version == 7
+    assert all(n.startswith("base_model.model.model.layers.") for n in other)  # PEFT file names
+    with pytest.raises(KeyError, match="not a weight of LoRA adapter 'solver'"):
+        engine.update_weights([("base_model.model.lm_head.lora_A.weight", torch.zeros(1))], version=4, lora="solver")
+    with pytest.raises(ValueError, match="unknown LoRA adapter"):
+        engine.update_weights(other.items(), version=4, lora="nobody")

@@ -195,3 +195,19 @@ def test_extra_padding_changes_nothing():
     close(wide.detach(), float(base.detach()))
     close(wide_lp.grad[:, :2], lp.grad.tolist())
     assert (wide_lp.grad[:, 2:] == 0).all()
+
+
+def test_value_loss_clipped_by_hand():
+    from megamarl.rl.losses import value_loss
+
+    values = torch.tensor([[0.0, 1.0, 0.5, 9.0]])
+    old = torch.tensor([[0.0, 0.5, 0.5, 0.0]])
+    returns = torch.tensor([[0.0, 2.0, 0.0, 1.0]])
+    mask = torch.tensor([[False, True, True, True]])
+    loss, clipped = value_loss(values, old, returns, mask, clip=0.2)
+    # t1: v=1 -> v_c=0.7; (1-2)^2=1 vs (0.7-2)^2=1.69 -> 0.845, clipped. t2: v=v_c=0.5; 0.25 -> 0.125.
+    # t3: v=9 -> v_c=0.2; 64 vs 0.64 -> 32 (unclipped wins). t0 masked.
+    torch.testing.assert_close(loss, torch.tensor([[0.0, 0.845, 0.125, 32.0]]))
+    assert clipped.tolist() == [[False, True, False, False]]
+    plain, _ = value_loss(values, old, returns, mask, clip=None)
+    torch.testing.assert_close(plain, torch.tensor([[0.0, 0.5, 0.125, 32.0]]))

@@ -35,3 +35,22 @@ def test_padded_vocab_columns_take_no_mass():
     ref_lp, ref_ent = _reference(logits[..., :6], tokens)
     torch.testing.assert_close(lp.double(), ref_lp, atol=1e-5, rtol=0)
     torch.testing.assert_close(ent.double(), ref_ent, atol=1e-5, rtol=0)
+
+
+def test_logit_window_equals_full_logits_from_its_offset_on():
+    from megamarl.rl.worker import first_logit_position
+
+    torch.manual_seed(2)
+    logits = torch.randn(3, 7, 11, dtype=torch.double)
+    tokens = torch.randint(0, 11, (3, 7))
+    response = torch.zeros(3, 7, dtype=torch.bool)
+    response[0, 4:6], response[1, 3:7], response[2, 5:6] = True, True, True
+    offset = first_logit_position(response)
+    assert offset == 2  # row 1's first response token (3) is predicted by the logits at 2
+    full_lp, full_ent = vocab_parallel_logprobs(logits, tokens)
+    lp, ent = vocab_parallel_logprobs(logits[:, offset:], tokens, offset=offset)
+    assert lp.shape == tokens.shape
+    torch.testing.assert_close(lp[:, offset + 1 :], full_lp[:, offset + 1 :], atol=0, rtol=0)
+    torch.testing.assert_close(ent[:, offset + 1 :], full_ent[:, offset + 1 :], atol=0, rtol=0)
+    assert (lp[:, : offset + 1] == 0).all() and torch.equal(lp * response, full_lp * response)
+    assert first_logit_position(torch.zeros(2, 5, dtype=torch.bool)) == 0

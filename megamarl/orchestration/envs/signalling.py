@@ -48,6 +48,9 @@ class SignalReceiver(Agent):
 @dataclass
 class SignallingConfig(EnvConfig):
     num_digits: int = 10  # secrets are 0..num_digits-1
+    # Observations are only the digit / the letter (no instructions): for tiny models trained from
+    # scratch, whose near-uniform attention dilutes one informative token among many.
+    terse: bool = False
 
     def __post_init__(self) -> None:
         if not 2 <= self.num_digits <= 10:
@@ -79,6 +82,8 @@ class SignallingEnv(Env):
         return ["sender"] if self.symbol is None else ["receiver"]
 
     def observe(self, agent: str) -> str:
+        if self.config.terse:
+            return str(self.secret) if agent == "sender" else str(self.symbol)
         if agent == "sender":
             return (
                 f"The secret digit is {self.secret}. Send exactly one letter from "

@@ -1,0 +1,81 @@
+"""A private ``torch.distributed`` world for an in-process engine that lives on one rank of a training job.
+
+vLLM's in-process worker initialises ``torch.distributed`` for its own (single-rank) world: it
+creates its groups with ``new_group``, which is collective over the *default* world, and tears the
+default world down on shutdown (``destroy_process_group()``, which shuts down every group in the
+process). On a rank of a multi-rank training world that hangs (the other ranks never join those
+``new_group`` calls) and, at shutdown, would kill the trainer's process groups.
+
+``PrivateWorld.active()`` swaps c10d's process-group state (the default group and the registries
+behind it) for a separate one while the engine initialises or shuts down, then swaps the trainer's
+back. The engine's groups keep working outside the context (they are plain ``ProcessGroup``
+objects; a TP=1 engine never communicates at run time). Names in c10d's global name registry are
+kept apart by starting the private world's group counter far above the trainer's.
+
+This touches c10d internals (``torch.distributed.distributed_c10d``, checked with torch 2.13); it is
+the price of keeping the engine and the trainer in one process, which in-place weight reload needs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Any, Iterator
+
+# c10d module globals behind ``_World``'s registries (pg_map, pg_names, ...).
+_REGISTRIES = ("_pg_map", "_pg_names", "_pg_group_ranks", "_pg_backend_config", "_tags_to_pg", "_pg_to_tag")
+PRIVATE_GROUP_COUNT_START = 1 << 20  # private group names "1048576", ...: never the trainer's
+
+
+class PrivateWorld:
+    def __init__(self) -> None:
+        self._state: dict[str, Any] | None = None  # the private world while it is not active
+        self._lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[None]:
+        """Within: ``torch.distributed`` sees only the private world (empty until someone inits it)."""
+        from torch.distributed import distributed_c10d as c10d
+
+        with self._lock:
+            ours = _capture(c10d)
+            private = self._state if self._state is not None else _fresh(c10d)
+            # destroy_process_group() of the private world resets the counter to 0: keep it far off
+            private["_group_count"] = max(private["_group_count"], PRIVATE_GROUP_COUNT_START)
+            _install(c10d, private)
+            try:
+                yield
+            finally:
+                self._state = _capture(c10d)
+                _install(c10d, ours)
+                _reregister(c10d, ours)
+
+
+def _fresh(c10d) -> dict[str, Any]:
+    state: dict[str, Any] = {name: type(getattr(c10d, name))() for name in _REGISTRIES}
+    state["_world"] = c10d._World()
+    state["_group_count"] = PRIVATE_GROUP_COUNT_START
+    return state
+
+
+def _capture(c10d) -> dict[str, Any]:
+    state = {name: getattr(c10d, name) for name in _REGISTRIES}
+    state["_world"] = c10d._world
+    state["_group_count"] = c10d._group_count
+    return state
+
+
+def _install(c10d, state: dict[str, Any]) -> None:
+    for name, value in state.items():
+        setattr(c10d, name, value)
+    pg = state["_world"].default_pg
+    c10d._update_default_pg(pg)  # also sets the C++ global rank
+
+
+def _reregister(c10d, state: dict[str, Any]) -> None:
+    """A private ``destroy_process_group()`` unregisters *every* group name in c10d's C++ registry."""
+    for pg, name in state["_pg_names"].items():
+        try:
+            c10d._resolve_process_group(name)
+        except Exception:  # noqa: BLE001 - not registered (any more)
+            c10d._register_process_group(name, pg)

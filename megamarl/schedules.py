@@ -1,0 +1,257 @@
+"""Rollout schedules: when episodes run relative to training, one class per ``trainer.mode``.
+
+The trainer's loop is the same in every mode (next batch -> update -> push the weights of the
+policies that are due); ``SCHEDULES[trainer.mode]`` decides where the next batch comes from and what
+a weight push must wait for:
+
+* ``sync``: roll out the step's tasks and return them; nothing runs while the trainer trains.
+  Every sample is 0 versions stale.
+* ``one_step_off``: after handing out step k's batch, start rolling out step k+1's tasks on the
+  current engine weights while step k trains; the weight push waits for that rollout. Every sample
+  is exactly 1 version stale (needs ``trainer.max_staleness >= 1``).
+* ``fully_async``: a ``GroupProducer`` keeps up to ``rollout.max_concurrency`` episodes in flight,
+  admitted a group (all ``group_size`` episodes of one task) at a time; finished groups wait in a
+  bounded ``GroupBuffer`` and a batch is handed out as soon as ``rollout.num_tasks`` fresh groups are
+  ready. When the advantage estimator never groups samples of two policies (``policy_separable``),
+  each policy's share of a group queues separately, so a policy trains as soon as *its* samples
+  are ready. Weights are pushed every ``trainer.sync_every`` updates of a policy. At a push,
+  in-flight episodes are drained first (they finish on the old weights; no new episode starts),
+  or with ``trainer.partial_rollout`` they are paused at their next engine call (the engines'
+  admission gate) and resume on the new weights; each sample still carries its own exact version.
+  The buffer admits ``max(1, max_staleness) * sync_every * num_tasks`` groups (in flight + waiting),
+  so in steady state samples arrive about ``max_staleness`` versions old instead of being generated
+  only to be dropped.
+
+In every mode, groups more than ``trainer.max_staleness`` versions behind the trainer are dropped
+and counted, and the trained samples' staleness is histogrammed. Utilisation per step:
+``rollout_idle_ratio`` (no episode in flight), ``trainer_idle_ratio`` (the trainer waiting for
+rollout data), ``weight_sync_bubble_s`` (the weight push with its drain/pause, when neither side
+makes progress on generation).
+"""
+
+from __future__ import annotations
+
+import abc
+import concurrent.futures
+import time
+from contextlib import contextmanager
+from typing import Iterator, Mapping
+
+from megamarl.async_rollout import (
+    BusyClock, EpisodeGroup, EpisodeSource, GroupBuffer, GroupProducer, RolloutLoop, StalenessStats, group_samples,
+    split_fresh,
+)
+from megamarl.config import AlgorithmConfig, RunConfig, TrainerConfig
+from megamarl.orchestration.driver import EpisodeStats, RolloutResult
+from megamarl.registry import Registry
+
+# Estimators whose groups always contain one agent (hence one policy): their group keys include "agent".
+PER_AGENT_ESTIMATORS = frozenset({"at_grpo", "drmas_grpo"})
+# Estimators grouping by ``algorithm.group_by``: separable when that key names the agent or policy.
+KEYED_ESTIMATORS = frozenset({"grpo", "dr_grpo", "rloo"})
+
+
+def policy_separable(algo: AlgorithmConfig) -> bool:
+    """True when no advantage, reward-shaping or dynamic-sampling group can mix two policies, so a
+    policy's batch may be formed from its own samples alone. Unknown (plugin) estimators, gigpo
+    (episode returns summed over agents), reinforce_pp and gae (batch-wide normalisation) are not."""
+    per_agent_key = bool({"agent", "policy"} & set(algo.group_by))
+    if algo.dynamic_sampling and not per_agent_key:
+        return False
+    if algo.estimator in PER_AGENT_ESTIMATORS:
+        return True
+    return algo.estimator in KEYED_ESTIMATORS and per_agent_key
+
+
+class Schedule(abc.ABC):
+    """Driver-side: hands out training batches and brackets weight pushes (see module docstring)."""
+
+    def __init__(self, cfg: RunConfig, source: EpisodeSource, loop: RolloutLoop) -> None:
+        self.cfg, self.source, self.loop = cfg, source, loop
+        self.max_staleness = cfg.trainer.max_staleness
+        self.clock = BusyClock()
+        self._mark: float | None = None  # start of the current step's interval
+        self._busy_mark = 0.0
+        self._wait_s = 0.0  # trainer waiting for rollout data in this interval
+        self._sync_s = 0.0  # weight pushes (with drain/pause) in this interval
+
+    @classmethod
+    def sync_interval(cls, trainer: TrainerConfig) -> int:
+        """Updates of a policy between two weight pushes (the same on every rank)."""
+        return 1
+
+    def describe(self) -> str:
+        t, a = self.cfg.trainer, self.cfg.algorithm
+        text = f"trainer.mode={t.mode}, max_staleness={t.max_staleness}"
+        if t.mode != "sync" and a.tis_cap == 0:
+            text += " (algorithm.tis_cap=0: stale samples get no importance-sampling correction)"
+        return text
+
+    # -- batches ---------------------------------------------------------------------------------
+    def next_rollout(self, step: int, versions: Mapping[str, int]) -> tuple[RolloutResult, dict[str, float]]:
+        """Block until the next batch's groups are ready; ``versions`` are the trainer's current
+        weight versions of the trainable policies. Returns the fresh samples (with the episodes to
+        report) and the staleness metrics of this batch."""
+        start = time.perf_counter()
+        if self._mark is None:
+            self._mark, self._busy_mark = start, self.clock.busy_seconds()
+        groups, episodes, stats, metrics = self._next(step, versions)
+        fresh, stale = split_fresh(groups, versions, self.max_staleness)
+        stats.record_dropped(stale)
+        stats.record_trained(fresh, versions)
+        if max(stats.histogram, default=0) > self.max_staleness:  # split_fresh guarantees it
+            raise RuntimeError(f"staleness {max(stats.histogram)} > trainer.max_staleness={self.max_staleness}")
+        self._wait_s += time.perf_counter() - start
+        samples = [s for group in fresh for s in group.samples]
+        return RolloutResult(samples, list(episodes)), {**stats.metrics(), **metrics}
+
+    @abc.abstractmethod
+    def _next(
+        self, step: int, versions: Mapping[str, int],
+    ) -> tuple[list[EpisodeGroup], list[EpisodeStats], StalenessStats, dict[str, float]]:
+        """(groups, episodes to report, drops already made, extra metrics) of the next batch."""
+
+    async def _rollout_chunk(self, index: int) -> RolloutResult:
+        tasks, seed = self.source.task_chunk(index)
+        num_episodes = len(tasks) * self.cfg.rollout.group_size
+        self.clock.enter(num_episodes)
+        try:
+            return await self.source.episodes(tasks, group_size=self.cfg.rollout.group_size, seed=seed)
+        finally:
+            self.clock.exit(num_episodes)
+
+    # -- weight pushes ---------------------------------------------------------------------------
+    @contextmanager
+    def weight_update(self) -> Iterator[None]:
+        """Bracket a weight push into the engines (driver side)."""
+        start = time.perf_counter()
+        waited = self._before_update()
+        self.clock.suspend()
+        try:
+            yield
+        finally:
+            self.clock.resume()
+            self._after_update()
+            self._wait_s += waited
+            self._sync_s += time.perf_counter() - start - waited
+
+    def _before_update(self) -> float:
+        """Make the engines safe to update; returns seconds spent waiting for rollout data."""
+        return 0.0
+
+    def _after_update(self) -> None:
+        pass
+
+    # -- utilisation -----------------------------------------------------------------------------
+    def interval_metrics(self) -> dict[str, float]:
+        """Utilisation since this step's batch was requested; call once per step (when logging)."""
+        if self._mark is None:
+            return {}
+        wall = max(time.perf_counter() - self._mark, 1e-9)
+        busy = self.clock.busy_seconds() - self._busy_mark
+        out = {
+            "async/rollout_idle_ratio": min(max(1.0 - busy / wall, 0.0), 1.0),
+            "async/trainer_idle_ratio": min(self._wait_s / wall, 1.0),
+            "async/weight_sync_bubble_s": self._sync_s,
+            "async/weight_sync_bubble_ratio": min(self._sync_s / wall, 1.0),
+        }
+        self._mark, self._wait_s, self._sync_s = None, 0.0, 0.0
+        return out
+
+    def close(self) -> None:
+        pass
+
+
+SCHEDULES: Registry[type[Schedule]] = Registry("trainer mode")
+
+
+def build_schedule(cfg: RunConfig, source: EpisodeSource, loop: RolloutLoop) -> Schedule:
+    return SCHEDULES.get(cfg.trainer.mode, key="trainer.mode")(cfg, source, loop)
+
+
+def sync_interval(trainer: TrainerConfig) -> int:
+    return SCHEDULES.get(trainer.mode, key="trainer.mode").sync_interval(trainer)
+
+
+@SCHEDULES.register("sync")
+class SyncSchedule(Schedule):
+    def _next(self, step, versions):
+        result = self.loop.run(self._rollout_chunk(step))
+        return group_samples(result.samples), result.episodes, StalenessStats(), {}
+
+
+@SCHEDULES.register("one_step_off")
+class OneStepOffSchedule(Schedule):
+    def __init__(self, cfg: RunConfig, source: EpisodeSource, loop: RolloutLoop) -> None:
+        super().__init__(cfg, source, loop)
+        self._pending: concurrent.futures.Future | None = None  # the rollout of the next step
+
+    def _next(self, step, versions):
+        if self._pending is None:  # first step (or first after a resume): nothing prefetched
+            self._pending = self.loop.submit(self._rollout_chunk(step))
+        result = self._pending.result()
+        more = step + 1 < self.cfg.trainer.total_steps
+        self._pending = self.loop.submit(self._rollout_chunk(step + 1)) if more else None
+        return group_samples(result.samples), result.episodes, StalenessStats(), {}
+
+    def _before_update(self) -> float:
+        start = time.perf_counter()
+        if self._pending is not None:
+            concurrent.futures.wait([self._pending])  # its samples must all carry the old version
+        return time.perf_counter() - start
+
+    def close(self) -> None:
+        if self._pending is not None:
+            self._pending.cancel()
+            self._pending = None
+
+
+@SCHEDULES.register("fully_async")
+class FullyAsyncSchedule(Schedule):
+    def __init__(self, cfg: RunConfig, source: EpisodeSource, loop: RolloutLoop) -> None:
+        super().__init__(cfg, source, loop)
+        r, t = cfg.rollout, cfg.trainer
+        self.partial = t.partial_rollout
+        self.buffer = GroupBuffer(
+            groups_per_batch=r.num_tasks, capacity=max(1, t.max_staleness) * t.sync_every * r.num_tasks,
+            per_policy=policy_separable(cfg.algorithm),
+        )
+        self.producer = GroupProducer(
+            source, loop, self.buffer, self.clock, group_size=r.group_size, max_concurrency=r.max_concurrency,
+        )
+
+    @classmethod
+    def sync_interval(cls, trainer: TrainerConfig) -> int:
+        return trainer.sync_every
+
+    def describe(self) -> str:
+        t = self.cfg.trainer
+        return (
+            f"{super().describe()}, sync_every={t.sync_every}, partial_rollout={t.partial_rollout}, "
+            f"buffer capacity {self.buffer.capacity} groups, {'per-policy' if self.buffer.per_policy else 'joint'} batches"
+        )
+
+    def _next(self, step, versions):
+        self.producer.start(first_chunk=step)
+        parts, episodes, dropped = self.buffer.take(versions, self.max_staleness)
+        if step + 1 >= self.cfg.trainer.total_steps:
+            self.producer.stop()  # the last batch: episodes still running would never be trained on
+        metrics = {
+            "async/queue_depth": float(self.buffer.last_depth),
+            "async/in_flight_groups": float(self.buffer.in_flight),
+            "async/num_policies_updated": float(len({s.policy for p in parts for s in p.samples})),
+        }
+        return parts, episodes, dropped, metrics
+
+    def _before_update(self) -> float:
+        if not self.partial and self.producer.running:
+            self.producer.hold()
+            self.buffer.wait_idle()  # in-flight groups finish on the old weights
+        return 0.0
+
+    def _after_update(self) -> None:
+        if not self.partial:
+            self.producer.release()
+
+    def close(self) -> None:
+        self.producer.stop()

@@ -1,0 +1,136 @@
+"""Trainer modes side by side on a multi-agent workload whose environment has real latency.
+
+The workload (configs/bench_async.yaml): two tiny policies, a caller and an answerer, play a
+signalling game through slow tools (megamarl.orchestration.envs_latency): after every caller turn a
+tool call waits (a remote API, ~0.3 s) or runs a python program in a subprocess; episodes take 1 to
+10 rounds (long tail). Each ``trainer.mode`` trains the same config for ``--steps`` steps in a fresh
+process, one mode after the other (never concurrently: they would share the CPU). Prints steps/hour,
+the speed-up over sync, idle ratios, the weight-sync bubble, staleness and drops per mode, and
+writes docs/bench/async.json with the machine description.
+
+    python scripts/bench_async.py [--steps 12] [--modes sync one_step_off fully_async] [key=value ...]
+
+Throughput is measured between the log lines of the first and the last step (steady state: the
+first step pays for warm-up in every mode).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench_rollout import machine_info  # scripts/ is on sys.path when run as a script
+
+ROOT = Path(__file__).resolve().parents[1]
+MODES = ("sync", "one_step_off", "fully_async")
+
+
+def run_mode(mode: str, *, config: Path, steps: int, overrides: list[str], out_dir: Path, threads: int) -> dict:
+    run_dir = out_dir / mode
+    command = [
+        sys.executable, str(ROOT / "scripts" / "train.py"), "--config", str(config), f"trainer.mode={mode}",
+        f"trainer.total_steps={steps}", f"output_dir={out_dir}", f"name={mode}", *overrides,
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
+    load_before = os.getloadavg()[0]
+    start = time.perf_counter()
+    proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
+    wall = time.perf_counter() - start
+    if proc.returncode != 0:
+        raise RuntimeError(f"mode {mode} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    return summarise(mode, lines, wall_s=wall, load=(load_before, os.getloadavg()[0]))
+
+
+def summarise(mode: str, lines: list[dict], *, wall_s: float, load: tuple[float, float]) -> dict:
+    steady = lines[1:]
+    span = lines[-1]["time"] - lines[0]["time"]  # from the end of step 1 to the end of the last step
+
+    def mean(key: str) -> float:
+        values = [m[key] for m in steady if key in m]
+        return sum(values) / max(len(values), 1)
+
+    samples = sum(m["rollout/num_samples"] for m in steady)
+    updates = sum(1 for m in steady for k in m if k.startswith("policy/") and k.endswith("/grad_norm"))
+    return {
+        "mode": mode, "steps": len(lines), "steady_steps": len(steady), "steady_seconds": span,
+        "steps_per_hour": len(steady) / span * 3600, "samples_per_hour": samples / span * 3600,
+        "policy_updates_per_step": updates / max(len(steady), 1),
+        "step_s": mean("timing/step_s"), "rollout_wait_s": mean("timing/rollout_s"),
+        "update_s": mean("timing/update_s"), "weight_sync_s": mean("timing/weight_sync_s"),
+        "rollout_idle_ratio": mean("async/rollout_idle_ratio"), "trainer_idle_ratio": mean("async/trainer_idle_ratio"),
+        "weight_sync_bubble_s": mean("async/weight_sync_bubble_s"),
+        "staleness_mean": mean("async/staleness_mean"), "staleness_max": max(m["async/staleness_max"] for m in lines),
+        "dropped_stale_groups": lines[-1]["rollout/total_dropped_stale_groups"],
+        "dropped_stale_samples": lines[-1]["rollout/total_dropped_stale_samples"],
+        "success_rate": mean("rollout/success_rate"), "process_wall_s": wall_s, "load_avg_1m": list(load),
+    }
+
+
+def print_table(results: list[dict]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    base = next((r for r in results if r["mode"] == "sync"), None)
+    table = Table(title="trainer modes on the tool-latency workload (steady state, steps 2..N)")
+    columns = ("mode", "steps/h", "x sync", "step s", "update s", "rollout idle", "trainer idle", "sync bubble s",
+               "staleness", "dropped groups")
+    for col in columns:
+        table.add_column(col, justify="right")
+    for r in results:
+        speedup = r["steps_per_hour"] / base["steps_per_hour"] if base else float("nan")
+        table.add_row(
+            r["mode"], f"{r['steps_per_hour']:.0f}", f"{speedup:.2f}", f"{r['step_s']:.2f}", f"{r['update_s']:.2f}",
+            f"{r['rollout_idle_ratio']:.2f}", f"{r['trainer_idle_ratio']:.2f}", f"{r['weight_sync_bubble_s']:.3f}",
+            f"{r['staleness_mean']:.2f} (max {r['staleness_max']:.0f})", f"{r['dropped_stale_groups']:.0f}",
+        )
+    Console().print(table)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default=str(ROOT / "configs" / "bench_async.yaml"))
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    parser.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of every run (same for all modes)")
+    parser.add_argument("--out", default=str(ROOT / "docs" / "bench" / "async.json"))
+    parser.add_argument("overrides", nargs="*", help="key=value config overrides for every mode")
+    args = parser.parse_args()
+
+    results = []
+    with tempfile.TemporaryDirectory(prefix="bench-async-") as tmp:
+        for mode in args.modes:
+            print(f"[bench_async] {mode}: {args.steps} steps ...", flush=True)
+            result = run_mode(mode, config=Path(args.config), steps=args.steps, overrides=args.overrides,
+                              out_dir=Path(tmp), threads=args.threads)
+            results.append(result)
+            print(f"[bench_async] {mode}: {result['steps_per_hour']:.0f} steps/h", flush=True)
+    base = next((r for r in results if r["mode"] == "sync"), None)
+    for r in results:
+        r["speedup_vs_sync"] = r["steps_per_hour"] / base["steps_per_hour"] if base else None
+    print_table(results)
+
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    report = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": machine_info(), "config": str(Path(args.config).relative_to(ROOT)), "overrides": args.overrides,
+        "steps": args.steps, "omp_num_threads": args.threads,
+        "notes": "modes run one after another in fresh processes on the same machine; steady state = from the "
+        "end of step 1 to the end of the last step; idle ratios and bubble are per-step means of the "
+        "async/* metrics; load_avg_1m before/after each mode (other jobs on a shared machine skew the figures).",
+        "results": results,
+    }
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,187 @@
+"""Kill a training run mid-step and resume it (``scripts/train.py`` under torchrun, tiny signalling).
+
+* Same layout: the resumed run's per-step metrics (rewards, per-agent sample statistics, losses,
+  grad norms) and its final weights and optimizer state equal the uninterrupted run's exactly, and
+  metrics.jsonl holds each step once.
+* Other layout (the 1-rank checkpoint resumed at TP=2 on 2 ranks): step 3's rollout, sampled by the
+  engine from the checkpoint's weights, is identical; its losses agree to float rounding.
+
+The reference run and the run that gets killed start together (one core each). The premise,
+seeded sampling that does not depend on how the engine batched the requests, is checked first.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parents[2]
+RUN = "signalling_tiny"  # the config's name: runs land in <output_dir>/signalling_tiny
+OVERRIDES = (
+    "trainer.total_steps=4", "trainer.save_every=1", "rollout.num_tasks=4", "eval.num_tasks=0",
+    "logger.progress=false",
+)
+
+
+def _volatile(key: str) -> bool:
+    """Wall-clock values (durations, rates, idle ratios) differ between any two runs."""
+    if key in ("time", "elapsed_s") or key.startswith(("timing/", "weight_sync/")):
+        return True
+    return key.endswith(("_s", "_ratio"))
+
+
+def _start(output_dir: Path, *extra: str, num_ranks: int = 1) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={num_ranks}",
+        "scripts/train.py", "--config", "configs/signalling_tiny.yaml", *OVERRIDES,
+        f"output_dir={output_dir}", *extra,
+    ]
+    with open(output_dir.parent / f"{output_dir.name}.log", "w") as log:  # the child keeps its copy
+        # own session: a SIGKILL to the group takes torchrun and its ranks down together, like a node loss
+        return subprocess.Popen(
+            command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+
+
+def _wait(proc: subprocess.Popen, output_dir: Path, timeout_s: float = 240) -> None:
+    code = proc.wait(timeout=timeout_s)
+    log = (output_dir.parent / f"{output_dir.name}.log").read_text()
+    assert code == 0, log[-3000:]
+
+
+def _metrics(output_dir: Path) -> list[dict]:
+    lines = (output_dir / RUN / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines]
+
+
+def _stable(record: dict) -> dict:
+    return {k: v for k, v in record.items() if not _volatile(k)}
+
+
+def _policy_state(checkpoint: Path, tmp_path: Path) -> dict:
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = tmp_path / f"{checkpoint.parent.parent.parent.name}-{checkpoint.name}.pt"
+    dcp_to_torch_save(checkpoint / "policies" / "shared", out)
+    return torch.load(out, weights_only=False)
+
+
+def _flat(state, prefix=""):
+    if isinstance(state, dict):
+        for key, value in state.items():
+            yield from _flat(value, f"{prefix}{key}/")
+    elif isinstance(state, torch.Tensor):
+        yield prefix, state
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    base = tmp_path_factory.mktemp("resume")
+    reference, resumed = base / "reference", base / "resumed"
+    for d in (reference, resumed):
+        d.mkdir()
+    ref_proc = _start(reference)
+    victim = _start(resumed)
+    metrics = resumed / RUN / "metrics.jsonl"
+    deadline = time.monotonic() + 240
+    # Kill once step 3 is logged: its checkpoint is at best being written, step 2's is complete.
+    while not (metrics.is_file() and '"step": 3,' in metrics.read_text()):
+        assert victim.poll() is None, (resumed.parent / "resumed.log").read_text()[-3000:]
+        assert time.monotonic() < deadline, "the run never reached step 3"
+        time.sleep(0.02)
+    os.killpg(victim.pid, signal.SIGKILL)
+    victim.wait()
+    checkpoints = resumed / RUN / "checkpoints"
+    killed_state = {
+        "complete": sorted(p.parent.name for p in checkpoints.glob("step_*/COMPLETE")),
+        "logged_steps": [r["step"] for r in _metrics(resumed)],
+    }
+    _wait(_start(resumed, "trainer.resume=auto"), resumed)
+    _wait(ref_proc, reference)
+    return reference, resumed, killed_state
+
+
+def test_killed_run_resumes_bit_identical(runs, tmp_path):
+    reference, resumed, killed = runs
+    assert {"step_000001", "step_000002"} <= set(killed["complete"])
+    assert killed["logged_steps"] == [1, 2, 3]
+
+    ref_metrics, res_metrics = _metrics(reference), _metrics(resumed)
+    assert [r["step"] for r in res_metrics] == [1, 2, 3, 4]  # lines after the checkpoint were cut
+    for ref, res in zip(ref_metrics, res_metrics, strict=True):
+        assert _stable(res) == _stable(ref), f"step {ref['step']}"
+    assert any(r["policy/shared/grad_norm"] > 0 for r in ref_metrics)  # the comparison is not vacuous
+
+    ref_ckpt = reference / RUN / "checkpoints" / "step_000004"
+    res_ckpt = resumed / RUN / "checkpoints" / "step_000004"
+    ref_state = dict(_flat(_policy_state(ref_ckpt, tmp_path)))
+    res_state = dict(_flat(_policy_state(res_ckpt, tmp_path)))
+    assert ref_state.keys() == res_state.keys() and any("exp_avg" in k for k in ref_state)
+    for key, value in ref_state.items():
+        assert torch.equal(res_state[key], value), key
+    ref_run, res_run = (torch.load(c / "trainer.pt", weights_only=False) for c in (ref_ckpt, res_ckpt))
+    assert res_run == ref_run
+    assert ref_run["versions"] == {"shared": 5} and ref_run["num_updates"] == {"shared": 4}
+    names = sorted(p.name for p in (resumed / RUN / "checkpoints").iterdir())
+    assert names == [f"step_00000{i}" for i in range(1, 5)]  # the killed save's .partial was cleared
+
+
+def test_resume_at_another_layout(runs, tmp_path):
+    reference, resumed, _ = runs
+    other = tmp_path / "tp2"
+    other.mkdir()
+    checkpoint = resumed / RUN / "checkpoints" / "step_000002"
+    overrides = (f"trainer.resume={checkpoint}", "trainer.total_steps=3", "policies.shared.tp=2")
+    _wait(_start(other, *overrides, num_ranks=2), other)
+
+    (step3,) = _metrics(other)
+    ref3 = _metrics(reference)[2]
+    assert step3["step"] == 3
+    rollout = {k: v for k, v in _stable(ref3).items() if k.startswith(("rollout/", "agent/"))}
+    assert {k: step3[k] for k in rollout} == rollout  # same weights, same seeds: the same samples
+    for key in ("loss", "pg_loss", "entropy", "approx_kl"):
+        name = f"policy/shared/{key}"
+        assert step3[name] == pytest.approx(ref3[name], rel=1e-4, abs=1e-6), key
+
+
+def test_seeded_rollout_does_not_depend_on_batching(tmp_path):
+    import asyncio
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from megamarl.models.tiny import save_tiny_model
+    from megamarl.orchestration import AgentConfig, EnvMaker, build_agents, build_orchestra, run_episodes
+    from megamarl.rollout.base import SamplingParams
+    from megamarl.rollout.hf import HFEngine
+
+    path = save_tiny_model(tmp_path, "llama", seed=0)
+    tokenizer, model = AutoTokenizer.from_pretrained(path), AutoModelForCausalLM.from_pretrained(path)
+    maker = EnvMaker("signalling")
+    sampling = SamplingParams(temperature=1.0, max_tokens=2)
+    agents = build_agents({r: AgentConfig(sampling=sampling) for r in maker.agents}, tokenizer,
+                          default_kinds=maker.default_agents)
+
+    def rollout(*, max_batch_rows, max_concurrency, engine_seed, seed=7):
+        engine = HFEngine(model, max_batch_rows=max_batch_rows, seed=engine_seed)
+        result = asyncio.run(run_episodes(
+            build_orchestra("sequential"), maker, maker.tasks(4, seed=3), agents=agents,
+            engines={"default": engine}, group_size=4, max_concurrency=max_concurrency, seed=seed,
+        ))
+        engine.shutdown()
+        return [(s.episode_id, s.agent, s.response_ids) for s in result.samples]
+
+    one_batch = rollout(max_batch_rows=64, max_concurrency=64, engine_seed=0)
+    assert one_batch == rollout(max_batch_rows=3, max_concurrency=5, engine_seed=1)
+    assert len({tuple(ids) for *_, ids in one_batch}) > 1  # episodes of a group still differ
+    assert one_batch != rollout(max_batch_rows=64, max_concurrency=64, engine_seed=0, seed=8)

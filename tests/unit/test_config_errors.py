@@ -1,0 +1,110 @@
+"""Bad configs fail at load (or placement) time with a ValueError that names the offending key, and
+``scripts/train.py`` turns them into one line on stderr and a nonzero exit."""
+
+from __future__ import annotations
+
+import io
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megamarl.config import load_config
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIG = ROOT / "configs" / "signalling_tiny.yaml"
+
+
+def _error(overrides, *, world_size: int | None = None, path=CONFIG) -> str:
+    with pytest.raises(ValueError) as info:
+        cfg = load_config(path, overrides)
+        if world_size is not None:
+            cfg.placement(world_size)
+    return str(info.value)
+
+
+def test_the_base_config_loads():
+    cfg = load_config(CONFIG, ["trainer.keep_last=2"])
+    assert cfg.trainer.keep_last == 2
+    cfg.placement(1)
+
+
+@pytest.mark.parametrize(
+    "overrides, key",
+    [
+        (["trainer.total_step=3"], "trainer.total_step"),  # unknown key
+        (["policies.shared.tpp=2"], "policies.shared.tpp"),
+        (["agents.sender.temperature=0.5"], "agents.sender.temperature"),  # belongs under sampling
+        (["trainer.total_steps=abc"], "trainer.total_steps"),  # wrong type
+        (["policies.shared.lr=fast"], "policies.shared.lr"),
+        (["policies.shared.ranks=0"], "policies.shared.ranks"),
+        (["trainer.mode=async"], "trainer.mode"),  # not an allowed value
+        (["trainer.keep_last=-1"], "trainer.keep_last"),
+        (["trainer.save_every=-2"], "trainer.save_every"),
+        (["algorithm.estimator=ppo2"], "algorithm.estimator"),  # unknown registry names
+        (["env.name=chess"], "env.name"),
+        (["orchestra.name=debate"], "orchestra.name"),
+        (["agents.sender.kind=oracle"], "agents.sender.kind"),
+        (["env.kwargs.board=8"], "env.kwargs"),  # a keyword the env's config does not take
+        (["orchestra.kwargs.rounds=3"], "orchestra.kwargs"),
+        (["agents.receiver.policy=critic"], "agents.receiver.policy"),  # a policy that is not defined
+    ],
+)
+def test_error_names_the_key(overrides, key):
+    assert key in _error(overrides)
+
+
+@pytest.mark.parametrize(
+    "overrides, world_size, keys",
+    [
+        (["policies.shared.ranks=[0,1,2]"], 2, ["policies.shared.ranks", "world size 2"]),
+        (["policies.shared.tp=2"], 3, ["policies.shared", "tp*pp"]),  # 3 ranks, TP=2
+        (
+            ["placement_mode=disaggregated", "policies.shared.ranks=[0,1]",
+             "policies.other.model=tiny-random-llama", "policies.other.ranks=[1]"],
+            2,
+            ["policies.other.ranks", "policies.shared.ranks", "rank 1"],
+        ),
+    ],
+)
+def test_impossible_placement_names_the_key(overrides, world_size, keys):
+    message = _error(overrides, world_size=world_size)
+    assert all(k in message for k in keys), message
+
+
+@pytest.mark.parametrize("override", ["policies.shared.tp=3", "policies.shared.pp=3"])
+def test_layout_that_does_not_fit_the_model_names_the_key(override):
+    """tiny-random-llama has 4 heads, 2 KV heads, 4 layers: TP=3 or PP=3 cannot shard it (checked by
+    the dry run and again when the trainer builds the model)."""
+    from rich.console import Console
+
+    from megamarl.dryrun import dry_run
+
+    cfg = load_config(CONFIG, [override])
+    with pytest.raises(ValueError, match=override.replace(".", r"\.")):
+        dry_run(cfg, world_size=3, console=Console(file=io.StringIO()))
+
+
+def test_missing_config_file_names_the_flag(tmp_path):
+    assert "--config" in _error([], path=tmp_path / "nope.yaml")
+
+
+@pytest.mark.parametrize(
+    "overrides, env, key",
+    [
+        (["trainer.total_step=3"], {}, "trainer.total_step"),
+        (["policies.shared.ranks=[0,1,2]"], {"WORLD_SIZE": "2"}, "policies.shared.ranks"),  # under torchrun
+    ],
+)
+def test_train_script_prints_one_line(overrides, env, key):
+    result = subprocess.run(
+        [sys.executable, "scripts/train.py", "--config", str(CONFIG), *overrides],
+        cwd=ROOT, env={**os.environ, "PYTHONWARNINGS": "ignore", **env},
+        capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("config error:") and key in lines[0], result.stderr
+    assert "Traceback" not in result.stderr + result.stdout

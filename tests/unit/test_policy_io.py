@@ -1,0 +1,109 @@
+"""Run-checkpoint bookkeeping in megamarl.policy_io: which checkpoint ``trainer.resume`` picks
+(incomplete ones never), the atomic commit, keep_last, and rewinding the run directory's logs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from megamarl import policy_io
+from megamarl.config import LoggerConfig, WandbConfig
+from megamarl.metrics import MetricsLogger, read_eval, read_metrics
+from megamarl.orchestration.context import derive_seed
+
+
+def _checkpoint(run_dir, step, *, complete=True):
+    path = policy_io.checkpoint_path(run_dir, step)
+    path.mkdir(parents=True)
+    if complete:
+        (path / policy_io.COMPLETE).write_text("{}")
+    return path
+
+
+def test_resume_picks_the_latest_complete_checkpoint(tmp_path):
+    assert policy_io.find_checkpoint("none", tmp_path) is None
+    assert policy_io.find_checkpoint("auto", tmp_path) is None  # nothing yet: a fresh start
+    _checkpoint(tmp_path, 2)
+    latest = _checkpoint(tmp_path, 10)  # 10 > 2 numerically
+    _checkpoint(tmp_path, 11, complete=False)  # killed before its marker
+    policy_io.staging_path(policy_io.checkpoint_path(tmp_path, 12)).mkdir()  # killed while writing
+    assert policy_io.find_checkpoint("auto", tmp_path) == latest
+    assert policy_io.find_checkpoint(str(tmp_path), "elsewhere") == latest  # a run directory
+    two = policy_io.checkpoint_path(tmp_path, 2)
+    assert policy_io.find_checkpoint(str(two), "elsewhere") == two  # a checkpoint directory
+
+
+@pytest.mark.parametrize(
+    "bad, why",
+    [("missing", "does not exist"), ("checkpoints/step_000011", "no COMPLETE"), (".", "no complete checkpoint")],
+)
+def test_resume_from_a_bad_path_names_the_key(tmp_path, bad, why):
+    _checkpoint(tmp_path, 11, complete=False)
+    with pytest.raises(ValueError, match=f"trainer.resume=.*{why}"):
+        policy_io.find_checkpoint(str(tmp_path / bad), tmp_path)
+
+
+def test_commit_is_a_rename_and_replaces_the_same_step(tmp_path):
+    final = policy_io.checkpoint_path(tmp_path, 3)
+    for version in (1, 2):
+        staging = policy_io.staging_path(final)
+        (staging / "policies").mkdir(parents=True)
+        (staging / "policies" / "v").write_text(str(version))
+        policy_io.commit(staging, final, {"step": 3, "version": version})
+        assert not staging.exists() and (final / policy_io.COMPLETE).is_file()
+        assert (final / "policies" / "v").read_text() == str(version)
+        assert policy_io.load_trainer_state(final)["version"] == version
+    assert sorted(p.name for p in final.parent.iterdir()) == ["step_000003"]
+
+
+def test_keep_last(tmp_path):
+    for step in (1, 2, 3, 4):
+        _checkpoint(tmp_path, step)
+    _checkpoint(tmp_path, 5, complete=False)
+    policy_io.prune(tmp_path, keep_last=0)
+    assert len(policy_io.list_checkpoints(tmp_path)) == 4
+    policy_io.prune(tmp_path, keep_last=2)
+    assert [policy_io.checkpoint_step(p) for p in policy_io.list_checkpoints(tmp_path)] == [3, 4]
+    assert policy_io.checkpoint_path(tmp_path, 5).is_dir()  # incomplete: not counted, not deleted
+
+
+def test_rewind_cuts_logs_after_the_step_while_the_logger_appends(tmp_path):
+    logger = MetricsLogger(tmp_path, LoggerConfig(wandb=WandbConfig(mode="disabled")), "run")
+    for step in (1, 2, 3):
+        logger.log(step, {"loss": float(step)})
+        logger.log_eval(step, {"acc": 0.1 * step})
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 4, "lo')  # a line torn by the crash
+    _checkpoint(tmp_path, 2)
+    later = _checkpoint(tmp_path, 3)
+
+    policy_io.rewind_run_dir(tmp_path, 2)  # resume from step 2 with the logger already open
+    logger.log(3, {"loss": 30.0})
+    logger.close()
+
+    assert [(r["step"], r["loss"]) for r in read_metrics(tmp_path)] == [(1, 1.0), (2, 2.0), (3, 30.0)]
+    assert [e["step"] for e in read_eval(tmp_path)] == [1, 2]
+    assert not later.exists() and later.with_name(later.name + ".discarded").is_dir()
+    assert [policy_io.checkpoint_step(p) for p in policy_io.list_checkpoints(tmp_path)] == [2]
+    json.loads((tmp_path / "eval.json").read_text())  # still valid JSON
+
+
+def test_rng_round_trip(tmp_path):
+    import random
+
+    import numpy as np
+    import torch
+
+    policy_io.save_rng(tmp_path, 3)
+    expected = (random.random(), float(np.random.rand()), float(torch.rand(())))
+    random.random(), np.random.rand(), torch.rand(())
+    assert policy_io.load_rng(tmp_path, 3) and not policy_io.load_rng(tmp_path, 4)
+    assert (random.random(), float(np.random.rand()), float(torch.rand(()))) == expected
+
+
+def test_derived_sampling_seeds_are_stable_and_distinct():
+    assert derive_seed(0, "signal-7-0/1", "sender", 0) == 693171824678856772  # the same in every process
+    parts = [(s, e, a, t) for s in (0, 1) for e in ("t/0", "t/1") for a in ("x", "y") for t in (0, 1)]
+    seeds = {derive_seed(*p) for p in parts}
+    assert len(seeds) == 16 and all(0 <= s < 2**62 for s in seeds)
