@@ -207,11 +207,6 @@ class StalenessStats:
             self.dropped_groups += 1
             self.dropped_samples += group.num_samples
 
-    def merge(self, other: StalenessStats) -> None:
-        self.histogram.update(other.histogram)
-        self.dropped_groups += other.dropped_groups
-        self.dropped_samples += other.dropped_samples
-
     def metrics(self, prefix: str = "async/") -> dict[str, float]:
         num = sum(self.histogram.values())
         out = {f"{prefix}staleness/{k}": float(v) for k, v in sorted(self.histogram.items())}

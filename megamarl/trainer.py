@@ -5,6 +5,8 @@ engines (colocated, in-process), runs the episodes, computes advantages on the g
 batch and logs. Every rank holding a shard of a policy's worker group (WG) trains it; the batch
 reaches workers as one broadcast object over the CPU control group. Variants (estimators, engines,
 envs, orchestras) are looked up by name in registries; the loop itself has no per-variant branches.
+``trainer.mode`` names the driver's rollout schedule (``megamarl.schedules``: sync, one_step_off,
+fully_async; docs/async.md): where the next batch comes from and what a weight push waits for.
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ class Trainer:
         self.wgs = build_worker_groups(cfg.placement(self.world_size))
         self.workers = self._build_workers()
         self.driver = RolloutDriver(cfg, self.run_dir) if self.is_driver else None
+        self._register_adapters()
         self._maybe_resume()
 
     # ---- set-up ---------------------------------------------------------------------------------
@@ -72,16 +75,20 @@ class Trainer:
             agents = {
                 role: AgentTraining(
                     loss=self._loss_config(policy, **agent.train_overrides()),
-                    micro_batch_size=agent.micro_batch_size or policy.micro_batch_size, frozen=agent.frozen,
+                    micro_batch_size=agent.micro_batch_size or policy.micro_batch_size,
+                    # an agent of a LoRA policy without an adapter acts with the frozen base
+                    frozen=agent.frozen or (policy.lora is not None and agent.lora is None),
+                    adapter=agent.lora, lr=agent.lr,
                 )
                 for role, agent in self.cfg.agents.items()
-                if agent.policy == name and (agent.train_overrides() or agent.frozen)
+                if agent.policy == name and (agent.train_overrides() or agent.frozen or policy.lora is not None)
             }
             handle = load_policy_model(policy, wg, seed=self.cfg.trainer.seed)
             needs_ref = policy.kl_coef > 0 or any(a.loss.kl_coef > 0 for a in agents.values())
-            ref = load_policy_model(policy, wg, seed=self.cfg.trainer.seed) if needs_ref else None
+            # LoRA policies use their frozen base as the reference (adapters off): no second model
+            ref = load_policy_model(policy, wg, seed=self.cfg.trainer.seed) if needs_ref and policy.lora is None else None
             workers[name] = PolicyWorker(name, policy, wg, handle, loss_cfg, agents=agents, ref_handle=ref,
-                                         critic=self._critic_config(policy))
+                                         critic=self._critic_config(policy), lora=_lora_config(policy))
         return workers
 
     def _critic_config(self, policy) -> CriticConfig | None:
@@ -171,14 +178,45 @@ class Trainer:
                     continue
                 worker = self.workers.get(name)
                 engines = self.driver.engines_for(name) if self.is_driver else None
-                stats = sync_weights(
-                    self.wgs[name], worker.export if worker else None, engines,
-                    version=self.versions[name], engine_rank=DRIVER, bucket_mb=policy.engine.bucket_mb,
-                )
-                metrics.update(stats.as_dict(f"weight_sync/{name}"))
+                metrics.update(self._push_policy(name, worker, engines))
         dist.barrier(group=control_group())
         metrics["timing/weight_sync_s"] = time.perf_counter() - start
         return metrics
+
+    def _push_policy(self, name: str, worker: PolicyWorker | None, engines: list | None) -> dict[str, float]:
+        """Sync one policy into its engines: full weights, or (L2) each agent adapter's tensors only."""
+        policy = self.cfg.policies[name]
+        kwargs = dict(version=self.versions[name], engine_rank=DRIVER, bucket_mb=policy.engine.bucket_mb)
+        if policy.lora is None:
+            stats = sync_weights(self.wgs[name], worker.export if worker else None, engines, **kwargs)
+            return stats.as_dict(f"weight_sync/{name}")
+        metrics = {}
+        for adapter in self.adapters(name):
+            export = (lambda a=adapter: worker.export_adapter(a)) if worker else None
+            stats = sync_weights(self.wgs[name], export, engines, lora=adapter, **kwargs)
+            metrics.update(stats.as_dict(f"weight_sync/{name}/{adapter}"))
+        return metrics
+
+    def adapters(self, policy: str) -> list[str]:
+        return sorted({a.lora for a in self.cfg.agents.values() if a.policy == policy and a.lora})
+
+    def _register_adapters(self) -> None:
+        """L2: write each adapter's initial PEFT directory (collective over its WG) and register it with
+        the policy's engines, which then receive adapter-only updates."""
+        from megamarl.models.lora import save_peft_adapter
+
+        for name, policy in self.cfg.policies.items():
+            if policy.lora is None:
+                continue
+            root = self.run_dir / "adapters" / name
+            worker = self.workers.get(name)
+            for adapter in self.adapters(name):
+                if worker is not None:
+                    save_peft_adapter(worker.model, self.wgs[name], adapter, root / adapter)
+                dist.barrier(group=control_group())
+                if self.is_driver:
+                    for engine in self.driver.engines_for(name):
+                        engine.add_lora(adapter, root / adapter)
 
     def evaluate(self) -> None:
         if self.is_driver and self.cfg.eval.num_tasks > 0:
@@ -272,7 +310,10 @@ class RolloutDriver:
         paths = {name: resolve_model_path(p.model, key=f"policies.{name}.model") for name, p in cfg.policies.items()}
         self.tokenizers = {name: AutoTokenizer.from_pretrained(path) for name, path in paths.items()}
         self.pad_ids = {name: (t.pad_token_id if t.pad_token_id is not None else t.eos_token_id) for name, t in self.tokenizers.items()}
-        self.engines = {name: build_engines(p.engine, paths[name], seed=cfg.trainer.seed) for name, p in cfg.policies.items()}
+        self.engines = {
+            name: build_engines(p.engine, paths[name], seed=cfg.trainer.seed, lora=_lora_serving(cfg, name))
+            for name, p in cfg.policies.items()
+        }
         self.env = EnvMaker(cfg.env.name, **cfg.env.kwargs)
         self.orchestra = build_orchestra(cfg.orchestra.name, **cfg.orchestra.kwargs)
         self.agents = build_agents(
@@ -362,6 +403,7 @@ class RolloutDriver:
         for role, a in self.cfg.agents.items():
             oc = a.to_orchestration(self.tokenizers[a.policy])
             oc.sampling = replace(oc.sampling, temperature=e.temperature, top_p=1.0, top_k=-1)
+            oc.tree_k = 1  # evaluation is one pass: no best-of-K with the env's check fn
             greedy[role] = oc
         agents = build_agents(greedy, self.tokenizers, default_kinds=self.env.default_agents)
         tasks = self.env.tasks(e.num_tasks, seed=10**9 + 7)  # held out: a seed the training stream never uses
@@ -401,6 +443,24 @@ class RolloutDriver:
             for engine in pool:
                 engine.shutdown()
         plot_run(self.run_dir)
+
+
+def _lora_serving(cfg: RunConfig, policy: str):
+    from megamarl.rollout.factory import LoraServing
+
+    lora = cfg.policies[policy].lora
+    adapters = {a.lora for a in cfg.agents.values() if a.policy == policy and a.lora}
+    return LoraServing(num_adapters=len(adapters), rank=lora.rank) if lora is not None and adapters else None
+
+
+def _lora_config(policy):
+    """``policies.<p>.lora`` as the model layer's LoRA settings (None: no adapters)."""
+    if policy.lora is None:
+        return None
+    from megamarl.models.lora import LoraConfig as ModelLoraConfig
+
+    targets = {"qkv": "linear_qkv", "proj": "linear_proj", "fc1": "linear_fc1", "fc2": "linear_fc2"}
+    return ModelLoraConfig(rank=policy.lora.rank, alpha=policy.lora.alpha, targets=tuple(targets[t] for t in policy.lora.targets))
 
 
 def per_agent_metrics(batch: SampleBatch, result) -> dict[str, float]:

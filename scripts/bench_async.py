@@ -2,13 +2,14 @@
 
 The workload (configs/bench_async.yaml): two tiny policies, a caller and an answerer, play a
 signalling game through slow tools (megamarl.orchestration.envs_latency): after every caller turn a
-tool call waits (a remote API, ~0.3 s) or runs a python program in a subprocess; episodes take 1 to
-10 rounds (long tail). Each ``trainer.mode`` trains the same config for ``--steps`` steps in a fresh
-process, one mode after the other (never concurrently: they would share the CPU). Prints steps/hour,
-the speed-up over sync, idle ratios, the weight-sync bubble, staleness and drops per mode, and
-writes docs/bench/async.json with the machine description.
+tool call waits (a remote API) or runs a python program in a subprocess; episodes take 1 to 10
+rounds (long tail). Each ``trainer.mode`` trains the same config for ``--steps`` steps in a fresh
+process, one run after the other (never concurrently: they would share the CPU), ``--repeats``
+rounds with the modes interleaved so that a shared machine's load drifts over all of them alike.
+Prints the median steps/hour and samples/hour per mode, the speed-up over sync, idle ratios, the
+weight-sync bubble, staleness and drops, and writes docs/bench/async.json (every run, the machine).
 
-    python scripts/bench_async.py [--steps 12] [--modes sync one_step_off fully_async] [key=value ...]
+    python scripts/bench_async.py [--steps 10] [--repeats 3] [--modes sync one_step_off fully_async] [key=value ...]
 
 Throughput is measured between the log lines of the first and the last step (steady state: the
 first step pays for warm-up in every mode).
@@ -20,6 +21,7 @@ import argparse
 import datetime
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -33,7 +35,6 @@ MODES = ("sync", "one_step_off", "fully_async")
 
 
 def run_mode(mode: str, *, config: Path, steps: int, overrides: list[str], out_dir: Path, threads: int) -> dict:
-    run_dir = out_dir / mode
     command = [
         sys.executable, str(ROOT / "scripts" / "train.py"), "--config", str(config), f"trainer.mode={mode}",
         f"trainer.total_steps={steps}", f"output_dir={out_dir}", f"name={mode}", *overrides,
@@ -45,7 +46,7 @@ def run_mode(mode: str, *, config: Path, steps: int, overrides: list[str], out_d
     wall = time.perf_counter() - start
     if proc.returncode != 0:
         raise RuntimeError(f"mode {mode} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
-    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    lines = [json.loads(x) for x in (out_dir / mode / "metrics.jsonl").read_text().splitlines() if x.strip()]
     return summarise(mode, lines, wall_s=wall, load=(load_before, os.getloadavg()[0]))
 
 
@@ -60,7 +61,7 @@ def summarise(mode: str, lines: list[dict], *, wall_s: float, load: tuple[float,
     samples = sum(m["rollout/num_samples"] for m in steady)
     updates = sum(1 for m in steady for k in m if k.startswith("policy/") and k.endswith("/grad_norm"))
     return {
-        "mode": mode, "steps": len(lines), "steady_steps": len(steady), "steady_seconds": span,
+        "mode": mode, "steps": len(lines), "steady_seconds": span,
         "steps_per_hour": len(steady) / span * 3600, "samples_per_hour": samples / span * 3600,
         "policy_updates_per_step": updates / max(len(steady), 1),
         "step_s": mean("timing/step_s"), "rollout_wait_s": mean("timing/rollout_s"),
@@ -74,59 +75,79 @@ def summarise(mode: str, lines: list[dict], *, wall_s: float, load: tuple[float,
     }
 
 
-def print_table(results: list[dict]) -> None:
+def median_by_mode(runs: list[dict]) -> list[dict]:
+    """One row per mode: the median of every numeric field over its runs (drops: the sum)."""
+    rows = []
+    for mode in dict.fromkeys(r["mode"] for r in runs):
+        mine = [r for r in runs if r["mode"] == mode]
+        row: dict = {"mode": mode, "num_runs": len(mine)}
+        for key, value in mine[0].items():
+            if isinstance(value, (int, float)) and key not in row:
+                values = [r[key] for r in mine]
+                row[key] = sum(values) if key.startswith("dropped") else statistics.median(values)
+        row["steps_per_hour_runs"] = [round(r["steps_per_hour"]) for r in mine]
+        rows.append(row)
+    base = next((r for r in rows if r["mode"] == "sync"), None)
+    for row in rows:
+        row["speedup_vs_sync"] = row["steps_per_hour"] / base["steps_per_hour"] if base else None
+        row["samples_speedup_vs_sync"] = row["samples_per_hour"] / base["samples_per_hour"] if base else None
+    return rows
+
+
+def print_table(rows: list[dict]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    base = next((r for r in results if r["mode"] == "sync"), None)
-    table = Table(title="trainer modes on the tool-latency workload (steady state, steps 2..N)")
-    columns = ("mode", "steps/h", "x sync", "step s", "update s", "rollout idle", "trainer idle", "sync bubble s",
-               "staleness", "dropped groups")
+    table = Table(title="trainer modes on the tool-latency workload (medians over runs; steady state, steps 2..N)")
+    columns = ("mode", "steps/h", "x sync", "samples/h", "x sync", "step s", "update s", "rollout idle",
+               "trainer idle", "bubble s", "staleness", "dropped groups")
     for col in columns:
         table.add_column(col, justify="right")
-    for r in results:
-        speedup = r["steps_per_hour"] / base["steps_per_hour"] if base else float("nan")
+    for r in rows:
         table.add_row(
-            r["mode"], f"{r['steps_per_hour']:.0f}", f"{speedup:.2f}", f"{r['step_s']:.2f}", f"{r['update_s']:.2f}",
+            r["mode"], f"{r['steps_per_hour']:.0f}", f"{r['speedup_vs_sync'] or 0:.2f}", f"{r['samples_per_hour']:.0f}",
+            f"{r['samples_speedup_vs_sync'] or 0:.2f}", f"{r['step_s']:.2f}", f"{r['update_s']:.2f}",
             f"{r['rollout_idle_ratio']:.2f}", f"{r['trainer_idle_ratio']:.2f}", f"{r['weight_sync_bubble_s']:.3f}",
             f"{r['staleness_mean']:.2f} (max {r['staleness_max']:.0f})", f"{r['dropped_stale_groups']:.0f}",
         )
-    Console().print(table)
+    Console(width=200).print(table)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default=str(ROOT / "configs" / "bench_async.yaml"))
-    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--repeats", type=int, default=3, help="rounds over the modes, interleaved")
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     parser.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of every run (same for all modes)")
     parser.add_argument("--out", default=str(ROOT / "docs" / "bench" / "async.json"))
     parser.add_argument("overrides", nargs="*", help="key=value config overrides for every mode")
     args = parser.parse_args()
 
-    results = []
-    with tempfile.TemporaryDirectory(prefix="bench-async-") as tmp:
+    runs = []
+    for repeat in range(args.repeats):
         for mode in args.modes:
-            print(f"[bench_async] {mode}: {args.steps} steps ...", flush=True)
-            result = run_mode(mode, config=Path(args.config), steps=args.steps, overrides=args.overrides,
-                              out_dir=Path(tmp), threads=args.threads)
-            results.append(result)
-            print(f"[bench_async] {mode}: {result['steps_per_hour']:.0f} steps/h", flush=True)
-    base = next((r for r in results if r["mode"] == "sync"), None)
-    for r in results:
-        r["speedup_vs_sync"] = r["steps_per_hour"] / base["steps_per_hour"] if base else None
-    print_table(results)
+            with tempfile.TemporaryDirectory(prefix="bench-async-") as tmp:
+                run = run_mode(mode, config=Path(args.config), steps=args.steps, overrides=args.overrides,
+                               out_dir=Path(tmp), threads=args.threads)
+            run["repeat"] = repeat
+            runs.append(run)
+            print(f"[bench_async] round {repeat + 1}/{args.repeats} {mode}: {run['steps_per_hour']:.0f} steps/h, "
+                  f"{run['samples_per_hour']:.0f} samples/h (load {run['load_avg_1m'][0]:.1f})", flush=True)
+    rows = median_by_mode(runs)
+    print_table(rows)
 
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     report = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": machine_info(), "config": str(Path(args.config).relative_to(ROOT)), "overrides": args.overrides,
-        "steps": args.steps, "omp_num_threads": args.threads,
-        "notes": "modes run one after another in fresh processes on the same machine; steady state = from the "
-        "end of step 1 to the end of the last step; idle ratios and bubble are per-step means of the "
-        "async/* metrics; load_avg_1m before/after each mode (other jobs on a shared machine skew the figures).",
-        "results": results,
+        "machine": machine_info(), "config": os.path.relpath(args.config, ROOT), "overrides": args.overrides,
+        "steps": args.steps, "repeats": args.repeats, "omp_num_threads": args.threads,
+        "notes": "modes run one after another in fresh processes on the same machine, interleaved over the "
+        "repeats; steady state = from the end of step 1 to the end of the last step; per-mode figures are "
+        "medians over runs (dropped groups: sums); idle ratios and bubble are per-step means of the async/* "
+        "metrics; load_avg_1m before/after each run (other jobs on a shared machine skew the figures).",
+        "results": rows, "runs": runs,
     }
     out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {out}")

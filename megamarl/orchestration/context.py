@@ -199,6 +199,7 @@ class EpisodeContext:
                 prompt_ids=prompt_ids, response_ids=list(gen.token_ids), rollout_logprobs=list(gen.logprobs),
                 anchor=observation, truncated=gen.finish_reason == "length", response_text=text,
                 allowed_token_ids=tuple(sampling.allowed_token_ids) if sampling.allowed_token_ids else None,
+                temperature=sampling.temperature if sampling.temperature > 0 else 1.0,
             )
             candidates.append(Action(agent_name, text, value, bool(valid), turn, step, branch, [sample]))
         samples = [c.samples[0] for c in candidates]

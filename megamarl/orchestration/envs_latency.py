@@ -117,7 +117,10 @@ class ToolRelayEnv(ToolEnv):
                 f"The secret digit is {self.relay.secret}. Relay round {self.round + 1} of "
                 f"{len(self.relay.calls)}: send exactly one letter from {' '.join(SYMBOLS)}."
             )
-        return f"The relay delivered the letter: {self.delivered}\nWhich digit (0-9) is the secret? Reply with one digit."
+        return (
+            f"The relay delivered the letter: {self.delivered}\n"
+            "Which digit (0-9) is the secret? Reply with one digit."
+        )
 
     def step(self, agent: str, action) -> StepResult:
         if agent == "caller":

@@ -53,6 +53,7 @@ class SampleBatch:
     vocab: dict[str, tuple[str, ...]]
     anchors: tuple[str | None, ...]  # GiGPO anchor observation per row
     allowed: tuple[tuple[int, ...] | None, ...] = ()  # per row: restricted sampling vocabulary, or None
+    temperatures: tuple[float, ...] = ()  # per row: sampling temperature (empty: all 1.0)
     pad_id: int = 0
     advantages: Tensor | None = None  # [B] or [B, T] once computed
 
@@ -71,6 +72,10 @@ class SampleBatch:
             self.allowed = (None,) * b
         if len(self.allowed) != b:
             raise ValueError(f"SampleBatch.allowed has {len(self.allowed)} entries, expected {b}")
+        if not self.temperatures:
+            self.temperatures = (1.0,) * b
+        if len(self.temperatures) != b:
+            raise ValueError(f"SampleBatch.temperatures has {len(self.temperatures)} entries, expected {b}")
 
     # ---- views ------------------------------------------------------------------------------
     @property
@@ -110,6 +115,7 @@ class SampleBatch:
             changes["advantages"] = adv[:, :width] if adv.dim() == 2 else adv
         changes["anchors"] = tuple(self.anchors[i] for i in idx.tolist())
         changes["allowed"] = tuple(self.allowed[i] for i in idx.tolist())
+        changes["temperatures"] = tuple(self.temperatures[i] for i in idx.tolist())
         return self.replace(**changes)
 
     def split_by_policy(self) -> dict[str, SampleBatch]:
@@ -190,6 +196,7 @@ def collate(samples: Sequence[Sample], pad_id: int) -> SampleBatch:
         tokens=tokens, attention_mask=attention, response_mask=response, rollout_logprobs=logprobs,
         vocab={c: tuple(vocab[c]) for c in VOCAB_COLUMNS}, anchors=tuple(s.anchor for s in samples),
         allowed=tuple(s.allowed_token_ids for s in samples),
+        temperatures=tuple(s.temperature for s in samples),
         pad_id=pad_id,
     )
 
@@ -229,6 +236,7 @@ def concat(batches: Sequence[SampleBatch]) -> SampleBatch:
         adv = torch.cat([pad(a, 0.0) for a in advs])
     return batches[0].replace(**changes, advantages=adv, anchors=sum((b.anchors for b in batches), ()),
                               allowed=sum((b.allowed for b in batches), ()),
+                              temperatures=sum((b.temperatures for b in batches), ()),
                               vocab={c: tuple(vocab[c]) for c in VOCAB_COLUMNS})
 
 

@@ -34,6 +34,8 @@ class Sample:
     # The token set sampling was restricted to (``SamplingParams.allowed_token_ids``), or None. The
     # trainer renormalises over the same set, so its logprobs are those of the policy that acted.
     allowed_token_ids: tuple[int, ...] | None = None
+    # Sampling temperature; the trainer scales its logits the same way (1.0: none).
+    temperature: float = 1.0
     # Filled in when the sample was truncated (max_tokens) rather than ending on EOS/stop.
     truncated: bool = False
     # Free-form text for logging/debugging only; never read by training code.

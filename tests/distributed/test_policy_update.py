@@ -114,7 +114,7 @@ def _restricted_batch():
     for row in range(batch.num_samples):
         response = batch.tokens[row][batch.response_mask[row]].tolist()
         allowed.append(tuple(sorted(set(response) | {7, 11, 40000})) if row % 2 == 0 else None)
-    return batch.replace(allowed=tuple(allowed))
+    return batch.replace(allowed=tuple(allowed), temperatures=(0.7, 1.0, 1.3, 1.0, 0.9))
 
 
 def _reference_grads_per_agent(model_dir, ref_dir):
@@ -130,6 +130,7 @@ def _reference_grads_per_agent(model_dir, ref_dir):
 
     def logprobs_of(m):
         logits = m(batch.tokens, attention_mask=batch.attention_mask.long()).logits
+        logits = logits / torch.tensor(batch.temperatures).view(-1, 1, 1)
         logits = logits.masked_fill(restricted_vocab_mask(batch.allowed, 0, logits.shape[-1]).unsqueeze(1), float("-inf"))
         return vocab_parallel_logprobs(logits, batch.tokens)
 
@@ -183,7 +184,8 @@ def _per_agent_body(rank, model_dir, ref_dir):
 
 def test_per_agent_losses_reference_kl_and_restricted_vocab_match_reference(tmp_path):
     """Per-agent clip/KL settings (solver: own clip range, k3 KL to a reference model, micro-batches of 1),
-    a reference model with other weights, and rows sampled from restricted vocabularies: the Megatron
+    a reference model with other weights, rows sampled from restricted vocabularies and at other
+    temperatures: the Megatron
     gradients at TP=2 and PP=2 equal the single-process sum of per-agent losses."""
     from megamarl.models.tiny import save_tiny_model
 

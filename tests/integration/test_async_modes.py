@@ -92,4 +92,5 @@ def test_signalling_learns_in_every_mode(tmp_path, mode):
     metrics, evals = train_signalling(mode, tmp_path / mode)
     check_staleness(metrics, max_staleness=1)
     final = evals[-1]["results"]["team_accuracy"]
-    assert final >= 0.8, f"{mode}: final greedy success {final:.2f} (evals: {[e['results']['team_accuracy'] for e in evals]})"
+    history = [e["results"]["team_accuracy"] for e in evals]
+    assert final >= 0.8, f"{mode}: final greedy success {final:.2f} (evals: {history})"

@@ -123,7 +123,9 @@ def test_fully_async_respects_the_bound_and_counts_what_it_drops(loop, partial, 
     while short groups overtake it, so it ends up beyond the bound; it is dropped and counted, never
     trained on."""
     cfg = make_cfg("fully_async", max_staleness=max_staleness, partial_rollout=partial)
-    source = FakeSource(num_tasks=4, turns=lambda rng: rng.choice([1, 1, 2, 12]), seconds=lambda rng: rng.uniform(0.002, 0.01))
+    source = FakeSource(
+        num_tasks=4, turns=lambda rng: rng.choice([1, 1, 2, 12]), seconds=lambda rng: rng.uniform(0.002, 0.01),
+    )
     schedule = build_schedule(cfg, source, loop)
     batches, metrics = drive(schedule, source, cfg, steps=12, train_s=0.02)
     schedule.close()

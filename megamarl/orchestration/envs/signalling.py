@@ -3,7 +3,7 @@ the symbol and must name the digit. Both get team reward 1 on success.
 
 Action spaces, chosen to be one token each in common BPE vocabularies (SmolLM2/Llama/Qwen encode
 each of these as a single token at the start of an assistant turn):
-* sender: one of the ten capital letters ``A``..``J`` (``SYMBOLS``). Its reply is parsed by taking
+* sender: one of the first ``num_symbols`` capital letters (default 10: ``A``..``J``; ``SYMBOLS``). Its reply is parsed by taking
   the first non-whitespace character; anything else is invalid (the receiver then sees ``?``).
   Sample the sender with ``max_tokens=1`` to make "one token" literal.
 * receiver: a digit ``0``..``9``, parsed as the first non-whitespace character.
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from megamarl.orchestration.agents import AGENTS, Agent
 from megamarl.orchestration.env import ENVS, Env, EnvConfig, StepResult, Task
 
-SYMBOLS = tuple("ABCDEFGHIJ")
+SYMBOLS = tuple("ABCDEFGHIJKLMNOPQRSTUVWXYZ")  # the sender may use the first ``num_symbols``
 DIGITS = tuple("0123456789")
 
 
@@ -51,10 +51,13 @@ class SignallingConfig(EnvConfig):
     # Observations are only the digit / the letter (no instructions): for tiny models trained from
     # scratch, whose near-uniform attention dilutes one informative token among many.
     terse: bool = False
+    num_symbols: int = 10  # letters the sender is told it may use (sample it with the same allowed_tokens)
 
     def __post_init__(self) -> None:
         if not 2 <= self.num_digits <= 10:
             raise ValueError(f"env.num_digits must be in [2, 10], got {self.num_digits}")
+        if not 2 <= self.num_symbols <= len(SYMBOLS):
+            raise ValueError(f"env.num_symbols must be in [2, {len(SYMBOLS)}], got {self.num_symbols}")
 
 
 @ENVS.register("signalling")
@@ -87,7 +90,7 @@ class SignallingEnv(Env):
         if agent == "sender":
             return (
                 f"The secret digit is {self.secret}. Send exactly one letter from "
-                f"{' '.join(SYMBOLS)} so your partner can guess the digit."
+                f"{' '.join(SYMBOLS[:self.config.num_symbols])} so your partner can guess the digit."
             )
         return (
             f"Your partner sent the letter: {self.symbol}\n"
@@ -104,3 +107,10 @@ class SignallingEnv(Env):
 
     def team_reward(self) -> float:
         return float(self.guess == self.secret)
+
+    def score(self, agent: str, action) -> float | None:
+        """Check fn for the receiver's tree-sampled guesses (AT-GRPO): 1 if the guess is the secret.
+        The sender's letter has no check of its own (its worth depends on the receiver)."""
+        if agent != "receiver":
+            return None
+        return float(bool(action.valid) and int(action.value) == self.secret)
