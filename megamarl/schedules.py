@@ -29,10 +29,11 @@ Overlapping modes run rollout (the driver's event loop thread) and training (the
 process, so they share the GIL. The trainer issues many short torch calls, each releasing and
 re-acquiring the GIL; with CPython's default 5 ms switch interval every re-acquisition can wait up to
 5 ms behind rollout Python (prompt building, parsing, env steps), which slowed updates 1.5-2x on CPU.
-These modes lower the interval to ``GIL_SWITCH_INTERVAL_S`` while they run (restored on close). Utilisation per step:
-``rollout_idle_ratio`` (no episode in flight), ``trainer_idle_ratio`` (the trainer waiting for
-rollout data), ``weight_sync_bubble_s`` (the weight push with its drain/pause, when neither side
-makes progress on generation).
+These modes lower the interval to ``GIL_SWITCH_INTERVAL_S`` while they run (restored on close).
+
+Utilisation per step: ``rollout_idle_ratio`` (no episode in flight), ``trainer_idle_ratio`` (the
+trainer waiting for rollout data), ``weight_sync_bubble_s`` (the weight push with its drain/pause,
+when neither side makes progress on generation).
 """
 
 from __future__ import annotations
@@ -97,7 +98,7 @@ class Schedule(abc.ABC):
     def describe(self) -> str:
         t, a = self.cfg.trainer, self.cfg.algorithm
         text = f"trainer.mode={t.mode}, max_staleness={t.max_staleness}"
-        if t.mode != "sync" and a.tis_cap == 0:
+        if self.overlaps_training and a.tis_cap == 0:
             text += " (algorithm.tis_cap=0: stale samples get no importance-sampling correction)"
         return text
 

@@ -12,7 +12,9 @@ weight-sync bubble, staleness and drops, and writes docs/bench/async.json (every
     python scripts/bench_async.py [--steps 10] [--repeats 3] [--modes sync one_step_off fully_async] [key=value ...]
 
 Throughput is measured between the log lines of the first and the last step (steady state: the
-first step pays for warm-up in every mode).
+first step pays for warm-up in every mode). A *step* is one update of every policy: with per-policy
+progress a fully_async iteration may update only the policies whose batch was ready, so steps/hour
+is policy updates per hour divided by the number of policies (raw iterations/hour are kept too).
 """
 
 from __future__ import annotations
@@ -59,11 +61,13 @@ def summarise(mode: str, lines: list[dict], *, wall_s: float, load: tuple[float,
         return sum(values) / max(len(values), 1)
 
     samples = sum(m["rollout/num_samples"] for m in steady)
-    updates = sum(1 for m in steady for k in m if k.startswith("policy/") and k.endswith("/grad_norm"))
+    updated = [k.split("/")[1] for m in steady for k in m if k.startswith("policy/") and k.endswith("/grad_norm")]
+    num_policies = len(set(updated))
     return {
-        "mode": mode, "steps": len(lines), "steady_seconds": span,
-        "steps_per_hour": len(steady) / span * 3600, "samples_per_hour": samples / span * 3600,
-        "policy_updates_per_step": updates / max(len(steady), 1),
+        "mode": mode, "iterations": len(lines), "steady_seconds": span, "num_policies": num_policies,
+        "steps_per_hour": len(updated) / num_policies / span * 3600, "samples_per_hour": samples / span * 3600,
+        "iterations_per_hour": len(steady) / span * 3600, "policy_updates_per_iteration": len(updated) / len(steady),
+        "samples_per_iteration": samples / len(steady),
         "step_s": mean("timing/step_s"), "rollout_wait_s": mean("timing/rollout_s"),
         "update_s": mean("timing/update_s"), "weight_sync_s": mean("timing/weight_sync_s"),
         "rollout_idle_ratio": mean("async/rollout_idle_ratio"), "trainer_idle_ratio": mean("async/trainer_idle_ratio"),
@@ -99,14 +103,15 @@ def print_table(rows: list[dict]) -> None:
     from rich.table import Table
 
     table = Table(title="trainer modes on the tool-latency workload (medians over runs; steady state, steps 2..N)")
-    columns = ("mode", "steps/h", "x sync", "samples/h", "x sync", "step s", "update s", "rollout idle",
-               "trainer idle", "bubble s", "staleness", "dropped groups")
+    columns = ("mode", "steps/h", "x sync", "samples/h", "x sync", "samples/iter", "updates/iter", "iter s",
+               "update s", "rollout idle", "trainer idle", "bubble s", "staleness", "dropped groups")
     for col in columns:
         table.add_column(col, justify="right")
     for r in rows:
         table.add_row(
             r["mode"], f"{r['steps_per_hour']:.0f}", f"{r['speedup_vs_sync'] or 0:.2f}", f"{r['samples_per_hour']:.0f}",
-            f"{r['samples_speedup_vs_sync'] or 0:.2f}", f"{r['step_s']:.2f}", f"{r['update_s']:.2f}",
+            f"{r['samples_speedup_vs_sync'] or 0:.2f}", f"{r['samples_per_iteration']:.0f}",
+            f"{r['policy_updates_per_iteration']:.2f}", f"{r['step_s']:.2f}", f"{r['update_s']:.2f}",
             f"{r['rollout_idle_ratio']:.2f}", f"{r['trainer_idle_ratio']:.2f}", f"{r['weight_sync_bubble_s']:.3f}",
             f"{r['staleness_mean']:.2f} (max {r['staleness_max']:.0f})", f"{r['dropped_stale_groups']:.0f}",
         )

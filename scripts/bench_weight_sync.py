@@ -14,7 +14,8 @@ Engines on rank 0: ``none`` (``sync_weights`` with no engine: export + transport
 ``dst.copy_(src)`` of the same tensors into preallocated buffers on rank 0, in the same run; the
 ratio sync / memcpy is the figure. Seconds are the best of ``--repeats`` syncs (the machine is
 shared: the least contended repeat; medians are in the JSON), measured on rank 0 from the first
-tensor to the engine resumed (pause, TP gathers, HF conversion, buckets, load, cache flush). Prints a table and writes docs/bench/weight_sync.json with the machine description.
+tensor to the engine resumed (pause, TP gathers, HF conversion, buckets, load, cache flush). Prints
+a table and writes docs/bench/weight_sync.json with the machine description.
 
     python scripts/bench_weight_sync.py [--repeats 5] [--bucket-mb 64] [--out docs/bench/weight_sync.json]
 """

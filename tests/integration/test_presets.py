@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import struct
 import subprocess
 import sys
@@ -117,13 +118,15 @@ def preset_runs(tmp_path_factory) -> dict[str, Path]:
             str(Path(__file__).resolve()), str(out), *(str(p.path) for p in presets),
         ]
         with open(out / "launch.log", "w") as log:
-            procs[world_size] = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+            procs[world_size] = subprocess.Popen(  # own session: a timeout kills torchrun and its ranks
+                command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
     deadline = time.monotonic() + WORLD_TIMEOUT_S
-    for world_size, proc in procs.items():
+    for proc in procs.values():
         try:
             proc.wait(timeout=max(deadline - time.monotonic(), 1))
         except subprocess.TimeoutExpired:
-            proc.kill()
+            os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     return {p.name: base / f"world{p.world_size}" for ps in worlds.values() for p in ps}
 
@@ -142,8 +145,36 @@ def _hf_checkpoint_bytes(model: str) -> int:
     for path in sorted(resolve_model_path(model).glob("*.safetensors")):
         with open(path, "rb") as f:
             header = json.loads(f.read(struct.unpack("<Q", f.read(8))[0]))
-        total += sum(end - start for key, v in header.items() if key != "__metadata__" for start, end in [v["data_offsets"]])
+        header.pop("__metadata__", None)
+        total += sum(end - start for start, end in (v["data_offsets"] for v in header.values()))
     return total
+
+
+def _run_records(preset: Preset, out: Path) -> list[dict]:
+    outcome = _outcome(out, preset)
+    log = (out / "launch.log").read_text()[-4000:]
+    assert outcome is not None, f"{preset.name} did not finish (world {preset.world_size}); log tail:\n{log}"
+    assert outcome["rc"] == 0, f"{preset.name}: scripts/train.py returned {outcome['rc']}\n{log}"
+    run_dir = out / "runs" / f"preset_{preset.name}"
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _check_policy(name: str, policy, records: list[dict]) -> None:
+    """Weights changed (a gradient), were pushed each step (full model or adapters), and the
+    engine served them at step 2 (trainer log-probs == engine rollout log-probs)."""
+    prefix = f"weight_sync/{name}/"
+    pushed = [[v for k, v in r.items() if k.startswith(prefix) and k.endswith("bytes")] for r in records]
+    assert all(step and min(step) > 0 for step in pushed), f"policy '{name}': a step pushed nothing: {pushed}"
+    if policy.lora is None:  # full weights: every tensor of the model reached the engine rank
+        expected = _hf_checkpoint_bytes(policy.model)
+        assert all(sum(step) == expected for step in pushed), f"'{name}' pushed {pushed} B, not {expected}"
+    grad_norms = [r.get(f"policy/{name}/grad_norm", 0.0) for r in records]
+    assert max(grad_norms) > 0, f"policy '{name}' never had a gradient: its weights did not change"
+    for key in ("tis_weight_mean", "tis_weight_max"):
+        value = records[-1][f"policy/{name}/{key}"]
+        assert abs(value - 1) < TIS_TOLERANCE, (
+            f"policy '{name}': step-2 {key}={value}: the engine did not serve the weights pushed at step 1"
+        )
 
 
 # ---- the checks -----------------------------------------------------------------------------------
@@ -167,38 +198,18 @@ def test_docs_list_every_preset():
 @pytest.mark.parametrize("preset", [_param(p) for p in PRESETS])
 def test_preset_trains_and_syncs(preset: Preset, preset_runs):
     out = preset_runs[preset.name]
-    outcome = _outcome(out, preset)
-    log = (out / "launch.log").read_text()
-    assert outcome is not None, f"{preset.name} did not finish (world {preset.world_size}); log tail:\n{log[-4000:]}"
-    assert outcome["rc"] == 0, f"{preset.name}: scripts/train.py returned {outcome['rc']}\n{log[-4000:]}"
-    cfg = _load(preset.path)
-    run_dir = out / "runs" / cfg.name
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    records = _run_records(preset, out)
     assert [r["step"] for r in records] == list(range(1, NUM_STEPS + 1))
-
+    cfg = _load(preset.path)
+    stats = ("num_samples", "reward_mean", "success", "invalid_rate", "response_len")
     for agent in cfg.agents:
-        stats = ("num_samples", "reward_mean", "success", "invalid_rate", "response_len")
-        assert all(f"agent/{agent}/{s}" in r for r in records for s in stats), f"agent '{agent}' lacks per-agent metrics"
-        assert all(r[f"agent/{agent}/num_samples"] > 0 for r in records)
-
-    trained = {a.policy for a in cfg.agents.values() if not a.frozen} - {n for n, p in cfg.policies.items() if p.frozen}
-    for name in sorted(trained):
-        policy = cfg.policies[name]
-        pushed = [[v for k, v in r.items() if k.startswith(f"weight_sync/{name}/") and k.endswith("bytes")] for r in records]
-        assert all(step and min(step) > 0 for step in pushed), f"policy '{name}': a step pushed nothing: {pushed}"
-        if policy.lora is None:  # full weights: every tensor of the model reached the engine rank
-            expected = _hf_checkpoint_bytes(policy.model)
-            assert all(sum(step) == expected for step in pushed), f"policy '{name}': pushed {pushed}, model has {expected}"
-        grad_norms = [r.get(f"policy/{name}/grad_norm", 0.0) for r in records]
-        assert max(grad_norms) > 0, f"policy '{name}' never had a gradient: its weights did not change"
-        last = records[-1]
-        for key in ("tis_weight_mean", "tis_weight_max"):  # trainer logprobs / engine logprobs at step 2
-            value = last[f"policy/{name}/{key}"]
-            assert abs(value - 1) < TIS_TOLERANCE, (
-                f"policy '{name}': step-2 {key}={value}: the engine did not serve the weights pushed after step 1"
-            )
-    assert records[-1]["async/staleness_max"] == 0, "step-2 samples do not carry the weight version pushed after step 1"
-
+        assert all(f"agent/{agent}/{s}" in r for r in records for s in stats), f"agent '{agent}': no metrics"
+        assert all(r[f"agent/{agent}/num_samples"] > 0 for r in records), f"agent '{agent}' missed a step"
+    frozen = {name for name, p in cfg.policies.items() if p.frozen}
+    for name in sorted({a.policy for a in cfg.agents.values() if not a.frozen} - frozen):
+        _check_policy(name, cfg.policies[name], records)
+    assert records[-1]["async/staleness_max"] == 0, "step-2 samples lack the weight version pushed at step 1"
+    run_dir = out / "runs" / cfg.name
     assert (run_dir / "checkpoints" / f"step_{NUM_STEPS:06d}" / "COMPLETE").is_file()
     if cfg.eval.num_tasks > 0:
         evals = json.loads((run_dir / "eval.json").read_text())
