@@ -246,6 +246,7 @@ class GroupBuffer:
         self._in_flight = 0
         self._error: BaseException | None = None
         self.last_depth = 0  # longest queue when the last batch was formed
+        self.peak_occupancy = 0  # max of (groups in flight + longest queue) ever seen: <= capacity
         self._dropped = StalenessStats()  # stale parts removed since the last take
         self.on_space: Callable[[], None] = lambda: None  # wakes the producer (any thread)
 
@@ -258,6 +259,11 @@ class GroupBuffer:
     def start_group(self) -> None:
         with self._cond:
             self._in_flight += 1
+            self._note_occupancy()
+
+    def _note_occupancy(self) -> None:
+        longest = max((len(q) for q in self._queues.values()), default=0)
+        self.peak_occupancy = max(self.peak_occupancy, self._in_flight + longest)
 
     def put(self, group: EpisodeGroup, episodes: Sequence[EpisodeStats]) -> None:
         """A started group finished (``group.samples`` may be empty: all its episodes failed)."""
@@ -267,6 +273,7 @@ class GroupBuffer:
             self._episodes.extend(episodes)
             for key, part in parts.items():
                 self._queues.setdefault(key, deque()).append(part)
+            self._note_occupancy()
             self._cond.notify_all()
         self.on_space()  # an empty group freed a slot
 

@@ -9,9 +9,10 @@ other in the same ranks), and the worlds run concurrently.
 Checked from the run directory only (metrics.jsonl, eval.json, checkpoints), per preset:
 
 * 2 logged steps, per-agent metrics for every agent;
-* every trained policy's gradient was non-zero at some step (its weights changed), and each step
-  pushed it to its engines: ``weight_sync/<policy>/bytes`` equals the model's HF checkpoint size
-  (every tensor arrived at the engine rank, through the TP gather or gloo point-to-point);
+* every trained policy's step-1 gradient was non-zero (its weights changed), and each step pushed
+  it to its engines: ``weight_sync/<policy>/bytes`` equals the model's HF checkpoint size (every
+  tensor arrived at the engine rank, through the TP gather or gloo point-to-point); an L2 policy
+  pushes each agent's adapter (``weight_sync/<policy>/<adapter>/bytes``) and nothing else;
 * the engines served the pushed weights: step 2's samples carry the pushed weight version
   (``async/staleness_max == 0``) and the trainer's recomputed log-probs equal the engine's rollout
   log-probs (TIS weights ``exp(trainer - rollout)`` are 1 within 1e-3; 3e-6 measured). With the
@@ -39,21 +40,12 @@ NUM_STEPS = 2
 TIS_TOLERANCE = 1e-3
 WORLD_TIMEOUT_S = 1200
 
-# L2 presets (policies.<p>.lora + agents.<a>.lora) need the trainer to train and push per-agent LoRA
-# adapters; set True once megamarl/trainer.py wires it (the run checks stay the same).
-LORA_TRAINING_WIRED = False
-LORA_SKIP_REASON = (
-    "agents.<a>.lora training is not wired into the trainer yet (PolicyWorker trains full weights, "
-    "sync_weights is never called with lora=...); set LORA_TRAINING_WIRED once it is"
-)
-
 
 @dataclass(frozen=True)
 class Preset:
     name: str  # file stem
     path: Path
     world_size: int
-    uses_lora: bool
 
 
 def _load(path: Path):
@@ -68,21 +60,14 @@ def _preset(path: Path) -> Preset:
 
     raw = OmegaConf.to_container(OmegaConf.load(path))
     ranks = [r for p in raw["policies"].values() for r in p.get("ranks") or []]
-    uses_lora = any(p.get("lora") for p in raw["policies"].values())
-    return Preset(path.stem, path, max(ranks, default=0) + 1, uses_lora)
+    return Preset(path.stem, path, max(ranks, default=0) + 1)
 
 
 PRESETS = [_preset(path) for path in sorted(PRESET_DIR.glob("*.yaml"))]
 
 
-def _runnable(preset: Preset) -> bool:
-    return LORA_TRAINING_WIRED or not preset.uses_lora
-
-
 def _param(preset: Preset):
     marks = [pytest.mark.distributed] if preset.world_size > 1 else []
-    if not _runnable(preset):
-        marks.append(pytest.mark.skip(reason=LORA_SKIP_REASON))
     return pytest.param(preset, id=preset.name, marks=marks)
 
 
@@ -97,14 +82,19 @@ def _materialize_models() -> None:
 
 
 @pytest.fixture(scope="module")
-def preset_runs(tmp_path_factory) -> dict[str, Path]:
-    """Run every runnable preset; returns preset name -> its output_dir. One torchrun per world
-    size, all started together."""
+def preset_runs(request, tmp_path_factory) -> dict[str, Path]:
+    """Run the selected presets (``-k``); returns preset name -> its output dir. One torchrun per
+    world size, all started together."""
     base = tmp_path_factory.mktemp("presets")
     _materialize_models()
+    selected = {
+        item.callspec.params["preset"].name for item in request.session.items
+        if hasattr(item, "callspec") and "preset" in item.callspec.params
+    }
     worlds: dict[int, list[Preset]] = {}
-    for preset in filter(_runnable, PRESETS):
-        worlds.setdefault(preset.world_size, []).append(preset)
+    for preset in PRESETS:
+        if preset.name in selected:
+            worlds.setdefault(preset.world_size, []).append(preset)
     env = {
         **os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", "PYTHONWARNINGS": "ignore",
         "TOKENIZERS_PARALLELISM": "false",
@@ -159,17 +149,19 @@ def _run_records(preset: Preset, out: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def _check_policy(name: str, policy, records: list[dict]) -> None:
-    """Weights changed (a gradient), were pushed each step (full model or adapters), and the
-    engine served them at step 2 (trainer log-probs == engine rollout log-probs)."""
+def _check_policy(name: str, policy, adapters: set[str], records: list[dict]) -> None:
+    """The step-1 update changed the weights (non-zero gradient), every step pushed them (the full
+    model, or L2: each agent's adapter and nothing else), and the engines served them at step 2."""
+    full_bytes = _hf_checkpoint_bytes(policy.model)
     prefix = f"weight_sync/{name}/"
-    pushed = [[v for k, v in r.items() if k.startswith(prefix) and k.endswith("bytes")] for r in records]
-    assert all(step and min(step) > 0 for step in pushed), f"policy '{name}': a step pushed nothing: {pushed}"
-    if policy.lora is None:  # full weights: every tensor of the model reached the engine rank
-        expected = _hf_checkpoint_bytes(policy.model)
-        assert all(sum(step) == expected for step in pushed), f"'{name}' pushed {pushed} B, not {expected}"
-    grad_norms = [r.get(f"policy/{name}/grad_norm", 0.0) for r in records]
-    assert max(grad_norms) > 0, f"policy '{name}' never had a gradient: its weights did not change"
+    for r in records:
+        pushed = {k: v for k, v in r.items() if k.startswith(prefix) and k.endswith("/bytes")}
+        if policy.lora is None:  # every tensor of the model reached the engine rank
+            assert pushed == {f"{prefix}bytes": full_bytes}, f"step {r['step']}: '{name}' pushed {pushed}"
+        else:
+            assert set(pushed) == {f"{prefix}{a}/bytes" for a in adapters}, f"'{name}' pushed {pushed}"
+            assert 0 < sum(pushed.values()) < full_bytes / 10, f"'{name}': not adapter-only: {pushed}"
+    assert records[0][f"policy/{name}/grad_norm"] > 0, f"policy '{name}': zero gradient at step 1"
     for key in ("tis_weight_mean", "tis_weight_max"):
         value = records[-1][f"policy/{name}/{key}"]
         assert abs(value - 1) < TIS_TOLERANCE, (
@@ -207,7 +199,8 @@ def test_preset_trains_and_syncs(preset: Preset, preset_runs):
         assert all(r[f"agent/{agent}/num_samples"] > 0 for r in records), f"agent '{agent}' missed a step"
     frozen = {name for name, p in cfg.policies.items() if p.frozen}
     for name in sorted({a.policy for a in cfg.agents.values() if not a.frozen} - frozen):
-        _check_policy(name, cfg.policies[name], records)
+        adapters = {a.lora for a in cfg.agents.values() if a.policy == name and a.lora}
+        _check_policy(name, cfg.policies[name], adapters, records)
     assert records[-1]["async/staleness_max"] == 0, "step-2 samples lack the weight version pushed at step 1"
     run_dir = out / "runs" / cfg.name
     assert (run_dir / "checkpoints" / f"step_{NUM_STEPS:06d}" / "COMPLETE").is_file()

@@ -155,7 +155,9 @@ def test_fully_async_sync_every_pushes_every_n_updates_and_bounds_the_buffer(loo
     batches, metrics = drive(schedule, source, cfg, steps=6)
     schedule.close()
     assert [v["a"] for v, _ in batches] == [1, 1, 2, 2, 3, 3]
-    assert all(m["async/queue_depth"] + m["async/in_flight_groups"] <= schedule.buffer.capacity for m in metrics)
+    # in flight + queued never exceeds the bound (tracked atomically inside the buffer; the logged
+    # queue_depth is taken before a batch leaves, so it cannot be added to a later in-flight count)
+    assert 0 < schedule.buffer.peak_occupancy <= schedule.buffer.capacity
 
 
 def test_fully_async_propagates_a_producer_error(loop):

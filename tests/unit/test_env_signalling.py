@@ -53,6 +53,6 @@ def test_constant_strategy_succeeds_once_in_ten(tok):
 
 
 def test_invalid_symbol_is_flagged(tok):
-    result = _play(tok, lambda obs: "Z", lambda obs: "?" if "?" in obs else "0", num_tasks=1)
+    result = _play(tok, lambda obs: "z", lambda obs: "?" if "?" in obs else "0", num_tasks=1)
     sender, receiver = result.samples
     assert (sender.valid, receiver.valid, receiver.team_reward) == (False, False, 0.0)

@@ -40,7 +40,8 @@ def test_fork_bomb_is_stopped():
 
 def test_infinite_loop_and_sleep_are_stopped():
     spin = run_python("while True:\n    pass", FAST)
-    assert not spin.ok and spin.status == "killed"  # SIGXCPU at the CPU rlimit
+    # SIGXCPU at the CPU rlimit; on a loaded machine the wall-clock timeout may fire first
+    assert not spin.ok and spin.status in ("killed", "timeout")
     sleepy = run_python("import time\ntime.sleep(60)", SandboxConfig(timeout_s=0.5))
     assert not sleepy.ok and sleepy.status == "timeout"
 
