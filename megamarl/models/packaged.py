@@ -44,7 +44,7 @@ def resolve_model_path(name_or_path: str | os.PathLike, *, key: str = "model.pat
             tmp = target.with_name(f"{name}.tmp{os.getpid()}")
             template = PLAIN_CHAT_TEMPLATE if name.startswith("tiny-plain-") else None
             save_tiny_model(tmp, TINY_MODELS[name], seed=0, chat_template=template)
-            _replace_dir(tmp, target) if target.exists() else tmp.replace(target)
+            _publish(tmp, target, complete=target / "model.safetensors")
         return target
     path = Path(name).expanduser()
     if path.is_dir() and (path / "config.json").is_file():
@@ -92,6 +92,22 @@ def _materialize_packaged(name: str) -> Path:
     tokenizer.save_pretrained(tmp)
     tmp.replace(target) if not target.exists() else _replace_dir(tmp, target)
     return target
+
+
+def _publish(tmp: Path, target: Path, *, complete: Path) -> None:
+    """Move a freshly written ``tmp`` to ``target``. Several ranks may build the same model at once:
+    the first complete copy wins and later ones are discarded, never swapped under a reader."""
+    import shutil
+
+    if complete.is_file():
+        shutil.rmtree(tmp)
+        return
+    try:
+        _replace_dir(tmp, target) if target.exists() else tmp.replace(target)
+    except OSError:  # another rank published between the check and the rename
+        if not complete.is_file():
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _replace_dir(src: Path, dst: Path) -> None:
