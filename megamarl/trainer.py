@@ -198,7 +198,7 @@ class Trainer:
         return metrics
 
     def adapters(self, policy: str) -> list[str]:
-        return sorted({a.lora for a in self.cfg.agents.values() if a.policy == policy and a.lora})
+        return policy_adapters(self.cfg, policy)
 
     def _register_adapters(self) -> None:
         """L2: write each adapter's initial PEFT directory (collective over its WG) and register it with
@@ -449,8 +449,13 @@ def _lora_serving(cfg: RunConfig, policy: str):
     from megamarl.rollout.factory import LoraServing
 
     lora = cfg.policies[policy].lora
-    adapters = {a.lora for a in cfg.agents.values() if a.policy == policy and a.lora}
+    adapters = policy_adapters(cfg, policy)
     return LoraServing(num_adapters=len(adapters), rank=lora.rank) if lora is not None and adapters else None
+
+
+def policy_adapters(cfg: RunConfig, policy: str) -> list[str]:
+    """L2: the LoRA adapter names the agents of ``policy`` sample from (sorted, unique)."""
+    return sorted({a.lora for a in cfg.agents.values() if a.policy == policy and a.lora})
 
 
 def _lora_config(policy):

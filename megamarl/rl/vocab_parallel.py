@@ -84,9 +84,16 @@ def vocab_parallel_logprobs(
     logprobs, entropy = _VocabParallelLogprobEntropy.apply(
         logits[:, :width], targets, tp_group, vocab_start, vocab_size
     )
-    left = logprobs.new_zeros(batch, offset + 1)
-    right = logprobs.new_zeros(batch, seq_len - 1 - offset - width)
-    return torch.cat([left, logprobs, right], dim=1), torch.cat([left, entropy, right], dim=1)
+    return place_window(logprobs, seq_len, offset), place_window(entropy, seq_len, offset)
+
+
+def place_window(values: torch.Tensor, seq_len: int, offset: int) -> torch.Tensor:
+    """Per-token values [B, W] computed from the logits/hidden states at positions ``offset + i``
+    (which predict token ``offset + i + 1``) -> [B, seq_len] aligned with the tokens, 0 elsewhere."""
+    width = min(values.shape[1], seq_len - 1 - offset)
+    left = values.new_zeros(values.shape[0], offset + 1)
+    right = values.new_zeros(values.shape[0], seq_len - 1 - offset - width)
+    return torch.cat([left, values[:, :width], right], dim=1)
 
 
 def _size(group) -> int:

@@ -31,7 +31,7 @@ from megamarl.config import PolicyConfig
 from megamarl.parallel.placement import WorkerGroup
 from megamarl.rl.batch import SampleBatch
 from megamarl.rl.losses import LossConfig, policy_loss
-from megamarl.rl.vocab_parallel import vocab_parallel_logprobs
+from megamarl.rl.vocab_parallel import place_window, vocab_parallel_logprobs
 
 
 def causal_mask(seq_len: int) -> torch.Tensor:
@@ -321,12 +321,7 @@ class PolicyWorker:
         return _merge_rows([o["out"] for o in outputs], micro_batches, part, part.tokens.shape[1])
 
     def _values(self, mb: SampleBatch, offset: int) -> torch.Tensor:
-        window = self.value_head(self.window.hidden)  # [B, W]: position offset + i predicts token offset + i + 1
-        seq_len = mb.tokens.shape[1]
-        width = min(window.shape[1], seq_len - 1 - offset)
-        left = window.new_zeros(window.shape[0], offset + 1)
-        right = window.new_zeros(window.shape[0], seq_len - 1 - offset - width)
-        return torch.cat([left, window[:, :width], right], dim=1)
+        return place_window(self.value_head(self.window.hidden), mb.tokens.shape[1], offset)
 
     # ---- critic ---------------------------------------------------------------------------------
     def critic_targets(self, part: SampleBatch) -> tuple[SampleBatch, torch.Tensor | None, torch.Tensor | None]:
