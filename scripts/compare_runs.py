@@ -1,0 +1,109 @@
+"""Check that a refactor keeps a seeded run's losses bit-identical (STYLE.md rule 9).
+
+    python scripts/compare_runs.py --base 60ff66b            # base revision vs the working tree
+    python scripts/compare_runs.py --base HEAD --head HEAD   # determinism: one revision twice
+
+Runs a seeded ``trainer.total_steps``-step ``configs/signalling_tiny.yaml`` run (torchrun, one rank)
+once at each side, each from its own source tree: a revision is checked out into a temporary
+``git worktree`` and put first on PYTHONPATH; ``--head`` defaults to the working tree. Then every
+key of every ``metrics.jsonl`` line is compared exactly (float equality of the JSON values), except
+wall-clock keys (``time``, ``timing/``, ``perf/``, ``*_s``, ``*_per_s``, ``gbps``, async time ratios), which differ run
+to run by nature. Losses (``policy/*``) must match; any other difference also fails, since rewards
+and sample counts come from the same seeded rollout. Exit status 0 when identical.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+# wall-clock values: the record's time stamp, durations, throughputs and the async time ratios
+WALL_CLOCK = re.compile(r"^time$|^(timing|perf|progress)/|timing_|_s$|_per_s$|gbps$|/seconds$|^async/.*_ratio$")
+
+
+def run_at(source: Path, out_dir: Path, *, config: str, steps: int, extra: list[str]) -> list[dict]:
+    """One seeded run with ``source`` first on PYTHONPATH; returns its metrics.jsonl records."""
+    env = dict(os.environ, PYTHONPATH=str(source), OMP_NUM_THREADS="1")
+    torchrun = Path(sys.executable).with_name("torchrun")
+    cmd = [
+        str(torchrun), "--nproc_per_node", "1", "--master_port", str(29500 + os.getpid() % 1000),
+        str(source / "scripts" / "train.py"), "--config", str(source / config),
+        f"trainer.total_steps={steps}", f"output_dir={out_dir}", "name=compare", *extra,
+    ]
+    proc = subprocess.run(cmd, cwd=source, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"run at {source} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    lines = (out_dir / "compare" / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines if line.strip()]
+
+
+def compare(base: list[dict], head: list[dict]) -> tuple[list[str], int]:
+    """Differences between two runs' records (empty: identical) and the number of values compared."""
+    diffs, num_compared = [], 0
+    if len(base) != len(head):
+        diffs.append(f"{len(base)} records vs {len(head)}")
+    for i, (a, b) in enumerate(zip(base, head)):
+        keys_a = {k for k in a if not WALL_CLOCK.search(k)}
+        keys_b = {k for k in b if not WALL_CLOCK.search(k)}
+        for key in sorted(keys_a ^ keys_b):
+            diffs.append(f"record {i}: key {key} only in {'base' if key in keys_a else 'head'}")
+        for key in sorted(keys_a & keys_b):
+            num_compared += 1
+            if a[key] != b[key]:
+                diffs.append(f"record {i} (step {a.get('step')}): {key} base={a[key]!r} head={b[key]!r}")
+    return diffs, num_compared
+
+
+def checkout(rev: str, into: Path) -> Path:
+    subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(into), rev], check=True,
+                   capture_output=True)
+    return into
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--base", required=True, help="git revision of the reference run")
+    parser.add_argument("--head", default=None, help="git revision to compare (default: the working tree)")
+    parser.add_argument("--config", default="configs/signalling_tiny.yaml")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("overrides", nargs="*", help="extra key=value overrides for both runs")
+    args = parser.parse_args(argv)
+    tmp = Path(tempfile.mkdtemp(prefix="megamarl_compare_"))
+    worktrees = []
+    try:
+        sides = {}
+        for side, rev in (("base", args.base), ("head", args.head)):
+            if rev is None:
+                source = REPO
+            else:
+                source = checkout(rev, tmp / f"src_{side}")
+                worktrees.append(source)
+            sides[side] = run_at(source, tmp / f"out_{side}", config=args.config, steps=args.steps,
+                                 extra=args.overrides)
+        diffs, num_compared = compare(sides["base"], sides["head"])
+    finally:
+        for tree in worktrees:
+            subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(tree)], capture_output=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+    losses = sorted({k for record in sides["base"] for k in record if k.startswith("policy/") and not WALL_CLOCK.search(k)})
+    print(f"base={args.base} head={args.head or 'working tree'}: {len(sides['base'])} records, "
+          f"{num_compared} values compared, loss keys: {losses}")
+    for record in sides["base"]:
+        print(f"  step {record.get('step')}: " + ", ".join(f"{k}={record[k]!r}" for k in losses if k in record))
+    if diffs:
+        print("DIFFERENT:\n  " + "\n  ".join(diffs[:50]))
+        return 1
+    print("IDENTICAL (bit-for-bit, wall-clock keys excluded)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
