@@ -16,9 +16,9 @@ from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from megamarl.parallel.placement import PLACEMENT_MODES, PlacementConfig, WorkerGroupLayout
+from megamarl.rollout import ENGINES
 
 TRAINER_MODES = ("sync", "one_step_off", "fully_async")
-ENGINE_BACKENDS = ("hf", "vllm", "sglang")
 WANDB_MODES = ("offline", "online", "disabled")
 
 
@@ -49,8 +49,9 @@ class EngineConfig:
     bucket_mb: int = 64  # weight-sync bucket size
 
     def __post_init__(self) -> None:
-        if self.backend not in ENGINE_BACKENDS:
-            raise ValueError(f"policies.<p>.engine.backend='{self.backend}' unknown; allowed: {list(ENGINE_BACKENDS)}")
+        configurable = [n for n in ENGINES.names() if ENGINES.traits(n).configurable]
+        if self.backend not in configurable:
+            raise ValueError(f"policies.<p>.engine.backend='{self.backend}' unknown; allowed: {configurable}")
         if self.num_replicas < 1:
             raise ValueError(f"policies.<p>.engine.num_replicas must be >= 1, got {self.num_replicas}")
 

@@ -4,36 +4,60 @@ One small class instead of ad-hoc dicts: registering twice is an error (two plug
 shadowing each other is the bug this prevents), an unknown name lists the registered ones, and
 plugin modules are imported eagerly so that a plugin that fails to import raises instead of being
 silently missing from the registry.
+
+Traits: what the loop must know about a variant (an estimator's group key, whether an engine can
+sleep) is declared where the variant is registered, as a frozen dataclass of the registry's
+``traits`` type (``@REGISTRY.register("name", traits=Traits(...))``); an entry registered without
+traits gets the type's defaults, which are the conservative answers. Callers ask
+``REGISTRY.traits(name)``, never keep their own set of names.
+
+Signature: each registry states the call signature of its entries in ``signature``;
+tests/unit/test_registry_contracts.py checks every entry of every registry against it.
 """
 
 from __future__ import annotations
 
 import importlib
-from typing import Callable, Generic, Iterable, TypeVar
+from typing import Any, Callable, Generic, Iterable, TypeVar
 
 T = TypeVar("T")
 
 
 class Registry(Generic[T]):
-    """A named table of implementations of one extension point."""
+    """A named table of implementations of one extension point, each with its traits."""
 
-    def __init__(self, kind: str):
+    def __init__(self, kind: str, *, traits: type | None = None, signature: str = ""):
         self.kind = kind
+        self.traits_type = traits  # None: this extension point declares no traits
+        self.signature = signature  # the documented call signature of an entry
         self._items: dict[str, T] = {}
+        self._traits: dict[str, Any] = {}
 
-    def register(self, name: str) -> Callable[[T], T]:
-        """Decorator: ``@REGISTRY.register("name")``."""
+    def register(self, name: str, *, traits: Any = None) -> Callable[[T], T]:
+        """Decorator: ``@REGISTRY.register("name", traits=...)``."""
 
         def decorator(obj: T) -> T:
-            self.add(name, obj)
+            self.add(name, obj, traits=traits)
             return obj
 
         return decorator
 
-    def add(self, name: str, obj: T) -> None:
+    def add(self, name: str, obj: T, *, traits: Any = None) -> None:
         if name in self._items and self._items[name] is not obj:
             raise ValueError(f"{self.kind} '{name}' is already registered ({self._items[name]!r})")
+        if traits is None and self.traits_type is not None:
+            traits = self.traits_type()
+        if self.traits_type is None and traits is not None:
+            raise ValueError(f"{self.kind} '{name}': this registry declares no traits")
+        if self.traits_type is not None and not isinstance(traits, self.traits_type):
+            raise TypeError(f"{self.kind} '{name}': traits must be {self.traits_type.__name__}, got {traits!r}")
         self._items[name] = obj
+        self._traits[name] = traits
+
+    def traits(self, name: str, *, key: str | None = None) -> Any:
+        """The traits ``name`` was registered with (the type's defaults when it gave none)."""
+        self.get(name, key=key)
+        return self._traits[name]
 
     def get(self, name: str, *, key: str | None = None) -> T:
         """Look up ``name``; ``key`` is the config key the name came from, used in the error."""

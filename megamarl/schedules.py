@@ -52,25 +52,19 @@ from megamarl.async_rollout import (
 from megamarl.config import AlgorithmConfig, RunConfig, TrainerConfig
 from megamarl.orchestration.driver import EpisodeStats, RolloutResult
 from megamarl.registry import Registry
+from megamarl.rl.advantages import ADVANTAGE_ESTIMATORS
 
 GIL_SWITCH_INTERVAL_S = 0.0005  # while rollout overlaps training (see the module docstring)
 
-# Estimators whose groups always contain one agent (hence one policy): their group keys include "agent".
-PER_AGENT_ESTIMATORS = frozenset({"at_grpo", "drmas_grpo"})
-# Estimators grouping by ``algorithm.group_by``: separable when that key names the agent or policy.
-KEYED_ESTIMATORS = frozenset({"grpo", "dr_grpo", "rloo"})
-
-
 def policy_separable(algo: AlgorithmConfig) -> bool:
     """True when no advantage, reward-shaping or dynamic-sampling group can mix two policies, so a
-    policy's batch may be formed from its own samples alone. Unknown (plugin) estimators, gigpo
-    (episode returns summed over agents), reinforce_pp and gae (batch-wide normalisation) are not."""
+    policy's batch may be formed from its own samples alone. The estimator's registered traits
+    answer for advantages (``EstimatorTraits.policy_separable``); dynamic sampling groups by
+    ``algorithm.group_by``."""
     per_agent_key = bool({"agent", "policy"} & set(algo.group_by))
     if algo.dynamic_sampling and not per_agent_key:
         return False
-    if algo.estimator in PER_AGENT_ESTIMATORS:
-        return True
-    return algo.estimator in KEYED_ESTIMATORS and per_agent_key
+    return ADVANTAGE_ESTIMATORS.traits(algo.estimator, key="algorithm.estimator").policy_separable(algo.group_by)
 
 
 class Schedule(abc.ABC):

@@ -27,7 +27,7 @@ from megamarl.async_rollout import RolloutLoop
 from megamarl.config import RunConfig, to_yaml
 from megamarl.parallel.distributed import control_group, init_distributed
 from megamarl.parallel.placement import build_worker_groups
-from megamarl.rl.advantages import CRITIC_ESTIMATORS, AdvantageConfig, compute_advantages, group_ids
+from megamarl.rl.advantages import ADVANTAGE_ESTIMATORS, AdvantageConfig, compute_advantages, group_ids
 from megamarl.rl.batch import SampleBatch, collate
 from megamarl.rl.losses import LossConfig
 from megamarl.rl.rewards import RewardConfig, dynamic_sampling_mask, shape_rewards
@@ -93,11 +93,10 @@ class Trainer:
 
     def _critic_config(self, policy) -> CriticConfig | None:
         algo = self.cfg.algorithm
-        if algo.estimator not in CRITIC_ESTIMATORS:
+        if not ADVANTAGE_ESTIMATORS.traits(algo.estimator).needs_critic:
             return None
         adv = AdvantageConfig(estimator=algo.estimator, norm_std=algo.normalize_std, **algo.estimator_kwargs)
-        return CriticConfig(gamma=adv.gamma, lam=adv.lam, whiten=adv.norm_std, value_coef=policy.value_coef,
-                            value_clip=policy.value_clip)
+        return CriticConfig(adv, value_coef=policy.value_coef, value_clip=policy.value_clip)
 
     def _loss_config(self, policy, **overrides) -> LossConfig:
         """The policy's loss settings, with an agent's overrides (``agents.<a>.clip_high``, ...) applied."""
@@ -300,7 +299,7 @@ class RolloutDriver:
         from megamarl.orchestration.env import EnvMaker
         from megamarl.orchestration.orchestras import build_orchestra
         from megamarl.registry import import_plugins
-        from megamarl.rollout.factory import build_engines
+        from megamarl.rollout.factory import build_engine
 
         self.cfg = cfg
         self.run_dir = run_dir
@@ -310,8 +309,8 @@ class RolloutDriver:
         paths = {name: resolve_model_path(p.model, key=f"policies.{name}.model") for name, p in cfg.policies.items()}
         self.tokenizers = {name: AutoTokenizer.from_pretrained(path) for name, path in paths.items()}
         self.pad_ids = {name: (t.pad_token_id if t.pad_token_id is not None else t.eos_token_id) for name, t in self.tokenizers.items()}
-        self.engines = {
-            name: build_engines(p.engine, paths[name], seed=cfg.trainer.seed, lora=_lora_serving(cfg, name))
+        self.engines = {  # one Engine per policy (several replicas: an EnginePool)
+            name: build_engine(p.engine, paths[name], seed=cfg.trainer.seed, lora=_lora_serving(cfg, name))
             for name, p in cfg.policies.items()
         }
         self.env = EnvMaker(cfg.env.name, **cfg.env.kwargs)
@@ -328,7 +327,7 @@ class RolloutDriver:
         self.console_print(self.schedule.describe())
 
     def engines_for(self, policy: str) -> list:
-        return self.engines[policy]
+        return [self.engines[policy]]
 
     def task_chunk(self, index: int):
         """The ``index``-th chunk of training tasks and its sampling seed (sync: chunk = step)."""
@@ -338,9 +337,8 @@ class RolloutDriver:
     async def episodes(self, tasks, *, group_size: int, agents=None, seed: int | None = None):
         from megamarl.orchestration.driver import run_episodes
 
-        engines = {name: pool[0] if len(pool) == 1 else pool for name, pool in self.engines.items()}
         return await run_episodes(
-            self.orchestra, self.env, tasks, agents=agents or self.agents, engines=engines,
+            self.orchestra, self.env, tasks, agents=agents or self.agents, engines=self.engines,
             group_size=group_size, max_concurrency=self.cfg.rollout.max_concurrency,
             step_timeout_s=self.cfg.rollout.env_timeout_s, seed=seed,
         )
@@ -388,7 +386,7 @@ class RolloutDriver:
             self.totals["dropped_groups"] += num_dropped
             if keep.any():
                 batch = batch.select(keep)
-        if a.estimator in CRITIC_ESTIMATORS:
+        if ADVANTAGE_ESTIMATORS.traits(a.estimator).needs_critic:
             return batch, metrics  # each policy's workers compute GAE from their critic's values
         adv_cfg = AdvantageConfig(estimator=a.estimator, group_by=list(a.group_by), norm_std=a.normalize_std, **a.estimator_kwargs)
         advantages = compute_advantages(batch.rewards, batch.group_index(), adv_cfg)
@@ -439,9 +437,8 @@ class RolloutDriver:
         self.schedule.close()
         self.loop.close()
         self.logger.close()
-        for pool in self.engines.values():
-            for engine in pool:
-                engine.shutdown()
+        for engine in self.engines.values():
+            engine.shutdown()
         plot_run(self.run_dir)
 
 

@@ -1,7 +1,7 @@
 """Models: HF <-> Megatron bridge per family, TP-aware LoRA, checkpoints, packaged/tiny models.
 
-- ``bridge``: ``build_model``, ``load_hf_weights``, ``export_hf_weights`` (streaming), ``forward_logits``,
-  ``run_forward_backward``, ``gather_logits``.
+- ``bridge``: ``build_model``, ``load_hf_weights``, ``export_hf_weights`` (streaming); models receive
+  their worker group's process groups and never call ``torch.distributed`` (``megamarl.parallel.collectives``).
 - ``registry.MODEL_FAMILIES``: HF ``model_type`` -> family folder (``llama``, ``qwen2``, ``qwen3``).
 - ``lora``: per-agent adapters on one frozen base, PEFT export.
 - ``checkpoint``: ``dist_checkpointing`` (torch_dist) save/load of model + AdamW state, any layout.

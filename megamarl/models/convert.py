@@ -24,6 +24,13 @@ import shutil
 import sys
 from pathlib import Path
 
+from safetensors.torch import save_file
+
+from megamarl.models import bridge, checkpoint
+from megamarl.models.mapping import hf_param_names
+from megamarl.parallel.launch import run_on_ranks
+from megamarl.parallel.placement import PlacementConfig, WorkerGroupLayout, build_worker_groups
+
 MEGATRON_SUBDIR = "megatron"
 _COPY_SKIP = (".safetensors", ".bin", ".pt", ".index.json")
 
@@ -45,18 +52,13 @@ def _progress(iterable, *, total: int, desc: str, enabled: bool):
 
 
 def _worker_group(tp: int, pp: int):
-    import torch.distributed as dist
-
-    from megamarl.parallel.placement import PlacementConfig, WorkerGroupLayout, build_worker_groups
-
-    layout = WorkerGroupLayout(ranks=list(range(dist.get_world_size())), tp=tp, pp=pp)
+    """One WG over the whole world (the converter's world is exactly tp * pp ranks, checked at start)."""
+    layout = WorkerGroupLayout(ranks=list(range(tp * pp)), tp=tp, pp=pp)
     return build_worker_groups(PlacementConfig({"convert": layout}))["convert"]
 
 
 def hf_to_megatron(rank: int, src: str, dst: str, tp: int, pp: int) -> None:
     """Body on each rank: build the sharded model, fill it from ``src`` (HF), save ``dst/megatron``."""
-    from megamarl.models import bridge, checkpoint
-
     wg = _worker_group(tp, pp)
     model = bridge.build_model(src, wg, init_weights=False)
     bridge.load_hf_weights(model, src, wg)
@@ -67,11 +69,6 @@ def hf_to_megatron(rank: int, src: str, dst: str, tp: int, pp: int) -> None:
 
 def megatron_to_hf(rank: int, src: str, dst: str, tp: int, pp: int) -> list[str]:
     """Body on each rank: load ``src/megatron`` at tp x pp, stream HF tensors, senders write files."""
-    from safetensors.torch import save_file
-
-    from megamarl.models import bridge, checkpoint
-    from megamarl.models.mapping import hf_param_names
-
     wg = _worker_group(tp, pp)
     model = bridge.build_model(src, wg, init_weights=False)
     checkpoint.load_checkpoint(Path(src) / MEGATRON_SUBDIR, model, wg)
@@ -88,18 +85,7 @@ def megatron_to_hf(rank: int, src: str, dst: str, tp: int, pp: int) -> list[str]
 
 
 def _run(body, world: int, *args) -> list:
-    if "RANK" in os.environ:  # under torchrun: this process is one of the ranks
-        from megamarl.parallel.distributed import init_distributed
-
-        init_distributed()
-        import torch.distributed as dist
-
-        if dist.get_world_size() != world:
-            raise ValueError(f"torchrun world size {dist.get_world_size()} != tp*pp = {world}")
-        return [body(dist.get_rank(), *args)]
-    from megamarl.parallel.launch import run_ranks
-
-    return run_ranks(body, world, *args, timeout_s=3600)
+    return run_on_ranks(body, world, *args, timeout_s=3600)
 
 
 def convert(src: str | Path, dst: str | Path, *, from_format: str, to_format: str, tp: int = 1, pp: int = 1) -> Path:

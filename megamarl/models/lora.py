@@ -45,7 +45,9 @@ from typing import Iterator
 import torch
 from torch import nn
 
+from megamarl.models.bridge import is_sender, unwrap
 from megamarl.models.mapping import qkv_unpack
+from megamarl.parallel.collectives import all_gather_objects, all_gather_tensors
 
 # Megatron target -> (parallel kind, HF module names, HF parent)
 LORA_TARGETS = {
@@ -131,8 +133,6 @@ def add_lora_adapter(model, wg, name: str, config: LoraConfig) -> list[nn.Parame
     Call on every rank of the WG, before wrapping the model in DDP (DDP allocates grad buffers for
     the parameters that require grad at wrap time).
     """
-    from megamarl.models.bridge import unwrap
-
     model = unwrap(model)
     params = []
     for layer, target, module in _target_modules(model, config.targets):
@@ -162,16 +162,12 @@ def add_lora_adapter(model, wg, name: str, config: LoraConfig) -> list[nn.Parame
 
 def lora_parameters(model, name: str | None = None) -> list[nn.Parameter]:
     """The parameters of adapter ``name`` (all adapters when None) on this rank."""
-    from megamarl.models.bridge import unwrap
-
     return [p for n, p in unwrap(model).named_parameters()
             if ".lora_adapters." in n and (name is None or f".lora_adapters.{name}." in n)]
 
 
 def set_active_adapter(model, name: str | None) -> None:
     """Select the adapter used by subsequent forwards (None: the bare base model)."""
-    from megamarl.models.bridge import unwrap
-
     model = unwrap(model)
     if name is not None and name not in getattr(model, "lora_configs", {}):
         raise ValueError(f"LoRA adapter '{name}' unknown; added: {sorted(getattr(model, 'lora_configs', {}))}")
@@ -183,8 +179,6 @@ def set_active_adapter(model, name: str | None) -> None:
 @contextlib.contextmanager
 def active_adapter(model, name: str | None):
     """``with active_adapter(model, "solver"): ...`` - forward/backward with one agent's adapter."""
-    from megamarl.models.bridge import unwrap
-
     previous = next((m.lora_active for m in unwrap(model).modules() if hasattr(m, "lora_adapters")), None)
     set_active_adapter(model, name)
     try:
@@ -201,8 +195,6 @@ def export_lora_weights(model, wg, name: str) -> Iterator[tuple[str, torch.Tenso
     and yields identical tensors; ``bridge.is_sender(wg)`` marks the rank that should push them.
     Keys look like ``base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight``.
     """
-    from megamarl.models.bridge import tp_all_gather, unwrap
-
     model = unwrap(model)
     arch = model.hf_arch
     config = model.lora_configs[name]
@@ -211,14 +203,14 @@ def export_lora_weights(model, wg, name: str) -> Iterator[tuple[str, torch.Tenso
         kind, hf_names, parent = LORA_TARGETS[target]
         if kind == "column":
             a_full = adapter.A.detach()
-            b_shards = tp_all_gather(adapter.B.detach(), wg.pgs.tp)
+            b_shards = all_gather_tensors(adapter.B.detach(), wg.pgs.tp)
             if target == "linear_qkv":
                 b_parts = qkv_unpack(torch.cat(b_shards, dim=0), arch)
             else:  # linear_fc1: per TP rank [gate_r; up_r]
                 halves = [s.chunk(2, dim=0) for s in b_shards]
                 b_parts = [torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])]
         else:
-            a_full = torch.cat(tp_all_gather(adapter.A.detach(), wg.pgs.tp), dim=1)
+            a_full = torch.cat(all_gather_tensors(adapter.A.detach(), wg.pgs.tp), dim=1)
             b_parts = [adapter.B.detach()]
         for hf_name, b in zip(hf_names, b_parts):
             prefix = f"base_model.model.model.layers.{layer}.{parent}.{hf_name}"
@@ -242,15 +234,11 @@ def save_peft_adapter(model, wg, name: str, path: str | Path, *, base_model_name
     Collective over the WG's ranks (TP gathers; with PP>1 the stages' tensors are gathered over the
     WG's PP group). The first stage's sender writes; returns the path there, None elsewhere.
     """
-    import torch.distributed as dist
     from safetensors.torch import save_file
-
-    from megamarl.models.bridge import is_sender, unwrap
 
     tensors = {k: v.cpu() for k, v in export_lora_weights(model, wg, name)}
     if wg.layout.pp > 1:
-        stages = [None] * wg.layout.pp
-        dist.all_gather_object(stages, tensors if is_sender(wg) else {}, group=wg.pgs.pp)
+        stages = all_gather_objects(tensors if is_sender(wg) else {}, wg.pgs.pp)
         tensors = {k: v for stage in stages for k, v in stage.items()}
     if not (is_sender(wg) and wg.is_first_stage):
         return None

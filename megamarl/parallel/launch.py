@@ -16,7 +16,10 @@ import socket
 import traceback
 from typing import Any, Callable
 
+import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from megamarl.parallel.distributed import init_distributed
 
 
 def _free_port() -> int:
@@ -30,10 +33,7 @@ def _rank_main(rank: int, world_size: int, port: int, fn: Callable, args: tuple,
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
     )
-    import torch
-    import torch.distributed as dist
-
-    from megamarl.parallel.distributed import init_distributed
+    import torch  # noqa: F401 - after the environment above, as in a torchrun child
 
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     try:
@@ -78,3 +78,15 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout_s: float = 180.
                 proc.kill()
                 proc.join()
     return [pickle.loads(outcomes[rank][1]) for rank in range(world_size)]
+
+
+def run_on_ranks(fn: Callable, world_size: int, *args: Any, timeout_s: float = 180.0) -> list[Any]:
+    """Under torchrun, this process is one of the ranks: run ``fn(rank, *args)`` here and return
+    ``[its result]``; otherwise spawn ``world_size`` ranks (``run_ranks``). The torchrun world must
+    be exactly ``world_size`` ranks."""
+    if "RANK" not in os.environ:
+        return run_ranks(fn, world_size, *args, timeout_s=timeout_s)
+    init_distributed()
+    if dist.get_world_size() != world_size:
+        raise ValueError(f"torchrun world size {dist.get_world_size()} != {world_size} ranks needed")
+    return [fn(dist.get_rank(), *args)]

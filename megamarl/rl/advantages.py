@@ -14,8 +14,9 @@ Conventions (all estimators):
 
 Registry contract: ``ADVANTAGE_ESTIMATORS`` maps a name to
 ``fn(rewards [N], index: GroupIndex, cfg: AdvantageConfig, *, response_mask=None, values=None)``
-returning ``[N]`` (sample-level) or ``[N, T]`` (token-level, ``gae`` only; it needs
-``response_mask`` and ``values``). The math lives in the keyword-argument functions above each
+returning ``[N]`` (sample-level), with ``EstimatorTraits`` (group key, batch-wide statistics,
+critic). An estimator with ``needs_critic`` (``gae``) is token-level and runs on the policy's
+workers: it needs ``response_mask`` and ``values`` and returns ``(advantages [N, T], returns [N, T])``. The math lives in the keyword-argument functions above each
 registered adapter, which only read ``cfg`` and pick the group key.
 """
 
@@ -29,14 +30,40 @@ import torch
 from torch import Tensor
 
 from megamarl.registry import Registry
+from megamarl.rl.rewards import rewards_to_tokens
 
 GROUP_KEYS = ("task", "episode", "agent", "policy", "turn", "branch", "step")
 
 Estimator = Callable[..., Tensor]
-# Estimators that need a critic's values: computed by each policy's workers (value head on the
-# Megatron model, ``megamarl.rl.worker.CriticConfig``), not on the gathered batch by the driver.
-CRITIC_ESTIMATORS = frozenset({"gae"})
-ADVANTAGE_ESTIMATORS: Registry[Estimator] = Registry("advantage estimator")
+
+
+@dataclass(frozen=True)
+class EstimatorTraits:
+    """What the driver and the schedules need to know about an estimator (defaults: a plugin that
+    declares nothing is treated as grouping over the whole batch, never split by policy).
+
+    ``group_key``: the index columns whose equal values form one group; None: the configured
+    ``algorithm.group_by``. ``batch_wide``: some statistic spans the whole batch (reinforce_pp's
+    normalisation, gae's whitening). ``needs_critic``: advantages need a critic's values, so each
+    policy's workers compute them (value head on the Megatron model, ``rl.worker.CriticConfig``),
+    not the driver on the gathered batch.
+    """
+
+    group_key: tuple[str, ...] | None = None
+    batch_wide: bool = True
+    needs_critic: bool = False
+
+    def policy_separable(self, group_by: Sequence[str]) -> bool:
+        """True when no group of this estimator can hold samples of two policies (each group key
+        names the agent or the policy and nothing spans the batch)."""
+        key = self.group_key if self.group_key is not None else tuple(group_by)
+        return not self.batch_wide and bool({"agent", "policy"} & set(key))
+
+
+ADVANTAGE_ESTIMATORS: Registry[Estimator] = Registry(
+    "advantage estimator", traits=EstimatorTraits,
+    signature="fn(rewards, index, cfg, *, response_mask=None, values=None) -> [N] | ([N, T], [N, T])",
+)
 
 
 @dataclass
@@ -254,14 +281,24 @@ def gae(
     return adv.to(values.dtype), (adv + v).to(values.dtype)
 
 
-def masked_whiten(x: Tensor, mask: Tensor, *, eps: float = 1e-6) -> Tensor:
-    """``(x - mean_m) / (std_m + eps)`` over positions where ``mask`` (population std); 0 elsewhere."""
+def masked_whiten(
+    x: Tensor, mask: Tensor, *, eps: float = 1e-6, all_reduce: Callable[[Tensor], None] | None = None,
+) -> Tensor:
+    """``(x - mean_m) / (std_m + eps)`` over positions where ``mask`` (population std); 0 elsewhere.
+
+    The statistics come from the float64 sums ``[sum x, sum x^2, count]``; a caller whose batch is
+    sharded (a policy's DP ranks) passes ``all_reduce``, which sums that 3-vector in place over the
+    shards, and every shard is whitened with the statistics of the whole batch.
+    """
     mask = mask.bool()
-    vals = x[mask].double()
-    if vals.numel() == 0:
-        return torch.zeros_like(x)
-    out = (x.double() - vals.mean()) / (vals.std(unbiased=False) + eps)
-    return torch.where(mask, out, 0.0).to(x.dtype)
+    xm = torch.where(mask, x, 0.0).double()
+    stats = torch.stack([xm.sum(), (xm * xm).sum(), mask.sum().double()])
+    if all_reduce is not None:
+        all_reduce(stats)
+    count = stats[2].clamp(min=1)
+    mean = stats[0] / count
+    std = (stats[1] / count - mean * mean).clamp(min=0).sqrt()
+    return torch.where(mask, (x.double() - mean) / (std + eps), 0.0).to(x.dtype)
 
 
 # --------------------------------------------------------------------------------------------
@@ -304,41 +341,41 @@ def compute_advantages(rewards: Tensor, index: GroupIndex, cfg: AdvantageConfig,
     return ADVANTAGE_ESTIMATORS.get(cfg.estimator, key="advantage.estimator")(rewards, index, cfg, **kwargs)
 
 
-@ADVANTAGE_ESTIMATORS.register("grpo")
+@ADVANTAGE_ESTIMATORS.register("grpo", traits=EstimatorTraits(batch_wide=False))
 def _grpo(rewards, index, cfg, **_):
     return grpo_advantages(rewards, group_ids(index, cfg.group_by), eps=cfg.eps, norm_std=cfg.norm_std)
 
 
-@ADVANTAGE_ESTIMATORS.register("at_grpo")
+@ADVANTAGE_ESTIMATORS.register("at_grpo", traits=EstimatorTraits(group_key=("task", "agent", "turn"), batch_wide=False))
 def _at_grpo(rewards, index, cfg, **_):
     gid = group_ids(index, ("task", "agent", "turn"))
     return grpo_advantages(rewards, gid, eps=cfg.eps, norm_std=cfg.norm_std)
 
 
-@ADVANTAGE_ESTIMATORS.register("drmas_grpo")
+@ADVANTAGE_ESTIMATORS.register("drmas_grpo", traits=EstimatorTraits(group_key=("task", "agent"), batch_wide=False))
 def _drmas_grpo(rewards, index, cfg, **_):
     gid = group_ids(index, ("task", "agent"))
     return drmas_advantages(rewards, gid, eps=cfg.eps, norm_std=cfg.norm_std)
 
 
-@ADVANTAGE_ESTIMATORS.register("dr_grpo")
+@ADVANTAGE_ESTIMATORS.register("dr_grpo", traits=EstimatorTraits(batch_wide=False))
 def _dr_grpo(rewards, index, cfg, **_):
     return grpo_advantages(rewards, group_ids(index, cfg.group_by), norm_std=False)
 
 
-@ADVANTAGE_ESTIMATORS.register("rloo")
+@ADVANTAGE_ESTIMATORS.register("rloo", traits=EstimatorTraits(batch_wide=False))
 def _rloo(rewards, index, cfg, **_):
     return rloo_advantages(rewards, group_ids(index, cfg.group_by))
 
 
-@ADVANTAGE_ESTIMATORS.register("reinforce_pp")
+@ADVANTAGE_ESTIMATORS.register("reinforce_pp", traits=EstimatorTraits(group_key=("task", "episode", "agent")))
 def _reinforce_pp(rewards, index, cfg, **_):
     seq = group_ids(index, ("task", "episode", "agent"))
     return reinforce_pp_advantages(rewards, seq, index.turn, gamma=cfg.gamma,
                                    discount_turns=cfg.discount_turns, eps=cfg.eps, norm_std=cfg.norm_std)
 
 
-@ADVANTAGE_ESTIMATORS.register("gigpo")
+@ADVANTAGE_ESTIMATORS.register("gigpo", traits=EstimatorTraits(group_key=("task", "episode"), batch_wide=False))
 def _gigpo(rewards, index, cfg, **_):
     episodes = group_ids(index, ("task", "episode"))
     anchors = index.anchors or [None] * index.num_samples
@@ -348,12 +385,14 @@ def _gigpo(rewards, index, cfg, **_):
                             omega=cfg.gigpo_omega, eps=cfg.eps, norm_std=cfg.norm_std)
 
 
-@ADVANTAGE_ESTIMATORS.register("gae")
-def _gae(rewards, index, cfg, *, response_mask=None, values=None, **_):
+@ADVANTAGE_ESTIMATORS.register("gae", traits=EstimatorTraits(needs_critic=True))
+def _gae(rewards, index, cfg, *, response_mask=None, values=None, all_reduce=None, **_):
+    """Returns ``(advantages [N, T], returns [N, T])``: the critic's targets come from the same
+    recursion. ``all_reduce`` sums the whitening statistics over a sharded batch's shards."""
     if response_mask is None or values is None:
         raise ValueError("advantage.estimator='gae' needs response_mask and critic values")
-    from megamarl.rl.rewards import rewards_to_tokens
-
     token_rewards = rewards_to_tokens(rewards, response_mask)  # [N, T]
-    adv, _ = gae(token_rewards, values, response_mask, gamma=cfg.gamma, lam=cfg.lam)
-    return masked_whiten(adv, response_mask, eps=cfg.eps) if cfg.norm_std else adv
+    adv, returns = gae(token_rewards, values, response_mask, gamma=cfg.gamma, lam=cfg.lam)
+    if cfg.norm_std:
+        adv = masked_whiten(adv, response_mask, eps=cfg.eps, all_reduce=all_reduce)
+    return adv, returns

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Iterator
 
@@ -28,7 +28,9 @@ import torch
 import torch.distributed as dist
 
 from megamarl.config import PolicyConfig
+from megamarl.parallel.collectives import all_reduce_sum
 from megamarl.parallel.placement import WorkerGroup
+from megamarl.rl.advantages import ADVANTAGE_ESTIMATORS, AdvantageConfig
 from megamarl.rl.batch import SampleBatch
 from megamarl.rl.losses import LossConfig, policy_loss
 from megamarl.rl.vocab_parallel import place_window, vocab_parallel_logprobs
@@ -100,11 +102,11 @@ class ModelHandle:
 
 @dataclass
 class CriticConfig:
-    """GAE with a critic: a value head on the policy's own Megatron model (shared trunk)."""
+    """A critic estimator (``EstimatorTraits.needs_critic``, e.g. gae) with a value head on the
+    policy's own Megatron model (shared trunk). ``advantage.norm_std`` whitens the advantages over
+    the policy batch's response tokens on all DP ranks."""
 
-    gamma: float = 1.0
-    lam: float = 1.0
-    whiten: bool = True  # advantages whitened over the policy batch's response tokens (all DP ranks)
+    advantage: AdvantageConfig = field(default_factory=lambda: AdvantageConfig(estimator="gae"))
     value_coef: float = 0.5
     value_clip: float | None = 0.2
 
@@ -325,18 +327,15 @@ class PolicyWorker:
 
     # ---- critic ---------------------------------------------------------------------------------
     def critic_targets(self, part: SampleBatch) -> tuple[SampleBatch, torch.Tensor | None, torch.Tensor | None]:
-        """GAE advantages from the critic's values: ``(part with [B, T] advantages, returns, values)``
-        on the last stage (other stages do not need them)."""
-        from megamarl.rl.advantages import gae
-        from megamarl.rl.rewards import rewards_to_tokens
-
+        """The registered critic estimator's ``[B, T]`` advantages and returns from the critic's
+        values: ``(part with advantages, returns, values)`` on the last stage (other stages do not
+        need them). Whitening statistics span every DP rank's part."""
         values = self.compute_values(part)
         if values is None:
             return part, None, None
-        mask = part.response_mask
-        adv, returns = gae(rewards_to_tokens(part.rewards, mask), values, mask, gamma=self.critic.gamma, lam=self.critic.lam)
-        if self.critic.whiten:
-            adv = _dp_whiten(adv, mask, self.wg.pgs.dp)
+        estimator = ADVANTAGE_ESTIMATORS.get(self.critic.advantage.estimator, key="algorithm.estimator")
+        adv, returns = estimator(part.rewards, part.group_index(), self.critic.advantage, response_mask=part.response_mask,
+                                 values=values, all_reduce=all_reduce_sum(self.wg.pgs.dp))
         return part.replace(advantages=adv), returns, values
 
     def critic_state(self) -> dict | None:
@@ -483,19 +482,6 @@ class PolicyWorker:
         if getattr(p, "shared", False) and not self.wg.is_first_stage:
             return False  # tied output weight copy on the last stage
         return bool(getattr(p, "tensor_model_parallel", False)) or self.wg.tp_rank == 0
-
-
-def _dp_whiten(x: torch.Tensor, mask: torch.Tensor, dp_group, eps: float = 1e-6) -> torch.Tensor:
-    """``masked_whiten`` with statistics over every DP rank's part (population std)."""
-    mask = mask.bool()
-    xm = torch.where(mask, x, 0.0).double()
-    stats = torch.stack([xm.sum(), (xm * xm).sum(), mask.sum().double()])
-    if dp_group is not None and dist.get_world_size(dp_group) > 1:
-        dist.all_reduce(stats, group=dp_group)
-    count = stats[2].clamp(min=1)
-    mean = stats[0] / count
-    std = (stats[1] / count - mean * mean).clamp(min=0).sqrt()
-    return torch.where(mask, (x.double() - mean) / (std + eps), 0.0).to(x.dtype)
 
 
 def _row_ids(mb: SampleBatch) -> list[tuple[int, int, int, int]]:

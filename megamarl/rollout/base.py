@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator
+from pathlib import Path
+from typing import Any, Iterable
 
 import torch
 
@@ -102,6 +103,13 @@ class Engine(abc.ABC):
     def shutdown(self) -> None:
         """Free resources; the engine is unusable afterwards."""
 
+    @classmethod
+    def from_config(cls, cfg: Any, path: Path, *, replica: int, seed: int, lora: Any = None) -> "Engine":
+        """Replica ``replica`` of a policy's engine from its ``EngineConfig`` (``lora``: a
+        ``rollout.factory.LoraServing`` when the policy serves L2 adapters). Engines registered
+        with ``EngineTraits(configurable=True)`` implement it."""
+        raise NotImplementedError(f"{cls.__name__} is not built from policies.<p>.engine")
+
 
 class InProcessEngine(Engine):
     """An engine running in this process (``hf``, ``vllm``): requests wait, never fail, while it is
@@ -133,8 +141,25 @@ class InProcessEngine(Engine):
         return self.weight_version if lora is None else self.lora_versions.get(lora, 0)
 
 
-def iter_state_dict(state_dict: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
-    yield from state_dict.items()
+@dataclass(frozen=True)
+class EngineTraits:
+    """What the trainer and config validation need to know about an engine class.
+
+    ``configurable``: built from ``policies.<p>.engine`` (``engine.backend`` may name it; the class
+    implements ``from_config``); ``in_process``: runs inside the driver process; ``can_sleep``:
+    ``sleep``/``wake`` release and restore memory (colocation); ``serves_lora``: L2 multi-adapter
+    serving (``add_lora`` and adapter-only updates); ``external``: connects to servers listed in
+    ``engine.server_urls`` (one per replica).
+    """
+
+    configurable: bool = False
+    in_process: bool = False
+    can_sleep: bool = False
+    serves_lora: bool = False
+    external: bool = False
 
 
-ENGINES: Registry[type[Engine]] = Registry("engine")
+ENGINES: Registry[type[Engine]] = Registry(
+    "engine", traits=EngineTraits,
+    signature="class(Engine); configurable: cls.from_config(cfg: EngineConfig, path, *, replica, seed, lora) -> Engine",
+)

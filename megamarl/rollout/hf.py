@@ -34,13 +34,13 @@ from typing import Iterable
 
 import torch
 
-from megamarl.rollout.base import ENGINES, Generation, InProcessEngine, SamplingParams
+from megamarl.rollout.base import ENGINES, EngineTraits, Generation, InProcessEngine, SamplingParams
 from megamarl.rollout.batching import MicroBatcher
 
 BASE_LAYER = ".base_layer."  # PEFT wraps each adapted linear: its base weight moves under this name
 
 
-@ENGINES.register("hf")
+@ENGINES.register("hf", traits=EngineTraits(configurable=True, in_process=True, can_sleep=True, serves_lora=True))
 class HFEngine(InProcessEngine):
     """Serve one HF causal LM (a directory path or an already-built ``PreTrainedModel``) and, after
     ``add_lora``, its LoRA adapters."""
@@ -213,6 +213,10 @@ class HFEngine(InProcessEngine):
         return targets
 
     # -- LoRA ------------------------------------------------------------------------------------
+
+    @classmethod
+    def from_config(cls, cfg, path: Path, *, replica: int, seed: int, lora=None) -> HFEngine:
+        return cls(path, seed=seed, max_batch_rows=cfg.max_num_seqs)
 
     def add_lora(self, name: str, path: str | Path) -> None:
         """Load the PEFT adapter directory ``path`` as adapter ``name`` (replacing one of that name)."""

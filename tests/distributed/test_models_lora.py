@@ -7,6 +7,7 @@ trained adapters give different outputs.
 
 from __future__ import annotations
 
+import megatron_steps  # tests/distributed helper: Megatron forward/backward
 import pytest
 
 from megamarl.parallel.launch import run_ranks
@@ -38,14 +39,14 @@ def _lora_case(rank, out_dir):
     model = bridge.build_model(hf.config, wg, init_weights=False)
     bridge.load_hf_weights(model, hf.state_dict(), wg)
     ids = torch.randint(0, vocab, (2, 9), generator=torch.Generator().manual_seed(11))
-    base_logits = bridge.forward_logits(model, wg, ids)
+    base_logits = megatron_steps.forward_logits(model, wg, ids)
     config = lora.LoraConfig(rank=4, alpha=8.0)
     for agent in AGENTS:
         lora.add_lora_adapter(model, wg, agent, config)
     out = {"layout": layout, "stage": wg.pp_rank, "tp_rank": wg.tp_rank}
 
     with lora.active_adapter(model, "solver"):
-        zero_logits = bridge.forward_logits(model, wg, ids)
+        zero_logits = megatron_steps.forward_logits(model, wg, ids)
     if wg.is_last_stage:
         out["zero_init_equal"] = torch.equal(zero_logits, base_logits)
 
@@ -56,12 +57,12 @@ def _lora_case(rank, out_dir):
     optimizer = torch.optim.AdamW(trainable, lr=5e-2, weight_decay=0.0)
     for sign, agent in zip((1.0, -1.0), AGENTS):  # the two agents are pushed in opposite directions
         def loss_fn(logits, microbatch, sign=sign):
-            full = bridge.gather_logits(logits, wg, vocab_size=vocab)
+            full = megatron_steps.gather_logits(logits, wg, vocab_size=vocab)
             return sign * full[..., :50].float().mean(), {}
 
         optimizer.zero_grad()
         with lora.active_adapter(model, agent):
-            bridge.run_forward_backward(model, wg, [{"input_ids": ids}], loss_fn)
+            megatron_steps.run_forward_backward(model, wg, [{"input_ids": ids}], loss_fn)
         optimizer.step()
 
     out["base_unchanged"] = all(torch.equal(t, base_before[n]) for n, t in bridge.export_hf_weights(model, wg))
@@ -70,7 +71,7 @@ def _lora_case(rank, out_dir):
     out["adapters_changed"] = changed
     for agent in AGENTS:
         with lora.active_adapter(model, agent):
-            logits = bridge.forward_logits(model, wg, ids)
+            logits = megatron_steps.forward_logits(model, wg, ids)
         if wg.is_last_stage:
             out[f"logits/{agent}"] = logits
         saved = lora.save_peft_adapter(model, wg, agent, f"{out_dir}/{layout}/{agent}")

@@ -1,6 +1,7 @@
 """The policy loss on a Megatron WG at TP=2 and at PP=2 (CPU ranks) gives the same gradients as a
 single-process HF reference on the same batch (< 1e-5), and an optimizer step changes the weights."""
 
+import megatron_steps  # tests/distributed helper: gradients by HF name
 import pytest
 import torch
 
@@ -53,7 +54,6 @@ def _reference_grads(model_dir):
 
 def _ranks_body(rank, model_dir):
     from megamarl.config import PolicyConfig
-    from megamarl.models.bridge import export_hf_grads
     from megamarl.parallel.placement import PlacementConfig, WorkerGroupLayout, build_worker_groups
     from megamarl.policy_io import load_policy_model
     from megamarl.rl.worker import PolicyWorker
@@ -73,7 +73,7 @@ def _ranks_body(rank, model_dir):
         worker = PolicyWorker(name, policy, wg, load_policy_model(policy, wg, seed=0), _loss_cfg())
         part = worker.my_part(batch)
         worker.backward(part, worker.compute_logprobs(part), counts)
-        grads = dict(export_hf_grads(worker.model, wg))
+        grads = dict(megatron_steps.export_hf_grads(worker.model, wg))
         diffs[name] = max((grads[n] - reference[n]).abs().max().item() for n in grads)
         diffs[name + "_num"] = len(grads)
         before = {n: t.clone() for n, t in worker.export()}
@@ -154,7 +154,6 @@ def _reference_grads_per_agent(model_dir, ref_dir):
 
 def _per_agent_body(rank, model_dir, ref_dir):
     from megamarl.config import PolicyConfig
-    from megamarl.models.bridge import export_hf_grads
     from megamarl.parallel.placement import PlacementConfig, WorkerGroupLayout, build_worker_groups
     from megamarl.policy_io import load_policy_model
     from megamarl.rl.worker import PolicyWorker
@@ -176,7 +175,7 @@ def _per_agent_body(rank, model_dir, ref_dir):
         part = worker.my_part(batch)
         ref_logprobs = worker.compute_logprobs(part, reference=True)
         worker.backward(part, None, counts, ref=ref_logprobs)
-        grads = dict(export_hf_grads(worker.model, wg))
+        grads = dict(megatron_steps.export_hf_grads(worker.model, wg))
         diffs[name] = max((grads[n] - reference[n]).abs().max().item() for n in grads)
         diffs[name + "_mbs"] = [mb.names("agent") for mb in worker._micro_batches(part)]
     return diffs
@@ -205,7 +204,9 @@ def test_per_agent_losses_reference_kl_and_restricted_vocab_match_reference(tmp_
 def _critic_cfg():
     from megamarl.rl.worker import CriticConfig
 
-    return CriticConfig(gamma=0.9, lam=0.8, whiten=True, value_coef=0.5, value_clip=0.2)
+    from megamarl.rl.advantages import AdvantageConfig
+
+    return CriticConfig(AdvantageConfig(estimator="gae", gamma=0.9, lam=0.8, norm_std=True), value_coef=0.5, value_clip=0.2)
 
 
 def _critic_reference(model_dir):
@@ -228,7 +229,7 @@ def _critic_reference(model_dir):
     logprobs, entropy = vocab_parallel_logprobs(logits, batch.tokens)
     values = torch.cat([torch.zeros(batch.num_samples, 1), head(hidden).squeeze(-1)[:, :-1]], dim=1)
     mask = batch.response_mask
-    adv, returns = gae(rewards_to_tokens(batch.rewards, mask), values.detach(), mask, gamma=cfg.gamma, lam=cfg.lam)
+    adv, returns = gae(rewards_to_tokens(batch.rewards, mask), values.detach(), mask, gamma=cfg.advantage.gamma, lam=cfg.advantage.lam)
     adv = masked_whiten(adv, mask)
     counts = dict(num_tokens=int(mask.sum()), num_seqs=batch.num_samples)
     loss, _ = policy_loss(logprobs, adv, mask, _loss_cfg(), rollout_logprobs=batch.rollout_logprobs,
@@ -242,7 +243,6 @@ def _critic_reference(model_dir):
 
 def _critic_body(rank, model_dir):
     from megamarl.config import PolicyConfig
-    from megamarl.models.bridge import export_hf_grads
     from megamarl.parallel.placement import PlacementConfig, WorkerGroupLayout, build_worker_groups
     from megamarl.policy_io import load_policy_model
     from megamarl.rl.worker import PolicyWorker
@@ -262,7 +262,7 @@ def _critic_body(rank, model_dir):
         worker = PolicyWorker(name, policy, wg, load_policy_model(policy, wg, seed=0), _loss_cfg(), critic=_critic_cfg())
         part, returns, values = worker.critic_targets(worker.my_part(batch))
         worker.backward(part, None, counts, critic=(returns, values))
-        grads = dict(export_hf_grads(worker.model, wg))
+        grads = dict(megatron_steps.export_hf_grads(worker.model, wg))
         diffs[name] = max((grads[n] - reference[n]).abs().max().item() for n in grads)
         if worker.value_head is not None:
             head = {n.removeprefix("linear."): p.grad for n, p in worker.value_head.named_parameters()}

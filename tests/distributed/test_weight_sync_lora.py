@@ -11,6 +11,7 @@ transformers + PEFT on the same weights, with logprobs within fp32 rounding.
 from __future__ import annotations
 
 import pytest
+import megatron_steps  # tests/distributed helper
 import torch
 
 from megamarl.parallel.launch import run_ranks
@@ -54,11 +55,11 @@ def _l2_sync(rank, model_dir, out_dir):
         ids = torch.tensor([p + [TARGET_TOKEN] * (8 - len(p)) for p in (PROMPTS[0], PROMPTS[2])])
 
         def loss_fn(logits, microbatch):
-            full = bridge.gather_logits(logits, wg, vocab_size=49152)
+            full = megatron_steps.gather_logits(logits, wg, vocab_size=49152)
             return -torch.log_softmax(full.float(), -1)[..., TARGET_TOKEN].mean(), {}
 
         with lora.active_adapter(model, "solver"):
-            bridge.run_forward_backward(model, wg, [{"input_ids": ids}], loss_fn)
+            megatron_steps.run_forward_backward(model, wg, [{"input_ids": ids}], loss_fn)
         optimizer.step()
 
     stats = sync_weights(

@@ -9,6 +9,7 @@ unsharded in one process.
 from __future__ import annotations
 
 
+import megatron_steps  # tests/distributed helper: Megatron forward/backward
 import pytest
 
 from megamarl.parallel.launch import run_ranks
@@ -61,17 +62,17 @@ def _run_wg(wg, overrides):
     rows = slice(wg.dp_rank * BATCH // wg.layout.dp, (wg.dp_rank + 1) * BATCH // wg.layout.dp)
 
     def loss_fn(logits, microbatch):
-        full = bridge.gather_logits(logits, wg, vocab_size=vocab)
+        full = megatron_steps.gather_logits(logits, wg, vocab_size=vocab)
         loss = torch.nn.functional.cross_entropy(full.flatten(0, 1), microbatch["labels"].flatten())
         return loss, {"logits": full.detach()}
 
     ddp.zero_grad_buffer()
-    out = bridge.run_forward_backward(ddp, wg, [{"input_ids": ids[rows], "labels": labels[rows]}], loss_fn)
+    out = megatron_steps.run_forward_backward(ddp, wg, [{"input_ids": ids[rows], "labels": labels[rows]}], loss_fn)
     finalize_model_grads([ddp], pg_collection=wg.pgs)
     result = {"logits_diff": None, "grad_diff": {}}
     if wg.is_last_stage:
         result["logits_diff"] = (out[0]["logits"] - ref_logits[rows]).abs().max().item()
-    for name, grad in bridge.export_hf_grads(ddp, wg):
+    for name, grad in megatron_steps.export_hf_grads(ddp, wg):
         result["grad_diff"][name] = (grad - ref_grads[name]).abs().max().item()
     result["grad_scale"] = max(g.abs().max().item() for g in ref_grads.values())
     result["hf_names"] = sorted(ref_grads)  # tied: lm_head is not a separate HF parameter

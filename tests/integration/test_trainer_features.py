@@ -1,5 +1,6 @@
 """Trainer features end to end on one CPU rank (2 steps each, tiny models): L2 LoRA with per-agent
-learning rates and a KL to the base; GAE with a critic (value head) and its checkpoint."""
+learning rates and a KL to the base; GAE with a critic (value head) and its checkpoint; two engine
+replicas as one pool."""
 
 from __future__ import annotations
 
@@ -52,3 +53,13 @@ def test_gae_critic_trains_a_value_head_and_checkpoints_it(tmp_path):
     assert all(r["policy/shared/vf_loss"] > 0 for r in rows)
     assert rows[1]["policy/shared/value_mean"] != 0.0  # the zero-initialised head has learned
     assert (tmp_path / "run" / "checkpoints" / "step_000002" / "policies" / "shared" / "value_head.pt").is_file()
+
+
+def test_two_engine_replicas_are_one_pool_serving_episodes_and_adapters(tmp_path):
+    """engine.num_replicas=2: the driver holds one EnginePool per policy (it used to hand the episodes
+    a Python list, and every episode failed); L2 adapters are registered with and synced into both."""
+    rows = _train(tmp_path, "policies.shared.engine.num_replicas=2", "policies.shared.lora={rank: 4, alpha: 8}",
+                  "agents.sender.lora=sender", "agents.receiver.lora=receiver", port=29833)
+    for row in rows:
+        assert row["rollout/num_failed"] == 0 and row["agent/sender/num_samples"] == 16
+        assert row["weight_sync/shared/sender/bytes"] > 0
