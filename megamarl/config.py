@@ -16,6 +16,7 @@ from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from megamarl.parallel.placement import PLACEMENT_MODES, PlacementConfig, WorkerGroupLayout
+from megamarl.rl.prepare import AlgorithmConfig
 from megamarl.rollout import ENGINES
 
 TRAINER_MODES = ("sync", "one_step_off", "fully_async")
@@ -44,7 +45,7 @@ class EngineConfig:
     ranks: list[int] = field(default_factory=list)  # disaggregated: ranks hosting replicas
     tp: int = 1
     max_num_seqs: int = 64
-    kv_cache_gib: float = 1.0  # per GPU; 0: derived from max_num_seqs * policy seq_len (see megamarl.dryrun)
+    kv_cache_gib: float = 1.0  # per GPU; 0: derived from max_num_seqs * policy seq_len (see megamarl.planning.dryrun)
     server_urls: list[str] = field(default_factory=list)  # external servers (disaggregated HTTP)
     bucket_mb: int = 64  # weight-sync bucket size
 
@@ -180,21 +181,6 @@ class RolloutConfig:
     group_size: int = 4  # episodes per task (GRPO group)
     max_concurrency: int = 64
     env_timeout_s: float = 30.0
-
-
-@dataclass
-class AlgorithmConfig:
-    estimator: str = "at_grpo"
-    group_by: list[str] = field(default_factory=lambda: ["task", "agent", "turn"])
-    normalize_std: bool = True
-    team_alpha: float = 1.0  # reward = team + alpha * local
-    turn_gamma: float = 1.0
-    invalid_penalty: float = 0.0
-    dynamic_sampling: bool = False
-    loss_agg: str = "token-mean"
-    kl_type: str = "k3"
-    tis_cap: float = 2.0  # truncated IS cap (rollout vs training logprobs); 0 disables
-    estimator_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

@@ -1,39 +1,37 @@
 """The training loop: rollout -> advantages -> update each policy -> sync weights -> log/eval/save.
 
-SPMD under torchrun: every rank runs ``Trainer.fit``. Rank 0 is also the *driver*: it hosts the
-engines (colocated, in-process), runs the episodes, computes advantages on the gathered agent-tagged
-batch and logs. Every rank holding a shard of a policy's worker group (WG) trains it; the batch
+SPMD under torchrun: every rank runs ``Trainer.fit``. Rank 0 is also the *driver*
+(``megamarl.driver.RolloutDriver``): it hosts the engines (colocated, in-process), runs the episodes,
+turns them into the training batch (``megamarl.rl.prepare``) and logs. Workers are built by
+``megamarl.rl.policy_setup``; checkpoints are ``megamarl.runtime.checkpoint``. Every rank holding a shard of a policy's worker group (WG) trains it; the batch
 reaches workers as one broadcast object over the CPU control group. Variants (estimators, engines,
 envs, orchestras) are looked up by name in registries; the loop itself has no per-variant branches.
-``trainer.mode`` names the driver's rollout schedule (``megamarl.schedules``: sync, one_step_off,
+``trainer.mode`` names the driver's rollout schedule (``megamarl.driver.schedules``: sync, one_step_off,
 fully_async; docs/async.md): where the next batch comes from and what a weight push waits for.
 """
 
 from __future__ import annotations
 
-import json
-import os
 import random
 import time
 from contextlib import nullcontext
-from dataclasses import asdict, replace
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from megamarl.async_rollout import RolloutLoop
-from megamarl.config import RunConfig, to_yaml
+from megamarl.config import RunConfig
+from megamarl.driver.rollout_driver import RolloutDriver, policy_adapters
+from megamarl.driver.schedules import sync_interval
+from megamarl.models.lora import save_peft_adapter
 from megamarl.parallel.distributed import control_group, init_distributed
 from megamarl.parallel.placement import build_worker_groups
-from megamarl.rl.advantages import ADVANTAGE_ESTIMATORS, AdvantageConfig, compute_advantages, group_ids
-from megamarl.rl.batch import SampleBatch, collate
-from megamarl.rl.losses import LossConfig
-from megamarl.rl.rewards import RewardConfig, dynamic_sampling_mask, shape_rewards
-from megamarl.rl.worker import AgentTraining, CriticConfig, PolicyWorker
+from megamarl.rl.batch import SampleBatch
+from megamarl.rl.policy_setup import build_workers
+from megamarl.rl.worker import PolicyWorker
 from megamarl.rollout.weight_sync import sync_weights
-from megamarl.schedules import build_schedule, sync_interval
+from megamarl.runtime import checkpoint
 
 DRIVER = 0
 
@@ -57,57 +55,10 @@ class Trainer:
         self.sync_every = sync_interval(cfg.trainer)  # updates of a policy per weight push
         seed_everything(cfg.trainer.seed)
         self.wgs = build_worker_groups(cfg.placement(self.world_size))
-        self.workers = self._build_workers()
+        self.workers = build_workers(cfg.policies, cfg.agents, cfg.algorithm, self.wgs, seed=cfg.trainer.seed)
         self.driver = RolloutDriver(cfg, self.run_dir) if self.is_driver else None
         self._register_adapters()
         self._maybe_resume()
-
-    # ---- set-up ---------------------------------------------------------------------------------
-    def _build_workers(self) -> dict[str, PolicyWorker]:
-        from megamarl.policy_io import load_policy_model
-
-        workers = {}
-        for name, policy in self.cfg.policies.items():
-            wg = self.wgs[name]
-            if not wg.is_member or policy.frozen:
-                continue
-            loss_cfg = self._loss_config(policy)
-            agents = {
-                role: AgentTraining(
-                    loss=self._loss_config(policy, **agent.train_overrides()),
-                    micro_batch_size=agent.micro_batch_size or policy.micro_batch_size,
-                    # an agent of a LoRA policy without an adapter acts with the frozen base
-                    frozen=agent.frozen or (policy.lora is not None and agent.lora is None),
-                    adapter=agent.lora, lr=agent.lr,
-                )
-                for role, agent in self.cfg.agents.items()
-                if agent.policy == name and (agent.train_overrides() or agent.frozen or policy.lora is not None)
-            }
-            handle = load_policy_model(policy, wg, seed=self.cfg.trainer.seed)
-            needs_ref = policy.kl_coef > 0 or any(a.loss.kl_coef > 0 for a in agents.values())
-            # LoRA policies use their frozen base as the reference (adapters off): no second model
-            ref = load_policy_model(policy, wg, seed=self.cfg.trainer.seed) if needs_ref and policy.lora is None else None
-            workers[name] = PolicyWorker(name, policy, wg, handle, loss_cfg, agents=agents, ref_handle=ref,
-                                         critic=self._critic_config(policy), lora=_lora_config(policy))
-        return workers
-
-    def _critic_config(self, policy) -> CriticConfig | None:
-        algo = self.cfg.algorithm
-        if not ADVANTAGE_ESTIMATORS.traits(algo.estimator).needs_critic:
-            return None
-        adv = AdvantageConfig(estimator=algo.estimator, norm_std=algo.normalize_std, **algo.estimator_kwargs)
-        return CriticConfig(adv, value_coef=policy.value_coef, value_clip=policy.value_clip)
-
-    def _loss_config(self, policy, **overrides) -> LossConfig:
-        """The policy's loss settings, with an agent's overrides (``agents.<a>.clip_high``, ...) applied."""
-        algo = self.cfg.algorithm
-        values = dict(clip_low=policy.clip_low, clip_high=policy.clip_high, kl_coef=policy.kl_coef,
-                      entropy_coef=policy.entropy_coef)
-        values.update({k: v for k, v in overrides.items() if k in values})
-        return LossConfig(
-            **values, kl_type=algo.kl_type, agg_mode=algo.loss_agg,
-            tis_mode="token" if algo.tis_cap > 0 else "none", tis_cap=algo.tis_cap or 2.0,
-        )
 
     # ---- the loop -------------------------------------------------------------------------------
     def fit(self) -> None:
@@ -202,8 +153,6 @@ class Trainer:
     def _register_adapters(self) -> None:
         """L2: write each adapter's initial PEFT directory (collective over its WG) and register it with
         the policy's engines, which then receive adapter-only updates."""
-        from megamarl.models.lora import save_peft_adapter
-
         for name, policy in self.cfg.policies.items():
             if policy.lora is None:
                 continue
@@ -226,23 +175,16 @@ class Trainer:
             self.driver.log(self.step, metrics)
 
     # ---- checkpoint / resume --------------------------------------------------------------------
-    def _ckpt_dir(self, step: int) -> Path:
-        from megamarl.policy_io import checkpoint_path
-
-        return checkpoint_path(self.run_dir, step)
-
     def save(self) -> None:
         """Collective: every policy's shards (layout-free), every rank's RNG, then the driver commits
-        the run state and the COMPLETE marker atomically (megamarl.policy_io, docs/checkpointing.md)."""
-        from megamarl import policy_io
-
-        final = self._ckpt_dir(self.step)
-        staging = policy_io.staging_path(final)
+        the run state and the COMPLETE marker atomically (megamarl.runtime.checkpoint, docs/checkpointing.md)."""
+        final = checkpoint.checkpoint_path(self.run_dir, self.step)
+        staging = checkpoint.staging_path(final)
         if self.is_driver:
-            policy_io.clear(staging)  # left by a run killed while saving this step
+            checkpoint.clear(staging)  # left by a run killed while saving this step
         dist.barrier(group=control_group())
-        policy_io.save_policies(staging, self.cfg.policies, self.workers, self.wgs)
-        policy_io.save_rng(staging, self.rank)
+        checkpoint.save_policies(staging, self.cfg.policies, self.workers, self.wgs)
+        checkpoint.save_rng(staging, self.rank)
         num_updates = [None] * self.world_size
         dist.all_gather_object(
             num_updates, {name: w.num_updates for name, w in self.workers.items()}, group=control_group()
@@ -253,241 +195,32 @@ class Trainer:
                 "num_updates": {k: v for counts in num_updates for k, v in counts.items()},
                 "driver": self.driver.state_dict(),
             }
-            policy_io.commit(staging, final, state)
-            policy_io.prune(self.run_dir, keep_last=self.cfg.trainer.keep_last)
+            checkpoint.commit(staging, final, state)
+            checkpoint.prune(self.run_dir, keep_last=self.cfg.trainer.keep_last)
         dist.barrier(group=control_group())
 
     def _maybe_resume(self) -> None:
-        from megamarl import policy_io
-
-        path = policy_io.find_checkpoint(self.cfg.trainer.resume, self.run_dir)
+        path = checkpoint.find_checkpoint(self.cfg.trainer.resume, self.run_dir)
         if path is None:
             if self.is_driver and self.cfg.trainer.resume == "auto":
                 self.driver.console_print(f"trainer.resume=auto: no checkpoint in {self.run_dir}; from step 0")
             return
-        state = policy_io.load_trainer_state(path)
-        policy_io.load_policies(path, self.cfg.policies, self.workers, self.wgs)  # at this run's layout
+        state = checkpoint.load_trainer_state(path)
+        checkpoint.load_policies(path, self.cfg.policies, self.workers, self.wgs)  # at this run's layout
         for name, worker in self.workers.items():
             worker.num_updates = state["num_updates"][name]
         self.step = state["step"]
         # sync_all_weights stamps version + 1: start one below so engines carry the saved versions
         self.versions = {name: state["versions"].get(name, 1) - 1 for name in self.cfg.policies}
         self.sync_all_weights()
-        if not policy_io.load_rng(path, self.rank):  # saved with fewer ranks
+        if not checkpoint.load_rng(path, self.rank):  # saved with fewer ranks
             seed_everything(self.cfg.trainer.seed + 1_000_003 * self.step + self.rank)
         if self.is_driver:
             self.driver.load_state_dict(state["driver"])
-            policy_io.rewind_run_dir(self.run_dir, self.step)  # later metrics lines are logged again
+            checkpoint.rewind_run_dir(self.run_dir, self.step)  # later metrics lines are logged again
             self.driver.console_print(f"resumed from {path} at step {self.step}")
 
     def close(self) -> None:
         if self.is_driver:
             self.driver.close()
         dist.barrier(group=control_group())
-
-
-class RolloutDriver:
-    """Rank 0's half: engines, agents, env, orchestra, advantages, logging and evaluation."""
-
-    def __init__(self, cfg: RunConfig, run_dir: Path):
-        from transformers import AutoTokenizer
-
-        from megamarl.metrics import MetricsLogger
-        from megamarl.models.packaged import resolve_model_path
-        import megamarl.orchestration  # noqa: F401 - registers the built-in agents, envs, orchestras
-        from megamarl.orchestration.agents import build_agents
-        from megamarl.orchestration.env import EnvMaker
-        from megamarl.orchestration.orchestras import build_orchestra
-        from megamarl.registry import import_plugins
-        from megamarl.rollout.factory import build_engine
-
-        self.cfg = cfg
-        self.run_dir = run_dir
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(to_yaml(cfg))
-        import_plugins(cfg.plugins)
-        paths = {name: resolve_model_path(p.model, key=f"policies.{name}.model") for name, p in cfg.policies.items()}
-        self.tokenizers = {name: AutoTokenizer.from_pretrained(path) for name, path in paths.items()}
-        self.pad_ids = {name: (t.pad_token_id if t.pad_token_id is not None else t.eos_token_id) for name, t in self.tokenizers.items()}
-        self.engines = {  # one Engine per policy (several replicas: an EnginePool)
-            name: build_engine(p.engine, paths[name], seed=cfg.trainer.seed, lora=_lora_serving(cfg, name))
-            for name, p in cfg.policies.items()
-        }
-        self.env = EnvMaker(cfg.env.name, **cfg.env.kwargs)
-        self.orchestra = build_orchestra(cfg.orchestra.name, **cfg.orchestra.kwargs)
-        self.agents = build_agents(
-            {role: a.to_orchestration(self.tokenizers[a.policy]) for role, a in cfg.agents.items()}, self.tokenizers,
-            default_kinds=self.env.default_agents,
-        )
-        self.logger = MetricsLogger(run_dir, cfg.logger, cfg.name, json.loads(json.dumps(asdict(cfg), default=str)), rank=0)
-        self.rollout_seconds = 0.0
-        self.totals = {"dropped_episodes": 0, "failed_episodes": 0, "dropped_groups": 0}
-        self.loop = RolloutLoop()  # every engine call of the driver runs on this one event loop
-        self.schedule = build_schedule(cfg, self, self.loop)  # trainer.mode
-        self.console_print(self.schedule.describe())
-
-    def engines_for(self, policy: str) -> list:
-        return [self.engines[policy]]
-
-    def task_chunk(self, index: int):
-        """The ``index``-th chunk of training tasks and its sampling seed (sync: chunk = step)."""
-        seed = self.cfg.trainer.seed * 1_000_003 + index
-        return self.env.tasks(self.cfg.rollout.num_tasks, seed=seed), seed
-
-    async def episodes(self, tasks, *, group_size: int, agents=None, seed: int | None = None):
-        from megamarl.orchestration.driver import run_episodes
-
-        return await run_episodes(
-            self.orchestra, self.env, tasks, agents=agents or self.agents, engines=self.engines,
-            group_size=group_size, max_concurrency=self.cfg.rollout.max_concurrency,
-            step_timeout_s=self.cfg.rollout.env_timeout_s, seed=seed,
-        )
-
-    def _run(self, tasks, *, group_size: int, agents=None, seed: int | None = None):
-        return self.loop.run(self.episodes(tasks, group_size=group_size, agents=agents, seed=seed))
-
-    def weight_update(self):
-        """Context for a weight push: the schedule drains or pauses the rollout around it."""
-        return self.schedule.weight_update()
-
-    def collect(self, step: int, versions: dict[str, int]) -> tuple[SampleBatch, dict[str, float]]:
-        """The next batch from the schedule, with advantages; ``versions`` are the trainer's weight
-        versions, against which samples beyond ``trainer.max_staleness`` are dropped."""
-        start = time.perf_counter()
-        trainable = {name: v for name, v in versions.items() if not self.cfg.policies[name].frozen}
-        result, metrics = self.schedule.next_rollout(step, trainable)
-        metrics.update({"timing/rollout_s": time.perf_counter() - start, **result.summary()})
-        self.totals["dropped_episodes"] += result.num_dropped
-        self.totals["failed_episodes"] += result.num_failed
-        for key in ("dropped_stale_groups", "dropped_stale_samples"):
-            self.totals[key] = self.totals.get(key, 0) + int(metrics[f"async/{key}"])  # absent in old checkpoints
-        if not result.samples:
-            raise RuntimeError(f"step {step}: no samples (all {len(result.episodes)} episodes failed: {dict(result.reasons())})")
-        pad_id = next(iter(self.pad_ids.values()))
-        batch = collate(result.samples, pad_id=pad_id)
-        batch, adv_metrics = self.advantages(batch)
-        metrics.update(adv_metrics)
-        metrics.update(per_agent_metrics(batch, result))
-        return batch, metrics
-
-    def advantages(self, batch: SampleBatch) -> tuple[SampleBatch, dict[str, float]]:
-        a = self.cfg.algorithm
-        index = batch.group_index()
-        rewards = shape_rewards(
-            batch.team_rewards, batch.local_rewards, valid=batch.valid,
-            seq_ids=group_ids(index, ("task", "episode", "agent")), turns=batch.turn,
-            cfg=RewardConfig(alpha=a.team_alpha, turn_gamma=a.turn_gamma, invalid_penalty=a.invalid_penalty),
-        )
-        batch = batch.replace(rewards=rewards)
-        metrics = {}
-        if a.dynamic_sampling:
-            keep, num_dropped = dynamic_sampling_mask(batch.rewards, group_ids(index, tuple(a.group_by)))
-            metrics["rollout/dropped_groups"] = float(num_dropped)
-            self.totals["dropped_groups"] += num_dropped
-            if keep.any():
-                batch = batch.select(keep)
-        if ADVANTAGE_ESTIMATORS.traits(a.estimator).needs_critic:
-            return batch, metrics  # each policy's workers compute GAE from their critic's values
-        adv_cfg = AdvantageConfig(estimator=a.estimator, group_by=list(a.group_by), norm_std=a.normalize_std, **a.estimator_kwargs)
-        advantages = compute_advantages(batch.rewards, batch.group_index(), adv_cfg)
-        return batch.replace(advantages=advantages), metrics
-
-    def evaluate(self, step: int) -> dict:
-        from megamarl.orchestration.agents import build_agents
-        from megamarl.orchestration.driver import RolloutResult  # noqa: F401 - result type
-
-        e = self.cfg.eval
-        greedy = {}
-        for role, a in self.cfg.agents.items():
-            oc = a.to_orchestration(self.tokenizers[a.policy])
-            oc.sampling = replace(oc.sampling, temperature=e.temperature, top_p=1.0, top_k=-1)
-            oc.tree_k = 1  # evaluation is one pass: no best-of-K with the env's check fn
-            greedy[role] = oc
-        agents = build_agents(greedy, self.tokenizers, default_kinds=self.env.default_agents)
-        tasks = self.env.tasks(e.num_tasks, seed=10**9 + 7)  # held out: a seed the training stream never uses
-        result = self._run(tasks, group_size=e.k, agents=agents, seed=10**9 + 7)
-        results = eval_summary(result, k=e.k)
-        results["step"] = step
-        self.logger.log_eval(step, results)
-        self.console_print(f"eval step {step}: " + ", ".join(f"{k}={v:.3f}" for k, v in results.items() if k != "step"))
-        return results
-
-    def log(self, step: int, metrics: dict[str, float]) -> None:
-        metrics.update(self.schedule.interval_metrics())
-        for key, value in self.totals.items():
-            metrics[f"rollout/total_{key}"] = float(value)
-        self.logger.log(step, metrics)
-        shown = {k: metrics[k] for k in ("rollout/team_reward_mean", "rollout/success_rate", "timing/step_s") if k in metrics}
-        self.console_print(f"step {step}: " + ", ".join(f"{k}={v:.3f}" for k, v in shown.items()))
-
-    def console_print(self, text: str) -> None:
-        print(f"[megamarl] {text}", flush=True)
-
-    def state_dict(self) -> dict:
-        """Running totals. Nothing else is stateful: tasks and sampling seeds are functions of
-        (trainer.seed, step), and RNGs are saved per rank by Trainer.save."""
-        return {"totals": dict(self.totals)}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.totals = dict(state["totals"])
-
-    def close(self) -> None:
-        from megamarl.plot import plot_run
-
-        self.schedule.close()
-        self.loop.close()
-        self.logger.close()
-        for engine in self.engines.values():
-            engine.shutdown()
-        plot_run(self.run_dir)
-
-
-def _lora_serving(cfg: RunConfig, policy: str):
-    from megamarl.rollout.factory import LoraServing
-
-    lora = cfg.policies[policy].lora
-    adapters = policy_adapters(cfg, policy)
-    return LoraServing(num_adapters=len(adapters), rank=lora.rank) if lora is not None and adapters else None
-
-
-def policy_adapters(cfg: RunConfig, policy: str) -> list[str]:
-    """L2: the LoRA adapter names the agents of ``policy`` sample from (sorted, unique)."""
-    return sorted({a.lora for a in cfg.agents.values() if a.policy == policy and a.lora})
-
-
-def _lora_config(policy):
-    """``policies.<p>.lora`` as the model layer's LoRA settings (None: no adapters)."""
-    if policy.lora is None:
-        return None
-    from megamarl.models.lora import LoraConfig as ModelLoraConfig
-
-    targets = {"qkv": "linear_qkv", "proj": "linear_proj", "fc1": "linear_fc1", "fc2": "linear_fc2"}
-    return ModelLoraConfig(rank=policy.lora.rank, alpha=policy.lora.alpha, targets=tuple(targets[t] for t in policy.lora.targets))
-
-
-def per_agent_metrics(batch: SampleBatch, result) -> dict[str, float]:
-    out = {}
-    names = batch.names("agent")
-    lengths = batch.response_mask.sum(1).float()
-    for agent in sorted(set(names)):
-        rows = torch.tensor([n == agent for n in names])
-        out[f"agent/{agent}/reward_mean"] = float(batch.rewards[rows].mean())
-        out[f"agent/{agent}/response_len"] = float(lengths[rows].mean())
-        out[f"agent/{agent}/invalid_rate"] = float((~batch.valid[rows]).float().mean())
-        out[f"agent/{agent}/num_samples"] = float(rows.sum())
-        out[f"agent/{agent}/success"] = float((batch.team_rewards[rows] > 0).float().mean())
-    return out
-
-
-def eval_summary(result, *, k: int) -> dict[str, float]:
-    """Team accuracy (mean success over all episodes), avg@k and pass@k over each task's k episodes."""
-    by_task: dict[str, list[bool]] = {}
-    for episode in result.episodes:
-        by_task.setdefault(episode.task_id, []).append(episode.status == "ok" and episode.success)
-    num = max(len(by_task), 1)
-    return {
-        "team_accuracy": sum(sum(v) for v in by_task.values()) / max(sum(len(v) for v in by_task.values()), 1),
-        f"avg@{k}": sum(sum(v) / len(v) for v in by_task.values()) / num,
-        f"pass@{k}": sum(any(v) for v in by_task.values()) / num,
-        "num_tasks": float(len(by_task)),
-    }

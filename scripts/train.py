@@ -28,7 +28,7 @@ def main(argv=None) -> int:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
     if args.dry_run:
-        from megamarl.dryrun import main_dry_run
+        from megamarl.planning.dryrun import main_dry_run
 
         return main_dry_run(cfg)
     from megamarl.trainer import Trainer

@@ -189,7 +189,7 @@ class PolicyWorker:
         self.value_optimizer = None
         if critic is not None and wg.is_last_stage:
             # Outside DDP and the model's checkpoint: gradients are averaged over DP in
-            # _reduce_value_head; it is saved by megamarl.policy_io (replicated, layout-free).
+            # _reduce_value_head; it is saved by megamarl.runtime.checkpoint (replicated, layout-free).
             self.value_head = ValueHead(config.hidden_size)
             self.params += list(self.value_head.parameters())  # clipped with the model's
             self.value_optimizer = torch.optim.AdamW(self.value_head.parameters(), lr=cfg.lr, betas=(0.9, 0.999), eps=1e-8)

@@ -4,7 +4,7 @@
 #   scripts/slurm/submit.sh configs/70b_hetero.yaml [key=value ...] [-- extra sbatch args]
 #
 # The dry-run builds every worker group's process groups for the whole cluster in one CPU process
-# and checks per-GPU memory (megamarl.dryrun); a config that fails it is not submitted.
+# and checks per-GPU memory (megamarl.planning.dryrun); a config that fails it is not submitted.
 set -euo pipefail
 
 CONFIG=${1:?usage: scripts/slurm/submit.sh CONFIG [key=value ...] [-- sbatch args]}
@@ -15,7 +15,7 @@ while (($#)) && [[ $1 != "--" ]]; do OVERRIDES+=("$1"); shift; done
 SBATCH_ARGS=("$@")
 
 cd "$(dirname "$0")/../.."
-python -m megamarl.dryrun "$CONFIG" "${OVERRIDES[@]}"
+python -m megamarl.planning.dryrun "$CONFIG" "${OVERRIDES[@]}"
 
 read -r NODES GPUS NAME < <(python - "$CONFIG" "${OVERRIDES[@]}" <<'PY'
 import sys

@@ -55,7 +55,7 @@ def _reference_grads(model_dir):
 def _ranks_body(rank, model_dir):
     from megamarl.config import PolicyConfig
     from megamarl.parallel.placement import PlacementConfig, WorkerGroupLayout, build_worker_groups
-    from megamarl.policy_io import load_policy_model
+    from megamarl.rl.policy_setup import load_policy_model
     from megamarl.rl.worker import PolicyWorker
 
     placement = PlacementConfig({
@@ -155,7 +155,7 @@ def _reference_grads_per_agent(model_dir, ref_dir):
 def _per_agent_body(rank, model_dir, ref_dir):
     from megamarl.config import PolicyConfig
     from megamarl.parallel.placement import PlacementConfig, WorkerGroupLayout, build_worker_groups
-    from megamarl.policy_io import load_policy_model
+    from megamarl.rl.policy_setup import load_policy_model
     from megamarl.rl.worker import PolicyWorker
 
     placement = PlacementConfig({
@@ -244,7 +244,7 @@ def _critic_reference(model_dir):
 def _critic_body(rank, model_dir):
     from megamarl.config import PolicyConfig
     from megamarl.parallel.placement import PlacementConfig, WorkerGroupLayout, build_worker_groups
-    from megamarl.policy_io import load_policy_model
+    from megamarl.rl.policy_setup import load_policy_model
     from megamarl.rl.worker import PolicyWorker
 
     placement = PlacementConfig({

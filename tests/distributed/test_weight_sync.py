@@ -86,7 +86,7 @@ def _disaggregated(rank, model_dir):
 
     from megamarl.config import PolicyConfig
     from megamarl.parallel.placement import PlacementConfig, WorkerGroupLayout, build_worker_groups
-    from megamarl.policy_io import load_policy_model
+    from megamarl.rl.policy_setup import load_policy_model
     from megamarl.rl.losses import LossConfig
     from megamarl.rl.worker import PolicyWorker
     from megamarl.rollout.hf import HFEngine

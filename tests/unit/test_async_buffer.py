@@ -1,4 +1,4 @@
-"""The staleness machinery of megamarl.async_rollout: group staleness, the bounded group buffer
+"""The staleness machinery of megamarl.driver.streaming: group staleness, the bounded group buffer
 (bound never exceeded, drops counted, per-policy readiness), the histogram and the busy clock."""
 
 import random
@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from megamarl.async_rollout import BusyClock, EpisodeGroup, GroupBuffer, StalenessStats, group_samples, split_fresh
+from megamarl.driver.streaming import BusyClock, EpisodeGroup, GroupBuffer, StalenessStats, group_samples, split_fresh
 from megamarl.orchestration.driver import EpisodeStats
 from megamarl.rl.sample import Sample
 
@@ -132,7 +132,7 @@ def test_buffer_rejects_a_capacity_below_one_batch():
 
 def test_busy_clock_counts_only_in_flight_unsuspended_time(monkeypatch):
     now = [0.0]
-    monkeypatch.setattr("megamarl.async_rollout.time.perf_counter", lambda: now[0])
+    monkeypatch.setattr("megamarl.driver.streaming.time.perf_counter", lambda: now[0])
     clock = BusyClock()
     now[0] = 1.0
     clock.enter(2)  # busy from 1

@@ -1,4 +1,4 @@
-"""The three trainer modes (megamarl.schedules) driven by a fake trainer loop over a fake episode
+"""The three trainer modes (megamarl.driver.schedules) driven by a fake trainer loop over a fake episode
 source with real asyncio latency: staleness never exceeds trainer.max_staleness, drops are counted,
 one_step_off is exactly one version off, draining keeps every sample of an episode on one version."""
 
@@ -9,13 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from megamarl.async_rollout import RolloutLoop
+from megamarl.driver.streaming import RolloutLoop
 from megamarl.config import load_config
 from megamarl.orchestration.driver import EpisodeStats, RolloutResult
 from megamarl.orchestration.env import Task
 from megamarl.rl.sample import Sample
 from megamarl.rollout.batching import AdmissionGate
-from megamarl.schedules import build_schedule, policy_separable, sync_interval
+from megamarl.driver.schedules import build_schedule, policy_separable, sync_interval
 
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "signalling_tiny.yaml"
 POLICIES = ("a", "b")

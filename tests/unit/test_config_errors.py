@@ -80,7 +80,7 @@ def test_layout_that_does_not_fit_the_model_names_the_key(override):
     the dry run and again when the trainer builds the model)."""
     from rich.console import Console
 
-    from megamarl.dryrun import dry_run
+    from megamarl.planning.dryrun import dry_run
 
     cfg = load_config(CONFIG, [override])
     with pytest.raises(ValueError, match=override.replace(".", r"\.")):

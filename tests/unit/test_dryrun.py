@@ -10,8 +10,8 @@ import torch.distributed as dist
 from rich.console import Console
 
 from megamarl.config import load_config
-from megamarl.dryrun import GIB, dry_run, engine_memory, rank_ranges, train_memory
-from megamarl.model_presets import PRESETS, resolve_model_shape
+from megamarl.planning.dryrun import GIB, dry_run, engine_memory, rank_ranges, train_memory
+from megamarl.planning.model_presets import PRESETS, resolve_model_shape
 from megamarl.parallel.placement import WorkerGroupLayout
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -133,7 +133,7 @@ def test_rank_ranges():
 
 
 def test_main_dry_run_returns_status_and_cpu_clusters_are_not_checked(capsys):
-    from megamarl.dryrun import main_dry_run
+    from megamarl.planning.dryrun import main_dry_run
 
     oversized = load_config(CONFIGS / "70b_hetero_oversized.yaml")
     assert main_dry_run(oversized, console=_console()) == 1

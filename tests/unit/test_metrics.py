@@ -8,7 +8,7 @@ import math
 import pytest
 
 from megamarl.config import LoggerConfig, WandbConfig
-from megamarl.metrics import (
+from megamarl.runtime.metrics import (
     MetricsLogger,
     Timer,
     agent_metrics,

@@ -7,8 +7,8 @@ import math
 import pytest
 
 from megamarl.config import LoggerConfig, WandbConfig
-from megamarl.metrics import MetricsLogger
-from megamarl.plot import main, plot_run
+from megamarl.runtime.metrics import MetricsLogger
+from megamarl.runtime.plot import main, plot_run
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -1,6 +1,6 @@
 """PNG plots of a run from its local logs (``metrics.jsonl``, ``eval.json``): no wandb account needed.
 
-``python -m megamarl.plot RUN_DIR`` (or ``megamarl-plot RUN_DIR``) writes into ``RUN_DIR/plots``:
+``python -m megamarl.runtime.plot RUN_DIR`` (or ``megamarl-plot RUN_DIR``) writes into ``RUN_DIR/plots``:
 
 - ``rewards.png``: one curve per agent of ``agent/<name>/reward_mean`` (and ``agent/<name>/success``
   in a second panel when logged); noisy curves get a moving average over the raw points;
@@ -25,7 +25,7 @@ import matplotlib
 matplotlib.use("Agg")  # files only, no display (clusters, CI)
 import matplotlib.pyplot as plt  # noqa: E402
 
-from megamarl.metrics import read_eval, read_metrics  # noqa: E402
+from megamarl.runtime.metrics import read_eval, read_metrics  # noqa: E402
 
 TIMING_ORDER = ("rollout", "logprob", "update", "weight_sync", "idle")
 TRAINING_KEYS = ("kl", "entropy", "clip_frac", "invalid_rate")

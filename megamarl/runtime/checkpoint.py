@@ -1,5 +1,5 @@
-"""Glue between a policy's config and its Megatron shard (build + load HF weights), and the run
-checkpoint around the shards (``Trainer.save`` / ``Trainer._maybe_resume``; see docs/checkpointing.md).
+"""The run checkpoint around the policies' shards (``Trainer.save`` / ``Trainer._maybe_resume``; see
+docs/checkpointing.md).
 
 One directory per saved step::
 
@@ -33,25 +33,15 @@ import numpy as np
 import torch
 
 from megamarl.config import PolicyConfig
+from megamarl.models.checkpoint import load_checkpoint, save_checkpoint
 from megamarl.parallel.placement import WorkerGroup
-from megamarl.rl.worker import ModelHandle
+from megamarl.runtime.metrics import EVAL_FILE, METRICS_FILE
 
 CHECKPOINTS = "checkpoints"
 COMPLETE = "COMPLETE"
 TRAINER_STATE = "trainer.pt"
 POLICIES = "policies"
 _STEP_DIR = re.compile(r"step_(\d+)")
-
-
-def load_policy_model(policy: PolicyConfig, wg: WorkerGroup, *, seed: int) -> ModelHandle:
-    from megamarl.models.bridge import build_model, load_hf_config, load_hf_weights
-    from megamarl.models.packaged import resolve_model_path
-
-    path = resolve_model_path(policy.model, key="policies.<p>.model")
-    hf_config = load_hf_config(path)
-    model = build_model(hf_config, wg, seed=seed, init_weights=False)
-    load_hf_weights(model, path, wg)
-    return ModelHandle(model=model, vocab_size=hf_config.vocab_size)
 
 
 # ---- where checkpoints are -----------------------------------------------------------------------
@@ -114,8 +104,6 @@ CRITIC_FILE = "value_head.pt"  # GAE critic: value head + its optimizer (TP/DP-r
 def save_policies(path: Path, policies: dict[str, PolicyConfig], workers: dict, wgs: dict) -> None:
     """Every trained policy's model + optimizer under ``path/policies/<name>``. Collective: every
     rank calls it; ranks outside a policy's WG contribute nothing to that policy."""
-    from megamarl.models.checkpoint import save_checkpoint
-
     for name, policy in policies.items():
         if policy.frozen:
             continue
@@ -131,8 +119,6 @@ def save_policies(path: Path, policies: dict[str, PolicyConfig], workers: dict, 
 
 def load_policies(path: Path, policies: dict[str, PolicyConfig], workers: dict, wgs: dict) -> None:
     """Load every trained policy from ``path`` at this run's layout (any TP/PP/DP). Collective."""
-    from megamarl.models.checkpoint import load_checkpoint
-
     trained = [name for name, policy in policies.items() if not policy.frozen]
     missing = [name for name in trained if not (path / POLICIES / name).is_dir()]
     if missing:  # every rank sees the same directory, so every rank raises (no hang)
@@ -222,8 +208,6 @@ def prune(run_dir: str | Path, *, keep_last: int) -> None:
 
 def rewind_run_dir(run_dir: str | Path, step: int) -> None:
     """Make ``run_dir`` look as it did right after ``step`` was saved (see the module doc)."""
-    from megamarl.metrics import EVAL_FILE, METRICS_FILE
-
     run_dir = Path(run_dir)
     truncate_jsonl_after(run_dir / METRICS_FILE, step)
     eval_path = run_dir / EVAL_FILE

@@ -45,7 +45,7 @@ import time
 from contextlib import contextmanager
 from typing import Iterator, Mapping
 
-from megamarl.async_rollout import (
+from megamarl.driver.streaming import (
     BusyClock, EpisodeGroup, EpisodeSource, GroupBuffer, GroupProducer, RolloutLoop, StalenessStats, group_samples,
     split_fresh,
 )

@@ -8,7 +8,7 @@ node-major like torchrun), then
    (``torch.testing._internal.distributed.fake_pg``: no GPUs, no network, milliseconds),
 3. checks each policy's model shape against its layout (``check_model``) and its engine TP,
    where the shape comes from an architecture preset or a local HF ``config.json``
-   (``megamarl.model_presets``), so 70B-class runs are planned without downloading weights,
+   (``megamarl.planning.model_presets``), so 70B-class runs are planned without downloading weights,
 4. prints which GPU holds which WG shard (tp/pp/dp coordinates) and which engine replica, with a
    per-GPU memory estimate, and raises ``ValueError`` naming the policy, the GPU (node/local index)
    and the numbers when a GPU does not fit ``cluster.gpu_memory_gib``.
@@ -56,7 +56,7 @@ from dataclasses import dataclass, field
 import torch.distributed as dist
 
 from megamarl.config import PolicyConfig, RunConfig
-from megamarl.model_presets import ModelShape, resolve_model_shape
+from megamarl.planning.model_presets import ModelShape, resolve_model_shape
 from megamarl.parallel.placement import (
     PlacementConfig,
     WorkerGroupLayout,
@@ -520,7 +520,7 @@ def main_dry_run(cfg: RunConfig, *, console=None) -> int:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m megamarl.dryrun CONFIG [key=value ...]``: the same check as ``train.py --dry-run``."""
+    """``python -m megamarl.planning.dryrun CONFIG [key=value ...]``: the same check as ``train.py --dry-run``."""
     import argparse
 
     from megamarl.config import load_config

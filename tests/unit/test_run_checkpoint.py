@@ -1,4 +1,4 @@
-"""Run-checkpoint bookkeeping in megamarl.policy_io: which checkpoint ``trainer.resume`` picks
+"""Run-checkpoint bookkeeping in megamarl.runtime.checkpoint: which checkpoint ``trainer.resume`` picks
 (incomplete ones never), the atomic commit, keep_last, and rewinding the run directory's logs."""
 
 from __future__ import annotations
@@ -7,31 +7,31 @@ import json
 
 import pytest
 
-from megamarl import policy_io
+from megamarl.runtime import checkpoint as run_ckpt
 from megamarl.config import LoggerConfig, WandbConfig
-from megamarl.metrics import MetricsLogger, read_eval, read_metrics
+from megamarl.runtime.metrics import MetricsLogger, read_eval, read_metrics
 from megamarl.orchestration.context import derive_seed
 
 
 def _checkpoint(run_dir, step, *, complete=True):
-    path = policy_io.checkpoint_path(run_dir, step)
+    path = run_ckpt.checkpoint_path(run_dir, step)
     path.mkdir(parents=True)
     if complete:
-        (path / policy_io.COMPLETE).write_text("{}")
+        (path / run_ckpt.COMPLETE).write_text("{}")
     return path
 
 
 def test_resume_picks_the_latest_complete_checkpoint(tmp_path):
-    assert policy_io.find_checkpoint("none", tmp_path) is None
-    assert policy_io.find_checkpoint("auto", tmp_path) is None  # nothing yet: a fresh start
+    assert run_ckpt.find_checkpoint("none", tmp_path) is None
+    assert run_ckpt.find_checkpoint("auto", tmp_path) is None  # nothing yet: a fresh start
     _checkpoint(tmp_path, 2)
     latest = _checkpoint(tmp_path, 10)  # 10 > 2 numerically
     _checkpoint(tmp_path, 11, complete=False)  # killed before its marker
-    policy_io.staging_path(policy_io.checkpoint_path(tmp_path, 12)).mkdir()  # killed while writing
-    assert policy_io.find_checkpoint("auto", tmp_path) == latest
-    assert policy_io.find_checkpoint(str(tmp_path), "elsewhere") == latest  # a run directory
-    two = policy_io.checkpoint_path(tmp_path, 2)
-    assert policy_io.find_checkpoint(str(two), "elsewhere") == two  # a checkpoint directory
+    run_ckpt.staging_path(run_ckpt.checkpoint_path(tmp_path, 12)).mkdir()  # killed while writing
+    assert run_ckpt.find_checkpoint("auto", tmp_path) == latest
+    assert run_ckpt.find_checkpoint(str(tmp_path), "elsewhere") == latest  # a run directory
+    two = run_ckpt.checkpoint_path(tmp_path, 2)
+    assert run_ckpt.find_checkpoint(str(two), "elsewhere") == two  # a checkpoint directory
 
 
 @pytest.mark.parametrize(
@@ -41,19 +41,19 @@ def test_resume_picks_the_latest_complete_checkpoint(tmp_path):
 def test_resume_from_a_bad_path_names_the_key(tmp_path, bad, why):
     _checkpoint(tmp_path, 11, complete=False)
     with pytest.raises(ValueError, match=f"trainer.resume=.*{why}"):
-        policy_io.find_checkpoint(str(tmp_path / bad), tmp_path)
+        run_ckpt.find_checkpoint(str(tmp_path / bad), tmp_path)
 
 
 def test_commit_is_a_rename_and_replaces_the_same_step(tmp_path):
-    final = policy_io.checkpoint_path(tmp_path, 3)
+    final = run_ckpt.checkpoint_path(tmp_path, 3)
     for version in (1, 2):
-        staging = policy_io.staging_path(final)
+        staging = run_ckpt.staging_path(final)
         (staging / "policies").mkdir(parents=True)
         (staging / "policies" / "v").write_text(str(version))
-        policy_io.commit(staging, final, {"step": 3, "version": version})
-        assert not staging.exists() and (final / policy_io.COMPLETE).is_file()
+        run_ckpt.commit(staging, final, {"step": 3, "version": version})
+        assert not staging.exists() and (final / run_ckpt.COMPLETE).is_file()
         assert (final / "policies" / "v").read_text() == str(version)
-        assert policy_io.load_trainer_state(final)["version"] == version
+        assert run_ckpt.load_trainer_state(final)["version"] == version
     assert sorted(p.name for p in final.parent.iterdir()) == ["step_000003"]
 
 
@@ -61,11 +61,11 @@ def test_keep_last(tmp_path):
     for step in (1, 2, 3, 4):
         _checkpoint(tmp_path, step)
     _checkpoint(tmp_path, 5, complete=False)
-    policy_io.prune(tmp_path, keep_last=0)
-    assert len(policy_io.list_checkpoints(tmp_path)) == 4
-    policy_io.prune(tmp_path, keep_last=2)
-    assert [policy_io.checkpoint_step(p) for p in policy_io.list_checkpoints(tmp_path)] == [3, 4]
-    assert policy_io.checkpoint_path(tmp_path, 5).is_dir()  # incomplete: not counted, not deleted
+    run_ckpt.prune(tmp_path, keep_last=0)
+    assert len(run_ckpt.list_checkpoints(tmp_path)) == 4
+    run_ckpt.prune(tmp_path, keep_last=2)
+    assert [run_ckpt.checkpoint_step(p) for p in run_ckpt.list_checkpoints(tmp_path)] == [3, 4]
+    assert run_ckpt.checkpoint_path(tmp_path, 5).is_dir()  # incomplete: not counted, not deleted
 
 
 def test_rewind_cuts_logs_after_the_step_while_the_logger_appends(tmp_path):
@@ -78,14 +78,14 @@ def test_rewind_cuts_logs_after_the_step_while_the_logger_appends(tmp_path):
     _checkpoint(tmp_path, 2)
     later = _checkpoint(tmp_path, 3)
 
-    policy_io.rewind_run_dir(tmp_path, 2)  # resume from step 2 with the logger already open
+    run_ckpt.rewind_run_dir(tmp_path, 2)  # resume from step 2 with the logger already open
     logger.log(3, {"loss": 30.0})
     logger.close()
 
     assert [(r["step"], r["loss"]) for r in read_metrics(tmp_path)] == [(1, 1.0), (2, 2.0), (3, 30.0)]
     assert [e["step"] for e in read_eval(tmp_path)] == [1, 2]
     assert not later.exists() and later.with_name(later.name + ".discarded").is_dir()
-    assert [policy_io.checkpoint_step(p) for p in policy_io.list_checkpoints(tmp_path)] == [2]
+    assert [run_ckpt.checkpoint_step(p) for p in run_ckpt.list_checkpoints(tmp_path)] == [2]
     json.loads((tmp_path / "eval.json").read_text())  # still valid JSON
 
 
@@ -95,10 +95,10 @@ def test_rng_round_trip(tmp_path):
     import numpy as np
     import torch
 
-    policy_io.save_rng(tmp_path, 3)
+    run_ckpt.save_rng(tmp_path, 3)
     expected = (random.random(), float(np.random.rand()), float(torch.rand(())))
     random.random(), np.random.rand(), torch.rand(())
-    assert policy_io.load_rng(tmp_path, 3) and not policy_io.load_rng(tmp_path, 4)
+    assert run_ckpt.load_rng(tmp_path, 3) and not run_ckpt.load_rng(tmp_path, 4)
     assert (random.random(), float(np.random.rand()), float(torch.rand(()))) == expected
 
 

@@ -1,0 +1,176 @@
+"""Rank 0's half of a run: engines, agents, env, orchestra, the rollout schedule, batch preparation,
+logging and evaluation.
+
+The trainer (``megamarl.trainer.Trainer``) asks the driver for the next training batch
+(``collect``), brackets weight pushes with ``weight_update`` and hands it the step's metrics
+(``log``). Where the batch comes from is the schedule's business (``driver.schedules``, one class
+per ``trainer.mode``); what happens to collected samples is ``rl.prepare.prepare_batch``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+
+from transformers import AutoTokenizer
+
+import megamarl.orchestration  # noqa: F401 - registers the built-in agents, envs, orchestras
+from megamarl.config import RunConfig, to_yaml
+from megamarl.driver.schedules import build_schedule
+from megamarl.driver.streaming import RolloutLoop
+from megamarl.models.packaged import resolve_model_path
+from megamarl.orchestration.agents import build_agents
+from megamarl.orchestration.driver import RolloutResult, run_episodes
+from megamarl.orchestration.env import EnvMaker
+from megamarl.orchestration.orchestras import build_orchestra
+from megamarl.registry import import_plugins
+from megamarl.rl.batch import SampleBatch
+from megamarl.rl.prepare import prepare_batch
+from megamarl.rollout.base import Engine
+from megamarl.rollout.factory import LoraServing, build_engine
+from megamarl.runtime.metrics import MetricsLogger
+from megamarl.runtime.plot import plot_run
+
+EVAL_SEED = 10**9 + 7  # held-out tasks: a seed the training stream never uses
+
+
+class RolloutDriver:
+    """Rank 0's half: engines, agents, env, orchestra, batch preparation, logging and evaluation."""
+
+    def __init__(self, cfg: RunConfig, run_dir: Path):
+        self.cfg = cfg
+        self.run_dir = run_dir
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(to_yaml(cfg))
+        import_plugins(cfg.plugins)
+        paths = {name: resolve_model_path(p.model, key=f"policies.{name}.model") for name, p in cfg.policies.items()}
+        self.tokenizers = {name: AutoTokenizer.from_pretrained(path) for name, path in paths.items()}
+        self.pad_ids = {name: (t.pad_token_id if t.pad_token_id is not None else t.eos_token_id) for name, t in self.tokenizers.items()}
+        self.engines: dict[str, Engine] = {  # one per policy (several replicas: an EnginePool)
+            name: build_engine(p.engine, paths[name], seed=cfg.trainer.seed, lora=_lora_serving(cfg, name))
+            for name, p in cfg.policies.items()
+        }
+        self.env = EnvMaker(cfg.env.name, **cfg.env.kwargs)
+        self.orchestra = build_orchestra(cfg.orchestra.name, **cfg.orchestra.kwargs)
+        self.agents = build_agents(
+            {role: a.to_orchestration(self.tokenizers[a.policy]) for role, a in cfg.agents.items()}, self.tokenizers,
+            default_kinds=self.env.default_agents,
+        )
+        self.logger = MetricsLogger(run_dir, cfg.logger, cfg.name, json.loads(json.dumps(asdict(cfg), default=str)), rank=0)
+        self.rollout_seconds = 0.0
+        self.totals = {"dropped_episodes": 0, "failed_episodes": 0, "dropped_groups": 0}
+        self.loop = RolloutLoop()  # every engine call of the driver runs on this one event loop
+        self.schedule = build_schedule(cfg, self, self.loop)  # trainer.mode
+        self.console_print(self.schedule.describe())
+
+    def engines_for(self, policy: str) -> list[Engine]:
+        """The engines a weight push of ``policy`` goes to (one Engine or EnginePool per policy)."""
+        return [self.engines[policy]]
+
+    def task_chunk(self, index: int):
+        """The ``index``-th chunk of training tasks and its sampling seed (sync: chunk = step)."""
+        seed = self.cfg.trainer.seed * 1_000_003 + index
+        return self.env.tasks(self.cfg.rollout.num_tasks, seed=seed), seed
+
+    async def episodes(self, tasks, *, group_size: int, agents=None, seed: int | None = None) -> RolloutResult:
+        return await run_episodes(
+            self.orchestra, self.env, tasks, agents=agents or self.agents, engines=self.engines,
+            group_size=group_size, max_concurrency=self.cfg.rollout.max_concurrency,
+            step_timeout_s=self.cfg.rollout.env_timeout_s, seed=seed,
+        )
+
+    def _run(self, tasks, *, group_size: int, agents=None, seed: int | None = None) -> RolloutResult:
+        return self.loop.run(self.episodes(tasks, group_size=group_size, agents=agents, seed=seed))
+
+    def weight_update(self):
+        """Context for a weight push: the schedule drains or pauses the rollout around it."""
+        return self.schedule.weight_update()
+
+    def collect(self, step: int, versions: dict[str, int]) -> tuple[SampleBatch, dict[str, float]]:
+        """The next batch from the schedule, prepared for training; ``versions`` are the trainer's
+        weight versions, against which samples beyond ``trainer.max_staleness`` are dropped."""
+        start = time.perf_counter()
+        trainable = {name: v for name, v in versions.items() if not self.cfg.policies[name].frozen}
+        result, metrics = self.schedule.next_rollout(step, trainable)
+        metrics.update({"timing/rollout_s": time.perf_counter() - start, **result.summary()})
+        self.totals["dropped_episodes"] += result.num_dropped
+        self.totals["failed_episodes"] += result.num_failed
+        for key in ("dropped_stale_groups", "dropped_stale_samples"):
+            self.totals[key] = self.totals.get(key, 0) + int(metrics[f"async/{key}"])  # absent in old checkpoints
+        if not result.samples:
+            raise RuntimeError(f"step {step}: no samples (all {len(result.episodes)} episodes failed: {dict(result.reasons())})")
+        batch, prepare_metrics = prepare_batch(result.samples, self.cfg.algorithm, pad_id=next(iter(self.pad_ids.values())))
+        self.totals["dropped_groups"] += int(prepare_metrics.get("rollout/dropped_groups", 0))
+        metrics.update(prepare_metrics)
+        return batch, metrics
+
+    def evaluate(self, step: int) -> dict:
+        e = self.cfg.eval
+        greedy = {}
+        for role, a in self.cfg.agents.items():
+            oc = a.to_orchestration(self.tokenizers[a.policy])
+            oc.sampling = replace(oc.sampling, temperature=e.temperature, top_p=1.0, top_k=-1)
+            oc.tree_k = 1  # evaluation is one pass: no best-of-K with the env's check fn
+            greedy[role] = oc
+        agents = build_agents(greedy, self.tokenizers, default_kinds=self.env.default_agents)
+        tasks = self.env.tasks(e.num_tasks, seed=EVAL_SEED)
+        result = self._run(tasks, group_size=e.k, agents=agents, seed=EVAL_SEED)
+        results = eval_summary(result, k=e.k)
+        results["step"] = step
+        self.logger.log_eval(step, results)
+        self.console_print(f"eval step {step}: " + ", ".join(f"{k}={v:.3f}" for k, v in results.items() if k != "step"))
+        return results
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        metrics.update(self.schedule.interval_metrics())
+        for key, value in self.totals.items():
+            metrics[f"rollout/total_{key}"] = float(value)
+        self.logger.log(step, metrics)
+        shown = {k: metrics[k] for k in ("rollout/team_reward_mean", "rollout/success_rate", "timing/step_s") if k in metrics}
+        self.console_print(f"step {step}: " + ", ".join(f"{k}={v:.3f}" for k, v in shown.items()))
+
+    def console_print(self, text: str) -> None:
+        print(f"[megamarl] {text}", flush=True)
+
+    def state_dict(self) -> dict:
+        """Running totals. Nothing else is stateful: tasks and sampling seeds are functions of
+        (trainer.seed, step), and RNGs are saved per rank by Trainer.save."""
+        return {"totals": dict(self.totals)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.totals = dict(state["totals"])
+
+    def close(self) -> None:
+        self.schedule.close()
+        self.loop.close()
+        self.logger.close()
+        for engine in self.engines.values():
+            engine.shutdown()
+        plot_run(self.run_dir)
+
+
+def policy_adapters(cfg: RunConfig, policy: str) -> list[str]:
+    """L2: the LoRA adapter names the agents of ``policy`` sample from (sorted, unique)."""
+    return sorted({a.lora for a in cfg.agents.values() if a.policy == policy and a.lora})
+
+
+def _lora_serving(cfg: RunConfig, policy: str) -> LoraServing | None:
+    lora = cfg.policies[policy].lora
+    adapters = policy_adapters(cfg, policy)
+    return LoraServing(num_adapters=len(adapters), rank=lora.rank) if lora is not None and adapters else None
+
+
+def eval_summary(result: RolloutResult, *, k: int) -> dict[str, float]:
+    """Team accuracy (mean success over all episodes), avg@k and pass@k over each task's k episodes."""
+    by_task: dict[str, list[bool]] = {}
+    for episode in result.episodes:
+        by_task.setdefault(episode.task_id, []).append(episode.status == "ok" and episode.success)
+    num = max(len(by_task), 1)
+    return {
+        "team_accuracy": sum(sum(v) for v in by_task.values()) / max(sum(len(v) for v in by_task.values()), 1),
+        f"avg@{k}": sum(sum(v) / len(v) for v in by_task.values()) / num,
+        f"pass@{k}": sum(any(v) for v in by_task.values()) / num,
+        "num_tasks": float(len(by_task)),
+    }

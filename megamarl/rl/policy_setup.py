@@ -1,0 +1,85 @@
+"""Each policy's training side from its config: the Megatron shard with HF weights loaded
+(``load_policy_model``) and the ``PolicyWorker`` with its loss, per-agent settings, reference model
+and critic (``build_workers``). The glue between ``policies.<p>`` / ``agents.<a>`` /
+``algorithm`` and the worker; the loop (``megamarl.trainer``) only calls ``build_workers``.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+from megamarl.models.bridge import build_model, load_hf_config, load_hf_weights
+from megamarl.models.lora import LoraConfig as ModelLoraConfig
+from megamarl.models.packaged import resolve_model_path
+from megamarl.parallel.placement import WorkerGroup
+from megamarl.rl.advantages import ADVANTAGE_ESTIMATORS
+from megamarl.rl.losses import LossConfig
+from megamarl.rl.prepare import AlgorithmConfig
+from megamarl.rl.worker import AgentTraining, CriticConfig, ModelHandle, PolicyWorker
+
+LORA_TARGETS = {"qkv": "linear_qkv", "proj": "linear_proj", "fc1": "linear_fc1", "fc2": "linear_fc2"}
+
+
+def load_policy_model(policy, wg: WorkerGroup, *, seed: int) -> ModelHandle:
+    """``policies.<p>``'s model as this rank's shard of ``wg``, with the HF weights loaded."""
+    path = resolve_model_path(policy.model, key="policies.<p>.model")
+    hf_config = load_hf_config(path)
+    model = build_model(hf_config, wg, seed=seed, init_weights=False)
+    load_hf_weights(model, path, wg)
+    return ModelHandle(model=model, vocab_size=hf_config.vocab_size)
+
+
+def build_workers(
+    policies: Mapping, agents: Mapping, algo: AlgorithmConfig, wgs: Mapping[str, WorkerGroup], *, seed: int,
+) -> dict[str, PolicyWorker]:
+    """A worker for every trainable policy whose WG this rank belongs to."""
+    workers = {}
+    for name, policy in policies.items():
+        wg = wgs[name]
+        if not wg.is_member or policy.frozen:
+            continue
+        lora = policy.lora is not None
+        trainings = {
+            role: AgentTraining(
+                loss=loss_config(policy, algo, **agent.train_overrides()),
+                micro_batch_size=agent.micro_batch_size or policy.micro_batch_size,
+                # an agent of a LoRA policy without an adapter acts with the frozen base
+                frozen=agent.frozen or (lora and agent.lora is None),
+                adapter=agent.lora, lr=agent.lr,
+            )
+            for role, agent in agents.items()
+            if agent.policy == name and (agent.train_overrides() or agent.frozen or lora)
+        }
+        handle = load_policy_model(policy, wg, seed=seed)
+        needs_ref = policy.kl_coef > 0 or any(a.loss.kl_coef > 0 for a in trainings.values())
+        # LoRA policies use their frozen base as the reference (adapters off): no second model
+        ref = load_policy_model(policy, wg, seed=seed) if needs_ref and not lora else None
+        workers[name] = PolicyWorker(name, policy, wg, handle, loss_config(policy, algo), agents=trainings,
+                                     ref_handle=ref, critic=critic_config(policy, algo), lora=model_lora_config(policy))
+    return workers
+
+
+def loss_config(policy, algo: AlgorithmConfig, **overrides) -> LossConfig:
+    """The policy's loss settings, with an agent's overrides (``agents.<a>.clip_high``, ...) applied."""
+    values = dict(clip_low=policy.clip_low, clip_high=policy.clip_high, kl_coef=policy.kl_coef,
+                  entropy_coef=policy.entropy_coef)
+    values.update({k: v for k, v in overrides.items() if k in values})
+    return LossConfig(
+        **values, kl_type=algo.kl_type, agg_mode=algo.loss_agg,
+        tis_mode="token" if algo.tis_cap > 0 else "none", tis_cap=algo.tis_cap or 2.0,
+    )
+
+
+def critic_config(policy, algo: AlgorithmConfig) -> CriticConfig | None:
+    """The policy's critic when the estimator needs one (its registered traits say so)."""
+    if not ADVANTAGE_ESTIMATORS.traits(algo.estimator, key="algorithm.estimator").needs_critic:
+        return None
+    return CriticConfig(algo.advantage_config(), value_coef=policy.value_coef, value_clip=policy.value_clip)
+
+
+def model_lora_config(policy) -> ModelLoraConfig | None:
+    """``policies.<p>.lora`` as the model layer's LoRA settings (None: no adapters)."""
+    if policy.lora is None:
+        return None
+    return ModelLoraConfig(rank=policy.lora.rank, alpha=policy.lora.alpha,
+                           targets=tuple(LORA_TARGETS[t] for t in policy.lora.targets))
