@@ -15,11 +15,11 @@ from typing import Any, Optional
 from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from megamarl.driver.schedules import SCHEDULES
 from megamarl.parallel.placement import PLACEMENT_MODES, PlacementConfig, WorkerGroupLayout
 from megamarl.rl.prepare import AlgorithmConfig
 from megamarl.rollout import ENGINES
 
-TRAINER_MODES = ("sync", "one_step_off", "fully_async")
 WANDB_MODES = ("offline", "online", "disabled")
 
 
@@ -206,8 +206,7 @@ class TrainerConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.mode not in TRAINER_MODES:
-            raise ValueError(f"trainer.mode='{self.mode}' unknown; allowed: {list(TRAINER_MODES)}")
+        schedule = SCHEDULES.traits(self.mode, key="trainer.mode")
         for key in ("total_steps", "save_every", "keep_last"):
             if getattr(self, key) < 0:
                 raise ValueError(f"trainer.{key} must be >= 0, got {getattr(self, key)}")
@@ -217,10 +216,10 @@ class TrainerConfig:
             raise ValueError(f"trainer.sync_every must be >= 1, got {self.sync_every}")
         if self.max_staleness < 0:
             raise ValueError(f"trainer.max_staleness must be >= 0, got {self.max_staleness}")
-        if self.mode != "sync" and self.max_staleness < 1:
+        if self.max_staleness < schedule.min_staleness:
             raise ValueError(
-                f"trainer.max_staleness must be >= 1 with trainer.mode={self.mode} "
-                "(0 would drop every sample generated while the trainer trains)"
+                f"trainer.max_staleness must be >= {schedule.min_staleness} with trainer.mode={self.mode} "
+                "(less would drop every sample generated while the trainer trains)"
             )
 
 

@@ -43,16 +43,20 @@ import concurrent.futures
 import sys
 import time
 from contextlib import contextmanager
-from typing import Iterator, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Iterator, Mapping
 
 from megamarl.driver.streaming import (
     BusyClock, EpisodeGroup, EpisodeSource, GroupBuffer, GroupProducer, RolloutLoop, StalenessStats, group_samples,
     split_fresh,
 )
-from megamarl.config import AlgorithmConfig, RunConfig, TrainerConfig
 from megamarl.orchestration.driver import EpisodeStats, RolloutResult
 from megamarl.registry import Registry
 from megamarl.rl.advantages import ADVANTAGE_ESTIMATORS
+from megamarl.rl.prepare import AlgorithmConfig
+
+if TYPE_CHECKING:  # config.py validates trainer.mode against SCHEDULES: a run-time import would be circular
+    from megamarl.config import RunConfig, TrainerConfig
 
 GIL_SWITCH_INTERVAL_S = 0.0005  # while rollout overlaps training (see the module docstring)
 
@@ -70,10 +74,9 @@ def policy_separable(algo: AlgorithmConfig) -> bool:
 class Schedule(abc.ABC):
     """Driver-side: hands out training batches and brackets weight pushes (see module docstring)."""
 
-    overlaps_training = False  # rollout runs while the trainer trains
-
     def __init__(self, cfg: RunConfig, source: EpisodeSource, loop: RolloutLoop) -> None:
         self.cfg, self.source, self.loop = cfg, source, loop
+        self.overlaps_training = SCHEDULES.traits(cfg.trainer.mode, key="trainer.mode").overlaps_training
         self._switch_interval = sys.getswitchinterval()
         if self.overlaps_training:
             sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
@@ -171,7 +174,20 @@ class Schedule(abc.ABC):
         sys.setswitchinterval(self._switch_interval)
 
 
-SCHEDULES: Registry[type[Schedule]] = Registry("trainer mode")
+@dataclass(frozen=True)
+class ScheduleTraits:
+    """``overlaps_training``: rollout runs while the trainer trains (samples arrive off-policy);
+    ``min_staleness``: the smallest ``trainer.max_staleness`` that does not drop every sample the
+    schedule produces (checked when the config loads)."""
+
+    overlaps_training: bool = False
+    min_staleness: int = 0
+
+
+SCHEDULES: Registry[type[Schedule]] = Registry(
+    "trainer mode", traits=ScheduleTraits,
+    signature="class(Schedule); cls(cfg: RunConfig, source: EpisodeSource, loop: RolloutLoop); next_rollout(step, versions)",
+)
 
 
 def build_schedule(cfg: RunConfig, source: EpisodeSource, loop: RolloutLoop) -> Schedule:
@@ -182,16 +198,15 @@ def sync_interval(trainer: TrainerConfig) -> int:
     return SCHEDULES.get(trainer.mode, key="trainer.mode").sync_interval(trainer)
 
 
-@SCHEDULES.register("sync")
+@SCHEDULES.register("sync", traits=ScheduleTraits())
 class SyncSchedule(Schedule):
     def _next(self, step, versions):
         result = self.loop.run(self._rollout_chunk(step))
         return group_samples(result.samples), result.episodes, StalenessStats(), {}
 
 
-@SCHEDULES.register("one_step_off")
+@SCHEDULES.register("one_step_off", traits=ScheduleTraits(overlaps_training=True, min_staleness=1))
 class OneStepOffSchedule(Schedule):
-    overlaps_training = True
 
     def __init__(self, cfg: RunConfig, source: EpisodeSource, loop: RolloutLoop) -> None:
         super().__init__(cfg, source, loop)
@@ -218,9 +233,8 @@ class OneStepOffSchedule(Schedule):
         super().close()
 
 
-@SCHEDULES.register("fully_async")
+@SCHEDULES.register("fully_async", traits=ScheduleTraits(overlaps_training=True, min_staleness=1))
 class FullyAsyncSchedule(Schedule):
-    overlaps_training = True
 
     def __init__(self, cfg: RunConfig, source: EpisodeSource, loop: RolloutLoop) -> None:
         super().__init__(cfg, source, loop)

@@ -104,7 +104,8 @@ class Agent:
         return None
 
 
-AGENTS: Registry[type[Agent]] = Registry("agent")
+AGENTS: Registry[type[Agent]] = Registry(
+    "agent", signature="class(Agent); cls(role, config: AgentConfig, tokenizer); parse(text) -> (action, valid)")
 AGENTS.add("text", Agent)
 
 

@@ -93,7 +93,8 @@ class Env(abc.ABC):
         return None
 
 
-ENVS: Registry[type[Env]] = Registry("env")
+ENVS: Registry[type[Env]] = Registry(
+    "env", signature="class(Env) with a Config(EnvConfig); generate_tasks(config, *, num_tasks, seed); cls(task, config)")
 
 
 class EnvMaker:

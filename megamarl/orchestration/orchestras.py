@@ -45,7 +45,8 @@ class Orchestra(abc.ABC):
         """Drive one episode until it is done or out of budget."""
 
 
-ORCHESTRAS: Registry[type[Orchestra]] = Registry("orchestra")
+ORCHESTRAS: Registry[type[Orchestra]] = Registry(
+    "orchestra", signature="class(Orchestra) with a Config(OrchestraConfig); cls(config); async run(ctx: EpisodeContext)")
 
 
 def build_orchestra(name: str, **config: Any) -> Orchestra:

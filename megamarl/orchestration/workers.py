@@ -67,7 +67,8 @@ class EnvWorkers(abc.ABC):
         return EnvWorkerError(reason)
 
 
-WORKERS: Registry[type[EnvWorkers]] = Registry("env worker backend")
+WORKERS: Registry[type[EnvWorkers]] = Registry(
+    "env worker backend", signature="class(EnvWorkers); cls(config: WorkersConfig); async call(fn, *args, timeout_s)")
 
 
 def make_workers(config: WorkersConfig | None = None, **overrides: Any) -> EnvWorkers:

@@ -7,8 +7,8 @@ back. Token layout per row: ``prompt + response`` right-padded with ``pad_id``;
 same alignment as ``losses.token_logprobs``.
 
 Selection keeps the vocabularies (ids stay comparable across the parts of one batch) and trims the
-token dim to the longest selected row. ``gather_across_ranks`` is the only function here that
-touches ``torch.distributed``.
+token dim to the longest selected row. Nothing here touches ``torch.distributed``: the batch
+travels from the driver to the workers as one broadcast object (``megamarl.trainer``).
 """
 
 from __future__ import annotations
@@ -238,15 +238,3 @@ def concat(batches: Sequence[SampleBatch]) -> SampleBatch:
                               allowed=sum((b.allowed for b in batches), ()),
                               temperatures=sum((b.temperatures for b in batches), ()),
                               vocab={c: tuple(vocab[c]) for c in VOCAB_COLUMNS})
-
-
-def gather_across_ranks(batch: SampleBatch, group=None) -> SampleBatch:
-    """All-gather every rank's batch (CPU copies, pickled) and ``concat`` them in rank order; every
-    rank of ``group`` gets the same result."""
-    import torch.distributed as dist
-
-    cpu = batch.replace(**{c: getattr(batch, c).cpu() for c in ROW_TENSORS + TOKEN_TENSORS},
-                        advantages=None if batch.advantages is None else batch.advantages.cpu())
-    parts: list[SampleBatch | None] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(parts, cpu, group=group)
-    return concat(parts)

@@ -133,7 +133,8 @@ def tis_weights(
 # --------------------------------------------------------------------------------------------
 # KL to the reference policy
 
-KL_ESTIMATORS: Registry[Callable[[Tensor, Tensor], Tensor]] = Registry("kl estimator")
+KL_ESTIMATORS: Registry[Callable[[Tensor, Tensor], Tensor]] = Registry(
+    "kl estimator", signature="fn(logprobs [B, T], ref_logprobs [B, T]) -> [B, T] (0 where equal)")
 
 
 @KL_ESTIMATORS.register("k1")
@@ -191,7 +192,8 @@ def value_loss(
 # micro-batches for gradient accumulation: summing the micro-batch losses then equals the loss of the
 # whole mini-batch. Left None, the counts of the given tensors are used.
 
-LOSS_AGGREGATIONS: Registry[Callable[..., Tensor]] = Registry("loss aggregation")
+LOSS_AGGREGATIONS: Registry[Callable[..., Tensor]] = Registry(
+    "loss aggregation", signature="fn(loss [B, T], mask [B, T], *, num_tokens=None, num_seqs=None) -> scalar")
 
 
 @LOSS_AGGREGATIONS.register("token-mean")

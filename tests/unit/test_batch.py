@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from megamarl.rl.batch import collate, concat, gather_across_ranks
+from megamarl.rl.batch import ROW_TENSORS, TOKEN_TENSORS, SampleBatch, collate, concat
 from megamarl.rl.sample import Sample
 
 PAD = 0
@@ -112,6 +112,16 @@ def test_concat_merges_vocab_and_repads():
     assert c.tokens.shape == (4, 5) and c.tokens[0].tolist() == [10, 50, 0, 0, 0]
     assert c.advantages.tolist() == [1.0, 2, 3, 4]
     assert concat([a, b.replace(advantages=None)]).advantages is None
+
+
+def gather_across_ranks(batch: SampleBatch, group=None) -> SampleBatch:
+    """All-gather every rank's batch (CPU copies, pickled) and ``concat`` them in rank order (moved
+    here from megamarl/rl/batch.py: only this test used it)."""
+    cpu = batch.replace(**{c: getattr(batch, c).cpu() for c in ROW_TENSORS + TOKEN_TENSORS},
+                        advantages=None if batch.advantages is None else batch.advantages.cpu())
+    parts: list[SampleBatch | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(parts, cpu, group=group)
+    return concat(parts)
 
 
 def _gather_worker(rank, world, init, out_dir):
