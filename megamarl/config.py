@@ -15,28 +15,18 @@ from typing import Any, Optional
 from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+import megamarl.orchestration  # noqa: F401 - registers the built-in agents, envs, orchestras
 from megamarl.driver.schedules import SCHEDULES
+from megamarl.models.lora import LoraConfig
+from megamarl.orchestration.agents import AGENTS
+from megamarl.orchestration.env import EnvSpec
+from megamarl.orchestration.orchestras import OrchestraSpec
 from megamarl.parallel.placement import PLACEMENT_MODES, PlacementConfig, WorkerGroupLayout
+from megamarl.registry import import_plugins
+from megamarl.rl.advantages import ADVANTAGE_ESTIMATORS
 from megamarl.rl.prepare import AlgorithmConfig
 from megamarl.rollout import ENGINES
-
-WANDB_MODES = ("offline", "online", "disabled")
-
-
-@dataclass
-class LoraConfig:
-    rank: int = 8
-    alpha: float = 16.0
-    targets: list[str] = field(default_factory=lambda: ["qkv", "proj", "fc1", "fc2"])
-    adapters: list[str] = field(default_factory=list)  # adapter names (one per agent); filled from agents
-
-    def __post_init__(self) -> None:
-        if self.rank < 1:
-            raise ValueError(f"policies.<p>.lora.rank must be >= 1, got {self.rank}")
-        allowed = {"qkv", "proj", "fc1", "fc2"}
-        if not self.targets or set(self.targets) - allowed:
-            raise ValueError(f"policies.<p>.lora.targets={self.targets}: allowed {sorted(allowed)}")
-
+from megamarl.runtime.metrics import LoggerConfig
 
 @dataclass
 class EngineConfig:
@@ -164,18 +154,6 @@ def _single_token_ids(texts: list[str], tokenizer) -> tuple[int, ...]:
 
 
 @dataclass
-class EnvConfig:
-    name: str = "math"
-    kwargs: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass
-class OrchestraConfig:
-    name: str = "solve_verify"
-    kwargs: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass
 class RolloutConfig:
     num_tasks: int = 16  # tasks per step
     group_size: int = 4  # episodes per task (GRPO group)
@@ -224,23 +202,6 @@ class TrainerConfig:
 
 
 @dataclass
-class WandbConfig:
-    mode: str = "offline"  # offline | online | disabled
-    project: str = "megamarl"
-    entity: Optional[str] = None
-
-    def __post_init__(self) -> None:
-        if self.mode not in WANDB_MODES:
-            raise ValueError(f"logger.wandb.mode='{self.mode}' unknown; allowed: {list(WANDB_MODES)}")
-
-
-@dataclass
-class LoggerConfig:
-    wandb: WandbConfig = field(default_factory=WandbConfig)
-    progress: bool = True
-
-
-@dataclass
 class ClusterConfig:
     """Declared cluster for --dry-run (and checks at start-up)."""
 
@@ -256,8 +217,8 @@ class RunConfig:
     output_dir: str = "runs"
     policies: dict[str, PolicyConfig] = field(default_factory=dict)
     agents: dict[str, AgentConfig] = field(default_factory=dict)
-    env: EnvConfig = field(default_factory=EnvConfig)
-    orchestra: OrchestraConfig = field(default_factory=OrchestraConfig)
+    env: EnvSpec = field(default_factory=EnvSpec)
+    orchestra: OrchestraSpec = field(default_factory=OrchestraSpec)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
@@ -296,21 +257,10 @@ class RunConfig:
     def _check_registered_names(self) -> None:
         """Registry names and their kwargs, after importing ``plugins`` (they may register more), so
         a typo stops the run at load time instead of after the models are built."""
-        import megamarl.orchestration  # noqa: F401 - registers the built-in agents, envs, orchestras
-        from megamarl.orchestration.agents import AGENTS
-        from megamarl.orchestration.env import ENVS
-        from megamarl.orchestration.orchestras import ORCHESTRAS
-        from megamarl.registry import import_plugins
-        from megamarl.rl.advantages import ADVANTAGE_ESTIMATORS
-
         import_plugins(self.plugins)
         ADVANTAGE_ESTIMATORS.get(self.algorithm.estimator, key="algorithm.estimator")
-        for key, registry, section in (("env", ENVS, self.env), ("orchestra", ORCHESTRAS, self.orchestra)):
-            cls = registry.get(section.name, key=f"{key}.name")
-            try:
-                cls.Config(**section.kwargs)
-            except TypeError as exc:  # an unknown keyword
-                raise ValueError(f"{key}.kwargs for {key} '{section.name}': {exc}") from exc
+        self.env.check()
+        self.orchestra.check()
         for role, agent in self.agents.items():
             if agent.kind:
                 AGENTS.get(agent.kind, key=f"agents.{role}.kind")

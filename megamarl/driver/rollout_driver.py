@@ -23,8 +23,6 @@ from megamarl.driver.streaming import RolloutLoop
 from megamarl.models.packaged import resolve_model_path
 from megamarl.orchestration.agents import build_agents
 from megamarl.orchestration.driver import RolloutResult, run_episodes
-from megamarl.orchestration.env import EnvMaker
-from megamarl.orchestration.orchestras import build_orchestra
 from megamarl.registry import import_plugins
 from megamarl.rl.batch import SampleBatch
 from megamarl.rl.prepare import prepare_batch
@@ -52,8 +50,8 @@ class RolloutDriver:
             name: build_engine(p.engine, paths[name], seed=cfg.trainer.seed, lora=_lora_serving(cfg, name))
             for name, p in cfg.policies.items()
         }
-        self.env = EnvMaker(cfg.env.name, **cfg.env.kwargs)
-        self.orchestra = build_orchestra(cfg.orchestra.name, **cfg.orchestra.kwargs)
+        self.env = cfg.env.maker()
+        self.orchestra = cfg.orchestra.build()
         self.agents = build_agents(
             {role: a.to_orchestration(self.tokenizers[a.policy]) for role, a in cfg.agents.items()}, self.tokenizers,
             default_kinds=self.env.default_agents,

@@ -38,7 +38,7 @@ import contextlib
 import json
 import math
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
@@ -58,20 +58,31 @@ LORA_TARGETS = {
 }
 
 
+# ``policies.<p>.lora.targets`` names -> megatron-core linear names
+TARGET_NAMES = {"qkv": "linear_qkv", "proj": "linear_proj", "fc1": "linear_fc1", "fc2": "linear_fc2"}
+
+
 @dataclass
 class LoraConfig:
+    """``policies.<p>.lora``: L2 adapters on the policy's frozen base, one per agent that names one
+    (``agents.<a>.lora``). ``targets`` are short names of the adapted linears (``TARGET_NAMES``)."""
+
     rank: int = 8
     alpha: float = 16.0
-    targets: tuple[str, ...] = tuple(LORA_TARGETS)
-    seed: int = 0
+    targets: list[str] = field(default_factory=lambda: list(TARGET_NAMES))
+    seed: int = 0  # adapter initialisation (A; B starts at zero)
 
     def __post_init__(self) -> None:
-        self.targets = tuple(self.targets)
-        bad = [t for t in self.targets if t not in LORA_TARGETS]
+        bad = [t for t in self.targets if t not in TARGET_NAMES]
         if bad or not self.targets:
-            raise ValueError(f"lora.targets {list(self.targets)} invalid; allowed: {list(LORA_TARGETS)}")
+            raise ValueError(f"policies.<p>.lora.targets={list(self.targets)}: allowed {list(TARGET_NAMES)}")
         if self.rank < 1:
-            raise ValueError(f"lora.rank must be >= 1, got {self.rank}")
+            raise ValueError(f"policies.<p>.lora.rank must be >= 1, got {self.rank}")
+
+    @property
+    def modules(self) -> tuple[str, ...]:
+        """The megatron-core linear names of ``targets``."""
+        return tuple(TARGET_NAMES[t] for t in self.targets)
 
     @property
     def scaling(self) -> float:
@@ -135,7 +146,7 @@ def add_lora_adapter(model, wg, name: str, config: LoraConfig) -> list[nn.Parame
     """
     model = unwrap(model)
     params = []
-    for layer, target, module in _target_modules(model, config.targets):
+    for layer, target, module in _target_modules(model, config.modules):
         if not hasattr(module, "lora_adapters"):
             module.lora_adapters = nn.ModuleDict()
             module.lora_active = None
@@ -198,7 +209,7 @@ def export_lora_weights(model, wg, name: str) -> Iterator[tuple[str, torch.Tenso
     model = unwrap(model)
     arch = model.hf_arch
     config = model.lora_configs[name]
-    for layer, target, module in _target_modules(model, config.targets):
+    for layer, target, module in _target_modules(model, config.modules):
         adapter = module.lora_adapters[name]
         kind, hf_names, parent = LORA_TARGETS[target]
         if kind == "column":
@@ -223,7 +234,7 @@ def peft_adapter_config(config: LoraConfig, *, base_model_name_or_path: str | No
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": config.rank, "lora_alpha": config.alpha,
         "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
         "init_lora_weights": True, "inference_mode": True, "base_model_name_or_path": base_model_name_or_path,
-        "target_modules": sorted(n for t in config.targets for n in LORA_TARGETS[t][1]),
+        "target_modules": sorted(n for t in config.modules for n in LORA_TARGETS[t][1]),
     }
 
 

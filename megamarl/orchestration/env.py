@@ -14,7 +14,7 @@ itself; ``default_agents`` maps each role to a registered agent kind.
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from megamarl.registry import Registry
@@ -127,3 +127,22 @@ class EnvMaker:
     @property
     def default_agents(self) -> dict[str, str]:
         return dict(self.env_cls.default_agents)
+
+
+@dataclass
+class EnvSpec:
+    """``env:`` in the run config: a registered env's name and the keyword arguments of its own
+    ``Config`` (which validates them). Checked by ``check`` once plugins are imported."""
+
+    name: str = "math"
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def check(self) -> None:
+        cls = ENVS.get(self.name, key="env.name")
+        try:
+            cls.Config(**self.kwargs)
+        except TypeError as exc:  # an unknown keyword
+            raise ValueError(f"env.kwargs for env '{self.name}': {exc}") from exc
+
+    def maker(self) -> EnvMaker:
+        return EnvMaker(self.name, **self.kwargs)

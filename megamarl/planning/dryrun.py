@@ -302,8 +302,6 @@ def _num_adapters(cfg: RunConfig, policy_name: str) -> int:
     policy = cfg.policies[policy_name]
     if policy.lora is None:
         return 0
-    if policy.lora.adapters:
-        return len(policy.lora.adapters)
     names = {a.lora for a in cfg.agents.values() if a.policy == policy_name and a.lora is not None}
     return max(1, len(names))
 

@@ -9,16 +9,12 @@ from __future__ import annotations
 from typing import Mapping
 
 from megamarl.models.bridge import build_model, load_hf_config, load_hf_weights
-from megamarl.models.lora import LoraConfig as ModelLoraConfig
 from megamarl.models.packaged import resolve_model_path
 from megamarl.parallel.placement import WorkerGroup
 from megamarl.rl.advantages import ADVANTAGE_ESTIMATORS
 from megamarl.rl.losses import LossConfig
 from megamarl.rl.prepare import AlgorithmConfig
 from megamarl.rl.worker import AgentTraining, CriticConfig, ModelHandle, PolicyWorker
-
-LORA_TARGETS = {"qkv": "linear_qkv", "proj": "linear_proj", "fc1": "linear_fc1", "fc2": "linear_fc2"}
-
 
 def load_policy_model(policy, wg: WorkerGroup, *, seed: int) -> ModelHandle:
     """``policies.<p>``'s model as this rank's shard of ``wg``, with the HF weights loaded."""
@@ -55,7 +51,7 @@ def build_workers(
         # LoRA policies use their frozen base as the reference (adapters off): no second model
         ref = load_policy_model(policy, wg, seed=seed) if needs_ref and not lora else None
         workers[name] = PolicyWorker(name, policy, wg, handle, loss_config(policy, algo), agents=trainings,
-                                     ref_handle=ref, critic=critic_config(policy, algo), lora=model_lora_config(policy))
+                                     ref_handle=ref, critic=critic_config(policy, algo), lora=policy.lora)
     return workers
 
 
@@ -75,11 +71,3 @@ def critic_config(policy, algo: AlgorithmConfig) -> CriticConfig | None:
     if not ADVANTAGE_ESTIMATORS.traits(algo.estimator, key="algorithm.estimator").needs_critic:
         return None
     return CriticConfig(algo.advantage_config(), value_coef=policy.value_coef, value_clip=policy.value_clip)
-
-
-def model_lora_config(policy) -> ModelLoraConfig | None:
-    """``policies.<p>.lora`` as the model layer's LoRA settings (None: no adapters)."""
-    if policy.lora is None:
-        return None
-    return ModelLoraConfig(rank=policy.lora.rank, alpha=policy.lora.alpha,
-                           targets=tuple(LORA_TARGETS[t] for t in policy.lora.targets))

@@ -31,13 +31,32 @@ import os
 import statistics
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Optional, Sequence
 
-from megamarl.config import LoggerConfig
-
+WANDB_MODES = ("offline", "online", "disabled")
 METRICS_FILE = "metrics.jsonl"
 EVAL_FILE = "eval.json"
+
+
+@dataclass
+class WandbConfig:
+    mode: str = "offline"  # offline | online | disabled
+    project: str = "megamarl"
+    entity: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        if self.mode not in WANDB_MODES:
+            raise ValueError(f"logger.wandb.mode='{self.mode}' unknown; allowed: {list(WANDB_MODES)}")
+
+
+@dataclass
+class LoggerConfig:
+    """``logger:``: the run's metrics sinks (JSONL always; wandb per ``wandb.mode``) and console progress."""
+
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    progress: bool = True
 
 
 class MetricsLogger:

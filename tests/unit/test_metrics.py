@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from megamarl.config import LoggerConfig, WandbConfig
+from megamarl.runtime.metrics import LoggerConfig, WandbConfig
 from megamarl.runtime.metrics import (
     MetricsLogger,
     Timer,

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from megamarl.config import LoggerConfig, WandbConfig
+from megamarl.runtime.metrics import LoggerConfig, WandbConfig
 from megamarl.runtime.metrics import MetricsLogger
 from megamarl.runtime.plot import main, plot_run
 

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from megamarl.runtime import checkpoint as run_ckpt
-from megamarl.config import LoggerConfig, WandbConfig
+from megamarl.runtime.metrics import LoggerConfig, WandbConfig
 from megamarl.runtime.metrics import MetricsLogger, read_eval, read_metrics
 from megamarl.orchestration.context import derive_seed
 
