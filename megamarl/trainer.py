@@ -12,6 +12,7 @@ fully_async; docs/async.md): where the next batch comes from and what a weight p
 
 from __future__ import annotations
 
+import os
 import random
 import time
 from contextlib import nullcontext
@@ -25,13 +26,15 @@ from megamarl.config import RunConfig
 from megamarl.driver.rollout_driver import RolloutDriver, policy_adapters
 from megamarl.driver.schedules import sync_interval
 from megamarl.models.lora import save_peft_adapter
-from megamarl.parallel.distributed import control_group, init_distributed
+from megamarl.parallel.distributed import control_group, init_distributed, wait_for_driver
+from megamarl.parallel.hardware import DTYPES, resolve_dtype
 from megamarl.parallel.placement import build_worker_groups
 from megamarl.rl.batch import SampleBatch
 from megamarl.rl.policy_setup import build_workers
 from megamarl.rl.worker import PolicyWorker
 from megamarl.rollout.weight_sync import sync_weights
 from megamarl.runtime import checkpoint
+from megamarl.runtime.progress import RunProgress
 
 DRIVER = 0
 
@@ -44,10 +47,13 @@ def seed_everything(seed: int) -> None:
 
 class Trainer:
     def __init__(self, cfg: RunConfig, *, run_dir: str | Path | None = None):
-        init_distributed()
+        init_distributed(timeout_s=cfg.trainer.collective_timeout_s)
         self.cfg = cfg
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.is_driver = self.rank == DRIVER
+        # the driver shows the run (live on a terminal, one line per phase in logs); others are silent
+        self.progress = RunProgress(total_steps=cfg.trainer.total_steps, enabled=cfg.logger.progress) if self.is_driver \
+            else RunProgress(total_steps=cfg.trainer.total_steps, enabled=False, live=False, stream=open(os.devnull, "w"))
         self.run_dir = Path(run_dir or Path(cfg.output_dir) / cfg.name)
         self.step = 0
         self.versions = {name: 0 for name in cfg.policies}  # weight pushes into the engines so far
@@ -55,14 +61,22 @@ class Trainer:
         self.sync_every = sync_interval(cfg.trainer)  # updates of a policy per weight push
         seed_everything(cfg.trainer.seed)
         self.wgs = build_worker_groups(cfg.placement(self.world_size))
-        self.workers = build_workers(cfg.policies, cfg.agents, cfg.algorithm, self.wgs, seed=cfg.trainer.seed)
-        self.driver = RolloutDriver(cfg, self.run_dir) if self.is_driver else None
+        with self.progress.phase("model preparation", total=len(cfg.policies), unit="policies", in_step=False) as phase:
+            self.workers = build_workers(cfg.policies, cfg.agents, cfg.algorithm, self.wgs, seed=cfg.trainer.seed,
+                                         compute_dtypes={n: DTYPES[cfg.policy_dtype(n)] for n in cfg.policies},
+                                         on_policy=phase.advance)
+        self.driver = RolloutDriver(cfg, self.run_dir, self.progress) if self.is_driver else None
+        self._wait_for_driver("engine start-up")
         self._register_adapters()
         self._maybe_resume()
+
+    def _wait_for_driver(self, what: str) -> None:
+        wait_for_driver(what, driver=DRIVER, timeout_s=self.cfg.trainer.collective_timeout_s)
 
     # ---- the loop -------------------------------------------------------------------------------
     def fit(self) -> None:
         total = self.cfg.trainer.total_steps
+        self.progress.start_at(self.step)
         if self.step == 0:
             self.sync_all_weights()  # engines start from the (possibly resumed) trained weights
             self.evaluate()
@@ -73,6 +87,7 @@ class Trainer:
             metrics.update(self.sync_all_weights(self.due_for_sync()))
             self.step += 1
             metrics["timing/step_s"] = time.perf_counter() - step_start
+            self.progress.step_done(self.step, metrics["timing/step_s"])
             self.log(metrics)
             if self._due(self.cfg.eval.every) or self.step == total:
                 self.evaluate()
@@ -87,19 +102,22 @@ class Trainer:
         """Driver takes the next batch from its schedule (trainer.mode) and computes advantages;
         every rank receives the batch. It may hold only some policies (fully_async, per-policy)."""
         payload = [self.driver.collect(self.step, self.versions) if self.is_driver else None]
+        self._wait_for_driver(f"the rollout of step {self.step + 1}")
         dist.broadcast_object_list(payload, src=DRIVER, group=control_group())
         return payload[0]
 
     def update(self, batch: SampleBatch) -> dict[str, float]:
         start = time.perf_counter()
         metrics: dict[str, float] = {}
-        for name, part in batch.split_by_policy().items():
-            if self.cfg.policies[name].frozen:
-                continue
-            self.updates_since_sync[name] += 1  # on every rank: the batch is the same everywhere
-            if name in self.workers:
-                for key, value in self.workers[name].train_step(part).items():
-                    metrics[f"policy/{name}/{key}"] = value
+        with self.progress.phase("train", unit="micro-batches") as phase:
+            for name, part in batch.split_by_policy().items():
+                if self.cfg.policies[name].frozen:
+                    continue
+                self.updates_since_sync[name] += 1  # on every rank: the batch is the same everywhere
+                if name in self.workers:
+                    self.workers[name].on_micro_batch = phase.advance
+                    for key, value in self.workers[name].train_step(part).items():
+                        metrics[f"policy/{name}/{key}"] = value
         gathered = [None] * self.world_size
         dist.all_gather_object(gathered, metrics, group=control_group())
         merged = {k: v for rank_metrics in gathered for k, v in rank_metrics.items()}
@@ -128,7 +146,8 @@ class Trainer:
                     continue
                 worker = self.workers.get(name)
                 engines = self.driver.engines_for(name) if self.is_driver else None
-                metrics.update(self._push_policy(name, worker, engines))
+                with self.progress.phase(f"weight sync {name}", unit=""):
+                    metrics.update(self._push_policy(name, worker, engines))
         dist.barrier(group=control_group())
         metrics["timing/weight_sync_s"] = time.perf_counter() - start
         return metrics
@@ -138,7 +157,9 @@ class Trainer:
         policy = self.cfg.policies[name]
         kwargs = dict(version=self.versions[name], engine_rank=DRIVER, bucket_mb=policy.engine.bucket_mb)
         if policy.lora is None:
-            stats = sync_weights(self.wgs[name], worker.export if worker else None, engines, **kwargs)
+            dtype = DTYPES[resolve_dtype(policy.engine.dtype)]  # tensors travel in the engine's dtype
+            export = (lambda: ((n, t.to(dtype)) for n, t in worker.export())) if worker else None
+            stats = sync_weights(self.wgs[name], export, engines, **kwargs)
             return stats.as_dict(f"weight_sync/{name}")
         metrics = {}
         for adapter in self.adapters(name):
@@ -167,8 +188,11 @@ class Trainer:
                         engine.add_lora(adapter, root / adapter)
 
     def evaluate(self) -> None:
-        if self.is_driver and self.cfg.eval.num_tasks > 0:
+        if self.cfg.eval.num_tasks <= 0:
+            return
+        if self.is_driver:
             self.driver.evaluate(self.step)
+        self._wait_for_driver(f"the evaluation at step {self.step}")
 
     def log(self, metrics: dict[str, float]) -> None:
         if self.is_driver:
@@ -223,4 +247,6 @@ class Trainer:
     def close(self) -> None:
         if self.is_driver:
             self.driver.close()
+        self.progress.close()
+        self._wait_for_driver("shutting down engines and plotting")
         dist.barrier(group=control_group())

@@ -10,6 +10,7 @@ per ``trainer.mode``); what happens to collected samples is ``rl.prepare.prepare
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -18,18 +19,20 @@ from transformers import AutoTokenizer
 
 import megamarl.orchestration  # noqa: F401 - registers the built-in agents, envs, orchestras
 from megamarl.config import RunConfig, to_yaml
-from megamarl.driver.schedules import build_schedule
+from megamarl.driver.schedules import SCHEDULES, build_schedule
 from megamarl.driver.streaming import RolloutLoop
 from megamarl.models.packaged import resolve_model_path
 from megamarl.orchestration.agents import build_agents
 from megamarl.orchestration.driver import RolloutResult, run_episodes
+from megamarl.parallel.hardware import describe_dtype_choice
 from megamarl.registry import import_plugins
 from megamarl.rl.batch import SampleBatch
 from megamarl.rl.prepare import prepare_batch
 from megamarl.rollout.base import Engine
-from megamarl.rollout.factory import LoraServing, build_engine
+from megamarl.rollout.factory import LoraServing, build_engine, engine_threads
 from megamarl.runtime.metrics import MetricsLogger
 from megamarl.runtime.plot import plot_run
+from megamarl.runtime.progress import RunProgress
 
 EVAL_SEED = 10**9 + 7  # held-out tasks: a seed the training stream never uses
 
@@ -37,19 +40,18 @@ EVAL_SEED = 10**9 + 7  # held-out tasks: a seed the training stream never uses
 class RolloutDriver:
     """Rank 0's half: engines, agents, env, orchestra, batch preparation, logging and evaluation."""
 
-    def __init__(self, cfg: RunConfig, run_dir: Path):
+    def __init__(self, cfg: RunConfig, run_dir: Path, progress: RunProgress | None = None):
         self.cfg = cfg
         self.run_dir = run_dir
+        self.progress = progress or RunProgress(total_steps=cfg.trainer.total_steps, enabled=cfg.logger.progress)
+        self._phase = None  # the phase that finished episodes count towards (rollout or eval)
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(to_yaml(cfg))
         import_plugins(cfg.plugins)
         paths = {name: resolve_model_path(p.model, key=f"policies.{name}.model") for name, p in cfg.policies.items()}
         self.tokenizers = {name: AutoTokenizer.from_pretrained(path) for name, path in paths.items()}
         self.pad_ids = {name: (t.pad_token_id if t.pad_token_id is not None else t.eos_token_id) for name, t in self.tokenizers.items()}
-        self.engines: dict[str, Engine] = {  # one per policy (several replicas: an EnginePool)
-            name: build_engine(p.engine, paths[name], seed=cfg.trainer.seed, lora=_lora_serving(cfg, name))
-            for name, p in cfg.policies.items()
-        }
+        self.engines = self._start_engines(paths)
         self.env = cfg.env.maker()
         self.orchestra = cfg.orchestra.build()
         self.agents = build_agents(
@@ -62,6 +64,25 @@ class RolloutDriver:
         self.loop = RolloutLoop()  # every engine call of the driver runs on this one event loop
         self.schedule = build_schedule(cfg, self, self.loop)  # trainer.mode
         self.console_print(self.schedule.describe())
+
+    def _start_engines(self, paths: dict[str, Path]) -> dict[str, Engine]:
+        """One engine per policy (several replicas: an EnginePool), with its CPU threads and dtype."""
+        cfg = self.cfg
+        overlaps = SCHEDULES.traits(cfg.trainer.mode, key="trainer.mode").overlaps_training
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        engines = {}
+        with self.progress.phase("engine start-up", total=len(cfg.policies), unit="policies", in_step=False) as phase:
+            for name, p in cfg.policies.items():
+                threads = engine_threads(p.engine, overlaps_training=overlaps, num_local_ranks=local_ranks)
+                self.progress.line(
+                    f"policy {name}: {p.engine.num_replicas} x {p.engine.backend} engine, "
+                    f"dtype {describe_dtype_choice(p.engine.dtype)}, {threads} CPU threads; "
+                    f"training dtype {cfg.policy_dtype(name)}"
+                )
+                engines[name] = build_engine(p.engine, paths[name], seed=cfg.trainer.seed,
+                                             lora=_lora_serving(cfg, name), num_threads=threads)
+                phase.advance()
+        return engines
 
     def engines_for(self, policy: str) -> list[Engine]:
         """The engines a weight push of ``policy`` goes to (one Engine or EnginePool per policy)."""
@@ -76,8 +97,14 @@ class RolloutDriver:
         return await run_episodes(
             self.orchestra, self.env, tasks, agents=agents or self.agents, engines=self.engines,
             group_size=group_size, max_concurrency=self.cfg.rollout.max_concurrency,
-            step_timeout_s=self.cfg.rollout.env_timeout_s, seed=seed,
+            step_timeout_s=self.cfg.rollout.env_timeout_s, seed=seed, on_episode=self._episode_done,
         )
+
+    def _episode_done(self, samples) -> None:
+        """Counts a finished episode (and its generated tokens) towards the current phase's display."""
+        phase = self._phase
+        if phase is not None:
+            phase.advance(tokens=sum(len(s.response_ids) for s in samples))
 
     def _run(self, tasks, *, group_size: int, agents=None, seed: int | None = None) -> RolloutResult:
         return self.loop.run(self.episodes(tasks, group_size=group_size, agents=agents, seed=seed))
@@ -91,8 +118,14 @@ class RolloutDriver:
         weight versions, against which samples beyond ``trainer.max_staleness`` are dropped."""
         start = time.perf_counter()
         trainable = {name: v for name, v in versions.items() if not self.cfg.policies[name].frozen}
-        result, metrics = self.schedule.next_rollout(step, trainable)
-        metrics.update({"timing/rollout_s": time.perf_counter() - start, **result.summary()})
+        expected = None if self.schedule.overlaps_training else self.cfg.rollout.num_tasks * self.cfg.rollout.group_size
+        with self.progress.phase("rollout", total=expected) as self._phase:
+            result, metrics = self.schedule.next_rollout(step, trainable)
+        self._phase = None
+        rollout_s = time.perf_counter() - start
+        num_tokens = sum(len(s.response_ids) for s in result.samples)
+        metrics.update({"timing/rollout_s": rollout_s, "perf/rollout_tokens_per_s": num_tokens / max(rollout_s, 1e-9),
+                        **result.summary()})
         self.totals["dropped_episodes"] += result.num_dropped
         self.totals["failed_episodes"] += result.num_failed
         for key in ("dropped_stale_groups", "dropped_stale_samples"):
@@ -114,7 +147,9 @@ class RolloutDriver:
             greedy[role] = oc
         agents = build_agents(greedy, self.tokenizers, default_kinds=self.env.default_agents)
         tasks = self.env.tasks(e.num_tasks, seed=EVAL_SEED)
-        result = self._run(tasks, group_size=e.k, agents=agents, seed=EVAL_SEED)
+        with self.progress.phase(f"eval at step {step}", total=len(tasks) * e.k, in_step=False) as self._phase:
+            result = self._run(tasks, group_size=e.k, agents=agents, seed=EVAL_SEED)
+        self._phase = None
         results = eval_summary(result, k=e.k)
         results["step"] = step
         self.logger.log_eval(step, results)
@@ -130,7 +165,7 @@ class RolloutDriver:
         self.console_print(f"step {step}: " + ", ".join(f"{k}={v:.3f}" for k, v in shown.items()))
 
     def console_print(self, text: str) -> None:
-        print(f"[megamarl] {text}", flush=True)
+        self.progress.line(text)
 
     def state_dict(self) -> dict:
         """Running totals. Nothing else is stateful: tasks and sampling seeds are functions of

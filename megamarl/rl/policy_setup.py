@@ -6,7 +6,9 @@ and critic (``build_workers``). The glue between ``policies.<p>`` / ``agents.<a>
 
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Callable, Mapping
+
+import torch
 
 from megamarl.models.bridge import build_model, load_hf_config, load_hf_weights
 from megamarl.models.packaged import resolve_model_path
@@ -27,12 +29,15 @@ def load_policy_model(policy, wg: WorkerGroup, *, seed: int) -> ModelHandle:
 
 def build_workers(
     policies: Mapping, agents: Mapping, algo: AlgorithmConfig, wgs: Mapping[str, WorkerGroup], *, seed: int,
+    compute_dtypes: Mapping[str, torch.dtype] | None = None, on_policy: Callable[[], None] = lambda: None,
 ) -> dict[str, PolicyWorker]:
-    """A worker for every trainable policy whose WG this rank belongs to."""
+    """A worker for every trainable policy whose WG this rank belongs to. ``compute_dtypes``: each
+    policy's training compute dtype (default fp32); ``on_policy`` is called once per policy (progress)."""
     workers = {}
     for name, policy in policies.items():
         wg = wgs[name]
         if not wg.is_member or policy.frozen:
+            on_policy()
             continue
         lora = policy.lora is not None
         trainings = {
@@ -51,7 +56,9 @@ def build_workers(
         # LoRA policies use their frozen base as the reference (adapters off): no second model
         ref = load_policy_model(policy, wg, seed=seed) if needs_ref and not lora else None
         workers[name] = PolicyWorker(name, policy, wg, handle, loss_config(policy, algo), agents=trainings,
-                                     ref_handle=ref, critic=critic_config(policy, algo), lora=policy.lora)
+                                     ref_handle=ref, critic=critic_config(policy, algo), lora=policy.lora,
+                                     compute_dtype=(compute_dtypes or {}).get(name, torch.float32))
+        on_policy()
     return workers
 
 

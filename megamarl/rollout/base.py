@@ -104,10 +104,12 @@ class Engine(abc.ABC):
         """Free resources; the engine is unusable afterwards."""
 
     @classmethod
-    def from_config(cls, cfg: Any, path: Path, *, replica: int, seed: int, lora: Any = None) -> "Engine":
+    def from_config(cls, cfg: Any, path: Path, *, replica: int, seed: int, lora: Any = None,
+                    num_threads: int = 0) -> "Engine":
         """Replica ``replica`` of a policy's engine from its ``EngineConfig`` (``lora``: a
-        ``rollout.factory.LoraServing`` when the policy serves L2 adapters). Engines registered
-        with ``EngineTraits(configurable=True)`` implement it."""
+        ``rollout.factory.LoraServing`` when the policy serves L2 adapters; ``num_threads``: CPU
+        threads of an in-process engine, 0: the process's setting). Engines registered with
+        ``EngineTraits(configurable=True)`` implement it."""
         raise NotImplementedError(f"{cls.__name__} is not built from policies.<p>.engine")
 
 
@@ -161,5 +163,5 @@ class EngineTraits:
 
 ENGINES: Registry[type[Engine]] = Registry(
     "engine", traits=EngineTraits,
-    signature="class(Engine); configurable: cls.from_config(cfg: EngineConfig, path, *, replica, seed, lora) -> Engine",
+    signature="class(Engine); configurable: cls.from_config(cfg: EngineConfig, path, *, replica, seed, lora, num_threads)",
 )

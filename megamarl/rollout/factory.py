@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from megamarl.parallel.hardware import node_cores
 from megamarl.rollout import ENGINES, Engine, EnginePool
 
 
@@ -17,12 +18,22 @@ class LoraServing:
     rank: int
 
 
-def build_engine(cfg, path: Path, *, seed: int = 0, lora: LoraServing | None = None) -> Engine:
+def engine_threads(cfg, *, overlaps_training: bool, num_local_ranks: int) -> int:
+    """CPU threads an in-process engine decodes with: ``engine.num_threads``, or (0) every core of
+    the node when training waits during rollout, else the driver rank's share of the cores."""
+    if cfg.num_threads:
+        return cfg.num_threads
+    cores = node_cores()
+    return max(1, cores // num_local_ranks) if overlaps_training else cores
+
+
+def build_engine(cfg, path: Path, *, seed: int = 0, lora: LoraServing | None = None, num_threads: int = 0) -> Engine:
     """``cfg``: ``policies.<p>.engine``; ``lora``: the policy serves L2 adapters (vLLM must be started
-    with LoRA enabled). Replica ``i`` samples with seed ``seed + i``."""
+    with LoRA enabled); ``num_threads``: CPU threads per in-process engine (0: leave the process's
+    setting). Replica ``i`` samples with seed ``seed + i``."""
     cls = ENGINES.get(cfg.backend, key="policies.<p>.engine.backend")
 
     def replica(i: int) -> Engine:
-        return cls.from_config(cfg, path, replica=i, seed=seed + i, lora=lora)
+        return cls.from_config(cfg, path, replica=i, seed=seed + i, lora=lora, num_threads=num_threads)
 
     return replica(0) if cfg.num_replicas == 1 else EnginePool(replica, cfg.num_replicas)

@@ -34,6 +34,7 @@ from typing import Iterable
 
 import torch
 
+from megamarl.parallel.hardware import DTYPES, resolve_dtype
 from megamarl.rollout.base import ENGINES, EngineTraits, Generation, InProcessEngine, SamplingParams
 from megamarl.rollout.batching import MicroBatcher
 
@@ -55,8 +56,11 @@ class HFEngine(InProcessEngine):
         max_wait_ms: float = 5.0,
         eos_token_ids: Iterable[int] | None = None,
         seed: int = 0,
+        num_threads: int = 0,
     ) -> None:
+        """``num_threads`` > 0: CPU threads each batch decodes with (set on the batch's thread)."""
         super().__init__()
+        self.num_threads = num_threads
         if isinstance(model, torch.nn.Module):
             self.model_path = None
             self.model = model
@@ -96,6 +100,8 @@ class HFEngine(InProcessEngine):
     def _run_batch(self, requests: list[tuple[list[int], SamplingParams, str | None]]) -> list[list[Generation]]:
         results: list[list[Generation]] = [[] for _ in requests]
         num_rows = sum(sp.n for _, sp, _ in requests)
+        if self.num_threads > 0:  # this batch thread's OpenMP team (torch._C: vLLM may patch the wrapper)
+            torch._C.set_num_threads(self.num_threads)
         with self._model_lock:
             if self._closed:
                 raise RuntimeError("HFEngine was shut down")
@@ -215,8 +221,9 @@ class HFEngine(InProcessEngine):
     # -- LoRA ------------------------------------------------------------------------------------
 
     @classmethod
-    def from_config(cls, cfg, path: Path, *, replica: int, seed: int, lora=None) -> HFEngine:
-        return cls(path, seed=seed, max_batch_rows=cfg.max_num_seqs)
+    def from_config(cls, cfg, path: Path, *, replica: int, seed: int, lora=None, num_threads: int = 0) -> HFEngine:
+        dtype = DTYPES[resolve_dtype(cfg.dtype)]
+        return cls(path, seed=seed, max_batch_rows=cfg.max_num_seqs, dtype=dtype, num_threads=num_threads)
 
     def add_lora(self, name: str, path: str | Path) -> None:
         """Load the PEFT adapter directory ``path`` as adapter ``name`` (replacing one of that name)."""

@@ -92,7 +92,7 @@ class SGLangClient(Engine):
         self.weight_version = 0
 
     @classmethod
-    def from_config(cls, cfg, path, *, replica: int, seed: int, lora=None) -> SGLangClient:
+    def from_config(cls, cfg, path, *, replica: int, seed: int, lora=None, num_threads: int = 0) -> SGLangClient:
         """Replica ``i`` is the server at ``engine.server_urls[i]``."""
         if replica >= len(cfg.server_urls):
             raise ValueError(f"policies.<p>.engine.backend=sglang needs one engine.server_urls entry per replica "

