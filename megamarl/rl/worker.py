@@ -26,13 +26,19 @@ from typing import Iterator
 
 import torch
 import torch.distributed as dist
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
 from megamarl.config import PolicyConfig
+from megamarl.models.bridge import export_hf_weights, unwrap
+from megamarl.models.lora import add_lora_adapter, export_lora_weights, lora_parameters, set_active_adapter
 from megamarl.parallel.collectives import all_reduce_sum
 from megamarl.parallel.placement import WorkerGroup
 from megamarl.rl.advantages import ADVANTAGE_ESTIMATORS, AdvantageConfig
 from megamarl.rl.batch import SampleBatch
-from megamarl.rl.losses import LossConfig, policy_loss
+from megamarl.rl.losses import LOSS_AGGREGATIONS, LossConfig, masked_mean, policy_loss, value_loss
 from megamarl.rl.vocab_parallel import place_window, vocab_parallel_logprobs
 
 
@@ -74,8 +80,6 @@ class LogitWindow:
     """
 
     def __init__(self, model: torch.nn.Module):
-        from megamarl.models.bridge import unwrap
-
         self.start = 0
         self.hidden: torch.Tensor | None = None  # the last forward's windowed decoder output [W, B, H]
         gpt = unwrap(model)
@@ -145,9 +149,6 @@ class PolicyWorker:
         """``lora`` (a ``megamarl.models.lora.LoraConfig``): L2, one adapter per agent that names one
         (``agents[a].adapter``) on a frozen base; only adapters train, each micro-batch runs with its
         agent's adapter, the reference policy is the base itself (adapters off)."""
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-        from megatron.core.distributed.finalize_model_grads import finalize_model_grads
-
         if not wg.is_member:
             raise ValueError(f"rank {dist.get_rank()} holds no shard of policy '{name}'")
         self.name, self.cfg, self.wg, self.loss_cfg = name, cfg, wg, loss_cfg
@@ -159,8 +160,6 @@ class PolicyWorker:
         self.agents = agents or {}
         self.adapters = sorted({a.adapter for a in self.agents.values() if a.adapter})
         if self.adapters:
-            from megamarl.models.lora import add_lora_adapter
-
             if lora is None:
                 raise ValueError(f"policies.{name}: agents name LoRA adapters {self.adapters} but policies.{name}.lora is not set")
             for adapter in self.adapters:  # before DDP: it allocates grad buffers for what requires grad
@@ -201,8 +200,6 @@ class PolicyWorker:
         """One optimizer group per LoRA adapter (its agent's lr), else one group."""
         if not self.adapters:
             return [{"params": self.params}]
-        from megamarl.models.lora import lora_parameters
-
         lrs = {a.adapter: a.lr for a in self.agents.values() if a.adapter and a.lr is not None}
         return [{"params": lora_parameters(self.model, adapter), "lr": lrs.get(adapter, cfg.lr)} for adapter in self.adapters]
 
@@ -215,14 +212,10 @@ class PolicyWorker:
 
     def export_adapter(self, adapter: str):
         """Stream adapter ``adapter`` of this stage as PEFT tensors (L2 weight sync)."""
-        from megamarl.models.lora import export_lora_weights
-
         return export_lora_weights(self.model, self.wg, adapter)
 
     def export(self):
         """Stream this stage's weights as (HF name, full tensor) for weight sync."""
-        from megamarl.models.bridge import export_hf_weights
-
         return export_hf_weights(self.model, self.wg)
 
     # ---- data layout ----------------------------------------------------------------------------
@@ -270,9 +263,6 @@ class PolicyWorker:
     def _schedule(
         self, micro_batches: list[SampleBatch], loss_func, *, forward_only: bool, reference: bool = False
     ) -> list:
-        from megatron.core.pipeline_parallel import get_forward_backward_func
-        from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
-
         if not micro_batches:
             return []
         pp = self.wg.layout.pp
@@ -286,8 +276,6 @@ class PolicyWorker:
             mb = next(data_iterator)
             self.on_micro_batch()
             if self.adapters and model is not self.ref_model:
-                from megamarl.models.lora import set_active_adapter
-
                 set_active_adapter(model, None if reference else self._adapter(mb))
             seq_len = mb.tokens.shape[1]
             positions = torch.arange(seq_len).expand_as(mb.tokens)
@@ -460,8 +448,6 @@ class PolicyWorker:
         return collected
 
     def _value_loss(self, mb, offset, returns, old_values, counts, metrics: dict) -> torch.Tensor:
-        from megamarl.rl.losses import LOSS_AGGREGATIONS, masked_mean, value_loss
-
         values = self._values(mb, offset)
         per_token, clipped = value_loss(values, old_values, returns, mb.response_mask, clip=self.critic.value_clip)
         vf_loss = LOSS_AGGREGATIONS.get(self.loss_cfg.agg_mode)(per_token, mb.response_mask, **counts)
