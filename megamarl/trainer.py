@@ -327,6 +327,9 @@ class RolloutDriver:
         # eval set name ("" = the unnamed default set) -> env (eval.env / eval.sets; default: training env)
         self.eval_envs = {name: EnvMaker(env.name, **env.kwargs)
                           for name, env in cfg.eval.resolved_sets(cfg.env).items()}
+        if cfg.eval.sets or cfg.eval.env is not None:
+            for name, env in cfg.eval.resolved_sets(cfg.env).items():
+                self.console_print(f"eval set {name or '(default)'}: env {env.name} {env.kwargs}")
         self.loop = RolloutLoop()  # every engine call of the driver runs on this one event loop
         self.schedule = build_schedule(cfg, self, self.loop)  # trainer.mode
         self.console_print(self.schedule.describe())
