@@ -203,22 +203,65 @@ class AlgorithmConfig:
     estimator: str = "at_grpo"
     group_by: list[str] = field(default_factory=lambda: ["task", "agent", "turn"])
     normalize_std: bool = True
+    std_ddof: int = 1  # group std: 1 unbiased (n - 1; verl, Dr.MAS, GiGPO), 0 population (n)
     team_alpha: float = 1.0  # reward = team + alpha * local
     turn_gamma: float = 1.0
     invalid_penalty: float = 0.0
-    dynamic_sampling: bool = False
+    dynamic_sampling: bool = False  # drop groups (the estimator's group key) whose rewards are all equal
+    # DAPO refill: up to this many extra rollout rounds per step until rollout.num_tasks tasks have an
+    # informative group (needs dynamic_sampling); 0: train on what is left after the filter.
+    max_refill_rounds: int = 0
     loss_agg: str = "token-mean"
     kl_type: str = "k3"
     tis_cap: float = 2.0  # truncated IS cap (rollout vs training logprobs); 0 disables
     estimator_kwargs: dict[str, Any] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        if self.std_ddof not in (0, 1):
+            raise ValueError(f"algorithm.std_ddof must be 0 (population) or 1 (unbiased), got {self.std_ddof}")
+        if self.max_refill_rounds < 0:
+            raise ValueError(f"algorithm.max_refill_rounds must be >= 0, got {self.max_refill_rounds}")
+        if self.max_refill_rounds > 0 and not self.dynamic_sampling:
+            raise ValueError("algorithm.max_refill_rounds > 0 needs algorithm.dynamic_sampling=true")
+
+
+@dataclass
+class EvalEnvConfig:
+    """One evaluation set's env; unset fields come from the training ``env`` section."""
+
+    name: Optional[str] = None  # registered env; None: env.name
+    kwargs: Optional[dict[str, Any]] = None  # None: env.kwargs when the name is env.name, else {}
+
+    def resolve(self, train: EnvConfig) -> EnvConfig:
+        name = self.name or train.name
+        kwargs = self.kwargs if self.kwargs is not None else (dict(train.kwargs) if name == train.name else {})
+        return EnvConfig(name=name, kwargs=dict(kwargs))
+
 
 @dataclass
 class EvalConfig:
     every: int = 0  # steps; 0 disables periodic eval (still runs at start and end when num_tasks > 0)
-    num_tasks: int = 0
+    num_tasks: int = 0  # tasks per eval set
     k: int = 1  # samples per task for avg@k / pass@k
     temperature: float = 0.0
+    # Held-out data: the env of the (single, unnamed) eval set, e.g. another dataset_path; None: the
+    # training env with a seed the training stream never uses (logged as eval/team_accuracy, ...).
+    env: Optional[EvalEnvConfig] = None
+    # Several named sets instead (exclusive with env): eval/<set>/team_accuracy, eval/<set>/avg@k, ...
+    sets: dict[str, EvalEnvConfig] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.env is not None and self.sets:
+            raise ValueError("eval.env and eval.sets are exclusive: name the set in eval.sets.<name> instead")
+        bad = [name for name in self.sets if not name or "/" in name]
+        if bad:
+            raise ValueError(f"eval.sets names {bad} must be non-empty and contain no '/'")
+
+    def resolved_sets(self, train: EnvConfig) -> dict[str, EnvConfig]:
+        """Set name -> env; the unnamed set "" (metrics without a set prefix) unless ``sets`` is given."""
+        if self.sets:
+            return {name: spec.resolve(train) for name, spec in self.sets.items()}
+        return {"": (self.env or EvalEnvConfig()).resolve(train)}
 
 
 @dataclass
@@ -328,6 +371,9 @@ class RunConfig:
             for key, value in agent.train_overrides().items():
                 if key == "micro_batch_size" and value < 1 or key != "micro_batch_size" and value < 0:
                     raise ValueError(f"agents.{name}.{key} must be {'>= 1' if key == 'micro_batch_size' else '>= 0'}, got {value}")
+        if self.algorithm.max_refill_rounds > 0 and self.trainer.mode == "fully_async":
+            raise ValueError("algorithm.max_refill_rounds > 0 needs trainer.mode sync or one_step_off "
+                             "(fully_async batches already wait for rollout.num_tasks groups)")
         self._check_registered_names()
 
     def _check_registered_names(self) -> None:
@@ -342,12 +388,20 @@ class RunConfig:
 
         import_plugins(self.plugins)
         ADVANTAGE_ESTIMATORS.get(self.algorithm.estimator, key="algorithm.estimator")
-        for key, registry, section in (("env", ENVS, self.env), ("orchestra", ORCHESTRAS, self.orchestra)):
+        eval_envs = {f"eval.sets.{name}" if name else "eval.env": env
+                     for name, env in self.eval.resolved_sets(self.env).items()}
+        sections = [("env", ENVS, self.env), ("orchestra", ORCHESTRAS, self.orchestra)]
+        sections += [(key, ENVS, env) for key, env in eval_envs.items()]
+        for key, registry, section in sections:
             cls = registry.get(section.name, key=f"{key}.name")
             try:
                 cls.Config(**section.kwargs)
             except TypeError as exc:  # an unknown keyword
                 raise ValueError(f"{key}.kwargs for {key} '{section.name}': {exc}") from exc
+            except ValueError as exc:  # the env's own validation (names its field, not where it came from)
+                if key == "env":
+                    raise
+                raise ValueError(f"{key}.kwargs: {exc}") from exc
         for role, agent in self.agents.items():
             if agent.kind:
                 AGENTS.get(agent.kind, key=f"agents.{role}.kind")

@@ -52,6 +52,7 @@ from megamarl.async_rollout import (
 from megamarl.config import AlgorithmConfig, RunConfig, TrainerConfig
 from megamarl.orchestration.driver import EpisodeStats, RolloutResult
 from megamarl.registry import Registry
+from megamarl.rl.prepare import dynamic_sampling_key
 
 GIL_SWITCH_INTERVAL_S = 0.0005  # while rollout overlaps training (see the module docstring)
 
@@ -66,7 +67,7 @@ def policy_separable(algo: AlgorithmConfig) -> bool:
     policy's batch may be formed from its own samples alone. Unknown (plugin) estimators, gigpo
     (episode returns summed over agents), reinforce_pp and gae (batch-wide normalisation) are not."""
     per_agent_key = bool({"agent", "policy"} & set(algo.group_by))
-    if algo.dynamic_sampling and not per_agent_key:
+    if algo.dynamic_sampling and not {"agent", "policy"} & set(dynamic_sampling_key(algo)):
         return False
     if algo.estimator in PER_AGENT_ESTIMATORS:
         return True

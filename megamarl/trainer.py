@@ -29,10 +29,10 @@ from megamarl.parallel.distributed import control_group, init_distributed, wait_
 from megamarl.parallel.hardware import DTYPES, describe_dtype_choice, resolve_dtype
 from megamarl.progress import RunProgress
 from megamarl.parallel.placement import build_worker_groups
-from megamarl.rl.advantages import CRITIC_ESTIMATORS, AdvantageConfig, compute_advantages, group_ids
+from megamarl.rl.advantages import CRITIC_ESTIMATORS, AdvantageConfig
 from megamarl.rl.batch import SampleBatch, collate
 from megamarl.rl.losses import LossConfig
-from megamarl.rl.rewards import RewardConfig, dynamic_sampling_mask, shape_rewards
+from megamarl.rl.prepare import prepare_batch
 from megamarl.rl.worker import AgentTraining, CriticConfig, PolicyWorker
 from megamarl.rollout.weight_sync import sync_weights
 from megamarl.schedules import build_schedule, sync_interval
@@ -109,7 +109,8 @@ class Trainer:
         if algo.estimator not in CRITIC_ESTIMATORS:
             return None
         adv = AdvantageConfig(estimator=algo.estimator, norm_std=algo.normalize_std, **algo.estimator_kwargs)
-        return CriticConfig(gamma=adv.gamma, lam=adv.lam, whiten=adv.norm_std, value_coef=policy.value_coef,
+        return CriticConfig(gamma=adv.gamma, lam=adv.lam, whiten=adv.norm_std, std_ddof=algo.std_ddof,
+                            value_coef=policy.value_coef,
                             value_clip=policy.value_clip)
 
     def _loss_config(self, policy, **overrides) -> LossConfig:
@@ -363,7 +364,13 @@ class RolloutDriver:
         )
         self.logger = MetricsLogger(run_dir, cfg.logger, cfg.name, json.loads(json.dumps(asdict(cfg), default=str)), rank=0)
         self.rollout_seconds = 0.0
-        self.totals = {"dropped_episodes": 0, "failed_episodes": 0, "dropped_groups": 0}
+        self.totals = {"dropped_episodes": 0, "failed_episodes": 0, "dropped_groups": 0, "refill_rounds": 0}
+        # eval set name ("" = the unnamed default set) -> env (eval.env / eval.sets; default: training env)
+        self.eval_envs = {name: EnvMaker(env.name, **env.kwargs)
+                          for name, env in cfg.eval.resolved_sets(cfg.env).items()}
+        if cfg.eval.sets or cfg.eval.env is not None:
+            for name, env in cfg.eval.resolved_sets(cfg.env).items():
+                self.console_print(f"eval set {name or '(default)'}: env {env.name} {env.kwargs}")
         self.loop = RolloutLoop()  # every engine call of the driver runs on this one event loop
         self.schedule = build_schedule(cfg, self, self.loop)  # trainer.mode
         self.console_print(self.schedule.describe())
@@ -376,12 +383,12 @@ class RolloutDriver:
         seed = self.cfg.trainer.seed * 1_000_003 + index
         return self.env.tasks(self.cfg.rollout.num_tasks, seed=seed), seed
 
-    async def episodes(self, tasks, *, group_size: int, agents=None, seed: int | None = None):
+    async def episodes(self, tasks, *, group_size: int, agents=None, seed: int | None = None, env=None):
         from megamarl.orchestration.driver import run_episodes
 
         engines = {name: pool[0] if len(pool) == 1 else pool for name, pool in self.engines.items()}
         return await run_episodes(
-            self.orchestra, self.env, tasks, agents=agents or self.agents, engines=engines,
+            self.orchestra, env or self.env, tasks, agents=agents or self.agents, engines=engines,
             group_size=group_size, max_concurrency=self.cfg.rollout.max_concurrency,
             step_timeout_s=self.cfg.rollout.env_timeout_s, seed=seed, on_episode=self._episode_done,
         )
@@ -392,8 +399,8 @@ class RolloutDriver:
         if phase is not None:
             phase.advance(tokens=sum(len(s.response_ids) for s in samples))
 
-    def _run(self, tasks, *, group_size: int, agents=None, seed: int | None = None):
-        return self.loop.run(self.episodes(tasks, group_size=group_size, agents=agents, seed=seed))
+    def _run(self, tasks, *, group_size: int, agents=None, seed: int | None = None, env=None):
+        return self.loop.run(self.episodes(tasks, group_size=group_size, agents=agents, seed=seed, env=env))
 
     def weight_update(self):
         """Context for a weight push: the schedule drains or pauses the rollout around it."""
@@ -420,36 +427,36 @@ class RolloutDriver:
             raise RuntimeError(f"step {step}: no samples (all {len(result.episodes)} episodes failed: {dict(result.reasons())})")
         pad_id = next(iter(self.pad_ids.values()))
         batch = collate(result.samples, pad_id=pad_id)
-        batch, adv_metrics = self.advantages(batch)
+        batch, adv_metrics = self.advantages(batch, step=step)
         metrics.update(adv_metrics)
         metrics.update(per_agent_metrics(batch, result))
         return batch, metrics
 
-    def advantages(self, batch: SampleBatch) -> tuple[SampleBatch, dict[str, float]]:
-        a = self.cfg.algorithm
-        index = batch.group_index()
-        rewards = shape_rewards(
-            batch.team_rewards, batch.local_rewards, valid=batch.valid,
-            seq_ids=group_ids(index, ("task", "episode", "agent")), turns=batch.turn,
-            cfg=RewardConfig(alpha=a.team_alpha, turn_gamma=a.turn_gamma, invalid_penalty=a.invalid_penalty),
-        )
-        batch = batch.replace(rewards=rewards)
-        metrics = {}
-        if a.dynamic_sampling:
-            keep, num_dropped = dynamic_sampling_mask(batch.rewards, group_ids(index, tuple(a.group_by)))
-            metrics["rollout/dropped_groups"] = float(num_dropped)
-            self.totals["dropped_groups"] += num_dropped
-            if keep.any():
-                batch = batch.select(keep)
-        if a.estimator in CRITIC_ESTIMATORS:
-            return batch, metrics  # each policy's workers compute GAE from their critic's values
-        adv_cfg = AdvantageConfig(estimator=a.estimator, group_by=list(a.group_by), norm_std=a.normalize_std, **a.estimator_kwargs)
-        advantages = compute_advantages(batch.rewards, batch.group_index(), adv_cfg)
-        return batch.replace(advantages=advantages), metrics
+    def advantages(self, batch: SampleBatch, *, step: int = 0) -> tuple[SampleBatch, dict[str, float]]:
+        """Reward shaping, dynamic sampling with refill, advantages (``megamarl.rl.prepare``)."""
+        batch, metrics = prepare_batch(batch, self.cfg.algorithm, num_tasks=self.cfg.rollout.num_tasks,
+                                       draw=lambda round_: self._refill(step, round_))
+        self.totals["dropped_groups"] += int(metrics.get("rollout/dropped_groups", 0))
+        self.totals["refill_rounds"] += int(metrics.get("rollout/refill_rounds", 0))
+        return batch, metrics
+
+    def _refill(self, step: int, round_: int) -> SampleBatch | None:
+        """A fresh chunk for dynamic sampling's refill: its own seed (negative chunk indices, which the
+        training stream never uses) and task ids suffixed so its groups never merge with the batch's."""
+        tasks, seed = self.task_chunk(-(step * self.cfg.algorithm.max_refill_rounds + round_))
+        tasks = [replace(t, task_id=f"{t.task_id}~refill{round_}") for t in tasks]
+        result = self._run(tasks, group_size=self.cfg.rollout.group_size, seed=seed)
+        self.totals["dropped_episodes"] += result.num_dropped
+        self.totals["failed_episodes"] += result.num_failed
+        if not result.samples:
+            return None
+        return collate(result.samples, pad_id=next(iter(self.pad_ids.values())))
 
     def evaluate(self, step: int) -> dict:
+        """Greedy evaluation on every eval set (``eval.env`` / ``eval.sets``); one eval.json entry
+        holds them all: the unnamed default set as ``team_accuracy``, ``avg@k``, ...; a named set as
+        ``<set>/team_accuracy`` (logged as ``eval/<set>/team_accuracy``)."""
         from megamarl.orchestration.agents import build_agents
-        from megamarl.orchestration.driver import RolloutResult  # noqa: F401 - result type
 
         e = self.cfg.eval
         greedy = {}
@@ -458,12 +465,16 @@ class RolloutDriver:
             oc.sampling = replace(oc.sampling, temperature=e.temperature, top_p=1.0, top_k=-1)
             oc.tree_k = 1  # evaluation is one pass: no best-of-K with the env's check fn
             greedy[role] = oc
-        agents = build_agents(greedy, self.tokenizers, default_kinds=self.env.default_agents)
-        tasks = self.env.tasks(e.num_tasks, seed=10**9 + 7)  # held out: a seed the training stream never uses
-        with self.progress.phase(f"eval at step {step}", total=len(tasks) * e.k, in_step=False) as self._phase:
-            result = self._run(tasks, group_size=e.k, agents=agents, seed=10**9 + 7)
-        self._phase = None
-        results = eval_summary(result, k=e.k)
+        results: dict = {}
+        for name, env in self.eval_envs.items():
+            agents = build_agents(greedy, self.tokenizers, default_kinds=env.default_agents)
+            tasks = env.tasks(e.num_tasks, seed=10**9 + 7)  # held out: a seed the training stream never uses
+            label = f"eval {name} at step {step}" if name else f"eval at step {step}"
+            with self.progress.phase(label, total=len(tasks) * e.k, in_step=False) as self._phase:
+                result = self._run(tasks, group_size=e.k, agents=agents, seed=10**9 + 7, env=env)
+            self._phase = None
+            prefix = f"{name}/" if name else ""
+            results.update({prefix + key: value for key, value in eval_summary(result, k=e.k).items()})
         results["step"] = step
         self.logger.log_eval(step, results)
         self.console_print(f"eval step {step}: " + ", ".join(f"{k}={v:.3f}" for k, v in results.items() if k != "step"))
@@ -486,7 +497,7 @@ class RolloutDriver:
         return {"totals": dict(self.totals)}
 
     def load_state_dict(self, state: dict) -> None:
-        self.totals = dict(state["totals"])
+        self.totals = {**self.totals, **state["totals"]}  # counters added since an old checkpoint start at 0
 
     def close(self) -> None:
         from megamarl.plot import plot_run

@@ -14,6 +14,7 @@ itself; ``default_agents`` maps each role to a registered agent kind.
 from __future__ import annotations
 
 import abc
+import random
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -94,6 +95,25 @@ class Env(abc.ABC):
 
 
 ENVS: Registry[type[Env]] = Registry("env")
+
+
+def draw_from_dataset(num_items: int, num_tasks: int, *, seed: int, prefix: str) -> list[tuple[int, str]]:
+    """``num_tasks`` (item index, unique task id) pairs from a dataset of ``num_items`` items.
+
+    Items are drawn without repetition: a seeded permutation of the whole dataset, then (only when
+    ``num_tasks > num_items``) a fresh permutation per further pass. A repeated item gets its own
+    task id (``{prefix}-{item}`` on the first pass, ``{prefix}-{item}.{pass}`` after), so its episodes
+    form a group of their own instead of merging with the first copy's.
+    """
+    if num_items < 1:
+        raise ValueError(f"{prefix}: the dataset is empty")
+    rng = random.Random(seed)
+    picks: list[tuple[int, str]] = []
+    for pass_ in range(-(-num_tasks // num_items)):
+        order = list(range(num_items))
+        rng.shuffle(order)
+        picks += [(j, f"{prefix}-{j}" if pass_ == 0 else f"{prefix}-{j}.{pass_}") for j in order]
+    return picks[:num_tasks]
 
 
 class EnvMaker:

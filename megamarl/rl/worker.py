@@ -30,8 +30,8 @@ import torch.distributed as dist
 from megamarl.config import PolicyConfig
 from megamarl.parallel.placement import WorkerGroup
 from megamarl.rl.batch import SampleBatch
-from megamarl.rl.losses import LossConfig, policy_loss
-from megamarl.rl.vocab_parallel import place_window, vocab_parallel_logprobs
+from megamarl.rl.losses import LossConfig, loss_counts, policy_loss
+from megamarl.rl.vocab_parallel import place_window, scale_logits, vocab_parallel_logprobs
 
 
 def causal_mask(seq_len: int) -> torch.Tensor:
@@ -105,6 +105,7 @@ class CriticConfig:
     gamma: float = 1.0
     lam: float = 1.0
     whiten: bool = True  # advantages whitened over the policy batch's response tokens (all DP ranks)
+    std_ddof: int = 1  # of the whitening std (algorithm.std_ddof)
     value_coef: float = 0.5
     value_clip: float | None = 0.2
 
@@ -225,8 +226,13 @@ class PolicyWorker:
 
     # ---- data layout ----------------------------------------------------------------------------
     def my_part(self, batch: SampleBatch) -> SampleBatch:
-        """This DP rank's share (identical on TP/PP peers: the split is deterministic)."""
-        return batch.balance_across_dp(self.wg.layout.dp)[self.wg.dp_rank]
+        """This DP rank's share (identical on TP/PP peers: the split is deterministic).
+
+        A rank whose share is empty (fewer rows than DP ranks) gets one row with an empty response
+        mask instead: it contributes zero loss and zero gradient, but runs the same forward/backward
+        and so joins the DP gradient all-reduce the other ranks are waiting in."""
+        part = batch.balance_across_dp(self.wg.layout.dp)[self.wg.dp_rank]
+        return part if part.num_samples or not batch.num_samples else zero_weight_rows(batch.select([0]))
 
     def _micro_batches(self, part: SampleBatch) -> list[SampleBatch]:
         """Micro-batches of ``cfg.micro_batch_size`` rows; with per-agent settings, each micro-batch
@@ -253,10 +259,10 @@ class PolicyWorker:
         return torch.autocast(device_type, dtype=self.compute_dtype, enabled=self.compute_dtype != torch.float32)
 
     def _logprobs(self, logits: torch.Tensor, mb: SampleBatch, offset: int) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = logits.float()  # temperature scaling and log-softmax in fp32 whatever the compute dtype
         vocab_start = self._vocab_start(logits)
-        if any(t != 1.0 for t in mb.temperatures):  # the distribution the engine sampled from
-            logits = logits / torch.tensor(mb.temperatures, dtype=logits.dtype).view(-1, 1, 1)
+        # the distribution the engine sampled from; temperature scaling and log-softmax in fp32 whatever
+        # the compute dtype
+        logits = scale_logits(logits, mb.temperatures)
         disallowed = restricted_vocab_mask(mb.allowed, vocab_start, logits.shape[-1])
         if disallowed is not None:  # renormalise over the set the engine sampled from
             logits = logits.masked_fill(disallowed.unsqueeze(1), float("-inf"))
@@ -348,7 +354,7 @@ class PolicyWorker:
         mask = part.response_mask
         adv, returns = gae(rewards_to_tokens(part.rewards, mask), values, mask, gamma=self.critic.gamma, lam=self.critic.lam)
         if self.critic.whiten:
-            adv = _dp_whiten(adv, mask, self.wg.pgs.dp)
+            adv = _dp_whiten(adv, mask, self.wg.pgs.dp, ddof=self.critic.std_ddof)
         return part.replace(advantages=adv), returns, values
 
     def critic_state(self) -> dict | None:
@@ -412,12 +418,14 @@ class PolicyWorker:
             part, returns, values = self.critic_targets(part)
             critic = (returns, values)
             timings["timing_values_s"] = time.perf_counter() - start
-        counts = dict(num_tokens=int(batch.response_mask.sum()), num_seqs=batch.num_samples)
+        counts = loss_counts(batch.response_mask)  # of the whole policy batch (all DP ranks)
         metrics: dict[str, float] = {}
         start = time.perf_counter()
         for _ in range(self.cfg.ppo_epochs):
             metrics = self._update(part, old, counts, ref=ref, critic=critic)
         timings["timing_update_s"] = time.perf_counter() - start
+        if not part.response_mask.any():  # a zero-weight stand-in (my_part): its loss terms are not data
+            metrics = {k: v for k, v in metrics.items() if k in ("grad_norm", "lr")}
         return {**metrics, **timings}
 
     def _update(self, part: SampleBatch, old: torch.Tensor | None, counts: dict, *, ref=None, critic=None) -> dict[str, float]:
@@ -497,8 +505,13 @@ class PolicyWorker:
         return bool(getattr(p, "tensor_model_parallel", False)) or self.wg.tp_rank == 0
 
 
-def _dp_whiten(x: torch.Tensor, mask: torch.Tensor, dp_group, eps: float = 1e-6) -> torch.Tensor:
-    """``masked_whiten`` with statistics over every DP rank's part (population std)."""
+def zero_weight_rows(batch: SampleBatch) -> SampleBatch:
+    """``batch`` with no response tokens: every loss term is masked out, so its gradient is exactly 0."""
+    return batch.replace(response_mask=torch.zeros_like(batch.response_mask))
+
+
+def _dp_whiten(x: torch.Tensor, mask: torch.Tensor, dp_group, eps: float = 1e-6, ddof: int = 1) -> torch.Tensor:
+    """``masked_whiten`` with statistics over every DP rank's part (std with ``ddof``)."""
     mask = mask.bool()
     xm = torch.where(mask, x, 0.0).double()
     stats = torch.stack([xm.sum(), (xm * xm).sum(), mask.sum().double()])
@@ -506,7 +519,7 @@ def _dp_whiten(x: torch.Tensor, mask: torch.Tensor, dp_group, eps: float = 1e-6)
         dist.all_reduce(stats, group=dp_group)
     count = stats[2].clamp(min=1)
     mean = stats[0] / count
-    std = (stats[1] / count - mean * mean).clamp(min=0).sqrt()
+    std = ((stats[1] - count * mean * mean) / (count - ddof).clamp(min=1)).clamp(min=0).sqrt()
     return torch.where(mask, (x.double() - mean) / (std + eps), 0.0).to(x.dtype)
 
 
