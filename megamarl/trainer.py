@@ -320,6 +320,7 @@ class RolloutDriver:
             {role: a.to_orchestration(self.tokenizers[a.policy]) for role, a in cfg.agents.items()}, self.tokenizers,
             default_kinds=self.env.default_agents,
         )
+        self.policy_mapping = _policy_mapping(cfg, self.tokenizers)
         self.logger = MetricsLogger(run_dir, cfg.logger, cfg.name, json.loads(json.dumps(asdict(cfg), default=str)), rank=0)
         self.rollout_seconds = 0.0
         self.totals = {"dropped_episodes": 0, "failed_episodes": 0, "dropped_groups": 0}
@@ -342,7 +343,7 @@ class RolloutDriver:
         return await run_episodes(
             self.orchestra, self.env, tasks, agents=agents or self.agents, engines=engines,
             group_size=group_size, max_concurrency=self.cfg.rollout.max_concurrency,
-            step_timeout_s=self.cfg.rollout.env_timeout_s, seed=seed,
+            step_timeout_s=self.cfg.rollout.env_timeout_s, seed=seed, policy_mapping=self.policy_mapping,
         )
 
     def _run(self, tasks, *, group_size: int, agents=None, seed: int | None = None):
@@ -443,6 +444,21 @@ class RolloutDriver:
             for engine in pool:
                 engine.shutdown()
         plot_run(self.run_dir)
+
+
+def _policy_mapping(cfg: RunConfig, tokenizers: dict):
+    """``rollout.policy_mapping`` resolved; its policies must share one vocabulary, since an agent's
+    prompt is tokenized once, whichever policy serves it."""
+    if not cfg.rollout.policy_mapping:
+        return None
+    from megamarl.registry import resolve_callable
+
+    vocabs = {name: tok.get_vocab() for name, tok in tokenizers.items()}
+    first = next(iter(vocabs))
+    for name, vocab in vocabs.items():
+        if vocab != vocabs[first]:
+            raise ValueError(f"rollout.policy_mapping: policies '{first}' and '{name}' have different tokenizers")
+    return resolve_callable(cfg.rollout.policy_mapping, key="rollout.policy_mapping")
 
 
 def _lora_serving(cfg: RunConfig, policy: str):
