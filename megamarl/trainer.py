@@ -34,6 +34,10 @@ from megamarl.rl.rewards import RewardConfig, dynamic_sampling_mask, shape_rewar
 from megamarl.rl.worker import AgentTraining, CriticConfig, PolicyWorker
 from megamarl.rollout.weight_sync import sync_weights
 from megamarl.schedules import build_schedule, sync_interval
+from megamarl.step_metrics import (
+    agent_batch_metrics, idle_seconds, merge_rank_metrics, peak_memory_gib, success_metrics, throughput_metrics,
+    trained_tokens,
+)
 
 DRIVER = 0
 
@@ -122,7 +126,12 @@ class Trainer:
             metrics.update(self.update(batch))
             metrics.update(self.sync_all_weights(self.due_for_sync()))
             self.step += 1
-            metrics["timing/step_s"] = time.perf_counter() - step_start
+            metrics["timing_s/step"] = time.perf_counter() - step_start
+            metrics["timing_s/idle"] = idle_seconds(metrics)
+            metrics.update(throughput_metrics(
+                num_train_tokens=trained_tokens(batch, self.trained_policies()), update_s=metrics["timing_s/update"],
+                num_samples=batch.num_samples, step_s=metrics["timing_s/step"],
+            ))
             self.log(metrics)
             if self._due(self.cfg.eval.every) or self.step == total:
                 self.evaluate()
@@ -149,12 +158,18 @@ class Trainer:
             self.updates_since_sync[name] += 1  # on every rank: the batch is the same everywhere
             if name in self.workers:
                 for key, value in self.workers[name].train_step(part).items():
-                    metrics[f"policy/{name}/{key}"] = value
+                    # the worker's sections (timing_s/<section>) become timing_s/<policy>/<section>
+                    section = key.removeprefix("timing_s/")
+                    metrics[f"timing_s/{name}/{section}" if section != key else f"policy/{name}/{key}"] = value
+                metrics[f"perf/max_memory_gib/{name}"] = peak_memory_gib()
         gathered = [None] * self.world_size
         dist.all_gather_object(gathered, metrics, group=control_group())
-        merged = {k: v for rank_metrics in gathered for k, v in rank_metrics.items()}
-        merged["timing/update_s"] = time.perf_counter() - start
+        merged = merge_rank_metrics(gathered)
+        merged["timing_s/update"] = time.perf_counter() - start
         return merged
+
+    def trained_policies(self) -> list[str]:
+        return [name for name, policy in self.cfg.policies.items() if not policy.frozen]
 
     def due_for_sync(self) -> list[str]:
         """Policies with ``sync_every`` updates since their last weight push (same on every rank)."""
@@ -180,7 +195,7 @@ class Trainer:
                 engines = self.driver.engines_for(name) if self.is_driver else None
                 metrics.update(self._push_policy(name, worker, engines))
         dist.barrier(group=control_group())
-        metrics["timing/weight_sync_s"] = time.perf_counter() - start
+        metrics["timing_s/weight_sync"] = time.perf_counter() - start
         return metrics
 
     def _push_policy(self, name: str, worker: PolicyWorker | None, engines: list | None) -> dict[str, float]:
@@ -359,7 +374,7 @@ class RolloutDriver:
         start = time.perf_counter()
         trainable = {name: v for name, v in versions.items() if not self.cfg.policies[name].frozen}
         result, metrics = self.schedule.next_rollout(step, trainable)
-        metrics.update({"timing/rollout_s": time.perf_counter() - start, **result.summary()})
+        metrics.update({"timing_s/rollout": time.perf_counter() - start, **result.summary()})
         self.totals["dropped_episodes"] += result.num_dropped
         self.totals["failed_episodes"] += result.num_failed
         for key in ("dropped_stale_groups", "dropped_stale_samples"):
@@ -410,9 +425,8 @@ class RolloutDriver:
         tasks = self.env.tasks(e.num_tasks, seed=10**9 + 7)  # held out: a seed the training stream never uses
         result = self._run(tasks, group_size=e.k, agents=agents, seed=10**9 + 7)
         results = eval_summary(result, k=e.k)
-        results["step"] = step
         self.logger.log_eval(step, results)
-        self.console_print(f"eval step {step}: " + ", ".join(f"{k}={v:.3f}" for k, v in results.items() if k != "step"))
+        self.console_print(f"eval step {step}: " + ", ".join(f"{k}={v:.3f}" for k, v in results.items()))
         return results
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
@@ -420,7 +434,7 @@ class RolloutDriver:
         for key, value in self.totals.items():
             metrics[f"rollout/total_{key}"] = float(value)
         self.logger.log(step, metrics)
-        shown = {k: metrics[k] for k in ("rollout/team_reward_mean", "rollout/success_rate", "timing/step_s") if k in metrics}
+        shown = {k: metrics[k] for k in ("rollout/team_reward_mean", "rollout/success_rate", "timing_s/step") if k in metrics}
         self.console_print(f"step {step}: " + ", ".join(f"{k}={v:.3f}" for k, v in shown.items()))
 
     def console_print(self, text: str) -> None:
@@ -485,21 +499,13 @@ def _lora_config(policy):
 
 
 def per_agent_metrics(batch: SampleBatch, result) -> dict[str, float]:
-    out = {}
-    names = batch.names("agent")
-    lengths = batch.response_mask.sum(1).float()
-    for agent in sorted(set(names)):
-        rows = torch.tensor([n == agent for n in names])
-        out[f"agent/{agent}/reward_mean"] = float(batch.rewards[rows].mean())
-        out[f"agent/{agent}/response_len"] = float(lengths[rows].mean())
-        out[f"agent/{agent}/invalid_rate"] = float((~batch.valid[rows]).float().mean())
-        out[f"agent/{agent}/num_samples"] = float(rows.sum())
-        out[f"agent/{agent}/success"] = float((batch.team_rewards[rows] > 0).float().mean())
-    return out
+    """Per-agent batch statistics and each agent's (and policy's) own success (megamarl.step_metrics)."""
+    return {**agent_batch_metrics(batch), **success_metrics(e for e in result.episodes if e.status == "ok")}
 
 
 def eval_summary(result, *, k: int) -> dict[str, float]:
-    """Team accuracy (mean success over all episodes), avg@k and pass@k over each task's k episodes."""
+    """Team accuracy (mean success over all episodes), avg@k and pass@k over each task's k episodes,
+    and each agent's / policy's own success rate."""
     by_task: dict[str, list[bool]] = {}
     for episode in result.episodes:
         by_task.setdefault(episode.task_id, []).append(episode.status == "ok" and episode.success)
@@ -509,4 +515,5 @@ def eval_summary(result, *, k: int) -> dict[str, float]:
         f"avg@{k}": sum(sum(v) / len(v) for v in by_task.values()) / num,
         f"pass@{k}": sum(any(v) for v in by_task.values()) / num,
         "num_tasks": float(len(by_task)),
+        **success_metrics(e for e in result.episodes if e.status == "ok"),
     }

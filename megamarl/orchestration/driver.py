@@ -44,8 +44,8 @@ class EpisodeStats:
     num_samples: int = 0
     num_calls: dict[str, int] = field(default_factory=dict)  # agent -> number of act() calls
     num_invalid: int = 0
-    agent_success: dict[str, bool] = field(default_factory=dict)  # agents that acted -> own success
-    policies: dict[str, str] = field(default_factory=dict)  # agents that acted -> policy they used
+    agent_success: dict[str, bool] = field(default_factory=dict)  # agent -> own success (ok episodes)
+    policies: dict[str, str] = field(default_factory=dict)  # agent -> the policy it used
 
 
 @dataclass
@@ -129,7 +129,7 @@ async def run_episode(
     stats.env_done = bool(ctx.env.done)
     stats.num_samples = len(ctx.samples)
     stats.num_invalid = sum(not s.valid for s in ctx.samples)
-    for agent in stats.num_calls:
+    for agent in ctx.agents:  # every seat, also one that never acted (its opponent forfeited first)
         own = ctx.env.agent_success(agent)
         stats.agent_success[agent] = stats.success if own is None else bool(own)
         stats.policies[agent] = ctx.policy_of(agent)

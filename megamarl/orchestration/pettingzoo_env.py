@@ -40,7 +40,12 @@ from typing import Any, Callable
 from megamarl.orchestration.context import derive_seed
 from megamarl.orchestration.env import ENVS, Env, EnvConfig, StepResult, Task
 from megamarl.orchestration.pettingzoo_text import (
-    InvalidAction, action_mask, is_legal, parse_action, random_legal, render_observation,
+    InvalidAction,
+    action_mask,
+    is_legal,
+    parse_action,
+    random_legal,
+    render_observation,
 )
 from megamarl.registry import resolve_callable
 

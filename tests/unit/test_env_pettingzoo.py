@@ -10,7 +10,12 @@ from megamarl.orchestration import AgentConfig, EnvMaker, build_agents, build_or
 from megamarl.orchestration.agents import AGENTS, Agent, last_number
 from megamarl.orchestration.context import ConfigError
 from megamarl.orchestration.pettingzoo_text import InvalidAction, parse_action, render_observation
-from megamarl.orchestration.testing import CountingAECGame, EchoParallelGame, ScriptedEngine, smollm2_tokenizer
+from megamarl.orchestration.testing import (
+    CountingAECGame,
+    EchoParallelGame,
+    ScriptedEngine,
+    smollm2_tokenizer,
+)
 
 pettingzoo = pytest.importorskip("pettingzoo")
 spaces = pytest.importorskip("gymnasium.spaces")
