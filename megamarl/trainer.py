@@ -35,8 +35,8 @@ from megamarl.rl.worker import AgentTraining, CriticConfig, PolicyWorker
 from megamarl.rollout.weight_sync import sync_weights
 from megamarl.schedules import build_schedule, sync_interval
 from megamarl.step_metrics import (
-    agent_batch_metrics, idle_seconds, merge_rank_metrics, peak_memory_gib, success_metrics, throughput_metrics,
-    trained_tokens,
+    agent_batch_metrics, idle_seconds, merge_rank_metrics, peak_memory_gib, rollout_throughput, success_metrics,
+    throughput_metrics, trained_tokens,
 )
 
 DRIVER = 0
@@ -374,7 +374,9 @@ class RolloutDriver:
         start = time.perf_counter()
         trainable = {name: v for name, v in versions.items() if not self.cfg.policies[name].frozen}
         result, metrics = self.schedule.next_rollout(step, trainable)
-        metrics.update({"timing_s/rollout": time.perf_counter() - start, **result.summary()})
+        rollout_s = time.perf_counter() - start
+        metrics.update({"timing_s/rollout": rollout_s, **result.summary()})
+        metrics.update(rollout_throughput(result.samples, rollout_s))
         self.totals["dropped_episodes"] += result.num_dropped
         self.totals["failed_episodes"] += result.num_failed
         for key in ("dropped_stale_groups", "dropped_stale_samples"):
