@@ -10,7 +10,6 @@ The trainer logs what these return (docs/metrics.md is the table of every key):
   game; the team's success where the env defines none), and per policy the mean own success over
   the seats it played (with ``rollout.policy_mapping``: a self-play policy's win rate);
 * ``throughput_metrics``: ``perf/train_tokens_per_s`` and ``perf/samples_per_s``;
-  ``rollout_throughput``: ``perf/rollout_tokens_per_s``;
   ``idle_seconds``: the part of ``timing_s/step`` outside its sections;
 * ``peak_memory_gib``: this process's peak memory (CUDA allocator peak, else peak RSS).
 """
@@ -19,7 +18,7 @@ from __future__ import annotations
 
 import resource
 import sys
-from typing import Iterable, Mapping, Sequence
+from typing import Iterable, Mapping
 
 import torch
 
@@ -88,14 +87,6 @@ def idle_seconds(metrics: Mapping[str, float]) -> float:
     section accounts for (advantages, broadcasts, logging)."""
     sections = sum(metrics.get(f"timing_s/{name}", 0.0) for name in TOP_LEVEL_SECTIONS)
     return max(0.0, metrics["timing_s/step"] - sections)
-
-
-def rollout_throughput(samples: Sequence, rollout_s: float) -> dict[str, float]:
-    """``perf/rollout_tokens_per_s``: response tokens of the step's samples per second the driver
-    waited for them (``timing_s/rollout``; in async modes generation overlaps training, so this is
-    the rate the trainer was fed, not the engines' peak)."""
-    num_tokens = sum(len(s.response_ids) for s in samples)
-    return {"perf/rollout_tokens_per_s": num_tokens / rollout_s if rollout_s > 0 else 0.0}
 
 
 def peak_memory_gib() -> float:

@@ -157,6 +157,7 @@ async def run_episodes(
     episode_timeout_s: float | None = None,
     seed: int | None = None,
     policy_mapping: Callable[[str, int], str] | None = None,
+    on_episode: Callable[[list[Sample]], None] | None = None,
 ) -> RolloutResult:
     """Run ``len(tasks) * group_size`` episodes, at most ``max_concurrency`` at a time.
 
@@ -165,7 +166,8 @@ async def run_episodes(
     trainer passes one per step) seeds every engine call from (seed, episode id, agent, turn);
     None leaves sampling to the engines' own generators. ``policy_mapping(agent_id, episode_seed) ->
     policy`` (RLlib-style) binds each agent to a policy per episode (self-play: two policies swap
-    seats); ``episode_seed`` is derived from (seed or 0, task id, episode index).
+    seats); ``episode_seed`` is derived from (seed or 0, task id, episode index). ``on_episode``
+    receives each finished episode's samples (progress display).
     """
     if group_size < 1:
         raise ValueError(f"rollout.group_size must be >= 1, got {group_size}")
@@ -179,12 +181,15 @@ async def run_episodes(
             episode_seed = derive_seed(seed or 0, task.task_id, index)
             policies = {agent: policy_mapping(agent, episode_seed) for agent in agents}
         async with semaphore:
-            return await run_episode(
+            result = await run_episode(
                 orchestra, make_env(task), task, episode_id=f"{task.task_id}/{index}", agents=agents,
                 engines=engines, workers=workers, step_timeout_s=step_timeout_s,
                 episode_timeout_s=episode_timeout_s,
                 seed=None if seed is None else derive_seed(seed, task.task_id, index), policies=policies,
             )
+        if on_episode is not None:
+            on_episode(result[0])
+        return result
 
     results = await asyncio.gather(*(one(task, g) for task in tasks for g in range(group_size)))
     samples = [s for episode_samples, _ in results for s in episode_samples]

@@ -9,8 +9,7 @@ from megamarl.orchestration.driver import EpisodeStats
 from megamarl.rl.batch import collate
 from megamarl.rl.sample import Sample
 from megamarl.step_metrics import (
-    agent_batch_metrics, idle_seconds, merge_rank_metrics, rollout_throughput, success_metrics, throughput_metrics,
-    trained_tokens,
+    agent_batch_metrics, idle_seconds, merge_rank_metrics, success_metrics, throughput_metrics, trained_tokens,
 )
 
 
@@ -73,8 +72,6 @@ def test_throughput_idle_and_rank_merge(batch):
     assert trained_tokens(batch, ["alpha", "beta"]) == 9 + (2 + 1) + (4 + 4)
     assert throughput_metrics(num_train_tokens=900, update_s=3.0, num_samples=8, step_s=4.0) == {
         "perf/train_tokens_per_s": 300.0, "perf/samples_per_s": 2.0}
-    samples = [_sample("x", "alpha", 0.0, response=3), _sample("o", "beta", 0.0, response=5)]
-    assert rollout_throughput(samples, 2.0) == {"perf/rollout_tokens_per_s": 4.0}
     step = {"timing_s/step": 10.0, "timing_s/rollout": 3.0, "timing_s/update": 4.5, "timing_s/alpha/update": 4.0}
     assert idle_seconds(step) == 2.5  # nested per-policy sections are inside update, not counted twice
     merged = merge_rank_metrics([{"perf/max_memory_gib/alpha": 2.0, "policy/alpha/lr": 1.0},
