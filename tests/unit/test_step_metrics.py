@@ -9,7 +9,12 @@ from megamarl.orchestration.driver import EpisodeStats
 from megamarl.rl.batch import collate
 from megamarl.rl.sample import Sample
 from megamarl.step_metrics import (
-    agent_batch_metrics, idle_seconds, merge_rank_metrics, success_metrics, throughput_metrics, trained_tokens,
+    agent_batch_metrics,
+    idle_seconds,
+    merge_rank_metrics,
+    success_metrics,
+    throughput_metrics,
+    trained_tokens,
 )
 
 
