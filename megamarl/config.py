@@ -196,6 +196,10 @@ class RolloutConfig:
     group_size: int = 4  # episodes per task (GRPO group)
     max_concurrency: int = 64
     env_timeout_s: float = 30.0
+    # "module:function" (agent_id, episode_seed) -> policy name, RLlib-style: binds each agent (seat)
+    # to a policy per episode (self-play, ensembles); empty: agents.<a>.policy. The policies must
+    # share one tokenizer; agents with a LoRA adapter cannot be remapped.
+    policy_mapping: str = ""
 
 
 @dataclass
@@ -405,6 +409,24 @@ class RunConfig:
         for role, agent in self.agents.items():
             if agent.kind:
                 AGENTS.get(agent.kind, key=f"agents.{role}.kind")
+        if self.rollout.policy_mapping:
+            self._check_policy_mapping()
+
+    def _check_policy_mapping(self) -> None:
+        """The mapping resolves and, for every agent and a few episode seeds, names a defined policy."""
+        from megamarl.registry import resolve_callable
+
+        key = "rollout.policy_mapping"
+        mapping = resolve_callable(self.rollout.policy_mapping, key=key)
+        for role, agent in self.agents.items():
+            if agent.lora is not None:
+                raise ValueError(f"{key} cannot remap agents.{role}, which samples from LoRA adapter '{agent.lora}'")
+            for episode_seed in range(4):
+                policy = mapping(role, episode_seed)
+                if policy not in self.policies:
+                    raise ValueError(
+                        f"{key}('{role}', {episode_seed}) returned {policy!r}, not a policy; defined: {sorted(self.policies)}"
+                    )
 
     def policy_dtype(self, name: str) -> str:
         """``policies.<name>.dtype`` resolved on this node (``auto``: the engine's resolved dtype)."""

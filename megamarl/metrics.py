@@ -11,15 +11,13 @@ to ``<run_dir>/eval.json``, a JSON list rewritten atomically after each ``log_ev
 never sees a half-written file. wandb keeps its files in ``<run_dir>/wandb``; ``offline`` and
 ``disabled`` never need an account (``logger.wandb.mode=online`` uploads).
 
-Metric names (one wandb panel per prefix, one curve per agent/policy):
+Metric names (one wandb panel per prefix, one curve per agent/policy); docs/metrics.md is the
+table of every key, checked against a real run by tests/integration/test_tictactoe.py:
 
-- ``agent/<name>/reward_mean``, ``agent/<name>/success``, ``agent/<name>/response_len``,
-  ``agent/<name>/pg_loss`` (and any other per-agent value: ``agent/<name>/<metric>``);
-- global loss statistics ``kl``, ``entropy``, ``clip_frac``, ``invalid_rate``;
-- ``policy/<name>/grad_norm``, ``policy/<name>/lr``, ``policy/<name>/loss`` (per worker group);
-- ``timing/rollout_s``, ``timing/logprob_s``, ``timing/update_s``, ``timing/weight_sync_s``,
-  ``timing/idle_s``, ``timing/step_s`` (see ``Timer``);
-- ``rollout/...`` (episodes, tokens/s, dropped/stale counts), ``eval/...`` (evaluation results).
+- ``agent/<role>/*`` (reward and advantage statistics, own success, response length and clip
+  ratio, invalid rate), ``policy/<policy>/*`` (loss statistics, grad norm, lr; per worker group);
+- ``perf/*`` (throughput, peak memory per worker group), ``timing_s/<section>`` (seconds, like
+  verl; see ``Timer``), ``weight_sync/<policy>/*``, ``rollout/*``, ``async/*``, ``eval/*``.
 """
 
 from __future__ import annotations
@@ -193,9 +191,9 @@ def agent_metrics(per_agent: Mapping[str, Mapping[str, Sequence[float]]]) -> dic
 
 
 class Timer:
-    """Wall-clock sections of a step, reported as ``timing/<name>_s``; repeated sections add up.
+    """Wall-clock sections of a step, reported as ``timing_s/<name>``; repeated sections add up.
 
-    ``with timer("step"):`` around the whole step also yields ``timing/idle_s`` = step minus the
+    ``with timer("step"):`` around the whole step also yields ``timing_s/idle`` = step minus the
     other sections (the time no named section accounts for), unless ``idle`` was timed explicitly.
     On CUDA the device is synchronized at the end of a section, so GPU work is charged to the
     section that queued it.
@@ -217,10 +215,10 @@ class Timer:
         self._totals[name] = self._totals.get(name, 0.0) + seconds
 
     def metrics(self) -> dict[str, float]:
-        out = {f"timing/{name}_s": seconds for name, seconds in self._totals.items()}
+        out = {f"timing_s/{name}": seconds for name, seconds in self._totals.items()}
         if "step" in self._totals and "idle" not in self._totals:
             accounted = sum(s for name, s in self._totals.items() if name != "step")
-            out["timing/idle_s"] = max(0.0, self._totals["step"] - accounted)
+            out["timing_s/idle"] = max(0.0, self._totals["step"] - accounted)
         return out
 
     def pop(self) -> dict[str, float]:

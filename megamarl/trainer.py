@@ -36,6 +36,10 @@ from megamarl.rl.prepare import prepare_batch
 from megamarl.rl.worker import AgentTraining, CriticConfig, PolicyWorker
 from megamarl.rollout.weight_sync import sync_weights
 from megamarl.schedules import build_schedule, sync_interval
+from megamarl.step_metrics import (
+    agent_batch_metrics, idle_seconds, merge_rank_metrics, peak_memory_gib, success_metrics, throughput_metrics,
+    trained_tokens,
+)
 
 DRIVER = 0
 
@@ -137,8 +141,13 @@ class Trainer:
             metrics.update(self.update(batch))
             metrics.update(self.sync_all_weights(self.due_for_sync()))
             self.step += 1
-            metrics["timing/step_s"] = time.perf_counter() - step_start
-            self.progress.step_done(self.step, metrics["timing/step_s"])
+            metrics["timing_s/step"] = time.perf_counter() - step_start
+            metrics["timing_s/idle"] = idle_seconds(metrics)
+            metrics.update(throughput_metrics(
+                num_train_tokens=trained_tokens(batch, self.trained_policies()), update_s=metrics["timing_s/update"],
+                num_samples=batch.num_samples, step_s=metrics["timing_s/step"],
+            ))
+            self.progress.step_done(self.step, metrics["timing_s/step"])
             self.log(metrics)
             if self._due(self.cfg.eval.every) or self.step == total:
                 self.evaluate()
@@ -168,12 +177,18 @@ class Trainer:
                 if name in self.workers:
                     self.workers[name].on_micro_batch = phase.advance
                     for key, value in self.workers[name].train_step(part).items():
-                        metrics[f"policy/{name}/{key}"] = value
+                        # the worker's sections (timing_s/<section>) become timing_s/<policy>/<section>
+                        section = key.removeprefix("timing_s/")
+                        metrics[f"timing_s/{name}/{section}" if section != key else f"policy/{name}/{key}"] = value
+                    metrics[f"perf/max_memory_gib/{name}"] = peak_memory_gib()
         gathered = [None] * self.world_size
         dist.all_gather_object(gathered, metrics, group=control_group())
-        merged = {k: v for rank_metrics in gathered for k, v in rank_metrics.items()}
-        merged["timing/update_s"] = time.perf_counter() - start
+        merged = merge_rank_metrics(gathered)
+        merged["timing_s/update"] = time.perf_counter() - start
         return merged
+
+    def trained_policies(self) -> list[str]:
+        return [name for name, policy in self.cfg.policies.items() if not policy.frozen]
 
     def due_for_sync(self) -> list[str]:
         """Policies with ``sync_every`` updates since their last weight push (same on every rank)."""
@@ -200,7 +215,7 @@ class Trainer:
                 with self.progress.phase(f"weight sync {name}", unit=""):
                     metrics.update(self._push_policy(name, worker, engines))
         dist.barrier(group=control_group())
-        metrics["timing/weight_sync_s"] = time.perf_counter() - start
+        metrics["timing_s/weight_sync"] = time.perf_counter() - start
         return metrics
 
     def _push_policy(self, name: str, worker: PolicyWorker | None, engines: list | None) -> dict[str, float]:
@@ -362,6 +377,7 @@ class RolloutDriver:
             {role: a.to_orchestration(self.tokenizers[a.policy]) for role, a in cfg.agents.items()}, self.tokenizers,
             default_kinds=self.env.default_agents,
         )
+        self.policy_mapping = _policy_mapping(cfg, self.tokenizers)
         self.logger = MetricsLogger(run_dir, cfg.logger, cfg.name, json.loads(json.dumps(asdict(cfg), default=str)), rank=0)
         self.rollout_seconds = 0.0
         self.totals = {"dropped_episodes": 0, "failed_episodes": 0, "dropped_groups": 0, "refill_rounds": 0}
@@ -390,7 +406,8 @@ class RolloutDriver:
         return await run_episodes(
             self.orchestra, env or self.env, tasks, agents=agents or self.agents, engines=engines,
             group_size=group_size, max_concurrency=self.cfg.rollout.max_concurrency,
-            step_timeout_s=self.cfg.rollout.env_timeout_s, seed=seed, on_episode=self._episode_done,
+            step_timeout_s=self.cfg.rollout.env_timeout_s, seed=seed, policy_mapping=self.policy_mapping,
+            on_episode=self._episode_done,
         )
 
     def _episode_done(self, samples) -> None:
@@ -417,7 +434,7 @@ class RolloutDriver:
         self._phase = None
         rollout_s = time.perf_counter() - start
         num_tokens = sum(len(s.response_ids) for s in result.samples)
-        metrics.update({"timing/rollout_s": rollout_s, "perf/rollout_tokens_per_s": num_tokens / max(rollout_s, 1e-9),
+        metrics.update({"timing_s/rollout": rollout_s, "perf/rollout_tokens_per_s": num_tokens / max(rollout_s, 1e-9),
                         **result.summary()})
         self.totals["dropped_episodes"] += result.num_dropped
         self.totals["failed_episodes"] += result.num_failed
@@ -475,9 +492,8 @@ class RolloutDriver:
             self._phase = None
             prefix = f"{name}/" if name else ""
             results.update({prefix + key: value for key, value in eval_summary(result, k=e.k).items()})
-        results["step"] = step
         self.logger.log_eval(step, results)
-        self.console_print(f"eval step {step}: " + ", ".join(f"{k}={v:.3f}" for k, v in results.items() if k != "step"))
+        self.console_print(f"eval step {step}: " + ", ".join(f"{k}={v:.3f}" for k, v in results.items()))
         return results
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
@@ -485,7 +501,7 @@ class RolloutDriver:
         for key, value in self.totals.items():
             metrics[f"rollout/total_{key}"] = float(value)
         self.logger.log(step, metrics)
-        shown = {k: metrics[k] for k in ("rollout/team_reward_mean", "rollout/success_rate", "timing/step_s") if k in metrics}
+        shown = {k: metrics[k] for k in ("rollout/team_reward_mean", "rollout/success_rate", "timing_s/step") if k in metrics}
         self.console_print(f"step {step}: " + ", ".join(f"{k}={v:.3f}" for k, v in shown.items()))
 
     def console_print(self, text: str) -> None:
@@ -509,6 +525,21 @@ class RolloutDriver:
             for engine in pool:
                 engine.shutdown()
         plot_run(self.run_dir)
+
+
+def _policy_mapping(cfg: RunConfig, tokenizers: dict):
+    """``rollout.policy_mapping`` resolved; its policies must share one vocabulary, since an agent's
+    prompt is tokenized once, whichever policy serves it."""
+    if not cfg.rollout.policy_mapping:
+        return None
+    from megamarl.registry import resolve_callable
+
+    vocabs = {name: tok.get_vocab() for name, tok in tokenizers.items()}
+    first = next(iter(vocabs))
+    for name, vocab in vocabs.items():
+        if vocab != vocabs[first]:
+            raise ValueError(f"rollout.policy_mapping: policies '{first}' and '{name}' have different tokenizers")
+    return resolve_callable(cfg.rollout.policy_mapping, key="rollout.policy_mapping")
 
 
 def _lora_serving(cfg: RunConfig, policy: str):
@@ -535,21 +566,13 @@ def _lora_config(policy):
 
 
 def per_agent_metrics(batch: SampleBatch, result) -> dict[str, float]:
-    out = {}
-    names = batch.names("agent")
-    lengths = batch.response_mask.sum(1).float()
-    for agent in sorted(set(names)):
-        rows = torch.tensor([n == agent for n in names])
-        out[f"agent/{agent}/reward_mean"] = float(batch.rewards[rows].mean())
-        out[f"agent/{agent}/response_len"] = float(lengths[rows].mean())
-        out[f"agent/{agent}/invalid_rate"] = float((~batch.valid[rows]).float().mean())
-        out[f"agent/{agent}/num_samples"] = float(rows.sum())
-        out[f"agent/{agent}/success"] = float((batch.team_rewards[rows] > 0).float().mean())
-    return out
+    """Per-agent batch statistics and each agent's (and policy's) own success (megamarl.step_metrics)."""
+    return {**agent_batch_metrics(batch), **success_metrics(e for e in result.episodes if e.status == "ok")}
 
 
 def eval_summary(result, *, k: int) -> dict[str, float]:
-    """Team accuracy (mean success over all episodes), avg@k and pass@k over each task's k episodes."""
+    """Team accuracy (mean success over all episodes), avg@k and pass@k over each task's k episodes,
+    and each agent's / policy's own success rate."""
     by_task: dict[str, list[bool]] = {}
     for episode in result.episodes:
         by_task.setdefault(episode.task_id, []).append(episode.status == "ok" and episode.success)
@@ -559,4 +582,5 @@ def eval_summary(result, *, k: int) -> dict[str, float]:
         f"avg@{k}": sum(sum(v) / len(v) for v in by_task.values()) / num,
         f"pass@{k}": sum(any(v) for v in by_task.values()) / num,
         "num_tasks": float(len(by_task)),
+        **success_metrics(e for e in result.episodes if e.status == "ok"),
     }

@@ -44,6 +44,8 @@ class EpisodeStats:
     num_samples: int = 0
     num_calls: dict[str, int] = field(default_factory=dict)  # agent -> number of act() calls
     num_invalid: int = 0
+    agent_success: dict[str, bool] = field(default_factory=dict)  # agent -> own success (ok episodes)
+    policies: dict[str, str] = field(default_factory=dict)  # agent -> the policy it used
 
 
 @dataclass
@@ -96,12 +98,14 @@ async def run_episode(
     step_timeout_s: float = 60.0,
     episode_timeout_s: float | None = None,
     seed: int | None = None,
+    policies: Mapping[str, str] | None = None,
 ) -> tuple[list[Sample], EpisodeStats]:
     """One episode; returns (samples, stats). Samples are empty unless the status is ok.
-    ``seed``: this episode's sampling seed (see ``EpisodeContext``)."""
+    ``seed``: this episode's sampling seed; ``policies``: agent -> policy for this episode (see
+    ``EpisodeContext``)."""
     ctx = EpisodeContext(
         task=task, episode_id=episode_id, env=env, agents=agents, engines=engines, workers=workers,
-        step_timeout_s=step_timeout_s, seed=seed,
+        step_timeout_s=step_timeout_s, seed=seed, policies=policies,
     )
     stats = EpisodeStats(task.task_id, episode_id, "ok")
     try:
@@ -125,6 +129,10 @@ async def run_episode(
     stats.env_done = bool(ctx.env.done)
     stats.num_samples = len(ctx.samples)
     stats.num_invalid = sum(not s.valid for s in ctx.samples)
+    for agent in ctx.agents:  # every seat, also one that never acted (its opponent forfeited first)
+        own = ctx.env.agent_success(agent)
+        stats.agent_success[agent] = stats.success if own is None else bool(own)
+        stats.policies[agent] = ctx.policy_of(agent)
     return ctx.samples, stats
 
 
@@ -148,6 +156,7 @@ async def run_episodes(
     step_timeout_s: float = 60.0,
     episode_timeout_s: float | None = None,
     seed: int | None = None,
+    policy_mapping: Callable[[str, int], str] | None = None,
     on_episode: Callable[[list[Sample]], None] | None = None,
 ) -> RolloutResult:
     """Run ``len(tasks) * group_size`` episodes, at most ``max_concurrency`` at a time.
@@ -155,8 +164,10 @@ async def run_episodes(
     Episode ids are ``f"{task_id}/{g}"``; results keep task-major, group-minor order regardless
     of completion order, so a seeded run yields samples in a reproducible order. ``seed`` (the
     trainer passes one per step) seeds every engine call from (seed, episode id, agent, turn);
-    None leaves sampling to the engines' own generators. ``on_episode`` receives each finished
-    episode's samples (progress display).
+    None leaves sampling to the engines' own generators. ``policy_mapping(agent_id, episode_seed) ->
+    policy`` (RLlib-style) binds each agent to a policy per episode (self-play: two policies swap
+    seats); ``episode_seed`` is derived from (seed or 0, task id, episode index). ``on_episode``
+    receives each finished episode's samples (progress display).
     """
     if group_size < 1:
         raise ValueError(f"rollout.group_size must be >= 1, got {group_size}")
@@ -165,12 +176,16 @@ async def run_episodes(
     semaphore = asyncio.Semaphore(max_concurrency)
 
     async def one(task: Task, index: int) -> tuple[list[Sample], EpisodeStats]:
+        policies = None
+        if policy_mapping is not None:
+            episode_seed = derive_seed(seed or 0, task.task_id, index)
+            policies = {agent: policy_mapping(agent, episode_seed) for agent in agents}
         async with semaphore:
             result = await run_episode(
                 orchestra, make_env(task), task, episode_id=f"{task.task_id}/{index}", agents=agents,
                 engines=engines, workers=workers, step_timeout_s=step_timeout_s,
                 episode_timeout_s=episode_timeout_s,
-                seed=None if seed is None else derive_seed(seed, task.task_id, index),
+                seed=None if seed is None else derive_seed(seed, task.task_id, index), policies=policies,
             )
         if on_episode is not None:
             on_episode(result[0])

@@ -35,10 +35,12 @@ class Task:
 @dataclass
 class StepResult:
     """What one agent's action did. ``local_reward`` (when not None) becomes that sample's local
-    reward; ``feedback`` is free text for logs."""
+    reward; ``feedback`` is free text for logs; ``invalid``: the env rejected the action (an
+    illegal move, a reply naming no action), so its sample counts as invalid like a parse failure."""
 
     local_reward: float | None = None
     feedback: str = ""
+    invalid: bool = False
 
 
 @dataclass
@@ -83,6 +85,10 @@ class Env(abc.ABC):
 
     def success(self) -> bool:
         return self.team_reward() >= 1.0
+
+    def agent_success(self, agent: str) -> bool | None:
+        """``agent``'s own success (a win in a competitive game); None: the team's ``success()``."""
+        return None
 
     def agent_reward(self, agent: str) -> float | None:
         """Episode-level local reward of ``agent`` for samples whose step gave none."""

@@ -408,22 +408,22 @@ class PolicyWorker:
         # With one epoch the proximal policy *is* the current one (ratio 1, same values as a
         # recompute), so the extra forward pass is only needed for ppo_epochs > 1.
         old = self.compute_logprobs(part) if self.cfg.ppo_epochs > 1 else None
-        timings["timing_old_logprobs_s"] = time.perf_counter() - start
+        timings["timing_s/old_logprobs"] = time.perf_counter() - start
         start = time.perf_counter()
         ref = self.compute_logprobs(part, reference=True) if self._needs_ref() else None
-        timings["timing_ref_logprobs_s"] = time.perf_counter() - start
+        timings["timing_s/ref_logprobs"] = time.perf_counter() - start
         critic = None
         if self.critic is not None:
             start = time.perf_counter()
             part, returns, values = self.critic_targets(part)
             critic = (returns, values)
-            timings["timing_values_s"] = time.perf_counter() - start
+            timings["timing_s/values"] = time.perf_counter() - start
         counts = loss_counts(batch.response_mask)  # of the whole policy batch (all DP ranks)
         metrics: dict[str, float] = {}
         start = time.perf_counter()
         for _ in range(self.cfg.ppo_epochs):
             metrics = self._update(part, old, counts, ref=ref, critic=critic)
-        timings["timing_update_s"] = time.perf_counter() - start
+        timings["timing_s/update"] = time.perf_counter() - start
         if not part.response_mask.any():  # a zero-weight stand-in (my_part): its loss terms are not data
             metrics = {k: v for k, v in metrics.items() if k in ("grad_norm", "lr")}
         return {**metrics, **timings}
