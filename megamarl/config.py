@@ -217,6 +217,7 @@ class TrainerConfig:
     keep_last: int = 0  # keep only the newest K complete checkpoints; 0 keeps all
     resume: str = "none"  # none | auto (latest in this run dir) | <run dir or checkpoint dir>
     seed: int = 0
+    max_nonfinite_updates: int = 3  # stop after this many skipped (NaN/inf) updates of a policy in a row
 
     def __post_init__(self) -> None:
         if self.mode not in TRAINER_MODES:
@@ -228,6 +229,8 @@ class TrainerConfig:
             raise ValueError("trainer.resume is empty; use none, auto or a checkpoint/run directory")
         if self.sync_every < 1:
             raise ValueError(f"trainer.sync_every must be >= 1, got {self.sync_every}")
+        if self.max_nonfinite_updates < 1:
+            raise ValueError(f"trainer.max_nonfinite_updates must be >= 1, got {self.max_nonfinite_updates}")
         if self.max_staleness < 0:
             raise ValueError(f"trainer.max_staleness must be >= 0, got {self.max_staleness}")
         if self.mode != "sync" and self.max_staleness < 1:

@@ -31,7 +31,7 @@ from megamarl.rl.advantages import CRITIC_ESTIMATORS, AdvantageConfig, compute_a
 from megamarl.rl.batch import SampleBatch, collate
 from megamarl.rl.losses import LossConfig
 from megamarl.rl.rewards import RewardConfig, dynamic_sampling_mask, shape_rewards
-from megamarl.rl.worker import AgentTraining, CriticConfig, PolicyWorker
+from megamarl.rl.worker import AgentTraining, CriticConfig, NumericalFaultError, PolicyWorker
 from megamarl.rollout.weight_sync import sync_weights
 from megamarl.schedules import build_schedule, sync_interval
 
@@ -150,11 +150,30 @@ class Trainer:
             if name in self.workers:
                 for key, value in self.workers[name].train_step(part).items():
                     metrics[f"policy/{name}/{key}"] = value
+        faults = {name: w.last_fault for name, w in self.workers.items() if w.skip_streak}
         gathered = [None] * self.world_size
-        dist.all_gather_object(gathered, metrics, group=control_group())
-        merged = {k: v for rank_metrics in gathered for k, v in rank_metrics.items()}
+        dist.all_gather_object(gathered, (metrics, faults), group=control_group())
+        merged = {k: v for rank_metrics, _ in gathered for k, v in rank_metrics.items()}
         merged["timing/update_s"] = time.perf_counter() - start
+        self._check_numerics(merged, {k: v for _, rank_faults in gathered for k, v in rank_faults.items()})
         return merged
+
+    def _check_numerics(self, metrics: dict[str, float], faults: dict[str, str]) -> None:
+        """Skipped (non-finite) updates are reported; too many in a row stop the run on every rank
+        (the metrics are the same everywhere) before anything of this step is pushed or saved."""
+        from megamarl.policy_io import list_checkpoints
+
+        limit = self.cfg.trainer.max_nonfinite_updates
+        for name, fault in faults.items():
+            streak = int(metrics.get(f"policy/{name}/nonfinite_streak", 0))
+            if self.is_driver:
+                self.driver.console_print(f"step {self.step + 1}: skipped the update of '{name}' ({streak} in a row): {fault}")
+            if streak >= limit:
+                good = list_checkpoints(self.run_dir)
+                last = f"the last good checkpoint is {good[-1]}" if good else "no checkpoint was saved yet"
+                raise NumericalFaultError(
+                    f"{streak} non-finite updates in a row (trainer.max_nonfinite_updates={limit}); last: {fault}; "
+                    f"no NaN weights were applied or pushed; {last}")
 
     def due_for_sync(self) -> list[str]:
         """Policies with ``sync_every`` updates since their last weight push (same on every rank)."""

@@ -31,9 +31,14 @@ def main(argv=None) -> int:
         from megamarl.dryrun import main_dry_run
 
         return main_dry_run(cfg)
+    from megamarl.rl.worker import NumericalFaultError
     from megamarl.trainer import Trainer
 
-    Trainer(cfg).fit()
+    try:
+        Trainer(cfg).fit()
+    except NumericalFaultError as exc:  # every rank raises it together (docs/reliability.md)
+        print(f"training stopped: {exc}", file=sys.stderr)
+        return 3
     return 0
 
 
