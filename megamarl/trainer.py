@@ -253,7 +253,10 @@ class Trainer:
 
     def save(self) -> None:
         """Collective: every policy's shards (layout-free), every rank's RNG, then the driver commits
-        the run state and the COMPLETE marker atomically (megamarl.policy_io, docs/checkpointing.md)."""
+        the run state and the COMPLETE marker atomically (megamarl.policy_io, docs/checkpointing.md).
+        A failed write on any rank (disk full, quota, I/O error) is agreed by all ranks: the partial
+        directory is removed and ``CheckpointWriteError`` stops the run, naming the previous complete
+        checkpoint, which nothing touched."""
         from megamarl import policy_io
 
         final = self._ckpt_dir(self.step)
@@ -261,21 +264,30 @@ class Trainer:
         if self.is_driver:
             policy_io.clear(staging)  # left by a run killed while saving this step
         dist.barrier(group=control_group())
-        policy_io.save_policies(staging, self.cfg.policies, self.workers, self.wgs)
-        policy_io.save_rng(staging, self.rank)
+        error = _attempt(lambda: (policy_io.save_policies(staging, self.cfg.policies, self.workers, self.wgs),
+                                  policy_io.save_rng(staging, self.rank)))
         num_updates = [None] * self.world_size
         dist.all_gather_object(
-            num_updates, {name: w.num_updates for name, w in self.workers.items()}, group=control_group()
+            num_updates, ({name: w.num_updates for name, w in self.workers.items()}, error), group=control_group()
         )
-        if self.is_driver:
+        errors = [f"rank {rank}: {e}" for rank, (_, e) in enumerate(num_updates) if e]
+        if self.is_driver and not errors:
             state = {
                 "step": self.step, "versions": dict(self.versions), "world_size": self.world_size,
-                "num_updates": {k: v for counts in num_updates for k, v in counts.items()},
+                "num_updates": {k: v for counts, _ in num_updates for k, v in counts.items()},
                 "driver": self.driver.state_dict(),
             }
-            policy_io.commit(staging, final, state)
-            policy_io.prune(self.run_dir, keep_last=self.cfg.trainer.keep_last)
-        dist.barrier(group=control_group())
+            error = _attempt(lambda: policy_io.commit(staging, final, state))
+            errors += [f"rank {self.rank}: {error}"] if error else []
+            if not errors:
+                policy_io.prune(self.run_dir, keep_last=self.cfg.trainer.keep_last)
+        outcome = [errors]
+        dist.broadcast_object_list(outcome, src=DRIVER, group=control_group())
+        if outcome[0]:
+            if self.is_driver:
+                _attempt(lambda: policy_io.clear(staging))
+            dist.barrier(group=control_group())
+            raise policy_io.CheckpointWriteError(final, outcome[0], policy_io.list_checkpoints(self.run_dir))
 
     def _maybe_resume(self) -> None:
         from megamarl import policy_io
@@ -462,6 +474,16 @@ class RolloutDriver:
             for engine in pool:
                 engine.shutdown()
         plot_run(self.run_dir)
+
+
+def _attempt(write) -> str:
+    """Run a checkpoint write; '' on success, else the error as one line (any exception: a
+    collective writer may wrap the OSError of another rank)."""
+    try:
+        write()
+    except Exception as exc:  # noqa: BLE001 - reported to every rank, then raised as CheckpointWriteError
+        return f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+    return ""
 
 
 def _lora_serving(cfg: RunConfig, policy: str):
