@@ -179,6 +179,18 @@ class RolloutConfig:
     group_size: int = 4  # episodes per task (GRPO group)
     max_concurrency: int = 64
     env_timeout_s: float = 30.0
+    # a step or evaluation whose failed-episode fraction is above this stops the run (first traceback)
+    max_failed_fraction: float = 0.5
+
+    def __post_init__(self) -> None:
+        for key in ("num_tasks", "group_size", "max_concurrency"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"rollout.{key} must be an integer >= 1, got {value!r}")
+        if not self.env_timeout_s > 0:
+            raise ValueError(f"rollout.env_timeout_s must be > 0, got {self.env_timeout_s}")
+        if not 0.0 <= self.max_failed_fraction <= 1.0:
+            raise ValueError(f"rollout.max_failed_fraction must be in [0, 1], got {self.max_failed_fraction}")
 
 
 @dataclass

@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from megamarl.async_rollout import RolloutLoop
 from megamarl.config import RunConfig, to_yaml
+from megamarl.orchestration.driver import RolloutFailureError, check_failures
 from megamarl.parallel.distributed import control_group, init_distributed
 from megamarl.parallel.placement import build_worker_groups
 from megamarl.rl.advantages import CRITIC_ESTIMATORS, AdvantageConfig, compute_advantages, group_ids
@@ -394,8 +395,9 @@ class RolloutDriver:
         self.totals["failed_episodes"] += result.num_failed
         for key in ("dropped_stale_groups", "dropped_stale_samples"):
             self.totals[key] = self.totals.get(key, 0) + int(metrics[f"async/{key}"])  # absent in old checkpoints
+        check_failures(result, max_failed_fraction=self.cfg.rollout.max_failed_fraction, what=f"step {step + 1} rollout")
         if not result.samples:
-            raise RuntimeError(f"step {step}: no samples (all {len(result.episodes)} episodes failed: {dict(result.reasons())})")
+            raise RolloutFailureError(result.failure_report(f"step {step + 1}: no samples"))
         pad_id = next(iter(self.pad_ids.values()))
         batch = collate(result.samples, pad_id=pad_id)
         batch, adv_metrics = self.advantages(batch)
@@ -441,8 +443,17 @@ class RolloutDriver:
         result = self._run(tasks, group_size=e.k, agents=agents, seed=10**9 + 7)
         results = eval_summary(result, k=e.k)
         results["step"] = step
-        self.logger.log_eval(step, results)
-        self.console_print(f"eval step {step}: " + ", ".join(f"{k}={v:.3f}" for k, v in results.items() if k != "step"))
+        # an all-failed set is marked failed, not scored: its 0.000 says nothing about the model
+        failure = result.failure_report(f"eval step {step}") if result.num_failed else None
+        all_failed = result.num_failed == len(result.episodes)
+        self.logger.log_eval(step, results, failure=failure if all_failed else None)
+        if all_failed:
+            self.console_print(f"FAILED (no episode finished) {failure}")
+        else:
+            self.console_print(f"eval step {step}: " + ", ".join(f"{k}={v:.3f}" for k, v in results.items() if k != "step"))
+            if failure:
+                self.console_print(f"eval step {step}: {failure}")
+        check_failures(result, max_failed_fraction=self.cfg.rollout.max_failed_fraction, what=f"eval step {step}")
         return results
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
@@ -534,4 +545,5 @@ def eval_summary(result, *, k: int) -> dict[str, float]:
         f"avg@{k}": sum(sum(v) / len(v) for v in by_task.values()) / num,
         f"pass@{k}": sum(any(v) for v in by_task.values()) / num,
         "num_tasks": float(len(by_task)),
+        "num_failed": float(result.num_failed),
     }

@@ -31,6 +31,7 @@ def main(argv=None) -> int:
         from megamarl.dryrun import main_dry_run
 
         return main_dry_run(cfg)
+    from megamarl.orchestration.driver import RolloutFailureError
     from megamarl.policy_io import CheckpointWriteError
     from megamarl.rl.worker import NumericalFaultError
     from megamarl.trainer import Trainer
@@ -44,6 +45,9 @@ def main(argv=None) -> int:
     except CheckpointWriteError as exc:
         print(f"training stopped: {exc}", file=sys.stderr)
         return 4
+    except RolloutFailureError as exc:
+        print(f"training stopped: {exc}", file=sys.stderr)
+        return 5
     return 0
 
 
