@@ -28,6 +28,7 @@ from megamarl.config import RunConfig, to_yaml
 from megamarl.orchestration.driver import RolloutFailureError, check_failures
 from megamarl.parallel.distributed import control_group, init_distributed
 from megamarl.parallel.placement import build_worker_groups
+from megamarl.preemption import PreemptionFlag
 from megamarl.rl.advantages import CRITIC_ESTIMATORS, AdvantageConfig, compute_advantages, group_ids
 from megamarl.rl.batch import SampleBatch, collate
 from megamarl.rl.losses import LossConfig
@@ -117,6 +118,7 @@ class Trainer:
         if self.step == 0:
             self.sync_all_weights()  # engines start from the (possibly resumed) trained weights
             self.evaluate()
+        preemption = PreemptionFlag()
         while self.step < total:
             step_start = time.perf_counter()
             batch, metrics = self.rollout_and_prepare()
@@ -127,8 +129,17 @@ class Trainer:
             self.log(metrics)
             if self._due(self.cfg.eval.every) or self.step == total:
                 self.evaluate()
-            if self._due(self.cfg.trainer.save_every) or self.step == total:
+            saved = self._due(self.cfg.trainer.save_every) or self.step == total
+            if saved:
                 self.save()
+            if preemption.agreed(control_group()):  # every rank, same step (megamarl.preemption)
+                if not saved:
+                    self.save()
+                if self.is_driver:
+                    self.driver.console_print(f"preempted ({preemption.received.name if preemption.received else 'another rank'}): saved step "
+                                              f"{self.step}; trainer.resume=auto continues from it")
+                break
+        preemption.uninstall()
         self.close()
 
     def _due(self, every: int) -> bool:
