@@ -8,19 +8,41 @@ agent pointing at a policy that does not exist...). Defaults live here and nowhe
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+import re
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Optional
 
 from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from megamarl.model_presets import PRESETS
+from megamarl.models.packaged import PACKAGED_MODELS, TINY_MODELS
 from megamarl.parallel.hardware import DTYPE_CHOICES, resolve_dtype
 from megamarl.parallel.placement import PLACEMENT_MODES, PlacementConfig, WorkerGroupLayout
+from megamarl.rl.advantages import GROUP_KEYS
+from megamarl.rl.losses import KL_ESTIMATORS, LOSS_AGGREGATIONS
 
 TRAINER_MODES = ("sync", "one_step_off", "fully_async")
 ENGINE_BACKENDS = ("hf", "vllm", "sglang")
 WANDB_MODES = ("offline", "online", "disabled")
+MEMORY_SCOPES = ("team", "self")  # megamarl.orchestration.agents checks the same
+
+
+# A Hugging Face hub id ("org/name") that is not a local directory: megamarl never downloads.
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
+def _check_range(key: str, value, *, low=None, high=None, low_open=False) -> None:
+    """``key`` (a full key path, or one with a ``<p>``/``<a>`` placeholder that ``load_config``
+    fills in) must lie in [low, high] (low excluded when ``low_open``)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"{key} must be a finite number, got {value}")
+    if low is not None and (value <= low if low_open else value < low) or high is not None and value > high:
+        bound = f"{'>' if low_open else '>='} {low}" if high is None else (
+            f"<= {high}" if low is None else f"in {'(' if low_open else '['}{low}, {high}]")
+        raise ValueError(f"{key} must be {bound}, got {value}")
 
 
 @dataclass
@@ -33,6 +55,7 @@ class LoraConfig:
     def __post_init__(self) -> None:
         if self.rank < 1:
             raise ValueError(f"policies.<p>.lora.rank must be >= 1, got {self.rank}")
+        _check_range("policies.<p>.lora.alpha", self.alpha, low=0, low_open=True)
         allowed = {"qkv", "proj", "fc1", "fc2"}
         if not self.targets or set(self.targets) - allowed:
             raise ValueError(f"policies.<p>.lora.targets={self.targets}: allowed {sorted(allowed)}")
@@ -64,6 +87,15 @@ class EngineConfig:
             raise ValueError(f"policies.<p>.engine.backend='{self.backend}' unknown; allowed: {list(ENGINE_BACKENDS)}")
         if self.num_replicas < 1:
             raise ValueError(f"policies.<p>.engine.num_replicas must be >= 1, got {self.num_replicas}")
+        for key in ("tp", "max_num_seqs", "bucket_mb"):
+            _check_range(f"policies.<p>.engine.{key}", getattr(self, key), low=1)
+        _check_range("policies.<p>.engine.kv_cache_gib", self.kv_cache_gib, low=0)
+        bad = [r for r in self.ranks if r < 0]
+        if bad:
+            raise ValueError(f"policies.<p>.engine.ranks has negative ranks {bad}")
+        bad = [u for u in self.server_urls if not u.startswith(("http://", "https://"))]
+        if bad:
+            raise ValueError(f"policies.<p>.engine.server_urls must be http(s) URLs, got {bad}")
 
 
 @dataclass
@@ -98,12 +130,29 @@ class PolicyConfig:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_CHOICES:
             raise ValueError(f"policies.<p>.dtype='{self.dtype}' unknown; allowed: {list(DTYPE_CHOICES)}")
-        if self.lr <= 0:
-            raise ValueError(f"policies.<p>.lr must be > 0, got {self.lr}")
+        _check_range("policies.<p>.lr", self.lr, low=0, low_open=True)
         if self.micro_batch_size < 1:
             raise ValueError(f"policies.<p>.micro_batch_size must be >= 1, got {self.micro_batch_size}")
         if self.seq_len < 1:
             raise ValueError(f"policies.<p>.seq_len must be >= 1, got {self.seq_len}")
+        known = self.model in PACKAGED_MODELS or self.model in TINY_MODELS or self.model in PRESETS
+        if not known and not Path(self.model).expanduser().exists():
+            hub = " looks like a model hub id (megamarl never downloads);" if _HUB_ID.fullmatch(self.model) else ""
+            raise ValueError(
+                f"policies.<p>.model='{self.model}'{hub} is not a local directory, a packaged model "
+                f"{sorted(PACKAGED_MODELS) + sorted(TINY_MODELS)} or a --dry-run architecture preset "
+                f"{sorted(PRESETS)}; scripts/prepare_model.py writes a local directory")
+        for key in ("tp", "pp", "ppo_epochs"):
+            _check_range(f"policies.<p>.{key}", getattr(self, key), low=1)
+        for key in ("weight_decay", "grad_clip", "kl_coef", "entropy_coef", "value_coef"):
+            _check_range(f"policies.<p>.{key}", getattr(self, key), low=0)
+        _check_range("policies.<p>.clip_low", self.clip_low, low=0, high=1)
+        _check_range("policies.<p>.clip_high", self.clip_high, low=0)
+        if self.value_clip is not None:
+            _check_range("policies.<p>.value_clip", self.value_clip, low=0, low_open=True)
+        bad = [r for r in self.ranks or [] if r < 0]
+        if bad:
+            raise ValueError(f"policies.<p>.ranks has negative ranks {bad}")
 
 
 @dataclass
@@ -115,6 +164,13 @@ class SamplingConfig:
     # Constrained decoding: sample only these strings' tokens (each must be one token), e.g. the
     # ten symbols of the signalling game. Empty: unconstrained.
     allowed_tokens: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        _check_range("agents.<a>.sampling.temperature", self.temperature, low=0)
+        _check_range("agents.<a>.sampling.top_p", self.top_p, low=0, high=1, low_open=True)
+        if self.top_k != -1 and self.top_k < 1:
+            raise ValueError(f"agents.<a>.sampling.top_k must be -1 (off) or >= 1, got {self.top_k}")
+        _check_range("agents.<a>.sampling.max_tokens", self.max_tokens, low=1)
 
 
 @dataclass
@@ -143,6 +199,17 @@ class AgentConfig:
     entropy_coef: Optional[float] = None
     micro_batch_size: Optional[int] = None
     frozen: bool = False
+
+    def __post_init__(self) -> None:
+        if self.memory_scope not in MEMORY_SCOPES:
+            raise ValueError(f"agents.<a>.memory_scope='{self.memory_scope}' unknown; allowed: {list(MEMORY_SCOPES)}")
+        for key in ("tree_k", "max_prompt_tokens"):
+            _check_range(f"agents.<a>.{key}", getattr(self, key), low=1)
+        _check_range("agents.<a>.memory_tokens", self.memory_tokens, low=0)
+        if self.lr is not None:
+            _check_range("agents.<a>.lr", self.lr, low=0, low_open=True)
+        if self.clip_low is not None:
+            _check_range("agents.<a>.clip_low", self.clip_low, low=0, high=1)
 
     def train_overrides(self) -> dict[str, float]:
         """The per-agent hyperparameters this agent sets (None values omitted)."""
@@ -200,6 +267,18 @@ class RolloutConfig:
     # to a policy per episode (self-play, ensembles); empty: agents.<a>.policy. The policies must
     # share one tokenizer; agents with a LoRA adapter cannot be remapped.
     policy_mapping: str = ""
+    # a step or evaluation whose failed-episode fraction is above this stops the run (first traceback)
+    max_failed_fraction: float = 0.5
+
+    def __post_init__(self) -> None:
+        for key in ("num_tasks", "group_size", "max_concurrency"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"rollout.{key} must be an integer >= 1, got {value!r}")
+        if not self.env_timeout_s > 0:
+            raise ValueError(f"rollout.env_timeout_s must be > 0, got {self.env_timeout_s}")
+        if not 0.0 <= self.max_failed_fraction <= 1.0:
+            raise ValueError(f"rollout.max_failed_fraction must be in [0, 1], got {self.max_failed_fraction}")
 
 
 @dataclass
@@ -221,6 +300,15 @@ class AlgorithmConfig:
     estimator_kwargs: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        bad = [k for k in self.group_by if k not in GROUP_KEYS]
+        if bad:
+            raise ValueError(f"algorithm.group_by has unknown keys {bad}; allowed: {list(GROUP_KEYS)}")
+        LOSS_AGGREGATIONS.get(self.loss_agg, key="algorithm.loss_agg")
+        KL_ESTIMATORS.get(self.kl_type, key="algorithm.kl_type")
+        _check_range("algorithm.invalid_penalty", self.invalid_penalty, high=0)  # a penalty, not a bonus
+        _check_range("algorithm.team_alpha", self.team_alpha, low=0)
+        _check_range("algorithm.turn_gamma", self.turn_gamma, low=0, high=1)
+        _check_range("algorithm.tis_cap", self.tis_cap, low=0)
         if self.std_ddof not in (0, 1):
             raise ValueError(f"algorithm.std_ddof must be 0 (population) or 1 (unbiased), got {self.std_ddof}")
         if self.max_refill_rounds < 0:
@@ -255,6 +343,10 @@ class EvalConfig:
     sets: dict[str, EvalEnvConfig] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        for key in ("every", "num_tasks"):
+            _check_range(f"eval.{key}", getattr(self, key), low=0)
+        _check_range("eval.k", self.k, low=1)
+        _check_range("eval.temperature", self.temperature, low=0)
         if self.env is not None and self.sets:
             raise ValueError("eval.env and eval.sets are exclusive: name the set in eval.sets.<name> instead")
         bad = [name for name in self.sets if not name or "/" in name]
@@ -281,6 +373,7 @@ class TrainerConfig:
     keep_last: int = 0  # keep only the newest K complete checkpoints; 0 keeps all
     resume: str = "none"  # none | auto (latest in this run dir) | <run dir or checkpoint dir>
     seed: int = 0
+    max_nonfinite_updates: int = 3  # stop after this many skipped (NaN/inf) updates of a policy in a row
     # Bound on any wait of one rank for another (collectives, and waiting for the driver's rollout,
     # eval or model preparation). Generous: a real hang is reported with what each rank waited for.
     collective_timeout_s: float = 7200.0
@@ -295,8 +388,13 @@ class TrainerConfig:
                 raise ValueError(f"trainer.{key} must be >= 0, got {getattr(self, key)}")
         if not self.resume:
             raise ValueError("trainer.resume is empty; use none, auto or a checkpoint/run directory")
+        if self.resume not in ("none", "auto") and not Path(self.resume).is_dir():
+            raise ValueError(f"trainer.resume={self.resume}: no such directory; use none, auto or a checkpoint/run directory")
+        _check_range("trainer.seed", self.seed, low=0)
         if self.sync_every < 1:
             raise ValueError(f"trainer.sync_every must be >= 1, got {self.sync_every}")
+        if self.max_nonfinite_updates < 1:
+            raise ValueError(f"trainer.max_nonfinite_updates must be >= 1, got {self.max_nonfinite_updates}")
         if self.max_staleness < 0:
             raise ValueError(f"trainer.max_staleness must be >= 0, got {self.max_staleness}")
         if self.mode != "sync" and self.max_staleness < 1:
@@ -332,6 +430,12 @@ class ClusterConfig:
     gpus_per_node: int = 0  # 0: CPU ranks
     gpu_memory_gib: float = 80.0
     reserved_gib: float = 4.0  # per GPU, outside the estimate: CUDA context, NCCL buffers, fragmentation
+
+    def __post_init__(self) -> None:
+        _check_range("cluster.num_nodes", self.num_nodes, low=1)
+        for key in ("gpus_per_node", "reserved_gib"):
+            _check_range(f"cluster.{key}", getattr(self, key), low=0)
+        _check_range("cluster.gpu_memory_gib", self.gpu_memory_gib, low=0, low_open=True)
 
 
 @dataclass
@@ -459,12 +563,41 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
             if not path.is_file():
                 raise ValueError(f"--config {path}: file not found")
             merged = OmegaConf.merge(merged, OmegaConf.load(path))
+        base = merged
         if overrides:
             merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(list(overrides)))
         return OmegaConf.to_object(merged)
     except OmegaConfBaseException as exc:
-        key = getattr(exc, "full_key", None) or "?"
-        raise ValueError(f"config key '{key}': {_first_line(exc)}") from exc
+        key = getattr(exc, "full_key", None) or _failing_override(base, overrides) if overrides else "?"
+        raise ValueError(f"config key '{key or '?'}': {_first_line(exc)}") from exc
+    except ValueError as exc:
+        raise ValueError(_with_names(_first_line(exc), merged)) from exc
+
+
+def _failing_override(base, overrides) -> str | None:
+    """The key of the override that does not merge (OmegaConf leaves ``full_key`` empty when, e.g., a
+    mapping replaces a list)."""
+    for override in overrides:
+        try:
+            OmegaConf.merge(base, OmegaConf.from_dotlist([override]))
+        except OmegaConfBaseException:
+            return override.split("=", 1)[0]
+    return None
+
+
+def _with_names(message: str, merged) -> str:
+    """Component configs do not know their entry's name (``policies.<p>.lr``): find the entry whose
+    section fails with this message and put its name in."""
+    for placeholder, section in (("policies.<p>", "policies"), ("agents.<a>", "agents")):
+        if placeholder not in message:
+            continue
+        for name in merged[section]:
+            try:
+                OmegaConf.to_object(merged[section][name])
+            except (ValueError, OmegaConfBaseException) as exc:
+                if _first_line(exc) == message:
+                    return message.replace(placeholder, f"{section}.{name}")
+    return message
 
 
 def _first_line(exc: Exception) -> str:

@@ -79,18 +79,23 @@ class MetricsLogger:
         if self._wandb_run is not None:
             self._wandb_run.log({k: v for k, v in values.items() if v is not None}, step=int(step))
 
-    def log_eval(self, step: int, results: Mapping[str, Any]) -> None:
-        """Add ``{"step", "time", "results"}`` to eval.json (rewritten atomically) and to wandb."""
+    def log_eval(self, step: int, results: Mapping[str, Any], *, failure: str | None = None) -> None:
+        """Add ``{"step", "time", "results"}`` to eval.json (rewritten atomically) and to wandb.
+        ``failure``: the set could not be evaluated (every episode failed); the entry gets
+        ``"failed": true`` and ``"error"`` (the first traceback), and wandb gets no scores."""
         if not self.is_writer:
             return
         path = self.run_dir / EVAL_FILE
         entries = read_eval(self.run_dir)
         values = {key: _to_float(value) for key, value in results.items()}
-        entries.append({"step": int(step), "time": round(time.time(), 3), "results": values})
+        entry = {"step": int(step), "time": round(time.time(), 3), "results": values}
+        if failure is not None:
+            entry.update(failed=True, error=failure)
+        entries.append(entry)
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_text(json.dumps(entries, indent=1), encoding="utf-8")
         os.replace(tmp, path)  # atomic on POSIX: readers see the old or the new list, never half
-        if self._wandb_run is not None:
+        if self._wandb_run is not None and failure is None:
             prefixed = {k if k.startswith("eval/") else f"eval/{k}": v for k, v in values.items()}
             self._wandb_run.log({k: v for k, v in prefixed.items() if v is not None}, step=int(step))
 

@@ -43,6 +43,16 @@ POLICIES = "policies"
 _STEP_DIR = re.compile(r"step_(\d+)")
 
 
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint could not be written (disk full, ...); the earlier ones are untouched."""
+
+    def __init__(self, path: Path, errors: list[str], complete: list[Path]) -> None:
+        last = (f"the previous checkpoint {complete[-1]} is complete and loadable (trainer.resume=auto resumes from it)"
+                if complete else "no earlier checkpoint exists")
+        super().__init__(f"writing checkpoint {path} failed ({'; '.join(errors)}); its partial directory "
+                         f"was removed; {last}")
+
+
 def load_policy_model(policy: PolicyConfig, wg: WorkerGroup, *, seed: int) -> ModelHandle:
     from megamarl.models.bridge import build_model, load_hf_config, load_hf_weights
     from megamarl.models.packaged import resolve_model_path

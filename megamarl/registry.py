@@ -58,7 +58,7 @@ def import_plugins(modules: Iterable[str]) -> None:
         try:
             importlib.import_module(module)
         except Exception as exc:  # noqa: BLE001 - re-raised with context
-            raise ImportError(f"plugin module '{module}' failed to import: {exc!r}") from exc
+            raise ImportError(f"plugins: module '{module}' failed to import: {exc!r}") from exc
 
 
 def resolve_callable(spec: str, *, key: str) -> Callable:

@@ -25,15 +25,17 @@ import torch.distributed as dist
 
 from megamarl.async_rollout import RolloutLoop
 from megamarl.config import RunConfig, to_yaml
+from megamarl.orchestration.driver import RolloutFailureError, check_failures
 from megamarl.parallel.distributed import control_group, init_distributed, wait_for_driver
 from megamarl.parallel.hardware import DTYPES, describe_dtype_choice, resolve_dtype
 from megamarl.progress import RunProgress
 from megamarl.parallel.placement import build_worker_groups
+from megamarl.preemption import PreemptionFlag
 from megamarl.rl.advantages import CRITIC_ESTIMATORS, AdvantageConfig
 from megamarl.rl.batch import SampleBatch, collate
 from megamarl.rl.losses import LossConfig
 from megamarl.rl.prepare import prepare_batch
-from megamarl.rl.worker import AgentTraining, CriticConfig, PolicyWorker
+from megamarl.rl.worker import AgentTraining, CriticConfig, NumericalFaultError, PolicyWorker
 from megamarl.rollout.weight_sync import sync_weights
 from megamarl.schedules import build_schedule, sync_interval
 from megamarl.step_metrics import (
@@ -135,6 +137,7 @@ class Trainer:
         if self.step == 0:
             self.sync_all_weights()  # engines start from the (possibly resumed) trained weights
             self.evaluate()
+        preemption = PreemptionFlag()
         while self.step < total:
             step_start = time.perf_counter()
             batch, metrics = self.rollout_and_prepare()
@@ -151,8 +154,17 @@ class Trainer:
             self.log(metrics)
             if self._due(self.cfg.eval.every) or self.step == total:
                 self.evaluate()
-            if self._due(self.cfg.trainer.save_every) or self.step == total:
+            saved = self._due(self.cfg.trainer.save_every) or self.step == total
+            if saved:
                 self.save()
+            if preemption.agreed(control_group()):  # every rank, same step (megamarl.preemption)
+                if not saved:
+                    self.save()
+                if self.is_driver:
+                    self.driver.console_print(f"preempted ({preemption.received.name if preemption.received else 'another rank'}): saved step "
+                                              f"{self.step}; trainer.resume=auto continues from it")
+                break
+        preemption.uninstall()
         self.close()
 
     def _due(self, every: int) -> bool:
@@ -181,14 +193,33 @@ class Trainer:
                         section = key.removeprefix("timing_s/")
                         metrics[f"timing_s/{name}/{section}" if section != key else f"policy/{name}/{key}"] = value
                     metrics[f"perf/max_memory_gib/{name}"] = peak_memory_gib()
+        faults = {name: w.last_fault for name, w in self.workers.items() if w.skip_streak}
         gathered = [None] * self.world_size
-        dist.all_gather_object(gathered, metrics, group=control_group())
-        merged = merge_rank_metrics(gathered)
+        dist.all_gather_object(gathered, (metrics, faults), group=control_group())
+        merged = merge_rank_metrics([rank_metrics for rank_metrics, _ in gathered])
         merged["timing_s/update"] = time.perf_counter() - start
+        self._check_numerics(merged, {k: v for _, rank_faults in gathered for k, v in rank_faults.items()})
         return merged
 
     def trained_policies(self) -> list[str]:
         return [name for name, policy in self.cfg.policies.items() if not policy.frozen]
+
+    def _check_numerics(self, metrics: dict[str, float], faults: dict[str, str]) -> None:
+        """Skipped (non-finite) updates are reported; too many in a row stop the run on every rank
+        (the metrics are the same everywhere) before anything of this step is pushed or saved."""
+        from megamarl.policy_io import list_checkpoints
+
+        limit = self.cfg.trainer.max_nonfinite_updates
+        for name, fault in faults.items():
+            streak = int(metrics.get(f"policy/{name}/nonfinite_streak", 0))
+            if self.is_driver:
+                self.driver.console_print(f"step {self.step + 1}: skipped the update of '{name}' ({streak} in a row): {fault}")
+            if streak >= limit:
+                good = list_checkpoints(self.run_dir)
+                last = f"the last good checkpoint is {good[-1]}" if good else "no checkpoint was saved yet"
+                raise NumericalFaultError(
+                    f"{streak} non-finite updates in a row (trainer.max_nonfinite_updates={limit}); last: {fault}; "
+                    f"no NaN weights were applied or pushed; {last}")
 
     def due_for_sync(self) -> list[str]:
         """Policies with ``sync_every`` updates since their last weight push (same on every rank)."""
@@ -274,7 +305,10 @@ class Trainer:
 
     def save(self) -> None:
         """Collective: every policy's shards (layout-free), every rank's RNG, then the driver commits
-        the run state and the COMPLETE marker atomically (megamarl.policy_io, docs/checkpointing.md)."""
+        the run state and the COMPLETE marker atomically (megamarl.policy_io, docs/checkpointing.md).
+        A failed write on any rank (disk full, quota, I/O error) is agreed by all ranks: the partial
+        directory is removed and ``CheckpointWriteError`` stops the run, naming the previous complete
+        checkpoint, which nothing touched."""
         from megamarl import policy_io
 
         final = self._ckpt_dir(self.step)
@@ -282,21 +316,30 @@ class Trainer:
         if self.is_driver:
             policy_io.clear(staging)  # left by a run killed while saving this step
         dist.barrier(group=control_group())
-        policy_io.save_policies(staging, self.cfg.policies, self.workers, self.wgs)
-        policy_io.save_rng(staging, self.rank)
+        error = _attempt(lambda: (policy_io.save_policies(staging, self.cfg.policies, self.workers, self.wgs),
+                                  policy_io.save_rng(staging, self.rank)))
         num_updates = [None] * self.world_size
         dist.all_gather_object(
-            num_updates, {name: w.num_updates for name, w in self.workers.items()}, group=control_group()
+            num_updates, ({name: w.num_updates for name, w in self.workers.items()}, error), group=control_group()
         )
-        if self.is_driver:
+        errors = [f"rank {rank}: {e}" for rank, (_, e) in enumerate(num_updates) if e]
+        if self.is_driver and not errors:
             state = {
                 "step": self.step, "versions": dict(self.versions), "world_size": self.world_size,
-                "num_updates": {k: v for counts in num_updates for k, v in counts.items()},
+                "num_updates": {k: v for counts, _ in num_updates for k, v in counts.items()},
                 "driver": self.driver.state_dict(),
             }
-            policy_io.commit(staging, final, state)
-            policy_io.prune(self.run_dir, keep_last=self.cfg.trainer.keep_last)
-        dist.barrier(group=control_group())
+            error = _attempt(lambda: policy_io.commit(staging, final, state))
+            errors += [f"rank {self.rank}: {error}"] if error else []
+            if not errors:
+                policy_io.prune(self.run_dir, keep_last=self.cfg.trainer.keep_last)
+        outcome = [errors]
+        dist.broadcast_object_list(outcome, src=DRIVER, group=control_group())
+        if outcome[0]:
+            if self.is_driver:
+                _attempt(lambda: policy_io.clear(staging))
+            dist.barrier(group=control_group())
+            raise policy_io.CheckpointWriteError(final, outcome[0], policy_io.list_checkpoints(self.run_dir))
 
     def _maybe_resume(self) -> None:
         from megamarl import policy_io
@@ -440,8 +483,9 @@ class RolloutDriver:
         self.totals["failed_episodes"] += result.num_failed
         for key in ("dropped_stale_groups", "dropped_stale_samples"):
             self.totals[key] = self.totals.get(key, 0) + int(metrics[f"async/{key}"])  # absent in old checkpoints
+        check_failures(result, max_failed_fraction=self.cfg.rollout.max_failed_fraction, what=f"step {step + 1} rollout")
         if not result.samples:
-            raise RuntimeError(f"step {step}: no samples (all {len(result.episodes)} episodes failed: {dict(result.reasons())})")
+            raise RolloutFailureError(result.failure_report(f"step {step + 1}: no samples"))
         pad_id = next(iter(self.pad_ids.values()))
         batch = collate(result.samples, pad_id=pad_id)
         batch, adv_metrics = self.advantages(batch, step=step)
@@ -483,6 +527,7 @@ class RolloutDriver:
             oc.tree_k = 1  # evaluation is one pass: no best-of-K with the env's check fn
             greedy[role] = oc
         results: dict = {}
+        failures, outcomes = [], []
         for name, env in self.eval_envs.items():
             agents = build_agents(greedy, self.tokenizers, default_kinds=env.default_agents)
             tasks = env.tasks(e.num_tasks, seed=10**9 + 7)  # held out: a seed the training stream never uses
@@ -492,8 +537,18 @@ class RolloutDriver:
             self._phase = None
             prefix = f"{name}/" if name else ""
             results.update({prefix + key: value for key, value in eval_summary(result, k=e.k).items()})
-        self.logger.log_eval(step, results)
+            what = f"eval {name + ' ' if name else ''}step {step}"
+            outcomes.append((result, what))
+            if result.num_failed == len(result.episodes) and result.episodes:
+                # an all-failed set is marked failed, not scored: its 0.000 says nothing about the model
+                failures.append(result.failure_report(what))
+                self.console_print(f"FAILED (no episode finished) {failures[-1]}")
+            elif result.num_failed:
+                self.console_print(result.failure_report(what))
+        self.logger.log_eval(step, results, failure="; ".join(failures) or None)
         self.console_print(f"eval step {step}: " + ", ".join(f"{k}={v:.3f}" for k, v in results.items()))
+        for result, what in outcomes:
+            check_failures(result, max_failed_fraction=self.cfg.rollout.max_failed_fraction, what=what)
         return results
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
@@ -542,6 +597,16 @@ def _policy_mapping(cfg: RunConfig, tokenizers: dict):
     return resolve_callable(cfg.rollout.policy_mapping, key="rollout.policy_mapping")
 
 
+def _attempt(write) -> str:
+    """Run a checkpoint write; '' on success, else the error as one line (any exception: a
+    collective writer may wrap the OSError of another rank)."""
+    try:
+        write()
+    except Exception as exc:  # noqa: BLE001 - reported to every rank, then raised as CheckpointWriteError
+        return f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+    return ""
+
+
 def _lora_serving(cfg: RunConfig, policy: str):
     from megamarl.rollout.factory import LoraServing
 
@@ -583,4 +648,5 @@ def eval_summary(result, *, k: int) -> dict[str, float]:
         f"pass@{k}": sum(any(v) for v in by_task.values()) / num,
         "num_tasks": float(len(by_task)),
         **success_metrics(e for e in result.episodes if e.status == "ok"),
+        "num_failed": float(result.num_failed),
     }

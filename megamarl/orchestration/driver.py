@@ -8,7 +8,10 @@ An episode ends in one of three states, all counted in ``RolloutResult``:
 * ``ok``: the orchestra returned (env done, or its budget ran out: ``env_done`` tells which);
 * ``dropped``: a budget made it unusable (``EpisodeDropped``, e.g. ``prompt_too_long``);
 * ``failed``: the env crashed, hung (env worker timeout), raised, or the episode timed out.
-Samples of dropped and failed episodes are discarded (their count is kept); the run goes on.
+Samples of dropped and failed episodes are discarded (their count is kept, a failed episode keeps
+the tail of its traceback in ``EpisodeStats.error``); the run goes on while the failed fraction
+stays within ``rollout.max_failed_fraction`` (``check_failures``), and stops with the first
+traceback above it.
 Programming errors in configuration (an agent with no engine, an unknown agent name) raise
 immediately instead of failing every episode one by one.
 """
@@ -16,6 +19,7 @@ immediately instead of failing every episode one by one.
 from __future__ import annotations
 
 import asyncio
+import traceback
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
@@ -46,6 +50,11 @@ class EpisodeStats:
     num_invalid: int = 0
     agent_success: dict[str, bool] = field(default_factory=dict)  # agent -> own success (ok episodes)
     policies: dict[str, str] = field(default_factory=dict)  # agent -> the policy it used
+    error: str = ""  # failed episodes: the last lines of the traceback
+
+
+class RolloutFailureError(RuntimeError):
+    """More episodes failed than ``rollout.max_failed_fraction`` allows."""
 
 
 @dataclass
@@ -64,6 +73,21 @@ class RolloutResult:
     def reasons(self) -> Counter:
         """Failure/drop reasons, e.g. ``{"env_worker:timeout": 2, "prompt_too_long": 1}``."""
         return Counter(e.reason for e in self.episodes if e.status != "ok")
+
+    @property
+    def failed_fraction(self) -> float:
+        return self.num_failed / len(self.episodes) if self.episodes else 0.0
+
+    def first_error(self) -> str:
+        """The first failed episode's id, reason and traceback tail ('' when none failed)."""
+        for e in self.episodes:
+            if e.status == "failed":
+                return f"episode {e.episode_id} ({e.reason}):\n{e.error}".rstrip()
+        return ""
+
+    def failure_report(self, what: str) -> str:
+        return (f"{what}: {self.num_failed}/{len(self.episodes)} episodes failed {dict(self.reasons())}; "
+                f"first: {self.first_error()}")
 
     def summary(self) -> dict[str, float]:
         ok = [e for e in self.episodes if e.status == "ok"]
@@ -114,12 +138,15 @@ async def run_episode(
         stats.status, stats.reason = "dropped", exc.reason
     except EnvWorkerError as exc:
         stats.status, stats.reason = "failed", f"env_worker:{exc.reason.split(':')[0]}"
+        stats.error = _traceback_tail(exc)
     except asyncio.TimeoutError:
         stats.status, stats.reason = "failed", "episode_timeout"
+        stats.error = f"the episode ran longer than {episode_timeout_s} s"
     except _CONFIG_ERRORS:
         raise
     except Exception as exc:  # noqa: BLE001 - an env/engine failure fails this episode only
         stats.status, stats.reason = "failed", f"error:{type(exc).__name__}"
+        stats.error = _traceback_tail(exc)
     stats.num_calls = dict(Counter(s.agent for s in ctx.samples if s.branch == 0))
     if stats.status != "ok":
         stats.num_samples = 0
@@ -134,6 +161,22 @@ async def run_episode(
         stats.agent_success[agent] = stats.success if own is None else bool(own)
         stats.policies[agent] = ctx.policy_of(agent)
     return ctx.samples, stats
+
+
+def _traceback_tail(exc: BaseException, num_lines: int = 12) -> str:
+    lines = "".join(traceback.format_exception(exc)).rstrip().splitlines()
+    if len(lines) > num_lines + 1:  # keep the header, so the text reads as a traceback
+        lines = [lines[0], "  ...", *lines[-num_lines:]]
+    return "\n".join(lines)
+
+
+def check_failures(result: RolloutResult, *, max_failed_fraction: float, what: str) -> None:
+    """Raise ``RolloutFailureError`` (with the first traceback) when the failed fraction of
+    ``result``'s episodes is above ``max_failed_fraction`` (``rollout.max_failed_fraction``)."""
+    if result.episodes and result.failed_fraction > max_failed_fraction:
+        raise RolloutFailureError(
+            result.failure_report(what) + f"\n(failed fraction {result.failed_fraction:.3f} > "
+            f"rollout.max_failed_fraction={max_failed_fraction})")
 
 
 async def _run_to_end(orchestra: Orchestra, ctx: EpisodeContext) -> None:
