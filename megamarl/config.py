@@ -8,7 +8,9 @@ agent pointing at a policy that does not exist...). Defaults live here and nowhe
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+import re
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Optional
 
@@ -18,16 +20,36 @@ from omegaconf.errors import OmegaConfBaseException
 import megamarl.orchestration  # noqa: F401 - registers the built-in agents, envs, orchestras
 from megamarl.driver.schedules import SCHEDULES
 from megamarl.models.lora import LoraConfig
+from megamarl.models.packaged import PACKAGED_MODELS, TINY_MODELS
 from megamarl.orchestration.agents import AGENTS
-from megamarl.orchestration.env import EnvSpec
-from megamarl.orchestration.orchestras import OrchestraSpec
+from megamarl.orchestration.agents import AgentConfig as OrchAgentConfig
+from megamarl.orchestration.env import ENVS, EnvSpec
+from megamarl.orchestration.orchestras import ORCHESTRAS, OrchestraSpec
 from megamarl.parallel.hardware import DTYPE_CHOICES, resolve_dtype
 from megamarl.parallel.placement import PLACEMENT_MODES, PlacementConfig, WorkerGroupLayout
-from megamarl.registry import import_plugins
-from megamarl.rl.advantages import ADVANTAGE_ESTIMATORS
-from megamarl.rl.prepare import AlgorithmConfig
-from megamarl.rollout import ENGINES
+from megamarl.planning.model_presets import PRESETS
+from megamarl.registry import import_plugins, resolve_callable
+from megamarl.rl.advantages import ADVANTAGE_ESTIMATORS, GROUP_KEYS
+from megamarl.rl.losses import KL_ESTIMATORS, LOSS_AGGREGATIONS
+from megamarl.rollout import ENGINES, SamplingParams
 from megamarl.runtime.metrics import LoggerConfig
+
+MEMORY_SCOPES = ("team", "self")  # megamarl.orchestration.agents checks the same
+
+
+# A Hugging Face hub id ("org/name") that is not a local directory: megamarl never downloads.
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
+def _check_range(key: str, value, *, low=None, high=None, low_open=False) -> None:
+    """``key`` (a full key path, or one with a ``<p>``/``<a>`` placeholder that ``load_config``
+    fills in) must lie in [low, high] (low excluded when ``low_open``)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"{key} must be a finite number, got {value}")
+    if low is not None and (value <= low if low_open else value < low) or high is not None and value > high:
+        bound = f"{'>' if low_open else '>='} {low}" if high is None else (
+            f"<= {high}" if low is None else f"in {'(' if low_open else '['}{low}, {high}]")
+        raise ValueError(f"{key} must be {bound}, got {value}")
 
 
 @dataclass
@@ -57,6 +79,15 @@ class EngineConfig:
             raise ValueError(f"policies.<p>.engine.backend='{self.backend}' unknown; allowed: {configurable}")
         if self.num_replicas < 1:
             raise ValueError(f"policies.<p>.engine.num_replicas must be >= 1, got {self.num_replicas}")
+        for key in ("tp", "max_num_seqs", "bucket_mb"):
+            _check_range(f"policies.<p>.engine.{key}", getattr(self, key), low=1)
+        _check_range("policies.<p>.engine.kv_cache_gib", self.kv_cache_gib, low=0)
+        bad = [r for r in self.ranks if r < 0]
+        if bad:
+            raise ValueError(f"policies.<p>.engine.ranks has negative ranks {bad}")
+        bad = [u for u in self.server_urls if not u.startswith(("http://", "https://"))]
+        if bad:
+            raise ValueError(f"policies.<p>.engine.server_urls must be http(s) URLs, got {bad}")
 
 
 @dataclass
@@ -91,12 +122,29 @@ class PolicyConfig:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_CHOICES:
             raise ValueError(f"policies.<p>.dtype='{self.dtype}' unknown; allowed: {list(DTYPE_CHOICES)}")
-        if self.lr <= 0:
-            raise ValueError(f"policies.<p>.lr must be > 0, got {self.lr}")
+        _check_range("policies.<p>.lr", self.lr, low=0, low_open=True)
         if self.micro_batch_size < 1:
             raise ValueError(f"policies.<p>.micro_batch_size must be >= 1, got {self.micro_batch_size}")
         if self.seq_len < 1:
             raise ValueError(f"policies.<p>.seq_len must be >= 1, got {self.seq_len}")
+        known = self.model in PACKAGED_MODELS or self.model in TINY_MODELS or self.model in PRESETS
+        if not known and not Path(self.model).expanduser().exists():
+            hub = " looks like a model hub id (megamarl never downloads);" if _HUB_ID.fullmatch(self.model) else ""
+            raise ValueError(
+                f"policies.<p>.model='{self.model}'{hub} is not a local directory, a packaged model "
+                f"{sorted(PACKAGED_MODELS) + sorted(TINY_MODELS)} or a --dry-run architecture preset "
+                f"{sorted(PRESETS)}; scripts/prepare_model.py writes a local directory")
+        for key in ("tp", "pp", "ppo_epochs"):
+            _check_range(f"policies.<p>.{key}", getattr(self, key), low=1)
+        for key in ("weight_decay", "grad_clip", "kl_coef", "entropy_coef", "value_coef"):
+            _check_range(f"policies.<p>.{key}", getattr(self, key), low=0)
+        _check_range("policies.<p>.clip_low", self.clip_low, low=0, high=1)
+        _check_range("policies.<p>.clip_high", self.clip_high, low=0)
+        if self.value_clip is not None:
+            _check_range("policies.<p>.value_clip", self.value_clip, low=0, low_open=True)
+        bad = [r for r in self.ranks or [] if r < 0]
+        if bad:
+            raise ValueError(f"policies.<p>.ranks has negative ranks {bad}")
 
 
 @dataclass
@@ -108,6 +156,13 @@ class SamplingConfig:
     # Constrained decoding: sample only these strings' tokens (each must be one token), e.g. the
     # ten symbols of the signalling game. Empty: unconstrained.
     allowed_tokens: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        _check_range("agents.<a>.sampling.temperature", self.temperature, low=0)
+        _check_range("agents.<a>.sampling.top_p", self.top_p, low=0, high=1, low_open=True)
+        if self.top_k != -1 and self.top_k < 1:
+            raise ValueError(f"agents.<a>.sampling.top_k must be -1 (off) or >= 1, got {self.top_k}")
+        _check_range("agents.<a>.sampling.max_tokens", self.max_tokens, low=1)
 
 
 @dataclass
@@ -137,15 +192,23 @@ class AgentConfig:
     micro_batch_size: Optional[int] = None
     frozen: bool = False
 
+    def __post_init__(self) -> None:
+        if self.memory_scope not in MEMORY_SCOPES:
+            raise ValueError(f"agents.<a>.memory_scope='{self.memory_scope}' unknown; allowed: {list(MEMORY_SCOPES)}")
+        for key in ("tree_k", "max_prompt_tokens"):
+            _check_range(f"agents.<a>.{key}", getattr(self, key), low=1)
+        _check_range("agents.<a>.memory_tokens", self.memory_tokens, low=0)
+        if self.lr is not None:
+            _check_range("agents.<a>.lr", self.lr, low=0, low_open=True)
+        if self.clip_low is not None:
+            _check_range("agents.<a>.clip_low", self.clip_low, low=0, high=1)
+
     def train_overrides(self) -> dict[str, float]:
         """The per-agent hyperparameters this agent sets (None values omitted)."""
         keys = ("lr", "clip_low", "clip_high", "kl_coef", "entropy_coef", "micro_batch_size")
         return {k: getattr(self, k) for k in keys if getattr(self, k) is not None}
 
     def to_orchestration(self, tokenizer=None):
-        from megamarl.orchestration.agents import AgentConfig as OrchAgentConfig
-        from megamarl.rollout.base import SamplingParams
-
         return OrchAgentConfig(
             kind=self.kind, policy=self.policy, lora=self.lora, system_prompt=self.system_prompt,
             prompt_template=self.prompt_template,
@@ -177,14 +240,101 @@ class RolloutConfig:
     group_size: int = 4  # episodes per task (GRPO group)
     max_concurrency: int = 64
     env_timeout_s: float = 30.0
+    # "module:function" (agent_id, episode_seed) -> policy name, RLlib-style: binds each agent (seat)
+    # to a policy per episode (self-play, ensembles); empty: agents.<a>.policy. The policies must
+    # share one tokenizer; agents with a LoRA adapter cannot be remapped.
+    policy_mapping: str = ""
+    # a step or evaluation whose failed-episode fraction is above this stops the run (first traceback)
+    max_failed_fraction: float = 0.5
+
+    def __post_init__(self) -> None:
+        for key in ("num_tasks", "group_size", "max_concurrency"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"rollout.{key} must be an integer >= 1, got {value!r}")
+        if not self.env_timeout_s > 0:
+            raise ValueError(f"rollout.env_timeout_s must be > 0, got {self.env_timeout_s}")
+        if not 0.0 <= self.max_failed_fraction <= 1.0:
+            raise ValueError(f"rollout.max_failed_fraction must be in [0, 1], got {self.max_failed_fraction}")
+
+
+@dataclass
+class AlgorithmConfig:
+    estimator: str = "at_grpo"
+    group_by: list[str] = field(default_factory=lambda: ["task", "agent", "turn"])
+    normalize_std: bool = True
+    std_ddof: int = 1  # group std: 1 unbiased (n - 1; verl, Dr.MAS, GiGPO), 0 population (n)
+    team_alpha: float = 1.0  # reward = team + alpha * local
+    turn_gamma: float = 1.0
+    invalid_penalty: float = 0.0
+    dynamic_sampling: bool = False  # drop groups (the estimator's group key) whose rewards are all equal
+    # DAPO refill: up to this many extra rollout rounds per step until rollout.num_tasks tasks have an
+    # informative group (needs dynamic_sampling); 0: train on what is left after the filter.
+    max_refill_rounds: int = 0
+    loss_agg: str = "token-mean"
+    kl_type: str = "k3"
+    tis_cap: float = 2.0  # truncated IS cap (rollout vs training logprobs); 0 disables
+    estimator_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        bad = [k for k in self.group_by if k not in GROUP_KEYS]
+        if bad:
+            raise ValueError(f"algorithm.group_by has unknown keys {bad}; allowed: {list(GROUP_KEYS)}")
+        LOSS_AGGREGATIONS.get(self.loss_agg, key="algorithm.loss_agg")
+        KL_ESTIMATORS.get(self.kl_type, key="algorithm.kl_type")
+        _check_range("algorithm.invalid_penalty", self.invalid_penalty, high=0)  # a penalty, not a bonus
+        _check_range("algorithm.team_alpha", self.team_alpha, low=0)
+        _check_range("algorithm.turn_gamma", self.turn_gamma, low=0, high=1)
+        _check_range("algorithm.tis_cap", self.tis_cap, low=0)
+        if self.std_ddof not in (0, 1):
+            raise ValueError(f"algorithm.std_ddof must be 0 (population) or 1 (unbiased), got {self.std_ddof}")
+        if self.max_refill_rounds < 0:
+            raise ValueError(f"algorithm.max_refill_rounds must be >= 0, got {self.max_refill_rounds}")
+        if self.max_refill_rounds > 0 and not self.dynamic_sampling:
+            raise ValueError("algorithm.max_refill_rounds > 0 needs algorithm.dynamic_sampling=true")
+
+
+@dataclass
+class EvalEnvConfig:
+    """One evaluation set's env; unset fields come from the training ``env`` section."""
+
+    name: Optional[str] = None  # registered env; None: env.name
+    kwargs: Optional[dict[str, Any]] = None  # None: env.kwargs when the name is env.name, else {}
+
+    def resolve(self, train: EnvSpec) -> EnvSpec:
+        name = self.name or train.name
+        kwargs = self.kwargs if self.kwargs is not None else (dict(train.kwargs) if name == train.name else {})
+        return EnvSpec(name=name, kwargs=dict(kwargs))
 
 
 @dataclass
 class EvalConfig:
     every: int = 0  # steps; 0 disables periodic eval (still runs at start and end when num_tasks > 0)
-    num_tasks: int = 0
+    num_tasks: int = 0  # tasks per eval set
     k: int = 1  # samples per task for avg@k / pass@k
     temperature: float = 0.0
+    # Held-out data: the env of the (single, unnamed) eval set, e.g. another dataset_path; None: the
+    # training env with a seed the training stream never uses (logged as eval/team_accuracy, ...).
+    env: Optional[EvalEnvConfig] = None
+    # Several named sets instead (exclusive with env): eval/<set>/team_accuracy, eval/<set>/avg@k, ...
+    sets: dict[str, EvalEnvConfig] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for key in ("every", "num_tasks"):
+            _check_range(f"eval.{key}", getattr(self, key), low=0)
+        _check_range("eval.k", self.k, low=1)
+        _check_range("eval.temperature", self.temperature, low=0)
+        if self.env is not None and self.sets:
+            raise ValueError("eval.env and eval.sets are exclusive: name the set in eval.sets.<name> instead")
+        bad = [name for name in self.sets if not name or "/" in name]
+        if bad:
+            raise ValueError(f"eval.sets names {bad} must be non-empty and contain no '/'")
+
+    def resolved_sets(self, train: EnvSpec) -> dict[str, EnvSpec]:
+        """Set name -> env; the unnamed set "" (metrics without a set prefix) unless ``sets`` is given."""
+        if self.sets:
+            return {name: spec.resolve(train) for name, spec in self.sets.items()}
+        return {"": (self.env or EvalEnvConfig()).resolve(train)}
 
 
 @dataclass
@@ -200,6 +350,7 @@ class TrainerConfig:
     keep_last: int = 0  # keep only the newest K complete checkpoints; 0 keeps all
     resume: str = "none"  # none | auto (latest in this run dir) | <run dir or checkpoint dir>
     seed: int = 0
+    max_nonfinite_updates: int = 3  # stop after this many skipped (NaN/inf) updates of a policy in a row
     # Bound on any wait of one rank for another (collectives, and waiting for the driver's rollout,
     # eval or model preparation). Generous: a real hang is reported with what each rank waited for.
     collective_timeout_s: float = 7200.0
@@ -213,8 +364,13 @@ class TrainerConfig:
                 raise ValueError(f"trainer.{key} must be >= 0, got {getattr(self, key)}")
         if not self.resume:
             raise ValueError("trainer.resume is empty; use none, auto or a checkpoint/run directory")
+        if self.resume not in ("none", "auto") and not Path(self.resume).is_dir():
+            raise ValueError(f"trainer.resume={self.resume}: no such directory; use none, auto or a checkpoint/run directory")
+        _check_range("trainer.seed", self.seed, low=0)
         if self.sync_every < 1:
             raise ValueError(f"trainer.sync_every must be >= 1, got {self.sync_every}")
+        if self.max_nonfinite_updates < 1:
+            raise ValueError(f"trainer.max_nonfinite_updates must be >= 1, got {self.max_nonfinite_updates}")
         if self.max_staleness < 0:
             raise ValueError(f"trainer.max_staleness must be >= 0, got {self.max_staleness}")
         if self.max_staleness < schedule.min_staleness:
@@ -232,6 +388,12 @@ class ClusterConfig:
     gpus_per_node: int = 0  # 0: CPU ranks
     gpu_memory_gib: float = 80.0
     reserved_gib: float = 4.0  # per GPU, outside the estimate: CUDA context, NCCL buffers, fragmentation
+
+    def __post_init__(self) -> None:
+        _check_range("cluster.num_nodes", self.num_nodes, low=1)
+        for key in ("gpus_per_node", "reserved_gib"):
+            _check_range(f"cluster.{key}", getattr(self, key), low=0)
+        _check_range("cluster.gpu_memory_gib", self.gpu_memory_gib, low=0, low_open=True)
 
 
 @dataclass
@@ -275,6 +437,9 @@ class RunConfig:
             for key, value in agent.train_overrides().items():
                 if key == "micro_batch_size" and value < 1 or key != "micro_batch_size" and value < 0:
                     raise ValueError(f"agents.{name}.{key} must be {'>= 1' if key == 'micro_batch_size' else '>= 0'}, got {value}")
+        if self.algorithm.max_refill_rounds > 0 and self.trainer.mode == "fully_async":
+            raise ValueError("algorithm.max_refill_rounds > 0 needs trainer.mode sync or one_step_off "
+                             "(fully_async batches already wait for rollout.num_tasks groups)")
         self._check_registered_names()
 
     def _check_registered_names(self) -> None:
@@ -282,11 +447,39 @@ class RunConfig:
         a typo stops the run at load time instead of after the models are built."""
         import_plugins(self.plugins)
         ADVANTAGE_ESTIMATORS.get(self.algorithm.estimator, key="algorithm.estimator")
-        self.env.check()
-        self.orchestra.check()
+        eval_envs = {f"eval.sets.{name}" if name else "eval.env": env
+                     for name, env in self.eval.resolved_sets(self.env).items()}
+        sections = [("env", ENVS, self.env), ("orchestra", ORCHESTRAS, self.orchestra)]
+        sections += [(key, ENVS, env) for key, env in eval_envs.items()]
+        for key, registry, section in sections:
+            cls = registry.get(section.name, key=f"{key}.name")
+            try:
+                cls.Config(**section.kwargs)
+            except TypeError as exc:  # an unknown keyword
+                raise ValueError(f"{key}.kwargs for {key} '{section.name}': {exc}") from exc
+            except ValueError as exc:  # the env's own validation (names its field, not where it came from)
+                if key == "env":
+                    raise
+                raise ValueError(f"{key}.kwargs: {exc}") from exc
         for role, agent in self.agents.items():
             if agent.kind:
                 AGENTS.get(agent.kind, key=f"agents.{role}.kind")
+        if self.rollout.policy_mapping:
+            self._check_policy_mapping()
+
+    def _check_policy_mapping(self) -> None:
+        """The mapping resolves and, for every agent and a few episode seeds, names a defined policy."""
+        key = "rollout.policy_mapping"
+        mapping = resolve_callable(self.rollout.policy_mapping, key=key)
+        for role, agent in self.agents.items():
+            if agent.lora is not None:
+                raise ValueError(f"{key} cannot remap agents.{role}, which samples from LoRA adapter '{agent.lora}'")
+            for episode_seed in range(4):
+                policy = mapping(role, episode_seed)
+                if policy not in self.policies:
+                    raise ValueError(
+                        f"{key}('{role}', {episode_seed}) returned {policy!r}, not a policy; defined: {sorted(self.policies)}"
+                    )
 
     def policy_dtype(self, name: str) -> str:
         """``policies.<name>.dtype`` resolved on this node (``auto``: the engine's resolved dtype)."""
@@ -319,12 +512,41 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
             if not path.is_file():
                 raise ValueError(f"--config {path}: file not found")
             merged = OmegaConf.merge(merged, OmegaConf.load(path))
+        base = merged
         if overrides:
             merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(list(overrides)))
         return OmegaConf.to_object(merged)
     except OmegaConfBaseException as exc:
-        key = getattr(exc, "full_key", None) or "?"
-        raise ValueError(f"config key '{key}': {_first_line(exc)}") from exc
+        key = getattr(exc, "full_key", None) or _failing_override(base, overrides) if overrides else "?"
+        raise ValueError(f"config key '{key or '?'}': {_first_line(exc)}") from exc
+    except ValueError as exc:
+        raise ValueError(_with_names(_first_line(exc), merged)) from exc
+
+
+def _failing_override(base, overrides) -> str | None:
+    """The key of the override that does not merge (OmegaConf leaves ``full_key`` empty when, e.g., a
+    mapping replaces a list)."""
+    for override in overrides:
+        try:
+            OmegaConf.merge(base, OmegaConf.from_dotlist([override]))
+        except OmegaConfBaseException:
+            return override.split("=", 1)[0]
+    return None
+
+
+def _with_names(message: str, merged) -> str:
+    """Component configs do not know their entry's name (``policies.<p>.lr``): find the entry whose
+    section fails with this message and put its name in."""
+    for placeholder, section in (("policies.<p>", "policies"), ("agents.<a>", "agents")):
+        if placeholder not in message:
+            continue
+        for name in merged[section]:
+            try:
+                OmegaConf.to_object(merged[section][name])
+            except (ValueError, OmegaConfBaseException) as exc:
+                if _first_line(exc) == message:
+                    return message.replace(placeholder, f"{section}.{name}")
+    return message
 
 
 def _first_line(exc: Exception) -> str:

@@ -82,4 +82,19 @@ def import_plugins(modules: Iterable[str]) -> None:
         try:
             importlib.import_module(module)
         except Exception as exc:  # noqa: BLE001 - re-raised with context
-            raise ImportError(f"plugin module '{module}' failed to import: {exc!r}") from exc
+            raise ImportError(f"plugins: module '{module}' failed to import: {exc!r}") from exc
+
+
+def resolve_callable(spec: str, *, key: str) -> Callable:
+    """``"module:function"`` -> the function (a user hook named in config, e.g. ``env.kwargs.render``
+    or ``rollout.policy_mapping``). Errors name ``key``; a module that fails to import is an error."""
+    module, sep, name = spec.partition(":")
+    if not sep or not module or not name:
+        raise ValueError(f"{key} must be 'module:function', got {spec!r}")
+    try:
+        obj = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"{key}={spec!r}: {exc}") from exc
+    if not callable(obj):
+        raise ValueError(f"{key}={spec!r} is not callable")
+    return obj

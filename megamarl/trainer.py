@@ -13,13 +13,10 @@ fully_async; docs/async.md): where the next batch comes from and what a weight p
 from __future__ import annotations
 
 import os
-import random
 import time
 from contextlib import nullcontext
 from pathlib import Path
 
-import numpy as np
-import torch
 import torch.distributed as dist
 
 from megamarl.config import RunConfig
@@ -31,18 +28,16 @@ from megamarl.parallel.hardware import DTYPES, resolve_dtype
 from megamarl.parallel.placement import build_worker_groups
 from megamarl.rl.batch import SampleBatch
 from megamarl.rl.policy_setup import build_workers
-from megamarl.rl.worker import PolicyWorker
+from megamarl.rl.worker import NumericalFaultError, PolicyWorker
 from megamarl.rollout.weight_sync import sync_weights
 from megamarl.runtime import checkpoint
+from megamarl.runtime.preemption import PreemptionFlag
 from megamarl.runtime.progress import RunProgress
+from megamarl.runtime.step_metrics import (
+    idle_seconds, merge_rank_metrics, peak_memory_gib, throughput_metrics, trained_tokens,
+)
 
 DRIVER = 0
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
 
 
 class Trainer:
@@ -59,7 +54,7 @@ class Trainer:
         self.versions = {name: 0 for name in cfg.policies}  # weight pushes into the engines so far
         self.updates_since_sync = {name: 0 for name in cfg.policies}
         self.sync_every = sync_interval(cfg.trainer)  # updates of a policy per weight push
-        seed_everything(cfg.trainer.seed)
+        checkpoint.seed_everything(cfg.trainer.seed)
         self.wgs = build_worker_groups(cfg.placement(self.world_size))
         with self.progress.phase("model preparation", total=len(cfg.policies), unit="policies", in_step=False) as phase:
             self.workers = build_workers(cfg.policies, cfg.agents, cfg.algorithm, self.wgs, seed=cfg.trainer.seed,
@@ -80,19 +75,34 @@ class Trainer:
         if self.step == 0:
             self.sync_all_weights()  # engines start from the (possibly resumed) trained weights
             self.evaluate()
+        preemption = PreemptionFlag()
         while self.step < total:
             step_start = time.perf_counter()
             batch, metrics = self.rollout_and_prepare()
             metrics.update(self.update(batch))
             metrics.update(self.sync_all_weights(self.due_for_sync()))
             self.step += 1
-            metrics["timing/step_s"] = time.perf_counter() - step_start
-            self.progress.step_done(self.step, metrics["timing/step_s"])
+            metrics["timing_s/step"] = time.perf_counter() - step_start
+            metrics["timing_s/idle"] = idle_seconds(metrics)
+            metrics.update(throughput_metrics(
+                num_train_tokens=trained_tokens(batch, self.trained_policies()), update_s=metrics["timing_s/update"],
+                num_samples=batch.num_samples, step_s=metrics["timing_s/step"],
+            ))
+            self.progress.step_done(self.step, metrics["timing_s/step"])
             self.log(metrics)
             if self._due(self.cfg.eval.every) or self.step == total:
                 self.evaluate()
-            if self._due(self.cfg.trainer.save_every) or self.step == total:
+            saved = self._due(self.cfg.trainer.save_every) or self.step == total
+            if saved:
                 self.save()
+            if preemption.agreed(control_group()):  # every rank, same step (megamarl.runtime.preemption)
+                if not saved:
+                    self.save()
+                if self.is_driver:
+                    self.driver.console_print(f"preempted ({preemption.received.name if preemption.received else 'another rank'}): saved step "
+                                              f"{self.step}; trainer.resume=auto continues from it")
+                break
+        preemption.uninstall()
         self.close()
 
     def _due(self, every: int) -> bool:
@@ -117,12 +127,35 @@ class Trainer:
                 if name in self.workers:
                     self.workers[name].on_micro_batch = phase.advance
                     for key, value in self.workers[name].train_step(part).items():
-                        metrics[f"policy/{name}/{key}"] = value
+                        # the worker's sections (timing_s/<section>) become timing_s/<policy>/<section>
+                        section = key.removeprefix("timing_s/")
+                        metrics[f"timing_s/{name}/{section}" if section != key else f"policy/{name}/{key}"] = value
+                    metrics[f"perf/max_memory_gib/{name}"] = peak_memory_gib()
+        faults = {name: w.last_fault for name, w in self.workers.items() if w.skip_streak}
         gathered = [None] * self.world_size
-        dist.all_gather_object(gathered, metrics, group=control_group())
-        merged = {k: v for rank_metrics in gathered for k, v in rank_metrics.items()}
-        merged["timing/update_s"] = time.perf_counter() - start
+        dist.all_gather_object(gathered, (metrics, faults), group=control_group())
+        merged = merge_rank_metrics([rank_metrics for rank_metrics, _ in gathered])
+        merged["timing_s/update"] = time.perf_counter() - start
+        self._check_numerics(merged, {k: v for _, rank_faults in gathered for k, v in rank_faults.items()})
         return merged
+
+    def trained_policies(self) -> list[str]:
+        return [name for name, policy in self.cfg.policies.items() if not policy.frozen]
+
+    def _check_numerics(self, metrics: dict[str, float], faults: dict[str, str]) -> None:
+        """Skipped (non-finite) updates are reported; too many in a row stop the run on every rank
+        (the metrics are the same everywhere) before anything of this step is pushed or saved."""
+        limit = self.cfg.trainer.max_nonfinite_updates
+        for name, fault in faults.items():
+            streak = int(metrics.get(f"policy/{name}/nonfinite_streak", 0))
+            if self.is_driver:
+                self.driver.console_print(f"step {self.step + 1}: skipped the update of '{name}' ({streak} in a row): {fault}")
+            if streak >= limit:
+                good = checkpoint.list_checkpoints(self.run_dir)
+                last = f"the last good checkpoint is {good[-1]}" if good else "no checkpoint was saved yet"
+                raise NumericalFaultError(
+                    f"{streak} non-finite updates in a row (trainer.max_nonfinite_updates={limit}); last: {fault}; "
+                    f"no NaN weights were applied or pushed; {last}")
 
     def due_for_sync(self) -> list[str]:
         """Policies with ``sync_every`` updates since their last weight push (same on every rank)."""
@@ -149,7 +182,7 @@ class Trainer:
                 with self.progress.phase(f"weight sync {name}", unit=""):
                     metrics.update(self._push_policy(name, worker, engines))
         dist.barrier(group=control_group())
-        metrics["timing/weight_sync_s"] = time.perf_counter() - start
+        metrics["timing_s/weight_sync"] = time.perf_counter() - start
         return metrics
 
     def _push_policy(self, name: str, worker: PolicyWorker | None, engines: list | None) -> dict[str, float]:
@@ -201,27 +234,39 @@ class Trainer:
     # ---- checkpoint / resume --------------------------------------------------------------------
     def save(self) -> None:
         """Collective: every policy's shards (layout-free), every rank's RNG, then the driver commits
-        the run state and the COMPLETE marker atomically (megamarl.runtime.checkpoint, docs/checkpointing.md)."""
+        the run state and the COMPLETE marker atomically (megamarl.runtime.checkpoint, docs/checkpointing.md).
+        A failed write on any rank (disk full, quota, I/O error) is agreed by all ranks: the partial
+        directory is removed and ``CheckpointWriteError`` stops the run, naming the previous complete
+        checkpoint, which nothing touched."""
         final = checkpoint.checkpoint_path(self.run_dir, self.step)
         staging = checkpoint.staging_path(final)
         if self.is_driver:
             checkpoint.clear(staging)  # left by a run killed while saving this step
         dist.barrier(group=control_group())
-        checkpoint.save_policies(staging, self.cfg.policies, self.workers, self.wgs)
-        checkpoint.save_rng(staging, self.rank)
+        error = checkpoint.attempt_write(lambda: (checkpoint.save_policies(staging, self.cfg.policies, self.workers, self.wgs),
+                                  checkpoint.save_rng(staging, self.rank)))
         num_updates = [None] * self.world_size
         dist.all_gather_object(
-            num_updates, {name: w.num_updates for name, w in self.workers.items()}, group=control_group()
+            num_updates, ({name: w.num_updates for name, w in self.workers.items()}, error), group=control_group()
         )
-        if self.is_driver:
+        errors = [f"rank {rank}: {e}" for rank, (_, e) in enumerate(num_updates) if e]
+        if self.is_driver and not errors:
             state = {
                 "step": self.step, "versions": dict(self.versions), "world_size": self.world_size,
-                "num_updates": {k: v for counts in num_updates for k, v in counts.items()},
+                "num_updates": {k: v for counts, _ in num_updates for k, v in counts.items()},
                 "driver": self.driver.state_dict(),
             }
-            checkpoint.commit(staging, final, state)
-            checkpoint.prune(self.run_dir, keep_last=self.cfg.trainer.keep_last)
-        dist.barrier(group=control_group())
+            error = checkpoint.attempt_write(lambda: checkpoint.commit(staging, final, state))
+            errors += [f"rank {self.rank}: {error}"] if error else []
+            if not errors:
+                checkpoint.prune(self.run_dir, keep_last=self.cfg.trainer.keep_last)
+        outcome = [errors]
+        dist.broadcast_object_list(outcome, src=DRIVER, group=control_group())
+        if outcome[0]:
+            if self.is_driver:
+                checkpoint.attempt_write(lambda: checkpoint.clear(staging))
+            dist.barrier(group=control_group())
+            raise checkpoint.CheckpointWriteError(final, outcome[0], checkpoint.list_checkpoints(self.run_dir))
 
     def _maybe_resume(self) -> None:
         path = checkpoint.find_checkpoint(self.cfg.trainer.resume, self.run_dir)
@@ -238,7 +283,7 @@ class Trainer:
         self.versions = {name: state["versions"].get(name, 1) - 1 for name in self.cfg.policies}
         self.sync_all_weights()
         if not checkpoint.load_rng(path, self.rank):  # saved with fewer ranks
-            seed_everything(self.cfg.trainer.seed + 1_000_003 * self.step + self.rank)
+            checkpoint.seed_everything(self.cfg.trainer.seed + 1_000_003 * self.step + self.rank)
         if self.is_driver:
             self.driver.load_state_dict(state["driver"])
             checkpoint.rewind_run_dir(self.run_dir, self.step)  # later metrics lines are logged again

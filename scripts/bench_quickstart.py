@@ -99,7 +99,7 @@ def main() -> int:
         "load_avg_1min": {"before": round(load_before, 2), **load},
         "setup_s": round(setup_s, 1), "train_s": round(train_s, 1), "total_s": round(setup_s + train_s, 1),
         "steps": len(metrics),
-        "step_s_mean": round(sum(m["timing/step_s"] for m in metrics) / max(len(metrics), 1), 2),
+        "step_s_mean": round(sum(m["timing_s/step"] for m in metrics) / max(len(metrics), 1), 2),
         "rollout_tokens_per_s_mean": round(sum(m.get("perf/rollout_tokens_per_s", 0) for m in metrics) / max(len(metrics), 1), 1),
         "eval": [{"step": e["step"], "team_accuracy": e["results"]["team_accuracy"],
                   "num_tasks": e["results"]["num_tasks"]} for e in evals],

@@ -31,9 +31,23 @@ def main(argv=None) -> int:
         from megamarl.planning.dryrun import main_dry_run
 
         return main_dry_run(cfg)
+    from megamarl.orchestration.driver import RolloutFailureError
+    from megamarl.runtime.checkpoint import CheckpointWriteError
+    from megamarl.rl.worker import NumericalFaultError
     from megamarl.trainer import Trainer
 
-    Trainer(cfg).fit()
+    # Errors every rank raises together, with exit codes documented in docs/reliability.md
+    try:
+        Trainer(cfg).fit()
+    except NumericalFaultError as exc:
+        print(f"training stopped: {exc}", file=sys.stderr)
+        return 3
+    except CheckpointWriteError as exc:
+        print(f"training stopped: {exc}", file=sys.stderr)
+        return 4
+    except RolloutFailureError as exc:
+        print(f"training stopped: {exc}", file=sys.stderr)
+        return 5
     return 0
 
 

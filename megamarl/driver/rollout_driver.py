@@ -4,7 +4,7 @@ logging and evaluation.
 The trainer (``megamarl.trainer.Trainer``) asks the driver for the next training batch
 (``collect``), brackets weight pushes with ``weight_update`` and hands it the step's metrics
 (``log``). Where the batch comes from is the schedule's business (``driver.schedules``, one class
-per ``trainer.mode``); what happens to collected samples is ``rl.prepare.prepare_batch``.
+per ``trainer.mode``); what happens to collected samples is ``rl.prepare.prepare_rollout``.
 """
 
 from __future__ import annotations
@@ -23,16 +23,17 @@ from megamarl.driver.schedules import SCHEDULES, build_schedule
 from megamarl.driver.streaming import RolloutLoop
 from megamarl.models.packaged import resolve_model_path
 from megamarl.orchestration.agents import build_agents
-from megamarl.orchestration.driver import RolloutResult, run_episodes
+from megamarl.orchestration.driver import RolloutFailureError, RolloutResult, check_failures, run_episodes
 from megamarl.parallel.hardware import describe_dtype_choice
-from megamarl.registry import import_plugins
-from megamarl.rl.batch import SampleBatch
-from megamarl.rl.prepare import prepare_batch
+from megamarl.registry import import_plugins, resolve_callable
+from megamarl.rl.batch import SampleBatch, collate
+from megamarl.rl.prepare import prepare_rollout
 from megamarl.rollout.base import Engine
 from megamarl.rollout.factory import LoraServing, build_engine, engine_threads
 from megamarl.runtime.metrics import MetricsLogger
 from megamarl.runtime.plot import plot_run
 from megamarl.runtime.progress import RunProgress
+from megamarl.runtime.step_metrics import success_metrics
 
 EVAL_SEED = 10**9 + 7  # held-out tasks: a seed the training stream never uses
 
@@ -58,9 +59,15 @@ class RolloutDriver:
             {role: a.to_orchestration(self.tokenizers[a.policy]) for role, a in cfg.agents.items()}, self.tokenizers,
             default_kinds=self.env.default_agents,
         )
+        self.policy_mapping = _policy_mapping(cfg, self.tokenizers)
         self.logger = MetricsLogger(run_dir, cfg.logger, cfg.name, json.loads(json.dumps(asdict(cfg), default=str)), rank=0)
         self.rollout_seconds = 0.0
-        self.totals = {"dropped_episodes": 0, "failed_episodes": 0, "dropped_groups": 0}
+        self.totals = {"dropped_episodes": 0, "failed_episodes": 0, "dropped_groups": 0, "refill_rounds": 0}
+        # eval set name ("" = the unnamed default set) -> env (eval.env / eval.sets; default: training env)
+        self.eval_envs = {name: env.maker() for name, env in cfg.eval.resolved_sets(cfg.env).items()}
+        if cfg.eval.sets or cfg.eval.env is not None:
+            for name, env in cfg.eval.resolved_sets(cfg.env).items():
+                self.console_print(f"eval set {name or '(default)'}: env {env.name} {env.kwargs}")
         self.loop = RolloutLoop()  # every engine call of the driver runs on this one event loop
         self.schedule = build_schedule(cfg, self, self.loop)  # trainer.mode
         self.console_print(self.schedule.describe())
@@ -93,11 +100,12 @@ class RolloutDriver:
         seed = self.cfg.trainer.seed * 1_000_003 + index
         return self.env.tasks(self.cfg.rollout.num_tasks, seed=seed), seed
 
-    async def episodes(self, tasks, *, group_size: int, agents=None, seed: int | None = None) -> RolloutResult:
+    async def episodes(self, tasks, *, group_size: int, agents=None, seed: int | None = None, env=None):
         return await run_episodes(
-            self.orchestra, self.env, tasks, agents=agents or self.agents, engines=self.engines,
+            self.orchestra, env or self.env, tasks, agents=agents or self.agents, engines=self.engines,
             group_size=group_size, max_concurrency=self.cfg.rollout.max_concurrency,
-            step_timeout_s=self.cfg.rollout.env_timeout_s, seed=seed, on_episode=self._episode_done,
+            step_timeout_s=self.cfg.rollout.env_timeout_s, seed=seed, policy_mapping=self.policy_mapping,
+            on_episode=self._episode_done,
         )
 
     def _episode_done(self, samples) -> None:
@@ -106,16 +114,16 @@ class RolloutDriver:
         if phase is not None:
             phase.advance(tokens=sum(len(s.response_ids) for s in samples))
 
-    def _run(self, tasks, *, group_size: int, agents=None, seed: int | None = None) -> RolloutResult:
-        return self.loop.run(self.episodes(tasks, group_size=group_size, agents=agents, seed=seed))
+    def _run(self, tasks, *, group_size: int, agents=None, seed: int | None = None, env=None):
+        return self.loop.run(self.episodes(tasks, group_size=group_size, agents=agents, seed=seed, env=env))
 
     def weight_update(self):
         """Context for a weight push: the schedule drains or pauses the rollout around it."""
         return self.schedule.weight_update()
 
     def collect(self, step: int, versions: dict[str, int]) -> tuple[SampleBatch, dict[str, float]]:
-        """The next batch from the schedule, prepared for training; ``versions`` are the trainer's
-        weight versions, against which samples beyond ``trainer.max_staleness`` are dropped."""
+        """The next batch from the schedule, with advantages; ``versions`` are the trainer's weight
+        versions, against which samples beyond ``trainer.max_staleness`` are dropped."""
         start = time.perf_counter()
         trainable = {name: v for name, v in versions.items() if not self.cfg.policies[name].frozen}
         expected = None if self.schedule.overlaps_training else self.cfg.rollout.num_tasks * self.cfg.rollout.group_size
@@ -124,20 +132,40 @@ class RolloutDriver:
         self._phase = None
         rollout_s = time.perf_counter() - start
         num_tokens = sum(len(s.response_ids) for s in result.samples)
-        metrics.update({"timing/rollout_s": rollout_s, "perf/rollout_tokens_per_s": num_tokens / max(rollout_s, 1e-9),
+        metrics.update({"timing_s/rollout": rollout_s, "perf/rollout_tokens_per_s": num_tokens / max(rollout_s, 1e-9),
                         **result.summary()})
         self.totals["dropped_episodes"] += result.num_dropped
         self.totals["failed_episodes"] += result.num_failed
         for key in ("dropped_stale_groups", "dropped_stale_samples"):
             self.totals[key] = self.totals.get(key, 0) + int(metrics[f"async/{key}"])  # absent in old checkpoints
+        check_failures(result, max_failed_fraction=self.cfg.rollout.max_failed_fraction, what=f"step {step + 1} rollout")
         if not result.samples:
-            raise RuntimeError(f"step {step}: no samples (all {len(result.episodes)} episodes failed: {dict(result.reasons())})")
-        batch, prepare_metrics = prepare_batch(result.samples, self.cfg.algorithm, pad_id=next(iter(self.pad_ids.values())))
+            raise RolloutFailureError(result.failure_report(f"step {step + 1}: no samples"))
+        batch, prepare_metrics = prepare_rollout(
+            result.samples, result.episodes, self.cfg.algorithm, pad_id=next(iter(self.pad_ids.values())),
+            num_tasks=self.cfg.rollout.num_tasks, draw=lambda round_: self._refill(step, round_),
+        )
         self.totals["dropped_groups"] += int(prepare_metrics.get("rollout/dropped_groups", 0))
+        self.totals["refill_rounds"] += int(prepare_metrics.get("rollout/refill_rounds", 0))
         metrics.update(prepare_metrics)
         return batch, metrics
 
+    def _refill(self, step: int, round_: int) -> SampleBatch | None:
+        """A fresh chunk for dynamic sampling's refill: its own seed (negative chunk indices, which the
+        training stream never uses) and task ids suffixed so its groups never merge with the batch's."""
+        tasks, seed = self.task_chunk(-(step * self.cfg.algorithm.max_refill_rounds + round_))
+        tasks = [replace(t, task_id=f"{t.task_id}~refill{round_}") for t in tasks]
+        result = self._run(tasks, group_size=self.cfg.rollout.group_size, seed=seed)
+        self.totals["dropped_episodes"] += result.num_dropped
+        self.totals["failed_episodes"] += result.num_failed
+        if not result.samples:
+            return None
+        return collate(result.samples, pad_id=next(iter(self.pad_ids.values())))
+
     def evaluate(self, step: int) -> dict:
+        """Greedy evaluation on every eval set (``eval.env`` / ``eval.sets``); one eval.json entry
+        holds them all: the unnamed default set as ``team_accuracy``, ``avg@k``, ...; a named set as
+        ``<set>/team_accuracy`` (logged as ``eval/<set>/team_accuracy``)."""
         e = self.cfg.eval
         greedy = {}
         for role, a in self.cfg.agents.items():
@@ -145,15 +173,29 @@ class RolloutDriver:
             oc.sampling = replace(oc.sampling, temperature=e.temperature, top_p=1.0, top_k=-1)
             oc.tree_k = 1  # evaluation is one pass: no best-of-K with the env's check fn
             greedy[role] = oc
-        agents = build_agents(greedy, self.tokenizers, default_kinds=self.env.default_agents)
-        tasks = self.env.tasks(e.num_tasks, seed=EVAL_SEED)
-        with self.progress.phase(f"eval at step {step}", total=len(tasks) * e.k, in_step=False) as self._phase:
-            result = self._run(tasks, group_size=e.k, agents=agents, seed=EVAL_SEED)
-        self._phase = None
-        results = eval_summary(result, k=e.k)
-        results["step"] = step
-        self.logger.log_eval(step, results)
-        self.console_print(f"eval step {step}: " + ", ".join(f"{k}={v:.3f}" for k, v in results.items() if k != "step"))
+        results: dict = {}
+        failures, outcomes = [], []
+        for name, env in self.eval_envs.items():
+            agents = build_agents(greedy, self.tokenizers, default_kinds=env.default_agents)
+            tasks = env.tasks(e.num_tasks, seed=EVAL_SEED)
+            label = f"eval {name} at step {step}" if name else f"eval at step {step}"
+            with self.progress.phase(label, total=len(tasks) * e.k, in_step=False) as self._phase:
+                result = self._run(tasks, group_size=e.k, agents=agents, seed=EVAL_SEED, env=env)
+            self._phase = None
+            prefix = f"{name}/" if name else ""
+            results.update({prefix + key: value for key, value in eval_summary(result, k=e.k).items()})
+            what = f"eval {name + ' ' if name else ''}step {step}"
+            outcomes.append((result, what))
+            if result.num_failed == len(result.episodes) and result.episodes:
+                # an all-failed set is marked failed, not scored: its 0.000 says nothing about the model
+                failures.append(result.failure_report(what))
+                self.console_print(f"FAILED (no episode finished) {failures[-1]}")
+            elif result.num_failed:
+                self.console_print(result.failure_report(what))
+        self.logger.log_eval(step, results, failure="; ".join(failures) or None)
+        self.console_print(f"eval step {step}: " + ", ".join(f"{k}={v:.3f}" for k, v in results.items()))
+        for result, what in outcomes:
+            check_failures(result, max_failed_fraction=self.cfg.rollout.max_failed_fraction, what=what)
         return results
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
@@ -161,7 +203,7 @@ class RolloutDriver:
         for key, value in self.totals.items():
             metrics[f"rollout/total_{key}"] = float(value)
         self.logger.log(step, metrics)
-        shown = {k: metrics[k] for k in ("rollout/team_reward_mean", "rollout/success_rate", "timing/step_s") if k in metrics}
+        shown = {k: metrics[k] for k in ("rollout/team_reward_mean", "rollout/success_rate", "timing_s/step") if k in metrics}
         self.console_print(f"step {step}: " + ", ".join(f"{k}={v:.3f}" for k, v in shown.items()))
 
     def console_print(self, text: str) -> None:
@@ -173,7 +215,7 @@ class RolloutDriver:
         return {"totals": dict(self.totals)}
 
     def load_state_dict(self, state: dict) -> None:
-        self.totals = dict(state["totals"])
+        self.totals = {**self.totals, **state["totals"]}  # counters added since an old checkpoint start at 0
 
     def close(self) -> None:
         self.schedule.close()
@@ -184,9 +226,17 @@ class RolloutDriver:
         plot_run(self.run_dir)
 
 
-def policy_adapters(cfg: RunConfig, policy: str) -> list[str]:
-    """L2: the LoRA adapter names the agents of ``policy`` sample from (sorted, unique)."""
-    return sorted({a.lora for a in cfg.agents.values() if a.policy == policy and a.lora})
+def _policy_mapping(cfg: RunConfig, tokenizers: dict):
+    """``rollout.policy_mapping`` resolved; its policies must share one vocabulary, since an agent's
+    prompt is tokenized once, whichever policy serves it."""
+    if not cfg.rollout.policy_mapping:
+        return None
+    vocabs = {name: tok.get_vocab() for name, tok in tokenizers.items()}
+    first = next(iter(vocabs))
+    for name, vocab in vocabs.items():
+        if vocab != vocabs[first]:
+            raise ValueError(f"rollout.policy_mapping: policies '{first}' and '{name}' have different tokenizers")
+    return resolve_callable(cfg.rollout.policy_mapping, key="rollout.policy_mapping")
 
 
 def _lora_serving(cfg: RunConfig, policy: str) -> LoraServing | None:
@@ -195,8 +245,14 @@ def _lora_serving(cfg: RunConfig, policy: str) -> LoraServing | None:
     return LoraServing(num_adapters=len(adapters), rank=lora.rank) if lora is not None and adapters else None
 
 
+def policy_adapters(cfg: RunConfig, policy: str) -> list[str]:
+    """L2: the LoRA adapter names the agents of ``policy`` sample from (sorted, unique)."""
+    return sorted({a.lora for a in cfg.agents.values() if a.policy == policy and a.lora})
+
+
 def eval_summary(result: RolloutResult, *, k: int) -> dict[str, float]:
-    """Team accuracy (mean success over all episodes), avg@k and pass@k over each task's k episodes."""
+    """Team accuracy (mean success over all episodes), avg@k and pass@k over each task's k episodes,
+    and each agent's / policy's own success rate."""
     by_task: dict[str, list[bool]] = {}
     for episode in result.episodes:
         by_task.setdefault(episode.task_id, []).append(episode.status == "ok" and episode.success)
@@ -206,4 +262,6 @@ def eval_summary(result: RolloutResult, *, k: int) -> dict[str, float]:
         f"avg@{k}": sum(sum(v) / len(v) for v in by_task.values()) / num,
         f"pass@{k}": sum(any(v) for v in by_task.values()) / num,
         "num_tasks": float(len(by_task)),
+        **success_metrics(e for e in result.episodes if e.status == "ok"),
+        "num_failed": float(result.num_failed),
     }

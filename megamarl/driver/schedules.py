@@ -53,21 +53,17 @@ from megamarl.driver.streaming import (
 from megamarl.orchestration.driver import EpisodeStats, RolloutResult
 from megamarl.registry import Registry
 from megamarl.rl.advantages import ADVANTAGE_ESTIMATORS
-from megamarl.rl.prepare import AlgorithmConfig
 
 if TYPE_CHECKING:  # config.py validates trainer.mode against SCHEDULES: a run-time import would be circular
-    from megamarl.config import RunConfig, TrainerConfig
+    from megamarl.config import AlgorithmConfig, RunConfig, TrainerConfig
 
 GIL_SWITCH_INTERVAL_S = 0.0005  # while rollout overlaps training (see the module docstring)
 
+
 def policy_separable(algo: AlgorithmConfig) -> bool:
     """True when no advantage, reward-shaping or dynamic-sampling group can mix two policies, so a
-    policy's batch may be formed from its own samples alone. The estimator's registered traits
-    answer for advantages (``EstimatorTraits.policy_separable``); dynamic sampling groups by
-    ``algorithm.group_by``."""
-    per_agent_key = bool({"agent", "policy"} & set(algo.group_by))
-    if algo.dynamic_sampling and not per_agent_key:
-        return False
+    policy's batch may be formed from its own samples alone. Advantages and dynamic sampling both
+    group by the estimator's key (``EstimatorTraits.key``); its registered traits answer."""
     return ADVANTAGE_ESTIMATORS.traits(algo.estimator, key="algorithm.estimator").policy_separable(algo.group_by)
 
 

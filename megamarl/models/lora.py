@@ -82,6 +82,8 @@ class LoraConfig:
             raise ValueError(f"policies.<p>.lora.targets={list(self.targets)}: allowed {list(TARGET_NAMES)}")
         if self.rank < 1:
             raise ValueError(f"policies.<p>.lora.rank must be >= 1, got {self.rank}")
+        if not (math.isfinite(self.alpha) and self.alpha > 0):
+            raise ValueError(f"policies.<p>.lora.alpha must be > 0, got {self.alpha}")
 
     @property
     def modules(self) -> tuple[str, ...]:

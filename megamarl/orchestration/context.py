@@ -20,6 +20,10 @@ scored (the agent's ``local_reward`` if it returns a value, else the env's ``sco
 the conversation continues from the best (lowest branch on ties); all K become Samples sharing
 (task, agent, turn) with branch 0..K-1 and their score as ``local_reward``.
 
+Policy mapping: a context built with ``policies`` (agent -> policy, from ``rollout.policy_mapping``
+for this episode) sends an agent's calls to that policy's engine and tags its samples with it, so
+the policy trains on them; other agents use their configured ``agents.<a>.policy``.
+
 Seeded sampling: a context built with ``seed`` (the driver derives it from the rollout seed and the
 episode id) sends every engine call ``seed = derive_seed(seed, agent, turn)``, so a sample depends
 on (run seed, step, task, episode, agent, turn) and not on how the engine batched the requests or
@@ -107,8 +111,10 @@ class EpisodeContext:
         workers: EnvWorkers | None = None,
         step_timeout_s: float = 60.0,
         seed: int | None = None,
+        policies: Mapping[str, str] | None = None,
     ) -> None:
         self.task = task
+        self.policies = dict(policies or {})  # agent -> policy for this episode (rollout.policy_mapping)
         self.seed = seed  # None: engine calls carry the agent's own sampling seed (usually none)
         self.episode_id = episode_id
         self.env = env
@@ -128,6 +134,10 @@ class EpisodeContext:
     @property
     def done(self) -> bool:
         return self.env.done
+
+    def policy_of(self, agent_name: str) -> str:
+        """The policy ``agent_name`` samples from (and trains) in this episode."""
+        return self.policies.get(agent_name) or self._agent(agent_name).policy
 
     # -- acting --------------------------------------------------------------------------------
 
@@ -167,11 +177,11 @@ class EpisodeContext:
         if self.env.done:
             raise EpisodeDone(self.episode_id)
         agent = self._agent(agent_name)
-        engine = self.engines.get(agent.policy)
+        policy = self.policy_of(agent_name)
+        engine = self.engines.get(policy)
         if engine is None:
-            raise ConfigError(
-                f"agents.{agent_name}.policy='{agent.policy}' has no engine; have {sorted(self.engines)}"
-            )
+            source = "rollout.policy_mapping" if agent_name in self.policies else f"agents.{agent_name}.policy"
+            raise ConfigError(f"{source} gave '{agent_name}' policy '{policy}', which has no engine; have {sorted(self.engines)}")
         transcript = self._prompt(agent, observation)
         prompt_ids = list(transcript.ids)
         # Counters are taken before the engine call so concurrent agents get them in call order.
@@ -186,15 +196,13 @@ class EpisodeContext:
             sampling = dataclasses.replace(sampling, n=num_candidates)
         generations = await engine.generate(prompt_ids, sampling, lora=agent.lora)
         if len(generations) != num_candidates:
-            raise RuntimeError(
-                f"engine of policy '{agent.policy}' returned {len(generations)} of {num_candidates}"
-            )
+            raise RuntimeError(f"engine of policy '{policy}' returned {len(generations)} of {num_candidates}")
         candidates = []
         for branch, gen in enumerate(generations):
             text = agent.response_text(gen.token_ids)
             value, valid = agent.parse(text)
             sample = Sample(
-                task_id=self.task.task_id, episode_id=self.episode_id, agent=agent_name, policy=agent.policy,
+                task_id=self.task.task_id, episode_id=self.episode_id, agent=agent_name, policy=policy,
                 turn=turn, branch=branch, weight_version=gen.weight_version, valid=bool(valid), step=step,
                 prompt_ids=prompt_ids, response_ids=list(gen.token_ids), rollout_logprobs=list(gen.logprobs),
                 anchor=observation, truncated=gen.finish_reason == "length", response_text=text,
@@ -248,6 +256,11 @@ class EpisodeContext:
     async def step(self, agent_name: str, action: Action) -> StepResult:
         """Apply ``action`` to the env and record local rewards for its (non-tree) sample."""
         result = await self._in_env(_step_env, agent_name, action.stripped(), mutates=True)
+        if result.invalid:  # the env rejected the move (illegal, masked out): same as a parse failure
+            action.valid = False
+            for sample in action.samples:
+                if id(sample) not in self._scored:
+                    sample.valid = False
         reward = self._agent(agent_name).local_reward(action, self.env)
         if reward is None:
             reward = result.local_reward

@@ -8,7 +8,10 @@ An episode ends in one of three states, all counted in ``RolloutResult``:
 * ``ok``: the orchestra returned (env done, or its budget ran out: ``env_done`` tells which);
 * ``dropped``: a budget made it unusable (``EpisodeDropped``, e.g. ``prompt_too_long``);
 * ``failed``: the env crashed, hung (env worker timeout), raised, or the episode timed out.
-Samples of dropped and failed episodes are discarded (their count is kept); the run goes on.
+Samples of dropped and failed episodes are discarded (their count is kept, a failed episode keeps
+the tail of its traceback in ``EpisodeStats.error``); the run goes on while the failed fraction
+stays within ``rollout.max_failed_fraction`` (``check_failures``), and stops with the first
+traceback above it.
 Programming errors in configuration (an agent with no engine, an unknown agent name) raise
 immediately instead of failing every episode one by one.
 """
@@ -16,6 +19,7 @@ immediately instead of failing every episode one by one.
 from __future__ import annotations
 
 import asyncio
+import traceback
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
@@ -44,6 +48,13 @@ class EpisodeStats:
     num_samples: int = 0
     num_calls: dict[str, int] = field(default_factory=dict)  # agent -> number of act() calls
     num_invalid: int = 0
+    agent_success: dict[str, bool] = field(default_factory=dict)  # agent -> own success (ok episodes)
+    policies: dict[str, str] = field(default_factory=dict)  # agent -> the policy it used
+    error: str = ""  # failed episodes: the last lines of the traceback
+
+
+class RolloutFailureError(RuntimeError):
+    """More episodes failed than ``rollout.max_failed_fraction`` allows."""
 
 
 @dataclass
@@ -62,6 +73,21 @@ class RolloutResult:
     def reasons(self) -> Counter:
         """Failure/drop reasons, e.g. ``{"env_worker:timeout": 2, "prompt_too_long": 1}``."""
         return Counter(e.reason for e in self.episodes if e.status != "ok")
+
+    @property
+    def failed_fraction(self) -> float:
+        return self.num_failed / len(self.episodes) if self.episodes else 0.0
+
+    def first_error(self) -> str:
+        """The first failed episode's id, reason and traceback tail ('' when none failed)."""
+        for e in self.episodes:
+            if e.status == "failed":
+                return f"episode {e.episode_id} ({e.reason}):\n{e.error}".rstrip()
+        return ""
+
+    def failure_report(self, what: str) -> str:
+        return (f"{what}: {self.num_failed}/{len(self.episodes)} episodes failed {dict(self.reasons())}; "
+                f"first: {self.first_error()}")
 
     def summary(self) -> dict[str, float]:
         ok = [e for e in self.episodes if e.status == "ok"]
@@ -96,12 +122,14 @@ async def run_episode(
     step_timeout_s: float = 60.0,
     episode_timeout_s: float | None = None,
     seed: int | None = None,
+    policies: Mapping[str, str] | None = None,
 ) -> tuple[list[Sample], EpisodeStats]:
     """One episode; returns (samples, stats). Samples are empty unless the status is ok.
-    ``seed``: this episode's sampling seed (see ``EpisodeContext``)."""
+    ``seed``: this episode's sampling seed; ``policies``: agent -> policy for this episode (see
+    ``EpisodeContext``)."""
     ctx = EpisodeContext(
         task=task, episode_id=episode_id, env=env, agents=agents, engines=engines, workers=workers,
-        step_timeout_s=step_timeout_s, seed=seed,
+        step_timeout_s=step_timeout_s, seed=seed, policies=policies,
     )
     stats = EpisodeStats(task.task_id, episode_id, "ok")
     try:
@@ -110,12 +138,15 @@ async def run_episode(
         stats.status, stats.reason = "dropped", exc.reason
     except EnvWorkerError as exc:
         stats.status, stats.reason = "failed", f"env_worker:{exc.reason.split(':')[0]}"
+        stats.error = _traceback_tail(exc)
     except asyncio.TimeoutError:
         stats.status, stats.reason = "failed", "episode_timeout"
+        stats.error = f"the episode ran longer than {episode_timeout_s} s"
     except _CONFIG_ERRORS:
         raise
     except Exception as exc:  # noqa: BLE001 - an env/engine failure fails this episode only
         stats.status, stats.reason = "failed", f"error:{type(exc).__name__}"
+        stats.error = _traceback_tail(exc)
     stats.num_calls = dict(Counter(s.agent for s in ctx.samples if s.branch == 0))
     if stats.status != "ok":
         stats.num_samples = 0
@@ -125,7 +156,27 @@ async def run_episode(
     stats.env_done = bool(ctx.env.done)
     stats.num_samples = len(ctx.samples)
     stats.num_invalid = sum(not s.valid for s in ctx.samples)
+    for agent in ctx.agents:  # every seat, also one that never acted (its opponent forfeited first)
+        own = ctx.env.agent_success(agent)
+        stats.agent_success[agent] = stats.success if own is None else bool(own)
+        stats.policies[agent] = ctx.policy_of(agent)
     return ctx.samples, stats
+
+
+def _traceback_tail(exc: BaseException, num_lines: int = 12) -> str:
+    lines = "".join(traceback.format_exception(exc)).rstrip().splitlines()
+    if len(lines) > num_lines + 1:  # keep the header, so the text reads as a traceback
+        lines = [lines[0], "  ...", *lines[-num_lines:]]
+    return "\n".join(lines)
+
+
+def check_failures(result: RolloutResult, *, max_failed_fraction: float, what: str) -> None:
+    """Raise ``RolloutFailureError`` (with the first traceback) when the failed fraction of
+    ``result``'s episodes is above ``max_failed_fraction`` (``rollout.max_failed_fraction``)."""
+    if result.episodes and result.failed_fraction > max_failed_fraction:
+        raise RolloutFailureError(
+            result.failure_report(what) + f"\n(failed fraction {result.failed_fraction:.3f} > "
+            f"rollout.max_failed_fraction={max_failed_fraction})")
 
 
 async def _run_to_end(orchestra: Orchestra, ctx: EpisodeContext) -> None:
@@ -148,6 +199,7 @@ async def run_episodes(
     step_timeout_s: float = 60.0,
     episode_timeout_s: float | None = None,
     seed: int | None = None,
+    policy_mapping: Callable[[str, int], str] | None = None,
     on_episode: Callable[[list[Sample]], None] | None = None,
 ) -> RolloutResult:
     """Run ``len(tasks) * group_size`` episodes, at most ``max_concurrency`` at a time.
@@ -155,8 +207,10 @@ async def run_episodes(
     Episode ids are ``f"{task_id}/{g}"``; results keep task-major, group-minor order regardless
     of completion order, so a seeded run yields samples in a reproducible order. ``seed`` (the
     trainer passes one per step) seeds every engine call from (seed, episode id, agent, turn);
-    None leaves sampling to the engines' own generators. ``on_episode`` receives each finished
-    episode's samples (progress display).
+    None leaves sampling to the engines' own generators. ``policy_mapping(agent_id, episode_seed) ->
+    policy`` (RLlib-style) binds each agent to a policy per episode (self-play: two policies swap
+    seats); ``episode_seed`` is derived from (seed or 0, task id, episode index). ``on_episode``
+    receives each finished episode's samples (progress display).
     """
     if group_size < 1:
         raise ValueError(f"rollout.group_size must be >= 1, got {group_size}")
@@ -165,12 +219,16 @@ async def run_episodes(
     semaphore = asyncio.Semaphore(max_concurrency)
 
     async def one(task: Task, index: int) -> tuple[list[Sample], EpisodeStats]:
+        policies = None
+        if policy_mapping is not None:
+            episode_seed = derive_seed(seed or 0, task.task_id, index)
+            policies = {agent: policy_mapping(agent, episode_seed) for agent in agents}
         async with semaphore:
             result = await run_episode(
                 orchestra, make_env(task), task, episode_id=f"{task.task_id}/{index}", agents=agents,
                 engines=engines, workers=workers, step_timeout_s=step_timeout_s,
                 episode_timeout_s=episode_timeout_s,
-                seed=None if seed is None else derive_seed(seed, task.task_id, index),
+                seed=None if seed is None else derive_seed(seed, task.task_id, index), policies=policies,
             )
         if on_episode is not None:
             on_episode(result[0])

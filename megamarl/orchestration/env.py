@@ -14,6 +14,7 @@ itself; ``default_agents`` maps each role to a registered agent kind.
 from __future__ import annotations
 
 import abc
+import random
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -34,10 +35,12 @@ class Task:
 @dataclass
 class StepResult:
     """What one agent's action did. ``local_reward`` (when not None) becomes that sample's local
-    reward; ``feedback`` is free text for logs."""
+    reward; ``feedback`` is free text for logs; ``invalid``: the env rejected the action (an
+    illegal move, a reply naming no action), so its sample counts as invalid like a parse failure."""
 
     local_reward: float | None = None
     feedback: str = ""
+    invalid: bool = False
 
 
 @dataclass
@@ -83,6 +86,10 @@ class Env(abc.ABC):
     def success(self) -> bool:
         return self.team_reward() >= 1.0
 
+    def agent_success(self, agent: str) -> bool | None:
+        """``agent``'s own success (a win in a competitive game); None: the team's ``success()``."""
+        return None
+
     def agent_reward(self, agent: str) -> float | None:
         """Episode-level local reward of ``agent`` for samples whose step gave none."""
         return None
@@ -95,6 +102,25 @@ class Env(abc.ABC):
 
 ENVS: Registry[type[Env]] = Registry(
     "env", signature="class(Env) with a Config(EnvConfig); generate_tasks(config, *, num_tasks, seed); cls(task, config)")
+
+
+def draw_from_dataset(num_items: int, num_tasks: int, *, seed: int, prefix: str) -> list[tuple[int, str]]:
+    """``num_tasks`` (item index, unique task id) pairs from a dataset of ``num_items`` items.
+
+    Items are drawn without repetition: a seeded permutation of the whole dataset, then (only when
+    ``num_tasks > num_items``) a fresh permutation per further pass. A repeated item gets its own
+    task id (``{prefix}-{item}`` on the first pass, ``{prefix}-{item}.{pass}`` after), so its episodes
+    form a group of their own instead of merging with the first copy's.
+    """
+    if num_items < 1:
+        raise ValueError(f"{prefix}: the dataset is empty")
+    rng = random.Random(seed)
+    picks: list[tuple[int, str]] = []
+    for pass_ in range(-(-num_tasks // num_items)):
+        order = list(range(num_items))
+        rng.shuffle(order)
+        picks += [(j, f"{prefix}-{j}" if pass_ == 0 else f"{prefix}-{j}.{pass_}") for j in order]
+    return picks[:num_tasks]
 
 
 class EnvMaker:
@@ -132,17 +158,10 @@ class EnvMaker:
 @dataclass
 class EnvSpec:
     """``env:`` in the run config: a registered env's name and the keyword arguments of its own
-    ``Config`` (which validates them). Checked by ``check`` once plugins are imported."""
+    ``Config`` (which validates them)."""
 
     name: str = "math"
     kwargs: dict[str, Any] = field(default_factory=dict)
-
-    def check(self) -> None:
-        cls = ENVS.get(self.name, key="env.name")
-        try:
-            cls.Config(**self.kwargs)
-        except TypeError as exc:  # an unknown keyword
-            raise ValueError(f"env.kwargs for env '{self.name}': {exc}") from exc
 
     def maker(self) -> EnvMaker:
         return EnvMaker(self.name, **self.kwargs)

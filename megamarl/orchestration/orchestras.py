@@ -57,17 +57,10 @@ def build_orchestra(name: str, **config: Any) -> Orchestra:
 @dataclass
 class OrchestraSpec:
     """``orchestra:`` in the run config: a registered orchestra's name and the keyword arguments of
-    its own ``Config`` (which validates them). Checked by ``check`` once plugins are imported."""
+    its own ``Config`` (which validates them)."""
 
     name: str = "solve_verify"
     kwargs: dict[str, Any] = field(default_factory=dict)
-
-    def check(self) -> None:
-        cls = ORCHESTRAS.get(self.name, key="orchestra.name")
-        try:
-            cls.Config(**self.kwargs)
-        except TypeError as exc:  # an unknown keyword
-            raise ValueError(f"orchestra.kwargs for orchestra '{self.name}': {exc}") from exc
 
     def build(self) -> Orchestra:
         return build_orchestra(self.name, **self.kwargs)

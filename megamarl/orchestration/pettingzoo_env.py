@@ -1,54 +1,82 @@
-"""PettingZoo adapter: train LLM agents on PettingZoo-style envs with text observations and actions.
+"""PettingZoo adapter: train LLM agents on PettingZoo games (text in, text out).
 
-Two registered envs wrap a user factory ``make(seed) -> env`` (``"module:function"`` in config):
+Two registered envs wrap a user factory ``make(seed) -> env`` (``env.kwargs.factory``,
+``"module:function"``):
 
-* ``pettingzoo_parallel`` (Parallel API: ``reset(seed) -> (obs, infos)``,
-  ``step(actions) -> (obs, rewards, terminations, truncations, infos)``). Active agents are the
-  live agents that have not acted this round; ``step(agent, action)`` buffers the action, and the
-  last buffered action triggers the joint ``env.step``. Use with the ``simultaneous`` orchestra
-  (all agents sample concurrently, then step).
-* ``pettingzoo_aec`` (AEC API: ``agent_selection``, ``observe(agent)``, ``step(action)``,
-  ``terminations``/``truncations``/``rewards``). The active agent is ``agent_selection``; dead
-  agents are stepped with ``None`` internally, as the AEC protocol requires. Use with
-  ``sequential``.
+* ``pettingzoo_parallel`` (Parallel API). Active agents are the live agents that have not acted
+  this round; ``step(agent, action)`` buffers the action and the last one triggers the joint
+  ``env.step``. Use with the ``simultaneous`` orchestra.
+* ``pettingzoo_aec`` (AEC API). The active agent is ``agent_selection``; dead agents are stepped
+  with ``None`` internally, as the AEC protocol requires. Use with ``sequential``.
 
-Text in, text out: an observation is shown as ``str(obs)`` (a game that wants a richer rendering
-returns strings itself); the agent's parsed ``action.value`` is passed to the game as its action
-(``invalid_action`` when the parse failed). Rewards: each agent's PettingZoo rewards are summed
-over the episode (AEC: ``rewards`` is read after every ``step``, i.e. it must hold the rewards of
-the latest step, the PettingZoo convention); that sum is the agent's local reward
-(``agent_reward``), and the team reward is the sum over agents (cooperative games; competitive
-users read local rewards).
+Text hooks (per env, ``"module:function"`` in ``env.kwargs``; defaults in ``pettingzoo_text``):
+
+* ``render(obs, agent) -> str``: what the LLM reads. Default: strings as is, arrays as lists, an
+  ``action_mask`` as the list of legal actions (never ``str()`` of a dict of numpy arrays).
+* ``parse(text, agent) -> action``: the game action the reply names; raise ``ValueError`` when it
+  names none. Default by the agent's action space (Discrete: last integer; MultiDiscrete/Box: last
+  numbers; Text: the stripped reply).
+
+An action is *illegal* when the agent's own parser rejected the reply, the env's ``parse`` raised,
+it lies outside the space, or the game's ``action_mask`` forbids it. Its sample is marked invalid
+(``algorithm.invalid_penalty`` applies, ``invalid_rate`` counts it) and ``invalid_outcome`` decides
+what the game sees: ``lose`` (default; the offender forfeits: ``invalid_reward`` is added to its
+return and the episode ends, PettingZoo's classic-games convention), ``random`` (a seeded uniformly
+random legal action is played instead) or ``pass`` (``invalid_action`` is passed to the game).
+
+Scoring. Each agent's PettingZoo rewards are summed over the episode: that is its local reward
+(``agent_reward``). ``scoring: team`` (cooperative): the team reward is the sum over agents, the
+episode succeeds when it is > 0, an agent succeeds when its own return is > 0. ``scoring:
+competitive``: there is no shared reward (team reward 0, so an agent trains on its own return), an
+agent succeeds when it wins (its return is strictly the highest; its success rate is its win rate)
+and the episode "succeeds" when someone won (a decisive game, not a draw).
 """
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from megamarl.orchestration.context import derive_seed
 from megamarl.orchestration.env import ENVS, Env, EnvConfig, StepResult, Task
+from megamarl.orchestration.pettingzoo_text import (
+    InvalidAction,
+    action_mask,
+    is_legal,
+    parse_action,
+    random_legal,
+    render_observation,
+)
+from megamarl.registry import resolve_callable
 
-
-def _resolve(factory: str) -> Callable[[int], Any]:
-    module, sep, name = factory.partition(":")
-    if not sep:
-        raise ValueError(f"env.factory must be 'module:function', got {factory!r}")
-    return getattr(importlib.import_module(module), name)
+INVALID_OUTCOMES = ("lose", "random", "pass")
+SCORINGS = ("team", "competitive")
 
 
 @dataclass
 class PettingZooConfig(EnvConfig):
     factory: str = ""  # "module:function", called with the episode seed
-    invalid_action: Any = None  # passed to the game when an agent's reply does not parse
+    render: str = ""  # "module:function" (obs, agent) -> str; empty: pettingzoo_text default
+    parse: str = ""  # "module:function" (text, agent) -> action; empty: default for the action space
+    invalid_outcome: str = "lose"  # lose | random | pass (see the module docstring)
+    invalid_reward: float = -1.0  # lose: added to the offender's return
+    invalid_action: Any = None  # pass: what the game receives
+    scoring: str = "team"  # team | competitive
     max_cycles: int = 100
 
     def __post_init__(self) -> None:
         if not self.factory:
-            raise ValueError("env.factory must name a 'module:function' that builds the PettingZoo env")
-        _resolve(self.factory)  # fail at config time, not in the first episode
+            raise ValueError("env.kwargs.factory must name a 'module:function' that builds the PettingZoo env")
+        # resolve at config time, not in the first episode
+        for key in ("factory", "render", "parse"):
+            if getattr(self, key):
+                resolve_callable(getattr(self, key), key=f"env.kwargs.{key}")
+        if self.invalid_outcome not in INVALID_OUTCOMES:
+            raise ValueError(f"env.kwargs.invalid_outcome={self.invalid_outcome!r}; allowed: {list(INVALID_OUTCOMES)}")
+        if self.scoring not in SCORINGS:
+            raise ValueError(f"env.kwargs.scoring={self.scoring!r}; allowed: {list(SCORINGS)}")
         if self.max_cycles < 1:
-            raise ValueError(f"env.max_cycles must be >= 1, got {self.max_cycles}")
+            raise ValueError(f"env.kwargs.max_cycles must be >= 1, got {self.max_cycles}")
 
 
 class _PettingZooBase(Env):
@@ -56,57 +84,107 @@ class _PettingZooBase(Env):
 
     def __init__(self, task: Task, config: PettingZooConfig) -> None:
         super().__init__(task, config)
-        self.game = _resolve(config.factory)(task.payload)
-        self.totals: dict[str, float] = {a: 0.0 for a in self.game.possible_agents}
+        self.game = resolve_callable(config.factory, key="env.kwargs.factory")(task.payload)
         self.agents = tuple(self.game.possible_agents)
+        self.totals: dict[str, float] = {a: 0.0 for a in self.agents}
         self.num_cycles = 0
+        self._render: Callable = _hook(config.render, "render") or self._default_render
+        self._parse: Callable = _hook(config.parse, "parse") or self._default_parse
 
     @classmethod
     def generate_tasks(cls, config: PettingZooConfig, *, num_tasks: int, seed: int) -> list[Task]:
         return [Task(f"pz-{seed}-{i}", seed * 100_003 + i) for i in range(num_tasks)]
 
+    # -- subclasses: the game's current raw observation and info of ``agent`` -------------------------
+    def _raw(self, agent: str) -> tuple[Any, dict]:
+        raise NotImplementedError
+
+    def observe(self, agent: str) -> str:
+        return self._render(self._raw(agent)[0], agent)
+
+    def _default_render(self, obs: Any, agent: str) -> str:
+        return render_observation(obs)
+
+    def _default_parse(self, text: str, agent: str) -> Any:
+        return parse_action(text, self.game.action_space(agent))
+
+    def _game_action(self, agent: str, action) -> tuple[Any, bool]:
+        """(what the game receives, legal). None as the first item: the offender forfeits."""
+        space = self.game.action_space(agent)
+        obs, info = self._raw(agent)
+        mask = action_mask(obs, info)
+        try:
+            if not action.valid:
+                raise InvalidAction("the agent's parser rejected the reply")
+            value = self._parse(action.text, agent)
+            if not is_legal(value, space, mask):
+                raise InvalidAction(f"{value!r} is masked out")
+            return value, True
+        except (InvalidAction, ValueError, IndexError):
+            pass
+        outcome = self.config.invalid_outcome
+        if outcome == "pass":
+            return self.config.invalid_action, False
+        if outcome == "random":
+            return random_legal(space, mask, derive_seed(self.task.payload, agent, self.num_cycles)), False
+        self.totals[agent] += self.config.invalid_reward
+        self.done = True
+        return None, False
+
     def _add_rewards(self, rewards: dict[str, float]) -> None:
         for agent, reward in rewards.items():
             self.totals[agent] = self.totals.get(agent, 0.0) + float(reward)
-
-    def _value(self, action) -> Any:
-        return action.value if action.valid else self.config.invalid_action
 
     def agent_reward(self, agent: str) -> float | None:
         return self.totals.get(agent)
 
     def team_reward(self) -> float:
-        return sum(self.totals.values())
+        return 0.0 if self.config.scoring == "competitive" else sum(self.totals.values())
+
+    def agent_success(self, agent: str) -> bool | None:
+        own = self.totals.get(agent, 0.0)
+        if self.config.scoring == "team":
+            return own > 0
+        return all(own > other for a, other in self.totals.items() if a != agent)
 
     def success(self) -> bool:
-        return self.team_reward() > 0
+        if self.config.scoring == "team":
+            return self.team_reward() > 0
+        return any(self.agent_success(a) for a in self.totals)
+
+
+def _hook(spec: str, name: str) -> Callable | None:
+    return resolve_callable(spec, key=f"env.kwargs.{name}") if spec else None
 
 
 @ENVS.register("pettingzoo_parallel")
 class PettingZooParallel(_PettingZooBase):
     def __init__(self, task: Task, config: PettingZooConfig) -> None:
         super().__init__(task, config)
-        self.observations, _ = self.game.reset(seed=task.payload)
+        self.observations, self.infos = self.game.reset(seed=task.payload)
         self.pending: dict[str, Any] = {}
+
+    def _raw(self, agent: str) -> tuple[Any, dict]:
+        return self.observations[agent], (self.infos or {}).get(agent, {})
 
     def active_agents(self) -> list[str]:
         if self.done:
             return []
         return [a for a in self.game.agents if a not in self.pending]
 
-    def observe(self, agent: str) -> str:
-        return str(self.observations[agent])
-
     def step(self, agent: str, action) -> StepResult:
-        self.pending[agent] = self._value(action)
+        value, legal = self._game_action(agent, action)
+        if self.done:  # forfeited: the joint step never happens
+            return StepResult(invalid=True)
+        self.pending[agent] = value
         if any(a not in self.pending for a in self.game.agents):
-            return StepResult()
-        self.observations, rewards, _, _, _ = self.game.step(self.pending)
+            return StepResult(invalid=not legal)
+        self.observations, rewards, _, _, self.infos = self.game.step(self.pending)
         self.pending = {}
         self._add_rewards(rewards)
         self.num_cycles += 1
         self.done = not self.game.agents or self.num_cycles >= self.config.max_cycles
-        return StepResult()
+        return StepResult(invalid=not legal)
 
 
 @ENVS.register("pettingzoo_aec")
@@ -116,6 +194,9 @@ class PettingZooAEC(_PettingZooBase):
         self.game.reset(seed=task.payload)
         self._skip_dead()
 
+    def _raw(self, agent: str) -> tuple[Any, dict]:
+        return self.game.observe(agent), self.game.infos.get(agent, {})
+
     def _dead(self, agent: str) -> bool:
         return self.game.terminations.get(agent, False) or self.game.truncations.get(agent, False)
 
@@ -123,19 +204,19 @@ class PettingZooAEC(_PettingZooBase):
         while self.game.agents and self._dead(self.game.agent_selection):
             self.game.step(None)
             self._add_rewards(self.game.rewards)
-        self.done = not self.game.agents or self.num_cycles >= self.config.max_cycles
+        self.done = self.done or not self.game.agents or self.num_cycles >= self.config.max_cycles
 
     def active_agents(self) -> list[str]:
         return [] if self.done else [self.game.agent_selection]
 
-    def observe(self, agent: str) -> str:
-        return str(self.game.observe(agent))
-
     def step(self, agent: str, action) -> StepResult:
         if agent != self.game.agent_selection:
             raise ValueError(f"AEC env expected '{self.game.agent_selection}' to act, got '{agent}'")
-        self.game.step(self._value(action))
+        value, legal = self._game_action(agent, action)
+        if self.done:  # forfeited
+            return StepResult(invalid=True)
+        self.game.step(value)
         self._add_rewards(self.game.rewards)
         self.num_cycles += 1
         self._skip_dead()
-        return StepResult()
+        return StepResult(invalid=not legal)

@@ -10,7 +10,9 @@ Layers, each stopping a different failure; what each does NOT stop is said plain
 3. An audit hook (``sys.addaudithook``, PEP 578) installed by a bootstrap before the code runs:
    denies opening files for writing, creating, removing or renaming paths outside the temp dir,
    creating sockets, spawning processes (``os.fork``, ``os.system``, ``subprocess.Popen``,
-   ``os.exec*``, ``os.posix_spawn``) and loading native code via ``ctypes``. Audit hooks are a
+   ``os.exec*``, ``os.posix_spawn``), loading native code via ``ctypes``, and reading or listing
+   anything outside the temp dir, the Python installation and the process's own ``/proc`` entry
+   (so a candidate cannot read a judge's data files or ``/proc/<parent>``). Audit hooks are a
    tripwire against accidents and naive code, not a security boundary: code that corrupts the
    interpreter (e.g. via a C extension that is already loaded) can get around them.
 4. Network namespace: when running as root and ``unshare -n`` works, the process runs with no
@@ -57,6 +59,20 @@ _BOOTSTRAP = textwrap.dedent(
         real = os.path.realpath(path)
         return real == ROOT or real.startswith(ROOT + os.sep)
 
+    # reads are allowed only where the interpreter itself needs them (stdlib, site-packages)
+    READABLE = [ROOT] + sorted({os.path.realpath(p) for p in (sys.prefix, sys.base_prefix,
+                sys.exec_prefix, sys.base_exec_prefix)}) + [os.path.realpath("/proc/self")]
+    DEVICES = {"/dev/null", "/dev/urandom", "/dev/zero"}
+
+    def readable(path):
+        if isinstance(path, int):
+            return True  # an fd already open: stdin/stdout/stderr or the judge's channel
+        try:
+            real = os.path.realpath(os.fsdecode(path))
+        except TypeError:
+            return False
+        return real in DEVICES or any(real == r or real.startswith(r + os.sep) for r in READABLE)
+
     def hook(event, args):
         if event in DENIED:
             raise PermissionError(f"sandbox: {event} is not allowed")
@@ -65,6 +81,11 @@ _BOOTSTRAP = textwrap.dedent(
             writing = (mode is not None and any(c in mode for c in "wax+")) or (flags or 0) & WRITE_FLAGS
             if writing and not inside(path):
                 raise PermissionError(f"sandbox: writing {path!r} outside the sandbox directory")
+            if not readable(path):
+                raise PermissionError(f"sandbox: reading {path!r} outside the sandbox directory")
+        elif event in ("os.listdir", "os.scandir"):
+            if args[0] is not None and not readable(args[0]):
+                raise PermissionError(f"sandbox: listing {args[0]!r} outside the sandbox directory")
         elif event in PATH_EVENTS:
             for path in args[: PATH_EVENTS[event]]:
                 if path is not None and not inside(path):
@@ -74,9 +95,10 @@ _BOOTSTRAP = textwrap.dedent(
         source = f.read()
     code = compile(source, "main.py", "exec")
     del f, source
+    channel = int(sys.argv[3]) if sys.argv[3] != "-" else None
     sys.argv = ["main.py"]
     sys.addaudithook(hook)
-    exec(code, {"__name__": "__main__", "__builtins__": __builtins__})
+    exec(code, {"__name__": "__main__", "__builtins__": __builtins__, "__channel__": channel})
     '''
 )
 
@@ -104,6 +126,7 @@ class SandboxResult:
     returncode: int | None
     stdout: str
     stderr: str
+    channel: str = ""  # what the program wrote on the judge's channel fd (``channel=True``)
 
 
 @functools.lru_cache(maxsize=1)
@@ -132,33 +155,46 @@ def _limits(config: SandboxConfig):
     return apply
 
 
-def run_python(code: str, config: SandboxConfig | None = None) -> SandboxResult:
-    """Run ``code`` as a script in a fresh sandbox; never raises for anything the code does."""
+def run_python(code: str, config: SandboxConfig | None = None, *, stdin: bytes | None = None,
+               channel: bool = False) -> SandboxResult:
+    """Run ``code`` as a script in a fresh sandbox; never raises for anything the code does.
+
+    ``stdin``: bytes fed to the program's stdin (else /dev/null). ``channel``: also give the
+    program an anonymous file (no path anywhere, so it cannot be opened by name) whose fd number
+    is the global ``__channel__``; its content comes back as ``SandboxResult.channel``. A judge
+    harness reports on it so that the program's stdout never mixes with results.
+    """
     config = config or SandboxConfig()
-    with tempfile.TemporaryDirectory(prefix="megamarl-sbx-") as root:
+    with tempfile.TemporaryDirectory(prefix="megamarl-sbx-") as root, tempfile.TemporaryFile() as chan:
         script, bootstrap = os.path.join(root, "main.py"), os.path.join(root, ".bootstrap.py")
         with open(script, "w") as f:
             f.write(code)
         with open(bootstrap, "w") as f:
             f.write(_BOOTSTRAP)
         prefix = _unshare_prefix() if config.network_namespace else ()
-        command = [*prefix, sys.executable, "-I", "-B", bootstrap, script, root]
+        fds = (chan.fileno(),) if channel else ()
+        command = [*prefix, sys.executable, "-I", "-B", bootstrap, script, root, str(fds[0]) if fds else "-"]
         env = {"PATH": "/usr/bin:/bin", "HOME": root, "TMPDIR": root, "LANG": "C.UTF-8"}
         proc = subprocess.Popen(
-            command, cwd=root, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE, preexec_fn=_limits(config), start_new_session=True,
+            command, cwd=root, env=env, stdin=subprocess.DEVNULL if stdin is None else subprocess.PIPE,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=_limits(config),
+            start_new_session=True, pass_fds=fds,
         )
         try:
-            out, err = proc.communicate(timeout=config.timeout_s)
+            out, err = proc.communicate(input=stdin, timeout=config.timeout_s)
             status = "ok" if proc.returncode == 0 else ("killed" if proc.returncode < 0 else "error")
         except subprocess.TimeoutExpired:
             _kill_group(proc)
             out, err = proc.communicate()
             status = "timeout"
+        chan.seek(0)
+        # RLIMIT_FSIZE already bounds what the program could write here
+        reported = chan.read().decode(errors="replace") if channel else ""
     limit = config.max_output_chars
     return SandboxResult(
         ok=status == "ok", status=status, returncode=proc.returncode,
         stdout=out.decode(errors="replace")[-limit:], stderr=err.decode(errors="replace")[-limit:],
+        channel=reported,
     )
 
 

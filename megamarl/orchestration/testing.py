@@ -13,9 +13,12 @@ import asyncio
 import functools
 import os
 import re
+import string
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
+
+import numpy as np
 
 from megamarl.orchestration.env import ENVS, Env, EnvConfig, StepResult, Task
 from megamarl.rollout.base import Engine, Generation, SamplingParams
@@ -143,6 +146,7 @@ except ImportError:  # the adapter only needs the API, not the package
     _spaces, _AECBase, _ParallelBase = None, object, object
 
 WORDS = ("red", "green", "blue")
+TEXT_CHARSET = string.ascii_letters + string.digits + " .:"
 
 
 class EchoParallelGame(_ParallelBase):
@@ -155,8 +159,8 @@ class EchoParallelGame(_ParallelBase):
         self.possible_agents = ["alice", "bob"]
         self.num_rounds = num_rounds
         if _spaces is not None:
-            self.observation_spaces = {a: _spaces.Text(64) for a in self.possible_agents}
-            self.action_spaces = {a: _spaces.Text(16) for a in self.possible_agents}
+            self.observation_spaces = {a: _spaces.Text(64, charset=TEXT_CHARSET) for a in self.possible_agents}
+            self.action_spaces = {a: _spaces.Text(16, charset=TEXT_CHARSET) for a in self.possible_agents}
 
     def observation_space(self, agent):
         return self.observation_spaces[agent]
@@ -190,7 +194,9 @@ class EchoParallelGame(_ParallelBase):
 class CountingAECGame(_AECBase):
     """AEC API. Agents take turns saying the next integer after the current count; a correct number
     earns 1 and advances the count, a wrong one ends the game for everyone (terminated). The game
-    ends after ``target`` correct counts. The count starts at ``seed % 5``."""
+    ends after ``target`` correct counts. The count starts at ``seed % 5``. Observations are numpy
+    arrays ``[count]`` (PettingZoo's ``api_test`` requires numpy observations); ``render_count`` is
+    the game's text hook (``env.kwargs.render``)."""
 
     metadata = {"name": "counting_aec_v0"}
 
@@ -199,7 +205,8 @@ class CountingAECGame(_AECBase):
         self.possible_agents = ["p0", "p1"]
         self.target = target
         if _spaces is not None:
-            self.observation_spaces = {a: _spaces.Text(64) for a in self.possible_agents}
+            # the charset must cover the observation text, or the observation is out of its space
+            self.observation_spaces = {a: _spaces.Box(0, 100, (1,), np.int64) for a in self.possible_agents}
             self.action_spaces = {a: _spaces.Discrete(100) for a in self.possible_agents}
 
     def observation_space(self, agent):
@@ -218,16 +225,13 @@ class CountingAECGame(_AECBase):
         self.infos = {a: {} for a in self.agents}
         self.agent_selection = self.agents[0]
 
-    def observe(self, agent: str) -> str:
-        return f"The count is {self.count}. Say the next number."
+    def observe(self, agent: str) -> np.ndarray:
+        return np.array([self.count], dtype=np.int64)
 
     def step(self, action) -> None:
         agent = self.agent_selection
         if self.terminations[agent] or self.truncations[agent]:
-            self.agents.remove(agent)  # the AEC "dead step": remove, no reward
-            self.rewards = {a: 0.0 for a in self.agents}
-            if self.agents:
-                self.agent_selection = self.agents[0]
+            self._was_dead_step(action)  # the AEC "dead step": remove the agent, clear rewards
             return
         self.rewards = {a: 0.0 for a in self.agents}
         correct = action is not None and int(action) == self.count + 1
@@ -237,8 +241,7 @@ class CountingAECGame(_AECBase):
             self.rewards[agent] = 1.0
         if not correct or self.num_correct >= self.target:
             self.terminations = {a: True for a in self.agents}
-        for a, r in self.rewards.items():
-            self._cumulative_rewards[a] += r
+        self._accumulate_rewards()
         self.agent_selection = self.agents[(self.agents.index(agent) + 1) % len(self.agents)]
 
 
@@ -248,3 +251,12 @@ def make_echo_parallel(seed: int) -> EchoParallelGame:
 
 def make_counting_aec(seed: int) -> CountingAECGame:
     return CountingAECGame()
+
+
+def render_count(obs: np.ndarray, agent: str) -> str:
+    return f"The count is {int(obs[0])}. Say the next number."
+
+
+def map_to_gamma(agent_id: str, episode_seed: int) -> str:
+    """A ``rollout.policy_mapping`` naming an undefined policy (config validation tests)."""
+    return "gamma"

@@ -7,17 +7,27 @@ the episodes of a task, AT-GRPO over the tree-sampled candidates of one agent st
 step-level advantage over samples that acted on the same anchor observation.
 
 Conventions (all estimators):
-  * group statistics use the population std (divide by n, not n - 1): a group of 2 rewards {1, 0}
-    gets advantages {+1, -1} with std normalisation;
+  * group statistics use the std with ``ddof`` (``algorithm.std_ddof``, default 1: the unbiased std,
+    dividing by n - 1, as verl, Dr.MAS, PettingLLMs and GiGPO do): a group of 2 rewards {1, 0} gets
+    advantages {+0.707, -0.707}; ``std_ddof=0`` (population std) gives {+1, -1}, larger by
+    ``sqrt(n / (n - 1))`` for a group of n. A singleton group has std 0 under either convention;
   * the normaliser is ``std + eps``, so a zero-variance group yields 0, never NaN;
   * statistics are computed in float64 and cast back to the rewards' dtype.
 
+Returns along a trajectory (GiGPO step returns, REINFORCE++ turn discounting) treat tree-sampled
+siblings (samples of one trajectory at the same position) as parallel alternatives, not as
+consecutive steps: each sibling continues with the mean return of the next position.
+
 Registry contract: ``ADVANTAGE_ESTIMATORS`` maps a name to
 ``fn(rewards [N], index: GroupIndex, cfg: AdvantageConfig, *, response_mask=None, values=None)``
-returning ``[N]`` (sample-level), with ``EstimatorTraits`` (group key, batch-wide statistics,
-critic). An estimator with ``needs_critic`` (``gae``) is token-level and runs on the policy's
-workers: it needs ``response_mask`` and ``values`` and returns ``(advantages [N, T], returns [N, T])``. The math lives in the keyword-argument functions above each
-registered adapter, which only read ``cfg`` and pick the group key.
+returning ``[N]`` (sample-level; ``reinforce_pp`` needs ``response_mask``). An estimator with
+``needs_critic`` (``gae``) is token-level and runs on each policy's workers: it needs
+``response_mask`` and ``values`` and returns ``(advantages [N, T], returns [N, T])``. The math lives
+in the keyword-argument functions above each registered adapter, which only read ``cfg`` and pick
+the group key. Traits the loop needs (``EstimatorTraits``: the group key its advantages are
+normalised over, whether the team reward enters once per episode, whether it needs a critic) are
+declared on the registry entry (``register_estimator``) and read with
+``ADVANTAGE_ESTIMATORS.traits(name)`` (or ``estimator_traits(name)``).
 """
 
 from __future__ import annotations
@@ -35,35 +45,6 @@ from megamarl.rl.rewards import rewards_to_tokens
 GROUP_KEYS = ("task", "episode", "agent", "policy", "turn", "branch", "step")
 
 Estimator = Callable[..., Tensor]
-
-
-@dataclass(frozen=True)
-class EstimatorTraits:
-    """What the driver and the schedules need to know about an estimator (defaults: a plugin that
-    declares nothing is treated as grouping over the whole batch, never split by policy).
-
-    ``group_key``: the index columns whose equal values form one group; None: the configured
-    ``algorithm.group_by``. ``batch_wide``: some statistic spans the whole batch (reinforce_pp's
-    normalisation, gae's whitening). ``needs_critic``: advantages need a critic's values, so each
-    policy's workers compute them (value head on the Megatron model, ``rl.worker.CriticConfig``),
-    not the driver on the gathered batch.
-    """
-
-    group_key: tuple[str, ...] | None = None
-    batch_wide: bool = True
-    needs_critic: bool = False
-
-    def policy_separable(self, group_by: Sequence[str]) -> bool:
-        """True when no group of this estimator can hold samples of two policies (each group key
-        names the agent or the policy and nothing spans the batch)."""
-        key = self.group_key if self.group_key is not None else tuple(group_by)
-        return not self.batch_wide and bool({"agent", "policy"} & set(key))
-
-
-ADVANTAGE_ESTIMATORS: Registry[Estimator] = Registry(
-    "advantage estimator", traits=EstimatorTraits,
-    signature="fn(rewards, index, cfg, *, response_mask=None, values=None) -> [N] | ([N, T], [N, T])",
-)
 
 
 @dataclass
@@ -116,28 +97,45 @@ def group_ids(index: GroupIndex, group_by: Sequence[str]) -> Tensor:
     return torch.unique(cols, dim=0, return_inverse=True)[1]
 
 
-def group_stats(x: Tensor, gid: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """Per-sample (mean, population std, count) of ``x [N]`` over its group ``gid [N]`` (float64)."""
+def group_stats(
+    x: Tensor, gid: Tensor, *, ddof: int = 1, weights: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Per-sample (mean, std, count) of ``x [N]`` over its group ``gid [N]`` (float64).
+
+    ``std = sqrt(sum w (x - mean)^2 / (sum w - ddof))`` with the divisor floored at 1, so a singleton
+    group gets std 0 for either ``ddof``. ``weights [N]`` (default 1) count a sample that many times,
+    e.g. its number of response tokens; ``count`` is ``sum w``.
+    """
     x = x.double()
+    w = torch.ones_like(x) if weights is None else weights.double()
     zeros = x.new_zeros(int(gid.max()) + 1 if gid.numel() else 0)  # [G]
-    count = zeros.index_add(0, gid, torch.ones_like(x))
-    mean = zeros.index_add(0, gid, x) / count
-    var = zeros.index_add(0, gid, (x - mean[gid]) ** 2) / count
+    count = zeros.index_add(0, gid, w)
+    mean = zeros.index_add(0, gid, w * x) / count.clamp(min=1e-12)
+    var = zeros.index_add(0, gid, w * (x - mean[gid]) ** 2) / (count - ddof).clamp(min=1)
     return mean[gid], var.sqrt()[gid], count[gid]
 
 
 def discounted_returns(rewards: Tensor, seq_ids: Tensor, order: Tensor, *, gamma: float) -> Tensor:
-    """``G_i = sum_{j in seq(i), pos_j >= pos_i} gamma^(pos_j - pos_i) * r_j``.
+    """``G_i = r_i + gamma * mean{G_j : j in seq(i), pos_j = pos_i + 1}`` (0 past the last position).
 
-    ``pos`` is the rank of a sample inside its sequence when sorted by ``order`` (ties keep input
-    order), so gaps in ``order`` (e.g. global step ids shared by several agents) do not discount.
+    ``pos`` is the rank of a sample's ``order`` value among the *distinct* values of its sequence,
+    so gaps in ``order`` (global step ids shared by several agents) do not discount, and samples
+    sharing a value (tree-sampled siblings: alternatives at one step, not consecutive steps) each
+    get their own reward plus the same continuation. One sample per position gives the textbook
+    ``G_i = sum_{k >= 0} gamma^k r_{pos_i + k}``.
     """
     seqs, keys, r = seq_ids.tolist(), order.tolist(), rewards.double().tolist()
+    positions: dict[int, dict[int, list[int]]] = {}  # seq -> order value -> rows
+    for i, (s, k) in enumerate(zip(seqs, keys)):
+        positions.setdefault(s, {}).setdefault(k, []).append(i)
     out = [0.0] * len(r)
-    running, prev_seq = 0.0, None
-    for i in sorted(range(len(r)), key=lambda i: (seqs[i], keys[i], i), reverse=True):
-        running = r[i] + (gamma * running if seqs[i] == prev_seq else 0.0)
-        out[i], prev_seq = running, seqs[i]
+    for by_key in positions.values():
+        continuation = 0.0
+        for key in sorted(by_key, reverse=True):
+            rows = by_key[key]
+            for i in rows:
+                out[i] = r[i] + gamma * continuation
+            continuation = sum(out[i] for i in rows) / len(rows)
     return torch.tensor(out, dtype=torch.float64, device=rewards.device).to(rewards.dtype)
 
 
@@ -145,26 +143,30 @@ def discounted_returns(rewards: Tensor, seq_ids: Tensor, order: Tensor, *, gamma
 # group-normalised estimators
 
 
-def grpo_advantages(rewards: Tensor, gid: Tensor, *, eps: float = 1e-6, norm_std: bool = True) -> Tensor:
+def grpo_advantages(
+    rewards: Tensor, gid: Tensor, *, eps: float = 1e-6, norm_std: bool = True, ddof: int = 1,
+) -> Tensor:
     """GRPO: ``A_i = (r_i - mean_g) / (std_g + eps)``; without ``norm_std``: ``A_i = r_i - mean_g``.
 
     A singleton group or a zero-variance group gives 0.
     """
-    mean, std, _ = group_stats(rewards, gid)
+    mean, std, _ = group_stats(rewards, gid, ddof=ddof)
     adv = rewards.double() - mean
     if norm_std:
         adv = adv / (std + eps)
     return adv.to(rewards.dtype)
 
 
-def drmas_advantages(rewards: Tensor, gid: Tensor, *, eps: float = 1e-6, norm_std: bool = True) -> Tensor:
+def drmas_advantages(
+    rewards: Tensor, gid: Tensor, *, eps: float = 1e-6, norm_std: bool = True, ddof: int = 1,
+) -> Tensor:
     """Dr.MAS agent-wise GRPO: ``A_i = (r_i - mean_g) / (std_g + eps)`` with g = (task, agent),
     pooling every invocation of the agent in every episode of the task.
 
     A singleton group (the agent acted once in the whole task) uses mean 0 and std 1 (no eps), so
     ``A_i = r_i``: it keeps its raw reward signal instead of being zeroed.
     """
-    mean, std, count = group_stats(rewards, gid)
+    mean, std, count = group_stats(rewards, gid, ddof=ddof)
     single = count == 1
     mean = torch.where(single, torch.zeros_like(mean), mean)
     denom = torch.where(single, torch.ones_like(std), std + eps) if norm_std else torch.ones_like(std)
@@ -180,17 +182,24 @@ def rloo_advantages(rewards: Tensor, gid: Tensor) -> Tensor:
 
 
 def reinforce_pp_advantages(
-    rewards: Tensor, seq_ids: Tensor, turns: Tensor, *, gamma: float = 1.0, discount_turns: bool = False,
-    eps: float = 1e-6, norm_std: bool = True,
+    rewards: Tensor, seq_ids: Tensor, turns: Tensor, policy_ids: Tensor, num_tokens: Tensor, *,
+    gamma: float = 1.0, discount_turns: bool = False, eps: float = 1e-6, norm_std: bool = True, ddof: int = 1,
 ) -> Tensor:
-    """REINFORCE++: returns normalised over the whole batch, ``A_i = (G_i - mean(G)) / (std(G) + eps)``.
+    """REINFORCE++: returns whitened over the response tokens of each policy,
+    ``A_i = (G_i - mean_p(G)) / (std_p(G) + eps)``, where the statistics of policy p count sample i
+    ``num_tokens[i]`` times (every response token carries its sample's return, as in the method and
+    verl); a sample without response tokens does not enter them.
 
     ``G_i = r_i``, or with ``discount_turns`` the discounted return over the later turns of the same
-    (task, episode, agent) sequence, ``G_i = sum_{k >= 0} gamma^k r_{turn_i + k}`` (one sample per turn
-    assumed; ``seq_ids`` identifies the sequence).
+    (task, episode, agent) sequence ``seq_ids``, ``G_i = r_i + gamma * G_{turn_i + 1}`` (tree-sampled
+    siblings of one turn are parallel: see ``discounted_returns``).
     """
     returns = discounted_returns(rewards, seq_ids, turns, gamma=gamma) if discount_turns else rewards
-    return grpo_advantages(returns, torch.zeros_like(seq_ids), eps=eps, norm_std=norm_std)
+    mean, std, _ = group_stats(returns, policy_ids, ddof=ddof, weights=num_tokens)
+    adv = returns.double() - mean
+    if norm_std:
+        adv = adv / (std + eps)
+    return adv.to(rewards.dtype)
 
 
 def anchor_ids(
@@ -229,26 +238,34 @@ def anchor_ids(
 
 def gigpo_advantages(
     rewards: Tensor, task_ids: Tensor, episode_ids: Tensor, steps: Tensor, anchor_gid: Tensor, *,
-    gamma: float = 1.0, omega: float = 1.0, eps: float = 1e-6, norm_std: bool = True,
+    gamma: float = 1.0, omega: float = 1.0, eps: float = 1e-6, norm_std: bool = True, ddof: int = 1,
 ) -> Tensor:
     """GiGPO: ``A_i = A_E(e(i)) + omega * A_S(i)``.
 
-    Episode level: ``R_e = sum_{i in e} r_i``; ``A_E = (R_e - mean_task R) / (std_task R + eps)``, the
-    statistics taken over the *episodes* of the task (each counted once, whatever its length).
-    Step level: ``G_i = sum_{j in e(i), pos_j >= pos_i} gamma^(pos_j - pos_i) r_j`` (positions by
-    ``step`` inside the episode), ``A_S = (G_i - mean_a G) / (std_a G + eps)`` over the anchor group
-    ``a = anchor_gid[i]``; a singleton anchor group gives ``A_S = 0``.
-    ``episode_ids`` must be unique across tasks. A team reward copied onto every sample of an episode
-    counts once per sample in ``R_e`` and ``G_i``; shape it onto the final step if that is not meant.
+    ``rewards`` are per-step rewards: the episode's team reward belongs on its final step only (the
+    estimator's ``team_reward_once`` trait; ``megamarl.rl.prepare`` places it), otherwise it would be
+    counted once per agent call and long episodes would look better than short ones.
+    Step level: ``G_i = r_i + gamma * G_{next step}`` along the episode (positions by ``step``;
+    tree-sampled siblings of one step are parallel, see ``discounted_returns``),
+    ``A_S = (G_i - mean_a G) / (std_a G + eps)`` over the anchor group ``a = anchor_gid[i]``; a
+    singleton anchor group gives ``A_S = 0``.
+    Episode level: ``R_e`` = the undiscounted return from the episode's first step (the same
+    recursion with gamma 1, so siblings count once); ``A_E = (R_e - mean_task R) / (std_task R + eps)``,
+    the statistics taken over the *episodes* of the task. ``episode_ids`` must be unique across tasks.
     """
     num_eps = int(episode_ids.max()) + 1 if episode_ids.numel() else 0
-    ep_return = rewards.new_zeros(num_eps, dtype=torch.float64).index_add_(0, episode_ids, rewards.double())
+    undiscounted = discounted_returns(rewards.double(), episode_ids, steps, gamma=1.0)
+    first = steps.new_full((num_eps,), torch.iinfo(steps.dtype).max).scatter_reduce(0, episode_ids, steps, "amin")
+    at_first = (steps == first[episode_ids]).double()  # [N]: the episode's first-step samples (siblings)
+    ep_count = undiscounted.new_zeros(num_eps).index_add_(0, episode_ids, at_first)
+    ep_return = undiscounted.new_zeros(num_eps).index_add_(0, episode_ids, undiscounted * at_first)
+    ep_return = ep_return / ep_count.clamp(min=1)  # [E]
     ep_task = task_ids.new_zeros(num_eps).scatter_(0, episode_ids, task_ids)  # [E]
     present = task_ids.new_zeros(num_eps, dtype=torch.bool).index_fill_(0, episode_ids, True)
     ep_adv = torch.zeros_like(ep_return)
-    ep_adv[present] = grpo_advantages(ep_return[present], ep_task[present], eps=eps, norm_std=norm_std)
+    ep_adv[present] = grpo_advantages(ep_return[present], ep_task[present], eps=eps, norm_std=norm_std, ddof=ddof)
     step_returns = discounted_returns(rewards.double(), episode_ids, steps, gamma=gamma)
-    step_adv = grpo_advantages(step_returns, anchor_gid, eps=eps, norm_std=norm_std)
+    step_adv = grpo_advantages(step_returns, anchor_gid, eps=eps, norm_std=norm_std, ddof=ddof)
     return (ep_adv[episode_ids] + omega * step_adv).to(rewards.dtype)
 
 
@@ -282,9 +299,10 @@ def gae(
 
 
 def masked_whiten(
-    x: Tensor, mask: Tensor, *, eps: float = 1e-6, all_reduce: Callable[[Tensor], None] | None = None,
+    x: Tensor, mask: Tensor, *, eps: float = 1e-6, ddof: int = 1, all_reduce: Callable[[Tensor], None] | None = None,
 ) -> Tensor:
-    """``(x - mean_m) / (std_m + eps)`` over positions where ``mask`` (population std); 0 elsewhere.
+    """``(x - mean_m) / (std_m + eps)`` over positions where ``mask`` (std with ``ddof``, divisor
+    floored at 1); 0 elsewhere.
 
     The statistics come from the float64 sums ``[sum x, sum x^2, count]``; a caller whose batch is
     sharded (a policy's DP ranks) passes ``all_reduce``, which sums that 3-vector in place over the
@@ -297,12 +315,55 @@ def masked_whiten(
         all_reduce(stats)
     count = stats[2].clamp(min=1)
     mean = stats[0] / count
-    std = (stats[1] / count - mean * mean).clamp(min=0).sqrt()
+    std = ((stats[1] - count * mean * mean) / (count - ddof).clamp(min=1)).clamp(min=0).sqrt()
     return torch.where(mask, (x.double() - mean) / (std + eps), 0.0).to(x.dtype)
 
 
 # --------------------------------------------------------------------------------------------
-# config and registered adapters
+# traits, config and registered adapters
+
+
+@dataclass(frozen=True)
+class EstimatorTraits:
+    """What the loop needs to know about an estimator, declared where it is registered (defaults:
+    a plugin that declares nothing groups by ``algorithm.group_by`` on the driver).
+
+    ``group_key``: the index columns its advantages are normalised over (None: ``advantage.group_by``);
+    dynamic sampling drops the groups of this key whose rewards are all equal, and a key naming the
+    agent or the policy makes it policy-separable (``policy_separable``).
+    ``team_reward_once``: it sums rewards along an episode (returns), so the episode's team reward
+    must sit on the final step only instead of on every agent call.
+    ``needs_critic``: advantages need a critic's values, so each policy's workers compute them
+    (value head on the Megatron model, ``rl.worker.CriticConfig``), not the driver.
+    """
+
+    group_key: tuple[str, ...] | None = None
+    team_reward_once: bool = False
+    needs_critic: bool = False
+
+    def key(self, group_by: Sequence[str]) -> tuple[str, ...]:
+        return tuple(group_by) if self.group_key is None else self.group_key
+
+    def policy_separable(self, group_by: Sequence[str]) -> bool:
+        """True when no group of this estimator can hold samples of two policies."""
+        return bool({"agent", "policy"} & set(self.key(group_by)))
+
+
+ADVANTAGE_ESTIMATORS: Registry[Estimator] = Registry(
+    "advantage estimator", traits=EstimatorTraits,
+    signature="fn(rewards, index, cfg, *, response_mask=None, values=None) -> [N] | ([N, T], [N, T])",
+)
+
+
+def register_estimator(name: str, **traits) -> Callable[[Estimator], Estimator]:
+    """``@register_estimator("name", group_key=(...), team_reward_once=...)``: register ``fn`` in
+    ``ADVANTAGE_ESTIMATORS`` with its ``EstimatorTraits``."""
+    return ADVANTAGE_ESTIMATORS.register(name, traits=EstimatorTraits(**traits))
+
+
+def estimator_traits(name: str) -> EstimatorTraits:
+    """Traits of a registered estimator (plugins registered without any get the defaults)."""
+    return ADVANTAGE_ESTIMATORS.traits(name, key="algorithm.estimator")
 
 
 @dataclass
@@ -311,6 +372,7 @@ class AdvantageConfig:
     # Group key of grpo / dr_grpo / rloo; at_grpo, drmas_grpo and gigpo fix their own key.
     group_by: list[str] = field(default_factory=lambda: ["task"])
     norm_std: bool = True  # divide by the group std (gae: whiten over response tokens)
+    std_ddof: int = 1  # 1: unbiased std (n - 1, the references' convention); 0: population std
     eps: float = 1e-6
     gamma: float = 1.0  # gae, gigpo step returns, reinforce_pp with discount_turns
     lam: float = 1.0  # gae
@@ -325,6 +387,8 @@ class AdvantageConfig:
             raise ValueError(f"advantage.group_by has unknown keys {bad}; allowed: {list(GROUP_KEYS)}")
         if not self.eps > 0:
             raise ValueError(f"advantage.eps must be > 0, got {self.eps}")
+        if self.std_ddof not in (0, 1):
+            raise ValueError(f"advantage.std_ddof must be 0 (population) or 1 (unbiased), got {self.std_ddof}")
         for key in ("gamma", "lam"):
             if not 0 <= getattr(self, key) <= 1:
                 raise ValueError(f"advantage.{key} must be in [0, 1], got {getattr(self, key)}")
@@ -341,51 +405,55 @@ def compute_advantages(rewards: Tensor, index: GroupIndex, cfg: AdvantageConfig,
     return ADVANTAGE_ESTIMATORS.get(cfg.estimator, key="advantage.estimator")(rewards, index, cfg, **kwargs)
 
 
-@ADVANTAGE_ESTIMATORS.register("grpo", traits=EstimatorTraits(batch_wide=False))
+@register_estimator("grpo")
 def _grpo(rewards, index, cfg, **_):
-    return grpo_advantages(rewards, group_ids(index, cfg.group_by), eps=cfg.eps, norm_std=cfg.norm_std)
+    return grpo_advantages(rewards, group_ids(index, cfg.group_by), eps=cfg.eps, norm_std=cfg.norm_std,
+                           ddof=cfg.std_ddof)
 
 
-@ADVANTAGE_ESTIMATORS.register("at_grpo", traits=EstimatorTraits(group_key=("task", "agent", "turn"), batch_wide=False))
+@register_estimator("at_grpo", group_key=("task", "agent", "turn"))
 def _at_grpo(rewards, index, cfg, **_):
     gid = group_ids(index, ("task", "agent", "turn"))
-    return grpo_advantages(rewards, gid, eps=cfg.eps, norm_std=cfg.norm_std)
+    return grpo_advantages(rewards, gid, eps=cfg.eps, norm_std=cfg.norm_std, ddof=cfg.std_ddof)
 
 
-@ADVANTAGE_ESTIMATORS.register("drmas_grpo", traits=EstimatorTraits(group_key=("task", "agent"), batch_wide=False))
+@register_estimator("drmas_grpo", group_key=("task", "agent"))
 def _drmas_grpo(rewards, index, cfg, **_):
     gid = group_ids(index, ("task", "agent"))
-    return drmas_advantages(rewards, gid, eps=cfg.eps, norm_std=cfg.norm_std)
+    return drmas_advantages(rewards, gid, eps=cfg.eps, norm_std=cfg.norm_std, ddof=cfg.std_ddof)
 
 
-@ADVANTAGE_ESTIMATORS.register("dr_grpo", traits=EstimatorTraits(batch_wide=False))
+@register_estimator("dr_grpo")
 def _dr_grpo(rewards, index, cfg, **_):
     return grpo_advantages(rewards, group_ids(index, cfg.group_by), norm_std=False)
 
 
-@ADVANTAGE_ESTIMATORS.register("rloo", traits=EstimatorTraits(batch_wide=False))
+@register_estimator("rloo")
 def _rloo(rewards, index, cfg, **_):
     return rloo_advantages(rewards, group_ids(index, cfg.group_by))
 
 
-@ADVANTAGE_ESTIMATORS.register("reinforce_pp", traits=EstimatorTraits(group_key=("task", "episode", "agent")))
-def _reinforce_pp(rewards, index, cfg, **_):
+@register_estimator("reinforce_pp", group_key=("policy",))
+def _reinforce_pp(rewards, index, cfg, *, response_mask=None, **_):
+    if response_mask is None:
+        raise ValueError("advantage.estimator='reinforce_pp' whitens over response tokens: it needs response_mask")
     seq = group_ids(index, ("task", "episode", "agent"))
-    return reinforce_pp_advantages(rewards, seq, index.turn, gamma=cfg.gamma,
-                                   discount_turns=cfg.discount_turns, eps=cfg.eps, norm_std=cfg.norm_std)
+    return reinforce_pp_advantages(rewards, seq, index.turn, index.policy, response_mask.sum(1), gamma=cfg.gamma,
+                                   discount_turns=cfg.discount_turns, eps=cfg.eps, norm_std=cfg.norm_std,
+                                   ddof=cfg.std_ddof)
 
 
-@ADVANTAGE_ESTIMATORS.register("gigpo", traits=EstimatorTraits(group_key=("task", "episode"), batch_wide=False))
+@register_estimator("gigpo", group_key=("task",), team_reward_once=True)
 def _gigpo(rewards, index, cfg, **_):
     episodes = group_ids(index, ("task", "episode"))
     anchors = index.anchors or [None] * index.num_samples
     # Anchor groups are per (task, agent): two roles seeing the same text are not alternatives.
     agid = anchor_ids(group_ids(index, ("task", "agent")), anchors, similarity=cfg.gigpo_similarity)
     return gigpo_advantages(rewards, index.task, episodes, index.step, agid, gamma=cfg.gamma,
-                            omega=cfg.gigpo_omega, eps=cfg.eps, norm_std=cfg.norm_std)
+                            omega=cfg.gigpo_omega, eps=cfg.eps, norm_std=cfg.norm_std, ddof=cfg.std_ddof)
 
 
-@ADVANTAGE_ESTIMATORS.register("gae", traits=EstimatorTraits(needs_critic=True))
+@register_estimator("gae", group_key=("policy",), needs_critic=True)
 def _gae(rewards, index, cfg, *, response_mask=None, values=None, all_reduce=None, **_):
     """Returns ``(advantages [N, T], returns [N, T])``: the critic's targets come from the same
     recursion. ``all_reduce`` sums the whitening statistics over a sharded batch's shards."""
@@ -394,5 +462,5 @@ def _gae(rewards, index, cfg, *, response_mask=None, values=None, all_reduce=Non
     token_rewards = rewards_to_tokens(rewards, response_mask)  # [N, T]
     adv, returns = gae(token_rewards, values, response_mask, gamma=cfg.gamma, lam=cfg.lam)
     if cfg.norm_std:
-        adv = masked_whiten(adv, response_mask, eps=cfg.eps, all_reduce=all_reduce)
+        adv = masked_whiten(adv, response_mask, eps=cfg.eps, ddof=cfg.std_ddof, all_reduce=all_reduce)
     return adv, returns

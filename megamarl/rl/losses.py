@@ -24,6 +24,9 @@ from torch import Tensor
 from megamarl.registry import Registry
 
 LOG_RATIO_CLAMP = 20.0  # exp(+-20) is finite in fp32; beyond it ratios are meaningless anyway
+# k3 grows like exp(-d): at d = log pi - log pi_ref = -15 it is 3.3e6, and so is its gradient, which one
+# token can then dominate a batch with. Clamped like verl's low_var_kl: beyond it, no gradient.
+KL_K3_CLAMP = 10.0
 
 
 def _masked(x: Tensor, mask: Tensor) -> Tensor:
@@ -151,9 +154,10 @@ def kl_k2(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
 
 @KL_ESTIMATORS.register("k3")
 def kl_k3(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
-    """``k3 = exp(-d) - 1 + d`` (unbiased, >= 0; Schulman's estimator with r = pi_ref / pi)."""
+    """``k3 = min(exp(-d) - 1 + d, KL_K3_CLAMP)`` (>= 0; Schulman's estimator with r = pi_ref / pi,
+    clamped at 10 so a token far from the reference gives a bounded loss and no gradient)."""
     d = (logprobs - ref_logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    return torch.exp(-d) - 1 + d
+    return (torch.exp(-d) - 1 + d).clamp(-KL_K3_CLAMP, KL_K3_CLAMP)
 
 
 def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor, *, kind: str = "k3") -> Tensor:
@@ -194,6 +198,13 @@ def value_loss(
 
 LOSS_AGGREGATIONS: Registry[Callable[..., Tensor]] = Registry(
     "loss aggregation", signature="fn(loss [B, T], mask [B, T], *, num_tokens=None, num_seqs=None) -> scalar")
+
+
+def loss_counts(response_mask: Tensor) -> dict[str, int]:
+    """``num_tokens`` / ``num_seqs`` of a whole mini-batch for the aggregations below. A row without
+    response tokens (e.g. a prompt that hit the length limit) is not a sequence of the mean."""
+    mask = response_mask.bool()
+    return dict(num_tokens=int(mask.sum()), num_seqs=int(mask.any(1).sum()))
 
 
 @LOSS_AGGREGATIONS.register("token-mean")

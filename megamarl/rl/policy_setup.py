@@ -10,12 +10,12 @@ from typing import Callable, Mapping
 
 import torch
 
+from megamarl.config import AlgorithmConfig
 from megamarl.models.bridge import build_model, load_hf_config, load_hf_weights
 from megamarl.models.packaged import resolve_model_path
 from megamarl.parallel.placement import WorkerGroup
-from megamarl.rl.advantages import ADVANTAGE_ESTIMATORS
+from megamarl.rl.advantages import ADVANTAGE_ESTIMATORS, AdvantageConfig
 from megamarl.rl.losses import LossConfig
-from megamarl.rl.prepare import AlgorithmConfig
 from megamarl.rl.worker import AgentTraining, CriticConfig, ModelHandle, PolicyWorker
 
 def load_policy_model(policy, wg: WorkerGroup, *, seed: int) -> ModelHandle:
@@ -77,4 +77,6 @@ def critic_config(policy, algo: AlgorithmConfig) -> CriticConfig | None:
     """The policy's critic when the estimator needs one (its registered traits say so)."""
     if not ADVANTAGE_ESTIMATORS.traits(algo.estimator, key="algorithm.estimator").needs_critic:
         return None
-    return CriticConfig(algo.advantage_config(), value_coef=policy.value_coef, value_clip=policy.value_clip)
+    adv = AdvantageConfig(estimator=algo.estimator, norm_std=algo.normalize_std, std_ddof=algo.std_ddof,
+                          **algo.estimator_kwargs)
+    return CriticConfig(adv, value_coef=policy.value_coef, value_clip=policy.value_clip)

@@ -1,90 +1,118 @@
-"""Collected samples -> one training batch, in one call: collate, reward shaping, dynamic sampling,
-advantages and the per-agent metrics.
+"""Driver-side preparation of collected samples for the update, in one call
+(``prepare_rollout``): collate, reward shaping, dynamic sampling (with DAPO's refill), advantages
+and the per-agent metrics, in that order (``prepare_batch`` is the part after collating).
 
-``prepare_batch(samples, algo, pad_id=...)`` is the whole of step 3 of DESIGN.md's loop ("prepare"),
-on the driver's gathered batch. ``AlgorithmConfig`` (the ``algorithm:`` config section) is defined
-here, next to the code that reads it. Estimators that need a critic (``EstimatorTraits.needs_critic``)
-are left to each policy's workers (their advantages need the critic's values); the batch leaves
-here with ``advantages=None`` for them.
+Each step asks the estimator's registry entry (``estimator_traits``) what it needs instead of
+keeping lists of names:
 
-How it differs from a single-agent pipeline: every group statistic (reward-shaping sequences,
-dynamic-sampling groups, advantage groups) is keyed by the batch's index columns, so the agent and
-turn of each sample decide what it is compared with.
+* ``team_reward_once``: the estimator sums rewards along an episode (GiGPO), so the team reward
+  stays on the episode's last step only (``rewards.last_step_mask``);
+* ``group_key``: dynamic sampling drops the groups *the estimator normalises over* whose rewards are
+  all equal (for Dr.MAS that is (task, agent), not ``algorithm.group_by``); a group it would keep has
+  a non-zero advantage somewhere.
+
+Refill (DAPO): while fewer than ``num_tasks`` tasks have an informative group and fewer than
+``algorithm.max_refill_rounds`` extra rounds ran, ``draw(round)`` rolls out a fresh chunk of tasks
+(unique task ids, so groups of two rounds never merge); the informative tasks beyond ``num_tasks``
+are trimmed, first drawn kept. The number of extra rounds is logged as ``rollout/refill_rounds``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 
 import torch
 
-from megamarl.rl.advantages import ADVANTAGE_ESTIMATORS, AdvantageConfig, compute_advantages, group_ids
-from megamarl.rl.batch import SampleBatch, collate
-from megamarl.rl.rewards import RewardConfig, dynamic_sampling_mask, shape_rewards
+from megamarl.rl.advantages import AdvantageConfig, compute_advantages, estimator_traits, group_ids
+from megamarl.rl.batch import SampleBatch, collate, concat
+from megamarl.rl.rewards import RewardConfig, dynamic_sampling_mask, last_step_mask, shape_rewards
 from megamarl.rl.sample import Sample
+from megamarl.runtime.step_metrics import agent_batch_metrics, success_metrics
+
+if TYPE_CHECKING:  # config.py imports the estimator registry through this package: no run-time cycle
+    from megamarl.config import AlgorithmConfig
+
+Draw = Callable[[int], "SampleBatch | None"]  # refill round (1, 2, ...) -> a fresh batch, or None
 
 
-@dataclass
-class AlgorithmConfig:
-    """``algorithm:``: the advantage estimator and its group key, reward shaping, dynamic sampling,
-    and the loss knobs shared by every policy (aggregation, KL estimator, truncated IS cap)."""
+def shaped_rewards(batch: SampleBatch, algo: AlgorithmConfig) -> torch.Tensor:
+    """``[B]`` rewards the estimator consumes (see ``megamarl.rl.rewards``)."""
+    index = batch.group_index()
+    team_mask = None
+    if estimator_traits(algo.estimator).team_reward_once:
+        team_mask = last_step_mask(group_ids(index, ("task", "episode")), batch.step)
+    cfg = RewardConfig(alpha=algo.team_alpha, turn_gamma=algo.turn_gamma, invalid_penalty=algo.invalid_penalty)
+    return shape_rewards(batch.team_rewards, batch.local_rewards, valid=batch.valid,
+                         seq_ids=group_ids(index, ("task", "episode", "agent")), turns=batch.turn,
+                         cfg=cfg, team_mask=team_mask)
 
-    estimator: str = "at_grpo"
-    group_by: list[str] = field(default_factory=lambda: ["task", "agent", "turn"])
-    normalize_std: bool = True
-    team_alpha: float = 1.0  # reward = team + alpha * local
-    turn_gamma: float = 1.0
-    invalid_penalty: float = 0.0
-    dynamic_sampling: bool = False
-    loss_agg: str = "token-mean"
-    kl_type: str = "k3"
-    tis_cap: float = 2.0  # truncated IS cap (rollout vs training logprobs); 0 disables
-    estimator_kwargs: dict[str, Any] = field(default_factory=dict)
 
-    def advantage_config(self) -> AdvantageConfig:
-        return AdvantageConfig(estimator=self.estimator, group_by=list(self.group_by), norm_std=self.normalize_std,
-                               **self.estimator_kwargs)
+def dynamic_sampling_key(algo: AlgorithmConfig) -> tuple[str, ...]:
+    """The group key dynamic sampling filters by: the estimator's own."""
+    return estimator_traits(algo.estimator).key(algo.group_by)
 
-    def reward_config(self) -> RewardConfig:
-        return RewardConfig(alpha=self.team_alpha, turn_gamma=self.turn_gamma, invalid_penalty=self.invalid_penalty)
+
+def informative_tasks(batch: SampleBatch, keep: torch.Tensor) -> list[int]:
+    """Task ids (batch vocab indices) with at least one kept row, in first-appearance order."""
+    return list(dict.fromkeys(batch.task[keep].tolist()))
+
+
+def fill_informative(
+    batch: SampleBatch, draw: Draw, *, key: tuple[str, ...], num_tasks: int, max_rounds: int,
+) -> tuple[SampleBatch, dict[str, float]]:
+    """Dynamic sampling with refill (module docstring). ``batch.rewards`` must be shaped; so must
+    the batches ``draw`` returns. When no group is informative the batch is returned whole (its
+    advantages are all 0, but every rank still takes part in the update)."""
+    keep, num_dropped = dynamic_sampling_mask(batch.rewards, group_ids(batch.group_index(), key))
+    rounds = 0
+    while len(informative_tasks(batch, keep)) < num_tasks and rounds < max_rounds:
+        rounds += 1
+        extra = draw(rounds)
+        if extra is not None and extra.num_samples:
+            batch = concat([batch, extra])
+            keep, num_dropped = dynamic_sampling_mask(batch.rewards, group_ids(batch.group_index(), key))
+    tasks = informative_tasks(batch, keep)[:num_tasks] if rounds else informative_tasks(batch, keep)
+    keep = keep & torch.isin(batch.task, torch.tensor(tasks, dtype=batch.task.dtype))
+    metrics = {"rollout/dropped_groups": float(num_dropped), "rollout/refill_rounds": float(rounds),
+               "rollout/informative_tasks": float(len(tasks))}
+    return (batch.select(keep) if keep.any() else batch), metrics
+
+
+def batch_advantages(batch: SampleBatch, algo: AlgorithmConfig) -> torch.Tensor | None:
+    """Advantages of ``batch`` (rewards shaped); None for critic estimators (GAE runs on the workers)."""
+    if estimator_traits(algo.estimator).needs_critic:
+        return None
+    cfg = AdvantageConfig(estimator=algo.estimator, group_by=list(algo.group_by), norm_std=algo.normalize_std,
+                          std_ddof=algo.std_ddof, **algo.estimator_kwargs)
+    return compute_advantages(batch.rewards, batch.group_index(), cfg, response_mask=batch.response_mask)
 
 
 def prepare_batch(
-    samples: Sequence[Sample], algo: AlgorithmConfig, *, pad_id: int,
+    batch: SampleBatch, algo: AlgorithmConfig, *, num_tasks: int, draw: Draw,
 ) -> tuple[SampleBatch, dict[str, float]]:
-    """The training batch of ``samples`` and its metrics (``rollout/dropped_groups`` with dynamic
-    sampling, ``agent/<a>/*``). When dynamic sampling would drop every group the batch is kept whole
-    (the advantages of zero-variance groups are 0: the step trains on nothing but does not fail)."""
-    batch = collate(samples, pad_id=pad_id)
-    index = batch.group_index()
-    rewards = shape_rewards(
-        batch.team_rewards, batch.local_rewards, valid=batch.valid,
-        seq_ids=group_ids(index, ("task", "episode", "agent")), turns=batch.turn, cfg=algo.reward_config(),
-    )
-    batch = batch.replace(rewards=rewards)
+    """Shape rewards, apply dynamic sampling (+ refill) when ``algo.dynamic_sampling``, set advantages.
+    ``draw`` returns *unshaped* collated batches; they are shaped here."""
+    batch = batch.replace(rewards=shaped_rewards(batch, algo))
     metrics: dict[str, float] = {}
     if algo.dynamic_sampling:
-        keep, num_dropped = dynamic_sampling_mask(batch.rewards, group_ids(index, tuple(algo.group_by)))
-        metrics["rollout/dropped_groups"] = float(num_dropped)
-        if keep.any():
-            batch = batch.select(keep)
-    if not ADVANTAGE_ESTIMATORS.traits(algo.estimator, key="algorithm.estimator").needs_critic:
-        batch = batch.replace(advantages=compute_advantages(batch.rewards, batch.group_index(), algo.advantage_config()))
-    metrics.update(per_agent_metrics(batch))
+        def shaped_draw(round_: int) -> SampleBatch | None:
+            extra = draw(round_)
+            return None if extra is None else extra.replace(rewards=shaped_rewards(extra, algo))
+
+        batch, metrics = fill_informative(batch, shaped_draw, key=dynamic_sampling_key(algo), num_tasks=num_tasks,
+                                          max_rounds=algo.max_refill_rounds)
+    return batch.replace(advantages=batch_advantages(batch, algo)), metrics
+
+
+def prepare_rollout(
+    samples: Sequence[Sample], episodes: Iterable, algo: AlgorithmConfig, *, pad_id: int, num_tasks: int,
+    draw: Draw,
+) -> tuple[SampleBatch, dict[str, float]]:
+    """Collected samples -> the training batch and its metrics, in one call: collate, ``prepare_batch``
+    (shaping, dynamic sampling with refill, advantages), then the per-agent batch statistics and each
+    agent's and policy's own success over the finished ``episodes``."""
+    batch, metrics = prepare_batch(collate(samples, pad_id=pad_id), algo, num_tasks=num_tasks, draw=draw)
+    metrics.update(agent_batch_metrics(batch))
+    metrics.update(success_metrics(e for e in episodes if e.status == "ok"))
     return batch, metrics
 
-
-def per_agent_metrics(batch: SampleBatch) -> dict[str, float]:
-    """``agent/<a>/{reward_mean, response_len, invalid_rate, num_samples, success}`` over the batch."""
-    out = {}
-    names = batch.names("agent")
-    lengths = batch.response_mask.sum(1).float()
-    for agent in sorted(set(names)):
-        rows = torch.tensor([n == agent for n in names])
-        out[f"agent/{agent}/reward_mean"] = float(batch.rewards[rows].mean())
-        out[f"agent/{agent}/response_len"] = float(lengths[rows].mean())
-        out[f"agent/{agent}/invalid_rate"] = float((~batch.valid[rows]).float().mean())
-        out[f"agent/{agent}/num_samples"] = float(rows.sum())
-        out[f"agent/{agent}/success"] = float((batch.team_rewards[rows] > 0).float().mean())
-    return out

@@ -3,6 +3,9 @@
 A sample (one agent call) carries the episode's ``team_reward`` and the agent's own
 ``local_reward``. Shaping, in the order ``shape_rewards`` applies it:
 
+  0. placement (estimators that sum rewards along an episode, e.g. GiGPO): the team reward stays
+               only on the samples of the episode's last step (``last_step_mask``), so it is
+               counted once per episode however many agent calls the episode made;
   1. mix:      ``r_i = team_i + alpha * local_i``
   2. discount: ``r_i <- gamma^(T_last(s) - t_i) * r_i`` for the sequence s = (task, episode, agent)
                of sample i, ``t_i`` its turn and ``T_last(s)`` the last turn of that agent in that
@@ -12,8 +15,8 @@ A sample (one agent call) carries the episode's ``team_reward`` and the agent's 
   3. penalty:  ``r_i <- r_i + penalty`` where the action did not parse (``valid_i`` False); the
                penalty is not discounted.
 
-Dynamic sampling (DAPO) is a filter, not shaping: groups whose rewards are all equal carry no
-GRPO signal and are dropped before the update.
+Dynamic sampling (DAPO) is a filter, not shaping: groups (of the estimator's own group key) whose
+rewards are all equal carry no signal and are dropped before the update.
 """
 
 from __future__ import annotations
@@ -37,6 +40,16 @@ def discount_turns(rewards: Tensor, seq_ids: Tensor, turns: Tensor, *, gamma: fl
     last = seq_ids.new_full((num_seqs,), -1).scatter_reduce(0, seq_ids, turns.long(), "amax")
     power = (last[seq_ids] - turns).double()
     return (rewards.double() * gamma**power).to(rewards.dtype)
+
+
+def last_step_mask(seq_ids: Tensor, steps: Tensor) -> Tensor:
+    """``[N]`` bool: the sample sits at the largest ``steps`` value of its sequence ``seq_ids``
+    (all tree-sampled siblings of the last step)."""
+    if steps.numel() == 0:
+        return torch.zeros(0, dtype=torch.bool)
+    num_seqs = int(seq_ids.max()) + 1
+    last = steps.new_full((num_seqs,), torch.iinfo(steps.dtype).min).scatter_reduce(0, seq_ids, steps, "amax")
+    return steps == last[seq_ids]
 
 
 def invalid_action_penalty(rewards: Tensor, valid: Tensor, *, penalty: float) -> Tensor:
@@ -76,7 +89,7 @@ class RewardConfig:
     alpha: float = 0.0  # weight of the agent's local reward next to the team reward
     turn_gamma: float = 1.0  # 1.0: no turn discount
     invalid_penalty: float = 0.0  # added (so <= 0) to samples whose action did not parse
-    dynamic_sampling: bool = False  # drop zero-variance groups (group key: the advantage group_by)
+    dynamic_sampling: bool = False  # drop zero-variance groups (group key: the estimator's)
 
     def __post_init__(self) -> None:
         if not 0 < self.turn_gamma <= 1:
@@ -88,10 +101,13 @@ class RewardConfig:
 
 def shape_rewards(
     team: Tensor, local: Tensor, *, valid: Tensor, seq_ids: Tensor, turns: Tensor, cfg: RewardConfig,
+    team_mask: Tensor | None = None,
 ) -> Tensor:
-    """Mix, turn-discount, then penalise invalid actions (see the module docstring). All ``[N]``;
-    ``seq_ids`` identify (task, episode, agent) sequences, e.g. ``group_ids(index, ("task",
-    "episode", "agent"))``."""
+    """Place, mix, turn-discount, then penalise invalid actions (see the module docstring). All
+    ``[N]``; ``seq_ids`` identify (task, episode, agent) sequences, e.g. ``group_ids(index, ("task",
+    "episode", "agent"))``; ``team_mask`` marks the samples that keep the team reward (None: all)."""
+    if team_mask is not None:
+        team = torch.where(team_mask, team, torch.zeros_like(team))
     r = mix_rewards(team, local, alpha=cfg.alpha)
     if cfg.turn_gamma != 1.0:
         r = discount_turns(r, seq_ids, turns, gamma=cfg.turn_gamma)

@@ -60,6 +60,17 @@ class _VocabParallelLogprobEntropy(torch.autograd.Function):
         return grad, None, None, None, None
 
 
+def scale_logits(logits: torch.Tensor, temperatures) -> torch.Tensor:
+    """``logits [B, W, V] / temperature[b]`` computed in fp32 whatever the logits' dtype: a bf16
+    division rounds every logit to 8 mantissa bits (~0.03 nats mean logprob error at T=0.7, an 8%
+    importance-weight error), and the log-softmax below runs in fp32 anyway. All-1 temperatures
+    only upcast."""
+    z = logits.float()
+    if all(t == 1.0 for t in temperatures):
+        return z
+    return z / torch.tensor(list(temperatures), dtype=torch.float32, device=z.device).view(-1, 1, 1)
+
+
 def _all_reduce(tensor: torch.Tensor, op, group) -> None:
     if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
         dist.all_reduce(tensor, op=op, group=group)

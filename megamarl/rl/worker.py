@@ -14,10 +14,16 @@ Optimizer: on GPU, megatron-core's optimizer (distributed optimizer) is the inte
 optimizers hard-code CUDA tensors, so a torch AdamW steps the DDP main grads (``param.main_grad``).
 Gradient clipping computes the global norm over the model-parallel group, counting TP-replicated
 parameters once and the tied output weight only on the first pipeline stage.
+
+Numerical faults: a non-finite loss (any micro-batch, any rank) or gradient norm skips the update on
+every rank of the WG: no optimizer step, so neither the weights nor the engines ever see NaN. It is
+counted (``nonfinite_skipped``), logged with the agents/episodes of the offending micro-batches, and
+the trainer stops the run after ``trainer.max_nonfinite_updates`` in a row.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from dataclasses import dataclass, field
@@ -38,8 +44,14 @@ from megamarl.parallel.collectives import all_reduce_sum
 from megamarl.parallel.placement import WorkerGroup
 from megamarl.rl.advantages import ADVANTAGE_ESTIMATORS, AdvantageConfig
 from megamarl.rl.batch import SampleBatch
-from megamarl.rl.losses import LOSS_AGGREGATIONS, LossConfig, masked_mean, policy_loss, value_loss
-from megamarl.rl.vocab_parallel import place_window, vocab_parallel_logprobs
+from megamarl.rl.losses import LOSS_AGGREGATIONS, LossConfig, loss_counts, masked_mean, policy_loss, value_loss
+from megamarl.rl.vocab_parallel import place_window, scale_logits, vocab_parallel_logprobs
+
+logger = logging.getLogger(__name__)
+
+
+class NumericalFaultError(RuntimeError):
+    """Too many non-finite updates in a row (``trainer.max_nonfinite_updates``)."""
 
 
 def causal_mask(seq_len: int) -> torch.Tensor:
@@ -195,6 +207,12 @@ class PolicyWorker:
             self.params += list(self.value_head.parameters())  # clipped with the model's
             self.value_optimizer = torch.optim.AdamW(self.value_head.parameters(), lr=cfg.lr, betas=(0.9, 0.999), eps=1e-8)
         self.num_updates = 0
+        # Numerical faults: an update whose loss or gradient norm is not finite is skipped on every
+        # rank of the WG (the flag is reduced over mp and dp); ``skip_streak`` counts them in a row.
+        self.num_skipped = 0
+        self.skip_streak = 0
+        self.last_fault = ""  # which agents/episodes gave a non-finite loss, for the error message
+        self._nonfinite_rows: list[str] = []
 
     def _param_groups(self, cfg: PolicyConfig) -> list[dict]:
         """One optimizer group per LoRA adapter (its agent's lr), else one group."""
@@ -220,8 +238,13 @@ class PolicyWorker:
 
     # ---- data layout ----------------------------------------------------------------------------
     def my_part(self, batch: SampleBatch) -> SampleBatch:
-        """This DP rank's share (identical on TP/PP peers: the split is deterministic)."""
-        return batch.balance_across_dp(self.wg.layout.dp)[self.wg.dp_rank]
+        """This DP rank's share (identical on TP/PP peers: the split is deterministic).
+
+        A rank whose share is empty (fewer rows than DP ranks) gets one row with an empty response
+        mask instead: it contributes zero loss and zero gradient, but runs the same forward/backward
+        and so joins the DP gradient all-reduce the other ranks are waiting in."""
+        part = batch.balance_across_dp(self.wg.layout.dp)[self.wg.dp_rank]
+        return part if part.num_samples or not batch.num_samples else zero_weight_rows(batch.select([0]))
 
     def _micro_batches(self, part: SampleBatch) -> list[SampleBatch]:
         """Micro-batches of ``cfg.micro_batch_size`` rows; with per-agent settings, each micro-batch
@@ -248,10 +271,10 @@ class PolicyWorker:
         return torch.autocast(device_type, dtype=self.compute_dtype, enabled=self.compute_dtype != torch.float32)
 
     def _logprobs(self, logits: torch.Tensor, mb: SampleBatch, offset: int) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = logits.float()  # temperature scaling and log-softmax in fp32 whatever the compute dtype
         vocab_start = self._vocab_start(logits)
-        if any(t != 1.0 for t in mb.temperatures):  # the distribution the engine sampled from
-            logits = logits / torch.tensor(mb.temperatures, dtype=logits.dtype).view(-1, 1, 1)
+        # the distribution the engine sampled from; temperature scaling and log-softmax in fp32 whatever
+        # the compute dtype
+        logits = scale_logits(logits, mb.temperatures)
         disallowed = restricted_vocab_mask(mb.allowed, vocab_start, logits.shape[-1])
         if disallowed is not None:  # renormalise over the set the engine sampled from
             logits = logits.masked_fill(disallowed.unsqueeze(1), float("-inf"))
@@ -389,29 +412,49 @@ class PolicyWorker:
         # With one epoch the proximal policy *is* the current one (ratio 1, same values as a
         # recompute), so the extra forward pass is only needed for ppo_epochs > 1.
         old = self.compute_logprobs(part) if self.cfg.ppo_epochs > 1 else None
-        timings["timing_old_logprobs_s"] = time.perf_counter() - start
+        timings["timing_s/old_logprobs"] = time.perf_counter() - start
         start = time.perf_counter()
         ref = self.compute_logprobs(part, reference=True) if self._needs_ref() else None
-        timings["timing_ref_logprobs_s"] = time.perf_counter() - start
+        timings["timing_s/ref_logprobs"] = time.perf_counter() - start
         critic = None
         if self.critic is not None:
             start = time.perf_counter()
             part, returns, values = self.critic_targets(part)
             critic = (returns, values)
-            timings["timing_values_s"] = time.perf_counter() - start
-        counts = dict(num_tokens=int(batch.response_mask.sum()), num_seqs=batch.num_samples)
+            timings["timing_s/values"] = time.perf_counter() - start
+        counts = loss_counts(batch.response_mask)  # of the whole policy batch (all DP ranks)
         metrics: dict[str, float] = {}
         start = time.perf_counter()
         for _ in range(self.cfg.ppo_epochs):
             metrics = self._update(part, old, counts, ref=ref, critic=critic)
-        timings["timing_update_s"] = time.perf_counter() - start
+        timings["timing_s/update"] = time.perf_counter() - start
+        if not part.response_mask.any():  # a zero-weight stand-in (my_part): its loss terms are not data
+            metrics = {k: v for k, v in metrics.items() if k in ("grad_norm", "lr")}
         return {**metrics, **timings}
 
     def _update(self, part: SampleBatch, old: torch.Tensor | None, counts: dict, *, ref=None, critic=None) -> dict[str, float]:
+        self._nonfinite_rows = []
         collected = self.backward(part, old, counts, ref=ref, critic=critic)
         grad_norm = self._clip_and_step()
+        if not math.isfinite(grad_norm):
+            return self._skipped(collected)
         self.num_updates += 1
-        return _summarise(collected, grad_norm=grad_norm, lr=self.cfg.lr)
+        self.skip_streak = 0
+        return _summarise(collected, grad_norm=grad_norm, lr=self.cfg.lr, nonfinite_skipped=0.0)
+
+    def _skipped(self, collected: list[dict[str, float]]) -> dict[str, float]:
+        """Bookkeeping for an update that ``_clip_and_step`` refused (weights and optimizer state
+        unchanged, so the engines never receive non-finite weights)."""
+        self.num_skipped += 1
+        self.skip_streak += 1
+        rows = self._nonfinite_rows
+        where = (f"non-finite loss in micro-batches of {', '.join(rows[:8])}" if rows
+                 else "finite loss but non-finite gradient norm (samples not attributable)")
+        self.last_fault = f"policy '{self.name}' update {self.num_updates + self.num_skipped}: {where}"
+        logger.warning("skipped update (%d in a row): %s", self.skip_streak, self.last_fault)
+        finite = [{k: v for k, v in c.items() if math.isfinite(v)} for c in collected]
+        return _summarise(finite, lr=self.cfg.lr, nonfinite_skipped=1.0,
+                          nonfinite_streak=float(self.skip_streak))
 
     def backward(
         self, part: SampleBatch, old: torch.Tensor | None, counts: dict, *, ref: torch.Tensor | None = None,
@@ -437,6 +480,9 @@ class PolicyWorker:
             collected.append(metrics.as_dict())
             if returns is not None:
                 loss = loss + self._value_loss(mb, offset, returns[i], old_values[i], counts, collected[-1])
+            if not torch.isfinite(loss.detach()):
+                agents, episodes = sorted(set(mb.names("agent"))), sorted(set(mb.names("episode")))
+                self._nonfinite_rows.append(f"agents {agents} episodes {episodes[:4]}")
             return loss * scale, {"loss": metrics.loss}
 
         self.model.zero_grad_buffer()
@@ -457,6 +503,8 @@ class PolicyWorker:
         return self.critic.value_coef * vf_loss
 
     def _clip_and_step(self) -> float:
+        """Clip by the global grad norm and step; returns the norm, or NaN when any rank of the WG
+        saw a non-finite loss or gradient, in which case no rank steps (same decision everywhere)."""
         for p in self.params:
             p.grad = p.main_grad.to(p.dtype) if hasattr(p, "main_grad") else p.grad
         squares = torch.zeros((), dtype=torch.float64)
@@ -464,8 +512,18 @@ class PolicyWorker:
             if p.grad is None or not self._counts_for_norm(p):
                 continue
             squares += p.grad.double().pow(2).sum()
-        dist.all_reduce(squares, group=self.wg.pgs.mp)
-        norm = math.sqrt(float(squares))
+        # [sum of squares, fault flag]: a NaN loss on a rank whose grads are finite (e.g. a PP stage
+        # or DP rank that did not see it) still stops every rank; the flag also goes over dp
+        stats = torch.stack([squares, torch.tensor(float(bool(self._nonfinite_rows)), dtype=torch.float64)])
+        dist.all_reduce(stats, group=self.wg.pgs.mp)
+        fault = stats[1:].clone()
+        if self.wg.layout.dp > 1:
+            dist.all_reduce(fault, group=self.wg.pgs.dp)
+        norm = math.sqrt(float(stats[0])) if math.isfinite(float(stats[0])) else float("nan")
+        if fault.item() > 0 or not math.isfinite(norm):
+            for p in self.params:
+                p.grad = None
+            return float("nan")
         if self.cfg.grad_clip > 0 and norm > self.cfg.grad_clip:
             factor = self.cfg.grad_clip / (norm + 1e-6)
             for p in self.params:
@@ -480,6 +538,11 @@ class PolicyWorker:
         if getattr(p, "shared", False) and not self.wg.is_first_stage:
             return False  # tied output weight copy on the last stage
         return bool(getattr(p, "tensor_model_parallel", False)) or self.wg.tp_rank == 0
+
+
+def zero_weight_rows(batch: SampleBatch) -> SampleBatch:
+    """``batch`` with no response tokens: every loss term is masked out, so its gradient is exactly 0."""
+    return batch.replace(response_mask=torch.zeros_like(batch.response_mask))
 
 
 def _row_ids(mb: SampleBatch) -> list[tuple[int, int, int, int]]:

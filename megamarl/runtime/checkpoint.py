@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from megamarl.config import PolicyConfig
-from megamarl.models.checkpoint import load_checkpoint, save_checkpoint
+from megamarl.models import checkpoint as model_checkpoint  # looked up per call (tests swap in faults)
 from megamarl.parallel.placement import WorkerGroup
 from megamarl.runtime.metrics import EVAL_FILE, METRICS_FILE
 
@@ -42,6 +42,16 @@ COMPLETE = "COMPLETE"
 TRAINER_STATE = "trainer.pt"
 POLICIES = "policies"
 _STEP_DIR = re.compile(r"step_(\d+)")
+
+
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint could not be written (disk full, ...); the earlier ones are untouched."""
+
+    def __init__(self, path: Path, errors: list[str], complete: list[Path]) -> None:
+        last = (f"the previous checkpoint {complete[-1]} is complete and loadable (trainer.resume=auto resumes from it)"
+                if complete else "no earlier checkpoint exists")
+        super().__init__(f"writing checkpoint {path} failed ({'; '.join(errors)}); its partial directory "
+                         f"was removed; {last}")
 
 
 # ---- where checkpoints are -----------------------------------------------------------------------
@@ -108,7 +118,7 @@ def save_policies(path: Path, policies: dict[str, PolicyConfig], workers: dict, 
         if policy.frozen:
             continue
         worker = workers.get(name)
-        save_checkpoint(
+        model_checkpoint.save_checkpoint(
             path / POLICIES / name, worker.model if worker else None, wgs[name],
             optimizer=worker.optimizer if worker else None,
         )
@@ -126,7 +136,7 @@ def load_policies(path: Path, policies: dict[str, PolicyConfig], workers: dict, 
         raise ValueError(f"trainer.resume: checkpoint {path} has no policies {missing}; it has {have}")
     for name in trained:
         worker = workers.get(name)
-        load_checkpoint(
+        model_checkpoint.load_checkpoint(
             path / POLICIES / name, worker.model if worker else None, wgs[name],
             optimizer=worker.optimizer if worker else None,
         )
@@ -242,3 +252,19 @@ def truncate_jsonl_after(path: Path, step: int) -> None:
                 break
             offset += len(line)
         f.truncate(offset)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def attempt_write(write) -> str:
+    """Run a checkpoint write; '' on success, else the error as one line (any exception: a
+    collective writer may wrap the OSError of another rank)."""
+    try:
+        write()
+    except Exception as exc:  # noqa: BLE001 - reported to every rank, then raised as CheckpointWriteError
+        return f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+    return ""

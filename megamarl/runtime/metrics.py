@@ -11,15 +11,13 @@ to ``<run_dir>/eval.json``, a JSON list rewritten atomically after each ``log_ev
 never sees a half-written file. wandb keeps its files in ``<run_dir>/wandb``; ``offline`` and
 ``disabled`` never need an account (``logger.wandb.mode=online`` uploads).
 
-Metric names (one wandb panel per prefix, one curve per agent/policy):
+Metric names (one wandb panel per prefix, one curve per agent/policy); docs/metrics.md is the
+table of every key, checked against a real run by tests/integration/test_tictactoe.py:
 
-- ``agent/<name>/reward_mean``, ``agent/<name>/success``, ``agent/<name>/response_len``,
-  ``agent/<name>/pg_loss`` (and any other per-agent value: ``agent/<name>/<metric>``);
-- global loss statistics ``kl``, ``entropy``, ``clip_frac``, ``invalid_rate``;
-- ``policy/<name>/grad_norm``, ``policy/<name>/lr``, ``policy/<name>/loss`` (per worker group);
-- ``timing/rollout_s``, ``timing/logprob_s``, ``timing/update_s``, ``timing/weight_sync_s``,
-  ``timing/idle_s``, ``timing/step_s`` (see ``Timer``);
-- ``rollout/...`` (episodes, tokens/s, dropped/stale counts), ``eval/...`` (evaluation results).
+- ``agent/<role>/*`` (reward and advantage statistics, own success, response length and clip
+  ratio, invalid rate), ``policy/<policy>/*`` (loss statistics, grad norm, lr; per worker group);
+- ``perf/*`` (throughput, peak memory per worker group), ``timing_s/<section>`` (seconds, like
+  verl; see ``Timer``), ``weight_sync/<policy>/*``, ``rollout/*``, ``async/*``, ``eval/*``.
 """
 
 from __future__ import annotations
@@ -101,18 +99,23 @@ class MetricsLogger:
         if self._wandb_run is not None:
             self._wandb_run.log({k: v for k, v in values.items() if v is not None}, step=int(step))
 
-    def log_eval(self, step: int, results: Mapping[str, Any]) -> None:
-        """Add ``{"step", "time", "results"}`` to eval.json (rewritten atomically) and to wandb."""
+    def log_eval(self, step: int, results: Mapping[str, Any], *, failure: str | None = None) -> None:
+        """Add ``{"step", "time", "results"}`` to eval.json (rewritten atomically) and to wandb.
+        ``failure``: the set could not be evaluated (every episode failed); the entry gets
+        ``"failed": true`` and ``"error"`` (the first traceback), and wandb gets no scores."""
         if not self.is_writer:
             return
         path = self.run_dir / EVAL_FILE
         entries = read_eval(self.run_dir)
         values = {key: _to_float(value) for key, value in results.items()}
-        entries.append({"step": int(step), "time": round(time.time(), 3), "results": values})
+        entry = {"step": int(step), "time": round(time.time(), 3), "results": values}
+        if failure is not None:
+            entry.update(failed=True, error=failure)
+        entries.append(entry)
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_text(json.dumps(entries, indent=1), encoding="utf-8")
         os.replace(tmp, path)  # atomic on POSIX: readers see the old or the new list, never half
-        if self._wandb_run is not None:
+        if self._wandb_run is not None and failure is None:
             prefixed = {k if k.startswith("eval/") else f"eval/{k}": v for k, v in values.items()}
             self._wandb_run.log({k: v for k, v in prefixed.items() if v is not None}, step=int(step))
 
@@ -213,9 +216,9 @@ def agent_metrics(per_agent: Mapping[str, Mapping[str, Sequence[float]]]) -> dic
 
 
 class Timer:
-    """Wall-clock sections of a step, reported as ``timing/<name>_s``; repeated sections add up.
+    """Wall-clock sections of a step, reported as ``timing_s/<name>``; repeated sections add up.
 
-    ``with timer("step"):`` around the whole step also yields ``timing/idle_s`` = step minus the
+    ``with timer("step"):`` around the whole step also yields ``timing_s/idle`` = step minus the
     other sections (the time no named section accounts for), unless ``idle`` was timed explicitly.
     On CUDA the device is synchronized at the end of a section, so GPU work is charged to the
     section that queued it.
@@ -237,10 +240,10 @@ class Timer:
         self._totals[name] = self._totals.get(name, 0.0) + seconds
 
     def metrics(self) -> dict[str, float]:
-        out = {f"timing/{name}_s": seconds for name, seconds in self._totals.items()}
+        out = {f"timing_s/{name}": seconds for name, seconds in self._totals.items()}
         if "step" in self._totals and "idle" not in self._totals:
             accounted = sum(s for name, s in self._totals.items() if name != "step")
-            out["timing/idle_s"] = max(0.0, self._totals["step"] - accounted)
+            out["timing_s/idle"] = max(0.0, self._totals["step"] - accounted)
         return out
 
     def pop(self) -> dict[str, float]:

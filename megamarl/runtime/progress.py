@@ -3,8 +3,8 @@
 ``RunProgress`` knows the run's steps and the current *phase* (model preparation, engine start-up,
 rollout, eval, training, weight sync, checkpoint). On a terminal (``logger.progress`` on and stdout a
 TTY) it draws a rich live display: the run's step N/total with its ETA, and the phase's bar with
-episodes (or micro-batches) done/total and generated tokens/s. Without a terminal (Slurm and CI logs)
-it prints exactly one line when a phase ends, e.g.::
+episodes (or micro-batches) done/total and generated tokens/s; per-step and eval summaries print
+above it. Without a terminal (Slurm and CI logs) it prints exactly one line when a phase ends, e.g.::
 
     [megamarl] step 3/20 rollout: 64/64 episodes, 1843 tokens in 5.2 s (354 tokens/s) | ETA 4m10s
 
@@ -137,7 +137,7 @@ class RunProgress:
             if self._bars is not None:
                 self._bars.remove_task(self._phase_task)
                 self._phase_task = None
-            if self.enabled:
+            if self.enabled and not self.live:  # on a terminal the live bars replace these lines
                 eta = f" | {self._eta_text()}" if self.step_seconds else ""
                 self.line(f"{label}: {phase.summary()}{eta}")
 

@@ -33,13 +33,13 @@ def _loss_cfg():
     return LossConfig(clip_low=0.2, clip_high=0.28, entropy_coef=0.01, tis_mode="token", tis_cap=2.0)
 
 
-def _reference_grads(model_dir):
+def _reference_grads(model_dir, batch=None):
     from transformers import AutoModelForCausalLM
 
     from megamarl.rl.losses import policy_loss
     from megamarl.rl.vocab_parallel import vocab_parallel_logprobs
 
-    batch = _batch()
+    batch = _batch() if batch is None else batch
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     logits = model(batch.tokens, attention_mask=batch.attention_mask.long()).logits
     logprobs, entropy = vocab_parallel_logprobs(logits, batch.tokens)
@@ -283,3 +283,43 @@ def test_gae_critic_gradients_equal_single_process_reference(tmp_path):
     assert results[1]["pp2_head"] < 1e-6 and "pp2_head" not in results[0]  # head lives on the last stage
     for layout in ("tp2", "dp2"):
         assert max(r[layout + "_head"] for r in results) < 1e-6, results
+
+
+# ---- a policy batch with fewer rows than DP ranks (issue #16 item 7) -------------------------------
+
+def _one_row_body(rank, model_dir):
+    from megamarl.config import PolicyConfig
+    from megamarl.models.bridge import export_hf_grads
+    from megamarl.parallel.placement import PlacementConfig, WorkerGroupLayout, build_worker_groups
+    from megamarl.runtime.checkpoint import load_policy_model
+    from megamarl.rl.losses import loss_counts
+    from megamarl.rl.worker import PolicyWorker
+
+    wg = build_worker_groups(PlacementConfig({"dp2": WorkerGroupLayout(ranks=[0, 1])}))["dp2"]
+    batch = _batch().select([1])  # one row for two DP ranks
+    policy = PolicyConfig(model=str(model_dir), micro_batch_size=2, lr=1e-3, grad_clip=0.0)
+    worker = PolicyWorker("dp2", policy, wg, load_policy_model(policy, wg, seed=0), _loss_cfg())
+    part = worker.my_part(batch)
+    worker.backward(part, None, loss_counts(batch.response_mask))  # rank 1 used to skip this and hang rank 0
+    grads = dict(export_hf_grads(worker.model, wg))
+    reference = _reference_grads(model_dir, batch)
+    metrics = worker.train_step(batch)  # the whole update, optimizer step included
+    return {
+        "rows": part.num_samples, "response_tokens": int(part.response_mask.sum()),
+        "diff": max((grads[n] - reference[n]).abs().max().item() for n in grads),
+        "metrics": sorted(metrics), "weights": float(sum(t.double().sum() for _, t in worker.export())),
+    }
+
+
+def test_one_row_batch_at_dp2_every_rank_takes_part(tmp_path):
+    """Rank 1's share is empty: it runs a zero-weight stand-in row (no response tokens), joins the DP
+    gradient all-reduce, and both ranks end with the 1-row batch's exact gradient and the same weights."""
+    from megamarl.models.tiny import save_tiny_model
+
+    model_dir = save_tiny_model(tmp_path / "tiny", "llama", seed=0)
+    results = run_ranks(_one_row_body, 2, str(model_dir), timeout_s=120)
+    assert [(r["rows"], r["response_tokens"] > 0) for r in results] == [(1, True), (1, False)]
+    assert all(r["diff"] < 1e-5 for r in results), [r["diff"] for r in results]
+    assert results[0]["weights"] == results[1]["weights"]
+    assert "pg_loss" in results[0]["metrics"] and "pg_loss" not in results[1]["metrics"]  # stand-in: no loss terms
+    assert "grad_norm" in results[1]["metrics"]

@@ -35,7 +35,7 @@ OVERRIDES = (
 
 def _volatile(key: str) -> bool:
     """Wall-clock values (durations, rates, idle ratios) differ between any two runs."""
-    if key in ("time", "elapsed_s") or key.startswith(("timing/", "weight_sync/")):
+    if key in ("time", "elapsed_s") or key.startswith(("timing_s/", "weight_sync/", "perf/")):
         return True
     return key.endswith(("_s", "_ratio"))
 

@@ -50,10 +50,30 @@ def test_the_base_config_loads():
         (["env.kwargs.board=8"], "env.kwargs"),  # a keyword the env's config does not take
         (["orchestra.kwargs.rounds=3"], "orchestra.kwargs"),
         (["agents.receiver.policy=critic"], "agents.receiver.policy"),  # a policy that is not defined
+        (["algorithm.std_ddof=2"], "algorithm.std_ddof"),
+        (["algorithm.max_refill_rounds=2"], "algorithm.max_refill_rounds"),  # without dynamic_sampling
+        (["algorithm.dynamic_sampling=true", "algorithm.max_refill_rounds=2", "trainer.mode=fully_async"],
+         "algorithm.max_refill_rounds"),
+        (["eval.env.name=chess"], "eval.env.name"),
+        (["eval.sets.b.kwargs.board=8"], "eval.sets.b.kwargs"),
+        (["eval.sets.b.name=math", "eval.sets.b.kwargs.dataset_path=/nonexistent.jsonl"], "eval.sets.b.kwargs"),
+        (["eval.env.kwargs.terse=true", "eval.sets.b.name=signalling"], "eval.env and eval.sets"),
     ],
 )
 def test_error_names_the_key(overrides, key):
     assert key in _error(overrides)
+
+
+def test_eval_sets_resolve_against_the_training_env():
+    cfg = load_config(CONFIG, [])
+    assert cfg.eval.resolved_sets(cfg.env) == {"": cfg.env}  # default: the training env, unnamed
+    cfg = load_config(CONFIG, ["eval.env.kwargs.num_symbols=10"])
+    only = cfg.eval.resolved_sets(cfg.env)[""]
+    assert (only.name, only.kwargs) == ("signalling", {"num_symbols": 10})
+    cfg = load_config(CONFIG, ["eval.sets.same.name=signalling", "eval.sets.other.kwargs.terse=false"])
+    sets = cfg.eval.resolved_sets(cfg.env)
+    assert sets["same"].kwargs == cfg.env.kwargs  # the training env's name: its kwargs too
+    assert (sets["other"].name, sets["other"].kwargs) == ("signalling", {"terse": False})
 
 
 @pytest.mark.parametrize(

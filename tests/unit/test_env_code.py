@@ -29,7 +29,7 @@ def test_generated_references_pass_hidden_tests():
     maker = EnvMaker("code")
     for task in maker.tasks(len(PROBLEM_KINDS), seed=5):
         env = maker(task)
-        assert env._hidden(task.payload.reference)
+        assert env._hidden(task.payload.reference).all_passed
 
 
 @pytest.mark.parametrize(

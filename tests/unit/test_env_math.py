@@ -5,11 +5,13 @@ import json
 import re
 
 import pytest
+import torch
 
 from megamarl.orchestration import AgentConfig, EnvMaker, build_agents, build_orchestra, run_episodes
 from megamarl.orchestration.agents import last_number, verdict
 from megamarl.orchestration.envs.math import PROBLEM_KINDS, load_jsonl
 from megamarl.orchestration.testing import ScriptedEngine, smollm2_tokenizer
+from megamarl.rl.batch import collate
 
 
 @pytest.fixture(scope="module")
@@ -56,6 +58,28 @@ def test_jsonl_loader(tmp_path):
     path.write_text(json.dumps({"question": "x"}) + "\n")
     with pytest.raises(ValueError, match="question' and 'answer"):
         load_jsonl(path)
+
+
+def test_file_tasks_unique_within_a_chunk_item8(tmp_path, tok):
+    # issue #16 item 8: 3 problems, a chunk of 7 tasks. Each pass draws every problem once (a seeded
+    # permutation); repeats get their own task ids, so their episodes form groups of their own.
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps({"question": f"What is {i} + 1?", "answer": i + 1}) + "\n" for i in range(3)))
+    maker = EnvMaker("math", dataset_path=str(path), with_verifier=False)
+    tasks = maker.tasks(7, seed=0)
+    ids = [t.task_id for t in tasks]
+    assert len(set(ids)) == 7, ids
+    answers = [t.payload.answer for t in tasks]
+    assert sorted(answers[:3]) == sorted(answers[3:6]) == [1.0, 2.0, 3.0]  # no repeat before all are drawn
+    assert [i.split(".")[-1] for i in ids[3:]] == ["1", "1", "1", "2"] and "." not in "".join(ids[:3])
+    assert maker.tasks(7, seed=0) == tasks and maker.tasks(3, seed=0) == tasks[:3]
+    # through rollout and collate: 7 task groups of group_size episodes, 14 distinct episodes
+    agents = build_agents({"solver": AgentConfig()}, tok, default_kinds=maker.default_agents)
+    result = asyncio.run(run_episodes(build_orchestra("solve_verify"), maker, tasks, agents=agents, group_size=2,
+                                      engines={"default": ScriptedEngine(tok, _right_solver)}))
+    batch = collate(result.samples, pad_id=0)
+    assert len(batch.vocab["task"]) == 7 and len(batch.vocab["episode"]) == 14
+    assert torch.bincount(batch.task).tolist() == [2] * 7
 
 
 def _rollout(tok, policy, *, num_tasks=4, max_loops=3, with_verifier=True):

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from megamarl.rl.losses import (
-    LOSS_AGGREGATIONS, LossConfig, entropy_from_logits, kl_penalty, policy_loss, ppo_clip_loss, tis_weights,
-    token_logprobs,
+    KL_K3_CLAMP, LOSS_AGGREGATIONS, LossConfig, entropy_from_logits, kl_k3, kl_penalty, loss_counts, policy_loss,
+    ppo_clip_loss, tis_weights, token_logprobs,
 )
 
 NAN = float("nan")
@@ -112,6 +112,38 @@ def _policy_inputs():
     lp = torch.tensor([[ln(1.5), ln(0.5)], [ln(4), NAN]], requires_grad=True)
     mask = torch.tensor([[1, 1], [1, 0]], dtype=torch.bool)
     return lp, mask, torch.tensor([1.0, -1.0]), torch.zeros(2, 2)
+
+
+def test_k3_clamped_item4():
+    # issue #16 item 4: d = log pi - log pi_ref = -15 gave exp(15) - 1 - 15 = 3269001.37 as loss and
+    # 1 - exp(15) as gradient; clamped like verl: loss 10, gradient 0. d = -1 is untouched: e - 2, 1 - e.
+    lp = torch.tensor([-15.0, -1.0, 0.0], requires_grad=True)
+    ref = torch.zeros(3)
+    k3 = kl_k3(lp, ref)
+    assert KL_K3_CLAMP == 10.0
+    close(k3, [10.0, math.e - 2, 0.0])
+    k3.sum().backward()
+    close(lp.grad, [0.0, 1 - math.e, 0.0])
+    unclamped = math.exp(15) - 1 - 15
+    assert abs(unclamped - 3269001.37) < 0.01  # what the loss was before
+    mask = torch.ones(1, 3, dtype=torch.bool)
+    close(kl_penalty(lp[None].detach(), ref[None], mask, kind="k3"), [[10.0, math.e - 2, 0.0]])
+
+
+def test_seq_mean_counts_skip_rows_without_response_item6():
+    # issue #16 item 6: 4 rows, the last with no response token. Per-row token means .3, .2, .1:
+    # seq-mean-token-mean = .6 / 3 = .2 (verl); dividing by all 4 rows gave .15.
+    loss = torch.tensor([[0.3, 0.3, 0.0], [0.2, 0.0, 0.0], [0.1, 0.1, 0.1], [9.0, 9.0, 9.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0], [1, 1, 1], [0, 0, 0]], dtype=torch.bool)
+    counts = loss_counts(mask)
+    assert counts == dict(num_tokens=6, num_seqs=3)
+    close(LOSS_AGGREGATIONS.get("seq-mean-token-mean")(loss, mask, **counts), 0.2)
+    close(LOSS_AGGREGATIONS.get("seq-mean-token-mean")(loss, mask, num_tokens=6, num_seqs=4), 0.15)
+    # token sums .6, .2, .3 -> 1.1 / 3
+    close(LOSS_AGGREGATIONS.get("seq-mean-token-sum")(loss, mask, **counts), 1.1 / 3)
+    # the micro-batch split with the global counts adds up to the same value
+    halves = sum(LOSS_AGGREGATIONS.get("seq-mean-token-mean")(loss[r], mask[r], **counts) for r in ([0, 3], [1, 2]))
+    close(halves, 0.2)
 
 
 def test_policy_loss_ppo_only():

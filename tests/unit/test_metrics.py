@@ -100,12 +100,12 @@ def test_timer_accumulates_and_derives_idle():
     timer.add("update", 4.0)
     timer.add("step", 10.0)
     assert timer.pop() == {
-        "timing/rollout_s": 3.0, "timing/update_s": 4.0, "timing/step_s": 10.0, "timing/idle_s": 3.0
+        "timing_s/rollout": 3.0, "timing_s/update": 4.0, "timing_s/step": 10.0, "timing_s/idle": 3.0
     }
     assert timer.pop() == {}
     with timer("weight_sync"):
         pass
-    assert set(timer.metrics()) == {"timing/weight_sync_s"} and timer.metrics()["timing/weight_sync_s"] >= 0
+    assert set(timer.metrics()) == {"timing_s/weight_sync"} and timer.metrics()["timing_s/weight_sync"] >= 0
 
 
 def test_progress_is_silent_without_a_tty(capsys):

@@ -54,3 +54,28 @@ def test_logit_window_equals_full_logits_from_its_offset_on():
     torch.testing.assert_close(ent[:, offset + 1 :], full_ent[:, offset + 1 :], atol=0, rtol=0)
     assert (lp[:, : offset + 1] == 0).all() and torch.equal(lp * response, full_lp * response)
     assert first_logit_position(torch.zeros(2, 5, dtype=torch.bool)) == 0
+
+
+def test_temperature_scaled_in_fp32_item9():
+    # issue #16 item 9: bf16 logits at T=0.7. The reference scales the *same* bf16 values in fp64.
+    # Dividing in bf16 rounds every scaled logit to 8 mantissa bits: tens of millinats of logprob error;
+    # scale_logits divides in fp32: the error is fp32 round-off.
+    from megamarl.rl.vocab_parallel import scale_logits
+
+    torch.manual_seed(0)
+    logits = (torch.randn(4, 16, 512) * 4).to(torch.bfloat16)
+    tokens = torch.randint(0, 512, (4, 16))
+    temperatures = (0.7, 0.7, 0.7, 0.7)
+    reference, _ = _reference(logits.double() / 0.7, tokens)
+    scaled = scale_logits(logits, temperatures)
+    assert scaled.dtype == torch.float32
+    lp, _ = vocab_parallel_logprobs(scaled, tokens)
+    err = (lp.double() - reference).abs()
+    assert err.max() < 2e-5, err.max()
+    bf16_lp, _ = vocab_parallel_logprobs(logits / torch.tensor(0.7, dtype=torch.bfloat16), tokens)
+    bf16_err = (bf16_lp.double() - reference).abs()
+    assert bf16_err.mean() > 0.01 and bf16_err.max() > 0.05, (bf16_err.mean(), bf16_err.max())
+    # per-row temperatures; all 1.0 only upcasts
+    rows = scale_logits(logits[:2], (0.5, 2.0))
+    torch.testing.assert_close(rows, torch.stack([logits[0].float() * 2, logits[1].float() / 2]))
+    assert torch.equal(scale_logits(logits, (1.0,) * 4), logits.float())

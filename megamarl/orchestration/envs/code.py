@@ -1,37 +1,106 @@
 """Code: a coder writes a Python function, a unit-tester writes assert-based tests for it.
 
 Tasks are small function specs with parameters drawn from a seed (e.g. "return x * 7"), each
-with a reference solution and hidden tests. All candidate code runs in ``sandbox.run_python``
-(subprocess, rlimits, audit hook, no network), and the env declares ``remote_step`` so the
-driver runs its steps in an env worker.
+with a reference solution and hidden tests, or problems from a JSONL file (``env.dataset``, see
+``load_problems``: function-call tests or APPS/CodeContests-style stdin/stdout tests). Candidate
+code is scored by ``judge`` (candidate in the sandbox, expected values and verdicts outside, one
+verdict per test case), and the env declares ``remote_step`` so the driver runs its steps in an
+env worker.
 
 Transitions (use with the ``solve_verify`` orchestra, solver=coder, verifier=tester):
-* coder step: keep the code; run it with the hidden tests -> ``hidden_pass``.
-* tester step: run the tester's tests against the coder's code (``tests_pass``) and against the
+* coder step: keep the code; judge it on the hidden tests -> ``hidden_fraction``, ``hidden_pass``.
+* tester step: judge the tester's asserts (``assert f(x) == 3``; for stdin/stdout problems
+  ``assert run("1 2") == "3"``) against the coder's code (``tests_pass``) and against the
   reference solution (``tests_valid``). If ``tests_pass`` the episode is done (approved);
-  otherwise the failure output is shown to the coder next turn.
+  otherwise the first failure is shown to the coder next turn.
 
-Rewards: team = 1 if the latest code passes the hidden tests. Tester local reward = 1 if its
-tests are valid (pass on the reference) and agree with the hidden tests about the coder's code
-(pass iff hidden tests pass), else 0. Coder local reward = ``hidden_pass``; it is also the
-tree-sampling check fn for the coder.
+Rewards: team = 1 if the latest code passes every hidden test. Tester local reward = 1 if its
+tests are valid (pass on the reference; without a reference, any parseable tests) and agree with
+the hidden tests about the coder's code (pass iff all hidden tests pass), else 0. Coder local
+reward = fraction of hidden tests passed; it is also the tree-sampling check fn for the coder.
 """
 
 from __future__ import annotations
 
+import ast
+import json
 import random
 from dataclasses import dataclass, field
 
 from megamarl.orchestration.agents import AGENTS, Agent, code_block
 from megamarl.orchestration.env import ENVS, Env, EnvConfig, StepResult, Task
-from megamarl.orchestration.sandbox import SandboxConfig, run_python
+from megamarl.orchestration.judge import (
+    ExprCase, StdioCase, Verdict, call_case, judge_calls, judge_stdio, parse_assert_tests,
+)
+from megamarl.orchestration.sandbox import SandboxConfig
 
 
 @dataclass(frozen=True)
 class CodeProblem:
+    """``hidden_tests``: assert statements (their expected literals stay in the judge) or, for
+    dataset problems, ready ``cases``. ``stdio``: the cases are StdioCase (whole programs)."""
+
     spec: str
-    reference: str
-    hidden_tests: str
+    reference: str | None
+    hidden_tests: str = ""
+    cases: tuple[ExprCase | StdioCase, ...] = ()
+    stdio: bool = False
+
+    def hidden_cases(self) -> tuple[list[str], list]:
+        return ([], list(self.cases)) if self.cases else parse_assert_tests(self.hidden_tests)
+
+
+def load_problems(path: str) -> list[CodeProblem]:
+    """A JSONL file, one problem a line, in either form:
+
+    * ``{"spec": str, "fn_name": str, "tests": [{"input": [args...], "output": value}, ...],
+      "reference": str?}``: function-call tests;
+    * ``{"spec": str, "tests": [{"input": "stdin text", "output": "stdout text"}, ...]}``:
+      stdin/stdout tests (no ``fn_name``);
+    * APPS style: ``{"question": str, "input_output": {"inputs": [...], "outputs": [...],
+      "fn_name": str?}, "solutions": [str, ...]?}`` (solutions may be a JSON-encoded list).
+    """
+    problems = []
+    with open(path) as f:
+        for line_no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"{path}:{line_no}"
+            try:
+                row = json.loads(line)
+                problems.append(_problem_from_row(row))
+            except (ValueError, KeyError, TypeError) as exc:
+                raise ValueError(f"env.dataset {where}: {exc}") from None
+    if not problems:
+        raise ValueError(f"env.dataset {path}: no problems")
+    return problems
+
+
+def _problem_from_row(row: dict) -> CodeProblem:
+    if "input_output" in row:  # APPS
+        io_spec = row["input_output"]
+        io_spec = json.loads(io_spec) if isinstance(io_spec, str) else io_spec
+        tests = [{"input": i, "output": o} for i, o in zip(io_spec["inputs"], io_spec["outputs"], strict=True)]
+        solutions = row.get("solutions") or []
+        solutions = json.loads(solutions) if isinstance(solutions, str) else solutions
+        row = {"spec": row["question"], "fn_name": io_spec.get("fn_name"), "tests": tests,
+               "reference": solutions[0] if solutions else None}
+    fn_name, tests = row.get("fn_name"), row["tests"]
+    if not tests:
+        raise ValueError("no tests")
+    if fn_name:
+        cases = tuple(call_case(fn_name, list(t["input"]), t["output"]) for t in tests)
+    else:
+        cases = tuple(StdioCase(_text(t["input"]), _text(t["output"])) for t in tests)
+    return CodeProblem(str(row["spec"]), row.get("reference"), cases=cases, stdio=not fn_name)
+
+
+def _text(value) -> str:
+    if isinstance(value, list):  # APPS sometimes stores stdin/stdout as a list of lines
+        return "\n".join(map(str, value))
+    if not isinstance(value, str):
+        raise TypeError(f"stdin/stdout tests need text, got {type(value).__name__}")
+    return value
 
 
 def _scale(rng: random.Random) -> CodeProblem:
@@ -79,6 +148,7 @@ PROBLEM_KINDS = {"scale": _scale, "count_above": _count_above, "repeat": _repeat
 @dataclass
 class CodeConfig(EnvConfig):
     kinds: tuple[str, ...] = tuple(PROBLEM_KINDS)
+    dataset: str | None = None  # JSONL of problems (load_problems); replaces the generated kinds
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
 
     def __post_init__(self) -> None:
@@ -86,6 +156,10 @@ class CodeConfig(EnvConfig):
         bad = [k for k in self.kinds if k not in PROBLEM_KINDS]
         if bad or not self.kinds:
             raise ValueError(f"env.kinds has {bad or 'nothing'}; allowed: {sorted(PROBLEM_KINDS)}")
+        if isinstance(self.sandbox, dict):
+            self.sandbox = SandboxConfig(**self.sandbox)
+        if self.dataset is not None:
+            load_problems(self.dataset)  # a bad file fails at load time, naming env.dataset
 
 
 @AGENTS.register("coder")
@@ -117,47 +191,78 @@ class CodeEnv(Env):
         super().__init__(task, config)
         self.problem: CodeProblem = task.payload
         self.code: str | None = None
+        self.hidden_fraction = 0.0
         self.hidden_pass = False
         self.feedback = ""
 
     @classmethod
     def generate_tasks(cls, config: CodeConfig, *, num_tasks: int, seed: int) -> list[Task]:
         rng = random.Random(seed)
+        if config.dataset is not None:
+            problems = load_problems(config.dataset)
+            order = rng.sample(range(len(problems)), len(problems))
+            return [Task(f"code-{seed}-{i}", problems[order[i % len(order)]]) for i in range(num_tasks)]
         return [
             Task(f"code-{seed}-{i}", PROBLEM_KINDS[config.kinds[i % len(config.kinds)]](rng))
             for i in range(num_tasks)
         ]
 
-    def _run(self, program: str) -> tuple[bool, str]:
-        result = run_python(program, self.config.sandbox)
-        return result.ok, (result.stderr.strip().splitlines() or [result.status])[-1]
+    def _judge(self, code: str, setup: list[str], cases: list) -> Verdict:
+        if self.problem.stdio:
+            return judge_stdio(code, cases, self.config.sandbox)
+        return judge_calls(code, cases, self.config.sandbox, setup=setup)
 
-    def _hidden(self, code: str) -> bool:
-        return self._run(f"{code}\n\n{self.problem.hidden_tests}")[0]
+    def _hidden(self, code: str) -> Verdict:
+        return self._judge(code, *self.problem.hidden_cases())
+
+    def _tester_cases(self, tests: str) -> tuple[list[str], list]:
+        """The tester's asserts as judge cases; raises for anything that is not a test list."""
+        if not self.problem.stdio:
+            return parse_assert_tests(tests)
+        cases = []  # ``assert run("<stdin>") == "<stdout>"`` per line
+        for node in ast.parse(tests).body:
+            test = getattr(node, "test", None)
+            if not (isinstance(test, ast.Compare) and isinstance(test.left, ast.Call)
+                    and getattr(test.left.func, "id", "") == "run" and len(test.left.args) == 1):
+                raise ValueError("stdin/stdout tests are lines `assert run('<input>') == '<output>'`")
+            stdin, stdout = ast.literal_eval(test.left.args[0]), ast.literal_eval(test.comparators[0])
+            cases.append(StdioCase(str(stdin), str(stdout)))
+        if not cases:
+            raise ValueError("no assert statements")
+        return [], cases
 
     def observe(self, agent: str) -> str:
         if agent == "coder":
             failed = f"\nYour previous code failed a test: {self.feedback}" if self.feedback else ""
             return self.problem.spec + failed
         code = self.code or ""
-        return f"{self.problem.spec}\nThe candidate code:\n```python\n{code}```\nWrite tests for it."
+        form = " as lines `assert run('<stdin>') == '<expected stdout>'`" if self.problem.stdio else ""
+        return f"{self.problem.spec}\nThe candidate code:\n```python\n{code}```\nWrite tests for it{form}."
 
     def step(self, agent: str, action) -> StepResult:
         if agent == "coder":
             self.code = action.value if action.valid else ""
-            self.hidden_pass = bool(action.valid) and self._hidden(self.code)
-            return StepResult(local_reward=float(self.hidden_pass))
+            verdict = self._hidden(self.code) if action.valid else None
+            self.hidden_fraction = verdict.fraction if verdict else 0.0
+            self.hidden_pass = bool(verdict and verdict.all_passed)
+            return StepResult(local_reward=self.hidden_fraction)
         if not action.valid:
             return StepResult(local_reward=0.0, feedback="invalid tests")
-        tests_pass, message = self._run(f"{self.code or ''}\n\n{action.value}")
-        tests_valid, _ = self._run(f"{self.problem.reference}\n\n{action.value}")
-        self.feedback = "" if tests_pass else message
+        try:
+            setup, cases = self._tester_cases(action.value)
+        except (SyntaxError, ValueError, TypeError) as exc:
+            return StepResult(local_reward=0.0, feedback=f"invalid tests: {exc}")
+        on_code = self._judge(self.code or "", setup, cases)
+        tests_pass = on_code.all_passed
+        reference = self.problem.reference
+        tests_valid = reference is None or self._judge(reference, setup, cases).all_passed
+        self.feedback = "" if tests_pass else on_code.first_failure
         self.done = tests_pass
         return StepResult(local_reward=float(tests_valid and tests_pass == self.hidden_pass))
 
     def score(self, agent: str, action) -> float | None:
         if agent == "coder":
-            return float(bool(action.valid) and self._hidden(action.value))
+            return self._hidden(action.value).fraction if action.valid else 0.0
         return None
 
     def team_reward(self) -> float:

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Callable
 
 from megamarl.orchestration.agents import AGENTS, Agent, last_number, verdict
-from megamarl.orchestration.env import ENVS, Env, EnvConfig, StepResult, Task
+from megamarl.orchestration.env import ENVS, Env, EnvConfig, StepResult, Task, draw_from_dataset
 
 
 @dataclass(frozen=True)
@@ -140,10 +140,8 @@ class MathEnv(Env):
     def generate_tasks(cls, config: MathConfig, *, num_tasks: int, seed: int) -> list[Task]:
         if config.dataset_path is not None:
             problems = load_jsonl(config.dataset_path)
-            order = list(range(len(problems)))
-            random.Random(seed).shuffle(order)
-            picks = [order[i % len(order)] for i in range(num_tasks)]
-            return [Task(f"math-file-{j}", problems[j]) for j in picks]
+            picks = draw_from_dataset(len(problems), num_tasks, seed=seed, prefix="math-file")
+            return [Task(task_id, problems[j]) for j, task_id in picks]
         rng = random.Random(seed)
         tasks = []
         for i in range(num_tasks):

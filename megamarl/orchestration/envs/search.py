@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megamarl.orchestration.agents import AGENTS, Agent
-from megamarl.orchestration.env import ENVS, Env, EnvConfig, StepResult, Task
+from megamarl.orchestration.env import ENVS, Env, EnvConfig, StepResult, Task, draw_from_dataset
 
 _SYLLABLES = (
     "ve", "lo", "ri", "ma", "nos", "ta", "ke", "dru", "sa", "lin", "mor", "ga", "thi", "bel", "qua", "zen",
@@ -165,10 +165,8 @@ class SearchQAEnv(Env):
     @classmethod
     def generate_tasks(cls, config: SearchConfig, *, num_tasks: int, seed: int) -> list[Task]:
         _, items = config.corpus()
-        order = list(range(len(items)))
-        random.Random(seed).shuffle(order)
-        picks = [order[i % len(order)] for i in range(num_tasks)]
-        return [Task(f"search-{j}", items[j]) for j in picks]
+        picks = draw_from_dataset(len(items), num_tasks, seed=seed, prefix="search")
+        return [Task(task_id, items[j]) for j, task_id in picks]
 
     def _evidence_text(self) -> str:
         if not self.evidence:

@@ -1,0 +1,223 @@
+"""Code judge: the candidate runs in the sandbox, the verdict is computed outside it.
+
+A common reward for code RL is "exit code 0 of candidate + tests in one program". That is
+reward-hackable: ``os._exit(0)`` or ``raise SystemExit(0)`` before the tests passes them all, and
+a candidate that can read its working directory can read the expected values. Here, as in
+code-RL judges (APPS/CodeContests runners, LiveCodeBench), the sandbox only *observes*:
+
+* **Function-call cases** (``ExprCase``: a Python expression such as ``scale(3)``, or a function
+  name and JSON arguments from a dataset): one sandboxed process loads the candidate, evaluates
+  each expression and writes ``{"i": index, "value": <JSON>}`` records on a channel fd (an
+  anonymous file, separate from stdout, so prints cannot mix with results). The expected values
+  stay in the judge process and are compared here, after a JSON round trip on both sides, so a
+  returned object cannot fool the comparison with ``__eq__`` (it is not JSON and fails) and
+  prints, exit codes and patched builtins carry no verdict.
+* **stdin/stdout cases** (``StdioCase``): one sandboxed process per case with the case's input on
+  stdin; the captured stdout is compared here with the expected output (trailing whitespace per
+  line ignored).
+
+Each case is scored on its own: ``Verdict.fraction`` (passed / total) is the local reward and
+``Verdict.all_passed`` the success. Code in the sandbox can still write fake records on the
+channel fd (it is in its own process), but a record carries only a value for an input, so a
+forged record scores only if it holds the correct output, which is what solving the problem
+means; a case reported twice is treated as forged and the whole run scores 0.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import math
+from dataclasses import dataclass, field
+
+from megamarl.orchestration.sandbox import SandboxConfig, run_python
+
+NO_EXPECTED = object()  # an ExprCase whose expression must evaluate to True (``assert expr``)
+
+# Runs inside the sandbox as main.py. It binds everything it needs before the candidate runs, so
+# a candidate that patches builtins/json/os can only corrupt its own records (scoring 0).
+_HARNESS = r'''
+def _harness(fd, write, dumps, loads, evaluate, compile_, exc_base, stdin):
+    request = loads(stdin.read())
+    import io, sys
+    sys.stdin = io.StringIO("")
+
+    def emit(record):
+        write(fd, (dumps(record) + "\n").encode())
+
+    namespace = {"__name__": "candidate", "__builtins__": __builtins__}
+    try:
+        exec(compile_(request["code"], "candidate.py", "exec"), namespace)
+        for statement in request["setup"]:
+            exec(compile_(statement, "tests.py", "exec"), namespace)
+    except exc_base as exc:
+        emit({"load_error": f"{type(exc).__name__}: {exc}"[:300]})
+        return
+    for i, expr in enumerate(request["exprs"]):
+        try:
+            value = evaluate(compile_(expr, f"case{i}", "eval"), namespace)
+            text = dumps(value, allow_nan=False)  # custom objects raise: only plain data counts
+        except exc_base as exc:
+            emit({"i": i, "error": f"{type(exc).__name__}: {exc}"[:300]})
+            continue
+        emit({"i": i, "value": text})
+
+import json as _json, os as _os, sys as _sys
+_harness(__channel__, _os.write, _json.dumps, _json.loads, eval, compile, BaseException, _sys.stdin)
+'''
+
+
+@dataclass(frozen=True)
+class ExprCase:
+    """Evaluate ``expr`` in the candidate's namespace; pass iff it equals ``expected`` (a JSON
+    value; ``NO_EXPECTED`` means "is True")."""
+
+    expr: str
+    expected: object = NO_EXPECTED
+
+
+@dataclass(frozen=True)
+class StdioCase:
+    """Run the candidate as a program with ``stdin``; pass iff its stdout matches ``stdout``."""
+
+    stdin: str
+    stdout: str
+
+
+@dataclass
+class Verdict:
+    passed: list[bool]
+    messages: list[str] = field(default_factory=list)  # one per failed case, for feedback
+
+    @property
+    def fraction(self) -> float:
+        return sum(self.passed) / len(self.passed) if self.passed else 0.0
+
+    @property
+    def all_passed(self) -> bool:
+        return bool(self.passed) and all(self.passed)
+
+    @property
+    def first_failure(self) -> str:
+        return self.messages[0] if self.messages else ""
+
+
+def same_value(got, want) -> bool:
+    """Equality of two JSON values with strict types (True is not 1) and float tolerance."""
+    if isinstance(want, bool) or isinstance(got, bool):
+        return type(got) is type(want) and got == want
+    if isinstance(want, (int, float)) and isinstance(got, (int, float)):
+        return math.isclose(got, want, rel_tol=1e-6, abs_tol=1e-9)
+    if isinstance(want, list) and isinstance(got, list):
+        return len(got) == len(want) and all(same_value(g, w) for g, w in zip(got, want))
+    if isinstance(want, dict) and isinstance(got, dict):
+        return got.keys() == want.keys() and all(same_value(got[k], want[k]) for k in want)
+    return type(got) is type(want) and got == want
+
+
+def same_output(got: str, want: str) -> bool:
+    """stdout comparison as in APPS/CodeContests checkers: trailing spaces and blank lines ignored."""
+    def norm(text: str) -> list[str]:
+        return [line.rstrip() for line in text.strip().splitlines()]
+    return norm(got) == norm(want)
+
+
+def _json_value(value):
+    """``value`` as the judge will see the candidate's: tuples become lists, keys strings."""
+    return json.loads(json.dumps(value, allow_nan=False))
+
+
+def parse_assert_tests(source: str) -> tuple[list[str], list[ExprCase]]:
+    """Split assert-style test code into (setup statements, cases). ``assert A == <literal>``
+    keeps the literal on the judge side; any other ``assert X`` becomes ``bool(X)`` expected True.
+    Raises SyntaxError/ValueError for code that is not a test list."""
+    setup, cases = [], []
+    for node in ast.parse(source).body:
+        if not isinstance(node, ast.Assert):
+            setup.append(ast.unparse(node))
+            continue
+        test = node.test
+        if isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.Eq):
+            left, right = test.left, test.comparators[0]
+            for probe, literal in ((left, right), (right, left)):
+                try:
+                    expected = _json_value(ast.literal_eval(literal))
+                except (ValueError, TypeError, SyntaxError):
+                    continue
+                cases.append(ExprCase(ast.unparse(probe), expected))
+                break
+            else:
+                cases.append(ExprCase(f"bool({ast.unparse(test)})", True))
+        else:
+            cases.append(ExprCase(f"bool({ast.unparse(test)})", True))
+    if not cases:
+        raise ValueError("no assert statements")
+    return setup, cases
+
+
+def call_case(fn_name: str, args: list, expected) -> ExprCase:
+    """A dataset's function-call test: ``fn_name(*args) == expected`` (APPS ``fn_name`` style)."""
+    # repr of JSON-decoded data (lists, dicts, str, numbers, bools, None) is a Python literal
+    return ExprCase(f"{fn_name}(*{list(args)!r})", _json_value(expected))
+
+
+def judge_calls(code: str, cases: list[ExprCase], config: SandboxConfig, *,
+                setup: list[str] = ()) -> Verdict:
+    """Score ``cases`` against ``code`` (function-call style); see the module docstring."""
+    request = {"code": code, "setup": list(setup), "exprs": [c.expr for c in cases]}
+    result = run_python(_HARNESS, config, stdin=json.dumps(request).encode(), channel=True)
+    values: dict[int, str] = {}
+    errors: dict[int, str] = {}
+    load_error = ""
+    for line in result.channel.splitlines():
+        try:
+            record = json.loads(line)
+            index = record.get("i")
+        except (ValueError, AttributeError):
+            continue  # garbage on the channel: the case it displaced is simply missing
+        if "load_error" in record:
+            load_error = str(record["load_error"])
+            continue
+        if not isinstance(index, int) or not 0 <= index < len(cases):
+            continue
+        if index in values or index in errors:
+            return Verdict([False] * len(cases), [f"case {index} reported twice: forged results"])
+        if "value" in record and isinstance(record["value"], str):
+            values[index] = record["value"]
+        else:
+            errors[index] = str(record.get("error", "error"))
+    passed, messages = [], []
+    status = result.status if result.status != "ok" else "exited before reporting"
+    for i, case in enumerate(cases):
+        ok, why = False, load_error or errors.get(i) or _last_line(result.stderr) or status
+        if i in values:
+            try:
+                got = json.loads(values[i])
+            except ValueError:
+                got, why = None, "unreadable value"
+            else:
+                want = True if case.expected is NO_EXPECTED else case.expected
+                ok = same_value(got, want)
+                why = f"{case.expr} returned {values[i][:200]}, expected {json.dumps(want)[:200]}"
+        passed.append(ok)
+        if not ok:
+            messages.append(why)
+    return Verdict(passed, messages)
+
+
+def judge_stdio(code: str, cases: list[StdioCase], config: SandboxConfig) -> Verdict:
+    """Score stdin/stdout ``cases``: one fresh sandboxed process per case."""
+    passed, messages = [], []
+    for case in cases:
+        result = run_python(code, config, stdin=case.stdin.encode())
+        ok = result.status == "ok" and same_output(result.stdout, case.stdout)
+        passed.append(ok)
+        if not ok:
+            why = _last_line(result.stderr) if result.status != "ok" else "wrong output"
+            messages.append(f"input {case.stdin[:100]!r}: {why or result.status}")
+    return Verdict(passed, messages)
+
+
+def _last_line(text: str) -> str:
+    lines = text.strip().splitlines()
+    return lines[-1] if lines else ""

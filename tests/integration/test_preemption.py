@@ -1,0 +1,76 @@
+"""Preemption: SIGTERM (or SIGUSR1) in the middle of a run -> the step finishes, a checkpoint is
+saved, the process exits 0; ``trainer.resume=auto`` continues and the metrics of every step equal
+an uninterrupted run's (tiny signalling, 1 rank, plain ``python scripts/train.py``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parents[2]
+RUN = "signalling_tiny"
+OVERRIDES = ("trainer.total_steps=4", "trainer.save_every=0", "rollout.num_tasks=4", "eval.num_tasks=0",
+             "logger.progress=false")
+
+
+def _start(output_dir: Path, *extra: str) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    command = [sys.executable, "scripts/train.py", "--config", "configs/signalling_tiny.yaml", *OVERRIDES,
+               f"output_dir={output_dir}", *extra]
+    log = open(output_dir.parent / f"{output_dir.name}-{len(extra)}.log", "w")
+    return subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+
+def _log(output_dir: Path, num_extra: int) -> str:
+    return (output_dir.parent / f"{output_dir.name}-{num_extra}.log").read_text()
+
+
+def _metrics(output_dir: Path) -> list[dict]:
+    lines = (output_dir / RUN / "metrics.jsonl").read_text().splitlines()
+    return [{k: v for k, v in json.loads(line).items() if not _volatile(k)} for line in lines]
+
+
+def _volatile(key: str) -> bool:
+    if key in ("time", "elapsed_s") or key.startswith(("timing/", "weight_sync/")):
+        return True
+    return key.endswith(("_s", "_ratio"))
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1], ids=["SIGTERM", "SIGUSR1"])
+def test_signal_saves_exits_zero_and_resumes_exactly(tmp_path, sig):
+    reference, victim_dir = tmp_path / "reference", tmp_path / "preempted"
+    reference.mkdir(), victim_dir.mkdir()
+    ref_proc = _start(reference)
+    victim = _start(victim_dir)
+    metrics = victim_dir / RUN / "metrics.jsonl"
+    deadline = time.monotonic() + 240
+    while not (metrics.is_file() and '"step": 1,' in metrics.read_text()):
+        assert victim.poll() is None, _log(victim_dir, 0)[-3000:]
+        assert time.monotonic() < deadline, "the run never reached step 1"
+        time.sleep(0.02)
+    victim.send_signal(sig)  # somewhere in step 2 (or right at step 1's end)
+    assert victim.wait(timeout=240) == 0, _log(victim_dir, 0)[-3000:]
+    checkpoints = sorted(p.parent.name for p in (victim_dir / RUN / "checkpoints").glob("step_*/COMPLETE"))
+    assert len(checkpoints) == 1 and checkpoints[0] in ("step_000001", "step_000002", "step_000003"), checkpoints
+    saved_step = int(checkpoints[0][-1])
+    assert f"preempted ({sig.name}): saved step {saved_step}" in _log(victim_dir, 0)
+    assert [r["step"] for r in _metrics(victim_dir)] == list(range(1, saved_step + 1))
+    resumed = _start(victim_dir, "trainer.resume=auto")
+    assert resumed.wait(timeout=240) == 0, _log(victim_dir, 1)[-3000:]
+    assert ref_proc.wait(timeout=240) == 0, _log(reference, 0)[-3000:]
+    assert f"resumed from {victim_dir / RUN / 'checkpoints' / checkpoints[0]} at step {saved_step}" in _log(victim_dir, 1)
+    ref_metrics, res_metrics = _metrics(reference), _metrics(victim_dir)
+    assert [r["step"] for r in res_metrics] == [1, 2, 3, 4]
+    assert res_metrics == ref_metrics
+    assert any(r["policy/shared/grad_norm"] > 0 for r in ref_metrics)

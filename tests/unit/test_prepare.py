@@ -1,0 +1,150 @@
+"""Driver-side batch preparation (megamarl.rl.prepare): GiGPO's team reward placed once, dynamic
+sampling by the estimator's own group key, DAPO refill bounded by algorithm.max_refill_rounds."""
+
+import math
+
+import pytest
+import torch
+
+from megamarl.config import AlgorithmConfig
+from megamarl.rl.advantages import AdvantageConfig, compute_advantages, estimator_traits
+from megamarl.rl.batch import collate
+from megamarl.rl.prepare import dynamic_sampling_key, fill_informative, prepare_batch, shaped_rewards
+from megamarl.rl.rewards import last_step_mask
+from megamarl.rl.sample import Sample
+
+
+def _sample(task, episode, *, step=0, turn=None, agent="solver", team=0.0, local=0.0, anchor=None, branch=0):
+    return Sample(task_id=task, episode_id=episode, agent=agent, policy="p", turn=step if turn is None else turn,
+                  step=step, branch=branch, prompt_ids=[1, 2], response_ids=[3, 4], team_reward=team,
+                  local_reward=local, anchor=anchor)
+
+
+def _no_refill(round_):
+    raise AssertionError("no refill expected")
+
+
+def close(actual, expected, atol=1e-6):
+    torch.testing.assert_close(actual.double(), torch.tensor(expected, dtype=torch.float64), atol=atol, rtol=0)
+
+
+def _win_win_fail():
+    """One task, one shared start state: a 2-step win, a 4-step win, a 3-step fail. The team reward
+    is copied onto every agent call, as the rollout records it."""
+    samples = []
+    for episode, (length, team) in enumerate([(2, 1.0), (4, 1.0), (3, 0.0)]):
+        for step in range(length):
+            anchor = "start" if step == 0 else f"e{episode}s{step}"
+            samples.append(_sample("t", f"t/{episode}", step=step, team=team, anchor=anchor))
+    return collate(samples, pad_id=0)
+
+
+def test_gigpo_counts_the_team_reward_once_item1():
+    # issue #16 item 1, gamma .9, population std (the issue's numbers). Advantages at the shared start step:
+    #   reward on every call:  R = [2, 4, 0], G = [1.9, 3.439, 0]   -> [0.086, 2.404, -2.49] (long win best)
+    #   reward once, last step: R = [1, 1, 0], G = [.9, .729, 0]    -> [1.622, 1.184, -2.806]
+    batch = _win_win_fail()
+    first = torch.tensor([0, 2, 6])  # rows of step 0
+    algo = AlgorithmConfig(estimator="gigpo", std_ddof=0, estimator_kwargs={"gamma": 0.9, "eps": 1e-12})
+    copied = compute_advantages(batch.team_rewards, batch.group_index(),
+                                AdvantageConfig(estimator="gigpo", gamma=0.9, eps=1e-12, std_ddof=0))
+    close(copied[first], [0.086, 2.404, -2.490], atol=1e-3)
+    assert estimator_traits("gigpo").team_reward_once
+    out, _ = prepare_batch(batch, algo, num_tasks=1, draw=_no_refill)
+    close(out.rewards, [0, 1, 0, 0, 0, 1, 0, 0, 0])  # the team reward sits on each episode's last step
+    # exact: A_E = (1/3, 1/3, -2/3) / sqrt(2/9); A_S = (G - .543) / std(.9, .729, 0)
+    g = torch.tensor([0.9, 0.729, 0.0], dtype=torch.float64)
+    a_s = (g - g.mean()) / g.std(unbiased=False)
+    a_e = torch.tensor([1 / 3, 1 / 3, -2 / 3], dtype=torch.float64) / math.sqrt(2 / 9)
+    close(out.advantages[first], (a_e + a_s).tolist())
+    close(out.advantages[first], [1.622, 1.184, -2.806], atol=1e-3)
+    # the default unbiased std scales both terms by sqrt(2/3)
+    algo = AlgorithmConfig(estimator="gigpo", estimator_kwargs={"gamma": 0.9, "eps": 1e-12})
+    out, _ = prepare_batch(batch, algo, num_tasks=1, draw=_no_refill)
+    close(out.advantages[first], (math.sqrt(2 / 3) * (a_e + a_s)).tolist())
+    # estimators without the trait keep the team reward on every call
+    out, _ = prepare_batch(batch, AlgorithmConfig(estimator="at_grpo"), num_tasks=1, draw=_no_refill)
+    close(out.rewards, [1, 1, 1, 1, 1, 1, 0, 0, 0])
+
+
+def test_last_step_mask_keeps_every_sibling_of_the_last_step():
+    seq = torch.tensor([0, 0, 0, 1, 1])
+    steps = torch.tensor([0, 1, 1, 4, 2])
+    assert last_step_mask(seq, steps).tolist() == [False, True, True, True, False]
+
+
+def _drmas_batch(task="t", rewards_by_turn=((1.0, 1.0), (0.0, 0.0))):
+    """One agent in two episodes of a task, two turns each; every (task, agent, turn) group is flat."""
+    samples = []
+    for turn, rewards in enumerate(rewards_by_turn):
+        for episode, reward in enumerate(rewards):
+            samples.append(_sample(task, f"{task}/{episode}", step=turn, local=reward))
+    return collate(samples, pad_id=0)
+
+
+def test_dynamic_sampling_uses_the_estimators_group_key_item3():
+    # issue #16 item 3: with drmas_grpo the (task, agent) group {1, 1, 0, 0} is informative although
+    # each (task, agent, turn) group of algorithm.group_by is flat; the rows were dropped before.
+    batch = _drmas_batch()
+    algo = AlgorithmConfig(estimator="drmas_grpo", team_alpha=1.0, dynamic_sampling=True, std_ddof=0,
+                           estimator_kwargs={"eps": 1e-12})
+    assert dynamic_sampling_key(algo) == ("task", "agent") and tuple(algo.group_by) == ("task", "agent", "turn")
+    out, metrics = prepare_batch(batch, algo, num_tasks=1, draw=_no_refill)
+    assert out.num_samples == 4 and metrics["rollout/dropped_groups"] == 0
+    close(out.advantages, [1, 1, -1, -1])  # the Dr.MAS advantages +-1 the filter used to drop
+    # keyed estimators still use algorithm.group_by; at_grpo its own (task, agent, turn)
+    assert dynamic_sampling_key(AlgorithmConfig(estimator="grpo", group_by=["task"])) == ("task",)
+    assert dynamic_sampling_key(AlgorithmConfig(estimator="at_grpo", group_by=["task"])) == ("task", "agent", "turn")
+    out, metrics = prepare_batch(batch, AlgorithmConfig(estimator="at_grpo", dynamic_sampling=True), num_tasks=1,
+                                 draw=_no_refill)
+    assert metrics["rollout/dropped_groups"] == 2 and out.num_samples == 4  # nothing informative: kept whole
+    assert out.advantages.abs().sum() == 0
+
+
+def _grpo_task(task, rewards):
+    return collate([_sample(task, f"{task}/{g}", local=r) for g, r in enumerate(rewards)], pad_id=0)
+
+
+def test_refill_until_num_tasks_informative_item3():
+    # DAPO refill: the batch has one informative task of the 2 wanted. Round 1 draws a flat task, round 2
+    # two informative ones: 2 extra rounds, the batch keeps the first 2 informative tasks (a, c).
+    from megamarl.rl.batch import concat
+
+    algo = AlgorithmConfig(estimator="grpo", group_by=["task"], dynamic_sampling=True, max_refill_rounds=3,
+                           estimator_kwargs={"eps": 1e-12})
+    batch = concat([_grpo_task("a", [1, 0]), _grpo_task("b", [1, 1])])
+    draws = {1: _grpo_task("r1", [0, 0]), 2: concat([_grpo_task("c", [0, 1]), _grpo_task("d", [1, 0])])}
+    calls = []
+
+    def draw(round_):
+        calls.append(round_)
+        return draws.get(round_)
+
+    out, metrics = prepare_batch(batch, algo, num_tasks=2, draw=draw)
+    assert calls == [1, 2]
+    assert metrics == {"rollout/dropped_groups": 2.0, "rollout/refill_rounds": 2.0, "rollout/informative_tasks": 2.0}
+    assert sorted(set(out.names("task"))) == ["a", "c"]
+    r = 1 / math.sqrt(2)
+    close(out.advantages, [r, -r, -r, r])
+    # bounded: every draw is flat -> max_refill_rounds rounds, then train on what there is
+    calls.clear()
+    out, metrics = prepare_batch(batch, algo, num_tasks=2, draw=lambda round_: calls.append(round_) or
+                                 _grpo_task(f"flat{round_}", [1, 1]))
+    assert calls == [1, 2, 3] and metrics["rollout/refill_rounds"] == 3.0
+    assert metrics["rollout/informative_tasks"] == 1.0 and set(out.names("task")) == {"a"}
+    # enough informative tasks already: no draw; max_refill_rounds=0: no draw either
+    out, metrics = fill_informative(batch.replace(rewards=shaped_rewards(batch, algo)), _no_refill, key=("task",),
+                                    num_tasks=1, max_rounds=3)
+    assert metrics["rollout/refill_rounds"] == 0.0 and set(out.names("task")) == {"a"}
+    algo0 = AlgorithmConfig(estimator="grpo", group_by=["task"], dynamic_sampling=True)
+    out, metrics = prepare_batch(batch, algo0, num_tasks=2, draw=_no_refill)
+    assert metrics["rollout/refill_rounds"] == 0.0
+
+
+@pytest.mark.parametrize("kwargs, key", [
+    (dict(std_ddof=2), "algorithm.std_ddof"), (dict(max_refill_rounds=-1), "algorithm.max_refill_rounds"),
+    (dict(max_refill_rounds=2), "algorithm.max_refill_rounds"),  # needs dynamic_sampling
+])
+def test_algorithm_config_validation(kwargs, key):
+    with pytest.raises(ValueError, match=key):
+        AlgorithmConfig(**kwargs)
