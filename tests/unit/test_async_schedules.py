@@ -177,7 +177,8 @@ def test_policy_separable_follows_the_estimators_group_keys():
     assert policy_separable(algo)  # at_grpo: (task, agent, turn)
     for estimator, group_by, expected in [("grpo", ["task"], False), ("grpo", ["task", "agent"], True),
                                           ("rloo", ["task", "policy"], True), ("gigpo", ["task", "agent"], False),
-                                          ("reinforce_pp", ["task", "agent"], False)]:
+                                          # whitened per policy since #16: its groups never mix policies
+                                          ("reinforce_pp", ["task", "agent"], True), ("gae", ["task"], True)]:
         algo.estimator, algo.group_by = estimator, group_by
         assert policy_separable(algo) is expected, (estimator, group_by)
 
