@@ -34,7 +34,6 @@ import torch
 
 from megamarl.config import PolicyConfig
 from megamarl.models import checkpoint as model_checkpoint  # looked up per call (tests swap in faults)
-from megamarl.parallel.placement import WorkerGroup
 from megamarl.runtime.metrics import EVAL_FILE, METRICS_FILE
 
 CHECKPOINTS = "checkpoints"
