@@ -56,6 +56,7 @@ from dataclasses import dataclass, field
 import torch.distributed as dist
 
 from megamarl.config import PolicyConfig, RunConfig
+from megamarl.driver.schedules import SCHEDULES
 from megamarl.planning.model_presets import ModelShape, resolve_model_shape
 from megamarl.parallel.placement import (
     PlacementConfig,
@@ -367,7 +368,7 @@ def _gpu_totals(cfg, worker_groups, engines, world_size, gpus_per_node) -> list[
             for tp_rank, rank in enumerate(ranks):
                 gpus[rank].engines.append(EngineShard(name, replica, tp_rank))
                 engine_bytes[rank] += engine.memory.total
-    overlap = cfg.trainer.mode != "sync"
+    overlap = SCHEDULES.traits(cfg.trainer.mode, key="trainer.mode").overlaps_training
     for gpu in gpus:
         r = gpu.rank
         gpu.train = static[r] + peak_activations[r]
@@ -396,7 +397,7 @@ def _check_capacity(report: DryRunReport, cfg: RunConfig) -> None:
             f"policies.{engine.policy} engine replica {engine.replica}: weights {_g(m.weights)} + kv cache "
             f"{_g(m.kv_cache)} + lora {_g(m.lora)} = {_g(m.total)} GiB"
         )
-    phases = "train + rollout" if cfg.trainer.mode != "sync" else "max(train, rollout)"
+    phases = "train + rollout" if SCHEDULES.traits(cfg.trainer.mode).overlaps_training else "max(train, rollout)"
     raise ValueError(
         f"{' + '.join(f'policies.{h}' for h in holders)}: GPU node {gpu.node} local {gpu.local} (global rank "
         f"{gpu.rank}) needs {_g(gpu.total)} GiB > cluster.gpu_memory_gib={cfg.cluster.gpu_memory_gib} "
