@@ -32,8 +32,8 @@ def main(argv=None) -> int:
 
         return main_dry_run(cfg)
     from megamarl.orchestration.driver import RolloutFailureError
-    from megamarl.runtime.checkpoint import CheckpointWriteError
     from megamarl.rl.worker import NumericalFaultError
+    from megamarl.runtime.checkpoint import CheckpointWriteError
     from megamarl.trainer import Trainer
 
     # Errors every rank raises together, with exit codes documented in docs/reliability.md

@@ -47,7 +47,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterator, Mapping
 
 from megamarl.driver.streaming import (
-    BusyClock, EpisodeGroup, EpisodeSource, GroupBuffer, GroupProducer, RolloutLoop, StalenessStats, group_samples,
+    BusyClock,
+    EpisodeGroup,
+    EpisodeSource,
+    GroupBuffer,
+    GroupProducer,
+    RolloutLoop,
+    StalenessStats,
+    group_samples,
     split_fresh,
 )
 from megamarl.orchestration.driver import EpisodeStats, RolloutResult

@@ -37,7 +37,6 @@ from __future__ import annotations
 # megatron-core (and transformers/safetensors) are imported inside the functions that build, load or run
 # models: importing megatron.core costs ~3 s of CPU (9.7 s wall measured on the loaded 2-core box,
 # 2026-11-23), and config loading and --dry-run import this module without building a model.
-
 import contextlib
 import json
 import math

@@ -57,7 +57,6 @@ import torch.distributed as dist
 
 from megamarl.config import PolicyConfig, RunConfig
 from megamarl.driver.schedules import SCHEDULES
-from megamarl.planning.model_presets import ModelShape, resolve_model_shape
 from megamarl.parallel.placement import (
     PlacementConfig,
     WorkerGroupLayout,
@@ -65,6 +64,7 @@ from megamarl.parallel.placement import (
     group_enumeration,
     rank_coords,
 )
+from megamarl.planning.model_presets import ModelShape, resolve_model_shape
 
 GIB = 2**30
 LORA_TARGET_DIMS = ("qkv", "proj", "fc1", "fc2")

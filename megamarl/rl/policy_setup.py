@@ -18,6 +18,7 @@ from megamarl.rl.advantages import ADVANTAGE_ESTIMATORS, AdvantageConfig
 from megamarl.rl.losses import LossConfig
 from megamarl.rl.worker import AgentTraining, CriticConfig, ModelHandle, PolicyWorker
 
+
 def load_policy_model(policy, wg: WorkerGroup, *, seed: int) -> ModelHandle:
     """``policies.<p>``'s model as this rank's shard of ``wg``, with the HF weights loaded."""
     path = resolve_model_path(policy.model, key="policies.<p>.model")

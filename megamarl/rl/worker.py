@@ -44,7 +44,14 @@ from megamarl.parallel.collectives import all_reduce_sum
 from megamarl.parallel.placement import WorkerGroup
 from megamarl.rl.advantages import ADVANTAGE_ESTIMATORS, AdvantageConfig
 from megamarl.rl.batch import SampleBatch
-from megamarl.rl.losses import LOSS_AGGREGATIONS, LossConfig, loss_counts, masked_mean, policy_loss, value_loss
+from megamarl.rl.losses import (
+    LOSS_AGGREGATIONS,
+    LossConfig,
+    loss_counts,
+    masked_mean,
+    policy_loss,
+    value_loss,
+)
 from megamarl.rl.vocab_parallel import place_window, scale_logits, vocab_parallel_logprobs
 
 logger = logging.getLogger(__name__)

@@ -66,8 +66,8 @@ import torch  # noqa: E402
 
 from megamarl.parallel.hardware import resolve_dtype  # noqa: E402
 from megamarl.rollout.base import ENGINES, EngineTraits, Generation, InProcessEngine, SamplingParams  # noqa: E402
-from megamarl.rollout.hf import HFEngine  # noqa: E402 - the fallback without vllm
 from megamarl.rollout.batching import _set_exception, _set_result  # noqa: E402
+from megamarl.rollout.hf import HFEngine  # noqa: E402 - the fallback without vllm
 from megamarl.rollout.private_world import PrivateWorld  # noqa: E402
 
 CPU_KV_CACHE_BYTES = 256 * 2**20  # small default KV cache on CPU (vLLM's own default is GiBs)

@@ -18,7 +18,13 @@ from megamarl.orchestration.orchestras import ORCHESTRAS, Orchestra, OrchestraCo
 from megamarl.orchestration.testing import smollm2_tokenizer
 from megamarl.orchestration.workers import WORKERS, EnvWorkers
 from megamarl.registry import Registry
-from megamarl.rl.advantages import ADVANTAGE_ESTIMATORS, AdvantageConfig, EstimatorTraits, GroupIndex, compute_advantages
+from megamarl.rl.advantages import (
+    ADVANTAGE_ESTIMATORS,
+    AdvantageConfig,
+    EstimatorTraits,
+    GroupIndex,
+    compute_advantages,
+)
 from megamarl.rl.losses import KL_ESTIMATORS, LOSS_AGGREGATIONS
 from megamarl.rollout import ENGINES, Engine
 from megamarl.rollout.base import EngineTraits
