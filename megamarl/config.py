@@ -1,9 +1,11 @@
-"""The run configuration: typed dataclasses loaded from YAML with OmegaConf, validated at start-up.
+"""The run configuration: typed dataclasses composed from YAML with Hydra, validated at start-up.
 
-``load_config(path, overrides)`` merges a YAML file and hydra-style ``key=value`` overrides onto the
-structured schema below. OmegaConf rejects unknown keys and wrong types (the error names the full
-key); our ``__post_init__`` checks add the cross-field rules (a layout that cannot be placed, an
-agent pointing at a policy that does not exist...). Defaults live here and nowhere else.
+``load_config(path, overrides)`` composes a YAML file (its ``defaults:`` list included) and Hydra
+overrides (``key=value``, ``+key=value``, ``++key=value``, ``~key``, ``group@pkg=option``) onto the
+structured schema below, registered in Hydra's ConfigStore (``megamarl.config_loader``). Unknown keys
+and wrong types are rejected with the full key named; our ``__post_init__`` checks add the
+cross-field rules (a layout that cannot be placed, an agent pointing at a policy that does not
+exist...). Defaults live here and nowhere else; docs/config_reference.md is generated from them.
 """
 
 from __future__ import annotations
@@ -12,9 +14,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from omegaconf import MISSING, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf import MISSING, DictConfig, OmegaConf
 
+from megamarl.config_loader import compose_config
 from megamarl.parallel.placement import PLACEMENT_MODES, PlacementConfig, WorkerGroupLayout
 
 TRAINER_MODES = ("sync", "one_step_off", "fully_async")
@@ -280,6 +282,9 @@ class RunConfig:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     placement_mode: str = "colocated"
     plugins: list[str] = field(default_factory=list)  # modules that register agents/envs/orchestras
+    # Directories searched (first) for ``plugins``; a relative one is relative to the config file's
+    # directory. The working directory is searched after them (as ``python -m`` would).
+    plugin_paths: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.placement_mode not in PLACEMENT_MODES:
@@ -317,7 +322,7 @@ class RunConfig:
         from megamarl.registry import import_plugins
         from megamarl.rl.advantages import ADVANTAGE_ESTIMATORS
 
-        import_plugins(self.plugins)
+        import_plugins(self.plugins, paths=self.plugin_paths)
         ADVANTAGE_ESTIMATORS.get(self.algorithm.estimator, key="algorithm.estimator")
         for key, registry, section in (("env", ENVS, self.env), ("orchestra", ORCHESTRAS, self.orchestra)):
             cls = registry.get(section.name, key=f"{key}.name")
@@ -346,25 +351,16 @@ class RunConfig:
 
 
 def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
-    """YAML + ``key=value`` overrides -> validated ``RunConfig``. Errors name the offending key."""
-    schema = OmegaConf.structured(RunConfig)
-    try:
-        merged = schema
-        if path is not None:
-            path = Path(path)
-            if not path.is_file():
-                raise ValueError(f"--config {path}: file not found")
-            merged = OmegaConf.merge(merged, OmegaConf.load(path))
-        if overrides:
-            merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(list(overrides)))
-        return OmegaConf.to_object(merged)
-    except OmegaConfBaseException as exc:
-        key = getattr(exc, "full_key", None) or "?"
-        raise ValueError(f"config key '{key}': {_first_line(exc)}") from exc
+    """YAML (composed with Hydra; see ``megamarl.config_loader``) + overrides -> validated
+    ``RunConfig``. Errors are ValueErrors that name the offending key."""
+    return compose_config(RunConfig, path, overrides, rewrite=_resolve_plugin_paths)
 
 
-def _first_line(exc: Exception) -> str:
-    return str(exc).strip().splitlines()[0]
+def _resolve_plugin_paths(cfg: DictConfig, config_dir: Path) -> None:
+    """``plugin_paths`` relative to the config file's directory, made absolute before validation
+    imports the plugins (and so in the run's saved config.yaml)."""
+    paths = cfg.get("plugin_paths") or []
+    cfg.plugin_paths = [str((config_dir / str(p)).resolve()) for p in paths]
 
 
 def to_yaml(cfg: RunConfig) -> str:

@@ -306,7 +306,7 @@ class RolloutDriver:
         self.run_dir = run_dir
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(to_yaml(cfg))
-        import_plugins(cfg.plugins)
+        import_plugins(cfg.plugins, paths=cfg.plugin_paths)
         paths = {name: resolve_model_path(p.model, key=f"policies.{name}.model") for name, p in cfg.policies.items()}
         self.tokenizers = {name: AutoTokenizer.from_pretrained(path) for name, path in paths.items()}
         self.pad_ids = {name: (t.pad_token_id if t.pad_token_id is not None else t.eos_token_id) for name, t in self.tokenizers.items()}
