@@ -1,3 +1,18 @@
 """megamarl: multi-agent RL for teams of LLM agents on Megatron-core worker groups."""
 
+import warnings
+
 __version__ = "0.1.0"
+
+# Start-up noise from our dependencies that says nothing a user can act on (printed by every rank on
+# every start): megatron-core's fallbacks when Transformer Engine / Apex / absl are absent (the
+# local implementations are what megamarl uses on CPU) and a vLLM deprecation warning.
+for _message in (
+    "Transformer Engine and Apex are not installed",
+    "Apex is not installed",
+    "absl.logging is not installed",
+    "full scope is deprecated",
+    "`torch.distributed.reduce_op` is deprecated",
+    "Mismatch dtype between input and weight",  # bf16 autocast into fp32 norm weights: unfused path
+):
+    warnings.filterwarnings("ignore", message=f".*{_message}")

@@ -17,6 +17,7 @@ from typing import Any, Optional
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from megamarl.config_loader import compose_config
+from megamarl.parallel.hardware import DTYPE_CHOICES, resolve_dtype
 from megamarl.parallel.placement import PLACEMENT_MODES, PlacementConfig, WorkerGroupLayout
 
 TRAINER_MODES = ("sync", "one_step_off", "fully_async")
@@ -49,8 +50,18 @@ class EngineConfig:
     kv_cache_gib: float = 1.0  # per GPU; 0: derived from max_num_seqs * policy seq_len (see megamarl.dryrun)
     server_urls: list[str] = field(default_factory=list)  # external servers (disaggregated HTTP)
     bucket_mb: int = 64  # weight-sync bucket size
+    # auto: bf16 where this node's CPU/GPU computes it natively, fp32 otherwise (logged at start-up;
+    # megamarl.parallel.hardware). Weights are sent to the engine in this dtype.
+    dtype: str = "auto"
+    # CPU engines: threads the engine decodes with. 0: every core of the node -- the training ranks
+    # wait idle during rollout, so the engine may use their cores.
+    num_threads: int = 0
 
     def __post_init__(self) -> None:
+        if self.dtype not in DTYPE_CHOICES:
+            raise ValueError(f"policies.<p>.engine.dtype='{self.dtype}' unknown; allowed: {list(DTYPE_CHOICES)}")
+        if self.num_threads < 0:
+            raise ValueError(f"policies.<p>.engine.num_threads must be >= 0 (0: all cores), got {self.num_threads}")
         if self.backend not in ENGINE_BACKENDS:
             raise ValueError(f"policies.<p>.engine.backend='{self.backend}' unknown; allowed: {list(ENGINE_BACKENDS)}")
         if self.num_replicas < 1:
@@ -79,10 +90,16 @@ class PolicyConfig:
     offload_train_state: bool = True  # colocated: weights/grads/optimizer leave the GPU while engines generate
     value_coef: float = 0.5  # algorithm.estimator=gae: weight of the critic's (value head's) loss
     value_clip: Optional[float] = 0.2  # gae: clip range of the value update (None: unclipped)
+    # Compute dtype of training forward/backward (master weights, gradients and optimizer state stay
+    # fp32; log-probs are computed in fp32). auto: the engine's resolved dtype, so the trainer's
+    # log-probs are computed at the precision the engine sampled with.
+    dtype: str = "auto"
     lora: Optional[LoraConfig] = None
     engine: EngineConfig = field(default_factory=EngineConfig)
 
     def __post_init__(self) -> None:
+        if self.dtype not in DTYPE_CHOICES:
+            raise ValueError(f"policies.<p>.dtype='{self.dtype}' unknown; allowed: {list(DTYPE_CHOICES)}")
         if self.lr <= 0:
             raise ValueError(f"policies.<p>.lr must be > 0, got {self.lr}")
         if self.micro_batch_size < 1:
@@ -219,8 +236,13 @@ class TrainerConfig:
     keep_last: int = 0  # keep only the newest K complete checkpoints; 0 keeps all
     resume: str = "none"  # none | auto (latest in this run dir) | <run dir or checkpoint dir>
     seed: int = 0
+    # Bound on any wait of one rank for another (collectives, and waiting for the driver's rollout,
+    # eval or model preparation). Generous: a real hang is reported with what each rank waited for.
+    collective_timeout_s: float = 7200.0
 
     def __post_init__(self) -> None:
+        if self.collective_timeout_s <= 0:
+            raise ValueError(f"trainer.collective_timeout_s must be > 0, got {self.collective_timeout_s}")
         if self.mode not in TRAINER_MODES:
             raise ValueError(f"trainer.mode='{self.mode}' unknown; allowed: {list(TRAINER_MODES)}")
         for key in ("total_steps", "save_every", "keep_last"):
@@ -253,6 +275,7 @@ class WandbConfig:
 @dataclass
 class LoggerConfig:
     wandb: WandbConfig = field(default_factory=WandbConfig)
+    # A live display (rich) on a terminal; one plain line per phase otherwise (Slurm logs).
     progress: bool = True
 
 
@@ -333,6 +356,11 @@ class RunConfig:
         for role, agent in self.agents.items():
             if agent.kind:
                 AGENTS.get(agent.kind, key=f"agents.{role}.kind")
+
+    def policy_dtype(self, name: str) -> str:
+        """``policies.<name>.dtype`` resolved on this node (``auto``: the engine's resolved dtype)."""
+        policy = self.policies[name]
+        return resolve_dtype(policy.engine.dtype if policy.dtype == "auto" else policy.dtype)
 
     def placement(self, world_size: int) -> PlacementConfig:
         """The WG layouts for a world of ``world_size`` ranks (policies without ranks take all)."""

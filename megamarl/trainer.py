@@ -25,7 +25,9 @@ import torch.distributed as dist
 
 from megamarl.async_rollout import RolloutLoop
 from megamarl.config import RunConfig, to_yaml
-from megamarl.parallel.distributed import control_group, init_distributed
+from megamarl.parallel.distributed import control_group, init_distributed, wait_for_driver
+from megamarl.parallel.hardware import DTYPES, describe_dtype_choice, resolve_dtype
+from megamarl.progress import RunProgress
 from megamarl.parallel.placement import build_worker_groups
 from megamarl.rl.advantages import CRITIC_ESTIMATORS, AdvantageConfig, compute_advantages, group_ids
 from megamarl.rl.batch import SampleBatch, collate
@@ -46,10 +48,13 @@ def seed_everything(seed: int) -> None:
 
 class Trainer:
     def __init__(self, cfg: RunConfig, *, run_dir: str | Path | None = None):
-        init_distributed()
+        init_distributed(timeout_s=cfg.trainer.collective_timeout_s)
         self.cfg = cfg
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.is_driver = self.rank == DRIVER
+        # the driver shows the run (live on a terminal, one line per phase in logs); others are silent
+        self.progress = RunProgress(total_steps=cfg.trainer.total_steps, enabled=cfg.logger.progress) if self.is_driver \
+            else RunProgress(total_steps=cfg.trainer.total_steps, enabled=False, live=False, stream=open(os.devnull, "w"))
         self.run_dir = Path(run_dir or Path(cfg.output_dir) / cfg.name)
         self.step = 0
         self.versions = {name: 0 for name in cfg.policies}  # weight pushes into the engines so far
@@ -57,19 +62,22 @@ class Trainer:
         self.sync_every = sync_interval(cfg.trainer)  # updates of a policy per weight push
         seed_everything(cfg.trainer.seed)
         self.wgs = build_worker_groups(cfg.placement(self.world_size))
-        self.workers = self._build_workers()
-        self.driver = RolloutDriver(cfg, self.run_dir) if self.is_driver else None
+        with self.progress.phase("model preparation", total=len(cfg.policies), unit="policies", in_step=False) as phase:
+            self.workers = self._build_workers(on_policy=phase.advance)
+        self.driver = RolloutDriver(cfg, self.run_dir, self.progress) if self.is_driver else None
+        self._wait_for_driver("engine start-up")
         self._register_adapters()
         self._maybe_resume()
 
     # ---- set-up ---------------------------------------------------------------------------------
-    def _build_workers(self) -> dict[str, PolicyWorker]:
+    def _build_workers(self, on_policy=lambda: None) -> dict[str, PolicyWorker]:
         from megamarl.policy_io import load_policy_model
 
         workers = {}
         for name, policy in self.cfg.policies.items():
             wg = self.wgs[name]
             if not wg.is_member or policy.frozen:
+                on_policy()
                 continue
             loss_cfg = self._loss_config(policy)
             agents = {
@@ -88,8 +96,13 @@ class Trainer:
             # LoRA policies use their frozen base as the reference (adapters off): no second model
             ref = load_policy_model(policy, wg, seed=self.cfg.trainer.seed) if needs_ref and policy.lora is None else None
             workers[name] = PolicyWorker(name, policy, wg, handle, loss_cfg, agents=agents, ref_handle=ref,
-                                         critic=self._critic_config(policy), lora=_lora_config(policy))
+                                         critic=self._critic_config(policy), lora=_lora_config(policy),
+                                         compute_dtype=DTYPES[self.cfg.policy_dtype(name)])
+            on_policy()
         return workers
+
+    def _wait_for_driver(self, what: str) -> None:
+        wait_for_driver(what, driver=DRIVER, timeout_s=self.cfg.trainer.collective_timeout_s)
 
     def _critic_config(self, policy) -> CriticConfig | None:
         algo = self.cfg.algorithm
@@ -113,6 +126,7 @@ class Trainer:
     # ---- the loop -------------------------------------------------------------------------------
     def fit(self) -> None:
         total = self.cfg.trainer.total_steps
+        self.progress.start_at(self.step)
         if self.step == 0:
             self.sync_all_weights()  # engines start from the (possibly resumed) trained weights
             self.evaluate()
@@ -123,6 +137,7 @@ class Trainer:
             metrics.update(self.sync_all_weights(self.due_for_sync()))
             self.step += 1
             metrics["timing/step_s"] = time.perf_counter() - step_start
+            self.progress.step_done(self.step, metrics["timing/step_s"])
             self.log(metrics)
             if self._due(self.cfg.eval.every) or self.step == total:
                 self.evaluate()
@@ -137,19 +152,22 @@ class Trainer:
         """Driver takes the next batch from its schedule (trainer.mode) and computes advantages;
         every rank receives the batch. It may hold only some policies (fully_async, per-policy)."""
         payload = [self.driver.collect(self.step, self.versions) if self.is_driver else None]
+        self._wait_for_driver(f"the rollout of step {self.step + 1}")
         dist.broadcast_object_list(payload, src=DRIVER, group=control_group())
         return payload[0]
 
     def update(self, batch: SampleBatch) -> dict[str, float]:
         start = time.perf_counter()
         metrics: dict[str, float] = {}
-        for name, part in batch.split_by_policy().items():
-            if self.cfg.policies[name].frozen:
-                continue
-            self.updates_since_sync[name] += 1  # on every rank: the batch is the same everywhere
-            if name in self.workers:
-                for key, value in self.workers[name].train_step(part).items():
-                    metrics[f"policy/{name}/{key}"] = value
+        with self.progress.phase("train", unit="micro-batches") as phase:
+            for name, part in batch.split_by_policy().items():
+                if self.cfg.policies[name].frozen:
+                    continue
+                self.updates_since_sync[name] += 1  # on every rank: the batch is the same everywhere
+                if name in self.workers:
+                    self.workers[name].on_micro_batch = phase.advance
+                    for key, value in self.workers[name].train_step(part).items():
+                        metrics[f"policy/{name}/{key}"] = value
         gathered = [None] * self.world_size
         dist.all_gather_object(gathered, metrics, group=control_group())
         merged = {k: v for rank_metrics in gathered for k, v in rank_metrics.items()}
@@ -178,7 +196,8 @@ class Trainer:
                     continue
                 worker = self.workers.get(name)
                 engines = self.driver.engines_for(name) if self.is_driver else None
-                metrics.update(self._push_policy(name, worker, engines))
+                with self.progress.phase(f"weight sync {name}", unit=""):
+                    metrics.update(self._push_policy(name, worker, engines))
         dist.barrier(group=control_group())
         metrics["timing/weight_sync_s"] = time.perf_counter() - start
         return metrics
@@ -188,7 +207,9 @@ class Trainer:
         policy = self.cfg.policies[name]
         kwargs = dict(version=self.versions[name], engine_rank=DRIVER, bucket_mb=policy.engine.bucket_mb)
         if policy.lora is None:
-            stats = sync_weights(self.wgs[name], worker.export if worker else None, engines, **kwargs)
+            dtype = DTYPES[resolve_dtype(policy.engine.dtype)]  # tensors travel in the engine's dtype
+            export = (lambda: ((n, t.to(dtype)) for n, t in worker.export())) if worker else None
+            stats = sync_weights(self.wgs[name], export, engines, **kwargs)
             return stats.as_dict(f"weight_sync/{name}")
         metrics = {}
         for adapter in self.adapters(name):
@@ -219,8 +240,11 @@ class Trainer:
                         engine.add_lora(adapter, root / adapter)
 
     def evaluate(self) -> None:
-        if self.is_driver and self.cfg.eval.num_tasks > 0:
+        if self.cfg.eval.num_tasks <= 0:
+            return
+        if self.is_driver:
             self.driver.evaluate(self.step)
+        self._wait_for_driver(f"the evaluation at step {self.step}")
 
     def log(self, metrics: dict[str, float]) -> None:
         if self.is_driver:
@@ -284,13 +308,15 @@ class Trainer:
     def close(self) -> None:
         if self.is_driver:
             self.driver.close()
+        self.progress.close()
+        self._wait_for_driver("shutting down engines and plotting")
         dist.barrier(group=control_group())
 
 
 class RolloutDriver:
     """Rank 0's half: engines, agents, env, orchestra, advantages, logging and evaluation."""
 
-    def __init__(self, cfg: RunConfig, run_dir: Path):
+    def __init__(self, cfg: RunConfig, run_dir: Path, progress: RunProgress | None = None):
         from transformers import AutoTokenizer
 
         from megamarl.metrics import MetricsLogger
@@ -304,16 +330,31 @@ class RolloutDriver:
 
         self.cfg = cfg
         self.run_dir = run_dir
+        self.progress = progress or RunProgress(total_steps=cfg.trainer.total_steps, enabled=cfg.logger.progress)
+        self._phase = None  # the phase that finished episodes count towards (rollout or eval)
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(to_yaml(cfg))
         import_plugins(cfg.plugins, paths=cfg.plugin_paths)
         paths = {name: resolve_model_path(p.model, key=f"policies.{name}.model") for name, p in cfg.policies.items()}
         self.tokenizers = {name: AutoTokenizer.from_pretrained(path) for name, path in paths.items()}
         self.pad_ids = {name: (t.pad_token_id if t.pad_token_id is not None else t.eos_token_id) for name, t in self.tokenizers.items()}
-        self.engines = {
-            name: build_engines(p.engine, paths[name], seed=cfg.trainer.seed, lora=_lora_serving(cfg, name))
-            for name, p in cfg.policies.items()
-        }
+        from megamarl.rollout.factory import engine_threads
+        from megamarl.schedules import SCHEDULES
+
+        overlaps = SCHEDULES.get(cfg.trainer.mode, key="trainer.mode").overlaps_training
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        self.engines = {}
+        with self.progress.phase("engine start-up", total=len(cfg.policies), unit="policies", in_step=False) as phase:
+            for name, p in cfg.policies.items():
+                threads = engine_threads(p.engine, overlaps_training=overlaps, num_local_ranks=local_ranks)
+                self.progress.line(
+                    f"policy {name}: {p.engine.num_replicas} x {p.engine.backend} engine, "
+                    f"dtype {describe_dtype_choice(p.engine.dtype)}, {threads} CPU threads; "
+                    f"training dtype {cfg.policy_dtype(name)}"
+                )
+                self.engines[name] = build_engines(p.engine, paths[name], seed=cfg.trainer.seed,
+                                                   lora=_lora_serving(cfg, name), num_threads=threads)
+                phase.advance()
         self.env = EnvMaker(cfg.env.name, **cfg.env.kwargs)
         self.orchestra = build_orchestra(cfg.orchestra.name, **cfg.orchestra.kwargs)
         self.agents = build_agents(
@@ -342,8 +383,14 @@ class RolloutDriver:
         return await run_episodes(
             self.orchestra, self.env, tasks, agents=agents or self.agents, engines=engines,
             group_size=group_size, max_concurrency=self.cfg.rollout.max_concurrency,
-            step_timeout_s=self.cfg.rollout.env_timeout_s, seed=seed,
+            step_timeout_s=self.cfg.rollout.env_timeout_s, seed=seed, on_episode=self._episode_done,
         )
+
+    def _episode_done(self, samples) -> None:
+        """Counts a finished episode (and its generated tokens) towards the current phase's display."""
+        phase = self._phase
+        if phase is not None:
+            phase.advance(tokens=sum(len(s.response_ids) for s in samples))
 
     def _run(self, tasks, *, group_size: int, agents=None, seed: int | None = None):
         return self.loop.run(self.episodes(tasks, group_size=group_size, agents=agents, seed=seed))
@@ -357,8 +404,14 @@ class RolloutDriver:
         versions, against which samples beyond ``trainer.max_staleness`` are dropped."""
         start = time.perf_counter()
         trainable = {name: v for name, v in versions.items() if not self.cfg.policies[name].frozen}
-        result, metrics = self.schedule.next_rollout(step, trainable)
-        metrics.update({"timing/rollout_s": time.perf_counter() - start, **result.summary()})
+        expected = None if self.schedule.overlaps_training else self.cfg.rollout.num_tasks * self.cfg.rollout.group_size
+        with self.progress.phase("rollout", total=expected) as self._phase:
+            result, metrics = self.schedule.next_rollout(step, trainable)
+        self._phase = None
+        rollout_s = time.perf_counter() - start
+        num_tokens = sum(len(s.response_ids) for s in result.samples)
+        metrics.update({"timing/rollout_s": rollout_s, "perf/rollout_tokens_per_s": num_tokens / max(rollout_s, 1e-9),
+                        **result.summary()})
         self.totals["dropped_episodes"] += result.num_dropped
         self.totals["failed_episodes"] += result.num_failed
         for key in ("dropped_stale_groups", "dropped_stale_samples"):
@@ -407,7 +460,9 @@ class RolloutDriver:
             greedy[role] = oc
         agents = build_agents(greedy, self.tokenizers, default_kinds=self.env.default_agents)
         tasks = self.env.tasks(e.num_tasks, seed=10**9 + 7)  # held out: a seed the training stream never uses
-        result = self._run(tasks, group_size=e.k, agents=agents, seed=10**9 + 7)
+        with self.progress.phase(f"eval at step {step}", total=len(tasks) * e.k, in_step=False) as self._phase:
+            result = self._run(tasks, group_size=e.k, agents=agents, seed=10**9 + 7)
+        self._phase = None
         results = eval_summary(result, k=e.k)
         results["step"] = step
         self.logger.log_eval(step, results)
@@ -423,7 +478,7 @@ class RolloutDriver:
         self.console_print(f"step {step}: " + ", ".join(f"{k}={v:.3f}" for k, v in shown.items()))
 
     def console_print(self, text: str) -> None:
-        print(f"[megamarl] {text}", flush=True)
+        self.progress.line(text)
 
     def state_dict(self) -> dict:
         """Running totals. Nothing else is stateful: tasks and sampling seeds are functions of

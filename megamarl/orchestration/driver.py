@@ -148,13 +148,15 @@ async def run_episodes(
     step_timeout_s: float = 60.0,
     episode_timeout_s: float | None = None,
     seed: int | None = None,
+    on_episode: Callable[[list[Sample]], None] | None = None,
 ) -> RolloutResult:
     """Run ``len(tasks) * group_size`` episodes, at most ``max_concurrency`` at a time.
 
     Episode ids are ``f"{task_id}/{g}"``; results keep task-major, group-minor order regardless
     of completion order, so a seeded run yields samples in a reproducible order. ``seed`` (the
     trainer passes one per step) seeds every engine call from (seed, episode id, agent, turn);
-    None leaves sampling to the engines' own generators.
+    None leaves sampling to the engines' own generators. ``on_episode`` receives each finished
+    episode's samples (progress display).
     """
     if group_size < 1:
         raise ValueError(f"rollout.group_size must be >= 1, got {group_size}")
@@ -164,12 +166,15 @@ async def run_episodes(
 
     async def one(task: Task, index: int) -> tuple[list[Sample], EpisodeStats]:
         async with semaphore:
-            return await run_episode(
+            result = await run_episode(
                 orchestra, make_env(task), task, episode_id=f"{task.task_id}/{index}", agents=agents,
                 engines=engines, workers=workers, step_timeout_s=step_timeout_s,
                 episode_timeout_s=episode_timeout_s,
                 seed=None if seed is None else derive_seed(seed, task.task_id, index),
             )
+        if on_episode is not None:
+            on_episode(result[0])
+        return result
 
     results = await asyncio.gather(*(one(task, g) for task in tasks for g in range(group_size)))
     samples = [s for episode_samples, _ in results for s in episode_samples]

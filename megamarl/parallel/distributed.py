@@ -6,7 +6,9 @@ layer switched on). Works under torchrun (env://) and in a single process (world
 
 from __future__ import annotations
 
+import itertools
 import os
+import time
 from datetime import timedelta
 
 import torch
@@ -67,6 +69,41 @@ def control_group():
     if _CONTROL_GROUP is None:
         _CONTROL_GROUP = dist.new_group(backend="gloo") if device_backend() != "gloo" else dist.group.WORLD
     return _CONTROL_GROUP
+
+
+_DRIVER_WAITS = itertools.count()  # advances identically on every rank: one key per rendezvous
+
+
+def wait_for_driver(what: str, *, driver: int = 0, timeout_s: float, heartbeat_s: float = 30.0) -> None:
+    """Rendezvous after the driver's long work (rollout, eval, engine start-up, plotting), called on
+    every rank at the same point: the driver marks it done, the others block until it does.
+
+    Why not just enter the next collective: a rank waiting inside a gloo collective dies when the
+    group's timeout passes, however legitimately busy the driver is. Here the others wait on the
+    process group's key-value store in ``heartbeat_s`` slices, so only ``timeout_s``
+    (``trainer.collective_timeout_s``) bounds the wait, and a real hang names what was awaited.
+    """
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    key = f"megamarl/driver_done/{next(_DRIVER_WAITS)}"
+    store = dist.distributed_c10d._get_default_store()
+    rank = dist.get_rank()
+    if rank == driver:
+        store.set(key, what)
+        return
+    start = time.monotonic()
+    while True:
+        remaining = timeout_s - (time.monotonic() - start)
+        if remaining <= 0:
+            raise TimeoutError(
+                f"rank {rank} waited {time.monotonic() - start:.0f} s for the driver (rank {driver}) to finish "
+                f"{what}; raise trainer.collective_timeout_s (now {timeout_s:.0f}) if that work is legitimately longer"
+            )
+        try:
+            store.wait([key], timedelta(seconds=min(heartbeat_s, remaining)))
+            return
+        except RuntimeError:  # DistStoreError (a RuntimeError): this slice timed out
+            continue
 
 
 def _free_port() -> int:

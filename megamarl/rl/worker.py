@@ -138,7 +138,7 @@ class PolicyWorker:
     def __init__(
         self, name: str, cfg: PolicyConfig, wg: WorkerGroup, handle: ModelHandle, loss_cfg: LossConfig, *,
         agents: dict[str, AgentTraining] | None = None, ref_handle: ModelHandle | None = None,
-        critic: CriticConfig | None = None, lora=None,
+        critic: CriticConfig | None = None, lora=None, compute_dtype: torch.dtype = torch.float32,
     ):
         """``lora`` (a ``megamarl.models.lora.LoraConfig``): L2, one adapter per agent that names one
         (``agents[a].adapter``) on a frozen base; only adapters train, each micro-batch runs with its
@@ -149,6 +149,8 @@ class PolicyWorker:
         if not wg.is_member:
             raise ValueError(f"rank {dist.get_rank()} holds no shard of policy '{name}'")
         self.name, self.cfg, self.wg, self.loss_cfg = name, cfg, wg, loss_cfg
+        self.compute_dtype = compute_dtype
+        self.on_micro_batch = lambda: None  # progress display: called once per micro-batch forward
         self.vocab_size = handle.vocab_size
         model = handle.model
         config = model.config
@@ -245,7 +247,13 @@ class PolicyWorker:
     def _vocab_start(self, logits: torch.Tensor) -> int:
         return self.wg.tp_rank * logits.shape[-1]
 
+    def _autocast(self):
+        """Mixed precision for the forward pass (its backward follows the recorded dtypes)."""
+        device_type = self.params[0].device.type if self.params else "cpu"
+        return torch.autocast(device_type, dtype=self.compute_dtype, enabled=self.compute_dtype != torch.float32)
+
     def _logprobs(self, logits: torch.Tensor, mb: SampleBatch, offset: int) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = logits.float()  # temperature scaling and log-softmax in fp32 whatever the compute dtype
         vocab_start = self._vocab_start(logits)
         if any(t != 1.0 for t in mb.temperatures):  # the distribution the engine sampled from
             logits = logits / torch.tensor(mb.temperatures, dtype=logits.dtype).view(-1, 1, 1)
@@ -274,6 +282,7 @@ class PolicyWorker:
 
         def forward_step(data_iterator: Iterator[SampleBatch], model):
             mb = next(data_iterator)
+            self.on_micro_batch()
             if self.adapters and model is not self.ref_model:
                 from megamarl.models.lora import set_active_adapter
 
@@ -285,17 +294,20 @@ class PolicyWorker:
             return output, partial(loss_func, mb, offset)
 
         p2p = P2PCommunicator(self.wg.pgs.pp, self.model.config) if pp > 1 else None
-        return forward_backward(
-            forward_step_func=forward_step,
-            data_iterator=iter(micro_batches),
-            model=[model],
-            num_microbatches=len(micro_batches),
-            seq_length=max(mb.tokens.shape[1] for mb in micro_batches),
-            micro_batch_size=max(mb.num_samples for mb in micro_batches),
-            forward_only=forward_only,
-            p2p_communicator=p2p,
-            pg_collection=self.wg.pgs,
-        )
+        # Autocast around forward *and* backward: megatron-core's linear autograd functions compute
+        # their input gradients with a matmul that must see the forward's autocast state.
+        with self._autocast():
+            return forward_backward(
+                forward_step_func=forward_step,
+                data_iterator=iter(micro_batches),
+                model=[model],
+                num_microbatches=len(micro_batches),
+                seq_length=max(mb.tokens.shape[1] for mb in micro_batches),
+                micro_batch_size=max(mb.num_samples for mb in micro_batches),
+                forward_only=forward_only,
+                p2p_communicator=p2p,
+                pg_collection=self.wg.pgs,
+            )
 
     @torch.no_grad()
     def compute_logprobs(self, part: SampleBatch, *, reference: bool = False) -> torch.Tensor | None:

@@ -11,26 +11,30 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megamarl.config import EngineConfig
+from megamarl.parallel.hardware import DTYPES, node_cores, resolve_dtype
 from megamarl.rollout.base import Engine
 
 
-def _hf(cfg: EngineConfig, path: Path, seed: int, lora: LoraServing | None = None) -> Engine:
+def _hf(cfg: EngineConfig, path: Path, seed: int, lora: LoraServing | None = None, num_threads: int = 0) -> Engine:
     from megamarl.rollout.hf import HFEngine
 
-    return HFEngine(path, seed=seed, max_batch_rows=cfg.max_num_seqs)
+    dtype = DTYPES[resolve_dtype(cfg.dtype)]
+    return HFEngine(path, seed=seed, max_batch_rows=cfg.max_num_seqs, dtype=dtype, num_threads=num_threads)
 
 
-def _vllm(cfg: EngineConfig, path: Path, seed: int, lora: LoraServing | None = None) -> Engine:
+def _vllm(cfg: EngineConfig, path: Path, seed: int, lora: LoraServing | None = None, num_threads: int = 0) -> Engine:
     if importlib.util.find_spec("vllm") is None:
         print("[megamarl] engine.backend=vllm but vllm is not installed: using the hf engine", flush=True)
-        return _hf(cfg, path, seed)
+        return _hf(cfg, path, seed, num_threads=num_threads)
     from megamarl.rollout.vllm_engine import VLLMEngine
 
     lora_kwargs = dict(enable_lora=True, max_loras=max(lora.num_adapters, 1), max_lora_rank=lora.rank) if lora else {}
-    return VLLMEngine(path, seed=seed, kv_cache_bytes=int(cfg.kv_cache_gib * 2**30), **lora_kwargs)
+    dtype = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[resolve_dtype(cfg.dtype)]
+    return VLLMEngine(path, seed=seed, kv_cache_bytes=int(cfg.kv_cache_gib * 2**30), dtype=dtype,
+                      num_threads=num_threads, max_num_seqs=cfg.max_num_seqs, **lora_kwargs)
 
 
-def _sglang(cfg: EngineConfig, path: Path, seed: int, lora: LoraServing | None = None) -> Engine:
+def _sglang(cfg: EngineConfig, path: Path, seed: int, lora: LoraServing | None = None, num_threads: int = 0) -> Engine:
     from megamarl.rollout.sglang import SGLangClient
 
     if not cfg.server_urls:
@@ -47,7 +51,18 @@ class LoraServing:
 BUILDERS = {"hf": _hf, "vllm": _vllm, "sglang": _sglang}
 
 
-def build_engines(cfg: EngineConfig, path: Path, *, seed: int = 0, lora: LoraServing | None = None) -> list[Engine]:
-    """``lora``: the policy serves L2 adapters (vLLM must be started with LoRA enabled)."""
+def engine_threads(cfg: EngineConfig, *, overlaps_training: bool, num_local_ranks: int) -> int:
+    """CPU threads an in-process engine decodes with: ``engine.num_threads``, or (0) every core of
+    the node when training waits during rollout, else the driver rank's share of the cores."""
+    if cfg.num_threads:
+        return cfg.num_threads
+    cores = node_cores()
+    return max(1, cores // num_local_ranks) if overlaps_training else cores
+
+
+def build_engines(cfg: EngineConfig, path: Path, *, seed: int = 0, lora: LoraServing | None = None,
+                  num_threads: int = 0) -> list[Engine]:
+    """``lora``: the policy serves L2 adapters (vLLM must be started with LoRA enabled);
+    ``num_threads``: CPU threads per in-process engine (0: leave the process's setting)."""
     build = BUILDERS[cfg.backend]
-    return [build(cfg, path, seed + i, lora) for i in range(cfg.num_replicas)]
+    return [build(cfg, path, seed + i, lora, num_threads) for i in range(cfg.num_replicas)]

@@ -55,8 +55,11 @@ class HFEngine(InProcessEngine):
         max_wait_ms: float = 5.0,
         eos_token_ids: Iterable[int] | None = None,
         seed: int = 0,
+        num_threads: int = 0,
     ) -> None:
+        """``num_threads`` > 0: CPU threads each batch decodes with (set on the batch's thread)."""
         super().__init__()
+        self.num_threads = num_threads
         if isinstance(model, torch.nn.Module):
             self.model_path = None
             self.model = model
@@ -96,6 +99,8 @@ class HFEngine(InProcessEngine):
     def _run_batch(self, requests: list[tuple[list[int], SamplingParams, str | None]]) -> list[list[Generation]]:
         results: list[list[Generation]] = [[] for _ in requests]
         num_rows = sum(sp.n for _, sp, _ in requests)
+        if self.num_threads > 0:  # this batch thread's OpenMP team (torch._C: vLLM may patch the wrapper)
+            torch._C.set_num_threads(self.num_threads)
         with self._model_lock:
             if self._closed:
                 raise RuntimeError("HFEngine was shut down")

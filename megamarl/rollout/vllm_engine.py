@@ -57,6 +57,9 @@ from typing import Any, Iterable
 # Must precede any vllm import in this process: keep the engine core in-process (colocation and
 # in-place weight reload both need it).
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+# vLLM logs every request-level detail at INFO and, on each in-place reload, warnings about layers it
+# skips; megamarl reports what matters itself. Set VLLM_LOGGING_LEVEL=INFO to see vLLM's own log.
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 
 import torch  # noqa: E402
 
@@ -164,6 +167,7 @@ class VLLMEngine(InProcessEngine):
         max_loras: int = 4,
         max_lora_rank: int = 16,
         lora_dir: str | Path | None = None,
+        num_threads: int = 0,
         **engine_kwargs: Any,
     ) -> None:
         from vllm import LLM
@@ -185,19 +189,29 @@ class VLLMEngine(InProcessEngine):
         if enable_lora:
             kwargs.update(enable_lora=True, max_loras=max_loras, max_lora_rank=max_lora_rank)
         kwargs.update(engine_kwargs)
-        with VLLM_WORLD.active():
-            self.llm = LLM(**kwargs)
-        self._engine = self.llm.llm_engine
-        # vLLM-CPU sized its attention metadata for this thread's OpenMP team; the driver thread must
-        # use the same (it would start from OMP_NUM_THREADS, e.g. 1 in a torchrun rank). vLLM replaces
+        # vLLM-CPU sizes its attention metadata for the constructing thread's OpenMP team, and the
+        # driver thread must use the same team size. ``num_threads`` > 0 sets it for both (the
+        # calling thread gets its own count back: training keeps one thread per rank). vLLM replaces
         # torch.set_num_threads with a no-op after binding its threads, hence torch._C's.
-        self._num_threads = torch.get_num_threads()
+        caller_threads = torch.get_num_threads()
+        if num_threads > 0:
+            torch._C.set_num_threads(num_threads)
+        try:
+            with VLLM_WORLD.active():
+                self.llm = LLM(**kwargs)
+            self._num_threads = torch.get_num_threads()
+        finally:
+            torch._C.set_num_threads(caller_threads)
+        self._engine = self.llm.llm_engine
         self.weight_version = 0
         self.enable_lora = enable_lora
         self._loras: dict[str, Any] = {}  # name -> LoRARequest
         self._lora_dir = Path(lora_dir) if lora_dir else Path(tempfile.mkdtemp(prefix="megamarl-lora-"))
 
         self._lock = threading.RLock()  # every LLMEngine call
+        # New requests queue under their own lock: a caller must never wait for a running engine step
+        # (the rollout event loop would stall and requests would trickle in one per step).
+        self._inbox_lock = threading.Lock()
         # (request id, prompt, params, adapter name, LoRARequest, caller's loop, future)
         self._inbox: list[tuple[str, dict, Any, str | None, Any, asyncio.AbstractEventLoop, asyncio.Future]] = []
         self._futures: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future, str | None]] = {}
@@ -223,11 +237,12 @@ class VLLMEngine(InProcessEngine):
             raise RuntimeError(f"vLLM engine is not running: {self._error!r}")
         loop = asyncio.get_running_loop()
         future = loop.create_future()
-        with self._lock:
+        params = to_vllm_sampling(sampling)
+        with self._inbox_lock:
             request_id = f"req-{self._next_id}"
             self._next_id += 1
             prompt = {"prompt_token_ids": list(prompt_ids)}
-            self._inbox.append((request_id, prompt, to_vllm_sampling(sampling), lora, lora_request, loop, future))
+            self._inbox.append((request_id, prompt, params, lora, lora_request, loop, future))
         self._wakeup.set()
         return await future
 
@@ -256,7 +271,8 @@ class VLLMEngine(InProcessEngine):
                 loop.call_soon_threadsafe(_set_result, future, to_generations(output, version))
 
     def _admit(self) -> None:
-        inbox, self._inbox = self._inbox, []
+        with self._inbox_lock:
+            inbox, self._inbox = self._inbox, []
         for request_id, prompt, params, lora, lora_request, loop, future in inbox:
             self._futures[request_id] = (loop, future, lora)
             try:
@@ -267,7 +283,7 @@ class VLLMEngine(InProcessEngine):
 
     def _fail_all(self, exc: BaseException) -> None:
         self._error = exc
-        with self._lock:
+        with self._lock, self._inbox_lock:
             waiting = [(loop, future) for loop, future, _ in self._futures.values()]
             waiting += [(e[5], e[6]) for e in self._inbox]
             self._futures.clear()

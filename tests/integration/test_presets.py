@@ -48,10 +48,20 @@ class Preset:
     world_size: int
 
 
+def _fp32_overrides(path: Path | str) -> list[str]:
+    """fp32 engines and training on every policy: the TIS check below compares the trainer's
+    log-probs with the engine's to 1e-3, which ``auto`` (bf16 on a node with native bf16) would not
+    meet."""
+    from megamarl.config import load_config
+
+    names = load_config(path).policies.keys()
+    return [f"policies.{n}.{k}=fp32" for n in names for k in ("dtype", "engine.dtype")]
+
+
 def _load(path: Path):
     from megamarl.config import load_config
 
-    return load_config(path)
+    return load_config(path, _fp32_overrides(path))
 
 
 def _preset(path: Path) -> Preset:
@@ -218,7 +228,7 @@ def _run_presets(out: Path, configs: list[str]) -> None:
     rank = int(os.environ.get("RANK", "0"))
     for config in configs:
         start = time.perf_counter()
-        rc = train(["--config", config, f"output_dir={out / 'runs'}"])
+        rc = train(["--config", config, f"output_dir={out / 'runs'}", *_fp32_overrides(config)])
         if rank == 0:
             record = {"preset": Path(config).stem, "rc": rc, "seconds": round(time.perf_counter() - start, 1)}
             with open(out / "results.jsonl", "a") as f:

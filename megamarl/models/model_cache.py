@@ -1,0 +1,80 @@
+"""Build a model directory once, safely, however many ranks or processes ask for it at the same time.
+
+Every rank of a run resolves its policies' models; on an empty cache they would all convert the same
+model at once and a reader could see a half-written directory (seen: ``Unrecognized model ... Should
+have a model_type key in its config.json``). ``build_once(target, build)``:
+
+1. returns at once when ``target`` holds a *complete* entry: a manifest (``.megamarl-complete``,
+   written last) whose listed files all exist with their recorded sizes;
+2. otherwise takes an exclusive file lock next to the target (``filelock``: one process builds, the
+   others block on the lock and then find the finished entry), re-checks, removes a partial or corrupt
+   entry (logged), builds into a private temporary directory on the same filesystem and renames it
+   into place, manifest included, so a reader never sees a partial directory.
+
+The lock lives on the cache's filesystem, so it serialises processes on one node (torchrun's ranks);
+on a shared filesystem across nodes ``filelock`` falls back to its soft lock where ``fcntl`` is not
+honoured.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import uuid
+from pathlib import Path
+from typing import Callable
+
+from filelock import FileLock
+
+MANIFEST = ".megamarl-complete"
+
+
+def is_complete(target: Path) -> bool:
+    """True when ``target`` has a manifest and every file it lists has its recorded size."""
+    manifest = target / MANIFEST
+    try:
+        files = json.loads(manifest.read_text())["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    return all((target / name).is_file() and (target / name).stat().st_size == size for name, size in files.items())
+
+
+def write_manifest(directory: Path) -> None:
+    files = {
+        str(p.relative_to(directory)): p.stat().st_size
+        for p in sorted(directory.rglob("*")) if p.is_file() and p.name != MANIFEST
+    }
+    (directory / MANIFEST).write_text(json.dumps({"files": files}, indent=1))
+
+
+def build_once(target: str | os.PathLike, build: Callable[[Path], None], *, what: str = "model",
+               status: Callable[[str], None] | None = None) -> Path:
+    """Make ``target`` a complete directory, calling ``build(tmp_dir)`` at most once across processes.
+
+    ``build`` writes the entry's files into the empty directory it is given. ``status`` receives one
+    line before a build starts and one when it ends (default: stderr).
+    """
+    target = Path(target)
+    if is_complete(target):
+        return target
+    say = status or (lambda line: print(f"[megamarl] {line}", file=sys.stderr, flush=True))
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(target) + ".lock"):
+        if is_complete(target):  # another process built it while we waited for the lock
+            return target
+        if target.exists():
+            say(f"{what}: {target} is partial or corrupt (no complete manifest); rebuilding it")
+            shutil.rmtree(target)
+        tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        tmp.mkdir()
+        try:
+            say(f"{what}: preparing {target} (once; other ranks wait for it)")
+            build(tmp)
+            write_manifest(tmp)
+            tmp.replace(target)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        say(f"{what}: ready at {target}")
+    return target

@@ -1,0 +1,59 @@
+"""``model_cache.build_once``: one process builds a model directory, concurrent ones wait and read the
+finished entry; a partial or corrupt entry is detected and rebuilt (the README quickstart's first run
+crashed when both ranks converted the packaged model into an empty cache at once)."""
+
+import json
+import multiprocessing as mp
+import time
+from pathlib import Path
+
+from megamarl.models.model_cache import MANIFEST, build_once, is_complete
+
+
+def _slow_build(tmp: Path, log: str) -> None:
+    with open(log, "a") as f:
+        f.write("build\n")
+    (tmp / "config.json").write_text('{"model_type": "llama"}')
+    time.sleep(1.0)  # a reader arriving now must not see a half-written directory
+    (tmp / "model.safetensors").write_bytes(b"x" * 1000)
+
+
+def _worker(target: str, log: str, out) -> None:
+    path = build_once(target, lambda tmp: _slow_build(tmp, log), status=lambda line: None)
+    out.put((json.loads((path / "config.json").read_text())["model_type"], (path / "model.safetensors").stat().st_size))
+
+
+def test_concurrent_processes_build_once_and_all_read_the_complete_entry(tmp_path):
+    target, log = tmp_path / "models" / "m", tmp_path / "builds.log"
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_worker, args=(str(target), str(log), out)) for _ in range(3)]
+    for p in procs:
+        p.start()
+    results = [out.get(timeout=120) for _ in procs]
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    assert results == [("llama", 1000)] * 3
+    assert log.read_text() == "build\n"  # exactly one process built it
+    assert is_complete(target)
+    assert not [p for p in target.parent.iterdir() if p.name.startswith(".m.tmp")]  # no leftovers
+
+
+def test_partial_or_corrupt_entries_are_rebuilt(tmp_path):
+    target, log = tmp_path / "m", tmp_path / "builds.log"
+    target.mkdir()
+    (target / "config.json").write_text("{}")  # a crash mid-copy: no manifest
+    lines = []
+    build_once(target, lambda tmp: _slow_build(tmp, str(log)), status=lines.append)
+    assert is_complete(target) and log.read_text() == "build\n"
+    assert any("partial or corrupt" in line for line in lines)
+
+    (target / "model.safetensors").write_bytes(b"x" * 10)  # truncated after the manifest was written
+    assert not is_complete(target)
+    build_once(target, lambda tmp: _slow_build(tmp, str(log)), status=lines.append)
+    assert (target / "model.safetensors").stat().st_size == 1000 and log.read_text() == "build\nbuild\n"
+
+    build_once(target, lambda tmp: _slow_build(tmp, str(log)), status=lines.append)  # complete: no build
+    assert log.read_text() == "build\nbuild\n"
+    assert json.loads((target / MANIFEST).read_text())["files"]["model.safetensors"] == 1000

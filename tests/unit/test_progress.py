@@ -1,0 +1,55 @@
+"""The run's progress: one plain line per phase without a terminal; a live rich display on one."""
+
+import io
+import threading
+
+from megamarl.progress import RunProgress, format_duration
+
+
+def test_plain_mode_prints_one_line_per_phase_with_counts_tokens_and_eta():
+    out = io.StringIO()
+    progress = RunProgress(total_steps=20, stream=out)  # StringIO is not a TTY: plain lines
+    assert not progress.live
+    progress.start_at(2)
+    progress.step_done(3, 12.0)
+    with progress.phase("rollout", total=64) as phase:
+        threads = [threading.Thread(target=lambda: [phase.advance(tokens=10) for _ in range(16)]) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    with progress.phase("model preparation", total=1, unit="policies", in_step=False) as phase:
+        phase.advance()
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 2
+    assert lines[0].startswith("[megamarl] step 4/20 rollout: 64/64 episodes, 640 tokens in ")
+    assert "tokens/s)" in lines[0] and lines[0].endswith("| ETA 3m24s")  # 17 steps left x 12 s
+    assert lines[1].startswith("[megamarl] model preparation: 1/1 policies in ")
+
+
+def test_progress_off_keeps_messages_but_drops_phase_lines():
+    out = io.StringIO()
+    progress = RunProgress(total_steps=5, enabled=False, stream=out)
+    with progress.phase("rollout", total=4):
+        pass
+    progress.line("eval step 0: team_accuracy=0.500")
+    assert out.getvalue() == "[megamarl] eval step 0: team_accuracy=0.500\n"
+
+
+def test_live_mode_draws_steps_eta_and_the_phase_bar():
+    out = io.StringIO()
+    progress = RunProgress(total_steps=10, stream=out, live=True)
+    progress.start_at(0)
+    progress.step_done(1, 30.0)
+    with progress.phase("rollout", total=8) as phase:
+        for _ in range(8):
+            phase.advance(tokens=5)
+        progress._bars.refresh()
+        drawn = out.getvalue()
+    progress.close()
+    assert "steps" in drawn and "1/10" in drawn and "ETA 4m30s" in drawn
+    assert "step 2/10 rollout" in drawn and "8/8" in drawn and "tok/s" in drawn
+
+
+def test_format_duration():
+    assert [format_duration(s) for s in (5, 65, 3725)] == ["5s", "1m05s", "1h02m"]
