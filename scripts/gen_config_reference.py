@@ -36,7 +36,13 @@ names the key.
 
 
 def _names(registry) -> str:
-    return ", ".join(f"`{n}`" for n in registry.names())
+    """The built-in names: registered by megamarl's own modules, not by plugins or test helpers
+    (``megamarl.orchestration.testing``) that the process happens to have imported."""
+    def builtin(name: str) -> bool:
+        module = getattr(registry.get(name), "__module__", "")
+        return module.startswith("megamarl.") and ".testing" not in module
+
+    return ", ".join(f"`{n}`" for n in registry.names() if builtin(n))
 
 
 def descriptions() -> dict[str, str]:
