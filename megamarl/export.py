@@ -134,7 +134,8 @@ def _copy_side_files(src: Path, dst: Path, *, dtype: str) -> None:
         shutil.rmtree(dst)  # no stale weight files from an earlier export with another layout
     dst.mkdir(parents=True)
     for file in src.iterdir():
-        if file.is_file() and not file.name.endswith(_COPY_SKIP):
+        # dot files are megamarl's own markers (the model cache's completion marker), not the model's
+        if file.is_file() and not file.name.endswith(_COPY_SKIP) and not file.name.startswith("."):
             shutil.copy2(file, dst / file.name)
     config = json.loads((dst / "config.json").read_text())
     config["torch_dtype" if "torch_dtype" in config and "dtype" not in config else "dtype"] = dtype
