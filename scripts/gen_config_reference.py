@@ -200,7 +200,7 @@ def rows(cls: type, prefix: str, extra: dict[str, str]) -> list[tuple[str, str, 
         doc = (comments.get(field.name) or extra.get(key, "")).replace("|", "\\|")
         if dataclasses.is_dataclass(inner):
             if optional:
-                out.append((key, f"section \\| null", "null", doc or f"set it to enable; keys below"))
+                out.append((key, "section \\| null", "null", doc or "set it to enable; keys below"))
             out.extend(rows(inner, f"{key}.", extra))
             continue
         value = typing.get_args(inner)[1] if typing.get_origin(inner) is dict else None

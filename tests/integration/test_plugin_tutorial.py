@@ -25,7 +25,7 @@ def _env():
 
 def test_tutorial_code_is_the_example_verbatim():
     text = (ROOT / "docs" / "tutorial_plugin.md").read_text()
-    blocks = re.findall(r"```(python|yaml)\n(.*?)```", text, flags=re.S)
+    blocks = re.findall(r"```(python|yaml)\n(.*?)```", text, flags=re.DOTALL)
     assert [body for lang, body in blocks if lang == "python"] == [(EXAMPLE / "pair_sum.py").read_text()]
     assert [body for lang, body in blocks if lang == "yaml"] == [CONFIG.read_text()]
 
@@ -34,9 +34,9 @@ def test_a_plugin_that_is_not_found_is_one_line_naming_plugin_paths(tmp_path):
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "train.py"), "--config", str(CONFIG), "plugin_paths=[]"],
                           cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines() == [
-        f"config error: plugins: module 'pair_sum' not found on plugin_paths [] or in the working directory "
-        f"{tmp_path}; set plugin_paths (relative to the config file's directory)"]
+    expected = (f"config error: plugins: module 'pair_sum' not found on plugin_paths [] or in the working "
+                f"directory {tmp_path}; set plugin_paths (relative to the config file's directory)")
+    assert proc.stderr.strip().splitlines() == [expected]
 
 
 @pytest.mark.integration
