@@ -1,9 +1,11 @@
-"""The run configuration: typed dataclasses loaded from YAML with OmegaConf, validated at start-up.
+"""The run configuration: typed dataclasses composed from YAML with Hydra, validated at start-up.
 
-``load_config(path, overrides)`` merges a YAML file and hydra-style ``key=value`` overrides onto the
-structured schema below. OmegaConf rejects unknown keys and wrong types (the error names the full
-key); our ``__post_init__`` checks add the cross-field rules (a layout that cannot be placed, an
-agent pointing at a policy that does not exist...). Defaults live here and nowhere else.
+``load_config(path, overrides)`` composes a YAML file (its ``defaults:`` list included) and Hydra
+overrides (``key=value``, ``+key=value``, ``++key=value``, ``~key``, ``group@pkg=option``) onto the
+structured schema below, registered in Hydra's ConfigStore (``megamarl.config_loader``). Unknown keys
+and wrong types are rejected with the full key named; our ``__post_init__`` checks add the
+cross-field rules (a layout that cannot be placed, an agent pointing at a policy that does not
+exist...). Defaults live here and nowhere else; docs/config_reference.md is generated from them.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Optional
 
-from omegaconf import MISSING, OmegaConf
+from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 import megamarl.orchestration  # noqa: F401 - registers the built-in agents, envs, orchestras
@@ -25,6 +27,7 @@ from megamarl.orchestration.agents import AGENTS
 from megamarl.orchestration.agents import AgentConfig as OrchAgentConfig
 from megamarl.orchestration.env import ENVS, EnvSpec
 from megamarl.orchestration.orchestras import ORCHESTRAS, OrchestraSpec
+from megamarl.config_loader import compose_config
 from megamarl.parallel.hardware import DTYPE_CHOICES, resolve_dtype
 from megamarl.parallel.placement import PLACEMENT_MODES, PlacementConfig, WorkerGroupLayout
 from megamarl.planning.model_presets import PRESETS
@@ -301,6 +304,9 @@ class EvalEnvConfig:
     name: Optional[str] = None  # registered env; None: env.name
     kwargs: Optional[dict[str, Any]] = None  # None: env.kwargs when the name is env.name, else {}
 
+    def is_set(self) -> bool:
+        return self.name is not None or self.kwargs is not None
+
     def resolve(self, train: EnvSpec) -> EnvSpec:
         name = self.name or train.name
         kwargs = self.kwargs if self.kwargs is not None else (dict(train.kwargs) if name == train.name else {})
@@ -315,7 +321,7 @@ class EvalConfig:
     temperature: float = 0.0
     # Held-out data: the env of the (single, unnamed) eval set, e.g. another dataset_path; None: the
     # training env with a seed the training stream never uses (logged as eval/team_accuracy, ...).
-    env: Optional[EvalEnvConfig] = None
+    env: EvalEnvConfig = field(default_factory=EvalEnvConfig)  # unset fields: the training env
     # Several named sets instead (exclusive with env): eval/<set>/team_accuracy, eval/<set>/avg@k, ...
     sets: dict[str, EvalEnvConfig] = field(default_factory=dict)
 
@@ -324,7 +330,7 @@ class EvalConfig:
             _check_range(f"eval.{key}", getattr(self, key), low=0)
         _check_range("eval.k", self.k, low=1)
         _check_range("eval.temperature", self.temperature, low=0)
-        if self.env is not None and self.sets:
+        if self.env.is_set() and self.sets:
             raise ValueError("eval.env and eval.sets are exclusive: name the set in eval.sets.<name> instead")
         bad = [name for name in self.sets if not name or "/" in name]
         if bad:
@@ -334,7 +340,7 @@ class EvalConfig:
         """Set name -> env; the unnamed set "" (metrics without a set prefix) unless ``sets`` is given."""
         if self.sets:
             return {name: spec.resolve(train) for name, spec in self.sets.items()}
-        return {"": (self.env or EvalEnvConfig()).resolve(train)}
+        return {"": self.env.resolve(train)}
 
 
 @dataclass
@@ -412,6 +418,9 @@ class RunConfig:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     placement_mode: str = "colocated"
     plugins: list[str] = field(default_factory=list)  # modules that register agents/envs/orchestras
+    # Directories searched (first) for ``plugins``; a relative one is relative to the config file's
+    # directory. The working directory is searched after them (as ``python -m`` would).
+    plugin_paths: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.placement_mode not in PLACEMENT_MODES:
@@ -445,7 +454,7 @@ class RunConfig:
     def _check_registered_names(self) -> None:
         """Registry names and their kwargs, after importing ``plugins`` (they may register more), so
         a typo stops the run at load time instead of after the models are built."""
-        import_plugins(self.plugins)
+        import_plugins(self.plugins, paths=self.plugin_paths)
         ADVANTAGE_ESTIMATORS.get(self.algorithm.estimator, key="algorithm.estimator")
         eval_envs = {f"eval.sets.{name}" if name else "eval.env": env
                      for name, env in self.eval.resolved_sets(self.env).items()}
@@ -503,35 +512,9 @@ class RunConfig:
 
 
 def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
-    """YAML + ``key=value`` overrides -> validated ``RunConfig``. Errors name the offending key."""
-    schema = OmegaConf.structured(RunConfig)
-    try:
-        merged = schema
-        if path is not None:
-            path = Path(path)
-            if not path.is_file():
-                raise ValueError(f"--config {path}: file not found")
-            merged = OmegaConf.merge(merged, OmegaConf.load(path))
-        base = merged
-        if overrides:
-            merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(list(overrides)))
-        return OmegaConf.to_object(merged)
-    except OmegaConfBaseException as exc:
-        key = getattr(exc, "full_key", None) or _failing_override(base, overrides) if overrides else "?"
-        raise ValueError(f"config key '{key or '?'}': {_first_line(exc)}") from exc
-    except ValueError as exc:
-        raise ValueError(_with_names(_first_line(exc), merged)) from exc
-
-
-def _failing_override(base, overrides) -> str | None:
-    """The key of the override that does not merge (OmegaConf leaves ``full_key`` empty when, e.g., a
-    mapping replaces a list)."""
-    for override in overrides:
-        try:
-            OmegaConf.merge(base, OmegaConf.from_dotlist([override]))
-        except OmegaConfBaseException:
-            return override.split("=", 1)[0]
-    return None
+    """YAML (composed with Hydra; see ``megamarl.config_loader``) + overrides -> validated
+    ``RunConfig``. Errors are ValueErrors that name the offending key."""
+    return compose_config(RunConfig, path, overrides, rewrite=_resolve_plugin_paths, explain=_with_names)
 
 
 def _with_names(message: str, merged) -> str:
@@ -549,8 +532,19 @@ def _with_names(message: str, merged) -> str:
     return message
 
 
+
 def _first_line(exc: Exception) -> str:
     return str(exc).strip().splitlines()[0]
+
+
+def _resolve_plugin_paths(cfg: DictConfig, config_dir: Path) -> None:
+    """``plugin_paths`` relative to the config file's directory, made absolute before validation
+    imports the plugins (and so in the run's saved config.yaml)."""
+    paths = cfg.get("plugin_paths") or []
+    cfg.plugin_paths = [str((config_dir / str(p)).resolve()) for p in paths]
+    missing = [p for p in cfg.plugin_paths if not Path(p).is_dir()]
+    if missing:
+        raise ValueError(f"plugin_paths: {missing} not found (paths are relative to the config file's directory)")
 
 
 def to_yaml(cfg: RunConfig) -> str:

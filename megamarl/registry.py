@@ -18,6 +18,8 @@ tests/unit/test_registry_contracts.py checks every entry of every registry again
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 from typing import Any, Callable, Generic, Iterable, TypeVar
 
 T = TypeVar("T")
@@ -75,12 +77,31 @@ class Registry(Generic[T]):
         return name in self._items
 
 
-def import_plugins(modules: Iterable[str]) -> None:
+def import_plugins(modules: Iterable[str], *, paths: Iterable[str] = ()) -> None:
     """Import user plugin modules (they register on import). A failing import is re-raised with
-    the module named: a plugin that does not load must stop the run, not vanish from a registry."""
+    the module named: a plugin that does not load must stop the run, not vanish from a registry.
+
+    ``paths`` (``plugin_paths``, absolute) go to the front of ``sys.path`` and the working
+    directory to its end: under ``torchrun scripts/train.py`` ``sys.path[0]`` is ``scripts/``, not
+    the directory the user launched from, so a plugin next to the user's config was not found."""
+    modules, paths = list(modules), [str(p) for p in paths]
+    if modules:
+        for path in reversed(paths):
+            if path not in sys.path:
+                sys.path.insert(0, path)
+        cwd = os.getcwd()
+        if cwd not in sys.path and "" not in sys.path:
+            sys.path.append(cwd)
     for module in modules:
         try:
             importlib.import_module(module)
+        except ModuleNotFoundError as exc:
+            if exc.name != module.split(".")[0]:  # the plugin was found; something it imports was not
+                raise ImportError(f"plugin module '{module}' failed to import: {exc!r}") from exc
+            raise ImportError(
+                f"plugins: module '{module}' not found on plugin_paths {list(paths)} or in the working "
+                f"directory {os.getcwd()}; set plugin_paths (relative to the config file's directory)"
+            ) from exc
         except Exception as exc:  # noqa: BLE001 - re-raised with context
             raise ImportError(f"plugins: module '{module}' failed to import: {exc!r}") from exc
 

@@ -37,7 +37,7 @@ fi
 torch_spec="${MEGAMARL_TORCH:-}"
 if [[ -z "$torch_spec" ]]; then
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-    torch_spec="skip"   # GPU node: bring your CUDA torch (see README, "Launching on a cluster")
+    torch_spec="skip"   # GPU node: bring your CUDA torch (docs/install.md, "GPU cluster")
   else
     torch_spec="torch==2.13.0"
   fi

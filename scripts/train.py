@@ -1,7 +1,11 @@
 """Train a team of LLM agents.
 
     torchrun --nproc_per_node 2 scripts/train.py --config configs/quickstart_cpu.yaml [key=value ...]
-    python scripts/train.py --config configs/70b_hetero.yaml --dry-run
+    python scripts/train.py --config configs/70b_hetero.yaml --dry-run [policies.planner.tp=4,8 ...]
+
+Overrides use Hydra's grammar (key=value, +key=value, ++key=value, ~key, group=option; see
+docs/configs.md). A sweep (key=a,b) is planned combination by combination with --dry-run; a
+training launch takes one value per key.
 
 The loop (megamarl.trainer.Trainer.fit): rollout -> advantages -> update each policy -> sync weights
 -> log / eval / checkpoint.
@@ -12,28 +16,26 @@ import os
 import sys
 
 from megamarl.config import load_config
+from megamarl.config_loader import expand_sweeps
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, help="YAML run config (see configs/)")
     parser.add_argument("--dry-run", action="store_true", help="validate placement and memory for the declared cluster")
-    parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. trainer.total_steps=5")
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. trainer.total_steps=5 +env.kwargs.size=6")
     args = parser.parse_args(argv)
+    if args.dry_run:
+        return _dry_run(args.config, args.overrides)
     try:
         cfg = load_config(args.config, args.overrides)
-        if not args.dry_run:  # the dry run checks its declared cluster instead
-            cfg.placement(int(os.environ.get("WORLD_SIZE", "1")))
+        cfg.placement(int(os.environ.get("WORLD_SIZE", "1")))
     except (ValueError, ImportError) as exc:  # ImportError: a plugin module that does not load
         print(f"config error: {exc}", file=sys.stderr)
         return 2
-    if args.dry_run:
-        from megamarl.planning.dryrun import main_dry_run
-
-        return main_dry_run(cfg)
     from megamarl.orchestration.driver import RolloutFailureError
-    from megamarl.rl.worker import NumericalFaultError
     from megamarl.runtime.checkpoint import CheckpointWriteError
+    from megamarl.rl.worker import NumericalFaultError
     from megamarl.trainer import Trainer
 
     # Errors every rank raises together, with exit codes documented in docs/reliability.md
@@ -49,6 +51,24 @@ def main(argv=None) -> int:
         print(f"training stopped: {exc}", file=sys.stderr)
         return 5
     return 0
+
+
+def _dry_run(config: str, overrides: list[str]) -> int:
+    """Plan every sweep combination against the declared cluster (not WORLD_SIZE); worst exit code."""
+    from megamarl.planning.dryrun import main_dry_run
+
+    try:
+        combos = expand_sweeps(overrides)
+        configs = [(combo, load_config(config, combo)) for combo in combos]
+    except (ValueError, ImportError) as exc:
+        print(f"config error: {exc}", file=sys.stderr)
+        return 2
+    status = 0
+    for combo, cfg in configs:
+        if len(configs) > 1:
+            print(f"== dry run: {' '.join(combo)}")
+        status = max(status, main_dry_run(cfg))
+    return status
 
 
 if __name__ == "__main__":

@@ -48,7 +48,7 @@ class RolloutDriver:
         self._phase = None  # the phase that finished episodes count towards (rollout or eval)
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(to_yaml(cfg))
-        import_plugins(cfg.plugins)
+        import_plugins(cfg.plugins, paths=cfg.plugin_paths)
         paths = {name: resolve_model_path(p.model, key=f"policies.{name}.model") for name, p in cfg.policies.items()}
         self.tokenizers = {name: AutoTokenizer.from_pretrained(path) for name, path in paths.items()}
         self.pad_ids = {name: (t.pad_token_id if t.pad_token_id is not None else t.eos_token_id) for name, t in self.tokenizers.items()}
@@ -65,7 +65,7 @@ class RolloutDriver:
         self.totals = {"dropped_episodes": 0, "failed_episodes": 0, "dropped_groups": 0, "refill_rounds": 0}
         # eval set name ("" = the unnamed default set) -> env (eval.env / eval.sets; default: training env)
         self.eval_envs = {name: env.maker() for name, env in cfg.eval.resolved_sets(cfg.env).items()}
-        if cfg.eval.sets or cfg.eval.env is not None:
+        if cfg.eval.sets or cfg.eval.env.is_set():
             for name, env in cfg.eval.resolved_sets(cfg.env).items():
                 self.console_print(f"eval set {name or '(default)'}: env {env.name} {env.kwargs}")
         self.loop = RolloutLoop()  # every engine call of the driver runs on this one event loop

@@ -1,7 +1,12 @@
 """Convert checkpoints between Hugging Face and Megatron (megatron-core ``dist_checkpointing``).
 
-    python -m megamarl.models.convert --from hf --to megatron --tp 2 --pp 2 SRC_HF_DIR DST
-    python -m megamarl.models.convert --from megatron --to hf [--tp 1 --pp 1] SRC DST_HF_DIR
+    megamarl-convert --from run --to hf [--policy P ...] [--dtype bfloat16] RUN_OR_CHECKPOINT_DIR DST
+    megamarl-convert --from hf --to megatron --tp 2 --pp 2 SRC_HF_DIR DST
+    megamarl-convert --from megatron --to hf [--tp 1 --pp 1] [--dtype D] SRC DST_HF_DIR
+
+``--from run`` exports the policies a training run saved (``runs/<name>/checkpoints/step_N``, L2
+adapters as PEFT directories) to Hugging Face directories: see ``megamarl.runtime.export``. The other two
+convert a single model (``python -m megamarl.models.convert`` is the same command).
 
 Megatron side (``DST`` of the first command): ``config.json`` and tokenizer files copied from the
 HF directory, plus ``megatron/`` holding the ``torch_dist`` sharded checkpoint of the model. Because
@@ -24,11 +29,12 @@ import shutil
 import sys
 from pathlib import Path
 
+import torch
 from safetensors.torch import save_file
 
 from megamarl.models import bridge, checkpoint
 from megamarl.models.mapping import hf_param_names
-from megamarl.parallel.launch import run_on_ranks
+from megamarl.parallel import launch
 from megamarl.parallel.placement import PlacementConfig, WorkerGroupLayout, build_worker_groups
 
 MEGATRON_SUBDIR = "megatron"
@@ -51,7 +57,7 @@ def _progress(iterable, *, total: int, desc: str, enabled: bool):
     return tqdm(iterable, total=total, desc=desc, file=sys.stderr, dynamic_ncols=True)
 
 
-def _worker_group(tp: int, pp: int):
+def conversion_worker_group(tp: int, pp: int):
     """One WG over the whole world (the converter's world is exactly tp * pp ranks, checked at start)."""
     layout = WorkerGroupLayout(ranks=list(range(tp * pp)), tp=tp, pp=pp)
     return build_worker_groups(PlacementConfig({"convert": layout}))["convert"]
@@ -59,7 +65,7 @@ def _worker_group(tp: int, pp: int):
 
 def hf_to_megatron(rank: int, src: str, dst: str, tp: int, pp: int) -> None:
     """Body on each rank: build the sharded model, fill it from ``src`` (HF), save ``dst/megatron``."""
-    wg = _worker_group(tp, pp)
+    wg = conversion_worker_group(tp, pp)
     model = bridge.build_model(src, wg, init_weights=False)
     bridge.load_hf_weights(model, src, wg)
     if rank == 0:
@@ -67,16 +73,16 @@ def hf_to_megatron(rank: int, src: str, dst: str, tp: int, pp: int) -> None:
     checkpoint.save_checkpoint(Path(dst) / MEGATRON_SUBDIR, model, wg)
 
 
-def megatron_to_hf(rank: int, src: str, dst: str, tp: int, pp: int) -> list[str]:
+def megatron_to_hf(rank: int, src: str, dst: str, tp: int, pp: int, dtype: str = "float32") -> list[str]:
     """Body on each rank: load ``src/megatron`` at tp x pp, stream HF tensors, senders write files."""
-    wg = _worker_group(tp, pp)
+    wg = conversion_worker_group(tp, pp)
     model = bridge.build_model(src, wg, init_weights=False)
     checkpoint.load_checkpoint(Path(src) / MEGATRON_SUBDIR, model, wg)
     sender = bridge.is_sender(wg)
     total = len(hf_param_names(bridge.unwrap(model).hf_arch))
     stream = _progress(bridge.export_hf_weights(model, wg), total=total, desc=f"stage {wg.pp_rank} -> HF",
                        enabled=sender)
-    tensors = {name: tensor.contiguous() for name, tensor in stream}
+    tensors = {name: tensor.to(getattr(torch, dtype)).contiguous() for name, tensor in stream}
     if not sender:
         return []
     file = "model.safetensors" if pp == 1 else f"model-{wg.pp_rank + 1:05d}-of-{pp:05d}.safetensors"
@@ -84,24 +90,27 @@ def megatron_to_hf(rank: int, src: str, dst: str, tp: int, pp: int) -> list[str]
     return [f"{file}\t{name}" for name in tensors]
 
 
-def _run(body, world: int, *args) -> list:
-    return run_on_ranks(body, world, *args, timeout_s=3600)
+def run_on_ranks(body, world: int, *args) -> list:
+    """``body(rank, *args)`` on ``world`` ranks: this process under torchrun, else spawned ranks."""
+    return launch.run_on_ranks(body, world, *args, timeout_s=3600)
 
 
-def convert(src: str | Path, dst: str | Path, *, from_format: str, to_format: str, tp: int = 1, pp: int = 1) -> Path:
-    """Library entry point of the CLI (same arguments); returns ``dst``."""
+def convert(src: str | Path, dst: str | Path, *, from_format: str, to_format: str, tp: int = 1, pp: int = 1,
+            dtype: str = "float32") -> Path:
+    """Library entry point of the single-model conversions (same arguments as the CLI); returns ``dst``."""
     src, dst = Path(src), Path(dst)
     if (from_format, to_format) not in (("hf", "megatron"), ("megatron", "hf")):
-        raise ValueError(f"--from {from_format} --to {to_format} unsupported; allowed: hf->megatron, megatron->hf")
+        raise ValueError(f"--from {from_format} --to {to_format} unsupported; allowed: hf->megatron, megatron->hf, run->hf")
     if not (src / "config.json").is_file():
         raise ValueError(f"{src} has no config.json")
     _copy_side_files(src, dst)
     if from_format == "hf":
-        _run(hf_to_megatron, tp * pp, str(src), str(dst), tp, pp)
+        run_on_ranks(hf_to_megatron, tp * pp, str(src), str(dst), tp, pp)
         (dst / "megamarl_convert.json").write_text(json.dumps({"saved_tp": tp, "saved_pp": pp}))
         return dst
     (dst / "megamarl_convert.json").unlink(missing_ok=True)
-    lines = [line for rank_lines in _run(megatron_to_hf, tp * pp, str(src), str(dst), tp, pp) for line in rank_lines]
+    lines = [line for rank_lines in run_on_ranks(megatron_to_hf, tp * pp, str(src), str(dst), tp, pp, dtype)
+             for line in rank_lines]
     if pp > 1 and lines:
         weight_map = dict(reversed(line.split("\t")) for line in lines)
         (dst / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2))
@@ -110,8 +119,13 @@ def convert(src: str | Path, dst: str | Path, *, from_format: str, to_format: st
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="megamarl-convert", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--from", dest="from_format", choices=["hf", "megatron"], required=True)
+    parser.add_argument("--from", dest="from_format", choices=["run", "hf", "megatron"], required=True,
+                        help="run: a training run's checkpoint (runs/<name> or runs/<name>/checkpoints/step_N)")
     parser.add_argument("--to", dest="to_format", choices=["hf", "megatron"], required=True)
+    parser.add_argument("--policy", action="append", default=None,
+                        help="--from run: export this policy (repeatable; default: every trained policy)")
+    parser.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"],
+                        help="weight dtype of the HF output (--from run default: auto = the source model's; else float32)")
     parser.add_argument("--tp", type=int, default=1, help="tensor parallel size of the ranks doing the conversion")
     parser.add_argument("--pp", type=int, default=1, help="pipeline parallel size of the ranks doing the conversion")
     parser.add_argument("src")
@@ -119,9 +133,25 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     os.environ.setdefault("PYTHONWARNINGS", "ignore")
     # Through the importable module, not __main__: spawned ranks unpickle the rank bodies by name.
+    from megamarl.runtime.export import export_run
     from megamarl.models.convert import convert
 
-    out = convert(args.src, args.dst, from_format=args.from_format, to_format=args.to_format, tp=args.tp, pp=args.pp)
+    try:
+        if args.from_format == "run":
+            if args.to_format != "hf":
+                raise ValueError("--from run exports to --to hf only")
+            for out in export_run(args.src, args.dst, policies=args.policy, dtype=args.dtype or "auto",
+                                  tp=args.tp, pp=args.pp):
+                print(f"wrote {out}", file=sys.stderr)
+            return
+        if args.policy:
+            raise ValueError("--policy applies to --from run only")
+        dtype = args.dtype if args.dtype not in (None, "auto") else "float32"
+        out = convert(args.src, args.dst, from_format=args.from_format, to_format=args.to_format, tp=args.tp,
+                      pp=args.pp, dtype=dtype)
+    except ValueError as exc:
+        print(f"megamarl-convert: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
     print(f"wrote {out}", file=sys.stderr)
 
 

@@ -244,15 +244,16 @@ def peft_adapter_config(config: LoraConfig, *, base_model_name_or_path: str | No
 
 
 def save_peft_adapter(model, wg, name: str, path: str | Path, *, base_model_name_or_path: str | None = None,
-                      ) -> Path | None:
+                      dtype: torch.dtype | None = None) -> Path | None:
     """Write adapter ``name`` as a PEFT directory (adapter_config.json + adapter_model.safetensors).
 
     Collective over the WG's ranks (TP gathers; with PP>1 the stages' tensors are gathered over the
     WG's PP group). The first stage's sender writes; returns the path there, None elsewhere.
+    ``dtype``: cast the tensors (export in the base's dtype); None keeps the training dtype.
     """
     from safetensors.torch import save_file
 
-    tensors = {k: v.cpu() for k, v in export_lora_weights(model, wg, name)}
+    tensors = {k: v.cpu().to(dtype or v.dtype) for k, v in export_lora_weights(model, wg, name)}
     if wg.layout.pp > 1:
         stages = all_gather_objects(tensors if is_sender(wg) else {}, wg.pgs.pp)
         tensors = {k: v for stage in stages for k, v in stage.items()}

@@ -31,6 +31,25 @@ from filelock import FileLock
 MANIFEST = ".megamarl-complete"
 
 
+def save_hf_model(model, directory: str | os.PathLike) -> None:
+    """Write an HF causal LM as ``save_pretrained`` would (config, generation config, one safetensors
+    file without the tied LM head) from *any* rank. transformers 5's ``save_pretrained`` writes the
+    weights and config only on global rank 0 when torch.distributed is initialised, but a cache
+    entry is built by whichever rank took the lock (seen: rank 1 built an entry with no config.json)."""
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    model.config.save_pretrained(directory)
+    if getattr(model, "generation_config", None) is not None and model.can_generate():
+        model.generation_config.save_pretrained(directory)
+    state = model.state_dict()
+    head, embed = state.get("lm_head.weight"), state.get("model.embed_tokens.weight")
+    if head is not None and embed is not None and head.data_ptr() == embed.data_ptr():
+        del state["lm_head.weight"]  # tied: the embedding is stored once, as transformers does
+    save_file({k: v.detach().contiguous() for k, v in state.items()}, str(directory / "model.safetensors"),
+              metadata={"format": "pt"})
+
+
 def is_complete(target: Path) -> bool:
     """True when ``target`` has a manifest and every file it lists has its recorded size."""
     manifest = target / MANIFEST

@@ -13,7 +13,7 @@ import importlib.util
 import os
 from pathlib import Path
 
-from megamarl.models.model_cache import build_once
+from megamarl.models.model_cache import build_once, save_hf_model
 
 PACKAGED_MODELS = {
     # name -> (PyPI package, GGUF file inside it, pip command that installs it)
@@ -89,5 +89,5 @@ def _convert_packaged(name: str, tmp: Path) -> None:
         delattr(config, "_gguf_file")
     model = type(dequantized)(config)
     model.load_state_dict(dequantized.state_dict())
-    model.save_pretrained(tmp, safe_serialization=True)
+    save_hf_model(model, tmp)
     tokenizer.save_pretrained(tmp)

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import torch
 
+from megamarl.models.model_cache import save_hf_model
+
 TINY_DEFAULTS = dict(
     hidden_size=64,
     intermediate_size=128,
@@ -78,7 +80,7 @@ def save_tiny_model(path: str | Path, family: str = "llama", *, seed: int = 0, i
 
     path = Path(path)
     model = tiny_model(family, seed=seed, init_std=init_std, **overrides)
-    model.save_pretrained(path, safe_serialization=True)
+    save_hf_model(model, path)
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_path("smollm2-135m-instruct"))
     if chat_template is not None:
         tokenizer.chat_template = chat_template

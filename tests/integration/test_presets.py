@@ -65,11 +65,9 @@ def _load(path: Path):
 
 
 def _preset(path: Path) -> Preset:
-    """World size from the policies' explicit ranks (presets without ranks run on 1 rank)."""
-    from omegaconf import OmegaConf
-
-    raw = OmegaConf.to_container(OmegaConf.load(path))
-    ranks = [r for p in raw["policies"].values() for r in p.get("ranks") or []]
+    """World size from the policies' explicit ranks (presets without ranks run on 1 rank). The
+    composed config: presets take their ranks from layout/ groups in their defaults list."""
+    ranks = [r for p in _load(path).policies.values() for r in p.ranks or []]
     return Preset(path.stem, path, max(ranks, default=0) + 1)
 
 

@@ -57,7 +57,7 @@ def test_the_base_config_loads():
         (["eval.env.name=chess"], "eval.env.name"),
         (["eval.sets.b.kwargs.board=8"], "eval.sets.b.kwargs"),
         (["eval.sets.b.name=math", "eval.sets.b.kwargs.dataset_path=/nonexistent.jsonl"], "eval.sets.b.kwargs"),
-        (["eval.env.kwargs.terse=true", "eval.sets.b.name=signalling"], "eval.env and eval.sets"),
+        (["+eval.env.kwargs.terse=true", "eval.sets.b.name=signalling"], "eval.env and eval.sets"),
     ],
 )
 def test_error_names_the_key(overrides, key):
@@ -67,7 +67,7 @@ def test_error_names_the_key(overrides, key):
 def test_eval_sets_resolve_against_the_training_env():
     cfg = load_config(CONFIG, [])
     assert cfg.eval.resolved_sets(cfg.env) == {"": cfg.env}  # default: the training env, unnamed
-    cfg = load_config(CONFIG, ["eval.env.kwargs.num_symbols=10"])
+    cfg = load_config(CONFIG, ["+eval.env.kwargs.num_symbols=10"])
     only = cfg.eval.resolved_sets(cfg.env)[""]
     assert (only.name, only.kwargs) == ("signalling", {"num_symbols": 10})
     cfg = load_config(CONFIG, ["eval.sets.same.name=signalling", "eval.sets.other.kwargs.terse=false"])

@@ -40,11 +40,12 @@ def test_policy_dtype_follows_the_engine_unless_set(cpu, tmp_path):
 
 
 @pytest.mark.parametrize("override, key", [
-    ("policies.shared.engine.dtype=fp8", "policies.<p>.engine.dtype"),
-    ("policies.shared.dtype=half", "policies.<p>.dtype"),
-    ("policies.shared.engine.num_threads=-1", "engine.num_threads"),
-    ("trainer.collective_timeout_s=0", "trainer.collective_timeout_s"),
+    ("policies.shared.engine.dtype=fp8", "policies.shared.engine.dtype='fp8' unknown"),
+    ("policies.shared.dtype=half", "policies.shared.dtype='half' unknown"),
+    ("policies.shared.engine.num_threads=-1", "policies.shared.engine.num_threads must be >= 0"),
+    ("trainer.collective_timeout_s=0", "trainer.collective_timeout_s must be > 0"),
 ])
 def test_bad_values_name_the_key(override, key):
-    with pytest.raises(ValueError, match=key.replace(".", r"\.").replace("<", ".").replace(">", ".")):
+    with pytest.raises(ValueError) as info:
         load_config("configs/quickstart_cpu.yaml", [override])
+    assert key in str(info.value)

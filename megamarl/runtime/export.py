@@ -1,0 +1,168 @@
+"""Trained policies out: a run's checkpoint -> Hugging Face directories (``megamarl-convert --from run``).
+
+    megamarl-convert --from run --to hf runs/<name> exported/                    # latest checkpoint, all policies
+    megamarl-convert --from run --to hf runs/<name>/checkpoints/step_000040 out/ --policy solver --dtype bfloat16
+
+Input: a run directory (its latest complete checkpoint) or one checkpoint directory
+(``<run>/checkpoints/step_N``, see ``megamarl.runtime.checkpoint``). The run's resolved ``config.yaml`` says
+which model each policy started from and which LoRA adapters it trains. Output, per exported policy::
+
+    <dst>/<policy>/                 a transformers / vLLM model directory: model.safetensors (or one
+                                    file per pipeline stage + index), config.json (``dtype`` set),
+                                    tokenizer files, chat template, generation config
+    <dst>/<policy>/adapters/<name>/ L2 policies: each agent's LoRA adapter as a PEFT directory
+                                    (adapter_config.json + adapter_model.safetensors) over the base above
+    <dst>/megamarl_export.json      what was exported from where (checkpoint, step, dtype, adapters)
+
+Each policy is loaded from its ``dist_checkpointing`` shards into a Megatron model built at the
+export's ``--tp``/``--pp`` (any layout: the shards are layout-free), then streamed out through the
+same HF mapping the trainer uses to push weights into its engines; tensors are cast to ``dtype``
+on the way out (the trainer's master weights are fp32). Ranks: ``tp * pp`` spawned CPU/gloo ranks,
+or the launched ranks under ``torchrun`` (as ``megamarl.models.convert``).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from megamarl.runtime import checkpoint as policy_io
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+MANIFEST = "megamarl_export.json"
+_COPY_SKIP = (".safetensors", ".bin", ".pt", ".index.json")
+
+
+@dataclass(frozen=True)
+class PolicyExport:
+    """One policy's export job (picklable: it travels to the spawned ranks)."""
+
+    name: str
+    model_path: str  # the HF directory the policy started from (architecture, tokenizer)
+    shards: str  # <checkpoint>/policies/<name>
+    dst: str
+    dtype: str
+    lora: object | None  # megamarl.models.lora.LoraConfig
+    adapters: tuple[str, ...]
+
+
+def find_run_checkpoint(src: str | Path) -> tuple[Path, Path]:
+    """``src`` (a run directory or a checkpoint directory) -> (run directory, checkpoint directory)."""
+    src = Path(src)
+    if (src / policy_io.COMPLETE).is_file():
+        return src.parent.parent, src
+    found = policy_io.list_checkpoints(src)
+    if not found:
+        why = "has no COMPLETE marker (an interrupted save)" if src.name.startswith("step_") else (
+            f"holds no complete checkpoint under {policy_io.CHECKPOINTS}/")
+        raise ValueError(f"{src} {why}; give a run directory or <run>/{policy_io.CHECKPOINTS}/step_N")
+    return src, found[-1]
+
+
+def plan_exports(src: str | Path, dst: str | Path, *, policies: list[str] | None = None,
+                 dtype: str = "auto") -> list[PolicyExport]:
+    """Which policies to export and from where; validates the request before any rank starts."""
+    from megamarl.config import load_config
+    from megamarl.models.packaged import resolve_model_path
+    from megamarl.driver.rollout_driver import policy_adapters
+
+    run_dir, ckpt = find_run_checkpoint(src)
+    config_file = run_dir / "config.yaml"
+    if not config_file.is_file():
+        raise ValueError(f"{config_file} not found: the run directory holds the run's resolved config")
+    cfg = load_config(config_file)
+    trained = [name for name, p in cfg.policies.items() if not p.frozen]
+    wanted = policies or trained
+    unknown = [p for p in wanted if p not in trained]
+    if unknown:
+        raise ValueError(f"--policy {unknown}: not a trained policy of {run_dir}; trained: {trained}")
+    if dtype != "auto" and dtype not in DTYPES:
+        raise ValueError(f"--dtype {dtype} unknown; allowed: auto, {', '.join(DTYPES)}")
+    jobs = []
+    for name in wanted:
+        policy = cfg.policies[name]
+        model_path = resolve_model_path(policy.model, key=f"policies.{name}.model")
+        shards = ckpt / policy_io.POLICIES / name
+        if not shards.is_dir():
+            raise ValueError(f"checkpoint {ckpt} has no policy '{name}'")
+        jobs.append(PolicyExport(
+            name=name, model_path=str(model_path), shards=str(shards), dst=str(Path(dst) / name),
+            dtype=_source_dtype(model_path) if dtype == "auto" else dtype,
+            lora=policy.lora, adapters=tuple(policy_adapters(cfg, name)),
+        ))
+    return jobs
+
+
+def _source_dtype(model_path: Path) -> str:
+    """``auto``: the dtype the policy's source model was published in (fp32 when it does not say)."""
+    config = json.loads((model_path / "config.json").read_text())
+    found = config.get("dtype") or config.get("torch_dtype") or "float32"
+    return found if found in DTYPES else "float32"
+
+
+def export_run(src: str | Path, dst: str | Path, *, policies: list[str] | None = None, dtype: str = "auto",
+               tp: int = 1, pp: int = 1) -> list[Path]:
+    """Library entry point of ``megamarl-convert --from run --to hf``; returns the policy directories."""
+    from megamarl.models.convert import run_on_ranks
+
+    jobs = plan_exports(src, dst, policies=policies, dtype=dtype)
+    _, ckpt = find_run_checkpoint(src)
+    for job in jobs:
+        _copy_side_files(Path(job.model_path), Path(job.dst), dtype=job.dtype)
+        lines = [line for rank_lines in run_on_ranks(export_policy_rank, tp * pp, job, tp, pp) for line in rank_lines]
+        if pp > 1:
+            weight_map = dict(reversed(line.split("\t")) for line in lines)
+            index = {"metadata": {}, "weight_map": weight_map}
+            (Path(job.dst) / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    manifest = {
+        "checkpoint": str(ckpt.resolve()), "step": policy_io.checkpoint_step(ckpt),
+        "policies": {job.name: {"dtype": job.dtype, "source_model": job.model_path, "adapters": list(job.adapters)}
+                     for job in jobs},
+    }
+    Path(dst).mkdir(parents=True, exist_ok=True)
+    (Path(dst) / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    return [Path(job.dst) for job in jobs]
+
+
+def _copy_side_files(src: Path, dst: Path, *, dtype: str) -> None:
+    """Tokenizer, chat template, generation config...; config.json with the export's dtype."""
+    if dst.exists():
+        shutil.rmtree(dst)  # no stale weight files from an earlier export with another layout
+    dst.mkdir(parents=True)
+    for file in src.iterdir():
+        # dot files are megamarl's own markers (the model cache's completion marker), not the model's
+        if file.is_file() and not file.name.endswith(_COPY_SKIP) and not file.name.startswith("."):
+            shutil.copy2(file, dst / file.name)
+    config = json.loads((dst / "config.json").read_text())
+    config["torch_dtype" if "torch_dtype" in config and "dtype" not in config else "dtype"] = dtype
+    (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def export_policy_rank(rank: int, job: PolicyExport, tp: int, pp: int) -> list[str]:
+    """Body on each rank: build, add the adapters, load the shards, stream HF tensors; the stage
+    senders write the weights, the first stage's sender the PEFT adapters. Returns index lines."""
+    from safetensors.torch import save_file
+
+    from megamarl.models import bridge, checkpoint
+    from megamarl.models.convert import conversion_worker_group
+    from megamarl.models.lora import add_lora_adapter, save_peft_adapter
+
+    wg = conversion_worker_group(tp, pp)
+    model = bridge.build_model(job.model_path, wg, init_weights=False)
+    for adapter in job.adapters:  # same parameters as the trainer's model, so the shards match
+        add_lora_adapter(model, wg, adapter, job.lora)
+    checkpoint.load_checkpoint(job.shards, model, wg)
+    dtype = DTYPES[job.dtype]
+    tensors = {name: t.to(dtype).contiguous() for name, t in bridge.export_hf_weights(model, wg)}
+    for adapter in job.adapters:  # collective over the WG (TP gathers, PP gather)
+        save_peft_adapter(model, wg, adapter, Path(job.dst) / "adapters" / adapter,
+                          base_model_name_or_path=str(Path(job.dst).resolve()), dtype=dtype)
+    if not bridge.is_sender(wg):
+        return []
+    file = "model.safetensors" if pp == 1 else f"model-{wg.pp_rank + 1:05d}-of-{pp:05d}.safetensors"
+    save_file(tensors, str(Path(job.dst) / file), metadata={"format": "pt"})
+    return [f"{file}\t{name}" for name in tensors]
