@@ -6,7 +6,7 @@ All layouts of one world size run in one ``run_ranks`` call (process start-up do
 
 from __future__ import annotations
 
-import megatron_steps  # tests/distributed helper: Megatron forward/backward
+import megatron_steps  # tests/ helper: Megatron forward/backward
 import pytest
 
 from megamarl.parallel.launch import run_ranks

@@ -3,7 +3,7 @@ TP=1 and at PP=2 with identical logits and identical optimizer state (compared b
 
 from __future__ import annotations
 
-import megatron_steps  # tests/distributed helper: Megatron forward/backward
+import megatron_steps  # tests/ helper: Megatron forward/backward
 import pytest
 
 from megamarl.parallel.launch import run_ranks

@@ -7,7 +7,7 @@ trained adapters give different outputs.
 
 from __future__ import annotations
 
-import megatron_steps  # tests/distributed helper: Megatron forward/backward
+import megatron_steps  # tests/ helper: Megatron forward/backward
 import pytest
 
 from megamarl.parallel.launch import run_ranks

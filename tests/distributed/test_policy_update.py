@@ -1,7 +1,7 @@
 """The policy loss on a Megatron WG at TP=2 and at PP=2 (CPU ranks) gives the same gradients as a
 single-process HF reference on the same batch (< 1e-5), and an optimizer step changes the weights."""
 
-import megatron_steps  # tests/distributed helper: gradients by HF name
+import megatron_steps  # tests/ helper: gradients by HF name
 import pytest
 import torch
 

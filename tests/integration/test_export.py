@@ -20,6 +20,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import megatron_steps  # tests/ helper: Megatron forward (test-only)
 import pytest
 import torch
 
@@ -68,7 +69,7 @@ def _megatron_logits(rank, job, ids, adapters):
     out = {}
     for adapter in adapters:
         with lora.active_adapter(model, adapter):
-            out[adapter] = bridge.forward_logits(model, wg, ids)
+            out[adapter] = megatron_steps.forward_logits(model, wg, ids)
     return out
 
 
