@@ -135,3 +135,20 @@ def test_solver_only_mode(tok):
     result, tasks = _rollout(tok, _right_solver, num_tasks=3, with_verifier=False)
     assert [s.agent for s in result.samples] == ["solver"] * 3
     assert all(e.team_reward == 1.0 and e.env_done for e in result.episodes)
+
+
+def test_verifier_own_success_is_its_verdicts_being_right():
+    from types import SimpleNamespace
+
+    from megamarl.orchestration.envs.math import MathConfig, MathEnv, MathProblem
+    from megamarl.orchestration.env import Task
+
+    def run(answer, verdict):
+        env = MathEnv(Task("t", MathProblem("What is 2 + 3?", 5.0, "add1")), MathConfig())
+        env.step("solver", SimpleNamespace(valid=True, value=answer, text=str(answer)))
+        env.step("verifier", SimpleNamespace(valid=True, value=verdict, text="yes" if verdict else "no"))
+        return env.success(), env.agent_success("verifier"), env.agent_success("solver")
+
+    assert run(5.0, True) == (True, True, None)  # right answer, approved
+    assert run(4.0, False) == (False, True, None)  # wrong answer, rightly rejected: the verifier did its job
+    assert run(4.0, True) == (False, False, None)  # wrong answer approved

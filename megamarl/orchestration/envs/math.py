@@ -14,7 +14,8 @@ solver in its next observation.
 Rewards: team = 1 if the final (latest) solver answer equals the truth, else 0; verifier local
 reward per turn = 1 if its verdict matches whether the answer it judged is correct, else 0
 (an unparseable verdict scores 0). The solver's local reward is its answer's correctness, which
-also serves as the tree-sampling check fn for the solver.
+also serves as the tree-sampling check fn for the solver. Own success (``agent/<a>/success``): the
+solver's is the team's; the verifier's is "every verdict it gave was right".
 """
 
 from __future__ import annotations
@@ -134,6 +135,7 @@ class MathEnv(Env):
         self.answer: float | None = None
         self.answer_text = ""
         self.rejected: list[str] = []  # answers the verifier rejected, shown to the solver
+        self.verdicts_right: list[bool] = []  # per verifier turn: did its verdict match the truth
         self.num_solver_turns = 0
 
     @classmethod
@@ -176,6 +178,7 @@ class MathEnv(Env):
             return StepResult(local_reward=float(answer_correct(self.answer, self.problem.answer)))
         truth = answer_correct(self.answer, self.problem.answer)
         matched = action.valid and action.value == truth
+        self.verdicts_right.append(bool(matched))
         if action.valid and action.value:
             self.done = True
         elif action.valid:
@@ -191,6 +194,13 @@ class MathEnv(Env):
 
     def team_reward(self) -> float:
         return float(answer_correct(self.answer, self.problem.answer))
+
+    def agent_success(self, agent: str) -> bool | None:
+        """The verifier succeeds when every verdict it gave was right (its own job, whatever the
+        solver answered); the solver's success is the team's."""
+        if agent == "verifier":
+            return bool(self.verdicts_right) and all(self.verdicts_right)
+        return None
 
 
 def _format_number(value: float | None) -> str:
