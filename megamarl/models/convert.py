@@ -34,6 +34,7 @@ from safetensors.torch import save_file
 
 from megamarl.models import bridge, checkpoint
 from megamarl.models.mapping import hf_param_names
+from megamarl.models.model_cache import atomic_dir
 from megamarl.parallel import launch
 from megamarl.parallel.placement import PlacementConfig, WorkerGroupLayout, build_worker_groups
 
@@ -45,7 +46,7 @@ def _copy_side_files(src: Path, dst: Path) -> None:
     """config, tokenizer, generation config... everything that is not a weight file."""
     dst.mkdir(parents=True, exist_ok=True)
     for file in src.iterdir():
-        if file.is_file() and not file.name.endswith(_COPY_SKIP):
+        if file.is_file() and not file.name.endswith(_COPY_SKIP) and not file.name.startswith("."):
             shutil.copy2(file, dst / file.name)
 
 
@@ -98,23 +99,26 @@ def run_on_ranks(body, world: int, *args) -> list:
 def convert(src: str | Path, dst: str | Path, *, from_format: str, to_format: str, tp: int = 1, pp: int = 1,
             dtype: str = "float32") -> Path:
     """Library entry point of the single-model conversions (same arguments as the CLI); returns ``dst``."""
-    src, dst = Path(src), Path(dst)
+    src, final = Path(src), Path(dst)
     if (from_format, to_format) not in (("hf", "megatron"), ("megatron", "hf")):
         raise ValueError(f"--from {from_format} --to {to_format} unsupported; allowed: hf->megatron, megatron->hf, run->hf")
     if not (src / "config.json").is_file():
         raise ValueError(f"{src} has no config.json")
-    _copy_side_files(src, dst)
-    if from_format == "hf":
-        run_on_ranks(hf_to_megatron, tp * pp, str(src), str(dst), tp, pp)
-        (dst / "megamarl_convert.json").write_text(json.dumps({"saved_tp": tp, "saved_pp": pp}))
-        return dst
-    (dst / "megamarl_convert.json").unlink(missing_ok=True)
-    lines = [line for rank_lines in run_on_ranks(megatron_to_hf, tp * pp, str(src), str(dst), tp, pp, dtype)
-             for line in rank_lines]
-    if pp > 1 and lines:
-        weight_map = dict(reversed(line.split("\t")) for line in lines)
-        (dst / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2))
-    return dst
+    if final.resolve() == src.resolve():
+        raise ValueError(f"{final}: the output directory must differ from the input")
+    with atomic_dir(final) as dst:  # readers never see a half-converted checkpoint
+        _copy_side_files(src, dst)
+        if from_format == "hf":
+            run_on_ranks(hf_to_megatron, tp * pp, str(src), str(dst), tp, pp)
+            (dst / "megamarl_convert.json").write_text(json.dumps({"saved_tp": tp, "saved_pp": pp}))
+            return final
+        (dst / "megamarl_convert.json").unlink(missing_ok=True)
+        lines = [line for rank_lines in run_on_ranks(megatron_to_hf, tp * pp, str(src), str(dst), tp, pp, dtype)
+                 for line in rank_lines]
+        if pp > 1 and lines:
+            weight_map = dict(reversed(line.split("\t")) for line in lines)
+            (dst / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2))
+    return final
 
 
 def main(argv: list[str] | None = None) -> None:

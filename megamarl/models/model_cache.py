@@ -23,8 +23,9 @@ import os
 import shutil
 import sys
 import uuid
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 from filelock import FileLock
 
@@ -97,3 +98,23 @@ def build_once(target: str | os.PathLike, build: Callable[[Path], None], *, what
             shutil.rmtree(tmp, ignore_errors=True)
         say(f"{what}: ready at {target}")
     return target
+
+
+@contextmanager
+def atomic_dir(target: str | os.PathLike) -> Iterator[Path]:
+    """Write a directory that appears whole or not at all: yields an empty sibling temporary
+    directory; on success its manifest is written and it replaces ``target`` (an earlier ``target``
+    is removed first), on failure it is removed and ``target`` is left as it was. Used for converted
+    and exported checkpoints, which a reader (vLLM, transformers) may open as soon as they exist."""
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    tmp.mkdir()
+    try:
+        yield tmp
+        write_manifest(tmp)
+        if target.exists():
+            shutil.rmtree(target)
+        tmp.replace(target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

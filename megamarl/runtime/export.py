@@ -25,11 +25,12 @@ from __future__ import annotations
 
 import json
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
+from megamarl.models.model_cache import atomic_dir
 from megamarl.runtime import checkpoint as policy_io
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -112,12 +113,14 @@ def export_run(src: str | Path, dst: str | Path, *, policies: list[str] | None =
     jobs = plan_exports(src, dst, policies=policies, dtype=dtype)
     _, ckpt = find_run_checkpoint(src)
     for job in jobs:
-        _copy_side_files(Path(job.model_path), Path(job.dst), dtype=job.dtype)
-        lines = [line for rank_lines in run_on_ranks(export_policy_rank, tp * pp, job, tp, pp) for line in rank_lines]
-        if pp > 1:
-            weight_map = dict(reversed(line.split("\t")) for line in lines)
-            index = {"metadata": {}, "weight_map": weight_map}
-            (Path(job.dst) / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+        with atomic_dir(job.dst) as tmp:  # a reader never sees a half-written export
+            _copy_side_files(Path(job.model_path), tmp, dtype=job.dtype)
+            lines = [line for rank_lines in run_on_ranks(export_policy_rank, tp * pp, replace(job, dst=str(tmp)), tp, pp)
+                     for line in rank_lines]
+            if pp > 1:
+                weight_map = dict(reversed(line.split("\t")) for line in lines)
+                index = {"metadata": {}, "weight_map": weight_map}
+                (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     manifest = {
         "checkpoint": str(ckpt.resolve()), "step": policy_io.checkpoint_step(ckpt),
         "policies": {job.name: {"dtype": job.dtype, "source_model": job.model_path, "adapters": list(job.adapters)}

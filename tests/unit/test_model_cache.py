@@ -57,3 +57,21 @@ def test_partial_or_corrupt_entries_are_rebuilt(tmp_path):
     build_once(target, lambda tmp: _slow_build(tmp, str(log)), status=lines.append)  # complete: no build
     assert log.read_text() == "build\nbuild\n"
     assert json.loads((target / MANIFEST).read_text())["files"]["model.safetensors"] == 1000
+
+
+def test_atomic_dir_replaces_on_success_and_keeps_the_old_entry_on_failure(tmp_path):
+    from megamarl.models.model_cache import atomic_dir
+
+    target = tmp_path / "export"
+    with atomic_dir(target) as tmp:
+        (tmp / "model.safetensors").write_bytes(b"v1")
+        assert not target.exists()  # nothing visible while it is written
+    assert (target / "model.safetensors").read_bytes() == b"v1" and is_complete(target)
+    try:
+        with atomic_dir(target) as tmp:
+            (tmp / "model.safetensors").write_bytes(b"half")
+            raise OSError(28, "No space left on device")
+    except OSError:
+        pass
+    assert (target / "model.safetensors").read_bytes() == b"v1" and is_complete(target)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["export"]  # no temporary left behind
