@@ -34,7 +34,7 @@ def _batch(nan_row: int | None):
 def _body(rank, model_dir):
     from megamarl.config import PolicyConfig
     from megamarl.parallel.placement import PlacementConfig, WorkerGroupLayout, build_worker_groups
-    from megamarl.runtime.checkpoint import load_policy_model
+    from megamarl.rl.policy_setup import load_policy_model
     from megamarl.rl.losses import LossConfig
     from megamarl.rl.worker import PolicyWorker
 

@@ -289,9 +289,8 @@ def test_gae_critic_gradients_equal_single_process_reference(tmp_path):
 
 def _one_row_body(rank, model_dir):
     from megamarl.config import PolicyConfig
-    from megamarl.models.bridge import export_hf_grads
     from megamarl.parallel.placement import PlacementConfig, WorkerGroupLayout, build_worker_groups
-    from megamarl.runtime.checkpoint import load_policy_model
+    from megamarl.rl.policy_setup import load_policy_model
     from megamarl.rl.losses import loss_counts
     from megamarl.rl.worker import PolicyWorker
 
@@ -301,7 +300,7 @@ def _one_row_body(rank, model_dir):
     worker = PolicyWorker("dp2", policy, wg, load_policy_model(policy, wg, seed=0), _loss_cfg())
     part = worker.my_part(batch)
     worker.backward(part, None, loss_counts(batch.response_mask))  # rank 1 used to skip this and hang rank 0
-    grads = dict(export_hf_grads(worker.model, wg))
+    grads = dict(megatron_steps.export_hf_grads(worker.model, wg))
     reference = _reference_grads(model_dir, batch)
     metrics = worker.train_step(batch)  # the whole update, optimizer step included
     return {

@@ -42,7 +42,7 @@ def _metrics(output_dir: Path) -> list[dict]:
 
 
 def _volatile(key: str) -> bool:
-    if key in ("time", "elapsed_s") or key.startswith(("timing/", "weight_sync/")):
+    if key in ("time", "elapsed_s") or key.startswith(("timing/", "timing_s/", "weight_sync/", "perf/")):
         return True
     return key.endswith(("_s", "_ratio"))
 

@@ -97,7 +97,7 @@ def preset_runs(request, tmp_path_factory) -> dict[str, Path]:
     _materialize_models()
     selected = {
         item.callspec.params["preset"].name for item in request.session.items
-        if hasattr(item, "callspec") and "preset" in item.callspec.params
+        if hasattr(item, "callspec") and isinstance(item.callspec.params.get("preset"), Preset)
     }
     worlds: dict[int, list[Preset]] = {}
     for preset in PRESETS:

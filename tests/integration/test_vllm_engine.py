@@ -179,8 +179,9 @@ def test_lora_adapter_matches_merged_hf_and_updates(engine, hf_model, prompts, s
 
     base = [g.token_ids for g in greedy(engine, prompts)]
     tensors = random_adapter(hf_model, 0.1)
-    write_adapter(tmp_path_factory.mktemp("lora") / "solver", smollm2_path, tensors)
-    engine.add_lora("solver", tmp_path_factory.getbasetemp() / "lora0" / "solver")
+    adapter_dir = tmp_path_factory.mktemp("lora") / "solver"  # lora<N>: other tests may have made lora0
+    write_adapter(adapter_dir, smollm2_path, tensors)
+    engine.add_lora("solver", adapter_dir)
 
     merged = copy.deepcopy(hf_model)
     with torch.no_grad():
