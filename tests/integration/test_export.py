@@ -24,6 +24,7 @@ import megatron_steps  # tests/ helper: Megatron forward (test-only)
 import pytest
 import torch
 
+from megamarl.models.model_cache import is_complete
 from megamarl.runtime.export import plan_exports
 from megamarl.parallel.launch import run_ranks
 
@@ -105,8 +106,10 @@ def test_export_full_policy_equals_the_trained_megatron_model(full_run, full_exp
     manifest = json.loads((out / "megamarl_export.json").read_text())
     assert manifest["step"] == 2 and manifest["policies"]["shared"]["dtype"] == "float32"
     assert sorted(p.name for p in (out / "shared").iterdir()) == [
+        ".megamarl-complete",  # written last, then the directory is renamed into place (atomic_dir)
         "chat_template.jinja", "config.json", "generation_config.json", "model.safetensors",
         "tokenizer.json", "tokenizer_config.json"]
+    assert is_complete(out / "shared")
 
     reference = run_ranks(_megatron_logits, 1, job, IDS, [None])[0][None]
     exported = _hf_logits(AutoModelForCausalLM.from_pretrained(out / "shared").eval())
