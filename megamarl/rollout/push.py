@@ -1,0 +1,95 @@
+"""One policy's weight push, on every rank: full weights or (L2) each agent's adapter, into
+in-process engines (``weight_sync.sync_weights``: through the driver) or engine servers
+(``fleet.EngineFleet``: straight from the training ranks into the servers).
+
+L2 through servers: an adapter's tensors travel as a PEFT directory (written collectively by its WG
+under ``<run_dir>/adapters/<policy>/<adapter>/v<version>``) that every replica (re)loads through
+``/v1/load_lora_adapter``, the way vLLM and SGLang servers take adapters; only that adapter's version
+changes.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch.distributed as dist
+
+from megamarl.models.lora import save_peft_adapter
+from megamarl.parallel.distributed import control_group
+from megamarl.parallel.hardware import DTYPES, resolve_dtype
+from megamarl.rollout.weight_sync import SyncStats, sync_weights
+
+
+class WeightPusher:
+    def __init__(self, cfg, *, wgs: dict, workers: dict, fleet, run_dir: Path, driver_rank: int, adapters) -> None:
+        self.cfg, self.wgs, self.workers, self.fleet = cfg, wgs, workers, fleet
+        self.run_dir, self.driver_rank = run_dir, driver_rank
+        self.adapters = adapters  # policy -> its L2 adapter names (sorted)
+        self.is_driver = dist.get_rank() == driver_rank
+
+    def _served(self, name: str) -> bool:
+        return self.fleet is not None and self.fleet.serves(name)
+
+    def push(self, name: str, version: int, engines: list | None) -> dict[str, float]:
+        """Sync one policy into its engines. ``engines``: the driver's engines of ``name`` (None elsewhere)."""
+        policy = self.cfg.policies[name]
+        worker = self.workers.get(name)
+        if policy.lora is not None:
+            return self._push_adapters(name, version, engines)
+        dtype = DTYPES[resolve_dtype(policy.engine.dtype)]  # tensors travel in the engine's dtype
+        export = (lambda: ((n, t.to(dtype)) for n, t in worker.export())) if worker else None
+        if self._served(name):
+            stats = self.fleet.sync_policy(name, self.wgs[name], export, version=version,
+                                           bucket_bytes=int(policy.engine.bucket_mb * 2**20),
+                                           pool=engines[0] if engines else None)
+        else:
+            stats = sync_weights(self.wgs[name], export, engines, version=version, engine_rank=self.driver_rank,
+                                 bucket_mb=policy.engine.bucket_mb)
+        return stats.as_dict(f"weight_sync/{name}")
+
+    def _push_adapters(self, name: str, version: int, engines: list | None) -> dict[str, float]:
+        policy, worker, metrics = self.cfg.policies[name], self.workers.get(name), {}
+        for adapter in self.adapters(name):
+            if self._served(name):
+                stats = self._adapter_to_servers(name, adapter, version, engines)
+            else:
+                export = (lambda a=adapter: worker.export_adapter(a)) if worker else None
+                stats = sync_weights(self.wgs[name], export, engines, version=version, engine_rank=self.driver_rank,
+                                     bucket_mb=policy.engine.bucket_mb, lora=adapter)
+            metrics.update(stats.as_dict(f"weight_sync/{name}/{adapter}"))
+        return metrics
+
+    def _adapter_to_servers(self, name: str, adapter: str, version: int, engines: list | None) -> SyncStats:
+        path = self.adapter_dir(name, adapter, version)
+        worker = self.workers.get(name)
+        if worker is not None:
+            save_peft_adapter(worker.model, self.wgs[name], adapter, path)
+        dist.barrier(group=control_group())
+        stats = SyncStats(num_tensors=sum(1 for _ in path.glob("*.safetensors")) if self.is_driver else 0)
+        if self.is_driver:
+            stats.num_bytes = sum(f.stat().st_size for f in path.iterdir() if f.is_file())
+            for engine in engines:
+                with engine.external_update(version, lora=adapter) as targets:
+                    for index, _ in targets:
+                        engine.replicas[index].update_lora(adapter, path, version=version)
+                engine.loras[adapter] = path  # a restarted replica loads the newest directory
+        return stats
+
+    def adapter_dir(self, name: str, adapter: str, version: int) -> Path:
+        return self.run_dir / "adapters" / name / adapter / f"v{version}"
+
+    def register_adapters(self, engines_for) -> None:
+        """L2: write each adapter's initial PEFT directory (collective over its WG) and register it with
+        the policy's engines, which then receive adapter-only updates."""
+        for name, policy in self.cfg.policies.items():
+            if policy.lora is None:
+                continue
+            worker = self.workers.get(name)
+            for adapter in self.adapters(name):
+                path = self.adapter_dir(name, adapter, 0)
+                if worker is not None:
+                    save_peft_adapter(worker.model, self.wgs[name], adapter, path)
+                dist.barrier(group=control_group())
+                if self.is_driver:
+                    for engine in engines_for(name):
+                        engine.add_lora(adapter, path)
