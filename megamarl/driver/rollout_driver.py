@@ -135,9 +135,11 @@ class RolloutDriver:
         start = time.perf_counter()
         trainable = {name: v for name, v in versions.items() if not self.cfg.policies[name].frozen}
         expected = None if self.schedule.overlaps_training else self.cfg.rollout.num_tasks * self.cfg.rollout.group_size
+        self._hand_over(wake=True)  # colocated servers asleep since the last rollout (no push since)
         with self.progress.phase("rollout", total=expected) as self._phase:
             result, metrics = self.schedule.next_rollout(step, trainable)
         self._phase = None
+        self._hand_over(wake=False)  # colocated servers free their memory while the trainer updates
         rollout_s = time.perf_counter() - start
         num_tokens = sum(len(s.response_ids) for s in result.samples)
         metrics.update({"timing_s/rollout": rollout_s, "perf/rollout_tokens_per_s": num_tokens / max(rollout_s, 1e-9),
@@ -157,6 +159,15 @@ class RolloutDriver:
         self.totals["refill_rounds"] += int(prepare_metrics.get("rollout/refill_rounds", 0))
         metrics.update(prepare_metrics)
         return batch, metrics
+
+    def _hand_over(self, *, wake: bool) -> None:
+        if self.fleet is None:
+            return
+        for name in self.fleet.policies:
+            if wake:
+                self.fleet.wake(name, self.engines[name])
+            else:
+                self.fleet.sleep(name, self.engines[name])
 
     def _refill(self, step: int, round_: int) -> SampleBatch | None:
         """A fresh chunk for dynamic sampling's refill: its own seed (negative chunk indices, which the

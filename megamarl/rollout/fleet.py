@@ -32,6 +32,7 @@ from typing import Callable, Iterable, Iterator
 import torch
 import torch.distributed as dist
 
+from megamarl.driver.schedules import SCHEDULES
 from megamarl.models.packaged import resolve_model_path
 from megamarl.parallel.engine_placement import ReplicaPlacement, plan_engines, replicas_led_by
 from megamarl.parallel.hardware import node_cores
@@ -79,6 +80,7 @@ class EngineFleet:
         log_dir: Path,
         control_group,
         num_threads: Callable[[str], int],
+        overlaps_training: bool = False,
     ) -> None:
         self.cfg, self.rank, self.control = cfg, rank, control_group
         self.plan = plan_engines(cfg, world_size, ranks_per_node)
@@ -91,6 +93,8 @@ class EngineFleet:
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="engine-server")
         self._transfers: dict[tuple[str, int], _Transfer] = {}
         self._stop = threading.Event()
+        self._asleep: dict[str, set[str]] = {}
+        self.overlaps_training = overlaps_training
         self._watchdog: threading.Thread | None = None
         for name, servers in self.policies.items():
             for rep in replicas_led_by({name: servers.replicas}, rank):
@@ -173,6 +177,29 @@ class EngineFleet:
         pool = EnginePool(lambda i: replica(i), len(urls))
         pool.factory = lambda i: replica(i, restarted=True)
         return pool
+
+    # -- colocated memory hand-over (sync mode) ----------------------------------------------------
+
+    def hands_over(self, policy: str) -> bool:
+        """Colocated servers in a schedule where training never overlaps rollout: they sleep while
+        their worker group trains (vLLM on CPU accepts the calls and keeps its memory)."""
+        return self.serves(policy) and self.policies[policy].colocated and not self.overlaps_training
+
+    def sleep(self, policy: str, pool: EnginePool) -> None:
+        """After the rollout: release weights and KV cache (level 1: weights kept in host memory)."""
+        if self.hands_over(policy) and policy not in self._asleep:
+            _each_live(pool, lambda r: r.sleep(level=1))
+            self._asleep[policy] = {"weights", "kv_cache"}
+
+    def wake(self, policy: str, pool: EnginePool, tags: tuple[str, ...] = ("weights", "kv_cache")) -> None:
+        """Weights first (before a push writes into them), the KV cache after it (before the rollout)."""
+        asleep = self._asleep.get(policy, set())
+        wanted = [t for t in tags if t in asleep]
+        if wanted:
+            _each_live(pool, lambda r: r.wake(tags=wanted))
+            asleep.difference_update(wanted)
+            if not asleep:
+                del self._asleep[policy]
 
     # -- weight sync -----------------------------------------------------------------------------
 
@@ -258,6 +285,15 @@ class EngineFleet:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
+def _each_live(pool: EnginePool, call) -> None:
+    for index, replica in enumerate(pool.replicas):
+        if pool.live[index]:
+            try:
+                call(replica)
+            except ConnectionError:
+                pool._mark_dead(index, replica)
+
+
 @contextmanager
 def _nothing():
     yield None
@@ -278,7 +314,8 @@ def build_fleet(cfg, *, rank: int, world_size: int, run_dir: Path, control_group
         return cfg.policies[policy].engine.num_threads or max(1, node_cores() // max(1, local_servers))
 
     return EngineFleet(cfg, rank=rank, world_size=world_size, ranks_per_node=ranks_per_node, model_paths=paths,
-                       log_dir=run_dir / "engine_logs", control_group=control_group, num_threads=threads)
+                       log_dir=run_dir / "engine_logs", control_group=control_group, num_threads=threads,
+                       overlaps_training=SCHEDULES.traits(cfg.trainer.mode, key="trainer.mode").overlaps_training)
 
 
 def stage_ranks_of(wg: WorkerGroup) -> list[int]:

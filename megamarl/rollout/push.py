@@ -39,9 +39,14 @@ class WeightPusher:
         dtype = DTYPES[resolve_dtype(policy.engine.dtype)]  # tensors travel in the engine's dtype
         export = (lambda: ((n, t.to(dtype)) for n, t in worker.export())) if worker else None
         if self._served(name):
+            pool = engines[0] if engines else None
+            if pool is not None:
+                self.fleet.wake(name, pool, tags=("weights",))  # colocated: weights back before they are written
             stats = self.fleet.sync_policy(name, self.wgs[name], export, version=version,
                                            bucket_bytes=int(policy.engine.bucket_mb * 2**20),
-                                           pool=engines[0] if engines else None)
+                                           pool=pool)
+            if pool is not None:
+                self.fleet.wake(name, pool, tags=("kv_cache",))
         else:
             stats = sync_weights(self.wgs[name], export, engines, version=version, engine_rank=self.driver_rank,
                                  bucket_mb=policy.engine.bucket_mb)
