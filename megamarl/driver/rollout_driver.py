@@ -139,7 +139,6 @@ class RolloutDriver:
         with self.progress.phase("rollout", total=expected) as self._phase:
             result, metrics = self.schedule.next_rollout(step, trainable)
         self._phase = None
-        self._hand_over(wake=False)  # colocated servers free their memory while the trainer updates
         rollout_s = time.perf_counter() - start
         num_tokens = sum(len(s.response_ids) for s in result.samples)
         metrics.update({"timing_s/rollout": rollout_s, "perf/rollout_tokens_per_s": num_tokens / max(rollout_s, 1e-9),
@@ -158,6 +157,7 @@ class RolloutDriver:
         self.totals["dropped_groups"] += int(prepare_metrics.get("rollout/dropped_groups", 0))
         self.totals["refill_rounds"] += int(prepare_metrics.get("rollout/refill_rounds", 0))
         metrics.update(prepare_metrics)
+        self._hand_over(wake=False)  # colocated servers free their memory while the trainer updates
         return batch, metrics
 
     def _hand_over(self, *, wake: bool) -> None:
