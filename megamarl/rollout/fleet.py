@@ -41,6 +41,7 @@ from megamarl.rollout._http import JSONClient
 from megamarl.rollout.pool import EnginePool
 from megamarl.rollout.server_launch import ServerProcess, ServerSpec
 from megamarl.rollout.server_sync import WeightSender
+from megamarl.rollout.sync_check import verify_replicas
 from megamarl.rollout.vllm_server import VLLMServerClient
 from megamarl.rollout.weight_sync import SyncStats, stage_sender
 
@@ -83,6 +84,7 @@ class EngineFleet:
         overlaps_training: bool = False,
     ) -> None:
         self.cfg, self.rank, self.control = cfg, rank, control_group
+        self.model_paths = model_paths
         self.plan = plan_engines(cfg, world_size, ranks_per_node)
         self.policies = {
             name: PolicyServers(name, reps) for name, reps in self.plan.items() if reps and reps[0].launch == "server"
@@ -204,15 +206,26 @@ class EngineFleet:
     # -- weight sync -----------------------------------------------------------------------------
 
     def sync_policy(self, policy: str, wg: WorkerGroup, export, *, version: int, bucket_bytes: int,
-                    pool: EnginePool | None) -> SyncStats:
+                    pool: EnginePool | None) -> dict[str, float]:
         """Collective over all ranks: the driver's ``pool`` (None elsewhere) drains and pauses the
-        replicas and names the targets; the training ranks push; the pool stamps ``version``."""
+        replicas and names the targets; the training ranks push; the pool stamps ``version``.
+        Returns the push's metrics summed over the sending ranks (on every rank)."""
         with pool.external_update(version) if pool is not None else _nothing() as targets:
             holder = [targets]
             dist.broadcast_object_list(holder, src=0, group=self.control)
-            stats = self.push(policy, wg, export, version=version, bucket_bytes=bucket_bytes, targets=holder[0])
-            dist.barrier(group=self.control)  # every sender finished before the replicas resume
-        return stats
+            stats, verified = self.push(policy, wg, export, version=version, bucket_bytes=bucket_bytes,
+                                        targets=holder[0])
+            gathered: list = [None] * dist.get_world_size(self.control)
+            dist.all_gather_object(gathered, (stats, verified), group=self.control)  # also: all senders done
+        total = SyncStats(
+            num_tensors=sum(s.num_tensors for s, _ in gathered), num_bytes=sum(s.num_bytes for s, _ in gathered),
+            num_buckets=sum(s.num_buckets for s, _ in gathered), seconds=max(s.seconds for s, _ in gathered),
+        )
+        metrics = total.as_dict(f"weight_sync/{policy}")
+        metrics[f"weight_sync/{policy}/replicas"] = float(len(holder[0]))
+        if self.cfg.policies[policy].engine.verify_sync:
+            metrics[f"weight_sync/{policy}/verified_replicas"] = float(sum(v for _, v in gathered))
+        return metrics
 
     def push(
         self,
@@ -223,36 +236,49 @@ class EngineFleet:
         version: int,
         bucket_bytes: int,
         targets: list[tuple[int, int]],
-    ) -> SyncStats:
-        """Collective over all ranks (the driver's pool brackets it). ``targets``: the (replica,
-        restart generation) pairs that take this update, the same on every rank."""
+    ) -> tuple[SyncStats, int]:
+        """This rank's part of a push. ``targets``: the (replica, restart generation) pairs that take
+        this update, the same on every rank. Returns what this rank sent and how many replicas it
+        verified (``engine.verify_sync``)."""
         servers = self.policies[policy]
-        stats = SyncStats()
-        start = time.perf_counter()
+        stats, start = SyncStats(), time.perf_counter()
+        generations = dict(targets)
         if servers.colocated and wg.layout.pp == 1:
-            leaders = {servers.replicas[i].leader: i for i, _ in targets}
-            mine = wg.is_member and any(r in leaders for r in stage_ranks_of(wg))
-            if mine and export is not None:
+            leaders = {servers.replicas[i].leader: i for i in generations}
+            if wg.is_member and export is not None and any(r in leaders for r in tp_group_ranks(wg)):
                 named = export()
-                if self.rank in leaders:
-                    index = leaders[self.rank]
-                    gen = dict(targets)[index]
-                    sender = self._sender(policy, (self.rank,), [(index, gen)], backend="megamarl_shm")
-                    stats = sender.push(named, version=version, bucket_bytes=bucket_bytes)
-                else:
+                if self.rank not in leaders:
                     _drain(named)  # a TP peer takes part in the leader's gathers
-        else:
-            for pp_rank in range(wg.layout.pp):
-                if not (wg.is_member and wg.dp_rank == 0 and wg.pp_rank == pp_rank and export is not None):
-                    continue
-                named = export()
-                if self.rank == stage_sender(wg, pp_rank):
-                    sender = self._sender(policy, (pp_rank,), targets, backend="megamarl_gloo")
-                    stats = sender.push(named, version=version, bucket_bytes=bucket_bytes)
-                else:
-                    _drain(named)
+                    return stats, 0
+                index = leaders[self.rank]
+                sender = self._sender(policy, (self.rank,), [(index, generations[index])], backend="megamarl_shm")
+                return self._send(policy, sender, named, [index], version, bucket_bytes, stats, start)
+            return stats, 0
+        pp_rank = wg.pp_rank if wg.is_member else None
+        if pp_rank is None or wg.dp_rank != 0 or export is None:
+            return stats, 0
+        named = export()
+        if self.rank != stage_sender(wg, pp_rank):
+            _drain(named)
+            return stats, 0
+        sender = self._sender(policy, (pp_rank,), targets, backend="megamarl_gloo")
+        verify_here = wg.layout.pp == 1  # a stage alone is not a model to decode with
+        return self._send(policy, sender, named, list(generations) if verify_here else [], version, bucket_bytes,
+                          stats, start)
+
+    def _send(self, policy, sender, named, verify: list[int], version, bucket_bytes, stats, start) -> tuple[SyncStats, int]:
+        check = self.cfg.policies[policy].engine.verify_sync and verify
+        pushed: dict[str, torch.Tensor] = {}
+        if check:
+            named = _keep(named, pushed)
+        stats = sender.push(named, version=version, bucket_bytes=bucket_bytes)
         stats.seconds = time.perf_counter() - start
-        return stats
+        if not check:
+            return stats, 0
+        servers = self.policies[policy]
+        urls = {i: servers.urls[i] for i in verify}
+        return stats, verify_replicas(policy, self.model_paths[policy], pushed, urls,
+                                      served_model=str(self.model_paths[policy]), version=version)
 
     def _sender(self, policy: str, where: tuple, targets: list[tuple[int, int]], *, backend: str) -> WeightSender:
         """The connection for ``targets``, rebuilt when the replica set or a restart changed it."""
@@ -318,8 +344,14 @@ def build_fleet(cfg, *, rank: int, world_size: int, run_dir: Path, control_group
                        overlaps_training=SCHEDULES.traits(cfg.trainer.mode, key="trainer.mode").overlaps_training)
 
 
-def stage_ranks_of(wg: WorkerGroup) -> list[int]:
-    """The ranks of this rank's TP group (its stage, its DP replica)."""
+def _keep(named: Iterable[tuple[str, torch.Tensor]], into: dict) -> Iterator[tuple[str, torch.Tensor]]:
+    for name, tensor in named:
+        into[name] = tensor
+        yield name, tensor
+
+
+def tp_group_ranks(wg: WorkerGroup) -> list[int]:
+    """The ranks of this rank's TP group (its stage, its DP replica): tp is megatron's fastest axis."""
     layout = wg.layout
     block = layout.tp
     start = (wg.layout.ranks.index(dist.get_rank()) // block) * block

@@ -42,11 +42,11 @@ class WeightPusher:
             pool = engines[0] if engines else None
             if pool is not None:
                 self.fleet.wake(name, pool, tags=("weights",))  # colocated: weights back before they are written
-            stats = self.fleet.sync_policy(name, self.wgs[name], export, version=version,
-                                           bucket_bytes=int(policy.engine.bucket_mb * 2**20),
-                                           pool=pool)
+            metrics = self.fleet.sync_policy(name, self.wgs[name], export, version=version,
+                                             bucket_bytes=int(policy.engine.bucket_mb * 2**20), pool=pool)
             if pool is not None:
                 self.fleet.wake(name, pool, tags=("kv_cache",))
+            return metrics
         else:
             stats = sync_weights(self.wgs[name], export, engines, version=version, engine_rank=self.driver_rank,
                                  bucket_mb=policy.engine.bucket_mb)
