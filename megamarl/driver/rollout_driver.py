@@ -29,6 +29,7 @@ from megamarl.registry import import_plugins, resolve_callable
 from megamarl.rl.batch import SampleBatch, collate
 from megamarl.rl.prepare import prepare_rollout
 from megamarl.rollout.base import Engine
+from megamarl.rollout.pool import EnginePool
 from megamarl.rollout.factory import LoraServing, build_engine, engine_threads
 from megamarl.runtime.metrics import MetricsLogger
 from megamarl.runtime.plot import plot_run
@@ -157,6 +158,9 @@ class RolloutDriver:
         self.totals["dropped_groups"] += int(prepare_metrics.get("rollout/dropped_groups", 0))
         self.totals["refill_rounds"] += int(prepare_metrics.get("rollout/refill_rounds", 0))
         metrics.update(prepare_metrics)
+        for name, engine in self.engines.items():
+            if isinstance(engine, EnginePool):
+                metrics.update({f"engine/{name}/{k}": v for k, v in engine.counters().items()})
         self._hand_over(wake=False)  # colocated servers free their memory while the trainer updates
         return batch, metrics
 

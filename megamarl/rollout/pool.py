@@ -53,6 +53,8 @@ class EnginePool(Engine):
         self.in_flight = [0] * num_replicas
         self.live = [True] * num_replicas
         self.num_restarts = [0] * num_replicas
+        self.served = [0] * num_replicas  # requests answered, per replica (metrics: engine/<policy>/...)
+        self.failovers = 0  # requests retried on another replica after theirs died
         self.weight_version = 0
         self._gate = AdmissionGate()
         self._lock = threading.RLock()  # replica table
@@ -96,7 +98,11 @@ class EnginePool(Engine):
                 raise
             replica = self.replicas[index]
             try:
-                return await replica.generate(prompt_ids, sampling, lora=lora)
+                out = await replica.generate(prompt_ids, sampling, lora=lora)
+                self.served[index] += 1
+                if tried:
+                    self.failovers += 1
+                return out
             except ConnectionError as exc:
                 last_error = exc
                 tried.add(index)
@@ -217,6 +223,15 @@ class EnginePool(Engine):
                     except ConnectionError:
                         self._mark_dead(i, self.replicas[i])
                 self._gate.open()
+
+    def counters(self) -> dict[str, float]:
+        """Cumulative routing counters, for the step metrics."""
+        out = {f"replica{i}/requests": float(n) for i, n in enumerate(self.served)}
+        out.update({f"replica{i}/weight_version": float(r.weight_version) for i, r in enumerate(self.replicas)})
+        out["failovers"] = float(self.failovers)
+        out["restarts"] = float(sum(self.num_restarts))
+        out["live_replicas"] = float(sum(self.live))
+        return out
 
     def add_lora(self, name: str, path) -> None:
         """Register L2 adapter ``name`` (a PEFT directory) with every replica; a rebuilt replica
