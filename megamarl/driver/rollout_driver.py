@@ -55,6 +55,8 @@ class RolloutDriver:
         self.tokenizers = {name: AutoTokenizer.from_pretrained(path) for name, path in paths.items()}
         self.pad_ids = {name: (t.pad_token_id if t.pad_token_id is not None else t.eos_token_id) for name, t in self.tokenizers.items()}
         self.engines = self._start_engines(paths)
+        if fleet is not None:
+            (run_dir / "engine_servers.json").write_text(json.dumps(fleet.table(), indent=1))
         self.env = cfg.env.maker()
         self.orchestra = cfg.orchestra.build()
         self.agents = build_agents(

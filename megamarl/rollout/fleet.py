@@ -140,6 +140,9 @@ class EngineFleet:
         urls = {key: url for m, _ in gathered for key, url in m.items()}
         for name, servers in self.policies.items():
             servers.urls = [urls[(name, rep.index)] for rep in servers.replicas]
+        pids: list = [None] * dist.get_world_size()
+        dist.all_gather_object(pids, {key: proc.pid for key, proc in self.local.items()}, group=self.control)
+        self.pids = {key: pid for m in pids for key, pid in m.items()}
         if self.local:
             self._watchdog = threading.Thread(target=self._watch, daemon=True, name="engine-watchdog")
             self._watchdog.start()
@@ -158,8 +161,10 @@ class EngineFleet:
                     log.exception("restarting engine server %s replica %d failed", *key)
 
     def table(self) -> list[dict]:
+        """One row per server (written to ``<run_dir>/engine_servers.json`` by the driver)."""
         return [
-            {"policy": name, "replica": rep.index, "ranks": list(rep.ranks), "url": url, "colocated": rep.colocated}
+            {"policy": name, "replica": rep.index, "ranks": list(rep.ranks), "devices": list(rep.devices),
+             "url": url, "pid": self.pids.get((name, rep.index)), "colocated": rep.colocated}
             for name, servers in self.policies.items() for rep, url in zip(servers.replicas, servers.urls)
         ]
 
