@@ -88,7 +88,7 @@ class RolloutDriver:
                     servers = self.fleet.policies[name]
                     self.progress.line(f"policy {name}: {len(servers.urls)} x {p.engine.backend} server "
                                        f"(tp {p.engine.tp}) at {', '.join(servers.urls)}")
-                    engines[name] = self.fleet.driver_pool(name, served_model=str(paths[name]))
+                    engines[name] = self.fleet.driver_pool(name)
                     phase.advance()
                     continue
                 threads = engine_threads(p.engine, overlaps_training=overlaps, num_local_ranks=local_ranks)

@@ -47,7 +47,8 @@ from megamarl.rollout.weight_sync import SyncStats, stage_sender
 
 log = logging.getLogger(__name__)
 
-UNSYNCED = -1  # weight_version of a restarted replica until a push reaches it
+UNSYNCED = -1
+SERVED_MODEL = "default"  # the model name requests use; L2 adapters are served under their own names  # weight_version of a restarted replica until a push reaches it
 
 
 @dataclass
@@ -85,6 +86,7 @@ class EngineFleet:
     ) -> None:
         self.cfg, self.rank, self.control = cfg, rank, control_group
         self.model_paths = model_paths
+        self.multi_node = world_size > ranks_per_node
         self.plan = plan_engines(cfg, world_size, ranks_per_node)
         self.policies = {
             name: PolicyServers(name, reps) for name, reps in self.plan.items() if reps and reps[0].launch == "server"
@@ -118,8 +120,16 @@ class EngineFleet:
             model_path=str(path), tp=p.engine.tp, devices=tuple(rep.devices), dtype=p.engine.dtype,
             max_num_seqs=p.engine.max_num_seqs, max_model_len=p.seq_len, kv_cache_gib=p.engine.kv_cache_gib,
             num_threads=threads, seed=self.cfg.trainer.seed + rep.index, lora=_lora_serving(self.cfg, rep.policy),
-            log_path=log_dir / f"{rep.policy}-replica{rep.index}.log",
+            log_path=log_dir / f"{rep.policy}-replica{rep.index}.log", weight_transfer=self._transfer_backend(rep),
+            served_model_name=SERVED_MODEL, on_gpu=torch.cuda.is_available(),
+            host="0.0.0.0" if self.multi_node else "127.0.0.1",
         )
+
+    def _transfer_backend(self, rep: ReplicaPlacement) -> str:
+        """Colocated replicas (PP=1) are fed through shared memory by their own rank; the others by
+        a broadcast from each stage's sender."""
+        pp = self.cfg.policies[rep.policy].pp
+        return "megamarl_shm" if rep.colocated and pp == 1 else "megamarl_gloo"
 
     # -- start-up --------------------------------------------------------------------------------
 
@@ -141,7 +151,7 @@ class EngineFleet:
         for name, servers in self.policies.items():
             servers.urls = [urls[(name, rep.index)] for rep in servers.replicas]
         pids: list = [None] * dist.get_world_size()
-        dist.all_gather_object(pids, {key: proc.pid for key, proc in self.local.items()}, group=self.control)
+        dist.all_gather_object(pids, {key: proc.proc.pid for key, proc in self.local.items() if proc.proc}, group=self.control)
         self.pids = {key: pid for m in pids for key, pid in m.items()}
         if self.local:
             self._watchdog = threading.Thread(target=self._watch, daemon=True, name="engine-watchdog")
@@ -170,14 +180,14 @@ class EngineFleet:
 
     # -- the driver's view -----------------------------------------------------------------------
 
-    def driver_pool(self, policy: str, *, served_model: str) -> EnginePool:
+    def driver_pool(self, policy: str, *, served_model: str = "") -> EnginePool:
         urls = self.policies[policy].urls
         restart_timeout = self.cfg.trainer.collective_timeout_s
 
         def replica(index: int, *, restarted: bool = False) -> VLLMServerClient:
             if restarted:  # the owner rank restarts the process; wait until it answers again
                 _await_health(urls[index], timeout_s=restart_timeout)
-            client = VLLMServerClient(urls[index], model=served_model)
+            client = VLLMServerClient(urls[index], model=served_model or SERVED_MODEL)
             client.weight_version = UNSYNCED if restarted else 0
             return client
 
@@ -276,14 +286,14 @@ class EngineFleet:
         pushed: dict[str, torch.Tensor] = {}
         if check:
             named = _keep(named, pushed)
-        stats = sender.push(named, version=version, bucket_bytes=bucket_bytes)
+        stats = sender.push(named, version=version, bucket_bytes=bucket_bytes, pause=False)  # the pool paused
         stats.seconds = time.perf_counter() - start
         if not check:
             return stats, 0
         servers = self.policies[policy]
         urls = {i: servers.urls[i] for i in verify}
         return stats, verify_replicas(policy, self.model_paths[policy], pushed, urls,
-                                      served_model=str(self.model_paths[policy]), version=version)
+                                      served_model=SERVED_MODEL, version=version)
 
     def _sender(self, policy: str, where: tuple, targets: list[tuple[int, int]], *, backend: str) -> WeightSender:
         """The connection for ``targets``, rebuilt when the replica set or a restart changed it."""
