@@ -101,7 +101,7 @@ def bench_rollout(urls: list[str], prompts, max_tokens: int, repeats: int) -> di
 # ---- weight sync ----------------------------------------------------------------------------------
 
 def _receiver(port: int, rank: int, world: int, infos: list[dict]) -> None:
-    group, _ = new_gloo_group("127.0.0.1", port, rank=rank, world_size=world, group_name="raw")
+    group, _store = new_gloo_group("127.0.0.1", port, rank=rank, world_size=world, group_name="raw", timeout_s=600)
     for _ in range(10**9):
         for info in infos:
             flat = torch.empty(info["num_bytes"], dtype=torch.uint8)
@@ -118,7 +118,8 @@ def bench_raw_broadcast(flats: list[torch.Tensor], infos: list[dict], receivers:
     procs = [ctx.Process(target=_receiver, args=(port, r + 1, receivers + 1, infos)) for r in range(receivers)]
     for p in procs:
         p.start()
-    group, _ = new_gloo_group("127.0.0.1", port, rank=0, world_size=receivers + 1, group_name="raw")
+    group, _store = new_gloo_group("127.0.0.1", port, rank=0, world_size=receivers + 1, group_name="raw",
+                                   timeout_s=600, is_master=True)
     seconds = []
     for r in range(repeats):
         start = time.perf_counter()
