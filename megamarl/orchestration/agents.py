@@ -49,7 +49,7 @@ class SamplingConfig:
     """``agents.<a>.sampling``: what the agent's engine requests look like. ``sampling_params``
     turns it into the engine's per-request ``SamplingParams`` (token ids need the tokenizer)."""
 
-    temperature: float = 1.0  # also applied to the trainer's logprobs
+    temperature: float = 1.0  # sampling temperature (also applied to the trainer's logprobs)
     top_p: float = 1.0
     top_k: int = -1
     max_tokens: int = 64
