@@ -1,5 +1,6 @@
 """Agents: a role with a prompt template, a policy to sample from, an output parser, an optional
-local reward and its own sampling parameters.
+local reward and its own sampling parameters. ``AgentConfig`` (with ``SamplingConfig``) is both the
+``agents.<role>`` section of the run config and what an agent is built from.
 
 An agent *kind* is a class registered in ``AGENTS`` (``@AGENTS.register("math_solver")``); an
 agent *instance* is that class built from an ``AgentConfig`` (which role it plays, which policy and
@@ -33,15 +34,14 @@ MEMORY_SCOPES = ("team", "self")
 
 
 def _check_number(key: str, value: float, *, low: float, high: float | None = None, low_open: bool = False) -> None:
-    """``key`` (with the ``agents.<a>`` placeholder ``megamarl.config.load_config`` fills in) must
-    be a finite number in [low, high] (low excluded when ``low_open``); same wording as config.py."""
+    """``key`` (an ``agents.<a>...`` key; ``megamarl.config.load_config`` puts the agent's name in)
+    must be a finite number in [low, high], low excluded when ``low_open``. Worded as config.py's checks."""
     if isinstance(value, float) and not math.isfinite(value):
         raise ValueError(f"{key} must be a finite number, got {value}")
-    if value <= low if low_open else value < low:
-        bound = f"{'>' if low_open else '>='} {low}" if high is None else f"in {'(' if low_open else '['}{low}, {high}]"
+    if (value <= low if low_open else value < low) or (high is not None and value > high):
+        opening = "(" if low_open else "["
+        bound = f"{'>' if low_open else '>='} {low}" if high is None else f"in {opening}{low}, {high}]"
         raise ValueError(f"{key} must be {bound}, got {value}")
-    if high is not None and value > high:
-        raise ValueError(f"{key} must be in {'(' if low_open else '['}{low}, {high}], got {value}")
 
 
 @dataclass
