@@ -161,7 +161,14 @@ def test_seeded_rollout_does_not_depend_on_batching(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from megamarl.models.tiny import save_tiny_model
-    from megamarl.orchestration import AgentConfig, EnvMaker, SamplingConfig, build_agents, build_orchestra, run_episodes
+    from megamarl.orchestration import (
+        AgentConfig,
+        EnvMaker,
+        SamplingConfig,
+        build_agents,
+        build_orchestra,
+        run_episodes,
+    )
     from megamarl.rollout.hf import HFEngine
 
     path = save_tiny_model(tmp_path, "llama", seed=0)

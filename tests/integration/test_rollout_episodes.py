@@ -6,7 +6,14 @@ from collections import defaultdict
 
 import pytest
 
-from megamarl.orchestration import AgentConfig, EnvMaker, SamplingConfig, build_agents, build_orchestra, run_episodes
+from megamarl.orchestration import (
+    AgentConfig,
+    EnvMaker,
+    SamplingConfig,
+    build_agents,
+    build_orchestra,
+    run_episodes,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

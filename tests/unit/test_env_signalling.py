@@ -4,7 +4,14 @@ import asyncio
 
 import pytest
 
-from megamarl.orchestration import AgentConfig, EnvMaker, SamplingConfig, build_agents, build_orchestra, run_episodes
+from megamarl.orchestration import (
+    AgentConfig,
+    EnvMaker,
+    SamplingConfig,
+    build_agents,
+    build_orchestra,
+    run_episodes,
+)
 from megamarl.orchestration.envs.signalling import SYMBOLS
 from megamarl.orchestration.testing import ScriptedEngine, smollm2_tokenizer
 

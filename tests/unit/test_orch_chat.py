@@ -4,7 +4,14 @@ import asyncio
 
 import pytest
 
-from megamarl.orchestration import AgentConfig, EnvMaker, SamplingConfig, build_agents, build_orchestra, run_episodes
+from megamarl.orchestration import (
+    AgentConfig,
+    EnvMaker,
+    SamplingConfig,
+    build_agents,
+    build_orchestra,
+    run_episodes,
+)
 from megamarl.orchestration.chat import ChatTranscript, TemplateDeltaError
 from megamarl.orchestration.testing import ScriptedEngine, smollm2_tokenizer
 
