@@ -17,6 +17,7 @@ import sys
 
 from megamarl.config import load_config
 from megamarl.config_loader import expand_sweeps
+from megamarl.parallel.engine_placement import plan_engines, ranks_per_node
 
 
 def main(argv=None) -> int:
@@ -29,7 +30,8 @@ def main(argv=None) -> int:
         return _dry_run(args.config, args.overrides)
     try:
         cfg = load_config(args.config, args.overrides)
-        cfg.placement(int(os.environ.get("WORLD_SIZE", "1")))
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        plan_engines(cfg, world_size, ranks_per_node(cfg.cluster, world_size))  # WG and engine placement
     except (ValueError, ImportError) as exc:  # ImportError: a plugin module that does not load
         print(f"config error: {exc}", file=sys.stderr)
         return 2
