@@ -168,3 +168,21 @@ def test_two_policies_cannot_share_disaggregated_engine_ranks(tmp_path):
 
 def test_engine_config_defaults_to_auto():
     assert EngineConfig().launch == "auto"
+
+
+def test_dry_run_places_engines_with_plan_engines():
+    """The dry-run's engine memory sits on the ranks the start-up plan gives (one source of truth),
+    and a replica crossing a node is an error there too (it used to be a warning)."""
+    from megamarl.planning.dryrun import dry_run
+    from rich.console import Console
+    import io
+
+    cfg = load_config(HETERO, [])
+    report = dry_run(cfg, console=Console(file=io.StringIO(), width=200))
+    plan = plan_engines(cfg, 64, 8)
+    assert {name: e.replicas for name, e in report.engines.items()} == {
+        name: [list(r.ranks) for r in replicas] for name, replicas in plan.items()}
+    cfg = load_config(HETERO, ["policies.planner.engine.tp=16", "policies.planner.engine.num_replicas=3"])
+    with pytest.raises(ValueError, match=r"policies.planner.engine.tp=16 \(colocated on policies.planner.ranks\): "
+                                         r"replica 0 on ranks \[0, 1, .*\] crosses nodes \[0, 1\] \(8 ranks per node\)"):
+        dry_run(cfg, console=Console(file=io.StringIO(), width=200))
