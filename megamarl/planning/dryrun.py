@@ -179,7 +179,7 @@ def dry_run(cfg: RunConfig, *, console=None, world_size: int | None = None) -> D
     cluster = cfg.cluster
     on_gpus = cluster.gpus_per_node > 0
     if world_size is None:
-        world_size = cluster.num_nodes * cluster.gpus_per_node if on_gpus else _cpu_world_size(cfg)
+        world_size = declared_world_size(cfg)
     placement = cfg.placement(world_size)
     gpus_per_node = cluster.gpus_per_node or world_size
 
@@ -221,10 +221,14 @@ def dry_run(cfg: RunConfig, *, console=None, world_size: int | None = None) -> D
     return report
 
 
-def _cpu_world_size(cfg: RunConfig) -> int:
-    """CPU runs declare no cluster: take the smallest world the config can run on (WORLD_SIZE under
-    torchrun), i.e. every explicit rank and one full model-parallel group of each rank-less policy."""
+def declared_world_size(cfg: RunConfig) -> int:
+    """``cluster.num_nodes * cluster.gpus_per_node``; CPU runs declare no cluster: take the smallest
+    world the config can run on (WORLD_SIZE under torchrun), i.e. every explicit rank and one full
+    model-parallel group of each rank-less policy."""
     import os
+
+    if cfg.cluster.gpus_per_node > 0:
+        return cfg.cluster.num_nodes * cfg.cluster.gpus_per_node
 
     needed = [int(os.environ.get("WORLD_SIZE", 1))]
     for policy in cfg.policies.values():
