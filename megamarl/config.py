@@ -59,7 +59,7 @@ def _check_range(key: str, value, *, low=None, high=None, low_open=False) -> Non
 @dataclass
 class EngineConfig:
     backend: str = "vllm"  # vllm | hf | sglang; vllm falls back to hf when not installed (logged)
-    # auto | in_process | server (megamarl.parallel.engine_placement). in_process: every replica in the
+    # auto | in_process | server (docs/cluster.md, "Engine placement"). in_process: every replica in the
     # driver's (rank 0's) process; server: each replica an inference server started by the leader rank
     # of its block; auto: in_process for a one-rank world or the quickstart shape (one TP=1 replica,
     # WG from rank 0) or a backend without a server (hf), server otherwise.
