@@ -186,3 +186,18 @@ def test_dry_run_places_engines_with_plan_engines():
     with pytest.raises(ValueError, match=r"policies.planner.engine.tp=16 \(colocated on policies.planner.ranks\): "
                                          r"replica 0 on ranks \[0, 1, .*\] crosses nodes \[0, 1\] \(8 ranks per node\)"):
         dry_run(cfg, console=Console(file=io.StringIO(), width=200))
+
+
+def test_train_py_checks_the_engine_plan_before_loading_models(monkeypatch, capsys):
+    """The pre-flight check of scripts/train.py plans the engines for WORLD_SIZE: a placement that
+    cannot be built exits 2 with the key named, before any model is built."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("train_script", ROOT / "scripts" / "train.py")
+    train = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(train)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    argv = ["--config", str(TINY), "policies.shared.engine.backend=vllm", "policies.shared.engine.num_replicas=3"]
+    assert train.main(argv) == 2
+    assert "config error: policies.shared.engine.num_replicas=3: num_replicas * tp = 3 * 1 = 3" in capsys.readouterr().err
