@@ -3,9 +3,12 @@ the errors, each naming its config key; load-time checks of policies.<p>.engine.
 
 from __future__ import annotations
 
+import importlib.util
+import io
 from pathlib import Path
 
 import pytest
+from rich.console import Console
 
 from megamarl.config import ClusterConfig, EngineConfig, load_config
 from megamarl.parallel.engine_placement import (
@@ -17,6 +20,7 @@ from megamarl.parallel.engine_placement import (
     replicas_led_by,
     resolve_launch,
 )
+from megamarl.planning.dryrun import dry_run
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "configs" / "signalling_tiny.yaml"  # one policy "shared" on every rank, hf engine
@@ -131,8 +135,8 @@ def test_a_world_rank_outside_the_wg_ranks_is_found_only_with_the_world():
 
 @pytest.mark.parametrize("overrides, message", [
     (["policies.shared.engine.launch=remote"], "policies.shared.engine.launch='remote' unknown"),
-    (["policies.shared.engine.launch=server"], "policies.shared.engine.launch=server needs an inference server, "
-                                               "which policies.shared.engine.backend=hf has not"),
+    (["policies.shared.engine.launch=server"],
+     "policies.shared.engine.launch=server needs an inference server, which policies.shared.engine.backend=hf has not"),
     (["policies.shared.engine.tp=2"], "policies.shared.engine.tp=2 needs an inference server"),
     (["policies.shared.engine.backend=vllm", "policies.shared.engine.launch=in_process", "policies.shared.ranks=[0]",
       "policies.shared.engine.ranks=[1]"], "policies.shared.engine.ranks is set but policies.shared.engine.launch=in_process"),
@@ -173,10 +177,6 @@ def test_engine_config_defaults_to_auto():
 def test_dry_run_places_engines_with_plan_engines():
     """The dry-run's engine memory sits on the ranks the start-up plan gives (one source of truth),
     and a replica crossing a node is an error there too (it used to be a warning)."""
-    from megamarl.planning.dryrun import dry_run
-    from rich.console import Console
-    import io
-
     cfg = load_config(HETERO, [])
     report = dry_run(cfg, console=Console(file=io.StringIO(), width=200))
     plan = plan_engines(cfg, 64, 8)
@@ -191,8 +191,6 @@ def test_dry_run_places_engines_with_plan_engines():
 def test_train_py_checks_the_engine_plan_before_loading_models(monkeypatch, capsys):
     """The pre-flight check of scripts/train.py plans the engines for WORLD_SIZE: a placement that
     cannot be built exits 2 with the key named, before any model is built."""
-    import importlib.util
-
     spec = importlib.util.spec_from_file_location("train_script", ROOT / "scripts" / "train.py")
     train = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(train)
