@@ -28,7 +28,7 @@ from megamarl.orchestration.agents import AgentConfig as OrchAgentConfig
 from megamarl.orchestration.env import ENVS, EnvSpec
 from megamarl.orchestration.orchestras import ORCHESTRAS, OrchestraSpec
 from megamarl.config_loader import compose_config
-from megamarl.parallel.engine_placement import LAUNCHES, SERVER_BACKENDS, can_run_in_process
+from megamarl.parallel.engine_placement import check_engine_ranks, check_launch
 from megamarl.parallel.hardware import DTYPE_CHOICES, resolve_dtype
 from megamarl.parallel.placement import PLACEMENT_MODES, PlacementConfig, WorkerGroupLayout
 from megamarl.planning.model_presets import PRESETS
@@ -99,45 +99,7 @@ class EngineConfig:
         bad = [u for u in self.server_urls if not u.startswith(("http://", "https://"))]
         if bad:
             raise ValueError(f"policies.<p>.engine.server_urls must be http(s) URLs, got {bad}")
-        self._check_launch()
-
-    def _check_launch(self) -> None:
-        """Rules of ``launch`` that need only this section (the world size is checked by
-        ``megamarl.parallel.engine_placement.plan_engines`` at start-up)."""
-        key = "policies.<p>.engine"
-        if self.launch not in LAUNCHES:
-            raise ValueError(f"{key}.launch='{self.launch}' unknown; allowed: {list(LAUNCHES)}")
-        if len(set(self.ranks)) != len(self.ranks):
-            raise ValueError(f"{key}.ranks has duplicates: {self.ranks}")
-        needed = self.num_replicas * self.tp
-        if self.ranks and len(self.ranks) != needed:
-            raise ValueError(f"{key}.ranks has {len(self.ranks)} ranks; num_replicas * tp = "
-                             f"{self.num_replicas} * {self.tp} = {needed}")
-        if self.server_urls:
-            if self.launch != "auto" or self.ranks:
-                raise ValueError(f"{key}.server_urls connects to external servers: leave {key}.launch=auto "
-                                 f"and {key}.ranks empty (got launch={self.launch}, ranks={self.ranks})")
-            if len(self.server_urls) != self.num_replicas:
-                raise ValueError(f"{key}.server_urls has {len(self.server_urls)} URLs; one per replica: "
-                                 f"{key}.num_replicas={self.num_replicas}")
-            return
-        if self.launch == "in_process":
-            if self.ranks:
-                raise ValueError(f"{key}.ranks is set but {key}.launch=in_process: in_process replicas live in "
-                                 "rank 0's process; engine.ranks needs launch=server")
-            if self.tp > 1:
-                raise ValueError(f"{key}.tp={self.tp} with {key}.launch=in_process: in-process replicas run at "
-                                 "TP=1; a tensor-parallel replica needs launch=server")
-            if not can_run_in_process(self.backend):
-                raise ValueError(f"{key}.launch=in_process but {key}.backend={self.backend} has no in-process "
-                                 "engine; use launch=server (or auto)")
-        if self.backend not in SERVER_BACKENDS:
-            needs = ("launch=server" if self.launch == "server" else "ranks" if self.ranks
-                     else "tp" if self.tp > 1 else None)
-            if needs:
-                shown = f"{key}.{needs}" if needs != "tp" else f"{key}.tp={self.tp}"
-                raise ValueError(f"{shown} needs an inference server, which {key}.backend={self.backend} has not "
-                                 f"(backends with a server: {list(SERVER_BACKENDS)})")
+        check_launch(self)  # launch / ranks / server_urls rules (megamarl.parallel.engine_placement)
 
 
 @dataclass
@@ -496,31 +458,8 @@ class RunConfig:
         if self.algorithm.max_refill_rounds > 0 and self.trainer.mode == "fully_async":
             raise ValueError("algorithm.max_refill_rounds > 0 needs trainer.mode sync or one_step_off "
                              "(fully_async batches already wait for rollout.num_tasks groups)")
-        self._check_engine_ranks()
+        check_engine_ranks(self.policies)
         self._check_registered_names()
-
-    def _check_engine_ranks(self) -> None:
-        """Disaggregated engine ranks hold no worker-group shard and belong to one policy (the
-        checks that need the world size run in ``engine_placement.plan_engines`` at start-up)."""
-        owner: dict[int, str] = {}
-        for name, policy in self.policies.items():
-            key = f"policies.{name}.engine.ranks"
-            for rank in policy.engine.ranks:
-                if rank in owner:
-                    raise ValueError(f"{key} and policies.{owner[rank]}.engine.ranks share rank {rank}; "
-                                     "a disaggregated replica's ranks are its own")
-                owner[rank] = name
-            if not policy.engine.ranks:
-                continue
-            for other, wg in self.policies.items():
-                if wg.ranks is None:
-                    raise ValueError(
-                        f"{key}={policy.engine.ranks} but policies.{other}.ranks is unset, so its worker group "
-                        f"takes every rank, the engine ranks included; list policies.{other}.ranks")
-                held = sorted(set(policy.engine.ranks) & set(wg.ranks))
-                if held:
-                    raise ValueError(f"{key} {held} hold shards of policies.{other} (policies.{other}.ranks); "
-                                     "disaggregated engine ranks must hold no worker-group shard")
 
     def _check_registered_names(self) -> None:
         """Registry names and their kwargs, after importing ``plugins`` (they may register more), so

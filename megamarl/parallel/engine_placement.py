@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 from megamarl.rollout import ENGINES
 
 if TYPE_CHECKING:
-    from megamarl.config import ClusterConfig, EngineConfig, RunConfig
+    from megamarl.config import ClusterConfig, EngineConfig, PolicyConfig, RunConfig
 
 LAUNCHES = ("auto", "in_process", "server")
 # Backends megamarl can start as an inference server (megamarl.rollout.server_launch builds their
@@ -77,6 +77,68 @@ def resolve_launch(engine: EngineConfig, wg_ranks: list[int], world_size: int) -
     if in_process_ok and (world_size == 1 or quickstart or not has_server(engine.backend)):
         return "in_process"
     return "server"
+
+
+def check_launch(engine: EngineConfig) -> None:
+    """Load-time rules of one ``policies.<p>.engine`` section (launch, ranks, server_urls), called
+    from its ``__post_init__``; the rules that need the world size are ``plan_engines``'s."""
+    key = "policies.<p>.engine"
+    if engine.launch not in LAUNCHES:
+        raise ValueError(f"{key}.launch='{engine.launch}' unknown; allowed: {list(LAUNCHES)}")
+    if len(set(engine.ranks)) != len(engine.ranks):
+        raise ValueError(f"{key}.ranks has duplicates: {engine.ranks}")
+    needed = engine.num_replicas * engine.tp
+    if engine.ranks and len(engine.ranks) != needed:
+        raise ValueError(f"{key}.ranks has {len(engine.ranks)} ranks; num_replicas * tp = "
+                         f"{engine.num_replicas} * {engine.tp} = {needed}")
+    if engine.server_urls:
+        if engine.launch != "auto" or engine.ranks:
+            raise ValueError(f"{key}.server_urls connects to external servers: leave {key}.launch=auto "
+                             f"and {key}.ranks empty (got launch={engine.launch}, ranks={engine.ranks})")
+        if len(engine.server_urls) != engine.num_replicas:
+            raise ValueError(f"{key}.server_urls has {len(engine.server_urls)} URLs; one per replica: "
+                             f"{key}.num_replicas={engine.num_replicas}")
+        return
+    if engine.launch == "in_process":
+        if engine.ranks:
+            raise ValueError(f"{key}.ranks is set but {key}.launch=in_process: in_process replicas live in "
+                             "rank 0's process; engine.ranks needs launch=server")
+        if engine.tp > 1:
+            raise ValueError(f"{key}.tp={engine.tp} with {key}.launch=in_process: in-process replicas run at "
+                             "TP=1; a tensor-parallel replica needs launch=server")
+        if not can_run_in_process(engine.backend):
+            raise ValueError(f"{key}.launch=in_process but {key}.backend={engine.backend} has no in-process "
+                             "engine; use launch=server (or auto)")
+    if engine.backend not in SERVER_BACKENDS:
+        needs = (f"{key}.launch=server" if engine.launch == "server" else f"{key}.ranks" if engine.ranks
+                 else f"{key}.tp={engine.tp}" if engine.tp > 1 else None)
+        if needs:
+            raise ValueError(f"{needs} needs an inference server, which {key}.backend={engine.backend} has not "
+                             f"(backends with a server: {list(SERVER_BACKENDS)})")
+
+
+def check_engine_ranks(policies: dict[str, PolicyConfig]) -> None:
+    """Load-time, across policies: disaggregated engine ranks hold no worker-group shard and belong
+    to one policy (ranks beyond the world size are found by ``plan_engines``)."""
+    owner: dict[int, str] = {}
+    for name, policy in policies.items():
+        key = f"policies.{name}.engine.ranks"
+        for rank in policy.engine.ranks:
+            if rank in owner:
+                raise ValueError(f"{key} and policies.{owner[rank]}.engine.ranks share rank {rank}; "
+                                 "a disaggregated replica's ranks are its own")
+            owner[rank] = name
+        if not policy.engine.ranks:
+            continue
+        for other, wg in policies.items():
+            if wg.ranks is None:
+                raise ValueError(
+                    f"{key}={policy.engine.ranks} but policies.{other}.ranks is unset, so its worker group "
+                    f"takes every rank, the engine ranks included; list policies.{other}.ranks")
+            held = sorted(set(policy.engine.ranks) & set(wg.ranks))
+            if held:
+                raise ValueError(f"{key} {held} hold shards of policies.{other} (policies.{other}.ranks); "
+                                 "disaggregated engine ranks must hold no worker-group shard")
 
 
 def ranks_per_node(cluster: ClusterConfig, world_size: int, env=os.environ) -> int:
