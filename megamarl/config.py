@@ -75,6 +75,10 @@ class EngineConfig:
     # CPU engines: threads the engine decodes with. 0: every core of the node -- the training ranks
     # wait idle during rollout, so the engine may use their cores.
     num_threads: int = 0
+    # Engine servers: after every weight push, each sending rank checks that every replica it fed
+    # decodes fixed prompts greedily to the same tokens as transformers on the tensors it pushed (a
+    # mismatch stops the run). Costs a model load and a few decodes per push: a debugging/CI guard.
+    verify_sync: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_CHOICES:

@@ -34,7 +34,9 @@ import torch.distributed as dist
 
 from megamarl.driver.schedules import SCHEDULES
 from megamarl.models.packaged import resolve_model_path
-from megamarl.parallel.engine_placement import ReplicaPlacement, plan_engines, replicas_led_by
+from megamarl.planning.dryrun import engine_memory
+from megamarl.planning.model_presets import resolve_model_shape
+from megamarl.parallel.engine_placement import ReplicaPlacement, plan_engines, ranks_per_node, replicas_led_by
 from megamarl.parallel.hardware import node_cores
 from megamarl.parallel.placement import WorkerGroup
 from megamarl.rollout._http import JSONClient
@@ -101,7 +103,7 @@ class EngineFleet:
         self.overlaps_training = overlaps_training
         self._watchdog: threading.Thread | None = None
         for name, servers in self.policies.items():
-            for rep in replicas_led_by({name: servers.replicas}, rank):
+            for rep in replicas_led_by({name: servers.replicas}, rank):  # all of them are servers
                 spec = self._spec(rep, model_paths[name], log_dir, num_threads(name))
                 proc = ServerProcess(spec)
                 self.local[(name, rep.index)] = proc
@@ -118,7 +120,7 @@ class EngineFleet:
         return ServerSpec(
             policy=rep.policy, replica=rep.index, rank=self.rank, backend=p.engine.backend,
             model_path=str(path), tp=p.engine.tp, devices=tuple(rep.devices), dtype=p.engine.dtype,
-            max_num_seqs=p.engine.max_num_seqs, max_model_len=p.seq_len, kv_cache_gib=p.engine.kv_cache_gib,
+            max_num_seqs=p.engine.max_num_seqs, max_model_len=p.seq_len, kv_cache_gib=_kv_cache_gib(p, path),
             num_threads=threads, seed=self.cfg.trainer.seed + rep.index, lora=_lora_serving(self.cfg, rep.policy),
             log_path=log_dir / f"{rep.policy}-replica{rep.index}.log", weight_transfer=self._transfer_backend(rep),
             served_model_name=SERVED_MODEL, on_gpu=torch.cuda.is_available(),
@@ -326,6 +328,15 @@ class EngineFleet:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
+def _kv_cache_gib(policy, path: Path) -> float:
+    """``engine.kv_cache_gib``, or (0) what ``max_num_seqs`` sequences of ``seq_len`` need (the
+    dry-run's estimate, so start-up gives the server what the plan counted)."""
+    if policy.engine.kv_cache_gib > 0:
+        return policy.engine.kv_cache_gib
+    shape = resolve_model_shape(str(path), key="policies.<p>.model")
+    return engine_memory(shape, policy).kv_cache / 2**30
+
+
 def _each_live(pool: EnginePool, call) -> None:
     for index, replica in enumerate(pool.replicas):
         if pool.live[index]:
@@ -342,19 +353,19 @@ def _nothing():
 
 def build_fleet(cfg, *, rank: int, world_size: int, run_dir: Path, control_group) -> EngineFleet | None:
     """The run's fleet when any policy's replicas are servers (None: in-process engines only)."""
-    ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-    plan = plan_engines(cfg, world_size, ranks_per_node)
+    per_node = ranks_per_node(cfg.cluster, world_size)
+    plan = plan_engines(cfg, world_size, per_node)
     if not any(reps and reps[0].launch == "server" for reps in plan.values()):
         return None
     paths = {name: resolve_model_path(p.model, key=f"policies.{name}.model") for name, p in cfg.policies.items()}
     local_servers = sum(
-        1 for reps in plan.values() for r in reps if r.launch == "server" and r.node == rank // ranks_per_node
+        1 for reps in plan.values() for r in reps if r.launch == "server" and r.node == rank // per_node
     )
 
     def threads(policy: str) -> int:  # CPU servers share the node's cores (the trainer idles during rollout)
         return cfg.policies[policy].engine.num_threads or max(1, node_cores() // max(1, local_servers))
 
-    return EngineFleet(cfg, rank=rank, world_size=world_size, ranks_per_node=ranks_per_node, model_paths=paths,
+    return EngineFleet(cfg, rank=rank, world_size=world_size, ranks_per_node=per_node, model_paths=paths,
                        log_dir=run_dir / "engine_logs", control_group=control_group, num_threads=threads,
                        overlaps_training=SCHEDULES.traits(cfg.trainer.mode, key="trainer.mode").overlaps_training)
 
