@@ -283,3 +283,27 @@ def test_fully_async_resume_loses_and_repeats_nothing_under_timing_dependent_tra
 
 def batches_of(batches):
     return [(v, r) for v, r in batches]
+
+
+def test_fully_async_groups_cancelled_by_stop_return_to_the_cursor(loop):
+    """The producer stops at the last step (or on close) with groups in flight; they go back to the
+    front of the cursor, so a checkpoint taken then (or a run extended past total_steps) skips no task:
+    trained, buffered and pending tasks are disjoint and cover every chunk the producer opened."""
+    cfg = make_cfg("fully_async", max_staleness=2)
+    source = FakeSource(num_tasks=4, turns=lambda rng: 30)
+    schedule = build_schedule(cfg, source, loop)
+    batches, _ = drive(schedule, source, cfg, steps=2)
+    batches.append((None, schedule.next_rollout(2, source.version)[0]))  # frees room in the buffer...
+    time.sleep(0.03)  # ...so new groups start, and run for ~0.15 s
+    assert schedule.buffer.in_flight > 0
+    schedule.producer.stop()  # they are cancelled
+    state = schedule.state_dict()
+    schedule.close()
+    trained_tasks = {s.task_id for _, r in batches for s in r.samples}
+    buffered = {p.task_id for parts in state["buffer"]["queues"].values() for p in parts}
+    pending = [t.task_id for t, _, _ in state["producer"]["pending"]]
+    seqs = [seq for _, _, seq in state["producer"]["pending"]]
+    assert pending and seqs == sorted(seqs)
+    assert not (trained_tasks & set(pending)) and not (set(pending) & buffered)
+    everything = {f"t{c}-{j}@{c}" for c in range(state["producer"]["next_chunk"]) for j in range(4)}
+    assert trained_tasks | buffered | set(pending) == everything
