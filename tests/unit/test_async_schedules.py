@@ -307,3 +307,35 @@ def test_fully_async_groups_cancelled_by_stop_return_to_the_cursor(loop):
     assert not (trained_tasks & set(pending)) and not (set(pending) & buffered)
     everything = {f"t{c}-{j}@{c}" for c in range(state["producer"]["next_chunk"]) for j in range(4)}
     assert trained_tasks | buffered | set(pending) == everything
+
+
+def test_driver_rollout_state_round_trip_and_mismatched_checkpoints(loop):
+    """RolloutDriver.state_dict/load_state_dict around the schedule (the driver's engines are not
+    needed for this part, so it is assembled without them): same mode loads the state; a checkpoint
+    from another mode, or from before rollout_state existed, resumes afresh and says so."""
+    from megamarl.driver.rollout_driver import RolloutDriver
+
+    def driver(mode):
+        d = RolloutDriver.__new__(RolloutDriver)
+        d.cfg = make_cfg(mode, total_steps=5)
+        d.schedule = build_schedule(d.cfg, FakeSource(num_tasks=4), loop)
+        d.totals, d.lines = {"failed_episodes": 0}, []
+        d.console_print = d.lines.append
+        return d
+
+    saver = driver("one_step_off")
+    drive(saver.schedule, saver.schedule.source, saver.cfg, steps=2)
+    state = pickle.loads(pickle.dumps(saver.state_dict()))
+    saver.schedule.close()
+    assert state["rollout_state"]["mode"] == "one_step_off" and state["rollout_state"]["prefetched"]["chunk"] == 2
+    same = driver("one_step_off")
+    same.load_state_dict(state)
+    assert same.schedule._pending.result() is not None and not same.lines
+    for mode, saved in [("fully_async", state), ("one_step_off", {"totals": {"failed_episodes": 3}})]:
+        other = driver(mode)
+        other.load_state_dict(saved)
+        assert len(other.lines) == 1 and "starts its rollout afresh" in other.lines[0], other.lines
+        other.schedule.close()
+    on_sync = driver("sync")
+    on_sync.load_state_dict({"totals": {"failed_episodes": 3}})  # sync needs no rollout_state: silent
+    assert on_sync.totals == {"failed_episodes": 3} and not on_sync.lines
