@@ -55,10 +55,7 @@ class RolloutDriver:
         self.engines = self._start_engines(paths)
         self.env = cfg.env.maker()
         self.orchestra = cfg.orchestra.build()
-        self.agents = build_agents(
-            {role: a.to_orchestration(self.tokenizers[a.policy]) for role, a in cfg.agents.items()}, self.tokenizers,
-            default_kinds=self.env.default_agents,
-        )
+        self.agents = build_agents(cfg.agents, self.tokenizers, default_kinds=self.env.default_agents)
         self.policy_mapping = _policy_mapping(cfg, self.tokenizers)
         self.logger = MetricsLogger(run_dir, cfg.logger, cfg.name, json.loads(json.dumps(asdict(cfg), default=str)), rank=0)
         self.rollout_seconds = 0.0
@@ -167,12 +164,11 @@ class RolloutDriver:
         holds them all: the unnamed default set as ``team_accuracy``, ``avg@k``, ...; a named set as
         ``<set>/team_accuracy`` (logged as ``eval/<set>/team_accuracy``)."""
         e = self.cfg.eval
-        greedy = {}
-        for role, a in self.cfg.agents.items():
-            oc = a.to_orchestration(self.tokenizers[a.policy])
-            oc.sampling = replace(oc.sampling, temperature=e.temperature, top_p=1.0, top_k=-1)
-            oc.tree_k = 1  # evaluation is one pass: no best-of-K with the env's check fn
-            greedy[role] = oc
+        # evaluation is one pass: no best-of-K with the env's check fn (tree_k=1)
+        greedy = {
+            role: replace(a, sampling=replace(a.sampling, temperature=e.temperature, top_p=1.0, top_k=-1), tree_k=1)
+            for role, a in self.cfg.agents.items()
+        }
         results: dict = {}
         failures, outcomes = [], []
         for name, env in self.eval_envs.items():
