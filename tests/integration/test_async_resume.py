@@ -45,9 +45,10 @@ def _start(output_dir: Path, mode: str, save_every: int, *extra: str) -> subproc
         env.pop(key, None)
     command = [sys.executable, "scripts/train.py", "--config", "configs/signalling_tiny.yaml", *OVERRIDES,
                f"trainer.mode={mode}", f"trainer.save_every={save_every}", f"output_dir={output_dir}", *extra]
-    log = open(output_dir.parent / f"{output_dir.name}-{len(extra)}.log", "w")
-    # own session: SIGKILL to the group is a node loss for the whole process tree
-    return subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    with open(output_dir.parent / f"{output_dir.name}-{len(extra)}.log", "w") as log:  # the child keeps its copy
+        # own session: SIGKILL to the group is a node loss for the whole process tree
+        return subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
 
 
 def _log(output_dir: Path, num_extra: int) -> str:

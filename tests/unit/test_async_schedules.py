@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from megamarl.driver.streaming import RolloutLoop
 from megamarl.config import load_config
+from megamarl.driver.schedules import build_schedule, policy_separable, sync_interval
+from megamarl.driver.streaming import RolloutLoop
 from megamarl.orchestration.driver import EpisodeStats, RolloutResult
 from megamarl.orchestration.env import Task
 from megamarl.rl.sample import Sample
 from megamarl.rollout.batching import AdmissionGate
-from megamarl.driver.schedules import build_schedule, policy_separable, sync_interval
 
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "signalling_tiny.yaml"
 POLICIES = ("a", "b")
@@ -222,7 +222,7 @@ def test_async_resume_reproduces_the_uninterrupted_run(loop, mode):
     of buffer, drained pushes): kill after step 2, resume, and every later batch equals the
     uninterrupted run's, sample for sample and version for version, and so do the metrics."""
     cfg = make_cfg(mode, total_steps=6, max_staleness=1)
-    kwargs = dict(num_tasks=4, seconds=lambda rng: rng.uniform(0.001, 0.008))
+    kwargs = {"num_tasks": 4, "seconds": lambda rng: rng.uniform(0.001, 0.008)}
     reference = build_schedule(cfg, FakeSource(**kwargs), loop)
     ref_batches, ref_metrics = drive(reference, reference.source, cfg, steps=6)
     reference.close()
@@ -250,7 +250,8 @@ def test_fully_async_resume_loses_and_repeats_nothing_under_timing_dependent_tra
     run trains the saved buffer first (oldest first), then continues at the saved task cursor; no
     group is trained twice and none is skipped; staleness stays within the bound."""
     cfg = make_cfg("fully_async", total_steps=100, max_staleness=2, partial_rollout=True)
-    kwargs = dict(num_tasks=4, turns=lambda rng: rng.choice([1, 1, 2, 12]), seconds=lambda rng: rng.uniform(0.002, 0.01))
+    kwargs = {"num_tasks": 4, "turns": lambda rng: rng.choice([1, 1, 2, 12]),
+              "seconds": lambda rng: rng.uniform(0.002, 0.01)}
     schedule = build_schedule(cfg, FakeSource(**kwargs), loop)
     before, before_metrics = drive(schedule, schedule.source, cfg, steps=5, train_s=0.02)
     versions = dict(schedule.source.version)  # what the checkpoint's weights are stamped with
@@ -258,7 +259,7 @@ def test_fully_async_resume_loses_and_repeats_nothing_under_timing_dependent_tra
     buffered = {key: [(p.task_id, key) for p in parts] for key, parts in state["buffer"]["queues"].items()}
     cursor = state["producer"]
     admitted = cursor["next_seq"] - len(cursor["pending"])
-    parts_before = {(s.task_id, s.policy) for _, r in batches_of(before) for s in r.samples}
+    parts_before = {(s.task_id, s.policy) for _, r in before for s in r.samples}
     dropped_before = sum(m["async/dropped_stale_groups"] for m in before_metrics)
     # nothing lost at the save (per-policy queues: every admitted group is one part per policy)
     num_buffered = sum(len(v) for v in buffered.values())
@@ -267,7 +268,7 @@ def test_fully_async_resume_loses_and_repeats_nothing_under_timing_dependent_tra
 
     after, _ = drive(resumed, source, cfg, steps=6, start=5, versions=versions, train_s=0.02)
     resumed.close()
-    parts_after = [(s.task_id, s.policy) for _, r in batches_of(after) for s in r.samples]
+    parts_after = [(s.task_id, s.policy) for _, r in after for s in r.samples]
     assert not set(parts_after) & parts_before  # nothing trained twice
     first = {(s.task_id, s.policy) for s in after[0][1].samples}
     for key, parts in state["buffer"]["queues"].items():
@@ -279,10 +280,6 @@ def test_fully_async_resume_loses_and_repeats_nothing_under_timing_dependent_tra
     chunks = {int(task.rsplit("@", 1)[1]) for task in resumed_new - pending}
     assert chunks and min(chunks) >= cursor["next_chunk"]  # new work starts at the cursor, nothing skipped before it
     assert max(chunks) < cursor["next_chunk"] + len(after) * 4 and parts_after
-
-
-def batches_of(batches):
-    return [(v, r) for v, r in batches]
 
 
 def test_fully_async_groups_cancelled_by_stop_return_to_the_cursor(loop):
