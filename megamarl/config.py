@@ -27,6 +27,7 @@ from megamarl.orchestration.agents import AGENTS, AgentConfig
 from megamarl.orchestration.env import ENVS, EnvSpec
 from megamarl.orchestration.orchestras import ORCHESTRAS, OrchestraSpec
 from megamarl.config_loader import compose_config
+from megamarl.parallel.engine_placement import check_engine_ranks, check_launch
 from megamarl.parallel.hardware import DTYPE_CHOICES, resolve_dtype
 from megamarl.parallel.placement import PLACEMENT_MODES, PlacementConfig, WorkerGroupLayout
 from megamarl.planning.model_presets import PRESETS
@@ -54,8 +55,15 @@ def _check_range(key: str, value, *, low=None, high=None, low_open=False) -> Non
 @dataclass
 class EngineConfig:
     backend: str = "vllm"  # vllm | hf | sglang; vllm falls back to hf when not installed (logged)
+    # auto | in_process | server (docs/cluster.md, "Engine placement"). in_process: every replica in the
+    # driver's (rank 0's) process; server: each replica an inference server started by the leader rank
+    # of its block; auto: in_process for a one-rank world or the quickstart shape (one TP=1 replica,
+    # WG from rank 0) or a backend without a server (hf), server otherwise.
+    launch: str = "auto"
     num_replicas: int = 1
-    ranks: list[int] = field(default_factory=list)  # disaggregated: ranks hosting replicas
+    # Disaggregated: ranks hosting the replicas, blocks of `tp` consecutive entries (num_replicas * tp
+    # ranks, none holding a worker-group shard); empty: replicas colocated on the policy's own ranks.
+    ranks: list[int] = field(default_factory=list)
     tp: int = 1
     max_num_seqs: int = 64
     kv_cache_gib: float = 1.0  # per GPU; 0: derived from max_num_seqs * policy seq_len (see megamarl.planning.dryrun)
@@ -87,6 +95,7 @@ class EngineConfig:
         bad = [u for u in self.server_urls if not u.startswith(("http://", "https://"))]
         if bad:
             raise ValueError(f"policies.<p>.engine.server_urls must be http(s) URLs, got {bad}")
+        check_launch(self)  # launch / ranks / server_urls rules (megamarl.parallel.engine_placement)
 
 
 @dataclass
@@ -358,6 +367,7 @@ class RunConfig:
         if self.algorithm.max_refill_rounds > 0 and self.trainer.mode == "fully_async":
             raise ValueError("algorithm.max_refill_rounds > 0 needs trainer.mode sync or one_step_off "
                              "(fully_async batches already wait for rollout.num_tasks groups)")
+        check_engine_ranks(self.policies)
         self._check_registered_names()
 
     def _check_registered_names(self) -> None:
