@@ -231,12 +231,27 @@ class RolloutDriver:
         self.progress.line(text)
 
     def state_dict(self) -> dict:
-        """Running totals. Nothing else is stateful: tasks and sampling seeds are functions of
-        (trainer.seed, step), and RNGs are saved per rank by Trainer.save."""
-        return {"totals": dict(self.totals)}
+        """Running totals and ``rollout_state``: what the schedule owns at this step boundary (the
+        prefetched batch of one_step_off; fully_async's drained buffer and task cursor). Tasks and
+        sampling seeds are functions of (trainer.seed, chunk); RNGs are saved per rank by Trainer.save.
+        A schedule that cannot be saved (its rollout already failed) saves no rollout_state: the
+        resumed run regenerates from the step, and meets the error again."""
+        try:
+            rollout = {"mode": self.cfg.trainer.mode, **self.schedule.state_dict()}
+        except Exception as exc:  # noqa: BLE001 - never break the collective save over the rollout side
+            self.console_print(f"rollout_state not saved ({type(exc).__name__}: {exc})")
+            rollout = None
+        return {"totals": dict(self.totals), "rollout_state": rollout}
 
     def load_state_dict(self, state: dict) -> None:
         self.totals = {**self.totals, **state["totals"]}  # counters added since an old checkpoint start at 0
+        rollout, mode = state.get("rollout_state"), self.cfg.trainer.mode
+        if rollout is not None and rollout["mode"] == mode:
+            self.schedule.load_state_dict(rollout)
+        elif SCHEDULES.traits(mode, key="trainer.mode").overlaps_training or (rollout and rollout["mode"] != "sync"):
+            saved = "no rollout_state" if rollout is None else f"rollout_state of trainer.mode={rollout['mode']}"
+            self.console_print(f"resume: the checkpoint has {saved}; trainer.mode={mode} starts its rollout afresh "
+                               "from the checkpoint's step (buffered or prefetched groups are regenerated or lost)")
 
     def close(self) -> None:
         self.schedule.close()
