@@ -12,7 +12,6 @@ fully_async; docs/async.md): where the next batch comes from and what a weight p
 
 from __future__ import annotations
 
-import os
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -48,7 +47,7 @@ class Trainer:
         self.is_driver = self.rank == DRIVER
         # the driver shows the run (live on a terminal, one line per phase in logs); others are silent
         self.progress = RunProgress(total_steps=cfg.trainer.total_steps, enabled=cfg.logger.progress) if self.is_driver \
-            else RunProgress(total_steps=cfg.trainer.total_steps, enabled=False, live=False, stream=open(os.devnull, "w"))
+            else RunProgress(total_steps=cfg.trainer.total_steps, enabled=False, quiet=True)
         self.run_dir = Path(run_dir or Path(cfg.output_dir) / cfg.name)
         self.step = 0
         self.versions = {name: 0 for name in cfg.policies}  # weight pushes into the engines so far

@@ -96,9 +96,10 @@ class RolloutResult:
             "rollout/num_failed": float(self.num_failed),
             "rollout/num_dropped": float(self.num_dropped),
             "rollout/num_samples": float(len(self.samples)),
-            "rollout/team_reward_mean": sum(e.team_reward for e in ok) / max(len(ok), 1),
-            "rollout/success_rate": sum(e.success for e in ok) / max(len(ok), 1),
         }
+        if ok:  # no finished episode (a fully_async step fed only from the buffer): no score, not 0.000
+            out["rollout/team_reward_mean"] = sum(e.team_reward for e in ok) / len(ok)
+            out["rollout/success_rate"] = sum(e.success for e in ok) / len(ok)
         calls = Counter()
         for e in ok:
             calls.update(e.num_calls)

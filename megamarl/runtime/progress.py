@@ -84,11 +84,12 @@ class RunProgress:
     """The driver's view of the run (see the module docstring). ``live``: None = auto (a TTY)."""
 
     def __init__(self, *, total_steps: int, enabled: bool = True, live: bool | None = None,
-                 stream=None) -> None:
+                 stream=None, quiet: bool = False) -> None:
+        self.quiet = quiet  # prints nothing at all (ranks other than the driver)
         self.total_steps = total_steps
         self.enabled = enabled
         self.stream = stream or sys.stdout
-        self.live = enabled and (self.stream.isatty() if live is None else live)
+        self.live = enabled and not quiet and (self.stream.isatty() if live is None else live)
         self.step = 0
         self.first_step = 0  # a resumed run's ETA counts only the steps it ran itself
         self.step_seconds: list[float] = []
@@ -158,7 +159,9 @@ class RunProgress:
 
     # ---- output ---------------------------------------------------------------------------------
     def line(self, text: str) -> None:
-        """One line for the log, always printed (above the live display on a terminal)."""
+        """One line for the log, always printed (above the live display on a terminal) unless quiet."""
+        if self.quiet:
+            return
         if self._bars is not None:
             self._bars.console.print(f"{PREFIX} {text}", highlight=False, markup=False)
         else:
