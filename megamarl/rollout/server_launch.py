@@ -32,7 +32,7 @@ from megamarl.rollout.factory import LoraServing
 
 SERVER_BACKENDS = ("vllm", "sglang")
 _VLLM_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
-PLUGIN_ENTRY_POINT = "megamarl = megamarl.rollout.vllm_plugin:register"
+PLUGIN_ENTRY_POINT = "megamarl = megamarl.vllm_plugins:register"
 
 
 class ServerStartError(RuntimeError):

@@ -1,9 +1,10 @@
 """megamarl's vLLM weight-transfer backends, loaded into every vLLM process as a general plugin.
 
-``register()`` is the ``vllm.general_plugins`` entry point (``pyproject.toml``); vLLM calls it in the
-API server, the engine core and every worker process before it builds a worker, so a server started
-with ``--weight-transfer-config '{"backend": "megamarl_gloo"}'`` finds the backend in
-``WeightTransferEngineFactory``. When the installed megamarl distribution predates the entry point
+``megamarl.vllm_plugins.register`` is the ``vllm.general_plugins`` entry point (``pyproject.toml``);
+vLLM calls it in the API server, the engine core and every worker process before it builds a
+worker, so a server started with ``--weight-transfer-config '{"backend": "megamarl_gloo"}'`` finds
+the backend in ``WeightTransferEngineFactory`` (registered by module path: this module is imported
+only by a worker that uses one). When the installed megamarl distribution predates the entry point
 (an editable install from before it was added), ``server_launch`` puts a one-file distribution that
 declares it on the server's ``PYTHONPATH`` (``plugin_env``), so no reinstall is needed.
 
@@ -31,17 +32,6 @@ import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpdateInfo
 
 from megamarl.rollout.server_sync import gloo_broadcast, new_gloo_group, unpack_bucket
-
-MODULE = "megamarl.rollout.vllm_plugin"
-
-
-def register() -> None:
-    """Register ``megamarl_gloo`` and ``megamarl_shm`` (idempotent: vLLM may call it repeatedly)."""
-    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
-
-    for name, cls_name in (("megamarl_gloo", "GlooWeightTransferEngine"), ("megamarl_shm", "ShmWeightTransferEngine")):
-        if name not in WeightTransferEngineFactory._registry:
-            WeightTransferEngineFactory.register_engine(name, MODULE, cls_name)
 
 
 @dataclass
