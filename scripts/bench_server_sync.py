@@ -112,7 +112,12 @@ def main() -> int:
     path = str(resolve_model_path(args.model))
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     dtype = DTYPES[args.dtype]
-    named = [(n, t.detach().to(dtype).contiguous()) for n, t in model.state_dict().items()]
+    seen: set[int] = set()
+    named = []  # a tied LM head is the embedding: sent once, as the trainer's export does
+    for n, t in model.state_dict().items():
+        if t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            named.append((n, t.detach().to(dtype).contiguous()))
     del model
     num_bytes = sum(t.numel() * t.element_size() for _, t in named)
     bucket_bytes = int(args.bucket_mb * 2**20)

@@ -131,8 +131,10 @@ class WeightSender:
         self.master_addr, self.master_port, self.replica_tp = master_addr, master_port, replica_tp
         self.timeout_s = timeout_s
         self.clients = [JSONClient(u, timeout_s=timeout_s) for u in self.urls]
-        self._pool = ThreadPoolExecutor(max_workers=max(1, len(urls)), thread_name_prefix="weight-sender")
+        # two buckets in flight per replica (``send``)
+        self._pool = ThreadPoolExecutor(max_workers=2 * max(1, len(urls)), thread_name_prefix="weight-sender")
         self.group = self._store = None
+        self.group_name: str | None = None
         self.connected = False
 
     # -- control plane -----------------------------------------------------------------------------
@@ -150,7 +152,7 @@ class WeightSender:
             self.connected = True
             return
         world_size = 1 + sum(self.replica_tp)
-        group_name = f"megamarl-weights-{uuid.uuid4().hex[:8]}"
+        group_name = self.group_name = f"megamarl-weights-{uuid.uuid4().hex[:8]}"
         # The store must exist before the servers dial it; the group forms once all have joined.
         import torch.distributed as dist
 
@@ -176,23 +178,65 @@ class WeightSender:
         """Send ``named`` (HF names) to every replica and stamp ``version``. With ``pause`` the
         replicas stop scheduling first (in-flight requests finish: ``/pause?mode=wait``) and resume
         after the prefix caches are flushed, so no request sees half-updated weights."""
-        if not self.connected:
-            raise RuntimeError("WeightSender.push before connect()")
         stats = SyncStats()
         start = time.perf_counter()
-        if pause:
-            self._all("/pause", query={"mode": "wait"})
+        self.begin(pause=pause)
         try:
-            self._all("/start_weight_update")
-            for bucket in buckets(self._cast(named), bucket_bytes):
-                self._send(bucket, stats)
-            self._all("/finish_weight_update", {"weight_version": str(version)})
-            self._all("/reset_prefix_cache")
+            self.send(named, bucket_bytes=bucket_bytes, stats=stats)
+            self.end(version=version, resume=False)
         finally:
             if pause:
                 self._all("/resume")
         stats.seconds = time.perf_counter() - start
         return stats
+
+    # ``push`` in three parts, for several senders into the same replicas (one per pipeline stage):
+    # one of them calls ``begin``, then every stage ``send``s its tensors concurrently (each on its
+    # own group; the servers take the buckets in turn), then that one calls ``end``. The trainer
+    # orders the three with a barrier on its control group.
+
+    def begin(self, *, pause: bool = True) -> None:
+        """Pause the replicas (in-flight requests finish first) and open an update."""
+        if not self.connected:
+            raise RuntimeError("WeightSender.begin/push before connect()")
+        if pause:
+            self._all("/pause", query={"mode": "wait"})
+        self._all("/start_weight_update")
+
+    def send(self, named: Iterable[tuple[str, torch.Tensor]], *, bucket_bytes: int = 64 * 2**20,
+             stats: SyncStats | None = None) -> SyncStats:
+        """Send ``named`` in buckets into the open update of every replica.
+
+        Pipelined: bucket k+1 is announced while the servers still load bucket k, and over gloo each
+        announcement carries the next bucket's size (one bucket of look-ahead), so a worker posts
+        the receive of bucket k+1 before it loads bucket k: transfer and load overlap, and no HTTP
+        round trip sits between buckets (measured: the round trip through API server, engine core
+        and worker cost as much as receiving a 64 MiB bucket on a loaded 2-core machine)."""
+        if not self.connected:
+            raise RuntimeError("WeightSender.send before connect()")
+        stats = stats if stats is not None else SyncStats()
+        previous: _InFlight | None = None
+        stream = buckets(self._cast(named), bucket_bytes)
+        current = next(stream, None)
+        try:
+            while current is not None:
+                following = next(stream, None)
+                next_bytes = bucket_info(following)["num_bytes"] if following is not None else 0
+                in_flight = self._start_bucket(current, stats, previous, next_bytes=next_bytes)
+                if previous is not None:
+                    previous.settle()
+                previous, current = in_flight, following
+        finally:
+            if previous is not None:
+                previous.settle()
+        return stats
+
+    def end(self, *, version: int, resume: bool = True) -> None:
+        """Finish the update (layers re-processed, ``version`` stamped), flush caches, resume."""
+        self._all("/finish_weight_update", {"weight_version": str(version)})
+        self._all("/reset_prefix_cache")
+        if resume:
+            self._all("/resume")
 
     def _cast(self, named: Iterable[tuple[str, torch.Tensor]]):
         for name, tensor in named:
@@ -200,7 +244,8 @@ class WeightSender:
                 tensor = tensor.to(self.dtype)
             yield name, tensor
 
-    def _send(self, bucket: list[tuple[str, torch.Tensor]], stats: SyncStats) -> None:
+    def _start_bucket(self, bucket: list[tuple[str, torch.Tensor]], stats: SyncStats,
+                      previous: "_InFlight | None", *, next_bytes: int) -> "_InFlight":
         info = bucket_info(bucket)
         flat = pack_bucket(bucket, info)
         stats.num_buckets += 1
@@ -208,18 +253,19 @@ class WeightSender:
         stats.num_bytes += sum(t.numel() * t.element_size() for _, t in bucket)
         if self.backend == "megamarl_gloo":
             # Each server blocks in /update_weights until the broadcast arrives: announce to all,
-            # broadcast once, then collect the answers.
-            futures = [self._pool.submit(c.post, "/update_weights", {"update_info": info}) for c in self.clients]
+            # then one broadcast reaches every replica. A failed previous bucket would leave the
+            # servers never receiving this one: check it first (a later failure surfaces at
+            # settle, or as the group's timeout).
+            announce = {"update_info": dict(info, group_name=self.group_name, next_num_bytes=next_bytes)}
+            futures = [self._pool.submit(c.post, "/update_weights", announce) for c in self.clients]
+            if previous is not None:
+                previous.raise_if_failed()
             gloo_broadcast(self.group, flat)
-            for f in futures:
-                f.result()
-            return
+            return _InFlight(futures)
         path = SHM_DIR / f"megamarl-bucket-{os.getpid()}-{uuid.uuid4().hex[:12]}.bin"
-        try:
-            flat.numpy().tofile(path)
-            self._all("/update_weights", {"update_info": dict(info, path=str(path))})
-        finally:
-            path.unlink(missing_ok=True)
+        flat.numpy().tofile(path)
+        announce = {"update_info": dict(info, path=str(path))}
+        return _InFlight([self._pool.submit(c.post, "/update_weights", announce) for c in self.clients], path)
 
     def close(self) -> None:
         for client in self.clients:
@@ -231,3 +277,23 @@ class WeightSender:
         self._pool.shutdown(wait=False)
         self.group = self._store = None
         self.connected = False
+
+
+class _InFlight:
+    """One bucket's pending ``/update_weights`` answers (and its shm file, deleted once all answered)."""
+
+    def __init__(self, futures: list, path: Path | None = None) -> None:
+        self.futures, self.path = futures, path
+
+    def raise_if_failed(self) -> None:
+        for f in self.futures:
+            if f.done() and f.exception() is not None:
+                raise f.exception()
+
+    def settle(self) -> None:
+        try:
+            for f in self.futures:
+                f.result()
+        finally:
+            if self.path is not None:
+                self.path.unlink(missing_ok=True)

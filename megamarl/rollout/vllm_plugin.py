@@ -12,7 +12,9 @@ Backends (the trainer side is ``megamarl.rollout.server_sync.WeightSender``):
 
 - ``megamarl_gloo``: the worker joins a gloo group rendezvousing on the trainer's TCPStore (group
   rank ``rank_offset + worker rank``; not vLLM's own world) and receives each announced bucket as
-  one uint8 broadcast from rank 0, then loads the views into the model.
+  one uint8 broadcast from rank 0, then loads the views into the model. Every
+  ``/init_weight_transfer_engine`` adds a group (one per pipeline stage's sender, keyed by
+  ``group_name``); a bucket's announcement names the group it arrives on.
 - ``megamarl_shm``: the announcement names a file under ``/dev/shm`` holding the packed bucket; the
   worker maps it (no copy until ``load_weights``) and loads the views.
 
@@ -25,13 +27,18 @@ keeps a packed GEMM copy and the head receives no tensor of its own).
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpdateInfo
 
 from megamarl.rollout.server_sync import gloo_broadcast, new_gloo_group, unpack_bucket
+
+logger = logging.getLogger("vllm.megamarl")  # vLLM's handlers: lines land in the server's log
 
 
 @dataclass
@@ -59,6 +66,8 @@ class BucketInfo(WeightTransferUpdateInfo):
     offsets: list[int]
     num_bytes: int
     path: str | None = None
+    group_name: str | None = None  # megamarl_gloo: the group the bucket arrives on (None: the only one)
+    next_num_bytes: int = 0  # megamarl_gloo: size of the group's next bucket (0: this is the last)
 
     def __post_init__(self) -> None:
         n = len(self.names)
@@ -84,13 +93,20 @@ class _LayerwiseEngine(WeightTransferEngine):
     def start_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
+        start = time.perf_counter()
         initialize_layerwise_reload(self.model)
+        self._times = {"start": time.perf_counter() - start, "receive": 0.0, "load": 0.0, "bytes": 0}
 
     def finish_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
+        start = time.perf_counter()
         finalize_layerwise_reload(self.model, self.model_config)
         repack_tied_lm_head(self.model)
+        t = dict(getattr(self, "_times", {}), finish=time.perf_counter() - start)
+        logger.info("%s: %.1f MB; seconds: start %.3f, receive %.3f, load %.3f, finish %.3f",
+                    self.config.backend, t.get("bytes", 0) / 1e6, t.get("start", 0), t.get("receive", 0),
+                    t.get("load", 0), t["finish"])
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         self.receive_weights(self.parse_update_info(update_info))
@@ -98,8 +114,15 @@ class _LayerwiseEngine(WeightTransferEngine):
             torch.accelerator.synchronize()
 
     def receive_weights(self, update_info: BucketInfo) -> None:
+        times = getattr(self, "_times", None) or {"receive": 0.0, "load": 0.0, "bytes": 0}
+        start = time.perf_counter()
         flat = self._bucket_bytes(update_info)
+        received = time.perf_counter()
         self.model.load_weights(unpack_bucket(flat, vars(update_info)))
+        times["receive"] += received - start
+        times["load"] += time.perf_counter() - received
+        times["bytes"] += update_info.num_bytes
+        self._times = times
 
     def _bucket_bytes(self, update_info: BucketInfo) -> torch.Tensor:
         raise NotImplementedError
@@ -110,25 +133,50 @@ class GlooWeightTransferEngine(_LayerwiseEngine):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.group = self._store = None
+        self.groups: dict[str, tuple[Any, Any]] = {}  # group_name -> (group, store)
+        # group_name -> (pending broadcast, its buffer): the next bucket's receive, posted before the
+        # current bucket is loaded so that transfer and load overlap
+        self.prefetched: dict[str | None, tuple[Any, torch.Tensor]] = {}
+
+    def start_weight_update(self) -> None:
+        if self.prefetched:  # an update that ended early leaves receives nobody will send
+            raise RuntimeError("megamarl_gloo: the previous update did not finish its buckets; reconnect")
+        super().start_weight_update()
 
     def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
         parallel = self.parallel_config
         worker_rank = parallel.data_parallel_index * parallel.world_size + parallel.rank
-        self.group, self._store = new_gloo_group(
+        self.groups[init_info.group_name] = new_gloo_group(
             init_info.master_address, init_info.master_port, rank=init_info.rank_offset + worker_rank,
             world_size=init_info.world_size, group_name=init_info.group_name, timeout_s=init_info.timeout_s,
         )
 
     def _bucket_bytes(self, update_info: BucketInfo) -> torch.Tensor:
-        if self.group is None:
+        if not self.groups:
             raise RuntimeError("megamarl_gloo: /update_weights before /init_weight_transfer_engine")
-        flat = torch.empty(update_info.num_bytes, dtype=torch.uint8)
-        gloo_broadcast(self.group, flat, src=0)
+        name = update_info.group_name
+        if name is None and len(self.groups) > 1:
+            raise ValueError(f"megamarl_gloo: update_info must name its group_name; joined {sorted(self.groups)}")
+        group, _ = self.groups[name] if name is not None else next(iter(self.groups.values()))
+        pending = self.prefetched.pop(name, None)
+        if pending is not None:
+            work, flat = pending
+            work.wait()
+            if flat.numel() != update_info.num_bytes:
+                raise RuntimeError(f"megamarl_gloo: announced {update_info.num_bytes} bytes, prefetched {flat.numel()}")
+        else:
+            flat = torch.empty(update_info.num_bytes, dtype=torch.uint8)
+            gloo_broadcast(group, flat, src=0)
+        if update_info.next_num_bytes:
+            following = torch.empty(update_info.next_num_bytes, dtype=torch.uint8)
+            opts = dist.BroadcastOptions()
+            opts.rootRank = 0
+            self.prefetched[name] = (group.broadcast([following], opts), following)
         return flat
 
     def shutdown(self) -> None:
-        self.group = self._store = None
+        self.groups.clear()
+        self.prefetched.clear()
 
 
 class ShmWeightTransferEngine(_LayerwiseEngine):
