@@ -23,22 +23,19 @@ import megamarl.orchestration  # noqa: F401 - registers the built-in agents, env
 from megamarl.driver.schedules import SCHEDULES
 from megamarl.models.lora import LoraConfig
 from megamarl.models.packaged import PACKAGED_MODELS, TINY_MODELS
-from megamarl.orchestration.agents import AGENTS
-from megamarl.orchestration.agents import AgentConfig as OrchAgentConfig
+from megamarl.orchestration.agents import AGENTS, AgentConfig
 from megamarl.orchestration.env import ENVS, EnvSpec
 from megamarl.orchestration.orchestras import ORCHESTRAS, OrchestraSpec
 from megamarl.config_loader import compose_config
+from megamarl.parallel.engine_placement import check_engine_ranks, check_launch
 from megamarl.parallel.hardware import DTYPE_CHOICES, resolve_dtype
 from megamarl.parallel.placement import PLACEMENT_MODES, PlacementConfig, WorkerGroupLayout
 from megamarl.planning.model_presets import PRESETS
 from megamarl.registry import import_plugins, resolve_callable
 from megamarl.rl.advantages import ADVANTAGE_ESTIMATORS, GROUP_KEYS
 from megamarl.rl.losses import KL_ESTIMATORS, LOSS_AGGREGATIONS
-from megamarl.rollout import ENGINES, SamplingParams
+from megamarl.rollout import ENGINES
 from megamarl.runtime.metrics import LoggerConfig
-
-MEMORY_SCOPES = ("team", "self")  # megamarl.orchestration.agents checks the same
-
 
 # A Hugging Face hub id ("org/name") that is not a local directory: megamarl never downloads.
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
@@ -58,8 +55,15 @@ def _check_range(key: str, value, *, low=None, high=None, low_open=False) -> Non
 @dataclass
 class EngineConfig:
     backend: str = "vllm"  # vllm | hf | sglang; vllm falls back to hf when not installed (logged)
+    # auto | in_process | server (docs/cluster.md, "Engine placement"). in_process: every replica in the
+    # driver's (rank 0's) process; server: each replica an inference server started by the leader rank
+    # of its block; auto: in_process for a one-rank world or the quickstart shape (one TP=1 replica,
+    # WG from rank 0) or a backend without a server (hf), server otherwise.
+    launch: str = "auto"
     num_replicas: int = 1
-    ranks: list[int] = field(default_factory=list)  # disaggregated: ranks hosting replicas
+    # Disaggregated: ranks hosting the replicas, blocks of `tp` consecutive entries (num_replicas * tp
+    # ranks, none holding a worker-group shard); empty: replicas colocated on the policy's own ranks.
+    ranks: list[int] = field(default_factory=list)
     tp: int = 1
     max_num_seqs: int = 64
     kv_cache_gib: float = 1.0  # per GPU; 0: derived from max_num_seqs * policy seq_len (see megamarl.planning.dryrun)
@@ -91,6 +95,7 @@ class EngineConfig:
         bad = [u for u in self.server_urls if not u.startswith(("http://", "https://"))]
         if bad:
             raise ValueError(f"policies.<p>.engine.server_urls must be http(s) URLs, got {bad}")
+        check_launch(self)  # launch / ranks / server_urls rules (megamarl.parallel.engine_placement)
 
 
 @dataclass
@@ -148,93 +153,6 @@ class PolicyConfig:
         bad = [r for r in self.ranks or [] if r < 0]
         if bad:
             raise ValueError(f"policies.<p>.ranks has negative ranks {bad}")
-
-
-@dataclass
-class SamplingConfig:
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    max_tokens: int = 64
-    # Constrained decoding: sample only these strings' tokens (each must be one token), e.g. the
-    # ten symbols of the signalling game. Empty: unconstrained.
-    allowed_tokens: list[str] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        _check_range("agents.<a>.sampling.temperature", self.temperature, low=0)
-        _check_range("agents.<a>.sampling.top_p", self.top_p, low=0, high=1, low_open=True)
-        if self.top_k != -1 and self.top_k < 1:
-            raise ValueError(f"agents.<a>.sampling.top_k must be -1 (off) or >= 1, got {self.top_k}")
-        _check_range("agents.<a>.sampling.max_tokens", self.max_tokens, low=1)
-
-
-@dataclass
-class AgentConfig:
-    """``agents.<role>``; mirrors ``megamarl.orchestration.agents.AgentConfig`` (validated there too)."""
-
-    policy: str = MISSING
-    kind: str = ""  # registered agent kind; empty: the env's default kind for this role
-    lora: Optional[str] = None  # L2: adapter name on the policy's shared base
-    system_prompt: Optional[str] = None
-    prompt_template: Optional[str] = None
-    sampling: SamplingConfig = field(default_factory=SamplingConfig)
-    multi_turn: bool = False
-    memory_tokens: int = 0
-    memory_scope: str = "team"
-    tree_k: int = 1  # >1: tree sampling (AT-GRPO), K candidates per call
-    max_prompt_tokens: int = 4096
-    choices: list[str] = field(default_factory=list)
-    # Per-agent training hyperparameters; None inherits the policy's value. ``lr`` needs the agent's
-    # own parameters (an L2 LoRA adapter or an L3 policy of its own): agents sharing weights share one
-    # optimizer step. ``frozen``: the agent acts but its samples never train the policy.
-    lr: Optional[float] = None
-    clip_low: Optional[float] = None
-    clip_high: Optional[float] = None
-    kl_coef: Optional[float] = None
-    entropy_coef: Optional[float] = None
-    micro_batch_size: Optional[int] = None
-    frozen: bool = False
-
-    def __post_init__(self) -> None:
-        if self.memory_scope not in MEMORY_SCOPES:
-            raise ValueError(f"agents.<a>.memory_scope='{self.memory_scope}' unknown; allowed: {list(MEMORY_SCOPES)}")
-        for key in ("tree_k", "max_prompt_tokens"):
-            _check_range(f"agents.<a>.{key}", getattr(self, key), low=1)
-        _check_range("agents.<a>.memory_tokens", self.memory_tokens, low=0)
-        if self.lr is not None:
-            _check_range("agents.<a>.lr", self.lr, low=0, low_open=True)
-        if self.clip_low is not None:
-            _check_range("agents.<a>.clip_low", self.clip_low, low=0, high=1)
-
-    def train_overrides(self) -> dict[str, float]:
-        """The per-agent hyperparameters this agent sets (None values omitted)."""
-        keys = ("lr", "clip_low", "clip_high", "kl_coef", "entropy_coef", "micro_batch_size")
-        return {k: getattr(self, k) for k in keys if getattr(self, k) is not None}
-
-    def to_orchestration(self, tokenizer=None):
-        return OrchAgentConfig(
-            kind=self.kind, policy=self.policy, lora=self.lora, system_prompt=self.system_prompt,
-            prompt_template=self.prompt_template,
-            sampling=SamplingParams(
-                temperature=self.sampling.temperature, top_p=self.sampling.top_p,
-                top_k=self.sampling.top_k, max_tokens=self.sampling.max_tokens,
-                allowed_token_ids=_single_token_ids(self.sampling.allowed_tokens, tokenizer),
-            ),
-            multi_turn=self.multi_turn, memory_tokens=self.memory_tokens, memory_scope=self.memory_scope,
-            tree_k=self.tree_k, max_prompt_tokens=self.max_prompt_tokens, choices=tuple(self.choices),
-        )
-
-
-def _single_token_ids(texts: list[str], tokenizer) -> tuple[int, ...]:
-    if not texts:
-        return ()
-    ids = []
-    for text in texts:
-        encoded = tokenizer.encode(text, add_special_tokens=False)
-        if len(encoded) != 1:
-            raise ValueError(f"agents.<a>.sampling.allowed_tokens: {text!r} is {len(encoded)} tokens, not one")
-        ids.append(encoded[0])
-    return tuple(ids)
 
 
 @dataclass
@@ -449,6 +367,7 @@ class RunConfig:
         if self.algorithm.max_refill_rounds > 0 and self.trainer.mode == "fully_async":
             raise ValueError("algorithm.max_refill_rounds > 0 needs trainer.mode sync or one_step_off "
                              "(fully_async batches already wait for rollout.num_tasks groups)")
+        check_engine_ranks(self.policies)
         self._check_registered_names()
 
     def _check_registered_names(self) -> None:

@@ -83,7 +83,7 @@ def descriptions() -> dict[str, str]:
         p + "lora.targets": "linears with adapters: qkv, proj, fc1, fc2",
         p + "engine.backend": " | ".join(ENGINE_BACKENDS),
         p + "engine.num_replicas": "engine replicas of this policy (least-loaded routing)",
-        p + "engine.tp": "tensor-parallel size of each engine replica",
+        p + "engine.tp": "tensor-parallel size of each engine replica (its ranks sit on one node)",
         p + "engine.max_num_seqs": "concurrent sequences per replica (continuous batching)",
         a + "policy": "the policy this agent samples from and trains (a key of `policies`)",
         a + "kind": f"registered agent kind (parser, prompts): {_names(AGENTS)}; empty: the env's default",

@@ -2,6 +2,7 @@
 
     torchrun --nproc_per_node 2 scripts/train.py --config configs/quickstart_cpu.yaml [key=value ...]
     python scripts/train.py --config configs/70b_hetero.yaml --dry-run [policies.planner.tp=4,8 ...]
+    python scripts/train.py --config configs/70b_hetero.yaml --show-placement   # which rank starts which engine
 
 Overrides use Hydra's grammar (key=value, +key=value, ++key=value, ~key, group=option; see
 docs/configs.md). A sweep (key=a,b) is planned combination by combination with --dry-run; a
@@ -17,19 +18,26 @@ import sys
 
 from megamarl.config import load_config
 from megamarl.config_loader import expand_sweeps
+from megamarl.parallel.engine_placement import plan_engines, ranks_per_node
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, help="YAML run config (see configs/)")
     parser.add_argument("--dry-run", action="store_true", help="validate placement and memory for the declared cluster")
+    parser.add_argument("--show-placement", action="store_true",
+                        help="print which rank holds which WG shard and starts which engine replica, computed "
+                             "as every rank of the declared cluster does at start-up (fake process groups)")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. trainer.total_steps=5 +env.kwargs.size=6")
     args = parser.parse_args(argv)
     if args.dry_run:
         return _dry_run(args.config, args.overrides)
+    if args.show_placement:
+        return _show_placement(args.config, args.overrides)
     try:
         cfg = load_config(args.config, args.overrides)
-        cfg.placement(int(os.environ.get("WORLD_SIZE", "1")))
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        plan_engines(cfg, world_size, ranks_per_node(cfg.cluster, world_size))  # WG and engine placement
     except (ValueError, ImportError) as exc:  # ImportError: a plugin module that does not load
         print(f"config error: {exc}", file=sys.stderr)
         return 2
@@ -69,6 +77,17 @@ def _dry_run(config: str, overrides: list[str]) -> int:
             print(f"== dry run: {' '.join(combo)}")
         status = max(status, main_dry_run(cfg))
     return status
+
+
+def _show_placement(config: str, overrides: list[str]) -> int:
+    from megamarl.planning.placement_view import main_show_placement
+
+    try:
+        cfg = load_config(config, overrides)
+    except (ValueError, ImportError) as exc:
+        print(f"config error: {exc}", file=sys.stderr)
+        return 2
+    return main_show_placement(cfg)
 
 
 if __name__ == "__main__":

@@ -55,10 +55,7 @@ class RolloutDriver:
         self.engines = self._start_engines(paths)
         self.env = cfg.env.maker()
         self.orchestra = cfg.orchestra.build()
-        self.agents = build_agents(
-            {role: a.to_orchestration(self.tokenizers[a.policy]) for role, a in cfg.agents.items()}, self.tokenizers,
-            default_kinds=self.env.default_agents,
-        )
+        self.agents = build_agents(cfg.agents, self.tokenizers, default_kinds=self.env.default_agents)
         self.policy_mapping = _policy_mapping(cfg, self.tokenizers)
         self.logger = MetricsLogger(run_dir, cfg.logger, cfg.name, json.loads(json.dumps(asdict(cfg), default=str)), rank=0)
         self.rollout_seconds = 0.0
@@ -167,12 +164,11 @@ class RolloutDriver:
         holds them all: the unnamed default set as ``team_accuracy``, ``avg@k``, ...; a named set as
         ``<set>/team_accuracy`` (logged as ``eval/<set>/team_accuracy``)."""
         e = self.cfg.eval
-        greedy = {}
-        for role, a in self.cfg.agents.items():
-            oc = a.to_orchestration(self.tokenizers[a.policy])
-            oc.sampling = replace(oc.sampling, temperature=e.temperature, top_p=1.0, top_k=-1)
-            oc.tree_k = 1  # evaluation is one pass: no best-of-K with the env's check fn
-            greedy[role] = oc
+        # evaluation is one pass: no best-of-K with the env's check fn (tree_k=1)
+        greedy = {
+            role: replace(a, sampling=replace(a.sampling, temperature=e.temperature, top_p=1.0, top_k=-1), tree_k=1)
+            for role, a in self.cfg.agents.items()
+        }
         results: dict = {}
         failures, outcomes = [], []
         for name, env in self.eval_envs.items():
@@ -210,12 +206,27 @@ class RolloutDriver:
         self.progress.line(text)
 
     def state_dict(self) -> dict:
-        """Running totals. Nothing else is stateful: tasks and sampling seeds are functions of
-        (trainer.seed, step), and RNGs are saved per rank by Trainer.save."""
-        return {"totals": dict(self.totals)}
+        """Running totals and ``rollout_state``: what the schedule owns at this step boundary (the
+        prefetched batch of one_step_off; fully_async's drained buffer and task cursor). Tasks and
+        sampling seeds are functions of (trainer.seed, chunk); RNGs are saved per rank by Trainer.save.
+        A schedule that cannot be saved (its rollout already failed) saves no rollout_state: the
+        resumed run regenerates from the step, and meets the error again."""
+        try:
+            rollout = {"mode": self.cfg.trainer.mode, **self.schedule.state_dict()}
+        except Exception as exc:  # noqa: BLE001 - never break the collective save over the rollout side
+            self.console_print(f"rollout_state not saved ({type(exc).__name__}: {exc})")
+            rollout = None
+        return {"totals": dict(self.totals), "rollout_state": rollout}
 
     def load_state_dict(self, state: dict) -> None:
         self.totals = {**self.totals, **state["totals"]}  # counters added since an old checkpoint start at 0
+        rollout, mode = state.get("rollout_state"), self.cfg.trainer.mode
+        if rollout is not None and rollout["mode"] == mode:
+            self.schedule.load_state_dict(rollout)
+        elif SCHEDULES.traits(mode, key="trainer.mode").overlaps_training or (rollout and rollout["mode"] != "sync"):
+            saved = "no rollout_state" if rollout is None else f"rollout_state of trainer.mode={rollout['mode']}"
+            self.console_print(f"resume: the checkpoint has {saved}; trainer.mode={mode} starts its rollout afresh "
+                               "from the checkpoint's step (buffered or prefetched groups are regenerated or lost)")
 
     def close(self) -> None:
         self.schedule.close()

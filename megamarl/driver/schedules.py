@@ -22,6 +22,15 @@ a weight push must wait for:
   so in steady state samples arrive about ``max_staleness`` versions old instead of being generated
   only to be dropped.
 
+Checkpoints (``state_dict``, saved as the driver's ``rollout_state``): what the rollout side owns
+at a step boundary, so a resumed run continues as the saving run would have. ``sync`` owns nothing
+(step k's tasks and seeds are functions of (trainer.seed, k)). ``one_step_off`` saves the finished
+prefetch of the next step (it was generated on the weights *before* the last update, which the
+checkpoint no longer holds, so it cannot be regenerated). ``fully_async`` drains: admission is held,
+the groups in flight finish into the buffer, then the buffer (finished groups, episodes and drops not
+yet reported) and the producer's cursor are saved and admission resumes. Sampling is seeded per
+request from (trainer.seed, chunk, task, episode, agent, turn), so nothing else is random.
+
 In every mode, groups more than ``trainer.max_staleness`` versions behind the trainer are dropped
 and counted, and the trained samples' staleness is histogrammed.
 
@@ -135,6 +144,15 @@ class Schedule(abc.ABC):
         finally:
             self.clock.exit(num_episodes)
 
+    # -- checkpoint ------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """What a resumed run needs to hand out the same next batches (see the module docstring);
+        called by the driver at a step boundary, after the step's weight push."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
     # -- weight pushes ---------------------------------------------------------------------------
     @contextmanager
     def weight_update(self) -> Iterator[None]:
@@ -214,14 +232,31 @@ class OneStepOffSchedule(Schedule):
     def __init__(self, cfg: RunConfig, source: EpisodeSource, loop: RolloutLoop) -> None:
         super().__init__(cfg, source, loop)
         self._pending: concurrent.futures.Future | None = None  # the rollout of the next step
+        self._pending_chunk = -1  # its task chunk (= the step that trains it)
 
     def _next(self, step, versions):
-        if self._pending is None:  # first step (or first after a resume): nothing prefetched
-            self._pending = self.loop.submit(self._rollout_chunk(step))
+        if self._pending is None or self._pending_chunk != step:  # first step: nothing prefetched
+            self._pending, self._pending_chunk = self.loop.submit(self._rollout_chunk(step)), step
         result = self._pending.result()
         more = step + 1 < self.cfg.trainer.total_steps
         self._pending = self.loop.submit(self._rollout_chunk(step + 1)) if more else None
+        self._pending_chunk = step + 1
         return group_samples(result.samples), result.episodes, StalenessStats(), {}
+
+    def state_dict(self) -> dict:
+        """The prefetched rollout, finished (the weight push already waited for it). A prefetch that
+        failed is not saved: the resumed step rolls its chunk out again and meets the error itself."""
+        if self._pending is None:
+            return {"prefetched": None}
+        concurrent.futures.wait([self._pending])
+        ok = not self._pending.cancelled() and self._pending.exception() is None
+        return {"prefetched": {"chunk": self._pending_chunk, "result": self._pending.result()} if ok else None}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["prefetched"] is not None:
+            done = concurrent.futures.Future()
+            done.set_result(state["prefetched"]["result"])
+            self._pending, self._pending_chunk = done, state["prefetched"]["chunk"]
 
     def _before_update(self) -> float:
         start = time.perf_counter()
@@ -270,10 +305,26 @@ class FullyAsyncSchedule(Schedule):
             self.producer.stop()  # the last batch: episodes still running would never be trained on
         metrics = {
             "async/queue_depth": float(self.buffer.last_depth),
-            "async/in_flight_groups": float(self.buffer.in_flight),
+            "async/in_flight_groups": float(self.buffer.last_in_flight),
             "async/num_policies_updated": float(len({s.policy for p in parts for s in p.samples})),
         }
         return parts, episodes, dropped, metrics
+
+    def state_dict(self) -> dict:
+        """Drain, then snapshot buffer and cursor (the module docstring says why draining)."""
+        held = self.producer.running
+        if held:
+            self.producer.hold()
+            self.buffer.wait_idle()
+        try:
+            return {"buffer": self.buffer.state_dict(), "producer": self.producer.state_dict()}
+        finally:
+            if held:
+                self.producer.release()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.buffer.load_state_dict(state["buffer"])
+        self.producer.load_state_dict(state["producer"])
 
     def _before_update(self) -> float:
         if not self.partial and self.producer.running:

@@ -151,10 +151,12 @@ class BusyClock:
 
 @dataclass
 class EpisodeGroup:
-    """The samples of all episodes of one task (or one policy's share of them)."""
+    """The samples of all episodes of one task (or one policy's share of them). ``seq``: admission
+    order (fully_async), so a batch lists its groups in the same order however they finished."""
 
     task_id: str
     samples: list[Sample]
+    seq: int = 0
 
     @property
     def num_samples(self) -> int:
@@ -169,7 +171,7 @@ class EpisodeGroup:
         parts: dict[str, list[Sample]] = {}
         for s in self.samples:
             parts.setdefault(s.policy, []).append(s)
-        return {policy: EpisodeGroup(self.task_id, samples) for policy, samples in parts.items()}
+        return {policy: EpisodeGroup(self.task_id, samples, self.seq) for policy, samples in parts.items()}
 
 
 def group_samples(samples: Iterable[Sample]) -> list[EpisodeGroup]:
@@ -242,10 +244,11 @@ class GroupBuffer:
         self.groups_per_batch, self.capacity, self.per_policy = groups_per_batch, capacity, per_policy
         self._cond = threading.Condition()
         self._queues: dict[str, deque[EpisodeGroup]] = {}
-        self._episodes: list[EpisodeStats] = []  # finished since the last take (reporting only)
+        self._episodes: list[tuple[int, EpisodeStats]] = []  # (group seq, episode) finished since the last take
         self._in_flight = 0
         self._error: BaseException | None = None
         self.last_depth = 0  # longest queue when the last batch was formed
+        self.last_in_flight = 0  # groups running when the last batch was formed
         self.peak_occupancy = 0  # max of (groups in flight + longest queue) ever seen: <= capacity
         self._dropped = StalenessStats()  # stale parts removed since the last take
         self.on_space: Callable[[], None] = lambda: None  # wakes the producer (any thread)
@@ -270,7 +273,7 @@ class GroupBuffer:
         parts = group.by_policy() if self.per_policy else ({JOINT: group} if group.samples else {})
         with self._cond:
             self._in_flight -= 1
-            self._episodes.extend(episodes)
+            self._episodes.extend((group.seq, e) for e in episodes)
             for key, part in parts.items():
                 self._queues.setdefault(key, deque()).append(part)
             self._note_occupancy()
@@ -326,11 +329,36 @@ class GroupBuffer:
                     raise TimeoutError(f"no batch of {self.groups_per_batch} fresh groups within {timeout} s")
                 self._cond.wait(left)
             self.last_depth = max(len(q) for q in self._queues.values())
-            parts = [self._queues[k].popleft() for k in ready for _ in range(self.groups_per_batch)]
-            episodes, self._episodes = self._episodes, []
+            self.last_in_flight = self._in_flight
+            # oldest finished first decides *which* groups; admission order decides their order in the
+            # batch (micro-batch split, summation order), so it does not depend on finishing times
+            parts = [part for k in ready
+                     for part in sorted((self._queues[k].popleft() for _ in range(self.groups_per_batch)),
+                                        key=lambda p: p.seq)]
+            episodes = [e for _, e in sorted(self._episodes, key=lambda item: item[0])]
+            self._episodes = []
             dropped, self._dropped = self._dropped, StalenessStats()
         self.on_space()
         return parts, episodes, dropped
+
+    def state_dict(self) -> dict:
+        """The finished groups waiting, the episodes finished since the last take and the drops not yet
+        reported (a checkpoint's rollout_state). Only with no group in flight: hold the producer and
+        ``wait_idle`` first, so that no admitted group is lost."""
+        with self._cond:
+            if self._in_flight:
+                raise RuntimeError(f"GroupBuffer.state_dict with {self._in_flight} groups in flight")
+            return {
+                "queues": {k: list(q) for k, q in self._queues.items()}, "episodes": list(self._episodes),
+                "dropped": self._dropped, "last_depth": self.last_depth, "peak_occupancy": self.peak_occupancy,
+            }
+
+    def load_state_dict(self, state: dict) -> None:
+        with self._cond:
+            self._queues = {k: deque(parts) for k, parts in state["queues"].items()}
+            self._episodes = list(state["episodes"])
+            self._dropped = state["dropped"]
+            self.last_depth, self.peak_occupancy = state["last_depth"], state["peak_occupancy"]
 
     def _drop_stale(self, versions: Mapping[str, int], max_staleness: int) -> bool:
         """Remove parts beyond the bound from every queue (counted); True if any was removed."""
@@ -356,6 +384,10 @@ class GroupProducer:
     ``max_concurrency`` episodes in flight (one group always may run), and ``buffer.has_space()``.
     Tasks come from ``source.task_chunk(first_chunk)``, then the next chunks; each task id gets an
     ``@chunk`` suffix so tasks drawn twice (file-backed envs) never merge into one group.
+
+    The cursor (next chunk, tasks of the current chunk not yet admitted, next admission number) is
+    state: ``state_dict`` / ``load_state_dict`` carry it through a checkpoint. Groups cancelled by
+    ``stop`` go back to the front of the cursor, so no admitted task is skipped.
     """
 
     def __init__(
@@ -368,6 +400,9 @@ class GroupProducer:
         self._stopped = False
         self._wake: asyncio.Event | None = None
         self._future: concurrent.futures.Future | None = None
+        self._next_chunk: int | None = None  # None: not started (start() sets it)
+        self._pending: deque[tuple[Task, int, int]] = deque()  # (task, seed, seq) of the current chunk
+        self._next_seq = 0
         buffer.on_space = self.poke
 
     @property
@@ -375,8 +410,22 @@ class GroupProducer:
         return self._future is not None
 
     def start(self, first_chunk: int) -> None:
+        """Start producing; from ``first_chunk`` unless a cursor was restored (``load_state_dict``)."""
         if self._future is None:
-            self._future = self.loop.submit(self._produce(first_chunk))
+            if self._next_chunk is None:
+                self._next_chunk = first_chunk
+            self._stopped = False
+            self._future = self.loop.submit(self._produce())
+
+    def state_dict(self) -> dict:
+        """The cursor; call while held or stopped (no admission can be mid-way)."""
+        return {"next_chunk": self._next_chunk, "pending": list(self._pending), "next_seq": self._next_seq}
+
+    def load_state_dict(self, state: dict) -> None:
+        if self._future is not None:
+            raise RuntimeError("GroupProducer.load_state_dict while running")
+        self._next_chunk, self._next_seq = state["next_chunk"], state["next_seq"]
+        self._pending = deque(state["pending"])
 
     def poke(self) -> None:
         """Re-check admission (callable from any thread)."""
@@ -407,32 +456,36 @@ class GroupProducer:
         fits = num_running == 0 or (num_running + 1) * self.group_size <= self.max_concurrency
         return fits and self.buffer.has_space()
 
-    async def _produce(self, first_chunk: int) -> None:
+    async def _produce(self) -> None:
         self._wake = asyncio.Event()
-        running: set[asyncio.Task] = set()
-        pending: deque[tuple[Task, int]] = deque()
-        chunk = first_chunk
+        running: dict[asyncio.Task, tuple[Task, int, int]] = {}
         try:
             while not self._stopped:
                 self._wake.clear()
                 while self._may_start(len(running)):
-                    if not pending:
+                    if not self._pending:
+                        chunk = self._next_chunk
                         tasks, seed = self.source.task_chunk(chunk)
-                        pending.extend((replace(t, task_id=f"{t.task_id}@{chunk}"), seed) for t in tasks)
-                        chunk += 1
-                    task, seed = pending.popleft()
+                        for t in tasks:
+                            self._pending.append((replace(t, task_id=f"{t.task_id}@{chunk}"), seed, self._next_seq))
+                            self._next_seq += 1
+                        self._next_chunk = chunk + 1
+                    entry = self._pending.popleft()
                     self.buffer.start_group()  # before any await: hold() then sees it in flight
-                    job = asyncio.ensure_future(self._run_group(task, seed))
-                    running.add(job)
-                    job.add_done_callback(running.discard)
+                    job = asyncio.ensure_future(self._run_group(*entry))
+                    running[job] = entry
+                    job.add_done_callback(lambda j: running.pop(j, None))
                     job.add_done_callback(lambda _: self._wake.set())
                 await self._wake.wait()
         finally:
-            for job in running:
+            jobs = dict(running)
+            for job in jobs:
                 job.cancel()
-            await asyncio.gather(*running, return_exceptions=True)
+            await asyncio.gather(*jobs, return_exceptions=True)
+            cancelled = sorted((entry for job, entry in jobs.items() if job.cancelled()), key=lambda e: e[2])
+            self._pending.extendleft(reversed(cancelled))  # regenerated (from their seeds) if production resumes
 
-    async def _run_group(self, task: Task, seed: int) -> None:
+    async def _run_group(self, task: Task, seed: int, seq: int) -> None:
         self.clock.enter(self.group_size)
         try:
             result = await self.source.episodes([task], group_size=self.group_size, seed=seed)
@@ -445,4 +498,4 @@ class GroupProducer:
             raise
         finally:
             self.clock.exit(self.group_size)
-        self.buffer.put(EpisodeGroup(task.task_id, result.samples), result.episodes)
+        self.buffer.put(EpisodeGroup(task.task_id, result.samples, seq), result.episodes)

@@ -3,7 +3,7 @@
 Importing this package registers every built-in agent kind, orchestra, env and env-worker
 backend. Public entry points:
 
-* ``AGENTS``/``AgentConfig``/``build_agents``  (agents.py)
+* ``AGENTS``/``AgentConfig``/``SamplingConfig``/``build_agents``  (agents.py; the ``agents.<role>`` config section)
 * ``ORCHESTRAS``/``build_orchestra``            (orchestras.py)
 * ``ENVS``/``EnvMaker``/``Env``/``Task``        (env.py, envs/, pettingzoo_env.py)
 * ``EpisodeContext``/``Action``                 (context.py)
@@ -12,7 +12,7 @@ backend. Public entry points:
 """
 
 from megamarl.orchestration import envs, pettingzoo_env  # noqa: F401 - registration
-from megamarl.orchestration.agents import AGENTS, Agent, AgentConfig, build_agents
+from megamarl.orchestration.agents import AGENTS, Agent, AgentConfig, SamplingConfig, build_agents
 from megamarl.orchestration.context import Action, ConfigError, EpisodeContext, EpisodeDone, EpisodeDropped
 from megamarl.orchestration.driver import EpisodeStats, RolloutResult, run_episode, run_episodes
 from megamarl.orchestration.env import ENVS, Env, EnvConfig, EnvMaker, StepResult, Task
@@ -20,7 +20,7 @@ from megamarl.orchestration.orchestras import ORCHESTRAS, Orchestra, build_orche
 from megamarl.orchestration.workers import WORKERS, EnvWorkerError, EnvWorkers, WorkersConfig, make_workers
 
 __all__ = [
-    "AGENTS", "Agent", "AgentConfig", "build_agents", "Action", "ConfigError", "EpisodeContext",
+    "AGENTS", "Agent", "AgentConfig", "SamplingConfig", "build_agents", "Action", "ConfigError", "EpisodeContext",
     "EpisodeDone", "EpisodeDropped", "EpisodeStats", "RolloutResult", "run_episode", "run_episodes",
     "ENVS", "Env", "EnvConfig", "EnvMaker", "StepResult", "Task", "ORCHESTRAS", "Orchestra",
     "build_orchestra", "WORKERS", "EnvWorkerError", "EnvWorkers", "WorkersConfig", "make_workers",

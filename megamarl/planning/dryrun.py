@@ -42,9 +42,11 @@ during training and training state is offloaded during rollout, so the GPU needs
 max(train, rollout); the async modes overlap the two, so they add up. ``cluster.reserved_gib`` is
 added on top for the CUDA context, NCCL buffers and allocator fragmentation.
 
-Engine placement: ``engine.ranks`` empty -> replica i sits on the policy's WG ranks
-[i*tp_e, (i+1)*tp_e) (colocated); set -> the replicas take those ranks in the same order
-(``len(engine.ranks)`` must equal ``num_replicas * tp``); ``server_urls`` -> external, no GPU here.
+Engine placement comes from ``megamarl.parallel.engine_placement.plan_engines``, the plan every
+rank computes at start-up: ``engine.ranks`` empty -> replica i sits on the policy's WG ranks
+[i*tp_e, (i+1)*tp_e) (colocated); set -> the replicas take those ranks in blocks of tp_e;
+``launch: in_process`` -> every replica on rank 0; ``server_urls`` -> external, no GPU here. A
+replica crossing a node boundary is an error there.
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ import torch.distributed as dist
 
 from megamarl.config import PolicyConfig, RunConfig
 from megamarl.driver.schedules import SCHEDULES
+from megamarl.parallel.engine_placement import ReplicaPlacement, plan_engines
 from megamarl.parallel.placement import (
     PlacementConfig,
     WorkerGroupLayout,
@@ -108,6 +111,7 @@ class EngineReport:
     replicas: list[list[int]]  # global ranks of each replica (empty: external servers)
     colocated: bool
     memory: Memory
+    launch: str = "server"  # in_process | server | external (engine_placement.resolve_launch)
 
 
 @dataclass(frozen=True)
@@ -175,24 +179,28 @@ def dry_run(cfg: RunConfig, *, console=None, world_size: int | None = None) -> D
     cluster = cfg.cluster
     on_gpus = cluster.gpus_per_node > 0
     if world_size is None:
-        world_size = cluster.num_nodes * cluster.gpus_per_node if on_gpus else _cpu_world_size(cfg)
+        world_size = declared_world_size(cfg)
     placement = cfg.placement(world_size)
     gpus_per_node = cluster.gpus_per_node or world_size
 
+    shapes = {name: resolve_model_shape(policy.model, key=f"policies.{name}.model") for name, policy in cfg.policies.items()}
+    for name, policy in cfg.policies.items():  # shape errors first: they say why a tp cannot work at all
+        placement.worker_groups[name].check_model(
+            num_heads=shapes[name].num_heads, num_kv_heads=shapes[name].num_kv_heads, num_layers=shapes[name].num_layers
+        )
+        check_engine_shape(name, policy, shapes[name])
+    plan = plan_engines(cfg, world_size, gpus_per_node)
+
     worker_groups, engines, warnings = {}, {}, []
     for name, policy in cfg.policies.items():
-        layout = placement.worker_groups[name]
-        shape = resolve_model_shape(policy.model, key=f"policies.{name}.model")
-        layout.check_model(
-            num_heads=shape.num_heads, num_kv_heads=shape.num_kv_heads, num_layers=shape.num_layers
-        )
+        layout, shape = placement.worker_groups[name], shapes[name]
         num_adapters = _num_adapters(cfg, name)
         stages = [
             train_memory(shape, policy, layout, stage=s, num_adapters=num_adapters) for s in range(layout.pp)
         ]
         worker_groups[name] = WorkerGroupReport(name, policy.model, shape, layout, stages)
-        engines[name] = _engine_report(name, policy, shape, layout, world_size, num_adapters)
-        warnings += _cross_node_warnings(name, layout, engines[name], gpus_per_node)
+        engines[name] = _engine_report(name, policy, shape, plan[name], num_adapters)
+        warnings += _cross_node_warnings(name, layout, gpus_per_node)
 
     group_sizes = build_fake_groups(placement, world_size)
     for name, sizes in group_sizes.items():
@@ -213,10 +221,14 @@ def dry_run(cfg: RunConfig, *, console=None, world_size: int | None = None) -> D
     return report
 
 
-def _cpu_world_size(cfg: RunConfig) -> int:
-    """CPU runs declare no cluster: take the smallest world the config can run on (WORLD_SIZE under
-    torchrun), i.e. every explicit rank and one full model-parallel group of each rank-less policy."""
+def declared_world_size(cfg: RunConfig) -> int:
+    """``cluster.num_nodes * cluster.gpus_per_node``; CPU runs declare no cluster: take the smallest
+    world the config can run on (WORLD_SIZE under torchrun), i.e. every explicit rank and one full
+    model-parallel group of each rank-less policy."""
     import os
+
+    if cfg.cluster.gpus_per_node > 0:
+        return cfg.cluster.num_nodes * cfg.cluster.gpus_per_node
 
     needed = [int(os.environ.get("WORLD_SIZE", 1))]
     for policy in cfg.policies.values():
@@ -307,7 +319,8 @@ def _num_adapters(cfg: RunConfig, policy_name: str) -> int:
     return max(1, len(names))
 
 
-def _engine_report(name, policy: PolicyConfig, shape, layout, world_size, num_adapters) -> EngineReport:
+def check_engine_shape(name: str, policy: PolicyConfig, shape: ModelShape) -> None:
+    """Raise when the model's heads cannot be sharded over ``engine.tp``."""
     engine = policy.engine
     key = f"policies.{name}.engine"
     if shape.num_heads % engine.tp:
@@ -319,32 +332,17 @@ def _engine_report(name, policy: PolicyConfig, shape, layout, world_size, num_ad
             f"{key}.tp={engine.tp}: the model's {shape.num_kv_heads} KV heads can be neither split "
             "nor replicated evenly over it"
         )
-    needed = engine.num_replicas * engine.tp
-    if engine.server_urls:
-        replicas, colocated = [], False
-    elif engine.ranks:
-        if len(engine.ranks) != needed:
-            raise ValueError(
-                f"{key}.ranks has {len(engine.ranks)} ranks; num_replicas * tp = "
-                f"{engine.num_replicas} * {engine.tp} = {needed}"
-            )
-        bad = [r for r in engine.ranks if not 0 <= r < world_size]
-        if bad:
-            raise ValueError(f"{key}.ranks {bad} out of range for world size {world_size}")
-        replicas, colocated = _chunks(list(engine.ranks), engine.tp), False
-    else:
-        if needed > layout.world_size:
-            raise ValueError(
-                f"{key}: num_replicas * tp = {engine.num_replicas} * {engine.tp} = {needed} engine GPUs "
-                f"but policies.{name} has {layout.world_size} ranks to colocate them on"
-            )
-        replicas, colocated = _chunks(layout.ranks[:needed], engine.tp), True
-    return EngineReport(name, engine.backend, engine.tp, replicas, colocated,
-                        engine_memory(shape, policy, num_adapters=num_adapters))
 
 
-def _chunks(ranks: list[int], size: int) -> list[list[int]]:
-    return [ranks[i:i + size] for i in range(0, len(ranks), size)]
+def _engine_report(name, policy: PolicyConfig, shape, replicas: list[ReplicaPlacement], num_adapters) -> EngineReport:
+    """The policy's engine memory on the ranks ``plan_engines`` puts its replicas on (the same plan
+    every rank computes at start-up)."""
+    engine = policy.engine
+    placed = [list(r.ranks) for r in replicas if r.launch != "external"]
+    colocated = bool(placed) and all(r.colocated for r in replicas)
+    return EngineReport(name, engine.backend, engine.tp, placed, colocated,
+                        engine_memory(shape, policy, num_adapters=num_adapters),
+                        launch=replicas[0].launch if replicas else "external")
 
 
 def _gpu_totals(cfg, worker_groups, engines, world_size, gpus_per_node) -> list[GpuReport]:
@@ -433,13 +431,12 @@ def build_fake_groups(placement: PlacementConfig, world_size: int) -> dict[str, 
     return sizes
 
 
-def _cross_node_warnings(name, layout, engine: EngineReport, gpus_per_node: int) -> list[str]:
-    warnings = []
+def _cross_node_warnings(name, layout, gpus_per_node: int) -> list[str]:
+    """Training TP groups may span nodes (slow, but they run); an engine replica may not
+    (``plan_engines`` rejects it)."""
     if any(len({r // gpus_per_node for r in group}) > 1 for group in group_enumeration(layout, ["tp"])):
-        warnings.append(f"policies.{name}.tp={layout.tp}: TP groups span nodes (TP all-reduces leave NVLink)")
-    if any(len({r // gpus_per_node for r in ranks}) > 1 for ranks in engine.replicas):
-        warnings.append(f"policies.{name}.engine.tp={engine.tp}: engine replicas span nodes")
-    return warnings
+        return [f"policies.{name}.tp={layout.tp}: TP groups span nodes (TP all-reduces leave NVLink)"]
+    return []
 
 
 # ----------------------------------------------------------------------------------- printing
@@ -487,7 +484,8 @@ def print_report(report: DryRunReport, console) -> None:
     for col in ("policy", "backend", "replicas x tp", "ranks", "placement") + numbers:
         engines.add_column(col, justify="right" if col in numbers else "left")
     for name, e in report.engines.items():
-        where = "colocated (sleep/wake)" if e.colocated else ("external" if not e.replicas else "own GPUs")
+        where = {"external": "external", "in_process": "in rank 0's process"}.get(e.launch) or (
+            "colocated (sleep/wake)" if e.colocated else "own GPUs")
         ranks = rank_ranges([r for replica in e.replicas for r in replica])
         memory = (e.memory.weights, e.memory.kv_cache, e.memory.lora, e.memory.total)
         engines.add_row(name, e.backend, f"{len(e.replicas)} x {e.tp}", ranks, where, *map(_g, memory))

@@ -7,7 +7,8 @@ One directory per saved step::
         policies/<policy>/   model + AdamW state in megatron-core dist_checkpointing (torch_dist):
                              loads at any TP x PP x DP layout (``megamarl.models.checkpoint``)
         rng/rank_00000.pt    each rank's python / numpy / torch (+ CUDA) generator states
-        trainer.pt           step, weight versions, update counts, the driver's running totals
+        trainer.pt           step, weight versions, update counts, the driver's running totals and
+                             its rollout_state (async modes: what the schedule owns, driver/schedules.py)
         COMPLETE             the marker, written last
 
 How it differs from a plain "torch.save per rank": the shards are layout-free, and the directory

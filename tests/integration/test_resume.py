@@ -161,15 +161,21 @@ def test_seeded_rollout_does_not_depend_on_batching(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from megamarl.models.tiny import save_tiny_model
-    from megamarl.orchestration import AgentConfig, EnvMaker, build_agents, build_orchestra, run_episodes
-    from megamarl.rollout.base import SamplingParams
+    from megamarl.orchestration import (
+        AgentConfig,
+        EnvMaker,
+        SamplingConfig,
+        build_agents,
+        build_orchestra,
+        run_episodes,
+    )
     from megamarl.rollout.hf import HFEngine
 
     path = save_tiny_model(tmp_path, "llama", seed=0)
     tokenizer, model = AutoTokenizer.from_pretrained(path), AutoModelForCausalLM.from_pretrained(path)
     maker = EnvMaker("signalling")
-    sampling = SamplingParams(temperature=1.0, max_tokens=2)
-    agents = build_agents({r: AgentConfig(sampling=sampling) for r in maker.agents}, tokenizer,
+    sampling = SamplingConfig(temperature=1.0, max_tokens=2)
+    agents = build_agents({r: AgentConfig(policy="default", sampling=sampling) for r in maker.agents}, tokenizer,
                           default_kinds=maker.default_agents)
 
     def rollout(*, max_batch_rows, max_concurrency, engine_seed, seed=7):

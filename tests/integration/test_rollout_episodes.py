@@ -6,8 +6,14 @@ from collections import defaultdict
 
 import pytest
 
-from megamarl.orchestration import AgentConfig, EnvMaker, build_agents, build_orchestra, run_episodes
-from megamarl.rollout.base import SamplingParams
+from megamarl.orchestration import (
+    AgentConfig,
+    EnvMaker,
+    SamplingConfig,
+    build_agents,
+    build_orchestra,
+    run_episodes,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -50,8 +56,8 @@ def _check_tags(result, tree_agents=None):
 def test_64_concurrent_math_solver_verifier_episodes(engine_and_tokenizer):
     engine, tokenizer = engine_and_tokenizer
     maker = EnvMaker("math")
-    sampling = SamplingParams(temperature=1.0, max_tokens=12)
-    configs = {"solver": AgentConfig(sampling=sampling, multi_turn=True), "verifier": AgentConfig(sampling=sampling)}
+    sampling = SamplingConfig(temperature=1.0, max_tokens=12)
+    configs = {"solver": AgentConfig(policy="default", sampling=sampling, multi_turn=True), "verifier": AgentConfig(policy="default", sampling=sampling)}
     agents = build_agents(configs, tokenizer, default_kinds=maker.default_agents)
     result = asyncio.run(run_episodes(build_orchestra("solve_verify", max_loops=2), maker, maker.tasks(16, seed=0),
                                       agents=agents, engines={"default": engine}, group_size=4, max_concurrency=64))
@@ -75,8 +81,8 @@ def test_16_tree_sampled_planning_episodes(engine_and_tokenizer):
     engine, tokenizer = engine_and_tokenizer
     maker = EnvMaker("grid", size=4, max_actions=12)
     configs = {
-        "planner": AgentConfig(sampling=SamplingParams(max_tokens=8)),
-        "executor": AgentConfig(sampling=SamplingParams(max_tokens=8), tree_k=4),
+        "planner": AgentConfig(policy="default", sampling=SamplingConfig(max_tokens=8)),
+        "executor": AgentConfig(policy="default", sampling=SamplingConfig(max_tokens=8), tree_k=4),
     }
     agents = build_agents(configs, tokenizer, default_kinds=maker.default_agents)
     result = asyncio.run(run_episodes(build_orchestra("sequential", max_steps=4), maker, maker.tasks(8, seed=0),

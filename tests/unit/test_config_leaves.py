@@ -25,7 +25,7 @@ CONFIGS = {"signalling_tiny.yaml": 1, "quickstart_cpu.yaml": 2}  # config -> wor
 # (leaf pattern, mutation kind): why the mutated value is a valid setting
 FREE = {
     (r"name|output_dir|logger\.wandb\.(entity|project)", "out of range"): "free text (a run name, a path to create)",
-    (r"agents\.\w+\.(system_prompt|prompt_template)", "out of range"): "free text (a prompt, or a prompt name)",
+    (r"agents\.\w+\.system_prompt", "out of range"): "free text (a prompt)",
     (r"agents\.\w+\.choices", "out of range"): "free text (the choices an agent may name)",
     (r"algorithm\.invalid_penalty", "out of range"): "-1e9 is a (large) penalty; > 0 is rejected (test below)",
     (r"agents\.\w+\.sampling\.allowed_tokens", "out of range"):

@@ -103,7 +103,7 @@ def test_async_mode_adds_train_and_rollout():
     [
         ("policies.planner.tp=5", r"policies.planner: 48 ranks are not divisible by tp\*pp"),
         ("policies.planner.pp=3", r"policies.planner.pp=3 does not divide the model's 80 layers"),
-        ("policies.executor.engine.num_replicas=17", r"policies.executor.engine: num_replicas \* tp = 17"),
+        ("policies.executor.engine.num_replicas=17", r"policies.executor.engine.num_replicas=17: num_replicas \* tp = 17"),
         ("policies.executor.engine.tp=3", r"policies.executor.engine.tp=3 does not divide"),
         ("policies.planner.model=llama-nonexistent", r"policies.planner.model='llama-nonexistent'"),
         ("cluster.num_nodes=4", r"planner.ranks \[32, .*\] out of range for world size 32"),

@@ -58,7 +58,7 @@ def test_rollout_with_feedback_loop():
         return next(replies["tester" if "Write tests" in request.last_user else "coder"])
 
     maker = EnvMaker("code")
-    agents = build_agents({"coder": AgentConfig(), "tester": AgentConfig()}, tok, default_kinds=maker.default_agents)
+    agents = build_agents({"coder": AgentConfig(policy="default"), "tester": AgentConfig(policy="default")}, tok, default_kinds=maker.default_agents)
     # no workers: steps run inline here (test_orch_workers.py covers the process pool)
     result = asyncio.run(run_episodes(build_orchestra("solve_verify", solver="coder", verifier="tester", max_loops=3),
                                       maker, [Task("c", PROBLEM)], agents=agents,

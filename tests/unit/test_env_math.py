@@ -74,7 +74,7 @@ def test_file_tasks_unique_within_a_chunk_item8(tmp_path, tok):
     assert [i.split(".")[-1] for i in ids[3:]] == ["1", "1", "1", "2"] and "." not in "".join(ids[:3])
     assert maker.tasks(7, seed=0) == tasks and maker.tasks(3, seed=0) == tasks[:3]
     # through rollout and collate: 7 task groups of group_size episodes, 14 distinct episodes
-    agents = build_agents({"solver": AgentConfig()}, tok, default_kinds=maker.default_agents)
+    agents = build_agents({"solver": AgentConfig(policy="default")}, tok, default_kinds=maker.default_agents)
     result = asyncio.run(run_episodes(build_orchestra("solve_verify"), maker, tasks, agents=agents, group_size=2,
                                       engines={"default": ScriptedEngine(tok, _right_solver)}))
     batch = collate(result.samples, pad_id=0)
@@ -84,7 +84,7 @@ def test_file_tasks_unique_within_a_chunk_item8(tmp_path, tok):
 
 def _rollout(tok, policy, *, num_tasks=4, max_loops=3, with_verifier=True):
     maker = EnvMaker("math", kinds=("add1", "mul12"), with_verifier=with_verifier)
-    agents = build_agents({"solver": AgentConfig(), "verifier": AgentConfig()}, tok, default_kinds=maker.default_agents)
+    agents = build_agents({"solver": AgentConfig(policy="default"), "verifier": AgentConfig(policy="default")}, tok, default_kinds=maker.default_agents)
     tasks = maker.tasks(num_tasks, seed=1)
     result = asyncio.run(run_episodes(build_orchestra("solve_verify", max_loops=max_loops), maker, tasks,
                                       agents=agents, engines={"default": ScriptedEngine(tok, policy)}))

@@ -90,7 +90,7 @@ def test_parallel_game(tok):
         word = request.last_user.split("Say the word: ")[1]
         return word if "alice" in request.system else "red"
 
-    configs = {a: AgentConfig(kind="text", system_prompt=a) for a in ("alice", "bob")}
+    configs = {a: AgentConfig(policy="default", kind="text", system_prompt=a) for a in ("alice", "bob")}
     maker = EnvMaker("pettingzoo_parallel", factory=f"{TESTING}:make_echo_parallel")
     result = _run(tok, maker, build_orchestra("simultaneous", max_rounds=5), configs, policy)
     first = [s for s in result.samples if s.episode_id == result.episodes[0].episode_id]
@@ -109,7 +109,7 @@ def test_aec_game_with_render_hook_counts_until_mistake(tok):
         count = int(request.last_user.split("The count is ")[1].split(".")[0])
         return "99" if count >= 2 else f"{count} + 1 = {count + 1}"
 
-    configs = {p: AgentConfig(kind="testing_counter") for p in ("p0", "p1")}
+    configs = {p: AgentConfig(policy="default", kind="testing_counter") for p in ("p0", "p1")}
     maker = EnvMaker("pettingzoo_aec", factory=f"{TESTING}:make_counting_aec", render=f"{TESTING}:render_count",
                      invalid_outcome="pass")
     result = _run(tok, maker, build_orchestra("sequential", max_steps=20), configs, policy)
@@ -140,7 +140,7 @@ def _script(moves):
     return policy
 
 
-TTT_AGENTS = {p: AgentConfig(kind="text") for p in ("player_1", "player_2")}
+TTT_AGENTS = {p: AgentConfig(policy="default", kind="text") for p in ("player_1", "player_2")}
 
 
 def test_tictactoe_competitive_scoring(tok):

@@ -75,7 +75,7 @@ def test_grid_rollout_with_planner_and_tree_sampled_executor(tok):
             return f"Follow {plans[level]}"
         return plans[level] if request.index == 2 else "U"  # only branch 2 is the real path
 
-    configs = {"planner": AgentConfig(), "executor": AgentConfig(tree_k=3)}
+    configs = {"planner": AgentConfig(policy="default"), "executor": AgentConfig(policy="default", tree_k=3)}
     agents = build_agents(configs, tok, default_kinds=maker.default_agents)
     result = asyncio.run(run_episodes(build_orchestra("sequential", max_steps=4), maker, tasks, agents=agents,
                                       engines={"default": ScriptedEngine(tok, policy)}))

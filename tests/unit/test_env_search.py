@@ -32,7 +32,7 @@ def test_answer_extraction_and_normalisation():
 
 def _rollout(tok, policy, num_tasks=3):
     maker = EnvMaker("search_qa", top_k=2)
-    configs = {"router": AgentConfig(choices=("searcher", "answerer")), "searcher": AgentConfig(), "answerer": AgentConfig()}
+    configs = {"router": AgentConfig(policy="default", choices=("searcher", "answerer")), "searcher": AgentConfig(policy="default"), "answerer": AgentConfig(policy="default")}
     agents = build_agents(configs, tok, default_kinds=maker.default_agents)
     tasks = maker.tasks(num_tasks, seed=0)
     result = asyncio.run(run_episodes(build_orchestra("router", router="router", max_hops=4), maker, tasks,

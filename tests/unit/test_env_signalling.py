@@ -4,10 +4,16 @@ import asyncio
 
 import pytest
 
-from megamarl.orchestration import AgentConfig, EnvMaker, build_agents, build_orchestra, run_episodes
+from megamarl.orchestration import (
+    AgentConfig,
+    EnvMaker,
+    SamplingConfig,
+    build_agents,
+    build_orchestra,
+    run_episodes,
+)
 from megamarl.orchestration.envs.signalling import SYMBOLS
 from megamarl.orchestration.testing import ScriptedEngine, smollm2_tokenizer
-from megamarl.rollout.base import SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -23,7 +29,7 @@ def test_symbols_and_digits_are_single_tokens(tok):
 def _play(tok, sender, receiver, num_tasks=10):
     maker = EnvMaker("signalling")
     agents = build_agents(
-        {"sender": AgentConfig(sampling=SamplingParams(max_tokens=1)), "receiver": AgentConfig(sampling=SamplingParams(max_tokens=2))},
+        {"sender": AgentConfig(policy="default", sampling=SamplingConfig(max_tokens=1)), "receiver": AgentConfig(policy="default", sampling=SamplingConfig(max_tokens=2))},
         tok, default_kinds=maker.default_agents,
     )
 

@@ -5,7 +5,9 @@ import sys
 
 import pytest
 
-from megamarl.orchestration import AGENTS, Agent, AgentConfig, EnvMaker, build_agents, build_orchestra, run_episodes
+from megamarl.orchestration import (
+    AGENTS, Agent, AgentConfig, EnvMaker, SamplingConfig, build_agents, build_orchestra, run_episodes,
+)
 from megamarl.orchestration.agents import first_choice
 from megamarl.orchestration.testing import ScriptedEngine, fixed, smollm2_tokenizer
 from megamarl.registry import import_plugins
@@ -19,27 +21,44 @@ def tok():
 
 def test_config_validation_names_keys():
     with pytest.raises(ValueError, match="prompt_template"):
-        AgentConfig(prompt_template="no placeholder")
+        AgentConfig(policy="default", prompt_template="no placeholder")
     with pytest.raises(ValueError, match="memory_scope"):
-        AgentConfig(memory_scope="world")
+        AgentConfig(policy="default", memory_scope="world")
     with pytest.raises(ValueError, match="tree_k"):
-        AgentConfig(tree_k=0)
-    assert AgentConfig(sampling={"temperature": 0.5, "max_tokens": 8}).sampling == SamplingParams(temperature=0.5, max_tokens=8)
+        AgentConfig(policy="default", tree_k=0)
+    with pytest.raises(ValueError, match=r"agents.<a>.policy must be set"):
+        AgentConfig()
+    with pytest.raises(ValueError, match=r"agents.<a>.sampling.top_p must be in \(0, 1\], got 5.0"):
+        SamplingConfig(top_p=5.0)
+    config = AgentConfig(policy="default", sampling={"temperature": 0.5, "max_tokens": 8})
+    assert config.sampling == SamplingConfig(temperature=0.5, max_tokens=8)
+    assert config.sampling_params() == SamplingParams(temperature=0.5, max_tokens=8)
+
+
+def test_allowed_tokens_become_the_policy_tokenizers_ids(tok):
+    """``agents.<a>.sampling.allowed_tokens`` (strings in the config) reach the engine as token ids."""
+    config = AgentConfig(policy="default", sampling=SamplingConfig(max_tokens=1, allowed_tokens=["A", "B"]))
+    ids = (tok.encode("A", add_special_tokens=False)[0], tok.encode("B", add_special_tokens=False)[0])
+    assert config.sampling_params(tok) == SamplingParams(max_tokens=1, allowed_token_ids=ids)
+    agent = build_agents({"s": config}, tok, default_kinds={"s": "text"})["s"]
+    assert agent.sampling == SamplingParams(max_tokens=1, allowed_token_ids=ids, stop_token_ids=(tok.eos_token_id,))
+    with pytest.raises(ValueError, match="allowed_tokens: ' hello world' is 2 tokens, not one"):
+        AgentConfig(policy="default", sampling={"allowed_tokens": [" hello world"]}).sampling_params(tok)
 
 
 def test_build_agents_errors(tok):
     with pytest.raises(ValueError, match="agents.x.kind"):
-        build_agents({"x": AgentConfig()}, tok)
+        build_agents({"x": AgentConfig(policy="default")}, tok)
     with pytest.raises(ValueError, match="unknown agent agents.x.kind='nope'"):
-        build_agents({"x": AgentConfig(kind="nope")}, tok)
+        build_agents({"x": AgentConfig(policy="default", kind="nope")}, tok)
     with pytest.raises(ValueError, match="no tokenizer"):
         build_agents({"x": AgentConfig(kind="text", policy="p2")}, {"default": tok})
     with pytest.raises(ValueError, match="choices"):
-        build_agents({"r": AgentConfig(kind="router")}, tok)
+        build_agents({"r": AgentConfig(policy="default", kind="router")}, tok)
 
 
 def test_eos_is_a_stop_token_and_template_applies(tok):
-    agent = build_agents({"s": AgentConfig(prompt_template="Q: {observation}")}, tok, default_kinds={"s": "math_solver"})["s"]
+    agent = build_agents({"s": AgentConfig(policy="default", prompt_template="Q: {observation}")}, tok, default_kinds={"s": "math_solver"})["s"]
     assert tok.eos_token_id in agent.sampling.stop_token_ids
     assert agent.user_message("1+1") == "Q: 1+1" and agent.system == "You are a careful math solver."
     assert agent.response_text(tok.encode("x = 2", add_special_tokens=False) + [tok.eos_token_id]) == "x = 2"
@@ -70,8 +89,8 @@ def test_policies_lora_and_sampling_route_per_agent(tok):
     """L1/L2/L3 mixes: each agent calls its own policy's engine with its adapter and sampling."""
     maker = EnvMaker("math", kinds=("add1",))
     configs = {
-        "solver": AgentConfig(policy="base", lora="solver_adapter", sampling=SamplingParams(temperature=0.7, max_tokens=16)),
-        "verifier": AgentConfig(policy="big", sampling=SamplingParams(temperature=0.0, max_tokens=4)),
+        "solver": AgentConfig(policy="base", lora="solver_adapter", sampling=SamplingConfig(temperature=0.7, max_tokens=16)),
+        "verifier": AgentConfig(policy="big", sampling=SamplingConfig(temperature=0.0, max_tokens=4)),
     }
     agents = build_agents(configs, {"base": tok, "big": tok}, default_kinds=maker.default_agents)
     base, big = ScriptedEngine(tok, fixed("4"), weight_version=3), ScriptedEngine(tok, fixed("yes"), weight_version=9)

@@ -4,10 +4,16 @@ import asyncio
 
 import pytest
 
-from megamarl.orchestration import AgentConfig, EnvMaker, build_agents, build_orchestra, run_episodes
+from megamarl.orchestration import (
+    AgentConfig,
+    EnvMaker,
+    SamplingConfig,
+    build_agents,
+    build_orchestra,
+    run_episodes,
+)
 from megamarl.orchestration.chat import ChatTranscript, TemplateDeltaError
 from megamarl.orchestration.testing import ScriptedEngine, smollm2_tokenizer
-from megamarl.rollout.base import SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -77,9 +83,9 @@ def test_multi_turn_samples_are_exactly_what_the_engine_saw(tok):
     replies = iter(["The answer is 7", "no", "Let me redo: 3 + 4 = 8", "yes"])
     engine = ScriptedEngine(tok, lambda request: next(replies))
     maker = EnvMaker("math", kinds=("add1",))
-    sampling = SamplingParams(max_tokens=32)
+    sampling = SamplingConfig(max_tokens=32)
     agents = build_agents(
-        {"solver": AgentConfig(multi_turn=True, sampling=sampling), "verifier": AgentConfig(multi_turn=True, sampling=sampling)},
+        {"solver": AgentConfig(policy="default", multi_turn=True, sampling=sampling), "verifier": AgentConfig(policy="default", multi_turn=True, sampling=sampling)},
         tok, default_kinds=maker.default_agents,
     )
     result = asyncio.run(run_episodes(

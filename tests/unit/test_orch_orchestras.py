@@ -56,7 +56,7 @@ def tok():
 
 def _run(tok, orchestra, policy, *, roles=("a", "b", "c"), configs=None, done_after=99, num_tasks=1, group_size=1):
     maker = EnvMaker("testing_log", roles=roles, done_after=done_after)
-    configs = configs or {r: AgentConfig(kind="text") for r in roles}
+    configs = configs or {r: AgentConfig(policy="default", kind="text") for r in roles}
     engine = ScriptedEngine(tok, policy)
     agents = build_agents(configs, tok)
     envs = []
@@ -91,7 +91,7 @@ def test_done_episode_stops_calling_agents(tok):
 
 def test_router_routes_by_parsed_reply(tok):
     replies = iter(["send b", "hi from b", "now c please", "hi from c", "nobody"])
-    configs = {"r": AgentConfig(kind="router", choices=("b", "c")), "b": AgentConfig(kind="text"), "c": AgentConfig(kind="text")}
+    configs = {"r": AgentConfig(policy="default", kind="router", choices=("b", "c")), "b": AgentConfig(policy="default", kind="text"), "c": AgentConfig(policy="default", kind="text")}
     result, (env,), _ = _run(tok, build_orchestra("router", router="r", max_hops=5), lambda q: next(replies),
                              roles=("r", "b", "c"), configs=configs)
     assert [a for a, _ in env.log] == ["r", "b", "r", "c", "r"]
@@ -100,14 +100,14 @@ def test_router_routes_by_parsed_reply(tok):
 
 def test_solve_verify_exits_on_approval(tok):
     replies = iter(["x", "no", "y", "yes", "never"])
-    configs = {"s": AgentConfig(kind="text"), "v": AgentConfig(kind="math_verifier")}
+    configs = {"s": AgentConfig(policy="default", kind="text"), "v": AgentConfig(policy="default", kind="math_verifier")}
     result, (env,), _ = _run(tok, build_orchestra("solve_verify", solver="s", verifier="v", max_loops=5, approve_value=True),
                              lambda q: next(replies), roles=("s", "v"), configs=configs)
     assert env.log == [("s", "x"), ("v", "no"), ("s", "y"), ("v", "yes")]
 
 
 def test_solve_verify_respects_loop_budget(tok):
-    configs = {"s": AgentConfig(kind="text"), "v": AgentConfig(kind="math_verifier")}
+    configs = {"s": AgentConfig(policy="default", kind="text"), "v": AgentConfig(policy="default", kind="math_verifier")}
     _, (env,), _ = _run(tok, build_orchestra("solve_verify", solver="s", verifier="v", max_loops=2, approve_value=True),
                         lambda q: "no", roles=("s", "v"), configs=configs)
     assert len(env.log) == 4
@@ -137,7 +137,7 @@ def test_simultaneous_round(tok):
 
 
 def test_tree_sampling_keeps_k_branches_and_continues_from_best(tok):
-    configs = {"a": AgentConfig(kind="text", tree_k=3)}
+    configs = {"a": AgentConfig(policy="default", kind="text", tree_k=3)}
     result, (env,), engine = _run(tok, build_orchestra("sequential", max_steps=2),
                                   lambda q: "x" * (q.index + 1) if q.index != 1 else "yyyyyy", roles=("a",), configs=configs)
     assert [(s.turn, s.branch) for s in result.samples] == [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2)]
@@ -147,7 +147,7 @@ def test_tree_sampling_keeps_k_branches_and_continues_from_best(tok):
 
 
 def test_memory_drops_oldest_turns_to_fit_budget(tok):
-    configs = {"a": AgentConfig(kind="text", memory_tokens=7, memory_scope="team")}
+    configs = {"a": AgentConfig(policy="default", kind="text", memory_tokens=7, memory_scope="team")}
     seen = []
 
     def policy(request):
@@ -169,7 +169,7 @@ def test_missing_engine_or_agent_is_a_config_error(tok):
 
 
 def test_prompt_too_long_drops_episode(tok):
-    configs = {"a": AgentConfig(kind="text", max_prompt_tokens=5)}
+    configs = {"a": AgentConfig(policy="default", kind="text", max_prompt_tokens=5)}
     result, _, _ = _run(tok, build_orchestra("sequential"), _who, roles=("a",), configs=configs, num_tasks=2)
     assert result.num_dropped == 2 and result.reasons() == {"prompt_too_long": 2} and result.samples == []
 

@@ -13,7 +13,7 @@ from megamarl.orchestration.testing import ScriptedEngine, fixed, smollm2_tokeni
 def _rollout(workers, faults, **kwargs):
     tok = smollm2_tokenizer()
     maker = EnvMaker("testing_faulty")
-    agents = build_agents({"actor": AgentConfig()}, tok, default_kinds=maker.default_agents)
+    agents = build_agents({"actor": AgentConfig(policy="default")}, tok, default_kinds=maker.default_agents)
     tasks = [Task(f"t{i}-{fault}", fault) for i, fault in enumerate(faults)]
     return asyncio.run(run_episodes(build_orchestra("sequential", max_steps=2), maker, tasks, agents=agents,
                                     engines={"default": ScriptedEngine(tok, fixed("ok"))}, workers=workers, **kwargs))
@@ -51,7 +51,7 @@ def test_process_pool_crash_hang_and_error_are_counted():
 def test_episode_timeout_without_workers():
     tok = smollm2_tokenizer()
     maker = EnvMaker("math", kinds=("add1",), with_verifier=False)
-    agents = build_agents({"solver": AgentConfig()}, tok, default_kinds=maker.default_agents)
+    agents = build_agents({"solver": AgentConfig(policy="default")}, tok, default_kinds=maker.default_agents)
     slow = ScriptedEngine(tok, fixed("5"), delay_s=5.0)
     result = asyncio.run(run_episodes(build_orchestra("sequential"), maker, maker.tasks(2), agents=agents,
                                       engines={"default": slow}, episode_timeout_s=0.05))

@@ -159,7 +159,7 @@ def test_schedule_classes(name):
 def test_agent_kinds_build_from_agent_config_and_parse(name):
     cls = AGENTS.get(name)
     assert issubclass(cls, Agent)
-    agent = cls("role", AgentConfig(kind=name, choices=("a", "b")), smollm2_tokenizer())
+    agent = cls("role", AgentConfig(policy="default", kind=name, choices=("a", "b")), smollm2_tokenizer())
     action, valid = agent.parse("a")
     assert isinstance(valid, bool)
 
