@@ -151,7 +151,8 @@ class EngineTraits:
     implements ``from_config``); ``in_process``: runs inside the driver process; ``can_sleep``:
     ``sleep``/``wake`` release and restore memory (colocation); ``serves_lora``: L2 multi-adapter
     serving (``add_lora`` and adapter-only updates); ``external``: connects to servers listed in
-    ``engine.server_urls`` (one per replica).
+    ``engine.server_urls`` (one per replica); ``server``: megamarl can start this backend as an
+    inference server of its own (``rollout.server_launch.server_command``; ``engine.launch=server``).
     """
 
     configurable: bool = False
@@ -159,6 +160,7 @@ class EngineTraits:
     can_sleep: bool = False
     serves_lora: bool = False
     external: bool = False
+    server: bool = False
 
 
 ENGINES: Registry[type[Engine]] = Registry(

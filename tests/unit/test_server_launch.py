@@ -103,3 +103,10 @@ def test_plugin_shim_declares_the_entry_point(tmp_path, monkeypatch):
     out = subprocess.run([sys.executable, "-c", code], env=dict(env, PATH="/usr/bin"), capture_output=True,
                          text=True, check=True).stdout
     assert "megamarl.vllm_plugins:register" in out
+
+
+def test_server_trait_matches_the_launchable_backends():
+    from megamarl.rollout import ENGINES
+    from megamarl.rollout.server_launch import SERVER_BACKENDS
+
+    assert {n for n in ENGINES.names() if ENGINES.traits(n).server} == set(SERVER_BACKENDS)
