@@ -41,12 +41,18 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from bench_rollout import machine_info  # noqa: E402
+from bench_rollout import machine_info
 
-from megamarl.models.packaged import resolve_model_path  # noqa: E402
-from megamarl.rollout.server_launch import ServerProcess, ServerSpec, _free_port  # noqa: E402
-from megamarl.rollout.server_sync import WeightSender, bucket_info, gloo_broadcast, new_gloo_group, pack_bucket  # noqa: E402
-from megamarl.rollout.weight_sync import buckets  # noqa: E402
+from megamarl.models.packaged import resolve_model_path
+from megamarl.rollout.server_launch import ServerProcess, ServerSpec, _free_port
+from megamarl.rollout.server_sync import (
+    WeightSender,
+    bucket_info,
+    gloo_broadcast,
+    new_gloo_group,
+    pack_bucket,
+)
+from megamarl.rollout.weight_sync import buckets
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 

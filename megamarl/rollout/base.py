@@ -12,9 +12,10 @@ adapter carry; the base ``weight_version`` is left alone.
 from __future__ import annotations
 
 import abc
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 
@@ -105,7 +106,7 @@ class Engine(abc.ABC):
 
     @classmethod
     def from_config(cls, cfg: Any, path: Path, *, replica: int, seed: int, lora: Any = None,
-                    num_threads: int = 0) -> "Engine":
+                    num_threads: int = 0) -> Engine:
         """Replica ``replica`` of a policy's engine from its ``EngineConfig`` (``lora``: a
         ``rollout.factory.LoraServing`` when the policy serves L2 adapters; ``num_threads``: CPU
         threads of an in-process engine, 0: the process's setting). Engines registered with

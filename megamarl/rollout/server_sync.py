@@ -28,11 +28,13 @@ import datetime
 import os
 import time
 import uuid
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from megamarl.rollout._http import JSONClient
 from megamarl.rollout.weight_sync import SyncStats, buckets
@@ -91,8 +93,6 @@ def new_gloo_group(master_addr: str, master_port: int, *, rank: int, world_size:
                    timeout_s: float, is_master: bool = False) -> tuple[Any, Any]:
     """A gloo process group outside the default world (vLLM's workers have their own): a TCPStore
     (hosted by rank 0) with a per-group prefix. Returns ``(group, store)``; keep the store alive."""
-    import torch.distributed as dist
-
     timeout = datetime.timedelta(seconds=timeout_s)
     store = dist.TCPStore(master_addr, master_port, world_size, is_master=is_master, timeout=timeout,
                           wait_for_workers=False)
@@ -101,8 +101,6 @@ def new_gloo_group(master_addr: str, master_port: int, *, rank: int, world_size:
 
 
 def gloo_broadcast(group, tensor: torch.Tensor, *, src: int = 0) -> None:
-    import torch.distributed as dist
-
     opts = dist.BroadcastOptions()
     opts.rootRank = src
     group.broadcast([tensor], opts).wait()
@@ -154,8 +152,6 @@ class WeightSender:
         world_size = 1 + sum(self.replica_tp)
         group_name = self.group_name = f"megamarl-weights-{uuid.uuid4().hex[:8]}"
         # The store must exist before the servers dial it; the group forms once all have joined.
-        import torch.distributed as dist
-
         self._store = dist.TCPStore(self.master_addr, self.master_port, world_size, is_master=True,
                                     timeout=datetime.timedelta(seconds=self.timeout_s), wait_for_workers=False)
         futures, offset = [], 1
@@ -245,7 +241,7 @@ class WeightSender:
             yield name, tensor
 
     def _start_bucket(self, bucket: list[tuple[str, torch.Tensor]], stats: SyncStats,
-                      previous: "_InFlight | None", *, next_bytes: int) -> "_InFlight":
+                      previous: _InFlight | None, *, next_bytes: int) -> _InFlight:
         info = bucket_info(bucket)
         flat = pack_bucket(bucket, info)
         stats.num_buckets += 1
@@ -268,10 +264,12 @@ class WeightSender:
         return _InFlight([self._pool.submit(c.post, "/update_weights", announce) for c in self.clients], path)
 
     def close(self) -> None:
+        """Release the servers' transfer state (vLLM's ``/shutdown_weight_transfer_engine`` drops
+        every group a server joined: close once no other sender into these servers is active)."""
         for client in self.clients:
             try:
                 client.post("/shutdown_weight_transfer_engine", timeout_s=30)
-            except Exception:  # noqa: BLE001 - the server may already be gone
+            except Exception:  # noqa: BLE001, S110 - the server may already be gone
                 pass
             client.close()
         self._pool.shutdown(wait=False)

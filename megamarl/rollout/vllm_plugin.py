@@ -34,7 +34,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpdateInfo
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
 
 from megamarl.rollout.server_sync import gloo_broadcast, new_gloo_group, unpack_bucket
 

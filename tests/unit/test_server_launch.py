@@ -17,8 +17,9 @@ from megamarl.rollout.server_sync import ALIGN, WeightSender, bucket_info, pack_
 
 
 def spec(**overrides):
-    base = dict(policy="planner", replica=1, rank=8, backend="vllm", model_path="/m", tp=2, dtype="bf16",
-                max_num_seqs=16, max_model_len=1024, kv_cache_gib=2.0, num_threads=3, seed=5, port=8001)
+    base = {"policy": "planner", "replica": 1, "rank": 8, "backend": "vllm", "model_path": "/m", "tp": 2,
+            "dtype": "bf16", "max_num_seqs": 16, "max_model_len": 1024, "kv_cache_gib": 2.0, "num_threads": 3,
+            "seed": 5, "port": 8001}
     return ServerSpec(**dict(base, **overrides))
 
 
