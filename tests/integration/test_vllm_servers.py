@@ -131,8 +131,28 @@ def test_gloo_push_reaches_both_replicas_at_once(servers, hf_model):
         assert [g.token_ids for g in greedy(client)] == expected
         assert client.server_weight_version() == "7"
         client.shutdown()
-    # bf16 on the wire when the engine serves bf16: here the engine is fp32, so the sender keeps fp32.
+
+    # Two senders into the same replicas, as two pipeline stages push: one opens and closes the update,
+    # both send their layers concurrently on their own groups.
+    stage2 = WeightSender([a.url, b.url], backend="megamarl_gloo", master_port=_port(), replica_tp=[1, 1])
+    stage2.connect()
+    newer = perturbed(hf_model, seed=4)
+    state = newer.state_dict()
+    first = [(k, v) for k, v in state.items() if ".layers.1." not in k]
+    second = [(k, v) for k, v in state.items() if ".layers.1." in k]
+    sender.begin()
+    with ThreadPoolExecutor(2) as pool:
+        done = [pool.submit(sender.send, first, bucket_bytes=2 * 2**20),
+                pool.submit(stage2.send, second, bucket_bytes=2**20)]
+        assert sum(f.result().num_tensors for f in done) == len(state)
+    sender.end(version=8)
+    for proc in (a, b):
+        client = VLLMServerClient(proc.url)
+        assert [g.token_ids for g in greedy(client)] == hf_greedy(newer)
+        assert client.server_weight_version() == "8"
+        client.shutdown()
     sender.close()
+    stage2.close()
 
 
 def test_shm_push_and_lora_adapter(servers, hf_model, model_path, tmp_path):
