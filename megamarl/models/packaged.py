@@ -31,6 +31,11 @@ def cache_dir() -> Path:
 # last prompt token -- what a model trained from scratch (the learning tests) can pick up quickly.
 FAMILIES = ("llama", "qwen2", "qwen3")
 TINY_MODELS = {f"tiny-{kind}-{family}": family for kind in ("random", "plain") for family in FAMILIES}
+# vLLM-CPU's attention kernels need head_dim >= 32 (the models above have 16): ``tiny-vllm-llama`` is
+# the smallest Llama a vLLM-CPU server loads (hidden 128, 4 heads of 32, 2 KV heads, 2 layers), for
+# server tests that must not wait for SmolLM2.
+TINY_MODELS["tiny-vllm-llama"] = "llama"
+TINY_OVERRIDES = {"tiny-vllm-llama": {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2}}
 
 
 def resolve_model_path(name_or_path: str | os.PathLike, *, key: str = "model.path") -> Path:
@@ -58,7 +63,7 @@ def _build_tiny(name: str, tmp: Path) -> None:
     from megamarl.models.tiny import PLAIN_CHAT_TEMPLATE, save_tiny_model
 
     template = PLAIN_CHAT_TEMPLATE if name.startswith("tiny-plain-") else None
-    save_tiny_model(tmp, TINY_MODELS[name], seed=0, chat_template=template)
+    save_tiny_model(tmp, TINY_MODELS[name], seed=0, chat_template=template, **TINY_OVERRIDES.get(name, {}))
 
 
 def _gguf_file(name: str) -> Path:

@@ -1,19 +1,27 @@
-"""A small JSON-over-HTTP client for disaggregated engine servers (stdlib only, no new dependency).
+"""The JSON-over-HTTP client of engine servers (vLLM, SGLang).
 
-Requests run in a private thread pool so that many episodes can await one server concurrently.
-A server that cannot be reached raises ``EngineConnectionError`` (a ``ConnectionError``); the
-engine pool treats that as a dead replica, while an HTTP error status stays an ordinary error.
+Generation traffic (``apost``) goes through one ``aiohttp.ClientSession`` per event loop: pooled
+keep-alive connections (up to ``max_concurrency`` per server), no thread per request. Control calls
+(``post``/``get``: weight-update handshakes, pause, sleep, health) use a plain blocking stdlib call:
+they are few, often made from threads outside any event loop, and must not depend on one.
+
+A server that cannot be reached (refused, reset, disconnected, timed out) raises
+``EngineConnectionError`` (a ``ConnectionError``); the engine pool treats that as a dead replica,
+while an HTTP error status raises ``EngineHTTPError``, an ordinary error.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import urllib.error
 import urllib.parse
 import urllib.request
-from concurrent.futures import ThreadPoolExecutor
+import weakref
 from typing import Any
+
+import aiohttp
 
 
 class EngineConnectionError(ConnectionError):
@@ -24,11 +32,26 @@ class EngineHTTPError(RuntimeError):
     """The engine server answered with an error status."""
 
 
+def _decode(body: bytes) -> Any:
+    if not body:
+        return None
+    try:
+        return json.loads(body)
+    except json.JSONDecodeError:
+        return body.decode(errors="replace")
+
+
 class JSONClient:
     def __init__(self, base_url: str, *, timeout_s: float = 600.0, max_concurrency: int = 256) -> None:
         self.base_url = base_url.rstrip("/")
         self.timeout_s = timeout_s
-        self._pool = ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="engine-http")
+        self.max_concurrency = max_concurrency
+        # One session per event loop: a session's connections belong to the loop that opened them.
+        self._sessions: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, aiohttp.ClientSession] = (
+            weakref.WeakKeyDictionary())
+        self._lock = threading.Lock()
+
+    # -- blocking control path -------------------------------------------------------------------
 
     def request(
         self, method: str, path: str, payload: Any = None, *, query: dict | None = None, timeout_s: float | None = None
@@ -46,12 +69,7 @@ class JSONClient:
             raise EngineHTTPError(f"{method} {url} -> HTTP {exc.code}: {detail}") from exc
         except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as exc:
             raise EngineConnectionError(f"{method} {url} failed: {exc}") from exc
-        if not body:
-            return None
-        try:
-            return json.loads(body)
-        except json.JSONDecodeError:
-            return body.decode(errors="replace")
+        return _decode(body)
 
     def post(self, path: str, payload: Any = None, **kwargs) -> Any:
         return self.request("POST", path, {} if payload is None else payload, **kwargs)
@@ -59,9 +77,47 @@ class JSONClient:
     def get(self, path: str, **kwargs) -> Any:
         return self.request("GET", path, **kwargs)
 
-    async def apost(self, path: str, payload: Any = None, **kwargs) -> Any:
+    # -- async generation path -------------------------------------------------------------------
+
+    def _session(self) -> aiohttp.ClientSession:
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._pool, lambda: self.post(path, payload, **kwargs))
+        with self._lock:
+            session = self._sessions.get(loop)
+            if session is None or session.closed:
+                connector = aiohttp.TCPConnector(limit=self.max_concurrency, limit_per_host=self.max_concurrency)
+                session = aiohttp.ClientSession(connector=connector)
+                self._sessions[loop] = session
+            return session
+
+    async def apost(self, path: str, payload: Any = None, *, query: dict | None = None,
+                    timeout_s: float | None = None) -> Any:
+        url = self.base_url + path
+        timeout = aiohttp.ClientTimeout(total=timeout_s or self.timeout_s)
+        try:
+            async with self._session().post(url, json={} if payload is None else payload, params=query,
+                                            timeout=timeout) as resp:
+                body = await resp.read()
+                if resp.status >= 400:
+                    detail = body.decode(errors="replace")[:500]
+                    raise EngineHTTPError(f"POST {url} -> HTTP {resp.status}: {detail}")
+        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError, OSError) as exc:
+            raise EngineConnectionError(f"POST {url} failed: {exc!r}") from exc
+        return _decode(body)
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False)  # queued requests still run and fail as connection errors
+        """Close every loop's session: on its own loop when that loop still runs; a session of a
+        finished loop only drops its (already dead) connections."""
+        with self._lock:
+            sessions, self._sessions = list(self._sessions.items()), weakref.WeakKeyDictionary()
+        for loop, session in sessions:
+            if session.closed:
+                continue
+            try:
+                if loop.is_running():
+                    asyncio.run_coroutine_threadsafe(session.close(), loop)
+                elif not loop.is_closed():
+                    loop.run_until_complete(session.close())
+                else:
+                    session.detach()
+            except Exception:  # noqa: BLE001, S110 - closing is best effort; the server may be gone
+                pass

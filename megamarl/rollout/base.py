@@ -12,9 +12,10 @@ adapter carry; the base ``weight_version`` is left alone.
 from __future__ import annotations
 
 import abc
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 
@@ -105,7 +106,7 @@ class Engine(abc.ABC):
 
     @classmethod
     def from_config(cls, cfg: Any, path: Path, *, replica: int, seed: int, lora: Any = None,
-                    num_threads: int = 0) -> "Engine":
+                    num_threads: int = 0) -> Engine:
         """Replica ``replica`` of a policy's engine from its ``EngineConfig`` (``lora``: a
         ``rollout.factory.LoraServing`` when the policy serves L2 adapters; ``num_threads``: CPU
         threads of an in-process engine, 0: the process's setting). Engines registered with
@@ -151,7 +152,8 @@ class EngineTraits:
     implements ``from_config``); ``in_process``: runs inside the driver process; ``can_sleep``:
     ``sleep``/``wake`` release and restore memory (colocation); ``serves_lora``: L2 multi-adapter
     serving (``add_lora`` and adapter-only updates); ``external``: connects to servers listed in
-    ``engine.server_urls`` (one per replica).
+    ``engine.server_urls`` (one per replica); ``server``: megamarl can start this backend as an
+    inference server of its own (``rollout.server_launch.server_command``; ``engine.launch=server``).
     """
 
     configurable: bool = False
@@ -159,6 +161,7 @@ class EngineTraits:
     can_sleep: bool = False
     serves_lora: bool = False
     external: bool = False
+    server: bool = False
 
 
 ENGINES: Registry[type[Engine]] = Registry(

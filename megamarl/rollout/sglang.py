@@ -81,7 +81,7 @@ def _check(reply: Any, what: str) -> Any:
     return reply
 
 
-@ENGINES.register("sglang", traits=EngineTraits(configurable=True, can_sleep=True, external=True))
+@ENGINES.register("sglang", traits=EngineTraits(configurable=True, can_sleep=True, external=True, server=True))
 class SGLangClient(Engine):
     """Disaggregated SGLang server at ``base_url`` (``http://host:port``)."""
 

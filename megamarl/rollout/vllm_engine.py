@@ -151,7 +151,8 @@ def to_vllm_sampling(sampling: SamplingParams):
     )
 
 
-@ENGINES.register("vllm", traits=EngineTraits(configurable=True, in_process=True, can_sleep=True, serves_lora=True))
+@ENGINES.register("vllm", traits=EngineTraits(configurable=True, in_process=True, can_sleep=True, serves_lora=True,
+                                           server=True))
 class VLLMEngine(InProcessEngine):
     """In-process vLLM serving one policy (and, with ``enable_lora``, its LoRA adapters)."""
 

@@ -13,17 +13,38 @@ and a ``--weight-transfer-config``):
   while the trainer broadcasts those tensors on the transfer group (the ``transport``; set up with
   ``POST /init_weight_transfer_engine {"init_info": {...}}``); ``POST /finish_weight_update
   {"weight_version": "7"}``; ``POST /reset_prefix_cache``.
-- ``POST /pause?mode=wait`` / ``POST /resume``, ``POST /sleep?level=N`` / ``POST /wake_up``,
-  ``GET /health``.
+- ``POST /pause?mode=wait`` / ``POST /resume``; ``POST /sleep?level=N&mode=wait`` (vLLM's default
+  mode ``abort`` would abort in-flight requests) / ``POST /wake_up?tags=weights`` then
+  ``?tags=kv_cache`` (weights first, so an update can land before the KV cache is re-allocated; the
+  scheduler resumes only once every tag is awake); ``GET /is_sleeping``; ``GET /health``.
+  vLLM-CPU ignores sleep in its worker ("sleep mode is not supported on CPU": nothing is freed) but
+  the engine core still holds scheduling while asleep, so requests wait until ``wake``; the call
+  order is therefore the same on CPU and GPU and tests check it against a real server.
+- L2 adapters (server started with ``--enable-lora`` and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``):
+  ``POST /v1/load_lora_adapter {"lora_name", "lora_path", "load_inplace": true}``; an adapter-only
+  update writes the PEFT tensors next to the registered ``adapter_config.json`` as a new directory
+  and reloads the adapter in place from it (the directory must be readable by the server: same node
+  or shared filesystem). Requests name the adapter as their ``model``.
 
-Tested against ``megamarl.rollout.fakes.FakeVLLMServer`` (the same protocol backed by an HF model):
-starting ``vllm serve`` on the 2-core CPU test machine takes too long for a unit test.
+Weight updates of the base model go through a transport: ``BroadcastTransport`` (a group the
+server joined through ``init_weight_transfer``) or a ``server_sync.WeightSender`` connected to
+this one server (``sender=``; megamarl's ``megamarl_gloo``/``megamarl_shm`` backends), which is how
+a restarted replica of an ``EnginePool`` is re-synced. Fan-out to every replica at once is
+``WeightSender`` itself.
+
+Tested against ``megamarl.rollout.fakes.FakeVLLMServer`` (unit tests) and real vLLM-CPU servers
+(``tests/integration/test_vllm_servers.py``).
 """
 
 from __future__ import annotations
 
+import shutil
+import tempfile
+import time
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Iterable, Protocol
+from pathlib import Path
+from typing import Any, Protocol
 
 import torch
 
@@ -53,7 +74,7 @@ class BroadcastTransport:
             dist.broadcast(tensor.contiguous(), src=self.src, group=self.group)
 
 
-@ENGINES.register("vllm_server", traits=EngineTraits(can_sleep=True, serves_lora=False, external=True))
+@ENGINES.register("vllm_server", traits=EngineTraits(can_sleep=True, serves_lora=True, external=True))
 class VLLMServerClient(Engine):
     def __init__(
         self,
@@ -61,14 +82,21 @@ class VLLMServerClient(Engine):
         *,
         model: str = "default",
         transport: WeightTransport | None = None,
+        sender: Any = None,
         bucket_bytes: int = 512 * 2**20,
         timeout_s: float = 600.0,
+        lora_dir: str | Path | None = None,
     ) -> None:
+        self.base_url = base_url
         self.http = JSONClient(base_url, timeout_s=timeout_s)
         self.model = model
         self.transport = transport
+        self.sender = sender  # a connected server_sync.WeightSender for this server
         self.bucket_bytes = bucket_bytes
         self.weight_version = 0
+        self.lora_versions: dict[str, int] = {}
+        self._lora_paths: dict[str, Path] = {}  # adapter -> directory holding its adapter_config.json
+        self._lora_dir = Path(lora_dir) if lora_dir else None
 
     async def generate(
         self, prompt_ids: list[int], sampling: SamplingParams, *, lora: str | None = None
@@ -87,8 +115,10 @@ class VLLMServerClient(Engine):
             "return_token_ids": True,
             "skip_special_tokens": False,
         }
+        if sampling.allowed_token_ids:
+            payload["allowed_token_ids"] = list(sampling.allowed_token_ids)
+        version = self.version_for(lora)
         reply = await self.http.apost("/v1/completions", payload)
-        version = self.weight_version
         generations = []
         for choice in sorted(reply["choices"], key=lambda c: c["index"]):
             tokens = choice.get("token_ids")
@@ -107,11 +137,17 @@ class VLLMServerClient(Engine):
         self, weights: Iterable[tuple[str, torch.Tensor]], *, version: int, lora: str | None = None
     ) -> None:
         if lora is not None:
-            raise NotImplementedError("VLLMServerClient: adapter updates go through /v1/load_lora_adapter")
+            self._update_lora(lora, weights)
+            self.lora_versions[lora] = version
+            return
+        if self.sender is not None:  # the caller paused this server (Engine.update_weights contract)
+            self.sender.push(weights, version=version, bucket_bytes=self.bucket_bytes, pause=False)
+            self.weight_version = version
+            return
         if self.transport is None:
             raise RuntimeError(
                 "VLLMServerClient.update_weights needs a transport (the broadcast group the server "
-                "joined via init_weight_transfer); pass transport=BroadcastTransport(group)"
+                "joined via init_weight_transfer) or a connected server_sync.WeightSender (sender=)"
             )
         self.http.post("/start_weight_update")
         with ThreadPoolExecutor(max_workers=1) as announcer:
@@ -134,11 +170,55 @@ class VLLMServerClient(Engine):
         self.transport.send([t for _, t in bucket])
         reply.result()
 
-    def sleep(self, *, level: int = 1) -> None:
-        self.http.post("/sleep", query={"level": level})
+    def version_for(self, lora: str | None) -> int:
+        return self.weight_version if lora is None else self.lora_versions.get(lora, 0)
 
-    def wake(self) -> None:
-        self.http.post("/wake_up")
+    def server_weight_version(self) -> str:
+        """The version the server itself reports (``GET /weight_info``; stamped by
+        ``/finish_weight_update``)."""
+        return str(self.http.get("/weight_info")["weight_version"])
+
+    # -- LoRA (L2) ---------------------------------------------------------------------------------
+
+    def add_lora(self, name: str, path: str | Path) -> None:
+        """Register PEFT adapter directory ``path`` under ``name`` with the server."""
+        path = Path(path)
+        if not (path / "adapter_config.json").is_file():
+            raise ValueError(f"LoRA '{name}': {path} is not a PEFT adapter directory (no adapter_config.json)")
+        self._load_lora(name, path)
+        self._lora_paths[name] = path
+        self.lora_versions[name] = 0
+
+    def _load_lora(self, name: str, path: Path) -> None:
+        # load_inplace: a name already loaded (a re-registration, a new version) is replaced.
+        self.http.post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(path), "load_inplace": True})
+
+    def _update_lora(self, name: str, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        from safetensors.torch import save_file
+
+        if name not in self._lora_paths:
+            raise ValueError(f"unknown LoRA adapter '{name}'; registered: {sorted(self._lora_paths) or 'none'}")
+        root = self._lora_dir or Path(tempfile.gettempdir()) / "megamarl-server-lora"
+        target = root / name / f"v{time.monotonic_ns()}"
+        target.mkdir(parents=True)
+        shutil.copy(self._lora_paths[name] / "adapter_config.json", target / "adapter_config.json")
+        save_file({k: v.detach().to("cpu").contiguous() for k, v in weights}, str(target / "adapter_model.safetensors"))
+        self._load_lora(name, target)
+        self._lora_paths[name] = target
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+
+    def sleep(self, *, level: int = 1) -> None:
+        # mode=wait: in-flight requests finish first (vLLM's default, abort, would drop them).
+        self.http.post("/sleep", query={"level": level, "mode": "wait"})
+
+    def wake(self, tags: tuple[str, ...] = ("weights", "kv_cache")) -> None:
+        """Wake ``tags`` in order (weights first: an update can land before the KV cache returns)."""
+        for tag in tags:
+            self.http.post("/wake_up", query={"tags": tag})
+
+    def is_sleeping(self) -> bool:
+        return bool(self.http.get("/is_sleeping")["is_sleeping"])
 
     def pause(self) -> None:
         self.http.post("/pause", query={"mode": "wait"})

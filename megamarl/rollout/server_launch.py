@@ -1,0 +1,258 @@
+"""Start, watch, restart and stop one engine replica as a real inference server process.
+
+The rank that leads a replica's device block (``parallel.engine_placement``) owns its server:
+``ServerProcess(spec).start()`` runs vLLM's OpenAI-compatible server (or SGLang's) in its own
+process group (the server forks an engine core and workers; ``stop`` kills the whole group), logs
+to a file, and returns the base URL once ``/health`` answers. A server that dies during start-up,
+or does not answer within the timeout, raises ``ServerStartError`` naming the policy, replica and
+rank with the last lines of its log.
+
+Environment of a vLLM server: ``VLLM_SERVER_DEV_MODE=1`` (the weight-transfer, pause and sleep
+endpoints), megamarl's weight-transfer plugin (``vllm_plugin``; ``plugin_env``), engine core in its
+own process; on CPU ``VLLM_CPU_KVCACHE_SPACE`` (whole GiB; else ``--kv-cache-memory-bytes``) and
+``num_threads`` OpenMP threads without core binding (several servers share a node's cores); on GPU
+``CUDA_VISIBLE_DEVICES`` = the block's devices.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass
+from importlib.metadata import entry_points
+from pathlib import Path
+
+from megamarl.rollout.factory import LoraServing
+
+SERVER_BACKENDS = ("vllm", "sglang")
+_VLLM_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+PLUGIN_ENTRY_POINT = "megamarl = megamarl.vllm_plugins:register"
+
+
+class ServerStartError(RuntimeError):
+    """A replica server exited or never became healthy during start-up."""
+
+
+@dataclass
+class ServerSpec:
+    policy: str
+    replica: int
+    rank: int  # the owning (leader) rank, for error messages
+    backend: str  # "vllm" | "sglang"
+    model_path: str
+    tp: int = 1
+    devices: tuple[int, ...] = ()  # local GPU ids of the block (empty on CPU)
+    dtype: str = "bf16"  # bf16 | fp16 | fp32 (or vLLM's own names)
+    max_num_seqs: int = 64
+    max_model_len: int = 2048
+    kv_cache_gib: float = 1.0  # 0: the server's own default
+    num_threads: int = 1  # CPU: OpenMP threads of each worker
+    seed: int = 0
+    lora: LoraServing | None = None
+    port: int = 0  # 0: a free port
+    log_path: Path | None = None
+    weight_transfer: str = "megamarl_gloo"  # vLLM weight-transfer backend (megamarl_shm when colocated on CPU)
+    host: str = "127.0.0.1"  # bind address; 0.0.0.0 to serve other nodes
+    served_model_name: str = "default"  # the name requests use (``VLLMServerClient(model=...)``)
+    on_gpu: bool = False
+
+    def __post_init__(self) -> None:
+        if self.backend not in SERVER_BACKENDS:
+            raise ValueError(f"ServerSpec.backend '{self.backend}' has no server; allowed: {list(SERVER_BACKENDS)}")
+        if self.tp < 1:
+            raise ValueError(f"ServerSpec.tp must be >= 1, got {self.tp}")
+        if self.devices and len(self.devices) != self.tp:
+            raise ValueError(f"ServerSpec.devices {self.devices} must list tp={self.tp} devices")
+
+    @property
+    def label(self) -> str:
+        return f"policy '{self.policy}' replica {self.replica} (rank {self.rank})"
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as sock:
+        sock.bind((host if host not in ("0.0.0.0", "::") else "", 0))
+        return sock.getsockname()[1]
+
+
+def server_command(spec: ServerSpec) -> list[str]:
+    """The server's command line (``spec.port`` must be set)."""
+    if spec.backend == "sglang":
+        cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", spec.model_path,
+               "--host", spec.host, "--port", str(spec.port), "--tp-size", str(spec.tp),
+               "--dtype", _VLLM_DTYPES.get(spec.dtype, spec.dtype), "--max-running-requests", str(spec.max_num_seqs),
+               "--context-length", str(spec.max_model_len), "--random-seed", str(spec.seed),
+               "--served-model-name", spec.served_model_name]
+        if spec.lora is not None:
+            cmd += ["--enable-lora", "--max-loras-per-batch", str(max(1, spec.lora.num_adapters)),
+                    "--max-lora-rank", str(spec.lora.rank)]
+        return cmd
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", spec.model_path,
+           "--served-model-name", spec.served_model_name, "--host", spec.host, "--port", str(spec.port),
+           "--tensor-parallel-size", str(spec.tp), "--dtype", _VLLM_DTYPES.get(spec.dtype, spec.dtype),
+           "--max-num-seqs", str(spec.max_num_seqs), "--max-model-len", str(spec.max_model_len),
+           "--seed", str(spec.seed), "--enforce-eager", "--logprobs-mode", "processed_logprobs",
+           "--weight-transfer-config", json.dumps({"backend": spec.weight_transfer})]
+    if spec.kv_cache_gib > 0 and (spec.on_gpu or spec.kv_cache_gib != int(spec.kv_cache_gib)):
+        cmd += ["--kv-cache-memory-bytes", str(int(spec.kv_cache_gib * 2**30))]
+    if spec.lora is not None:
+        cmd += ["--enable-lora", "--max-loras", str(max(1, spec.lora.num_adapters)),
+                "--max-lora-rank", str(spec.lora.rank)]
+    return cmd
+
+
+def plugin_env(env: dict[str, str]) -> dict[str, str]:
+    """Make vLLM load megamarl's plugin in every server process. Installed megamarl declares the
+    ``vllm.general_plugins`` entry point; an older install (editable from before it existed) gets a
+    one-file distribution declaring it, prepended to ``PYTHONPATH`` (entry points are read from the
+    ``*.dist-info`` directories on ``sys.path``)."""
+    env = dict(env)
+    if "megamarl" not in {ep.name for ep in entry_points(group="vllm.general_plugins")}:
+        from megamarl.models.packaged import cache_dir
+
+        dist_info = cache_dir() / "vllm_plugin" / "megamarl_vllm_plugin-0.1.dist-info"
+        dist_info.mkdir(parents=True, exist_ok=True)
+        (dist_info / "METADATA").write_text("Metadata-Version: 2.1\nName: megamarl-vllm-plugin\nVersion: 0.1\n")
+        (dist_info / "entry_points.txt").write_text(f"[vllm.general_plugins]\n{PLUGIN_ENTRY_POINT}\n")
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(dist_info.parent), env.get("PYTHONPATH")) if p)
+    if env.get("VLLM_PLUGINS"):  # an allow-list: keep ours on it
+        env["VLLM_PLUGINS"] = env["VLLM_PLUGINS"] + ",megamarl"
+    return env
+
+
+def server_env(spec: ServerSpec, base: dict[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ if base is None else base)
+    if spec.backend == "vllm":
+        env = plugin_env(env)
+        env["VLLM_SERVER_DEV_MODE"] = "1"
+        # megamarl.rollout (imported by the plugin) defaults these for in-process engines; a server
+        # keeps its engine core in a separate process and logs at INFO into its log file.
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+        env["VLLM_LOGGING_LEVEL"] = "INFO"
+        if spec.lora is not None:
+            env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"  # /v1/load_lora_adapter
+        if not spec.on_gpu:
+            if spec.kv_cache_gib > 0 and spec.kv_cache_gib == int(spec.kv_cache_gib):
+                env["VLLM_CPU_KVCACHE_SPACE"] = str(int(spec.kv_cache_gib))
+            if spec.num_threads > 0:
+                env["OMP_NUM_THREADS"] = str(spec.num_threads)
+                env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"  # servers share the node's cores
+    elif spec.num_threads > 0 and not spec.on_gpu:
+        env["OMP_NUM_THREADS"] = str(spec.num_threads)
+    if spec.devices:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in spec.devices)
+    return env
+
+
+class ServerProcess:
+    def __init__(self, spec: ServerSpec) -> None:
+        self.spec = spec
+        self.proc: subprocess.Popen | None = None
+        self.url = ""
+        self.log_path = Path(spec.log_path) if spec.log_path else Path(
+            f"/tmp/megamarl-server-{spec.policy}-{spec.replica}-{os.getpid()}.log")
+        self.num_starts = 0
+
+    def _advertised_host(self) -> str:
+        host = self.spec.host
+        return socket.gethostbyname(socket.gethostname()) if host in ("0.0.0.0", "::") else host
+
+    def start(self, timeout_s: float = 600) -> str:
+        """Launch the server and wait until ``/health`` answers; returns its base URL."""
+        spec = self.spec
+        port = spec.port or _free_port(spec.host)
+        cmd = server_command(_with_port(spec, port))
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            log.write(f"[megamarl] {spec.label}: {' '.join(cmd)}\n".encode())
+            log.flush()
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         env=server_env(spec), start_new_session=True)
+        self.num_starts += 1
+        self.url = f"http://{self._advertised_host()}:{port}"
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                self._fail(f"exited with code {self.proc.returncode} during start-up")
+            if _healthy(self.url, timeout_s=2):
+                return self.url
+            time.sleep(0.5)
+        self.stop()
+        self._fail(f"did not answer {self.url}/health within {timeout_s:.0f} s")
+
+    def _fail(self, what: str) -> None:
+        self.stop()
+        raise ServerStartError(
+            f"{self.spec.backend} server for {self.spec.label} {what}; log {self.log_path}, last lines:\n"
+            + "\n".join(tail(self.log_path, 30))
+        )
+
+    def alive(self) -> bool:
+        """The process runs and answers ``/health``."""
+        return self.proc is not None and self.proc.poll() is None and _healthy(self.url, timeout_s=5)
+
+    def restart(self, timeout_s: float = 600) -> str:
+        self.stop()
+        return self.start(timeout_s)
+
+    def stop(self, grace_s: float = 15.0) -> None:
+        """SIGTERM the server's process group (API server, engine core, workers), SIGKILL after
+        ``grace_s``."""
+        proc, self.proc = self.proc, None
+        if proc is None:
+            return
+        for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                proc.wait(timeout=wait_s)
+                _reap_group(proc.pid, wait_s)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        if proc.poll() is None:
+            proc.wait(timeout=5)
+
+
+def _with_port(spec: ServerSpec, port: int) -> ServerSpec:
+    from dataclasses import replace
+
+    return replace(spec, port=port)
+
+
+def _reap_group(pgid: int, wait_s: float) -> None:
+    """Wait until no process of the group is left (children outlive the leader briefly)."""
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def _healthy(url: str, *, timeout_s: float) -> bool:
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=timeout_s) as resp:
+            return resp.status == 200
+    except Exception:  # noqa: BLE001 - any failure means not (yet) healthy
+        return False
+
+
+def tail(path: Path, num_lines: int) -> list[str]:
+    try:
+        return Path(path).read_text(errors="replace").splitlines()[-num_lines:]
+    except OSError:
+        return [f"(no log at {path})"]

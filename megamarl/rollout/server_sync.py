@@ -1,0 +1,297 @@
+"""Push a policy's weights from one trainer rank into every replica *server* of the policy at once.
+
+Control plane: vLLM 0.32's weight-transfer endpoints (``VLLM_SERVER_DEV_MODE=1``), the same for
+every backend: ``/init_weight_transfer_engine`` once, then per update ``/start_weight_update``,
+one ``/update_weights`` per bucket, ``/finish_weight_update {weight_version}`` and
+``/reset_prefix_cache``. Data plane: one of megamarl's weight-transfer backends, which the servers
+load as a vLLM plugin (``megamarl.rollout.vllm_plugin``):
+
+- ``megamarl_gloo`` (disaggregated, CPU): the sender and every worker of every replica form one gloo
+  group (rank 0: the sender; replica r's TP workers at ``1 + sum(tp of replicas < r) + tp_rank``),
+  rendezvous on a TCPStore that the sender hosts. Each bucket is announced to ALL replicas
+  concurrently and then sent with ONE broadcast, so every replica receives it at the same time (the
+  NCCL backend does the same on GPU; ``backend="nccl"`` goes through vLLM's own engine).
+- ``megamarl_shm`` (colocated, CPU): the sender writes the bucket as a safetensors file under
+  ``/dev/shm``; the announcement carries its path; the server's workers read it from shared memory;
+  the sender deletes it once every replica has answered. No bytes cross a socket.
+
+A bucket travels as one flat byte buffer: tensors (already in the engine's dtype) are packed
+back to back at 64-byte aligned offsets, so a bf16 bucket is one gloo broadcast, not one per tensor.
+How this differs from vLLM's NCCL trainer engine: one sender pushes to many replicas (and many
+servers) through plain HTTP and one group; no ``WeightSource`` metadata pass is needed because the
+announcement carries each bucket's names, dtypes and shapes.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import time
+import uuid
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megamarl.rollout._http import JSONClient
+from megamarl.rollout.weight_sync import SyncStats, buckets
+
+BACKENDS = ("megamarl_gloo", "megamarl_shm")
+ALIGN = 64  # bytes: every tensor of a packed bucket starts at a multiple of this
+SHM_DIR = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path("/tmp")
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _aligned(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def bucket_info(bucket: list[tuple[str, torch.Tensor]]) -> dict[str, Any]:
+    """The ``update_info`` announcing a bucket: names, dtypes, shapes and the packed byte size."""
+    offsets, total = [], 0
+    for _, tensor in bucket:
+        offsets.append(total)
+        total = _aligned(total + tensor.numel() * tensor.element_size())
+    return {
+        "names": [n for n, _ in bucket],
+        "dtype_names": [dtype_name(t.dtype) for _, t in bucket],
+        "shapes": [list(t.shape) for _, t in bucket],
+        "offsets": offsets,
+        "num_bytes": total,
+    }
+
+
+def pack_bucket(bucket: list[tuple[str, torch.Tensor]], info: dict[str, Any]) -> torch.Tensor:
+    """One uint8 buffer [num_bytes] holding every tensor of the bucket at its offset."""
+    flat = torch.empty(info["num_bytes"], dtype=torch.uint8)
+    for (_, tensor), offset in zip(bucket, info["offsets"]):
+        raw = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+        flat[offset : offset + raw.numel()].copy_(raw)
+    return flat
+
+
+def unpack_bucket(flat: torch.Tensor, info: dict[str, Any]) -> list[tuple[str, torch.Tensor]]:
+    """Views into ``flat`` (no copy): the inverse of ``pack_bucket``."""
+    named = []
+    for name, dtype, shape, offset in zip(info["names"], info["dtype_names"], info["shapes"], info["offsets"]):
+        dtype = getattr(torch, dtype)
+        numel = 1
+        for s in shape:
+            numel *= s
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        named.append((name, flat[offset : offset + nbytes].view(dtype).view(shape)))
+    return named
+
+
+def new_gloo_group(master_addr: str, master_port: int, *, rank: int, world_size: int, group_name: str,
+                   timeout_s: float, is_master: bool = False) -> tuple[Any, Any]:
+    """A gloo process group outside the default world (vLLM's workers have their own): a TCPStore
+    (hosted by rank 0) with a per-group prefix. Returns ``(group, store)``; keep the store alive."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.TCPStore(master_addr, master_port, world_size, is_master=is_master, timeout=timeout,
+                          wait_for_workers=False)
+    group = dist.ProcessGroupGloo(dist.PrefixStore(group_name, store), rank, world_size, timeout)
+    return group, store
+
+
+def gloo_broadcast(group, tensor: torch.Tensor, *, src: int = 0) -> None:
+    opts = dist.BroadcastOptions()
+    opts.rootRank = src
+    group.broadcast([tensor], opts).wait()
+
+
+class WeightSender:
+    """The trainer side of a weight update into ``urls`` (one vLLM server per replica).
+
+    ``replica_tp[i]``: tensor-parallel workers of replica ``i`` (each joins the gloo group);
+    ``dtype``: the engines' dtype (floating tensors are cast to it before they travel; None: as
+    given). ``master_addr``/``master_port``: where this rank hosts the group's TCPStore
+    (``megamarl_gloo`` only; it must be reachable from every server's node).
+    """
+
+    def __init__(self, urls: list[str], *, backend: str, master_addr: str = "127.0.0.1", master_port: int = 0,
+                 replica_tp: list[int] | None = None, dtype: torch.dtype | None = None,
+                 timeout_s: float = 600.0) -> None:
+        if backend not in BACKENDS:
+            raise ValueError(f"WeightSender backend '{backend}' unknown; allowed: {list(BACKENDS)}")
+        replica_tp = list(replica_tp) if replica_tp is not None else [1] * len(urls)
+        if len(replica_tp) != len(urls):
+            raise ValueError(f"replica_tp has {len(replica_tp)} entries for {len(urls)} server urls")
+        if backend == "megamarl_gloo" and master_port <= 0:
+            raise ValueError("WeightSender(backend='megamarl_gloo') needs master_port (the group's TCPStore port)")
+        self.urls, self.backend, self.dtype = list(urls), backend, dtype
+        self.master_addr, self.master_port, self.replica_tp = master_addr, master_port, replica_tp
+        self.timeout_s = timeout_s
+        self.clients = [JSONClient(u, timeout_s=timeout_s) for u in self.urls]
+        # two buckets in flight per replica (``send``)
+        self._pool = ThreadPoolExecutor(max_workers=2 * max(1, len(urls)), thread_name_prefix="weight-sender")
+        self.group = self._store = None
+        self.group_name: str | None = None
+        self.connected = False
+
+    # -- control plane -----------------------------------------------------------------------------
+
+    def _all(self, path: str, payload: Any = None, *, query: dict | None = None) -> list[Any]:
+        """POST ``path`` to every replica concurrently; raise the first failure."""
+        futures = [self._pool.submit(c.post, path, payload, query=query) for c in self.clients]
+        return [f.result() for f in futures]
+
+    def connect(self) -> None:
+        """Every replica's workers join this rank's transfer group (``megamarl_gloo``) or learn
+        the shared-memory directory (``megamarl_shm``)."""
+        if self.backend == "megamarl_shm":
+            self._all("/init_weight_transfer_engine", {"init_info": {"shm_dir": str(SHM_DIR)}})
+            self.connected = True
+            return
+        world_size = 1 + sum(self.replica_tp)
+        group_name = self.group_name = f"megamarl-weights-{uuid.uuid4().hex[:8]}"
+        # The store must exist before the servers dial it; the group forms once all have joined.
+        self._store = dist.TCPStore(self.master_addr, self.master_port, world_size, is_master=True,
+                                    timeout=datetime.timedelta(seconds=self.timeout_s), wait_for_workers=False)
+        futures, offset = [], 1
+        for client, tp in zip(self.clients, self.replica_tp):
+            init_info = {"master_address": self.master_addr, "master_port": self.master_port,
+                         "rank_offset": offset, "world_size": world_size, "group_name": group_name,
+                         "timeout_s": self.timeout_s}
+            futures.append(self._pool.submit(client.post, "/init_weight_transfer_engine", {"init_info": init_info}))
+            offset += tp
+        self.group = dist.ProcessGroupGloo(dist.PrefixStore(group_name, self._store), 0, world_size,
+                                           datetime.timedelta(seconds=self.timeout_s))
+        for f in futures:
+            f.result()
+        self.connected = True
+
+    # -- data plane --------------------------------------------------------------------------------
+
+    def push(self, named: Iterable[tuple[str, torch.Tensor]], *, version: int, bucket_bytes: int = 64 * 2**20,
+             pause: bool = True) -> SyncStats:
+        """Send ``named`` (HF names) to every replica and stamp ``version``. With ``pause`` the
+        replicas stop scheduling first (in-flight requests finish: ``/pause?mode=wait``) and resume
+        after the prefix caches are flushed, so no request sees half-updated weights."""
+        stats = SyncStats()
+        start = time.perf_counter()
+        self.begin(pause=pause)
+        try:
+            self.send(named, bucket_bytes=bucket_bytes, stats=stats)
+            self.end(version=version, resume=False)
+        finally:
+            if pause:
+                self._all("/resume")
+        stats.seconds = time.perf_counter() - start
+        return stats
+
+    # ``push`` in three parts, for several senders into the same replicas (one per pipeline stage):
+    # one of them calls ``begin``, then every stage ``send``s its tensors concurrently (each on its
+    # own group; the servers take the buckets in turn), then that one calls ``end``. The trainer
+    # orders the three with a barrier on its control group.
+
+    def begin(self, *, pause: bool = True) -> None:
+        """Pause the replicas (in-flight requests finish first) and open an update."""
+        if not self.connected:
+            raise RuntimeError("WeightSender.begin/push before connect()")
+        if pause:
+            self._all("/pause", query={"mode": "wait"})
+        self._all("/start_weight_update")
+
+    def send(self, named: Iterable[tuple[str, torch.Tensor]], *, bucket_bytes: int = 64 * 2**20,
+             stats: SyncStats | None = None) -> SyncStats:
+        """Send ``named`` in buckets into the open update of every replica.
+
+        Pipelined: bucket k+1 is announced while the servers still load bucket k, and over gloo each
+        announcement carries the next bucket's size (one bucket of look-ahead), so a worker posts
+        the receive of bucket k+1 before it loads bucket k: transfer and load overlap, and no HTTP
+        round trip sits between buckets (measured: the round trip through API server, engine core
+        and worker cost as much as receiving a 64 MiB bucket on a loaded 2-core machine)."""
+        if not self.connected:
+            raise RuntimeError("WeightSender.send before connect()")
+        stats = stats if stats is not None else SyncStats()
+        previous: _InFlight | None = None
+        stream = buckets(self._cast(named), bucket_bytes)
+        current = next(stream, None)
+        try:
+            while current is not None:
+                following = next(stream, None)
+                next_bytes = bucket_info(following)["num_bytes"] if following is not None else 0
+                in_flight = self._start_bucket(current, stats, previous, next_bytes=next_bytes)
+                if previous is not None:
+                    previous.settle()
+                previous, current = in_flight, following
+        finally:
+            if previous is not None:
+                previous.settle()
+        return stats
+
+    def end(self, *, version: int, resume: bool = True) -> None:
+        """Finish the update (layers re-processed, ``version`` stamped), flush caches, resume."""
+        self._all("/finish_weight_update", {"weight_version": str(version)})
+        self._all("/reset_prefix_cache")
+        if resume:
+            self._all("/resume")
+
+    def _cast(self, named: Iterable[tuple[str, torch.Tensor]]):
+        for name, tensor in named:
+            if self.dtype is not None and tensor.is_floating_point() and tensor.dtype != self.dtype:
+                tensor = tensor.to(self.dtype)
+            yield name, tensor
+
+    def _start_bucket(self, bucket: list[tuple[str, torch.Tensor]], stats: SyncStats,
+                      previous: _InFlight | None, *, next_bytes: int) -> _InFlight:
+        info = bucket_info(bucket)
+        flat = pack_bucket(bucket, info)
+        stats.num_buckets += 1
+        stats.num_tensors += len(bucket)
+        stats.num_bytes += sum(t.numel() * t.element_size() for _, t in bucket)
+        if self.backend == "megamarl_gloo":
+            # Each server blocks in /update_weights until the broadcast arrives: announce to all,
+            # then one broadcast reaches every replica. A failed previous bucket would leave the
+            # servers never receiving this one: check it first (a later failure surfaces at
+            # settle, or as the group's timeout).
+            announce = {"update_info": dict(info, group_name=self.group_name, next_num_bytes=next_bytes)}
+            futures = [self._pool.submit(c.post, "/update_weights", announce) for c in self.clients]
+            if previous is not None:
+                previous.raise_if_failed()
+            gloo_broadcast(self.group, flat)
+            return _InFlight(futures)
+        path = SHM_DIR / f"megamarl-bucket-{os.getpid()}-{uuid.uuid4().hex[:12]}.bin"
+        flat.numpy().tofile(path)
+        announce = {"update_info": dict(info, path=str(path))}
+        return _InFlight([self._pool.submit(c.post, "/update_weights", announce) for c in self.clients], path)
+
+    def close(self) -> None:
+        """Release the servers' transfer state (vLLM's ``/shutdown_weight_transfer_engine`` drops
+        every group a server joined: close once no other sender into these servers is active)."""
+        for client in self.clients:
+            try:
+                client.post("/shutdown_weight_transfer_engine", timeout_s=30)
+            except Exception:  # noqa: BLE001, S110 - the server may already be gone
+                pass
+            client.close()
+        self._pool.shutdown(wait=False)
+        self.group = self._store = None
+        self.connected = False
+
+
+class _InFlight:
+    """One bucket's pending ``/update_weights`` answers (and its shm file, deleted once all answered)."""
+
+    def __init__(self, futures: list, path: Path | None = None) -> None:
+        self.futures, self.path = futures, path
+
+    def raise_if_failed(self) -> None:
+        for f in self.futures:
+            if f.done() and f.exception() is not None:
+                raise f.exception()
+
+    def settle(self) -> None:
+        try:
+            for f in self.futures:
+                f.result()
+        finally:
+            if self.path is not None:
+                self.path.unlink(missing_ok=True)

@@ -1,0 +1,199 @@
+"""megamarl's vLLM weight-transfer backends, loaded into every vLLM process as a general plugin.
+
+``megamarl.vllm_plugins.register`` is the ``vllm.general_plugins`` entry point (``pyproject.toml``);
+vLLM calls it in the API server, the engine core and every worker process before it builds a
+worker, so a server started with ``--weight-transfer-config '{"backend": "megamarl_gloo"}'`` finds
+the backend in ``WeightTransferEngineFactory`` (registered by module path: this module is imported
+only by a worker that uses one). When the installed megamarl distribution predates the entry point
+(an editable install from before it was added), ``server_launch`` puts a one-file distribution that
+declares it on the server's ``PYTHONPATH`` (``plugin_env``), so no reinstall is needed.
+
+Backends (the trainer side is ``megamarl.rollout.server_sync.WeightSender``):
+
+- ``megamarl_gloo``: the worker joins a gloo group rendezvousing on the trainer's TCPStore (group
+  rank ``rank_offset + worker rank``; not vLLM's own world) and receives each announced bucket as
+  one uint8 broadcast from rank 0, then loads the views into the model. Every
+  ``/init_weight_transfer_engine`` adds a group (one per pipeline stage's sender, keyed by
+  ``group_name``); a bucket's announcement names the group it arrives on.
+- ``megamarl_shm``: the announcement names a file under ``/dev/shm`` holding the packed bucket; the
+  worker maps it (no copy until ``load_weights``) and loads the views.
+
+Both load through vLLM's layerwise reload (``initialize_layerwise_reload`` in
+``start_weight_update``, ``finalize_layerwise_reload`` in ``finish_weight_update``: fused QKV and
+gate/up are re-processed once a layer is complete), exactly like vLLM's NCCL backend and
+``model_runner.reload_weights``. vLLM-CPU also needs a tied LM head repacked after the reload (it
+keeps a packed GEMM copy and the head receives no tensor of its own).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+
+from megamarl.rollout.server_sync import gloo_broadcast, new_gloo_group, unpack_bucket
+
+logger = logging.getLogger("vllm.megamarl")  # vLLM's handlers: lines land in the server's log
+
+
+@dataclass
+class GlooInitInfo(WeightTransferInitInfo):
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    group_name: str
+    timeout_s: float = 600.0
+
+
+@dataclass
+class ShmInitInfo(WeightTransferInitInfo):
+    shm_dir: str = "/dev/shm"
+
+
+@dataclass
+class BucketInfo(WeightTransferUpdateInfo):
+    """One packed bucket (``server_sync.bucket_info``); ``path``: the shm file (``megamarl_shm``)."""
+
+    names: list[str]
+    dtype_names: list[str]
+    shapes: list[list[int]]
+    offsets: list[int]
+    num_bytes: int
+    path: str | None = None
+    group_name: str | None = None  # megamarl_gloo: the group the bucket arrives on (None: the only one)
+    next_num_bytes: int = 0  # megamarl_gloo: size of the group's next bucket (0: this is the last)
+
+    def __post_init__(self) -> None:
+        n = len(self.names)
+        if not len(self.dtype_names) == len(self.shapes) == len(self.offsets) == n:
+            raise ValueError("update_info: names, dtype_names, shapes and offsets must have one entry per tensor")
+
+
+def repack_tied_lm_head(model: torch.nn.Module) -> None:
+    """vLLM-CPU keeps a packed copy of the LM head's GEMM weight; a tied head gets no tensor in a
+    reload, so repack it from the reloaded embedding (see ``vllm_engine._repack_tied_lm_head``)."""
+    lm_head = getattr(model, "lm_head", None)
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    tied = lm_head is not None and embed is not None and lm_head.weight is embed.weight
+    if tied and hasattr(lm_head, "cpu_linear"):
+        lm_head.quant_method.process_weights_after_loading(lm_head)
+
+
+class _LayerwiseEngine(WeightTransferEngine):
+    """Shared lifecycle: layerwise reload around the buckets; subclasses fetch a bucket's bytes."""
+
+    update_info_cls = BucketInfo
+
+    def start_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        start = time.perf_counter()
+        initialize_layerwise_reload(self.model)
+        self._times = {"start": time.perf_counter() - start, "receive": 0.0, "load": 0.0, "bytes": 0}
+
+    def finish_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        start = time.perf_counter()
+        finalize_layerwise_reload(self.model, self.model_config)
+        repack_tied_lm_head(self.model)
+        t = dict(getattr(self, "_times", {}), finish=time.perf_counter() - start)
+        logger.info("%s: %.1f MB; seconds: start %.3f, receive %.3f, load %.3f, finish %.3f",
+                    self.config.backend, t.get("bytes", 0) / 1e6, t.get("start", 0), t.get("receive", 0),
+                    t.get("load", 0), t["finish"])
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        self.receive_weights(self.parse_update_info(update_info))
+        if torch.accelerator.is_available():  # the base class synchronizes unconditionally: fails on CPU
+            torch.accelerator.synchronize()
+
+    def receive_weights(self, update_info: BucketInfo) -> None:
+        times = getattr(self, "_times", None) or {"receive": 0.0, "load": 0.0, "bytes": 0}
+        start = time.perf_counter()
+        flat = self._bucket_bytes(update_info)
+        received = time.perf_counter()
+        self.model.load_weights(unpack_bucket(flat, vars(update_info)))
+        times["receive"] += received - start
+        times["load"] += time.perf_counter() - received
+        times["bytes"] += update_info.num_bytes
+        self._times = times
+
+    def _bucket_bytes(self, update_info: BucketInfo) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class GlooWeightTransferEngine(_LayerwiseEngine):
+    init_info_cls = GlooInitInfo
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.groups: dict[str, tuple[Any, Any]] = {}  # group_name -> (group, store)
+        # group_name -> (pending broadcast, its buffer): the next bucket's receive, posted before the
+        # current bucket is loaded so that transfer and load overlap
+        self.prefetched: dict[str | None, tuple[Any, torch.Tensor]] = {}
+
+    def start_weight_update(self) -> None:
+        if self.prefetched:  # an update that ended early leaves receives nobody will send
+            raise RuntimeError("megamarl_gloo: the previous update did not finish its buckets; reconnect")
+        super().start_weight_update()
+
+    def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
+        parallel = self.parallel_config
+        worker_rank = parallel.data_parallel_index * parallel.world_size + parallel.rank
+        self.groups[init_info.group_name] = new_gloo_group(
+            init_info.master_address, init_info.master_port, rank=init_info.rank_offset + worker_rank,
+            world_size=init_info.world_size, group_name=init_info.group_name, timeout_s=init_info.timeout_s,
+        )
+
+    def _bucket_bytes(self, update_info: BucketInfo) -> torch.Tensor:
+        if not self.groups:
+            raise RuntimeError("megamarl_gloo: /update_weights before /init_weight_transfer_engine")
+        name = update_info.group_name
+        if name is None and len(self.groups) > 1:
+            raise ValueError(f"megamarl_gloo: update_info must name its group_name; joined {sorted(self.groups)}")
+        group, _ = self.groups[name] if name is not None else next(iter(self.groups.values()))
+        pending = self.prefetched.pop(name, None)
+        if pending is not None:
+            work, flat = pending
+            work.wait()
+            if flat.numel() != update_info.num_bytes:
+                raise RuntimeError(f"megamarl_gloo: announced {update_info.num_bytes} bytes, prefetched {flat.numel()}")
+        else:
+            flat = torch.empty(update_info.num_bytes, dtype=torch.uint8)
+            gloo_broadcast(group, flat, src=0)
+        if update_info.next_num_bytes:
+            following = torch.empty(update_info.next_num_bytes, dtype=torch.uint8)
+            opts = dist.BroadcastOptions()
+            opts.rootRank = 0
+            self.prefetched[name] = (group.broadcast([following], opts), following)
+        return flat
+
+    def shutdown(self) -> None:
+        self.groups.clear()
+        self.prefetched.clear()
+
+
+class ShmWeightTransferEngine(_LayerwiseEngine):
+    init_info_cls = ShmInitInfo
+
+    def init_transfer_engine(self, init_info: ShmInitInfo) -> None:
+        self.shm_dir = init_info.shm_dir
+
+    def _bucket_bytes(self, update_info: BucketInfo) -> torch.Tensor:
+        if not update_info.path:
+            raise ValueError("megamarl_shm: update_info has no 'path'")
+        # shared=True maps the file: no copy here; load_weights copies into the parameters.
+        return torch.from_file(update_info.path, shared=True, size=update_info.num_bytes, dtype=torch.uint8)
+
+    def shutdown(self) -> None:
+        pass

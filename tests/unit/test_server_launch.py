@@ -1,0 +1,113 @@
+"""Server command lines and environments (vLLM; SGLang against its documented CLI flags only: it is
+not installed here), the packed bucket wire format, WeightSender argument checks, and the
+plugin shim that lets vLLM find megamarl's weight-transfer backends without a reinstall."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from megamarl.rollout.factory import LoraServing
+from megamarl.rollout.server_launch import ServerSpec, plugin_env, server_command, server_env
+from megamarl.rollout.server_sync import ALIGN, WeightSender, bucket_info, pack_bucket, unpack_bucket
+
+
+def spec(**overrides):
+    base = {"policy": "planner", "replica": 1, "rank": 8, "backend": "vllm", "model_path": "/m", "tp": 2,
+            "dtype": "bf16", "max_num_seqs": 16, "max_model_len": 1024, "kv_cache_gib": 2.0, "num_threads": 3,
+            "seed": 5, "port": 8001}
+    return ServerSpec(**dict(base, **overrides))
+
+
+def flag(cmd, name):
+    return cmd[cmd.index(name) + 1]
+
+
+def test_vllm_command():
+    cmd = server_command(spec(lora=LoraServing(num_adapters=3, rank=16)))
+    assert cmd[:3] == [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
+    assert flag(cmd, "--model") == "/m" and flag(cmd, "--port") == "8001" and flag(cmd, "--host") == "127.0.0.1"
+    assert flag(cmd, "--tensor-parallel-size") == "2" and flag(cmd, "--dtype") == "bfloat16"
+    assert flag(cmd, "--max-num-seqs") == "16" and flag(cmd, "--max-model-len") == "1024" and flag(cmd, "--seed") == "5"
+    assert flag(cmd, "--logprobs-mode") == "processed_logprobs" and "--enforce-eager" in cmd
+    assert json.loads(flag(cmd, "--weight-transfer-config")) == {"backend": "megamarl_gloo"}
+    assert flag(cmd, "--served-model-name") == "default"
+    assert "--enable-lora" in cmd and flag(cmd, "--max-loras") == "3" and flag(cmd, "--max-lora-rank") == "16"
+    assert "--kv-cache-memory-bytes" not in cmd  # CPU, whole GiB: VLLM_CPU_KVCACHE_SPACE instead
+    assert flag(server_command(spec(kv_cache_gib=0.25)), "--kv-cache-memory-bytes") == str(2**28)
+    assert flag(server_command(spec(on_gpu=True, devices=(4, 5))), "--kv-cache-memory-bytes") == str(2 * 2**30)
+    assert json.loads(flag(server_command(spec(weight_transfer="megamarl_shm")), "--weight-transfer-config")) == {
+        "backend": "megamarl_shm"}
+
+
+def test_vllm_env_cpu_and_gpu():
+    env = server_env(spec(), base={"PATH": "/bin", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+    assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "2" and env["OMP_NUM_THREADS"] == "3"
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "nobind" and "CUDA_VISIBLE_DEVICES" not in env
+    assert "VLLM_ALLOW_RUNTIME_LORA_UPDATING" not in env
+    assert server_env(spec(lora=LoraServing(1, 8)), base={})["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
+    gpu = server_env(spec(on_gpu=True, devices=(4, 5)), base={})
+    assert gpu["CUDA_VISIBLE_DEVICES"] == "4,5" and "VLLM_CPU_KVCACHE_SPACE" not in gpu and "OMP_NUM_THREADS" not in gpu
+
+
+def test_sglang_command_uses_documented_flags():
+    cmd = server_command(spec(backend="sglang", lora=LoraServing(num_adapters=2, rank=8)))
+    assert cmd[:3] == [sys.executable, "-m", "sglang.launch_server"]
+    assert flag(cmd, "--model-path") == "/m" and flag(cmd, "--tp-size") == "2" and flag(cmd, "--port") == "8001"
+    assert flag(cmd, "--dtype") == "bfloat16" and flag(cmd, "--max-running-requests") == "16"
+    assert flag(cmd, "--context-length") == "1024" and flag(cmd, "--random-seed") == "5"
+    assert "--enable-lora" in cmd and flag(cmd, "--max-loras-per-batch") == "2" and flag(cmd, "--max-lora-rank") == "8"
+
+
+def test_spec_validation():
+    with pytest.raises(ValueError, match="backend 'hf' has no server"):
+        spec(backend="hf")
+    with pytest.raises(ValueError, match="must list tp=2 devices"):
+        spec(devices=(0,))
+
+
+def test_pack_unpack_roundtrip_mixed_dtypes():
+    bucket = [("a", torch.arange(6, dtype=torch.float32).reshape(2, 3)),
+              ("b", torch.tensor([1.5, -2.25, 3.0], dtype=torch.bfloat16)),
+              ("c", torch.arange(5, dtype=torch.int64))]
+    info = bucket_info(bucket)
+    assert info["offsets"] == [0, ALIGN, 2 * ALIGN] and info["num_bytes"] == 3 * ALIGN
+    assert info["dtype_names"] == ["float32", "bfloat16", "int64"] and info["shapes"] == [[2, 3], [3], [5]]
+    out = unpack_bucket(pack_bucket(bucket, info), info)
+    for (name, ref), (got_name, got) in zip(bucket, out):
+        assert name == got_name and got.dtype == ref.dtype and torch.equal(got, ref)
+
+
+def test_weight_sender_checks_arguments():
+    with pytest.raises(ValueError, match="backend 'nccl' unknown"):
+        WeightSender(["http://x"], backend="nccl")
+    with pytest.raises(ValueError, match="needs master_port"):
+        WeightSender(["http://x"], backend="megamarl_gloo")
+    with pytest.raises(ValueError, match="replica_tp has 1 entries for 2"):
+        WeightSender(["http://x", "http://y"], backend="megamarl_shm", replica_tp=[1])
+    with pytest.raises(RuntimeError, match="before connect"):
+        WeightSender(["http://x"], backend="megamarl_shm").push([], version=1)
+
+
+def test_plugin_shim_declares_the_entry_point(tmp_path, monkeypatch):
+    """A process with the shim on its path finds megamarl's vllm.general_plugins entry point."""
+    monkeypatch.setenv("MEGAMARL_CACHE", str(tmp_path))
+    env = plugin_env({"PYTHONPATH": "/somewhere", "VLLM_PLUGINS": "other"})
+    assert env["VLLM_PLUGINS"] == "other,megamarl"
+    code = ("from importlib.metadata import entry_points; "
+            "print([e.value for e in entry_points(group='vllm.general_plugins') if e.name == 'megamarl'])")
+    out = subprocess.run([sys.executable, "-c", code], env=dict(env, PATH="/usr/bin"), capture_output=True,
+                         text=True, check=True).stdout
+    assert "megamarl.vllm_plugins:register" in out
+
+
+def test_server_trait_matches_the_launchable_backends():
+    from megamarl.rollout import ENGINES
+    from megamarl.rollout.server_launch import SERVER_BACKENDS
+
+    assert {n for n in ENGINES.names() if ENGINES.traits(n).server} == set(SERVER_BACKENDS)
