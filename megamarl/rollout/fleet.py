@@ -18,6 +18,7 @@ Built on every rank at start-up from the same plan (``megamarl.parallel.engine_p
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import socket
@@ -328,6 +329,15 @@ class EngineFleet:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
+def _check_context(policy: str, seq_len: int, path: Path) -> None:
+    """A server is started with ``--max-model-len policies.<p>.seq_len``: say so before it fails."""
+    config = json.loads((Path(path) / "config.json").read_text())
+    limit = config.get("max_position_embeddings")
+    if limit and seq_len > limit:
+        raise ValueError(f"policies.{policy}.seq_len={seq_len} exceeds the model's max_position_embeddings={limit} "
+                         f"({path}); its engine servers would refuse to start")
+
+
 def _kv_cache_gib(policy, path: Path) -> float:
     """``engine.kv_cache_gib``, or (0) what ``max_num_seqs`` sequences of ``seq_len`` need (the
     dry-run's estimate, so start-up gives the server what the plan counted)."""
@@ -358,6 +368,9 @@ def build_fleet(cfg, *, rank: int, world_size: int, run_dir: Path, control_group
     if not any(reps and reps[0].launch == "server" for reps in plan.values()):
         return None
     paths = {name: resolve_model_path(p.model, key=f"policies.{name}.model") for name, p in cfg.policies.items()}
+    for name, reps in plan.items():  # on every rank, before any server or model starts
+        if reps and reps[0].launch == "server":
+            _check_context(name, cfg.policies[name].seq_len, paths[name])
     local_servers = sum(
         1 for reps in plan.values() for r in reps if r.launch == "server" and r.node == rank // per_node
     )

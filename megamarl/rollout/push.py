@@ -75,8 +75,10 @@ class WeightPusher:
             stats.num_bytes = sum(f.stat().st_size for f in path.iterdir() if f.is_file())
             for engine in engines:
                 with engine.external_update(version, lora=adapter) as targets:
-                    for index, _ in targets:
-                        engine.replicas[index].update_lora(adapter, path, version=version)
+                    for index, _ in targets:  # every replica reloads the adapter in place
+                        replica = engine.replicas[index]
+                        replica.add_lora(adapter, path)
+                        replica.lora_versions[adapter] = version
                 engine.loras[adapter] = path  # a restarted replica loads the newest directory
         return stats
 

