@@ -17,6 +17,7 @@ tokens with transformers on the pushed tensors.
 from __future__ import annotations
 
 import json
+import re
 import os
 import subprocess
 import sys
@@ -136,3 +137,29 @@ def test_a_killed_replica_fails_over_restarts_and_loses_nothing(run):
     assert rows[-1]["engine/talker/restarts"] == 1
     assert all(r["rollout/total_failed_episodes"] == 0 for r in rows)
     assert all(r["rollout/num_episodes"] == EPISODES for r in rows)
+
+
+def _calls(log: Path) -> list[str]:
+    """The server's control calls in order, from its access log, with runs of completions collapsed."""
+    out = []
+    for line in log.read_text(errors="replace").splitlines():
+        m = re.search(r'"POST (/[^ ?]*)(\?[^ ]*)? HTTP', line)
+        if not m or m.group(1) not in ("/sleep", "/wake_up", "/start_weight_update", "/finish_weight_update",
+                                       "/v1/completions"):
+            continue
+        call = m.group(1) + ("?" + m.group(2).split("tags=")[1].split("&")[0] if m.group(1) == "/wake_up" else "")
+        if not (out and out[-1] == call == "/v1/completions"):
+            out.append(call)
+    return out
+
+
+def test_colocated_servers_sleep_while_training_and_wake_weights_before_the_push(run):
+    run_dir, _, _ = run
+    push = ["/start_weight_update", "/finish_weight_update"]
+    step = ["/sleep", "/wake_up?weights", *push, "/wake_up?kv_cache", "/v1/completions"]
+    for i in (0, 1):
+        calls = _calls(run_dir / "engine_logs" / f"listener-replica{i}.log")
+        # initial push, rollout 1, then per step: sleep after the rollout, weights back, push, KV back, rollout
+        assert calls == [*push, "/v1/completions", *step, *step, "/sleep", "/wake_up?weights", *push, "/wake_up?kv_cache"]
+    talker = _calls(run_dir / "engine_logs" / "talker-replica0.log")
+    assert "/sleep" not in talker  # disaggregated replicas have their own devices: they never sleep
