@@ -155,6 +155,7 @@ class ServerProcess:
         self.spec = spec
         self.proc: subprocess.Popen | None = None
         self.url = ""
+        self.port = 0
         self.log_path = Path(spec.log_path) if spec.log_path else Path(
             f"/tmp/megamarl-server-{spec.policy}-{spec.replica}-{os.getpid()}.log")
         self.num_starts = 0
@@ -164,9 +165,21 @@ class ServerProcess:
         return socket.gethostbyname(socket.gethostname()) if host in ("0.0.0.0", "::") else host
 
     def start(self, timeout_s: float = 600) -> str:
-        """Launch the server and wait until ``/health`` answers; returns its base URL."""
+        """Launch the server and wait until ``/health`` answers; returns its base URL. With
+        ``spec.port == 0`` a free port is picked, and picked again when another process took it
+        between the pick and the server's bind (several ranks of a node start servers at once)."""
+        for attempt in range(3):
+            try:
+                return self._start_once(timeout_s)
+            except ServerStartError as exc:
+                if self.spec.port or "Address already in use" not in str(exc) or attempt == 2:
+                    raise
+        raise AssertionError("unreachable")
+
+    def _start_once(self, timeout_s: float, *, port: int = 0) -> str:
         spec = self.spec
-        port = spec.port or _free_port(spec.host)
+        port = port or spec.port or _free_port(spec.host)
+        self.port = port
         cmd = server_command(_with_port(spec, port))
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
@@ -198,8 +211,9 @@ class ServerProcess:
         return self.proc is not None and self.proc.poll() is None and _healthy(self.url, timeout_s=5)
 
     def restart(self, timeout_s: float = 600) -> str:
+        """Stop and start again on the same port, so the URL everyone holds stays valid."""
         self.stop()
-        return self.start(timeout_s)
+        return self._start_once(timeout_s, port=self.port) if self.port else self.start(timeout_s)
 
     def stop(self, grace_s: float = 15.0) -> None:
         """SIGTERM the server's process group (API server, engine core, workers), SIGKILL after
