@@ -31,9 +31,6 @@ if TYPE_CHECKING:
     from megamarl.config import ClusterConfig, EngineConfig, PolicyConfig, RunConfig
 
 LAUNCHES = ("auto", "in_process", "server")
-# Backends megamarl can start as an inference server (megamarl.rollout.server_launch builds their
-# command lines); hf has none. TODO(#14): move to an EngineTraits field once the rollout side has one.
-SERVER_BACKENDS = ("vllm", "sglang")
 
 
 @dataclass(frozen=True)
@@ -60,7 +57,12 @@ def can_run_in_process(backend: str) -> bool:
 
 
 def has_server(backend: str) -> bool:
-    return backend in SERVER_BACKENDS
+    """megamarl can start ``backend`` as an inference server (``EngineTraits.server``)."""
+    return ENGINES.traits(backend, key="policies.<p>.engine.backend").server
+
+
+def server_backends() -> list[str]:
+    return [name for name in ENGINES.names() if ENGINES.traits(name).server]
 
 
 def resolve_launch(engine: EngineConfig, wg_ranks: list[int], world_size: int) -> str:
@@ -109,12 +111,12 @@ def check_launch(engine: EngineConfig) -> None:
         if not can_run_in_process(engine.backend):
             raise ValueError(f"{key}.launch=in_process but {key}.backend={engine.backend} has no in-process "
                              "engine; use launch=server (or auto)")
-    if engine.backend not in SERVER_BACKENDS:
+    if not has_server(engine.backend):
         needs = (f"{key}.launch=server" if engine.launch == "server" else f"{key}.ranks" if engine.ranks
                  else f"{key}.tp={engine.tp}" if engine.tp > 1 else None)
         if needs:
             raise ValueError(f"{needs} needs an inference server, which {key}.backend={engine.backend} has not "
-                             f"(backends with a server: {list(SERVER_BACKENDS)})")
+                             f"(backends with a server: {server_backends()})")
 
 
 def check_engine_ranks(policies: dict[str, PolicyConfig]) -> None:
