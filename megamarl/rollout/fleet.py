@@ -231,18 +231,22 @@ class EngineFleet:
         with pool.external_update(version) if pool is not None else _nothing() as targets:
             holder = [targets]
             dist.broadcast_object_list(holder, src=0, group=self.control)
-            stats, verified = self.push(policy, wg, export, version=version, bucket_bytes=bucket_bytes,
-                                        targets=holder[0])
+            stats, check = self.push(policy, wg, export, version=version, bucket_bytes=bucket_bytes,
+                                     targets=holder[0])
             gathered: list = [None] * dist.get_world_size(self.control)
-            dist.all_gather_object(gathered, (stats, verified), group=self.control)  # also: all senders done
+            dist.all_gather_object(gathered, stats, group=self.control)  # also: every sender is done
+        dist.barrier(group=self.control)  # the driver's pool has resumed the replicas: they can answer probes
+        verified = check() if check is not None else 0
+        counts: list = [None] * dist.get_world_size(self.control)
+        dist.all_gather_object(counts, verified, group=self.control)
         total = SyncStats(
-            num_tensors=sum(s.num_tensors for s, _ in gathered), num_bytes=sum(s.num_bytes for s, _ in gathered),
-            num_buckets=sum(s.num_buckets for s, _ in gathered), seconds=max(s.seconds for s, _ in gathered),
+            num_tensors=sum(s.num_tensors for s in gathered), num_bytes=sum(s.num_bytes for s in gathered),
+            num_buckets=sum(s.num_buckets for s in gathered), seconds=max(s.seconds for s in gathered),
         )
         metrics = total.as_dict(f"weight_sync/{policy}")
         metrics[f"weight_sync/{policy}/replicas"] = float(len(holder[0]))
         if self.cfg.policies[policy].engine.verify_sync:
-            metrics[f"weight_sync/{policy}/verified_replicas"] = float(sum(v for _, v in gathered))
+            metrics[f"weight_sync/{policy}/verified_replicas"] = float(sum(counts))
         return metrics
 
     def push(
@@ -254,10 +258,11 @@ class EngineFleet:
         version: int,
         bucket_bytes: int,
         targets: list[tuple[int, int]],
-    ) -> tuple[SyncStats, int]:
+    ) -> tuple[SyncStats, Callable[[], int] | None]:
         """This rank's part of a push. ``targets``: the (replica, restart generation) pairs that take
-        this update, the same on every rank. Returns what this rank sent and how many replicas it
-        verified (``engine.verify_sync``)."""
+        this update, the same on every rank. Returns what this rank sent and, with
+        ``engine.verify_sync``, the check to run once the replicas have resumed (it returns how many
+        replicas matched)."""
         servers = self.policies[policy]
         stats, start = SyncStats(), time.perf_counter()
         generations = dict(targets)
@@ -267,24 +272,24 @@ class EngineFleet:
                 named = export()
                 if self.rank not in leaders:
                     _drain(named)  # a TP peer takes part in the leader's gathers
-                    return stats, 0
+                    return stats, None
                 index = leaders[self.rank]
                 sender = self._sender(policy, (self.rank,), [(index, generations[index])], backend="megamarl_shm")
                 return self._send(policy, sender, named, [index], version, bucket_bytes, stats, start)
-            return stats, 0
+            return stats, None
         pp_rank = wg.pp_rank if wg.is_member else None
         if pp_rank is None or wg.dp_rank != 0 or export is None:
-            return stats, 0
+            return stats, None
         named = export()
         if self.rank != stage_sender(wg, pp_rank):
             _drain(named)
-            return stats, 0
+            return stats, None
         sender = self._sender(policy, (pp_rank,), targets, backend="megamarl_gloo")
         verify_here = wg.layout.pp == 1  # a stage alone is not a model to decode with
         return self._send(policy, sender, named, list(generations) if verify_here else [], version, bucket_bytes,
                           stats, start)
 
-    def _send(self, policy, sender, named, verify: list[int], version, bucket_bytes, stats, start) -> tuple[SyncStats, int]:
+    def _send(self, policy, sender, named, verify: list[int], version, bucket_bytes, stats, start):
         check = self.cfg.policies[policy].engine.verify_sync and verify
         pushed: dict[str, torch.Tensor] = {}
         if check:
@@ -292,11 +297,10 @@ class EngineFleet:
         stats = sender.push(named, version=version, bucket_bytes=bucket_bytes, pause=False)  # the pool paused
         stats.seconds = time.perf_counter() - start
         if not check:
-            return stats, 0
-        servers = self.policies[policy]
-        urls = {i: servers.urls[i] for i in verify}
-        return stats, verify_replicas(policy, self.model_paths[policy], pushed, urls,
-                                      served_model=SERVED_MODEL, version=version)
+            return stats, None
+        urls = {i: self.policies[policy].urls[i] for i in verify}
+        return stats, lambda: verify_replicas(policy, self.model_paths[policy], pushed, urls,
+                                              served_model=SERVED_MODEL, version=version)
 
     def _sender(self, policy: str, where: tuple, targets: list[tuple[int, int]], *, backend: str) -> WeightSender:
         """The connection for ``targets``, rebuilt when the replica set or a restart changed it."""
