@@ -235,6 +235,8 @@ class EngineFleet:
                                      targets=holder[0])
             gathered: list = [None] * dist.get_world_size(self.control)
             dist.all_gather_object(gathered, stats, group=self.control)  # also: every sender is done
+        if pool is not None:
+            self.wake(policy, pool, tags=("kv_cache",))  # colocated: the KV cache back before any request
         dist.barrier(group=self.control)  # the driver's pool has resumed the replicas: they can answer probes
         verified = check() if check is not None else 0
         counts: list = [None] * dist.get_world_size(self.control)

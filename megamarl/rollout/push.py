@@ -44,9 +44,7 @@ class WeightPusher:
                 self.fleet.wake(name, pool, tags=("weights",))  # colocated: weights back before they are written
             metrics = self.fleet.sync_policy(name, self.wgs[name], export, version=version,
                                              bucket_bytes=int(policy.engine.bucket_mb * 2**20), pool=pool)
-            if pool is not None:
-                self.fleet.wake(name, pool, tags=("kv_cache",))
-            return metrics
+            return metrics  # the fleet woke the KV cache once the push was in
         else:
             stats = sync_weights(self.wgs[name], export, engines, version=version, engine_rank=self.driver_rank,
                                  bucket_mb=policy.engine.bucket_mb)

@@ -159,7 +159,8 @@ def test_colocated_servers_sleep_while_training_and_wake_weights_before_the_push
     step = ["/sleep", "/wake_up?weights", *push, "/wake_up?kv_cache", "/v1/completions"]
     for i in (0, 1):
         calls = _calls(run_dir / "engine_logs" / f"listener-replica{i}.log")
-        # initial push, rollout 1, then per step: sleep after the rollout, weights back, push, KV back, rollout
-        assert calls == [*push, "/v1/completions", *step, *step, "/sleep", "/wake_up?weights", *push, "/wake_up?kv_cache"]
+        # initial push, (probes and) rollout 1, then per step: sleep after the rollout, weights back, push,
+        # KV cache back, then the verify_sync probes and the next rollout
+        assert calls == [*push, "/v1/completions", *step, *step, *step]
     talker = _calls(run_dir / "engine_logs" / "talker-replica0.log")
     assert "/sleep" not in talker  # disaggregated replicas have their own devices: they never sleep
