@@ -376,6 +376,12 @@ def build_fleet(cfg, *, rank: int, world_size: int, run_dir: Path, control_group
     paths = {name: resolve_model_path(p.model, key=f"policies.{name}.model") for name, p in cfg.policies.items()}
     for name, reps in plan.items():  # on every rank, before any server or model starts
         if reps and reps[0].launch == "server":
+            if cfg.policies[name].engine.backend != "vllm":
+                raise ValueError(
+                    f"policies.{name}.engine.backend={cfg.policies[name].engine.backend} with launch=server: megamarl "
+                    "pushes weights into servers through vLLM's weight-transfer endpoints only; use backend=vllm, "
+                    "or run SGLang servers yourself and list them in engine.server_urls"
+                )
             _check_context(name, cfg.policies[name].seq_len, paths[name])
     local_servers = sum(
         1 for reps in plan.values() for r in reps if r.launch == "server" and r.node == rank // per_node
