@@ -28,6 +28,8 @@ from dataclasses import dataclass
 from importlib.metadata import entry_points
 from pathlib import Path
 
+import torch
+
 from megamarl.rollout.factory import LoraServing
 
 SERVER_BACKENDS = ("vllm", "sglang")
@@ -60,9 +62,11 @@ class ServerSpec:
     weight_transfer: str = "megamarl_gloo"  # vLLM weight-transfer backend (megamarl_shm when colocated on CPU)
     host: str = "127.0.0.1"  # bind address; 0.0.0.0 to serve other nodes
     served_model_name: str = "default"  # the name requests use (``VLLMServerClient(model=...)``)
-    on_gpu: bool = False
+    on_gpu: bool | None = None  # None: this node has a CUDA device
 
     def __post_init__(self) -> None:
+        if self.on_gpu is None:
+            self.on_gpu = torch.cuda.is_available()
         if self.backend not in SERVER_BACKENDS:
             raise ValueError(f"ServerSpec.backend '{self.backend}' has no server; allowed: {list(SERVER_BACKENDS)}")
         if self.tp < 1:
@@ -145,7 +149,7 @@ def server_env(spec: ServerSpec, base: dict[str, str] | None = None) -> dict[str
                 env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"  # servers share the node's cores
     elif spec.num_threads > 0 and not spec.on_gpu:
         env["OMP_NUM_THREADS"] = str(spec.num_threads)
-    if spec.devices:
+    if spec.devices and spec.on_gpu:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in spec.devices)
     return env
 

@@ -19,7 +19,7 @@ from megamarl.rollout.server_sync import ALIGN, WeightSender, bucket_info, pack_
 def spec(**overrides):
     base = {"policy": "planner", "replica": 1, "rank": 8, "backend": "vllm", "model_path": "/m", "tp": 2,
             "dtype": "bf16", "max_num_seqs": 16, "max_model_len": 1024, "kv_cache_gib": 2.0, "num_threads": 3,
-            "seed": 5, "port": 8001}
+            "seed": 5, "port": 8001, "on_gpu": False}
     return ServerSpec(**dict(base, **overrides))
 
 
@@ -49,6 +49,7 @@ def test_vllm_env_cpu_and_gpu():
     assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "2" and env["OMP_NUM_THREADS"] == "3"
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == "nobind" and "CUDA_VISIBLE_DEVICES" not in env
+    assert "CUDA_VISIBLE_DEVICES" not in server_env(spec(devices=(2, 3)), base={})  # CPU: placement's ids only
     assert "VLLM_ALLOW_RUNTIME_LORA_UPDATING" not in env
     assert server_env(spec(lora=LoraServing(1, 8)), base={})["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
     gpu = server_env(spec(on_gpu=True, devices=(4, 5)), base={})
