@@ -2,7 +2,8 @@
 
 The rank that leads a replica's device block (``parallel.engine_placement``) owns its server:
 ``ServerProcess(spec).start()`` runs vLLM's OpenAI-compatible server (or SGLang's) in its own
-process group (the server forks an engine core and workers; ``stop`` kills the whole group), logs
+process group (the server forks an engine core and workers; ``stop`` kills the whole group) under
+``server_guard``, which takes the server down when the owning process dies (even by SIGKILL), logs
 to a file, and returns the base URL once ``/health`` answers. A server that dies during start-up,
 or does not answer within the timeout, raises ``ServerStartError`` naming the policy, replica and
 rank with the last lines of its log.
@@ -176,7 +177,9 @@ class ServerProcess:
         with open(self.log_path, "ab") as log:
             log.write(f"[megamarl] {spec.label}: {' '.join(cmd)}\n".encode())
             log.flush()
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            # The guard leads the new process group and stops the server if this process dies.
+            guarded = [sys.executable, "-m", "megamarl.rollout.server_guard", "--owner", str(os.getpid()), "--", *cmd]
+            self.proc = subprocess.Popen(guarded, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                          env=server_env(spec), start_new_session=True)
         self.num_starts += 1
         self.url = f"http://{self._advertised_host()}:{port}"

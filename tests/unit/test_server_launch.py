@@ -112,3 +112,35 @@ def test_server_trait_matches_the_launchable_backends():
     from megamarl.rollout.server_launch import SERVER_BACKENDS
 
     assert {n for n in ENGINES.names() if ENGINES.traits(n).server} == set(SERVER_BACKENDS)
+
+
+def test_guard_stops_the_server_when_its_owner_dies(tmp_path):
+    """The owner is SIGKILLed: the guard terminates the command's whole process group."""
+    import os
+    import signal
+    import time
+
+    owner = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    pid_file = tmp_path / "child.pid"
+    # a "server" that forks a child of its own (like vLLM's engine core) and records both pids
+    server = ("import os, subprocess, sys, time; c = subprocess.Popen([sys.executable, '-c', 'import time; "
+              f"time.sleep(600)']); open({str(pid_file)!r}, 'w').write(f'{{os.getpid()}} {{c.pid}}'); time.sleep(600)")
+    guard = subprocess.Popen([sys.executable, "-m", "megamarl.rollout.server_guard", "--owner", str(owner.pid), "--",
+                              sys.executable, "-c", server], start_new_session=True)
+    deadline = time.monotonic() + 30
+    while not pid_file.exists() or len(pid_file.read_text().split()) < 2:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    pids = [int(p) for p in pid_file.read_text().split()]
+    owner.kill()
+    owner.wait()
+    assert guard.wait(timeout=30) == 128 + signal.SIGTERM  # the server's exit status, shell style
+    for pid in pids:
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                break
+            assert time.monotonic() < deadline, f"process {pid} survived its owner"
+            time.sleep(0.1)
