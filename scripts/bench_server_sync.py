@@ -1,6 +1,6 @@
 """Weight push into real vLLM servers (``WeightSender``) next to the raw transport, in one run.
 
-    python scripts/bench_server_sync.py [--model smollm2-135m-instruct] [--dtype bf16] [--bucket-mb 64]
+    python scripts/bench_server_sync.py [--model smollm2-135m-instruct] [--dtype bf16] [--bucket-mb 64 256]
                                         [--repeats 3] [--out docs/bench/server_sync.json]
 
 Starts three vLLM-CPU servers of the model (``ServerProcess``, one thread each): A and B with the
@@ -18,7 +18,8 @@ next to, on the same bytes and the same buckets:
   processes over a ``ProcessGroupGloo`` (the transport alone: no HTTP, no model load).
 
 GB/s = bytes / seconds (best of the repeats; medians in the JSON). The ratio push / raw broadcast
-with the same number of receivers is the figure (issue #14: >= 0.5). Prints a table and writes the
+with the same number of receivers and bucket size is the figure (issue #14: >= 0.5). Each bucket
+size is measured raw then pushed, with the servers up throughout. Prints a table and writes the
 JSON with the machine and its load.
 """
 
@@ -106,7 +107,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
-    parser.add_argument("--bucket-mb", type=float, default=64)
+    parser.add_argument("--bucket-mb", type=float, nargs="+", default=[64, 256])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default=str(ROOT / "docs" / "bench" / "server_sync.json"))
     args = parser.parse_args()
@@ -126,57 +127,67 @@ def main() -> int:
             named.append((n, t.detach().to(dtype).contiguous()))
     del model
     num_bytes = sum(t.numel() * t.element_size() for _, t in named)
-    bucket_bytes = int(args.bucket_mb * 2**20)
-    flats = [pack_bucket(b, bucket_info(b)) for b in buckets(named, bucket_bytes)]
-
     rows: list[dict] = []
 
-    def row(name: str, receivers: int, times: list[float]) -> None:
+    def row(name: str, receivers: int, bucket_mb: float, times: list[float]) -> None:
         best = min(times)
-        rows.append({"path": name, "receivers": receivers, "bytes": num_bytes, "seconds": best,
-                     "seconds_median": statistics.median(times), "seconds_all": times, "gbps": num_bytes / best / 1e9})
+        rows.append({"path": name, "receivers": receivers, "bucket_mb": bucket_mb, "bytes": num_bytes,
+                     "seconds": best, "seconds_median": statistics.median(times), "seconds_all": times,
+                     "gbps": num_bytes / best / 1e9})
 
-    row("memcpy", 0, memcpy_seconds([t for _, t in named], args.repeats))
-    row("raw gloo broadcast", 1, raw_broadcast_seconds(flats, 1, args.repeats))
-    row("raw gloo broadcast", 2, raw_broadcast_seconds(flats, 2, args.repeats))
-
+    row("memcpy", 0, 0, memcpy_seconds([t for _, t in named], args.repeats))
     logs = Path("/tmp") / f"megamarl-bench-server-sync-{os.getpid()}"
     specs = [ServerSpec(policy="bench", replica=i, rank=0, backend="vllm", model_path=path, dtype=args.dtype,
                         max_num_seqs=8, max_model_len=512, kv_cache_gib=0.25, num_threads=1, weight_transfer=t,
                         log_path=logs / f"r{i}.log")
              for i, t in enumerate(("megamarl_gloo", "megamarl_gloo", "megamarl_shm"))]
     servers = [ServerProcess(s) for s in specs]
+    num_buckets = {}
     try:
         with ThreadPoolExecutor(len(servers)) as pool:
             urls = list(pool.map(lambda s: s.start(900), servers))
-        for label, targets, backend in (("push gloo", urls[:1], "megamarl_gloo"), ("push gloo", urls[:2], "megamarl_gloo"),
-                                        ("push shm", urls[2:], "megamarl_shm")):
-            sender = WeightSender(targets, backend=backend, master_port=_free_port("127.0.0.1"))
+        senders = {(backend, len(targets)): WeightSender(targets, backend=backend, master_port=_free_port("127.0.0.1"))
+                   for targets, backend in ((urls[:1], "megamarl_gloo"), (urls[:2], "megamarl_gloo"),
+                                            (urls[2:], "megamarl_shm"))}
+        for sender in senders.values():
             sender.connect()
-            times = []
-            for version in range(1, args.repeats + 1):
-                times.append(sender.push(iter(named), version=version, bucket_bytes=bucket_bytes).seconds)
+        version = 0
+        # The raw transport and the pushes alternate per bucket size, all with the servers up: the
+        # same machine conditions for every row of one bucket size.
+        for bucket_mb in args.bucket_mb:
+            bucket_bytes = int(bucket_mb * 2**20)
+            flats = [pack_bucket(b, bucket_info(b)) for b in buckets(named, bucket_bytes)]
+            num_buckets[bucket_mb] = len(flats)
+            row("raw gloo broadcast", 1, bucket_mb, raw_broadcast_seconds(flats, 1, args.repeats))
+            row("raw gloo broadcast", 2, bucket_mb, raw_broadcast_seconds(flats, 2, args.repeats))
+            del flats
+            for (backend, receivers), sender in senders.items():
+                times = []
+                for _ in range(args.repeats):
+                    version += 1
+                    times.append(sender.push(iter(named), version=version, bucket_bytes=bucket_bytes).seconds)
+                row(f"push {backend.removeprefix('megamarl_')}", receivers, bucket_mb, times)
+        for sender in senders.values():
             sender.close()
-            row(label, len(targets), times)
     finally:
         for s in servers:
             s.stop()
 
-    raw = {r["receivers"]: r["gbps"] for r in rows if r["path"] == "raw gloo broadcast"}
+    raw = {(r["receivers"], r["bucket_mb"]): r["gbps"] for r in rows if r["path"] == "raw gloo broadcast"}
     for r in rows:
         if r["path"].startswith("push"):
-            r["vs_raw_broadcast"] = r["gbps"] / raw[r["receivers"]]
-    print(f"{args.model} {args.dtype}: {num_bytes / 1e6:.1f} MB in {len(flats)} buckets of <= {args.bucket_mb:g} MiB")
-    print(f"{'path':<22}{'receivers':>10}{'seconds':>10}{'GB/s':>8}{'vs raw':>8}")
+            r["vs_raw_broadcast"] = r["gbps"] / raw[r["receivers"], r["bucket_mb"]]
+    print(f"{args.model} {args.dtype}: {num_bytes / 1e6:.1f} MB; buckets per size: {num_buckets}")
+    print(f"{'path':<22}{'receivers':>10}{'bucket MiB':>11}{'seconds':>10}{'GB/s':>8}{'vs raw':>8}")
     for r in rows:
         ratio = f"{r['vs_raw_broadcast']:.2f}" if "vs_raw_broadcast" in r else ""
-        print(f"{r['path']:<22}{r['receivers']:>10}{r['seconds']:>10.3f}{r['gbps']:>8.2f}{ratio:>8}")
+        print(f"{r['path']:<22}{r['receivers']:>10}{r['bucket_mb']:>11g}{r['seconds']:>10.3f}{r['gbps']:>8.2f}{ratio:>8}")
     machine = dict(machine_info(), load_avg_1m_at_start=load_at_start)
     out = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": machine,
         "settings": {"model": args.model, "dtype": args.dtype, "bucket_mb": args.bucket_mb, "repeats": args.repeats,
-                     "buckets": len(flats), "threads_per_server": 1, "wall_seconds": time.perf_counter() - wall},
+                     "buckets": num_buckets, "threads_per_server": 1, "wall_seconds": time.perf_counter() - wall},
         "notes": ("push = WeightSender.push into vLLM-CPU servers (pause, start_weight_update, per bucket an "
                   "announce to every server + one gloo broadcast or one /dev/shm file, finish_weight_update with "
                   "the version, reset_prefix_cache, resume), tensors already in the engine dtype. raw gloo "

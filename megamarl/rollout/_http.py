@@ -79,22 +79,31 @@ class JSONClient:
 
     # -- async generation path -------------------------------------------------------------------
 
-    def _session(self) -> aiohttp.ClientSession:
+    async def _session(self) -> aiohttp.ClientSession:
         loop = asyncio.get_running_loop()
         with self._lock:
-            session = self._sessions.get(loop)
-            if session is None or session.closed:
-                connector = aiohttp.TCPConnector(limit=self.max_concurrency, limit_per_host=self.max_concurrency)
-                session = aiohttp.ClientSession(connector=connector)
-                self._sessions[loop] = session
-            return session
+            entry = self._sessions.get(loop)
+            if entry is not None and not entry[0].closed:
+                return entry[0]
+            for stale in [k for k, (old, _) in self._sessions.items() if old.closed]:  # finished loops
+                del self._sessions[stale]
+            connector = aiohttp.TCPConnector(limit=self.max_concurrency, limit_per_host=self.max_concurrency)
+            session = aiohttp.ClientSession(connector=connector)
+            closer = _close_at_loop_shutdown(session)
+            self._sessions[loop] = (session, closer)
+        # An async generator parked at its first yield is finalised by the loop's
+        # ``shutdown_asyncgens`` (``asyncio.run`` calls it before closing the loop): the session's
+        # connections close on their own loop even when the caller never calls ``close``.
+        await closer.__anext__()
+        return session
 
     async def apost(self, path: str, payload: Any = None, *, query: dict | None = None,
                     timeout_s: float | None = None) -> Any:
         url = self.base_url + path
         timeout = aiohttp.ClientTimeout(total=timeout_s or self.timeout_s)
         try:
-            async with self._session().post(url, json={} if payload is None else payload, params=query,
+            session = await self._session()
+            async with session.post(url, json={} if payload is None else payload, params=query,
                                             timeout=timeout) as resp:
                 body = await resp.read()
                 if resp.status >= 400:
@@ -109,7 +118,7 @@ class JSONClient:
         finished loop only drops its (already dead) connections."""
         with self._lock:
             sessions, self._sessions = list(self._sessions.items()), weakref.WeakKeyDictionary()
-        for loop, session in sessions:
+        for loop, (session, _) in sessions:
             if session.closed:
                 continue
             try:
@@ -121,3 +130,11 @@ class JSONClient:
                     session.detach()
             except Exception:  # noqa: BLE001, S110 - closing is best effort; the server may be gone
                 pass
+
+
+async def _close_at_loop_shutdown(session: aiohttp.ClientSession):
+    try:
+        yield
+    finally:
+        if not session.closed:
+            await session.close()

@@ -2,7 +2,8 @@
 
 The rank that leads a replica's device block (``parallel.engine_placement``) owns its server:
 ``ServerProcess(spec).start()`` runs vLLM's OpenAI-compatible server (or SGLang's) in its own
-process group (the server forks an engine core and workers; ``stop`` kills the whole group), logs
+process group (the server forks an engine core and workers; ``stop`` kills the whole group) under
+``server_guard``, which takes the server down when the owning process dies (even by SIGKILL), logs
 to a file, and returns the base URL once ``/health`` answers. A server that dies during start-up,
 or does not answer within the timeout, raises ``ServerStartError`` naming the policy, replica and
 rank with the last lines of its log.
@@ -27,6 +28,8 @@ import urllib.request
 from dataclasses import dataclass
 from importlib.metadata import entry_points
 from pathlib import Path
+
+import torch
 
 from megamarl.rollout.factory import LoraServing
 
@@ -60,9 +63,11 @@ class ServerSpec:
     weight_transfer: str = "megamarl_gloo"  # vLLM weight-transfer backend (megamarl_shm when colocated on CPU)
     host: str = "127.0.0.1"  # bind address; 0.0.0.0 to serve other nodes
     served_model_name: str = "default"  # the name requests use (``VLLMServerClient(model=...)``)
-    on_gpu: bool = False
+    on_gpu: bool | None = None  # None: this node has a CUDA device
 
     def __post_init__(self) -> None:
+        if self.on_gpu is None:
+            self.on_gpu = torch.cuda.is_available()
         if self.backend not in SERVER_BACKENDS:
             raise ValueError(f"ServerSpec.backend '{self.backend}' has no server; allowed: {list(SERVER_BACKENDS)}")
         if self.tp < 1:
@@ -145,7 +150,7 @@ def server_env(spec: ServerSpec, base: dict[str, str] | None = None) -> dict[str
                 env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"  # servers share the node's cores
     elif spec.num_threads > 0 and not spec.on_gpu:
         env["OMP_NUM_THREADS"] = str(spec.num_threads)
-    if spec.devices:
+    if spec.devices and spec.on_gpu:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in spec.devices)
     return env
 
@@ -185,7 +190,9 @@ class ServerProcess:
         with open(self.log_path, "ab") as log:
             log.write(f"[megamarl] {spec.label}: {' '.join(cmd)}\n".encode())
             log.flush()
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            # The guard leads the new process group and stops the server if this process dies.
+            guarded = [sys.executable, "-m", "megamarl.rollout.server_guard", "--owner", str(os.getpid()), "--", *cmd]
+            self.proc = subprocess.Popen(guarded, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                          env=server_env(spec), start_new_session=True)
         self.num_starts += 1
         self.url = f"http://{self._advertised_host()}:{port}"

@@ -3,8 +3,9 @@ greedy tokens against transformers, weight pushes through megamarl's weight-tran
 (``megamarl_gloo`` into two replicas at once, ``megamarl_shm``), L2 adapters, sleep/wake order, a
 killed server and its restart + re-sync, and the start-up error of a bad model path.
 
-Three servers for the whole module (started concurrently: ~1 min on 2 idle cores): replicas A and B
-receive over one gloo group; C serves LoRA adapters and receives over shared memory.
+Three servers for the whole module (started concurrently: ~1 min on 2 idle cores): replicas A (TP=1)
+and B (TP=2: two workers) receive over one gloo group of 4 ranks; C serves LoRA adapters and
+receives over shared memory.
 """
 
 from __future__ import annotations
@@ -58,12 +59,12 @@ def hf_model(model_path):
 def servers(model_path, tmp_path_factory):
     logs = tmp_path_factory.mktemp("server-logs")
 
-    def spec(replica, transfer, lora=None):
+    def spec(replica, transfer, lora=None, tp=1):
         return ServerSpec(policy="solver", replica=replica, rank=replica, backend="vllm", model_path=model_path,
-                          dtype="fp32", max_num_seqs=8, max_model_len=256, kv_cache_gib=0.25, num_threads=1,
+                          tp=tp, dtype="fp32", max_num_seqs=8, max_model_len=256, kv_cache_gib=0.25, num_threads=1,
                           seed=replica, lora=lora, weight_transfer=transfer, log_path=logs / f"r{replica}.log")
 
-    procs = [ServerProcess(spec(0, "megamarl_gloo")), ServerProcess(spec(1, "megamarl_gloo")),
+    procs = [ServerProcess(spec(0, "megamarl_gloo")), ServerProcess(spec(1, "megamarl_gloo", tp=2)),
              ServerProcess(spec(2, "megamarl_shm", LoraServing(num_adapters=2, rank=LORA_RANK)))]
     with ThreadPoolExecutor(len(procs)) as pool:
         futures = [pool.submit(p.start, 600) for p in procs]
@@ -121,7 +122,7 @@ def test_gloo_push_reaches_both_replicas_at_once(servers, hf_model):
     new = perturbed(hf_model, seed=1)
     expected = hf_greedy(new)
     assert expected != hf_greedy(hf_model)
-    sender = WeightSender([a.url, b.url], backend="megamarl_gloo", master_port=_port(), replica_tp=[1, 1])
+    sender = WeightSender([a.url, b.url], backend="megamarl_gloo", master_port=_port(), replica_tp=[1, 2])
     sender.connect()
     # Small buckets: several announcements, each answered by both replicas from one broadcast.
     stats = sender.push(new.state_dict().items(), version=7, bucket_bytes=8 * 2**20)
@@ -134,7 +135,7 @@ def test_gloo_push_reaches_both_replicas_at_once(servers, hf_model):
 
     # Two senders into the same replicas, as two pipeline stages push: one opens and closes the update,
     # both send their layers concurrently on their own groups.
-    stage2 = WeightSender([a.url, b.url], backend="megamarl_gloo", master_port=_port(), replica_tp=[1, 1])
+    stage2 = WeightSender([a.url, b.url], backend="megamarl_gloo", master_port=_port(), replica_tp=[1, 2])
     stage2.connect()
     newer = perturbed(hf_model, seed=4)
     state = newer.state_dict()
@@ -229,7 +230,7 @@ def test_killed_server_is_detected_restarted_and_resynced(servers, hf_model):
     assert [g.token_ids for g in greedy(client)] == hf_greedy(hf_model)  # back on its checkpoint
     # Re-sync before it takes traffic: a fresh group with just this replica.
     new = perturbed(hf_model, seed=1)
-    sender = WeightSender([b.url], backend="megamarl_gloo", master_port=_port())
+    sender = WeightSender([b.url], backend="megamarl_gloo", master_port=_port(), replica_tp=[2])
     sender.connect()
     client.sender = sender
     client.pause()

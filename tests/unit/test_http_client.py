@@ -66,3 +66,24 @@ def test_unreachable_server_is_a_connection_error():
     with pytest.raises(EngineConnectionError):
         client.post("/pause")
     client.close()
+
+
+def test_session_closes_with_its_event_loop():
+    """``asyncio.run`` per rollout: each loop's session is closed by the loop's own shutdown, and
+    the next loop gets a new one (no unclosed-session leaks, no cross-loop connections)."""
+    ports: list[int] = []
+    client = JSONClient("http://unused")
+
+    async def main():
+        runner, port = await _serve(ports)
+        client.base_url = f"http://127.0.0.1:{port}"
+        assert (await client.apost("/v1/completions", {"x": 1})) == {"x": 2}
+        session = (await client._session())
+        await runner.cleanup()
+        return session
+
+    first = asyncio.run(main())
+    assert first.closed
+    second = asyncio.run(main())
+    assert second.closed and second is not first
+    assert len(client._sessions) <= 1

@@ -19,7 +19,7 @@ from megamarl.rollout.server_sync import ALIGN, WeightSender, bucket_info, pack_
 def spec(**overrides):
     base = {"policy": "planner", "replica": 1, "rank": 8, "backend": "vllm", "model_path": "/m", "tp": 2,
             "dtype": "bf16", "max_num_seqs": 16, "max_model_len": 1024, "kv_cache_gib": 2.0, "num_threads": 3,
-            "seed": 5, "port": 8001}
+            "seed": 5, "port": 8001, "on_gpu": False}
     return ServerSpec(**dict(base, **overrides))
 
 
@@ -49,6 +49,7 @@ def test_vllm_env_cpu_and_gpu():
     assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "2" and env["OMP_NUM_THREADS"] == "3"
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == "nobind" and "CUDA_VISIBLE_DEVICES" not in env
+    assert "CUDA_VISIBLE_DEVICES" not in server_env(spec(devices=(2, 3)), base={})  # CPU: placement's ids only
     assert "VLLM_ALLOW_RUNTIME_LORA_UPDATING" not in env
     assert server_env(spec(lora=LoraServing(1, 8)), base={})["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
     gpu = server_env(spec(on_gpu=True, devices=(4, 5)), base={})
@@ -111,3 +112,35 @@ def test_server_trait_matches_the_launchable_backends():
     from megamarl.rollout.server_launch import SERVER_BACKENDS
 
     assert {n for n in ENGINES.names() if ENGINES.traits(n).server} == set(SERVER_BACKENDS)
+
+
+def test_guard_stops_the_server_when_its_owner_dies(tmp_path):
+    """The owner is SIGKILLed: the guard terminates the command's whole process group."""
+    import os
+    import signal
+    import time
+
+    owner = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    pid_file = tmp_path / "child.pid"
+    # a "server" that forks a child of its own (like vLLM's engine core) and records both pids
+    server = ("import os, subprocess, sys, time; c = subprocess.Popen([sys.executable, '-c', 'import time; "
+              f"time.sleep(600)']); open({str(pid_file)!r}, 'w').write(f'{{os.getpid()}} {{c.pid}}'); time.sleep(600)")
+    guard = subprocess.Popen([sys.executable, "-m", "megamarl.rollout.server_guard", "--owner", str(owner.pid), "--",
+                              sys.executable, "-c", server], start_new_session=True)
+    deadline = time.monotonic() + 30
+    while not pid_file.exists() or len(pid_file.read_text().split()) < 2:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    pids = [int(p) for p in pid_file.read_text().split()]
+    owner.kill()
+    owner.wait()
+    assert guard.wait(timeout=30) == 128 + signal.SIGTERM  # the server's exit status, shell style
+    for pid in pids:
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                break
+            assert time.monotonic() < deadline, f"process {pid} survived its owner"
+            time.sleep(0.1)
