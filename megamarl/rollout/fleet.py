@@ -50,6 +50,8 @@ from megamarl.rollout.weight_sync import SyncStats, stage_sender
 
 log = logging.getLogger(__name__)
 
+WATCH_S = 2.0  # how often an owner checks its servers
+HANG_S = 300.0  # a live process that has not answered /health for this long is restarted
 UNSYNCED = -1
 SERVED_MODEL = "default"  # the model name requests use; L2 adapters are served under their own names  # weight_version of a restarted replica until a push reaches it
 
@@ -161,15 +163,27 @@ class EngineFleet:
             self._watchdog.start()
 
     def _watch(self) -> None:
-        """The owner restarts its dead servers (same port); the driver's pool notices by itself."""
-        while not self._stop.wait(1.0):
+        """The owner restarts its servers whose process exited, or that have not answered ``/health``
+        for ``HANG_S`` (a slow answer under load is not death: a false restart would drop a healthy
+        replica's requests). Same port, so the driver's pool finds it again by itself."""
+        silent_since: dict[tuple[str, int], float] = {}
+        while not self._stop.wait(WATCH_S):
             for key, proc in self.local.items():
-                if self._stop.is_set() or proc.alive():
-                    continue
-                log.warning("engine server %s replica %d (rank %d) died; restarting", key[0], key[1], self.rank)
+                if self._stop.is_set():
+                    return
+                exited = proc.proc is None or proc.proc.poll() is not None
+                if not exited:
+                    if proc.alive():
+                        silent_since.pop(key, None)
+                        continue
+                    if time.monotonic() - silent_since.setdefault(key, time.monotonic()) < HANG_S:
+                        continue
+                what = "exited" if exited else f"did not answer /health for {HANG_S:.0f} s"
+                log.warning("engine server %s replica %d (rank %d) %s; restarting", key[0], key[1], self.rank, what)
                 try:
                     proc.restart()
                     self.restarts[key] += 1
+                    silent_since.pop(key, None)
                 except Exception:  # noqa: BLE001 - tried again on the next tick
                     log.exception("restarting engine server %s replica %d failed", *key)
 

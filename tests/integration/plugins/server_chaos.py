@@ -1,6 +1,6 @@
 """A signalling env that kills an engine server in the middle of a rollout (test harness for
 tests/integration/test_engine_servers.py): episode ``kill_at`` sends SIGKILL to the server of
-``policy`` replica ``replica`` (pid from ``<run_dir>/engine_servers.json``); episode ``wait_at``
+``policy`` replica ``replica`` (its process group, led by the pid in ``<run_dir>/engine_servers.json``); episode ``wait_at``
 blocks until the owning rank has restarted it and the driver's pool has rebuilt its client, so the
 next weight push re-syncs it within the run."""
 
@@ -36,7 +36,7 @@ class ChaosSignalling(SignallingEnv):
         super().__init__(task, config)
         type(self).episodes += 1
         if type(self).episodes == config.kill_at:
-            os.kill(self._server(config)["pid"], signal.SIGKILL)
+            os.killpg(self._server(config)["pid"], signal.SIGKILL)  # the server's whole process group
         if type(self).episodes == config.wait_at:
             url = self._server(config)["url"]
             deadline = time.monotonic() + 900
