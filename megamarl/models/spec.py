@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+from megamarl.parallel.distributed import local_device
+
 
 @dataclass(frozen=True)
 class DecoderArch:
@@ -124,7 +126,7 @@ def transformer_config(arch: DecoderArch, *, tp: int = 1, pp: int = 1, dtype: to
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16,
-        use_cpu_initialization=not torch.cuda.is_available(),
+        use_cpu_initialization=local_device().type == "cpu",  # else built on the WG's GPU
         perform_initialization=init_weights,
         attention_softmax_in_fp32=True,
         sequence_parallel=False,

@@ -23,6 +23,9 @@ def device_backend() -> str:
 
 
 def local_device() -> torch.device:
+    """This rank's accelerator (``LOCAL_RANK``-th GPU) or the CPU: the one place that decides where a
+    WG's tensors live (``WorkerGroup.device``), paired with ``device_backend`` for its groups. NCCL
+    reduces device tensors only, so every tensor a WG's groups reduce is made on this device."""
     if torch.cuda.is_available():
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
     return torch.device("cpu")

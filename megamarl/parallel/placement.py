@@ -19,9 +19,10 @@ from __future__ import annotations
 # 2026-11-23), and config loading and --dry-run import this module without building a model.
 from dataclasses import dataclass, field
 
+import torch
 import torch.distributed as dist
 
-from megamarl.parallel.distributed import device_backend
+from megamarl.parallel.distributed import device_backend, local_device
 
 AXES = ("tp", "cp", "ep", "dp", "pp")  # megatron-core rank order, fastest-varying first
 PLACEMENT_MODES = ("colocated", "disaggregated")
@@ -111,12 +112,18 @@ class PlacementConfig:
 
 @dataclass
 class WorkerGroup:
-    """One WG as seen from this rank. ``pgs`` is None on ranks that hold none of its shards."""
+    """One WG as seen from this rank. ``pgs`` is None on ranks that hold none of its shards.
+
+    ``device``: where every tensor of the WG's schedule lives (weights, batches, masks, position
+    ids, logprobs, the gradient-norm scalar its groups all-reduce); the device of the groups'
+    backend (``distributed.local_device``). Control objects stay on ``control_group()``.
+    """
 
     name: str
     layout: WorkerGroupLayout
     pgs: object | None = None  # megatron.core.process_groups_config.ProcessGroupCollection
     coords: dict[str, int] = field(default_factory=dict)  # this rank's tp/pp/dp index
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
 
     @property
     def is_member(self) -> bool:
@@ -205,8 +212,9 @@ def build_worker_group(name: str, layout: WorkerGroupLayout, *, backend: str | N
     pipelines = group_enumeration(layout, ["pp"])
     groups["embd"] = _new_groups([sorted({p[0], p[-1]}) for p in pipelines], backend)
     groups["pos_embd"] = _new_groups([[p[0]] for p in pipelines], backend)
+    device = local_device()
     if rank not in layout.ranks:
-        return WorkerGroup(name, layout)
+        return WorkerGroup(name, layout, device=device)
     pgs = ProcessGroupCollection()
     for attr, group in groups.items():
         setattr(pgs, attr, group)
@@ -214,7 +222,7 @@ def build_worker_group(name: str, layout: WorkerGroupLayout, *, backend: str | N
     pgs.expt_tp, pgs.expt_dp, pgs.tp_ep = groups["tp"], groups["dp"], groups["tp"]
     pgs.intra_dp_cp, pgs.intra_expt_dp = groups["dp_cp"], groups["dp"]
     pgs.hcp = []
-    return WorkerGroup(name, layout, pgs, rank_coords(layout, rank))
+    return WorkerGroup(name, layout, pgs, rank_coords(layout, rank), device)
 
 
 def build_worker_groups(placement: PlacementConfig, *, backend: str | None = None) -> dict[str, WorkerGroup]:

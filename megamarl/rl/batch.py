@@ -101,11 +101,24 @@ class SampleBatch:
     def replace(self, **changes) -> SampleBatch:
         return dataclasses.replace(self, **changes)
 
+    @property
+    def device(self) -> torch.device:
+        return self.tokens.device
+
+    def to(self, device: torch.device | str) -> SampleBatch:
+        """Every tensor field on ``device`` (the batch itself when all already are: no copy).
+
+        Walks the dataclass fields, so a tensor column added later moves too."""
+        device = torch.device(device)
+        moved = {f.name: value.to(device) for f in dataclasses.fields(self)
+                 if isinstance(value := getattr(self, f.name), Tensor) and value.device != device}
+        return self.replace(**moved) if moved else self
+
     # ---- selection --------------------------------------------------------------------------
     def select(self, rows: Tensor | Sequence[int]) -> SampleBatch:
         """Rows by boolean mask ``[B]`` or integer indices (in the given order); the token dim is
         trimmed to the longest selected row."""
-        rows = torch.as_tensor(rows)
+        rows = torch.as_tensor(rows, device=self.device)
         idx = torch.nonzero(rows).squeeze(1) if rows.dtype == torch.bool else rows.long().reshape(-1)
         width = int(self.lengths[idx].max()) if idx.numel() else 0
         changes = {name: getattr(self, name)[idx] for name in ROW_TENSORS}

@@ -61,9 +61,9 @@ class NumericalFaultError(RuntimeError):
     """Too many non-finite updates in a row (``trainer.max_nonfinite_updates``)."""
 
 
-def causal_mask(seq_len: int) -> torch.Tensor:
+def causal_mask(seq_len: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """[1, 1, T, T] bool, True = masked (megatron-core convention); right padding needs nothing more."""
-    return torch.triu(torch.ones(1, 1, seq_len, seq_len, dtype=torch.bool), diagonal=1)
+    return torch.triu(torch.ones(1, 1, seq_len, seq_len, dtype=torch.bool, device=device), diagonal=1)
 
 
 def first_logit_position(response_mask: torch.Tensor) -> int:
@@ -75,14 +75,15 @@ def first_logit_position(response_mask: torch.Tensor) -> int:
     return max(int(first) - 1, 0)
 
 
-def restricted_vocab_mask(allowed, vocab_start: int, num_local: int) -> torch.Tensor | None:
+def restricted_vocab_mask(allowed, vocab_start: int, num_local: int,
+                          device: torch.device | str = "cpu") -> torch.Tensor | None:
     """[B, V_local] True where a row's sampling excluded the token (rows without a set: all False)."""
     if not any(allowed):
         return None
-    mask = torch.zeros(len(allowed), num_local, dtype=torch.bool)
+    mask = torch.zeros(len(allowed), num_local, dtype=torch.bool, device=device)
     for row, ids in enumerate(allowed):
         if ids:
-            local = torch.tensor(ids, dtype=torch.long) - vocab_start
+            local = torch.tensor(ids, dtype=torch.long, device=device) - vocab_start
             mask[row] = True
             mask[row, local[(local >= 0) & (local < num_local)]] = False
     return mask
@@ -171,10 +172,11 @@ class PolicyWorker:
         if not wg.is_member:
             raise ValueError(f"rank {dist.get_rank()} holds no shard of policy '{name}'")
         self.name, self.cfg, self.wg, self.loss_cfg = name, cfg, wg, loss_cfg
+        self.device = wg.device  # every tensor of this WG's schedule lives here (see on_device)
         self.compute_dtype = compute_dtype
         self.on_micro_batch = lambda: None  # progress display: called once per micro-batch forward
         self.vocab_size = handle.vocab_size
-        model = handle.model
+        model = handle.model.to(self.device)  # megatron-core builds on the current device already: a no-op
         config = model.config
         self.agents = agents or {}
         self.adapters = sorted({a.adapter for a in self.agents.values() if a.adapter})
@@ -191,7 +193,7 @@ class PolicyWorker:
         self.model = DistributedDataParallel(config, ddp_config, model, pg_collection=wg.pgs)
         self.window = LogitWindow(model)
         # Reference policy for the KL term: a frozen copy of the initial weights in the same layout.
-        self.ref_model = ref_handle.model.eval() if ref_handle is not None else None
+        self.ref_model = ref_handle.model.to(self.device).eval() if ref_handle is not None else None
         if self.ref_model is not None:
             self.ref_model.requires_grad_(False)
             self.ref_window = LogitWindow(self.ref_model)
@@ -210,7 +212,7 @@ class PolicyWorker:
         if critic is not None and wg.is_last_stage:
             # Outside DDP and the model's checkpoint: gradients are averaged over DP in
             # _reduce_value_head; it is saved by megamarl.runtime.checkpoint (replicated, layout-free).
-            self.value_head = ValueHead(config.hidden_size)
+            self.value_head = ValueHead(config.hidden_size).to(self.device)
             self.params += list(self.value_head.parameters())  # clipped with the model's
             self.value_optimizer = torch.optim.AdamW(self.value_head.parameters(), lr=cfg.lr, betas=(0.9, 0.999), eps=1e-8)
         self.num_updates = 0
@@ -244,6 +246,12 @@ class PolicyWorker:
         return export_hf_weights(self.model, self.wg)
 
     # ---- data layout ----------------------------------------------------------------------------
+    def on_device(self, batch: SampleBatch) -> SampleBatch:
+        """The one place batches move to the WG's device: every entry point that takes a batch from
+        the driver (which collates on the CPU) calls it first, so tokens, masks, advantages, rewards
+        and rollout logprobs, and everything derived from them, are on ``self.device``."""
+        return batch.to(self.device)
+
     def my_part(self, batch: SampleBatch) -> SampleBatch:
         """This DP rank's share (identical on TP/PP peers: the split is deterministic).
 
@@ -263,7 +271,7 @@ class PolicyWorker:
         names = part.names("agent")
         out = []
         for agent in sorted(set(names)):
-            rows = torch.tensor([n == agent for n in names], dtype=torch.bool)
+            rows = torch.tensor([n == agent for n in names], dtype=torch.bool, device=part.device)
             size = self.agents[agent].micro_batch_size if agent in self.agents else self.cfg.micro_batch_size
             out.extend(part.select(rows).micro_batches(max_samples=size))
         return out
@@ -274,15 +282,14 @@ class PolicyWorker:
 
     def _autocast(self):
         """Mixed precision for the forward pass (its backward follows the recorded dtypes)."""
-        device_type = self.params[0].device.type if self.params else "cpu"
-        return torch.autocast(device_type, dtype=self.compute_dtype, enabled=self.compute_dtype != torch.float32)
+        return torch.autocast(self.device.type, dtype=self.compute_dtype, enabled=self.compute_dtype != torch.float32)
 
     def _logprobs(self, logits: torch.Tensor, mb: SampleBatch, offset: int) -> tuple[torch.Tensor, torch.Tensor]:
         vocab_start = self._vocab_start(logits)
         # the distribution the engine sampled from; temperature scaling and log-softmax in fp32 whatever
         # the compute dtype
         logits = scale_logits(logits, mb.temperatures)
-        disallowed = restricted_vocab_mask(mb.allowed, vocab_start, logits.shape[-1])
+        disallowed = restricted_vocab_mask(mb.allowed, vocab_start, logits.shape[-1], logits.device)
         if disallowed is not None:  # renormalise over the set the engine sampled from
             logits = logits.masked_fill(disallowed.unsqueeze(1), float("-inf"))
         return vocab_parallel_logprobs(
@@ -308,9 +315,9 @@ class PolicyWorker:
             if self.adapters and model is not self.ref_model:
                 set_active_adapter(model, None if reference else self._adapter(mb))
             seq_len = mb.tokens.shape[1]
-            positions = torch.arange(seq_len).expand_as(mb.tokens)
+            positions = torch.arange(seq_len, device=mb.device).expand_as(mb.tokens)
             offset = window.set(mb.response_mask)
-            output = model(mb.tokens, positions, causal_mask(seq_len))
+            output = model(mb.tokens, positions, causal_mask(seq_len, mb.device))
             return output, partial(loss_func, mb, offset)
 
         p2p = P2PCommunicator(self.wg.pgs.pp, self.model.config) if pp > 1 else None
@@ -344,7 +351,7 @@ class PolicyWorker:
         def loss_func(mb, offset, logits):
             return logits.new_zeros(()), {"out": per_token(mb, offset, logits) * mb.response_mask}
 
-        micro_batches = self._micro_batches(part)
+        micro_batches = self._micro_batches(self.on_device(part))
         self.model.eval()
         outputs = self._schedule(micro_batches, loss_func, forward_only=True, reference=reference)
         self.model.train()
@@ -360,6 +367,7 @@ class PolicyWorker:
         """The registered critic estimator's ``[B, T]`` advantages and returns from the critic's
         values: ``(part with advantages, returns, values)`` on the last stage (other stages do not
         need them). Whitening statistics span every DP rank's part."""
+        part = self.on_device(part)
         values = self.compute_values(part)
         if values is None:
             return part, None, None
@@ -397,7 +405,8 @@ class PolicyWorker:
         frozen = {a for a, t in self.agents.items() if t.frozen}
         if not frozen:
             return batch
-        return batch.select(torch.tensor([a not in frozen for a in batch.names("agent")], dtype=torch.bool))
+        return batch.select(torch.tensor([a not in frozen for a in batch.names("agent")], dtype=torch.bool,
+                                         device=batch.device))
 
     def _loss_cfg(self, mb: SampleBatch) -> LossConfig:
         agents = set(mb.names("agent"))
@@ -410,7 +419,7 @@ class PolicyWorker:
         """One optimizer step per ``ppo_epochs`` on this policy's whole batch (advantages set)."""
         if batch.advantages is None and self.critic is None:
             raise ValueError(f"policy '{self.name}': train_step needs a batch with advantages")
-        batch = self.trainable(batch)
+        batch = self.trainable(self.on_device(batch))
         if batch.num_samples == 0:
             return {}
         part = self.my_part(batch)
@@ -469,7 +478,7 @@ class PolicyWorker:
     ) -> list[dict[str, float]]:
         """Fresh gradients (DP-reduced into ``param.main_grad``) of the policy loss on ``part``;
         ``counts`` are the policy batch's global token/sequence counts. Returns micro-batch metrics."""
-        micro_batches = self._micro_batches(part)
+        micro_batches = self._micro_batches(self.on_device(part))
         olds, refs = _split_rows(old, micro_batches, part), _split_rows(ref, micro_batches, part)
         returns, old_values = (_split_rows(t, micro_batches, part) for t in (critic or (None, None)))
         scale = len(micro_batches) * self.wg.layout.dp
@@ -514,14 +523,15 @@ class PolicyWorker:
         saw a non-finite loss or gradient, in which case no rank steps (same decision everywhere)."""
         for p in self.params:
             p.grad = p.main_grad.to(p.dtype) if hasattr(p, "main_grad") else p.grad
-        squares = torch.zeros((), dtype=torch.float64)
+        squares = torch.zeros((), dtype=torch.float64, device=self.device)  # reduced over the WG's (NCCL) groups
         for p in self.params:
             if p.grad is None or not self._counts_for_norm(p):
                 continue
             squares += p.grad.double().pow(2).sum()
         # [sum of squares, fault flag]: a NaN loss on a rank whose grads are finite (e.g. a PP stage
         # or DP rank that did not see it) still stops every rank; the flag also goes over dp
-        stats = torch.stack([squares, torch.tensor(float(bool(self._nonfinite_rows)), dtype=torch.float64)])
+        flag = torch.tensor(float(bool(self._nonfinite_rows)), dtype=torch.float64, device=self.device)
+        stats = torch.stack([squares, flag])
         dist.all_reduce(stats, group=self.wg.pgs.mp)
         fault = stats[1:].clone()
         if self.wg.layout.dp > 1:
