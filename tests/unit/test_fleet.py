@@ -1,4 +1,4 @@
-"""``build_fleet``'s start-up decisions (no server is started here; tests/integration/test_engine_servers.py
+"""``build_fleet``'s start-up decisions (no server is started here; tests/integration/test_train_with_servers.py
 runs real ones)."""
 
 from __future__ import annotations

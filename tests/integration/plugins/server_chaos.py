@@ -1,5 +1,5 @@
 """A signalling env that kills an engine server in the middle of a rollout (test harness for
-tests/integration/test_engine_servers.py): episode ``kill_at`` sends SIGKILL to the server of
+tests/integration/test_train_with_servers.py): episode ``kill_at`` sends SIGKILL to the server of
 ``policy`` replica ``replica`` (its process group, led by the pid in ``<run_dir>/engine_servers.json``); episode ``wait_at``
 blocks until the owning rank has restarted it and the driver's pool has rebuilt its client, so the
 next weight push re-syncs it within the run."""
