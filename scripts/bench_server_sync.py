@@ -45,7 +45,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from bench_rollout import machine_info
 
 from megamarl.models.packaged import resolve_model_path
-from megamarl.rollout.server_launch import ServerProcess, ServerSpec, _free_port
+from megamarl.rollout.server_launch import ServerProcess, ServerSpec, free_port
 from megamarl.rollout.server_sync import (
     WeightSender,
     bucket_info,
@@ -68,7 +68,7 @@ def _receiver(rank: int, world: int, port: int, sizes: list[int], repeats: int, 
 
 def raw_broadcast_seconds(flats: list[torch.Tensor], num_receivers: int, repeats: int) -> list[float]:
     """Broadcast ``flats`` from this process to ``num_receivers`` spawned ones; seconds per repeat."""
-    port, name = _free_port("127.0.0.1"), f"raw-{num_receivers}"
+    port, name = free_port("127.0.0.1"), f"raw-{num_receivers}"
     world = 1 + num_receivers
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=_receiver, args=(r, world, port, [f.numel() for f in flats], repeats, name))
@@ -146,7 +146,7 @@ def main() -> int:
     try:
         with ThreadPoolExecutor(len(servers)) as pool:
             urls = list(pool.map(lambda s: s.start(900), servers))
-        senders = {(backend, len(targets)): WeightSender(targets, backend=backend, master_port=_free_port("127.0.0.1"))
+        senders = {(backend, len(targets)): WeightSender(targets, backend=backend, master_port=free_port("127.0.0.1"))
                    for targets, backend in ((urls[:1], "megamarl_gloo"), (urls[:2], "megamarl_gloo"),
                                             (urls[2:], "megamarl_shm"))}
         for sender in senders.values():

@@ -35,18 +35,17 @@ import torch.distributed as dist
 
 from megamarl.driver.schedules import SCHEDULES
 from megamarl.models.packaged import resolve_model_path
-from megamarl.planning.dryrun import engine_memory
-from megamarl.planning.model_presets import resolve_model_shape
 from megamarl.parallel.engine_placement import ReplicaPlacement, plan_engines, ranks_per_node, replicas_led_by
 from megamarl.parallel.hardware import node_cores
 from megamarl.parallel.placement import WorkerGroup
-from megamarl.rollout._http import JSONClient
+from megamarl.planning.dryrun import engine_memory
+from megamarl.planning.model_presets import resolve_model_shape
 from megamarl.rollout.pool import EnginePool
-from megamarl.rollout.server_launch import ServerProcess, ServerSpec
+from megamarl.rollout.server_launch import ServerProcess, ServerSpec, free_port, healthy
 from megamarl.rollout.server_sync import WeightSender
 from megamarl.rollout.sync_check import verify_replicas
 from megamarl.rollout.vllm_server import VLLMServerClient
-from megamarl.rollout.weight_sync import SyncStats, stage_sender
+from megamarl.rollout.weight_sync import SyncStats, drain, stage_sender
 
 log = logging.getLogger(__name__)
 
@@ -287,7 +286,7 @@ class EngineFleet:
             if wg.is_member and export is not None and any(r in leaders for r in tp_group_ranks(wg)):
                 named = export()
                 if self.rank not in leaders:
-                    _drain(named)  # a TP peer takes part in the leader's gathers
+                    drain(named)  # a TP peer takes part in the leader's gathers
                     return stats, None
                 index = leaders[self.rank]
                 sender = self._sender(policy, (self.rank,), [(index, generations[index])], backend="megamarl_shm")
@@ -298,7 +297,7 @@ class EngineFleet:
             return stats, None
         named = export()
         if self.rank != stage_sender(wg, pp_rank):
-            _drain(named)
+            drain(named)
             return stats, None
         sender = self._sender(policy, (pp_rank,), targets, backend="megamarl_gloo")
         verify_here = wg.layout.pp == 1  # a stage alone is not a model to decode with
@@ -331,7 +330,7 @@ class EngineFleet:
         indices = [i for i, _ in wanted]
         sender = WeightSender(
             [servers.urls[i] for i in indices], backend=backend, master_addr=_host_address(),
-            master_port=_free_port(), replica_tp=[len(servers.replicas[i].ranks) for i in indices],
+            master_port=free_port("0.0.0.0"), replica_tp=[len(servers.replicas[i].ranks) for i in indices],
         )
         sender.connect()
         self._transfers[key] = _Transfer(sender, wanted)
@@ -423,31 +422,13 @@ def tp_group_ranks(wg: WorkerGroup) -> list[int]:
     return layout.ranks[start : start + block]
 
 
-def _drain(named: Iterable) -> None:
-    for _ in named:
-        pass
-
-
 def _await_health(url: str, *, timeout_s: float) -> None:
-    client = JSONClient(url, timeout_s=5)
     deadline = time.monotonic() + timeout_s
-    try:
-        while time.monotonic() < deadline:
-            try:
-                client.get("/health", timeout_s=5)
-                return
-            except ConnectionError:
-                time.sleep(1.0)
-        raise TimeoutError(f"engine server {url} did not come back within {timeout_s:.0f} s")
-    finally:
-        client.close()
+    while not healthy(url, timeout_s=5):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"engine server {url} did not come back within {timeout_s:.0f} s")
+        time.sleep(1.0)
 
 
 def _host_address() -> str:
     return os.environ.get("MEGAMARL_HOST_ADDR") or socket.gethostbyname(socket.gethostname())
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("", 0))
-        return sock.getsockname()[1]

@@ -80,7 +80,8 @@ class ServerSpec:
         return f"policy '{self.policy}' replica {self.replica} (rank {self.rank})"
 
 
-def _free_port(host: str) -> int:
+def free_port(host: str) -> int:
+    """A port free on ``host`` now (0.0.0.0: on every interface)."""
     with socket.socket() as sock:
         sock.bind((host if host not in ("0.0.0.0", "::") else "", 0))
         return sock.getsockname()[1]
@@ -183,7 +184,7 @@ class ServerProcess:
 
     def _start_once(self, timeout_s: float, *, port: int = 0) -> str:
         spec = self.spec
-        port = port or spec.port or _free_port(spec.host)
+        port = port or spec.port or free_port(spec.host)
         self.port = port
         cmd = server_command(_with_port(spec, port))
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -200,7 +201,7 @@ class ServerProcess:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 self._fail(f"exited with code {self.proc.returncode} during start-up")
-            if _healthy(self.url, timeout_s=2):
+            if healthy(self.url, timeout_s=2):
                 return self.url
             time.sleep(0.5)
         self.stop()
@@ -215,7 +216,7 @@ class ServerProcess:
 
     def alive(self) -> bool:
         """The process runs and answers ``/health``."""
-        return self.proc is not None and self.proc.poll() is None and _healthy(self.url, timeout_s=5)
+        return self.proc is not None and self.proc.poll() is None and healthy(self.url, timeout_s=5)
 
     def restart(self, timeout_s: float = 600) -> str:
         """Stop and start again on the same port, so the URL everyone holds stays valid."""
@@ -264,7 +265,7 @@ def _reap_group(pgid: int, wait_s: float) -> None:
         pass
 
 
-def _healthy(url: str, *, timeout_s: float) -> bool:
+def healthy(url: str, *, timeout_s: float) -> bool:
     try:
         with urllib.request.urlopen(url + "/health", timeout=timeout_s) as resp:
             return resp.status == 200

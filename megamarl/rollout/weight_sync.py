@@ -144,7 +144,7 @@ def sync_weights(
         if rank == stage_sender(wg, wg.pp_rank) and engine_rank not in stage_ranks(wg, wg.pp_rank):
             stats.num_buckets = _send_buckets(_counted(named, stats), engine_rank, bucket_bytes)
         else:
-            _drain(named)  # TP peers take part in the gathers (an engine rank among them keeps its copy)
+            drain(named)  # TP peers take part in the gathers (an engine rank among them keeps its copy)
     if rank == engine_rank:
         stream = _counted(_engine_stream(wg, export, stats, rank), stats)
         engines = list(engines or [])
@@ -158,14 +158,14 @@ def sync_weights(
                 )
                 engine.flush_cache()
         finally:
-            _drain(stream)  # the senders finish even when an engine stopped early (or there is none)
+            drain(stream)  # the senders finish even when an engine stopped early (or there is none)
             for engine in engines:
                 engine.resume()
     stats.seconds = time.perf_counter() - start
     return stats
 
 
-def _drain(named: Iterable) -> None:
+def drain(named: Iterable) -> None:
     for _ in named:
         pass
 

@@ -36,9 +36,9 @@ LORA_RANK, LORA_ALPHA = 8, 16
 
 
 def _port() -> int:
-    from megamarl.rollout.server_launch import _free_port
+    from megamarl.rollout.server_launch import free_port
 
-    return _free_port("127.0.0.1")
+    return free_port("127.0.0.1")
 
 
 @pytest.fixture(scope="module")
