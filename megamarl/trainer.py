@@ -20,8 +20,9 @@ import torch.distributed as dist
 
 from megamarl.config import RunConfig
 from megamarl.driver.rollout_driver import RolloutDriver, policy_adapters
-from megamarl.driver.schedules import sync_interval
+from megamarl.driver.schedules import SCHEDULES, sync_interval
 from megamarl.parallel.distributed import control_group, init_distributed, wait_for_driver
+from megamarl.parallel.engine_placement import plan_engines, ranks_per_node
 from megamarl.parallel.hardware import DTYPES
 from megamarl.parallel.placement import build_worker_groups
 from megamarl.rl.batch import SampleBatch
@@ -66,10 +67,20 @@ class Trainer:
             self.fleet.wait_ready()
         self.driver = RolloutDriver(cfg, self.run_dir, self.progress, fleet=self.fleet) if self.is_driver else None
         self._wait_for_driver("engine start-up")
+        self._offloaded = self._offload_targets()
         self.pusher = WeightPusher(cfg, wgs=self.wgs, workers=self.workers, fleet=self.fleet, run_dir=self.run_dir,
                                    driver_rank=DRIVER, adapters=lambda name: policy_adapters(cfg, name))
         self.pusher.register_adapters(self.driver.engines_for if self.is_driver else None)
         self._maybe_resume()
+
+    def _offload_targets(self) -> list[str]:
+        """This rank's policies whose training state leaves the accelerator during rollouts."""
+        if SCHEDULES.traits(self.cfg.trainer.mode, key="trainer.mode").overlaps_training:
+            return []
+        plan = plan_engines(self.cfg, self.world_size, ranks_per_node(self.cfg.cluster, self.world_size))
+        engine_here = any(self.rank in rep.ranks for reps in plan.values() for rep in reps)
+        return [name for name, worker in self.workers.items()
+                if engine_here and self.cfg.policies[name].offload_train_state and worker.train_state.applies]
 
     def _wait_for_driver(self, what: str) -> None:
         wait_for_driver(what, driver=DRIVER, timeout_s=self.cfg.trainer.collective_timeout_s)
@@ -84,8 +95,11 @@ class Trainer:
         preemption = PreemptionFlag()
         while self.step < total:
             step_start = time.perf_counter()
+            resynced = self.resync_restarted()
+            offloaded = self.offload_train_state()  # gathered from every rank with the update's metrics
             batch, metrics = self.rollout_and_prepare()
-            metrics.update(self.update(batch))
+            metrics.update(resynced)
+            metrics.update(self.update(batch, offloaded))
             metrics.update(self.sync_all_weights(self.due_for_sync()))
             self.step += 1
             metrics["timing_s/step"] = time.perf_counter() - step_start
@@ -122,9 +136,24 @@ class Trainer:
         dist.broadcast_object_list(payload, src=DRIVER, group=control_group())
         return payload[0]
 
-    def update(self, batch: SampleBatch) -> dict[str, float]:
+    def offload_train_state(self) -> dict[str, float]:
+        """Before the rollout: policies with ``offload_train_state`` whose shards on this rank share
+        their device with an engine replica move weights, gradient buffers and optimizer state to
+        host memory (sync mode only: the async modes train while the engines generate). Nothing
+        moves on a CPU rank (``megamarl.rl.offload``)."""
+        metrics = {}
+        for name in self._offloaded:
+            stats = self.workers[name].train_state.offload()
+            metrics[f"perf/offloaded_gib/{name}"] = stats.num_bytes / 2**30
+            metrics[f"timing_s/{name}/offload"] = stats.seconds
+        return metrics
+
+    def restore_train_state(self) -> dict[str, float]:
+        return {f"timing_s/{name}/restore": self.workers[name].train_state.restore().seconds for name in self._offloaded}
+
+    def update(self, batch: SampleBatch, offloaded: dict[str, float] | None = None) -> dict[str, float]:
         start = time.perf_counter()
-        metrics: dict[str, float] = {}
+        metrics: dict[str, float] = {**(offloaded or {}), **self.restore_train_state()}
         with self.progress.phase("train", unit="micro-batches") as phase:
             for name, part in batch.split_by_policy().items():
                 if self.cfg.policies[name].frozen:
@@ -188,6 +217,16 @@ class Trainer:
                     metrics.update(self.pusher.push(name, self.versions[name], engines))
         dist.barrier(group=control_group())
         metrics["timing_s/weight_sync"] = time.perf_counter() - start
+        return metrics
+
+    def resync_restarted(self) -> dict[str, float]:
+        """Engine servers restarted since the last push get the current weights now, before the
+        step's rollout, instead of idling until the next push (collective; nothing when none restarted)."""
+        metrics = {}
+        for name, replicas in self.pusher.stale(self.driver.engines_for if self.is_driver else None).items():
+            engines = self.driver.engines_for(name) if self.is_driver else None
+            with self.progress.phase(f"re-sync {name} replicas {replicas}", unit=""):
+                metrics.update(self.pusher.resync(name, self.versions[name], engines, replicas))
         return metrics
 
     def evaluate(self) -> None:

@@ -44,6 +44,7 @@ from megamarl.parallel.collectives import all_reduce_sum
 from megamarl.parallel.placement import WorkerGroup
 from megamarl.rl.advantages import ADVANTAGE_ESTIMATORS, AdvantageConfig
 from megamarl.rl.batch import SampleBatch
+from megamarl.rl.offload import TrainStateOffload
 from megamarl.rl.losses import (
     LOSS_AGGREGATIONS,
     LossConfig,
@@ -215,6 +216,11 @@ class PolicyWorker:
             self.value_head = ValueHead(config.hidden_size).to(self.device)
             self.params += list(self.value_head.parameters())  # clipped with the model's
             self.value_optimizer = torch.optim.AdamW(self.value_head.parameters(), lr=cfg.lr, betas=(0.9, 0.999), eps=1e-8)
+        # ``policies.<p>.offload_train_state``: moved to host memory while colocated engines generate
+        self.train_state = TrainStateOffload(
+            self.device, [m for m in (self.model, self.ref_model, self.value_head) if m is not None],
+            [o for o in (self.optimizer, self.value_optimizer) if o is not None],
+        )
         self.num_updates = 0
         # Numerical faults: an update whose loss or gradient norm is not finite is skipped on every
         # rank of the WG (the flag is reduced over mp and dp); ``skip_streak`` counts them in a row.

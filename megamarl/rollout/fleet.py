@@ -200,11 +200,17 @@ class EngineFleet:
         urls = self.policies[policy].urls
         restart_timeout = self.cfg.trainer.collective_timeout_s
 
+        p = self.cfg.policies[policy]
+        # A restarted server serves the checkpoint it was started from: current already when the base
+        # weights never change (frozen, L2: the pool re-loads the newest adapters), else it waits
+        # for a push (``stale_replicas``; the trainer re-syncs it at the next step boundary).
+        base_moves = not p.frozen and p.lora is None
+
         def replica(index: int, *, restarted: bool = False) -> VLLMServerClient:
             if restarted:  # the owner rank restarts the process; wait until it answers again
                 _await_health(urls[index], timeout_s=restart_timeout)
             client = VLLMServerClient(urls[index], model=served_model or SERVED_MODEL)
-            client.weight_version = UNSYNCED if restarted else 0
+            client.weight_version = (UNSYNCED if base_moves else pool.weight_version) if restarted else 0
             return client
 
         pool = EnginePool(lambda i: replica(i), len(urls))
@@ -237,11 +243,14 @@ class EngineFleet:
     # -- weight sync -----------------------------------------------------------------------------
 
     def sync_policy(self, policy: str, wg: WorkerGroup, export, *, version: int, bucket_bytes: int,
-                    pool: EnginePool | None) -> dict[str, float]:
+                    pool: EnginePool | None, only: list[int] | None = None) -> dict[str, float]:
         """Collective over all ranks: the driver's ``pool`` (None elsewhere) drains and pauses the
         replicas and names the targets; the training ranks push; the pool stamps ``version``.
+        ``only``: re-sync just these (restarted) replicas at the current ``version``; metrics then
+        go under ``weight_sync/<policy>/resync/``.
         Returns the push's metrics summed over the sending ranks (on every rank)."""
-        with pool.external_update(version) if pool is not None else _nothing() as targets:
+        prefix = f"weight_sync/{policy}" + ("/resync" if only is not None else "")
+        with pool.external_update(version, only=only) if pool is not None else _nothing() as targets:
             holder = [targets]
             dist.broadcast_object_list(holder, src=0, group=self.control)
             stats, check = self.push(policy, wg, export, version=version, bucket_bytes=bucket_bytes,
@@ -258,10 +267,10 @@ class EngineFleet:
             num_tensors=sum(s.num_tensors for s in gathered), num_bytes=sum(s.num_bytes for s in gathered),
             num_buckets=sum(s.num_buckets for s in gathered), seconds=max(s.seconds for s in gathered),
         )
-        metrics = total.as_dict(f"weight_sync/{policy}")
-        metrics[f"weight_sync/{policy}/replicas"] = float(len(holder[0]))
+        metrics = total.as_dict(prefix)
+        metrics[f"{prefix}/replicas"] = float(len(holder[0]))
         if self.cfg.policies[policy].engine.verify_sync:
-            metrics[f"weight_sync/{policy}/verified_replicas"] = float(sum(counts))
+            metrics[f"{prefix}/verified_replicas"] = float(sum(counts))
         return metrics
 
     def push(

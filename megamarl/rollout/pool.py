@@ -63,6 +63,7 @@ class EnginePool(Engine):
         self.restart_errors: list[tuple[int, BaseException]] = []
         self._rotation = itertools.count()
         self.loras: dict[str, object] = {}  # L2 adapters registered with every replica (add_lora)
+        self.lora_versions: dict[str, int] = {}  # L2: the version of each adapter's newest directory
 
     # -- routing ---------------------------------------------------------------------------------
 
@@ -129,8 +130,9 @@ class EnginePool(Engine):
             pass
         try:
             fresh = self.factory(index)
-            for name, path in self.loras.items():
+            for name, path in self.loras.items():  # the newest directory of each adapter
                 fresh.add_lora(name, path)
+                fresh.lora_versions[name] = self.lora_versions.get(name, 0)
         except Exception as exc:  # noqa: BLE001 - stays dead; routing skips it, check_health retries
             self.restart_errors.append((index, exc))
             with self._lock:
@@ -191,19 +193,33 @@ class EnginePool(Engine):
             finally:
                 self._gate.open()
 
+    def stale_replicas(self) -> list[int]:
+        """Live replicas whose weights are not the pool's (restarted since the last push): they take
+        no traffic until a push (``external_update(..., only=...)``) re-synced them."""
+        with self._lock:
+            return [i for i, r in enumerate(self.replicas)
+                    if self.live[i] and i not in self._restarting and r.weight_version != self.weight_version]
+
     @contextmanager
-    def external_update(self, version: int, *, lora: str | None = None) -> Iterator[list[tuple[int, int]]]:
+    def external_update(self, version: int, *, lora: str | None = None,
+                        only: Iterable[int] | None = None) -> Iterator[list[tuple[int, int]]]:
         """Bracket a weight push that reaches the replicas from outside this process (engine servers
         fed by the training ranks, ``megamarl.rollout.fleet``). Admission stops and every live
         replica pauses (drains); the body gets the ``(index, restart generation)`` pairs that take the
         update and delivers it; afterwards they carry ``version`` (a restarted replica is thereby
-        re-synced and takes traffic again), caches are flushed and everything resumes."""
+        re-synced and takes traffic again), caches are flushed and everything resumes.
+
+        ``only``: re-sync just these replicas at the pool's current version (a restarted replica,
+        ``stale_replicas``); the others keep serving, admission stays open (the targets take no
+        traffic until they carry the pool's version)."""
+        only = set(only) if only is not None else None
         with self._update_lock:
-            self._gate.close()
+            if only is None:
+                self._gate.close()
             targets: list[tuple[int, int]] = []
             try:
                 with self._lock:
-                    live = [i for i in range(len(self.replicas)) if self.live[i]]
+                    live = [i for i in range(len(self.replicas)) if self.live[i] and (only is None or i in only)]
                 for i in live:
                     try:
                         self.replicas[i].pause()
@@ -214,7 +230,7 @@ class EnginePool(Engine):
                 for i, _ in targets:
                     if lora is None:
                         self.replicas[i].weight_version = version
-                if lora is None:
+                if lora is None and only is None:
                     self.weight_version = version
             finally:
                 for i, _ in targets:
@@ -222,7 +238,8 @@ class EnginePool(Engine):
                         self.replicas[i].resume()
                     except ConnectionError:
                         self._mark_dead(i, self.replicas[i])
-                self._gate.open()
+                if only is None:
+                    self._gate.open()
 
     def counters(self) -> dict[str, float]:
         """Cumulative routing counters, for the step metrics."""
@@ -233,12 +250,17 @@ class EnginePool(Engine):
         out["live_replicas"] = float(sum(self.live))
         return out
 
-    def add_lora(self, name: str, path) -> None:
-        """Register L2 adapter ``name`` (a PEFT directory) with every replica; a rebuilt replica
-        registers it again from the same directory."""
-        self.loras[name] = path
+    def add_lora(self, name: str, path, *, version: int = 0) -> None:
+        """Register L2 adapter ``name`` (a PEFT directory holding its weights of ``version``) with
+        every replica; a rebuilt replica registers the newest directory (``adapter_updated``)."""
+        self.adapter_updated(name, path, version)
         for replica in self.replicas:
             replica.add_lora(name, path)
+
+    def adapter_updated(self, name: str, path, version: int) -> None:
+        """Adapter ``name``'s newest weights (``version``) are in ``path`` (every replica has loaded them)."""
+        self.loras[name] = path
+        self.lora_versions[name] = version
 
     # -- lifecycle -------------------------------------------------------------------------------
 

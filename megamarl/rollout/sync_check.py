@@ -31,6 +31,18 @@ def reference_tokens(model_path: str | Path, weights: dict[str, torch.Tensor]) -
         raise WeightSyncMismatch(f"the pushed weights lack {missing[:5]}")
     if config.tie_word_embeddings:
         model.tie_weights()
+    return _greedy(model)
+
+
+def adapter_reference_tokens(model_path: str | Path, adapter_dir: str | Path) -> list[list[int]]:
+    """The same continuations by the base model with the PEFT adapter in ``adapter_dir`` merged in, in fp32."""
+    from peft import PeftModel
+
+    base = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    return _greedy(PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload().eval())
+
+
+def _greedy(model) -> list[list[int]]:
     out = []
     with torch.no_grad():
         for prompt in PROBE_PROMPTS:
@@ -67,5 +79,20 @@ def verify_replicas(policy: str, model_path: str | Path, weights: dict[str, torc
             raise WeightSyncMismatch(
                 f"policy {policy} replica {index} ({url}) after weight version {version}: greedy tokens {got} "
                 f"differ from transformers on the pushed weights {expected}"
+            )
+    return len(urls)
+
+
+def verify_adapter(policy: str, adapter: str, model_path: str | Path, adapter_dir: str | Path,
+                   urls: dict[int, str], *, version: int) -> int:
+    """L2: every replica serving ``adapter`` (under its own model name) decodes what transformers
+    decodes with the adapter directory it was told to load. Returns how many matched."""
+    expected = adapter_reference_tokens(model_path, adapter_dir)
+    for index, url in urls.items():
+        got = served_tokens(url, adapter)
+        if got != expected:
+            raise WeightSyncMismatch(
+                f"policy {policy} adapter {adapter} replica {index} ({url}) after version {version}: greedy tokens "
+                f"{got} differ from transformers with {adapter_dir} {expected}"
             )
     return len(urls)

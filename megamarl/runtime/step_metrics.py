@@ -99,12 +99,12 @@ def peak_memory_gib() -> float:
 
 
 def merge_rank_metrics(per_rank: Iterable[Mapping[str, float]]) -> dict[str, float]:
-    """One dict from every rank's metrics: peak memory keys take the max over ranks (a worker
-    group's peak is its fullest rank's); for other keys the last rank's value is kept."""
+    """One dict from every rank's metrics: peak and offloaded memory keys take the max over ranks (a
+    worker group's peak is its fullest rank's); for other keys the last rank's value is kept."""
     merged: dict[str, float] = {}
     for metrics in per_rank:
         for key, value in metrics.items():
-            if key.startswith("perf/max_memory_gib/") and key in merged:
+            if key.startswith(("perf/max_memory_gib/", "perf/offloaded_gib/")) and key in merged:
                 value = max(value, merged[key])
             merged[key] = value
     return merged

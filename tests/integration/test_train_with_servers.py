@@ -9,9 +9,11 @@ One 4-rank run covers both placements side by side (two policies, four servers, 
   one on each of its ranks, each fed by its own rank through shared memory, asleep while training.
 
 In step 1's rollout a chaos env (tests/integration/plugins/server_chaos.py) SIGKILLs talker's replica
-1; its requests finish on replica 0, rank 3 restarts the server, the pool takes it back only after
-the next push re-synced it. ``engine.verify_sync`` makes every push compare each replica's greedy
-tokens with transformers on the pushed tensors.
+1; its requests finish on replica 0, rank 3 restarts the server while the push at the end of step 1
+reaches replica 0 only; the evaluation after step 1 waits until the server is back, so at the start
+of step 2 the trainer re-syncs it (the current weights into that replica alone) before it takes
+traffic. ``engine.verify_sync`` makes every push compare each replica's greedy tokens with
+transformers on the pushed tensors.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ pytest.importorskip("vllm")
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS, EPISODES = 3, 8 * 4  # rollout.num_tasks x group_size
+EVAL = 4  # eval episodes after every step (and at step 0): the chaos env counts them too
 
 CONFIG = """
 name: servers
@@ -61,13 +64,13 @@ agents:
 env:
   name: signalling_chaos
   kwargs: {{terse: true, num_symbols: 10, servers_file: {servers}, policy: talker, replica: 1,
-           kill_at: 10, wait_at: {wait_at}}}
+           kill_at: {kill_at}, wait_at: {wait_at}}}
 orchestra: {{name: sequential}}
 plugins: [server_chaos]
 plugin_paths: [{plugins}]
 rollout: {{num_tasks: 8, group_size: 4, max_concurrency: 32}}
 algorithm: {{estimator: at_grpo, group_by: [task, agent, turn], normalize_std: false}}
-eval: {{num_tasks: 0}}
+eval: {{num_tasks: {eval_tasks}, every: 1}}
 trainer: {{total_steps: {steps}, seed: 0, resume: none}}
 logger: {{wandb: {{mode: disabled}}, progress: false}}
 """
@@ -81,7 +84,9 @@ def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("servers")
     config = out / "servers.yaml"
     config.write_text(CONFIG.format(
-        model=vllm_tiny_path, servers=out / "servers" / "engine_servers.json", wait_at=EPISODES + 1,
+        # kill in the middle of step 1's rollout; hold the eval after step 1 until the server is back
+        model=vllm_tiny_path, servers=out / "servers" / "engine_servers.json", kill_at=EVAL + 10,
+        wait_at=EVAL + EPISODES + 1, eval_tasks=EVAL,
         plugins=ROOT / "tests" / "integration" / "plugins", steps=STEPS,
     ))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--master_port", "29871",
@@ -117,16 +122,26 @@ def test_every_push_reached_both_replicas_and_matched_transformers(run):
         assert row["weight_sync/listener/replicas"] == row["weight_sync/listener/verified_replicas"] == 2
 
 
+def test_a_restarted_replica_is_resynced_at_the_next_step_boundary(run):
+    _, rows, _ = run
+    # step 2 began with the current weights (version 2) pushed into replica 1 alone, and verified
+    assert rows[1]["weight_sync/talker/resync/replicas"] == rows[1]["weight_sync/talker/resync/verified_replicas"] == 1
+    assert rows[1]["weight_sync/talker/resync/bytes"] == rows[1]["weight_sync/talker/bytes"]
+    assert "weight_sync/talker/resync/replicas" not in rows[0] and "weight_sync/talker/resync/replicas" not in rows[2]
+    assert not any(k.startswith("weight_sync/listener/resync") for row in rows for k in row)
+
+
 def test_both_replicas_served_and_samples_carry_the_pushed_version(run):
     _, rows, _ = run
     for policy in ("talker", "listener"):
         for i in (0, 1):
             assert rows[-1][f"engine/{policy}/replica{i}/requests"] > 0
-            # step k samples with the weights of push k (push 1 happens before the first rollout)
-            assert [r[f"engine/{policy}/replica{i}/weight_version"] for r in rows[1:]] == [2.0, 3.0] or i == 1
-    # talker's replica 1 came back from its restart and served step 3 at the re-synced version
+            # step k samples with the weights of push k (push 1 happens before the first rollout); talker's
+            # replica 1 served step 2 at version 2 only because the step began by re-syncing it
+            assert [r[f"engine/{policy}/replica{i}/weight_version"] for r in rows] == [1.0, 2.0, 3.0]
+    # talker's replica 1 was killed in step 1 and served again in steps 2 and 3
+    assert rows[1]["engine/talker/replica1/requests"] > rows[0]["engine/talker/replica1/requests"]
     assert rows[2]["engine/talker/replica1/requests"] > rows[1]["engine/talker/replica1/requests"]
-    assert rows[2]["engine/talker/replica1/weight_version"] == 3.0
     for row in rows:  # sync mode: every trained sample was generated at the version pushed last
         assert row["async/staleness_max"] == 0
 

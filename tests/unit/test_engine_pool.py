@@ -140,3 +140,54 @@ def test_all_dead_raises():
     with pytest.raises(NoLiveReplicaError):
         run(pool, PROMPTS[:1])
     farm.close()
+
+
+def test_external_resync_of_a_restarted_replica_leaves_the_others_serving(expected):
+    """A push from outside (engine servers fed by the trainer) re-syncs only the restarted replica:
+    the others are not paused and admission stays open; the target takes traffic afterwards."""
+    farm = ServerFarm()
+    pool = EnginePool(farm, 2)
+    state = tiny_model("llama", seed=0).state_dict()
+    perturbed = {k: v + 0.3 * torch.randn_like(v) for k, v in state.items()}
+    try:
+        with pool.external_update(1) as targets:  # a full push (here: delivered through the client)
+            assert targets == [(0, 0), (1, 0)]
+            for i, _ in targets:
+                pool.replicas[i].update_weights(iter(perturbed.items()), version=1)
+        changed = [g.token_ids for g in run(pool, PROMPTS)]
+        assert pool.stale_replicas() == []
+        farm.servers[1].kill()
+        pool.check_health()
+        pool.wait_restarts(60)
+        assert pool.live == [True, True] and pool.stale_replicas() == [1]  # restarted from its checkpoint
+        pauses_before = farm.servers[0].paths().count("/pause_generation")
+        with pool.external_update(1, only=pool.stale_replicas()) as targets:
+            assert targets == [(1, 1)]  # (replica, restart generation)
+            assert [g.token_ids for g in run(pool, PROMPTS)] == changed  # replica 0 serves meanwhile
+            pool.replicas[1].update_weights(iter(perturbed.items()), version=1)
+        assert farm.servers[0].paths().count("/pause_generation") == pauses_before
+        assert pool.stale_replicas() == [] and pool.weight_version == 1
+        assert [g.token_ids for g in run(pool.replicas[1], PROMPTS)] == changed
+        served = sum(p == "/generate" for p in farm.servers[2].paths())
+        run(pool, PROMPTS * 4)
+        assert sum(p == "/generate" for p in farm.servers[2].paths()) > served  # it takes traffic again
+    finally:
+        farm.close()
+
+
+def test_a_restarted_replica_reloads_each_adapter_at_its_newest_version(tmp_path):
+    """L2: the pool re-registers the newest directory of every adapter with a rebuilt replica and
+    stamps the version those weights carry (not 0)."""
+    loaded = []
+
+    class Replica(HFEngine):
+        def add_lora(self, name, path):
+            loaded.append((name, str(path)))
+            self.lora_versions[name] = 0
+
+    pool = EnginePool(lambda i: Replica(tiny_model("llama", seed=0)), 1)
+    pool.adapter_updated("solver", tmp_path / "solver" / "v3", 3)
+    pool._mark_dead(0, pool.replicas[0])
+    pool.wait_restarts(60)
+    assert loaded == [("solver", str(tmp_path / "solver" / "v3"))]
+    assert pool.replicas[0].lora_versions == {"solver": 3} and pool.replicas[0].version_for("solver") == 3
