@@ -17,6 +17,18 @@ class LoraServing:
     num_adapters: int
     rank: int
 
+    @property
+    def vllm_max_rank(self) -> int:
+        """vLLM's ``max_lora_rank`` for adapters of ``rank``: it accepts only the values of
+        ``vllm.config.lora.MaxLoRARanks`` (0.32), so the smallest of them that holds ``rank``."""
+        fits = [r for r in VLLM_LORA_RANKS if r >= self.rank]
+        if not fits:
+            raise ValueError(f"policies.<p>.lora.rank={self.rank} exceeds vLLM's largest max_lora_rank {VLLM_LORA_RANKS[-1]}")
+        return fits[0]
+
+
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vllm.config.lora.MaxLoRARanks
+
 
 def engine_threads(cfg, *, overlaps_training: bool, num_local_ranks: int) -> int:
     """CPU threads an in-process engine decodes with: ``engine.num_threads``, or (0) every core of

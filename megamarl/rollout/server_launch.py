@@ -109,7 +109,7 @@ def server_command(spec: ServerSpec) -> list[str]:
         cmd += ["--kv-cache-memory-bytes", str(int(spec.kv_cache_gib * 2**30))]
     if spec.lora is not None:
         cmd += ["--enable-lora", "--max-loras", str(max(1, spec.lora.num_adapters)),
-                "--max-lora-rank", str(spec.lora.rank)]
+                "--max-lora-rank", str(spec.lora.vllm_max_rank)]
     return cmd
 
 

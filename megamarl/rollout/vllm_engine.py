@@ -342,7 +342,7 @@ class VLLMEngine(InProcessEngine):
         if importlib.util.find_spec("vllm") is None:
             print("[megamarl] engine.backend=vllm but vllm is not installed: using the hf engine", flush=True)
             return HFEngine.from_config(cfg, path, replica=replica, seed=seed, num_threads=num_threads)
-        lora_kwargs = dict(enable_lora=True, max_loras=max(lora.num_adapters, 1), max_lora_rank=lora.rank) if lora else {}
+        lora_kwargs = dict(enable_lora=True, max_loras=max(lora.num_adapters, 1), max_lora_rank=lora.vllm_max_rank) if lora else {}
         dtype = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[resolve_dtype(cfg.dtype)]
         return cls(path, seed=seed, kv_cache_bytes=int(cfg.kv_cache_gib * 2**30), dtype=dtype,
                    num_threads=num_threads, max_num_seqs=cfg.max_num_seqs, **lora_kwargs)

@@ -66,7 +66,7 @@ def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("l2")
     config = out / "l2.yaml"
     config.write_text(CONFIG.format(model=resolve_model_path("tiny-vllm-llama"), steps=STEPS))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_port", "29873",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_port", "29877",
            str(ROOT / "scripts" / "train.py"), "--config", str(config), f"output_dir={out}"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, env={**os.environ, "CI": "true"})
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]

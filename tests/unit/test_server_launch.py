@@ -52,6 +52,8 @@ def test_vllm_env_cpu_and_gpu():
     assert "CUDA_VISIBLE_DEVICES" not in server_env(spec(devices=(2, 3)), base={})  # CPU: placement's ids only
     assert "VLLM_ALLOW_RUNTIME_LORA_UPDATING" not in env
     assert server_env(spec(lora=LoraServing(1, 8)), base={})["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
+    # vLLM takes only some max_lora_rank values: rank-4 adapters need 8
+    assert flag(server_command(spec(lora=LoraServing(2, 4))), "--max-lora-rank") == "8"
     gpu = server_env(spec(on_gpu=True, devices=(4, 5)), base={})
     assert gpu["CUDA_VISIBLE_DEVICES"] == "4,5" and "VLLM_CPU_KVCACHE_SPACE" not in gpu and "OMP_NUM_THREADS" not in gpu
 
