@@ -67,9 +67,10 @@ class GroupIndex:
     def __post_init__(self) -> None:
         given = [getattr(self, k) for k in GROUP_KEYS if getattr(self, k) is not None]
         n = len(given[0]) if given else len(self.anchors)
+        device = torch.as_tensor(given[0]).device if given else torch.device("cpu")  # the keys' device
         for key in GROUP_KEYS:
             col = getattr(self, key)
-            col = torch.zeros(n, dtype=torch.long) if col is None else torch.as_tensor(col).long()
+            col = torch.zeros(n, dtype=torch.long, device=device) if col is None else torch.as_tensor(col).long()
             if col.shape != (n,):
                 raise ValueError(f"GroupIndex.{key} has shape {tuple(col.shape)}, expected ({n},)")
             setattr(self, key, col)

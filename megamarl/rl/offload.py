@@ -15,8 +15,9 @@ their return value), so a CPU run honours the key trivially.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Iterable
 
 import torch
 
@@ -44,8 +45,6 @@ class TrainStateOffload:
     def offload(self) -> OffloadStats:
         if not self.applies or self.offloaded:
             return OffloadStats()
-        import time
-
         start = time.perf_counter()
         moved = 0
         for module in self.modules:
@@ -67,8 +66,6 @@ class TrainStateOffload:
     def restore(self) -> OffloadStats:
         if not self.offloaded:
             return OffloadStats()
-        import time
-
         start = time.perf_counter()
         moved = 0
         for module in self.modules:
