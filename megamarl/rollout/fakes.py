@@ -143,7 +143,10 @@ class FakeSGLangServer(_FakeServer):
             return
         record: dict[str, Any] = {"path": path}
         if path == "/generate":
-            record["num_inputs"] = len(body.get("input_ids") or [])
+            ids, params = body.get("input_ids") or [], body.get("sampling_params") or {}
+            record["num_inputs"] = 1 if ids and isinstance(ids[0], int) else len(ids)
+            record["temperatures"] = sorted({p.get("temperature", 1.0) for p in
+                                             (params if isinstance(params, list) else [params])})
             record["lora_path"] = body.get("lora_path")
         elif path in ("/update_weights_from_distributed", "/update_weights_from_tensor"):
             record.update({k: body.get(k) for k in ("group_name", "load_format", "flush_cache", "weight_version")})

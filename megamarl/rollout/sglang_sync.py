@@ -55,15 +55,16 @@ FLATTENED = "flattened_bucket"  # SGLang's load_format for one broadcast per buc
 def join_update_group(backend: str, master_address: str, master_port: int, *, rank: int, world_size: int,
                       group_name: str, timeout_s: float):
     """A process group outside the default world, formed the way SGLang's ``init_custom_process_group``
-    forms it: a ``tcp://`` rendezvous (rank 0 hosts the store), a ``PrefixStore(group_name)``, and
-    torch's group constructor (which prefixes the group name and the device type once more). Both
-    sides must build it the same way, or their store keys never meet."""
-    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world, rendezvous
+    forms it: the store of a ``tcp://`` rendezvous (rank 0 hosts it), a ``PrefixStore(group_name)``,
+    and torch's group constructor (which prefixes the group name and the device type once more). Both
+    sides must build it the same way, or their store keys never meet. The store is made directly,
+    not through ``rendezvous``: under torchrun (``TORCHELASTIC_USE_AGENT_STORE``) a rendezvous would
+    dial the agent's store instead of hosting one, and the servers would never find it."""
+    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world
 
     timeout = datetime.timedelta(seconds=timeout_s)
-    store, rank, world_size = next(rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size,
-                                              timeout=timeout))
-    store.set_timeout(timeout)
+    store = dist.TCPStore(master_address, master_port, world_size, is_master=rank == 0, timeout=timeout,
+                          wait_for_workers=False)
     group, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), PrefixStore(group_name, store),
                                          group_name=group_name, timeout=timeout)
     _world.pg_group_ranks[group] = {i: i for i in range(world_size)}  # dist.broadcast(src=0) means group rank 0

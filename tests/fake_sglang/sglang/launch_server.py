@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import threading
 
 DTYPES = {"auto": "float32", "bfloat16": "bfloat16", "float16": "float16", "half": "float16",
           "float32": "float32", "float": "float32"}
@@ -40,8 +41,12 @@ def main(argv: list[str] | None = None) -> None:
     engine = HFEngine(args.model_path, dtype=getattr(torch, DTYPES[args.dtype]), seed=args.random_seed,
                       max_batch_rows=args.max_running_requests, max_wait_ms=2.0)
 
+    lock = threading.Lock()  # handler threads log concurrently: one whole line per record
+
     def log(record: dict) -> None:
-        print("[fake-sglang] " + json.dumps(record), flush=True)
+        with lock:
+            sys.stdout.write("[fake-sglang] " + json.dumps(record) + "\n")
+            sys.stdout.flush()
 
     server = FakeSGLangServer(engine, host=args.host, port=args.port, model_path=args.model_path,
                               tp_size=args.tp_size, log=log)
