@@ -112,7 +112,7 @@ def serialize_for_sglang(named_tensors: list[tuple[str, torch.Tensor]]) -> str:
     import base64
     from multiprocessing.reduction import ForkingPickler
 
-    import torch.multiprocessing  # noqa: F401 - registers the tensor reducers with ForkingPickler
+    import torch.multiprocessing  # registers the tensor reducers with ForkingPickler
 
     buf = io.BytesIO()
     pickler = ForkingPickler(buf)

@@ -37,7 +37,7 @@ def test_senders_and_clients_by_backend():
     from megamarl.rollout.sglang_sync import SGLangWeightSender
     from megamarl.rollout.vllm_server import VLLMServerClient
 
-    kw = dict(master_addr="127.0.0.1", master_port=29999, replica_tp=[1])
+    kw = {"master_addr": "127.0.0.1", "master_port": 29999, "replica_tp": [1]}
     sglang = SENDERS["sglang"](["http://127.0.0.1:1"], colocated=False, on_gpu=False, **kw)
     assert isinstance(sglang, SGLangWeightSender) and sglang.transport == "gloo"
     assert SENDERS["sglang"](["http://127.0.0.1:1"], colocated=True, on_gpu=False, **kw).transport == "gloo"
