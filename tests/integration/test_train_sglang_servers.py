@@ -9,6 +9,10 @@ rank 1 owns the server, rank 0 trains (TP=1) and pushes every step's weights str
 (``/init_weights_update_group`` once, then per bucket ``/update_weights_from_distributed`` + a
 broadcast), the driver's pool routes requests to it, and ``engine.verify_sync`` compares its greedy
 ``/generate`` tokens with transformers on the pushed tensors after every push.
+
+A second run places the policy on ranks 0-1 (DP=2) with two *colocated* replicas, one per rank, each
+fed by its own rank over a gloo group of that rank and its server (the CPU path for colocated SGLang
+replicas) and asleep (``/release_memory_occupation``) while the policy trains.
 """
 
 from __future__ import annotations
@@ -31,11 +35,11 @@ name: sglang_servers
 policies:
   shared:
     model: tiny-plain-llama
-    ranks: [0]
+    ranks: {policy_ranks}
     lr: 1.0e-3
     seq_len: 256
     dtype: fp32
-    engine: {{backend: sglang, launch: server, tp: 1, num_replicas: 1, ranks: [1], dtype: bf16,
+    engine: {{backend: sglang, launch: server, tp: 1, {placement} dtype: bf16,
              max_num_seqs: 32, num_threads: 1, bucket_mb: 1, verify_sync: true}}
 agents:
   sender:
@@ -54,25 +58,41 @@ logger: {{wandb: {{mode: disabled}}, progress: false}}
 """
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("sglang_servers")
+PLACEMENTS = {
+    "disaggregated": ("[0]", "num_replicas: 1, ranks: [1],"),
+    "colocated": ("[0, 1]", "num_replicas: 2,"),
+}
+
+
+def _train(out: Path, placement: str, port: int):
+    policy_ranks, engine = PLACEMENTS[placement]
     config = out / "sglang_servers.yaml"
-    config.write_text(CONFIG.format(steps=STEPS))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29873",
+    config.write_text(CONFIG.format(steps=STEPS, policy_ranks=policy_ranks, placement=engine))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
            str(ROOT / "scripts" / "train.py"), "--config", str(config), f"output_dir={out}"]
     fake = str(ROOT / "tests" / "fake_sglang")
     env = {**os.environ, "CI": "true",
            "PYTHONPATH": os.pathsep.join(p for p in (fake, str(ROOT), os.environ.get("PYTHONPATH")) if p)}
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env, check=False)
     run_dir = out / "sglang_servers"
-    log = run_dir / "engine_logs" / "shared-replica0.log"
-    server_log = log.read_text(errors="replace") if log.exists() else "(no server log)"
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:] + server_log[-3000:]
+    logs = sorted((run_dir / "engine_logs").glob("shared-replica*.log")) if run_dir.exists() else []
+    texts = [log.read_text(errors="replace") for log in logs]
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:] + "".join(t[-2000:] for t in texts)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    calls = [json.loads(line.split("[fake-sglang] ", 1)[1]) for line in server_log.splitlines()
-             if line.startswith("[fake-sglang] {")]
+    calls = [[json.loads(line.split("[fake-sglang] ", 1)[1]) for line in text.splitlines()
+              if line.startswith("[fake-sglang] {")] for text in texts]
     return run_dir, rows, calls
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    run_dir, rows, (calls,) = _train(tmp_path_factory.mktemp("sglang_disagg"), "disaggregated", 29873)
+    return run_dir, rows, calls
+
+
+@pytest.fixture(scope="module")
+def colocated(tmp_path_factory):
+    return _train(tmp_path_factory.mktemp("sglang_coloc"), "colocated", 29874)
 
 
 def test_the_replica_runs_on_rank_1_as_an_sglang_server(run):
@@ -128,3 +148,25 @@ def test_samples_carry_the_pushed_version_and_the_step_completes(run):
     greedy = [c for c in calls if c["path"] == "/generate" and c["temperatures"] == [0.0]]
     assert len(greedy) == 2 * pushes and all(c["num_inputs"] == 1 for c in greedy)
     assert sum(c["num_inputs"] for c in calls if c["path"] == "/generate" and c["temperatures"] == [1.0]) > 0
+
+
+def test_colocated_replicas_are_fed_by_their_own_rank_and_sleep_while_training(colocated):
+    run_dir, rows, calls = colocated
+    servers = json.loads((run_dir / "engine_servers.json").read_text())
+    assert [(s["replica"], s["ranks"], s["colocated"]) for s in servers] == [(0, [0], True), (1, [1], True)]
+    for row in rows:
+        assert row["weight_sync/shared/replicas"] == row["weight_sync/shared/verified_replicas"] == 2
+        assert row["rollout/num_episodes"] == EPISODES
+    push = ["/pause_generation", "/update_weight_version", "/flush_cache", "/continue_generation"]
+    step = ["/release_memory_occupation", "/resume_memory_occupation", *push, "/resume_memory_occupation"]
+    lifecycle = set(step)
+    for replica_calls in calls:
+        (group,) = [c["body"] for c in replica_calls if c["path"] == "/init_weights_update_group"]
+        assert group["world_size"] == 2 and group["rank_offset"] == 1 and group["backend"] == "gloo"  # own rank
+        control = [c["path"] for c in replica_calls if c["path"] in lifecycle]
+        assert control[:4] == push and control[4:] == step * ((len(control) - 4) // len(step))
+        assert len(control) > 4
+        tags = [c["body"]["tags"] for c in replica_calls if c["path"].endswith("_memory_occupation")]
+        assert tags[:3] == [["weights", "kv_cache"], ["weights"], ["kv_cache"]]
+        assert {d for c in replica_calls if c["path"] == "/update_weights_from_distributed" for d in c["dtypes"]} == {
+            "bfloat16"}
