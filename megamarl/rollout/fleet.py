@@ -7,13 +7,16 @@ Built on every rank at start-up from the same plan (``megamarl.parallel.engine_p
   restarts one that dies (same port, so its URL stays valid);
 - ``wait_ready`` exchanges the addresses over the control group; a server that failed to start
   stops every rank with its error (policy, replica, rank, last log lines);
-- the driver reaches a policy's replicas through one ``EnginePool`` of ``VLLMServerClient``s
-  (``driver_pool``): least-loaded routing, failover; a dead replica's client is rebuilt once its
+- the driver reaches a policy's replicas through one ``EnginePool`` of server clients
+  (``driver_pool``; ``CLIENTS`` by engine backend: ``VLLMServerClient``, ``SGLangClient``):
+  least-loaded routing, failover; a dead replica's client is rebuilt once its
   owner has restarted the server, and it takes traffic only after the next weight push re-synced it;
 - ``push`` moves a policy's new weights from the training ranks straight into the servers
-  (``WeightSender``), never through the driver: disaggregated replicas get one broadcast per bucket
-  from each stage's sender (all replicas at once); colocated replicas (PP=1) are fed by their own
-  leader rank, which holds full tensors after the export's TP gather, through shared memory.
+  (``SENDERS`` by engine backend: ``server_sync.WeightSender`` for vLLM,
+  ``sglang_sync.SGLangWeightSender`` for SGLang), never through the driver: disaggregated replicas
+  get one broadcast per bucket from each stage's sender (all replicas at once); colocated replicas
+  (PP=1) are fed by their own leader rank, which holds full tensors after the export's TP gather
+  (vLLM: shared memory; SGLang: CUDA IPC on GPU, on CPU a gloo group of the leader and its replica).
 """
 
 from __future__ import annotations
@@ -43,6 +46,8 @@ from megamarl.planning.model_presets import resolve_model_shape
 from megamarl.rollout.pool import EnginePool
 from megamarl.rollout.server_launch import ServerProcess, ServerSpec, free_port, healthy
 from megamarl.rollout.server_sync import WeightSender
+from megamarl.rollout.sglang import SGLangClient
+from megamarl.rollout.sglang_sync import SGLangWeightSender
 from megamarl.rollout.sync_check import verify_replicas
 from megamarl.rollout.vllm_server import VLLMServerClient
 from megamarl.rollout.weight_sync import SyncStats, drain, stage_sender
@@ -55,11 +60,31 @@ UNSYNCED = -1
 SERVED_MODEL = "default"  # the model name requests use; L2 adapters are served under their own names  # weight_version of a restarted replica until a push reaches it
 
 
+def _vllm_sender(urls: list[str], *, colocated: bool, on_gpu: bool, **kw) -> WeightSender:
+    return WeightSender(urls, backend="megamarl_shm" if colocated else "megamarl_gloo", **kw)
+
+
+def _sglang_sender(urls: list[str], *, colocated: bool, on_gpu: bool, **kw) -> SGLangWeightSender:
+    """CUDA IPC into a colocated GPU replica; otherwise a broadcast group (on CPU also for a colocated
+    replica: its own leader rank is the group's sender)."""
+    return SGLangWeightSender(urls, transport="cuda_ipc" if colocated and on_gpu else "nccl" if on_gpu else "gloo",
+                              **kw)
+
+
+# engine backend -> the weight sender into its servers (connect/begin/send/end/push/close) and the
+# driver's client of one server
+SENDERS: dict[str, Callable[..., WeightSender | SGLangWeightSender]] = {"vllm": _vllm_sender, "sglang": _sglang_sender}
+CLIENTS: dict[str, Callable[[str, str], VLLMServerClient | SGLangClient]] = {
+    "vllm": lambda url, model: VLLMServerClient(url, model=model),
+    "sglang": lambda url, model: SGLangClient(url),  # one base model per server: requests name no model
+}
+
+
 @dataclass
 class _Transfer:
     """A live weight-transfer connection from this rank to some replicas of one policy."""
 
-    sender: WeightSender
+    sender: WeightSender | SGLangWeightSender
     key: tuple  # (replica indices, their restart generations): a change means a new group
 
 
@@ -201,15 +226,16 @@ class EngineFleet:
         restart_timeout = self.cfg.trainer.collective_timeout_s
 
         p = self.cfg.policies[policy]
+        make_client = CLIENTS[p.engine.backend]
         # A restarted server serves the checkpoint it was started from: current already when the base
         # weights never change (frozen, L2: the pool re-loads the newest adapters), else it waits
         # for a push (``stale_replicas``; the trainer re-syncs it at the next step boundary).
         base_moves = not p.frozen and p.lora is None
 
-        def replica(index: int, *, restarted: bool = False) -> VLLMServerClient:
+        def replica(index: int, *, restarted: bool = False) -> VLLMServerClient | SGLangClient:
             if restarted:  # the owner rank restarts the process; wait until it answers again
                 _await_health(urls[index], timeout_s=restart_timeout)
-            client = VLLMServerClient(urls[index], model=served_model or SERVED_MODEL)
+            client = make_client(urls[index], served_model or SERVED_MODEL)
             client.weight_version = (UNSYNCED if base_moves else pool.weight_version) if restarted else 0
             return client
 
@@ -298,7 +324,7 @@ class EngineFleet:
                     drain(named)  # a TP peer takes part in the leader's gathers
                     return stats, None
                 index = leaders[self.rank]
-                sender = self._sender(policy, (self.rank,), [(index, generations[index])], backend="megamarl_shm")
+                sender = self._sender(policy, (self.rank,), [(index, generations[index])], colocated=True)
                 return self._send(policy, sender, named, [index], version, bucket_bytes, stats, start)
             return stats, None
         pp_rank = wg.pp_rank if wg.is_member else None
@@ -308,7 +334,7 @@ class EngineFleet:
         if self.rank != stage_sender(wg, pp_rank):
             drain(named)
             return stats, None
-        sender = self._sender(policy, (pp_rank,), targets, backend="megamarl_gloo")
+        sender = self._sender(policy, (pp_rank,), targets, colocated=False)
         verify_here = wg.layout.pp == 1  # a stage alone is not a model to decode with
         return self._send(policy, sender, named, list(generations) if verify_here else [], version, bucket_bytes,
                           stats, start)
@@ -323,10 +349,12 @@ class EngineFleet:
         if not check:
             return stats, None
         urls = {i: self.policies[policy].urls[i] for i in verify}
+        backend = self.cfg.policies[policy].engine.backend
         return stats, lambda: verify_replicas(policy, self.model_paths[policy], pushed, urls,
-                                              served_model=SERVED_MODEL, version=version)
+                                              served_model=SERVED_MODEL, version=version, backend=backend)
 
-    def _sender(self, policy: str, where: tuple, targets: list[tuple[int, int]], *, backend: str) -> WeightSender:
+    def _sender(self, policy: str, where: tuple, targets: list[tuple[int, int]], *,
+                colocated: bool) -> WeightSender | SGLangWeightSender:
         """The connection for ``targets``, rebuilt when the replica set or a restart changed it."""
         key = (policy, *where)
         wanted = tuple(sorted(targets))
@@ -337,9 +365,10 @@ class EngineFleet:
             current.sender.close()
         servers = self.policies[policy]
         indices = [i for i, _ in wanted]
-        sender = WeightSender(
-            [servers.urls[i] for i in indices], backend=backend, master_addr=_host_address(),
-            master_port=free_port("0.0.0.0"), replica_tp=[len(servers.replicas[i].ranks) for i in indices],
+        sender = SENDERS[self.cfg.policies[policy].engine.backend](
+            [servers.urls[i] for i in indices], colocated=colocated, on_gpu=torch.cuda.is_available(),
+            master_addr=_host_address(), master_port=free_port("0.0.0.0"),
+            replica_tp=[len(servers.replicas[i].ranks) for i in indices],
         )
         sender.connect()
         self._transfers[key] = _Transfer(sender, wanted)
@@ -364,6 +393,15 @@ def _check_context(policy: str, seq_len: int, path: Path) -> None:
     if limit and seq_len > limit:
         raise ValueError(f"policies.{policy}.seq_len={seq_len} exceeds the model's max_position_embeddings={limit} "
                          f"({path}); its engine servers would refuse to start")
+
+
+def _check_sglang_sampling(cfg, policy: str) -> None:
+    """SGLang's sampling parameters have no ``allowed_token_ids``: refuse the key, never ignore it."""
+    for agent, acfg in cfg.agents.items():
+        if acfg.policy == policy and acfg.sampling.allowed_tokens:
+            raise ValueError(f"agents.{agent}.sampling.allowed_tokens: policy {policy} serves through SGLang "
+                             "(engine.backend=sglang), whose sampling parameters cannot restrict tokens; drop the "
+                             "key or use engine.backend=vllm")
 
 
 def _kv_cache_gib(policy, path: Path) -> float:
@@ -398,12 +436,12 @@ def build_fleet(cfg, *, rank: int, world_size: int, run_dir: Path, control_group
     paths = {name: resolve_model_path(p.model, key=f"policies.{name}.model") for name, p in cfg.policies.items()}
     for name, reps in plan.items():  # on every rank, before any server or model starts
         if reps and reps[0].launch == "server":
-            if cfg.policies[name].engine.backend != "vllm":
-                raise ValueError(
-                    f"policies.{name}.engine.backend={cfg.policies[name].engine.backend} with launch=server: megamarl "
-                    "pushes weights into servers through vLLM's weight-transfer endpoints only; use backend=vllm, "
-                    "or run SGLang servers yourself and list them in engine.server_urls"
-                )
+            backend = cfg.policies[name].engine.backend
+            if backend not in SENDERS:
+                raise ValueError(f"policies.{name}.engine.backend={backend} with launch=server: megamarl starts and "
+                                 f"feeds servers of {sorted(SENDERS)} only")
+            if backend == "sglang":
+                _check_sglang_sampling(cfg, name)
             _check_context(name, cfg.policies[name].seq_len, paths[name])
     local_servers = sum(
         1 for reps in plan.values() for r in reps if r.launch == "server" and r.node == rank // per_node

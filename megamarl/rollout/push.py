@@ -17,6 +17,7 @@ import torch.distributed as dist
 from megamarl.models.lora import save_peft_adapter
 from megamarl.parallel.distributed import control_group
 from megamarl.parallel.hardware import DTYPES, resolve_dtype
+from megamarl.rollout.fleet import SERVED_MODEL
 from megamarl.rollout.sync_check import verify_adapter
 from megamarl.rollout.weight_sync import SyncStats, sync_weights
 
@@ -114,8 +115,8 @@ class WeightPusher:
                 engine.adapter_updated(adapter, path, version)  # a restarted replica loads the newest directory
                 if self.cfg.policies[name].engine.verify_sync:
                     urls = {i: engine.replicas[i].base_url for i, _ in targets}
-                    verified += verify_adapter(name, adapter, self.fleet.model_paths[name], path, urls,
-                                                    version=version)
+                    verified += verify_adapter(name, adapter, self.fleet.model_paths[name], path, urls, version=version,
+                                               served_model=SERVED_MODEL, backend=self.cfg.policies[name].engine.backend)
         return stats, verified
 
     def adapter_dir(self, name: str, adapter: str, version: int) -> Path:

@@ -16,13 +16,24 @@ and the request dataclasses in ``managers/io_struct.py``):
   "world_size", "group_name", "backend"}`` then ``POST /update_weights_from_distributed``
   ``{"names", "dtypes", "shapes", "group_name", "flush_cache", "weight_version"}`` while the trainer
   broadcasts the tensors from rank 0 of that group (cross-node path).
-- ``POST /release_memory_occupation`` / ``/resume_memory_occupation`` ``{"tags": [...] | null}``,
-  ``POST /pause_generation`` ``{"mode": "abort"|"retract"|"in_place"}``, ``POST
-  /continue_generation``, ``POST /flush_cache``, ``GET /health``. Replies to the weight endpoints
-  are ``{"success": bool, "message": str}``.
+  (``load_format: "flattened_bucket"``: one broadcast of the bucket's flattened concatenation);
+  ``POST /update_weight_version {"new_version"}``; ``POST /destroy_weights_update_group
+  {"group_name"}``. The fan-out sender is ``megamarl.rollout.sglang_sync.SGLangWeightSender``.
+- ``POST /release_memory_occupation`` / ``/resume_memory_occupation`` ``{"tags": ["weights",
+  "kv_cache"] | null}``, ``POST /pause_generation`` ``{"mode": "abort"|"retract"|"in_place"}``, ``POST
+  /continue_generation``, ``POST /flush_cache``, ``GET /health``, ``GET /get_model_info`` (carries
+  ``weight_version``). Replies to the weight endpoints are ``{"success": bool, "message": str}``.
+- L2 adapters (server started with ``--enable-lora``): ``POST /load_lora_adapter {"lora_name",
+  "lora_path"}`` / ``POST /unload_lora_adapter {"lora_name"}`` (replies ``{"success",
+  "error_message", "loaded_adapters"}``); SGLang refuses to load a name twice, so a new version of an
+  adapter is an unload then a load; requests name the adapter in ``lora_path``.
+
+Not supported by SGLang's sampling parameters: ``allowed_token_ids`` (raises; ``build_fleet``
+rejects ``agents.<a>.sampling.allowed_tokens`` for SGLang policies at start-up).
 
 SGLang cannot run on the CPU machines this project is developed on, so the client is tested
-against a local server speaking the protocol above (``tests/unit/test_engine_sglang.py``).
+against a local server speaking the protocol above (``megamarl.rollout.fakes.FakeSGLangServer``,
+also launchable as ``python -m sglang.launch_server`` from ``tests/fake_sglang``).
 Logprobs: SGLang returns logprobs of the temperature-scaled distribution
 (``--return-logprob`` after temperature); the same quantity as our ``hf``/``vllm`` engines when
 top-k/top-p are off.
@@ -32,6 +43,8 @@ from __future__ import annotations
 
 import base64
 import io
+import threading
+import time
 from typing import Any, Iterable
 
 import torch
@@ -81,15 +94,35 @@ def _check(reply: Any, what: str) -> Any:
     return reply
 
 
-@ENGINES.register("sglang", traits=EngineTraits(configurable=True, can_sleep=True, external=True, server=True))
+def _check_lora(reply: Any, what: str) -> Any:
+    if isinstance(reply, dict) and reply.get("success") is False:
+        raise RuntimeError(f"SGLang {what} failed: {reply.get('error_message')}")
+    return reply
+
+
+def _version(stamp: Any, default: int) -> int:
+    """A server's ``weight_version`` as our integer (SGLang starts at ``"default"``)."""
+    try:
+        return int(stamp)
+    except (TypeError, ValueError):
+        return default
+
+
+@ENGINES.register("sglang", traits=EngineTraits(configurable=True, can_sleep=True, serves_lora=True, external=True,
+                                                server=True))
 class SGLangClient(Engine):
     """Disaggregated SGLang server at ``base_url`` (``http://host:port``)."""
 
     def __init__(self, base_url: str, *, timeout_s: float = 600.0, tp_size: int = 1, bucket_bytes: int = 512 * 2**20):
+        self.base_url = base_url
         self.http = JSONClient(base_url, timeout_s=timeout_s)
         self.tp_size = tp_size
         self.bucket_bytes = bucket_bytes
         self.weight_version = 0
+        self.lora_versions: dict[str, int] = {}
+        self._loaded_loras: set[str] = set()
+        self._in_flight = 0  # requests of this client the server has not answered yet (``pause`` drains them)
+        self._in_flight_lock = threading.Lock()
 
     @classmethod
     def from_config(cls, cfg, path, *, replica: int, seed: int, lora=None, num_threads: int = 0) -> SGLangClient:
@@ -107,18 +140,37 @@ class SGLangClient(Engine):
             "sampling_params": [sglang_sampling(sampling, j) for j in range(sampling.n)],
             "return_logprob": True,
         }
+        if sampling.allowed_token_ids:
+            raise NotImplementedError("SGLang's sampling parameters have no allowed_token_ids; drop "
+                                      "agents.<a>.sampling.allowed_tokens for SGLang policies or use backend vllm/hf")
         if lora is not None:
             payload["lora_path"] = [lora] * sampling.n
-        replies = await self.http.apost("/generate", payload)
-        return [self._to_generation(r) for r in (replies if isinstance(replies, list) else [replies])]
+        with self._in_flight_lock:
+            self._in_flight += 1
+        try:
+            replies = await self.http.apost("/generate", payload)
+        finally:
+            with self._in_flight_lock:
+                self._in_flight -= 1
+        gens = [self._to_generation(r) for r in (replies if isinstance(replies, list) else [replies])]
+        if lora is not None:  # the server stamps the base weights' version; an adapter has its own
+            gens = [Generation(g.token_ids, g.logprobs, g.finish_reason, self.version_for(lora)) for g in gens]
+        return gens
 
     def _to_generation(self, reply: dict) -> Generation:
         meta = reply["meta_info"]
         logprobs = [float(lp) for lp, _tok, *_ in meta["output_token_logprobs"]]
         tokens = reply.get("output_ids") or [int(tok) for _lp, tok, *_ in meta["output_token_logprobs"]]
         reason = (meta.get("finish_reason") or {}).get("type", "length")
-        version = int(meta.get("weight_version", self.weight_version) or 0)
+        version = _version(meta.get("weight_version"), self.weight_version)
         return Generation(list(tokens), logprobs, "stop" if reason == "stop" else "length", version)
+
+    def version_for(self, lora: str | None) -> int:
+        return self.weight_version if lora is None else self.lora_versions.get(lora, 0)
+
+    def server_weight_version(self) -> str:
+        """The version the server reports (``/get_model_info``; stamped by ``/update_weight_version``)."""
+        return str(self.http.get("/get_model_info")["weight_version"])
 
     # -- weights ---------------------------------------------------------------------------------
 
@@ -127,7 +179,8 @@ class SGLangClient(Engine):
     ) -> None:
         """Send tensors in buckets through ``/update_weights_from_tensor`` (same-node servers)."""
         if lora is not None:
-            raise NotImplementedError("SGLangClient: LoRA updates go through /load_lora_adapter (not wired yet)")
+            raise NotImplementedError("SGLangClient: an adapter update is a new PEFT directory loaded with "
+                                      "add_lora (/load_lora_adapter), not tensors")
         previous: list[tuple[str, torch.Tensor]] = []
         for bucket in buckets(((n, t.detach().contiguous()) for n, t in weights), self.bucket_bytes):
             if previous:
@@ -170,14 +223,44 @@ class SGLangClient(Engine):
 
     # -- lifecycle -------------------------------------------------------------------------------
 
+    # -- LoRA (L2) ---------------------------------------------------------------------------------
+
+    def add_lora(self, name: str, path) -> None:
+        """(Re)load PEFT adapter directory ``path`` as ``name``: SGLang refuses a name it already
+        serves, so a new version unloads the old one first (the caller has paused the server)."""
+        from pathlib import Path
+
+        if not (Path(path) / "adapter_config.json").is_file():
+            raise ValueError(f"LoRA '{name}': {path} is not a PEFT adapter directory (no adapter_config.json)")
+        if name in self._loaded_loras:
+            _check_lora(self.http.post("/unload_lora_adapter", {"lora_name": name}), "unload_lora_adapter")
+            self._loaded_loras.discard(name)
+        _check_lora(self.http.post("/load_lora_adapter", {"lora_name": name, "lora_path": str(path)}),
+                    "load_lora_adapter")
+        self._loaded_loras.add(name)
+        self.lora_versions.setdefault(name, 0)
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
     def sleep(self, *, level: int = 1) -> None:
-        tags = None if level >= 2 else ["kv_cache"]
-        self.http.post("/release_memory_occupation", {"tags": tags})
+        """Level 1: release weights and KV cache (the hand-over to training; the next push rewrites
+        the weights); level 2: everything SGLang holds (also CUDA graphs)."""
+        tags = None if level >= 2 else ["weights", "kv_cache"]
+        _check(self.http.post("/release_memory_occupation", {"tags": tags}), "release_memory_occupation")
 
-    def wake(self) -> None:
-        self.http.post("/resume_memory_occupation", {"tags": None})
+    def wake(self, tags: tuple[str, ...] | None = None) -> None:
+        """Resume ``tags`` in order (weights first, so a push can land before the KV cache returns);
+        None: everything."""
+        for tag in ([None] if tags is None else list(tags)):
+            _check(self.http.post("/resume_memory_occupation", {"tags": None if tag is None else [tag]}),
+                   "resume_memory_occupation")
 
-    def pause(self) -> None:
+    def pause(self, *, drain_timeout_s: float = 600.0) -> None:
+        """Requests already sent finish first (like vLLM's ``/pause?mode=wait``), then the scheduler
+        pauses in place; the caller stops new requests (``EnginePool``)."""
+        deadline = time.monotonic() + drain_timeout_s
+        while self._in_flight > 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
         self.http.post("/pause_generation", {"mode": "in_place"})
 
     def resume(self) -> None:

@@ -68,18 +68,13 @@ def test_sglang_client_generate_update_lifecycle(local):
         assert {g.weight_version for g in changed} == {4}
         assert [g.token_ids for g in changed] != [g.token_ids for g in expected]
 
-        client.init_weights_update_group(master_address="10.0.0.1", master_port=29600, rank_offset=1, world_size=3)
-        client.update_weights_from_distributed(["lm_head.weight"], ["float32"], [[49152, 64]], version=5)
-        assert server.weight_groups[0]["world_size"] == 3 and client.weight_version == 5
-
         client.sleep(level=2)
         client.wake()
         client.update_weights(tiny_model("llama", seed=0).state_dict().items(), version=6)
         client.flush_cache()
         assert [g[0].token_ids for g in run(client, PROMPTS, **GREEDY)] == [g.token_ids for g in expected]
         for path in ("/pause_generation", "/continue_generation", "/release_memory_occupation",
-                     "/resume_memory_occupation", "/flush_cache", "/init_weights_update_group",
-                     "/update_weights_from_distributed"):
+                     "/resume_memory_occupation", "/flush_cache"):
             assert path in server.paths()
         assert client.health()
     finally:

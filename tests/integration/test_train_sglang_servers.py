@@ -1,0 +1,172 @@
+"""An SGLang engine replica as a server started by its owning rank, through ``scripts/train.py``
+(issue #14): ``engine.backend: sglang, launch: server``.
+
+SGLang cannot run on these CPU machines: ``tests/fake_sglang`` (put first on ``PYTHONPATH``) provides
+``python -m sglang.launch_server``, which parses the real SGLang flags megamarl emits and serves
+SGLang's HTTP protocol from transformers (``megamarl.rollout.fakes.FakeSGLangServer``), joining the
+update group over a real gloo rendezvous. Everything on megamarl's side is the production path:
+rank 1 owns the server, rank 0 trains (TP=1) and pushes every step's weights straight into it
+(``/init_weights_update_group`` once, then per bucket ``/update_weights_from_distributed`` + a
+broadcast), the driver's pool routes requests to it, and ``engine.verify_sync`` compares its greedy
+``/generate`` tokens with transformers on the pushed tensors after every push.
+
+A second run places the policy on ranks 0-1 (DP=2) with two *colocated* replicas, one per rank, each
+fed by its own rank over a gloo group of that rank and its server (the CPU path for colocated SGLang
+replicas) and asleep (``/release_memory_occupation``) while the policy trains.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.integration, pytest.mark.distributed, pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parents[2]
+STEPS, EPISODES = 3, 4 * 4  # rollout.num_tasks x group_size
+
+CONFIG = """
+name: sglang_servers
+policies:
+  shared:
+    model: tiny-plain-llama
+    ranks: {policy_ranks}
+    lr: 1.0e-3
+    seq_len: 256
+    dtype: fp32
+    engine: {{backend: sglang, launch: server, tp: 1, {placement} dtype: bf16,
+             max_num_seqs: 32, num_threads: 1, bucket_mb: 1, verify_sync: true}}
+agents:
+  sender:
+    policy: shared
+    sampling: {{temperature: 1.0, max_tokens: 2}}
+  receiver:
+    policy: shared
+    sampling: {{temperature: 1.0, max_tokens: 2}}
+env: {{name: signalling, kwargs: {{terse: true, num_symbols: 10}}}}
+orchestra: {{name: sequential}}
+rollout: {{num_tasks: 4, group_size: 4, max_concurrency: 16}}
+algorithm: {{estimator: at_grpo, group_by: [task, agent, turn], normalize_std: false}}
+eval: {{num_tasks: 0}}
+trainer: {{total_steps: {steps}, seed: 0, resume: none}}
+logger: {{wandb: {{mode: disabled}}, progress: false}}
+"""
+
+
+PLACEMENTS = {
+    "disaggregated": ("[0]", "num_replicas: 1, ranks: [1],"),
+    "colocated": ("[0, 1]", "num_replicas: 2,"),
+}
+
+
+def _train(out: Path, placement: str, port: int):
+    policy_ranks, engine = PLACEMENTS[placement]
+    config = out / "sglang_servers.yaml"
+    config.write_text(CONFIG.format(steps=STEPS, policy_ranks=policy_ranks, placement=engine))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
+           str(ROOT / "scripts" / "train.py"), "--config", str(config), f"output_dir={out}"]
+    fake = str(ROOT / "tests" / "fake_sglang")
+    env = {**os.environ, "CI": "true",
+           "PYTHONPATH": os.pathsep.join(p for p in (fake, str(ROOT), os.environ.get("PYTHONPATH")) if p)}
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env, check=False)
+    run_dir = out / "sglang_servers"
+    logs = sorted((run_dir / "engine_logs").glob("shared-replica*.log")) if run_dir.exists() else []
+    texts = [log.read_text(errors="replace") for log in logs]
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:] + "".join(t[-2000:] for t in texts)
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    calls = [[json.loads(line.split("[fake-sglang] ", 1)[1]) for line in text.splitlines()
+              if line.startswith("[fake-sglang] {")] for text in texts]
+    return run_dir, rows, calls
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    run_dir, rows, (calls,) = _train(tmp_path_factory.mktemp("sglang_disagg"), "disaggregated", 29873)
+    return run_dir, rows, calls
+
+
+@pytest.fixture(scope="module")
+def colocated(tmp_path_factory):
+    return _train(tmp_path_factory.mktemp("sglang_coloc"), "colocated", 29874)
+
+
+def test_the_replica_runs_on_rank_1_as_an_sglang_server(run):
+    run_dir, _, calls = run
+    (server,) = json.loads((run_dir / "engine_servers.json").read_text())
+    assert (server["policy"], server["replica"], server["ranks"], server["colocated"]) == ("shared", 0, [1], False)
+    log = (run_dir / "engine_logs" / "shared-replica0.log").read_text()
+    assert "-m sglang.launch_server --model-path" in log and "--dtype bfloat16" in log
+    assert calls  # the fake logged the protocol it was spoken to
+
+
+def test_every_step_pushes_over_update_weights_from_distributed_in_the_engine_dtype(run):
+    _, rows, calls = run
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    groups = [c["body"] for c in calls if c["path"] == "/init_weights_update_group"]
+    assert len(groups) == 1 and groups[0]["backend"] == "gloo" and groups[0]["world_size"] == 2
+    assert groups[0]["rank_offset"] == 1
+    updates = [c for c in calls if c["path"] == "/update_weights_from_distributed"]
+    assert {c["group_name"] for c in updates} == {groups[0]["group_name"]}
+    assert {d for c in updates for d in c["dtypes"]} == {"bfloat16"}  # engine.dtype, not the trainer's fp32
+    assert {c["load_format"] for c in updates} == {"flattened_bucket"} and not any(c["flush_cache"] for c in updates)
+    stamps = [c["body"]["new_version"] for c in calls if c["path"] == "/update_weight_version"]
+    # the initial push (version 1) before the first rollout, then one after each step but the last's
+    assert stamps == [str(v) for v in range(1, STEPS + 1)] or stamps == [str(v) for v in range(1, STEPS + 2)]
+    buckets_per_push = len(updates) // len(stamps)
+    assert buckets_per_push > 1 and len(updates) == buckets_per_push * len(stamps)  # bucket_mb: 1
+    for row in rows:
+        assert row["weight_sync/shared/bytes"] > 0
+        assert row["weight_sync/shared/replicas"] == row["weight_sync/shared/verified_replicas"] == 1
+
+
+def test_pushes_are_bracketed_by_pause_flush_and_continue(run):
+    _, _, calls = run
+    lifecycle = {"/pause_generation", "/update_weight_version", "/flush_cache", "/continue_generation",
+                 "/release_memory_occupation", "/resume_memory_occupation"}
+    control = [c["path"] for c in calls if c["path"] in lifecycle]
+    push = ["/pause_generation", "/update_weight_version", "/flush_cache", "/continue_generation"]
+    assert control[:4] == push
+    assert control == push * (len(control) // 4)
+    assert "/release_memory_occupation" not in control  # disaggregated: the replica never sleeps
+
+
+def test_samples_carry_the_pushed_version_and_the_step_completes(run):
+    _, rows, calls = run
+    for row in rows:
+        assert row["rollout/num_episodes"] == EPISODES and row["rollout/total_failed_episodes"] == 0
+        assert row["async/staleness_max"] == 0
+    # step k samples with push k's weights (push 1 comes before the first rollout)
+    assert [r["engine/shared/replica0/weight_version"] for r in rows] == [float(k) for k in range(1, STEPS + 1)]
+    assert rows[-1]["engine/shared/replica0/requests"] > 0
+    # verify_sync's greedy probes (two prompts) after every push, then the rollout's sampled requests
+    pushes = sum(1 for c in calls if c["path"] == "/update_weight_version")
+    greedy = [c for c in calls if c["path"] == "/generate" and c["temperatures"] == [0.0]]
+    assert len(greedy) == 2 * pushes and all(c["num_inputs"] == 1 for c in greedy)
+    assert sum(c["num_inputs"] for c in calls if c["path"] == "/generate" and c["temperatures"] == [1.0]) > 0
+
+
+def test_colocated_replicas_are_fed_by_their_own_rank_and_sleep_while_training(colocated):
+    run_dir, rows, calls = colocated
+    servers = json.loads((run_dir / "engine_servers.json").read_text())
+    assert [(s["replica"], s["ranks"], s["colocated"]) for s in servers] == [(0, [0], True), (1, [1], True)]
+    for row in rows:
+        assert row["weight_sync/shared/replicas"] == row["weight_sync/shared/verified_replicas"] == 2
+        assert row["rollout/num_episodes"] == EPISODES
+    push = ["/pause_generation", "/update_weight_version", "/flush_cache", "/continue_generation"]
+    step = ["/release_memory_occupation", "/resume_memory_occupation", *push, "/resume_memory_occupation"]
+    lifecycle = set(step)
+    for replica_calls in calls:
+        (group,) = [c["body"] for c in replica_calls if c["path"] == "/init_weights_update_group"]
+        assert group["world_size"] == 2 and group["rank_offset"] == 1 and group["backend"] == "gloo"  # own rank
+        control = [c["path"] for c in replica_calls if c["path"] in lifecycle]
+        assert control[:4] == push and control[4:] == step * ((len(control) - 4) // len(step))
+        assert len(control) > 4
+        tags = [c["body"]["tags"] for c in replica_calls if c["path"].endswith("_memory_occupation")]
+        assert tags[:3] == [["weights", "kv_cache"], ["weights"], ["kv_cache"]]
+        assert {d for c in replica_calls if c["path"] == "/update_weights_from_distributed" for d in c["dtypes"]} == {
+            "bfloat16"}
