@@ -15,8 +15,11 @@ load as a vLLM plugin (``megamarl.rollout.vllm_plugin``):
   ``/dev/shm``; the announcement carries its path; the server's workers read it from shared memory;
   the sender deletes it once every replica has answered. No bytes cross a socket.
 
-A bucket travels as one flat byte buffer: tensors (already in the engine's dtype) are packed
+A bucket travels as one flat byte buffer: tensors (in the engine's dtype) are packed
 back to back at 64-byte aligned offsets, so a bf16 bucket is one gloo broadcast, not one per tensor.
+Each tensor is copied once, into a pack buffer the sender keeps (cast in that copy); workers receive
+into reused buffers (``BufferPool``); each announcement carries the bucket's number, so one that
+overtakes its predecessor on the way is still paired with its own bytes.
 How this differs from vLLM's NCCL trainer engine: one sender pushes to many replicas (and many
 servers) through plain HTTP and one group; no ``WeightSource`` metadata pass is needed because the
 announcement carries each bucket's names, dtypes and shapes.
