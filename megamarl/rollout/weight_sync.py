@@ -55,11 +55,14 @@ def stage_sender(wg: WorkerGroup, pp_rank: int) -> int:
     return stage_ranks(wg, pp_rank)[0]
 
 
-def buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Group tensors into lists of at most ``bucket_bytes`` (a larger tensor goes alone)."""
+def buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int, *,
+            dtype: torch.dtype | None = None) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Group tensors into lists of at most ``bucket_bytes`` (a larger tensor goes alone); with
+    ``dtype``, floating tensors count at its size (they travel cast to it)."""
     bucket, size = [], 0
     for name, tensor in named:
-        nbytes = tensor.numel() * tensor.element_size()
+        itemsize = dtype.itemsize if dtype is not None and tensor.is_floating_point() else tensor.element_size()
+        nbytes = tensor.numel() * itemsize
         if bucket and size + nbytes > bucket_bytes:
             yield bucket
             bucket, size = [], 0

@@ -13,7 +13,14 @@ import torch
 
 from megamarl.rollout.factory import LoraServing
 from megamarl.rollout.server_launch import ServerSpec, plugin_env, server_command, server_env
-from megamarl.rollout.server_sync import ALIGN, WeightSender, bucket_info, pack_bucket, unpack_bucket
+from megamarl.rollout.server_sync import (
+    ALIGN,
+    BufferPool,
+    WeightSender,
+    bucket_info,
+    pack_bucket,
+    unpack_bucket,
+)
 
 
 def spec(**overrides):
@@ -84,6 +91,33 @@ def test_pack_unpack_roundtrip_mixed_dtypes():
     out = unpack_bucket(pack_bucket(bucket, info), info)
     for (name, ref), (got_name, got) in zip(bucket, out):
         assert name == got_name and got.dtype == ref.dtype and torch.equal(got, ref)
+
+
+def test_pack_casts_into_a_reused_buffer():
+    """Floating tensors travel in the engine dtype (cast inside the one copy into place); a reused
+    buffer larger than the bucket is packed in place; integer tensors keep their dtype."""
+    bucket = [("w", torch.tensor([[1.0, -2.5], [3.25, 4.0]]).t()),  # non-contiguous float32
+              ("ids", torch.arange(3))]
+    info = bucket_info(bucket, dtype=torch.bfloat16)
+    assert info["dtype_names"] == ["bfloat16", "int64"] and info["num_bytes"] == 2 * ALIGN
+    buffer = torch.full((4 * ALIGN,), 7, dtype=torch.uint8)
+    flat = pack_bucket(bucket, info, out=buffer)
+    assert flat.data_ptr() == buffer.data_ptr() and flat.numel() == info["num_bytes"]
+    (_, w), (_, ids) = unpack_bucket(flat, info)
+    assert w.dtype == torch.bfloat16 and torch.equal(w, bucket[0][1].to(torch.bfloat16))
+    assert torch.equal(ids, torch.arange(3))
+
+
+def test_receive_buffers_are_reused_only_when_no_view_is_alive():
+    pool = BufferPool(max_buffers=2)
+    first = pool.take(100)
+    view = first[10:20].view(torch.int16)  # a layer still holding a tensor of the bucket
+    del first
+    second = pool.take(50)
+    assert second.data_ptr() != view.data_ptr() - 10 and len(pool.buffers) == 2
+    del view
+    again = pool.take(80)
+    assert again.data_ptr() == pool.buffers[0].data_ptr()  # the first buffer, free again
 
 
 def test_weight_sender_checks_arguments():

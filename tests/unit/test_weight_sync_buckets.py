@@ -21,6 +21,12 @@ def test_buckets_respect_the_limit_and_keep_order():
     assert list(buckets([], bucket_bytes=80)) == []
 
 
+def test_buckets_count_the_wire_dtype():
+    tensors = named(10, 10, 10, 30) + [("ids", torch.arange(10))]  # cast to bf16: 20, 20, 20, 60; int64: 80
+    out = list(buckets(tensors, bucket_bytes=80, dtype=torch.bfloat16))
+    assert [[n for n, _ in b] for b in out] == [["t0", "t1", "t2"], ["t3"], ["ids"]]
+
+
 def test_stage_ranks_follow_megatron_order():
     layout = WorkerGroupLayout(ranks=[4, 5, 6, 7, 8, 9, 10, 11], tp=2, pp=2)  # dp=2
     wg = WorkerGroup("p", layout)
