@@ -37,6 +37,8 @@ from megamarl.rl.losses import KL_ESTIMATORS, LOSS_AGGREGATIONS
 from megamarl.rollout import ENGINES
 from megamarl.runtime.metrics import LoggerConfig
 
+WEIGHT_TRANSFER_CHOICES = ("auto", "native", "megamarl")  # engine.weight_transfer
+
 # A Hugging Face hub id ("org/name") that is not a local directory: megamarl never downloads.
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
@@ -79,8 +81,16 @@ class EngineConfig:
     # decodes fixed prompts greedily to the same tokens as transformers on the tensors it pushed (a
     # mismatch stops the run). Costs a model load and a few decodes per push: a debugging/CI guard.
     verify_sync: bool = False
+    # Engine servers: the data plane of weight pushes. auto: on GPU the backend's own (vLLM: nccl to
+    # disaggregated replicas, CUDA IPC into a colocated TP=1 replica; SGLang: nccl / CUDA IPC), on CPU
+    # megamarl's (gloo broadcast, shared memory); native: the backend's own (needs CUDA); megamarl:
+    # megamarl's everywhere (docs/cluster.md, "Weight push").
+    weight_transfer: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.weight_transfer not in WEIGHT_TRANSFER_CHOICES:
+            raise ValueError(f"policies.<p>.engine.weight_transfer='{self.weight_transfer}' unknown; allowed: "
+                             f"{list(WEIGHT_TRANSFER_CHOICES)}")
         if self.dtype not in DTYPE_CHOICES:
             raise ValueError(f"policies.<p>.engine.dtype='{self.dtype}' unknown; allowed: {list(DTYPE_CHOICES)}")
         if self.num_threads < 0:

@@ -13,8 +13,9 @@ import asyncio
 import json
 import threading
 import urllib.parse
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -308,13 +309,23 @@ class FakeVLLMServer(_FakeServer):
 
     ``transport`` stands in for the NCCL broadcast group: ``/update_weights`` receives the announced
     tensors from it, as the real server's weight-transfer engine receives them from the trainer.
+
+    ``weight_transfer`` ("nccl" or "ipc"): the server was started with that vLLM backend, and the
+    init and update bodies are parsed with vLLM's own worker-side dataclasses
+    (``NCCLWeightTransferInitInfo``/``UpdateInfo``, ``IPCWeightTransferInitInfo``/``UpdateInfo``, which
+    unpickle the IPC handles), so a payload vLLM would refuse fails here too. For "ipc" the fake plays
+    the GPU whose UUID is ``gpu_uuid``, and ``rebuild`` turns that GPU's entry of a handle dict into
+    the tensor (on a GPU: ``rebuild_cuda_tensor``).
     """
 
-    def __init__(self, engine: HFEngine, transport: "QueueTransport | None" = None) -> None:
+    def __init__(self, engine: HFEngine, transport: QueueTransport | None = None, *,
+                 weight_transfer: str | None = None, gpu_uuid: str = "GPU-fake-0",
+                 rebuild: Callable[[tuple], torch.Tensor] | None = None) -> None:
         super().__init__(engine)
         self.transport = transport
+        self.weight_transfer, self.gpu_uuid, self.rebuild = weight_transfer, gpu_uuid, rebuild
+        self.init_info: Any = None
         self._staged: list[tuple[str, torch.Tensor]] = []
-        msg = lambda text: (lambda b, q: {"message": text})  # noqa: E731
         self.routes.update({
             ("POST", "/v1/completions"): self._completions,
             ("POST", "/pause"): lambda b, q: (self.engine.pause(), {"status": "paused"})[1],
@@ -322,10 +333,11 @@ class FakeVLLMServer(_FakeServer):
             ("POST", "/reset_prefix_cache"): lambda b, q: None,
             ("POST", "/sleep"): lambda b, q: (self.engine.sleep(level=int(q.get("level", 1))), {"status": "sleeping"})[1],
             ("POST", "/wake_up"): lambda b, q: (self.engine.wake(), {"status": "awake"})[1],
-            ("POST", "/init_weight_transfer_engine"): msg("Weight transfer initialized"),
+            ("POST", "/init_weight_transfer_engine"): self._init,
             ("POST", "/start_weight_update"): self._start,
             ("POST", "/update_weights"): self._receive,
             ("POST", "/finish_weight_update"): self._finish,
+            ("POST", "/shutdown_weight_transfer_engine"): lambda b, q: {"message": "Weight transfer shut down"},
         })
 
     def _completions(self, body: dict, query: dict) -> dict:
@@ -345,9 +357,31 @@ class FakeVLLMServer(_FakeServer):
         self._staged = []
         return {"message": "Weight update started"}
 
+    def _init(self, body: dict, query: dict) -> dict:
+        if self.weight_transfer == "nccl":
+            from vllm.distributed.weight_transfer.nccl_common import NCCLWeightTransferInitInfo
+
+            self.init_info = NCCLWeightTransferInitInfo(**body["init_info"])
+        elif self.weight_transfer == "ipc":
+            from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferInitInfo
+
+            self.init_info = IPCWeightTransferInitInfo(**body["init_info"])
+        return {"message": "Weight transfer initialized"}
+
     def _receive(self, body: dict, query: dict) -> dict:
         info = body["update_info"]
-        tensors = self.transport.receive(len(info["names"]))
+        if self.weight_transfer == "ipc":
+            from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferUpdateInfo
+
+            parsed = IPCWeightTransferUpdateInfo(**info)
+            assert not self.init_info.packed and isinstance(parsed.ipc_handles, list)
+            tensors = [self.rebuild(handle[self.gpu_uuid]) for handle in parsed.ipc_handles]
+        else:
+            if self.weight_transfer == "nccl":
+                from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferUpdateInfo
+
+                NCCLWeightTransferUpdateInfo(**info)
+            tensors = self.transport.receive(len(info["names"]))
         for name, dtype, shape, tensor in zip(info["names"], info["dtype_names"], info["shapes"], tensors):
             assert list(tensor.shape) == list(shape) and str(tensor.dtype).removeprefix("torch.") == dtype
             self._staged.append((name, tensor))
@@ -365,7 +399,7 @@ class QueueTransport:
     def __init__(self) -> None:
         import queue
 
-        self._queue: "queue.Queue[torch.Tensor]" = queue.Queue()
+        self._queue: queue.Queue[torch.Tensor] = queue.Queue()
 
     def send(self, tensors: list[torch.Tensor]) -> None:
         for tensor in tensors:

@@ -12,11 +12,13 @@ Built on every rank at start-up from the same plan (``megamarl.parallel.engine_p
   least-loaded routing, failover; a dead replica's client is rebuilt once its
   owner has restarted the server, and it takes traffic only after the next weight push re-synced it;
 - ``push`` moves a policy's new weights from the training ranks straight into the servers
-  (``SENDERS`` by engine backend: ``server_sync.WeightSender`` for vLLM,
-  ``sglang_sync.SGLangWeightSender`` for SGLang), never through the driver: disaggregated replicas
-  get one broadcast per bucket from each stage's sender (all replicas at once); colocated replicas
-  (PP=1) are fed by their own leader rank, which holds full tensors after the export's TP gather
-  (vLLM: shared memory; SGLang: CUDA IPC on GPU, on CPU a gloo group of the leader and its replica).
+  (``SENDERS`` by engine backend: ``server_sync.WeightSender`` for vLLM on CPU,
+  ``vllm_native_sync.VLLMNativeSender`` for vLLM on GPU, ``sglang_sync.SGLangWeightSender`` for
+  SGLang; the data plane from ``engine.weight_transfer``, ``TRANSPORTS``), never through the
+  driver: disaggregated replicas get one broadcast per bucket from each stage's sender (all replicas
+  at once); colocated replicas (PP=1) are fed by their own leader rank, which holds full tensors
+  after the export's TP gather (vLLM: shared memory, on GPU CUDA IPC at engine TP=1; SGLang: CUDA
+  IPC on GPU, on CPU a gloo group of the leader and its replica).
 """
 
 from __future__ import annotations
@@ -27,11 +29,11 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -49,6 +51,8 @@ from megamarl.rollout.server_sync import WeightSender
 from megamarl.rollout.sglang import SGLangClient
 from megamarl.rollout.sglang_sync import SGLangWeightSender
 from megamarl.rollout.sync_check import verify_replicas
+from megamarl.rollout.vllm_native_sync import TRANSPORTS as VLLM_NATIVE
+from megamarl.rollout.vllm_native_sync import VLLMNativeSender
 from megamarl.rollout.vllm_server import VLLMServerClient
 from megamarl.rollout.weight_sync import SyncStats, drain, stage_sender
 
@@ -60,20 +64,42 @@ UNSYNCED = -1
 SERVED_MODEL = "default"  # the model name requests use; L2 adapters are served under their own names  # weight_version of a restarted replica until a push reaches it
 
 
-def _vllm_sender(urls: list[str], *, colocated: bool, on_gpu: bool, **kw) -> WeightSender:
-    return WeightSender(urls, backend="megamarl_shm" if colocated else "megamarl_gloo", **kw)
+def vllm_transport(engine, *, colocated: bool, pp: int, on_gpu: bool) -> str:
+    """The data plane into a policy's vLLM replicas (their ``--weight-transfer-config`` backend and the
+    sender's), from ``engine.weight_transfer``. vLLM's own backends (GPU): CUDA IPC into a colocated
+    replica at engine TP=1, NCCL to disaggregated replicas at PP=1 (a vLLM worker holds ONE nccl
+    group, and each pipeline stage sends on its own). megamarl's plugin backends: shared memory into
+    a colocated replica (PP=1) fed by its own rank, a gloo broadcast per stage otherwise."""
+    native = on_gpu and engine.weight_transfer != "megamarl"
+    if colocated and pp == 1:
+        return "ipc" if native and engine.tp == 1 else "megamarl_shm"
+    return "nccl" if native and pp == 1 else "megamarl_gloo"
 
 
-def _sglang_sender(urls: list[str], *, colocated: bool, on_gpu: bool, **kw) -> SGLangWeightSender:
-    """CUDA IPC into a colocated GPU replica; otherwise a broadcast group (on CPU also for a colocated
-    replica: its own leader rank is the group's sender)."""
-    return SGLangWeightSender(urls, transport="cuda_ipc" if colocated and on_gpu else "nccl" if on_gpu else "gloo",
-                              **kw)
+def sglang_transport(engine, *, colocated: bool, pp: int, on_gpu: bool) -> str:
+    """SGLang's own data planes on GPU (CUDA IPC into a colocated replica, NCCL otherwise); a gloo
+    group on CPU or with ``engine.weight_transfer: megamarl`` (on CPU also for a colocated replica:
+    its own leader rank is the group's sender)."""
+    if not on_gpu or engine.weight_transfer == "megamarl":
+        return "gloo"
+    return "cuda_ipc" if colocated else "nccl"
 
 
+def _vllm_sender(urls: list[str], *, transport: str, **kw) -> WeightSender | VLLMNativeSender:
+    if transport in VLLM_NATIVE:
+        return VLLMNativeSender(urls, transport=transport, **kw)
+    return WeightSender(urls, backend=transport, **kw)
+
+
+def _sglang_sender(urls: list[str], *, transport: str, **kw) -> SGLangWeightSender:
+    return SGLangWeightSender(urls, transport=transport, **kw)
+
+
+# engine backend -> how its servers receive weights (the transport from the policy's engine config)
+TRANSPORTS: dict[str, Callable[..., str]] = {"vllm": vllm_transport, "sglang": sglang_transport}
 # engine backend -> the weight sender into its servers (connect/begin/send/end/push/close) and the
 # driver's client of one server
-SENDERS: dict[str, Callable[..., WeightSender | SGLangWeightSender]] = {"vllm": _vllm_sender, "sglang": _sglang_sender}
+SENDERS: dict[str, Callable[..., WeightSender | VLLMNativeSender | SGLangWeightSender]] = {"vllm": _vllm_sender, "sglang": _sglang_sender}
 CLIENTS: dict[str, Callable[[str, str], VLLMServerClient | SGLangClient]] = {
     "vllm": lambda url, model: VLLMServerClient(url, model=model),
     "sglang": lambda url, model: SGLangClient(url),  # one base model per server: requests name no model
@@ -149,16 +175,16 @@ class EngineFleet:
             model_path=str(path), tp=p.engine.tp, devices=tuple(rep.devices), dtype=p.engine.dtype,
             max_num_seqs=p.engine.max_num_seqs, max_model_len=p.seq_len, kv_cache_gib=_kv_cache_gib(p, path),
             num_threads=threads, seed=self.cfg.trainer.seed + rep.index, lora=_lora_serving(self.cfg, rep.policy),
-            log_path=log_dir / f"{rep.policy}-replica{rep.index}.log", weight_transfer=self._transfer_backend(rep),
+            log_path=log_dir / f"{rep.policy}-replica{rep.index}.log", weight_transfer=self._transport(rep.policy, rep.colocated),
             served_model_name=SERVED_MODEL, on_gpu=torch.cuda.is_available(),
             host="0.0.0.0" if self.multi_node else "127.0.0.1",
         )
 
-    def _transfer_backend(self, rep: ReplicaPlacement) -> str:
-        """Colocated replicas (PP=1) are fed through shared memory by their own rank; the others by
-        a broadcast from each stage's sender."""
-        pp = self.cfg.policies[rep.policy].pp
-        return "megamarl_shm" if rep.colocated and pp == 1 else "megamarl_gloo"
+    def _transport(self, policy: str, colocated: bool) -> str:
+        """The data plane of pushes into ``policy``'s servers (``TRANSPORTS``; the same on the server's
+        command line and in the sender)."""
+        p = self.cfg.policies[policy]
+        return TRANSPORTS[p.engine.backend](p.engine, colocated=colocated, pp=p.pp, on_gpu=torch.cuda.is_available())
 
     # -- start-up --------------------------------------------------------------------------------
 
@@ -208,7 +234,7 @@ class EngineFleet:
                     proc.restart()
                     self.restarts[key] += 1
                     silent_since.pop(key, None)
-                except Exception:  # noqa: BLE001 - tried again on the next tick
+                except Exception:
                     log.exception("restarting engine server %s replica %d failed", *key)
 
     def table(self) -> list[dict]:
@@ -354,7 +380,7 @@ class EngineFleet:
                                               served_model=SERVED_MODEL, version=version, backend=backend)
 
     def _sender(self, policy: str, where: tuple, targets: list[tuple[int, int]], *,
-                colocated: bool) -> WeightSender | SGLangWeightSender:
+                colocated: bool) -> WeightSender | VLLMNativeSender | SGLangWeightSender:
         """The connection for ``targets``, rebuilt when the replica set or a restart changed it."""
         key = (policy, *where)
         wanted = tuple(sorted(targets))
@@ -366,7 +392,7 @@ class EngineFleet:
         servers = self.policies[policy]
         indices = [i for i, _ in wanted]
         sender = SENDERS[self.cfg.policies[policy].engine.backend](
-            [servers.urls[i] for i in indices], colocated=colocated, on_gpu=torch.cuda.is_available(),
+            [servers.urls[i] for i in indices], transport=self._transport(policy, colocated),
             master_addr=_host_address(), master_port=free_port("0.0.0.0"),
             replica_tp=[len(servers.replicas[i].ranks) for i in indices],
         )
@@ -393,6 +419,17 @@ def _check_context(policy: str, seq_len: int, path: Path) -> None:
     if limit and seq_len > limit:
         raise ValueError(f"policies.{policy}.seq_len={seq_len} exceeds the model's max_position_embeddings={limit} "
                          f"({path}); its engine servers would refuse to start")
+
+
+def _check_weight_transfer(cfg, policy: str, *, servers: bool) -> None:
+    """``engine.weight_transfer`` chooses how pushes reach SERVERS, and ``native`` needs CUDA."""
+    choice = cfg.policies[policy].engine.weight_transfer
+    if choice != "auto" and not servers:
+        raise ValueError(f"policies.{policy}.engine.weight_transfer={choice} applies to engine servers only, and this "
+                         f"policy's engines run in-process (engine.launch); drop the key or set engine.launch=server")
+    if choice == "native" and not torch.cuda.is_available():
+        raise ValueError(f"policies.{policy}.engine.weight_transfer=native needs CUDA (the backend's own NCCL / CUDA "
+                         f"IPC transfer) and this node has none; use auto or megamarl")
 
 
 def _check_sglang_sampling(cfg, policy: str) -> None:
@@ -431,6 +468,8 @@ def build_fleet(cfg, *, rank: int, world_size: int, run_dir: Path, control_group
     """The run's fleet when any policy's replicas are servers (None: in-process engines only)."""
     per_node = ranks_per_node(cfg.cluster, world_size)
     plan = plan_engines(cfg, world_size, per_node)
+    for name, reps in plan.items():
+        _check_weight_transfer(cfg, name, servers=bool(reps and reps[0].launch == "server"))
     if not any(reps and reps[0].launch == "server" for reps in plan.values()):
         return None
     paths = {name: resolve_model_path(p.model, key=f"policies.{name}.model") for name, p in cfg.policies.items()}

@@ -60,7 +60,7 @@ class ServerSpec:
     lora: LoraServing | None = None
     port: int = 0  # 0: a free port
     log_path: Path | None = None
-    weight_transfer: str = "megamarl_gloo"  # vLLM weight-transfer backend (megamarl_shm when colocated on CPU)
+    weight_transfer: str = "megamarl_gloo"  # vLLM weight-transfer backend (fleet.vllm_transport)
     host: str = "127.0.0.1"  # bind address; 0.0.0.0 to serve other nodes
     served_model_name: str = "default"  # the name requests use (``VLLMServerClient(model=...)``)
     on_gpu: bool | None = None  # None: this node has a CUDA device
@@ -143,6 +143,8 @@ def server_env(spec: ServerSpec, base: dict[str, str] | None = None) -> dict[str
         env["VLLM_LOGGING_LEVEL"] = "INFO"
         if spec.lora is not None:
             env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"  # /v1/load_lora_adapter
+        if spec.weight_transfer == "ipc":  # CUDA IPC handles arrive pickled in /update_weights
+            env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
         if not spec.on_gpu:
             if spec.kv_cache_gib > 0 and spec.kv_cache_gib == int(spec.kv_cache_gib):
                 env["VLLM_CPU_KVCACHE_SPACE"] = str(int(spec.kv_cache_gib))

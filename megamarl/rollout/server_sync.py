@@ -158,16 +158,18 @@ class WeightSender:
     (``megamarl_gloo`` only; it must be reachable from every server's node).
     """
 
+    backends = BACKENDS  # the data planes this sender drives (VLLMNativeSender: vLLM's nccl / ipc)
+
     def __init__(self, urls: list[str], *, backend: str, master_addr: str = "127.0.0.1", master_port: int = 0,
                  replica_tp: list[int] | None = None, dtype: torch.dtype | None = None,
                  timeout_s: float = 600.0) -> None:
-        if backend not in BACKENDS:
-            raise ValueError(f"WeightSender backend '{backend}' unknown; allowed: {list(BACKENDS)}")
+        if backend not in self.backends:
+            raise ValueError(f"{type(self).__name__} backend '{backend}' unknown; allowed: {list(self.backends)}")
         replica_tp = list(replica_tp) if replica_tp is not None else [1] * len(urls)
         if len(replica_tp) != len(urls):
             raise ValueError(f"replica_tp has {len(replica_tp)} entries for {len(urls)} server urls")
-        if backend == "megamarl_gloo" and master_port <= 0:
-            raise ValueError("WeightSender(backend='megamarl_gloo') needs master_port (the group's TCPStore port)")
+        if backend in ("megamarl_gloo", "nccl") and master_port <= 0:
+            raise ValueError(f"{type(self).__name__}(backend='{backend}') needs master_port (the group's rendezvous port)")
         self.urls, self.backend, self.dtype = list(urls), backend, dtype
         self.master_addr, self.master_port, self.replica_tp = master_addr, master_port, replica_tp
         self.timeout_s = timeout_s

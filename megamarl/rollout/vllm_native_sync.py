@@ -1,0 +1,165 @@
+"""Push weights into vLLM servers on GPUs through vLLM's OWN weight-transfer backends.
+
+On CPU, megamarl feeds vLLM servers through its plugin backends (``server_sync.WeightSender``:
+``megamarl_gloo`` / ``megamarl_shm``). On GPU the servers are started with vLLM's built-in backends
+instead (``--weight-transfer-config {"backend": "nccl"|"ipc"}``) and this sender drives them; the
+server side is vLLM's code unchanged (``NCCLWeightTransferEngine`` / ``IPCWeightTransferEngine``).
+
+- ``transport="nccl"`` (disaggregated replicas): one NCCL group per sender, the sender at rank 0 and
+  replica ``r``'s workers at ``rank_offset = 1 + sum(tp of replicas < r)`` (vLLM's own trainer engine
+  gives every server ``rank_offset=1``, which only fits ONE server per group, hence the handshake
+  here: one ``/init_weight_transfer_engine`` per replica with its own offset, sent while the sender
+  opens its endpoint with vLLM's ``nccl_common.trainer_init``). Per bucket: ``/update_weights
+  {names, dtype_names, shapes}`` to every replica, concurrently with ONE packed broadcast
+  (``packed_tensor.packed_nccl_broadcast_producer``, vLLM's producer for its consumer), so every
+  replica receives each bucket at once. The wire params (packed, buffer size, buffers) are sent at
+  the handshake, as vLLM's trainer engine does.
+- ``transport="ipc"`` (colocated replica at engine TP=1, the GPU its own leader rank trains on):
+  per bucket, ``/update_weights {names, dtype_names, shapes, ipc_handles_pickled}`` where each tensor
+  is shared as a CUDA IPC handle keyed by the GPU's UUID (``reduce_tensor``; the server needs
+  ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` to unpickle the handles; ``server_launch`` sets it). The
+  bucket's tensors stay referenced until the server answered. A colocated replica at engine TP > 1
+  needs every block rank's handles for its own GPU; megamarl feeds it through ``megamarl_shm``.
+
+Versions and caches as for the other senders: ``/finish_weight_update {weight_version}``, then
+``/reset_prefix_cache``. NOT RUN ON A GPU YET (none was lent to the sessions that wrote it, and the
+GPU machine has no vLLM): the HTTP payloads are checked on CPU against vLLM's own worker-side
+dataclasses (tests/unit/test_vllm_native_sync.py); the CUDA calls (``_open_nccl``,
+``_broadcast_bucket``, ``_ipc_handles``) are the three functions that test replaces.
+``engine.weight_transfer: megamarl`` keeps the plugin backends on GPU as well.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from megamarl.rollout.server_sync import WeightSender, dtype_name, wire_dtype
+from megamarl.rollout.weight_sync import SyncStats, buckets
+
+TRANSPORTS = ("nccl", "ipc")
+PACKED_BUFFER_BYTES = 1 << 30  # vLLM's DEFAULT_PACKED_BUFFER_SIZE_BYTES
+PACKED_NUM_BUFFERS = 2
+
+
+# -- the CUDA-only calls (vLLM's code; replaced in the CPU test) ----------------------------------------
+
+
+def _open_nccl(master_address: str, master_port: int, world_size: int) -> Any:
+    """The sender's endpoint (rank 0) of the transfer group: vLLM's ``PyNcclCommunicator``."""
+    from vllm.distributed.weight_transfer.nccl_common import trainer_init
+
+    return trainer_init({"master_address": master_address, "master_port": master_port, "world_size": world_size},
+                        rank=0)
+
+
+def _broadcast_bucket(group: Any, bucket: list[tuple[str, torch.Tensor]], *, buffer_bytes: int,
+                      num_buffers: int) -> None:
+    """One packed broadcast of ``bucket`` from rank 0 (what the servers' packed consumer expects)."""
+    from vllm.distributed.weight_transfer.packed_tensor import packed_nccl_broadcast_producer
+
+    packed_nccl_broadcast_producer(iterator=iter(bucket), group=group, src=0, post_iter_func=lambda item: item[1],
+                                   buffer_size_bytes=buffer_bytes, num_buffers=num_buffers)
+    torch.cuda.current_stream().synchronize()
+
+
+def _ipc_handles(tensor: torch.Tensor) -> dict[str, tuple]:
+    """``{gpu uuid: rebuild_cuda_tensor args}`` for one CUDA tensor (vLLM's unpacked IPC format)."""
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    _, args = reduce_tensor(tensor)
+    return {str(torch.cuda.get_device_properties(tensor.device.index).uuid): args}
+
+
+class VLLMNativeSender(WeightSender):
+    """The trainer side of a weight update into ``urls`` through vLLM's ``nccl`` or ``ipc`` backend.
+
+    Same interface as ``WeightSender`` (connect / push / begin / send / end / close); ``replica_tp``
+    as there; ``dtype``: the engines' dtype (floating tensors travel cast to it)."""
+
+    backends = TRANSPORTS
+
+    def __init__(self, urls: list[str], *, transport: str, master_addr: str = "127.0.0.1", master_port: int = 0,
+                 replica_tp: list[int] | None = None, dtype: torch.dtype | None = None, timeout_s: float = 600.0,
+                 buffer_bytes: int = PACKED_BUFFER_BYTES, num_buffers: int = PACKED_NUM_BUFFERS) -> None:
+        super().__init__(urls, backend=transport, master_addr=master_addr, master_port=master_port,
+                         replica_tp=replica_tp, dtype=dtype, timeout_s=timeout_s)
+        if transport == "ipc" and any(tp != 1 for tp in self.replica_tp):
+            raise ValueError(f"VLLMNativeSender(transport='ipc') feeds replicas at engine TP=1 (one GPU, the "
+                             f"sender's); got replica_tp={self.replica_tp}")
+        self.transport = transport
+        self.buffer_bytes, self.num_buffers = buffer_bytes, num_buffers
+
+    def connect(self) -> None:
+        if self.transport == "ipc":
+            self._all("/init_weight_transfer_engine", {"init_info": {"packed": False}})
+            self.connected = True
+            return
+        world_size = 1 + sum(self.replica_tp)
+        futures, offset = [], 1
+        for client, tp in zip(self.clients, self.replica_tp):
+            init_info = {"master_address": self.master_addr, "master_port": self.master_port, "rank_offset": offset,
+                         "world_size": world_size, "packed": True, "packed_buffer_size_bytes": self.buffer_bytes,
+                         "packed_num_buffers": self.num_buffers}
+            futures.append(self._pool.submit(client.post, "/init_weight_transfer_engine", {"init_info": init_info}))
+            offset += tp
+        # the servers' workers block in the rendezvous until the sender joins: join while they wait
+        self.group = _open_nccl(self.master_addr, self.master_port, world_size)
+        for f in futures:
+            f.result()
+        self.connected = True
+
+    def send(self, named: Iterable[tuple[str, torch.Tensor]], *, bucket_bytes: int = 64 * 2**20,
+             stats: SyncStats | None = None) -> SyncStats:
+        """One ``/update_weights`` per bucket to every replica, with its bytes (one broadcast, or IPC
+        handles in the request). Buckets go one at a time: the packed NCCL producer keeps its own
+        buffers in flight within a bucket."""
+        if not self.connected:
+            raise RuntimeError("VLLMNativeSender.send before connect()")
+        stats = stats if stats is not None else SyncStats()
+        for bucket in buckets(named, bucket_bytes, dtype=self.dtype):
+            bucket = [(name, self._wire(t)) for name, t in bucket]
+            stats.num_buckets += 1
+            stats.num_tensors += len(bucket)
+            stats.num_bytes += sum(t.numel() * t.element_size() for _, t in bucket)
+            info = {"names": [n for n, _ in bucket], "dtype_names": [dtype_name(t.dtype) for _, t in bucket],
+                    "shapes": [list(t.shape) for _, t in bucket]}
+            if self.transport == "ipc":
+                info["ipc_handles_pickled"] = _pickled([_ipc_handles(t) for _, t in bucket])
+                self._all("/update_weights", {"update_info": info})  # the bucket stays referenced until here
+                del bucket
+                if torch.cuda.is_available():
+                    torch.cuda.ipc_collect()  # the server has loaded (copied) the bucket: free what it shared
+                continue
+            futures = [self._pool.submit(c.post, "/update_weights", {"update_info": info}) for c in self.clients]
+            failed = [f for f in futures if f.done() and f.exception() is not None]
+            if failed:  # refused before any receive: the broadcast would wait for nobody
+                raise failed[0].exception()
+            _broadcast_bucket(self.group, bucket, buffer_bytes=self.buffer_bytes, num_buffers=self.num_buffers)
+            for f in futures:
+                f.result()
+        return stats
+
+    def _wire(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The tensor as it travels: on this rank's GPU, in the engine's dtype, contiguous."""
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else tensor.device
+        return tensor.detach().to(device=device, dtype=wire_dtype(tensor, self.dtype)).contiguous()
+
+    def close(self) -> None:
+        group = self.group
+        super().close()
+        if group is not None and hasattr(group, "destroy"):
+            try:
+                group.destroy()
+            except Exception:  # noqa: BLE001, S110 - the peers may already be gone
+                pass
+
+
+def _pickled(handles: list[dict[str, tuple]]) -> str:
+    """What vLLM's HTTP client sends for IPC handles (``ipc_handles_pickled``)."""
+    import base64
+    import pickle
+
+    return base64.b64encode(pickle.dumps(handles)).decode("utf-8")
