@@ -28,10 +28,11 @@ announcement carries each bucket's names, dtypes and shapes.
 from __future__ import annotations
 
 import datetime
+import itertools
 import os
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -149,6 +150,20 @@ def gloo_broadcast(group, tensor: torch.Tensor, *, src: int = 0) -> None:
     group.broadcast([tensor], opts).wait()
 
 
+def join_replicas(pool: ThreadPoolExecutor, clients: list[JSONClient], path: str, replica_tp: list[int],
+                  init_body: Callable[[int], Any], open_group: Callable[[int], Any]) -> tuple[Any, list[Any]]:
+    """The handshake of every broadcast transport (megamarl_gloo, vLLM's nccl, SGLang's update
+    groups): the sender is rank 0 of a group of ``1 + sum(replica_tp)`` ranks and replica ``r``'s
+    workers sit from ``rank_offset = 1 + sum(replica_tp[:r])``. Each server blocks in ``path`` until the
+    group forms, so every replica's ``init_body(rank_offset)`` is posted first (concurrently, in
+    ``pool``), then this rank joins (``open_group(world_size)``). Returns the group and the replies."""
+    world_size = 1 + sum(replica_tp)
+    offsets = itertools.accumulate([1, *replica_tp[:-1]])
+    futures = [pool.submit(c.post, path, init_body(offset)) for c, offset in zip(clients, offsets)]
+    group = open_group(world_size)
+    return group, [f.result() for f in futures]
+
+
 class WeightSender:
     """The trainer side of a weight update into ``urls`` (one vLLM server per replica).
 
@@ -204,17 +219,14 @@ class WeightSender:
         # The store must exist before the servers dial it; the group forms once all have joined.
         self._store = dist.TCPStore(self.master_addr, self.master_port, world_size, is_master=True,
                                     timeout=datetime.timedelta(seconds=self.timeout_s), wait_for_workers=False)
-        futures, offset = [], 1
-        for client, tp in zip(self.clients, self.replica_tp):
-            init_info = {"master_address": self.master_addr, "master_port": self.master_port,
-                         "rank_offset": offset, "world_size": world_size, "group_name": group_name,
-                         "timeout_s": self.timeout_s}
-            futures.append(self._pool.submit(client.post, "/init_weight_transfer_engine", {"init_info": init_info}))
-            offset += tp
-        self.group = dist.ProcessGroupGloo(dist.PrefixStore(group_name, self._store), 0, world_size,
-                                           datetime.timedelta(seconds=self.timeout_s))
-        for f in futures:
-            f.result()
+        timeout = datetime.timedelta(seconds=self.timeout_s)
+        self.group, _ = join_replicas(
+            self._pool, self.clients, "/init_weight_transfer_engine", self.replica_tp,
+            lambda offset: {"init_info": {"master_address": self.master_addr, "master_port": self.master_port,
+                                          "rank_offset": offset, "world_size": world_size, "group_name": group_name,
+                                          "timeout_s": self.timeout_s}},
+            lambda size: dist.ProcessGroupGloo(dist.PrefixStore(group_name, self._store), 0, size, timeout),
+        )
         self.connected = True
 
     # -- data plane --------------------------------------------------------------------------------

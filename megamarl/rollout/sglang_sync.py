@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 
 from megamarl.rollout._http import JSONClient
-from megamarl.rollout.server_sync import dtype_name
+from megamarl.rollout.server_sync import dtype_name, join_replicas
 from megamarl.rollout.weight_sync import SyncStats, buckets
 
 TRANSPORTS = ("gloo", "nccl", "cuda_ipc")
@@ -183,18 +183,16 @@ class SGLangWeightSender:
             return
         world_size = 1 + sum(self.replica_tp)
         self.group_name = f"megamarl-sglang-{uuid.uuid4().hex[:8]}"
-        payloads, offset = [], 1
-        for tp in self.replica_tp:
-            payloads.append({"master_address": self.master_addr, "master_port": self.master_port,
-                             "rank_offset": offset, "world_size": world_size, "group_name": self.group_name,
-                             "backend": self.transport})
-            offset += tp
-        # Each server blocks in its handler until the group forms: post first, then join.
-        futures = [self._pool.submit(c.post, "/init_weights_update_group", p) for c, p in zip(self.clients, payloads)]
-        self.group = join_update_group(self.transport, self.master_addr, self.master_port, rank=0,
-                                       world_size=world_size, group_name=self.group_name, timeout_s=self.timeout_s)
-        for f, url in zip(futures, self.urls):
-            self._checked(f.result(), "/init_weights_update_group", url)
+        self.group, replies = join_replicas(
+            self._pool, self.clients, "/init_weights_update_group", self.replica_tp,
+            lambda offset: {"master_address": self.master_addr, "master_port": self.master_port,
+                            "rank_offset": offset, "world_size": world_size, "group_name": self.group_name,
+                            "backend": self.transport},
+            lambda size: join_update_group(self.transport, self.master_addr, self.master_port, rank=0,
+                                           world_size=size, group_name=self.group_name, timeout_s=self.timeout_s),
+        )
+        for reply, url in zip(replies, self.urls):
+            self._checked(reply, "/init_weights_update_group", url)
         self.connected = True
 
     # -- data plane --------------------------------------------------------------------------------

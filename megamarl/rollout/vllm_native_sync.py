@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from megamarl.rollout.server_sync import WeightSender, dtype_name, wire_dtype
+from megamarl.rollout.server_sync import WeightSender, dtype_name, join_replicas, wire_dtype
 from megamarl.rollout.weight_sync import SyncStats, buckets
 
 TRANSPORTS = ("nccl", "ipc")
@@ -89,26 +89,26 @@ class VLLMNativeSender(WeightSender):
         if transport == "ipc" and any(tp != 1 for tp in self.replica_tp):
             raise ValueError(f"VLLMNativeSender(transport='ipc') feeds replicas at engine TP=1 (one GPU, the "
                              f"sender's); got replica_tp={self.replica_tp}")
-        self.transport = transport
         self.buffer_bytes, self.num_buffers = buffer_bytes, num_buffers
+
+    @property
+    def transport(self) -> str:
+        return self.backend
 
     def connect(self) -> None:
         if self.transport == "ipc":
             self._all("/init_weight_transfer_engine", {"init_info": {"packed": False}})
             self.connected = True
             return
-        world_size = 1 + sum(self.replica_tp)
-        futures, offset = [], 1
-        for client, tp in zip(self.clients, self.replica_tp):
-            init_info = {"master_address": self.master_addr, "master_port": self.master_port, "rank_offset": offset,
-                         "world_size": world_size, "packed": True, "packed_buffer_size_bytes": self.buffer_bytes,
-                         "packed_num_buffers": self.num_buffers}
-            futures.append(self._pool.submit(client.post, "/init_weight_transfer_engine", {"init_info": init_info}))
-            offset += tp
-        # the servers' workers block in the rendezvous until the sender joins: join while they wait
-        self.group = _open_nccl(self.master_addr, self.master_port, world_size)
-        for f in futures:
-            f.result()
+        # the servers' workers block in the rendezvous until the sender joins as rank 0
+        self.group, _ = join_replicas(
+            self._pool, self.clients, "/init_weight_transfer_engine", self.replica_tp,
+            lambda offset: {"init_info": {
+                "master_address": self.master_addr, "master_port": self.master_port, "rank_offset": offset,
+                "world_size": 1 + sum(self.replica_tp), "packed": True,
+                "packed_buffer_size_bytes": self.buffer_bytes, "packed_num_buffers": self.num_buffers}},
+            lambda world_size: _open_nccl(self.master_addr, self.master_port, world_size),
+        )
         self.connected = True
 
     def send(self, named: Iterable[tuple[str, torch.Tensor]], *, bucket_bytes: int = 64 * 2**20,
