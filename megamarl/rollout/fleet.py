@@ -468,13 +468,14 @@ def build_fleet(cfg, *, rank: int, world_size: int, run_dir: Path, control_group
     """The run's fleet when any policy's replicas are servers (None: in-process engines only)."""
     per_node = ranks_per_node(cfg.cluster, world_size)
     plan = plan_engines(cfg, world_size, per_node)
-    for name, reps in plan.items():
-        _check_weight_transfer(cfg, name, servers=bool(reps and reps[0].launch == "server"))
-    if not any(reps and reps[0].launch == "server" for reps in plan.values()):
+    served = {name: bool(reps and reps[0].launch == "server") for name, reps in plan.items()}
+    for name in plan:
+        _check_weight_transfer(cfg, name, servers=served[name])
+    if not any(served.values()):
         return None
     paths = {name: resolve_model_path(p.model, key=f"policies.{name}.model") for name, p in cfg.policies.items()}
-    for name, reps in plan.items():  # on every rank, before any server or model starts
-        if reps and reps[0].launch == "server":
+    for name in plan:  # on every rank, before any server or model starts
+        if served[name]:
             backend = cfg.policies[name].engine.backend
             if backend not in SENDERS:
                 raise ValueError(f"policies.{name}.engine.backend={backend} with launch=server: megamarl starts and "

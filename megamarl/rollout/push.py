@@ -63,9 +63,9 @@ class WeightPusher:
         if self.fleet is None:  # in-process engines: the pool re-sends the weights itself
             return {}
         found = {}
-        if self.is_driver and self.fleet is not None:
-            for name, policy in self.cfg.policies.items():
-                if self._served(name) and not policy.frozen and policy.lora is None:
+        if self.is_driver:
+            for name in self.cfg.policies:
+                if self._served(name):  # frozen and L2 replicas are never stale (EngineFleet.driver_pool)
                     indices = engines_for(name)[0].stale_replicas()
                     if indices:
                         found[name] = indices
