@@ -10,14 +10,11 @@ adapter's name with transformers + PEFT on the directory it loaded.
 
 from __future__ import annotations
 
-import json
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from train_runs import train  # tests/ helper
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm, pytest.mark.slow]
 pytest.importorskip("vllm")
@@ -66,12 +63,7 @@ def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("l2")
     config = out / "l2.yaml"
     config.write_text(CONFIG.format(model=resolve_model_path("tiny-vllm-llama"), steps=STEPS))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_port", "29877",
-           str(ROOT / "scripts" / "train.py"), "--config", str(config), f"output_dir={out}"]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, env={**os.environ, "CI": "true"})
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
-    run_dir = out / "l2"
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    run_dir, rows, _ = train(config, out, nproc=1, port=29877, timeout=900)
     return run_dir, rows
 
 

@@ -19,11 +19,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from train_runs import train  # tests/ helper
 
 pytestmark = [pytest.mark.integration, pytest.mark.distributed, pytest.mark.slow]
 
@@ -68,17 +67,10 @@ def _train(out: Path, placement: str, port: int):
     policy_ranks, engine = PLACEMENTS[placement]
     config = out / "sglang_servers.yaml"
     config.write_text(CONFIG.format(steps=STEPS, policy_ranks=policy_ranks, placement=engine))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
-           str(ROOT / "scripts" / "train.py"), "--config", str(config), f"output_dir={out}"]
-    fake = str(ROOT / "tests" / "fake_sglang")
-    env = {**os.environ, "CI": "true",
-           "PYTHONPATH": os.pathsep.join(p for p in (fake, str(ROOT), os.environ.get("PYTHONPATH")) if p)}
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env, check=False)
-    run_dir = out / "sglang_servers"
-    logs = sorted((run_dir / "engine_logs").glob("shared-replica*.log")) if run_dir.exists() else []
-    texts = [log.read_text(errors="replace") for log in logs]
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:] + "".join(t[-2000:] for t in texts)
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    fake = str(ROOT / "tests" / "fake_sglang")  # `python -m sglang.launch_server` finds the fake first
+    pythonpath = os.pathsep.join(p for p in (fake, str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    run_dir, rows, _ = train(config, out, nproc=2, port=port, timeout=600, env={"PYTHONPATH": pythonpath})
+    texts = [log.read_text(errors="replace") for log in sorted((run_dir / "engine_logs").glob("shared-replica*.log"))]
     calls = [[json.loads(line.split("[fake-sglang] ", 1)[1]) for line in text.splitlines()
               if line.startswith("[fake-sglang] {")] for text in texts]
     return run_dir, rows, calls

@@ -20,12 +20,10 @@ from __future__ import annotations
 
 import json
 import re
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from train_runs import train  # tests/ helper
 
 pytestmark = [pytest.mark.integration, pytest.mark.distributed, pytest.mark.vllm, pytest.mark.slow]
 pytest.importorskip("vllm")
@@ -89,13 +87,7 @@ def run(tmp_path_factory):
         wait_at=EVAL + EPISODES + 1, eval_tasks=EVAL,
         plugins=ROOT / "tests" / "integration" / "plugins", steps=STEPS,
     ))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--master_port", "29871",
-           str(ROOT / "scripts" / "train.py"), "--config", str(config), f"output_dir={out}"]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1500, env={**os.environ, "CI": "true"})
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
-    run_dir = out / "servers"
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return run_dir, rows, proc.stdout + proc.stderr
+    return train(config, out, nproc=4, port=29871, timeout=1500)
 
 
 def test_servers_sit_where_the_placement_puts_them(run):
