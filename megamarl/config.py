@@ -34,6 +34,7 @@ from megamarl.planning.model_presets import PRESETS
 from megamarl.registry import import_plugins, resolve_callable
 from megamarl.rl.advantages import ADVANTAGE_ESTIMATORS, GROUP_KEYS
 from megamarl.rl.losses import KL_ESTIMATORS, LOSS_AGGREGATIONS
+from megamarl.rl.optimizer import LrScheduleConfig
 from megamarl.rollout import ENGINES
 from megamarl.runtime.metrics import LoggerConfig
 
@@ -41,6 +42,9 @@ WEIGHT_TRANSFER_CHOICES = ("auto", "native", "megamarl")  # engine.weight_transf
 
 # A Hugging Face hub id ("org/name") that is not a local directory: megamarl never downloads.
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
+RECOMPUTE_CHOICES = ("none", "selective", "full")  # megamarl.rl.policy_setup.RECOMPUTE
 
 
 def _check_range(key: str, value, *, low=None, high=None, low_open=False) -> None:
@@ -129,14 +133,23 @@ class PolicyConfig:
     entropy_coef: float = 0.0
     frozen: bool = False
     seq_len: int = 2048  # tokens per sample (prompt + response): activation and derived KV-cache estimates
-    recompute: bool = False  # full activation recomputation (keep only each layer's input)
-    distributed_optimizer: bool = True  # shard fp32 master weights and Adam moments over DP
+    # activation recomputation: none | selective (core attention) | full (each layer keeps its input)
+    recompute: str = "none"
+    distributed_optimizer: bool = True  # shard fp32 main weights and Adam moments over DP (megatron-core)
+    # samples per optimizer step (verl's ppo_mini_batch_size); None: the whole policy batch, one step
+    mini_batch_size: Optional[int] = None
+    lr_schedule: LrScheduleConfig = field(default_factory=LrScheduleConfig)
+    ref_offload: bool = False  # the KL reference model waits in (pinned) host memory between uses
+    # micro-batches pack variable-length samples into one row (no padding; block-diagonal attention)
+    pack: bool = False
+    max_tokens_per_micro_batch: Optional[int] = None  # pack: real tokens per micro-batch (None: micro_batch_size x longest)
     offload_train_state: bool = True  # colocated: weights/grads/optimizer leave the GPU while engines generate
     value_coef: float = 0.5  # algorithm.estimator=gae: weight of the critic's (value head's) loss
     value_clip: Optional[float] = 0.2  # gae: clip range of the value update (None: unclipped)
-    # Compute dtype of training forward/backward (master weights, gradients and optimizer state stay
-    # fp32; log-probs are computed in fp32). auto: the engine's resolved dtype, so the trainer's
-    # log-probs are computed at the precision the engine sampled with.
+    # Training dtype: the model's (and the reference model's) parameters and forward/backward; main
+    # weights, gradients and optimizer state stay fp32 (megatron-core's mixed-precision optimizer);
+    # log-probs are computed in fp32. auto: the engine's resolved dtype, so the trainer's log-probs
+    # are computed at the precision the engine sampled with.
     dtype: str = "auto"
     lora: Optional[LoraConfig] = None
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -145,6 +158,16 @@ class PolicyConfig:
         if self.dtype not in DTYPE_CHOICES:
             raise ValueError(f"policies.<p>.dtype='{self.dtype}' unknown; allowed: {list(DTYPE_CHOICES)}")
         _check_range("policies.<p>.lr", self.lr, low=0, low_open=True)
+        if self.recompute not in RECOMPUTE_CHOICES:
+            raise ValueError(f"policies.<p>.recompute={self.recompute!r} unknown; allowed: {list(RECOMPUTE_CHOICES)}")
+        if isinstance(self.lr_schedule, (dict, DictConfig)):
+            self.lr_schedule = LrScheduleConfig(**self.lr_schedule)
+        if self.mini_batch_size is not None and self.mini_batch_size < 1:
+            raise ValueError(f"policies.<p>.mini_batch_size must be >= 1 (or null: the whole batch), got {self.mini_batch_size}")
+        if self.max_tokens_per_micro_batch is not None:
+            if not self.pack:
+                raise ValueError("policies.<p>.max_tokens_per_micro_batch is read only with policies.<p>.pack: true")
+            _check_range("policies.<p>.max_tokens_per_micro_batch", self.max_tokens_per_micro_batch, low=1)
         if self.micro_batch_size < 1:
             raise ValueError(f"policies.<p>.micro_batch_size must be >= 1, got {self.micro_batch_size}")
         if self.seq_len < 1:
@@ -376,8 +399,9 @@ class RunConfig:
                     f"or a policy of its own; use policies.{agent.policy}.lr instead"
                 )
             for key, value in agent.train_overrides().items():
-                if key == "micro_batch_size" and value < 1 or key != "micro_batch_size" and value < 0:
-                    raise ValueError(f"agents.{name}.{key} must be {'>= 1' if key == 'micro_batch_size' else '>= 0'}, got {value}")
+                counts = key in ("micro_batch_size", "mini_batch_size")
+                if counts and value < 1 or not counts and value < 0:
+                    raise ValueError(f"agents.{name}.{key} must be {'>= 1' if counts else '>= 0'}, got {value}")
         if self.algorithm.max_refill_rounds > 0 and self.trainer.mode == "fully_async":
             raise ValueError("algorithm.max_refill_rounds > 0 needs trainer.mode sync or one_step_off "
                              "(fully_async batches already wait for rollout.num_tasks groups)")

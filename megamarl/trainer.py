@@ -61,7 +61,8 @@ class Trainer:
                                  control_group=control_group())
         with self.progress.phase("model preparation", total=len(cfg.policies), unit="policies", in_step=False) as phase:
             self.workers = build_workers(cfg.policies, cfg.agents, cfg.algorithm, self.wgs, seed=cfg.trainer.seed,
-                                         compute_dtypes={n: DTYPES[cfg.policy_dtype(n)] for n in cfg.policies},
+                                         dtypes={n: DTYPES[cfg.policy_dtype(n)] for n in cfg.policies},
+                                         total_steps=cfg.trainer.total_steps,
                                          on_policy=phase.advance)
         if self.fleet is not None:
             self.fleet.wait_ready()
@@ -164,7 +165,10 @@ class Trainer:
                     for key, value in self.workers[name].train_step(part).items():
                         # the worker's sections (timing_s/<section>) become timing_s/<policy>/<section>
                         section = key.removeprefix("timing_s/")
-                        metrics[f"timing_s/{name}/{section}" if section != key else f"policy/{name}/{key}"] = value
+                        if key == "padding_fraction":  # a throughput figure: perf/padding_fraction/<policy>
+                            metrics[f"perf/{key}/{name}"] = value
+                        else:
+                            metrics[f"timing_s/{name}/{section}" if section != key else f"policy/{name}/{key}"] = value
                     metrics[f"perf/max_memory_gib/{name}"] = peak_memory_gib()
         faults = {name: w.last_fault for name, w in self.workers.items() if w.skip_streak}
         gathered = [None] * self.world_size
@@ -256,13 +260,15 @@ class Trainer:
                                   checkpoint.save_rng(staging, self.rank)))
         num_updates = [None] * self.world_size
         dist.all_gather_object(
-            num_updates, ({name: w.num_updates for name, w in self.workers.items()}, error), group=control_group()
+            num_updates, ({name: (w.num_updates, w.scheduler.num_steps) for name, w in self.workers.items()}, error),
+            group=control_group()
         )
         errors = [f"rank {rank}: {e}" for rank, (_, e) in enumerate(num_updates) if e]
         if self.is_driver and not errors:
             state = {
                 "step": self.step, "versions": dict(self.versions), "world_size": self.world_size,
-                "num_updates": {k: v for counts, _ in num_updates for k, v in counts.items()},
+                "num_updates": {k: v[0] for counts, _ in num_updates for k, v in counts.items()},
+                "lr_steps": {k: v[1] for counts, _ in num_updates for k, v in counts.items()},
                 "driver": self.driver.state_dict(),
             }
             error = checkpoint.attempt_write(lambda: checkpoint.commit(staging, final, state))
@@ -287,6 +293,7 @@ class Trainer:
         checkpoint.load_policies(path, self.cfg.policies, self.workers, self.wgs)  # at this run's layout
         for name, worker in self.workers.items():
             worker.num_updates = state["num_updates"][name]
+            worker.scheduler.step(increment=state.get("lr_steps", {}).get(name, 0))  # the schedule's position
         self.step = state["step"]
         # sync_all_weights stamps version + 1: start one below so engines carry the saved versions
         self.versions = {name: state["versions"].get(name, 1) - 1 for name in self.cfg.policies}

@@ -4,14 +4,15 @@ in the ``torch_dist`` format, so a checkpoint written at one TP x PP x DP layout
 Model: ``GPTModel.sharded_state_dict`` (global tensor keys with the layer axis and TP slices as
 offsets; tied output layers are replicas of the embedding), built with the WG's DP group.
 
-Optimizer: megatron-core's optimizers hard-code CUDA tensors, so on CPU we train with a plain
-``torch.optim.AdamW`` (or Adam) over the model parameters. Its per-parameter state tensors
-(``exp_avg``, ``exp_avg_sq``) have the parameter's shape and sharding, so each is saved as a
-``ShardedTensor`` that copies its parameter's sharding metadata under the key
-``optimizer.state.<state>.<param key>`` (megatron-core's ``optim_state_to_sharding_state``); the
-scalar ``step`` is saved once as a ``ShardedObject``; hyper-parameters (``param_groups``) are not
-saved: they come from the config of the run that loads. On GPUs with megatron-core's own optimizer
-use its ``sharded_state_dict`` instead.
+Optimizer: the trainer's is megatron-core's (``megamarl.rl.optimizer``); its own
+``sharded_state_dict`` saves the fp32 main parameters and Adam moments per parameter, in model space
+(``fully_reshardable`` for the distributed optimizer: the DP shards are gathered into each
+parameter's canonical state; megatron-core 0.16's torch_dist writer refuses the flat
+``fully_sharded_model_space`` slices), so a checkpoint reloads at another DP size, TP or PP. A plain torch optimizer
+(tests, tools) is saved the same way by hand: each state tensor (``exp_avg``, ``exp_avg_sq``) as a
+``ShardedTensor`` with its parameter's sharding metadata (megatron-core's
+``optim_state_to_sharding_state``) and the scalar ``step`` once as a ``ShardedObject``; its
+hyper-parameters (``param_groups``) come from the config of the run that loads.
 
 Collectives: megatron-core 0.16's ``dist_checkpointing.save/load`` run over the *whole world*
 (global rank 0 writes the metadata). So ``save_checkpoint``/``load_checkpoint`` are collective
@@ -65,7 +66,18 @@ def _optimizer_step(optimizer) -> float:
     return steps.pop() if steps else 0.0
 
 
-def optimizer_sharded_state_dict(model_ssd: dict, optimizer: torch.optim.Optimizer, wg) -> dict:
+def _is_megatron(optimizer) -> bool:
+    return not isinstance(optimizer, torch.optim.Optimizer)
+
+
+def optimizer_sharded_state_dict(model_ssd: dict, optimizer, wg, *, is_loading: bool = False) -> dict:
+    if _is_megatron(optimizer):
+        # megatron-core 0.16 with torch's Adam (no TE/apex) reads one ``step`` from the inner state:
+        # a checkpoint before the first update (or a load template) needs the zero state first
+        for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+            init_optimizer_state(inner.optimizer)
+        metadata = {"distrib_optim_sharding_type": "fully_reshardable"}
+        return {"optimizer": optimizer.sharded_state_dict(model_ssd, is_loading=is_loading, metadata=metadata)}
     from megatron.core.dist_checkpointing.mapping import ShardedObject
     from megatron.core.dist_checkpointing.optimizer import (
         get_param_id_to_sharded_param_map,
@@ -81,7 +93,7 @@ def optimizer_sharded_state_dict(model_ssd: dict, optimizer: torch.optim.Optimiz
     return {"optimizer": state, "step": step}
 
 
-def save_checkpoint(path: str | Path, model, wg, *, optimizer: torch.optim.Optimizer | None = None) -> None:
+def save_checkpoint(path: str | Path, model, wg, *, optimizer=None) -> None:
     """Write this WG's model (+ optimizer) shards to ``path``. Collective over all ranks (see module doc)."""
     from megatron.core import dist_checkpointing
 
@@ -94,7 +106,7 @@ def save_checkpoint(path: str | Path, model, wg, *, optimizer: torch.optim.Optim
     dist_checkpointing.save(state, str(path))
 
 
-def load_checkpoint(path: str | Path, model, wg, *, optimizer: torch.optim.Optimizer | None = None) -> None:
+def load_checkpoint(path: str | Path, model, wg, *, optimizer=None) -> None:
     """Load ``path`` into this rank's shards (any layout). Collective over all ranks (see module doc)."""
     from megatron.core import dist_checkpointing
 
@@ -104,8 +116,9 @@ def load_checkpoint(path: str | Path, model, wg, *, optimizer: torch.optim.Optim
     if model is not None:
         template["model"] = model_sharded_state_dict(model, wg)
         if optimizer is not None:
-            init_optimizer_state(optimizer)
-            template.update(optimizer_sharded_state_dict(template["model"], optimizer, wg))
+            if not _is_megatron(optimizer):  # megatron-core's builds its template state itself
+                init_optimizer_state(optimizer)
+            template.update(optimizer_sharded_state_dict(template["model"], optimizer, wg, is_loading=True))
     loaded = dist_checkpointing.load(template, str(path))
     if model is None:
         return
@@ -113,7 +126,9 @@ def load_checkpoint(path: str | Path, model, wg, *, optimizer: torch.optim.Optim
     missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
     if missing or result.unexpected_keys:
         raise RuntimeError(f"checkpoint {path}: missing {missing}, unexpected {result.unexpected_keys}")
-    if optimizer is not None:
+    if optimizer is not None and _is_megatron(optimizer):
+        optimizer.load_state_dict(loaded["optimizer"])
+    elif optimizer is not None:
         optim_state = loaded["optimizer"]
         optim_state["param_groups"] = optimizer.state_dict()["param_groups"]
         for param_state in optim_state["state"].values():

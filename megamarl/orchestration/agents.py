@@ -115,6 +115,7 @@ class AgentConfig:
     kl_coef: Optional[float] = None
     entropy_coef: Optional[float] = None
     micro_batch_size: Optional[int] = None
+    mini_batch_size: Optional[int] = None  # samples per optimizer step for this agent's rows
     frozen: bool = False
 
     def __post_init__(self) -> None:
@@ -142,7 +143,7 @@ class AgentConfig:
 
     def train_overrides(self) -> dict[str, float]:
         """The per-agent hyperparameters this agent sets (None values omitted)."""
-        keys = ("lr", "clip_low", "clip_high", "kl_coef", "entropy_coef", "micro_batch_size")
+        keys = ("lr", "clip_low", "clip_high", "kl_coef", "entropy_coef", "micro_batch_size", "mini_batch_size")
         return {k: getattr(self, k) for k in keys if getattr(self, k) is not None}
 
 

@@ -2,8 +2,10 @@
 
 megatron-core assumes CUDA in a handful of places that the CPU forward/backward path touches:
 ``torch.cuda.current_device()`` as a device argument, ``torch.cuda`` RNG calls in the tensor-parallel
-RNG tracker, ``torch.cuda.synchronize`` in p2p communication and ``device="cuda"`` scalars in the
-pipeline schedules. On a machine without CUDA those calls raise, so this module redirects exactly
+RNG tracker, ``torch.cuda.synchronize`` in p2p communication, ``device="cuda"`` scalars in the
+pipeline schedules and in the optimizers (``optimizer.py``, ``clip_grads.py``, ``distrib_optimizer.py``
+and the multi-tensor fallbacks in ``megatron.core.utils``), and the optimizers' ``param.type()``
+checks, which accept only ``torch.cuda.*Tensor`` names. On a machine without CUDA those calls raise, so this module redirects exactly
 them to their CPU equivalents. It is inert when CUDA is present: ``enable_cpu_compat`` returns an
 empty list and patches nothing (megatron-core then runs unmodified on GPUs).
 
@@ -68,6 +70,10 @@ class _CudaToCpuTorch(types.ModuleType):
     def tensor(self):
         return self._on_cpu(torch.tensor)
 
+    @property
+    def empty(self):
+        return self._on_cpu(torch.empty)
+
 
 def _patch_torch_cuda() -> None:
     torch.cuda.current_device = _cpu_device
@@ -96,11 +102,35 @@ def _patch_schedules() -> None:
     schedules.torch = _CudaToCpuTorch()
 
 
+def _patch_optimizers() -> None:
+    import sys
+
+    from megatron.core import utils
+    from megatron.core.optimizer import clip_grads, distrib_optimizer, optimizer
+
+    for module in (optimizer, clip_grads, distrib_optimizer, utils):
+        module.torch = _CudaToCpuTorch()
+    # ``param.type() in ['torch.cuda.HalfTensor', 'torch.cuda.BFloat16Tensor']`` decides which
+    # parameters get fp32 main copies: answer with the CUDA name, for the optimizer modules only.
+    optimizer_modules = {optimizer.__name__, clip_grads.__name__, distrib_optimizer.__name__}
+    tensor_type = torch.Tensor.type
+
+    def type_as_cuda(self, *args, **kwargs):
+        name = tensor_type(self, *args, **kwargs)
+        if (not args and not kwargs and name.startswith("torch.") and not name.startswith("torch.cuda.")
+                and sys._getframe(1).f_globals.get("__name__") in optimizer_modules):
+            return "torch.cuda." + name[len("torch."):]
+        return name
+
+    torch.Tensor.type = type_as_cuda
+
+
 # name -> what it redirects; applied in this order.
 PATCHES: dict[str, callable] = {
     "torch.cuda (current_device, synchronize, rng), Tensor.cuda": _patch_torch_cuda,
     "megatron.core.tensor_parallel.random (_get/_set_cuda_rng_state)": _patch_tp_random,
     "megatron.core.pipeline_parallel.schedules (device='cuda' tensors)": _patch_schedules,
+    "megatron.core.optimizer (device='cuda' tensors, CUDA tensor type names), utils": _patch_optimizers,
 }
 
 

@@ -208,6 +208,9 @@ def build_worker_group(name: str, layout: WorkerGroupLayout, *, backend: str | N
         "tp_dp_cp": _new_groups(group_enumeration(layout, ["tp", "cp", "dp"]), backend),
         "tp_ep_pp": _new_groups(group_enumeration(layout, ["tp", "ep", "pp"]), backend),
     }
+    # The distributed optimizer reduces gradient statistics over every rank of the WG (megatron-core's
+    # "intra distributed-optimizer instance" group; one instance per WG).
+    groups["intra_dist_opt"] = _new_groups([list(layout.ranks)], backend)
     # Tied embeddings: the first and last pipeline stage of each pipeline share the embedding grads.
     pipelines = group_enumeration(layout, ["pp"])
     groups["embd"] = _new_groups([sorted({p[0], p[-1]}) for p in pipelines], backend)

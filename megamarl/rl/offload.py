@@ -52,7 +52,9 @@ class TrainStateOffload:
                 module.offload_grad_buffers(synchronize=True, empty_cache=False)
             for param in _tensors_of(module):
                 moved += _move(param, HOST)
-        for optimizer in self.optimizers:
+        for optimizer in torch_optimizers(self.optimizers):
+            for param in main_params(optimizer):
+                moved += _move(param, HOST)
             for state in optimizer.state.values():
                 for key, value in state.items():
                     if isinstance(value, torch.Tensor) and value.device != HOST:
@@ -73,7 +75,9 @@ class TrainStateOffload:
                 moved += _move(param, self.device)
             if hasattr(module, "restore_grad_buffers"):
                 module.restore_grad_buffers(synchronize=False)
-        for optimizer in self.optimizers:
+        for optimizer in torch_optimizers(self.optimizers):
+            for param in main_params(optimizer):
+                moved += _move(param, self.device)
             for state in optimizer.state.values():
                 for key, value in state.items():
                     if isinstance(value, torch.Tensor) and value.device == HOST and key != "step":
@@ -82,6 +86,25 @@ class TrainStateOffload:
         torch.cuda.synchronize()
         self.offloaded = False
         return OffloadStats(moved, time.perf_counter() - start)
+
+
+def torch_optimizers(optimizers) -> list[torch.optim.Optimizer]:
+    """The torch optimizers inside megatron-core's (``ChainedOptimizer`` -> each ``.optimizer``)."""
+    out = []
+    for optimizer in optimizers:
+        if hasattr(optimizer, "chained_optimizers"):
+            out.extend(torch_optimizers(optimizer.chained_optimizers))
+        elif not isinstance(optimizer, torch.optim.Optimizer) and hasattr(optimizer, "optimizer"):
+            out.append(optimizer.optimizer)
+        else:
+            out.append(optimizer)
+    return out
+
+
+def main_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The tensors the optimizer steps: megatron-core's fp32 main parameters (or, for an fp32
+    model, the model parameters themselves, which ``_move`` then finds already moved)."""
+    return [p for group in optimizer.param_groups for p in group["params"]]
 
 
 def _tensors_of(module: torch.nn.Module) -> Iterable[torch.Tensor]:

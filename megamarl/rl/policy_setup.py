@@ -19,21 +19,35 @@ from megamarl.rl.losses import LossConfig
 from megamarl.rl.worker import AgentTraining, CriticConfig, ModelHandle, PolicyWorker
 
 
-def load_policy_model(policy, wg: WorkerGroup, *, seed: int) -> ModelHandle:
-    """``policies.<p>``'s model as this rank's shard of ``wg``, with the HF weights loaded."""
+RECOMPUTE = {  # policies.<p>.recompute -> megatron-core TransformerConfig fields
+    "none": {},
+    # core attention only (megatron-core's default selective module): the [B, heads, T, T] scores
+    "selective": dict(recompute_granularity="selective"),
+    # every layer keeps only its input and is rebuilt in the backward pass
+    "full": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+}
+
+
+def load_policy_model(policy, wg: WorkerGroup, *, seed: int, dtype: torch.dtype = torch.float32,
+                      training: bool = True) -> ModelHandle:
+    """``policies.<p>``'s model as this rank's shard of ``wg`` in ``dtype``, with the HF weights
+    loaded; ``training`` applies ``policies.<p>.recompute`` (a reference model has no backward)."""
     path = resolve_model_path(policy.model, key="policies.<p>.model")
     hf_config = load_hf_config(path)
-    model = build_model(hf_config, wg, seed=seed, init_weights=False)
+    model = build_model(hf_config, wg, seed=seed, dtype=dtype, init_weights=False,
+                        **(RECOMPUTE[policy.recompute] if training else {}))
     load_hf_weights(model, path, wg)
     return ModelHandle(model=model, vocab_size=hf_config.vocab_size)
 
 
 def build_workers(
     policies: Mapping, agents: Mapping, algo: AlgorithmConfig, wgs: Mapping[str, WorkerGroup], *, seed: int,
-    compute_dtypes: Mapping[str, torch.dtype] | None = None, on_policy: Callable[[], None] = lambda: None,
+    dtypes: Mapping[str, torch.dtype] | None = None, total_steps: int = 1,
+    on_policy: Callable[[], None] = lambda: None,
 ) -> dict[str, PolicyWorker]:
-    """A worker for every trainable policy whose WG this rank belongs to. ``compute_dtypes``: each
-    policy's training compute dtype (default fp32); ``on_policy`` is called once per policy (progress)."""
+    """A worker for every trainable policy whose WG this rank belongs to. ``dtypes``: each policy's
+    training dtype (its parameters'; default fp32); ``total_steps``: the run's trainer steps (the
+    default learning-rate decay length); ``on_policy`` is called once per policy (progress)."""
     workers = {}
     for name, policy in policies.items():
         wg = wgs[name]
@@ -45,6 +59,7 @@ def build_workers(
             role: AgentTraining(
                 loss=loss_config(policy, algo, **agent.train_overrides()),
                 micro_batch_size=agent.micro_batch_size or policy.micro_batch_size,
+                mini_batch_size=agent.mini_batch_size,
                 # an agent of a LoRA policy without an adapter acts with the frozen base
                 frozen=agent.frozen or (lora and agent.lora is None),
                 adapter=agent.lora, lr=agent.lr,
@@ -52,13 +67,14 @@ def build_workers(
             for role, agent in agents.items()
             if agent.policy == name and (agent.train_overrides() or agent.frozen or lora)
         }
-        handle = load_policy_model(policy, wg, seed=seed)
+        dtype = (dtypes or {}).get(name, torch.float32)
+        handle = load_policy_model(policy, wg, seed=seed, dtype=dtype)
         needs_ref = policy.kl_coef > 0 or any(a.loss.kl_coef > 0 for a in trainings.values())
         # LoRA policies use their frozen base as the reference (adapters off): no second model
-        ref = load_policy_model(policy, wg, seed=seed) if needs_ref and not lora else None
+        ref = load_policy_model(policy, wg, seed=seed, dtype=dtype, training=False) if needs_ref and not lora else None
         workers[name] = PolicyWorker(name, policy, wg, handle, loss_config(policy, algo), agents=trainings,
                                      ref_handle=ref, critic=critic_config(policy, algo), lora=policy.lora,
-                                     compute_dtype=(compute_dtypes or {}).get(name, torch.float32))
+                                     total_steps=total_steps)
         on_policy()
     return workers
 

@@ -10,10 +10,16 @@ normalised by the *global* token (or sequence) count of this policy's batch (``p
 then multiplied by ``num_microbatches * dp`` to undo megatron-core's division by the number of
 micro-batches and DDP's averaging over data-parallel ranks.
 
-Optimizer: on GPU, megatron-core's optimizer (distributed optimizer) is the intended path; on CPU its
-optimizers hard-code CUDA tensors, so a torch AdamW steps the DDP main grads (``param.main_grad``).
-Gradient clipping computes the global norm over the model-parallel group, counting TP-replicated
-parameters once and the tied output weight only on the first pipeline stage.
+Optimizer: megatron-core's (``megamarl.rl.optimizer``): parameters in the policy's training dtype
+(bf16 or fp32), fp32 main parameters, Adam moments and gradient buffers, the distributed optimizer
+(``policies.<p>.distributed_optimizer``) sharding the fp32 state over the WG's DP ranks, clipping by
+the global norm, and megatron-core's ``OptimizerParamScheduler`` (``policies.<p>.lr_schedule``),
+advanced once per policy update. On CPU it runs through ``megamarl.parallel.cpu_compat``.
+
+PPO mini-batches (``policies.<p>.mini_batch_size``, verl's ``ppo_mini_batch_size``): the policy batch
+is cut into mini-batches of that many samples (per agent when agents set their own), each one
+optimizer step; the proximal (old) log-probs are computed once, before the first mini-batch, and the
+losses are normalised by each mini-batch's global token count.
 
 Numerical faults: a non-finite loss (any micro-batch, any rank) or gradient norm skips the update on
 every rank of the WG: no optimizer step, so neither the weights nor the engines ever see NaN. It is
@@ -23,6 +29,7 @@ the trainer stops the run after ``trainer.max_nonfinite_updates`` in a row.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -39,12 +46,22 @@ from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
 from megamarl.config import PolicyConfig
 from megamarl.models.bridge import export_hf_weights, unwrap
-from megamarl.models.lora import add_lora_adapter, export_lora_weights, lora_parameters, set_active_adapter
+from megamarl.models.lora import add_lora_adapter, export_lora_weights, set_active_adapter
 from megamarl.parallel.collectives import all_reduce_sum
 from megamarl.parallel.placement import WorkerGroup
 from megamarl.rl.advantages import ADVANTAGE_ESTIMATORS, AdvantageConfig
 from megamarl.rl.batch import SampleBatch
+from megamarl.models.spec import transformer_engine_available
 from megamarl.rl.offload import TrainStateOffload
+from megamarl.rl.packing import (
+    pack,
+    packed_logprobs,
+    padding_fraction,
+    place_predictions,
+    prediction_positions,
+    split_by_tokens,
+)
+from megamarl.rl.optimizer import any_rank, build_optimizer, build_scheduler, current_lr, grads_finite
 from megamarl.rl.losses import (
     LOSS_AGGREGATIONS,
     LossConfig,
@@ -102,6 +119,7 @@ class LogitWindow:
 
     def __init__(self, model: torch.nn.Module):
         self.start = 0
+        self.positions: torch.Tensor | None = None  # packed rows: exactly these positions
         self.hidden: torch.Tensor | None = None  # the last forward's windowed decoder output [W, B, H]
         gpt = unwrap(model)
         self.enabled = bool(getattr(gpt, "post_process", False)) and not gpt.config.sequence_parallel
@@ -109,11 +127,19 @@ class LogitWindow:
             gpt.output_layer.register_forward_pre_hook(self._slice)
 
     def set(self, response_mask: torch.Tensor) -> int:
+        self.positions = None
         self.start = first_logit_position(response_mask) if self.enabled else 0
         return self.start
 
+    def select(self, positions: torch.Tensor) -> bool:
+        """Packed rows: run the output layer on ``positions`` [K] of the packed row only (the
+        positions whose next token is a response token); False when the hook is off."""
+        self.start, self.positions = 0, positions if self.enabled else None
+        return self.enabled
+
     def _slice(self, module, args):
-        self.hidden = args[0][self.start :]  # decoder output is [S, B, H]
+        # decoder output is [S, B, H]; packed: [L, 1, H] -> [K, 1, H]
+        self.hidden = args[0][self.start :] if self.positions is None else args[0][self.positions]
         return (self.hidden,) + tuple(args[1:])
 
 
@@ -157,6 +183,7 @@ class AgentTraining:
     loss: LossConfig
     micro_batch_size: int
     frozen: bool = False
+    mini_batch_size: int | None = None  # samples per optimizer step (None: the policy's)
     adapter: str | None = None  # L2: the agent's LoRA adapter on the policy's frozen base
     lr: float | None = None  # the adapter's learning rate (None: the policy's)
 
@@ -165,16 +192,18 @@ class PolicyWorker:
     def __init__(
         self, name: str, cfg: PolicyConfig, wg: WorkerGroup, handle: ModelHandle, loss_cfg: LossConfig, *,
         agents: dict[str, AgentTraining] | None = None, ref_handle: ModelHandle | None = None,
-        critic: CriticConfig | None = None, lora=None, compute_dtype: torch.dtype = torch.float32,
+        critic: CriticConfig | None = None, lora=None, total_steps: int = 1,
     ):
-        """``lora`` (a ``megamarl.models.lora.LoraConfig``): L2, one adapter per agent that names one
+        """``handle.model`` is built in the training dtype (its parameters' dtype; bf16 or fp32).
+        ``lora`` (a ``megamarl.models.lora.LoraConfig``): L2, one adapter per agent that names one
         (``agents[a].adapter``) on a frozen base; only adapters train, each micro-batch runs with its
-        agent's adapter, the reference policy is the base itself (adapters off)."""
+        agent's adapter, the reference policy is the base itself (adapters off). ``total_steps``:
+        trainer steps, the default length of the learning-rate decay."""
         if not wg.is_member:
             raise ValueError(f"rank {dist.get_rank()} holds no shard of policy '{name}'")
         self.name, self.cfg, self.wg, self.loss_cfg = name, cfg, wg, loss_cfg
         self.device = wg.device  # every tensor of this WG's schedule lives here (see on_device)
-        self.compute_dtype = compute_dtype
+        self.compute_dtype = next(handle.model.parameters()).dtype
         self.on_micro_batch = lambda: None  # progress display: called once per micro-batch forward
         self.vocab_size = handle.vocab_size
         model = handle.model.to(self.device)  # megatron-core builds on the current device already: a no-op
@@ -189,36 +218,46 @@ class PolicyWorker:
         config.finalize_model_grads_func = finalize_model_grads
         config.variable_seq_lengths = True  # micro-batches differ in length; PP communicates shapes
         ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=cfg.distributed_optimizer
         )
         self.model = DistributedDataParallel(config, ddp_config, model, pg_collection=wg.pgs)
         self.window = LogitWindow(model)
-        # Reference policy for the KL term: a frozen copy of the initial weights in the same layout.
-        self.ref_model = ref_handle.model.to(self.device).eval() if ref_handle is not None else None
+        self.uses_te = transformer_engine_available()  # the layer spec's choice (models.spec.layer_spec)
+        # Reference policy for the KL term: a frozen copy of the initial weights in the same layout and
+        # dtype, without gradients or optimizer state; ``ref_offload`` keeps it in host memory between uses.
+        self.ref_model = ref_handle.model.eval() if ref_handle is not None else None
+        self.ref_offload = None
         if self.ref_model is not None:
             self.ref_model.requires_grad_(False)
             self.ref_window = LogitWindow(self.ref_model)
+            self.ref_offload = TrainStateOffload(self.device, [self.ref_model]) if cfg.ref_offload else None
+            if self.ref_offload is not None:
+                self.ref_offload.offload()
+            else:
+                self.ref_model.to(self.device)
         if self._needs_ref() and self.ref_model is None and not self.adapters:
             raise ValueError(f"policies.{name}: kl_coef > 0 needs a reference model (ref_handle)")
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
-        groups = self._param_groups(cfg)
         self.critic, self.value_head = critic, None
         if critic is not None:
             if wg.is_last_stage and not self.window.enabled:
                 raise ValueError(f"policies.{name}: the critic needs the output-layer hook (no sequence parallelism)")
-        self.optimizer = torch.optim.AdamW(
-            groups, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.999), eps=1e-8
+        adapter_lrs = {adapter: self._adapter_lr(adapter) for adapter in self.adapters}
+        self.optimizer = build_optimizer(
+            self.model, wg, lr=cfg.lr, min_lr=cfg.lr_schedule.min_lr, weight_decay=cfg.weight_decay,
+            grad_clip=cfg.grad_clip, dtype=self.compute_dtype, distributed=cfg.distributed_optimizer,
+            adapter_lrs=adapter_lrs,
         )
+        self.scheduler = build_scheduler(self.optimizer, cfg.lr_schedule, lr=cfg.lr, total_steps=total_steps)
         self.value_optimizer = None
         if critic is not None and wg.is_last_stage:
             # Outside DDP and the model's checkpoint: gradients are averaged over DP in
-            # _reduce_value_head; it is saved by megamarl.runtime.checkpoint (replicated, layout-free).
+            # _reduce_value_head, clipped on their own; it is saved by megamarl.runtime.checkpoint
+            # (replicated, layout-free).
             self.value_head = ValueHead(config.hidden_size).to(self.device)
-            self.params += list(self.value_head.parameters())  # clipped with the model's
             self.value_optimizer = torch.optim.AdamW(self.value_head.parameters(), lr=cfg.lr, betas=(0.9, 0.999), eps=1e-8)
         # ``policies.<p>.offload_train_state``: moved to host memory while colocated engines generate
         self.train_state = TrainStateOffload(
-            self.device, [m for m in (self.model, self.ref_model, self.value_head) if m is not None],
+            self.device, [m for m in (self.model, self.value_head) if m is not None],
             [o for o in (self.optimizer, self.value_optimizer) if o is not None],
         )
         self.num_updates = 0
@@ -229,12 +268,10 @@ class PolicyWorker:
         self.last_fault = ""  # which agents/episodes gave a non-finite loss, for the error message
         self._nonfinite_rows: list[str] = []
 
-    def _param_groups(self, cfg: PolicyConfig) -> list[dict]:
-        """One optimizer group per LoRA adapter (its agent's lr), else one group."""
-        if not self.adapters:
-            return [{"params": self.params}]
-        lrs = {a.adapter: a.lr for a in self.agents.values() if a.adapter and a.lr is not None}
-        return [{"params": lora_parameters(self.model, adapter), "lr": lrs.get(adapter, cfg.lr)} for adapter in self.adapters]
+    def _adapter_lr(self, adapter: str) -> float:
+        """The learning rate of LoRA adapter ``adapter``: its agent's ``lr``, else the policy's."""
+        lrs = [a.lr for a in self.agents.values() if a.adapter == adapter and a.lr is not None]
+        return lrs[0] if lrs else self.cfg.lr
 
     def _adapter(self, mb: SampleBatch) -> str | None:
         agents = set(mb.names("agent"))
@@ -273,34 +310,62 @@ class PolicyWorker:
         if not part.num_samples:
             return []
         if not self.agents:
-            return part.micro_batches(max_samples=self.cfg.micro_batch_size)
+            return self._chunks(part, self.cfg.micro_batch_size)
         names = part.names("agent")
         out = []
         for agent in sorted(set(names)):
             rows = torch.tensor([n == agent for n in names], dtype=torch.bool, device=part.device)
             size = self.agents[agent].micro_batch_size if agent in self.agents else self.cfg.micro_batch_size
-            out.extend(part.select(rows).micro_batches(max_samples=size))
+            out.extend(self._chunks(part.select(rows), size))
         return out
+
+    def _chunks(self, rows: SampleBatch, size: int) -> list[SampleBatch]:
+        """Padded: consecutive rows, ``size`` at a time. Packed (``policies.<p>.pack``): at most
+        ``max_tokens_per_micro_batch`` real tokens (and ``size`` rows) per micro-batch, first-fit
+        decreasing, so a micro-batch costs what its tokens cost."""
+        if not self.cfg.pack:
+            return rows.micro_batches(max_samples=size)
+        budget = self.cfg.max_tokens_per_micro_batch or size * int(rows.lengths.max())
+        return [rows.select(group) for group in split_by_tokens(rows.lengths, budget, max_samples=size)]
+
+    def padding_fraction(self, part: SampleBatch) -> float:
+        """Share of the token slots of this rank's micro-batches that are padding (0 when packed)."""
+        if self.cfg.pack or not part.num_samples:
+            return 0.0
+        micro_batches = self._micro_batches(part)
+        shapes = [(mb.num_samples, mb.tokens.shape[1]) for mb in micro_batches]
+        lengths = torch.cat([mb.lengths for mb in micro_batches])
+        return padding_fraction(lengths, shapes)
 
     # ---- forward/backward -----------------------------------------------------------------------
     def _vocab_start(self, logits: torch.Tensor) -> int:
         return self.wg.tp_rank * logits.shape[-1]
 
-    def _autocast(self):
-        """Mixed precision for the forward pass (its backward follows the recorded dtypes)."""
-        return torch.autocast(self.device.type, dtype=self.compute_dtype, enabled=self.compute_dtype != torch.float32)
-
-    def _logprobs(self, logits: torch.Tensor, mb: SampleBatch, offset: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _logprobs(self, logits: torch.Tensor, mb: SampleBatch, where) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logprobs, entropy) [B, T] of ``mb``'s tokens. ``where``: the window offset of padded
+        rows, or ``(packed, positions)`` for a packed row (logits [1, K, V_local] at ``positions``)."""
         vocab_start = self._vocab_start(logits)
+        packed = None
+        if isinstance(where, tuple):  # one packed row: per-position sampling settings of its sample
+            packed, positions = where
+            rows = packed.sample_ids[positions].tolist()
+            logits = logits.transpose(0, 1)  # [K, 1, V]: each position its own "row"
+            temperatures = [mb.temperatures[r] for r in rows] if mb.temperatures else ()
+            allowed = [mb.allowed[r] for r in rows] if mb.allowed else ()
+        else:
+            temperatures, allowed = mb.temperatures, mb.allowed
         # the distribution the engine sampled from; temperature scaling and log-softmax in fp32 whatever
         # the compute dtype
-        logits = scale_logits(logits, mb.temperatures)
-        disallowed = restricted_vocab_mask(mb.allowed, vocab_start, logits.shape[-1], logits.device)
+        logits = scale_logits(logits, temperatures)
+        disallowed = restricted_vocab_mask(allowed, vocab_start, logits.shape[-1], logits.device)
         if disallowed is not None:  # renormalise over the set the engine sampled from
             logits = logits.masked_fill(disallowed.unsqueeze(1), float("-inf"))
+        if packed is not None:
+            return packed_logprobs(logits.transpose(0, 1), packed, positions=positions, tp_group=self.wg.pgs.tp,
+                                   vocab_start=vocab_start, vocab_size=self.vocab_size, seq_len=mb.tokens.shape[1])
         return vocab_parallel_logprobs(
             logits, mb.tokens, tp_group=self.wg.pgs.tp, vocab_start=vocab_start,
-            vocab_size=self.vocab_size, offset=offset,
+            vocab_size=self.vocab_size, offset=where,
         )
 
     def _schedule(
@@ -320,6 +385,8 @@ class PolicyWorker:
             self.on_micro_batch()
             if self.adapters and model is not self.ref_model:
                 set_active_adapter(model, None if reference else self._adapter(mb))
+            if self.cfg.pack:
+                return self._packed_forward(model, window, mb, loss_func)
             seq_len = mb.tokens.shape[1]
             positions = torch.arange(seq_len, device=mb.device).expand_as(mb.tokens)
             offset = window.set(mb.response_mask)
@@ -327,20 +394,34 @@ class PolicyWorker:
             return output, partial(loss_func, mb, offset)
 
         p2p = P2PCommunicator(self.wg.pgs.pp, self.model.config) if pp > 1 else None
-        # Autocast around forward *and* backward: megatron-core's linear autograd functions compute
-        # their input gradients with a matmul that must see the forward's autocast state.
-        with self._autocast():
+        with self._reference_on_device(reference and self.ref_model is not None):
             return forward_backward(
                 forward_step_func=forward_step,
                 data_iterator=iter(micro_batches),
                 model=[model],
                 num_microbatches=len(micro_batches),
-                seq_length=max(mb.tokens.shape[1] for mb in micro_batches),
-                micro_batch_size=max(mb.num_samples for mb in micro_batches),
+                seq_length=max(_model_shape(mb, self.cfg.pack)[1] for mb in micro_batches),
+                micro_batch_size=max(_model_shape(mb, self.cfg.pack)[0] for mb in micro_batches),
                 forward_only=forward_only,
                 p2p_communicator=p2p,
                 pg_collection=self.wg.pgs,
             )
+
+    def _packed_forward(self, model, window: LogitWindow, mb: SampleBatch, loss_func):
+        """``mb``'s rows as one packed row [1, L]: block-diagonal causal attention (the local spec's
+        explicit mask on CPU; megatron-core's ``PackedSeqParams`` (THD) with Transformer Engine),
+        positions restarting per sample, the output layer only where a response token is predicted."""
+        packed = pack(mb.tokens, mb.attention_mask)
+        positions = prediction_positions(packed, mb.response_mask)
+        if not positions.numel():  # a zero-weight stand-in row: any position keeps the graph connected
+            positions = prediction_positions(packed)[:1]
+        if not window.select(positions):
+            positions = torch.arange(packed.num_tokens, device=mb.device)  # sequence parallel: whole row
+        if self.uses_te:
+            output = model(packed.tokens, packed.position_ids, None, packed_seq_params=packed.seq_params())
+        else:
+            output = model(packed.tokens, packed.position_ids, packed.causal_mask())
+        return output, partial(loss_func, mb, (packed, positions))
 
     @torch.no_grad()
     def compute_logprobs(self, part: SampleBatch, *, reference: bool = False) -> torch.Tensor | None:
@@ -365,8 +446,12 @@ class PolicyWorker:
             return None
         return _merge_rows([o["out"] for o in outputs], micro_batches, part, part.tokens.shape[1])
 
-    def _values(self, mb: SampleBatch, offset: int) -> torch.Tensor:
-        return place_window(self.value_head(self.window.hidden), mb.tokens.shape[1], offset)
+    def _values(self, mb: SampleBatch, where) -> torch.Tensor:
+        values = self.value_head(self.window.hidden)  # [B, W] (packed: [1, K])
+        if isinstance(where, tuple):
+            packed, positions = where
+            return place_predictions(values, packed, positions, seq_len=mb.tokens.shape[1])
+        return place_window(values, mb.tokens.shape[1], where)
 
     # ---- critic ---------------------------------------------------------------------------------
     def critic_targets(self, part: SampleBatch) -> tuple[SampleBatch, torch.Tensor | None, torch.Tensor | None]:
@@ -421,48 +506,79 @@ class PolicyWorker:
         return self.loss_cfg
 
     # ---- the update -----------------------------------------------------------------------------
+    def mini_batches(self, batch: SampleBatch) -> list[SampleBatch]:
+        """The policy batch cut into PPO mini-batches (one optimizer step each), identical on every
+        rank of the WG. Without ``mini_batch_size`` (policy or agent): one mini-batch, the whole batch.
+        With per-agent sizes, mini-batch k holds chunk k of every agent's rows (in row order)."""
+        sizes = {a: t.mini_batch_size for a, t in self.agents.items() if t.mini_batch_size}
+        if not self.cfg.mini_batch_size and not sizes:
+            return [batch]
+        names = batch.names("agent")
+        chunks: list[list[int]] = []
+        by_agent = sorted(set(names)) if sizes else [None]
+        for agent in by_agent:
+            rows = [i for i, n in enumerate(names) if agent is None or n == agent]
+            size = sizes.get(agent) or self.cfg.mini_batch_size or len(rows)
+            for k, first in enumerate(range(0, len(rows), size)):
+                if k == len(chunks):
+                    chunks.append([])
+                chunks[k].extend(rows[first : first + size])
+        return [batch.select(sorted(rows)) for rows in chunks]
+
     def train_step(self, batch: SampleBatch) -> dict[str, float]:
-        """One optimizer step per ``ppo_epochs`` on this policy's whole batch (advantages set)."""
+        """``ppo_epochs`` passes over the policy's batch (advantages set), one optimizer step per
+        mini-batch; then the learning-rate schedule advances once."""
         if batch.advantages is None and self.critic is None:
             raise ValueError(f"policy '{self.name}': train_step needs a batch with advantages")
         batch = self.trainable(self.on_device(batch))
         if batch.num_samples == 0:
             return {}
-        part = self.my_part(batch)
+        minis = self.mini_batches(batch)
+        parts = [self.my_part(mini) for mini in minis]
         timings = {}
         start = time.perf_counter()
-        # With one epoch the proximal policy *is* the current one (ratio 1, same values as a
-        # recompute), so the extra forward pass is only needed for ppo_epochs > 1.
-        old = self.compute_logprobs(part) if self.cfg.ppo_epochs > 1 else None
+        # With one epoch and one mini-batch the proximal policy *is* the current one (ratio 1, same
+        # values as a recompute), so the extra forward pass is only needed otherwise; it runs once,
+        # before the first optimizer step.
+        needs_old = self.cfg.ppo_epochs > 1 or len(minis) > 1
+        olds = [self.compute_logprobs(part) for part in parts] if needs_old else [None] * len(parts)
         timings["timing_s/old_logprobs"] = time.perf_counter() - start
         start = time.perf_counter()
-        ref = self.compute_logprobs(part, reference=True) if self._needs_ref() else None
+        refs = [self.compute_logprobs(part, reference=True) for part in parts] if self._needs_ref() else [None] * len(parts)
         timings["timing_s/ref_logprobs"] = time.perf_counter() - start
-        critic = None
+        critics: list = [None] * len(parts)
         if self.critic is not None:
             start = time.perf_counter()
-            part, returns, values = self.critic_targets(part)
-            critic = (returns, values)
+            for i, part in enumerate(parts):
+                parts[i], returns, values = self.critic_targets(part)
+                critics[i] = (returns, values)
             timings["timing_s/values"] = time.perf_counter() - start
-        counts = loss_counts(batch.response_mask)  # of the whole policy batch (all DP ranks)
-        metrics: dict[str, float] = {}
+        counts = [loss_counts(mini.response_mask) for mini in minis]  # of each whole mini-batch (all DP ranks)
+        collected: list[dict[str, float]] = []
         start = time.perf_counter()
         for _ in range(self.cfg.ppo_epochs):
-            metrics = self._update(part, old, counts, ref=ref, critic=critic)
+            collected = [self._update(part, old, count, ref=ref, critic=critic)
+                         for part, old, count, ref, critic in zip(parts, olds, counts, refs, critics)]
         timings["timing_s/update"] = time.perf_counter() - start
-        if not part.response_mask.any():  # a zero-weight stand-in (my_part): its loss terms are not data
-            metrics = {k: v for k, v in metrics.items() if k in ("grad_norm", "lr")}
+        metrics = _mean_over_steps(collected)
+        metrics["lr"] = current_lr(self.optimizer)
+        metrics["optimizer_steps"] = float(len(minis) * self.cfg.ppo_epochs)
+        metrics["padding_fraction"] = _mean([self.padding_fraction(part) for part in parts])
+        self.scheduler.step(increment=1)
+        if not any(part.response_mask.any() for part in parts):  # zero-weight stand-ins (my_part): no data
+            metrics = {k: v for k, v in metrics.items() if k in ("grad_norm", "lr", "optimizer_steps", "padding_fraction")}
         return {**metrics, **timings}
 
     def _update(self, part: SampleBatch, old: torch.Tensor | None, counts: dict, *, ref=None, critic=None) -> dict[str, float]:
         self._nonfinite_rows = []
+        lr = current_lr(self.optimizer)
         collected = self.backward(part, old, counts, ref=ref, critic=critic)
         grad_norm = self._clip_and_step()
         if not math.isfinite(grad_norm):
             return self._skipped(collected)
         self.num_updates += 1
         self.skip_streak = 0
-        return _summarise(collected, grad_norm=grad_norm, lr=self.cfg.lr, nonfinite_skipped=0.0)
+        return _summarise(collected, grad_norm=grad_norm, lr=lr, nonfinite_skipped=0.0)
 
     def _skipped(self, collected: list[dict[str, float]]) -> dict[str, float]:
         """Bookkeeping for an update that ``_clip_and_step`` refused (weights and optimizer state
@@ -475,7 +591,7 @@ class PolicyWorker:
         self.last_fault = f"policy '{self.name}' update {self.num_updates + self.num_skipped}: {where}"
         logger.warning("skipped update (%d in a row): %s", self.skip_streak, self.last_fault)
         finite = [{k: v for k, v in c.items() if math.isfinite(v)} for c in collected]
-        return _summarise(finite, lr=self.cfg.lr, nonfinite_skipped=1.0,
+        return _summarise(finite, lr=current_lr(self.optimizer), nonfinite_skipped=1.0,
                           nonfinite_streak=float(self.skip_streak))
 
     def backward(
@@ -508,7 +624,7 @@ class PolicyWorker:
             return loss * scale, {"loss": metrics.loss}
 
         self.model.zero_grad_buffer()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad()
         if self.value_optimizer is not None:
             self.value_optimizer.zero_grad(set_to_none=True)
         self._schedule(micro_batches, loss_func, forward_only=False)
@@ -525,42 +641,41 @@ class PolicyWorker:
         return self.critic.value_coef * vf_loss
 
     def _clip_and_step(self) -> float:
-        """Clip by the global grad norm and step; returns the norm, or NaN when any rank of the WG
-        saw a non-finite loss or gradient, in which case no rank steps (same decision everywhere)."""
-        for p in self.params:
-            p.grad = p.main_grad.to(p.dtype) if hasattr(p, "main_grad") else p.grad
-        squares = torch.zeros((), dtype=torch.float64, device=self.device)  # reduced over the WG's (NCCL) groups
-        for p in self.params:
-            if p.grad is None or not self._counts_for_norm(p):
-                continue
-            squares += p.grad.double().pow(2).sum()
-        # [sum of squares, fault flag]: a NaN loss on a rank whose grads are finite (e.g. a PP stage
-        # or DP rank that did not see it) still stops every rank; the flag also goes over dp
-        flag = torch.tensor(float(bool(self._nonfinite_rows)), dtype=torch.float64, device=self.device)
-        stats = torch.stack([squares, flag])
-        dist.all_reduce(stats, group=self.wg.pgs.mp)
-        fault = stats[1:].clone()
-        if self.wg.layout.dp > 1:
-            dist.all_reduce(fault, group=self.wg.pgs.dp)
-        norm = math.sqrt(float(stats[0])) if math.isfinite(float(stats[0])) else float("nan")
-        if fault.item() > 0 or not math.isfinite(norm):
-            for p in self.params:
-                p.grad = None
+        """megatron-core's clip-and-step; returns the global gradient norm, or NaN when any rank of the
+        WG saw a non-finite loss or gradient, in which case no rank steps (same decision everywhere)."""
+        fault = bool(self._nonfinite_rows) or not grads_finite(self.model)
+        if self.value_head is not None:
+            fault = fault or not all(bool(torch.isfinite(p.grad).all()) for p in self.value_head.parameters()
+                                     if p.grad is not None)
+        if any_rank(fault, self.wg.pgs.intra_dist_opt, self.device):
+            self.model.zero_grad_buffer()
+            self.optimizer.zero_grad()
+            if self.value_optimizer is not None:
+                self.value_optimizer.zero_grad(set_to_none=True)
             return float("nan")
-        if self.cfg.grad_clip > 0 and norm > self.cfg.grad_clip:
-            factor = self.cfg.grad_clip / (norm + 1e-6)
-            for p in self.params:
-                if p.grad is not None:
-                    p.grad.mul_(factor)
-        self.optimizer.step()
+        _, grad_norm, _ = self.optimizer.step()
         if self.value_optimizer is not None:
+            if self.cfg.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(self.value_head.parameters(), self.cfg.grad_clip)
             self.value_optimizer.step()
-        return norm
+        return float(grad_norm) if grad_norm is not None else 0.0
 
-    def _counts_for_norm(self, p: torch.nn.Parameter) -> bool:
-        if getattr(p, "shared", False) and not self.wg.is_first_stage:
-            return False  # tied output weight copy on the last stage
-        return bool(getattr(p, "tensor_model_parallel", False)) or self.wg.tp_rank == 0
+    @contextlib.contextmanager
+    def _reference_on_device(self, active: bool):
+        """``policies.<p>.ref_offload``: the reference model visits the device only while it is used."""
+        if not active or self.ref_offload is None:
+            yield
+            return
+        self.ref_offload.restore()
+        try:
+            yield
+        finally:
+            self.ref_offload.offload()
+
+
+def _model_shape(mb: SampleBatch, packed: bool) -> tuple[int, int]:
+    """(rows, tokens) the model sees for ``mb``: [B, T] padded, [1, sum of lengths] packed."""
+    return (1, int(mb.lengths.sum())) if packed else (mb.num_samples, mb.tokens.shape[1])
 
 
 def zero_weight_rows(batch: SampleBatch) -> SampleBatch:
@@ -602,6 +717,20 @@ def _summarise(collected: list[dict[str, float]], **extra: float) -> dict[str, f
     summed = {"loss", "pg_loss", "kl_loss", "vf_loss"}
     out = {k: (sum if k in summed else _mean)([c[k] for c in collected if k in c]) for k in keys}
     out.update(extra)
+    return out
+
+
+def _mean_over_steps(steps: list[dict[str, float]]) -> dict[str, float]:
+    """Per-optimizer-step metrics (the last epoch's) -> their mean; ``nonfinite_*`` summed."""
+    if not steps:
+        return {}
+    keys = {k for step in steps for k in step}
+    out = {k: _mean([step[k] for step in steps if k in step]) for k in keys}
+    for key in ("nonfinite_skipped",):
+        if key in out:
+            out[key] = sum(step.get(key, 0.0) for step in steps)
+    if "nonfinite_streak" in out:
+        out["nonfinite_streak"] = max(step.get("nonfinite_streak", 0.0) for step in steps)
     return out
 
 

@@ -69,7 +69,8 @@ def _ranks_body(rank, model_dir):
     counts = dict(num_tokens=int(batch.response_mask.sum()), num_seqs=batch.num_samples)
     diffs = {}
     for name, wg in wgs.items():
-        policy = PolicyConfig(model=str(model_dir), micro_batch_size=2, lr=1e-3, grad_clip=0.0)
+        policy = PolicyConfig(model=str(model_dir), micro_batch_size=2, lr=1e-3, grad_clip=0.0,
+                              distributed_optimizer=False)  # full grads in main_grad after backward
         worker = PolicyWorker(name, policy, wg, load_policy_model(policy, wg, seed=0), _loss_cfg())
         part = worker.my_part(batch)
         worker.backward(part, worker.compute_logprobs(part), counts)
@@ -93,7 +94,9 @@ def test_megatron_policy_gradients_equal_single_process_reference(tmp_path):
         for layout in ("tp2", "pp2", "dp2"):
             assert diffs[layout] < 1e-5, (rank, layout, diffs)
             assert diffs[layout + "_changed"], (rank, layout)
-            assert abs(diffs[layout + "_norm"] - reference_norm) < 1e-5 * reference_norm, (layout, diffs, reference_norm)
+            # megatron-core's norm sums fp32 per-tensor norms (torch.norm over ~1.5M embedding grads):
+            # ~6e-5 relative from the float64 reference here
+            assert abs(diffs[layout + "_norm"] - reference_norm) < 2e-4 * reference_norm, (layout, diffs, reference_norm)
     # PP=2: each stage exports its own layers; together they cover every HF tensor.
     assert results[0]["pp2_num"] + results[1]["pp2_num"] >= results[0]["tp2_num"]
 
@@ -168,7 +171,8 @@ def _per_agent_body(rank, model_dir, ref_dir):
     counts = dict(num_tokens=int(batch.response_mask.sum()), num_seqs=batch.num_samples)
     diffs = {}
     for name, wg in wgs.items():
-        policy = PolicyConfig(model=str(model_dir), micro_batch_size=2, lr=1e-3, grad_clip=0.0)
+        policy = PolicyConfig(model=str(model_dir), micro_batch_size=2, lr=1e-3, grad_clip=0.0,
+                              distributed_optimizer=False)  # full grads in main_grad after backward
         ref = load_policy_model(PolicyConfig(model=str(ref_dir)), wg, seed=0)
         worker = PolicyWorker(name, policy, wg, load_policy_model(policy, wg, seed=0), _loss_cfg(),
                               agents=_agent_cfgs(), ref_handle=ref)
@@ -258,7 +262,8 @@ def _critic_body(rank, model_dir):
     counts = dict(num_tokens=int(batch.response_mask.sum()), num_seqs=batch.num_samples)
     diffs = {}
     for name, wg in wgs.items():
-        policy = PolicyConfig(model=str(model_dir), micro_batch_size=2, lr=1e-3, grad_clip=0.0)
+        policy = PolicyConfig(model=str(model_dir), micro_batch_size=2, lr=1e-3, grad_clip=0.0,
+                              distributed_optimizer=False)  # full grads in main_grad after backward
         worker = PolicyWorker(name, policy, wg, load_policy_model(policy, wg, seed=0), _loss_cfg(), critic=_critic_cfg())
         part, returns, values = worker.critic_targets(worker.my_part(batch))
         worker.backward(part, None, counts, critic=(returns, values))
@@ -296,7 +301,8 @@ def _one_row_body(rank, model_dir):
 
     wg = build_worker_groups(PlacementConfig({"dp2": WorkerGroupLayout(ranks=[0, 1])}))["dp2"]
     batch = _batch().select([1])  # one row for two DP ranks
-    policy = PolicyConfig(model=str(model_dir), micro_batch_size=2, lr=1e-3, grad_clip=0.0)
+    policy = PolicyConfig(model=str(model_dir), micro_batch_size=2, lr=1e-3, grad_clip=0.0,
+                              distributed_optimizer=False)  # full grads in main_grad after backward
     worker = PolicyWorker("dp2", policy, wg, load_policy_model(policy, wg, seed=0), _loss_cfg())
     part = worker.my_part(batch)
     worker.backward(part, None, loss_counts(batch.response_mask))  # rank 1 used to skip this and hang rank 0

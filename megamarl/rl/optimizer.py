@@ -1,0 +1,181 @@
+"""A policy's optimizer: megatron-core's ``get_megatron_optimizer`` and ``OptimizerParamScheduler``
+over the WG's own process groups, with a whole-WG non-finite check in front of every step.
+
+What megatron-core gives: bf16 (or fp32) model parameters, fp32 main parameters and Adam moments,
+gradients accumulated in fp32 in the DDP buffers, clipping by the global norm over the model-parallel
+(or, with the distributed optimizer, the whole WG) group, and with ``distributed_optimizer`` the main
+parameters and Adam moments sharded over the WG's DP ranks (ZeRO-1).
+
+How it differs from Megatron-LM's training loop:
+
+- The learning-rate schedule advances once per *policy update* (one trainer step: all mini-batches
+  and PPO epochs of that step), as verl's actor does, so ``warmup_steps``/``decay_steps`` are counted
+  in trainer steps whatever the batch size.
+- An update is skipped on every rank of the WG when any rank saw a non-finite loss or gradient: the
+  fault flag is reduced over the WG before megatron-core's step (megatron-core's bf16 path has no
+  loss scaler and would apply a NaN update).
+- megatron-core 0.16 gathers parameter-group keys over the *world* while it builds the optimizer
+  (``_get_param_groups``); with several WGs on different ranks that gather must stay inside the WG,
+  so it is scoped to the WG's group here (``_collectives_in``).
+- megatron-core 0.16 with torch's Adam (no Transformer Engine or apex, e.g. on CPU) keeps a per-parameter
+  ``step`` in the inner state, which its distributed-optimizer checkpoint then saves as if it were a
+  parameter-shaped tensor (a garbage step after loading) and looks for among the loaded tensors
+  (``KeyError: 'step'``), and on load gives every parameter one shared step tensor that torch's Adam
+  then increments once per parameter; ``_keep_step_on_load`` keeps ``step`` out of the per-parameter
+  state and gives each parameter its own copy of the restored step.
+- LoRA policies: only the adapters require grad, so DDP buffers and optimizer state exist for them
+  alone; each adapter is a parameter group with its agent's learning rate (``ParamKey`` overrides).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import types
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+LR_DECAY_STYLES = ("constant", "linear", "cosine")
+
+
+@dataclass
+class LrScheduleConfig:
+    """``policies.<p>.lr_schedule``: linear warmup from 0 to ``policies.<p>.lr`` over ``warmup_steps``
+    trainer steps, then ``decay`` down to ``min_lr`` at ``decay_steps`` (default: trainer.total_steps)."""
+
+    warmup_steps: int = 0  # trainer steps of linear warmup from 0 to policies.<p>.lr
+    decay: str = "constant"  # constant | linear | cosine (megatron-core's lr_decay_style)
+    min_lr: float = 0.0  # the learning rate at the end of the decay
+    decay_steps: Optional[int] = None  # None: trainer.total_steps
+
+    def __post_init__(self) -> None:
+        if self.decay not in LR_DECAY_STYLES:
+            raise ValueError(f"policies.<p>.lr_schedule.decay='{self.decay}' unknown; allowed: {list(LR_DECAY_STYLES)}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"policies.<p>.lr_schedule.warmup_steps must be >= 0, got {self.warmup_steps}")
+        if self.min_lr < 0:
+            raise ValueError(f"policies.<p>.lr_schedule.min_lr must be >= 0, got {self.min_lr}")
+        if self.decay_steps is not None and self.decay_steps < 1:
+            raise ValueError(f"policies.<p>.lr_schedule.decay_steps must be >= 1, got {self.decay_steps}")
+
+
+@contextlib.contextmanager
+def _collectives_in(group):
+    """Run megatron-core's world-wide ``all_gather_object`` of parameter-group keys inside ``group``."""
+    from megatron.core import optimizer as megatron_optimizer
+
+    real = megatron_optimizer.torch
+    scoped_dist = types.SimpleNamespace(
+        get_world_size=lambda group_=None: dist.get_world_size(group_ or group),
+        all_gather_object=lambda out, obj, group_=None: dist.all_gather_object(out, obj, group=group_ or group),
+    )
+    proxy = types.SimpleNamespace(distributed=_Fallback(scoped_dist, real.distributed))
+    megatron_optimizer.torch = _Fallback(proxy, real)
+    try:
+        yield
+    finally:
+        megatron_optimizer.torch = real
+
+
+class _Fallback:
+    """Attribute lookup in ``first``, then ``second``."""
+
+    def __init__(self, first, second):
+        self._first, self._second = first, second
+
+    def __getattr__(self, name):
+        return getattr(self._first, name) if hasattr(self._first, name) else getattr(self._second, name)
+
+
+def _keep_step_on_load() -> None:
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    get_states, set_states = (DistributedOptimizer._get_main_param_and_optimizer_states,
+                              DistributedOptimizer._set_main_param_and_optimizer_states)
+    if getattr(set_states, "megamarl_keeps_step", False):
+        return
+
+    def get_without_step(self, model_param):
+        # the step is saved once, in the param groups (``state_dict``), not as a "sharded" 0-d tensor
+        return {k: v for k, v in get_states(self, model_param).items() if k != "step"}
+
+    def set_keeping_step(self, model_param, tensors):
+        if "step" not in tensors and not self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+            group_index, group_order = self.model_param_group_index_map[model_param]
+            state = self.optimizer.state[self.optimizer.param_groups[group_index]["params"][group_order]]
+            if "step" in state:  # already restored from the param groups by load_state_dict
+                tensors = {**tensors, "step": state["step"]}
+        return set_states(self, model_param, tensors)
+
+    load_state_dict = DistributedOptimizer.load_state_dict
+
+    def load_with_own_steps(self, state_dict):
+        load_state_dict(self, state_dict)
+        # megatron-core hands every parameter the *same* step tensor; torch's Adam increments it in
+        # place once per parameter, so the bias correction would run ahead by the parameter count
+        for state in self.optimizer.state.values():
+            if isinstance(state.get("step"), torch.Tensor):
+                state["step"] = state["step"].clone()
+
+    set_keeping_step.megamarl_keeps_step = True
+    DistributedOptimizer._get_main_param_and_optimizer_states = get_without_step
+    DistributedOptimizer._set_main_param_and_optimizer_states = set_keeping_step
+    DistributedOptimizer.load_state_dict = load_with_own_steps
+
+
+def build_optimizer(ddp_model, wg, *, lr: float, weight_decay: float, grad_clip: float, dtype: torch.dtype,
+                    distributed: bool, min_lr: float = 0.0, adapter_lrs: dict[str, float] | None = None):
+    """megatron-core's optimizer for ``ddp_model`` (a megatron-core ``DistributedDataParallel``).
+
+    ``dtype``: the model parameters' dtype (bf16: fp32 main params; fp32: ``FP32Optimizer``).
+    ``adapter_lrs``: LoRA adapter name -> learning rate (a parameter group each)."""
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer, get_standard_config_overrides
+    from megatron.core.optimizer.optimizer_config import ParamKey
+
+    config = OptimizerConfig(
+        optimizer="adam", lr=lr, min_lr=min_lr, weight_decay=weight_decay, adam_beta1=0.9, adam_beta2=0.999,
+        adam_eps=1e-8, clip_grad=grad_clip if grad_clip > 0 else math.inf,  # inf: norm computed, never clipped
+        bf16=dtype == torch.bfloat16, fp16=False, params_dtype=dtype, use_distributed_optimizer=distributed,
+    )
+    # Weight decay on every matrix, none on norms and biases (megatron-core's and verl's convention).
+    overrides = dict(get_standard_config_overrides(config))
+    for adapter, adapter_lr in sorted((adapter_lrs or {}).items()):
+        overrides[ParamKey(name=f"*.lora_adapters.{adapter}.*")] = {"max_lr": adapter_lr, "min_lr": min_lr * adapter_lr / lr}
+    _keep_step_on_load()
+    with _collectives_in(wg.pgs.intra_dist_opt):
+        return get_megatron_optimizer(config, [ddp_model], config_overrides=overrides,
+                                      use_gloo_process_groups=False, pg_collection=wg.pgs)
+
+
+def build_scheduler(optimizer, schedule: LrScheduleConfig, *, lr: float, total_steps: int):
+    """megatron-core's ``OptimizerParamScheduler``, one increment per policy update."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    decay_steps = max(schedule.decay_steps or total_steps, schedule.warmup_steps + 1)
+    weight_decay = optimizer.config.weight_decay if hasattr(optimizer, "config") else 0.0
+    return OptimizerParamScheduler(
+        optimizer, init_lr=0.0 if schedule.warmup_steps else lr, max_lr=lr, min_lr=schedule.min_lr,
+        lr_warmup_steps=schedule.warmup_steps, lr_decay_steps=decay_steps, lr_decay_style=schedule.decay,
+        start_wd=weight_decay, end_wd=weight_decay, wd_incr_steps=decay_steps, wd_incr_style="constant",
+        use_checkpoint_opt_param_scheduler=False, override_opt_param_scheduler=True,
+    )
+
+
+def current_lr(optimizer) -> float:
+    """The learning rate of the first (default) parameter group."""
+    return float(optimizer.param_groups[0]["lr"])
+
+
+def grads_finite(ddp_model) -> bool:
+    """Whether this rank's DDP gradient buffers hold only finite values."""
+    return all(bool(torch.isfinite(buffer.grad_data).all()) for buffer in ddp_model.buffers)
+
+
+def any_rank(flag: bool, group, device) -> bool:
+    """True on every rank of ``group`` when ``flag`` is True on any."""
+    value = torch.tensor([float(flag)], device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
+    return bool(value.item() > 0)
