@@ -27,6 +27,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
 RUN = "signalling_tiny"  # the config's name: runs land in <output_dir>/signalling_tiny
+RUN_TIMEOUT_S = 600  # a hang guard, sized for a busy machine (the suite runs on two xdist workers)
 OVERRIDES = (
     "trainer.total_steps=4", "trainer.save_every=1", "rollout.num_tasks=4", "eval.num_tasks=0",
     "logger.progress=false",
@@ -54,7 +55,22 @@ def _start(output_dir: Path, *extra: str, num_ranks: int = 1) -> subprocess.Pope
         )
 
 
-def _wait(proc: subprocess.Popen, output_dir: Path, timeout_s: float = 240) -> None:
+def _kill(proc: subprocess.Popen, output_dir: Path) -> None:
+    """SIGKILL the whole run, like a node loss: torchrun's process group *and* its ranks, which
+    torchrun starts in sessions of their own (they would otherwise live on, writing into the run
+    directory or hanging in a collective)."""
+    os.killpg(proc.pid, signal.SIGKILL)
+    marker = f"output_dir={output_dir}".encode()
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and marker in (entry / "cmdline").read_bytes():
+                os.kill(int(entry.name), signal.SIGKILL)
+        except (OSError, ProcessLookupError):
+            pass
+    proc.wait()
+
+
+def _wait(proc: subprocess.Popen, output_dir: Path, timeout_s: float = RUN_TIMEOUT_S) -> None:
     code = proc.wait(timeout=timeout_s)
     log = (output_dir.parent / f"{output_dir.name}.log").read_text()
     assert code == 0, log[-3000:]
@@ -94,14 +110,13 @@ def runs(tmp_path_factory):
     ref_proc = _start(reference)
     victim = _start(resumed)
     metrics = resumed / RUN / "metrics.jsonl"
-    deadline = time.monotonic() + 240
+    deadline = time.monotonic() + RUN_TIMEOUT_S
     # Kill once step 3 is logged: its checkpoint is at best being written, step 2's is complete.
     while not (metrics.is_file() and '"step": 3,' in metrics.read_text()):
         assert victim.poll() is None, (resumed.parent / "resumed.log").read_text()[-3000:]
         assert time.monotonic() < deadline, "the run never reached step 3"
         time.sleep(0.02)
-    os.killpg(victim.pid, signal.SIGKILL)
-    victim.wait()
+    _kill(victim, resumed)
     checkpoints = resumed / RUN / "checkpoints"
     killed_state = {
         "complete": sorted(p.parent.name for p in checkpoints.glob("step_*/COMPLETE")),

@@ -10,13 +10,11 @@ an uninterrupted run's, and so do the final weights and optimizer state.
 
 from __future__ import annotations
 
-import os
-import signal
 import time
 
 import pytest
 import torch
-from test_resume import RUN, _flat, _metrics, _policy_state, _stable, _start, _wait
+from test_resume import RUN, _flat, _kill, _metrics, _policy_state, _stable, _start, _wait
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -38,8 +36,7 @@ def test_four_rank_training_path_killed_and_resumed(tmp_path):
         assert victim.poll() is None, (tmp_path / "resumed.log").read_text()[-3000:]
         assert time.monotonic() < deadline, "the run never reached step 3"
         time.sleep(0.05)
-    os.killpg(victim.pid, signal.SIGKILL)
-    victim.wait()
+    _kill(victim, resumed)
     assert (resumed / RUN / "checkpoints" / "step_000002" / "COMPLETE").is_file()
     # the uninterrupted run after the kill (not beside it: 8 ranks on 2 cores would only be slower)
     _wait(_start(reference, *PATH, num_ranks=4), reference, timeout_s=400)
