@@ -13,34 +13,25 @@ node-major like torchrun), then
    per-GPU memory estimate, and raises ``ValueError`` naming the policy, the GPU (node/local index)
    and the numbers when a GPU does not fit ``cluster.gpu_memory_gib``.
 
-Memory model (bytes per GPU; GiB = 2**30 bytes). P_s = parameters of pipeline stage s (its share
-of layers; the embedding on the first stage; the output layer on the last, which also holds a copy
-of a tied embedding when pp > 1); everything is divided by tp (norms too: negligible):
+Memory per GPU: ``megamarl.planning.memory`` (the formulas are in its docstring), from the same
+``WorkerGroupLayout`` objects the trainer builds (``RunConfig.placement``) and a ``TrainingSetup``
+per policy with what ``build_workers`` decides (``training_setup``): the training dtype (``auto`` on
+a GPU cluster plans bf16, as ``resolve_dtype`` gives on its GPUs; CPU ranks resolve it here), the
+LoRA adapters, whether a KL reference model exists, the largest micro-batch, and the layer spec
+(Transformer Engine on GPUs, with flash attention; megatron-core's local spec on CPU ranks).
+Engines: weights 2 * P / tp_e (bf16, no PP), KV cache ``engine.kv_cache_gib`` per GPU, or when 0:
+max_num_seqs * seq_len * 2 (K, V) * L * ceil(kv_heads / tp_e) * head_dim * 2 bytes; LoRA adapters
+2 * r * (in + out) / tp_e per targeted linear.
 
-- weights      2 * P_s / tp                        (bf16)
-- grads        4 * P_s / tp                        (fp32 main grads, Megatron DDP)
-- optimizer   12 * P_s / tp [/ dp]                 (fp32 master + Adam m + v; / dp with the
-                                                    distributed optimizer)
-- activations  in_flight_s * L_s * A_layer + logits on the last stage, tokens T = mbs * seq_len:
-               A_layer = 2 * T * (4h + q + 2kv + q + 3f) / tp  tensors a layer keeps for backward
-               (inputs of both norms and of the QKV and fc1 matmuls; q, k, v; the attention
-               output; gate, up and SwiGLU output), with flash attention (no s^2 scores) and
-               sequence parallelism (the h-sized tensors are split over tp too);
-               recompute: 2 * T * h / tp per layer (its input) plus one A_layer being rebuilt;
-               in_flight_s = pp - s micro-batches under the 1F1B schedule; logits 4 * T * V / tp.
-- LoRA         base weights as above without grads/optimizer; adapters (per adapter and layer,
-               r * (in + out) summed over the targeted linears) cost 2 + 4 + 12 [/ dp] bytes.
-- frozen       weights only.
-- engine       weights 2 * P / tp_e (no PP), KV cache ``engine.kv_cache_gib`` per GPU, or when 0:
-               max_num_seqs * seq_len * 2 (K, V) * L * ceil(kv_heads / tp_e) * head_dim * 2 bytes.
-
-A GPU adds up what it holds. Training phase: the static state (weights, grads, optimizer, LoRA) of
-every WG on it plus the largest activation peak (colocated WGs update one after another).
-Rollout phase: its engine replicas plus the training state of WGs with
-``offload_train_state=false``. In ``trainer.mode=sync`` engines sleep (release weights and KV)
-during training and training state is offloaded during rollout, so the GPU needs
-max(train, rollout); the async modes overlap the two, so they add up. ``cluster.reserved_gib`` is
-added on top for the CUDA context, NCCL buffers and allocator fragmentation.
+A GPU adds up what it holds. Training phase: the static state (weights, grads, main params,
+optimizer, LoRA, resident reference models) of every WG on it plus the largest peak (activations,
+or a ``ref_offload`` reference model visiting; colocated WGs update one after another). Rollout
+phase: its engine replicas, the resident reference models (``train_state`` offloading leaves them)
+and the training state of WGs with ``offload_train_state=false``. In ``trainer.mode=sync`` engines
+sleep (release weights and KV) during training and training state is offloaded during rollout, so
+the GPU needs max(train, rollout); the async modes overlap the two, so they add up.
+``cluster.reserved_gib`` is added on top for the CUDA context, NCCL buffers and allocator
+fragmentation.
 
 Engine placement comes from ``megamarl.parallel.engine_placement.plan_engines``, the plan every
 rank computes at start-up: ``engine.ranks`` empty -> replica i sits on the policy's WG ranks
@@ -60,6 +51,7 @@ import torch.distributed as dist
 from megamarl.config import PolicyConfig, RunConfig
 from megamarl.driver.schedules import SCHEDULES
 from megamarl.parallel.engine_placement import ReplicaPlacement, plan_engines
+from megamarl.parallel.hardware import resolve_dtype
 from megamarl.parallel.placement import (
     PlacementConfig,
     WorkerGroupLayout,
@@ -67,31 +59,10 @@ from megamarl.parallel.placement import (
     group_enumeration,
     rank_coords,
 )
+from megamarl.planning.memory import Memory, TrainingSetup, num_micro_batches, train_memory
 from megamarl.planning.model_presets import ModelShape, resolve_model_shape
 
 GIB = 2**30
-LORA_TARGET_DIMS = ("qkv", "proj", "fc1", "fc2")
-
-
-@dataclass
-class Memory:
-    """Bytes per GPU, by kind."""
-
-    weights: float = 0.0
-    grads: float = 0.0
-    optimizer: float = 0.0
-    activations: float = 0.0
-    lora: float = 0.0
-    kv_cache: float = 0.0
-
-    @property
-    def static(self) -> float:
-        """Everything but activations (what stays allocated between steps)."""
-        return self.weights + self.grads + self.optimizer + self.lora + self.kv_cache
-
-    @property
-    def total(self) -> float:
-        return self.static + self.activations
 
 
 @dataclass
@@ -100,6 +71,7 @@ class WorkerGroupReport:
     model: str
     shape: ModelShape
     layout: WorkerGroupLayout
+    setup: TrainingSetup
     stages: list[Memory]  # per pipeline stage (every GPU of a stage holds the same)
 
 
@@ -194,12 +166,16 @@ def dry_run(cfg: RunConfig, *, console=None, world_size: int | None = None) -> D
     worker_groups, engines, warnings = {}, {}, []
     for name, policy in cfg.policies.items():
         layout, shape = placement.worker_groups[name], shapes[name]
-        num_adapters = _num_adapters(cfg, name)
-        stages = [
-            train_memory(shape, policy, layout, stage=s, num_adapters=num_adapters) for s in range(layout.pp)
-        ]
-        worker_groups[name] = WorkerGroupReport(name, policy.model, shape, layout, stages)
-        engines[name] = _engine_report(name, policy, shape, plan[name], num_adapters)
+        setup = training_setup(cfg, name, on_gpus=on_gpus)
+        # micro-batches in flight are capped by those of an optimizer step when rows alone count them
+        # (agents' own sizes split steps per agent, packing splits by tokens: no cap, the safe side)
+        overridden = policy.pack or any(a.micro_batch_size or a.mini_batch_size
+                                        for a in cfg.agents.values() if a.policy == name)
+        micro_batches = None if policy.mini_batch_size is None or overridden else num_micro_batches(policy, layout.dp)
+        stages = [train_memory(shape, policy, layout, setup, stage=s, num_micro_batches=micro_batches)
+                  for s in range(layout.pp)]
+        worker_groups[name] = WorkerGroupReport(name, policy.model, shape, layout, setup, stages)
+        engines[name] = _engine_report(name, policy, shape, plan[name], setup.num_adapters)
         warnings += _cross_node_warnings(name, layout, gpus_per_node)
 
     group_sizes = build_fake_groups(placement, world_size)
@@ -230,7 +206,7 @@ def declared_world_size(cfg: RunConfig) -> int:
     if cfg.cluster.gpus_per_node > 0:
         return cfg.cluster.num_nodes * cfg.cluster.gpus_per_node
 
-    needed = [int(os.environ.get("WORLD_SIZE", 1))]
+    needed = [int(os.environ.get("WORLD_SIZE", "1"))]
     for policy in cfg.policies.values():
         needed += [max(policy.ranks) + 1] if policy.ranks else [policy.tp * policy.pp]
         needed += [max(policy.engine.ranks) + 1] if policy.engine.ranks else []
@@ -240,51 +216,22 @@ def declared_world_size(cfg: RunConfig) -> int:
 # ----------------------------------------------------------------------------------- memory
 
 
-def train_memory(
-    shape: ModelShape, policy: PolicyConfig, layout: WorkerGroupLayout, *, stage: int, num_adapters: int = 1
-) -> Memory:
-    """Per-GPU training memory of pipeline stage ``stage`` (formulas in the module docstring)."""
-    tp, pp, dp = layout.tp, layout.pp, layout.dp
-    layers = shape.num_layers // pp
-    params = layers * shape.layer_params
-    if stage == 0:
-        params += shape.embedding_params
-    if stage == pp - 1:
-        params += shape.hidden_size  # final norm
-        if not shape.tied_embeddings or pp > 1:
-            params += shape.embedding_params  # output layer (a copy of the tied embedding when pp > 1)
-    params /= tp
-    optimizer_shards = dp if policy.distributed_optimizer else 1
-    memory = Memory(weights=2 * params)
-    if policy.frozen:
-        return memory
-    if policy.lora is None:
-        memory.grads = 4 * params
-        memory.optimizer = 12 * params / optimizer_shards
-    else:
-        adapters = num_adapters * layers * _lora_params_per_layer(shape, policy.lora) / tp
-        memory.lora = (2 + 4) * adapters + 12 * adapters / optimizer_shards
-    memory.activations = activation_bytes(shape, policy, layout, stage=stage)
-    return memory
-
-
-def activation_bytes(
-    shape: ModelShape, policy: PolicyConfig, layout: WorkerGroupLayout, *, stage: int
-) -> float:
-    """Bytes of activations stage ``stage`` keeps for backward at its peak (module docstring)."""
-    tokens = policy.micro_batch_size * policy.seq_len
-    h, f = shape.hidden_size, shape.ffn_hidden_size
-    q, kv = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
-    per_layer = 2 * tokens * (4 * h + q + 2 * kv + q + 3 * f) / layout.tp
-    layers = shape.num_layers // layout.pp
-    in_flight = layout.pp - stage  # 1F1B: stage s holds pp - s micro-batches' activations
-    if policy.recompute:
-        stored = in_flight * layers * 2 * tokens * h / layout.tp + per_layer
-    else:
-        stored = in_flight * layers * per_layer
-    if stage == layout.pp - 1:
-        stored += 4 * tokens * shape.vocab_size / layout.tp  # fp32 logits for logprobs and the loss
-    return stored
+def training_setup(cfg: RunConfig, name: str, *, on_gpus: bool) -> TrainingSetup:
+    """What ``megamarl.rl.policy_setup.build_workers`` decides for policy ``name`` besides its config
+    section, as it will decide it on the declared cluster (``on_gpus``: ``cluster.gpus_per_node > 0``)."""
+    policy = cfg.policies[name]
+    agents = [a for a in cfg.agents.values() if a.policy == name]
+    declared = policy.engine.dtype if policy.dtype == "auto" else policy.dtype
+    # auto: bf16 where the device computes it natively (hardware.resolve_dtype); every GPU megatron-core
+    # trains on does, CPU ranks are this machine's kind
+    dtype = "bf16" if declared == "auto" and on_gpus else resolve_dtype(declared)
+    return TrainingSetup(
+        dtype=dtype,
+        num_adapters=_num_adapters(cfg, name),
+        reference=policy.lora is None and (policy.kl_coef > 0 or any((a.kl_coef or 0) > 0 for a in agents)),
+        micro_batch_size=max([policy.micro_batch_size] + [a.micro_batch_size for a in agents if a.micro_batch_size]),
+        spec="te" if on_gpus else "local",  # models.spec.layer_spec: TE wherever CUDA and TE are
+    )
 
 
 def engine_memory(shape: ModelShape, policy: PolicyConfig, *, num_adapters: int = 0) -> Memory:
@@ -348,8 +295,8 @@ def _engine_report(name, policy: PolicyConfig, shape, replicas: list[ReplicaPlac
 def _gpu_totals(cfg, worker_groups, engines, world_size, gpus_per_node) -> list[GpuReport]:
     gpus = [GpuReport(r, r // gpus_per_node, r % gpus_per_node) for r in range(world_size)]
     static = [0.0] * world_size
-    peak_activations = [0.0] * world_size
-    resident = [0.0] * world_size  # training state that stays during rollout
+    peaks = [0.0] * world_size  # the largest activation (or reference-visit) peak of the WGs on a GPU
+    resident = [0.0] * world_size  # what stays during rollout
     for name, wg in worker_groups.items():
         layout = wg.layout
         for rank in layout.ranks:
@@ -357,9 +304,11 @@ def _gpu_totals(cfg, worker_groups, engines, world_size, gpus_per_node) -> list[
             memory = wg.stages[coords["pp"]]
             gpus[rank].shards.append(Shard(name, coords["tp"], coords["pp"], coords["dp"]))
             static[rank] += memory.static
-            peak_activations[rank] = max(peak_activations[rank], memory.activations)
+            peaks[rank] = max(peaks[rank], memory.peak)
+            # PolicyWorker.train_state offloads the model, grads and optimizer; not the reference model
+            resident[rank] += memory.reference
             if not cfg.policies[name].offload_train_state:
-                resident[rank] += memory.static
+                resident[rank] += memory.train_state
     engine_bytes = [0.0] * world_size
     for name, engine in engines.items():
         for replica, ranks in enumerate(engine.replicas):
@@ -369,7 +318,7 @@ def _gpu_totals(cfg, worker_groups, engines, world_size, gpus_per_node) -> list[
     overlap = SCHEDULES.traits(cfg.trainer.mode, key="trainer.mode").overlaps_training
     for gpu in gpus:
         r = gpu.rank
-        gpu.train = static[r] + peak_activations[r]
+        gpu.train = static[r] + peaks[r]
         gpu.rollout = engine_bytes[r] + resident[r]
         peak = gpu.train + engine_bytes[r] if overlap else max(gpu.train, gpu.rollout)
         gpu.total = peak + cfg.cluster.reserved_gib * GIB if (gpu.shards or gpu.engines) else 0.0
@@ -387,8 +336,10 @@ def _check_capacity(report: DryRunReport, cfg: RunConfig) -> None:
     for shard in gpu.shards:
         m = report.worker_groups[shard.policy].stages[shard.pp]
         detail.append(f"policies.{shard.policy} training (tp{shard.tp} pp{shard.pp} dp{shard.dp}): weights "
-                      f"{_g(m.weights)} + grads {_g(m.grads)} + optimizer {_g(m.optimizer)} + activations "
-                      f"{_g(m.activations)} + lora {_g(m.lora)} = {_g(m.total)} GiB")
+                      f"{_g(m.weights)} + grads {_g(m.grads)} + main params {_g(m.main_params)} + optimizer "
+                      f"{_g(m.optimizer)} + reference {_g(m.reference)} + lora {_g(m.lora)} + "
+                      f"{'activations' if m.activations >= m.reference_visit else 'reference visit'} {_g(m.peak)} "
+                      f"= {_g(m.total)} GiB")
     for engine in gpu.engines:
         m = report.engines[engine.policy].memory
         detail.append(
@@ -401,8 +352,8 @@ def _check_capacity(report: DryRunReport, cfg: RunConfig) -> None:
         f"{gpu.rank}) needs {_g(gpu.total)} GiB > cluster.gpu_memory_gib={cfg.cluster.gpu_memory_gib} "
         f"[{phases} = {_g(gpu.train)} / {_g(gpu.rollout)} GiB + reserved {cfg.cluster.reserved_gib} GiB; "
         + "; ".join(detail)
-        + f"]; {len(over)} of {report.world_size} GPUs over. Raise tp/pp, enable recompute or the "
-        "distributed optimizer, lower micro_batch_size/seq_len or engine.kv_cache_gib."
+        + f"]; {len(over)} of {report.world_size} GPUs over. Raise tp/pp, enable recompute, the "
+        "distributed optimizer or ref_offload, lower micro_batch_size/seq_len or engine.kv_cache_gib."
     )
 
 
@@ -460,9 +411,9 @@ def print_report(report: DryRunReport, console) -> None:
     from rich.table import Table
 
     per_node = report.gpus_per_node
-    numbers = ("weights", "grads", "optim", "activ.", "lora", "total GiB")
+    numbers = ("weights", "grads", "main", "adam", "ref", "lora", "activ.", "total GiB")
     wgs = Table(title=f"Worker groups ({report.world_size} GPUs, {per_node} per node; GiB per GPU)")
-    for col in ("policy", "model", "ranks", "nodes", "tp x pp x dp", "stage") + numbers:
+    for col in ("policy", "model", "ranks", "nodes", "tp x pp x dp", "dtype", "stage") + numbers:
         wgs.add_column(col, justify="right" if col in numbers else "left")
     for name, wg in report.worker_groups.items():
         lay = wg.layout
@@ -472,11 +423,15 @@ def print_report(report: DryRunReport, console) -> None:
             rank_ranges(lay.ranks),
             rank_ranges(sorted({r // per_node for r in lay.ranks})),
             f"{lay.tp} x {lay.pp} x {lay.dp}",
+            wg.setup.dtype,
         ]
         for stage, m in enumerate(wg.stages):
             cells = head if stage == 0 else [""] * len(head)
-            memory = (m.weights, m.grads, m.optimizer, m.activations, m.lora, m.total)
-            wgs.add_row(*cells, f"pp{stage}", *map(_g, memory))
+            # a ref_offload reference model costs nothing at rest; shown as its visit
+            ref = _g(m.reference) if not m.reference_visit else f"(visit {_g(m.reference_visit)})"
+            memory = (_g(m.weights), _g(m.grads), _g(m.main_params), _g(m.optimizer), ref, _g(m.lora),
+                      _g(m.activations), _g(m.total))
+            wgs.add_row(*cells, f"pp{stage}", *memory)
     console.print(wgs)
 
     engines = Table(title="Engines (GiB per GPU)")

@@ -24,6 +24,7 @@ class ModelShape:
     head_dim: int = 0  # 0: hidden_size // num_heads
     tied_embeddings: bool = False
     qkv_bias: bool = False
+    qk_norm: bool = False  # per-head RMSNorm on queries and keys (Qwen3)
 
     def __post_init__(self) -> None:
         if not self.head_dim:
@@ -31,13 +32,21 @@ class ModelShape:
 
     @property
     def layer_params(self) -> int:
-        """Parameters of one decoder layer: attention (q, k, v, o), SwiGLU MLP, two RMSNorms."""
+        """Parameters of one decoder layer: attention (q, k, v, o), SwiGLU MLP, two RMSNorms
+        (and the QK-norms)."""
         q_out, kv_out = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         attention = self.hidden_size * (q_out + 2 * kv_out) + q_out * self.hidden_size
         if self.qkv_bias:
             attention += q_out + 2 * kv_out
+        if self.qk_norm:
+            attention += 2 * self.head_dim
         mlp = 3 * self.hidden_size * self.ffn_hidden_size
         return attention + mlp + 2 * self.hidden_size
+
+    def padded_vocab_size(self, tp: int) -> int:
+        """Vocabulary rows of the Megatron model at ``tp``: the rule of
+        ``megamarl.models.spec.DecoderArch.padded_vocab_size`` with ``build_model``'s ``vocab_multiple=1``."""
+        return -(-self.vocab_size // tp) * tp
 
     @property
     def embedding_params(self) -> int:
@@ -59,8 +68,8 @@ PRESETS: dict[str, ModelShape] = {
     "qwen2.5-0.5b": ModelShape(24, 896, 14, 2, 4864, 151936, tied_embeddings=True, qkv_bias=True),
     "qwen2.5-7b": ModelShape(28, 3584, 28, 4, 18944, 152064, qkv_bias=True),
     "qwen2.5-72b": ModelShape(80, 8192, 64, 8, 29568, 152064, qkv_bias=True),
-    "qwen3-8b": ModelShape(36, 4096, 32, 8, 12288, 151936, head_dim=128),
-    "qwen3-32b": ModelShape(64, 5120, 64, 8, 25600, 151936, head_dim=128),
+    "qwen3-8b": ModelShape(36, 4096, 32, 8, 12288, 151936, head_dim=128, qk_norm=True),
+    "qwen3-32b": ModelShape(64, 5120, 64, 8, 25600, 151936, head_dim=128, qk_norm=True),
     "smollm2-135m-instruct": ModelShape(30, 576, 9, 3, 1536, 49152, tied_embeddings=True),
 }
 
@@ -78,6 +87,7 @@ def shape_from_hf_config(config: dict) -> ModelShape:
         head_dim=config.get("head_dim") or 0,
         tied_embeddings=bool(config.get("tie_word_embeddings", False)),
         qkv_bias=bool(config.get("attention_bias", config.get("model_type") == "qwen2")),
+        qk_norm=config.get("model_type") == "qwen3",  # the families of megamarl.models.registry
     )
 
 

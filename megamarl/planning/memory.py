@@ -1,0 +1,358 @@
+"""Per-GPU bytes of one policy's training state and activations, on paper: the arithmetic of what
+``megamarl.rl.policy_setup.build_workers`` makes megatron-core allocate on one rank of a worker group.
+
+Unlike the usual "16 bytes per parameter" rule this follows the trainer's own construction, so a CPU
+test (``tests/distributed/test_dryrun_measured.py``) compares it with the storages tiny workers
+really allocate. Per rank of a WG with layout ``tp x pp x dp`` (``WorkerGroupLayout``), pipeline
+stage ``s``, training dtype of ``b`` bytes (``policies.<p>.dtype``), layer spec ``te``
+(Transformer Engine: GPUs) or ``local`` (megatron-core's torch modules: CPU ranks):
+
+Parameters (``rank_parameters``; megatron-core's ``GPTModel`` shard at ``tp``/``pp``): stage ``s``
+holds ``num_layers / pp`` layers of ``h(q + 2kv)/tp`` [QKV] ``+ qh/tp`` [proj] ``+ 2fh/tp`` [fc1:
+gate, up] ``+ fh/tp`` [fc2] (``+ (q + 2kv)/tp`` QKV bias) and the norms ``2h`` (``+ 2 head_dim``
+QK-norm; replicated over TP); the first stage the embedding ``V_p h / tp``, the last the final norm
+``h`` and the output layer ``V_p h / tp`` (none when tied and pp = 1; a copy of the tied embedding
+when pp > 1). ``V_p``: the vocabulary padded to a multiple of ``tp``. Matrices are in the training
+dtype, norm weights too with TE but fp32 in the local spec. LoRA adds per adapter and targeted
+linear ``A`` and ``B`` in the training dtype: column-parallel (qkv, fc1) ``r in + r out/tp``,
+row-parallel (proj, fc2) ``r in/tp + r out`` (``megamarl.models.lora``).
+
+Static state (``train_memory``); N = the trainable tensors (all, or only the adapters), grouped by
+dtype because megatron-core's ``DistributedDataParallel`` keeps one buffer per (param dtype, grad
+dtype); one bucket per buffer (``overlap_grad_reduce=False``):
+
+- buffer       ``numel_buf`` = sum of N; with the distributed optimizer every parameter starts at
+               a multiple of 64 elements, the bucket ends at a multiple of ``lcm(dp, 128)`` and a
+               tied embedding with pp > 1 has a bucket of its own (``ddp_buffer_numel``).
+- weights      width * ``numel_buf`` with the distributed optimizer (parameters become views of
+               DDP's ``param_data``), else width * sum(N); frozen tensors (a LoRA base) width * numel.
+- grads        ``4 * numel_buf`` (``grad_reduce_in_fp32=True``).
+- main_params  fp32 copies of 16-bit parameters: ``4 * numel_buf / dp`` with the distributed
+               optimizer (this rank's shard of the padded buffer: an upper bound by the padding),
+               ``4 * sum(N)`` without (``Float16OptimizerWithFloat16Params``); none for fp32 tensors.
+- optimizer    Adam ``exp_avg`` + ``exp_avg_sq`` in fp32: ``8 * numel_buf / dp`` or ``8 * sum(N)``.
+- reference    the frozen copy (a second ``GPTModel``, no DDP, no optimizer) when the policy or one
+               of its agents has ``kl_coef > 0``, except for LoRA (the base with adapters off is the
+               reference); 0 at rest with ``ref_offload`` (host memory), which instead brings it in
+               for the reference forward pass: ``reference_visit`` = its weights + the log-prob peak.
+- lora         the adapters' weights (their grads, main copies and Adam state are in the rows above).
+- frozen policies: nothing (``build_workers`` builds no worker; the engines serve the checkpoint).
+
+Activations (``activation_bytes``): ``T`` tokens per micro-batch (``micro_batch_size * seq_len``,
+the largest ``micro_batch_size`` of the policy and its agents, right-padded rows of ``S = seq_len``;
+with ``pack``: one row, ``S = T``, ``T`` at most ``max(max_tokens_per_micro_batch, seq_len)``),
+no sequence parallelism (``megamarl.models.spec.transformer_config``), so the h-sized tensors are
+whole on every TP rank. Per token and layer, what autograd keeps for backward, with
+``q_t = heads * head_dim / tp``, ``kv_t = kv_heads * head_dim / tp``, ``f_t = f / tp``, ``n_t = heads / tp``:
+
+- ``te`` (flash attention): two fused norm+linear, ``2bh + 4`` each (input, normed input, 1/rms);
+  attention ``b(q_t + kv_t)`` [rotated q, k] ``+ b(q_t + 2kv_t)`` [the QKV output, held by v]
+  ``+ b q_t`` [output] ``+ 4 n_t`` [softmax statistics]; MLP ``5 b f_t`` (fc1 output ``2 f_t``;
+  megatron-core's GLU keeps ``silu(gate)``, ``up + 0`` and their product).
+- ``local`` (unfused attention; measured by the test): two RMSNorms computed in fp32,
+  ``8h + bh + 4`` each (fp32 input, fp32 normed, the linear's input, 1/rms); attention ``3 b q_t``
+  [q; k, v expanded to all heads] ``+ 4 n_t S`` [fp32 softmax] ``+ b n_t S`` [probabilities cast
+  back, when b < 4] ``+ b q_t`` [context]; MLP ``5 b f_t``; per layer also ``4 S head_dim b``
+  of rotary tables, per stage the ``S^2`` bool causal mask.
+- ``recompute: selective`` (core attention recomputed): attention keeps its inputs and output,
+  ``b(q_t + kv_t) + b(q_t + 2kv_t) + b q_t``.
+- ``recompute: full`` (every layer recomputed, one at a time): ``b h`` per layer (its input), plus
+  one layer's activations as above while it is rebuilt.
+
+Stage ``s`` keeps ``min(pp - s, micro-batches per optimizer step)`` micro-batches in flight (1F1B;
+the count is known when ``mini_batch_size`` is set); the first stage adds the token ids (8 bytes per
+token), the last the final norm (as a norm above) and the log-prob peak
+``(b + 24) T V_p / tp``: the logits in the training dtype and six fp32 ``[T, V_p/tp]`` tensors live
+at once in ``vocab_parallel_logprobs`` (upcast, shifted, exp, probs, masked shift, product), over
+all ``T`` positions (the output-layer window ``LogitWindow`` can only shrink it).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from megamarl.config import PolicyConfig
+from megamarl.parallel.placement import WorkerGroupLayout
+from megamarl.planning.model_presets import ModelShape
+
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+# megamarl.models.spec.layer_spec: Transformer Engine (GPUs with TE) | megatron-core's local spec
+LAYER_SPECS = ("te", "local")
+
+
+@dataclass(frozen=True)
+class TrainingSetup:
+    """What ``build_workers`` decides for a policy beyond its config section (``dryrun.training_setup``)."""
+
+    dtype: str = "bf16"  # training dtype (DTYPE_BYTES key)
+    num_adapters: int = 0  # LoRA adapters on this policy (agents naming one); 0 without LoRA
+    reference: bool = False  # a KL reference model is built (kl_coef > 0 on the policy or an agent; no LoRA)
+    micro_batch_size: int = 1  # the largest micro-batch (rows) of the policy and its agents
+    spec: str = "te"  # LAYER_SPECS
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPE_BYTES:
+            raise ValueError(f"training dtype '{self.dtype}' unknown; allowed: {list(DTYPE_BYTES)}")
+        if self.spec not in LAYER_SPECS:
+            raise ValueError(f"layer spec '{self.spec}' unknown; allowed: {list(LAYER_SPECS)}")
+
+    @property
+    def norm_bytes(self) -> int:
+        """Bytes per norm weight: the local spec's torch norms are built in fp32, TE's in params_dtype."""
+        return 4 if self.spec == "local" else DTYPE_BYTES[self.dtype]
+
+
+@dataclass
+class Memory:
+    """Bytes per GPU, by kind (the module docstring says what each holds)."""
+
+    weights: float = 0.0
+    grads: float = 0.0
+    main_params: float = 0.0
+    optimizer: float = 0.0
+    reference: float = 0.0
+    lora: float = 0.0
+    activations: float = 0.0
+    reference_visit: float = 0.0  # ref_offload: the reference model on the device for its forward pass
+    kv_cache: float = 0.0
+
+    @property
+    def train_state(self) -> float:
+        """What ``PolicyWorker.train_state`` offloads while colocated engines generate."""
+        return self.weights + self.grads + self.main_params + self.optimizer + self.lora
+
+    @property
+    def static(self) -> float:
+        """Everything that stays allocated between steps."""
+        return self.train_state + self.reference + self.kv_cache
+
+    @property
+    def peak(self) -> float:
+        """What comes on top of ``static`` at the worst moment of a step."""
+        return max(self.activations, self.reference_visit)
+
+    @property
+    def total(self) -> float:
+        return self.static + self.peak
+
+
+@dataclass(frozen=True)
+class RankParameters:
+    """Element counts of the parameter tensors one rank holds (one entry per tensor)."""
+
+    matrices: tuple[int, ...]  # linear weights and biases, embedding / output layer: the training dtype
+    norms: tuple[int, ...]  # RMSNorm and QK-norm weights: fp32 in the local spec, else the training dtype
+    shared_embedding: int = 0  # tied embedding (first stage) or its copy (last stage) when pp > 1
+    adapters: tuple[int, ...] = ()  # LoRA A and B of every adapter (the training dtype)
+
+    @property
+    def num_base(self) -> int:
+        return sum(self.matrices) + sum(self.norms) + self.shared_embedding
+
+
+def rank_parameters(shape: ModelShape, *, tp: int, pp: int, stage: int, lora=None,
+                    num_adapters: int = 0) -> RankParameters:
+    """The parameter tensors of pipeline stage ``stage`` on one TP rank (module docstring)."""
+    h, f = shape.hidden_size, shape.ffn_hidden_size
+    q, kv = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
+    layer = [h * (q + 2 * kv) // tp, q * h // tp, 2 * f * h // tp, f * h // tp]
+    layer_norms = [h, h]  # replicated over TP
+    if shape.qkv_bias:
+        layer.append((q + 2 * kv) // tp)
+    if shape.qk_norm:
+        layer_norms += [shape.head_dim, shape.head_dim]
+    num_layers = shape.num_layers // pp
+    matrices, norms = layer * num_layers, layer_norms * num_layers
+    embedding = shape.padded_vocab_size(tp) * h // tp
+    shared = 0
+    if stage == 0:
+        if shape.tied_embeddings and pp > 1:
+            shared = embedding
+        else:
+            matrices.append(embedding)
+    if stage == pp - 1:
+        norms.append(h)  # final norm
+        if shape.tied_embeddings and pp > 1:
+            shared = embedding  # the last stage's copy of the tied embedding
+        elif not shape.tied_embeddings:
+            matrices.append(embedding)  # output layer
+    adapters = []
+    if lora is not None:
+        dims = {"qkv": (h, q + 2 * kv, "column"), "proj": (q, h, "row"), "fc1": (h, 2 * f, "column"),
+                "fc2": (f, h, "row")}
+        for target in lora.targets:
+            d_in, d_out, kind = dims[target]
+            if kind == "column":  # A [r, in] whole, B [out/tp, r]
+                adapters += [lora.rank * d_in, d_out // tp * lora.rank]
+            else:  # A [r, in/tp], B [out, r] whole
+                adapters += [lora.rank * d_in // tp, d_out * lora.rank]
+        adapters = adapters * (num_layers * num_adapters)
+    return RankParameters(tuple(matrices), tuple(norms), shared, tuple(adapters))
+
+
+def ddp_buffer_numel(numels, *, dp: int, distributed: bool, own_bucket: int = 0) -> int:
+    """Elements of megatron-core's DDP param/grad buffer for parameters of ``numels`` (one bucket),
+    plus ``own_bucket`` (a shared embedding: a bucket of its own under the distributed optimizer).
+
+    Without the distributed optimizer the buffer is exactly their sum. With it
+    (``_ParamAndGradBuffer``), each parameter starts at a multiple of 64 and each bucket ends at a
+    multiple of ``lcm(dp, 128)``; both paddings are independent of the parameter order because the
+    bucket multiple is itself a multiple of 64."""
+    numels = list(numels)
+    if not distributed:
+        return sum(numels) + own_bucket
+    multiple = math.lcm(dp, 128)
+    total = _round_up(sum(_round_up(n, 64) for n in numels), multiple) if numels else 0
+    return total + (_round_up(own_bucket, multiple) if own_bucket else 0)
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def train_memory(shape: ModelShape, policy: PolicyConfig, layout: WorkerGroupLayout, setup: TrainingSetup, *,
+                 stage: int, num_micro_batches: int | None = None) -> Memory:
+    """Bytes on one rank of pipeline stage ``stage`` (module docstring). ``num_micro_batches``: per
+    optimizer step and DP rank, when known (caps the micro-batches in flight)."""
+    if policy.frozen:
+        return Memory()
+    params = rank_parameters(shape, tp=layout.tp, pp=layout.pp, stage=stage, lora=policy.lora,
+                             num_adapters=setup.num_adapters)
+    width, norm_width = DTYPE_BYTES[setup.dtype], setup.norm_bytes
+    base_bytes = width * (sum(params.matrices) + params.shared_embedding) + norm_width * sum(params.norms)
+    memory = Memory(activations=activation_bytes(shape, policy, layout, setup, stage=stage,
+                                                 num_micro_batches=num_micro_batches))
+    if policy.lora is not None:  # only the adapters train: the base is frozen, and is the reference
+        memory.weights = base_bytes
+        _add_trainable(memory, {width: (params.adapters, 0)}, policy, layout, setup, into="lora")
+        return memory
+    if norm_width == width:
+        groups = {width: (params.matrices + params.norms, params.shared_embedding)}
+    else:
+        groups = {width: (params.matrices, params.shared_embedding), norm_width: (params.norms, 0)}
+    _add_trainable(memory, groups, policy, layout, setup, into="weights")
+    if setup.reference:
+        if policy.ref_offload:
+            logits = logits_peak_bytes(shape, policy, layout, setup) if stage == layout.pp - 1 else 0.0
+            memory.reference_visit = base_bytes + logits
+        else:
+            memory.reference = base_bytes
+    return memory
+
+
+def _add_trainable(memory: Memory, groups: dict, policy: PolicyConfig, layout: WorkerGroupLayout,
+                   setup: TrainingSetup, *, into: str) -> None:
+    """Weights (into ``memory.<into>``), DDP grads, main params and Adam state of trainable
+    parameters, ``groups``: element width -> (tensor sizes, shared-embedding size). megatron-core's
+    DDP keeps one buffer per (param dtype, grad dtype), each padded on its own."""
+    distributed, dp = policy.distributed_optimizer, layout.dp
+    for width, (numels, shared) in groups.items():
+        if not numels and not shared:
+            continue
+        buffer = ddp_buffer_numel(numels, dp=dp, distributed=distributed, own_bucket=shared)
+        count = sum(numels) + shared
+        stepped = buffer / dp if distributed else count  # elements the optimizer keeps state for
+        # fp32 main copies of 16-bit parameters: the distributed optimizer always, otherwise
+        # megatron-core's Float16Optimizer (build_optimizer asks for it with bf16; fp16 runs as
+        # FP32Optimizer, Adam moments then in fp16); fp32 parameters are stepped in place
+        has_main = width < 4 and (distributed or setup.dtype == "bf16")
+        moment_width = 4 if has_main else width
+        setattr(memory, into, getattr(memory, into) + width * (buffer if distributed else count))
+        memory.grads += 4 * buffer
+        memory.main_params += 4 * stepped if has_main else 0.0
+        memory.optimizer += 2 * moment_width * stepped
+
+
+def tokens_per_micro_batch(policy: PolicyConfig, setup: TrainingSetup) -> int:
+    """Tokens of the largest micro-batch (``PolicyWorker._chunks``): ``micro_batch_size`` right-padded
+    rows of up to ``seq_len``; packed (``pack``), at most ``max_tokens_per_micro_batch`` real tokens
+    (a longer sample alone) and still at most ``micro_batch_size`` rows."""
+    rows = setup.micro_batch_size * policy.seq_len
+    if policy.pack and policy.max_tokens_per_micro_batch is not None:
+        return min(rows, max(policy.max_tokens_per_micro_batch, policy.seq_len))
+    return rows
+
+
+def attention_row(policy: PolicyConfig, setup: TrainingSetup) -> int:
+    """Length of the rows attention sees: ``seq_len`` padded; the whole micro-batch packed (one row
+    with a block-diagonal mask in the local spec; TE's THD attention has no [row, row] tensors)."""
+    return tokens_per_micro_batch(policy, setup) if policy.pack else policy.seq_len
+
+
+def layer_activation_bytes(shape: ModelShape, *, tp: int, tokens: int, seq_len: int, dtype_bytes: int,
+                           recompute: str, spec: str) -> float:
+    """Bytes one decoder layer keeps for backward for one micro-batch of ``tokens`` in rows of
+    ``seq_len`` (module docstring); with ``recompute='full'``: its input only."""
+    b, h = dtype_bytes, shape.hidden_size
+    q, kv = shape.num_heads * shape.head_dim / tp, shape.num_kv_heads * shape.head_dim / tp
+    f, heads = shape.ffn_hidden_size / tp, shape.num_heads / tp
+    if recompute == "full":
+        return b * h * tokens
+    rope = 4 * seq_len * shape.head_dim * b if spec == "local" else 0.0
+    norms = 2 * (_norm_bytes(h, b, spec))
+    mlp = 5 * b * f
+    if recompute == "selective" or spec == "te":
+        attn = b * (q + kv) + b * (q + 2 * kv) + b * q  # rotated q and k, the QKV output (held by v), the output
+        if spec == "te" and recompute == "none":
+            attn += 4 * heads  # softmax statistics
+    else:
+        attn = 3 * b * q + 4 * heads * seq_len + (b * heads * seq_len if b < 4 else 0) + b * q
+    return (norms + attn + mlp) * tokens + rope
+
+
+def _norm_bytes(h: int, b: int, spec: str) -> float:
+    """Per token: what an RMSNorm and the linear after it keep (TE: fused; local: fp32 inside)."""
+    return 2 * b * h + 4 if spec == "te" else 8 * h + b * h + 4
+
+
+def logits_peak_bytes(shape: ModelShape, policy: PolicyConfig, layout: WorkerGroupLayout,
+                      setup: TrainingSetup) -> float:
+    """The log-prob/entropy peak on the last stage: ``(b + 24) * T * V_p / tp``."""
+    tokens = tokens_per_micro_batch(policy, setup)
+    return (DTYPE_BYTES[setup.dtype] + 24) * tokens * shape.padded_vocab_size(layout.tp) / layout.tp
+
+
+def activation_bytes(shape: ModelShape, policy: PolicyConfig, layout: WorkerGroupLayout,
+                     setup: TrainingSetup, *, stage: int, num_micro_batches: int | None = None) -> float:
+    """Bytes of activations stage ``stage`` holds at its peak: what the micro-batches in flight keep
+    for backward, plus the transients (a layer being rebuilt under full recompute; on the last
+    stage the log-prob peak)."""
+    in_flight = layout.pp - stage  # 1F1B: stage s holds pp - s micro-batches' activations
+    if num_micro_batches is not None:
+        in_flight = max(1, min(in_flight, num_micro_batches))
+    peak = in_flight * saved_activation_bytes(shape, policy, layout, setup, stage=stage)
+    if policy.recompute == "full":  # the layer being rebuilt
+        peak += layer_activation_bytes(shape, recompute="none", **_layer_kwargs(policy, layout, setup))
+    if stage == layout.pp - 1:
+        peak += logits_peak_bytes(shape, policy, layout, setup)
+    return peak
+
+
+def saved_activation_bytes(shape: ModelShape, policy: PolicyConfig, layout: WorkerGroupLayout,
+                           setup: TrainingSetup, *, stage: int) -> float:
+    """What one micro-batch's forward through stage ``stage`` leaves for its backward (without the
+    log-prob function's own tensors): its layers, the token ids (first stage), the final norm and
+    the output layer's input (last stage)."""
+    kwargs = _layer_kwargs(policy, layout, setup)
+    saved = shape.num_layers // layout.pp * layer_activation_bytes(shape, recompute=policy.recompute, **kwargs)
+    if stage == 0:
+        saved += 8 * kwargs["tokens"]  # token ids
+    if stage == layout.pp - 1:
+        saved += _norm_bytes(shape.hidden_size, kwargs["dtype_bytes"], setup.spec) * kwargs["tokens"]
+    if setup.spec == "local":  # the [S, S] bool causal mask; under full recompute the fp32 rotary table
+        row = kwargs["seq_len"]
+        saved += row**2 + (4 * row * shape.head_dim if policy.recompute == "full" else 0)
+    return saved
+
+
+def _layer_kwargs(policy: PolicyConfig, layout: WorkerGroupLayout, setup: TrainingSetup) -> dict:
+    return {"tp": layout.tp, "tokens": tokens_per_micro_batch(policy, setup),
+            "seq_len": attention_row(policy, setup), "dtype_bytes": DTYPE_BYTES[setup.dtype], "spec": setup.spec}
+
+
+def num_micro_batches(policy: PolicyConfig, dp: int) -> int:
+    """Micro-batches per optimizer step on one DP rank when ``mini_batch_size`` fixes it: the rows
+    of a mini-batch split over ``dp`` (``balance_across_dp``), in micro-batches of ``micro_batch_size``."""
+    rows = -(-policy.mini_batch_size // dp)
+    return -(-rows // policy.micro_batch_size)
