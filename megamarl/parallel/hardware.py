@@ -1,11 +1,11 @@
 """What this node computes natively, and the dtype and thread choices that follow from it.
 
 Machines of one kind differ: an AMD EPYC with AVX2 only emulates bf16 (vLLM-CPU decoded SmolLM2-135M
-at 21.9 tokens/s in bf16 vs 126.5 in fp32, one thread), while one with AVX512-BF16 or AMX runs bf16
-matmuls several times faster than fp32 (Megatron forward+backward of SmolLM2-135M, 16 x 90 tokens,
-one thread: 4.76 s under bf16 autocast vs 13.49 s in fp32 on an EPYC with AVX512-BF16,
-scripts/bench_train_dtype.py). So ``auto``
-dtypes resolve per node, here, and the choice is logged by the caller.
+at 21.9 tokens/s in bf16 vs 126.5 in fp32, one thread; a bf16 policy update took 11x the CPU time of
+an fp32 one, scripts/bench_train.py), while one with AVX512-BF16 or AMX runs bf16 matmuls several
+times faster than fp32 (Megatron forward+backward of SmolLM2-135M, 16 x 90 tokens, one thread: 4.76 s
+under bf16 autocast vs 13.49 s in fp32 on an EPYC with AVX512-BF16). So ``auto`` dtypes resolve per
+node, here, and the choice is logged by the caller.
 """
 
 from __future__ import annotations
