@@ -16,7 +16,8 @@ import pytest
 import torch
 from test_resume import RUN, _flat, _kill, _metrics, _policy_state, _stable, _start, _wait
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+pytestmark = [pytest.mark.integration, pytest.mark.slow,
+              pytest.mark.timeout(1500)]  # three runs of up to 400 s each, not the suite's 600 s default
 
 PATH = (
     "policies.shared.tp=2", "policies.shared.distributed_optimizer=true", "policies.shared.recompute=full",
