@@ -101,6 +101,20 @@ def _flat(state, prefix=""):
         yield prefix, state
 
 
+def _assert_same_final_checkpoint(reference: Path, resumed: Path, tmp_path: Path) -> dict:
+    """Step 4's checkpoints of both runs hold identical weights and optimizer state (Adam moments
+    included) and an identical trainer.pt; returns the reference run's trainer.pt."""
+    ref_ckpt, res_ckpt = (d / RUN / "checkpoints" / "step_000004" for d in (reference, resumed))
+    ref_state = dict(_flat(_policy_state(ref_ckpt, tmp_path)))
+    res_state = dict(_flat(_policy_state(res_ckpt, tmp_path)))
+    assert ref_state.keys() == res_state.keys() and any("exp_avg" in k for k in ref_state)
+    for key, value in ref_state.items():
+        assert torch.equal(res_state[key], value), key
+    ref_run, res_run = (torch.load(c / "trainer.pt", weights_only=False) for c in (ref_ckpt, res_ckpt))
+    assert res_run == ref_run
+    return ref_run
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     base = tmp_path_factory.mktemp("resume")
@@ -138,15 +152,7 @@ def test_killed_run_resumes_bit_identical(runs, tmp_path):
         assert _stable(res) == _stable(ref), f"step {ref['step']}"
     assert any(r["policy/shared/grad_norm"] > 0 for r in ref_metrics)  # the comparison is not vacuous
 
-    ref_ckpt = reference / RUN / "checkpoints" / "step_000004"
-    res_ckpt = resumed / RUN / "checkpoints" / "step_000004"
-    ref_state = dict(_flat(_policy_state(ref_ckpt, tmp_path)))
-    res_state = dict(_flat(_policy_state(res_ckpt, tmp_path)))
-    assert ref_state.keys() == res_state.keys() and any("exp_avg" in k for k in ref_state)
-    for key, value in ref_state.items():
-        assert torch.equal(res_state[key], value), key
-    ref_run, res_run = (torch.load(c / "trainer.pt", weights_only=False) for c in (ref_ckpt, res_ckpt))
-    assert res_run == ref_run
+    ref_run = _assert_same_final_checkpoint(reference, resumed, tmp_path)
     assert ref_run["versions"] == {"shared": 5} and ref_run["num_updates"] == {"shared": 4}
     names = sorted(p.name for p in (resumed / RUN / "checkpoints").iterdir())
     assert names == [f"step_00000{i}" for i in range(1, 5)]  # the killed save's .partial was cleared

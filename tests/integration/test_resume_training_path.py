@@ -13,8 +13,7 @@ from __future__ import annotations
 import time
 
 import pytest
-import torch
-from test_resume import RUN, _flat, _kill, _metrics, _policy_state, _stable, _start, _wait
+from test_resume import RUN, _assert_same_final_checkpoint, _kill, _metrics, _stable, _start, _wait
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow,
               pytest.mark.timeout(1500)]  # three runs of up to 400 s each, not the suite's 600 s default
@@ -51,11 +50,5 @@ def test_four_rank_training_path_killed_and_resumed(tmp_path):
     assert [r["policy/shared/lr"] for r in ref_metrics] == pytest.approx([0.0, 5e-4, 1e-3, 1e-3])
     assert all(r["perf/padding_fraction/shared"] == 0.0 for r in ref_metrics)  # packed
 
-    ref_ckpt, res_ckpt = (d / RUN / "checkpoints" / "step_000004" for d in (reference, resumed))
-    ref_state = dict(_flat(_policy_state(ref_ckpt, tmp_path)))
-    res_state = dict(_flat(_policy_state(res_ckpt, tmp_path)))
-    assert ref_state.keys() == res_state.keys() and any("exp_avg" in k for k in ref_state)
-    for key, value in ref_state.items():
-        assert torch.equal(res_state[key], value), key
-    ref_run, res_run = (torch.load(c / "trainer.pt", weights_only=False) for c in (ref_ckpt, res_ckpt))
-    assert res_run == ref_run and ref_run["lr_steps"] == {"shared": 4}
+    ref_run = _assert_same_final_checkpoint(reference, resumed, tmp_path)
+    assert ref_run["lr_steps"] == {"shared": 4}
