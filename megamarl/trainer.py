@@ -3,8 +3,10 @@
 SPMD under torchrun: every rank runs ``Trainer.fit``. Rank 0 is also the *driver*
 (``megamarl.driver.RolloutDriver``): it hosts the engines (colocated, in-process), runs the episodes,
 turns them into the training batch (``megamarl.rl.prepare``) and logs. Workers are built by
-``megamarl.rl.policy_setup``; checkpoints are ``megamarl.runtime.checkpoint``. Every rank holding a shard of a policy's worker group (WG) trains it; the batch
-reaches workers as one broadcast object over the CPU control group. Variants (estimators, engines,
+``megamarl.rl.policy_setup``; checkpoints are ``megamarl.runtime.checkpoint``. Every rank holding a
+shard of a policy's worker group (WG) trains it; the driver plans every policy's update
+(``megamarl.rl.dispatch``) and each rank receives only its own share over the CPU control group,
+with a summary of the batch's counts (``perf/batch_bytes_per_rank``). Variants (estimators, engines,
 envs, orchestras) are looked up by name in registries; the loop itself has no per-variant branches.
 ``trainer.mode`` names the driver's rollout schedule (``megamarl.driver.schedules``: sync, one_step_off,
 fully_async; docs/async.md): where the next batch comes from and what a weight push waits for.
@@ -21,12 +23,13 @@ import torch.distributed as dist
 from megamarl.config import RunConfig
 from megamarl.driver.rollout_driver import RolloutDriver, policy_adapters
 from megamarl.driver.schedules import SCHEDULES, sync_interval
+from megamarl.parallel.collectives import scatter_objects
 from megamarl.parallel.distributed import control_group, init_distributed, wait_for_driver
 from megamarl.parallel.engine_placement import plan_engines, ranks_per_node
 from megamarl.parallel.hardware import DTYPES
 from megamarl.parallel.placement import build_worker_groups
-from megamarl.rl.batch import SampleBatch
-from megamarl.rl.policy_setup import build_workers
+from megamarl.rl.dispatch import RankBatch, rank_batches
+from megamarl.rl.policy_setup import batch_splits, build_workers
 from megamarl.rl.worker import NumericalFaultError
 from megamarl.rollout.fleet import build_fleet
 from megamarl.rollout.push import WeightPusher
@@ -34,7 +37,7 @@ from megamarl.runtime import checkpoint
 from megamarl.runtime.preemption import PreemptionFlag
 from megamarl.runtime.progress import RunProgress
 from megamarl.runtime.step_metrics import (
-    idle_seconds, merge_rank_metrics, peak_memory_gib, throughput_metrics, trained_tokens,
+    idle_seconds, merge_rank_metrics, peak_memory_gib, throughput_metrics,
 )
 
 DRIVER = 0
@@ -56,6 +59,7 @@ class Trainer:
         self.sync_every = sync_interval(cfg.trainer)  # updates of a policy per weight push
         checkpoint.seed_everything(cfg.trainer.seed)
         self.wgs = build_worker_groups(cfg.placement(self.world_size))
+        self.splits = batch_splits(cfg.policies, cfg.agents, cfg.algorithm)  # the driver plans every policy's update
         # engine servers start now (in threads), overlapping model preparation (megamarl.rollout.fleet)
         self.fleet = build_fleet(cfg, rank=self.rank, world_size=self.world_size, run_dir=self.run_dir,
                                  control_group=control_group())
@@ -98,16 +102,16 @@ class Trainer:
             step_start = time.perf_counter()
             resynced = self.resync_restarted()
             offloaded = self.offload_train_state()  # gathered from every rank with the update's metrics
-            batch, metrics = self.rollout_and_prepare()
+            received, metrics = self.rollout_and_prepare()
             metrics.update(resynced)
-            metrics.update(self.update(batch, offloaded))
+            metrics.update(self.update(received, offloaded))
             metrics.update(self.sync_all_weights(self.due_for_sync()))
             self.step += 1
             metrics["timing_s/step"] = time.perf_counter() - step_start
             metrics["timing_s/idle"] = idle_seconds(metrics)
             metrics.update(throughput_metrics(
-                num_train_tokens=trained_tokens(batch, self.trained_policies()), update_s=metrics["timing_s/update"],
-                num_samples=batch.num_samples, step_s=metrics["timing_s/step"],
+                num_train_tokens=received.summary.num_train_tokens, update_s=metrics["timing_s/update"],
+                num_samples=received.summary.num_samples, step_s=metrics["timing_s/step"],
             ))
             self.progress.step_done(self.step, metrics["timing_s/step"])
             self.log(metrics)
@@ -129,13 +133,20 @@ class Trainer:
     def _due(self, every: int) -> bool:
         return every > 0 and self.step % every == 0
 
-    def rollout_and_prepare(self) -> tuple[SampleBatch, dict[str, float]]:
-        """Driver takes the next batch from its schedule (trainer.mode) and computes advantages;
-        every rank receives the batch. It may hold only some policies (fully_async, per-policy)."""
-        payload = [self.driver.collect(self.step, self.versions) if self.is_driver else None]
+    def rollout_and_prepare(self) -> tuple[RankBatch, dict[str, float]]:
+        """Driver takes the next batch from its schedule (trainer.mode) and computes advantages; it
+        may hold only some policies (fully_async, per-policy). The driver plans every policy's update
+        and each rank receives only its WGs' DP shares and the batch's summary (``rl.dispatch``).
+        The step's metrics stay on the driver, which logs them."""
+        payloads, metrics = None, {}
+        if self.is_driver:
+            batch, metrics = self.driver.collect(self.step, self.versions)
+            payloads = rank_batches(batch, self.splits, {name: wg.layout for name, wg in self.wgs.items()},
+                                    world_size=self.world_size)
         self._wait_for_driver(f"the rollout of step {self.step + 1}")
-        dist.broadcast_object_list(payload, src=DRIVER, group=control_group())
-        return payload[0]
+        received, num_bytes = scatter_objects(payloads, src=DRIVER, group=control_group())
+        metrics.update({"perf/batch_bytes_per_rank": max(num_bytes), "perf/batch_bytes_total": sum(num_bytes)})
+        return received, metrics
 
     def offload_train_state(self) -> dict[str, float]:
         """Before the rollout: policies with ``offload_train_state`` whose shards on this rank share
@@ -152,24 +163,24 @@ class Trainer:
     def restore_train_state(self) -> dict[str, float]:
         return {f"timing_s/{name}/restore": self.workers[name].train_state.restore().seconds for name in self._offloaded}
 
-    def update(self, batch: SampleBatch, offloaded: dict[str, float] | None = None) -> dict[str, float]:
+    def update(self, received: RankBatch, offloaded: dict[str, float] | None = None) -> dict[str, float]:
+        """Each of this rank's workers trains on its share; every rank counts the updates of every
+        policy that had data (the summary is the same everywhere)."""
         start = time.perf_counter()
         metrics: dict[str, float] = {**(offloaded or {}), **self.restore_train_state()}
+        for name in received.summary.trained_policies:
+            self.updates_since_sync[name] += 1
         with self.progress.phase("train", unit="micro-batches") as phase:
-            for name, part in batch.split_by_policy().items():
-                if self.cfg.policies[name].frozen:
-                    continue
-                self.updates_since_sync[name] += 1  # on every rank: the batch is the same everywhere
-                if name in self.workers:
-                    self.workers[name].on_micro_batch = phase.advance
-                    for key, value in self.workers[name].train_step(part).items():
-                        # the worker's sections (timing_s/<section>) become timing_s/<policy>/<section>
-                        section = key.removeprefix("timing_s/")
-                        if key == "padding_fraction":  # a throughput figure: perf/padding_fraction/<policy>
-                            metrics[f"perf/{key}/{name}"] = value
-                        else:
-                            metrics[f"timing_s/{name}/{section}" if section != key else f"policy/{name}/{key}"] = value
-                    metrics[f"perf/max_memory_gib/{name}"] = peak_memory_gib()
+            for name, share in received.shares.items():
+                self.workers[name].on_micro_batch = phase.advance
+                for key, value in self.workers[name].train_share(share).items():
+                    # the worker's sections (timing_s/<section>) become timing_s/<policy>/<section>
+                    section = key.removeprefix("timing_s/")
+                    if key == "padding_fraction":  # a throughput figure: perf/padding_fraction/<policy>
+                        metrics[f"perf/{key}/{name}"] = value
+                    else:
+                        metrics[f"timing_s/{name}/{section}" if section != key else f"policy/{name}/{key}"] = value
+                metrics[f"perf/max_memory_gib/{name}"] = peak_memory_gib()
         faults = {name: w.last_fault for name, w in self.workers.items() if w.skip_streak}
         gathered = [None] * self.world_size
         dist.all_gather_object(gathered, (metrics, faults), group=control_group())
@@ -177,9 +188,6 @@ class Trainer:
         merged["timing_s/update"] = time.perf_counter() - start
         self._check_numerics(merged, {k: v for _, rank_faults in gathered for k, v in rank_faults.items()})
         return merged
-
-    def trained_policies(self) -> list[str]:
-        return [name for name, policy in self.cfg.policies.items() if not policy.frozen]
 
     def _check_numerics(self, metrics: dict[str, float], faults: dict[str, str]) -> None:
         """Skipped (non-finite) updates are reported; too many in a row stop the run on every rank

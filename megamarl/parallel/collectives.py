@@ -3,11 +3,13 @@
 STYLE.md rule 5: ``megamarl/models`` and ``megamarl/rl`` receive process groups and never call
 ``torch.distributed`` themselves; the few collectives they need live here, each taking the group
 explicitly (never the default world) and short-circuiting a one-rank group without communication.
+``scatter_objects`` is the loop's: the driver sends each rank its share of a step's batch.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import pickle
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -44,3 +46,32 @@ def all_reduce_sum(group) -> Callable[[torch.Tensor], None] | None:
     if group_size(group) == 1:
         return None
     return lambda tensor: dist.all_reduce(tensor, group=group)
+
+
+def scatter_objects(objects: Sequence[Any] | None, *, src: int, group) -> tuple[Any, list[int]]:
+    """Group rank ``i`` receives ``objects[i]`` (given on ``src``, a group rank; None elsewhere),
+    pickled and sent point to point, so each rank's traffic is its own object: torch's
+    ``scatter_object_list`` pads every rank's message to the largest one. Returns this rank's object
+    (``src`` keeps its own without a copy) and every rank's pickled size in bytes (the sizes travel
+    first, one broadcast: each rank sizes its buffer, and every rank can report them)."""
+    size = group_size(group)
+    rank = dist.get_rank(group) if size > 1 else 0
+    if rank == src:
+        if objects is None or len(objects) != size:
+            raise ValueError(f"scatter_objects: src needs one object per rank of the group ({size})")
+        blobs = [pickle.dumps(obj) for obj in objects]
+        sizes = torch.tensor([len(blob) for blob in blobs], dtype=torch.long)
+    else:
+        sizes = torch.zeros(size, dtype=torch.long)
+    if size == 1:
+        return objects[0], sizes.tolist()
+    dist.broadcast(sizes, group=group, group_src=src)
+    if rank == src:
+        sends = [dist.isend(torch.frombuffer(bytearray(blob), dtype=torch.uint8), group=group, group_dst=dst)
+                 for dst, blob in enumerate(blobs) if dst != src]
+        for work in sends:
+            work.wait()
+        return objects[src], sizes.tolist()
+    buffer = torch.empty(int(sizes[rank]), dtype=torch.uint8)
+    dist.recv(buffer, group=group, group_src=src)
+    return pickle.loads(buffer.numpy()), sizes.tolist()

@@ -7,8 +7,8 @@ back. Token layout per row: ``prompt + response`` right-padded with ``pad_id``;
 same alignment as ``losses.token_logprobs``.
 
 Selection keeps the vocabularies (ids stay comparable across the parts of one batch) and trims the
-token dim to the longest selected row. Nothing here touches ``torch.distributed``: the batch
-travels from the driver to the workers as one broadcast object (``megamarl.trainer``).
+token dim to the longest selected row. Nothing here touches ``torch.distributed``: the driver cuts
+the batch into each rank's share (``megamarl.rl.dispatch``) and the trainer sends the shares.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """Each policy's training side from its config: the Megatron shard with HF weights loaded
 (``load_policy_model``) and the ``PolicyWorker`` with its loss, per-agent settings, reference model
-and critic (``build_workers``). The glue between ``policies.<p>`` / ``agents.<a>`` /
-``algorithm`` and the worker; the loop (``megamarl.trainer``) only calls ``build_workers``.
+and critic (``build_workers``), and every trained policy's ``BatchSplit`` (``batch_splits``: how the
+driver cuts each policy's rows, for every WG, including those it holds no shard of). The glue between
+``policies.<p>`` / ``agents.<a>`` / ``algorithm`` and the worker.
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ from megamarl.models.bridge import build_model, load_hf_config, load_hf_weights
 from megamarl.models.packaged import resolve_model_path
 from megamarl.parallel.placement import WorkerGroup
 from megamarl.rl.advantages import ADVANTAGE_ESTIMATORS, AdvantageConfig
+from megamarl.rl.dispatch import BatchSplit
 from megamarl.rl.losses import LossConfig
-from megamarl.rl.worker import AgentTraining, CriticConfig, ModelHandle, PolicyWorker
+from megamarl.rl.worker import AgentTraining, CriticConfig, ModelHandle, PolicyWorker, batch_split
 
 
 RECOMPUTE = {  # policies.<p>.recompute -> megatron-core TransformerConfig fields
@@ -55,18 +57,7 @@ def build_workers(
             on_policy()
             continue
         lora = policy.lora is not None
-        trainings = {
-            role: AgentTraining(
-                loss=loss_config(policy, algo, **agent.train_overrides()),
-                micro_batch_size=agent.micro_batch_size or policy.micro_batch_size,
-                mini_batch_size=agent.mini_batch_size,
-                # an agent of a LoRA policy without an adapter acts with the frozen base
-                frozen=agent.frozen or (lora and agent.lora is None),
-                adapter=agent.lora, lr=agent.lr,
-            )
-            for role, agent in agents.items()
-            if agent.policy == name and (agent.train_overrides() or agent.frozen or lora)
-        }
+        trainings = agent_trainings(name, policy, agents, algo)
         dtype = (dtypes or {}).get(name, torch.float32)
         handle = load_policy_model(policy, wg, seed=seed, dtype=dtype)
         needs_ref = policy.kl_coef > 0 or any(a.loss.kl_coef > 0 for a in trainings.values())
@@ -77,6 +68,29 @@ def build_workers(
                                      total_steps=total_steps)
         on_policy()
     return workers
+
+
+def agent_trainings(name: str, policy, agents: Mapping, algo: AlgorithmConfig) -> dict[str, AgentTraining]:
+    """The settings of policy ``name``'s agents that differ from the policy's (overrides, frozen, LoRA)."""
+    lora = policy.lora is not None
+    return {
+        role: AgentTraining(
+            loss=loss_config(policy, algo, **agent.train_overrides()),
+            micro_batch_size=agent.micro_batch_size or policy.micro_batch_size,
+            mini_batch_size=agent.mini_batch_size,
+            # an agent of a LoRA policy without an adapter acts with the frozen base
+            frozen=agent.frozen or (lora and agent.lora is None),
+            adapter=agent.lora, lr=agent.lr,
+        )
+        for role, agent in agents.items()
+        if agent.policy == name and (agent.train_overrides() or agent.frozen or lora)
+    }
+
+
+def batch_splits(policies: Mapping, agents: Mapping, algo: AlgorithmConfig) -> dict[str, BatchSplit]:
+    """Every trained (non-frozen) policy's ``BatchSplit``, built from the same settings as its workers."""
+    return {name: batch_split(policy, agent_trainings(name, policy, agents, algo))
+            for name, policy in policies.items() if not policy.frozen}
 
 
 def loss_config(policy, algo: AlgorithmConfig, **overrides) -> LossConfig:

@@ -16,10 +16,11 @@ Optimizer: megatron-core's (``megamarl.rl.optimizer``): parameters in the policy
 the global norm, and megatron-core's ``OptimizerParamScheduler`` (``policies.<p>.lr_schedule``),
 advanced once per policy update. On CPU it runs through ``megamarl.parallel.cpu_compat``.
 
-PPO mini-batches (``policies.<p>.mini_batch_size``, verl's ``ppo_mini_batch_size``): the policy batch
-is cut into mini-batches of that many samples (per agent when agents set their own), each one
-optimizer step; the proximal (old) log-probs are computed once, before the first mini-batch, and the
-losses are normalised by each mini-batch's global token count.
+Data: the worker trains on a ``PolicyShare`` (``megamarl.rl.dispatch``), this DP rank's part of
+every PPO mini-batch (``policies.<p>.mini_batch_size``, verl's ``ppo_mini_batch_size``) with each
+mini-batch's global loss counts, planned on the driver by the same pure function ``train_step``
+applies to a whole policy batch; each mini-batch is one optimizer step; the proximal (old) log-probs
+are computed once, before the first mini-batch.
 
 Numerical faults: a non-finite loss (any micro-batch, any rank) or gradient norm skips the update on
 every rank of the WG: no optimizer step, so neither the weights nor the engines ever see NaN. It is
@@ -35,7 +36,7 @@ import math
 import time
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Iterator
+from typing import Iterator, Mapping
 
 import torch
 import torch.distributed as dist
@@ -51,6 +52,7 @@ from megamarl.parallel.collectives import all_reduce_sum
 from megamarl.parallel.placement import WorkerGroup
 from megamarl.rl.advantages import ADVANTAGE_ESTIMATORS, AdvantageConfig
 from megamarl.rl.batch import SampleBatch
+from megamarl.rl.dispatch import BatchSplit, PolicyShare, dp_parts, mini_batches, plan_policy, trainable_rows
 from megamarl.models.spec import transformer_engine_available
 from megamarl.rl.offload import TrainStateOffload
 from megamarl.rl.packing import (
@@ -188,6 +190,13 @@ class AgentTraining:
     lr: float | None = None  # the adapter's learning rate (None: the policy's)
 
 
+def batch_split(cfg: PolicyConfig, agents: Mapping[str, AgentTraining]) -> BatchSplit:
+    """How the policy's rows are cut for an update (``rl.dispatch``): trainable agents, mini-batch sizes."""
+    return BatchSplit(mini_batch_size=cfg.mini_batch_size,
+                      agent_mini_batch_sizes={a: t.mini_batch_size for a, t in agents.items() if t.mini_batch_size},
+                      frozen_agents=frozenset(a for a, t in agents.items() if t.frozen))
+
+
 class PolicyWorker:
     def __init__(
         self, name: str, cfg: PolicyConfig, wg: WorkerGroup, handle: ModelHandle, loss_cfg: LossConfig, *,
@@ -209,6 +218,7 @@ class PolicyWorker:
         model = handle.model.to(self.device)  # megatron-core builds on the current device already: a no-op
         config = model.config
         self.agents = agents or {}
+        self.split = batch_split(cfg, self.agents)
         self.adapters = sorted({a.adapter for a in self.agents.values() if a.adapter})
         if self.adapters:
             if lora is None:
@@ -296,13 +306,14 @@ class PolicyWorker:
         return batch.to(self.device)
 
     def my_part(self, batch: SampleBatch) -> SampleBatch:
-        """This DP rank's share (identical on TP/PP peers: the split is deterministic).
+        """This DP rank's part of a mini-batch (``rl.dispatch.dp_parts``: identical on TP/PP peers;
+        a zero-weight stand-in row when the rank has none)."""
+        return dp_parts(batch, self.wg.layout.dp)[self.wg.dp_rank]
 
-        A rank whose share is empty (fewer rows than DP ranks) gets one row with an empty response
-        mask instead: it contributes zero loss and zero gradient, but runs the same forward/backward
-        and so joins the DP gradient all-reduce the other ranks are waiting in."""
-        part = batch.balance_across_dp(self.wg.layout.dp)[self.wg.dp_rank]
-        return part if part.num_samples or not batch.num_samples else zero_weight_rows(batch.select([0]))
+    def plan(self, batch: SampleBatch) -> PolicyShare:
+        """This rank's share of a whole policy batch, planned here exactly as the driver plans it
+        (``rl.dispatch.plan_policy``)."""
+        return plan_policy(batch, self.split, num_dp=self.wg.layout.dp)[self.wg.dp_rank]
 
     def _micro_batches(self, part: SampleBatch) -> list[SampleBatch]:
         """Micro-batches of ``cfg.micro_batch_size`` rows; with per-agent settings, each micro-batch
@@ -493,11 +504,7 @@ class PolicyWorker:
 
     def trainable(self, batch: SampleBatch) -> SampleBatch:
         """Rows of agents that train (``agents.<a>.frozen`` drops an agent's samples)."""
-        frozen = {a for a, t in self.agents.items() if t.frozen}
-        if not frozen:
-            return batch
-        return batch.select(torch.tensor([a not in frozen for a in batch.names("agent")], dtype=torch.bool,
-                                         device=batch.device))
+        return trainable_rows(batch, self.split.frozen_agents)
 
     def _loss_cfg(self, mb: SampleBatch) -> LossConfig:
         agents = set(mb.names("agent"))
@@ -507,40 +514,31 @@ class PolicyWorker:
 
     # ---- the update -----------------------------------------------------------------------------
     def mini_batches(self, batch: SampleBatch) -> list[SampleBatch]:
-        """The policy batch cut into PPO mini-batches (one optimizer step each), identical on every
-        rank of the WG. Without ``mini_batch_size`` (policy or agent): one mini-batch, the whole batch.
-        With per-agent sizes, mini-batch k holds chunk k of every agent's rows (in row order)."""
-        sizes = {a: t.mini_batch_size for a, t in self.agents.items() if t.mini_batch_size}
-        if not self.cfg.mini_batch_size and not sizes:
-            return [batch]
-        names = batch.names("agent")
-        chunks: list[list[int]] = []
-        by_agent = sorted(set(names)) if sizes else [None]
-        for agent in by_agent:
-            rows = [i for i, n in enumerate(names) if agent is None or n == agent]
-            size = sizes.get(agent) or self.cfg.mini_batch_size or len(rows)
-            for k, first in enumerate(range(0, len(rows), size)):
-                if k == len(chunks):
-                    chunks.append([])
-                chunks[k].extend(rows[first : first + size])
-        return [batch.select(sorted(rows)) for rows in chunks]
+        """The policy batch cut into PPO mini-batches (``rl.dispatch.mini_batches``)."""
+        return mini_batches(batch, self.split)
 
     def train_step(self, batch: SampleBatch) -> dict[str, float]:
-        """``ppo_epochs`` passes over the policy's batch (advantages set), one optimizer step per
-        mini-batch; then the learning-rate schedule advances once."""
+        """One update on a whole policy batch (advantages set), planned here (``plan``): for callers
+        that hold the batch; the trainer sends each rank its planned share (``train_share``)."""
         if batch.advantages is None and self.critic is None:
             raise ValueError(f"policy '{self.name}': train_step needs a batch with advantages")
-        batch = self.trainable(self.on_device(batch))
-        if batch.num_samples == 0:
+        return self.train_share(self.plan(batch))
+
+    def train_share(self, share: PolicyShare) -> dict[str, float]:
+        """``ppo_epochs`` passes over this rank's share, one optimizer step per mini-batch (losses
+        normalised by each mini-batch's global counts); then the learning-rate schedule advances once."""
+        if not share.minis:  # every row of the policy was a frozen agent's
             return {}
-        minis = self.mini_batches(batch)
-        parts = [self.my_part(mini) for mini in minis]
+        if share.minis[0].rows.advantages is None and self.critic is None:
+            raise ValueError(f"policy '{self.name}': train_share needs parts with advantages")
+        parts = [self.on_device(mini.rows) for mini in share.minis]
+        counts = [mini.counts for mini in share.minis]  # of each whole mini-batch (all DP ranks)
         timings = {}
         start = time.perf_counter()
         # With one epoch and one mini-batch the proximal policy *is* the current one (ratio 1, same
         # values as a recompute), so the extra forward pass is only needed otherwise; it runs once,
         # before the first optimizer step.
-        needs_old = self.cfg.ppo_epochs > 1 or len(minis) > 1
+        needs_old = self.cfg.ppo_epochs > 1 or len(parts) > 1
         olds = [self.compute_logprobs(part) for part in parts] if needs_old else [None] * len(parts)
         timings["timing_s/old_logprobs"] = time.perf_counter() - start
         start = time.perf_counter()
@@ -553,7 +551,6 @@ class PolicyWorker:
                 parts[i], returns, values = self.critic_targets(part)
                 critics[i] = (returns, values)
             timings["timing_s/values"] = time.perf_counter() - start
-        counts = [loss_counts(mini.response_mask) for mini in minis]  # of each whole mini-batch (all DP ranks)
         collected: list[dict[str, float]] = []
         start = time.perf_counter()
         for _ in range(self.cfg.ppo_epochs):
@@ -562,10 +559,10 @@ class PolicyWorker:
         timings["timing_s/update"] = time.perf_counter() - start
         metrics = _mean_over_steps(collected)
         metrics["lr"] = current_lr(self.optimizer)
-        metrics["optimizer_steps"] = float(len(minis) * self.cfg.ppo_epochs)
+        metrics["optimizer_steps"] = float(len(parts) * self.cfg.ppo_epochs)
         metrics["padding_fraction"] = _mean([self.padding_fraction(part) for part in parts])
         self.scheduler.step(increment=1)
-        if not any(part.response_mask.any() for part in parts):  # zero-weight stand-ins (my_part): no data
+        if not any(part.response_mask.any() for part in parts):  # zero-weight stand-ins (dp_parts): no data
             metrics = {k: v for k, v in metrics.items() if k in ("grad_norm", "lr", "optimizer_steps", "padding_fraction")}
         return {**metrics, **timings}
 
@@ -676,11 +673,6 @@ class PolicyWorker:
 def _model_shape(mb: SampleBatch, packed: bool) -> tuple[int, int]:
     """(rows, tokens) the model sees for ``mb``: [B, T] padded, [1, sum of lengths] packed."""
     return (1, int(mb.lengths.sum())) if packed else (mb.num_samples, mb.tokens.shape[1])
-
-
-def zero_weight_rows(batch: SampleBatch) -> SampleBatch:
-    """``batch`` with no response tokens: every loss term is masked out, so its gradient is exactly 0."""
-    return batch.replace(response_mask=torch.zeros_like(batch.response_mask))
 
 
 def _row_ids(mb: SampleBatch) -> list[tuple[int, int, int, int]]:

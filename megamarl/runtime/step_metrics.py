@@ -66,13 +66,6 @@ def success_metrics(episodes: Iterable) -> dict[str, float]:
     return out
 
 
-def trained_tokens(batch: SampleBatch, trained_policies: Iterable[str]) -> int:
-    """Tokens (prompt + response) of the rows that train a policy in ``trained_policies``."""
-    trained = set(trained_policies)
-    rows = torch.tensor([p in trained for p in batch.names("policy")], dtype=torch.bool)
-    return int(batch.attention_mask[rows].sum()) if len(rows) else 0
-
-
 def throughput_metrics(*, num_train_tokens: int, update_s: float, num_samples: int, step_s: float) -> dict[str, float]:
     """``perf/train_tokens_per_s``: tokens the update processed per second of ``timing_s/update``;
     ``perf/samples_per_s``: the step's samples per second of ``timing_s/step`` (end to end)."""
@@ -84,7 +77,7 @@ def throughput_metrics(*, num_train_tokens: int, update_s: float, num_samples: i
 
 def idle_seconds(metrics: Mapping[str, float]) -> float:
     """``timing_s/step`` minus the top-level sections (rollout, update, weight_sync): time no
-    section accounts for (advantages, broadcasts, logging)."""
+    section accounts for (planning and sending the batch, logging)."""
     sections = sum(metrics.get(f"timing_s/{name}", 0.0) for name in TOP_LEVEL_SECTIONS)
     return max(0.0, metrics["timing_s/step"] - sections)
 

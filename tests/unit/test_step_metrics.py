@@ -14,7 +14,6 @@ from megamarl.runtime.step_metrics import (
     merge_rank_metrics,
     success_metrics,
     throughput_metrics,
-    trained_tokens,
 )
 
 
@@ -73,8 +72,6 @@ def test_own_success_per_agent_and_policy():
 
 
 def test_throughput_idle_and_rank_merge(batch):
-    assert trained_tokens(batch, ["alpha"]) == (2 + 3) + (2 + 2)  # prompt + response of alpha's rows
-    assert trained_tokens(batch, ["alpha", "beta"]) == 9 + (2 + 1) + (4 + 4)
     assert throughput_metrics(num_train_tokens=900, update_s=3.0, num_samples=8, step_s=4.0) == {
         "perf/train_tokens_per_s": 300.0, "perf/samples_per_s": 2.0}
     step = {"timing_s/step": 10.0, "timing_s/rollout": 3.0, "timing_s/update": 4.5, "timing_s/alpha/update": 4.0}

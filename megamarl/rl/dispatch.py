@@ -1,0 +1,153 @@
+"""What each rank trains on: the driver plans every policy's update from the step's batch and each
+rank receives only its own share.
+
+The driver (rank 0) holds the prepared batch: every policy's rows, advantages set. For each trained
+policy, ``plan_policy`` is a pure function of the policy's rows, its ``BatchSplit`` (from
+``policies.<p>`` / ``agents.<a>``) and its worker group's DP size:
+
+```
+policy rows
+  -> trainable rows           (agents.<a>.frozen and adapter-less agents of a LoRA policy dropped)
+  -> PPO mini-batches         (policies.<p>.mini_batch_size; per agent with agents.<a>.mini_batch_size)
+  -> per mini-batch: its global loss counts (losses.loss_counts: every DP rank's rows)
+                     and one part per DP rank (SampleBatch.balance_across_dp, by tokens; an empty
+                     part becomes one zero-weight stand-in row, so the rank still joins the all-reduce)
+  -> one PolicyShare per DP rank: its part of every mini-batch, with the counts
+```
+
+``rank_batches`` then gives every rank of the world a ``RankBatch``: for each policy whose worker
+group (WG) holds a shard on the rank, that rank's DP share (TP and PP peers of one DP rank get the
+same share), plus a ``BatchSummary`` of counts every rank needs; nothing of other policies' rows.
+The trainer sends each rank its ``RankBatch`` point to point over the control group
+(``parallel.collectives.scatter_objects``).
+
+How it differs from the usual SPMD trainer (verl's dispatch of a whole batch to every worker,
+Megatron-LM's broadcast within a TP group): the split happens once, on the driver, so a rank's
+traffic and memory are its own share; the worker computes nothing about other ranks' rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping
+
+import torch
+
+from megamarl.parallel.placement import WorkerGroupLayout, rank_coords
+from megamarl.rl.batch import SampleBatch
+from megamarl.rl.losses import loss_counts
+
+
+@dataclass(frozen=True)
+class BatchSplit:
+    """How one policy's rows become its update's mini-batches (``policy_setup.batch_splits``)."""
+
+    mini_batch_size: int | None = None  # policies.<p>.mini_batch_size (None: one mini-batch)
+    agent_mini_batch_sizes: Mapping[str, int] = field(default_factory=dict)  # agents.<a>.mini_batch_size
+    frozen_agents: frozenset[str] = frozenset()  # agents whose rows do not train
+
+
+@dataclass
+class MiniBatchPart:
+    """One DP rank's rows of one PPO mini-batch (one optimizer step)."""
+
+    rows: SampleBatch  # a zero-weight stand-in row when the rank has none of the mini-batch's rows
+    counts: dict[str, int]  # loss_counts of the whole mini-batch (every DP rank's rows)
+
+
+@dataclass
+class PolicyShare:
+    """One DP rank's data for one policy update: its part of every mini-batch, in order (empty when
+    every row of the policy belonged to a frozen agent)."""
+
+    minis: list[MiniBatchPart] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class BatchSummary:
+    """What every rank needs of the step's batch: counts, never rows."""
+
+    trained_policies: tuple[str, ...]  # non-frozen policies with rows this step, in batch order
+    num_samples: int  # rows of the whole batch
+    num_train_tokens: int  # tokens (prompt + response) of the trained policies' rows
+
+
+@dataclass
+class RankBatch:
+    """What one rank receives: its WGs' shares (in batch order) and the summary."""
+
+    summary: BatchSummary
+    shares: dict[str, PolicyShare] = field(default_factory=dict)
+
+
+def trainable_rows(batch: SampleBatch, frozen_agents: frozenset[str]) -> SampleBatch:
+    """Rows of agents that train."""
+    if not frozen_agents:
+        return batch
+    keep = torch.tensor([a not in frozen_agents for a in batch.names("agent")], dtype=torch.bool, device=batch.device)
+    return batch.select(keep)
+
+
+def mini_batches(batch: SampleBatch, split: BatchSplit) -> list[SampleBatch]:
+    """The policy batch cut into PPO mini-batches. Without a mini-batch size (policy or agent): one
+    mini-batch, the whole batch. With per-agent sizes, mini-batch k holds chunk k of every agent's
+    rows (in row order)."""
+    sizes = {a: s for a, s in split.agent_mini_batch_sizes.items() if s}
+    if not split.mini_batch_size and not sizes:
+        return [batch]
+    names = batch.names("agent")
+    chunks: list[list[int]] = []
+    by_agent = sorted(set(names)) if sizes else [None]
+    for agent in by_agent:
+        rows = [i for i, n in enumerate(names) if agent is None or n == agent]
+        size = sizes.get(agent) or split.mini_batch_size or len(rows)
+        for k, first in enumerate(range(0, len(rows), size)):
+            if k == len(chunks):
+                chunks.append([])
+            chunks[k].extend(rows[first : first + size])
+    return [batch.select(sorted(rows)) for rows in chunks]
+
+
+def zero_weight_rows(batch: SampleBatch) -> SampleBatch:
+    """``batch`` with no response tokens: every loss term is masked out, so its gradient is exactly 0."""
+    return batch.replace(response_mask=torch.zeros_like(batch.response_mask))
+
+
+def dp_parts(batch: SampleBatch, num_dp: int) -> list[SampleBatch]:
+    """One part per DP rank, balanced by tokens. A rank whose part is empty (fewer rows than DP
+    ranks) gets one row with an empty response mask instead: zero loss and zero gradient, but the
+    same forward/backward, so it joins the DP gradient all-reduce the other ranks are waiting in."""
+    stand_in = zero_weight_rows(batch.select([0])) if batch.num_samples else None
+    return [part if part.num_samples or stand_in is None else stand_in for part in batch.balance_across_dp(num_dp)]
+
+
+def plan_policy(batch: SampleBatch, split: BatchSplit, *, num_dp: int) -> list[PolicyShare]:
+    """Every DP rank's share of one policy's rows (``batch``: that policy's rows only)."""
+    shares = [PolicyShare() for _ in range(num_dp)]
+    rows = trainable_rows(batch, split.frozen_agents)
+    if not rows.num_samples:
+        return shares
+    for mini in mini_batches(rows, split):
+        counts = loss_counts(mini.response_mask)
+        for share, part in zip(shares, dp_parts(mini, num_dp)):
+            share.minis.append(MiniBatchPart(part, counts))
+    return shares
+
+
+def rank_batches(
+    batch: SampleBatch, splits: Mapping[str, BatchSplit], layouts: Mapping[str, WorkerGroupLayout], *,
+    world_size: int,
+) -> list[RankBatch]:
+    """Every rank's ``RankBatch`` of the step's ``batch``. ``splits`` names the trained policies
+    (frozen ones have none: their rows train nobody); ``layouts`` places each policy's WG. A batch
+    may hold only some policies (the async modes): the others are absent from every rank's batch."""
+    by_policy = {name: rows for name, rows in batch.split_by_policy().items() if name in splits}
+    summary = BatchSummary(trained_policies=tuple(by_policy), num_samples=batch.num_samples,
+                           num_train_tokens=sum(rows.num_tokens for rows in by_policy.values()))
+    out = [RankBatch(summary) for _ in range(world_size)]
+    for name, rows in by_policy.items():
+        layout = layouts[name]
+        shares = plan_policy(rows, splits[name], num_dp=layout.dp)
+        for rank in layout.ranks:
+            out[rank].shares[name] = shares[rank_coords(layout, rank)["dp"]]
+    return out
