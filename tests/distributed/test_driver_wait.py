@@ -19,6 +19,7 @@ def _long_driver_work(rank):
 
     from megamarl.parallel.distributed import wait_for_driver
 
+    dist.barrier()  # both ranks create the group together: creating it is bound by its 2 s too
     group = dist.new_group(backend="gloo", timeout=timedelta(seconds=2))  # what a short timeout kills
     start = time.monotonic()
     payload = [None]

@@ -41,8 +41,9 @@ def _env():
 
 
 def _train(out: Path, config: str, *overrides: str) -> Path:
-    """One torchrun launch of scripts/train.py on 1 rank; returns the run directory."""
-    cmd = [str(TORCHRUN), "--nproc_per_node", "1", "scripts/train.py", "--config", config,
+    """One torchrun launch of scripts/train.py on 1 rank (--standalone: a free port, as tests run in
+    parallel); returns the run directory."""
+    cmd = [str(TORCHRUN), "--standalone", "--nproc_per_node", "1", "scripts/train.py", "--config", config,
            f"output_dir={out}", "name=run", *overrides]
     proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -42,7 +42,8 @@ def test_a_plugin_that_is_not_found_is_one_line_naming_plugin_paths(tmp_path):
 @pytest.mark.integration
 @pytest.mark.slow
 def test_the_plugin_trains_under_torchrun_from_another_directory(tmp_path):
-    proc = subprocess.run([str(TORCHRUN), "--nproc_per_node", "1", str(ROOT / "scripts" / "train.py"),
+    # --standalone: a free rendezvous port, not torchrun's default 29500 (tests run in parallel)
+    proc = subprocess.run([str(TORCHRUN), "--standalone", "--nproc_per_node", "1", str(ROOT / "scripts" / "train.py"),
                            "--config", str(CONFIG)], cwd=tmp_path, env=_env(), capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -1,6 +1,10 @@
 """Preemption: SIGTERM (or SIGUSR1) in the middle of a run -> the step finishes, a checkpoint is
 saved, the process exits 0; ``trainer.resume=auto`` continues and the metrics of every step equal
-an uninterrupted run's (tiny signalling, 1 rank, plain ``python scripts/train.py``)."""
+an uninterrupted run's (tiny signalling, 1 rank, plain ``python scripts/train.py``).
+
+Both signals compare with one uninterrupted reference run (a module fixture: the reference does not
+depend on the signal), started beside the first victim. Deadlines are hang guards, sized for a busy
+machine (the suite runs on two xdist workers)."""
 
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
 RUN = "signalling_tiny"
+RUN_TIMEOUT_S = 600
 OVERRIDES = ("trainer.total_steps=4", "trainer.save_every=0", "rollout.num_tasks=4", "eval.num_tasks=0",
              "logger.progress=false")
 
@@ -47,28 +52,40 @@ def _volatile(key: str) -> bool:
     return key.endswith(("_s", "_ratio"))
 
 
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The uninterrupted run (started, not awaited: it runs beside the first test's victim)."""
+    reference = tmp_path_factory.mktemp("preemption") / "reference"
+    reference.mkdir()
+    proc = _start(reference)
+    yield reference, proc
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1], ids=["SIGTERM", "SIGUSR1"])
-def test_signal_saves_exits_zero_and_resumes_exactly(tmp_path, sig):
-    reference, victim_dir = tmp_path / "reference", tmp_path / "preempted"
-    reference.mkdir(), victim_dir.mkdir()
-    ref_proc = _start(reference)
+def test_signal_saves_exits_zero_and_resumes_exactly(tmp_path, reference, sig):
+    reference, ref_proc = reference
+    victim_dir = tmp_path / "preempted"
+    victim_dir.mkdir()
     victim = _start(victim_dir)
     metrics = victim_dir / RUN / "metrics.jsonl"
-    deadline = time.monotonic() + 240
+    deadline = time.monotonic() + RUN_TIMEOUT_S
     while not (metrics.is_file() and '"step": 1,' in metrics.read_text()):
         assert victim.poll() is None, _log(victim_dir, 0)[-3000:]
         assert time.monotonic() < deadline, "the run never reached step 1"
         time.sleep(0.02)
     victim.send_signal(sig)  # somewhere in step 2 (or right at step 1's end)
-    assert victim.wait(timeout=240) == 0, _log(victim_dir, 0)[-3000:]
+    assert victim.wait(timeout=RUN_TIMEOUT_S) == 0, _log(victim_dir, 0)[-3000:]
     checkpoints = sorted(p.parent.name for p in (victim_dir / RUN / "checkpoints").glob("step_*/COMPLETE"))
     assert len(checkpoints) == 1 and checkpoints[0] in ("step_000001", "step_000002", "step_000003"), checkpoints
     saved_step = int(checkpoints[0][-1])
     assert f"preempted ({sig.name}): saved step {saved_step}" in _log(victim_dir, 0)
     assert [r["step"] for r in _metrics(victim_dir)] == list(range(1, saved_step + 1))
     resumed = _start(victim_dir, "trainer.resume=auto")
-    assert resumed.wait(timeout=240) == 0, _log(victim_dir, 1)[-3000:]
-    assert ref_proc.wait(timeout=240) == 0, _log(reference, 0)[-3000:]
+    assert resumed.wait(timeout=RUN_TIMEOUT_S) == 0, _log(victim_dir, 1)[-3000:]
+    assert ref_proc.wait(timeout=RUN_TIMEOUT_S) == 0, _log(reference, 0)[-3000:]
     assert f"resumed from {victim_dir / RUN / 'checkpoints' / checkpoints[0]} at step {saved_step}" in _log(victim_dir, 1)
     ref_metrics, res_metrics = _metrics(reference), _metrics(victim_dir)
     assert [r["step"] for r in res_metrics] == [1, 2, 3, 4]

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+pytestmark = [pytest.mark.integration, pytest.mark.slow,
+              pytest.mark.timeout(1560)]  # the run's own 1500 s bound, not the suite's 600 s default
 
 ROOT = Path(__file__).resolve().parents[2]
 BUDGET = ["trainer.total_steps=1", "eval.num_tasks=8", "rollout.num_tasks=2", "rollout.group_size=4"]

@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 from train_runs import train  # tests/ helper
 
-pytestmark = [pytest.mark.integration, pytest.mark.vllm, pytest.mark.slow]
+pytestmark = [pytest.mark.integration, pytest.mark.vllm, pytest.mark.slow,
+              pytest.mark.timeout(960)]  # the run's own 900 s bound (the fixture runs in the first test)
 pytest.importorskip("vllm")
 
 ROOT = Path(__file__).resolve().parents[2]

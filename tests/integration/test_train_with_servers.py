@@ -25,7 +25,8 @@ from pathlib import Path
 import pytest
 from train_runs import train  # tests/ helper
 
-pytestmark = [pytest.mark.integration, pytest.mark.distributed, pytest.mark.vllm, pytest.mark.slow]
+pytestmark = [pytest.mark.integration, pytest.mark.distributed, pytest.mark.vllm, pytest.mark.slow,
+              pytest.mark.timeout(1560)]  # the run's own 1500 s bound (the fixture runs in the first test)
 pytest.importorskip("vllm")
 
 ROOT = Path(__file__).resolve().parents[2]

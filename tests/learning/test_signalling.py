@@ -1,6 +1,11 @@
 """The learning test of the whole RL path (sample -> advantage -> loss -> update -> weight sync):
 two agents of a tiny model play the signalling game and go from chance (~10%) to >= 90% team
-success with AT-GRPO, in every trainer mode. The curve is printed to the test log."""
+success with AT-GRPO, in every trainer mode. The curve is printed to the test log.
+
+The same runs check each mode's staleness on one rank (these were separate 3-step runs in
+tests/integration/test_async_modes.py): every trained sample within trainer.max_staleness (1), sync
+always on-policy, one_step_off on-policy at step 1 and exactly one version behind from then on, and
+the off-policy correction's (TIS) metrics logged in the async modes."""
 
 from __future__ import annotations
 
@@ -11,8 +16,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from train_runs import check_staleness  # tests/ helper
 
-pytestmark = [pytest.mark.learning, pytest.mark.slow]
+pytestmark = [pytest.mark.learning, pytest.mark.slow, pytest.mark.timeout(1260)]  # the run's own 1200 s bound
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs" / "signalling_tiny.yaml"
@@ -43,3 +49,13 @@ def test_signalling_game_learns_to_90_percent(tmp_path, mode):
     first_steps = [s for _, s in rollout[:3]]
     assert sum(first_steps) / len(first_steps) <= 0.2, rollout[:3]  # starts at chance (~10%)
     assert curve[-1][1] >= 0.9, curve
+
+    assert [m["step"] for m in metrics] == list(range(1, len(metrics) + 1))
+    check_staleness(metrics, max_staleness=1)
+    lags = [m["async/staleness_mean"] for m in metrics]
+    if mode == "sync":
+        assert set(lags) == {0.0}
+    if mode == "one_step_off":
+        assert lags[0] == 0.0 and set(lags[1:]) == {1.0}  # the first batch is on-policy, then one version off
+    if mode != "sync":  # off-policy correction on (algorithm.tis_cap defaults to 2.0), with its metrics
+        assert all("policy/shared/tis_weight_mean" in m and "policy/shared/tis_clip_frac" in m for m in metrics)

@@ -291,7 +291,9 @@ def test_fully_async_groups_cancelled_by_stop_return_to_the_cursor(loop):
     schedule = build_schedule(cfg, source, loop)
     batches, _ = drive(schedule, source, cfg, steps=2)
     batches.append((None, schedule.next_rollout(2, source.version)[0]))  # frees room in the buffer...
-    time.sleep(0.03)  # ...so new groups start, and run for ~0.15 s
+    deadline = time.monotonic() + 10  # ...so new groups start, and run for ~0.15 s (polled: on a busy
+    while schedule.buffer.in_flight == 0 and time.monotonic() < deadline:  # machine they start later)
+        time.sleep(0.005)
     assert schedule.buffer.in_flight > 0
     schedule.producer.stop()  # they are cancelled
     state = schedule.state_dict()
