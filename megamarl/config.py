@@ -90,8 +90,27 @@ class EngineConfig:
     # megamarl's (gloo broadcast, shared memory); native: the backend's own (needs CUDA); megamarl:
     # megamarl's everywhere (docs/cluster.md, "Weight push").
     weight_transfer: str = "auto"
+    # vLLM / SGLang engines: no CUDA graphs (vLLM --enforce-eager, SGLang --disable-cuda-graph on GPU).
+    # null: true on CPU, false on GPU (CUDA graphs: fast decoding at high engine TP).
+    enforce_eager: Optional[bool] = None
+    # vLLM / SGLang engines on GPU: the fraction of each GPU one replica may take (vLLM
+    # --gpu-memory-utilization, SGLang --mem-fraction-static). null: from the memory plan, the GPU's
+    # memory minus the trainer's planned bytes while the engine is awake minus cluster.reserved_gib
+    # (engine servers; megamarl.planning.engine_budget), 0.5 for an in-process vLLM engine. Needs CUDA.
+    gpu_memory_utilization: Optional[float] = None
+
+    def eager(self, *, on_gpu: bool) -> bool:
+        """``enforce_eager`` resolved: null means eager on CPU, CUDA graphs on GPU."""
+        return (not on_gpu) if self.enforce_eager is None else self.enforce_eager
 
     def __post_init__(self) -> None:
+        if self.gpu_memory_utilization is not None:
+            _check_range("policies.<p>.engine.gpu_memory_utilization", self.gpu_memory_utilization, low=0, high=1,
+                         low_open=True)
+        if self.backend == "hf" and (self.enforce_eager is not None or self.gpu_memory_utilization is not None):
+            key = "enforce_eager" if self.enforce_eager is not None else "gpu_memory_utilization"
+            raise ValueError(f"policies.<p>.engine.{key} applies to vllm and sglang engines; engine.backend=hf has "
+                             "no CUDA graphs or memory fraction: drop the key")
         if self.weight_transfer not in WEIGHT_TRANSFER_CHOICES:
             raise ValueError(f"policies.<p>.engine.weight_transfer='{self.weight_transfer}' unknown; allowed: "
                              f"{list(WEIGHT_TRANSFER_CHOICES)}")

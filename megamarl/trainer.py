@@ -28,6 +28,7 @@ from megamarl.parallel.distributed import control_group, init_distributed, wait_
 from megamarl.parallel.engine_placement import plan_engines, ranks_per_node
 from megamarl.parallel.hardware import DTYPES
 from megamarl.parallel.placement import build_worker_groups
+from megamarl.planning.engine_budget import server_memory_fractions
 from megamarl.rl.dispatch import RankBatch, rank_batches
 from megamarl.rl.policy_setup import batch_splits, build_workers
 from megamarl.rl.worker import NumericalFaultError
@@ -60,16 +61,18 @@ class Trainer:
         checkpoint.seed_everything(cfg.trainer.seed)
         self.wgs = build_worker_groups(cfg.placement(self.world_size))
         self.splits = batch_splits(cfg.policies, cfg.agents, cfg.algorithm)  # the driver plans every policy's update
-        # engine servers start now (in threads), overlapping model preparation (megamarl.rollout.fleet)
+        # engine servers start now (in threads), sized on GPU from the memory plan; on CPU they overlap
+        # model preparation, on GPU colocated ones are up and asleep first (EngineFleet.model_preparation)
+        fractions = server_memory_fractions(cfg, world_size=self.world_size,
+                                            gpus_per_node=ranks_per_node(cfg.cluster, self.world_size))
         self.fleet = build_fleet(cfg, rank=self.rank, world_size=self.world_size, run_dir=self.run_dir,
-                                 control_group=control_group())
-        with self.progress.phase("model preparation", total=len(cfg.policies), unit="policies", in_step=False) as phase:
+                                 control_group=control_group(), memory_fractions=fractions)
+        with self.fleet.model_preparation() if self.fleet is not None else nullcontext(), \
+                self.progress.phase("model preparation", total=len(cfg.policies), unit="policies", in_step=False) as phase:
             self.workers = build_workers(cfg.policies, cfg.agents, cfg.algorithm, self.wgs, seed=cfg.trainer.seed,
                                          dtypes={n: DTYPES[cfg.policy_dtype(n)] for n in cfg.policies},
                                          total_steps=cfg.trainer.total_steps,
                                          on_policy=phase.advance)
-        if self.fleet is not None:
-            self.fleet.wait_ready()
         self.driver = RolloutDriver(cfg, self.run_dir, self.progress, fleet=self.fleet) if self.is_driver else None
         self._wait_for_driver("engine start-up")
         self._offloaded = self._offload_targets()

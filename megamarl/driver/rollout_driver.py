@@ -189,6 +189,7 @@ class RolloutDriver:
         holds them all: the unnamed default set as ``team_accuracy``, ``avg@k``, ...; a named set as
         ``<set>/team_accuracy`` (logged as ``eval/<set>/team_accuracy``)."""
         e = self.cfg.eval
+        self._hand_over(wake=True)  # on GPU a frozen policy's servers may still sleep since start-up
         # evaluation is one pass: no best-of-K with the env's check fn (tree_k=1)
         greedy = {
             role: replace(a, sampling=replace(a.sampling, temperature=e.temperature, top_p=1.0, top_k=-1), tree_k=1)

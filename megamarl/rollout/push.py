@@ -136,4 +136,6 @@ class WeightPusher:
                 dist.barrier(group=control_group())
                 if self.is_driver:
                     for engine in engines_for(name):
+                        if self._served(name):
+                            self.fleet.wake(name, engine)  # on GPU asleep since start-up (EngineFleet._start)
                         engine.add_lora(adapter, path)

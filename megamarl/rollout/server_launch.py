@@ -12,7 +12,15 @@ Environment of a vLLM server: ``VLLM_SERVER_DEV_MODE=1`` (the weight-transfer, p
 endpoints), megamarl's weight-transfer plugin (``vllm_plugin``; ``plugin_env``), engine core in its
 own process; on CPU ``VLLM_CPU_KVCACHE_SPACE`` (whole GiB; else ``--kv-cache-memory-bytes``) and
 ``num_threads`` OpenMP threads without core binding (several servers share a node's cores); on GPU
-``CUDA_VISIBLE_DEVICES`` = the block's devices.
+``CUDA_VISIBLE_DEVICES`` = the block's devices. A server bound to 0.0.0.0 (other nodes reach it)
+advertises, and its transfer-group workers bind, this node's address (``parallel.network.host_address``,
+passed as ``MEGAMARL_HOST_ADDR``).
+
+GPU-only flags, never on a CPU command line (vLLM-CPU refuses sleep mode): ``sleeps`` (a colocated
+server that hands its memory to training) -> vLLM ``--enable-sleep-mode`` / SGLang
+``--enable-memory-saver``; ``memory_fraction`` (the plan's, ``planning.engine_budget``) -> vLLM
+``--gpu-memory-utilization`` / SGLang ``--mem-fraction-static``; ``enforce_eager`` -> vLLM
+``--enforce-eager`` (also on CPU, its default there) / SGLang ``--disable-cuda-graph``.
 """
 
 from __future__ import annotations
@@ -31,11 +39,13 @@ from pathlib import Path
 
 import torch
 
+from megamarl.parallel.network import HOST_ADDR_ENV, host_address
 from megamarl.rollout.factory import LoraServing
 
 SERVER_BACKENDS = ("vllm", "sglang")
 _VLLM_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 PLUGIN_ENTRY_POINT = "megamarl = megamarl.vllm_plugins:register"
+ANY_HOST = ("0.0.0.0", "::")  # bind addresses that serve other nodes
 
 
 class ServerStartError(RuntimeError):
@@ -64,10 +74,21 @@ class ServerSpec:
     host: str = "127.0.0.1"  # bind address; 0.0.0.0 to serve other nodes
     served_model_name: str = "default"  # the name requests use (``VLLMServerClient(model=...)``)
     on_gpu: bool | None = None  # None: this node has a CUDA device
+    # colocated and handing its memory to training (fleet.EngineFleet.hands_over): on GPU started
+    # with vLLM's sleep mode / SGLang's memory saver, so that sleeping frees its memory
+    sleeps: bool = False
+    enforce_eager: bool | None = None  # no CUDA graphs; None: eager on CPU, CUDA graphs on GPU
+    # GPU: the fraction of each device the server may take (vLLM --gpu-memory-utilization, SGLang
+    # --mem-fraction-static); None: the server's own default
+    memory_fraction: float | None = None
 
     def __post_init__(self) -> None:
         if self.on_gpu is None:
             self.on_gpu = torch.cuda.is_available()
+        if self.enforce_eager is None:
+            self.enforce_eager = not self.on_gpu
+        if self.memory_fraction is not None and not 0 < self.memory_fraction <= 1:
+            raise ValueError(f"ServerSpec.memory_fraction must be in (0, 1], got {self.memory_fraction}")
         if self.backend not in SERVER_BACKENDS:
             raise ValueError(f"ServerSpec.backend '{self.backend}' has no server; allowed: {list(SERVER_BACKENDS)}")
         if self.tp < 1:
@@ -83,12 +104,14 @@ class ServerSpec:
 def free_port(host: str) -> int:
     """A port free on ``host`` now (0.0.0.0: on every interface)."""
     with socket.socket() as sock:
-        sock.bind((host if host not in ("0.0.0.0", "::") else "", 0))
+        sock.bind((host if host not in ANY_HOST else "", 0))
         return sock.getsockname()[1]
 
 
 def server_command(spec: ServerSpec) -> list[str]:
-    """The server's command line (``spec.port`` must be set)."""
+    """The server's command line (``spec.port`` must be set). GPU-only flags (sleep mode / memory
+    saver, the memory fraction, SGLang's ``--disable-cuda-graph``) only on GPU: vLLM-CPU refuses
+    sleep mode, and a CPU server's memory is sized by ``kv_cache_gib`` alone."""
     if spec.backend == "sglang":
         cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", spec.model_path,
                "--host", spec.host, "--port", str(spec.port), "--tp-size", str(spec.tp),
@@ -98,18 +121,25 @@ def server_command(spec: ServerSpec) -> list[str]:
         if spec.lora is not None:
             cmd += ["--enable-lora", "--max-loras-per-batch", str(max(1, spec.lora.num_adapters)),
                     "--max-lora-rank", str(spec.lora.rank)]
+        if spec.on_gpu:
+            cmd += ["--enable-memory-saver"] if spec.sleeps else []
+            cmd += ["--mem-fraction-static", str(spec.memory_fraction)] if spec.memory_fraction is not None else []
+            cmd += ["--disable-cuda-graph"] if spec.enforce_eager else []
         return cmd
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", spec.model_path,
            "--served-model-name", spec.served_model_name, "--host", spec.host, "--port", str(spec.port),
            "--tensor-parallel-size", str(spec.tp), "--dtype", _VLLM_DTYPES.get(spec.dtype, spec.dtype),
            "--max-num-seqs", str(spec.max_num_seqs), "--max-model-len", str(spec.max_model_len),
-           "--seed", str(spec.seed), "--enforce-eager", "--logprobs-mode", "processed_logprobs",
-           "--weight-transfer-config", json.dumps({"backend": spec.weight_transfer})]
+           "--seed", str(spec.seed), *(["--enforce-eager"] if spec.enforce_eager else []),
+           "--logprobs-mode", "processed_logprobs", "--weight-transfer-config", json.dumps({"backend": spec.weight_transfer})]
     if spec.kv_cache_gib > 0 and (spec.on_gpu or spec.kv_cache_gib != int(spec.kv_cache_gib)):
         cmd += ["--kv-cache-memory-bytes", str(int(spec.kv_cache_gib * 2**30))]
     if spec.lora is not None:
         cmd += ["--enable-lora", "--max-loras", str(max(1, spec.lora.num_adapters)),
                 "--max-lora-rank", str(spec.lora.vllm_max_rank)]
+    if spec.on_gpu:
+        cmd += ["--enable-sleep-mode"] if spec.sleeps else []
+        cmd += ["--gpu-memory-utilization", str(spec.memory_fraction)] if spec.memory_fraction is not None else []
     return cmd
 
 
@@ -134,6 +164,8 @@ def plugin_env(env: dict[str, str]) -> dict[str, str]:
 
 def server_env(spec: ServerSpec, base: dict[str, str] | None = None) -> dict[str, str]:
     env = dict(os.environ if base is None else base)
+    if spec.host in ANY_HOST and not env.get(HOST_ADDR_ENV):  # serving other nodes: its transfer groups
+        env[HOST_ADDR_ENV] = host_address(multi_node=True, environ=env)  # bind where its URL points
     if spec.backend == "vllm":
         env = plugin_env(env)
         env["VLLM_SERVER_DEV_MODE"] = "1"
@@ -170,7 +202,7 @@ class ServerProcess:
 
     def _advertised_host(self) -> str:
         host = self.spec.host
-        return socket.gethostbyname(socket.gethostname()) if host in ("0.0.0.0", "::") else host
+        return host_address(multi_node=True) if host in ANY_HOST else host
 
     def start(self, timeout_s: float = 600) -> str:
         """Launch the server and wait until ``/health`` answers; returns its base URL. With

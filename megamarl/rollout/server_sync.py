@@ -40,6 +40,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megamarl.parallel.network import gloo_group
 from megamarl.rollout._http import JSONClient
 from megamarl.rollout.weight_sync import SyncStats, buckets
 
@@ -134,13 +135,14 @@ class BufferPool:
 
 
 def new_gloo_group(master_addr: str, master_port: int, *, rank: int, world_size: int, group_name: str,
-                   timeout_s: float, is_master: bool = False) -> tuple[Any, Any]:
+                   timeout_s: float, is_master: bool = False, address: str | None = None) -> tuple[Any, Any]:
     """A gloo process group outside the default world (vLLM's workers have their own): a TCPStore
-    (hosted by rank 0) with a per-group prefix. Returns ``(group, store)``; keep the store alive."""
+    (hosted by rank 0) with a per-group prefix; this rank's gloo device binds ``address`` (None:
+    gloo's own choice; ``network.gloo_group``). Returns ``(group, store)``; keep the store alive."""
     timeout = datetime.timedelta(seconds=timeout_s)
     store = dist.TCPStore(master_addr, master_port, world_size, is_master=is_master, timeout=timeout,
                           wait_for_workers=False)
-    group = dist.ProcessGroupGloo(dist.PrefixStore(group_name, store), rank, world_size, timeout)
+    group = gloo_group(dist.PrefixStore(group_name, store), rank, world_size, timeout, address=address)
     return group, store
 
 
@@ -225,7 +227,9 @@ class WeightSender:
             lambda offset: {"init_info": {"master_address": self.master_addr, "master_port": self.master_port,
                                           "rank_offset": offset, "world_size": world_size, "group_name": group_name,
                                           "timeout_s": self.timeout_s}},
-            lambda size: dist.ProcessGroupGloo(dist.PrefixStore(group_name, self._store), 0, size, timeout),
+            # the sender's gloo device binds the address it advertised (parallel.network.host_address)
+            lambda size: gloo_group(dist.PrefixStore(group_name, self._store), 0, size, timeout,
+                                    address=self.master_addr),
         )
         self.connected = True
 

@@ -25,7 +25,11 @@ Versions and caches as for the other senders: ``/finish_weight_update {weight_ve
 ``/reset_prefix_cache``. NOT RUN ON A GPU YET (none was lent to the sessions that wrote it, and the
 GPU machine has no vLLM): the HTTP payloads are checked on CPU against vLLM's own worker-side
 dataclasses (tests/unit/test_vllm_native_sync.py); the CUDA calls (``_open_nccl``,
-``_broadcast_bucket``, ``_ipc_handles``) are the three functions that test replaces.
+``_broadcast_bucket``, ``_ipc_handles``) are the three functions that test replaces, and the stream
+order inside ``_broadcast_bucket`` (casts, then an event the producer's packing streams wait on) is
+checked there against vLLM's own producer with fake streams and events.
+IPC handles need no event of ours: torch's ``reduce_tensor`` records one on the current stream
+(after the cast) and the receiver's ``rebuild_cuda_tensor`` waits on it.
 ``engine.weight_transfer: megamarl`` keeps the plugin backends on GPU as well.
 """
 
@@ -57,10 +61,24 @@ def _open_nccl(master_address: str, master_port: int, world_size: int) -> Any:
 
 def _broadcast_bucket(group: Any, bucket: list[tuple[str, torch.Tensor]], *, buffer_bytes: int,
                       num_buffers: int) -> None:
-    """One packed broadcast of ``bucket`` from rank 0 (what the servers' packed consumer expects)."""
+    """One packed broadcast of ``bucket`` from rank 0 (what the servers' packed consumer expects).
+
+    ``bucket``'s tensors were just cast (``VLLMNativeSender._wire``) on the current stream, and vLLM's
+    producer packs them on streams of its own, which do not wait for it: an event recorded here,
+    after the casts, is waited on by each packing stream before it reads a tensor (``post_iter_func``
+    runs inside the producer's ``torch.cuda.stream(...)``, once per tensor, before its pack), so a
+    pack never reads a half-written cast. The tensors stay referenced (``bucket``) until the producer
+    has synchronized its streams, so their memory is not reused while a pack may still read it."""
     from vllm.distributed.weight_transfer.packed_tensor import packed_nccl_broadcast_producer
 
-    packed_nccl_broadcast_producer(iterator=iter(bucket), group=group, src=0, post_iter_func=lambda item: item[1],
+    cast_done = torch.cuda.Event()
+    cast_done.record()  # on the casting (current) stream, after the bucket's casts
+
+    def after_cast(item: tuple[str, torch.Tensor]) -> torch.Tensor:
+        torch.cuda.current_stream().wait_event(cast_done)  # the producer's packing stream
+        return item[1]
+
+    packed_nccl_broadcast_producer(iterator=iter(bucket), group=group, src=0, post_iter_func=after_cast,
                                    buffer_size_bytes=buffer_bytes, num_buffers=num_buffers)
     torch.cuda.current_stream().synchronize()
 

@@ -28,6 +28,7 @@ keeps a packed GEMM copy and the head receives no tensor of its own).
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,6 +41,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
+from megamarl.parallel.network import HOST_ADDR_ENV
 from megamarl.rollout.server_sync import BufferPool, gloo_broadcast, new_gloo_group, unpack_bucket
 
 logger = logging.getLogger("vllm.megamarl")  # vLLM's handlers: lines land in the server's log
@@ -164,6 +166,8 @@ class GlooWeightTransferEngine(_LayerwiseEngine):
         self.groups[init_info.group_name] = new_gloo_group(
             init_info.master_address, init_info.master_port, rank=init_info.rank_offset + worker_rank,
             world_size=init_info.world_size, group_name=init_info.group_name, timeout_s=init_info.timeout_s,
+            # the node's address its owner chose (server_launch.server_env); unset: gloo's own choice
+            address=os.environ.get(HOST_ADDR_ENV) or None,
         )
 
     def _bucket_bytes(self, update_info: BucketInfo) -> torch.Tensor:

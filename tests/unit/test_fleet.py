@@ -3,9 +3,14 @@ runs real ones)."""
 
 from __future__ import annotations
 
+import threading
+import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch
+import torch.distributed as dist
 
 from megamarl.config import load_config
 from megamarl.rollout.fleet import build_fleet
@@ -99,3 +104,208 @@ def test_a_seq_len_beyond_the_models_context_names_the_key(tmp_path, monkeypatch
                "policies.shared.engine.launch=server", "policies.shared.seq_len=4096")
     with pytest.raises(ValueError, match=r"^policies\.shared\.seq_len=4096 exceeds the model's max_position_embeddings=512"):
         build_fleet(cfg, rank=0, world_size=2, run_dir=tmp_path, control_group=None)
+
+
+# -- GPU memory hand-over: config keys, server specs, start order ------------------------------------
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["policies.shared.engine.backend=vllm", "policies.shared.engine.gpu_memory_utilization=0"],
+     r"^policies\.shared\.engine\.gpu_memory_utilization must be in \(0, 1\], got 0"),
+    (["policies.shared.engine.backend=vllm", "policies.shared.engine.gpu_memory_utilization=1.2"],
+     r"^policies\.shared\.engine\.gpu_memory_utilization must be in \(0, 1\], got 1.2"),
+    (["policies.shared.engine.enforce_eager=false"],
+     r"^policies\.shared\.engine\.enforce_eager applies to vllm and sglang engines; engine.backend=hf"),
+    (["policies.shared.engine.gpu_memory_utilization=0.5"],
+     r"^policies\.shared\.engine\.gpu_memory_utilization applies to vllm and sglang engines"),
+])
+def test_gpu_engine_keys_are_checked_at_load(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        _cfg(*overrides)
+
+
+def test_gpu_memory_utilization_needs_a_gpu(tmp_path, monkeypatch):
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    cfg = _cfg("policies.shared.engine.backend=vllm", "policies.shared.engine.gpu_memory_utilization=0.5")
+    with pytest.raises(ValueError, match=r"^policies\.shared\.engine\.gpu_memory_utilization=0.5 sizes an engine on a "
+                                         r"GPU and this node has none"):
+        build_fleet(cfg, rank=0, world_size=2, run_dir=tmp_path, control_group=None)
+
+
+class _FakeServer:
+    """Stands in for ``ServerProcess``: logs its start-up; ``delay_s`` before it answers."""
+
+    events: list[str] = []
+    delay_s = 0.0
+    gate: threading.Event | None = None  # start-up blocks until it is set (shows overlap)
+    specs: list = []
+
+    def __init__(self, spec) -> None:
+        self.spec, self.proc = spec, SimpleNamespace(pid=4242, poll=lambda: None)
+        type(self).specs.append(spec)
+
+    def start(self) -> str:
+        label = f"{self.spec.policy}#{self.spec.replica}"
+        self.events.append(f"start {label}")
+        if self.gate is not None:
+            assert self.gate.wait(timeout=30)
+        time.sleep(self.delay_s)
+        self.events.append(f"healthy {label}")
+        return f"http://127.0.0.1:{8000 + self.spec.replica}"
+
+    def alive(self) -> bool:
+        return True
+
+    def stop(self) -> None:
+        pass
+
+
+class _FakeClient:
+    def __init__(self, url: str, events: list[str]) -> None:
+        self.url, self.events = url, events
+
+    def sleep(self, *, level: int = 1) -> None:
+        self.events.append(f"sleep {self.url} level {level}")
+
+    def wake(self, tags=("weights", "kv_cache")) -> None:
+        self.events.append(f"wake {self.url} {list(tags)}")
+
+
+@pytest.fixture
+def fake_servers(monkeypatch):
+    """``EngineFleet`` with recording fake servers and clients in a one-rank gloo world (its
+    ``wait_ready`` is a collective over the control group)."""
+    from megamarl.rollout import fleet as fleet_module
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already up in this process")
+    events: list[str] = []
+    monkeypatch.setattr(_FakeServer, "events", events)
+    monkeypatch.setattr(_FakeServer, "specs", [])
+    monkeypatch.setattr(fleet_module, "ServerProcess", _FakeServer)
+    monkeypatch.setitem(fleet_module.CLIENTS, "vllm", lambda url, model: _FakeClient(url, events))
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    fleets = []
+
+    def make(*overrides, on_gpu: bool, rank: int = 0, overlaps_training: bool = False, fractions=None):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: on_gpu)
+        cfg = _cfg("policies.shared.model=tiny-vllm-llama", "policies.shared.engine.backend=vllm",
+                   "policies.shared.engine.launch=server", *overrides)
+        fleet = fleet_module.EngineFleet(
+            cfg, rank=rank, world_size=2, ranks_per_node=2, model_paths={"shared": Path("/m")}, log_dir=Path("/tmp"),
+            control_group=dist.group.WORLD, num_threads=lambda policy: 1, overlaps_training=overlaps_training,
+            memory_fractions=fractions)
+        fleets.append(fleet)
+        return fleet
+
+    try:
+        yield make, events
+    finally:
+        for fleet in fleets:
+            fleet.close()
+        dist.destroy_process_group()
+
+
+def _build_models(events: list[str]):
+    events.append("models built")
+    if _FakeServer.gate is not None:
+        _FakeServer.gate.set()
+
+
+def test_gpu_colocated_servers_are_up_and_asleep_before_models_are_built(fake_servers, monkeypatch):
+    """The start order on GPU (docs/cluster.md): the colocated server starts with sleep mode and the
+    plan's fraction, answers, goes to sleep, and only then does any rank build a model; the first
+    push wakes its weights."""
+    make, events = fake_servers
+    monkeypatch.setattr(_FakeServer, "delay_s", 0.3)  # a slow start-up: a race would build models first
+    fleet = make(on_gpu=True, fractions={("shared", 0): 0.42})
+    assert fleet.starts_first
+    with fleet.model_preparation():
+        _build_models(events)
+    assert events == ["start shared#0", "healthy shared#0", "sleep http://127.0.0.1:8000 level 1", "models built"]
+    spec = _FakeServer.specs[0]
+    assert spec.sleeps and spec.on_gpu and spec.memory_fraction == 0.42 and not spec.enforce_eager
+    pool = SimpleNamespace(replicas=[_FakeClient("http://127.0.0.1:8000", events)], live=[True])
+    fleet.sleep("shared", pool)  # already asleep since start-up: nothing sent
+    fleet.wake("shared", pool, tags=("weights",))  # the first push
+    fleet.wake("shared", pool, tags=("kv_cache",))
+    assert events[4:] == ["wake http://127.0.0.1:8000 ['weights']", "wake http://127.0.0.1:8000 ['kv_cache']"]
+
+
+def test_gpu_colocated_servers_that_never_sleep_still_start_first(fake_servers, monkeypatch):
+    """Async modes (training overlaps rollout): no hand-over, no sleep, but the server still sizes
+    itself before the trainer allocates; ``engine.gpu_memory_utilization`` replaces the plan."""
+    make, events = fake_servers
+    monkeypatch.setattr(_FakeServer, "delay_s", 0.3)
+    fleet = make("policies.shared.engine.gpu_memory_utilization=0.3", "policies.shared.engine.enforce_eager=true",
+                 on_gpu=True, overlaps_training=True, fractions={("shared", 0): 0.42})
+    with fleet.model_preparation():
+        _build_models(events)
+    assert events == ["start shared#0", "healthy shared#0", "models built"]
+    spec = _FakeServer.specs[0]
+    assert not spec.sleeps and spec.memory_fraction == 0.3 and spec.enforce_eager
+
+
+@pytest.mark.parametrize("disaggregated", [True, False])
+def test_start_up_overlaps_model_building_elsewhere(fake_servers, monkeypatch, disaggregated):
+    """CPU servers, and disaggregated servers on GPU (their own devices), start while the models are
+    built: the server answers only after the models exist (it waits for them here), and none sleeps."""
+    make, events = fake_servers
+    monkeypatch.setattr(_FakeServer, "gate", threading.Event())
+    on_gpu = disaggregated
+    overrides = ["policies.shared.ranks=[0]", "policies.shared.engine.ranks=[1]"] if disaggregated else []
+    fleet = make(*overrides, on_gpu=on_gpu, rank=1 if disaggregated else 0, fractions={("shared", 0): 0.9})
+    assert not fleet.starts_first
+    with fleet.model_preparation():
+        _build_models(events)
+    assert events.index("models built") < events.index("healthy shared#0")
+    assert not any(e.startswith("sleep") for e in events)
+    spec = _FakeServer.specs[0]
+    assert spec.sleeps == (not disaggregated)  # a colocated CPU server hands over (its command omits the flag)
+    assert spec.memory_fraction == (0.9 if on_gpu else None) and spec.enforce_eager == (not on_gpu)
+    assert fleet._asleep == {}
+
+
+def test_a_server_that_does_not_fall_asleep_stops_start_up(fake_servers, monkeypatch):
+    from megamarl.rollout import fleet as fleet_module
+
+    make, events = fake_servers
+
+    class Refusing(_FakeClient):
+        def sleep(self, *, level: int = 1) -> None:
+            raise ConnectionError("503 sleep mode is not enabled")
+
+    monkeypatch.setitem(fleet_module.CLIENTS, "vllm", lambda url, model: Refusing(url, events))
+    fleet = make(on_gpu=True)
+    with pytest.raises(RuntimeError, match=r"^vllm server for policy 'shared' replica 0 \(rank 0\) answered at "
+                                           r"http://127\.0\.0\.1:8000 but did not go to sleep after start-up: 503"):
+        with fleet.model_preparation():
+            _build_models(events)
+    assert "models built" not in events
+
+
+@pytest.mark.parametrize("on_gpu", [False, True])
+def test_an_in_process_vllm_engine_takes_the_keys_too(monkeypatch, on_gpu):
+    """``engine.enforce_eager`` (null: eager on CPU only) and ``engine.gpu_memory_utilization`` (null:
+    the engine's 0.5) reach an in-process vLLM engine as well (its constructor replaced here)."""
+    import importlib.util
+
+    from megamarl.rollout.vllm_engine import VLLMEngine
+
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("vllm is not installed: the engine falls back to hf")
+
+    class Captured(VLLMEngine):
+        def __init__(self, path, **kwargs) -> None:
+            self.kwargs = kwargs
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: on_gpu)
+    engine = _cfg("policies.shared.engine.backend=vllm").policies["shared"].engine
+    kwargs = Captured.from_config(engine, Path("/m"), replica=0, seed=0).kwargs
+    assert kwargs["enforce_eager"] is (not on_gpu) and "gpu_memory_utilization" not in kwargs
+    engine = _cfg("policies.shared.engine.backend=vllm", "policies.shared.engine.enforce_eager=true",
+                  "policies.shared.engine.gpu_memory_utilization=0.25").policies["shared"].engine
+    kwargs = Captured.from_config(engine, Path("/m"), replica=0, seed=0).kwargs
+    assert kwargs["enforce_eager"] is True and kwargs["gpu_memory_utilization"] == 0.25

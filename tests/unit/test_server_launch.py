@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -63,6 +64,79 @@ def test_vllm_env_cpu_and_gpu():
     assert flag(server_command(spec(lora=LoraServing(2, 4))), "--max-lora-rank") == "8"
     gpu = server_env(spec(on_gpu=True, devices=(4, 5)), base={})
     assert gpu["CUDA_VISIBLE_DEVICES"] == "4,5" and "VLLM_CPU_KVCACHE_SPACE" not in gpu and "OMP_NUM_THREADS" not in gpu
+
+
+GPU_ONLY = {"vllm": ("--enable-sleep-mode", "--gpu-memory-utilization"),
+            "sglang": ("--enable-memory-saver", "--mem-fraction-static", "--disable-cuda-graph")}
+
+
+@pytest.mark.parametrize("backend", ["vllm", "sglang"])
+@pytest.mark.parametrize("colocated", [True, False])
+@pytest.mark.parametrize("on_gpu", [True, False])
+def test_memory_hand_over_flags(backend, colocated, on_gpu):
+    """Colocated servers (they hand their memory to training) start with vLLM's sleep mode / SGLang's
+    memory saver and the plan's memory fraction on GPU; disaggregated ones never sleep; a CPU command
+    line carries no GPU-only flag (vLLM-CPU refuses sleep mode) and stays eager as before."""
+    devices = (0, 1) if on_gpu else ()
+    cmd = server_command(spec(backend=backend, on_gpu=on_gpu, devices=devices, sleeps=colocated, memory_fraction=0.35))
+    sleep_flag = "--enable-sleep-mode" if backend == "vllm" else "--enable-memory-saver"
+    fraction_flag = "--gpu-memory-utilization" if backend == "vllm" else "--mem-fraction-static"
+    eager_flag = "--enforce-eager" if backend == "vllm" else "--disable-cuda-graph"
+    assert (sleep_flag in cmd) == (on_gpu and colocated)
+    if on_gpu:
+        assert flag(cmd, fraction_flag) == "0.35"
+        assert eager_flag not in cmd  # GPU default: CUDA graphs
+        assert eager_flag in server_command(spec(backend=backend, on_gpu=True, devices=devices, enforce_eager=True))
+    else:
+        assert not set(GPU_ONLY[backend]) & set(cmd)
+        assert ("--enforce-eager" in cmd) == (backend == "vllm")  # CPU default: eager, as before
+        assert "--enforce-eager" not in server_command(spec(backend=backend, enforce_eager=False))
+    assert fraction_flag not in server_command(spec(backend=backend, on_gpu=on_gpu, devices=devices))  # no plan: default
+
+
+def test_sglang_gpu_command_line_parses_with_its_cli():
+    """SGLang's GPU flags against the fake server's parser, which mirrors SGLang's CLI and refuses
+    unknown flags (loaded by path: the fake ``sglang`` package must not shadow a real one here)."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "fake_sglang" / "sglang" / "launch_server.py"
+    module_spec = importlib.util.spec_from_file_location("_fake_sglang_launch_server", path)
+    fake = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(fake)
+    cmd = server_command(spec(backend="sglang", on_gpu=True, devices=(0, 1), sleeps=True, memory_fraction=0.4,
+                              enforce_eager=True))
+    args = fake.parse(cmd[3:])
+    assert args.enable_memory_saver and args.mem_fraction_static == 0.4 and args.disable_cuda_graph
+
+
+def test_vllm_gpu_command_line_parses_with_vllms_cli():
+    """vLLM's GPU flags against vLLM's own server argument parser (import takes seconds)."""
+    cli_args = pytest.importorskip("vllm.entrypoints.launchers.cli_args")
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = cli_args.make_arg_parser(FlexibleArgumentParser())
+    args = parser.parse_args(server_command(spec(on_gpu=True, devices=(0, 1), sleeps=True, memory_fraction=0.4))[3:])
+    assert args.enable_sleep_mode and args.gpu_memory_utilization == 0.4 and not args.enforce_eager
+    assert args.kv_cache_memory_bytes == 2 * 2**30 and args.tensor_parallel_size == 2
+
+
+def test_spec_rejects_a_fraction_outside_0_1():
+    with pytest.raises(ValueError, match=r"memory_fraction must be in \(0, 1\], got 1.5"):
+        spec(memory_fraction=1.5)
+
+
+def test_servers_for_other_nodes_advertise_and_bind_the_chosen_address(monkeypatch):
+    """A server bound to 0.0.0.0 gets this node's address (parallel.network.host_address) as
+    MEGAMARL_HOST_ADDR, so its transfer-group workers bind where its URL points; one set by the
+    operator is kept; a local server gets none."""
+    from megamarl.rollout import server_launch
+
+    monkeypatch.setattr(server_launch, "host_address", lambda *, multi_node, environ=None: "10.1.2.3")
+    assert server_env(spec(host="0.0.0.0"), base={})["MEGAMARL_HOST_ADDR"] == "10.1.2.3"
+    assert server_env(spec(host="0.0.0.0"), base={"MEGAMARL_HOST_ADDR": "10.9.9.9"})["MEGAMARL_HOST_ADDR"] == "10.9.9.9"
+    assert "MEGAMARL_HOST_ADDR" not in server_env(spec(), base={})
+    assert server_launch.ServerProcess(spec(host="0.0.0.0"))._advertised_host() == "10.1.2.3"
+    assert server_launch.ServerProcess(spec())._advertised_host() == "127.0.0.1"
 
 
 def test_sglang_command_uses_documented_flags():

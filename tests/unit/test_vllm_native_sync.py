@@ -148,3 +148,164 @@ def test_ipc_refuses_a_replica_wider_than_one_gpu():
         VLLMNativeSender(["http://127.0.0.1:1"], transport="nccl")
     with pytest.raises(ValueError, match="VLLMNativeSender backend 'gloo' unknown"):
         VLLMNativeSender(["http://127.0.0.1:1"], transport="gloo")
+
+
+# -- stream ordering: the packed producer waits for the cast ------------------------------------------
+
+
+class _Timeline:
+    """Fake CUDA streams and events that log, in program order, what each stream was given:
+    ``(stream, op, what)`` with op cast | record | wait | pack | broadcast | sync."""
+
+    def __init__(self) -> None:
+        self.log: list[tuple[str, str, object]] = []
+        self.streams = [_FakeStream(self, "main")]  # the current-stream stack
+        self.num_streams = self.num_events = 0
+
+    @property
+    def current(self) -> _FakeStream:
+        return self.streams[-1]
+
+    def add(self, op: str, what: object) -> None:
+        self.log.append((self.current.name, op, what))
+
+    def unordered_packs(self) -> list[tuple[str, object]]:
+        """Packs whose stream had not waited for an event recorded on the casting stream after the
+        cast of every tensor in the pack (a pack could read bytes the cast has not written yet)."""
+        bad = []
+        for i, (stream, op, names) in enumerate(self.log):
+            if op != "pack":
+                continue
+            waited = {what for s, o, what in self.log[:i] if s == stream and o == "wait"}
+            recorded = [j for j, (s, o, what) in enumerate(self.log[:i]) if o == "record" and what in waited]
+            casts = [j for j, (s, o, what) in enumerate(self.log) if o == "cast" and what in names]
+            if not recorded or not casts or max(recorded) < max(casts):
+                bad.append((stream, names))
+        return bad
+
+
+class _FakeStream:
+    def __init__(self, timeline: _Timeline, name: str | None = None, device=None) -> None:
+        if name is None:
+            timeline.num_streams += 1
+            name = f"pack{timeline.num_streams}"
+        self.timeline, self.name = timeline, name
+
+    def synchronize(self) -> None:
+        self.timeline.log.append((self.name, "sync", None))
+
+    def wait_event(self, event) -> None:
+        self.timeline.log.append((self.name, "wait", event.id))
+
+
+@pytest.fixture
+def timeline(monkeypatch):
+    """torch.cuda's stream and event calls replaced by ``_Timeline`` fakes; vLLM's real producer
+    (``packed_nccl_broadcast_producer``) runs over them, its ``pack_tensors`` logged."""
+    packed_tensor = pytest.importorskip("vllm.distributed.weight_transfer.packed_tensor")
+    line = _Timeline()
+
+    class Event:
+        def __init__(self, *args, **kwargs) -> None:
+            line.num_events += 1
+            self.id = f"event{line.num_events}"
+
+        def record(self, stream=None) -> None:
+            (stream or line.current).timeline.log.append(((stream or line.current).name, "record", self.id))
+
+    class StreamContext:
+        def __init__(self, stream) -> None:
+            self.stream = stream
+
+        def __enter__(self):
+            line.streams.append(self.stream)
+
+        def __exit__(self, *exc) -> None:
+            line.streams.pop()
+
+    real_pack = packed_tensor.pack_tensors
+
+    def pack(iterator, post_iter_func, buffer_size_bytes, *args, **kwargs):
+        chunk = real_pack(iterator, post_iter_func, buffer_size_bytes, *args, **kwargs)
+        if chunk is not None:
+            line.add("pack", tuple(chunk.names))
+        return chunk
+
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: _FakeStream(line, device=device))
+    monkeypatch.setattr(torch.cuda, "stream", StreamContext)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: line.current)
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.accelerator, "current_device_index", lambda: 0)
+    monkeypatch.setattr(packed_tensor, "pack_tensors", pack)
+    packed_tensor._get_streams.cache_clear()  # cached per device: fake streams must not outlive the test
+    yield line, packed_tensor
+    packed_tensor._get_streams.cache_clear()
+
+
+class _Group:
+    """vLLM's PyNcclCommunicator as the producer calls it: ``broadcast(tensor, src)``."""
+
+    def __init__(self, line: _Timeline) -> None:
+        self.line, self.sent = line, []
+
+    def broadcast(self, tensor: torch.Tensor, src: int) -> None:
+        self.line.add("broadcast", tensor.numel())
+        self.sent.append(tensor.clone())
+
+
+class _Client:
+    def __init__(self) -> None:
+        self.bodies = []
+
+    def post(self, path, payload=None, *, query=None, timeout_s=None):
+        self.bodies.append((path, payload))
+        return {}
+
+    def close(self) -> None:
+        pass
+
+
+def test_packing_streams_wait_for_the_cast(timeline, monkeypatch):
+    """``VLLMNativeSender.send`` casts each bucket on the current stream and hands it to vLLM's packed
+    producer, which packs on streams of its own: every pack comes after a wait on an event recorded
+    after the casts, and the bytes broadcast are the cast tensors."""
+    line, _ = timeline
+    real_wire = VLLMNativeSender._wire
+
+    def wire(self, tensor):
+        line.add("cast", names[id(tensor)])
+        return real_wire(self, tensor)
+
+    monkeypatch.setattr(VLLMNativeSender, "_wire", wire)
+    named = [(f"layer{i}.weight", torch.randn(64, 32)) for i in range(5)] + [("step", torch.tensor([3]))]
+    names = {id(t): n for n, t in named}
+    sender = VLLMNativeSender(["http://127.0.0.1:1"], transport="nccl", master_port=29557, dtype=torch.bfloat16,
+                              buffer_bytes=6000, num_buffers=2)  # 4 KiB per bf16 tensor: two tensors per pack
+    group, client = _Group(line), _Client()
+    sender.clients, sender.group, sender.connected = [client], group, True
+    try:
+        stats = sender.send(named, bucket_bytes=3 * 64 * 32 * 2)  # buckets of three tensors
+    finally:
+        sender.close()
+    assert stats.num_buckets == 2
+    ops = [op for _, op, _ in line.log]
+    assert ops.count("cast") == len(named) and ops.count("pack") >= 3 and ops.count("broadcast") == ops.count("pack")
+    assert {s for s, op, _ in line.log if op == "pack"} <= {"pack1", "pack2"}  # the producer's own streams
+    assert line.unordered_packs() == []
+    sent = torch.cat(group.sent)
+    expected = torch.cat([t.to(torch.bfloat16 if t.is_floating_point() else t.dtype).reshape(-1).view(torch.uint8)
+                          for _, t in named])
+    assert torch.equal(sent, expected)
+
+
+def test_the_ordering_check_catches_a_producer_that_does_not_wait(timeline):
+    """The check above is not vacuous: handing freshly cast tensors to the producer with vLLM's
+    default protocol (no wait, as megamarl did before) is flagged."""
+    line, packed_tensor = timeline
+    bucket = []
+    for name in ("a", "b"):
+        line.add("cast", name)
+        bucket.append((name, torch.ones(4)))
+    packed_tensor.packed_nccl_broadcast_producer(iterator=iter(bucket), group=_Group(line), src=0,
+                                                 post_iter_func=lambda item: item[1], buffer_size_bytes=1 << 20)
+    assert line.unordered_packs() == [("pack1", ("a", "b"))]

@@ -28,6 +28,10 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--enable-lora", action="store_true")
     p.add_argument("--max-loras-per-batch", type=int, default=8)
     p.add_argument("--max-lora-rank", type=int, default=None)
+    # GPU memory (accepted and ignored: the fake runs transformers on CPU)
+    p.add_argument("--enable-memory-saver", action="store_true")
+    p.add_argument("--mem-fraction-static", type=float, default=None)
+    p.add_argument("--disable-cuda-graph", action="store_true")
     return p.parse_args(argv)
 
 

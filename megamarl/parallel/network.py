@@ -1,0 +1,117 @@
+"""The address this node's processes bind and advertise to other nodes, chosen in one place.
+
+Every weight sender hosts its transfer group's rendezvous at it (``fleet`` passes it as
+``master_addr`` to the vLLM, vLLM-native and SGLang senders), megamarl's own gloo groups bind their
+device to it (``server_sync``), and an engine server bound to 0.0.0.0 advertises its URL with it
+(``server_launch``). ``host_address`` decides, in this order:
+
+1. ``MEGAMARL_HOST_ADDR``, when set (per node; the operator knows the fabric best);
+2. one node (every peer is local): 127.0.0.1;
+3. ``GLOO_SOCKET_IFNAME`` (exact names), else ``NCCL_SOCKET_IFNAME`` (name prefixes, as NCCL reads
+   them; ``=`` for exact names; an ``^`` exclusion list names none and is skipped): the IPv4 address
+   of the first interface it names, so transfers take the network the collectives were pointed at;
+4. the source address of this node's route to the control group's rendezvous host (``MASTER_ADDR``,
+   which torchrun sets on every rank): the interface the control group itself reaches other nodes on;
+5. the source address of the default route;
+
+and raises otherwise. A loopback answer from 4 or 5 is skipped. Unlike
+``gethostbyname(gethostname())`` (Debian maps the hostname to 127.0.1.1, which other nodes
+cannot dial: a hang across nodes) it never gives a multi-node run a loopback address unless told to.
+``gloo_group`` builds a gloo group whose device binds the chosen address.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import socket
+import struct
+from collections.abc import Mapping
+from datetime import timedelta
+
+import torch.distributed as dist
+
+HOST_ADDR_ENV = "MEGAMARL_HOST_ADDR"
+IFNAME_ENVS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+_SIOCGIFADDR = 0x8915  # Linux ioctl: an interface's IPv4 address
+_PUBLIC_PROBE = "8.8.8.8"  # any global address: a UDP connect picks the default route and sends nothing
+
+
+def host_address(*, multi_node: bool, environ: Mapping[str, str] | None = None) -> str:
+    """The address peers reach this node's senders and servers at (module docstring's rules)."""
+    env = os.environ if environ is None else environ
+    if env.get(HOST_ADDR_ENV):
+        return env[HOST_ADDR_ENV]
+    if not multi_node:
+        return "127.0.0.1"
+    for key in IFNAME_ENVS:
+        names = _named_interfaces(env.get(key, ""), prefixes=key == "NCCL_SOCKET_IFNAME")
+        if names is None:
+            continue
+        for name in names:
+            try:
+                return interface_address(name)
+            except OSError:
+                continue
+        raise RuntimeError(f"{key}={env[key]}: no interface it names has an IPv4 address on this node "
+                           f"(interfaces: {interfaces()}); fix it or set {HOST_ADDR_ENV}")
+    for host in (env.get("MASTER_ADDR"), _PUBLIC_PROBE):
+        if not host:
+            continue
+        try:
+            address = route_source(host)
+        except OSError:  # unresolvable, or no route
+            continue
+        if not ipaddress.ip_address(address).is_loopback:
+            return address
+    raise RuntimeError(f"no address of this node reachable from other nodes was found (MASTER_ADDR "
+                       f"{env.get('MASTER_ADDR')!r} is local or unroutable, no default route): set {HOST_ADDR_ENV} "
+                       f"or {IFNAME_ENVS[0]}")
+
+
+def _named_interfaces(value: str, *, prefixes: bool) -> list[str] | None:
+    """The interfaces a ``*_SOCKET_IFNAME`` value names, in its order; None when it names none (unset,
+    or an exclusion list ``^...``). ``prefixes``: NCCL's reading (``eth`` matches eth0, eth1; ``=``
+    makes the list exact)."""
+    value = value.strip()
+    if not value or value.startswith("^"):
+        return None
+    if value.startswith("="):
+        value, prefixes = value[1:], False
+    wanted = [w.strip() for w in value.split(",") if w.strip()]
+    if not prefixes:
+        return wanted
+    present = interfaces()
+    return [name for w in wanted for name in present if name.startswith(w)]
+
+
+def interfaces() -> list[str]:
+    """This node's network interface names, in kernel index order."""
+    return [name for _, name in socket.if_nameindex()]
+
+
+def interface_address(name: str) -> str:
+    """IPv4 address of network interface ``name`` (OSError when it has none)."""
+    import fcntl
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        packed = fcntl.ioctl(sock.fileno(), _SIOCGIFADDR, struct.pack("256s", name[:15].encode()))
+    return socket.inet_ntoa(packed[20:24])
+
+
+def route_source(host: str) -> str:
+    """The local address this node's route to ``host`` leaves from (nothing is sent)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        sock.connect((host, 9))
+        return sock.getsockname()[0]
+
+
+def gloo_group(store, rank: int, world_size: int, timeout: timedelta, *, address: str | None = None):
+    """A gloo process group on ``store`` whose device binds ``address`` (None: gloo's own choice,
+    ``GLOO_SOCKET_IFNAME`` or the hostname's address)."""
+    if address is None:
+        return dist.ProcessGroupGloo(store, rank, world_size, timeout)
+    options = dist.ProcessGroupGloo._Options()
+    options._timeout = timeout
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=address)]
+    return dist.ProcessGroupGloo(store, rank, world_size, options)

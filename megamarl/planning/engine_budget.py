@@ -1,0 +1,75 @@
+"""How much of each GPU an engine server may take: its memory fraction (vLLM
+``--gpu-memory-utilization``, SGLang ``--mem-fraction-static``), from the dry-run's own plan.
+
+Per GPU (``dryrun.plan_memory``, the numbers the dry-run prints): the GPU's memory (measured at
+start-up) minus what the trainer keeps on it while the engines there are awake, minus
+``cluster.reserved_gib`` (CUDA contexts, NCCL buffers, fragmentation):
+
+- ``trainer.mode: sync``: colocated engines sleep while their WG trains and are awake while the
+  trainer holds its rollout-phase bytes (reference models, training state of policies with
+  ``offload_train_state: false``): ``GpuReport.rollout - GpuReport.engine``;
+- the async modes overlap training and generation: the trainer's whole planned peak (``GpuReport.train``);
+- disaggregated GPUs hold no training state: the whole GPU less the reserve.
+
+Several replicas on one GPU (policies time-sharing ranks) split that budget in proportion to their
+planned bytes; a replica spanning GPUs (engine TP) takes the smallest fraction among its GPUs. A
+budget below a replica's planned bytes (weights + KV cache + adapters) stops start-up with the
+numbers. ``policies.<p>.engine.gpu_memory_utilization`` replaces the plan's figure (``fleet``).
+vLLM checks at start-up that this fraction of the GPU is free, and with ``--kv-cache-memory-bytes``
+(``engine.kv_cache_gib``, or the plan's KV estimate) takes its KV cache from that figure; SGLang sizes
+its KV pool from the fraction.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from megamarl.config import RunConfig
+from megamarl.driver.schedules import SCHEDULES
+from megamarl.parallel.engine_placement import plan_engines
+from megamarl.planning.dryrun import GIB, plan_memory
+
+
+def engine_memory_fractions(cfg: RunConfig, *, world_size: int, gpus_per_node: int,
+                            capacity_bytes: float) -> dict[tuple[str, int], float]:
+    """``(policy, replica) -> fraction`` for every engine server replica (module docstring) on GPUs
+    of ``capacity_bytes`` each; policies with ``engine.gpu_memory_utilization`` set are left out."""
+    report = plan_memory(cfg, world_size=world_size, gpus_per_node=gpus_per_node, on_gpus=True)
+    overlap = SCHEDULES.traits(cfg.trainer.mode, key="trainer.mode").overlaps_training
+    reserved = cfg.cluster.reserved_gib * GIB
+    fractions = {}
+    for name, engine in report.engines.items():
+        if engine.launch != "server" or cfg.policies[name].engine.gpu_memory_utilization is not None:
+            continue
+        need = engine.memory.total
+        for index, ranks in enumerate(engine.replicas):
+            shares = []
+            for rank in ranks:
+                gpu = report.gpus[rank]
+                trainer = gpu.train if overlap else gpu.rollout - gpu.engine
+                budget = capacity_bytes - trainer - reserved
+                share = budget * need / gpu.engine
+                if share < need:
+                    raise ValueError(
+                        f"policies.{name} engine replica {index}: GPU rank {rank} leaves {budget / GIB:.1f} GiB for "
+                        f"its engines (GPU {capacity_bytes / GIB:.1f} GiB - trainer {trainer / GIB:.1f} GiB while they "
+                        f"are awake - cluster.reserved_gib {cfg.cluster.reserved_gib}) < their planned "
+                        f"{gpu.engine / GIB:.1f} GiB; check the plan with --dry-run (cluster.gpu_memory_gib), or set "
+                        f"policies.{name}.engine.gpu_memory_utilization")
+                shares.append(share)
+            fractions[(name, index)] = math.floor(min(shares) / capacity_bytes * 1000) / 1000
+    return fractions
+
+
+def server_memory_fractions(cfg: RunConfig, *, world_size: int, gpus_per_node: int) -> dict[tuple[str, int], float]:
+    """``engine_memory_fractions`` on this node's GPUs (their memory measured here); empty without CUDA
+    (CPU servers are sized by ``engine.kv_cache_gib`` alone) or engine servers."""
+    if not torch.cuda.is_available():
+        return {}
+    plan = plan_engines(cfg, world_size, gpus_per_node)
+    if not any(r.launch == "server" for reps in plan.values() for r in reps):
+        return {}
+    capacity = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    return engine_memory_fractions(cfg, world_size=world_size, gpus_per_node=gpus_per_node, capacity_bytes=capacity)
