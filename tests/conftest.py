@@ -133,3 +133,24 @@ def smollm2_path():
     from megamarl.models.packaged import resolve_model_path
 
     return resolve_model_path("smollm2-135m-instruct")
+
+
+# ---- CPU time per test (docs/testing.md) ------------------------------------------------------------
+# MEGAMARL_TEST_TIMES=<file>: every test appends "<cpu_s> <wall_s> <nodeid>" (setup + call + teardown;
+# CPU of this process and of the children it waited for: torchrun, its ranks, engine servers). CPU
+# seconds barely change with the machine's load, unlike --durations' wall times, so they say where the
+# suite's time goes even when measured beside other work.
+if os.environ.get("MEGAMARL_TEST_TIMES"):
+    import resource
+    import time
+
+    def _cpu_s() -> float:
+        own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+        return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_protocol(item, nextitem):
+        cpu, wall = _cpu_s(), time.monotonic()
+        yield
+        with open(os.environ["MEGAMARL_TEST_TIMES"], "a") as f:
+            f.write(f"{_cpu_s() - cpu:.1f} {time.monotonic() - wall:.1f} {item.nodeid}\n")

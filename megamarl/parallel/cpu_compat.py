@@ -9,7 +9,8 @@ checks, which accept only ``torch.cuda.*Tensor`` names. On a machine without CUD
 them to their CPU equivalents. It is inert when CUDA is present: ``enable_cpu_compat`` returns an
 empty list and patches nothing (megatron-core then runs unmodified on GPUs).
 
-Each patch is listed by name in ``PATCHES`` so tests can check exactly what was (or was not) changed.
+Each patch is listed by name in ``PATCHES`` so tests can check exactly what was (or was not) changed;
+``patches_in_force`` reads the patched objects themselves (the GPU tier asserts it is empty on a GPU).
 """
 
 from __future__ import annotations
@@ -132,6 +133,41 @@ PATCHES: dict[str, callable] = {
     "megatron.core.pipeline_parallel.schedules (device='cuda' tensors)": _patch_schedules,
     "megatron.core.optimizer (device='cuda' tensors, CUDA tensor type names), utils": _patch_optimizers,
 }
+
+
+# name -> whether that patch is in force, read from the objects it replaces (not from ``_APPLIED``).
+def _torch_cuda_patched() -> bool:
+    return torch.cuda.current_device is _cpu_device or torch.cuda.get_rng_state is _cpu_get_rng_state
+
+
+def _tp_random_patched() -> bool:
+    from megatron.core.tensor_parallel import random as tp_random
+
+    return tp_random._get_cuda_rng_state is _cpu_get_rng_state
+
+
+def _schedules_patched() -> bool:
+    from megatron.core.pipeline_parallel import schedules
+
+    return isinstance(schedules.torch, _CudaToCpuTorch)
+
+
+def _optimizers_patched() -> bool:
+    from megatron.core import utils
+    from megatron.core.optimizer import clip_grads, distrib_optimizer, optimizer
+
+    return (any(isinstance(m.torch, _CudaToCpuTorch) for m in (optimizer, clip_grads, distrib_optimizer, utils))
+            or torch.Tensor.type.__name__ == "type_as_cuda")
+
+
+_PROBES: dict[str, callable] = dict(zip(PATCHES, (_torch_cuda_patched, _tp_random_patched, _schedules_patched,
+                                                  _optimizers_patched)))
+
+
+def patches_in_force() -> list[str]:
+    """The names of ``PATCHES`` whose replacement is in force in this process, found by looking at
+    the patched objects (``torch.cuda``, megatron-core's modules); empty where megatron-core runs unmodified."""
+    return [name for name, probe in _PROBES.items() if probe()]
 
 
 def cpu_compat_needed() -> bool:

@@ -1,16 +1,22 @@
 """Training state out of accelerator memory while the engines on the same devices generate
 (``policies.<p>.offload_train_state``, colocated sync mode; the dry-run plans memory this way).
 
-What moves: every parameter of the model and of the reference model, the value head, and every
-tensor of the optimizers' state go to pinned host memory; megatron-core's DDP gradient buffers are
-freed (``DistributedDataParallel.offload_grad_buffers``: their storage is released, every
-``param.main_grad`` view stays valid and is zeroed when ``restore_grad_buffers`` reallocates it).
-``restore`` brings the same tensors back; the Python objects (parameters, optimizer state dicts)
-stay the same, so nothing that holds a reference to them notices. Same idea as verl's and
-NeMo-RL's offload of Megatron workers between rollout and update.
+What moves: the storage of every parameter and buffer of the model and of the reference model, of
+the value head, of the optimizers' main parameters and of every tensor of their state is copied to
+(pinned) host memory and then resized to zero bytes; ``restore`` resizes each storage back and copies
+the bytes in. Storage by storage, not tensor by tensor: megatron-core's DDP makes every parameter a
+*view* of one ``param_data`` buffer when the distributed optimizer is on, and the optimizer copies
+its updated main parameters into that buffer; replacing ``param.data`` would cut the view (the buffer
+stays on the GPU, and after ``restore`` the parameters would no longer see the optimizer's updates).
+Resizing the shared storage frees the buffer and keeps every view, every Python object and every
+reference to it valid (megatron-core's own ``offload_to_cpu`` does the same). DDP's gradient buffers
+are freed without a copy (``DistributedDataParallel.offload_grad_buffers``: zeroed when
+``restore_grad_buffers`` reallocates them; the next backward starts from zero anyway). Same idea as
+verl's and NeMo-RL's offload of Megatron workers between rollout and update.
 
 On a CPU worker group the state already lives in host memory: both calls do nothing (and say so in
-their return value), so a CPU run honours the key trivially.
+their return value), so a CPU run honours the key trivially. The mechanism itself is device-agnostic
+(a test forces it on CPU: ``tests/distributed/test_offload_mechanism.py``).
 """
 
 from __future__ import annotations
@@ -36,6 +42,8 @@ class TrainStateOffload:
     modules: list[torch.nn.Module]  # the DDP-wrapped model first; reference model, value head
     optimizers: list[torch.optim.Optimizer] = field(default_factory=list)
     offloaded: bool = False
+    # each offloaded storage with its host copy and size, in the order they left
+    _held: list[tuple[torch.UntypedStorage, torch.UntypedStorage, int]] = field(default_factory=list, repr=False)
 
     @property
     def applies(self) -> bool:
@@ -46,46 +54,48 @@ class TrainStateOffload:
         if not self.applies or self.offloaded:
             return OffloadStats()
         start = time.perf_counter()
-        moved = 0
         for module in self.modules:
             if hasattr(module, "offload_grad_buffers"):  # megatron-core DDP: frees the grad buffers
                 module.offload_grad_buffers(synchronize=True, empty_cache=False)
-            for param in _tensors_of(module):
-                moved += _move(param, HOST)
-        for optimizer in torch_optimizers(self.optimizers):
-            for param in main_params(optimizer):
-                moved += _move(param, HOST)
-            for state in optimizer.state.values():
-                for key, value in state.items():
-                    if isinstance(value, torch.Tensor) and value.device != HOST:
-                        state[key] = _to(value, HOST)
-                        moved += value.numel() * value.element_size()
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
+        pin = torch.cuda.is_available()
+        for storage in _unique_storages(self._tensors(), self.device):
+            size = storage.nbytes()
+            host = torch.empty(size, dtype=torch.uint8, device=HOST, pin_memory=pin).untyped_storage()
+            host.copy_(storage, non_blocking=pin)
+            self._held.append((storage, host, size))
+        _synchronize()  # every copy has landed before the device memory is released
+        for storage, _, _ in self._held:
+            storage.resize_(0)
+        _empty_cache()
         self.offloaded = True
-        return OffloadStats(moved, time.perf_counter() - start)
+        return OffloadStats(sum(size for *_, size in self._held), time.perf_counter() - start)
 
     def restore(self) -> OffloadStats:
         if not self.offloaded:
             return OffloadStats()
         start = time.perf_counter()
-        moved = 0
+        for storage, host, size in self._held:
+            storage.resize_(size)
+            storage.copy_(host, non_blocking=host.is_pinned())
         for module in self.modules:
-            for param in _tensors_of(module):
-                moved += _move(param, self.device)
             if hasattr(module, "restore_grad_buffers"):
                 module.restore_grad_buffers(synchronize=False)
-        for optimizer in torch_optimizers(self.optimizers):
-            for param in main_params(optimizer):
-                moved += _move(param, self.device)
-            for state in optimizer.state.values():
-                for key, value in state.items():
-                    if isinstance(value, torch.Tensor) and value.device == HOST and key != "step":
-                        state[key] = value.to(self.device, non_blocking=True)
-                        moved += value.numel() * value.element_size()
-        torch.cuda.synchronize()
+        _synchronize()
+        moved = sum(size for *_, size in self._held)
+        self._held = []
         self.offloaded = False
         return OffloadStats(moved, time.perf_counter() - start)
+
+    def _tensors(self) -> Iterable[torch.Tensor]:
+        """Every tensor of the training state (views of one buffer included; storages are deduplicated)."""
+        for module in self.modules:
+            # nn.Module's methods: megatron-core's DDP shadows ``buffers`` with its list of grad buffers
+            yield from torch.nn.Module.parameters(module)
+            yield from torch.nn.Module.buffers(module)
+        for optimizer in torch_optimizers(self.optimizers):
+            yield from main_params(optimizer)
+            for state in optimizer.state.values():
+                yield from (value for value in state.values() if isinstance(value, torch.Tensor))
 
 
 def torch_optimizers(optimizers) -> list[torch.optim.Optimizer]:
@@ -103,26 +113,27 @@ def torch_optimizers(optimizers) -> list[torch.optim.Optimizer]:
 
 def main_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     """The tensors the optimizer steps: megatron-core's fp32 main parameters (or, for an fp32
-    model, the model parameters themselves, which ``_move`` then finds already moved)."""
+    model, the model parameters themselves or views of them: their storages count once)."""
     return [p for group in optimizer.param_groups for p in group["params"]]
 
 
-def _tensors_of(module: torch.nn.Module) -> Iterable[torch.Tensor]:
-    yield from module.parameters()
-    yield from module.buffers()
+def _unique_storages(tensors: Iterable[torch.Tensor], device: torch.device) -> list[torch.UntypedStorage]:
+    """The distinct non-empty storages of ``tensors`` on ``device``, each once however many views share
+    it (elsewhere: e.g. the optimizer's ``step`` counters, which live in host memory)."""
+    seen: dict[int, torch.UntypedStorage] = {}
+    for tensor in tensors:
+        storage = tensor.untyped_storage()
+        where = storage.device
+        if storage.nbytes() and where.type == device.type and (device.index is None or where.index == device.index):
+            seen.setdefault(storage.data_ptr(), storage)
+    return list(seen.values())
 
 
-def _to(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    if device == HOST:
-        host = torch.empty(tensor.shape, dtype=tensor.dtype, device=HOST, pin_memory=True)
-        host.copy_(tensor, non_blocking=True)
-        return host
-    return tensor.to(device, non_blocking=True)
+def _synchronize() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
-def _move(tensor: torch.Tensor, device: torch.device) -> int:
-    """Re-home ``tensor``'s data in place (same Parameter object). Returns the bytes moved."""
-    if tensor.device == device:
-        return 0
-    tensor.data = _to(tensor.data, device)
-    return tensor.numel() * tensor.element_size()
+def _empty_cache() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()

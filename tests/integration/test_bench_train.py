@@ -57,3 +57,25 @@ def test_quick_run_writes_the_result(tmp_path):
     assert len(result["load_avg"]["before"]) == len(result["load_avg"]["after"]) == 3
     assert {"torch", "megatron_core"} <= set(result["versions"])
     assert "6*N_body*T" in result["flops_formula"]
+
+
+def test_random_weights_build_the_preset_architecture(tmp_path, monkeypatch):
+    """``--random-weights`` (GPU nodes without the packaged model): ``--model``'s preset shape, random
+    weights, no tokenizer; the Megatron bridge reads it back as that shape."""
+    import importlib.util
+
+    from megamarl.planning import model_presets
+
+    spec = importlib.util.spec_from_file_location("bench_train", ROOT / "scripts" / "bench_train.py")
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "bench_train", bench)  # its dataclasses look their module up
+    spec.loader.exec_module(bench)
+    shapes = {"tiny-gqa": model_presets.ModelShape(2, 64, 4, 2, 96, 320, tied_embeddings=True),
+              "tiny-qwen3": model_presets.ModelShape(2, 64, 4, 2, 96, 320, head_dim=32, qk_norm=True)}
+    monkeypatch.setattr(model_presets, "PRESETS", shapes)
+    for name, shape in shapes.items():
+        path = bench.random_weights_model(name, tmp_path / name)
+        assert model_presets.resolve_model_shape(path) == shape, name
+        assert not (tmp_path / name / "tokenizer.json").exists()
+    with pytest.raises(ValueError, match="architecture preset"):
+        bench.random_weights_model("no-such-model", tmp_path / "x")

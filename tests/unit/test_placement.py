@@ -81,6 +81,7 @@ def test_cpu_compat_patches_exactly_the_listed_places():
         pytest.skip("CPU-only check")
     applied = cpu_compat.enable_cpu_compat()
     assert applied == list(cpu_compat.PATCHES)
+    assert cpu_compat.patches_in_force() == applied  # read from the patched objects themselves
     assert torch.cuda.current_device() == "cpu"
     from megatron.core.pipeline_parallel import schedules
 

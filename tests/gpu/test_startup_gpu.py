@@ -1,0 +1,52 @@
+"""Start-up of a GPU rank (world size 1, spawned like a torchrun child by ``run_ranks``):
+``init_distributed`` binds the rank to its GPU and makes NCCL the default (device) group; the control
+group is gloo (objects and barriers stay on the CPU); a worker group's groups are NCCL and its device
+is the GPU; and none of ``megamarl.parallel.cpu_compat``'s CPU shims is in force, read from the
+patched objects themselves, so megatron-core runs unmodified."""
+
+import pytest
+import torch
+
+from megamarl.parallel.launch import run_ranks
+
+pytestmark = [pytest.mark.gpu]
+
+
+def _body(rank):
+    import torch.distributed as dist
+
+    from megamarl.parallel import cpu_compat
+    from megamarl.parallel.distributed import control_group, local_device
+    from megamarl.parallel.placement import PlacementConfig, WorkerGroupLayout, build_worker_groups
+
+    wg = build_worker_groups(PlacementConfig({"p": WorkerGroupLayout(ranks=[0])}))["p"]
+    device = local_device()
+    summed = torch.full((4,), 2.0, device=device)
+    dist.all_reduce(summed)  # default group: NCCL on device tensors
+    wg_summed = torch.ones(2, device=wg.device)
+    dist.all_reduce(wg_summed, group=wg.pgs.dp)  # the WG's own (NCCL) group
+    flag = torch.ones(1)
+    dist.all_reduce(flag, group=control_group())  # gloo on a CPU tensor
+    gathered = [None]
+    dist.all_gather_object(gathered, {"rank": rank}, group=control_group())
+    return dict(
+        device=str(device), current_device=torch.cuda.current_device(), device_name=torch.cuda.get_device_name(),
+        default_backend=dist.get_backend(), control_backend=dist.get_backend(control_group()),
+        wg_device=str(wg.device), wg_backends={axis: dist.get_backend(getattr(wg.pgs, axis)) for axis in ("tp", "pp", "dp")},
+        summed=summed.tolist(), wg_summed=wg_summed.tolist(), flag=flag.tolist(), gathered=gathered,
+        patches_in_force=cpu_compat.patches_in_force(), enable_cpu_compat=cpu_compat.enable_cpu_compat(),
+        tensor_cuda=str(torch.zeros(1).cuda().device),  # Tensor.cuda is torch's own (the shim keeps CPU tensors)
+    )
+
+
+def test_gpu_rank_starts_with_nccl_gloo_control_and_no_cpu_shims(record_property):
+    (r,) = run_ranks(_body, 1)
+    for key in ("device", "device_name", "default_backend", "control_backend", "wg_backends", "patches_in_force"):
+        record_property(key, r[key])
+    assert r["device"] == "cuda:0" and r["current_device"] == 0 and r["wg_device"] == "cuda:0", r
+    assert r["default_backend"] == "nccl" and r["control_backend"] == "gloo", r
+    assert set(r["wg_backends"].values()) == {"nccl"}, r
+    assert r["summed"] == [2.0] * 4 and r["wg_summed"] == [1.0, 1.0] and r["flag"] == [1.0], r
+    assert r["gathered"] == [{"rank": 0}], r
+    assert r["patches_in_force"] == [] and r["enable_cpu_compat"] == [], r
+    assert r["tensor_cuda"] == "cuda:0", r

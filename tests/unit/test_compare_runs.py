@@ -1,0 +1,26 @@
+"""scripts/compare_runs.py's record comparison: bit-identical by default, relative tolerance on request."""
+
+import importlib.util
+from pathlib import Path
+
+_spec = importlib.util.spec_from_file_location(
+    "compare_runs", Path(__file__).resolve().parents[2] / "scripts" / "compare_runs.py")
+compare_runs = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(compare_runs)
+
+
+def test_exact_by_default_and_wall_clock_keys_ignored():
+    base = [{"step": 1, "policy/p/loss": 0.5, "timing/step_s": 1.0}]
+    head = [{"step": 1, "policy/p/loss": 0.5, "timing/step_s": 9.0}]
+    assert compare_runs.compare(base, head) == ([], 2)
+    diffs, _ = compare_runs.compare(base, [{"step": 1, "policy/p/loss": 0.5 + 1e-12}])
+    assert diffs == ["record 0 (step 1): policy/p/loss base=0.5 head=0.500000000001"]
+
+
+def test_rtol_accepts_rounding_and_one_sided_keys_but_not_larger_changes():
+    base = [{"step": 1, "policy/p/loss": 0.5, "reward": 3}]
+    head = [{"step": 1, "policy/p/loss": 0.5000004, "reward": 3, "policy/p/optimizer_steps": 2}]
+    assert compare_runs.compare(base, head)[0]  # exact: two differences
+    assert compare_runs.compare(base, head, rtol=1e-6) == ([], 3)
+    diffs, _ = compare_runs.compare(base, [{"step": 1, "policy/p/loss": 0.51, "reward": 3}], rtol=1e-6)
+    assert len(diffs) == 1 and "policy/p/loss" in diffs[0]
