@@ -20,6 +20,7 @@ from functools import partial
 import pytest
 import torch
 import yaml
+from saved_storage import record_saved_storage  # tests/ helper
 
 from megamarl.parallel.launch import run_ranks
 
@@ -197,19 +198,12 @@ def _activations_body(rank, model_dir):
         model = load_policy_model(policy, wg, seed=0, dtype=DTYPES[dtype]).model  # the worker's own builder
         params = {p.untyped_storage().data_ptr() for p in model.parameters()}
         storages: dict[int, int] = {}
-        with torch.autograd.graph.saved_tensors_hooks(partial(_record, params, storages), lambda tensor: tensor):
+        with torch.autograd.graph.saved_tensors_hooks(partial(record_saved_storage, params, storages), lambda tensor: tensor):
             logits = model(*(packed if packing else padded))
         logits.float().sum().backward()  # the saved tensors were usable
         saved[(recompute, dtype, packing)] = sum(storages.values())
     return saved
 
-
-def _record(params: set[int], storages: dict[int, int], tensor: torch.Tensor) -> torch.Tensor:
-    """saved_tensors_hooks pack: note the storage of a tensor autograd keeps (parameters aside)."""
-    storage = tensor.untyped_storage()
-    if storage.data_ptr() not in params:
-        storages[storage.data_ptr()] = storage.nbytes()
-    return tensor
 
 
 def test_saved_activations_match_the_local_spec_formula(tmp_path):

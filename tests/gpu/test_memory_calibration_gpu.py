@@ -17,6 +17,7 @@ from functools import partial
 
 import pytest
 import torch
+from saved_storage import record_saved_storage  # tests/ helper
 
 from megamarl.parallel.launch import run_ranks
 
@@ -28,13 +29,6 @@ WIDTH_70B = dict(hidden_size=8192, intermediate_size=28672, num_attention_heads=
 TOLERANCE = 0.10  # relative, per layer
 NEEDS_GIB = 48  # two 70B-width layers at T=4096 in the local spec: ~4.5 GB weights + ~17 GB kept + ~12 GB transient
 
-
-def _record(params: set[int], storages: dict[int, int], tensor: torch.Tensor) -> torch.Tensor:
-    """saved_tensors_hooks pack: the storages autograd keeps (parameters aside)."""
-    storage = tensor.untyped_storage()
-    if storage.data_ptr() not in params:
-        storages[storage.data_ptr()] = storage.nbytes()
-    return tensor
 
 
 def _body(rank):
@@ -67,7 +61,7 @@ def _body(rank):
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
         storages: dict[int, int] = {}
-        with torch.autograd.graph.saved_tensors_hooks(partial(_record, params, storages), lambda tensor: tensor):
+        with torch.autograd.graph.saved_tensors_hooks(partial(record_saved_storage, params, storages), lambda tensor: tensor):
             logits = model(tokens, positions, mask)
         torch.cuda.synchronize()
         peak, kept = torch.cuda.max_memory_allocated() - base, torch.cuda.memory_allocated() - base
