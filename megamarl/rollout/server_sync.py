@@ -310,7 +310,8 @@ class WeightSender:
             self._pack_buffer = torch.empty(info["num_bytes"], dtype=torch.uint8)
         flat = pack_bucket(bucket, info, out=self._pack_buffer)
         if self.backend == "megamarl_gloo":
-            # Each server blocks in /update_weights until the broadcast arrives: announce to all,
+            # Each server posts the bucket's receive in /update_weights (without waiting for it:
+            # vllm_plugin.GlooWeightTransferEngine) and loads it once it is there: announce to all,
             # then one broadcast reaches every replica. Announcements travel on separate
             # connections, so bucket k+1's may reach a server before bucket k's (seen under load):
             # each carries its number, and the worker pairs bytes and names by it. A failed

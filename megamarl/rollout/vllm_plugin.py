@@ -42,7 +42,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from megamarl.parallel.network import HOST_ADDR_ENV
-from megamarl.rollout.server_sync import BufferPool, gloo_broadcast, new_gloo_group, unpack_bucket
+from megamarl.rollout.server_sync import BufferPool, new_gloo_group, unpack_bucket
 
 logger = logging.getLogger("vllm.megamarl")  # vLLM's handlers: lines land in the server's log
 
@@ -137,26 +137,33 @@ class _LayerwiseEngine(WeightTransferEngine):
 
 @dataclass
 class _Receives:
-    """One group's receives: posted ahead (bucket number -> pending broadcast, its buffer) and the
-    number of the next bucket to post a receive for (None: none received yet)."""
+    """One group's receives posted ahead of their announcement (bucket number -> pending broadcast,
+    its buffer) and the number of the next bucket to post a receive for (None: none posted yet)."""
 
     posted: dict[int, tuple[Any, torch.Tensor]] = field(default_factory=dict)
     next_seq: int | None = None
 
 
 class GlooWeightTransferEngine(_LayerwiseEngine):
+    """Buckets arrive as gloo broadcasts on the sender's group; an ``/update_weights`` call never
+    waits for one. The engine core runs one call at a time, and several senders (one per pipeline
+    stage, each on its own group) push into the same replicas concurrently: a call that waited for
+    its broadcast would block the worker while a replica that took the other stage's call first
+    waits for this one to join that stage's broadcast (a deadlock, seen as a hang). So a call only
+    posts its receive (and the next bucket's, whose size it carries), then loads every bucket that
+    has arrived; ``finish_weight_update`` waits for and loads the rest."""
+
     init_info_cls = GlooInitInfo
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.groups: dict[str, tuple[Any, Any]] = {}  # group_name -> (group, store)
-        # group_name -> its receives: the next bucket's is posted before the current bucket is
-        # loaded, so that transfer and load overlap
-        self.receives: dict[str | None, _Receives] = {}
+        self.receives: dict[str | None, _Receives] = {}  # group_name -> receives posted ahead
+        self.arriving: list[tuple[Any, torch.Tensor, BucketInfo]] = []  # announced, not yet loaded
         self.pool = BufferPool()
 
     def start_weight_update(self) -> None:
-        if any(r.posted for r in self.receives.values()):  # an update that ended early
+        if self.arriving or any(r.posted for r in self.receives.values()):  # an update that ended early
             raise RuntimeError("megamarl_gloo: the previous update did not finish its buckets; reconnect")
         super().start_weight_update()
 
@@ -170,44 +177,77 @@ class GlooWeightTransferEngine(_LayerwiseEngine):
             address=os.environ.get(HOST_ADDR_ENV) or None,
         )
 
-    def _bucket_bytes(self, update_info: BucketInfo) -> torch.Tensor:
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        self._post(self.parse_update_info(update_info))
+        self._load_arrived(wait=False)
+
+    def finish_weight_update(self) -> None:
+        self._load_arrived(wait=True)
+        ahead = {name: sorted(r.posted) for name, r in self.receives.items() if r.posted}
+        if ahead:
+            raise RuntimeError(f"megamarl_gloo: buckets announced as coming never came: {ahead}")
+        super().finish_weight_update()
+
+    def _post(self, info: BucketInfo) -> None:
+        """Post the receive of ``info``'s bucket (unless its predecessor's announcement did) and of the
+        group's next bucket; queue the bucket for loading."""
         if not self.groups:
             raise RuntimeError("megamarl_gloo: /update_weights before /init_weight_transfer_engine")
-        name = update_info.group_name
+        name = info.group_name
         if name is None and len(self.groups) > 1:
             raise ValueError(f"megamarl_gloo: update_info must name its group_name; joined {sorted(self.groups)}")
         group, _ = self.groups[name] if name is not None else next(iter(self.groups.values()))
         state = self.receives.setdefault(name, _Receives())
-        # Broadcasts arrive in bucket order; announcements may not: bucket k+1's can overtake
-        # bucket k's (the sender announces k+1 once k's broadcast is done, which the receive that
-        # k-1's announcement posted allows). Then k+1 is received after k's posted receive and
-        # loaded first; k's announcement later finds its bytes posted (layerwise reload takes
-        # tensors in any order). Two announcements in a row cannot overtake: the sender would
+        # Broadcasts arrive in bucket order and receives are posted in that order; announcements may
+        # not be: bucket k+1's can overtake bucket k's (the sender announces k+1 once k's broadcast is
+        # done, which the receive that k-1's announcement posted allows). Then k+1 is posted after k's
+        # look-ahead receive, and k's announcement later finds its receive posted (layerwise reload
+        # takes tensors in any order). Two announcements in a row cannot overtake: the sender would
         # still be waiting for the first one's broadcast.
-        seq = update_info.seq or (state.next_seq or 1)
+        seq = info.seq or (state.next_seq or 1)
         if seq in state.posted:
             work, flat = state.posted.pop(seq)
-            work.wait()
-            if flat.numel() != update_info.num_bytes:
-                raise RuntimeError(f"megamarl_gloo: bucket {seq} announced {update_info.num_bytes} bytes, "
-                                   f"received {flat.numel()}")
+            if flat.numel() != info.num_bytes:
+                raise RuntimeError(f"megamarl_gloo: bucket {seq} announced {info.num_bytes} bytes, "
+                                   f"its predecessor said {flat.numel()}")
         elif state.next_seq in (None, seq):
-            flat = self.pool.take(update_info.num_bytes)
-            gloo_broadcast(group, flat, src=0)
+            work, flat = self._receive(group, info.num_bytes)
             state.next_seq = seq + 1
         else:
             raise RuntimeError(f"megamarl_gloo: bucket {seq} announced while bucket {state.next_seq}'s size is unknown")
-        if update_info.next_num_bytes and state.next_seq == seq + 1:
-            following = self.pool.take(update_info.next_num_bytes)
-            opts = dist.BroadcastOptions()
-            opts.rootRank = 0
-            state.posted[seq + 1] = (group.broadcast([following], opts), following)
+        if info.next_num_bytes and state.next_seq == seq + 1:
+            state.posted[seq + 1] = self._receive(group, info.next_num_bytes)
             state.next_seq = seq + 2
-        return flat
+        self.arriving.append((work, flat, info))
+
+    def _receive(self, group: Any, num_bytes: int) -> tuple[Any, torch.Tensor]:
+        flat = self.pool.take(num_bytes)
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        return group.broadcast([flat], opts), flat
+
+    def _load_arrived(self, *, wait: bool) -> None:
+        """Load the announced buckets whose bytes are here (``wait``: all of them, waiting)."""
+        times = getattr(self, "_times", None) or {"receive": 0.0, "load": 0.0, "bytes": 0}
+        waiting = []
+        for work, flat, info in self.arriving:
+            if not (wait or work.is_completed()):
+                waiting.append((work, flat, info))
+                continue
+            start = time.perf_counter()
+            work.wait()  # raises the broadcast's error, if any
+            received = time.perf_counter()
+            self.model.load_weights(unpack_bucket(flat, vars(info)))
+            times["receive"] += received - start
+            times["load"] += time.perf_counter() - received
+            times["bytes"] += info.num_bytes
+        self.arriving = waiting
+        self._times = times
 
     def shutdown(self) -> None:
         self.groups.clear()
         self.receives.clear()
+        self.arriving.clear()
         self.pool = BufferPool()
 
 

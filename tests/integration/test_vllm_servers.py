@@ -136,9 +136,6 @@ def test_gloo_push_reaches_both_replicas_at_once(servers, hf_model):
     sender.close()
 
 
-@pytest.mark.skip(reason="known hang (2026-11-25): two megamarl_gloo senders pushing into the same replicas "
-                         "at once (PP stages) deadlock at times; the idle suite run hit its 600 s timeout here. "
-                         "Quarantined until the plugin's two-group receive is fixed")
 def test_two_senders_push_into_the_same_replicas_concurrently(servers, hf_model):
     a, b, _ = servers
     sender = WeightSender([a.url, b.url], backend="megamarl_gloo", master_port=_port(), replica_tp=[1, 2])
