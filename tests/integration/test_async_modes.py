@@ -11,13 +11,10 @@ same runs (they were cut to save the suite's time).
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from train_runs import check_staleness  # tests/ helper
+from train_runs import check_staleness, train  # tests/ helper
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs" / "signalling_tiny.yaml"
@@ -27,16 +24,9 @@ def train_signalling(
     mode: str, run_dir: Path, *overrides: str, nproc: int = 1, timeout_s: float = 1800,
 ) -> tuple[list[dict], list[dict]]:
     """Run scripts/train.py on the signalling config in ``mode``; returns (metrics lines, eval entries)."""
-    args = [f"trainer.mode={mode}", f"output_dir={run_dir.parent}", f"name={run_dir.name}"]
-    script = [str(ROOT / "scripts" / "train.py"), "--config", str(CONFIG), *args, *overrides]
-    if nproc > 1:
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *script]
-    else:
-        command = [sys.executable, *script]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    _, metrics, _ = train(CONFIG, run_dir.parent, nproc=nproc, timeout=timeout_s,
+                          env={"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"},
+                          overrides=(f"trainer.mode={mode}", f"name={run_dir.name}", *overrides))
     eval_file = run_dir / "eval.json"
     evals = json.loads(eval_file.read_text()) if eval_file.is_file() else []
     return metrics, evals

@@ -17,15 +17,13 @@ staleness histogram, losses and grad norms are equal (float-exact), as sync mode
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
+from train_runs import Ranks, start  # tests/ helper
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -40,16 +38,11 @@ CASES = {  # mode -> (signal, save_every, logged step after which it is sent)
 }
 
 
-def _start(output_dir: Path, mode: str, save_every: int, *extra: str) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-    command = [sys.executable, "scripts/train.py", "--config", "configs/signalling_tiny.yaml", *OVERRIDES,
-               f"trainer.mode={mode}", f"trainer.save_every={save_every}", f"output_dir={output_dir}", *extra]
-    with open(output_dir.parent / f"{output_dir.name}-{len(extra)}.log", "w") as log:  # the child keeps its copy
-        # own session: SIGKILL to the group is a node loss for the whole process tree
-        return subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+def _start(output_dir: Path, mode: str, save_every: int, *extra: str) -> Ranks:
+    env = {"PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
+    argv = ["--config", "configs/signalling_tiny.yaml", *OVERRIDES, f"trainer.mode={mode}",
+            f"trainer.save_every={save_every}", f"output_dir={output_dir}", *extra]
+    return start(argv, nproc=1, log=output_dir.parent / f"{output_dir.name}-{len(extra)}.log", env=env)
 
 
 def _log(output_dir: Path, num_extra: int) -> str:
@@ -81,7 +74,7 @@ def test_async_run_killed_and_resumed_trains_the_same_samples(tmp_path, mode):
         assert victim.poll() is None, _log(victim_dir, 0)[-3000:]
         assert time.monotonic() < deadline, f"the run never reached step {after_step}"
         time.sleep(0.02)
-    os.killpg(victim.pid, sig)
+    victim.send_signal(sig)
     code = victim.wait(timeout=RUN_TIMEOUT_S)
     assert code == (-signal.SIGKILL if sig == signal.SIGKILL else 0), _log(victim_dir, 0)[-3000:]
     complete = sorted((victim_dir / RUN / "checkpoints").glob("step_*/COMPLETE"))

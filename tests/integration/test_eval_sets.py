@@ -6,12 +6,10 @@ model fails every task, so every group is flat and each step runs exactly max_re
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from train_runs import train as run_train  # tests/ helper
 
 pytestmark = [pytest.mark.integration]
 
@@ -47,14 +45,10 @@ def test_train_on_a_evaluate_on_b_and_a(tmp_path):
     heldout = _jsonl(tmp_path / "b.jsonl", [(f"What is {i} x 3?", 3 * i) for i in range(3)])
     config = tmp_path / "config.yaml"
     config.write_text(CONFIG.replace("TRAIN", str(train)).replace("HELDOUT", str(heldout)))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_port", "29843",
-           str(ROOT / "scripts" / "train.py"), "--config", str(config), f"output_dir={tmp_path / 'runs'}"]
-    env = {**os.environ, "CI": "true", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    assert f"eval set heldout: env math {{'dataset_path': '{heldout}'" in proc.stdout
-    assert f"eval set train: env math {{'dataset_path': '{train}'" in proc.stdout
-    run_dir = tmp_path / "runs" / "run"
+    env = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    run_dir, _, output = run_train(config, tmp_path / "runs", nproc=1, timeout=600, env=env, overrides=("name=run",))
+    assert f"eval set heldout: env math {{'dataset_path': '{heldout}'" in output
+    assert f"eval set train: env math {{'dataset_path': '{train}'" in output
     evals = json.loads((run_dir / "eval.json").read_text())
     assert [e["step"] for e in evals] == [0, 2]
     for entry in evals:

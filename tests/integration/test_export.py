@@ -23,15 +23,15 @@ from pathlib import Path
 import megatron_steps  # tests/ helper: Megatron forward (test-only)
 import pytest
 import torch
+from train_runs import train  # tests/ helper
 
 from megamarl.models.model_cache import is_complete
-from megamarl.runtime.export import plan_exports
 from megamarl.parallel.launch import run_ranks
+from megamarl.runtime.export import plan_exports
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
-TORCHRUN = Path(sys.executable).with_name("torchrun")
 LOGIT_TOL = 5e-5
 IDS = torch.randint(0, 49152, (2, 11), generator=torch.Generator().manual_seed(5))
 
@@ -41,17 +41,13 @@ def _env():
 
 
 def _train(out: Path, config: str, *overrides: str) -> Path:
-    """One torchrun launch of scripts/train.py on 1 rank (--standalone: a free port, as tests run in
-    parallel); returns the run directory."""
-    cmd = [str(TORCHRUN), "--standalone", "--nproc_per_node", "1", "scripts/train.py", "--config", config,
-           f"output_dir={out}", "name=run", *overrides]
-    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return out / "run"
+    """scripts/train.py on 1 rank (train_runs.train); returns the run directory."""
+    run_dir, _, _ = train(ROOT / config, out, nproc=1, timeout=600, env=_env(), overrides=("name=run", *overrides))
+    return run_dir
 
 
 def _convert(*args: str, ok: bool = True) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, "-m", "megamarl.models.convert", *args], env=_env(),
+    proc = subprocess.run([sys.executable, "-m", "megamarl.models.convert", *args], check=False, env=_env(),
                           capture_output=True, text=True, timeout=600)
     assert (proc.returncode == 0) == ok, proc.stderr[-4000:]
     return proc

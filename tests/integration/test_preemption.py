@@ -1,6 +1,7 @@
 """Preemption: SIGTERM (or SIGUSR1) in the middle of a run -> the step finishes, a checkpoint is
 saved, the process exits 0; ``trainer.resume=auto`` continues and the metrics of every step equal
-an uninterrupted run's (tiny signalling, 1 rank, plain ``python scripts/train.py``).
+an uninterrupted run's (tiny signalling, 1 rank, ``scripts/train.py`` through ``train_runs.start``; the
+signal goes to the rank's process group, as a scheduler signals a job's processes).
 
 Both signals compare with one uninterrupted reference run (a module fixture: the reference does not
 depend on the signal), started beside the first victim. Deadlines are hang guards, sized for a busy
@@ -9,14 +10,12 @@ machine (the suite runs on two xdist workers)."""
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+from train_runs import Ranks, start  # tests/ helper
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -27,14 +26,10 @@ OVERRIDES = ("trainer.total_steps=4", "trainer.save_every=0", "rollout.num_tasks
              "logger.progress=false")
 
 
-def _start(output_dir: Path, *extra: str) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-    command = [sys.executable, "scripts/train.py", "--config", "configs/signalling_tiny.yaml", *OVERRIDES,
-               f"output_dir={output_dir}", *extra]
-    log = open(output_dir.parent / f"{output_dir.name}-{len(extra)}.log", "w")
-    return subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+def _start(output_dir: Path, *extra: str) -> Ranks:
+    env = {"PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
+    argv = ["--config", "configs/signalling_tiny.yaml", *OVERRIDES, f"output_dir={output_dir}", *extra]
+    return start(argv, nproc=1, log=output_dir.parent / f"{output_dir.name}-{len(extra)}.log", env=env)
 
 
 def _log(output_dir: Path, num_extra: int) -> str:
@@ -61,7 +56,6 @@ def reference(tmp_path_factory):
     yield reference, proc
     if proc.poll() is None:
         proc.kill()
-        proc.wait()
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1], ids=["SIGTERM", "SIGUSR1"])

@@ -1,10 +1,11 @@
 """Every preset in ``configs/presets/`` trains end to end, and its weights reach the engines.
 
-Each preset runs through ``scripts/train.py``'s ``main`` under ``torchrun`` at the world size its
-ranks imply (1, 2 or 3). Process start-up and the first model build are most of a tiny run's time,
-so the presets of one world size share one launch: this file is also the launcher's script
-(``torchrun ... tests/integration/test_presets.py OUT CONFIG...`` runs the configs one after the
-other in the same ranks), and the worlds run concurrently.
+Each preset runs through ``scripts/train.py``'s ``main`` on local ranks (``train_runs.launch``:
+torchrun's environment, ranks forked from a preloaded server) at the world size its ranks imply (1, 2
+or 3). Process start-up and the first model build are most of a tiny run's time, so the presets of one
+world size share one launch: this file is also the ranks' script (``launch([OUT, CONFIG...],
+script=this file)`` runs the configs one after the other in the same ranks), and the worlds run
+concurrently.
 
 Checked from the run directory only (metrics.jsonl, eval.json, checkpoints), per preset:
 
@@ -34,15 +35,15 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import struct
-import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from train_runs import launch  # tests/ helper
 
 ROOT = Path(__file__).resolve().parents[2]
 PRESET_DIR = ROOT / "configs" / "presets"
@@ -118,29 +119,19 @@ def preset_runs(request, tmp_path_factory) -> dict[str, Path]:
     for preset in PRESETS:
         if preset.name in selected:
             worlds.setdefault(preset.world_size, []).append(preset)
-    env = {
-        **os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", "PYTHONWARNINGS": "ignore",
-        "TOKENIZERS_PARALLELISM": "false",
-    }
-    procs = {}
-    for world_size, presets in worlds.items():
+    env = {"OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", "PYTHONWARNINGS": "ignore", "TOKENIZERS_PARALLELISM": "false"}
+    def run_world(world_size: int, presets: list[Preset]) -> None:
         out = base / f"world{world_size}"
         out.mkdir()
-        command = [
-            sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world_size}",
-            str(Path(__file__).resolve()), str(out), *(str(p.path) for p in presets),
-        ]
-        with open(out / "launch.log", "w") as log:
-            procs[world_size] = subprocess.Popen(  # own session: a timeout kills torchrun and its ranks
-                command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-            )
-    deadline = time.monotonic() + WORLD_TIMEOUT_S
-    for proc in procs.values():
-        try:
-            proc.wait(timeout=max(deadline - time.monotonic(), 1))
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        try:  # a world that fails or times out leaves its presets unfinished: each test says so
+            launch([str(out), *(str(p.path) for p in presets)], nproc=world_size, log=out / "launch.log",
+                   timeout=WORLD_TIMEOUT_S, env=env, script=Path(__file__).resolve())
+        except TimeoutError:
+            pass
+
+    with ThreadPoolExecutor(len(worlds)) as pool:  # the worlds run side by side
+        for done in [pool.submit(run_world, w, presets) for w, presets in worlds.items()]:
+            done.result()
     return {p.name: base / f"world{p.world_size}" for ps in worlds.values() for p in ps}
 
 
@@ -234,11 +225,11 @@ def test_preset_trains_and_syncs(preset: Preset, preset_runs):
         assert [e["step"] for e in evals] == [0, num_steps]
 
 
-# ---- the launcher (runs inside torchrun) ---------------------------------------------------------
+# ---- the launcher (runs in each rank of a world) ---------------------------------------------------------
 def _run_presets(out: Path, configs: list[str]) -> None:
     """Run ``scripts/train.py`` for each config in turn inside this world; rank 0 appends each
-    result to ``out/results.jsonl``. A failing preset raises, which ends the world (torchrun
-    stops the other ranks): the presets after it are reported as not finished."""
+    result to ``out/results.jsonl``. A failing preset raises, which ends the world (the launcher
+    stops the other ranks, as torchrun does): the presets after it are reported as not finished."""
     import runpy
 
     train = runpy.run_path(str(ROOT / "scripts" / "train.py"), run_name="megamarl_train")["main"]

@@ -1,4 +1,5 @@
-"""Kill a training run mid-step and resume it (``scripts/train.py`` under torchrun, tiny signalling).
+"""Kill a training run mid-step and resume it (``scripts/train.py`` on local ranks, ``train_runs.start``;
+tiny signalling).
 
 * Same layout: the resumed run's per-step metrics (rewards, per-agent sample statistics, losses,
   grad norms) and its final weights and optimizer state equal the uninterrupted run's exactly, and
@@ -13,15 +14,12 @@ seeded sampling that does not depend on how the engine batched the requests, is 
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
+from train_runs import Ranks, start  # tests/ helper
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -41,36 +39,18 @@ def _volatile(key: str) -> bool:
     return key.endswith(("_s", "_ratio"))
 
 
-def _start(output_dir: Path, *extra: str, num_ranks: int = 1) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={num_ranks}",
-        "scripts/train.py", "--config", "configs/signalling_tiny.yaml", *OVERRIDES,
-        f"output_dir={output_dir}", *extra,
-    ]
-    with open(output_dir.parent / f"{output_dir.name}.log", "w") as log:  # the child keeps its copy
-        # own session: a SIGKILL to the group takes torchrun and its ranks down together, like a node loss
-        return subprocess.Popen(
-            command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-        )
+def _start(output_dir: Path, *extra: str, num_ranks: int = 1) -> Ranks:
+    env = {"PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
+    argv = ["--config", "configs/signalling_tiny.yaml", *OVERRIDES, f"output_dir={output_dir}", *extra]
+    return start(argv, nproc=num_ranks, log=output_dir.parent / f"{output_dir.name}.log", env=env)
 
 
-def _kill(proc: subprocess.Popen, output_dir: Path) -> None:
-    """SIGKILL the whole run, like a node loss: torchrun's process group *and* its ranks, which
-    torchrun starts in sessions of their own (they would otherwise live on, writing into the run
-    directory or hanging in a collective)."""
-    os.killpg(proc.pid, signal.SIGKILL)
-    marker = f"output_dir={output_dir}".encode()
-    for entry in Path("/proc").iterdir():
-        try:
-            if entry.name.isdigit() and marker in (entry / "cmdline").read_bytes():
-                os.kill(int(entry.name), signal.SIGKILL)
-        except (OSError, ProcessLookupError):
-            pass
-    proc.wait()
+def _kill(proc: Ranks, output_dir: Path) -> None:
+    """SIGKILL the whole run at once, like a node loss: every rank's process group."""
+    proc.kill()
 
 
-def _wait(proc: subprocess.Popen, output_dir: Path, timeout_s: float = RUN_TIMEOUT_S) -> None:
+def _wait(proc: Ranks, output_dir: Path, timeout_s: float = RUN_TIMEOUT_S) -> None:
     code = proc.wait(timeout=timeout_s)
     log = (output_dir.parent / f"{output_dir.name}.log").read_text()
     assert code == 0, log[-3000:]

@@ -5,13 +5,11 @@ that docs/metrics.md documents exactly the keys a run writes."""
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from train_runs import train  # tests/ helper
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -25,15 +23,9 @@ NUM_STEPS = 2
 def run(tmp_path_factory) -> Path:
     pytest.importorskip("pygame")  # pettingzoo.classic needs it (the pettingzoo extra installs it)
     out = tmp_path_factory.mktemp("tictactoe")
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_port", "29841",
-        str(ROOT / "scripts" / "train.py"), "--config", str(CONFIG), f"output_dir={out}", "name=run",
-        f"trainer.total_steps={NUM_STEPS}", "logger.progress=false",
-    ]
-    env = {**os.environ, "CI": "true", "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return out / "run"
+    run_dir, _, _ = train(CONFIG, out, nproc=1, timeout=600, env={"OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"},
+                          overrides=("name=run", f"trainer.total_steps={NUM_STEPS}", "logger.progress=false"))
+    return run_dir
 
 
 def _rows(run: Path) -> list[dict]:

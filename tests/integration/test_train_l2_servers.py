@@ -64,7 +64,7 @@ def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("l2")
     config = out / "l2.yaml"
     config.write_text(CONFIG.format(model=resolve_model_path("tiny-vllm-llama"), steps=STEPS))
-    run_dir, rows, _ = train(config, out, nproc=1, port=29877, timeout=900)
+    run_dir, rows, _ = train(config, out, nproc=1, timeout=900)
     return run_dir, rows
 
 

@@ -63,13 +63,13 @@ PLACEMENTS = {
 }
 
 
-def _train(out: Path, placement: str, port: int):
+def _train(out: Path, placement: str):
     policy_ranks, engine = PLACEMENTS[placement]
     config = out / "sglang_servers.yaml"
     config.write_text(CONFIG.format(steps=STEPS, policy_ranks=policy_ranks, placement=engine))
     fake = str(ROOT / "tests" / "fake_sglang")  # `python -m sglang.launch_server` finds the fake first
     pythonpath = os.pathsep.join(p for p in (fake, str(ROOT), os.environ.get("PYTHONPATH")) if p)
-    run_dir, rows, _ = train(config, out, nproc=2, port=port, timeout=600, env={"PYTHONPATH": pythonpath})
+    run_dir, rows, _ = train(config, out, nproc=2, timeout=600, env={"PYTHONPATH": pythonpath})
     texts = [log.read_text(errors="replace") for log in sorted((run_dir / "engine_logs").glob("shared-replica*.log"))]
     calls = [[json.loads(line.split("[fake-sglang] ", 1)[1]) for line in text.splitlines()
               if line.startswith("[fake-sglang] {")] for text in texts]
@@ -78,13 +78,13 @@ def _train(out: Path, placement: str, port: int):
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    run_dir, rows, (calls,) = _train(tmp_path_factory.mktemp("sglang_disagg"), "disaggregated", 29873)
+    run_dir, rows, (calls,) = _train(tmp_path_factory.mktemp("sglang_disagg"), "disaggregated")
     return run_dir, rows, calls
 
 
 @pytest.fixture(scope="module")
 def colocated(tmp_path_factory):
-    return _train(tmp_path_factory.mktemp("sglang_coloc"), "colocated", 29874)
+    return _train(tmp_path_factory.mktemp("sglang_coloc"), "colocated")
 
 
 def test_the_replica_runs_on_rank_1_as_an_sglang_server(run):

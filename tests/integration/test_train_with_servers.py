@@ -88,7 +88,7 @@ def run(tmp_path_factory):
         wait_at=EVAL + EPISODES + 1, eval_tasks=EVAL,
         plugins=ROOT / "tests" / "integration" / "plugins", steps=STEPS,
     ))
-    return train(config, out, nproc=4, port=29871, timeout=1500)
+    return train(config, out, nproc=4, timeout=1500)
 
 
 def test_servers_sit_where_the_placement_puts_them(run):

@@ -10,33 +10,22 @@ the off-policy correction's (TIS) metrics logged in the async modes."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from train_runs import check_staleness  # tests/ helper
+from train_runs import check_staleness, train  # tests/ helper
 
 pytestmark = [pytest.mark.learning, pytest.mark.slow, pytest.mark.timeout(1260)]  # the run's own 1200 s bound
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs" / "signalling_tiny.yaml"
-PORTS = {"sync": 29851, "one_step_off": 29852, "fully_async": 29853}
 
 
 def run_signalling(run_dir: Path, mode: str, *overrides: str) -> tuple[list[dict], list[dict]]:
-    """Train ``configs/signalling_tiny.yaml`` in ``mode``; return (metrics rows, eval rows)."""
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_port", str(PORTS[mode]),
-        str(ROOT / "scripts" / "train.py"), "--config", str(CONFIG), f"output_dir={run_dir}", "name=run",
-        f"trainer.mode={mode}", "logger.progress=false", *overrides,
-    ]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1200, env={**os.environ, "CI": "true"})
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    metrics = [json.loads(line) for line in (run_dir / "run" / "metrics.jsonl").read_text().splitlines()]
-    evals = json.loads((run_dir / "run" / "eval.json").read_text())
-    return metrics, evals
+    """Train ``configs/signalling_tiny.yaml`` in ``mode`` (one rank); return (metrics rows, eval rows)."""
+    run, rows, _ = train(CONFIG, run_dir, nproc=1, timeout=1200,
+                         overrides=("name=run", f"trainer.mode={mode}", "logger.progress=false", *overrides))
+    return rows, json.loads((run / "eval.json").read_text())
 
 
 @pytest.mark.parametrize("mode", ["sync", "one_step_off", "fully_async"])
