@@ -27,6 +27,20 @@ venv="${MEGAMARL_VENV:-.venv}"
 py="$venv/bin/python"
 pip=("$py" -m pip --disable-pip-version-check -q)
 
+# The code env's sandbox runs candidates in bubblewrap (megamarl/orchestration/sandbox.py); without
+# it the env refuses to start (unless env.kwargs.unsafe_inprocess: true). Checked before the stamp
+# so a machine that lost it gets it back; a no-op when present, skipped where apt or root is missing.
+if ! command -v bwrap >/dev/null 2>&1; then
+  if [[ $(id -u) -eq 0 ]] && command -v apt-get >/dev/null 2>&1; then
+    echo "setup.sh: installing bubblewrap (apt)"
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap >/dev/null \
+      || { apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap >/dev/null; } \
+      || echo "setup.sh: could not install bubblewrap; the code env will refuse to start" >&2
+  else
+    echo "setup.sh: bwrap not found; install bubblewrap for the code env's sandbox (docs/reliability.md)" >&2
+  fi
+fi
+
 # Skip everything when nothing changed since the last successful run with the same extras.
 stamp="$venv/.megamarl-setup-$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)-${extras//,/_}"
 if [[ -f "$stamp" ]]; then

@@ -17,7 +17,11 @@ code-RL judges (APPS/CodeContests runners, LiveCodeBench), the sandbox only *obs
   line ignored).
 
 Each case is scored on its own: ``Verdict.fraction`` (passed / total) is the local reward and
-``Verdict.all_passed`` the success. Code in the sandbox can still write fake records on the
+``Verdict.all_passed`` the success. The judge is total: whatever the candidate sends (a 100k-deep
+JSON value, ``10**400`` against a float, undecodable bytes), an exception while reading or comparing
+scores that case 0 and is counted in ``Verdict.num_judge_errors`` (the code env's
+``env/judge_errors`` metric); it never escapes to drop the episode. stdout is compared in full (the
+sandbox keeps up to ``max_output_mb``), not a truncated tail. Code in the sandbox can still write fake records on the
 channel fd (it is in its own process), but a record carries only a value for an input, so a
 forged record scores only if it holds the correct output, which is what solving the problem
 means; a case reported twice is treated as forged and the whole run scores 0.
@@ -88,6 +92,7 @@ class StdioCase:
 class Verdict:
     passed: list[bool]
     messages: list[str] = field(default_factory=list)  # one per failed case, for feedback
+    num_judge_errors: int = 0  # cases scored 0 because reading/comparing their output raised
 
     @property
     def fraction(self) -> float:
@@ -103,9 +108,13 @@ class Verdict:
 
 
 def same_value(got, want) -> bool:
-    """Equality of two JSON values with strict types (True is not 1) and float tolerance."""
+    """Equality of two JSON values with strict types (True is not 1), ints exactly, floats with a
+    tolerance. May raise (``OverflowError`` for a huge int against a float, ``RecursionError``):
+    the judge catches that and scores the case 0."""
     if isinstance(want, bool) or isinstance(got, bool):
         return type(got) is type(want) and got == want
+    if type(want) is int and type(got) is int:
+        return got == want  # exact: 10**17 + 1 is not 10**17
     if isinstance(want, (int, float)) and isinstance(got, (int, float)):
         return math.isclose(got, want, rel_tol=1e-6, abs_tol=1e-9)
     if isinstance(want, list) and isinstance(got, list):
@@ -162,10 +171,11 @@ def call_case(fn_name: str, args: list, expected) -> ExprCase:
 
 
 def judge_calls(code: str, cases: list[ExprCase], config: SandboxConfig, *,
-                setup: list[str] = ()) -> Verdict:
-    """Score ``cases`` against ``code`` (function-call style); see the module docstring."""
+                setup: list[str] = (), isolated: bool = True) -> Verdict:
+    """Score ``cases`` against ``code`` (function-call style); see the module docstring.
+    ``isolated=False``: the old audit-hook sandbox (``env.kwargs.unsafe_inprocess``)."""
     request = {"code": code, "setup": list(setup), "exprs": [c.expr for c in cases]}
-    result = run_python(_HARNESS, config, stdin=json.dumps(request).encode(), channel=True)
+    result = run_python(_HARNESS, config, stdin=json.dumps(request).encode(), channel=True, isolated=isolated)
     values: dict[int, str] = {}
     errors: dict[int, str] = {}
     load_error = ""
@@ -173,8 +183,8 @@ def judge_calls(code: str, cases: list[ExprCase], config: SandboxConfig, *,
         try:
             record = json.loads(line)
             index = record.get("i")
-        except (ValueError, AttributeError):
-            continue  # garbage on the channel: the case it displaced is simply missing
+        except Exception:  # noqa: BLE001, S112 - garbage (even a RecursionError) only loses its own case
+            continue
         if "load_error" in record:
             load_error = str(record["load_error"])
             continue
@@ -186,36 +196,38 @@ def judge_calls(code: str, cases: list[ExprCase], config: SandboxConfig, *,
             values[index] = record["value"]
         else:
             errors[index] = str(record.get("error", "error"))
-    passed, messages = [], []
+    passed, messages, num_errors = [], [], 0
     status = result.status if result.status != "ok" else "exited before reporting"
     for i, case in enumerate(cases):
         ok, why = False, load_error or errors.get(i) or _last_line(result.stderr) or status
         if i in values:
+            want = True if case.expected is NO_EXPECTED else case.expected
             try:
-                got = json.loads(values[i])
-            except ValueError:
-                got, why = None, "unreadable value"
-            else:
-                want = True if case.expected is NO_EXPECTED else case.expected
-                ok = same_value(got, want)
+                ok = same_value(json.loads(values[i]), want)
                 why = f"{case.expr} returned {values[i][:200]}, expected {json.dumps(want)[:200]}"
+            except Exception as exc:  # noqa: BLE001 - the judge is total: this case scores 0
+                ok, why, num_errors = False, f"{case.expr}: unreadable value ({type(exc).__name__})", num_errors + 1
         passed.append(ok)
         if not ok:
             messages.append(why)
-    return Verdict(passed, messages)
+    return Verdict(passed, messages, num_errors)
 
 
-def judge_stdio(code: str, cases: list[StdioCase], config: SandboxConfig) -> Verdict:
-    """Score stdin/stdout ``cases``: one fresh sandboxed process per case."""
-    passed, messages = [], []
+def judge_stdio(code: str, cases: list[StdioCase], config: SandboxConfig, *, isolated: bool = True) -> Verdict:
+    """Score stdin/stdout ``cases``: one fresh sandboxed process per case, its whole stdout
+    compared with the whole expected output."""
+    passed, messages, num_errors = [], [], 0
     for case in cases:
-        result = run_python(code, config, stdin=case.stdin.encode())
-        ok = result.status == "ok" and same_output(result.stdout, case.stdout)
+        result = run_python(code, config, stdin=case.stdin.encode(), isolated=isolated)
+        why = _last_line(result.stderr) if result.status != "ok" else "wrong output"
+        try:
+            ok = result.status == "ok" and same_output(result.stdout, case.stdout)
+        except Exception as exc:  # noqa: BLE001 - the judge is total: this case scores 0
+            ok, why, num_errors = False, f"unreadable output ({type(exc).__name__})", num_errors + 1
         passed.append(ok)
         if not ok:
-            why = _last_line(result.stderr) if result.status != "ok" else "wrong output"
             messages.append(f"input {case.stdin[:100]!r}: {why or result.status}")
-    return Verdict(passed, messages)
+    return Verdict(passed, messages, num_errors)
 
 
 def _last_line(text: str) -> str:

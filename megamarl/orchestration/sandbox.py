@@ -1,41 +1,68 @@
-"""Run untrusted Python (model-written code and tests) in a constrained subprocess.
+"""Run untrusted Python (model-written code and tests) isolated by the kernel, not by hooks.
 
-Layers, each stopping a different failure; what each does NOT stop is said plainly:
+The default path (``isolated=True``) starts each program in bubblewrap (``bwrap``, the sandbox
+Flatpak uses), run by the (root) judge, with:
 
-1. ``python -I -B`` in a fresh temporary directory (cwd), minimal environment, new session (the
-   whole process group is killed on timeout).
-2. ``resource.setrlimit`` in ``preexec_fn``: CPU seconds (infinite loops -> SIGXCPU), address
-   space (memory hogs -> MemoryError), file size, open files, and NPROC (fork bombs). NPROC is per
-   *user* and is not enforced for root (CAP_SYS_RESOURCE), hence layer 3 also denies forking.
-3. An audit hook (``sys.addaudithook``, PEP 578) installed by a bootstrap before the code runs:
-   denies opening files for writing, creating, removing or renaming paths outside the temp dir,
-   creating sockets, spawning processes (``os.fork``, ``os.system``, ``subprocess.Popen``,
-   ``os.exec*``, ``os.posix_spawn``), loading native code via ``ctypes``, and reading or listing
-   anything outside the temp dir, the Python installation and the process's own ``/proc`` entry
-   (so a candidate cannot read a judge's data files or ``/proc/<parent>``). Audit hooks are a
-   tripwire against accidents and naive code, not a security boundary: code that corrupts the
-   interpreter (e.g. via a C extension that is already loaded) can get around them.
-4. Network namespace: when running as root and ``unshare -n`` works, the process runs with no
-   network interfaces at all (a kernel boundary, unlike the audit hook).
-5. A wall-clock timeout (sleeps and blocking calls do not burn CPU seconds).
+* its own PID, mount, network, IPC and UTS namespaces: the judge and every other process are
+  invisible (``/proc`` shows the sandbox's two processes), so nothing can be read from
+  ``/proc/<judge>/mem`` or signalled (``os.kill``, ``pidfd_send_signal``) by pid; no network
+  interfaces but a down loopback;
+* a root file system that is a read-only tmpfs holding only what Python needs: ``/usr`` (with the
+  usual ``/bin``, ``/lib`` links), ``/etc/ld.so.cache``, the interpreter's own prefix (at
+  ``/python``, started with ``-I -S``: no site-packages, no .pth pointing into the repository), a
+  minimal ``/dev``, a fresh ``/proc`` and a private ``/tmp`` (tmpfs of ``file_size_mb``, the cwd).
+  The program text arrives as a read-only file copied from an anonymous memfd: the sandbox needs
+  no directory on the host, so nothing is left in the host's ``/tmp`` even when the judge is
+  SIGKILLed;
+* a uid that is not the judge's: ``setpriv`` drops to an unprivileged uid (200000 + judge pid %
+  100000, so concurrent judges do not share a process budget) with no capabilities, empty bounding
+  set and ``no_new_privs``; ``unshare --user`` then puts the program in a user namespace of its own
+  where that uid maps only to itself;
+* rlimits that every descendant inherits (address space, CPU seconds, file size, open files and
+  processes; ``RLIMIT_NPROC`` holds because the uid is not root). cgroups are not used: this
+  machine mounts cgroup v1 controllers (hybrid), and rlimits under a non-root uid are what the
+  issue names for that case; memory is thus bounded per process (``memory_mb`` x ``num_procs`` in
+  the worst case), not for the tree as a whole;
+* the whole tree killed at the end: bwrap's pid 1 exits when the program exits (or bwrap is
+  killed at the deadline, ``--die-with-parent`` also fires when the judge dies), and the kernel
+  kills everything left in a PID namespace whose init is gone: ``fork``/``setsid``/double-fork
+  children cannot outlive the run.
 
-For hostile code at scale use a container/gVisor/firejail per sandbox; this module is what runs
-on a laptop with no privileges beyond the above.
+Why bubblewrap and not hand-written ``unshare``/``mount`` calls: it is small, audited and
+packaged everywhere, and does the mount set-up (pivot_root, read-only remounts, tmpfs, data files
+from fds) that would otherwise be our own code. It runs privileged (as the root judge) because an
+unprivileged uid cannot reach the interpreter under ``/root/.pyenv``; the uid drop happens inside.
+``scripts/setup.sh`` installs Debian's ``bubblewrap`` when it is missing.
+
+Output is read in bounded chunks with a deadline: stdout, stderr and the judge's channel are pipes
+read by a selector loop; more than ``max_output_mb`` on stdout or the channel kills the run
+(``output_limit``), so a flood cannot grow the judge, and a child holding a pipe open cannot make
+the judge wait past ``timeout_s``.
+
+``isolated=False`` is the old path, kept only as the explicit ``env.kwargs.unsafe_inprocess``
+opt-in and for the side-by-side benchmark: a subprocess with rlimits, an audit hook (PEP 578,
+a tripwire and not a boundary: ``_posixsubprocess.fork_exec`` and ``dir_fd`` paths go around it),
+``unshare -n`` when root, in a host temp dir named after the judge's pid (removed at the next run
+when that pid is gone).
 """
 
 from __future__ import annotations
 
 import functools
+import glob
 import os
 import resource
+import selectors
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import textwrap
+import time
 from dataclasses import dataclass
 
+# Binds the channel fd and (old path only) installs the audit hook, then runs main.py.
 _BOOTSTRAP = textwrap.dedent(
     r'''
     import os, sys
@@ -59,14 +86,13 @@ _BOOTSTRAP = textwrap.dedent(
         real = os.path.realpath(path)
         return real == ROOT or real.startswith(ROOT + os.sep)
 
-    # reads are allowed only where the interpreter itself needs them (stdlib, site-packages)
     READABLE = [ROOT] + sorted({os.path.realpath(p) for p in (sys.prefix, sys.base_prefix,
                 sys.exec_prefix, sys.base_exec_prefix)}) + [os.path.realpath("/proc/self")]
     DEVICES = {"/dev/null", "/dev/urandom", "/dev/zero"}
 
     def readable(path):
         if isinstance(path, int):
-            return True  # an fd already open: stdin/stdout/stderr or the judge's channel
+            return True
         try:
             real = os.path.realpath(os.fsdecode(path))
         except TypeError:
@@ -96,25 +122,36 @@ _BOOTSTRAP = textwrap.dedent(
     code = compile(source, "main.py", "exec")
     del f, source
     channel = int(sys.argv[3]) if sys.argv[3] != "-" else None
+    hooked = sys.argv[4] == "hook"
     sys.argv = ["main.py"]
-    sys.addaudithook(hook)
+    if hooked:
+        sys.addaudithook(hook)
     exec(code, {"__name__": "__main__", "__builtins__": __builtins__, "__channel__": channel})
     '''
 )
 
+_UID_BASE = 200000  # sandbox uids: _UID_BASE + judge pid % 100000 (no passwd entry needed)
+_MB = 1024 * 1024
+
+
+class SandboxUnavailableError(RuntimeError):
+    """Isolation cannot be set up here (no bwrap, no namespaces, not root)."""
+
 
 @dataclass
 class SandboxConfig:
-    timeout_s: float = 5.0  # wall clock
-    cpu_s: int = 4
-    memory_mb: int = 512  # address space
-    file_size_mb: int = 8
-    num_procs: int = 64  # RLIMIT_NPROC (per user; root ignores it)
-    network_namespace: bool = True  # use ``unshare -n`` when available
-    max_output_chars: int = 4000
+    timeout_s: float = 5.0  # wall clock; the whole process tree is killed at the deadline
+    cpu_s: int = 4  # RLIMIT_CPU per process
+    memory_mb: int = 512  # RLIMIT_AS per process
+    file_size_mb: int = 8  # RLIMIT_FSIZE, and the size of the private /tmp
+    num_procs: int = 64  # RLIMIT_NPROC of the sandbox uid
+    network_namespace: bool = True  # unsafe_inprocess path only: ``unshare -n`` when root
+    max_output_chars: int = 4000  # stderr kept for feedback messages
+    max_output_mb: float = 4.0  # stdout (and channel) read before the run is killed: judge memory bound
 
     def __post_init__(self) -> None:
-        for key in ("timeout_s", "cpu_s", "memory_mb", "file_size_mb", "num_procs", "max_output_chars"):
+        for key in ("timeout_s", "cpu_s", "memory_mb", "file_size_mb", "num_procs", "max_output_chars",
+                    "max_output_mb"):
             if getattr(self, key) <= 0:
                 raise ValueError(f"sandbox.{key} must be > 0, got {getattr(self, key)}")
 
@@ -122,11 +159,171 @@ class SandboxConfig:
 @dataclass
 class SandboxResult:
     ok: bool  # exit code 0 within limits
-    status: str  # ok | error | timeout | killed
+    status: str  # ok | error | timeout | killed | output_limit
     returncode: int | None
-    stdout: str
-    stderr: str
+    stdout: str  # all of it (up to max_output_mb)
+    stderr: str  # the last max_output_chars
     channel: str = ""  # what the program wrote on the judge's channel fd (``channel=True``)
+
+
+@functools.lru_cache(maxsize=1)
+def isolation_error() -> str | None:
+    """None when isolated runs work here, else why not (probed once per process)."""
+    missing = [tool for tool in ("bwrap", "setpriv", "unshare") if shutil.which(tool) is None]
+    if missing:
+        return (f"{', '.join(missing)} not found (install Debian's bubblewrap: scripts/setup.sh does; "
+                "util-linux has setpriv/unshare)")
+    if os.geteuid() != 0:
+        return "the isolated sandbox needs a root judge (to drop candidates to another uid)"
+    probe = _run_isolated("print(6 * 7)", SandboxConfig(timeout_s=20), stdin=None, channel=False)
+    if probe.stdout.strip() != "42":
+        return f"a probe run failed ({probe.status}, rc {probe.returncode}): {probe.stderr.strip()[-300:]}"
+    return None
+
+
+def run_python(code: str, config: SandboxConfig | None = None, *, stdin: bytes | None = None,
+               channel: bool = False, isolated: bool = True) -> SandboxResult:
+    """Run ``code`` as a script in a fresh sandbox; never raises for anything the code does.
+
+    ``stdin``: bytes fed to the program's stdin (else /dev/null). ``channel``: also give the
+    program a pipe, whose fd number is the global ``__channel__``; what it writes there comes back
+    as ``SandboxResult.channel``. A judge harness reports on it so that the program's stdout never
+    mixes with results. ``isolated=False``: the old audit-hook path (``unsafe_inprocess``).
+    Raises ``SandboxUnavailableError`` when ``isolated`` and isolation cannot be set up.
+    """
+    config = config or SandboxConfig()
+    if not isolated:
+        return _run_audited(code, config, stdin=stdin, channel=channel)
+    reason = isolation_error()
+    if reason is not None:
+        raise SandboxUnavailableError(f"sandbox: cannot isolate candidate code: {reason}")
+    return _run_isolated(code, config, stdin=stdin, channel=channel)
+
+
+def _memfd(name: str, data: bytes) -> int:
+    fd = os.memfd_create(name, os.MFD_CLOEXEC)  # anonymous: no path anywhere; pass_fds hands it on
+    os.write(fd, data)
+    os.lseek(fd, 0, os.SEEK_SET)
+    return fd
+
+
+def _run_isolated(code: str, config: SandboxConfig, *, stdin: bytes | None, channel: bool) -> SandboxResult:
+    uid = _UID_BASE + os.getpid() % 100000
+    prefix = os.path.realpath(sys.base_prefix)
+    python = "/python/bin/" + os.path.basename(os.path.realpath(sys.executable))
+    fds = [_memfd("main.py", code.encode()), _memfd("bootstrap.py", _BOOTSTRAP.encode())]
+    stdin_fd = _memfd("stdin", stdin) if stdin is not None else subprocess.DEVNULL
+    chan_r, chan_w = os.pipe() if channel else (None, None)
+    command = [
+        "bwrap", "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
+        "--die-with-parent", "--new-session",
+        "--ro-bind", "/usr", "/usr", "--symlink", "usr/bin", "/bin", "--symlink", "usr/lib", "/lib",
+        "--symlink", "usr/lib64", "/lib64", "--ro-bind-try", "/etc/ld.so.cache", "/etc/ld.so.cache",
+        "--ro-bind", prefix, "/python", "--proc", "/proc", "--dev", "/dev",
+        "--perms", "1777", "--size", str(config.file_size_mb * _MB), "--tmpfs", "/tmp",
+        "--perms", "0444", "--ro-bind-data", str(fds[0]), "/sandbox/main.py",
+        "--perms", "0444", "--ro-bind-data", str(fds[1]), "/sandbox/bootstrap.py",
+        "--remount-ro", "/", "--chdir", "/tmp", "--setenv", "HOME", "/tmp", "--setenv", "TMPDIR", "/tmp",
+        "--",
+        "setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--inh-caps=-all",
+        "--bounding-set=-all", "--no-new-privs", "--",
+        "unshare", "--user", "--map-current-user", "--",
+        python, "-I", "-S", "-B", "/sandbox/bootstrap.py", "/sandbox/main.py", "/tmp",
+        str(chan_w) if channel else "-", "nohook",
+    ]
+    env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}
+    try:
+        proc = subprocess.Popen(
+            command, env=env, stdin=stdin_fd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            preexec_fn=_limits(config), start_new_session=True,  # noqa: PLW1509 - setrlimit only, no locks
+            pass_fds=tuple(fds) + ((chan_w,) if channel else ()),
+        )
+    finally:
+        for fd in fds + ([stdin_fd] if stdin is not None else []) + ([chan_w] if channel else []):
+            os.close(fd)
+    return _collect(proc, config, chan_r)
+
+
+def _limits(config: SandboxConfig):
+    def apply() -> None:  # in the child before exec: inherited by bwrap and every descendant
+        resource.setrlimit(resource.RLIMIT_CPU, (config.cpu_s, config.cpu_s + 1))
+        resource.setrlimit(resource.RLIMIT_AS, (config.memory_mb * _MB, config.memory_mb * _MB))
+        resource.setrlimit(resource.RLIMIT_FSIZE, (config.file_size_mb * _MB, config.file_size_mb * _MB))
+        resource.setrlimit(resource.RLIMIT_NPROC, (config.num_procs, config.num_procs))
+        resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+
+    return apply
+
+
+def _collect(proc: subprocess.Popen, config: SandboxConfig, chan_r: int | None) -> SandboxResult:
+    """Read stdout/stderr/channel in bounded chunks until EOF or the deadline; kill the tree then."""
+    deadline = time.monotonic() + config.timeout_s
+    cap = int(config.max_output_mb * _MB)
+    keep_err = config.max_output_chars * 4  # bytes; enough for max_output_chars of UTF-8
+    out_fd, err_fd = proc.stdout.fileno(), proc.stderr.fileno()
+    streams = {out_fd: bytearray(), err_fd: bytearray()}
+    if chan_r is not None:
+        streams[chan_r] = bytearray()
+    status = None
+    with selectors.DefaultSelector() as selector:
+        for fd in streams:
+            os.set_blocking(fd, False)
+            selector.register(fd, selectors.EVENT_READ)
+        while selector.get_map():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                status = "timeout"
+                break
+            for key, _ in selector.select(timeout=left):
+                try:
+                    chunk = os.read(key.fd, 65536)
+                except BlockingIOError:  # woken without data after all
+                    continue
+                if not chunk:
+                    selector.unregister(key.fd)
+                    continue
+                buffer = streams[key.fd]
+                buffer += chunk
+                if key.fd == err_fd:
+                    del buffer[:-keep_err]
+                elif len(buffer) > cap:
+                    status = "output_limit"
+            if status:
+                break
+    if status is None:
+        try:
+            proc.wait(timeout=max(deadline - time.monotonic(), 0.01))
+        except subprocess.TimeoutExpired:
+            status = "timeout"
+    if status is not None:
+        _kill_group(proc)
+        proc.wait()
+    proc.stdout.close()
+    proc.stderr.close()
+    if chan_r is not None:
+        os.close(chan_r)
+    returncode = proc.returncode
+    if status is None:  # bwrap reports a signal death of the program as 128 + signal
+        status = "ok" if returncode == 0 else ("killed" if returncode < 0 or returncode > 128 else "error")
+    stdout, stderr = streams[out_fd], streams[err_fd]
+    return SandboxResult(
+        ok=status == "ok", status=status, returncode=returncode, stdout=stdout.decode(errors="replace"),
+        stderr=stderr.decode(errors="replace")[-config.max_output_chars:],
+        channel=streams[chan_r].decode(errors="replace") if chan_r is not None else "",
+    )
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+# --- the old path: env.kwargs.unsafe_inprocess ---------------------------------------------------
+
+_TMP_PREFIX = "megamarl-sbx-"
 
 
 @functools.lru_cache(maxsize=1)
@@ -136,70 +333,45 @@ def _unshare_prefix() -> tuple[str, ...]:
     if tool is None or os.geteuid() != 0:
         return ()
     try:
-        ok = subprocess.run([tool, "-n", "true"], capture_output=True, timeout=5).returncode == 0
+        ok = subprocess.run([tool, "-n", "true"], check=False, capture_output=True, timeout=5).returncode == 0
     except (OSError, subprocess.SubprocessError):
         ok = False
     return (tool, "-n") if ok else ()
 
 
-def _limits(config: SandboxConfig):
-    def apply() -> None:
-        mb = 1024 * 1024
-        resource.setrlimit(resource.RLIMIT_CPU, (config.cpu_s, config.cpu_s + 1))
-        resource.setrlimit(resource.RLIMIT_AS, (config.memory_mb * mb, config.memory_mb * mb))
-        resource.setrlimit(resource.RLIMIT_FSIZE, (config.file_size_mb * mb, config.file_size_mb * mb))
-        resource.setrlimit(resource.RLIMIT_NPROC, (config.num_procs, config.num_procs))
-        resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
-        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-
-    return apply
+def _sweep_stale_dirs() -> None:
+    """Remove temp dirs of judges that died (SIGKILL skips ``TemporaryDirectory`` cleanup)."""
+    for path in glob.glob(os.path.join(tempfile.gettempdir(), _TMP_PREFIX + "*")):
+        owner = os.path.basename(path)[len(_TMP_PREFIX):].split("-")[0]
+        if owner.isdigit() and not os.path.exists(f"/proc/{owner}"):
+            shutil.rmtree(path, ignore_errors=True)
 
 
-def run_python(code: str, config: SandboxConfig | None = None, *, stdin: bytes | None = None,
-               channel: bool = False) -> SandboxResult:
-    """Run ``code`` as a script in a fresh sandbox; never raises for anything the code does.
-
-    ``stdin``: bytes fed to the program's stdin (else /dev/null). ``channel``: also give the
-    program an anonymous file (no path anywhere, so it cannot be opened by name) whose fd number
-    is the global ``__channel__``; its content comes back as ``SandboxResult.channel``. A judge
-    harness reports on it so that the program's stdout never mixes with results.
-    """
-    config = config or SandboxConfig()
-    with tempfile.TemporaryDirectory(prefix="megamarl-sbx-") as root, tempfile.TemporaryFile() as chan:
+def _run_audited(code: str, config: SandboxConfig, *, stdin: bytes | None, channel: bool) -> SandboxResult:
+    _sweep_stale_dirs()
+    with tempfile.TemporaryDirectory(prefix=f"{_TMP_PREFIX}{os.getpid()}-") as root:
         script, bootstrap = os.path.join(root, "main.py"), os.path.join(root, ".bootstrap.py")
         with open(script, "w") as f:
             f.write(code)
         with open(bootstrap, "w") as f:
             f.write(_BOOTSTRAP)
         prefix = _unshare_prefix() if config.network_namespace else ()
-        fds = (chan.fileno(),) if channel else ()
-        command = [*prefix, sys.executable, "-I", "-B", bootstrap, script, root, str(fds[0]) if fds else "-"]
+        chan_r, chan_w = os.pipe() if channel else (None, None)
+        stdin_fd = _memfd("stdin", stdin) if stdin is not None else subprocess.DEVNULL
+        command = [*prefix, sys.executable, "-I", "-B", bootstrap, script, root,
+                   str(chan_w) if channel else "-", "hook"]
         env = {"PATH": "/usr/bin:/bin", "HOME": root, "TMPDIR": root, "LANG": "C.UTF-8"}
-        proc = subprocess.Popen(
-            command, cwd=root, env=env, stdin=subprocess.DEVNULL if stdin is None else subprocess.PIPE,
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=_limits(config),
-            start_new_session=True, pass_fds=fds,
-        )
         try:
-            out, err = proc.communicate(input=stdin, timeout=config.timeout_s)
-            status = "ok" if proc.returncode == 0 else ("killed" if proc.returncode < 0 else "error")
-        except subprocess.TimeoutExpired:
-            _kill_group(proc)
-            out, err = proc.communicate()
-            status = "timeout"
-        chan.seek(0)
-        # RLIMIT_FSIZE already bounds what the program could write here
-        reported = chan.read().decode(errors="replace") if channel else ""
-    limit = config.max_output_chars
-    return SandboxResult(
-        ok=status == "ok", status=status, returncode=proc.returncode,
-        stdout=out.decode(errors="replace")[-limit:], stderr=err.decode(errors="replace")[-limit:],
-        channel=reported,
-    )
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+            proc = subprocess.Popen(
+                command, cwd=root, env=env, stdin=stdin_fd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                preexec_fn=_limits(config), start_new_session=True,  # noqa: PLW1509 - setrlimit only
+                pass_fds=(chan_w,) if channel else (),
+            )
+        finally:
+            if stdin is not None:
+                os.close(stdin_fd)
+            if channel:
+                os.close(chan_w)
+        result = _collect(proc, config, chan_r)
+        _kill_group(proc)  # stragglers of its session (it runs as root: nothing else stops them)
+        return result

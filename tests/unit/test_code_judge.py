@@ -12,7 +12,13 @@ from megamarl.orchestration import EnvMaker, Task
 from megamarl.orchestration.context import Action
 from megamarl.orchestration.envs.code import CodeProblem, load_problems
 from megamarl.orchestration.judge import (
-    ExprCase, StdioCase, call_case, judge_calls, judge_stdio, parse_assert_tests, same_value,
+    ExprCase,
+    StdioCase,
+    call_case,
+    judge_calls,
+    judge_stdio,
+    parse_assert_tests,
+    same_value,
 )
 from megamarl.orchestration.sandbox import SandboxConfig
 
@@ -75,8 +81,8 @@ def test_expected_values_never_enter_the_sandbox():
     # the candidate echoes everything it can see: its stdin (the request), its source, its dir
     spy = ("import os, sys\nprint(repr(__import__('builtins').__dict__.get('__channel__')))\n"
            "for name in os.listdir('.'):\n    print(open(name).read())\n" + FALLBACK)
-    from megamarl.orchestration.sandbox import run_python
     from megamarl.orchestration import judge
+    from megamarl.orchestration.sandbox import run_python
     request = json.dumps({"code": spy, "setup": SETUP, "exprs": [c.expr for c in CASES]})
     result = run_python(judge._HARNESS, FAST, stdin=request.encode(), channel=True)
     assert "scale(2)" in request and "15" not in request and "-3" not in request
@@ -86,6 +92,8 @@ def test_expected_values_never_enter_the_sandbox():
 def test_json_round_trip_comparison():
     assert same_value([1, 2], [1, 2]) and not same_value(True, 1) and not same_value(1, True)
     assert same_value(0.1 + 0.2, 0.3) and not same_value("1", 1) and not same_value(None, 0)
+    assert not same_value(10 ** 17 + 1, 10 ** 17) and same_value(10 ** 400, 10 ** 400)  # ints exactly
+    assert same_value(3, 3.0000001) and not same_value(2, 2.5)
     assert parse_assert_tests("xs = [1]\nassert f(xs) == (1, 2)\nassert g(1)\nassert 3 == h(2)")[1] == [
         ExprCase("f(xs)", [1, 2]), ExprCase("bool(g(1))", True), ExprCase("h(2)", 3)]
 

@@ -66,3 +66,13 @@ def test_rollout_with_feedback_loop():
     assert [(s.agent, s.turn, s.local_reward) for s in result.samples] == [
         ("coder", 0, 0.0), ("tester", 0, 1.0), ("coder", 1, 1.0), ("tester", 1, 1.0)]
     assert result.episodes[0].team_reward == 1.0 and result.episodes[0].env_done
+    assert result.summary()["env/judge_errors"] == 0.0  # Env.metrics(): no case's output was unreadable
+
+
+def test_judge_errors_are_counted_per_episode():
+    env = EnvMaker("code")(Task("c", PROBLEM))
+    # a forged record whose value is 100k-deep JSON: the judge's json.loads raises RecursionError
+    forged = ("import os\nfor fd in range(3, 64):\n    try:\n        os.write(fd, b'{\"i\": 0, \"value\": \"' + "
+              "b'[' * 100000 + b'\"}\\n')\n    except OSError:\n        pass\nos._exit(0)\n")
+    assert env.step("coder", act("coder", forged)).local_reward == 0.0
+    assert env.metrics() == {"judge_errors": 1.0}

@@ -1,0 +1,121 @@
+"""Code-judge throughput: candidates/s through the isolated sandbox vs the old audit-hook path.
+
+    python scripts/bench_sandbox.py               # docs/bench/sandbox.json + a table (~30-50 s)
+    python scripts/bench_sandbox.py --num 10      # quicker
+
+Both paths judge the same candidates in one run, one judge process, sequentially (as one env
+worker does): a function-call problem (three cases, one sandboxed process per candidate) and a
+stdin/stdout problem (three cases, one process per case). Half the candidates are correct, half
+wrong, so both verdicts are exercised; the paths alternate in 5 rounds so that load drift on a
+shared machine hits both. CPU ms are the sandboxed processes' user + system time (bwrap, setpriv,
+unshare and python for the isolated path), less sensitive to other load than wall time. ``isolated`` is the default path (bubblewrap, own uid and
+namespaces); ``unsafe_inprocess`` is the old one (rlimits + audit hook, same uid as the judge),
+kept only as the explicit opt-in ``env.kwargs.unsafe_inprocess: true``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from megamarl.orchestration.judge import StdioCase, judge_calls, judge_stdio, parse_assert_tests
+from megamarl.orchestration.sandbox import SandboxConfig, isolation_error
+
+ROOT = Path(__file__).resolve().parent.parent
+SETUP, CASES = parse_assert_tests("assert scale(2) == 6\nassert scale(-1) == -3\nassert scale(5) == 15\n")
+CALLS = ["def scale(x):\n    return x * 3\n", "def scale(x):\n    return x + 3\n"]
+STDIO_CASES = [StdioCase("1 2\n", "3\n"), StdioCase("10 -4\n", "6\n"), StdioCase("0 0\n", "0\n")]
+STDIO = ["a, b = map(int, input().split())\nprint(a + b)\n", "a, b = map(int, input().split())\nprint(a - b)\n"]
+
+
+def judge_some(kind: str, isolated: bool, num: int, config: SandboxConfig, offset: int) -> tuple[float, float, int]:
+    """(wall s, CPU s of the sandboxed processes, candidates that passed) for ``num`` candidates."""
+    cpu_before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    start = time.perf_counter()
+    passed = 0
+    for i in range(offset, offset + num):
+        if kind == "function-call":
+            verdict = judge_calls(CALLS[i % 2], CASES, config, setup=SETUP, isolated=isolated)
+        else:
+            verdict = judge_stdio(STDIO[i % 2], STDIO_CASES, config, isolated=isolated)
+        passed += verdict.all_passed
+    wall = time.perf_counter() - start
+    cpu_after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (cpu_after.ru_utime - cpu_before.ru_utime) + (cpu_after.ru_stime - cpu_before.ru_stime)
+    return wall, cpu, passed
+
+
+def bench(kind: str, num: int, config: SandboxConfig, *, num_rounds: int = 5) -> list[dict]:
+    """Both paths in alternating rounds (load drift on a shared machine hits both alike)."""
+    totals = {path: [0.0, 0.0, 0, 0] for path in (False, True)}  # wall, cpu, passed, candidates
+    per_round = max(2, num // num_rounds)
+    for round_ in range(num_rounds):
+        for isolated in (False, True):
+            wall, cpu, passed = judge_some(kind, isolated, per_round, config, round_ * per_round)
+            t = totals[isolated]
+            t[0], t[1], t[2], t[3] = t[0] + wall, t[1] + cpu, t[2] + passed, t[3] + per_round
+    rows = []
+    for isolated, (wall, cpu, passed, count) in totals.items():
+        assert passed == count // 2, f"{kind} isolated={isolated}: {passed} of {count} passed"
+        processes = count * (1 if kind == "function-call" else len(STDIO_CASES))
+        rows.append({"problem": kind, "path": "isolated" if isolated else "unsafe_inprocess", "candidates": count,
+                     "sandboxed_processes": processes, "seconds": round(wall, 3),
+                     "candidates_per_s": round(count / wall, 2), "ms_per_process": round(1000 * wall / processes, 1),
+                     "cpu_ms_per_process": round(1000 * cpu / processes, 1)})
+    return rows
+
+
+def machine() -> dict:
+    cpu = platform.processor()
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            cpu = line.split(":", 1)[1].strip()
+            break
+    bwrap = subprocess.run(["bwrap", "--version"], check=False, capture_output=True, text=True).stdout.strip()
+    return {"cpu_model": cpu, "cores": os.cpu_count(), "python": platform.python_version(),
+            "kernel": platform.release(), "bwrap": bwrap}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--num", type=int, default=20, help="candidates per problem kind and path")
+    parser.add_argument("--out", default=str(ROOT / "docs/bench/sandbox.json"))
+    args = parser.parse_args()
+    reason = isolation_error()
+    if reason is not None:
+        print(f"bench_sandbox: isolation unavailable here: {reason}", file=sys.stderr)
+        return 2
+    config = SandboxConfig()
+    load_before = os.getloadavg()[0]
+    rows = []
+    for kind in ("function-call", "stdin/stdout"):
+        judge_some(kind, True, 2, config, 0)  # warm the page cache for both paths
+        judge_some(kind, False, 2, config, 0)
+        rows += bench(kind, args.num, config)
+    load_after = os.getloadavg()[0]
+    for kind in ("function-call", "stdin/stdout"):
+        old, new = (next(r for r in rows if r["problem"] == kind and r["path"] == p)
+                    for p in ("unsafe_inprocess", "isolated"))
+        new["vs_unsafe_inprocess"] = round(new["candidates_per_s"] / old["candidates_per_s"], 2)
+    print("| problem | path | candidates/s | wall ms per sandboxed process | CPU ms per sandboxed process "
+          "| candidates/s vs unsafe_inprocess |\n|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['problem']} | {r['path']} | {r['candidates_per_s']:.2f} | {r['ms_per_process']:.1f} | "
+              f"{r['cpu_ms_per_process']:.1f} | {r.get('vs_unsafe_inprocess', 1.0):.2f}x |")
+    result = {"machine": machine(), "load_avg_1m": {"before": load_before, "after": load_after},
+              "sandbox": {k: v for k, v in vars(config).items()}, "results": rows}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {args.out}; load average {load_before:.2f} -> {load_after:.2f} on {result['machine']['cores']} cores")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

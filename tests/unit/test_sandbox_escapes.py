@@ -1,0 +1,294 @@
+"""Escape suite: attacks a reward-hacking candidate would try on the code judge (issue #28).
+
+Each attack runs through the real judge (``judge_calls`` / ``judge_stdio``) in the isolated
+sandbox; each must score 0 (the real solution scores full marks on the same cases), with the judge
+(this test process) alive and nothing left behind: no process of the sandbox uid, no new
+``/tmp/megamarl-sbx-*`` entry, no file written outside. Skipped where isolation cannot be set up.
+"""
+
+import glob
+import os
+import signal
+import subprocess
+import sys
+import time
+import tracemalloc
+
+import pytest
+
+from megamarl.orchestration import sandbox
+from megamarl.orchestration.judge import ExprCase, StdioCase, judge_calls, judge_stdio, parse_assert_tests
+from megamarl.orchestration.sandbox import SandboxConfig, isolation_error
+
+pytestmark = pytest.mark.skipif(isolation_error() is not None,
+                                reason=f"sandbox isolation unavailable here: {isolation_error()}")
+
+CONFIG = SandboxConfig(timeout_s=4.0, cpu_s=2, memory_mb=256)
+SETUP, CASES = parse_assert_tests("assert scale(2) == 6\nassert scale(-1) == -3\nassert scale(5) == 15\n")
+REAL = "def scale(x):\n    return x * 3\n"
+FALLBACK = "\ndef scale(x):\n    return 0\n"
+JUDGE = os.getpid()
+
+
+def sandbox_uid(pid: int = JUDGE) -> int:
+    return sandbox._UID_BASE + pid % 100000
+
+
+def processes_of(uid: int) -> list[int]:
+    found = []
+    for status in glob.glob("/proc/[0-9]*/status"):
+        try:
+            with open(status) as f:
+                uids = next(line for line in f if line.startswith("Uid:")).split()[1:]
+        except (OSError, StopIteration):
+            continue
+        if int(uids[0]) == uid:
+            found.append(int(status.split("/")[2]))
+    return found
+
+
+def wait_gone(uid: int, within_s: float = 3.0) -> list[int]:
+    """Processes of ``uid`` still alive after ``within_s`` (the kernel tears a PID namespace
+    down asynchronously once its init is gone)."""
+    end = time.monotonic() + within_s
+    while (left := processes_of(uid)) and time.monotonic() < end:
+        time.sleep(0.05)
+    return left
+
+
+@pytest.fixture(autouse=True)
+def nothing_left_behind():
+    before = set(glob.glob("/tmp/megamarl-sbx-*"))
+    sentinel = subprocess.Popen(["sleep", "120"])  # a root process of the judge's: must survive
+    yield sentinel
+    try:
+        assert sentinel.poll() is None, "an attack killed a process of the judge's"
+        assert wait_gone(sandbox_uid()) == [], "sandbox processes outlived the run"
+        assert set(glob.glob("/tmp/megamarl-sbx-*")) == before
+    finally:
+        sentinel.kill()
+        sentinel.wait()
+
+
+def test_real_solution_scores_full_marks():
+    assert judge_calls(REAL, CASES, CONFIG, setup=SETUP).passed == [True, True, True]
+
+
+def scores_zero(code: str, config: SandboxConfig = CONFIG):
+    start = time.monotonic()
+    verdict = judge_calls(code, CASES, config, setup=SETUP)
+    assert verdict.passed == [False, False, False], verdict.messages
+    return verdict, time.monotonic() - start
+
+
+READ_MEMORY = """
+import os, re
+found, opened = {}, []
+def grab(open_mem):
+    try:
+        data = open_mem()
+    except OSError as exc:
+        return
+    opened.append(1)
+    for a, b in re.findall(rb'scale\\((-?\\d+)\\) == (-?\\d+)', data):
+        found[int(a)] = int(b)
+def by_path(pid):
+    return lambda: open(f'/proc/{pid}/mem', 'rb').read(1 << 20)
+def by_dir_fd(pid):
+    def read():
+        proc = os.open('/proc', os.O_RDONLY | os.O_DIRECTORY)
+        fd = os.open(f'{pid}/mem', os.O_RDONLY, dir_fd=proc)
+        return os.read(fd, 1 << 20)
+    return read
+for pid in [JUDGE, os.getppid(), 1] + [p for p in os.listdir('/proc') if p.isdigit()]:
+    grab(by_path(pid))
+    grab(by_dir_fd(pid))
+    try:
+        os.listdir(f'/proc/{JUDGE}')
+        opened.append('judge dir')
+    except OSError:
+        pass
+print('OPENED', opened)
+def scale(x):
+    return found.get(x, 0)
+""".replace("JUDGE", str(JUDGE))
+
+FORK_EXEC_SETSID = """
+import _posixsubprocess, os, sys
+exe = os.fsencode(sys.executable)
+for _ in range(20):
+    r, w = os.pipe()
+    try:
+        _posixsubprocess.fork_exec([exe, b'-c', b'import time; time.sleep(30)'], [exe], True, (w,), None, None,
+                                   -1, -1, -1, -1, -1, -1, r, w, True, True, -1, None, None, None, -1, None, False)
+    except OSError:
+        pass
+""" + FALLBACK
+
+FORK_SETSID_DOUBLE = """
+import os, time
+for _ in range(5):
+    if os.fork() == 0:
+        os.setsid()
+        if os.fork() == 0:
+            os.closerange(0, 64)  # hold nothing the judge waits on
+            x = bytearray(100 * 1024 * 1024)
+            time.sleep(30)
+        os._exit(0)
+""" + FALLBACK
+
+SIGNALS = """
+import os, signal
+for pid in (JUDGE, SENTINEL, os.getppid(), 1):
+    for sig in (signal.SIGSTOP, signal.SIGKILL):
+        try:
+            os.kill(pid, sig)
+        except OSError:
+            pass
+    try:
+        signal.pidfd_send_signal(os.pidfd_open(pid), signal.SIGKILL)
+    except OSError:
+        pass
+try:
+    os.killpg(0, signal.SIGKILL)
+except OSError:
+    pass
+""" + FALLBACK
+
+PIPE_HOLDER = """
+import os, time
+if os.fork() == 0:
+    os.setsid()
+    time.sleep(60)  # keeps stdout, stderr and the channel open
+    os._exit(0)
+""" + FALLBACK
+
+
+def test_reading_judge_memory_finds_nothing():
+    verdict, _ = scores_zero(READ_MEMORY)
+    # the judge's /proc entry does not exist in the sandbox: nothing was opened by path or dir_fd
+    # except the candidate's own memory (its pid is in the listing)
+    assert all("judge dir" not in m for m in verdict.messages)
+
+
+def test_fork_exec_and_setsid_children_die_with_the_run():
+    for attack in (FORK_EXEC_SETSID, FORK_SETSID_DOUBLE):
+        _, seconds = scores_zero(attack)
+        assert seconds < CONFIG.timeout_s  # the run ended when the candidate did, not at the deadline
+        assert wait_gone(sandbox_uid()) == []
+
+
+def test_signals_to_the_judge_do_nothing(nothing_left_behind):
+    attack = SIGNALS.replace("JUDGE", str(JUDGE)).replace("SENTINEL", str(nothing_left_behind.pid))
+    scores_zero(attack)
+    assert nothing_left_behind.poll() is None
+
+
+def test_detached_child_holding_the_pipes_does_not_hang_the_judge():
+    _, seconds = scores_zero(PIPE_HOLDER)
+    assert seconds < 2.5
+    start = time.monotonic()
+    verdict = judge_stdio("import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(60)\nprint(3)",
+                          [StdioCase("", "3\n")], CONFIG)
+    assert verdict.passed == [True] and time.monotonic() - start < 2.5  # the tree died with its parent
+
+
+def test_writes_outside_the_sandbox_fail(tmp_path):
+    target, db = tmp_path / "escape.txt", tmp_path / "escape.sqlite"
+    prefix = os.path.realpath(sys.base_prefix)
+    attack = f"""
+import os, sqlite3
+root = os.open('/', os.O_RDONLY | os.O_DIRECTORY)
+for path in ({str(target)[1:]!r}, 'python/evil.py', 'usr/evil', 'sandbox/main.py', 'etc/evil'):
+    try:
+        os.close(os.open(path, os.O_CREAT | os.O_WRONLY, dir_fd=root))
+    except OSError:
+        pass
+try:
+    sqlite3.connect({str(db)!r}).execute('create table t (x)')
+except Exception:
+    pass
+""" + FALLBACK
+    scores_zero(attack)
+    assert sorted(os.listdir(tmp_path)) == [] and not os.path.exists(os.path.join(prefix, "evil.py"))
+
+
+def test_stdout_flood_keeps_the_judge_small():
+    flood = "import sys\nchunk = 'x' * (1 << 20)\nfor _ in range(100):\n    sys.stdout.write(chunk)\n"
+    chan_flood = "import os\nchunk = b'x' * (1 << 20)\nfor _ in range(100):\n    os.write(__channel__, chunk)\n" + FALLBACK
+    tracemalloc.start()
+    try:
+        verdict = judge_stdio(flood, [StdioCase("", "3\n")], CONFIG)
+        scores_zero(chan_flood)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert verdict.passed == [False]
+    assert peak < 24 * 1024 * 1024, peak  # max_output_mb=4 per stream; was ~300 MB for 100 MB
+
+
+def test_overflow_and_deep_values_score_zero_and_are_counted():
+    huge = judge_calls("def half(x):\n    return 10 ** 400\n", [ExprCase("half(3)", 1.5), ExprCase("half(4)", 2)], CONFIG)
+    assert huge.passed == [False, False] and huge.num_judge_errors == 1  # float: OverflowError caught
+    deep = "def scale(x):\n    v = []\n    for _ in range(100000):\n        v = [v]\n    return v\n"
+    verdict, _ = scores_zero(deep)  # json.dumps fails inside the sandbox: an error record
+    forged = ("import os, json\nfor fd in range(3, 64):\n    try:\n        for i in range(3):\n"
+              "            os.write(fd, (json.dumps({'i': i, 'value': '[' * 100000 + ']' * 100000}) + '\\n').encode())\n"
+              "        os.write(fd, b'[' * 100000 + b'\\n')\n    except OSError:\n        pass\nos._exit(0)\n")
+    verdict, _ = scores_zero(forged)  # the judge's own json.loads hits RecursionError: counted
+    assert verdict.num_judge_errors == 3
+    assert judge_calls("def big():\n    return 10 ** 17 + 1\n", [ExprCase("big()", 10 ** 17)], CONFIG).passed == [False]
+
+
+def test_long_correct_output_scores_full_marks():
+    expected = "".join(f"{i} {i * i}\n" for i in range(680))
+    assert 6800 < len(expected) < 7000  # the 6.9 KB case (stdout used to be cut at 4000 chars)
+    right = "for i in range(680):\n    print(i, i * i)\n"
+    wrong = "for i in range(680):\n    print(i, i * i if i < 670 else 0)\n"
+    cases = [StdioCase("", expected)]
+    assert judge_stdio(right, cases, CONFIG).passed == [True]
+    assert judge_stdio(wrong, cases, CONFIG).passed == [False]
+
+
+def test_stdio_candidate_cannot_read_the_dataset(tmp_path):
+    dataset = tmp_path / "problems.jsonl"
+    dataset.write_text('{"tests": [{"input": "1 2", "output": "3"}]}\n')
+    leak = f"try:\n    print(open({str(dataset)!r}).read())\nexcept OSError as exc:\n    print('denied', exc)\n"
+    verdict = judge_stdio(leak, [StdioCase("1 2", "3")], CONFIG)
+    assert verdict.passed == [False]
+
+
+def test_killed_judge_leaves_nothing(tmp_path):
+    # a judge process (sandbox.py alone: it imports nothing from megamarl) SIGKILLed mid-run
+    script = (f"import importlib.util, sys\nspec = importlib.util.spec_from_file_location('sbx', {sandbox.__file__!r})\n"
+              "sbx = sys.modules['sbx'] = importlib.util.module_from_spec(spec)\nspec.loader.exec_module(sbx)\n"
+              "print('started', flush=True)\n"
+              "sbx.run_python(sys.argv[2], sbx.SandboxConfig(timeout_s=60), isolated=sys.argv[1] == 'isolated')\n")
+    candidate = "import os, time\ntry:\n    os.fork()\nexcept PermissionError:\n    pass\ntime.sleep(60)\n"
+    for mode in ("isolated", "unsafe"):
+        judge = subprocess.Popen([sys.executable, "-c", script, mode, candidate], stdout=subprocess.PIPE, text=True)
+        assert judge.stdout.readline() == "started\n"
+        uid = sandbox_uid(judge.pid)
+        end = time.monotonic() + 10
+        while not (processes_of(uid) if mode == "isolated" else glob.glob(f"/tmp/megamarl-sbx-{judge.pid}-*")):
+            assert time.monotonic() < end
+            time.sleep(0.05)
+        time.sleep(0.3)
+        with open(f"/proc/{judge.pid}/task/{judge.pid}/children") as f:
+            children = [int(c) for c in f.read().split()]
+        judge.kill()
+        judge.wait()
+        judge.stdout.close()
+        if mode == "isolated":
+            assert wait_gone(uid) == []  # --die-with-parent, then the PID namespace goes
+        else:
+            # the old path runs as root in the host /tmp; its candidates outlive a killed judge (one
+            # reason it is unsafe): end them here; the next run removes the dead judge's dir
+            for child in children:
+                try:
+                    os.killpg(child, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            assert glob.glob(f"/tmp/megamarl-sbx-{judge.pid}-*") != []
+            sandbox.run_python("pass", CONFIG, isolated=False)
+            assert glob.glob(f"/tmp/megamarl-sbx-{judge.pid}-*") == []
