@@ -28,13 +28,15 @@ from megamarl.parallel.hardware import describe_dtype_choice
 from megamarl.registry import import_plugins, resolve_callable
 from megamarl.rl.batch import SampleBatch, collate
 from megamarl.rl.prepare import prepare_rollout
+from megamarl.rl.sample import mark_episode_ends
 from megamarl.rollout.base import Engine
-from megamarl.rollout.pool import EnginePool
 from megamarl.rollout.factory import LoraServing, build_engine, engine_threads
+from megamarl.rollout.pool import EnginePool
 from megamarl.runtime.metrics import MetricsLogger
 from megamarl.runtime.plot import plot_run
 from megamarl.runtime.progress import RunProgress
 from megamarl.runtime.step_metrics import success_metrics
+from megamarl.runtime.transcripts import episode_transcripts
 
 EVAL_SEED = 10**9 + 7  # held-out tasks: a seed the training stream never uses
 
@@ -63,7 +65,8 @@ class RolloutDriver:
         self.policy_mapping = _policy_mapping(cfg, self.tokenizers)
         self.logger = MetricsLogger(run_dir, cfg.logger, cfg.name, json.loads(json.dumps(asdict(cfg), default=str)), rank=0)
         self.rollout_seconds = 0.0
-        self.totals = {"dropped_episodes": 0, "failed_episodes": 0, "dropped_groups": 0, "refill_rounds": 0}
+        self.totals = {"dropped_episodes": 0, "failed_episodes": 0, "dropped_groups": 0, "refill_rounds": 0,
+                       "refill_exhausted": 0, "dropped_incomplete_episodes": 0}
         # eval set name ("" = the unnamed default set) -> env (eval.env / eval.sets; default: training env)
         self.eval_envs = {name: env.maker() for name, env in cfg.eval.resolved_sets(cfg.env).items()}
         if cfg.eval.sets or cfg.eval.env.is_set():
@@ -109,12 +112,16 @@ class RolloutDriver:
         return self.env.tasks(self.cfg.rollout.num_tasks, seed=seed), seed
 
     async def episodes(self, tasks, *, group_size: int, agents=None, seed: int | None = None, env=None):
-        return await run_episodes(
+        result = await run_episodes(
             self.orchestra, env or self.env, tasks, agents=agents or self.agents, engines=self.engines,
             group_size=group_size, max_concurrency=self.cfg.rollout.max_concurrency,
             step_timeout_s=self.cfg.rollout.env_timeout_s, seed=seed, policy_mapping=self.policy_mapping,
             on_episode=self._episode_done,
         )
+        # before a schedule can drop any part of an episode (a stale policy share): preparation then
+        # knows which episodes lost their last step
+        mark_episode_ends(result.samples)
+        return result
 
     def _episode_done(self, samples) -> None:
         """Counts a finished episode (and its generated tokens) towards the current phase's display."""
@@ -148,6 +155,7 @@ class RolloutDriver:
         for key in ("dropped_stale_groups", "dropped_stale_samples"):
             self.totals[key] = self.totals.get(key, 0) + int(metrics[f"async/{key}"])  # absent in old checkpoints
         check_failures(result, max_failed_fraction=self.cfg.rollout.max_failed_fraction, what=f"step {step + 1} rollout")
+        self._log_transcripts(step + 1, result)
         if not result.samples:
             raise RolloutFailureError(result.failure_report(f"step {step + 1}: no samples"))
         batch, prepare_metrics = prepare_rollout(
@@ -155,13 +163,29 @@ class RolloutDriver:
             num_tasks=self.cfg.rollout.num_tasks, draw=lambda round_: self._refill(step, round_),
         )
         self.totals["dropped_groups"] += int(prepare_metrics.get("rollout/dropped_groups", 0))
-        self.totals["refill_rounds"] += int(prepare_metrics.get("rollout/refill_rounds", 0))
+        for key in ("refill_rounds", "refill_exhausted", "dropped_incomplete_episodes"):
+            self.totals[key] += int(prepare_metrics.get(f"rollout/{key}", 0))
         metrics.update(prepare_metrics)
         for name, engine in self.engines.items():
             if isinstance(engine, EnginePool):
                 metrics.update({f"engine/{name}/{k}": v for k, v in engine.counters().items()})
         self._hand_over(wake=False)  # colocated servers free their memory while the trainer updates
         return batch, metrics
+
+    def _log_transcripts(self, step: int, result: RolloutResult) -> None:
+        """A few of the step's episodes, as the agents saw and said them (``logger.episodes_per_step``)."""
+        def parse(agent: str, text: str):
+            value, valid = self.agents[agent].parse(text)
+            return value if valid else None
+
+        def decode(policy: str, ids: list[int]) -> str:
+            # policies that share an agent (rollout.policy_mapping) share one vocabulary (_policy_mapping)
+            tokenizer = self.tokenizers.get(policy) or next(iter(self.tokenizers.values()))
+            return tokenizer.decode(ids, skip_special_tokens=False)
+
+        records = episode_transcripts(result.samples, result.episodes, step=step, parse=parse, decode=decode,
+                                      limit=self.cfg.logger.episodes_per_step)
+        self.logger.log_episodes(step, records)
 
     def _hand_over(self, *, wake: bool) -> None:
         if self.fleet is None:

@@ -33,8 +33,8 @@ declared on the registry entry (``register_estimator``) and read with
 from __future__ import annotations
 
 import difflib
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -165,7 +165,9 @@ def drmas_advantages(
     pooling every invocation of the agent in every episode of the task.
 
     A singleton group (the agent acted once in the whole task) uses mean 0 and std 1 (no eps), so
-    ``A_i = r_i``: it keeps its raw reward signal instead of being zeroed.
+    ``A_i = r_i``: it keeps its raw reward signal instead of being zeroed, as in verl's GRPO that the
+    Dr.MAS code builds on. Dynamic sampling, which drops groups whose advantages are all 0, therefore
+    keeps such a singleton unless its reward is 0 (docs/rl.md).
     """
     mean, std, count = group_stats(rewards, gid, ddof=ddof)
     single = count == 1
@@ -330,8 +332,8 @@ class EstimatorTraits:
     a plugin that declares nothing groups by ``algorithm.group_by`` on the driver).
 
     ``group_key``: the index columns its advantages are normalised over (None: ``advantage.group_by``);
-    dynamic sampling drops the groups of this key whose rewards are all equal, and a key naming the
-    agent or the policy makes it policy-separable (``policy_separable``).
+    dynamic sampling drops the groups of this key in which it gives every sample an advantage of 0,
+    and a key naming the agent or the policy makes it policy-separable (``policy_separable``).
     ``team_reward_once``: it sums rewards along an episode (returns), so the episode's team reward
     must sit on the final step only instead of on every agent call.
     ``needs_critic``: advantages need a critic's values, so each policy's workers compute them

@@ -14,8 +14,8 @@ the batch into each rank's share (``megamarl.rl.dispatch``) and the trainer send
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 from torch import Tensor

@@ -28,8 +28,8 @@ traffic and memory are its own share; the worker computes nothing about other ra
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Mapping
 
 import torch
 

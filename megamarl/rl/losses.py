@@ -15,8 +15,8 @@ Shapes: ``[B, T]`` token tensors with a boolean ``response_mask [B, T]``; advant
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, fields
-from typing import Callable
 
 import torch
 from torch import Tensor
@@ -204,7 +204,7 @@ def loss_counts(response_mask: Tensor) -> dict[str, int]:
     """``num_tokens`` / ``num_seqs`` of a whole mini-batch for the aggregations below. A row without
     response tokens (e.g. a prompt that hit the length limit) is not a sequence of the mean."""
     mask = response_mask.bool()
-    return dict(num_tokens=int(mask.sum()), num_seqs=int(mask.any(1).sum()))
+    return {"num_tokens": int(mask.sum()), "num_seqs": int(mask.any(1).sum())}
 
 
 @LOSS_AGGREGATIONS.register("token-mean")
@@ -309,7 +309,7 @@ def policy_loss(
     lp = _masked(logprobs, mask)
     old = lp.detach() if old_logprobs is None else _masked(old_logprobs, mask)
     agg = LOSS_AGGREGATIONS.get(cfg.agg_mode, key="loss.agg_mode")
-    counts = dict(num_tokens=num_tokens, num_seqs=num_seqs)
+    counts = {"num_tokens": num_tokens, "num_seqs": num_seqs}
 
     pg_tok, clipped, dual_clipped = ppo_clip_loss(
         lp, old, advantages, mask, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
@@ -321,9 +321,9 @@ def policy_loss(
             raise ValueError(f"loss.tis_mode={cfg.tis_mode!r} needs rollout_logprobs (or tis_mode='none')")
         weights, raw = tis_weights(old, rollout_logprobs, mask, level=cfg.tis_mode, cap=cfg.tis_cap)
         pg_tok = pg_tok * weights
-        tis = dict(tis_weight_mean=masked_mean(weights, mask),
-                   tis_weight_max=raw.amax() if raw.numel() else raw.sum(),  # sum: 0 for an empty batch
-                   tis_clip_frac=masked_mean((raw > cfg.tis_cap).float(), mask))
+        tis = {"tis_weight_mean": masked_mean(weights, mask),
+               "tis_weight_max": raw.amax() if raw.numel() else raw.sum(),  # sum: 0 for an empty batch
+               "tis_clip_frac": masked_mean((raw > cfg.tis_cap).float(), mask)}
     pg_loss = agg(pg_tok, mask, **counts)
     total = pg_loss
 

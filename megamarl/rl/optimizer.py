@@ -33,7 +33,6 @@ import contextlib
 import math
 import types
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -49,7 +48,7 @@ class LrScheduleConfig:
     warmup_steps: int = 0  # trainer steps of linear warmup from 0 to policies.<p>.lr
     decay: str = "constant"  # constant | linear | cosine (megatron-core's lr_decay_style)
     min_lr: float = 0.0  # the learning rate at the end of the decay
-    decay_steps: Optional[int] = None  # None: trainer.total_steps
+    decay_steps: int | None = None  # None: trainer.total_steps
 
     def __post_init__(self) -> None:
         if self.decay not in LR_DECAY_STYLES:

@@ -7,7 +7,7 @@ driver cuts each policy's rows, for every WG, including those it holds no shard 
 
 from __future__ import annotations
 
-from typing import Callable, Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 
@@ -15,18 +15,17 @@ from megamarl.config import AlgorithmConfig
 from megamarl.models.bridge import build_model, load_hf_config, load_hf_weights
 from megamarl.models.packaged import resolve_model_path
 from megamarl.parallel.placement import WorkerGroup
-from megamarl.rl.advantages import ADVANTAGE_ESTIMATORS, AdvantageConfig
+from megamarl.rl.advantages import ADVANTAGE_ESTIMATORS
 from megamarl.rl.dispatch import BatchSplit
 from megamarl.rl.losses import LossConfig
 from megamarl.rl.worker import AgentTraining, CriticConfig, ModelHandle, PolicyWorker, batch_split
 
-
 RECOMPUTE = {  # policies.<p>.recompute -> megatron-core TransformerConfig fields
     "none": {},
     # core attention only (megatron-core's default selective module): the [B, heads, T, T] scores
-    "selective": dict(recompute_granularity="selective"),
+    "selective": {"recompute_granularity": "selective"},
     # every layer keeps only its input and is rebuilt in the backward pass
-    "full": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+    "full": {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1},
 }
 
 
@@ -95,8 +94,8 @@ def batch_splits(policies: Mapping, agents: Mapping, algo: AlgorithmConfig) -> d
 
 def loss_config(policy, algo: AlgorithmConfig, **overrides) -> LossConfig:
     """The policy's loss settings, with an agent's overrides (``agents.<a>.clip_high``, ...) applied."""
-    values = dict(clip_low=policy.clip_low, clip_high=policy.clip_high, kl_coef=policy.kl_coef,
-                  entropy_coef=policy.entropy_coef)
+    values = {"clip_low": policy.clip_low, "clip_high": policy.clip_high, "kl_coef": policy.kl_coef,
+              "entropy_coef": policy.entropy_coef}
     values.update({k: v for k, v in overrides.items() if k in values})
     return LossConfig(
         **values, kl_type=algo.kl_type, agg_mode=algo.loss_agg,
@@ -108,6 +107,5 @@ def critic_config(policy, algo: AlgorithmConfig) -> CriticConfig | None:
     """The policy's critic when the estimator needs one (its registered traits say so)."""
     if not ADVANTAGE_ESTIMATORS.traits(algo.estimator, key="algorithm.estimator").needs_critic:
         return None
-    adv = AdvantageConfig(estimator=algo.estimator, norm_std=algo.normalize_std, std_ddof=algo.std_ddof,
-                          **algo.estimator_kwargs)
-    return CriticConfig(adv, value_coef=policy.value_coef, value_clip=policy.value_clip)
+    return CriticConfig(algo.advantage_config(), value_coef=policy.value_coef, value_clip=policy.value_clip,
+                        loss_agg=algo.value_loss_agg)

@@ -6,24 +6,34 @@ Each step asks the estimator's registry entry (``estimator_traits``) what it nee
 keeping lists of names:
 
 * ``team_reward_once``: the estimator sums rewards along an episode (GiGPO), so the team reward
-  stays on the episode's last step only (``rewards.last_step_mask``);
-* ``group_key``: dynamic sampling drops the groups *the estimator normalises over* whose rewards are
-  all equal (for Dr.MAS that is (task, agent), not ``algorithm.group_by``); a group it would keep has
-  a non-zero advantage somewhere.
+  stays on the episode's last step only (``rewards.last_step_mask``). An episode whose last-step
+  samples were removed before preparation (a policy's stale part dropped by the async buffer) would
+  silently carry its team reward on an earlier step: such an episode is dropped whole and counted
+  (``rollout/dropped_incomplete_episodes``), see ``complete_episodes``;
+* ``group_key``: dynamic sampling drops the groups *the estimator normalises over* (for Dr.MAS that
+  is (task, agent), not ``algorithm.group_by``) in which the estimator's advantages are all exactly
+  0: the filter reads the advantages themselves, so it never keeps a group the estimator gives
+  nothing (GiGPO episodes that all succeed: per-step rewards {0, 1}, advantages 0) nor drops one it
+  gives a signal (a Dr.MAS singleton group, advantage = its raw reward: see ``drmas_advantages``).
 
 Refill (DAPO): while fewer than ``num_tasks`` tasks have an informative group and fewer than
 ``algorithm.max_refill_rounds`` extra rounds ran, ``draw(round)`` rolls out a fresh chunk of tasks
 (unique task ids, so groups of two rounds never merge); the informative tasks beyond ``num_tasks``
 are trimmed, first drawn kept. The number of extra rounds is logged as ``rollout/refill_rounds``.
+When the rounds run out short of ``num_tasks`` (``rollout/refill_exhausted`` = 1),
+``algorithm.refill_exhausted`` says whether to train on what is left or to stop the run
+(``RefillExhaustedError``).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
-from megamarl.rl.advantages import AdvantageConfig, compute_advantages, estimator_traits, group_ids
+from megamarl.orchestration.driver import RolloutFailureError
+from megamarl.rl.advantages import compute_advantages, estimator_traits, group_ids
 from megamarl.rl.batch import SampleBatch, collate, concat
 from megamarl.rl.rewards import RewardConfig, dynamic_sampling_mask, last_step_mask, shape_rewards
 from megamarl.rl.sample import Sample
@@ -33,6 +43,22 @@ if TYPE_CHECKING:  # config.py imports the estimator registry through this packa
     from megamarl.config import AlgorithmConfig
 
 Draw = Callable[[int], "SampleBatch | None"]  # refill round (1, 2, ...) -> a fresh batch, or None
+
+
+class RefillExhaustedError(RolloutFailureError):
+    """``algorithm.refill_exhausted=stop`` and the refill rounds left too few informative tasks."""
+
+
+def complete_episodes(samples: Sequence[Sample]) -> tuple[list[Sample], int]:
+    """``(kept, num_dropped)``: the samples of every episode that still holds its last step
+    (``Sample.episode_last_step``, stamped when the episode finished); an episode missing it is
+    dropped whole. Samples that carry no stamp (built outside the rollout) count as complete."""
+    last_present: dict[str, int] = {}
+    for s in samples:
+        last_present[s.episode_id] = max(last_present.get(s.episode_id, s.step), s.step)
+    incomplete = {s.episode_id for s in samples
+                  if s.episode_last_step is not None and last_present[s.episode_id] < s.episode_last_step}
+    return [s for s in samples if s.episode_id not in incomplete], len(incomplete)
 
 
 def shaped_rewards(batch: SampleBatch, algo: AlgorithmConfig) -> torch.Tensor:
@@ -52,29 +78,45 @@ def dynamic_sampling_key(algo: AlgorithmConfig) -> tuple[str, ...]:
     return estimator_traits(algo.estimator).key(algo.group_by)
 
 
+def informative_mask(batch: SampleBatch, algo: AlgorithmConfig) -> tuple[torch.Tensor, int]:
+    """``(keep [B], num_dropped_groups)``: dynamic sampling's filter on ``batch`` (rewards shaped):
+    groups of the estimator's key whose advantages, as the estimator computes them, are all 0."""
+    gid = group_ids(batch.group_index(), dynamic_sampling_key(algo))
+    return dynamic_sampling_mask(batch_advantages(batch, algo), gid)
+
+
 def informative_tasks(batch: SampleBatch, keep: torch.Tensor) -> list[int]:
     """Task ids (batch vocab indices) with at least one kept row, in first-appearance order."""
     return list(dict.fromkeys(batch.task[keep].tolist()))
 
 
 def fill_informative(
-    batch: SampleBatch, draw: Draw, *, key: tuple[str, ...], num_tasks: int, max_rounds: int,
+    batch: SampleBatch, draw: Draw, algo: AlgorithmConfig, *, num_tasks: int,
 ) -> tuple[SampleBatch, dict[str, float]]:
     """Dynamic sampling with refill (module docstring). ``batch.rewards`` must be shaped; so must
     the batches ``draw`` returns. When no group is informative the batch is returned whole (its
     advantages are all 0, but every rank still takes part in the update)."""
-    keep, num_dropped = dynamic_sampling_mask(batch.rewards, group_ids(batch.group_index(), key))
+    keep, num_dropped = informative_mask(batch, algo)
     rounds = 0
-    while len(informative_tasks(batch, keep)) < num_tasks and rounds < max_rounds:
+    while len(informative_tasks(batch, keep)) < num_tasks and rounds < algo.max_refill_rounds:
         rounds += 1
         extra = draw(rounds)
         if extra is not None and extra.num_samples:
             batch = concat([batch, extra])
-            keep, num_dropped = dynamic_sampling_mask(batch.rewards, group_ids(batch.group_index(), key))
-    tasks = informative_tasks(batch, keep)[:num_tasks] if rounds else informative_tasks(batch, keep)
+            keep, num_dropped = informative_mask(batch, algo)
+    found = informative_tasks(batch, keep)
+    exhausted = algo.max_refill_rounds > 0 and len(found) < num_tasks
+    if exhausted and algo.refill_exhausted == "stop":
+        raise RefillExhaustedError(
+            f"dynamic sampling: {len(found)} of rollout.num_tasks={num_tasks} tasks informative after "
+            f"algorithm.max_refill_rounds={algo.max_refill_rounds} refill rounds, and "
+            f"algorithm.refill_exhausted=stop (set it to train to go on with what is left)")
+    tasks = found[:num_tasks] if rounds else found
     keep = keep & torch.isin(batch.task, torch.tensor(tasks, dtype=batch.task.dtype))
     metrics = {"rollout/dropped_groups": float(num_dropped), "rollout/refill_rounds": float(rounds),
                "rollout/informative_tasks": float(len(tasks))}
+    if algo.max_refill_rounds > 0:
+        metrics["rollout/refill_exhausted"] = float(exhausted)
     return (batch.select(keep) if keep.any() else batch), metrics
 
 
@@ -82,9 +124,8 @@ def batch_advantages(batch: SampleBatch, algo: AlgorithmConfig) -> torch.Tensor 
     """Advantages of ``batch`` (rewards shaped); None for critic estimators (GAE runs on the workers)."""
     if estimator_traits(algo.estimator).needs_critic:
         return None
-    cfg = AdvantageConfig(estimator=algo.estimator, group_by=list(algo.group_by), norm_std=algo.normalize_std,
-                          std_ddof=algo.std_ddof, **algo.estimator_kwargs)
-    return compute_advantages(batch.rewards, batch.group_index(), cfg, response_mask=batch.response_mask)
+    return compute_advantages(batch.rewards, batch.group_index(), algo.advantage_config(),
+                              response_mask=batch.response_mask)
 
 
 def prepare_batch(
@@ -99,8 +140,7 @@ def prepare_batch(
             extra = draw(round_)
             return None if extra is None else extra.replace(rewards=shaped_rewards(extra, algo))
 
-        batch, metrics = fill_informative(batch, shaped_draw, key=dynamic_sampling_key(algo), num_tasks=num_tasks,
-                                          max_rounds=algo.max_refill_rounds)
+        batch, metrics = fill_informative(batch, shaped_draw, algo, num_tasks=num_tasks)
     return batch.replace(advantages=batch_advantages(batch, algo)), metrics
 
 
@@ -108,10 +148,20 @@ def prepare_rollout(
     samples: Sequence[Sample], episodes: Iterable, algo: AlgorithmConfig, *, pad_id: int, num_tasks: int,
     draw: Draw,
 ) -> tuple[SampleBatch, dict[str, float]]:
-    """Collected samples -> the training batch and its metrics, in one call: collate, ``prepare_batch``
-    (shaping, dynamic sampling with refill, advantages), then the per-agent batch statistics and each
-    agent's and policy's own success over the finished ``episodes``."""
+    """Collected samples -> the training batch and its metrics, in one call: (for ``team_reward_once``
+    estimators) drop episodes that lost their last step, collate, ``prepare_batch`` (shaping, dynamic
+    sampling with refill, advantages), then the per-agent batch statistics and each agent's and
+    policy's own success over the finished ``episodes``."""
+    num_incomplete = 0
+    if estimator_traits(algo.estimator).team_reward_once:
+        samples, num_incomplete = complete_episodes(samples)
+        if not samples:
+            raise RolloutFailureError(f"every episode of the batch lost its last-step samples before preparation "
+                                      f"({num_incomplete} episodes); algorithm.estimator={algo.estimator!r} "
+                                      f"places the team reward on that step")
     batch, metrics = prepare_batch(collate(samples, pad_id=pad_id), algo, num_tasks=num_tasks, draw=draw)
+    if estimator_traits(algo.estimator).team_reward_once:
+        metrics["rollout/dropped_incomplete_episodes"] = float(num_incomplete)
     metrics.update(agent_batch_metrics(batch))
     metrics.update(success_metrics(e for e in episodes if e.status == "ok"))
     return batch, metrics

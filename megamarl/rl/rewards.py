@@ -15,8 +15,13 @@ A sample (one agent call) carries the episode's ``team_reward`` and the agent's 
   3. penalty:  ``r_i <- r_i + penalty`` where the action did not parse (``valid_i`` False); the
                penalty is not discounted.
 
-Dynamic sampling (DAPO) is a filter, not shaping: groups (of the estimator's own group key) whose
-rewards are all equal carry no signal and are dropped before the update.
+Dynamic sampling (DAPO) is a filter, not shaping: groups (of the estimator's own group key) in
+which the estimator gives every sample an advantage of exactly 0 carry no policy-gradient signal and
+are dropped before the update (``dynamic_sampling_mask``). The filter reads the advantages, not the
+rewards, so it always agrees with what the estimator compares: for GRPO and kin that is "all rewards
+equal"; for GiGPO, whose team reward sits on the last step only (per-step rewards {0, 1} in an episode
+that succeeded), it is "equal episode returns and equal step returns in every anchor group"; a Dr.MAS
+singleton group, whose advantage is its raw reward, is kept unless that reward is 0.
 """
 
 from __future__ import annotations
@@ -70,17 +75,19 @@ def rewards_to_tokens(rewards: Tensor, response_mask: Tensor) -> Tensor:
     return out
 
 
-def dynamic_sampling_mask(rewards: Tensor, gid: Tensor, *, tol: float = 0.0) -> tuple[Tensor, int]:
-    """Keep mask ``[N]`` dropping every group whose rewards satisfy ``max - min <= tol`` (zero variance;
-    a singleton group counts as zero variance), and the number of dropped groups."""
-    if rewards.numel() == 0:
+def dynamic_sampling_mask(advantages: Tensor, gid: Tensor) -> tuple[Tensor, int]:
+    """Keep mask ``[N]`` dropping every group ``gid [N]`` whose ``advantages [N]`` are all exactly 0,
+    and the number of dropped groups.
+
+    Exactly, not within a tolerance: the estimators compute group statistics in float64 from float32
+    rewards, where equal rewards give a mean equal to each of them and so advantages of exactly 0."""
+    if advantages.numel() == 0:
         return torch.zeros(0, dtype=torch.bool), 0
     num_groups = int(gid.max()) + 1
-    r = rewards.double()
-    hi = r.new_full((num_groups,), -torch.inf).scatter_reduce(0, gid, r, "amax")  # [G]
-    lo = r.new_full((num_groups,), torch.inf).scatter_reduce(0, gid, r, "amin")  # [G]
+    nonzero = advantages.ne(0).double()
+    signal = nonzero.new_zeros(num_groups).index_add_(0, gid, nonzero) > 0  # [G]
     present = gid.new_zeros(num_groups, dtype=torch.bool).index_fill_(0, gid, True)
-    flat = (hi - lo <= tol) & present
+    flat = ~signal & present
     return ~flat[gid], int(flat.sum())
 
 
@@ -89,7 +96,7 @@ class RewardConfig:
     alpha: float = 0.0  # weight of the agent's local reward next to the team reward
     turn_gamma: float = 1.0  # 1.0: no turn discount
     invalid_penalty: float = 0.0  # added (so <= 0) to samples whose action did not parse
-    dynamic_sampling: bool = False  # drop zero-variance groups (group key: the estimator's)
+    dynamic_sampling: bool = False  # drop groups whose advantages are all 0 (group key: the estimator's)
 
     def __post_init__(self) -> None:
         if not 0 < self.turn_gamma <= 1:

@@ -22,6 +22,9 @@ class Sample:
     weight_version: int = 0  # version of the policy weights that generated the response
     valid: bool = True  # the parser accepted the action (invalid-action penalty uses it)
     step: int = 0  # global env step index within the episode (all agents), for GiGPO/discounts
+    # The episode's largest ``step`` when it finished (``mark_episode_ends``); None: not recorded. Lets
+    # preparation tell an episode whose last step was removed (stale) from one that ended earlier.
+    episode_last_step: int | None = None
     # --- tokens ------------------------------------------------------------------------------
     prompt_ids: list[int] = field(default_factory=list)
     response_ids: list[int] = field(default_factory=list)
@@ -47,3 +50,13 @@ class Sample:
                 f"Sample(agent={self.agent!r}, episode={self.episode_id!r}): "
                 f"{len(self.rollout_logprobs)} rollout_logprobs for {len(self.response_ids)} response tokens"
             )
+
+
+def mark_episode_ends(samples: list[Sample]) -> None:
+    """Stamp every sample with its episode's last step (``episode_last_step``), in place; call on an
+    episode's samples as it finishes, before any of them can be removed."""
+    last: dict[str, int] = {}
+    for s in samples:
+        last[s.episode_id] = max(last.get(s.episode_id, s.step), s.step)
+    for s in samples:
+        s.episode_last_step = last[s.episode_id]

@@ -89,7 +89,7 @@ def vocab_parallel_logprobs(
     tokens[t] given tokens[:t]. Positions without logits (position 0, and every t <= ``offset`` when
     the logits cover only the window ``[offset, offset + W)``) get 0."""
     vocab_size = vocab_size if vocab_size is not None else vocab_start + logits.shape[-1] * _size(tp_group)
-    batch, seq_len = tokens.shape
+    _batch, seq_len = tokens.shape
     width = min(logits.shape[1], seq_len - 1 - offset)
     targets = tokens[:, offset + 1 : offset + 1 + width]
     logprobs, entropy = _VocabParallelLogprobEntropy.apply(

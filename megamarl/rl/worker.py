@@ -34,9 +34,9 @@ import contextlib
 import logging
 import math
 import time
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Iterator, Mapping
 
 import torch
 import torch.distributed as dist
@@ -48,13 +48,21 @@ from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from megamarl.config import PolicyConfig
 from megamarl.models.bridge import export_hf_weights, unwrap
 from megamarl.models.lora import add_lora_adapter, export_lora_weights, set_active_adapter
+from megamarl.models.spec import transformer_engine_available
 from megamarl.parallel.collectives import all_reduce_sum
 from megamarl.parallel.placement import WorkerGroup
 from megamarl.rl.advantages import ADVANTAGE_ESTIMATORS, AdvantageConfig
 from megamarl.rl.batch import SampleBatch
 from megamarl.rl.dispatch import BatchSplit, PolicyShare, dp_parts, mini_batches, plan_policy, trainable_rows
-from megamarl.models.spec import transformer_engine_available
+from megamarl.rl.losses import (
+    LOSS_AGGREGATIONS,
+    LossConfig,
+    masked_mean,
+    policy_loss,
+    value_loss,
+)
 from megamarl.rl.offload import TrainStateOffload
+from megamarl.rl.optimizer import any_rank, build_optimizer, build_scheduler, current_lr, grads_finite
 from megamarl.rl.packing import (
     pack,
     packed_logprobs,
@@ -62,15 +70,6 @@ from megamarl.rl.packing import (
     place_predictions,
     prediction_positions,
     split_by_tokens,
-)
-from megamarl.rl.optimizer import any_rank, build_optimizer, build_scheduler, current_lr, grads_finite
-from megamarl.rl.losses import (
-    LOSS_AGGREGATIONS,
-    LossConfig,
-    loss_counts,
-    masked_mean,
-    policy_loss,
-    value_loss,
 )
 from megamarl.rl.vocab_parallel import place_window, scale_logits, vocab_parallel_logprobs
 
@@ -162,6 +161,9 @@ class CriticConfig:
     advantage: AdvantageConfig = field(default_factory=lambda: AdvantageConfig(estimator="gae"))
     value_coef: float = 0.5
     value_clip: float | None = 0.2
+    # ``algorithm.value_loss_agg``: a regression to returns, aggregated on its own terms, not with
+    # the policy loss's ``algorithm.loss_agg`` (whose choices are about policy-gradient length bias)
+    loss_agg: str = "token-mean"
 
 
 class ValueHead(torch.nn.Module):
@@ -248,9 +250,8 @@ class PolicyWorker:
         if self._needs_ref() and self.ref_model is None and not self.adapters:
             raise ValueError(f"policies.{name}: kl_coef > 0 needs a reference model (ref_handle)")
         self.critic, self.value_head = critic, None
-        if critic is not None:
-            if wg.is_last_stage and not self.window.enabled:
-                raise ValueError(f"policies.{name}: the critic needs the output-layer hook (no sequence parallelism)")
+        if critic is not None and wg.is_last_stage and not self.window.enabled:
+            raise ValueError(f"policies.{name}: the critic needs the output-layer hook (no sequence parallelism)")
         adapter_lrs = {adapter: self._adapter_lr(adapter) for adapter in self.adapters}
         self.optimizer = build_optimizer(
             self.model, wg, lr=cfg.lr, min_lr=cfg.lr_schedule.min_lr, weight_decay=cfg.weight_decay,
@@ -631,7 +632,8 @@ class PolicyWorker:
     def _value_loss(self, mb, offset, returns, old_values, counts, metrics: dict) -> torch.Tensor:
         values = self._values(mb, offset)
         per_token, clipped = value_loss(values, old_values, returns, mb.response_mask, clip=self.critic.value_clip)
-        vf_loss = LOSS_AGGREGATIONS.get(self.loss_cfg.agg_mode)(per_token, mb.response_mask, **counts)
+        vf_loss = LOSS_AGGREGATIONS.get(self.critic.loss_agg, key="algorithm.value_loss_agg")(
+            per_token, mb.response_mask, **counts)
         metrics["vf_loss"] = float(vf_loss.detach())
         metrics["vf_clip_frac"] = float(masked_mean(clipped.float(), mb.response_mask))
         metrics["value_mean"] = float(masked_mean(values.detach(), mb.response_mask))

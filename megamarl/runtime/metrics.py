@@ -29,9 +29,12 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Optional, Sequence
+from typing import Any, Self
+
+from megamarl.runtime.transcripts import TABLE_COLUMNS, table_rows, write_transcripts
 
 WANDB_MODES = ("offline", "online", "disabled")
 METRICS_FILE = "metrics.jsonl"
@@ -42,7 +45,7 @@ EVAL_FILE = "eval.json"
 class WandbConfig:
     mode: str = "offline"  # offline | online | disabled
     project: str = "megamarl"
-    entity: Optional[str] = None
+    entity: str | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in WANDB_MODES:
@@ -56,6 +59,13 @@ class LoggerConfig:
     wandb: WandbConfig = field(default_factory=WandbConfig)
     # A live display (rich) on a terminal; one plain line per phase otherwise (Slurm logs).
     progress: bool = True
+    # full transcripts (prompts, replies, parsed actions, rewards) of this many of each step's episodes
+    # go to <run>/episodes/step_<N>.jsonl (and a wandb table); scripts/show_episodes.py prints them. 0: none
+    episodes_per_step: int = 2
+
+    def __post_init__(self) -> None:
+        if self.episodes_per_step < 0:
+            raise ValueError(f"logger.episodes_per_step must be >= 0, got {self.episodes_per_step}")
 
 
 class MetricsLogger:
@@ -77,7 +87,7 @@ class MetricsLogger:
         if not self.is_writer:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self._jsonl = open(self.run_dir / METRICS_FILE, "a", encoding="utf-8")
+        self._jsonl = open(self.run_dir / METRICS_FILE, "a", encoding="utf-8")  # noqa: SIM115 - open for the run, closed by close()
         if cfg.wandb.mode != "disabled":
             self._wandb_run = _init_wandb(self.run_dir, cfg, run_name, dict(config_dict or {}))
 
@@ -119,6 +129,18 @@ class MetricsLogger:
             prefixed = {k if k.startswith("eval/") else f"eval/{k}": v for k, v in values.items()}
             self._wandb_run.log({k: v for k, v in prefixed.items() if v is not None}, step=int(step))
 
+    def log_episodes(self, step: int, records: Sequence[Mapping[str, Any]]) -> None:
+        """Episode transcripts of ``step`` (``runtime.transcripts``) to ``episodes/step_<step>.jsonl``
+        and, with wandb, to an ``episodes`` table (one row per agent call)."""
+        if not self.is_writer or not records:
+            return
+        write_transcripts(self.run_dir, step, records)
+        if self._wandb_run is not None:
+            import wandb  # imported where used, as in _init_wandb: it takes seconds to import
+
+            table = wandb.Table(columns=list(TABLE_COLUMNS), data=table_rows(records))
+            self._wandb_run.log({"episodes": table}, step=int(step))
+
     def progress(self, total: int, description: str):
         """``progress(...)`` bound to this logger: silent off rank 0 or with ``logger.progress=false``."""
         return progress(total, description, enabled=self.is_writer and self.cfg.progress)
@@ -132,7 +154,7 @@ class MetricsLogger:
             self._wandb_run.finish()
             self._wandb_run = None
 
-    def __enter__(self) -> "MetricsLogger":
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc) -> None:

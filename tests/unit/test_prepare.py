@@ -122,7 +122,8 @@ def test_refill_until_num_tasks_informative_item3():
 
     out, metrics = prepare_batch(batch, algo, num_tasks=2, draw=draw)
     assert calls == [1, 2]
-    assert metrics == {"rollout/dropped_groups": 2.0, "rollout/refill_rounds": 2.0, "rollout/informative_tasks": 2.0}
+    assert metrics == {"rollout/dropped_groups": 2.0, "rollout/refill_rounds": 2.0, "rollout/informative_tasks": 2.0,
+                       "rollout/refill_exhausted": 0.0}
     assert sorted(set(out.names("task"))) == ["a", "c"]
     r = 1 / math.sqrt(2)
     close(out.advantages, [r, -r, -r, r])
@@ -133,8 +134,7 @@ def test_refill_until_num_tasks_informative_item3():
     assert calls == [1, 2, 3] and metrics["rollout/refill_rounds"] == 3.0
     assert metrics["rollout/informative_tasks"] == 1.0 and set(out.names("task")) == {"a"}
     # enough informative tasks already: no draw; max_refill_rounds=0: no draw either
-    out, metrics = fill_informative(batch.replace(rewards=shaped_rewards(batch, algo)), _no_refill, key=("task",),
-                                    num_tasks=1, max_rounds=3)
+    out, metrics = fill_informative(batch.replace(rewards=shaped_rewards(batch, algo)), _no_refill, algo, num_tasks=1)
     assert metrics["rollout/refill_rounds"] == 0.0 and set(out.names("task")) == {"a"}
     algo0 = AlgorithmConfig(estimator="grpo", group_by=["task"], dynamic_sampling=True)
     out, metrics = prepare_batch(batch, algo0, num_tasks=2, draw=_no_refill)
@@ -142,8 +142,8 @@ def test_refill_until_num_tasks_informative_item3():
 
 
 @pytest.mark.parametrize("kwargs, key", [
-    (dict(std_ddof=2), "algorithm.std_ddof"), (dict(max_refill_rounds=-1), "algorithm.max_refill_rounds"),
-    (dict(max_refill_rounds=2), "algorithm.max_refill_rounds"),  # needs dynamic_sampling
+    ({"std_ddof": 2}, "algorithm.std_ddof"), ({"max_refill_rounds": -1}, "algorithm.max_refill_rounds"),
+    ({"max_refill_rounds": 2}, "algorithm.max_refill_rounds"),  # needs dynamic_sampling
 ])
 def test_algorithm_config_validation(kwargs, key):
     with pytest.raises(ValueError, match=key):

@@ -4,8 +4,13 @@ import pytest
 import torch
 
 from megamarl.rl.rewards import (
-    RewardConfig, discount_turns, dynamic_sampling_mask, invalid_action_penalty, mix_rewards,
-    rewards_to_tokens, shape_rewards,
+    RewardConfig,
+    discount_turns,
+    dynamic_sampling_mask,
+    invalid_action_penalty,
+    mix_rewards,
+    rewards_to_tokens,
+    shape_rewards,
 )
 
 
@@ -45,19 +50,21 @@ def test_rewards_to_tokens_last_response_token():
     close(out, [[0, 0, 2, 0], [0, 0, 0, 0], [4, 0, 0, 0]])
 
 
-def test_dynamic_sampling_drops_zero_variance_groups():
-    rewards = torch.tensor([1.0, 0, 1, 1, 0.5, 0, 0, 1])
-    gid = torch.tensor([0, 0, 1, 1, 2, 3, 3, 3])  # group 1 flat, group 2 singleton (flat)
-    keep, dropped = dynamic_sampling_mask(rewards, gid)
-    assert keep.tolist() == [True, True, False, False, False, True, True, True]
+def test_dynamic_sampling_drops_groups_whose_advantages_are_all_zero():
+    # group 0: a +-1 pair; group 1: a flat pair (0, 0); group 2: a Dr.MAS singleton with A = r = 0.5
+    # (kept: it carries signal); group 3: a singleton with A = 0 (dropped); group 4: (0, 0, 0.25)
+    advantages = torch.tensor([1.0, -1, 0, 0, 0.5, 0, 0, 0, 0.25])
+    gid = torch.tensor([0, 0, 1, 1, 2, 3, 4, 4, 4])
+    keep, dropped = dynamic_sampling_mask(advantages, gid)
+    assert keep.tolist() == [True, True, False, False, True, False, True, True, True]
     assert dropped == 2
     gid = torch.tensor([0, 0, 2, 2])  # group id 1 absent: not counted
-    keep, dropped = dynamic_sampling_mask(torch.tensor([1.0, 1, 0, 1]), gid)
+    keep, dropped = dynamic_sampling_mask(torch.tensor([0.0, 0, -0.5, 0.5]), gid)
     assert keep.tolist() == [False, False, True, True] and dropped == 1
 
 
 @pytest.mark.parametrize("kwargs, key", [
-    (dict(turn_gamma=0.0), "reward.turn_gamma"), (dict(invalid_penalty=0.5), "reward.invalid_penalty"),
+    ({"turn_gamma": 0.0}, "reward.turn_gamma"), ({"invalid_penalty": 0.5}, "reward.invalid_penalty"),
 ])
 def test_config_validation_names_key(kwargs, key):
     with pytest.raises(ValueError, match=key):

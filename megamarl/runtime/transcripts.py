@@ -1,0 +1,126 @@
+"""Episode transcripts: what the agents said, for a person debugging an env, a prompt or a parser.
+
+Each training step the driver keeps a few of the step's episodes (``logger.episodes_per_step``) as
+``<run_dir>/episodes/step_<N>.jsonl``, N the step number of metrics.jsonl, one JSON object per
+episode::
+
+    {"step": 3, "task_id": "signal-7", "episode_id": "signal-7/0", "status": "ok", "success": true,
+     "team_reward": 1.0, "agent_success": {"sender": true, ...},
+     "calls": [{"step": 0, "agent": "sender", "policy": "shared", "turn": 0, "branch": 0,
+                "prompt": "<|im_start|>system ...", "response": "2", "action": "2", "valid": true,
+                "truncated": false, "local_reward": 0.0, "team_reward": 1.0, "weight_version": 2}, ...]}
+
+``prompt`` is the rendered prompt exactly as the engine received it (chat template and special tokens
+included), ``response`` the decoded reply the parser read, ``action`` what the agent's parser made of
+it (``str`` of the parsed value; null when it did not parse). With wandb on, the same calls go to a
+``episodes`` table (one row per call). ``scripts/show_episodes.py RUN`` prints the files readably.
+
+Episodes are picked round-robin over tasks (the first episode of each task, then the second...), so
+a few of them show several tasks rather than one task's group. Only finished (ok) episodes have
+samples; the cost is decoding a few prompts per step.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+EPISODES_DIR = "episodes"
+TABLE_COLUMNS = ("step", "episode_id", "call_step", "agent", "policy", "turn", "branch", "prompt", "response",
+                 "action", "valid", "local_reward", "team_reward")
+
+
+def pick_episodes(episode_ids: Sequence[str], task_ids: Sequence[str], limit: int) -> list[str]:
+    """Up to ``limit`` distinct episode ids, round-robin over tasks in first-appearance order."""
+    by_task: dict[str, list[str]] = {}
+    for episode, task in zip(episode_ids, task_ids):
+        episodes = by_task.setdefault(task, [])
+        if episode not in episodes:
+            episodes.append(episode)
+    picked: list[str] = []
+    depth = 0
+    while len(picked) < limit and any(depth < len(eps) for eps in by_task.values()):
+        picked.extend(eps[depth] for eps in by_task.values() if depth < len(eps))
+        depth += 1
+    return picked[:limit]
+
+
+def episode_transcripts(
+    samples: Sequence, episodes: Iterable, *, step: int, limit: int,
+    decode: Callable[[str, list[int]], str], parse: Callable[[str, str], Any],
+) -> list[dict]:
+    """Transcripts of up to ``limit`` episodes of ``samples`` (``rl.sample.Sample``, in rollout order).
+
+    ``episodes``: the ``EpisodeStats`` to take status and success from (matched by episode id; an
+    episode without one, e.g. reported in an earlier step by an async schedule, gets nulls);
+    ``decode(policy, ids)``: the policy's tokenizer; ``parse(agent, text)``: the agent's parsed action
+    (None when it does not parse)."""
+    if limit <= 0 or not samples:
+        return []
+    chosen = pick_episodes([s.episode_id for s in samples], [s.task_id for s in samples], limit)
+    stats = {e.episode_id: e for e in episodes}
+    calls: dict[str, list] = {episode: [] for episode in chosen}
+    for s in samples:
+        if s.episode_id in calls:
+            calls[s.episode_id].append(s)
+    records = []
+    for episode in chosen:
+        rows = sorted(calls[episode], key=lambda s: (s.step, s.branch))
+        info = stats.get(episode)
+        records.append({
+            "step": step, "task_id": rows[0].task_id, "episode_id": episode,
+            "status": info.status if info else None, "success": info.success if info else None,
+            "team_reward": rows[0].team_reward, "agent_success": dict(info.agent_success) if info else None,
+            "calls": [_call(s, decode, parse) for s in rows],
+        })
+    return records
+
+
+def _call(s, decode, parse) -> dict:
+    action = parse(s.agent, s.response_text)
+    return {
+        "step": s.step, "agent": s.agent, "policy": s.policy, "turn": s.turn, "branch": s.branch,
+        "prompt": decode(s.policy, s.prompt_ids), "response": s.response_text,
+        "action": None if action is None else str(action), "valid": s.valid, "truncated": s.truncated,
+        "local_reward": s.local_reward, "team_reward": s.team_reward, "weight_version": s.weight_version,
+    }
+
+
+def write_transcripts(run_dir: Path, step: int, records: Sequence[dict]) -> Path:
+    """``<run_dir>/episodes/step_<step>.jsonl`` (rewritten whole: a resumed run redoes a step)."""
+    path = Path(run_dir) / EPISODES_DIR / f"step_{step}.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(json.dumps(r, default=str) + "\n" for r in records), encoding="utf-8")
+    tmp.replace(path)
+    return path
+
+
+def table_rows(records: Sequence[dict]) -> list[list]:
+    """One row per call (``TABLE_COLUMNS``) for a wandb table."""
+    return [[r["step"], r["episode_id"], c["step"], c["agent"], c["policy"], c["turn"], c["branch"], c["prompt"],
+             c["response"], c["action"], c["valid"], c["local_reward"], c["team_reward"]]
+            for r in records for c in r["calls"]]
+
+
+def read_transcripts(run_dir: Path, step: int | None = None) -> tuple[int, list[dict]]:
+    """``(step, records)`` of ``step`` (None: the latest step written). Raises FileNotFoundError
+    naming what exists when there is no such file."""
+    folder = Path(run_dir) / EPISODES_DIR
+    files = folder.glob("step_*.jsonl") if folder.is_dir() else []
+    steps = sorted(int(p.stem.split("_", 1)[1]) for p in files)
+    if not steps:
+        raise FileNotFoundError(f"{folder}: no episode transcripts (step_<N>.jsonl); is {run_dir} a run "
+                                f"directory, and logger.episodes_per_step > 0?")
+    if step is None:
+        step = steps[-1]
+    path = folder / f"step_{step}.jsonl"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such step; steps with transcripts: {_ranges(steps)}")
+    return step, [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def _ranges(steps: list[int]) -> str:
+    return f"{steps[0]}..{steps[-1]} ({len(steps)} files)" if len(steps) > 3 else ", ".join(map(str, steps))
