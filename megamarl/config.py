@@ -12,27 +12,28 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, ClassVar
 
+import yaml
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 import megamarl.orchestration  # noqa: F401 - registers the built-in agents, envs, orchestras
+from megamarl.config_loader import compose_config
 from megamarl.driver.schedules import SCHEDULES
 from megamarl.models.lora import LoraConfig
 from megamarl.models.packaged import PACKAGED_MODELS, TINY_MODELS
 from megamarl.orchestration.agents import AGENTS, AgentConfig
 from megamarl.orchestration.env import ENVS, EnvSpec
-from megamarl.orchestration.orchestras import ORCHESTRAS, OrchestraSpec
-from megamarl.config_loader import compose_config
+from megamarl.orchestration.orchestras import ORCHESTRAS, OrchestraSpec, check_team
 from megamarl.parallel.engine_placement import check_engine_ranks, check_launch
 from megamarl.parallel.hardware import DTYPE_CHOICES, resolve_dtype
 from megamarl.parallel.placement import PLACEMENT_MODES, PlacementConfig, WorkerGroupLayout
 from megamarl.planning.model_presets import PRESETS
 from megamarl.registry import import_plugins, resolve_callable
-from megamarl.rl.advantages import ADVANTAGE_ESTIMATORS, GROUP_KEYS
+from megamarl.rl.advantages import ADVANTAGE_ESTIMATORS, GROUP_KEYS, AdvantageConfig
 from megamarl.rl.losses import KL_ESTIMATORS, LOSS_AGGREGATIONS
 from megamarl.rl.optimizer import LrScheduleConfig
 from megamarl.rollout import ENGINES
@@ -40,11 +41,24 @@ from megamarl.runtime.metrics import LoggerConfig
 
 WEIGHT_TRANSFER_CHOICES = ("auto", "native", "megamarl")  # engine.weight_transfer
 
+# trainer.seed: numpy's seed range (torch, random and numpy all take it; larger seeds overflow numpy/torch)
+MAX_SEED = 2**32 - 1
+NAME_MAX_BYTES = 255  # a path component on Linux filesystems (NAME_MAX)
+
 # A Hugging Face hub id ("org/name") that is not a local directory: megamarl never downloads.
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
 
 RECOMPUTE_CHOICES = ("none", "selective", "full")  # megamarl.rl.policy_setup.RECOMPUTE
+
+
+def _exists(path: Path, *, is_dir: bool = False) -> bool:
+    """``path.exists()`` / ``is_dir()`` that answers False instead of raising for a name the OS
+    refuses (a component over 255 bytes raises ENAMETOOLONG; pathlib only swallows ENOENT and kin)."""
+    try:
+        return path.is_dir() if is_dir else path.exists()
+    except (OSError, ValueError):  # ValueError: an embedded NUL byte
+        return False
 
 
 def _check_range(key: str, value, *, low=None, high=None, low_open=False) -> None:
@@ -92,12 +106,12 @@ class EngineConfig:
     weight_transfer: str = "auto"
     # vLLM / SGLang engines: no CUDA graphs (vLLM --enforce-eager, SGLang --disable-cuda-graph on GPU).
     # null: true on CPU, false on GPU (CUDA graphs: fast decoding at high engine TP).
-    enforce_eager: Optional[bool] = None
+    enforce_eager: bool | None = None
     # vLLM / SGLang engines on GPU: the fraction of each GPU one replica may take (vLLM
     # --gpu-memory-utilization, SGLang --mem-fraction-static). null: from the memory plan, the GPU's
     # memory minus the trainer's planned bytes while the engine is awake minus cluster.reserved_gib
     # (engine servers; megamarl.planning.engine_budget), 0.5 for an in-process vLLM engine. Needs CUDA.
-    gpu_memory_utilization: Optional[float] = None
+    gpu_memory_utilization: float | None = None
 
     def eager(self, *, on_gpu: bool) -> bool:
         """``enforce_eager`` resolved: null means eager on CPU, CUDA graphs on GPU."""
@@ -138,7 +152,7 @@ class EngineConfig:
 @dataclass
 class PolicyConfig:
     model: str = MISSING  # packaged model name or local HF directory
-    ranks: Optional[list[int]] = None  # WG ranks; default: all ranks
+    ranks: list[int] | None = None  # WG ranks; default: all ranks
     tp: int = 1
     pp: int = 1
     lr: float = 1e-6
@@ -156,21 +170,21 @@ class PolicyConfig:
     recompute: str = "none"
     distributed_optimizer: bool = True  # shard fp32 main weights and Adam moments over DP (megatron-core)
     # samples per optimizer step (verl's ppo_mini_batch_size); None: the whole policy batch, one step
-    mini_batch_size: Optional[int] = None
+    mini_batch_size: int | None = None
     lr_schedule: LrScheduleConfig = field(default_factory=LrScheduleConfig)
     ref_offload: bool = False  # the KL reference model waits in (pinned) host memory between uses
     # micro-batches pack variable-length samples into one row (no padding; block-diagonal attention)
     pack: bool = False
-    max_tokens_per_micro_batch: Optional[int] = None  # pack: real tokens per micro-batch (None: micro_batch_size x longest)
+    max_tokens_per_micro_batch: int | None = None  # pack: real tokens per micro-batch (None: micro_batch_size x longest)
     offload_train_state: bool = True  # colocated: weights/grads/optimizer leave the GPU while engines generate
     value_coef: float = 0.5  # algorithm.estimator=gae: weight of the critic's (value head's) loss
-    value_clip: Optional[float] = 0.2  # gae: clip range of the value update (None: unclipped)
+    value_clip: float | None = 0.2  # gae: clip range of the value update (None: unclipped)
     # Training dtype: the model's (and the reference model's) parameters and forward/backward; main
     # weights, gradients and optimizer state stay fp32 (megatron-core's mixed-precision optimizer);
     # log-probs are computed in fp32. auto: the engine's resolved dtype, so the trainer's log-probs
     # are computed at the precision the engine sampled with.
     dtype: str = "auto"
-    lora: Optional[LoraConfig] = None
+    lora: LoraConfig | None = None
     engine: EngineConfig = field(default_factory=EngineConfig)
 
     def __post_init__(self) -> None:
@@ -192,7 +206,7 @@ class PolicyConfig:
         if self.seq_len < 1:
             raise ValueError(f"policies.<p>.seq_len must be >= 1, got {self.seq_len}")
         known = self.model in PACKAGED_MODELS or self.model in TINY_MODELS or self.model in PRESETS
-        if not known and not Path(self.model).expanduser().exists():
+        if not known and not _exists(Path(self.model).expanduser()):
             hub = " looks like a model hub id (megamarl never downloads);" if _HUB_ID.fullmatch(self.model) else ""
             raise ValueError(
                 f"policies.<p>.model='{self.model}'{hub} is not a local directory, a packaged model "
@@ -209,6 +223,9 @@ class PolicyConfig:
         bad = [r for r in self.ranks or [] if r < 0]
         if bad:
             raise ValueError(f"policies.<p>.ranks has negative ranks {bad}")
+        if self.ranks is not None and not self.ranks:  # it would silently mean "every rank" (placement())
+            raise ValueError("policies.<p>.ranks=[] lists no rank; list the worker group's ranks, or leave the key "
+                             "out (null) for every rank")
 
 
 @dataclass
@@ -244,20 +261,42 @@ class AlgorithmConfig:
     team_alpha: float = 1.0  # reward = team + alpha * local
     turn_gamma: float = 1.0
     invalid_penalty: float = 0.0
-    dynamic_sampling: bool = False  # drop groups (the estimator's group key) whose rewards are all equal
+    # drop groups (the estimator's group key) in which every advantage is 0 (not for critic estimators)
+    dynamic_sampling: bool = False
     # DAPO refill: up to this many extra rollout rounds per step until rollout.num_tasks tasks have an
     # informative group (needs dynamic_sampling); 0: train on what is left after the filter.
     max_refill_rounds: int = 0
+    # when max_refill_rounds rounds still leave fewer than rollout.num_tasks informative tasks: train (on
+    # what is left) or stop (the run ends with exit code 5); counted in rollout/refill_exhausted
+    refill_exhausted: str = "train"
     loss_agg: str = "token-mean"
+    # the critic's value loss (gae): aggregated on its own, not with loss_agg (the same choices)
+    value_loss_agg: str = "token-mean"
     kl_type: str = "k3"
     tis_cap: float = 2.0  # truncated IS cap (rollout vs training logprobs); 0 disables
+    # the estimator's own settings (AdvantageConfig fields: gamma, lam, eps, gigpo_omega, ...); those
+    # with an algorithm.* key of their own (group_by, std_ddof, normalize_std) are rejected here
     estimator_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    # AdvantageConfig fields that come from algorithm.* keys, never from estimator_kwargs
+    OWN_KEYS: ClassVar[dict[str, str]] = {
+        "estimator": "estimator", "group_by": "group_by", "norm_std": "normalize_std", "std_ddof": "std_ddof"}
 
     def __post_init__(self) -> None:
         bad = [k for k in self.group_by if k not in GROUP_KEYS]
         if bad:
             raise ValueError(f"algorithm.group_by has unknown keys {bad}; allowed: {list(GROUP_KEYS)}")
+        for key in self.estimator_kwargs:
+            if key in self.OWN_KEYS:
+                raise ValueError(f"algorithm.estimator_kwargs.{key} duplicates algorithm.{self.OWN_KEYS[key]}: "
+                                 f"set algorithm.{self.OWN_KEYS[key]} instead")
         LOSS_AGGREGATIONS.get(self.loss_agg, key="algorithm.loss_agg")
+        LOSS_AGGREGATIONS.get(self.value_loss_agg, key="algorithm.value_loss_agg")
+        if self.refill_exhausted not in ("train", "stop"):
+            raise ValueError(f"algorithm.refill_exhausted must be 'train' or 'stop', got {self.refill_exhausted!r}")
+        if self.refill_exhausted == "stop" and self.max_refill_rounds == 0:
+            raise ValueError("algorithm.refill_exhausted=stop needs algorithm.max_refill_rounds > 0 (no refill: "
+                             "nothing to exhaust)")
         KL_ESTIMATORS.get(self.kl_type, key="algorithm.kl_type")
         _check_range("algorithm.invalid_penalty", self.invalid_penalty, high=0)  # a penalty, not a bonus
         _check_range("algorithm.team_alpha", self.team_alpha, low=0)
@@ -270,13 +309,31 @@ class AlgorithmConfig:
         if self.max_refill_rounds > 0 and not self.dynamic_sampling:
             raise ValueError("algorithm.max_refill_rounds > 0 needs algorithm.dynamic_sampling=true")
 
+    def advantage_config(self) -> AdvantageConfig:
+        """The estimator's settings: algorithm.* keys plus ``estimator_kwargs``; call once plugins that
+        register estimators are imported. Errors name the algorithm key."""
+        try:
+            return AdvantageConfig(estimator=self.estimator, group_by=list(self.group_by),
+                                   norm_std=self.normalize_std, std_ddof=self.std_ddof, **self.estimator_kwargs)
+        except TypeError as exc:  # an unknown keyword
+            raise ValueError(f"algorithm.estimator_kwargs: {exc}") from exc
+        except ValueError as exc:  # AdvantageConfig names its field (advantage.gamma), not where it came from
+            raise ValueError(f"algorithm.estimator_kwargs: {exc}") from exc
+
+    def check_estimator(self) -> None:
+        """Load-time checks that need the estimator's registry entry (after plugins are imported)."""
+        self.advantage_config()
+        if self.dynamic_sampling and ADVANTAGE_ESTIMATORS.traits(self.estimator, key="algorithm.estimator").needs_critic:
+            raise ValueError(f"algorithm.dynamic_sampling filters on advantages computed on the driver; "
+                             f"algorithm.estimator={self.estimator!r} computes them from a critic on the workers")
+
 
 @dataclass
 class EvalEnvConfig:
     """One evaluation set's env; unset fields come from the training ``env`` section."""
 
-    name: Optional[str] = None  # registered env; None: env.name
-    kwargs: Optional[dict[str, Any]] = None  # None: env.kwargs when the name is env.name, else {}
+    name: str | None = None  # registered env; None: env.name
+    kwargs: dict[str, Any] | None = None  # None: env.kwargs when the name is env.name, else {}
 
     def is_set(self) -> bool:
         return self.name is not None or self.kwargs is not None
@@ -344,9 +401,9 @@ class TrainerConfig:
                 raise ValueError(f"trainer.{key} must be >= 0, got {getattr(self, key)}")
         if not self.resume:
             raise ValueError("trainer.resume is empty; use none, auto or a checkpoint/run directory")
-        if self.resume not in ("none", "auto") and not Path(self.resume).is_dir():
+        if self.resume not in ("none", "auto") and not _exists(Path(self.resume), is_dir=True):
             raise ValueError(f"trainer.resume={self.resume}: no such directory; use none, auto or a checkpoint/run directory")
-        _check_range("trainer.seed", self.seed, low=0)
+        _check_range("trainer.seed", self.seed, low=0, high=MAX_SEED)
         if self.sync_every < 1:
             raise ValueError(f"trainer.sync_every must be >= 1, got {self.sync_every}")
         if self.max_nonfinite_updates < 1:
@@ -397,6 +454,10 @@ class RunConfig:
     plugin_paths: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
+        _check_run_name(self.name)
+        if not self.output_dir:
+            raise ValueError("output_dir is empty; give the directory runs are written under (e.g. runs)")
+        _check_path_length("output_dir", self.output_dir)
         if self.placement_mode not in PLACEMENT_MODES:
             raise ValueError(f"placement_mode='{self.placement_mode}' unknown; allowed: {list(PLACEMENT_MODES)}")
         if not self.policies:
@@ -432,14 +493,16 @@ class RunConfig:
         a typo stops the run at load time instead of after the models are built."""
         import_plugins(self.plugins, paths=self.plugin_paths)
         ADVANTAGE_ESTIMATORS.get(self.algorithm.estimator, key="algorithm.estimator")
+        self.algorithm.check_estimator()
         eval_envs = {f"eval.sets.{name}" if name else "eval.env": env
                      for name, env in self.eval.resolved_sets(self.env).items()}
         sections = [("env", ENVS, self.env), ("orchestra", ORCHESTRAS, self.orchestra)]
         sections += [(key, ENVS, env) for key, env in eval_envs.items()]
+        built = {}
         for key, registry, section in sections:
             cls = registry.get(section.name, key=f"{key}.name")
             try:
-                cls.Config(**section.kwargs)
+                built[key] = (cls, cls.Config(**section.kwargs))
             except TypeError as exc:  # an unknown keyword
                 raise ValueError(f"{key}.kwargs for {key} '{section.name}': {exc}") from exc
             except ValueError as exc:  # the env's own validation (names its field, not where it came from)
@@ -449,6 +512,14 @@ class RunConfig:
         for role, agent in self.agents.items():
             if agent.kind:
                 AGENTS.get(agent.kind, key=f"agents.{role}.kind")
+        orchestra_cls, orchestra_config = built.pop("orchestra")
+        orchestra = orchestra_cls(orchestra_config)
+        kinds = {role: agent.kind for role, agent in self.agents.items()}
+        for key, (env_cls, env_config) in built.items():  # the training env and every eval env
+            env_name = self.env.name if key == "env" else eval_envs[key].name
+            check_team(orchestra, orchestra_name=self.orchestra.name, env_name=env_name,
+                       env_roles=tuple(env_cls.agents), acting=env_cls.acting_roles(env_config), agent_kinds=kinds,
+                       default_kinds=dict(env_cls.default_agents), key=key)
         if self.rollout.policy_mapping:
             self._check_policy_mapping()
 
@@ -487,10 +558,83 @@ class RunConfig:
         return placement
 
 
+def _check_run_name(name: str) -> None:
+    """``name`` is the run directory under ``output_dir``: relative, no ``..``, components a
+    filesystem can hold. Checked at load time so a bad name never creates or touches a directory."""
+    if not name or not name.strip():
+        raise ValueError("name is empty; a run's name is its directory under output_dir")
+    parts = Path(name).parts
+    if Path(name).is_absolute() or ".." in parts:
+        raise ValueError(f"name={shorten(name, 80)!r} escapes output_dir; a run's name is a relative directory "
+                         "under output_dir without '..' (put the location in output_dir)")
+    _check_path_length("name", name)
+
+
+def _check_path_length(key: str, path: str) -> None:
+    if "\x00" in path:
+        raise ValueError(f"{key} contains a NUL byte")
+    long = [p for p in Path(path).parts if len(p.encode()) > NAME_MAX_BYTES]
+    if long:
+        raise ValueError(f"{key} is too long: {len(long[0].encode())} bytes in one path component "
+                         f"({shorten(long[0], 40)!r}), the filesystem limit is {NAME_MAX_BYTES}")
+
+
 def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
     """YAML (composed with Hydra; see ``megamarl.config_loader``) + overrides -> validated
-    ``RunConfig``. Errors are ValueErrors that name the offending key."""
-    return compose_config(RunConfig, path, overrides, rewrite=_resolve_plugin_paths, explain=_with_names)
+    ``RunConfig``. Errors are ValueErrors that name the offending key (YAML syntax: file, line, column)."""
+    if path is not None and Path(path).is_file():
+        _check_yaml_file(Path(path))
+    try:
+        return compose_config(RunConfig, path, overrides, rewrite=_resolve_plugin_paths, explain=_with_names)
+    except yaml.YAMLError as exc:  # a file pulled in through `defaults:` (the --config file is checked above)
+        raise ValueError(_yaml_error(exc, path)) from None
+
+
+def _check_yaml_file(path: Path) -> None:
+    """Parse the --config file before Hydra does: Hydra lets PyYAML's multi-line error through (a
+    traceback) and reports a top-level list as a ConfigTypeError without the file."""
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"--config {path}: not UTF-8 text (byte {exc.start})") from None
+    try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)  # structure only: the syntax and the top-level type
+    except yaml.YAMLError as exc:
+        raise ValueError(_yaml_error(exc, path)) from None
+    if node is not None and not isinstance(node, yaml.MappingNode):
+        kind = "a list" if isinstance(node, yaml.SequenceNode) else f"a single value ({shorten(str(node.value), 40)!r})"
+        raise ValueError(f"--config {path}: the top level is {kind}; a config is a mapping of keys "
+                         "(name:, policies:, agents:, ...)")
+
+
+def _yaml_error(exc: yaml.YAMLError, path) -> str:
+    """PyYAML's error as one line: file, line and column (1-based) and the problem."""
+    mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
+    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+    if mark is None:
+        return f"--config {path}: YAML error: {problem}"
+    name = mark.name if mark.name and not mark.name.startswith("<") else str(path)
+    where = f"--config {name}" if Path(name) == Path(path) else f"{name} (in --config {path}'s defaults)"
+    return f"{where}:{mark.line + 1}:{mark.column + 1}: YAML syntax error: {problem}"
+
+
+MAX_ERROR_CHARS = 600  # a config error line; longer ones (a pasted value echoed back) are cut
+
+
+def shorten(text: str, limit: int) -> str:
+    """``text`` cut to about ``limit`` characters, saying how long it was."""
+    return text if len(text) <= limit else f"{text[:limit]}...({len(text)} chars)"
+
+
+def config_error_line(exc: BaseException) -> str:
+    """The one line ``scripts/train.py`` prints for a config error: the message's first line, with an
+    over-long echoed value cut in the middle (the key at the start and the allowed values at the end stay)."""
+    text = str(exc).strip()
+    line = text.splitlines()[0] if text else type(exc).__name__
+    if len(line) <= MAX_ERROR_CHARS:
+        return line
+    keep = MAX_ERROR_CHARS // 2
+    return f"{line[:keep]} ...[{len(line) - 2 * keep} chars cut]... {line[-keep:]}"
 
 
 def _with_names(message: str, merged) -> str:

@@ -15,10 +15,17 @@ The loop (megamarl.trainer.Trainer.fit): rollout -> advantages -> update each po
 import argparse
 import os
 import sys
+import time
+from pathlib import Path
 
-from megamarl.config import load_config
+from megamarl.config import RunConfig, config_error_line, load_config
 from megamarl.config_loader import expand_sweeps
 from megamarl.parallel.engine_placement import plan_engines, ranks_per_node
+
+# Under torchrun every rank runs the same checks; a rank other than 0 waits this long before it
+# reports, so that when every rank fails alike torchrun has already stopped it (after rank 0's exit)
+# and the user reads one line, not one per rank (docs/reliability.md, "The front door").
+QUIET_RANK_GRACE_S = 5.0
 
 
 def main(argv=None) -> int:
@@ -28,6 +35,10 @@ def main(argv=None) -> int:
     parser.add_argument("--show-placement", action="store_true",
                         help="print which rank holds which WG shard and starts which engine replica, computed "
                              "as every rank of the declared cluster does at start-up (fake process groups)")
+    parser.add_argument("--check", action="store_true",
+                        help="run every start-up check of a training launch (config, datasets, placement, run "
+                             "directory, resume checkpoint, tokens) and exit: 0 ok, 2 config error; outside "
+                             "torchrun, placement is checked on the world the config declares")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. trainer.total_steps=5 +env.kwargs.size=6")
     args = parser.parse_args(argv)
     if args.dry_run:
@@ -36,14 +47,15 @@ def main(argv=None) -> int:
         return _show_placement(args.config, args.overrides)
     try:
         cfg = load_config(args.config, args.overrides)
-        world_size = int(os.environ.get("WORLD_SIZE", "1"))
-        plan_engines(cfg, world_size, ranks_per_node(cfg.cluster, world_size))  # WG and engine placement
+        _preflight(cfg, world_size=_launch_world(cfg, check=args.check))
     except (ValueError, ImportError) as exc:  # ImportError: a plugin module that does not load
-        print(f"config error: {exc}", file=sys.stderr)
-        return 2
+        return _config_error(exc)
+    if args.check:
+        print(f"config ok: {args.config}")
+        return 0
     from megamarl.orchestration.driver import RolloutFailureError
-    from megamarl.runtime.checkpoint import CheckpointWriteError
     from megamarl.rl.worker import NumericalFaultError
+    from megamarl.runtime.checkpoint import CheckpointWriteError
     from megamarl.trainer import Trainer
 
     # Errors every rank raises together, with exit codes documented in docs/reliability.md
@@ -61,6 +73,53 @@ def main(argv=None) -> int:
     return 0
 
 
+def _launch_world(cfg: RunConfig, *, check: bool) -> int:
+    """The world this launch runs on: torchrun's WORLD_SIZE. ``--check`` outside torchrun (run before
+    launching it, e.g. in a batch script) checks against the world the config declares instead
+    (``planning.dryrun.declared_world_size``): a 2-rank config is not an error there."""
+    if "WORLD_SIZE" in os.environ or not check:
+        return int(os.environ.get("WORLD_SIZE", "1"))
+    from megamarl.planning.dryrun import declared_world_size
+
+    return declared_world_size(cfg)
+
+
+def _preflight(cfg: RunConfig, *, world_size: int) -> None:
+    """The checks of a training launch that need more than the config: placement on this world,
+    the run directory, the resume checkpoint, single-token ``allowed_tokens`` (tokenizers only).
+    Nothing here builds a model or engine; the one write is the run directory probe, last, once
+    everything else passed (a refused launch leaves an existing run directory as it was). Imported
+    here, as the trainer below: a config error is reported before transformers and torch.distributed load."""
+    from megamarl.orchestration.agents import check_allowed_tokens
+    from megamarl.runtime import checkpoint
+
+    plan_engines(cfg, world_size, ranks_per_node(cfg.cluster, world_size))  # WG and engine placement
+    run_dir = Path(cfg.output_dir) / cfg.name
+    resume = checkpoint.find_checkpoint(cfg.trainer.resume, run_dir)
+    if resume is not None:
+        checkpoint.validate_checkpoint(resume, cfg.policies)
+    constrained = {a.policy for a in cfg.agents.values() if a.sampling.allowed_tokens}
+    if constrained:  # the tokenizers alone (no model): allowed_tokens must be one token each
+        from transformers import AutoTokenizer
+
+        from megamarl.models.packaged import resolve_model_path
+
+        check_allowed_tokens(cfg.agents, {
+            name: AutoTokenizer.from_pretrained(resolve_model_path(cfg.policies[name].model, key=f"policies.{name}.model"))
+            for name in sorted(constrained)})
+    checkpoint.check_run_dir(run_dir)  # last: its probe is the only write (a temporary directory, removed)
+
+
+def _config_error(exc: BaseException) -> int:
+    """One line on stderr, exit code 2. Under torchrun only rank 0 reports at once; another rank
+    reports after QUIET_RANK_GRACE_S, which it lives to do only if rank 0 did not fail alike."""
+    rank = int(os.environ.get("RANK", "0"))
+    if rank != 0:
+        time.sleep(QUIET_RANK_GRACE_S)
+    print(f"config error{f' (rank {rank})' if rank else ''}: {config_error_line(exc)}", file=sys.stderr)
+    return 2
+
+
 def _dry_run(config: str, overrides: list[str]) -> int:
     """Plan every sweep combination against the declared cluster (not WORLD_SIZE); worst exit code."""
     from megamarl.planning.dryrun import main_dry_run
@@ -69,13 +128,12 @@ def _dry_run(config: str, overrides: list[str]) -> int:
         combos = expand_sweeps(overrides)
         configs = [(combo, load_config(config, combo)) for combo in combos]
     except (ValueError, ImportError) as exc:
-        print(f"config error: {exc}", file=sys.stderr)
-        return 2
+        return _config_error(exc)
     status = 0
     for combo, cfg in configs:
         if len(configs) > 1:
             print(f"== dry run: {' '.join(combo)}")
-        status = max(status, main_dry_run(cfg))
+        status = max(status, 2 if main_dry_run(cfg) else 0)  # a plan that does not fit: a config error too
     return status
 
 
@@ -85,9 +143,8 @@ def _show_placement(config: str, overrides: list[str]) -> int:
     try:
         cfg = load_config(config, overrides)
     except (ValueError, ImportError) as exc:
-        print(f"config error: {exc}", file=sys.stderr)
-        return 2
-    return main_show_placement(cfg)
+        return _config_error(exc)
+    return 2 if main_show_placement(cfg) else 0  # a placement that cannot be built: a config error too
 
 
 if __name__ == "__main__":

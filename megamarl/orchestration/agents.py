@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, ClassVar, Mapping, Optional
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from omegaconf import MISSING
 
@@ -96,9 +97,9 @@ class AgentConfig:
 
     policy: str = MISSING  # the policy this agent samples from and trains (a key of `policies`)
     kind: str = ""  # registered agent kind; empty: the env's default kind for this role
-    lora: Optional[str] = None  # L2: adapter name on the policy's shared base
-    system_prompt: Optional[str] = None  # system turn; null: the agent kind's default
-    prompt_template: Optional[str] = None  # user turn, `{observation}` is replaced; null: the kind's default
+    lora: str | None = None  # L2: adapter name on the policy's shared base
+    system_prompt: str | None = None  # system turn; null: the agent kind's default
+    prompt_template: str | None = None  # user turn, `{observation}` is replaced; null: the kind's default
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     multi_turn: bool = False  # keep the agent's own chat transcript across its turns (token-exact)
     memory_tokens: int = 0  # budget of earlier turns shown in the prompt (oldest dropped); 0: none
@@ -109,13 +110,13 @@ class AgentConfig:
     # Per-agent training hyperparameters; None inherits the policy's value. ``lr`` needs the agent's
     # own parameters (an L2 LoRA adapter or an L3 policy of its own): agents sharing weights share one
     # optimizer step. ``frozen``: the agent acts but its samples never train the policy.
-    lr: Optional[float] = None
-    clip_low: Optional[float] = None
-    clip_high: Optional[float] = None
-    kl_coef: Optional[float] = None
-    entropy_coef: Optional[float] = None
-    micro_batch_size: Optional[int] = None
-    mini_batch_size: Optional[int] = None  # samples per optimizer step for this agent's rows
+    lr: float | None = None
+    clip_low: float | None = None
+    clip_high: float | None = None
+    kl_coef: float | None = None
+    entropy_coef: float | None = None
+    micro_batch_size: int | None = None
+    mini_batch_size: int | None = None  # samples per optimizer step for this agent's rows
     frozen: bool = False
 
     def __post_init__(self) -> None:
@@ -215,8 +216,24 @@ def build_agents(
             tokenizer = tokenizers[config.policy]
         else:
             tokenizer = tokenizers
-        agents[role] = cls(role, config, tokenizer)
+        try:
+            agents[role] = cls(role, config, tokenizer)
+        except ValueError as exc:  # the sampling config's own messages say agents.<a>: put the role in
+            raise ValueError(str(exc).replace("agents.<a>", f"agents.{role}")) from exc
     return agents
+
+
+def check_allowed_tokens(configs: Mapping[str, AgentConfig], tokenizers: Mapping[str, Any]) -> None:
+    """Load time (``scripts/train.py``, with only the tokenizers loaded, before any model): every
+    ``agents.<role>.sampling.allowed_tokens`` entry is one token of its policy's tokenizer.
+    ``tokenizers``: policy -> tokenizer, for the policies of agents that set allowed_tokens."""
+    for role, config in configs.items():
+        if config.sampling.allowed_tokens:
+            try:
+                _single_token_ids(config.sampling.allowed_tokens, tokenizers[config.policy])
+            except ValueError as exc:
+                raise ValueError(f"{str(exc).replace('agents.<a>', f'agents.{role}')} (policies.{config.policy}'s "
+                                 "tokenizer)") from None
 
 
 # -- parsers ------------------------------------------------------------------------------------

@@ -21,13 +21,17 @@ from __future__ import annotations
 import asyncio
 import traceback
 from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, Sequence
 
 from megamarl.orchestration.agents import Agent
 from megamarl.orchestration.chat import TemplateDeltaError
 from megamarl.orchestration.context import (
-    ConfigError, EpisodeContext, EpisodeDone, EpisodeDropped, derive_seed,
+    ConfigError,
+    EpisodeContext,
+    EpisodeDone,
+    EpisodeDropped,
+    derive_seed,
 )
 from megamarl.orchestration.env import Env, Task
 from megamarl.orchestration.orchestras import Orchestra
@@ -51,6 +55,7 @@ class EpisodeStats:
     agent_success: dict[str, bool] = field(default_factory=dict)  # agent -> own success (ok episodes)
     policies: dict[str, str] = field(default_factory=dict)  # agent -> the policy it used
     error: str = ""  # failed episodes: the last lines of the traceback
+    env_metrics: dict[str, float] = field(default_factory=dict)  # Env.metrics() (ok episodes)
 
 
 class RolloutFailureError(RuntimeError):
@@ -105,6 +110,10 @@ class RolloutResult:
             calls.update(e.num_calls)
         for agent, num in sorted(calls.items()):
             out[f"agent/{agent}/num_calls"] = float(num)
+        env_totals = Counter()
+        for e in ok:  # getattr: episodes pickled in a checkpoint written before Env.metrics existed
+            env_totals.update(getattr(e, "env_metrics", {}))
+        out.update({f"env/{key}": float(value) for key, value in sorted(env_totals.items())})
         return out
 
 
@@ -157,6 +166,7 @@ async def run_episode(
     stats.env_done = bool(ctx.env.done)
     stats.num_samples = len(ctx.samples)
     stats.num_invalid = sum(not s.valid for s in ctx.samples)
+    stats.env_metrics = dict(ctx.env.metrics())
     for agent in ctx.agents:  # every seat, also one that never acted (its opponent forfeited first)
         own = ctx.env.agent_success(agent)
         stats.agent_success[agent] = stats.success if own is None else bool(own)

@@ -14,8 +14,11 @@ itself; ``default_agents`` maps each role to a registered agent kind.
 from __future__ import annotations
 
 import abc
+import json
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from megamarl.registry import Registry
@@ -63,6 +66,12 @@ class Env(abc.ABC):
         self.done = False
 
     @classmethod
+    def acting_roles(cls, config: EnvConfig) -> tuple[str, ...]:
+        """The roles that act under ``config`` (each needs an ``agents.<role>`` entry); a subset of
+        ``agents`` when a setting turns a role off (math's ``with_verifier: false``)."""
+        return tuple(cls.agents)
+
+    @classmethod
     @abc.abstractmethod
     def generate_tasks(cls, config: EnvConfig, *, num_tasks: int, seed: int) -> list[Task]:
         """Deterministic for (config, num_tasks, seed)."""
@@ -94,6 +103,11 @@ class Env(abc.ABC):
         """Episode-level local reward of ``agent`` for samples whose step gave none."""
         return None
 
+    def metrics(self) -> dict[str, float]:
+        """Counters of this episode (e.g. the code judge's ``judge_errors``), summed over a step's
+        finished episodes and logged as ``env/<key>``."""
+        return {}
+
     def score(self, agent: str, action: Action) -> float | None:
         """Check fn for tree sampling: how good ``action`` would be now, without changing state.
         None: this env has no check for ``agent``."""
@@ -123,6 +137,46 @@ def draw_from_dataset(num_items: int, num_tasks: int, *, seed: int, prefix: str)
     return picks[:num_tasks]
 
 
+def read_jsonl(path: str | Path, *, key: str) -> Iterator[tuple[str, dict]]:
+    """``(where, record)`` for each non-blank line of a JSONL dataset, ``where`` = ``"<key> <file>:<line>"``
+    for the caller's own field errors. Every problem with the file itself raises a ValueError naming
+    ``key`` and the file (and the line, for JSON that does not parse or is not an object): missing,
+    a directory, not UTF-8, empty. Envs call it from their ``Config`` so a bad file stops the run at
+    load time, not at the first rollout."""
+    path = Path(path)
+    try:
+        path.stat()
+    except FileNotFoundError:
+        raise ValueError(f"{key}: {path} does not exist") from None
+    except (OSError, ValueError) as exc:  # a name too long (the OS refuses it), a NUL byte, no permission
+        reason = exc.strerror if isinstance(exc, OSError) else str(exc)
+        raise ValueError(f"{key}: {str(path)[:200]} cannot be read ({reason})") from None
+    if not path.is_file():
+        raise ValueError(f"{key}: {path} is {'a directory' if path.is_dir() else 'not a regular file'}, not a JSONL "
+                         "file")
+    num_records = 0
+    with open(path, "rb") as f:
+        for line_no, raw in enumerate(f, 1):
+            where = f"{key} {path}:{line_no}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise ValueError(f"{where}: not UTF-8 text (byte {exc.start}: {raw[exc.start:exc.start + 1]!r})") from None
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line.rstrip("\r\n"))  # so the column counts within this line
+            except json.JSONDecodeError as exc:  # its own "line 1" means this line: name the file's line
+                raise ValueError(f"{where}: not valid JSON at column {exc.colno}: {exc.msg}") from None
+            if not isinstance(record, dict):
+                # a ValueError: every bad-input error of a config is one (scripts/train.py exits 2 on it)
+                raise ValueError(f"{where}: each line must be a JSON object, got {type(record).__name__}")  # noqa: TRY004
+            num_records += 1
+            yield where, record
+    if num_records == 0:
+        raise ValueError(f"{key}: {path} is empty (no JSON lines)")
+
+
 class EnvMaker:
     """A named, configured env: ``maker.tasks(n, seed=...)`` and ``maker(task) -> Env``."""
 
@@ -135,7 +189,7 @@ class EnvMaker:
             raise ValueError("EnvMaker takes either a config object or keyword overrides, not both")
         if not isinstance(config, self.env_cls.Config):
             expected = self.env_cls.Config.__name__
-            raise ValueError(f"env '{name}' needs a {expected}, got {type(config).__name__}")
+            raise ValueError(f"env '{name}' needs a {expected}, got {type(config).__name__}")  # noqa: TRY004 - a config error
         self.config = config
 
     def tasks(self, num_tasks: int, *, seed: int = 0) -> list[Task]:

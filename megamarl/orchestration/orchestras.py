@@ -40,6 +40,11 @@ class Orchestra(abc.ABC):
     def __init__(self, config: OrchestraConfig | None = None) -> None:
         self.config = config if config is not None else self.Config()
 
+    def roles(self, env_roles: tuple[str, ...]) -> tuple[str, ...]:
+        """The roles this orchestra calls in an env whose roles are ``env_roles`` (load-time check:
+        each needs an ``agents.<role>`` entry; ``check_team``). Default: the env's roles."""
+        return env_roles
+
     @abc.abstractmethod
     async def run(self, ctx: EpisodeContext) -> None:
         """Drive one episode until it is done or out of budget."""
@@ -47,6 +52,36 @@ class Orchestra(abc.ABC):
 
 ORCHESTRAS: Registry[type[Orchestra]] = Registry(
     "orchestra", signature="class(Orchestra) with a Config(OrchestraConfig); cls(config); async run(ctx: EpisodeContext)")
+
+
+def check_team(orchestra: Orchestra, *, orchestra_name: str, env_name: str, env_roles: tuple[str, ...],
+               acting: tuple[str, ...], agent_kinds: dict[str, str], default_kinds: dict[str, str],
+               key: str = "env") -> None:
+    """Load time, before any model exists: the roles ``orchestra`` calls in env ``env_name`` (those
+    the env turns off by config excluded) each have an ``agents.<role>`` entry, and each
+    ``agents.<role>`` either plays a role of the env or the orchestra or names its ``kind``.
+    ``agent_kinds``: role -> ``agents.<role>.kind`` ('' when unset). Without the check a missing role
+    is a KeyError at the first episode, after the models loaded. Envs whose roles are known only per
+    episode (``env_roles`` empty: PettingZoo games) are not checked."""
+    if not env_roles:
+        return
+    called = orchestra.roles(env_roles)
+    known = set(env_roles) | set(called)
+    for role, kind in agent_kinds.items():  # a typo first: it is also why a needed role looks missing
+        if not kind and role not in known:
+            raise ValueError(f"agents.{role}: '{role}' is not a role of {key} '{env_name}' (its roles: "
+                             f"{list(env_roles)}) nor one orchestra '{orchestra_name}' calls; rename the entry, "
+                             f"or set agents.{role}.kind for an extra agent")
+        if not kind and role not in default_kinds:
+            raise ValueError(f"agents.{role}.kind is empty and {key} '{env_name}' has no default kind for role "
+                             f"'{role}' (defaults: {default_kinds})")
+    needed = [r for r in dict.fromkeys(called) if r not in env_roles or r in acting]
+    missing = [r for r in needed if r not in agent_kinds]
+    if missing:
+        raise ValueError(f"agents.{missing[0]} is not defined, but orchestra '{orchestra_name}' calls role "
+                         f"'{missing[0]}' in {key} '{env_name}' (roles called: {needed}, from orchestra.kwargs or "
+                         f"the env's roles {list(env_roles)}); define agents.{missing[0]} or fix the role name "
+                         f"(agents defined: {sorted(agent_kinds)})")
 
 
 def build_orchestra(name: str, **config: Any) -> Orchestra:
@@ -82,6 +117,9 @@ class Sequential(Orchestra):
             self.order = tuple(self.order)
             _positive(self.max_steps, "max_steps")
 
+    def roles(self, env_roles: tuple[str, ...]) -> tuple[str, ...]:
+        return self.config.order or env_roles
+
     async def run(self, ctx: EpisodeContext) -> None:
         order = self.config.order or tuple(ctx.env.agents)
         num_steps = 0
@@ -109,6 +147,9 @@ class Router(Orchestra):
         def __post_init__(self) -> None:
             _positive(self.max_hops, "max_hops")
 
+    def roles(self, env_roles: tuple[str, ...]) -> tuple[str, ...]:
+        return (self.config.router,)  # the router's picks are checked per episode (an unknown pick ends it)
+
     async def run(self, ctx: EpisodeContext) -> None:
         for _ in range(self.config.max_hops):
             if ctx.done:
@@ -130,6 +171,9 @@ class SolveVerify(Orchestra):
 
         def __post_init__(self) -> None:
             _positive(self.max_loops, "max_loops")
+
+    def roles(self, env_roles: tuple[str, ...]) -> tuple[str, ...]:
+        return (self.config.solver, self.config.verifier)
 
     async def run(self, ctx: EpisodeContext) -> None:
         for _ in range(self.config.max_loops):
@@ -177,6 +221,9 @@ class Dag(Orchestra):
             self.nodes = {node: tuple(deps) for node, deps in self.nodes.items()}
             _positive(self.rounds, "rounds")
             self.levels = topological_levels(self.nodes)
+
+    def roles(self, env_roles: tuple[str, ...]) -> tuple[str, ...]:
+        return tuple(self.config.nodes)
 
     async def _node(self, ctx: EpisodeContext, agent: str, outputs: dict[str, Action]) -> Action:
         inputs = "".join(f"\n[{dep}] {outputs[dep].text.strip()}" for dep in self.config.nodes[agent])

@@ -28,10 +28,12 @@ import os
 import random
 import re
 import shutil
+import tempfile
 from pathlib import Path
 
 import numpy as np
 import torch
+from torch.distributed.checkpoint import FileSystemReader
 
 from megamarl.config import PolicyConfig
 from megamarl.models import checkpoint as model_checkpoint  # looked up per call (tests swap in faults)
@@ -103,6 +105,74 @@ def find_checkpoint(resume: str, run_dir: str | Path) -> Path | None:
         f"trainer.resume={resume}: {why}; give a checkpoint directory (<run_dir>/{CHECKPOINTS}/step_N) "
         "or a run directory with complete checkpoints, or trainer.resume=auto"
     )
+
+
+def check_run_dir(run_dir: Path, *, key: str = "output_dir") -> None:
+    """Before anything is built: ``run_dir`` is a directory or can be created as one. Probed by
+    creating (and removing) a temporary directory in its nearest existing ancestor (``run_dir``
+    itself when it exists): ``os.access`` says yes to root on a read-only or pseudo filesystem."""
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ValueError(f"{key}: the run directory {run_dir} exists and is not a directory")
+    ancestor = run_dir
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise ValueError(f"{key}: cannot create the run directory {run_dir}: {ancestor} is a file")
+    try:
+        tempfile.TemporaryDirectory(dir=ancestor, prefix=".megamarl-probe-").cleanup()
+    except OSError as exc:
+        raise ValueError(f"{key}: cannot create the run directory {run_dir}: {ancestor} is not writable "
+                         f"({exc.strerror})") from None
+
+
+def validate_checkpoint(path: Path, policies: dict[str, PolicyConfig]) -> None:
+    """Before a resumed run builds anything or touches its run directory (``scripts/train.py``): the
+    checkpoint ``trainer.resume`` names is whole. Checks, cheapest first: the COMPLETE marker parses;
+    every file its manifest lists has the size the save wrote (checkpoints saved before the manifest
+    skip this); ``trainer.pt`` loads; each trained policy's dist-checkpoint metadata loads and every
+    storage item it lists lies inside its shard file. Not read: the tensor bytes themselves (a shard
+    overwritten with garbage of the same size passes; hashing them would re-read the whole checkpoint
+    at every save). Raises ValueError naming ``trainer.resume``, the checkpoint and the bad file."""
+    def corrupt(what: str) -> ValueError:
+        return ValueError(f"trainer.resume: checkpoint {path} is corrupt: {what}; resume from an earlier "
+                          f"checkpoint ({path.parent}/step_N) or start afresh (trainer.resume=none)")
+
+    try:
+        marker = json.loads((path / COMPLETE).read_text(encoding="utf-8"))
+        step = int(marker["step"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise corrupt(f"{COMPLETE} does not parse ({type(exc).__name__})") from None
+    for name, size in marker.get("files", {}).items():
+        file = path / name
+        if not file.is_file():
+            raise corrupt(f"{name} is missing")
+        if file.stat().st_size != size:
+            raise corrupt(f"{name} has {file.stat().st_size} bytes, the save wrote {size}")
+    try:
+        state = load_trainer_state(path)
+        if state["step"] != step:
+            raise ValueError(f"step {state['step']} != the marker's {step}")
+    except Exception as exc:  # noqa: BLE001 - unpickling garbage raises anything (UnpicklingError, EOFError, ...)
+        raise corrupt(f"{TRAINER_STATE} does not load ({type(exc).__name__}: {str(exc)[:100]})") from None
+    trained = [name for name, policy in policies.items() if not policy.frozen]
+    missing = [name for name in trained if not (path / POLICIES / name).is_dir()]
+    if missing:
+        have = sorted(p.name for p in (path / POLICIES).iterdir()) if (path / POLICIES).is_dir() else []
+        raise ValueError(f"trainer.resume: checkpoint {path} has no policies {missing}; it has {have}")
+    for name in trained:
+        policy_dir = path / POLICIES / name
+        try:
+            metadata = FileSystemReader(str(policy_dir)).read_metadata()
+        except Exception as exc:  # noqa: BLE001 - as above
+            raise corrupt(f"{POLICIES}/{name}/.metadata does not load ({type(exc).__name__})") from None
+        sizes: dict[str, int] = {}
+        for item in metadata.storage_data.values():
+            shard = policy_dir / item.relative_path
+            if item.relative_path not in sizes:
+                sizes[item.relative_path] = shard.stat().st_size if shard.is_file() else -1
+            if sizes[item.relative_path] < item.offset + item.length:
+                raise corrupt(f"{POLICIES}/{name}/{item.relative_path} holds {max(sizes[item.relative_path], 0)} "
+                              f"bytes, its metadata needs {item.offset + item.length}")
 
 
 # ---- policies (collective over all ranks) --------------------------------------------------------
@@ -193,7 +263,9 @@ def commit(staging: Path, final: Path, trainer_state: dict) -> None:
     """Driver only, after every rank wrote its shards into ``staging``: add the run state and the
     marker, then rename ``staging`` to ``final`` in one step."""
     torch.save(trainer_state, staging / TRAINER_STATE)
-    (staging / COMPLETE).write_text(json.dumps({"step": trainer_state["step"]}) + "\n")
+    # the manifest: every file's size, so resume can tell a truncated or replaced file before it loads
+    files = {str(f.relative_to(staging)): f.stat().st_size for f in sorted(staging.rglob("*")) if f.is_file()}
+    (staging / COMPLETE).write_text(json.dumps({"step": trainer_state["step"], "files": files}) + "\n")
     stale = None
     if final.exists():  # the same step saved again (a run resumed from an older checkpoint)
         stale = final.with_name(final.name + ".stale")

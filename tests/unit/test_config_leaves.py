@@ -1,8 +1,10 @@
-"""Property-style check: every leaf of two valid configs, mutated into a wrong type and into an
-out-of-range value, is rejected by ``scripts/train.py`` at load time with exit code 2 and one line
-``config error: ...`` that names the leaf's full key path (with the real policy/agent name), before
-any model or process group exists. Leaves where the mutation is a legitimate value are listed in
-``FREE`` with the reason."""
+"""Property-style check: every leaf of two valid configs, mutated into a wrong type, into an
+out-of-range value and (text leaves) into a 5000-character value, is rejected by ``scripts/train.py
+--check`` (every start-up check of a training launch, nothing built) with exit code 2 and one line
+``config error: ...`` of at most ~600 characters (an over-long value's echo is cut) that names the
+leaf's full key path (with the real policy/agent name), before any model or process group exists.
+Leaves where the mutation is a legitimate value are listed in ``FREE`` with the reason. Then the
+front door's other inputs that an override can give (run name, seed, ranks, roles, tokens)."""
 
 from __future__ import annotations
 
@@ -14,11 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from megamarl.config import load_config
+from megamarl.config import MAX_ERROR_CHARS, load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))
-from train import main  # noqa: E402
+from train import main
 
 CONFIGS = {"signalling_tiny.yaml": 1, "quickstart_cpu.yaml": 2}  # config -> world size it is planned for
 
@@ -28,8 +30,7 @@ FREE = {
     (r"agents\.\w+\.system_prompt", "out of range"): "free text (a prompt)",
     (r"agents\.\w+\.choices", "out of range"): "free text (the choices an agent may name)",
     (r"algorithm\.invalid_penalty", "out of range"): "-1e9 is a (large) penalty; > 0 is rejected (test below)",
-    (r"agents\.\w+\.sampling\.allowed_tokens", "out of range"):
-        "checked against the tokenizer (one token each) when the driver starts, not at load time",
+    (r"agents\.\w+\.system_prompt|logger\.wandb\.(entity|project)", "over-long"): "free text of any length",
 }
 DICT_LEAVES = ("env.kwargs", "orchestra.kwargs", "algorithm.estimator_kwargs")  # validated by their component
 
@@ -58,7 +59,7 @@ def mutations(tp) -> list[tuple[str, str]]:
     if tp in (int, float):
         return [("wrong type", "abc"), ("out of range", "-1000000" if tp is int else "-1e9")]
     if tp is str:
-        return [("wrong type", "{a: 1}"), ("out of range", "bogus_value")]
+        return [("wrong type", "{a: 1}"), ("out of range", "bogus_value"), ("over-long", "x" * 5000)]
     if typing.get_origin(tp) is list:
         bad = "[-5]" if typing.get_args(tp)[0] is int else "[bogus_value]"
         return [("wrong type", "{a: 1}"), ("out of range", bad)]
@@ -89,12 +90,13 @@ def test_every_leaf_mutation_is_named_at_load_time(config, path, kind, text, cap
     if _free(path, kind):
         load_config(ROOT / "configs" / config, [override]).placement(CONFIGS[config])  # accepted, as documented
         return
-    code = main(["--config", str(ROOT / "configs" / config), override])
+    code = main(["--config", str(ROOT / "configs" / config), "--check", override])
     err = capsys.readouterr().err
-    assert code == 2, (override, err)
+    assert code == 2, (override[:200], err[:1000])
     lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("config error: ") and "Traceback" not in err, err
-    assert re.search(r"(^|[\s'\"(])" + re.escape(path) + r"($|[^\w.])", lines[0]), (override, lines[0])
+    assert len(lines) == 1 and lines[0].startswith("config error: ") and "Traceback" not in err, err[:1000]
+    assert len(lines[0]) <= len("config error: ") + MAX_ERROR_CHARS + 40, len(lines[0])  # the echo is cut
+    assert re.search(r"(^|[\s'\"(])" + re.escape(path) + r"($|[^\w.])", lines[0]), (override[:200], lines[0])
 
 
 @pytest.mark.parametrize("override, message", [
@@ -115,3 +117,41 @@ def test_issue_cases(override, message, capsys):
     assert main(["--config", str(ROOT / "configs/signalling_tiny.yaml"), "--dry-run", override]) == 2
     err = capsys.readouterr().err
     assert err.startswith("config error: ") and message in err and len(err.strip().splitlines()) == 1, err
+
+
+# The front door (issue #28 item 4): inputs an override can give. Each is refused by `train.py --check`
+# (so also by a training launch, which runs the same checks first) with exit 2 and one line holding
+# the message. docs/reliability.md, "The front door", lists them.
+@pytest.mark.parametrize("overrides, message", [
+    (["name=../../elsewhere"], "name='../../elsewhere' escapes output_dir"),
+    (["name=/abs/run"], "name='/abs/run' escapes output_dir"),
+    (["name=" + "n" * 300], "name is too long: 300 bytes in one path component"),
+    (["output_dir=" + "o" * 300], "output_dir is too long: 300 bytes"),
+    (["trainer.seed=99999999999999999999"], "trainer.seed must be in [0, 4294967295], got 99999999999999999999"),
+    (["trainer.seed=4294967296"], "trainer.seed must be in [0, 4294967295], got 4294967296"),
+    (["policies.shared.ranks=[]"], "policies.shared.ranks=[] lists no rank"),
+    (["policies.shared.ranks=[0]", "policies.shared.engine.backend=vllm", "policies.shared.engine.ranks=[5]",
+      "placement_mode=disaggregated"], "policies.shared.engine.ranks"),
+    (["~agents.receiver"], ("agents.receiver is not defined, but orchestra 'sequential' calls role 'receiver' in "
+                            "env 'signalling'")),
+    (["~agents.receiver", "+agents.recever.policy=shared"],
+     "agents.recever: 'recever' is not a role of env 'signalling' (its roles: ['sender', 'receiver'])"),
+    (["orchestra.kwargs.order=[sender,receivr]"], ("agents.receivr is not defined, but orchestra 'sequential' "
+                                                    "calls role 'receivr'")),
+    (["orchestra.name=solve_verify"], "agents.solver is not defined, but orchestra 'solve_verify' calls role 'solver'"),
+    (["agents.sender.sampling.allowed_tokens=[A,hello_world]"],
+     "agents.sender.sampling.allowed_tokens: 'hello_world' is 3 tokens, not one (policies.shared's tokenizer)"),
+    (["trainer.mode=" + "m" * 100_000], "chars cut"),
+    (["+é=3"], "config override '+é=3': LexerNoViableAltException"),  # Hydra's grammar: ASCII keys
+])
+def test_front_door_overrides(overrides, message, capsys, tmp_path):
+    code = main(["--config", str(ROOT / "configs/signalling_tiny.yaml"), "--check", f"output_dir={tmp_path}", *overrides])
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("config error: ") and message in lines[0], err[:2000]
+    assert len(lines[0]) < 700 and not list(tmp_path.iterdir())  # cut echo; nothing created under output_dir
+
+
+def test_front_door_accepts_the_config(capsys, tmp_path):
+    assert main(["--config", str(ROOT / "configs/signalling_tiny.yaml"), "--check", f"output_dir={tmp_path}"]) == 0
+    assert capsys.readouterr().out.startswith("config ok: ") and not list(tmp_path.iterdir())

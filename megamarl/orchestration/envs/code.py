@@ -26,13 +26,20 @@ import ast
 import json
 import random
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from megamarl.orchestration.agents import AGENTS, Agent, code_block
-from megamarl.orchestration.env import ENVS, Env, EnvConfig, StepResult, Task
+from megamarl.orchestration.env import ENVS, Env, EnvConfig, StepResult, Task, read_jsonl
 from megamarl.orchestration.judge import (
-    ExprCase, StdioCase, Verdict, call_case, judge_calls, judge_stdio, parse_assert_tests,
+    ExprCase,
+    StdioCase,
+    Verdict,
+    call_case,
+    judge_calls,
+    judge_stdio,
+    parse_assert_tests,
 )
-from megamarl.orchestration.sandbox import SandboxConfig
+from megamarl.orchestration.sandbox import SandboxConfig, isolation_error
 
 
 @dataclass(frozen=True)
@@ -61,18 +68,13 @@ def load_problems(path: str) -> list[CodeProblem]:
       "fn_name": str?}, "solutions": [str, ...]?}`` (solutions may be a JSON-encoded list).
     """
     problems = []
-    with open(path) as f:
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{path}:{line_no}"
-            try:
-                row = json.loads(line)
-                problems.append(_problem_from_row(row))
-            except (ValueError, KeyError, TypeError) as exc:
-                raise ValueError(f"env.dataset {where}: {exc}") from None
-    if not problems:
-        raise ValueError(f"env.dataset {path}: no problems")
+    for where, row in read_jsonl(path, key="env.dataset"):  # the file's own faults: named with file and line
+        try:
+            problems.append(_problem_from_row(row))
+        except KeyError as exc:
+            raise ValueError(f"{where}: missing field {exc}; has {sorted(row)[:10]}") from None
+        except (ValueError, TypeError, AttributeError) as exc:
+            raise ValueError(f"{where}: {exc}") from None
     return problems
 
 
@@ -150,6 +152,9 @@ class CodeConfig(EnvConfig):
     kinds: tuple[str, ...] = tuple(PROBLEM_KINDS)
     dataset: str | None = None  # JSONL of problems (load_problems); replaces the generated kinds
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
+    # True: run candidates in the old audit-hook sandbox (same uid as the judge, no namespaces but
+    # the network one): candidates can read the judge's memory. Only where isolation is impossible.
+    unsafe_inprocess: bool = False
 
     def __post_init__(self) -> None:
         self.kinds = tuple(self.kinds)
@@ -158,6 +163,14 @@ class CodeConfig(EnvConfig):
             raise ValueError(f"env.kinds has {bad or 'nothing'}; allowed: {sorted(PROBLEM_KINDS)}")
         if isinstance(self.sandbox, dict):
             self.sandbox = SandboxConfig(**self.sandbox)
+        if not isinstance(self.unsafe_inprocess, bool):
+            raise ValueError(  # noqa: TRY004 - config errors are ValueErrors (exit 2)
+                f"env.kwargs.unsafe_inprocess must be true or false, got {self.unsafe_inprocess!r}")
+        reason = None if self.unsafe_inprocess else isolation_error()
+        if reason is not None:
+            raise ValueError(f"env 'code' cannot isolate candidate code here: {reason}. Set "
+                             "env.kwargs.unsafe_inprocess=true to run it in the old audit-hook sandbox "
+                             "(not a security boundary; see docs/reliability.md)")
         if self.dataset is not None:
             load_problems(self.dataset)  # a bad file fails at load time, naming env.dataset
 
@@ -184,7 +197,7 @@ class UnitTester(Agent):
 class CodeEnv(Env):
     Config = CodeConfig
     agents = ("coder", "tester")
-    default_agents = {"coder": "coder", "tester": "unit_tester"}
+    default_agents: ClassVar[dict[str, str]] = {"coder": "coder", "tester": "unit_tester"}
     remote_step = True
 
     def __init__(self, task: Task, config: CodeConfig) -> None:
@@ -194,6 +207,7 @@ class CodeEnv(Env):
         self.hidden_fraction = 0.0
         self.hidden_pass = False
         self.feedback = ""
+        self.judge_errors = 0  # cases scored 0 because their output could not be read/compared
 
     @classmethod
     def generate_tasks(cls, config: CodeConfig, *, num_tasks: int, seed: int) -> list[Task]:
@@ -208,9 +222,16 @@ class CodeEnv(Env):
         ]
 
     def _judge(self, code: str, setup: list[str], cases: list) -> Verdict:
+        isolated = not self.config.unsafe_inprocess
         if self.problem.stdio:
-            return judge_stdio(code, cases, self.config.sandbox)
-        return judge_calls(code, cases, self.config.sandbox, setup=setup)
+            verdict = judge_stdio(code, cases, self.config.sandbox, isolated=isolated)
+        else:
+            verdict = judge_calls(code, cases, self.config.sandbox, setup=setup, isolated=isolated)
+        self.judge_errors += verdict.num_judge_errors
+        return verdict
+
+    def metrics(self) -> dict[str, float]:
+        return {"judge_errors": float(self.judge_errors)}
 
     def _hidden(self, code: str) -> Verdict:
         return self._judge(code, *self.problem.hidden_cases())

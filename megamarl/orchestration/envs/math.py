@@ -20,14 +20,14 @@ solver's is the team's; the verifier's is "every verdict it gave was right".
 
 from __future__ import annotations
 
-import json
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import ClassVar
 
 from megamarl.orchestration.agents import AGENTS, Agent, last_number, verdict
-from megamarl.orchestration.env import ENVS, Env, EnvConfig, StepResult, Task, draw_from_dataset
+from megamarl.orchestration.env import ENVS, Env, EnvConfig, StepResult, Task, draw_from_dataset, read_jsonl
 
 
 @dataclass(frozen=True)
@@ -82,24 +82,31 @@ class MathConfig(EnvConfig):
         bad = [k for k in self.kinds if k not in PROBLEM_KINDS]
         if bad or not self.kinds:
             raise ValueError(f"env.kinds has {bad or 'nothing'}; allowed: {sorted(PROBLEM_KINDS)}")
-        if self.dataset_path is not None and not Path(self.dataset_path).is_file():
-            raise ValueError(f"env.dataset_path='{self.dataset_path}' is not a file")
+        if self.dataset_path is not None:
+            load_jsonl(self.dataset_path)  # a bad file fails at load time, naming env.dataset_path, file and line
 
 
 def load_jsonl(path: str | Path) -> list[MathProblem]:
-    """Read ``{"question": str, "answer": number or numeric string}`` lines."""
+    """Read ``{"question": str, "answer": number or numeric string}`` lines; errors name
+    ``env.dataset_path``, the file and the line (``read_jsonl``)."""
     problems = []
-    for line_no, line in enumerate(Path(path).read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        record = json.loads(line)
-        if "question" not in record or "answer" not in record:
-            raise ValueError(f"{path}:{line_no}: each line needs 'question' and 'answer'")
+    for where, record in read_jsonl(path, key="env.dataset_path"):
+        missing = [k for k in ("question", "answer") if k not in record]
+        if missing:
+            raise ValueError(f"{where}: each line needs 'question' and 'answer'; missing {missing}, "
+                             f"has {sorted(record)[:10]}")
+        if not isinstance(record["question"], str) or not record["question"].strip():
+            raise ValueError(f"{where}: 'question' must be non-empty text, got {_short(record['question'])}")
         answer, ok = last_number(str(record["answer"]))
-        if not ok:
-            raise ValueError(f"{path}:{line_no}: answer {record['answer']!r} is not a number")
-        problems.append(MathProblem(str(record["question"]), answer, "dataset"))
+        if not ok or isinstance(record["answer"], (bool, dict, list)):
+            raise ValueError(f"{where}: answer {_short(record['answer'])} is not a number")
+        problems.append(MathProblem(record["question"], answer, "dataset"))
     return problems
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else f"{text[:60]}... ({len(text)} chars)"
 
 
 def answer_correct(value: float | None, truth: float) -> bool:
@@ -127,7 +134,7 @@ class MathVerifier(Agent):
 class MathEnv(Env):
     Config = MathConfig
     agents = ("solver", "verifier")
-    default_agents = {"solver": "math_solver", "verifier": "math_verifier"}
+    default_agents: ClassVar[dict[str, str]] = {"solver": "math_solver", "verifier": "math_verifier"}
 
     def __init__(self, task: Task, config: MathConfig) -> None:
         super().__init__(task, config)
@@ -137,6 +144,10 @@ class MathEnv(Env):
         self.rejected: list[str] = []  # answers the verifier rejected, shown to the solver
         self.verdicts_right: list[bool] = []  # per verifier turn: did its verdict match the truth
         self.num_solver_turns = 0
+
+    @classmethod
+    def acting_roles(cls, config: MathConfig) -> tuple[str, ...]:
+        return cls.agents if config.with_verifier else ("solver",)
 
     @classmethod
     def generate_tasks(cls, config: MathConfig, *, num_tasks: int, seed: int) -> list[Task]:
