@@ -20,7 +20,8 @@ from __future__ import annotations
 import importlib
 import os
 import sys
-from typing import Any, Callable, Generic, Iterable, TypeVar
+from collections.abc import Callable, Iterable
+from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
 
@@ -102,7 +103,7 @@ def import_plugins(modules: Iterable[str], *, paths: Iterable[str] = ()) -> None
                 f"plugins: module '{module}' not found on plugin_paths {list(paths)} or in the working "
                 f"directory {os.getcwd()}; set plugin_paths (relative to the config file's directory)"
             ) from exc
-        except Exception as exc:  # noqa: BLE001 - re-raised with context
+        except Exception as exc:  # re-raised with context
             raise ImportError(f"plugins: module '{module}' failed to import: {exc!r}") from exc
 
 
@@ -117,5 +118,5 @@ def resolve_callable(spec: str, *, key: str) -> Callable:
     except (ImportError, AttributeError) as exc:
         raise ValueError(f"{key}={spec!r}: {exc}") from exc
     if not callable(obj):
-        raise ValueError(f"{key}={spec!r} is not callable")
+        raise ValueError(f"{key}={spec!r} is not callable")  # noqa: TRY004 - a config error: ValueError naming the key
     return obj

@@ -38,7 +38,10 @@ from megamarl.runtime import checkpoint
 from megamarl.runtime.preemption import PreemptionFlag
 from megamarl.runtime.progress import RunProgress
 from megamarl.runtime.step_metrics import (
-    idle_seconds, merge_rank_metrics, peak_memory_gib, throughput_metrics,
+    idle_seconds,
+    merge_rank_metrics,
+    peak_memory_gib,
+    throughput_metrics,
 )
 
 DRIVER = 0

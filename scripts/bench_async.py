@@ -44,7 +44,7 @@ def run_mode(mode: str, *, config: Path, steps: int, overrides: list[str], out_d
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
     load_before = os.getloadavg()[0]
     start = time.perf_counter()
-    proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
+    proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, check=False)
     wall = time.perf_counter() - start
     if proc.returncode != 0:
         raise RuntimeError(f"mode {mode} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")

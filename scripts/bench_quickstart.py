@@ -29,12 +29,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from megamarl.parallel.hardware import cpu_flags, native_bf16, node_cores  # noqa: E402
+from megamarl.parallel.hardware import cpu_flags, native_bf16, node_cores
 
 
 def readme_main_command() -> str:
-    block = re.search(r"## Quickstart.*?```bash\n(.*?)```", (ROOT / "README.md").read_text(), re.S).group(1)
-    return [line for line in block.splitlines() if line.strip() and not line.startswith("#")][0]
+    block = re.search(r"## Quickstart.*?```bash\n(.*?)```", (ROOT / "README.md").read_text(), re.DOTALL).group(1)
+    return next(line for line in block.splitlines() if line.strip() and not line.startswith("#"))
 
 
 class LoadSampler(threading.Thread):
@@ -134,9 +134,10 @@ def main() -> int:
 
 def _cpu_model() -> str:
     try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
     except OSError:
         pass
     return platform.processor() or "unknown"

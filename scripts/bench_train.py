@@ -224,10 +224,10 @@ def random_weights_model(preset: str, directory: Path) -> str:
         raise ValueError(f"--random-weights needs --model to be an architecture preset; allowed: {sorted(PRESETS)}")
     shape = PRESETS[preset]
     family = "qwen3" if shape.qk_norm else "qwen2" if shape.qkv_bias else "llama"
-    overrides = dict(hidden_size=shape.hidden_size, intermediate_size=shape.ffn_hidden_size,
-                     num_hidden_layers=shape.num_layers, num_attention_heads=shape.num_heads,
-                     num_key_value_heads=shape.num_kv_heads, vocab_size=shape.vocab_size,
-                     tie_word_embeddings=shape.tied_embeddings, max_position_embeddings=4096)
+    overrides = {"hidden_size": shape.hidden_size, "intermediate_size": shape.ffn_hidden_size,
+                 "num_hidden_layers": shape.num_layers, "num_attention_heads": shape.num_heads,
+                 "num_key_value_heads": shape.num_kv_heads, "vocab_size": shape.vocab_size,
+                 "tie_word_embeddings": shape.tied_embeddings, "max_position_embeddings": 4096}
     if shape.head_dim != shape.hidden_size // shape.num_heads:
         overrides["head_dim"] = shape.head_dim
     save_hf_model(tiny_model(family, seed=0, init_std=None, **overrides), directory)

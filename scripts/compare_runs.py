@@ -42,7 +42,7 @@ def run_at(source: Path, out_dir: Path, *, config: str, steps: int, extra: list[
         str(source / "scripts" / "train.py"), "--config", str(source / config),
         f"trainer.total_steps={steps}", f"output_dir={out_dir}", "name=compare", *extra,
     ]
-    proc = subprocess.run(cmd, cwd=source, env=env, capture_output=True, text=True)
+    proc = subprocess.run(cmd, cwd=source, env=env, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         raise SystemExit(f"run at {source} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     lines = (out_dir / "compare" / "metrics.jsonl").read_text().splitlines()
@@ -108,7 +108,8 @@ def main(argv=None) -> int:
         diffs, num_compared = compare(sides["base"], sides["head"], args.rtol)
     finally:
         for tree in worktrees:
-            subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(tree)], capture_output=True)
+            subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(tree)], capture_output=True,
+                           check=False)
         shutil.rmtree(tmp, ignore_errors=True)
     losses = sorted({k for record in sides["base"] for k in record if k.startswith("policy/") and not WALL_CLOCK.search(k)})
     print(f"base={args.base} head={args.head or 'working tree'}: {len(sides['base'])} records, "

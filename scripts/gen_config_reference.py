@@ -15,6 +15,7 @@ import dataclasses
 import inspect
 import re
 import sys
+import types
 import typing
 from pathlib import Path
 
@@ -153,7 +154,7 @@ def field_comments(cls: type) -> dict[str, str]:
 
 def _unwrap_optional(hint):
     args = [a for a in typing.get_args(hint) if a is not type(None)]
-    if typing.get_origin(hint) is typing.Union and len(args) == 1:
+    if typing.get_origin(hint) in (typing.Union, types.UnionType) and len(args) == 1:  # Optional[X], X | None
         return args[0], True
     return hint, False
 

@@ -4,8 +4,8 @@ logprobs). Moved out of ``megamarl/models/bridge.py``, where they were test-only
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from functools import partial
-from typing import Callable, Iterator
 
 import torch
 from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -57,7 +57,7 @@ def run_forward_backward(model, wg, microbatches: list[dict], loss_fn: Callable,
         output = model_forward(module, batch["input_ids"], batch.get("position_ids"), batch.get("attention_mask"))
         return output, partial(loss_fn, microbatch=batch)
 
-    kwargs = dict(pg_collection=wg.pgs)
+    kwargs = {"pg_collection": wg.pgs}
     if wg.layout.pp > 1:
         kwargs["p2p_communicator"] = P2PCommunicator(wg.pgs.pp, inner.config)
     schedule = get_forward_backward_func(pp_size=wg.layout.pp, vp_size=None)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from typing import ClassVar
 
 from megamarl.orchestration.agents import AGENTS, Agent
 from megamarl.orchestration.context import EpisodeContext
@@ -39,7 +40,7 @@ class PairSumConfig(EnvConfig):
 class PairSumEnv(Env):
     Config = PairSumConfig
     agents = ("proposer", "finisher")
-    default_agents = {"proposer": "pair_sum_digit", "finisher": "pair_sum_digit"}
+    default_agents: ClassVar[dict[str, str]] = {"proposer": "pair_sum_digit", "finisher": "pair_sum_digit"}
 
     def __init__(self, task: Task, config: PairSumConfig) -> None:
         super().__init__(task, config)

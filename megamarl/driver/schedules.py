@@ -51,9 +51,10 @@ import abc
 import concurrent.futures
 import sys
 import time
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterator, Mapping
+from typing import TYPE_CHECKING
 
 from megamarl.driver.streaming import (
     BusyClock,

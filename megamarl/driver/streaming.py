@@ -25,8 +25,9 @@ import concurrent.futures
 import threading
 import time
 from collections import Counter, deque
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Awaitable, Callable, Iterable, Mapping, Protocol, Sequence
+from typing import Protocol
 
 from megamarl.orchestration.driver import EpisodeStats, RolloutResult
 from megamarl.orchestration.env import Task
@@ -492,7 +493,7 @@ class GroupProducer:
         except asyncio.CancelledError:
             self.buffer.abandon()
             raise
-        except BaseException as exc:  # noqa: BLE001 - run_episodes raises only for config errors
+        except BaseException as exc:  # run_episodes raises only for config errors
             self.buffer.abandon()
             self.buffer.fail(exc)
             raise

@@ -24,10 +24,9 @@ from __future__ import annotations
 # megatron-core (and transformers/safetensors) are imported inside the functions that build, load or run
 # models: importing megatron.core costs ~3 s of CPU (9.7 s wall measured on the loaded 2-core box,
 # 2026-11-23), and config loading and --dry-run import this module without building a model.
-
 import json
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator
 
 import torch
 
@@ -35,7 +34,6 @@ from megamarl.models.mapping import LORA_MARKER, TP_KINDS, hf_from_shards, rule_
 from megamarl.models.registry import arch_from_hf
 from megamarl.models.spec import DecoderArch, gpt_model_kwargs, layer_spec, transformer_config
 from megamarl.parallel.collectives import all_gather_tensors
-
 
 # ---- config and model ------------------------------------------------------------------------------
 
@@ -139,7 +137,7 @@ class HFTensorSource:
             if not file.is_file():
                 raise ValueError(f"{path} holds no model.safetensors(.index.json)")
             with safe_open(str(file), "pt") as handle:
-                self._files = {name: file for name in handle.keys()}
+                self._files = dict.fromkeys(handle.keys(), file)
 
     def names(self) -> list[str]:
         return list(self._dict) if self._dict is not None else list(self._files)
@@ -214,8 +212,7 @@ def export_hf_weights(model, wg, *, source: Callable[[torch.nn.Parameter], torch
         rule, local, _ = rule_for(name)
         tensor = source(param).detach()
         shards = all_gather_tensors(tensor, wg.pgs.tp) if rule.kind in TP_KINDS else [tensor]
-        for hf_name, full in zip(rule.names(_global_layer(model, local)), hf_from_shards(rule, shards, arch=arch)):
-            yield hf_name, full
+        yield from zip(rule.names(_global_layer(model, local)), hf_from_shards(rule, shards, arch=arch))
 
 
 # ---- running the model ----------------------------------------------------------------------------

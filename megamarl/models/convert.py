@@ -106,18 +106,18 @@ def convert(src: str | Path, dst: str | Path, *, from_format: str, to_format: st
         raise ValueError(f"{src} has no config.json")
     if final.resolve() == src.resolve():
         raise ValueError(f"{final}: the output directory must differ from the input")
-    with atomic_dir(final) as dst:  # readers never see a half-converted checkpoint
-        _copy_side_files(src, dst)
+    with atomic_dir(final) as staging:  # readers never see a half-converted checkpoint
+        _copy_side_files(src, staging)
         if from_format == "hf":
-            run_on_ranks(hf_to_megatron, tp * pp, str(src), str(dst), tp, pp)
-            (dst / "megamarl_convert.json").write_text(json.dumps({"saved_tp": tp, "saved_pp": pp}))
+            run_on_ranks(hf_to_megatron, tp * pp, str(src), str(staging), tp, pp)
+            (staging / "megamarl_convert.json").write_text(json.dumps({"saved_tp": tp, "saved_pp": pp}))
             return final
-        (dst / "megamarl_convert.json").unlink(missing_ok=True)
-        lines = [line for rank_lines in run_on_ranks(megatron_to_hf, tp * pp, str(src), str(dst), tp, pp, dtype)
+        (staging / "megamarl_convert.json").unlink(missing_ok=True)
+        lines = [line for rank_lines in run_on_ranks(megatron_to_hf, tp * pp, str(src), str(staging), tp, pp, dtype)
                  for line in rank_lines]
         if pp > 1 and lines:
             weight_map = dict(reversed(line.split("\t")) for line in lines)
-            (dst / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2))
+            (staging / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2))
     return final
 
 
@@ -137,8 +137,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     os.environ.setdefault("PYTHONWARNINGS", "ignore")
     # Through the importable module, not __main__: spawned ranks unpickle the rank bodies by name.
-    from megamarl.runtime.export import export_run
     from megamarl.models.convert import convert
+    from megamarl.runtime.export import export_run
 
     try:
         if args.from_format == "run":

@@ -41,9 +41,9 @@ import contextlib
 import json
 import math
 import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
 
 import torch
 from torch import nn

@@ -23,9 +23,9 @@ import os
 import shutil
 import sys
 import uuid
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterator
 
 from filelock import FileLock
 

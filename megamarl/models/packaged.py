@@ -72,7 +72,7 @@ def _gguf_file(name: str) -> Path:
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
         raise ValueError(f"packaged model '{name}' needs the package {package!r}: {install}")
-    gguf = Path(list(spec.submodule_search_locations)[0]) / filename
+    gguf = Path(next(iter(spec.submodule_search_locations))) / filename
     if not gguf.is_file():
         raise ValueError(f"packaged model '{name}': {gguf} is missing from package {package!r}")
     return gguf

@@ -59,21 +59,21 @@ def decoder_arch(hf_config, family: str, **quirks) -> DecoderArch:
         raise ValueError(f"{family}: hidden_act='{hf_config.hidden_act}' unsupported; allowed: ['silu']")
     theta, scaling = rope_from_hf(hf_config)
     num_heads = hf_config.num_attention_heads
-    fields = dict(
-        family=family,
-        num_layers=hf_config.num_hidden_layers,
-        hidden_size=hf_config.hidden_size,
-        num_heads=num_heads,
-        num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or num_heads,
-        head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads,
-        ffn_hidden_size=hf_config.intermediate_size,
-        vocab_size=hf_config.vocab_size,
-        max_position_embeddings=hf_config.max_position_embeddings,
-        norm_eps=hf_config.rms_norm_eps,
-        rope_theta=theta,
-        rope_scaling_factor=scaling,
-        tied_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
-    )
+    fields = {
+        "family": family,
+        "num_layers": hf_config.num_hidden_layers,
+        "hidden_size": hf_config.hidden_size,
+        "num_heads": num_heads,
+        "num_kv_heads": getattr(hf_config, "num_key_value_heads", None) or num_heads,
+        "head_dim": getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads,
+        "ffn_hidden_size": hf_config.intermediate_size,
+        "vocab_size": hf_config.vocab_size,
+        "max_position_embeddings": hf_config.max_position_embeddings,
+        "norm_eps": hf_config.rms_norm_eps,
+        "rope_theta": theta,
+        "rope_scaling_factor": scaling,
+        "tied_embeddings": bool(getattr(hf_config, "tie_word_embeddings", False)),
+    }
     fields.update(quirks)
     return DecoderArch(**fields)
 
@@ -87,7 +87,7 @@ def rope_from_hf(hf_config) -> tuple[float, float | None]:
         return float(theta), None
     if rope_type == "llama3":
         # megatron-core's RotaryEmbedding hard-codes the Llama-3.1 constants except the factor.
-        fixed = dict(low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)
+        fixed = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
         bad = {k: params.get(k) for k, v in fixed.items() if k in params and float(params[k]) != v}
         if bad:
             raise ValueError(f"rope_parameters {bad} unsupported: megatron-core fixes them to {fixed}")
@@ -104,38 +104,38 @@ def transformer_config(arch: DecoderArch, *, tp: int = 1, pp: int = 1, dtype: to
     """megatron-core ``TransformerConfig`` for ``arch`` at ``tp`` x ``pp`` (no sequence parallel)."""
     from megatron.core.transformer import TransformerConfig
 
-    kwargs = dict(
-        num_layers=arch.num_layers,
-        hidden_size=arch.hidden_size,
-        num_attention_heads=arch.num_heads,
-        num_query_groups=arch.num_kv_heads,
-        kv_channels=arch.head_dim,
-        ffn_hidden_size=arch.ffn_hidden_size,
-        normalization="RMSNorm",
-        layernorm_epsilon=arch.norm_eps,
-        gated_linear_unit=True,
-        activation_func=torch.nn.functional.silu,
-        add_bias_linear=False,
-        add_qkv_bias=arch.qkv_bias,
-        qk_layernorm=arch.qk_norm,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=pp,
-        params_dtype=dtype,
-        pipeline_dtype=dtype,
-        bf16=dtype == torch.bfloat16,
-        fp16=dtype == torch.float16,
-        use_cpu_initialization=local_device().type == "cpu",  # else built on the WG's GPU
-        perform_initialization=init_weights,
-        attention_softmax_in_fp32=True,
-        sequence_parallel=False,
-        gradient_accumulation_fusion=False,
-        bias_activation_fusion=False,
-        masked_softmax_fusion=False,
-        apply_rope_fusion=False,
-        persist_layer_norm=False,
-    )
+    kwargs = {
+        "num_layers": arch.num_layers,
+        "hidden_size": arch.hidden_size,
+        "num_attention_heads": arch.num_heads,
+        "num_query_groups": arch.num_kv_heads,
+        "kv_channels": arch.head_dim,
+        "ffn_hidden_size": arch.ffn_hidden_size,
+        "normalization": "RMSNorm",
+        "layernorm_epsilon": arch.norm_eps,
+        "gated_linear_unit": True,
+        "activation_func": torch.nn.functional.silu,
+        "add_bias_linear": False,
+        "add_qkv_bias": arch.qkv_bias,
+        "qk_layernorm": arch.qk_norm,
+        "hidden_dropout": 0.0,
+        "attention_dropout": 0.0,
+        "tensor_model_parallel_size": tp,
+        "pipeline_model_parallel_size": pp,
+        "params_dtype": dtype,
+        "pipeline_dtype": dtype,
+        "bf16": dtype == torch.bfloat16,
+        "fp16": dtype == torch.float16,
+        "use_cpu_initialization": local_device().type == "cpu",  # else built on the WG's GPU
+        "perform_initialization": init_weights,
+        "attention_softmax_in_fp32": True,
+        "sequence_parallel": False,
+        "gradient_accumulation_fusion": False,
+        "bias_activation_fusion": False,
+        "masked_softmax_fusion": False,
+        "apply_rope_fusion": False,
+        "persist_layer_norm": False,
+    }
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
 
@@ -152,13 +152,13 @@ def layer_spec(arch: DecoderArch, *, use_te: bool | None = None):
 
 def gpt_model_kwargs(arch: DecoderArch, *, tp: int, vocab_multiple: int = 1) -> dict:
     """``GPTModel`` constructor arguments other than config, spec and process groups."""
-    return dict(
-        vocab_size=arch.padded_vocab_size(tp, multiple=vocab_multiple),
-        max_sequence_length=arch.max_position_embeddings,
-        position_embedding_type="rope",
-        rotary_base=arch.rope_theta,
-        rope_scaling=arch.rope_scaling_factor is not None,
-        rope_scaling_factor=arch.rope_scaling_factor or 8.0,
-        share_embeddings_and_output_weights=arch.tied_embeddings,
-        parallel_output=True,
-    )
+    return {
+        "vocab_size": arch.padded_vocab_size(tp, multiple=vocab_multiple),
+        "max_sequence_length": arch.max_position_embeddings,
+        "position_embedding_type": "rope",
+        "rotary_base": arch.rope_theta,
+        "rope_scaling": arch.rope_scaling_factor is not None,
+        "rope_scaling_factor": arch.rope_scaling_factor or 8.0,
+        "share_embeddings_and_output_weights": arch.tied_embeddings,
+        "parallel_output": True,
+    }

@@ -13,16 +13,16 @@ import torch
 
 from megamarl.models.model_cache import save_hf_model
 
-TINY_DEFAULTS = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=512,
-    rms_norm_eps=1e-6,
-    rope_theta=10000.0,
-)
+TINY_DEFAULTS = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 512,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+}
 
 
 def tiny_config(family: str = "llama", *, vocab_size: int = 49152, **overrides):

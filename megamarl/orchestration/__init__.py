@@ -20,8 +20,8 @@ from megamarl.orchestration.orchestras import ORCHESTRAS, Orchestra, build_orche
 from megamarl.orchestration.workers import WORKERS, EnvWorkerError, EnvWorkers, WorkersConfig, make_workers
 
 __all__ = [
-    "AGENTS", "Agent", "AgentConfig", "SamplingConfig", "build_agents", "Action", "ConfigError", "EpisodeContext",
-    "EpisodeDone", "EpisodeDropped", "EpisodeStats", "RolloutResult", "run_episode", "run_episodes",
-    "ENVS", "Env", "EnvConfig", "EnvMaker", "StepResult", "Task", "ORCHESTRAS", "Orchestra",
-    "build_orchestra", "WORKERS", "EnvWorkerError", "EnvWorkers", "WorkersConfig", "make_workers",
+    "AGENTS", "ENVS", "ORCHESTRAS", "WORKERS", "Action", "Agent", "AgentConfig", "ConfigError", "Env",
+    "EnvConfig", "EnvMaker", "EnvWorkerError", "EnvWorkers", "EpisodeContext", "EpisodeDone",
+    "EpisodeDropped", "EpisodeStats", "Orchestra", "RolloutResult", "SamplingConfig", "StepResult", "Task",
+    "WorkersConfig", "build_agents", "build_orchestra", "make_workers", "run_episode", "run_episodes",
 ]

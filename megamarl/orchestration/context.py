@@ -34,8 +34,9 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any
 
 from megamarl.orchestration.chat import ChatTranscript
 from megamarl.orchestration.env import Env, StepResult, Task

@@ -19,6 +19,7 @@ import asyncio
 import random
 import sys
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from megamarl.orchestration.context import ConfigError, EpisodeContext
 from megamarl.orchestration.env import ENVS, Env, EnvConfig, StepResult, Task
@@ -80,7 +81,7 @@ class ToolEnv(Env):
 class ToolRelayEnv(ToolEnv):
     Config = ToolRelayConfig
     agents = ("caller", "answerer")
-    default_agents = {"caller": "signal_sender", "answerer": "signal_receiver"}
+    default_agents: ClassVar[dict[str, str]] = {"caller": "signal_sender", "answerer": "signal_receiver"}
 
     def __init__(self, task: Task, config: ToolRelayConfig) -> None:
         super().__init__(task, config)

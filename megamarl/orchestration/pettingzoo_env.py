@@ -34,8 +34,9 @@ and the episode "succeeds" when someone won (a decisive game, not a draw).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from megamarl.orchestration.context import derive_seed
 from megamarl.orchestration.env import ENVS, Env, EnvConfig, StepResult, Task

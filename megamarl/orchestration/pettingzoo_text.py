@@ -17,7 +17,8 @@ bridge the two when a game names no hooks of its own (``env.kwargs.render`` / ``
 from __future__ import annotations
 
 import re
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 

@@ -15,8 +15,9 @@ import os
 import re
 import string
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -111,7 +112,7 @@ class FaultyEnv(Env):
 
     Config = FaultyConfig
     agents = ("actor",)
-    default_agents = {"actor": "text"}
+    default_agents: ClassVar[dict[str, str]] = {"actor": "text"}
     remote_step = True
 
     @classmethod
@@ -153,7 +154,7 @@ class EchoParallelGame(_ParallelBase):
     """Parallel API. Each round every agent is shown a word and must say it; reward 1 per agent that
     does. Two rounds, then truncation. The word for (round, agent) is fixed by the seed."""
 
-    metadata = {"name": "echo_parallel_v0"}
+    metadata: ClassVar[dict[str, Any]] = {"name": "echo_parallel_v0"}
 
     def __init__(self, num_rounds: int = 2) -> None:
         self.possible_agents = ["alice", "bob"]
@@ -198,7 +199,7 @@ class CountingAECGame(_AECBase):
     arrays ``[count]`` (PettingZoo's ``api_test`` requires numpy observations); ``render_count`` is
     the game's text hook (``env.kwargs.render``)."""
 
-    metadata = {"name": "counting_aec_v0"}
+    metadata: ClassVar[dict[str, Any]] = {"name": "counting_aec_v0"}
 
     def __init__(self, target: int = 4) -> None:
         super().__init__()

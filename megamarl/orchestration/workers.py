@@ -23,9 +23,10 @@ import abc
 import asyncio
 import concurrent.futures
 import multiprocessing
+from collections.abc import Callable
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from megamarl.registry import Registry
 
@@ -81,7 +82,7 @@ class InlineWorkers(EnvWorkers):
     async def call(self, fn: Callable[..., Any], *args: Any, timeout_s: float | None = None) -> Any:
         try:
             return fn(*args)
-        except Exception as exc:  # noqa: BLE001 - reported as an episode failure
+        except Exception as exc:  # reported as an episode failure
             raise self._fail(f"error: {exc!r}") from exc
 
 
@@ -135,7 +136,7 @@ class ProcessWorkers(EnvWorkers):
         except BrokenProcessPool:
             slot = self._replace(slot)
             raise self._fail("crash") from None
-        except Exception as exc:  # noqa: BLE001 - the env raised: that episode fails
+        except Exception as exc:  # the env raised: that episode fails
             raise self._fail(f"error: {exc!r}") from exc
         finally:
             free.put_nowait(slot)

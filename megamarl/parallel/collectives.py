@@ -9,7 +9,8 @@ explicitly (never the default world) and short-circuiting a one-rank group witho
 from __future__ import annotations
 
 import pickle
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist

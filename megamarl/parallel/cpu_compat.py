@@ -27,11 +27,11 @@ def _cpu_device(*_args, **_kwargs) -> str:
     return "cpu"
 
 
-def _cpu_get_rng_state(device="cuda", *_args, **_kwargs) -> torch.Tensor:  # noqa: ARG001
+def _cpu_get_rng_state(device="cuda", *_args, **_kwargs) -> torch.Tensor:
     return torch.get_rng_state()
 
 
-def _cpu_set_rng_state(new_state: torch.Tensor, device=-1, *_args, **_kwargs) -> None:  # noqa: ARG001
+def _cpu_set_rng_state(new_state: torch.Tensor, device=-1, *_args, **_kwargs) -> None:
     torch.set_rng_state(new_state)
 
 

@@ -27,7 +27,7 @@ def local_device() -> torch.device:
     WG's tensors live (``WorkerGroup.device``), paired with ``device_backend`` for its groups. NCCL
     reduces device tensors only, so every tensor a WG's groups reduce is made on this device."""
     if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
     return torch.device("cpu")
 
 

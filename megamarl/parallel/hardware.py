@@ -20,7 +20,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DTYPE_CHOICES = ("auto", *DTYPES)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def cpu_flags() -> frozenset[str]:
     """The CPU feature flags of this node (Linux ``/proc/cpuinfo``; empty elsewhere)."""
     try:

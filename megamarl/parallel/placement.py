@@ -104,7 +104,7 @@ class PlacementConfig:
                     owner[rank] = name
 
     def validate_world(self, world_size: int) -> None:
-        for name, layout in self.worker_groups.items():
+        for layout in self.worker_groups.values():
             bad = [r for r in layout.ranks if not 0 <= r < world_size]
             if bad:
                 raise ValueError(f"{layout.key}.ranks {bad} out of range for world size {world_size}")

@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 
 def _set_result(future: asyncio.Future, value: Any) -> None:

@@ -225,7 +225,7 @@ class EngineFleet:
         if spec.on_gpu and spec.sleeps:
             try:
                 CLIENTS[spec.backend](url, SERVED_MODEL).sleep(level=1)
-            except Exception as exc:  # noqa: BLE001 - reported on every rank by wait_ready
+            except Exception as exc:  # reported on every rank by wait_ready
                 raise ServerStartError(f"{spec.backend} server for {spec.label} answered at {url} but did not go to "
                                        f"sleep after start-up: {exc}") from exc
         return url
@@ -447,7 +447,7 @@ class EngineFleet:
         for transfer in self._transfers.values():
             try:
                 transfer.sender.close()
-            except Exception:  # noqa: BLE001 - servers may already be gone
+            except Exception:  # noqa: BLE001, S110 - servers may already be gone
                 pass
         for proc in self.local.values():
             proc.stop()

@@ -28,9 +28,9 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from collections.abc import Iterable
 from itertools import groupby
 from pathlib import Path
-from typing import Iterable
 
 import torch
 

@@ -16,12 +16,11 @@ therefore never sees a replica with half-updated weights, and all replicas answe
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import queue
 import threading
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from typing import Callable, Iterable, Iterator
 
 import torch
 
@@ -126,7 +125,7 @@ class EnginePool(Engine):
     def _restart(self, index: int, dead: Engine) -> None:
         try:
             dead.shutdown()
-        except Exception:  # noqa: BLE001 - the replica is already gone
+        except Exception:  # noqa: BLE001, S110 - the replica is already gone
             pass
         try:
             fresh = self.factory(index)

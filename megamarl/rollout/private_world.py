@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 # c10d module globals behind ``_World``'s registries (pg_map, pg_names, ...).
 _REGISTRIES = ("_pg_map", "_pg_names", "_pg_group_ranks", "_pg_backend_config", "_tags_to_pg", "_pg_to_tag")

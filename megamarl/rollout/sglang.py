@@ -45,7 +45,8 @@ import base64
 import io
 import threading
 import time
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 
@@ -203,10 +204,10 @@ class SGLangClient(Engine):
         self, *, master_address: str, master_port: int, rank_offset: int, world_size: int,
         group_name: str = "weight_update_group", backend: str = "nccl",
     ) -> None:
-        payload = dict(
-            master_address=master_address, master_port=master_port, rank_offset=rank_offset,
-            world_size=world_size, group_name=group_name, backend=backend,
-        )
+        payload = {
+            "master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
+            "world_size": world_size, "group_name": group_name, "backend": backend,
+        }
         _check(self.http.post("/init_weights_update_group", payload), "init_weights_update_group")
 
     def update_weights_from_distributed(
@@ -214,10 +215,10 @@ class SGLangClient(Engine):
         group_name: str = "weight_update_group", flush_cache: bool = True,
     ) -> None:
         """Announce a broadcast; the caller broadcasts the tensors on the group concurrently."""
-        payload = dict(
-            names=names, dtypes=dtypes, shapes=shapes, group_name=group_name,
-            flush_cache=flush_cache, weight_version=str(version),
-        )
+        payload = {
+            "names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
+            "flush_cache": flush_cache, "weight_version": str(version),
+        }
         _check(self.http.post("/update_weights_from_distributed", payload), "update_weights_from_distributed")
         self.weight_version = version
 

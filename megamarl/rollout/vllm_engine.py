@@ -52,8 +52,9 @@ import shutil
 import tempfile
 import threading
 import time
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 # Must precede any vllm import in this process: keep the engine core in-process (colocation and
 # in-place weight reload both need it).
@@ -62,13 +63,13 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 # skips; megamarl reports what matters itself. Set VLLM_LOGGING_LEVEL=INFO to see vLLM's own log.
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 
-import torch  # noqa: E402
+import torch
 
-from megamarl.parallel.hardware import resolve_dtype  # noqa: E402
-from megamarl.rollout.base import ENGINES, EngineTraits, Generation, InProcessEngine, SamplingParams  # noqa: E402
-from megamarl.rollout.batching import _set_exception, _set_result  # noqa: E402
-from megamarl.rollout.hf import HFEngine  # noqa: E402 - the fallback without vllm
-from megamarl.rollout.private_world import PrivateWorld  # noqa: E402
+from megamarl.parallel.hardware import resolve_dtype
+from megamarl.rollout.base import ENGINES, EngineTraits, Generation, InProcessEngine, SamplingParams
+from megamarl.rollout.batching import _set_exception, _set_result
+from megamarl.rollout.hf import HFEngine  # the fallback without vllm
+from megamarl.rollout.private_world import PrivateWorld
 
 CPU_KV_CACHE_BYTES = 256 * 2**20  # small default KV cache on CPU (vLLM's own default is GiBs)
 # vLLM's torch.distributed world, kept apart from the trainer's (one per process: vLLM's parallel
@@ -140,7 +141,7 @@ def to_vllm_sampling(sampling: SamplingParams):
         n=sampling.n,
         temperature=sampling.temperature,
         top_p=sampling.top_p,
-        top_k=sampling.top_k if sampling.top_k > 0 else 0,  # vLLM: 0 (or -1) disables
+        top_k=max(0, sampling.top_k),  # vLLM: 0 (or -1) disables
         max_tokens=sampling.max_tokens,
         stop_token_ids=list(sampling.stop_token_ids),
         seed=sampling.seed,
@@ -182,12 +183,12 @@ class VLLMEngine(InProcessEngine):
         self.native_sleep = current_platform.is_sleep_mode_available()
         if kv_cache_bytes is None and self.on_cpu and "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
             kv_cache_bytes = CPU_KV_CACHE_BYTES
-        kwargs: dict[str, Any] = dict(
-            model=str(model), dtype=dtype, seed=seed, max_model_len=max_model_len,
-            enforce_eager=enforce_eager, enable_prefix_caching=enable_prefix_caching,
-            gpu_memory_utilization=gpu_memory_utilization, logprobs_mode="processed_logprobs",
-            enable_sleep_mode=self.native_sleep,
-        )
+        kwargs: dict[str, Any] = {
+            "model": str(model), "dtype": dtype, "seed": seed, "max_model_len": max_model_len,
+            "enforce_eager": enforce_eager, "enable_prefix_caching": enable_prefix_caching,
+            "gpu_memory_utilization": gpu_memory_utilization, "logprobs_mode": "processed_logprobs",
+            "enable_sleep_mode": self.native_sleep,
+        }
         if kv_cache_bytes is not None:
             kwargs["kv_cache_memory_bytes"] = kv_cache_bytes
         if enable_lora:
@@ -295,10 +296,10 @@ class VLLMEngine(InProcessEngine):
         for loop, future in waiting:
             loop.call_soon_threadsafe(_set_exception, future, RuntimeError(f"vLLM engine failed: {exc!r}"))
 
-    def _drained(self) -> "_Drained":
+    def _drained(self) -> _Drained:
         return _Drained(self)
 
-    def exclusive(self) -> "_Drained":
+    def exclusive(self) -> _Drained:
         """Context for using ``self.llm`` directly (benchmarks): drains our requests and keeps the
         driver thread off the engine until exit (two threads stepping one LLMEngine corrupt it)."""
         return _Drained(self)
@@ -342,7 +343,7 @@ class VLLMEngine(InProcessEngine):
         if importlib.util.find_spec("vllm") is None:
             print("[megamarl] engine.backend=vllm but vllm is not installed: using the hf engine", flush=True)
             return HFEngine.from_config(cfg, path, replica=replica, seed=seed, num_threads=num_threads)
-        lora_kwargs = dict(enable_lora=True, max_loras=max(lora.num_adapters, 1), max_lora_rank=lora.vllm_max_rank) if lora else {}
+        lora_kwargs = {"enable_lora": True, "max_loras": max(lora.num_adapters, 1), "max_lora_rank": lora.vllm_max_rank} if lora else {}
         dtype = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[resolve_dtype(cfg.dtype)]
         memory = {} if cfg.gpu_memory_utilization is None else {"gpu_memory_utilization": cfg.gpu_memory_utilization}
         return cls(path, seed=seed, kv_cache_bytes=int(cfg.kv_cache_gib * 2**30), dtype=dtype,

@@ -19,8 +19,8 @@ between senders and engine ranks is the intended path for disaggregated engines)
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator
 
 import torch
 import torch.distributed as dist

@@ -32,10 +32,10 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")  # files only, no display (clusters, CI)
-import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.ticker import MaxNLocator  # noqa: E402
+import matplotlib.pyplot as plt
+from matplotlib.ticker import MaxNLocator
 
-from megamarl.runtime.metrics import read_eval, read_metrics  # noqa: E402
+from megamarl.runtime.metrics import read_eval, read_metrics
 
 Series = dict[str, tuple[list[int], list[float]]]  # key -> (steps, values)
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import resource
 import sys
-from typing import Iterable, Mapping
+from collections.abc import Iterable, Mapping
 
 import torch
 

@@ -10,7 +10,7 @@ from megamarl.parallel.launch import run_ranks
 
 pytestmark = pytest.mark.distributed
 
-MODEL = dict(vocab_size=1001, tie_word_embeddings=True)  # tied: PP=2 holds the embedding on two stages
+MODEL = {"vocab_size": 1001, "tie_word_embeddings": True}  # tied: PP=2 holds the embedding on two stages
 
 
 @pytest.fixture(autouse=True)
@@ -23,7 +23,7 @@ def _state_by_hf_name(model, wg, optimizer):
 
     out = {}
     for key in ("exp_avg", "exp_avg_sq"):
-        for name, tensor in bridge.export_hf_weights(model, wg, source=lambda p: optimizer.state[p][key]):
+        for name, tensor in bridge.export_hf_weights(model, wg, source=lambda p, key=key: optimizer.state[p][key]):
             out[f"{key}/{name}"] = tensor.clone()
     for name, tensor in bridge.export_hf_weights(model, wg):
         out[f"param/{name}"] = tensor.clone()

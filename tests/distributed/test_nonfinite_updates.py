@@ -34,8 +34,8 @@ def _batch(nan_row: int | None):
 def _body(rank, model_dir):
     from megamarl.config import PolicyConfig
     from megamarl.parallel.placement import PlacementConfig, WorkerGroupLayout, build_worker_groups
-    from megamarl.rl.policy_setup import load_policy_model
     from megamarl.rl.losses import LossConfig
+    from megamarl.rl.policy_setup import load_policy_model
     from megamarl.rl.worker import PolicyWorker
 
     placement = PlacementConfig({
@@ -56,9 +56,9 @@ def _body(rank, model_dir):
         clean = worker.train_step(_batch(nan_row=None))
         changed = any(not torch.equal(before[n], t) for n, t in worker.export())
         finite = all(torch.isfinite(t).all() for _, t in worker.export())
-        out[name] = dict(skipped=[m["nonfinite_skipped"] for m in skipped], same=same, state_empty=state_empty,
-                         streak=streak, fault=fault, clean=clean["nonfinite_skipped"], grad_norm=clean["grad_norm"],
-                         changed=changed, finite=finite, after=(worker.skip_streak, worker.num_skipped, worker.num_updates))
+        out[name] = {"skipped": [m["nonfinite_skipped"] for m in skipped], "same": same, "state_empty": state_empty,
+                     "streak": streak, "fault": fault, "clean": clean["nonfinite_skipped"], "grad_norm": clean["grad_norm"],
+                     "changed": changed, "finite": finite, "after": (worker.skip_streak, worker.num_skipped, worker.num_updates)}
     return out
 
 

@@ -66,7 +66,7 @@ def _ranks_body(rank, model_dir):
     wgs = build_worker_groups(placement)
     reference = _reference_grads(model_dir)
     batch = _batch()
-    counts = dict(num_tokens=int(batch.response_mask.sum()), num_seqs=batch.num_samples)
+    counts = {"num_tokens": int(batch.response_mask.sum()), "num_seqs": batch.num_samples}
     diffs = {}
     for name, wg in wgs.items():
         policy = PolicyConfig(model=str(model_dir), micro_batch_size=2, lr=1e-3, grad_clip=0.0,
@@ -140,7 +140,7 @@ def _reference_grads_per_agent(model_dir, ref_dir):
     logprobs, entropy = logprobs_of(model)
     with torch.no_grad():
         ref_logprobs, _ = logprobs_of(ref_model)
-    counts = dict(num_tokens=int(batch.response_mask.sum()), num_seqs=batch.num_samples)
+    counts = {"num_tokens": int(batch.response_mask.sum()), "num_seqs": batch.num_samples}
     cfgs = {"solver": _agent_cfgs()["solver"].loss, "verifier": _loss_cfg()}
     total = 0.0
     for agent, cfg in cfgs.items():
@@ -168,7 +168,7 @@ def _per_agent_body(rank, model_dir, ref_dir):
     wgs = build_worker_groups(placement)
     reference = _reference_grads_per_agent(model_dir, ref_dir)
     batch = _restricted_batch()
-    counts = dict(num_tokens=int(batch.response_mask.sum()), num_seqs=batch.num_samples)
+    counts = {"num_tokens": int(batch.response_mask.sum()), "num_seqs": batch.num_samples}
     diffs = {}
     for name, wg in wgs.items():
         policy = PolicyConfig(model=str(model_dir), micro_batch_size=2, lr=1e-3, grad_clip=0.0,
@@ -206,9 +206,8 @@ def test_per_agent_losses_reference_kl_and_restricted_vocab_match_reference(tmp_
 # ---- GAE with a critic (value head on the Megatron model) ---------------------------------------
 
 def _critic_cfg():
-    from megamarl.rl.worker import CriticConfig
-
     from megamarl.rl.advantages import AdvantageConfig
+    from megamarl.rl.worker import CriticConfig
 
     return CriticConfig(AdvantageConfig(estimator="gae", gamma=0.9, lam=0.8, norm_std=True), value_coef=0.5, value_clip=0.2)
 
@@ -235,7 +234,7 @@ def _critic_reference(model_dir):
     mask = batch.response_mask
     adv, returns = gae(rewards_to_tokens(batch.rewards, mask), values.detach(), mask, gamma=cfg.advantage.gamma, lam=cfg.advantage.lam)
     adv = masked_whiten(adv, mask)
-    counts = dict(num_tokens=int(mask.sum()), num_seqs=batch.num_samples)
+    counts = {"num_tokens": int(mask.sum()), "num_seqs": batch.num_samples}
     loss, _ = policy_loss(logprobs, adv, mask, _loss_cfg(), rollout_logprobs=batch.rollout_logprobs,
                           entropy=entropy, **counts)
     per_token, _ = value_loss(values, values.detach(), returns, mask, clip=cfg.value_clip)
@@ -259,7 +258,7 @@ def _critic_body(rank, model_dir):
     wgs = build_worker_groups(placement)
     reference, reference_head = _critic_reference(model_dir)
     batch = _batch().replace(rewards=torch.tensor([1.0, 0.0, 0.5, 2.0, -1.0]), advantages=None)
-    counts = dict(num_tokens=int(batch.response_mask.sum()), num_seqs=batch.num_samples)
+    counts = {"num_tokens": int(batch.response_mask.sum()), "num_seqs": batch.num_samples}
     diffs = {}
     for name, wg in wgs.items():
         policy = PolicyConfig(model=str(model_dir), micro_batch_size=2, lr=1e-3, grad_clip=0.0,
@@ -295,8 +294,8 @@ def test_gae_critic_gradients_equal_single_process_reference(tmp_path):
 def _one_row_body(rank, model_dir):
     from megamarl.config import PolicyConfig
     from megamarl.parallel.placement import PlacementConfig, WorkerGroupLayout, build_worker_groups
-    from megamarl.rl.policy_setup import load_policy_model
     from megamarl.rl.losses import loss_counts
+    from megamarl.rl.policy_setup import load_policy_model
     from megamarl.rl.worker import PolicyWorker
 
     wg = build_worker_groups(PlacementConfig({"dp2": WorkerGroupLayout(ranks=[0, 1])}))["dp2"]

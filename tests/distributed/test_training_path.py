@@ -152,7 +152,7 @@ def _resume_body(rank, model_dir, ckpt):
 
     wg = build_worker_groups(PlacementConfig({"dp2": WorkerGroupLayout(ranks=[0, 1])}))["dp2"]
     batch = _batch()
-    keys = dict(mini_batch_size=2, lr_schedule={"warmup_steps": 1, "decay": "linear"})
+    keys = {"mini_batch_size": 2, "lr_schedule": {"warmup_steps": 1, "decay": "linear"}}
     straight = _worker("dp2", wg, model_dir, **keys)
     for _ in range(2):
         straight.train_step(batch)

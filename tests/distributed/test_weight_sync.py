@@ -86,8 +86,8 @@ def _disaggregated(rank, model_dir):
 
     from megamarl.config import PolicyConfig
     from megamarl.parallel.placement import PlacementConfig, WorkerGroupLayout, build_worker_groups
-    from megamarl.rl.policy_setup import load_policy_model
     from megamarl.rl.losses import LossConfig
+    from megamarl.rl.policy_setup import load_policy_model
     from megamarl.rl.worker import PolicyWorker
     from megamarl.rollout.hf import HFEngine
     from megamarl.rollout.weight_sync import sync_weights
@@ -162,7 +162,7 @@ def test_disaggregated_sync_tp2_and_pp2_stamps_versions(tmp_path):
             synced = engine["synced"][version]
             assert {n: synced[n] for n in exported} == exported, (layout, version)  # bit-exact
             assert set(synced) - set(exported) <= {"lm_head.weight"}  # tied: exported once as embed_tokens
-            num_tensors, num_bytes, num_buckets = engine["stats"][version]
+            num_tensors, _num_bytes, num_buckets = engine["stats"][version]
             assert num_tensors == len(exported) and num_buckets >= 3, (layout, engine["stats"][version])
     changed = [engine["synced"][v] != engine["synced"][w] for v, w in [(0, 1), (1, 2), (2, 3), (3, 4)]]
     assert all(changed), changed  # every train step changed the weights the engine serves

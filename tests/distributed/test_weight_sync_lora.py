@@ -10,8 +10,8 @@ transformers + PEFT on the same weights, with logprobs within fp32 rounding.
 
 from __future__ import annotations
 
-import pytest
 import megatron_steps  # tests/ helper
+import pytest
 import torch
 
 from megamarl.parallel.launch import run_ranks

@@ -8,7 +8,6 @@ unsharded in one process.
 
 from __future__ import annotations
 
-
 import megatron_steps  # tests/ helper: Megatron forward/backward
 import pytest
 
@@ -19,9 +18,9 @@ pytestmark = pytest.mark.distributed
 BATCH, SEQ = 4, 8
 # Two different tiny llamas: A untied (lm_head split over TP), B tied with an odd vocab (padded at TP=2).
 MODELS = {
-    "a": dict(seed=1),
-    "b": dict(seed=2, hidden_size=96, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, vocab_size=1001, tie_word_embeddings=True),
+    "a": {"seed": 1},
+    "b": {"seed": 2, "hidden_size": 96, "intermediate_size": 160, "num_hidden_layers": 2, "num_attention_heads": 4,
+          "num_key_value_heads": 2, "vocab_size": 1001, "tie_word_embeddings": True},
 }
 MODELS["a"].update(tie_word_embeddings=False)
 

@@ -32,15 +32,15 @@ def _body(rank, model_dir):
             metrics = [worker.train_step(batch) for _ in range(2)]
             inner = torch_optimizers([worker.optimizer])
             key = (str(dtype), distributed)
-            out[key] = dict(
-                type=type(worker.optimizer.chained_optimizers[0]).__name__,
-                skipped=[m["nonfinite_skipped"] for m in metrics], grad_norms=[m["grad_norm"] for m in metrics],
-                main_devices=sorted({str(p.device) for opt in inner for p in main_params(opt)}),
-                main_dtypes=sorted({str(p.dtype) for opt in inner for p in main_params(opt)}),
-                state_devices=sorted({str(v.device) for opt in inner for s in opt.state.values()
+            out[key] = {
+                "type": type(worker.optimizer.chained_optimizers[0]).__name__,
+                "skipped": [m["nonfinite_skipped"] for m in metrics], "grad_norms": [m["grad_norm"] for m in metrics],
+                "main_devices": sorted({str(p.device) for opt in inner for p in main_params(opt)}),
+                "main_dtypes": sorted({str(p.dtype) for opt in inner for p in main_params(opt)}),
+                "state_devices": sorted({str(v.device) for opt in inner for s in opt.state.values()
                                       for k, v in s.items() if isinstance(v, torch.Tensor) and k != "step"}),
-                weights=weights(worker), moved=max_abs_diff(weights(worker), initial),
-            )
+                "weights": weights(worker), "moved": max_abs_diff(weights(worker), initial),
+            }
     return out
 
 

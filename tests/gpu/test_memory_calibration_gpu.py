@@ -25,7 +25,7 @@ pytestmark = [pytest.mark.gpu]
 
 SEQ_LEN = 4096
 VOCAB_SIZE = 32768
-WIDTH_70B = dict(hidden_size=8192, intermediate_size=28672, num_attention_heads=64, num_key_value_heads=8)
+WIDTH_70B = {"hidden_size": 8192, "intermediate_size": 28672, "num_attention_heads": 64, "num_key_value_heads": 8}
 TOLERANCE = 0.10  # relative, per layer
 NEEDS_GIB = 48  # two 70B-width layers at T=4096 in the local spec: ~4.5 GB weights + ~17 GB kept + ~12 GB transient
 
@@ -67,9 +67,9 @@ def _body(rank):
         peak, kept = torch.cuda.max_memory_allocated() - base, torch.cuda.memory_allocated() - base
         logits.float().sum().backward()  # what was kept is what backward uses
         torch.cuda.synchronize()
-        out[num_layers] = dict(peak=peak, kept=kept, saved=sum(storages.values()),
-                               peak_with_backward=torch.cuda.max_memory_allocated() - base,
-                               weights=sum(p.numel() * p.element_size() for p in model.parameters()))
+        out[num_layers] = {"peak": peak, "kept": kept, "saved": sum(storages.values()),
+                           "peak_with_backward": torch.cuda.max_memory_allocated() - base,
+                           "weights": sum(p.numel() * p.element_size() for p in model.parameters())}
         del model, logits, params, storages
         torch.cuda.empty_cache()
     return out

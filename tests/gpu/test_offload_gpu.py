@@ -31,7 +31,7 @@ def _body(rank, model_dir):
     offloading.train_step(make_batch(1))
     same = all(torch.equal(a, b) for a, b in zip(plain.model.parameters(), offloading.model.parameters()))
     held = sum(p.numel() * p.element_size() for p in offloading.model.parameters())
-    return dict(device=str(wg.device), moved=stats.num_bytes, freed=freed, held=held, emptied=emptied, same=same)
+    return {"device": str(wg.device), "moved": stats.num_bytes, "freed": freed, "held": held, "emptied": emptied, "same": same}
 
 
 def test_offload_frees_the_gpu_and_restores_the_exact_state(tiny_llama, record_property):

@@ -33,8 +33,8 @@ def _body(rank, model_dir):
             part = worker.my_part(batch)
             collected = worker.backward(part, worker.compute_logprobs(part), counts)
             grads = {n: g.float().cpu() for n, g in megatron_steps.export_hf_grads(worker.model, wg)}
-            out[(str(dtype), mode)] = dict(loss=sum(c["loss"] for c in collected), grads=grads,
-                                           recompute=worker.model.config.recompute_granularity)
+            out[(str(dtype), mode)] = {"loss": sum(c["loss"] for c in collected), "grads": grads,
+                                       "recompute": worker.model.config.recompute_granularity}
             del worker
             torch.cuda.empty_cache()
     return out

@@ -29,14 +29,14 @@ def _body(rank):
     dist.all_reduce(flag, group=control_group())  # gloo on a CPU tensor
     gathered = [None]
     dist.all_gather_object(gathered, {"rank": rank}, group=control_group())
-    return dict(
-        device=str(device), current_device=torch.cuda.current_device(), device_name=torch.cuda.get_device_name(),
-        default_backend=dist.get_backend(), control_backend=dist.get_backend(control_group()),
-        wg_device=str(wg.device), wg_backends={axis: dist.get_backend(getattr(wg.pgs, axis)) for axis in ("tp", "pp", "dp")},
-        summed=summed.tolist(), wg_summed=wg_summed.tolist(), flag=flag.tolist(), gathered=gathered,
-        patches_in_force=cpu_compat.patches_in_force(), enable_cpu_compat=cpu_compat.enable_cpu_compat(),
-        tensor_cuda=str(torch.zeros(1).cuda().device),  # Tensor.cuda is torch's own (the shim keeps CPU tensors)
-    )
+    return {
+        "device": str(device), "current_device": torch.cuda.current_device(), "device_name": torch.cuda.get_device_name(),
+        "default_backend": dist.get_backend(), "control_backend": dist.get_backend(control_group()),
+        "wg_device": str(wg.device), "wg_backends": {axis: dist.get_backend(getattr(wg.pgs, axis)) for axis in ("tp", "pp", "dp")},
+        "summed": summed.tolist(), "wg_summed": wg_summed.tolist(), "flag": flag.tolist(), "gathered": gathered,
+        "patches_in_force": cpu_compat.patches_in_force(), "enable_cpu_compat": cpu_compat.enable_cpu_compat(),
+        "tensor_cuda": str(torch.zeros(1).cuda().device),  # Tensor.cuda is torch's own (the shim keeps CPU tensors)
+    }
 
 
 def test_gpu_rank_starts_with_nccl_gloo_control_and_no_cpu_shims(record_property):

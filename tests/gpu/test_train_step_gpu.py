@@ -34,9 +34,9 @@ def _step_body(rank, model_dir):
         before = worker.compute_logprobs(batch).float().cpu()
         metrics = worker.train_step(batch)
         after = worker.compute_logprobs(batch).float().cpu()
-        out[str(dtype)] = dict(before=before, after=after, loss=metrics["loss"], grad_norm=metrics["grad_norm"],
-                               skipped=metrics["nonfinite_skipped"],
-                               param_device=str(next(worker.model.parameters()).device))
+        out[str(dtype)] = {"before": before, "after": after, "loss": metrics["loss"], "grad_norm": metrics["grad_norm"],
+                           "skipped": metrics["nonfinite_skipped"],
+                           "param_device": str(next(worker.model.parameters()).device)}
     return out
 
 

@@ -67,8 +67,8 @@ def _greedy(engine):
 def _colocated_sync(rank, model_dir):
     from megamarl.config import PolicyConfig
     from megamarl.parallel.placement import PlacementConfig, WorkerGroupLayout, build_worker_groups
-    from megamarl.rl.policy_setup import load_policy_model
     from megamarl.rl.losses import LossConfig
+    from megamarl.rl.policy_setup import load_policy_model
     from megamarl.rl.worker import PolicyWorker
     from megamarl.rollout.weight_sync import sync_weights
 

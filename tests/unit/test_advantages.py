@@ -8,8 +8,14 @@ import pytest
 import torch
 
 from megamarl.rl.advantages import (
-    ADVANTAGE_ESTIMATORS, AdvantageConfig, GroupIndex, anchor_ids, compute_advantages, discounted_returns, gae,
-    group_ids, masked_whiten,
+    AdvantageConfig,
+    GroupIndex,
+    anchor_ids,
+    compute_advantages,
+    discounted_returns,
+    gae,
+    group_ids,
+    masked_whiten,
 )
 
 EPS = 1e-12
@@ -259,11 +265,11 @@ def test_gae_estimator_places_reward_on_last_token_and_whitens():
 
 
 @pytest.mark.parametrize("kwargs, key", [
-    (dict(estimator="ppo2"), "advantage.estimator"), (dict(group_by=["colour"]), "advantage.group_by"),
-    (dict(eps=0.0), "advantage.eps"), (dict(gamma=1.5), "advantage.gamma"), (dict(lam=-0.1), "advantage.lam"),
-    (dict(std_ddof=2), "advantage.std_ddof"),
-    (dict(gigpo_omega=-1.0), "advantage.gigpo_omega"),
-    (dict(gigpo_similarity=0.0), "advantage.gigpo_similarity"),
+    ({"estimator": "ppo2"}, "advantage.estimator"), ({"group_by": ["colour"]}, "advantage.group_by"),
+    ({"eps": 0.0}, "advantage.eps"), ({"gamma": 1.5}, "advantage.gamma"), ({"lam": -0.1}, "advantage.lam"),
+    ({"std_ddof": 2}, "advantage.std_ddof"),
+    ({"gigpo_omega": -1.0}, "advantage.gigpo_omega"),
+    ({"gigpo_similarity": 0.0}, "advantage.gigpo_similarity"),
 ])
 def test_config_validation_names_key(kwargs, key):
     with pytest.raises(ValueError, match=key):

@@ -7,7 +7,14 @@ import time
 
 import pytest
 
-from megamarl.driver.streaming import BusyClock, EpisodeGroup, GroupBuffer, StalenessStats, group_samples, split_fresh
+from megamarl.driver.streaming import (
+    BusyClock,
+    EpisodeGroup,
+    GroupBuffer,
+    StalenessStats,
+    group_samples,
+    split_fresh,
+)
 from megamarl.orchestration.driver import EpisodeStats
 from megamarl.rl.sample import Sample
 

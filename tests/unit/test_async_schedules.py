@@ -154,7 +154,7 @@ def test_fully_async_sync_every_pushes_every_n_updates_and_bounds_the_buffer(loo
     source = FakeSource(num_tasks=4)
     schedule = build_schedule(cfg, source, loop)
     assert sync_interval(cfg.trainer) == 2 and schedule.buffer.capacity == 2 * 2 * 4
-    batches, metrics = drive(schedule, source, cfg, steps=6)
+    batches, _metrics = drive(schedule, source, cfg, steps=6)
     schedule.close()
     assert [v["a"] for v, _ in batches] == [1, 1, 2, 2, 3, 3]
     # in flight + queued never exceeds the bound (tracked atomically inside the buffer; the logged

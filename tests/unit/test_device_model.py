@@ -48,9 +48,9 @@ def _body(rank, model_dir):
     batch, recorder, audit = _batch(), DeviceRecorder(), FactoryAudit()  # the driver collates on the CPU
     with audit, recorder:
         metrics = worker.train_step(batch)
-    return dict(device=str(wg.device), devices=sorted(recorder.devices()), off=recorder.off(wg.device),
-                ops=sum(recorder.seen.values()), factories=sorted(audit.calls), total=audit.total,
-                grad_norm=metrics["grad_norm"])
+    return {"device": str(wg.device), "devices": sorted(recorder.devices()), "off": recorder.off(wg.device),
+            "ops": sum(recorder.seen.values()), "factories": sorted(audit.calls), "total": audit.total,
+            "grad_norm": metrics["grad_norm"]}
 
 
 def test_policy_update_keeps_every_tensor_on_the_wg_device(tmp_path):

@@ -9,7 +9,7 @@ from megamarl.parallel.placement import PlacementConfig, WorkerGroupLayout, buil
 def test_64_rank_hybrid_placement_builds_with_fake_process_groups():
     placement = PlacementConfig(
         {
-            "planner": WorkerGroupLayout(ranks=list(range(0, 48)), tp=8, pp=2),  # dp=3
+            "planner": WorkerGroupLayout(ranks=list(range(48)), tp=8, pp=2),  # dp=3
             "executor": WorkerGroupLayout(ranks=list(range(48, 64)), tp=2),  # dp=8
         },
         mode="disaggregated",

@@ -27,7 +27,7 @@ def _fractions(overrides=(), capacity_gib: float = 80.0):
 def test_sync_mode_leaves_the_engine_what_the_rollout_phase_does_not_hold():
     """70b_hetero, sync: a planner GPU keeps its bf16 reference model (8.2 GiB) while the engine is
     awake, so its TP=8 replica may take (80 - 8.2 - 4) / 80 of each GPU; executor GPUs keep nothing."""
-    cfg, fractions, report = _fractions()
+    _cfg, fractions, report = _fractions()
     assert set(fractions) == {("planner", i) for i in range(6)} | {("executor", i) for i in range(16)}
     for (policy, index), fraction in fractions.items():
         ranks = report.engines[policy].replicas[index]
@@ -79,6 +79,6 @@ def test_fractions_on_the_measured_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=80 * GIB))
     cfg = load_config(CONFIG)
     assert server_memory_fractions(cfg, world_size=64, gpus_per_node=8) == _fractions()[1]
-    external = load_config(CONFIG, ["policies.planner.engine.server_urls=[http://a:1,http://b:1,http://c:1,"
-                                    "http://d:1,http://e:1,http://f:1]"])  # nobody here starts them
+    external = load_config(CONFIG, [("policies.planner.engine.server_urls=[http://a:1,http://b:1,http://c:1,"
+                                     "http://d:1,http://e:1,http://f:1]")])  # nobody here starts them
     assert not any(p == "planner" for p, _ in server_memory_fractions(external, world_size=64, gpus_per_node=8))

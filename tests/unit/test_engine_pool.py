@@ -45,7 +45,7 @@ class ServerFarm:
         for server in self.servers:
             try:
                 server.kill()
-            except Exception:  # noqa: BLE001 - already killed
+            except Exception:  # noqa: BLE001, S110 - already killed
                 pass
 
 

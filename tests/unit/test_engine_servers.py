@@ -12,11 +12,16 @@ from megamarl.models.tiny import tiny_model
 from megamarl.rollout import ENGINES
 from megamarl.rollout.fakes import FakeSGLangServer, FakeVLLMServer, QueueTransport
 from megamarl.rollout.hf import HFEngine
-from megamarl.rollout.sglang import SGLangClient, SGLangEngine, deserialize_named_tensors, serialize_named_tensors
+from megamarl.rollout.sglang import (
+    SGLangClient,
+    SGLangEngine,
+    deserialize_named_tensors,
+    serialize_named_tensors,
+)
 from megamarl.rollout.vllm_server import VLLMServerClient
 
 PROMPTS = [[1, 9690, 198, 2683, 359], [1, 300, 301]]
-GREEDY = dict(temperature=0.0, max_tokens=8)
+GREEDY = {"temperature": 0.0, "max_tokens": 8}
 
 
 def run(client, prompts, **sampling):

@@ -132,7 +132,7 @@ def test_rejected_answer_shown_to_solver_and_unparseable_verdict(tok):
 
 
 def test_solver_only_mode(tok):
-    result, tasks = _rollout(tok, _right_solver, num_tasks=3, with_verifier=False)
+    result, _tasks = _rollout(tok, _right_solver, num_tasks=3, with_verifier=False)
     assert [s.agent for s in result.samples] == ["solver"] * 3
     assert all(e.team_reward == 1.0 and e.env_done for e in result.episodes)
 
@@ -140,8 +140,8 @@ def test_solver_only_mode(tok):
 def test_verifier_own_success_is_its_verdicts_being_right():
     from types import SimpleNamespace
 
-    from megamarl.orchestration.envs.math import MathConfig, MathEnv, MathProblem
     from megamarl.orchestration.env import Task
+    from megamarl.orchestration.envs.math import MathConfig, MathEnv, MathProblem
 
     def run(answer, verdict):
         env = MathEnv(Task("t", MathProblem("What is 2 + 3?", 5.0, "add1")), MathConfig())

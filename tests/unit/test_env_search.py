@@ -52,7 +52,7 @@ def _oracle(request):
 
 
 def test_search_then_answer_succeeds(tok):
-    result, tasks = _rollout(tok, _oracle)
+    result, _tasks = _rollout(tok, _oracle)
     assert [s.agent for s in result.samples[:4]] == ["router", "searcher", "router", "answerer"]
     searcher = result.samples[1]
     assert searcher.local_reward == 1.0  # gold doc retrieved

@@ -7,6 +7,7 @@ import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
+from typing import ClassVar
 
 import pytest
 import torch
@@ -136,10 +137,10 @@ def test_gpu_memory_utilization_needs_a_gpu(tmp_path, monkeypatch):
 class _FakeServer:
     """Stands in for ``ServerProcess``: logs its start-up; ``delay_s`` before it answers."""
 
-    events: list[str] = []
+    events: ClassVar[list[str]] = []
     delay_s = 0.0
     gate: threading.Event | None = None  # start-up blocks until it is set (shows overlap)
-    specs: list = []
+    specs: ClassVar[list] = []
 
     def __init__(self, spec) -> None:
         self.spec, self.proc = spec, SimpleNamespace(pid=4242, poll=lambda: None)
@@ -279,10 +280,12 @@ def test_a_server_that_does_not_fall_asleep_stops_start_up(fake_servers, monkeyp
 
     monkeypatch.setitem(fleet_module.CLIENTS, "vllm", lambda url, model: Refusing(url, events))
     fleet = make(on_gpu=True)
-    with pytest.raises(RuntimeError, match=r"^vllm server for policy 'shared' replica 0 \(rank 0\) answered at "
-                                           r"http://127\.0\.0\.1:8000 but did not go to sleep after start-up: 503"):
-        with fleet.model_preparation():
-            _build_models(events)
+    with (
+        pytest.raises(RuntimeError, match=r"^vllm server for policy 'shared' replica 0 \(rank 0\) answered at "
+                                          r"http://127\.0\.0\.1:8000 but did not go to sleep after start-up: 503"),
+        fleet.model_preparation(),
+    ):
+        _build_models(events)
     assert "models built" not in events
 
 

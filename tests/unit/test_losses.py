@@ -6,8 +6,17 @@ import pytest
 import torch
 
 from megamarl.rl.losses import (
-    KL_K3_CLAMP, LOSS_AGGREGATIONS, LossConfig, entropy_from_logits, kl_k3, kl_penalty, loss_counts, policy_loss,
-    ppo_clip_loss, tis_weights, token_logprobs,
+    KL_K3_CLAMP,
+    LOSS_AGGREGATIONS,
+    LossConfig,
+    entropy_from_logits,
+    kl_k3,
+    kl_penalty,
+    loss_counts,
+    policy_loss,
+    ppo_clip_loss,
+    tis_weights,
+    token_logprobs,
 )
 
 NAN = float("nan")
@@ -136,7 +145,7 @@ def test_seq_mean_counts_skip_rows_without_response_item6():
     loss = torch.tensor([[0.3, 0.3, 0.0], [0.2, 0.0, 0.0], [0.1, 0.1, 0.1], [9.0, 9.0, 9.0]])
     mask = torch.tensor([[1, 1, 0], [1, 0, 0], [1, 1, 1], [0, 0, 0]], dtype=torch.bool)
     counts = loss_counts(mask)
-    assert counts == dict(num_tokens=6, num_seqs=3)
+    assert counts == {"num_tokens": 6, "num_seqs": 3}
     close(LOSS_AGGREGATIONS.get("seq-mean-token-mean")(loss, mask, **counts), 0.2)
     close(LOSS_AGGREGATIONS.get("seq-mean-token-mean")(loss, mask, num_tokens=6, num_seqs=4), 0.15)
     # token sums .6, .2, .3 -> 1.1 / 3
@@ -199,11 +208,11 @@ def test_policy_loss_missing_inputs_raise():
 
 
 @pytest.mark.parametrize("kwargs, key", [
-    (dict(clip_low=1.0), "loss.clip_low"), (dict(clip_high=-0.1), "loss.clip_high"),
-    (dict(dual_clip=1.0), "loss.dual_clip"), (dict(ratio_level="word"), "loss.ratio_level"),
-    (dict(kl_coef=-1.0), "loss.kl_coef"), (dict(entropy_coef=-1.0), "loss.entropy_coef"),
-    (dict(kl_type="k4"), "loss.kl_type"), (dict(agg_mode="sum"), "loss.agg_mode"),
-    (dict(tis_mode="seq"), "loss.tis_mode"), (dict(tis_cap=0.0), "loss.tis_cap"),
+    ({"clip_low": 1.0}, "loss.clip_low"), ({"clip_high": -0.1}, "loss.clip_high"),
+    ({"dual_clip": 1.0}, "loss.dual_clip"), ({"ratio_level": "word"}, "loss.ratio_level"),
+    ({"kl_coef": -1.0}, "loss.kl_coef"), ({"entropy_coef": -1.0}, "loss.entropy_coef"),
+    ({"kl_type": "k4"}, "loss.kl_type"), ({"agg_mode": "sum"}, "loss.agg_mode"),
+    ({"tis_mode": "seq"}, "loss.tis_mode"), ({"tis_cap": 0.0}, "loss.tis_cap"),
 ])
 def test_config_validation_names_key(kwargs, key):
     with pytest.raises(ValueError, match=key):

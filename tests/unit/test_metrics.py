@@ -7,10 +7,11 @@ import math
 
 import pytest
 
-from megamarl.runtime.metrics import LoggerConfig, WandbConfig
 from megamarl.runtime.metrics import (
+    LoggerConfig,
     MetricsLogger,
     Timer,
+    WandbConfig,
     agent_metrics,
     describe,
     mean,

@@ -24,9 +24,9 @@ def test_registry_lists_supported_families_on_unknown_model_type():
 
 
 @pytest.mark.parametrize("family,checks", [
-    ("llama", dict(tied_embeddings=True, qkv_bias=False, qk_norm=False)),
-    ("qwen2", dict(tied_embeddings=False, qkv_bias=True, qk_norm=False)),
-    ("qwen3", dict(tied_embeddings=False, qkv_bias=False, qk_norm=True, head_dim=24)),
+    ("llama", {"tied_embeddings": True, "qkv_bias": False, "qk_norm": False}),
+    ("qwen2", {"tied_embeddings": False, "qkv_bias": True, "qk_norm": False}),
+    ("qwen3", {"tied_embeddings": False, "qkv_bias": False, "qk_norm": True, "head_dim": 24}),
 ])
 def test_arch_from_hf_per_family(family, checks):
     overrides = {"head_dim": 24} if family == "qwen3" else {}
@@ -49,11 +49,11 @@ def test_family_quirks_rejected():
 def test_rope_parameters():
     from transformers import LlamaConfig
 
-    llama3 = LlamaConfig(rope_parameters=dict(rope_type="llama3", rope_theta=5e5, factor=32.0, low_freq_factor=1.0,
-                                              high_freq_factor=4.0, original_max_position_embeddings=8192))
+    llama3 = LlamaConfig(rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 32.0, "low_freq_factor": 1.0,
+                                          "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
     assert rope_from_hf(llama3) == (5e5, 32.0)
     with pytest.raises(ValueError, match="rope_type='yarn'"):
-        rope_from_hf(LlamaConfig(rope_parameters=dict(rope_type="yarn", rope_theta=1e4, factor=2.0)))
+        rope_from_hf(LlamaConfig(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}))
 
 
 def test_padded_vocab():

@@ -6,7 +6,14 @@ import sys
 import pytest
 
 from megamarl.orchestration import (
-    AGENTS, Agent, AgentConfig, EnvMaker, SamplingConfig, build_agents, build_orchestra, run_episodes,
+    AGENTS,
+    Agent,
+    AgentConfig,
+    EnvMaker,
+    SamplingConfig,
+    build_agents,
+    build_orchestra,
+    run_episodes,
 )
 from megamarl.orchestration.agents import first_choice
 from megamarl.orchestration.testing import ScriptedEngine, fixed, smollm2_tokenizer

@@ -1,6 +1,7 @@
 """Token-exact multi-turn prompts: history ids are never re-tokenized; deltas are checked."""
 
 import asyncio
+from typing import ClassVar
 
 import pytest
 
@@ -55,7 +56,7 @@ def test_odd_tokenization_is_kept_not_retokenized(tok):
 class _RewritingTokenizer:
     """A template that drops earlier assistant turns (like reasoning-stripping templates)."""
 
-    all_special_ids = [0]
+    all_special_ids: ClassVar[list[int]] = [0]
 
     def apply_chat_template(self, messages, tokenize, add_generation_prompt):
         last_assistant = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=-1)

@@ -6,8 +6,17 @@ from dataclasses import dataclass
 import pytest
 
 from megamarl.orchestration import (
-    ENVS, AgentConfig, ConfigError, Env, EnvConfig, EnvMaker, StepResult, Task, build_agents,
-    build_orchestra, run_episodes,
+    ENVS,
+    AgentConfig,
+    ConfigError,
+    Env,
+    EnvConfig,
+    EnvMaker,
+    StepResult,
+    Task,
+    build_agents,
+    build_orchestra,
+    run_episodes,
 )
 from megamarl.orchestration.orchestras import topological_levels
 from megamarl.orchestration.testing import ScriptedEngine, smollm2_tokenizer
@@ -101,7 +110,7 @@ def test_router_routes_by_parsed_reply(tok):
 def test_solve_verify_exits_on_approval(tok):
     replies = iter(["x", "no", "y", "yes", "never"])
     configs = {"s": AgentConfig(policy="default", kind="text"), "v": AgentConfig(policy="default", kind="math_verifier")}
-    result, (env,), _ = _run(tok, build_orchestra("solve_verify", solver="s", verifier="v", max_loops=5, approve_value=True),
+    _result, (env,), _ = _run(tok, build_orchestra("solve_verify", solver="s", verifier="v", max_loops=5, approve_value=True),
                              lambda q: next(replies), roles=("s", "v"), configs=configs)
     assert env.log == [("s", "x"), ("v", "no"), ("s", "y"), ("v", "yes")]
 
@@ -122,7 +131,7 @@ def test_dag_levels_run_concurrently_and_read_inputs(tok):
         return f"out-{agent}"
 
     nodes = {"a": (), "b": (), "c": ("a", "b")}
-    _, (env,), engine = _run(tok, build_orchestra("dag", nodes=nodes), policy)
+    _, (env,), _engine = _run(tok, build_orchestra("dag", nodes=nodes), policy)
     assert env.log == [("a", "out-a"), ("b", "out-b"), ("c", "out-c")]
     assert "Inputs:\n[a] out-a\n[b] out-b" in seen["c"]
     assert topological_levels(nodes) == [["a", "b"], ["c"]]

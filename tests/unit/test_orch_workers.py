@@ -5,7 +5,14 @@ import asyncio
 import pytest
 
 from megamarl.orchestration import (
-    AgentConfig, EnvMaker, Task, WorkersConfig, build_agents, build_orchestra, make_workers, run_episodes,
+    AgentConfig,
+    EnvMaker,
+    Task,
+    WorkersConfig,
+    build_agents,
+    build_orchestra,
+    make_workers,
+    run_episodes,
 )
 from megamarl.orchestration.testing import ScriptedEngine, fixed, smollm2_tokenizer
 

@@ -27,9 +27,9 @@ def test_tp_pp_dp_must_match_rank_count():
 @pytest.mark.parametrize(
     "kwargs, heads, kv, layers, message",
     [
-        (dict(tp=2), 9, 3, 30, r"\.tp=2 does not divide the model's 9 attention heads"),
-        (dict(tp=4), 8, 2, 4, r"\.tp=4 does not divide the model's 2 KV heads"),
-        (dict(pp=4), 8, 8, 30, r"\.pp=4 does not divide the model's 30 layers"),
+        ({"tp": 2}, 9, 3, 30, r"\.tp=2 does not divide the model's 9 attention heads"),
+        ({"tp": 4}, 8, 2, 4, r"\.tp=4 does not divide the model's 2 KV heads"),
+        ({"pp": 4}, 8, 8, 30, r"\.pp=4 does not divide the model's 30 layers"),
     ],
 )
 def test_model_divisibility_errors(kwargs, heads, kv, layers, message):

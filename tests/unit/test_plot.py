@@ -72,7 +72,7 @@ def test_every_axis_is_labelled_and_agents_keep_their_colours(tmp_path):
     for fig in figures.values():
         for ax in fig.axes:
             title, ylabel = ax.get_title(), ax.get_ylabel()
-            if title.startswith("policy") or title.startswith("peak memory") or ylabel == "policy success rate":
+            if title.startswith(("policy", "peak memory")) or ylabel == "policy success rate":
                 kind = "policy"
             elif title.startswith("agent") or ylabel.startswith(("shaped reward", "own success")):
                 kind = "agent"

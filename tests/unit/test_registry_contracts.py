@@ -160,7 +160,7 @@ def test_agent_kinds_build_from_agent_config_and_parse(name):
     cls = AGENTS.get(name)
     assert issubclass(cls, Agent)
     agent = cls("role", AgentConfig(policy="default", kind=name, choices=("a", "b")), smollm2_tokenizer())
-    action, valid = agent.parse("a")
+    _action, valid = agent.parse("a")
     assert isinstance(valid, bool)
 
 

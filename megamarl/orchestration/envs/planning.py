@@ -26,6 +26,7 @@ import random
 import re
 from collections import deque
 from dataclasses import dataclass
+from typing import ClassVar
 
 from megamarl.orchestration.agents import AGENTS, Agent
 from megamarl.orchestration.env import ENVS, Env, EnvConfig, StepResult, Task
@@ -163,7 +164,7 @@ class GridConfig(PlanningConfig):
 @ENVS.register("grid")
 class GridEnv(PlanExecEnv):
     Config = GridConfig
-    default_agents = {"planner": "planner", "executor": "move_executor"}
+    default_agents: ClassVar[dict[str, str]] = {"planner": "planner", "executor": "move_executor"}
     rules = "Move the agent A to the goal G on the grid. # is a wall, . is free. Moves: U D L R."
 
     def __init__(self, task: Task, config: GridConfig) -> None:
@@ -261,7 +262,7 @@ def _reverse_play(rng: random.Random, config: SokobanConfig) -> SokobanLevel | N
 @ENVS.register("sokoban")
 class SokobanEnv(PlanExecEnv):
     Config = SokobanConfig
-    default_agents = {"planner": "planner", "executor": "move_executor"}
+    default_agents: ClassVar[dict[str, str]] = {"planner": "planner", "executor": "move_executor"}
     rules = (
         "Sokoban: push every box onto a goal. # wall, _ floor, @ you, $ box, . goal, * box on goal, "
         "+ you on goal. You push a box by walking into it; you cannot pull. Moves: U D L R."

@@ -23,6 +23,7 @@ import random
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 from megamarl.orchestration.agents import AGENTS, Agent
 from megamarl.orchestration.env import ENVS, Env, EnvConfig, StepResult, Task, draw_from_dataset
@@ -152,7 +153,7 @@ def _read_jsonl(path: str) -> list[dict]:
 class SearchQAEnv(Env):
     Config = SearchConfig
     agents = ("router", "searcher", "answerer")
-    default_agents = {"router": "router", "searcher": "searcher", "answerer": "answerer"}
+    default_agents: ClassVar[dict[str, str]] = {"router": "router", "searcher": "searcher", "answerer": "answerer"}
 
     def __init__(self, task: Task, config: SearchConfig) -> None:
         super().__init__(task, config)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from typing import ClassVar
 
 from megamarl.orchestration.agents import AGENTS, Agent
 from megamarl.orchestration.env import ENVS, Env, EnvConfig, StepResult, Task
@@ -64,7 +65,7 @@ class SignallingConfig(EnvConfig):
 class SignallingEnv(Env):
     Config = SignallingConfig
     agents = ("sender", "receiver")
-    default_agents = {"sender": "signal_sender", "receiver": "signal_receiver"}
+    default_agents: ClassVar[dict[str, str]] = {"sender": "signal_sender", "receiver": "signal_receiver"}
 
     def __init__(self, task: Task, config: SignallingConfig) -> None:
         super().__init__(task, config)

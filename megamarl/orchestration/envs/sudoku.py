@@ -20,6 +20,7 @@ import math
 import random
 import re
 from dataclasses import dataclass
+from typing import ClassVar
 
 from megamarl.orchestration.agents import AGENTS, Agent
 from megamarl.orchestration.env import ENVS, Task
@@ -96,7 +97,7 @@ def is_valid_solution(grid: list[list[int]]) -> bool:
 @ENVS.register("sudoku")
 class SudokuEnv(PlanExecEnv):
     Config = SudokuConfig
-    default_agents = {"planner": "planner", "executor": "sudoku_executor"}
+    default_agents: ClassVar[dict[str, str]] = {"planner": "planner", "executor": "sudoku_executor"}
 
     def __init__(self, task: Task, config: SudokuConfig) -> None:
         super().__init__(task, config)
