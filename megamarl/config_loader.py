@@ -33,6 +33,7 @@ import dataclasses
 import difflib
 import itertools
 import re
+import types
 import typing
 from pathlib import Path
 from typing import Any
@@ -198,8 +199,13 @@ def _is_list_node(node) -> bool:
     if isinstance(node, ListConfig):
         return True
     ref = getattr(node._metadata, "ref_type", None)
-    args = [a for a in typing.get_args(ref) if a is not type(None)] if typing.get_origin(ref) is typing.Union else [ref]
-    return any(typing.get_origin(a) in (list, list) for a in args)
+    args = [a for a in typing.get_args(ref) if a is not type(None)] if _is_union(ref) else [ref]
+    return any(typing.get_origin(a) is list for a in args)
+
+
+def _is_union(hint) -> bool:
+    """``Optional[X]`` / ``Union[...]`` and ``X | None`` (``types.UnionType``) alike."""
+    return typing.get_origin(hint) in (typing.Union, types.UnionType)
 
 
 def _describe(exc: BaseException, schema_cls: type) -> str:
@@ -236,7 +242,7 @@ def _suggest(schema_cls: type, full_key: str) -> str:
         else:
             return ""
         optional = [a for a in typing.get_args(hint) if a is not type(None)]
-        hint = optional[0] if typing.get_origin(hint) is typing.Union and len(optional) == 1 else hint
+        hint = optional[0] if _is_union(hint) and len(optional) == 1 else hint
     if not dataclasses.is_dataclass(hint):
         return ""
     names = [f.name for f in dataclasses.fields(hint)]

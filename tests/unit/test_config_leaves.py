@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import re
 import sys
+import types
 import typing
 from pathlib import Path
 
@@ -39,7 +40,7 @@ def leaves(obj, prefix=""):
     hints = typing.get_type_hints(type(obj))
     for f in dataclasses.fields(obj):
         value, tp, path = getattr(obj, f.name), hints[f.name], f"{prefix}{f.name}"
-        if typing.get_origin(tp) is typing.Union:  # Optional[X]
+        if typing.get_origin(tp) in (typing.Union, types.UnionType):  # Optional[X], X | None
             tp = next(a for a in typing.get_args(tp) if a is not type(None))
             if dataclasses.is_dataclass(tp) and value is None:
                 continue
@@ -144,7 +145,10 @@ def test_issue_cases(override, message, capsys):
     (["trainer.mode=" + "m" * 100_000], "chars cut"),
     (["+é=3"], "config override '+é=3': LexerNoViableAltException"),  # Hydra's grammar: ASCII keys
 ])
-def test_front_door_overrides(overrides, message, capsys, tmp_path):
+def test_front_door_overrides(overrides, message, capsys, tmp_path, monkeypatch):
+    # as ``torchrun --nproc_per_node 1`` launches it (outside torchrun --check places on the world the
+    # config declares, which grows with engine.ranks)
+    monkeypatch.setenv("WORLD_SIZE", "1")
     code = main(["--config", str(ROOT / "configs/signalling_tiny.yaml"), "--check", f"output_dir={tmp_path}", *overrides])
     err = capsys.readouterr().err
     lines = err.strip().splitlines()
