@@ -19,22 +19,18 @@ import json
 import os
 import runpy
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from megamarl.parallel.distributed import free_local_port
+from megamarl.parallel.launch import rank_context, set_rank_environ
+
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = ROOT / "scripts" / "train.py"
 # What a rank of scripts/train.py imports, loaded once in the fork server.
 TRAIN_PRELOAD = ("megamarl.trainer", "megamarl.orchestration", "megamarl.runtime.plot", "matplotlib.pyplot")
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _rank_main(rank: int, nproc: int, port: int, script: str, argv: list[str], environ: dict[str, str],
@@ -45,11 +41,8 @@ def _rank_main(rank: int, nproc: int, port: int, script: str, argv: list[str], e
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
-    os.environ.clear()
-    os.environ.update(environ)
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0", ROLE_RANK=str(rank),
-                      WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc), ROLE_WORLD_SIZE=str(nproc),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_RESTART_COUNT="0",
+    set_rank_environ(environ, rank, nproc, port)
+    os.environ.update(GROUP_RANK="0", ROLE_RANK=str(rank), ROLE_WORLD_SIZE=str(nproc), TORCHELASTIC_RESTART_COUNT="0",
                       TORCHELASTIC_MAX_RESTARTS="0", TORCHELASTIC_RUN_ID="megamarl-tests")
     if nproc > 1 and "OMP_NUM_THREADS" not in environ:  # torchrun's default for several local ranks
         os.environ["OMP_NUM_THREADS"] = "1"
@@ -119,10 +112,8 @@ def start(argv: list[str], *, nproc: int, log: Path, env: dict[str, str] | None 
           script: Path = TRAIN) -> Ranks:
     """Start ``script argv`` on ``nproc`` local ranks (module docstring), every rank's output appended
     to ``log``; returns at once."""
-    from megamarl.parallel.launch import rank_context
-
     ctx = rank_context(TRAIN_PRELOAD)
-    port = _free_port()
+    port = free_local_port()
     environ = {**os.environ, "CI": "true", **(env or {})}
     procs = [ctx.Process(target=_rank_main, args=(rank, nproc, port, str(script), list(argv), environ, str(cwd),
                                                   str(log)))

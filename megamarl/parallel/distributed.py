@@ -44,7 +44,7 @@ def init_distributed(*, timeout_s: float = 600.0) -> torch.device:
     if not dist.is_initialized():
         if "RANK" not in os.environ:  # plain `python scripts/train.py`: a one-rank world
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", str(_free_port()))
+            os.environ.setdefault("MASTER_PORT", str(free_local_port()))
             os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
         dist.init_process_group(
             backend=device_backend(),
@@ -109,7 +109,8 @@ def wait_for_driver(what: str, *, driver: int = 0, timeout_s: float, heartbeat_s
             continue
 
 
-def _free_port() -> int:
+def free_local_port() -> int:
+    """A TCP port free on 127.0.0.1 now (a local rendezvous)."""
     import socket
 
     with socket.socket() as sock:

