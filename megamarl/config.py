@@ -355,10 +355,19 @@ class EvalConfig:
     env: EvalEnvConfig = field(default_factory=EvalEnvConfig)  # unset fields: the training env
     # Several named sets instead (exclusive with env): eval/<set>/team_accuracy, eval/<set>/avg@k, ...
     sets: dict[str, EvalEnvConfig] = field(default_factory=dict)
+    # Stop the run (checkpoint, exit 0) at the first eval after a training step where every listed
+    # result reaches its value: a key of eval.json (team_accuracy, avg@<k>, pass@<k>,
+    # agent/<a>/success, policy/<p>/success; <set>/<key> with eval.sets) -> minimum. Like RLlib's stop
+    # criteria; sweeps and the learning tests end when the target is reached (docs/rl.md).
+    stop_at: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for key in ("every", "num_tasks"):
             _check_range(f"eval.{key}", getattr(self, key), low=0)
+        for key, value in self.stop_at.items():  # a number (the typed merge rejects others)
+            _check_range(f"eval.stop_at.{key}", value)
+        if self.stop_at and self.num_tasks <= 0:
+            raise ValueError("eval.stop_at needs eval.num_tasks > 0 (it is checked on the eval results)")
         _check_range("eval.k", self.k, low=1)
         _check_range("eval.temperature", self.temperature, low=0)
         if self.env.is_set() and self.sets:
@@ -366,6 +375,20 @@ class EvalConfig:
         bad = [name for name in self.sets if not name or "/" in name]
         if bad:
             raise ValueError(f"eval.sets names {bad} must be non-empty and contain no '/'")
+
+    def result_keys(self, agents: dict[str, AgentConfig]) -> list[str]:
+        """The keys an eval.json entry holds (``eval_summary``), per set."""
+        names = ["team_accuracy", f"avg@{self.k}", f"pass@{self.k}", "num_tasks", "num_failed"]
+        names += [f"agent/{a}/success" for a in agents]
+        names += [f"policy/{p}/success" for p in sorted({a.policy for a in agents.values()})]
+        prefixes = [f"{name}/" for name in self.sets] or [""]
+        return [prefix + name for prefix in prefixes for name in names]
+
+    def check_stop_at(self, agents: dict[str, AgentConfig]) -> None:
+        known = self.result_keys(agents)
+        unknown = [key for key in self.stop_at if key not in known]
+        if unknown:
+            raise ValueError(f"eval.stop_at has unknown eval results {unknown}; eval.json holds {known}")
 
     def resolved_sets(self, train: EnvSpec) -> dict[str, EnvSpec]:
         """Set name -> env; the unnamed set "" (metrics without a set prefix) unless ``sets`` is given."""
@@ -485,6 +508,7 @@ class RunConfig:
         if self.algorithm.max_refill_rounds > 0 and self.trainer.mode == "fully_async":
             raise ValueError("algorithm.max_refill_rounds > 0 needs trainer.mode sync or one_step_off "
                              "(fully_async batches already wait for rollout.num_tasks groups)")
+        self.eval.check_stop_at(self.agents)
         check_engine_ranks(self.policies)
         self._check_registered_names()
 

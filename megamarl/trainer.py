@@ -58,6 +58,7 @@ class Trainer:
             else RunProgress(total_steps=cfg.trainer.total_steps, enabled=False, quiet=True)
         self.run_dir = Path(run_dir or Path(cfg.output_dir) / cfg.name)
         self.step = 0
+        self.stop_reason = ""  # set when eval.stop_at is reached: the loop ends after this step's checkpoint
         self.versions = {name: 0 for name in cfg.policies}  # weight pushes into the engines so far
         self.updates_since_sync = {name: 0 for name in cfg.policies}
         self.sync_every = sync_interval(cfg.trainer)  # updates of a policy per weight push
@@ -103,8 +104,10 @@ class Trainer:
         if self.step == 0:
             self.sync_all_weights()  # engines start from the (possibly resumed) trained weights
             self.evaluate()
+        elif self.stop_reason and self.is_driver:
+            self.driver.console_print(f"resumed a run that stopped at step {self.step}: {self.stop_reason}; nothing to do")
         preemption = PreemptionFlag()
-        while self.step < total:
+        while self.step < total and not self.stop_reason:
             step_start = time.perf_counter()
             resynced = self.resync_restarted()
             offloaded = self.offload_train_state()  # gathered from every rank with the update's metrics
@@ -122,8 +125,8 @@ class Trainer:
             self.progress.step_done(self.step, metrics["timing_s/step"])
             self.log(metrics)
             if self._due(self.cfg.eval.every) or self.step == total:
-                self.evaluate()
-            saved = self._due(self.cfg.trainer.save_every) or self.step == total
+                self.stop_reason = self.evaluate()
+            saved = self._due(self.cfg.trainer.save_every) or self.step == total or bool(self.stop_reason)
             if saved:
                 self.save()
             if preemption.agreed(control_group()):  # every rank, same step (megamarl.runtime.preemption)
@@ -133,6 +136,8 @@ class Trainer:
                     self.driver.console_print(f"preempted ({preemption.received.name if preemption.received else 'another rank'}): saved step "
                                               f"{self.step}; trainer.resume=auto continues from it")
                 break
+            if self.stop_reason and self.is_driver:
+                self.driver.console_print(f"stopping at step {self.step}: {self.stop_reason} (saved)")
         preemption.uninstall()
         self.close()
 
@@ -247,12 +252,20 @@ class Trainer:
                 metrics.update(self.pusher.resync(name, self.versions[name], engines, replicas))
         return metrics
 
-    def evaluate(self) -> None:
+    def evaluate(self) -> str:
+        """Eval on the driver; after a training step, returns (on every rank) why ``eval.stop_at``
+        stops the run, or ""."""
         if self.cfg.eval.num_tasks <= 0:
-            return
-        if self.is_driver:
-            self.driver.evaluate(self.step)
+            return ""
+        results = self.driver.evaluate(self.step) if self.is_driver else {}
         self._wait_for_driver(f"the evaluation at step {self.step}")
+        stop_at = self.cfg.eval.stop_at
+        if not stop_at or self.step == 0 or self.step >= self.cfg.trainer.total_steps:
+            return ""  # not before training, and the last step ends the run anyway
+        reason = [", ".join(f"{k}={results[k]:.3f} >= {v}" for k, v in stop_at.items())
+                  if self.is_driver and all(results.get(k, float("-inf")) >= v for k, v in stop_at.items()) else ""]
+        dist.broadcast_object_list(reason, src=DRIVER, group=control_group())
+        return f"eval.stop_at reached ({reason[0]})" if reason[0] else ""
 
     def log(self, metrics: dict[str, float]) -> None:
         if self.is_driver:
@@ -284,6 +297,7 @@ class Trainer:
                 "num_updates": {k: v[0] for counts, _ in num_updates for k, v in counts.items()},
                 "lr_steps": {k: v[1] for counts, _ in num_updates for k, v in counts.items()},
                 "driver": self.driver.state_dict(),
+                "stop_reason": self.stop_reason,  # a resumed run that stopped at eval.stop_at stays stopped
             }
             error = checkpoint.attempt_write(lambda: checkpoint.commit(staging, final, state))
             errors += [f"rank {self.rank}: {error}"] if error else []
@@ -309,6 +323,7 @@ class Trainer:
             worker.num_updates = state["num_updates"][name]
             worker.scheduler.step(increment=state.get("lr_steps", {}).get(name, 0))  # the schedule's position
         self.step = state["step"]
+        self.stop_reason = state.get("stop_reason", "")
         # sync_all_weights stamps version + 1: start one below so engines carry the saved versions
         self.versions = {name: state["versions"].get(name, 1) - 1 for name in self.cfg.policies}
         self.sync_all_weights()

@@ -33,6 +33,7 @@ evals and 7 checkpoints of the suite's longest module.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import struct
@@ -59,35 +60,39 @@ class Preset:
     world_size: int
 
 
-def _fp32_overrides(path: Path | str) -> list[str]:
-    """fp32 engines and training on every policy: the TIS check below compares the trainer's
-    log-probs with the engine's to 1e-3, which ``auto`` (bf16 on a node with native bf16) would not
-    meet."""
-    from megamarl.config import load_config
-
-    names = load_config(path).policies.keys()
+def _fp32_overrides(names) -> list[str]:
+    """fp32 engines and training on every policy (``names``): the TIS check below compares the
+    trainer's log-probs with the engine's to 1e-3, which ``auto`` (bf16 on a node with native bf16)
+    would not meet."""
     return [f"policies.{n}.{k}=fp32" for n in names for k in ("dtype", "engine.dtype")]
 
 
+@functools.cache
 def _load(path: Path):
     from megamarl.config import load_config
 
-    return load_config(path, _fp32_overrides(path))
+    return load_config(path, _fp32_overrides(load_config(path).policies))
 
 
-def _preset(path: Path) -> Preset:
+def _world_size(cfg) -> int:
     """World size from the policies' explicit ranks (presets without ranks run on 1 rank). The
     composed config: presets take their ranks from layout/ groups in their defaults list."""
-    ranks = [r for p in _load(path).policies.values() for r in p.ranks or []]
-    return Preset(path.stem, path, max(ranks, default=0) + 1)
+    return max((r for p in cfg.policies.values() for r in p.ranks or []), default=0) + 1
 
 
-PRESETS = [_preset(path) for path in sorted(PRESET_DIR.glob("*.yaml"))]
+# Each preset's world size, written out: collection (in every xdist worker) then needs no Hydra compose
+# (~0.5 s per preset); test_presets_load_and_place checks the table against the composed configs.
+WORLD_SIZES = {
+    "code": 1, "grid": 1, "hybrid_colocated": 2, "hybrid_disaggregated": 3, "l1_colocated": 2,
+    "l1_disaggregated": 2, "l2_colocated": 2, "l2_l3_hybrid": 2, "l3_colocated": 2, "l3_disaggregated": 3,
+    "math": 1, "pettingzoo": 1, "search_qa": 1, "signalling": 1, "sokoban": 1, "sudoku": 1,
+}
+PRESETS = [Preset(path.stem, path, WORLD_SIZES.get(path.stem, 0)) for path in sorted(PRESET_DIR.glob("*.yaml"))]
 FULL_RUN_1_RANK = "signalling"  # the 1-rank preset that trains all NUM_STEPS (see the docstring)
 
 
-def _num_steps(preset: Preset) -> int:
-    return NUM_STEPS if preset.world_size > 1 or preset.name == FULL_RUN_1_RANK else 1
+def _num_steps(name: str, world_size: int) -> int:
+    return NUM_STEPS if world_size > 1 or name == FULL_RUN_1_RANK else 1
 
 
 def _param(preset: Preset):
@@ -189,6 +194,7 @@ def test_presets_load_and_place():
     """Every preset (L2 included) passes config validation and placement at its world size."""
     for preset in PRESETS:
         cfg = _load(preset.path)
+        assert preset.world_size == _world_size(cfg), f"{preset.name}: WORLD_SIZES says {preset.world_size}"
         cfg.placement(preset.world_size)
         assert cfg.trainer.total_steps == NUM_STEPS, f"{preset.name}: presets are 2-step smoke runs"
         assert cfg.name == f"preset_{preset.name}", f"{preset.name}: run name should be preset_<file stem>"
@@ -206,7 +212,7 @@ def test_docs_list_every_preset():
 def test_preset_trains_and_syncs(preset: Preset, preset_runs):
     out = preset_runs[preset.name]
     records = _run_records(preset, out)
-    num_steps = _num_steps(preset)
+    num_steps = _num_steps(preset.name, preset.world_size)
     assert [r["step"] for r in records] == list(range(1, num_steps + 1))
     cfg = _load(preset.path)
     stats = ("num_samples", "reward_mean", "success", "invalid_rate", "response_len")
@@ -232,13 +238,15 @@ def _run_presets(out: Path, configs: list[str]) -> None:
     stops the other ranks, as torchrun does): the presets after it are reported as not finished."""
     import runpy
 
+    from megamarl.config import load_config
+
     train = runpy.run_path(str(ROOT / "scripts" / "train.py"), run_name="megamarl_train")["main"]
-    rank = int(os.environ.get("RANK", "0"))
-    steps = {p.name: _num_steps(p) for p in PRESETS}
+    rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ["WORLD_SIZE"])
     for config in configs:
         start = time.perf_counter()
-        rc = train(["--config", config, f"output_dir={out / 'runs'}", *_fp32_overrides(config),
-                    f"trainer.total_steps={steps[Path(config).stem]}"])
+        steps = _num_steps(Path(config).stem, world_size)
+        rc = train(["--config", config, f"output_dir={out / 'runs'}", *_fp32_overrides(load_config(config).policies),
+                    f"trainer.total_steps={steps}"])
         if rank == 0:
             record = {"preset": Path(config).stem, "rc": rc, "seconds": round(time.perf_counter() - start, 1)}
             with open(out / "results.jsonl", "a") as f:
