@@ -56,15 +56,20 @@ def wait_gone(uid: int, within_s: float = 3.0) -> list[int]:
     return left
 
 
+# This process's sandbox directories only: other tests (the code preset, the code env's tests) may run
+# sandboxes beside this module in another worker, whose directories come and go meanwhile.
+OWN_DIRS = f"/tmp/megamarl-sbx-{JUDGE}-*"
+
+
 @pytest.fixture(autouse=True)
 def nothing_left_behind():
-    before = set(glob.glob("/tmp/megamarl-sbx-*"))
+    before = set(glob.glob(OWN_DIRS))
     sentinel = subprocess.Popen(["sleep", "120"])  # a root process of the judge's: must survive
     yield sentinel
     try:
         assert sentinel.poll() is None, "an attack killed a process of the judge's"
         assert wait_gone(sandbox_uid()) == [], "sandbox processes outlived the run"
-        assert set(glob.glob("/tmp/megamarl-sbx-*")) == before
+        assert set(glob.glob(OWN_DIRS)) == before
     finally:
         sentinel.kill()
         sentinel.wait()
