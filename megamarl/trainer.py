@@ -35,7 +35,7 @@ from megamarl.rl.worker import NumericalFaultError
 from megamarl.rollout.fleet import build_fleet
 from megamarl.rollout.push import WeightPusher
 from megamarl.runtime import checkpoint
-from megamarl.runtime.preemption import PreemptionFlag
+from megamarl.runtime.preemption import PreemptionFlag, mark_stopped
 from megamarl.runtime.progress import RunProgress
 from megamarl.runtime.step_metrics import (
     idle_seconds,
@@ -133,6 +133,7 @@ class Trainer:
                 if not saved:
                     self.save()
                 if self.is_driver:
+                    mark_stopped(self.run_dir, step=self.step, received=preemption.received)  # train.sbatch requeues on it
                     self.driver.console_print(f"preempted ({preemption.received.name if preemption.received else 'another rank'}): saved step "
                                               f"{self.step}; trainer.resume=auto continues from it")
                 break

@@ -21,6 +21,7 @@ from pathlib import Path
 from megamarl.config import RunConfig, config_error_line, load_config
 from megamarl.config_loader import expand_sweeps
 from megamarl.parallel.engine_placement import plan_engines, ranks_per_node
+from megamarl.runtime.preemption import PreemptionFlag
 
 # Under torchrun every rank runs the same checks; a rank other than 0 waits this long before it
 # reports, so that when every rank fails alike torchrun has already stopped it (after rank 0's exit)
@@ -45,6 +46,11 @@ def main(argv=None) -> int:
         return _dry_run(args.config, args.overrides)
     if args.show_placement:
         return _show_placement(args.config, args.overrides)
+    # Before anything slow (config, tokenizers, models, engines): a SIGUSR1/SIGTERM from here on is held
+    # and the loop stops at the end of its first step (megamarl.runtime.preemption), instead of being
+    # lost (ignored: torchrun under scripts/slurm ignores USR1) or killing the rank (the default action).
+    if not args.check:
+        PreemptionFlag()  # kept alive by the handlers it installs; Trainer.fit's flag takes over from it
     try:
         cfg = load_config(args.config, args.overrides)
         _preflight(cfg, world_size=_launch_world(cfg, check=args.check))

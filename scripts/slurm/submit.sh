@@ -1,13 +1,18 @@
 #!/bin/bash
-# Dry-run a config on this (login) node, then submit it with the node/GPU counts it was planned for.
+# Dry-run a config on this (login) node, then submit it with the resources it was planned for.
 #
-#   scripts/slurm/submit.sh configs/70b_hetero.yaml [key=value ...] [-- extra sbatch args]
+#   scripts/slurm/submit.sh configs/70b_hetero.yaml [key=value ...] [-- extra sbatch options]
 #
 # The dry-run builds every worker group's process groups for the whole cluster in one CPU process
 # and checks per-GPU memory (megamarl.planning.dryrun); a config that fails it is not submitted.
+# The resources come from the config (scripts/slurm/job_config.py): --nodes, one task (torchrun) per
+# node, and for a GPU config --gpus-per-node, --exclusive and --mem=0, for a CPU config one core per
+# rank (--cpus-per-task). Options after `--` go to sbatch after those, so they win: --time,
+# --account, --partition, --cpus-per-task for more cores per CPU rank, --signal for another warning.
+# Prints sbatch's answer ("Submitted batch job N"); the log is logs/<name>-<N>.out.
 set -euo pipefail
 
-CONFIG=${1:?usage: scripts/slurm/submit.sh CONFIG [key=value ...] [-- sbatch args]}
+CONFIG=${1:?usage: scripts/slurm/submit.sh CONFIG [key=value ...] [-- sbatch options]}
 shift
 OVERRIDES=()
 while (($#)) && [[ $1 != "--" ]]; do OVERRIDES+=("$1"); shift; done
@@ -15,15 +20,10 @@ while (($#)) && [[ $1 != "--" ]]; do OVERRIDES+=("$1"); shift; done
 SBATCH_ARGS=("$@")
 
 cd "$(dirname "$0")/../.."
-python -m megamarl.planning.dryrun "$CONFIG" "${OVERRIDES[@]}"
+python -m megamarl.planning.dryrun "$CONFIG" ${OVERRIDES[@]+"${OVERRIDES[@]}"}
 
-read -r NODES GPUS NAME < <(python - "$CONFIG" "${OVERRIDES[@]}" <<'PY'
-import sys
-from megamarl.config import load_config
-cfg = load_config(sys.argv[1], sys.argv[2:])
-print(cfg.cluster.num_nodes, cfg.cluster.gpus_per_node, cfg.name)
-PY
-)
-mkdir -p logs
-sbatch --nodes "$NODES" --gpus-per-node "$GPUS" --job-name "$NAME" "${SBATCH_ARGS[@]}" \
-    scripts/slurm/train.sbatch "$CONFIG" "${OVERRIDES[@]}"
+INFO=$(python scripts/slurm/job_config.py "$CONFIG" ${OVERRIDES[@]+"${OVERRIDES[@]}"}) || exit 2
+eval "$INFO"   # JOB_NAME RESOURCES ...
+if [[ " ${SBATCH_ARGS[*]-} " != *" --output"* ]]; then mkdir -p logs; fi   # Slurm does not create the log folder
+sbatch --job-name "$JOB_NAME" "${RESOURCES[@]}" ${SBATCH_ARGS[@]+"${SBATCH_ARGS[@]}"} \
+    scripts/slurm/train.sbatch "$CONFIG" ${OVERRIDES[@]+"${OVERRIDES[@]}"}
