@@ -14,6 +14,7 @@ The loop (megamarl.trainer.Trainer.fit): rollout -> advantages -> update each po
 
 import argparse
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -46,11 +47,13 @@ def main(argv=None) -> int:
         return _dry_run(args.config, args.overrides)
     if args.show_placement:
         return _show_placement(args.config, args.overrides)
-    # Before anything slow (config, tokenizers, models, engines): a SIGUSR1/SIGTERM from here on is held
-    # and the loop stops at the end of its first step (megamarl.runtime.preemption), instead of being
-    # lost (ignored: torchrun under scripts/slurm ignores USR1) or killing the rank (the default action).
+    # Before anything slow (config, tokenizers, models, engines): a SIGUSR1 (Slurm's warning) from here
+    # on is held and the loop stops at the end of its first step (megamarl.runtime.preemption), instead
+    # of being lost or killing the rank (the default action). SIGTERM keeps its default until the loop:
+    # torchrun stops the other ranks with it when one fails at start-up (a config error is reported
+    # once, by the first rank), and the loop's flag holds it from then on.
     if not args.check:
-        PreemptionFlag()  # kept alive by the handlers it installs; Trainer.fit's flag takes over from it
+        PreemptionFlag((signal.SIGUSR1,))  # kept alive by the handler it installs; Trainer.fit's flag takes over
     try:
         cfg = load_config(args.config, args.overrides)
         _preflight(cfg, world_size=_launch_world(cfg, check=args.check))
