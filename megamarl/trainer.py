@@ -10,6 +10,7 @@ with a summary of the batch's counts (``perf/batch_bytes_per_rank``). Variants (
 envs, orchestras) are looked up by name in registries; the loop itself has no per-variant branches.
 ``trainer.mode`` names the driver's rollout schedule (``megamarl.driver.schedules``: sync, one_step_off,
 fully_async; docs/async.md): where the next batch comes from and what a weight push waits for.
+``Trainer.evaluate_only`` is ``scripts/evaluate.py``'s loop: the same start-up, one evaluation, shut down.
 """
 
 from __future__ import annotations
@@ -48,7 +49,9 @@ DRIVER = 0
 
 
 class Trainer:
-    def __init__(self, cfg: RunConfig, *, run_dir: str | Path | None = None):
+    def __init__(self, cfg: RunConfig, *, run_dir: str | Path | None = None, eval_only: bool = False):
+        """``eval_only``: the run directory is an evaluation's (``evaluate_only``), not the resumed
+        checkpoint's run: resuming loads and pushes the weights but rewinds nothing there."""
         init_distributed(timeout_s=cfg.trainer.collective_timeout_s)
         self.cfg = cfg
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
@@ -83,7 +86,7 @@ class Trainer:
         self.pusher = WeightPusher(cfg, wgs=self.wgs, workers=self.workers, fleet=self.fleet, run_dir=self.run_dir,
                                    driver_rank=DRIVER, adapters=lambda name: policy_adapters(cfg, name))
         self.pusher.register_adapters(self.driver.engines_for if self.is_driver else None)
-        self._maybe_resume()
+        self._maybe_resume(rewind=not eval_only)
 
     def _offload_targets(self) -> list[str]:
         """This rank's policies whose training state leaves the accelerator during rollouts."""
@@ -268,6 +271,20 @@ class Trainer:
         dist.broadcast_object_list(reason, src=DRIVER, group=control_group())
         return f"eval.stop_at reached ({reason[0]})" if reason[0] else ""
 
+    def evaluate_only(self, *, step: int | None = None) -> dict[str, float]:
+        """One evaluation without training (``scripts/evaluate.py``), then shut down. The engines serve
+        the checkpoint ``trainer.resume`` named (pushed by ``_maybe_resume``) or, without one, the
+        configured models, pushed here as ``fit`` pushes them before its step-0 evaluation. The
+        eval.json entry is labelled ``step`` (default: the checkpoint's, 0 without one). Returns the
+        results on the driver, {} on the other ranks."""
+        if self.step == 0:
+            self.sync_all_weights()
+        self.step = self.step if step is None else step
+        results = self.driver.evaluate(self.step) if self.is_driver else {}
+        self._wait_for_driver(f"the evaluation at step {self.step}")
+        self.close()
+        return results
+
     def log(self, metrics: dict[str, float]) -> None:
         if self.is_driver:
             self.driver.log(self.step, metrics)
@@ -312,7 +329,7 @@ class Trainer:
             dist.barrier(group=control_group())
             raise checkpoint.CheckpointWriteError(final, outcome[0], checkpoint.list_checkpoints(self.run_dir))
 
-    def _maybe_resume(self) -> None:
+    def _maybe_resume(self, *, rewind: bool = True) -> None:
         path = checkpoint.find_checkpoint(self.cfg.trainer.resume, self.run_dir)
         if path is None:
             if self.is_driver and self.cfg.trainer.resume == "auto":
@@ -330,7 +347,9 @@ class Trainer:
         self.sync_all_weights()
         if not checkpoint.load_rng(path, self.rank):  # saved with fewer ranks
             checkpoint.seed_everything(self.cfg.trainer.seed + 1_000_003 * self.step + self.rank)
-        if self.is_driver:
+        if self.is_driver and not rewind:  # evaluate_only: nothing of the run is continued here
+            self.driver.console_print(f"loaded {path} (step {self.step})")
+        elif self.is_driver:
             self.driver.load_state_dict(state["driver"])
             checkpoint.rewind_run_dir(self.run_dir, self.step)  # later metrics lines are logged again
             self.driver.console_print(f"resumed from {path} at step {self.step}")

@@ -53,6 +53,7 @@ LONG_MODULES = (
     "tests/learning/test_signalling.py",
     "tests/integration/test_presets.py",
     "tests/integration/test_export.py",
+    "tests/integration/test_evaluate.py",
     "tests/integration/test_resume.py",
     "tests/distributed/test_models_bridge.py",
     "tests/integration/test_preemption.py",
