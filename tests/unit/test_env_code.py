@@ -8,6 +8,7 @@ from megamarl.orchestration import AgentConfig, EnvMaker, Task, build_agents, bu
 from megamarl.orchestration.agents import code_block
 from megamarl.orchestration.context import Action
 from megamarl.orchestration.envs.code import PROBLEM_KINDS, CodeProblem
+from megamarl.orchestration.sandbox import SandboxConfig
 from megamarl.orchestration.testing import ScriptedEngine, smollm2_tokenizer
 
 PROBLEM = CodeProblem("Write `scale(x)` returning x * 3.", "def scale(x):\n    return x * 3\n",
@@ -70,7 +71,9 @@ def test_rollout_with_feedback_loop():
 
 
 def test_judge_errors_are_counted_per_episode():
-    env = EnvMaker("code")(Task("c", PROBLEM))
+    # a generous deadline: in a loaded suite run (load ~15) the default 5 s was once spent starting the
+    # sandbox, and a candidate killed at its deadline scores 0 without a judge error
+    env = EnvMaker("code", sandbox=SandboxConfig(timeout_s=60.0))(Task("c", PROBLEM))
     # a forged record whose value is 20k-deep JSON: the judge's json.loads raises RecursionError. Under
     # the 64 KiB pipe buffer, so the write never waits for the judge (100k deep did: under load the
     # candidate then ran into its deadline, which scores 0 without a judge error)
