@@ -167,9 +167,17 @@ def train(config: Path, out: Path, *, nproc: int, timeout: int, env: dict[str, s
     if rc != 0:
         logs = sorted((run_dir / "engine_logs").glob("*.log")) if run_dir.exists() else []
         tails = "".join(f"\n--- {log.name}\n{log.read_text(errors='replace')[-2000:]}" for log in logs)
-        raise AssertionError(f"train.py exited {rc}\n{output[-12000:]}{tails}")
+        raise AssertionError(f"train.py exited {rc}\n{_first_error(output)}{output[-12000:]}{tails}")
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return run_dir, rows, output
+
+
+def _first_error(output: str) -> str:
+    """The first error the ranks printed (train.py's "training stopped: ..." or a traceback), shown
+    before the output's tail: under server logs and the other ranks' c10d noise the tail alone may
+    not reach it."""
+    starts = [i for i in (output.find("training stopped:"), output.find("Traceback (most recent call last)")) if i >= 0]
+    return f"--- first error in the output:\n{output[min(starts):min(starts) + 4000]}\n--- tail:\n" if starts else ""
 
 
 def check_staleness(metrics: list[dict], max_staleness: int) -> None:

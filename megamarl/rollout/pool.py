@@ -1,9 +1,12 @@
 """``EnginePool``: several replicas of one policy behind the ``Engine`` protocol.
 
 Routing: each request goes to the live replica with the fewest requests in flight (ties rotate).
-Failure: a replica whose request raises ``ConnectionError`` (an unreachable disaggregated server)
-or whose ``health()`` fails is marked dead, the request is retried on another replica, and the
-replica is rebuilt by ``factory(index)`` in the background. A rebuilt replica starts from its
+Failure: a replica whose request raises ``ConnectionError`` and that then fails ``health()`` (an
+unreachable disaggregated server) is marked dead, the request is retried on another replica, and the
+replica is rebuilt by ``factory(index)`` in the background. A request that fails on a replica that
+still answers ``health()`` (a keep-alive connection the server closed as the request went out, a
+reset under load) is retried, on any live replica, and the replica stays: marking a live server dead
+would take it out of service until the next push re-synced it. A rebuilt replica starts from its
 checkpoint, so it only takes traffic again once its ``weight_version`` equals the pool's: at once
 when ``weights_provider`` can re-send the current weights, otherwise at the next update.
 
@@ -16,6 +19,7 @@ therefore never sees a replica with half-updated weights, and all replicas answe
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import queue
 import threading
@@ -60,6 +64,7 @@ class EnginePool(Engine):
         self._update_lock = threading.Lock()
         self._restarting: set[int] = set()
         self.restart_errors: list[tuple[int, BaseException]] = []
+        self.connection_errors = 0  # requests that raised ConnectionError (each retried), dead replica or not
         self._rotation = itertools.count()
         self.loras: dict[str, object] = {}  # L2 adapters registered with every replica (add_lora)
         self.lora_versions: dict[str, int] = {}  # L2: the version of each adapter's newest directory
@@ -105,8 +110,10 @@ class EnginePool(Engine):
                 return out
             except ConnectionError as exc:
                 last_error = exc
-                tried.add(index)
-                self._mark_dead(index, replica)
+                self.connection_errors += 1
+                if not await asyncio.to_thread(replica.health):
+                    tried.add(index)
+                    self._mark_dead(index, replica)
             finally:
                 with self._lock:
                     self.in_flight[index] -= 1

@@ -169,9 +169,13 @@ def server_env(spec: ServerSpec, base: dict[str, str] | None = None) -> dict[str
     if spec.backend == "vllm":
         env = plugin_env(env)
         env["VLLM_SERVER_DEV_MODE"] = "1"
-        # megamarl.rollout (imported by the plugin) defaults these for in-process engines; a server
-        # keeps its engine core in a separate process and logs at INFO into its log file.
-        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+        # megamarl.rollout (imported by the plugin) defaults these for in-process engines. A server
+        # always runs its engine core in a process of its own (vLLM's AsyncLLM) and logs at INFO into
+        # its log file. The variable only decides where a one-worker engine core runs its worker: vLLM's
+        # CPU platform moves it into a third process unless it is "0" (one more start-up of vLLM and
+        # torch: ~15 CPU-s per server on this project's 2-core CI machine); TP > 1 has worker processes
+        # either way, and GPU engines run a single worker in the engine core already.
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if (not spec.on_gpu and spec.tp == 1) else "1"
         env["VLLM_LOGGING_LEVEL"] = "INFO"
         if spec.lora is not None:
             env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"  # /v1/load_lora_adapter

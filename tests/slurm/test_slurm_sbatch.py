@@ -14,7 +14,10 @@ then reached the hard limit before it finished: 6 minutes leave room.)
   exists. The held signal stops the ranks after step 1, they save it and the template requeues the job;
 * run 2 (the requeue) resumes at step 1, and nothing but Slurm's time-limit warning signals it while
   it starts up; it trains step 2, the last one, so the job completes (no second requeue), at 2 ranks,
-  with one log for both runs (``--open-mode=append``).
+  with one log for both runs (``--open-mode=append``). Slurm checks time limits every 30 s, and run 2
+  can start up and train its step faster than that (CI saw it): its env
+  (tests/slurm/plugins/slurm_warning_wait.py, the signalling env otherwise) holds step 2's first
+  episode until the rank has the signal, at most 2 minutes.
 
 The uninterrupted reference for the metrics runs beside the job on forked ranks (tests/train_runs.py:
 the launch does not change a seeded run's metrics, and a third torchrun would cost ~70 CPU-s). Waits
@@ -39,8 +42,10 @@ pytestmark = [pytest.mark.slurm, pytest.mark.integration, pytest.mark.slow, pyte
 ROOT = Path(__file__).resolve().parents[2]
 VENV_BIN = ROOT / ".venv" / "bin"
 RUN = "signalling_tiny"
+# env: the signalling env, waiting in a requeued run until Slurm's warning came (tests/slurm/plugins)
 OVERRIDES = ("policies.shared.ranks=[0,1]", "trainer.total_steps=2", "trainer.save_every=0", "rollout.num_tasks=4",
-             "eval.num_tasks=0", "logger.progress=false")
+             "eval.num_tasks=0", "logger.progress=false", "env.name=signalling_slurm_warning_wait",
+             "plugins=[slurm_warning_wait]", f"plugin_paths=[{ROOT / 'tests' / 'slurm' / 'plugins'}]")
 JOB_TIMEOUT_S = 1500  # hang guard (the job takes about 2.5 min here, twice that beside the suite)
 DONE = ("COMPLETED", "FAILED", "TIMEOUT", "CANCELLED", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE")
 
@@ -139,10 +144,10 @@ def test_requeued_run_resumes_with_the_metrics_of_an_uninterrupted_run(job):
 
 def test_time_limit_warning_of_the_template_reaches_the_requeued_run(job):
     """Nothing but Slurm signals run 2: the template's warning, at --time=6 --signal=B:USR1@360 (sent at the
-    first time-limit check, 0-30 s after the start; run 2 takes longer than that to start up here)."""
+    first time-limit check, 0-30 s after the start; run 2's env holds step 2 until the signal came)."""
     record, second = job["record"], job["log"].partition("restart 1,")[2]
-    assert "megamarl: USR1" in second, ("Slurm's time-limit warning did not come while run 2 was running (it "
-                                        "started up and trained in under 30 s?)\n" + second[-3000:])
+    assert "megamarl: USR1" in second, ("Slurm's time-limit warning did not come while run 2 was running "
+                                        "(its env waits for it 2 minutes)\n" + second[-3000:])
     assert second.index("megamarl: USR1") < second.index("step 2: "), second[-3000:]  # while it started up
     assert "preempted (SIGUSR1): saved step 2;" in second  # the last step: nothing left to requeue for
     assert record["TimeLimit"] == "00:06:00" and record["JobState"] == "COMPLETED"  # saved and stopped, not killed

@@ -79,6 +79,30 @@ def test_failover_and_restart_of_dead_server(expected):
         farm.close()
 
 
+class DropsItsFirstRequest(HFEngine):
+    """A live server whose first request fails on the way (a keep-alive connection the server had closed)."""
+
+    dropped = 0
+
+    async def generate(self, prompt_ids, sampling, *, lora=None):
+        if not self.dropped:
+            self.dropped = 1
+            raise ConnectionError("connection reset by peer")
+        return await super().generate(prompt_ids, sampling, lora=lora)
+
+
+def test_a_request_that_fails_on_a_healthy_replica_is_retried_and_the_replica_stays(expected):
+    built = []
+
+    def factory(index):
+        built.append(index)
+        return DropsItsFirstRequest(tiny_model("llama", seed=0), max_wait_ms=1)
+
+    pool = EnginePool(factory, 1)  # the only replica: marking it dead would fail every request
+    assert [g.token_ids for g in run(pool, PROMPTS)] == expected
+    assert (pool.connection_errors, pool.live, pool.num_restarts, pool.failovers, built) == (1, [True], [0], 0, [0])
+
+
 def test_update_fans_out_consistently_and_restarted_replica_waits_for_weights(expected):
     farm = ServerFarm()
     pool = EnginePool(farm, 2)

@@ -54,7 +54,10 @@ def test_vllm_command():
 
 def test_vllm_env_cpu_and_gpu():
     env = server_env(spec(), base={"PATH": "/bin", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
-    assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"
+    assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"  # TP=2: workers
+    # one CPU worker runs inside the engine core (no third process); on a GPU that is vLLM's default anyway
+    assert server_env(spec(tp=1), base={})["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    assert server_env(spec(tp=1, on_gpu=True), base={})["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "2" and env["OMP_NUM_THREADS"] == "3"
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == "nobind" and "CUDA_VISIBLE_DEVICES" not in env
     assert "CUDA_VISIBLE_DEVICES" not in server_env(spec(devices=(2, 3)), base={})  # CPU: placement's ids only
