@@ -261,8 +261,7 @@ class Trainer:
         stops the run, or ""."""
         if self.cfg.eval.num_tasks <= 0:
             return ""
-        results = self.driver.evaluate(self.step) if self.is_driver else {}
-        self._wait_for_driver(f"the evaluation at step {self.step}")
+        results = self._eval_on_driver()
         stop_at = self.cfg.eval.stop_at
         if not stop_at or self.step == 0 or self.step >= self.cfg.trainer.total_steps:
             return ""  # not before training, and the last step ends the run anyway
@@ -280,9 +279,15 @@ class Trainer:
         if self.step == 0:
             self.sync_all_weights()
         self.step = self.step if step is None else step
+        results = self._eval_on_driver()
+        self.close()
+        return results
+
+    def _eval_on_driver(self) -> dict[str, float]:
+        """Collective: the driver evaluates at ``self.step`` while the other ranks serve and wait.
+        Returns the results on the driver, {} elsewhere."""
         results = self.driver.evaluate(self.step) if self.is_driver else {}
         self._wait_for_driver(f"the evaluation at step {self.step}")
-        self.close()
         return results
 
     def log(self, metrics: dict[str, float]) -> None:

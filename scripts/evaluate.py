@@ -33,10 +33,8 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-# the training launch's front door (scripts/ is on sys.path: the script's directory)
-from train import _config_error, _launch_world, _preflight
-
 from megamarl.config import RunConfig, load_config
+from megamarl.runtime.front_door import launch_world, preflight, report_config_error
 
 
 def main(argv=None) -> int:
@@ -53,9 +51,9 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     try:
         cfg, step, notes = eval_config(args)
-        _preflight(cfg, world_size=_launch_world(cfg, check=args.check))
+        preflight(cfg, world_size=launch_world(cfg, check=args.check))
     except (ValueError, ImportError) as exc:  # ImportError: a plugin module that does not load
-        return _config_error(exc)
+        return report_config_error(exc)
     out = Path(cfg.output_dir) / cfg.name
     if args.check:
         print(f"config ok: evaluation of {_describe(args)} into {out}")

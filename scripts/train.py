@@ -13,21 +13,13 @@ The loop (megamarl.trainer.Trainer.fit): rollout -> advantages -> update each po
 """
 
 import argparse
-import os
 import signal
 import sys
-import time
-from pathlib import Path
 
-from megamarl.config import RunConfig, config_error_line, load_config
+from megamarl.config import load_config
 from megamarl.config_loader import expand_sweeps
-from megamarl.parallel.engine_placement import plan_engines, ranks_per_node
+from megamarl.runtime.front_door import launch_world, preflight, report_config_error
 from megamarl.runtime.preemption import PreemptionFlag
-
-# Under torchrun every rank runs the same checks; a rank other than 0 waits this long before it
-# reports, so that when every rank fails alike torchrun has already stopped it (after rank 0's exit)
-# and the user reads one line, not one per rank (docs/reliability.md, "The front door").
-QUIET_RANK_GRACE_S = 5.0
 
 
 def main(argv=None) -> int:
@@ -56,9 +48,9 @@ def main(argv=None) -> int:
         PreemptionFlag((signal.SIGUSR1,))  # kept alive by the handler it installs; Trainer.fit's flag takes over
     try:
         cfg = load_config(args.config, args.overrides)
-        _preflight(cfg, world_size=_launch_world(cfg, check=args.check))
+        preflight(cfg, world_size=launch_world(cfg, check=args.check))
     except (ValueError, ImportError) as exc:  # ImportError: a plugin module that does not load
-        return _config_error(exc)
+        return report_config_error(exc)
     if args.check:
         print(f"config ok: {args.config}")
         return 0
@@ -82,53 +74,6 @@ def main(argv=None) -> int:
     return 0
 
 
-def _launch_world(cfg: RunConfig, *, check: bool) -> int:
-    """The world this launch runs on: torchrun's WORLD_SIZE. ``--check`` outside torchrun (run before
-    launching it, e.g. in a batch script) checks against the world the config declares instead
-    (``planning.dryrun.declared_world_size``): a 2-rank config is not an error there."""
-    if "WORLD_SIZE" in os.environ or not check:
-        return int(os.environ.get("WORLD_SIZE", "1"))
-    from megamarl.planning.dryrun import declared_world_size
-
-    return declared_world_size(cfg)
-
-
-def _preflight(cfg: RunConfig, *, world_size: int) -> None:
-    """The checks of a training launch that need more than the config: placement on this world,
-    the run directory, the resume checkpoint, single-token ``allowed_tokens`` (tokenizers only).
-    Nothing here builds a model or engine; the one write is the run directory probe, last, once
-    everything else passed (a refused launch leaves an existing run directory as it was). Imported
-    here, as the trainer below: a config error is reported before transformers and torch.distributed load."""
-    from megamarl.orchestration.agents import check_allowed_tokens
-    from megamarl.runtime import checkpoint
-
-    plan_engines(cfg, world_size, ranks_per_node(cfg.cluster, world_size))  # WG and engine placement
-    run_dir = Path(cfg.output_dir) / cfg.name
-    resume = checkpoint.find_checkpoint(cfg.trainer.resume, run_dir)
-    if resume is not None:
-        checkpoint.validate_checkpoint(resume, cfg.policies)
-    constrained = {a.policy for a in cfg.agents.values() if a.sampling.allowed_tokens}
-    if constrained:  # the tokenizers alone (no model): allowed_tokens must be one token each
-        from transformers import AutoTokenizer
-
-        from megamarl.models.packaged import resolve_model_path
-
-        check_allowed_tokens(cfg.agents, {
-            name: AutoTokenizer.from_pretrained(resolve_model_path(cfg.policies[name].model, key=f"policies.{name}.model"))
-            for name in sorted(constrained)})
-    checkpoint.check_run_dir(run_dir)  # last: its probe is the only write (a temporary directory, removed)
-
-
-def _config_error(exc: BaseException) -> int:
-    """One line on stderr, exit code 2. Under torchrun only rank 0 reports at once; another rank
-    reports after QUIET_RANK_GRACE_S, which it lives to do only if rank 0 did not fail alike."""
-    rank = int(os.environ.get("RANK", "0"))
-    if rank != 0:
-        time.sleep(QUIET_RANK_GRACE_S)
-    print(f"config error{f' (rank {rank})' if rank else ''}: {config_error_line(exc)}", file=sys.stderr)
-    return 2
-
-
 def _dry_run(config: str, overrides: list[str]) -> int:
     """Plan every sweep combination against the declared cluster (not WORLD_SIZE); worst exit code."""
     from megamarl.planning.dryrun import main_dry_run
@@ -137,7 +82,7 @@ def _dry_run(config: str, overrides: list[str]) -> int:
         combos = expand_sweeps(overrides)
         configs = [(combo, load_config(config, combo)) for combo in combos]
     except (ValueError, ImportError) as exc:
-        return _config_error(exc)
+        return report_config_error(exc)
     status = 0
     for combo, cfg in configs:
         if len(configs) > 1:
@@ -152,7 +97,7 @@ def _show_placement(config: str, overrides: list[str]) -> int:
     try:
         cfg = load_config(config, overrides)
     except (ValueError, ImportError) as exc:
-        return _config_error(exc)
+        return report_config_error(exc)
     return 2 if main_show_placement(cfg) else 0  # a placement that cannot be built: a config error too
 
 

@@ -10,6 +10,10 @@ start then costs ~0.1 CPU-s instead of 15-20 (measured on the 2-core CI machine:
 of a tiny run's CPU time). What only the real torchrun does (its agent, signal forwarding, its exit
 codes, the README's command line) is tested through torchrun itself: test_readme_quickstart,
 test_config_errors, test_front_door_torchrun, test_plugin_tutorial (docs/testing.md).
+
+NO_PLOTS: a run of ``scripts/train.py`` started here gets ``logger.plots=false`` unless its arguments
+set ``logger.plots``: drawing and saving the PNGs at the end of a run takes ~3.5 CPU-s (four figures),
+and only test_tictactoe, the README's command and tests/unit/test_plot look at them.
 """
 
 from __future__ import annotations
@@ -112,6 +116,8 @@ def start(argv: list[str], *, nproc: int, log: Path, env: dict[str, str] | None 
           script: Path = TRAIN) -> Ranks:
     """Start ``script argv`` on ``nproc`` local ranks (module docstring), every rank's output appended
     to ``log``; returns at once."""
+    if Path(script) == TRAIN and not any(a.lstrip("+").startswith("logger.plots=") for a in argv):
+        argv = [*argv, "logger.plots=false"]  # NO_PLOTS (module docstring)
     ctx = rank_context(TRAIN_PRELOAD)
     port = free_local_port()
     environ = {**os.environ, "CI": "true", **(env or {})}

@@ -284,7 +284,8 @@ class RolloutDriver:
         self.logger.close()
         for engine in self.engines.values():
             engine.shutdown()
-        plot_run(self.run_dir)
+        if self.cfg.logger.plots:
+            plot_run(self.run_dir)
 
 
 def _policy_mapping(cfg: RunConfig, tokenizers: dict):

@@ -230,7 +230,7 @@ class ServerProcess:
             log.write(f"[megamarl] {spec.label}: {' '.join(cmd)}\n".encode())
             log.flush()
             # The guard leads the new process group and stops the server if this process dies.
-            guarded = [sys.executable, "-m", "megamarl.rollout.server_guard", "--owner", str(os.getpid()), "--", *cmd]
+            guarded = [sys.executable, "-m", "megamarl.runtime.server_guard", "--owner", str(os.getpid()), "--", *cmd]
             self.proc = subprocess.Popen(guarded, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                          env=server_env(spec), start_new_session=True)
         self.num_starts += 1

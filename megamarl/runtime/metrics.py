@@ -62,6 +62,9 @@ class LoggerConfig:
     # full transcripts (prompts, replies, parsed actions, rewards) of this many of each step's episodes
     # go to <run>/episodes/step_<N>.jsonl (and a wandb table); scripts/show_episodes.py prints them. 0: none
     episodes_per_step: int = 2
+    # PNG curves of metrics.jsonl / eval.json in <run>/plots when the run ends (megamarl-plot RUN_DIR
+    # draws them any time, e.g. while it runs); false: none (a sweep of many runs watched in wandb)
+    plots: bool = True
 
     def __post_init__(self) -> None:
         if self.episodes_per_step < 0:

@@ -1,23 +1,19 @@
-"""The conversion CLI on disk: HF -> Megatron torch_dist (saved at TP=2 x PP=2, 4 ranks) -> HF
-(loaded at TP=1 x PP=2) reproduces every tensor bit-exactly, and the HF model loads."""
+"""The conversion CLI's ``main`` (``python -m megamarl.models.convert``): HF -> Megatron torch_dist (saved
+at TP=2 x PP=2, 4 ranks) -> HF (loaded at TP=1 x PP=2) reproduces every tensor bit-exactly, and the HF
+model loads. ``main`` runs in this process (its ranks fork from the worker's preloaded fork server):
+the command as a subprocess, with its own interpreter and imports per rank, is run by test_export."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
+
+from megamarl.models.convert import main as convert_main
 
 pytestmark = pytest.mark.distributed
 
 
 def _cli(*args):
-    env = dict(os.environ, PYTHONWARNINGS="ignore")
-    proc = subprocess.run([sys.executable, "-m", "megamarl.models.convert", *args], env=env, capture_output=True,
-                          text=True, timeout=300, check=False)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return proc
+    convert_main(list(args))  # SystemExit (a failed conversion) fails the test with the message
 
 
 def test_convert_cli_roundtrip_bit_exact(tmp_path):

@@ -24,7 +24,8 @@ def run(tmp_path_factory) -> Path:
     pytest.importorskip("pygame")  # pettingzoo.classic needs it (the pettingzoo extra installs it)
     out = tmp_path_factory.mktemp("tictactoe")
     run_dir, _, _ = train(CONFIG, out, nproc=1, timeout=600, env={"OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"},
-                          overrides=("name=run", f"trainer.total_steps={NUM_STEPS}", "logger.progress=false"))
+                          overrides=("name=run", f"trainer.total_steps={NUM_STEPS}", "logger.progress=false",
+                                     "logger.plots=true"))
     return run_dir
 
 

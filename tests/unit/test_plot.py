@@ -14,6 +14,15 @@ from megamarl.runtime.plot import main, plot_run, run_figures
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.fixture(autouse=True)
+def _close_figures():
+    """``run_figures`` hands its figures to the caller: close what a test drew (pyplot keeps them)."""
+    yield
+    import matplotlib.pyplot as plt
+
+    plt.close("all")
+
+
 def write_synthetic_run(run_dir, *, num_steps: int = 40, eval_sets: bool = False) -> None:
     cfg = LoggerConfig(wandb=WandbConfig(mode="disabled"), progress=False)
     with MetricsLogger(run_dir, cfg, "synthetic", rank=0) as logger:

@@ -238,7 +238,7 @@ def test_guard_stops_the_server_when_its_owner_dies(tmp_path):
     # a "server" that forks a child of its own (like vLLM's engine core) and records both pids
     server = ("import os, subprocess, sys, time; c = subprocess.Popen([sys.executable, '-c', 'import time; "
               f"time.sleep(600)']); open({str(pid_file)!r}, 'w').write(f'{{os.getpid()}} {{c.pid}}'); time.sleep(600)")
-    guard = subprocess.Popen([sys.executable, "-m", "megamarl.rollout.server_guard", "--owner", str(owner.pid), "--",
+    guard = subprocess.Popen([sys.executable, "-m", "megamarl.runtime.server_guard", "--owner", str(owner.pid), "--",
                               sys.executable, "-c", server], start_new_session=True)
     deadline = time.monotonic() + 30
     while not pid_file.exists() or len(pid_file.read_text().split()) < 2:

@@ -1,6 +1,6 @@
 """Run an inference server and take it down with its owner.
 
-    python -m megamarl.rollout.server_guard --owner PID -- <server command ...>
+    python -m megamarl.runtime.server_guard --owner PID -- <server command ...>
 
 ``ServerProcess`` starts every server in a session of its own (so that ``stop`` can kill the API
 server, its engine core and its workers as one process group), which also detaches it from the
@@ -10,7 +10,9 @@ with ``start_new_session``), runs the command in that group, watches the owner, 
 is gone (or on SIGTERM) terminates the group (SIGKILL after a grace period). It exits with the
 server's exit code when the server ends first. ``prctl(PR_SET_PDEATHSIG)`` is not
 used: it fires when the *thread* that started the child exits, and servers are (re)started from
-worker threads (``EnginePool`` restarts).
+worker threads (``EnginePool`` restarts). It lives in ``megamarl.runtime``, whose package imports
+nothing: ``python -m`` of a module under ``megamarl.rollout`` would first import that package (torch,
+transformers and every engine: ~4 CPU-s per server start, for a process that only waits).
 """
 
 from __future__ import annotations

@@ -1,0 +1,68 @@
+"""The front door of a launch (``scripts/train.py``, ``scripts/evaluate.py``): the checks that need
+more than the config, and the one-line config error (docs/reliability.md, "The front door").
+
+Imports stay light at module level: a config error is reported before transformers, the engines and
+torch.distributed load.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+from megamarl.config import RunConfig, config_error_line
+from megamarl.parallel.engine_placement import plan_engines, ranks_per_node
+
+# Under torchrun every rank runs the same checks; a rank other than 0 waits this long before it
+# reports, so that when every rank fails alike torchrun has already stopped it (after rank 0's exit)
+# and the user reads one line, not one per rank (docs/reliability.md, "The front door").
+QUIET_RANK_GRACE_S = 5.0
+
+
+def launch_world(cfg: RunConfig, *, check: bool) -> int:
+    """The world this launch runs on: torchrun's WORLD_SIZE. ``--check`` outside torchrun (run before
+    launching it, e.g. in a batch script) checks against the world the config declares instead
+    (``planning.dryrun.declared_world_size``): a 2-rank config is not an error there."""
+    if "WORLD_SIZE" in os.environ or not check:
+        return int(os.environ.get("WORLD_SIZE", "1"))
+    from megamarl.planning.dryrun import declared_world_size
+
+    return declared_world_size(cfg)
+
+
+def preflight(cfg: RunConfig, *, world_size: int) -> None:
+    """The checks of a training launch that need more than the config: placement on this world,
+    the run directory, the resume checkpoint, single-token ``allowed_tokens`` (tokenizers only).
+    Nothing here builds a model or engine; the one write is the run directory probe, last, once
+    everything else passed (a refused launch leaves an existing run directory as it was). Imported
+    here: a config error is reported before transformers and torch.distributed load."""
+    from megamarl.orchestration.agents import check_allowed_tokens
+    from megamarl.runtime import checkpoint
+
+    plan_engines(cfg, world_size, ranks_per_node(cfg.cluster, world_size))  # WG and engine placement
+    run_dir = Path(cfg.output_dir) / cfg.name
+    resume = checkpoint.find_checkpoint(cfg.trainer.resume, run_dir)
+    if resume is not None:
+        checkpoint.validate_checkpoint(resume, cfg.policies)
+    constrained = {a.policy for a in cfg.agents.values() if a.sampling.allowed_tokens}
+    if constrained:  # the tokenizers alone (no model): allowed_tokens must be one token each
+        from transformers import AutoTokenizer
+
+        from megamarl.models.packaged import resolve_model_path
+
+        check_allowed_tokens(cfg.agents, {
+            name: AutoTokenizer.from_pretrained(resolve_model_path(cfg.policies[name].model, key=f"policies.{name}.model"))
+            for name in sorted(constrained)})
+    checkpoint.check_run_dir(run_dir)  # last: its probe is the only write (a temporary directory, removed)
+
+
+def report_config_error(exc: BaseException) -> int:
+    """One line on stderr, exit code 2. Under torchrun only rank 0 reports at once; another rank
+    reports after QUIET_RANK_GRACE_S, which it lives to do only if rank 0 did not fail alike."""
+    rank = int(os.environ.get("RANK", "0"))
+    if rank != 0:
+        time.sleep(QUIET_RANK_GRACE_S)
+    print(f"config error{f' (rank {rank})' if rank else ''}: {config_error_line(exc)}", file=sys.stderr)
+    return 2
