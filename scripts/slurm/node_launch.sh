@@ -16,6 +16,8 @@ set -uo pipefail
 
 HELD=0
 trap 'HELD=1' USR1
+# The trap is set: train.sbatch may forward a warning to this node now (it waits for every node's mark).
+if [[ -n ${MEGAMARL_SLURM_READY_DIR:-} ]]; then touch "$MEGAMARL_SLURM_READY_DIR/${SLURMD_NODENAME:-$(hostname)}"; fi
 
 (trap '' USR1; exec "$@") &
 TORCHRUN=$!
