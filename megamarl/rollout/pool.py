@@ -252,6 +252,7 @@ class EnginePool(Engine):
         out = {f"replica{i}/requests": float(n) for i, n in enumerate(self.served)}
         out.update({f"replica{i}/weight_version": float(r.weight_version) for i, r in enumerate(self.replicas)})
         out["failovers"] = float(self.failovers)
+        out["connection_errors"] = float(self.connection_errors)
         out["restarts"] = float(sum(self.num_restarts))
         out["live_replicas"] = float(sum(self.live))
         return out

@@ -101,6 +101,7 @@ def test_a_request_that_fails_on_a_healthy_replica_is_retried_and_the_replica_st
     pool = EnginePool(factory, 1)  # the only replica: marking it dead would fail every request
     assert [g.token_ids for g in run(pool, PROMPTS)] == expected
     assert (pool.connection_errors, pool.live, pool.num_restarts, pool.failovers, built) == (1, [True], [0], 0, [0])
+    assert pool.counters()["connection_errors"] == 1.0  # the step metric engine/<policy>/connection_errors
 
 
 def test_update_fans_out_consistently_and_restarted_replica_waits_for_weights(expected):
