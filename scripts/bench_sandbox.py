@@ -10,7 +10,9 @@ wrong, so both verdicts are exercised; the paths alternate in 5 rounds so that l
 shared machine hits both. CPU ms are the sandboxed processes' user + system time (bwrap, setpriv,
 unshare and python for the isolated path), less sensitive to other load than wall time. ``isolated`` is the default path (bubblewrap, own uid and
 namespaces); ``unsafe_inprocess`` is the old one (rlimits + audit hook, same uid as the judge),
-kept only as the explicit opt-in ``env.kwargs.unsafe_inprocess: true``.
+kept only as the explicit opt-in ``env.kwargs.unsafe_inprocess: true``. ``isolated_rlimits_only``
+is the isolated path without its per-run cgroup (tree-wide memory, pids and CPU limits), to show
+what the cgroup costs; the row is left out where no cgroup hierarchy is writable.
 """
 
 from __future__ import annotations
@@ -23,10 +25,12 @@ import resource
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
+from megamarl.orchestration import sandbox
 from megamarl.orchestration.judge import StdioCase, judge_calls, judge_stdio, parse_assert_tests
-from megamarl.orchestration.sandbox import SandboxConfig, isolation_error
+from megamarl.orchestration.sandbox import SandboxConfig, isolation_error, tree_limits
 
 ROOT = Path(__file__).resolve().parent.parent
 SETUP, CASES = parse_assert_tests("assert scale(2) == 6\nassert scale(-1) == -3\nassert scale(5) == 15\n")
@@ -35,8 +39,28 @@ STDIO_CASES = [StdioCase("1 2\n", "3\n"), StdioCase("10 -4\n", "6\n"), StdioCase
 STDIO = ["a, b = map(int, input().split())\nprint(a + b)\n", "a, b = map(int, input().split())\nprint(a - b)\n"]
 
 
-def judge_some(kind: str, isolated: bool, num: int, config: SandboxConfig, offset: int) -> tuple[float, float, int]:
+PATHS = ("unsafe_inprocess", "isolated_rlimits_only", "isolated")
+
+
+@contextmanager
+def without_cgroups(active: bool):
+    found = sandbox._hierarchies
+    if active:
+        sandbox._hierarchies = lambda: ()
+    try:
+        yield
+    finally:
+        sandbox._hierarchies = found
+
+
+def judge_some(kind: str, path: str, num: int, config: SandboxConfig, offset: int) -> tuple[float, float, int]:
     """(wall s, CPU s of the sandboxed processes, candidates that passed) for ``num`` candidates."""
+    isolated = path != "unsafe_inprocess"
+    with without_cgroups(path == "isolated_rlimits_only"):
+        return _judge_some(kind, isolated, num, config, offset)
+
+
+def _judge_some(kind: str, isolated: bool, num: int, config: SandboxConfig, offset: int) -> tuple[float, float, int]:
     cpu_before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
     passed = 0
@@ -52,20 +76,20 @@ def judge_some(kind: str, isolated: bool, num: int, config: SandboxConfig, offse
     return wall, cpu, passed
 
 
-def bench(kind: str, num: int, config: SandboxConfig, *, num_rounds: int = 5) -> list[dict]:
-    """Both paths in alternating rounds (load drift on a shared machine hits both alike)."""
-    totals = {path: [0.0, 0.0, 0, 0] for path in (False, True)}  # wall, cpu, passed, candidates
+def bench(kind: str, num: int, config: SandboxConfig, paths: tuple[str, ...], *, num_rounds: int = 5) -> list[dict]:
+    """The paths in alternating rounds (load drift on a shared machine hits all alike)."""
+    totals = {path: [0.0, 0.0, 0, 0] for path in paths}  # wall, cpu, passed, candidates
     per_round = max(2, num // num_rounds)
     for round_ in range(num_rounds):
-        for isolated in (False, True):
-            wall, cpu, passed = judge_some(kind, isolated, per_round, config, round_ * per_round)
-            t = totals[isolated]
+        for path in paths:
+            wall, cpu, passed = judge_some(kind, path, per_round, config, round_ * per_round)
+            t = totals[path]
             t[0], t[1], t[2], t[3] = t[0] + wall, t[1] + cpu, t[2] + passed, t[3] + per_round
     rows = []
-    for isolated, (wall, cpu, passed, count) in totals.items():
-        assert passed == count // 2, f"{kind} isolated={isolated}: {passed} of {count} passed"
+    for path, (wall, cpu, passed, count) in totals.items():
+        assert passed == count // 2, f"{kind} {path}: {passed} of {count} passed"
         processes = count * (1 if kind == "function-call" else len(STDIO_CASES))
-        rows.append({"problem": kind, "path": "isolated" if isolated else "unsafe_inprocess", "candidates": count,
+        rows.append({"problem": kind, "path": path, "candidates": count,
                      "sandboxed_processes": processes, "seconds": round(wall, 3),
                      "candidates_per_s": round(count / wall, 2), "ms_per_process": round(1000 * wall / processes, 1),
                      "cpu_ms_per_process": round(1000 * cpu / processes, 1)})
@@ -93,23 +117,24 @@ def main() -> int:
         print(f"bench_sandbox: isolation unavailable here: {reason}", file=sys.stderr)
         return 2
     config = SandboxConfig()
+    limits = tree_limits()
+    paths = PATHS if limits != "rlimits" else ("unsafe_inprocess", "isolated")
     load_before = os.getloadavg()[0]
     rows = []
     for kind in ("function-call", "stdin/stdout"):
-        judge_some(kind, True, 2, config, 0)  # warm the page cache for both paths
-        judge_some(kind, False, 2, config, 0)
-        rows += bench(kind, args.num, config)
+        for path in paths:  # warm the page cache for every path
+            judge_some(kind, path, 2, config, 0)
+        rows += bench(kind, args.num, config, paths)
     load_after = os.getloadavg()[0]
-    for kind in ("function-call", "stdin/stdout"):
-        old, new = (next(r for r in rows if r["problem"] == kind and r["path"] == p)
-                    for p in ("unsafe_inprocess", "isolated"))
-        new["vs_unsafe_inprocess"] = round(new["candidates_per_s"] / old["candidates_per_s"], 2)
+    for r in rows:
+        old = next(o for o in rows if o["problem"] == r["problem"] and o["path"] == "unsafe_inprocess")
+        r["vs_unsafe_inprocess"] = round(r["candidates_per_s"] / old["candidates_per_s"], 2)
     print("| problem | path | candidates/s | wall ms per sandboxed process | CPU ms per sandboxed process "
           "| candidates/s vs unsafe_inprocess |\n|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['problem']} | {r['path']} | {r['candidates_per_s']:.2f} | {r['ms_per_process']:.1f} | "
               f"{r['cpu_ms_per_process']:.1f} | {r.get('vs_unsafe_inprocess', 1.0):.2f}x |")
-    result = {"machine": machine(), "load_avg_1m": {"before": load_before, "after": load_after},
+    result = {"machine": machine(), "tree_limits": limits, "load_avg_1m": {"before": load_before, "after": load_after},
               "sandbox": {k: v for k, v in vars(config).items()}, "results": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")

@@ -18,15 +18,21 @@ Flatpak uses), run by the (root) judge, with:
   100000, so concurrent judges do not share a process budget) with no capabilities, empty bounding
   set and ``no_new_privs``; ``unshare --user`` then puts the program in a user namespace of its own
   where that uid maps only to itself;
-* rlimits that every descendant inherits (address space, CPU seconds, file size, open files and
-  processes; ``RLIMIT_NPROC`` holds because the uid is not root). cgroups are not used: this
-  machine mounts cgroup v1 controllers (hybrid), and rlimits under a non-root uid are what the
-  issue names for that case; memory is thus bounded per process (``memory_mb`` x ``num_procs`` in
-  the worst case), not for the tree as a whole;
+* limits for the tree as a whole: each run gets its own cgroup (memory ``memory_mb``, swap
+  included; ``num_procs`` tasks; ``cpus`` cores of CPU bandwidth), entered by the child before it
+  execs bwrap, so every descendant is in it and none can leave (the cgroup namespace hides the
+  hierarchy). cgroup v1 (one directory per controller, as on this hybrid machine) and v2 (one
+  directory, when the judge may enable the controllers for its children) are both handled; the
+  cgroup is created under the judge's own one, so it nests inside whatever limits the judge has.
+  Where no hierarchy is writable, the limits fall back to rlimits alone (``tree_limits()`` says
+  which). rlimits apply in both cases, per process: address space, CPU seconds, file size, open
+  files and processes (``RLIMIT_NPROC`` holds because the uid is not root);
 * the whole tree killed at the end: bwrap's pid 1 exits when the program exits (or bwrap is
   killed at the deadline, ``--die-with-parent`` also fires when the judge dies), and the kernel
   kills everything left in a PID namespace whose init is gone: ``fork``/``setsid``/double-fork
-  children cannot outlive the run.
+  children cannot outlive the run. Whatever is still in the run's cgroup is then killed; the
+  emptied cgroup is reused by the judge's next run and removed at exit (a SIGKILLed judge's
+  cgroups are removed by the next judge's next run).
 
 Why bubblewrap and not hand-written ``unshare``/``mount`` calls: it is small, audited and
 packaged everywhere, and does the mount set-up (pivot_root, read-only remounts, tmpfs, data files
@@ -50,6 +56,8 @@ from __future__ import annotations
 
 import functools
 import glob
+import itertools
+import multiprocessing.util
 import os
 import resource
 import selectors
@@ -59,8 +67,9 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 # Binds the channel fd and (old path only) installs the audit hook, then runs main.py.
 _BOOTSTRAP = textwrap.dedent(
@@ -142,15 +151,16 @@ class SandboxUnavailableError(RuntimeError):
 class SandboxConfig:
     timeout_s: float = 5.0  # wall clock; the whole process tree is killed at the deadline
     cpu_s: int = 4  # RLIMIT_CPU per process
-    memory_mb: int = 512  # RLIMIT_AS per process
+    memory_mb: int = 512  # the tree's memory + swap (cgroup), and RLIMIT_AS per process
     file_size_mb: int = 8  # RLIMIT_FSIZE, and the size of the private /tmp
-    num_procs: int = 64  # RLIMIT_NPROC of the sandbox uid
+    num_procs: int = 64  # the tree's tasks (cgroup pids.max), and RLIMIT_NPROC of the sandbox uid
+    cpus: float = 1.0  # CPU bandwidth of the whole tree in cores (cgroup): <= cpus x timeout_s CPU-s a run
     network_namespace: bool = True  # unsafe_inprocess path only: ``unshare -n`` when root
     max_output_chars: int = 4000  # stderr kept for feedback messages
     max_output_mb: float = 4.0  # stdout (and channel) read before the run is killed: judge memory bound
 
     def __post_init__(self) -> None:
-        for key in ("timeout_s", "cpu_s", "memory_mb", "file_size_mb", "num_procs", "max_output_chars",
+        for key in ("timeout_s", "cpu_s", "memory_mb", "file_size_mb", "num_procs", "cpus", "max_output_chars",
                     "max_output_mb"):
             if getattr(self, key) <= 0:
                 raise ValueError(f"sandbox.{key} must be > 0, got {getattr(self, key)}")
@@ -232,20 +242,33 @@ def _run_isolated(code: str, config: SandboxConfig, *, stdin: bytes | None, chan
         str(chan_w) if channel else "-", "nohook",
     ]
     env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}
+    cgroup = _pool().acquire(config)
     try:
-        proc = subprocess.Popen(
-            command, env=env, stdin=stdin_fd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            preexec_fn=_limits(config), start_new_session=True,  # noqa: PLW1509 - setrlimit only, no locks
-            pass_fds=tuple(fds) + ((chan_w,) if channel else ()),
-        )
+        try:
+            proc = subprocess.Popen(
+                command, env=env, stdin=stdin_fd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                preexec_fn=_limits(config, cgroup), start_new_session=True,  # noqa: PLW1509 - os.write/setrlimit only
+                pass_fds=tuple(fds) + ((chan_w,) if channel else ()),
+            )
+        finally:
+            for fd in fds + ([stdin_fd] if stdin is not None else []) + ([chan_w] if channel else []):
+                os.close(fd)
+        return _collect(proc, config, chan_r)
     finally:
-        for fd in fds + ([stdin_fd] if stdin is not None else []) + ([chan_w] if channel else []):
-            os.close(fd)
-    return _collect(proc, config, chan_r)
+        if cgroup is not None:
+            _pool().release(cgroup)
 
 
-def _limits(config: SandboxConfig):
+def _limits(config: SandboxConfig, cgroup: _RunCgroup | None = None):
+    procs = [f"{path}/cgroup.procs".encode() for path in cgroup.paths] if cgroup is not None else []
+
     def apply() -> None:  # in the child before exec: inherited by bwrap and every descendant
+        for path in procs:  # "0": the writing process; raw os calls only between fork and exec
+            fd = os.open(path, os.O_WRONLY)
+            try:
+                os.write(fd, b"0")
+            finally:
+                os.close(fd)
         resource.setrlimit(resource.RLIMIT_CPU, (config.cpu_s, config.cpu_s + 1))
         resource.setrlimit(resource.RLIMIT_AS, (config.memory_mb * _MB, config.memory_mb * _MB))
         resource.setrlimit(resource.RLIMIT_FSIZE, (config.file_size_mb * _MB, config.file_size_mb * _MB))
@@ -319,6 +342,272 @@ def _kill_group(proc: subprocess.Popen) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
+
+
+# --- per-run cgroups: limits that hold for the tree as a whole -----------------------------------
+
+_CGROUP_PREFIX = "megamarl-sbx-"
+_run_numbers = itertools.count()
+
+
+@dataclass(frozen=True)
+class _Hierarchy:
+    """A directory under which this judge may create per-run cgroups, and what it controls."""
+
+    parent: str
+    version: int  # 1 (one hierarchy per controller) or 2 (unified)
+    controllers: tuple[str, ...] = field(default=())
+
+
+def _write(path: str, value: str) -> None:
+    with open(path, "w") as f:
+        f.write(value)
+
+
+@functools.lru_cache(maxsize=1)
+def _hierarchies() -> tuple[_Hierarchy, ...]:
+    """Where per-run cgroups go: memory and pids are required, cpu is used when present.
+    Empty when no hierarchy is writable here (then rlimits alone bound the tree)."""
+    try:
+        with open("/proc/self/cgroup") as f:
+            membership = [line.rstrip("\n").split(":", 2) for line in f if line.count(":") >= 2]
+        with open("/proc/self/mountinfo") as f:
+            mounts = [line.split() for line in f]
+    except OSError:
+        return ()
+    own_v1 = {c: path for _, names, path in membership for c in names.split(",") if names}
+    own_v2 = next((path for _, names, path in membership if not names), None)
+    v1, v2 = {}, None
+    for fields in mounts:
+        tail = fields[fields.index("-") + 1:]
+        root, point = fields[3], fields[4]
+        if tail[0] == "cgroup":
+            for c in tail[2].split(","):
+                if c in ("memory", "pids", "cpu") and c in own_v1:
+                    v1[c] = _below(point, root, own_v1[c])
+        elif tail[0] == "cgroup2" and own_v2 is not None:
+            v2 = _below(point, root, own_v2)
+    found = tuple(_Hierarchy(path, 1, (c,)) for c, path in sorted(v1.items()) if path and _can_create(path))
+    if {"memory", "pids"} <= {h.controllers[0] for h in found}:
+        return found
+    if v2 and _enable_v2(v2):
+        return (_Hierarchy(v2, 2, ("memory", "pids", "cpu")),)
+    return ()
+
+
+def _below(mount_point: str, mount_root: str, path: str) -> str | None:
+    rel = os.path.relpath(path, mount_root)
+    return None if rel.startswith("..") else os.path.normpath(os.path.join(mount_point, rel))
+
+
+def _can_create(parent: str) -> bool:
+    probe = os.path.join(parent, f"{_CGROUP_PREFIX}{os.getpid()}-probe")
+    try:
+        os.mkdir(probe)
+        os.rmdir(probe)
+    except OSError:
+        return False
+    return True
+
+
+def _enable_v2(parent: str) -> bool:
+    """v2: the controllers must be enabled for children, which fails (EBUSY) while ``parent``
+    holds processes unless it is the root; then the tree falls back to rlimits."""
+    try:
+        with open(os.path.join(parent, "cgroup.subtree_control")) as f:
+            enabled = f.read().split()
+        if not {"memory", "pids", "cpu"} <= set(enabled):
+            _write(os.path.join(parent, "cgroup.subtree_control"), "+memory +pids +cpu")
+    except OSError:
+        return False
+    return _can_create(parent)
+
+
+def tree_limits() -> str:
+    """How the sandbox bounds a whole tree here: ``cgroup v1 (cpu, memory, pids)``, ``cgroup v2``
+    or ``rlimits`` (per process only)."""
+    found = _hierarchies()
+    if not found:
+        return "rlimits"
+    if found[0].version == 2:
+        return "cgroup v2"
+    return f"cgroup v1 ({', '.join(h.controllers[0] for h in found)})"
+
+
+@dataclass
+class _RunCgroup:
+    """One cgroup per hierarchy (v1) or one (v2), reused by this judge's runs one at a time."""
+
+    paths: list[str]
+
+    def apply(self, found: tuple[_Hierarchy, ...], config: SandboxConfig) -> None:
+        for hierarchy, path in zip(found, self.paths, strict=True):
+            for key, value in _limit_files(hierarchy, path, config):
+                _write(os.path.join(path, key), value)
+
+    def kill(self) -> None:
+        for path in self.paths:
+            _kill_members(path)
+
+    def idle(self) -> bool:
+        """No task left in it (the kernel reaps a finished run's namespace asynchronously)."""
+        for path in self.paths:
+            try:
+                with open(f"{path}/cgroup.procs") as f:
+                    if f.read().strip():
+                        return False
+            except OSError:
+                return False
+        return True
+
+    def remove(self) -> None:
+        for path in self.paths:
+            _remove_cgroup(path)
+
+
+class _CgroupPool:
+    """Per-run cgroups of this judge. A run takes an idle one (or makes one) and the limits are
+    written for its config; when the run ends, whatever is left in it is killed and it goes back
+    without waiting for the kernel to reap it (a later run takes it once it is idle). Creating and
+    removing a cgroup per run would cost ~5 ms and waiting for the reaping ~6 ms, a fifth of a
+    sandboxed process's wall time. The pool's cgroups are removed at exit, or by the next judge's
+    sweep when this one is SIGKILLed."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.free: list[_RunCgroup] = []
+        self.pid = os.getpid()
+        # at exit, also in multiprocessing children (env workers), which leave through os._exit
+        multiprocessing.util.Finalize(None, self.close, exitpriority=10)
+
+    def acquire(self, config: SandboxConfig) -> _RunCgroup | None:
+        found = _hierarchies()
+        if not found:
+            return None
+        _sweep_stale_cgroups(found)
+        with self.lock:
+            cgroup = next((c for c in self.free if c.idle()), None)
+            if cgroup is not None:
+                self.free.remove(cgroup)
+        if cgroup is None:
+            cgroup = self._create(found)
+        try:
+            cgroup.apply(found, config)
+        except OSError:
+            cgroup.remove()
+            raise
+        return cgroup
+
+    def _create(self, found: tuple[_Hierarchy, ...]) -> _RunCgroup:
+        cgroup = _RunCgroup([])
+        name = f"{_CGROUP_PREFIX}{os.getpid()}-{next(_run_numbers)}"
+        try:
+            for hierarchy in found:
+                path = os.path.join(hierarchy.parent, name)
+                if os.path.isdir(path):  # left by a dead process that had this pid
+                    _remove_cgroup(path)
+                os.mkdir(path)
+                cgroup.paths.append(path)
+        except OSError:
+            cgroup.remove()
+            raise
+        return cgroup
+
+    def release(self, cgroup: _RunCgroup) -> None:
+        cgroup.kill()
+        with self.lock:
+            self.free.append(cgroup)
+
+    def close(self) -> None:
+        if os.getpid() != self.pid:  # a forked child inherited the pool: the cgroups are its parent's
+            return
+        with self.lock:
+            free, self.free = self.free, []
+        for cgroup in free:
+            cgroup.remove()
+
+
+_pools: dict[int, _CgroupPool] = {}
+
+
+def _pool() -> _CgroupPool:
+    """This process's pool (a forked judge, e.g. an env worker, makes its own)."""
+    pid = os.getpid()
+    if pid not in _pools:
+        _pools[pid] = _CgroupPool()
+    return _pools[pid]
+
+
+def _limit_files(hierarchy: _Hierarchy, path: str, config: SandboxConfig) -> list[tuple[str, str]]:
+    memory, tasks = str(config.memory_mb * _MB), str(config.num_procs)
+    if hierarchy.version == 2:
+        period = 100000
+        files = [("memory.max", memory), ("pids.max", tasks), ("cpu.max", f"{int(config.cpus * period)} {period}")]
+        return files + ([("memory.swap.max", "0")] if os.path.exists(f"{path}/memory.swap.max") else [])
+    controller = hierarchy.controllers[0]
+    if controller == "memory":  # memory <= memsw (memory + swap) must hold after each write
+        files = [("memory.limit_in_bytes", memory)]
+        if os.path.exists(f"{path}/memory.memsw.limit_in_bytes"):
+            with open(f"{path}/memory.limit_in_bytes") as f:
+                raising = int(f.read()) < int(memory)  # a reused cgroup: raise memsw first
+            files = [("memory.memsw.limit_in_bytes", memory), *files] if raising else [*files, ("memory.memsw.limit_in_bytes", memory)]
+        return files
+    if controller == "pids":
+        return [("pids.max", tasks)]
+    with open(f"{path}/cpu.cfs_period_us") as f:
+        period = int(f.read())
+    return [("cpu.cfs_quota_us", str(int(config.cpus * period)))]
+
+
+def _kill_members(path: str) -> bool:
+    """SIGKILL every task of the cgroup at ``path``; True if it had any."""
+    try:
+        with open(f"{path}/cgroup.procs") as f:
+            pids = [int(pid) for pid in f.read().split()]
+    except OSError:
+        return False
+    if pids:
+        try:
+            _write(f"{path}/cgroup.kill", "1")  # v2: the whole cgroup at once
+        except OSError:
+            pass
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return bool(pids)
+
+
+def _remove_cgroup(path: str, *, within_s: float = 2.0) -> None:
+    """Kill whatever is left in the cgroup, then remove it (the kernel reaps asynchronously)."""
+    end = time.monotonic() + within_s
+    while True:
+        _kill_members(path)
+        try:
+            os.rmdir(path)
+            return
+        except FileNotFoundError:
+            return
+        except OSError:
+            if time.monotonic() > end:
+                return  # still busy: the next sweep removes it
+            time.sleep(0.01)
+
+
+def _sweep_stale_cgroups(found: tuple[_Hierarchy, ...]) -> None:
+    """Remove the cgroups of judges that died (SIGKILL skips ``remove``)."""
+    for hierarchy in found:
+        try:
+            names = os.listdir(hierarchy.parent)
+        except OSError:
+            continue
+        for name in names:
+            if not name.startswith(_CGROUP_PREFIX):
+                continue
+            owner = name[len(_CGROUP_PREFIX):].split("-")[0]
+            if owner.isdigit() and not os.path.exists(f"/proc/{owner}"):
+                _remove_cgroup(os.path.join(hierarchy.parent, name), within_s=0.2)
 
 
 # --- the old path: env.kwargs.unsafe_inprocess ---------------------------------------------------

@@ -3,7 +3,8 @@
 Each attack runs through the real judge (``judge_calls`` / ``judge_stdio``) in the isolated
 sandbox; each must score 0 (the real solution scores full marks on the same cases), with the judge
 (this test process) alive and nothing left behind: no process of the sandbox uid, no new
-``/tmp/megamarl-sbx-*`` entry, no file written outside. Skipped where isolation cannot be set up.
+``/tmp/megamarl-sbx-*`` entry, no task in the judge's cgroups, no file written outside. Skipped where isolation
+cannot be set up; the tree-limit tests also where no cgroup hierarchy is writable.
 """
 
 import glob
@@ -13,6 +14,7 @@ import subprocess
 import sys
 import time
 import tracemalloc
+from pathlib import Path
 
 import pytest
 
@@ -61,6 +63,21 @@ def wait_gone(uid: int, within_s: float = 3.0) -> list[int]:
 OWN_DIRS = f"/tmp/megamarl-sbx-{JUDGE}-*"
 
 
+def own_cgroups(pid: int = JUDGE) -> list[str]:
+    return [path for hierarchy in sandbox._hierarchies()
+            for path in glob.glob(os.path.join(hierarchy.parent, f"megamarl-sbx-{pid}-*"))]
+
+
+def busy_cgroups(within_s: float = 3.0) -> list[str]:
+    """The judge's cgroups that still hold a task after ``within_s`` (idle ones are reused)."""
+    end = time.monotonic() + within_s
+    while True:
+        busy = [path for path in own_cgroups() if Path(f"{path}/cgroup.procs").read_text().strip()]
+        if not busy or time.monotonic() > end:
+            return busy
+        time.sleep(0.05)
+
+
 @pytest.fixture(autouse=True)
 def nothing_left_behind():
     before = set(glob.glob(OWN_DIRS))
@@ -70,6 +87,7 @@ def nothing_left_behind():
         assert sentinel.poll() is None, "an attack killed a process of the judge's"
         assert wait_gone(sandbox_uid()) == [], "sandbox processes outlived the run"
         assert set(glob.glob(OWN_DIRS)) == before
+        assert busy_cgroups() == [], "a task outlived its run in the run's cgroup"
     finally:
         sentinel.kill()
         sentinel.wait()
@@ -288,6 +306,9 @@ def test_killed_judge_leaves_nothing(tmp_path):
         judge.stdout.close()
         if mode == "isolated":
             assert wait_gone(uid) == []  # --die-with-parent, then the PID namespace goes
+            assert own_cgroups(judge.pid) != [] or sandbox.tree_limits() == "rlimits"
+            sandbox.run_python("pass", CONFIG)  # the next judge's run removes the dead one's cgroups
+            assert own_cgroups(judge.pid) == []
         else:
             # the old path runs as root in the host /tmp; its candidates outlive a killed judge (one
             # reason it is unsafe): end them here; the next run removes the dead judge's dir
@@ -299,3 +320,64 @@ def test_killed_judge_leaves_nothing(tmp_path):
             assert glob.glob(f"/tmp/megamarl-sbx-{judge.pid}-*") != []
             sandbox.run_python("pass", CONFIG, isolated=False)
             assert glob.glob(f"/tmp/megamarl-sbx-{judge.pid}-*") == []
+
+
+needs_cgroups = pytest.mark.skipif(sandbox.tree_limits() == "rlimits",
+                                   reason="no writable cgroup hierarchy here: limits are per process (rlimits)")
+
+# three children each hold 150 MB, under the 256 MB RLIMIT_AS of each process but not of the tree
+MEMORY_HOG = """
+import os, time
+kids = []
+for _ in range(3):
+    pid = os.fork()
+    if pid == 0:
+        x = bytearray(150 << 20)
+        time.sleep(5)
+        os._exit(0)
+    kids.append(pid)
+time.sleep(1.5)
+print(sum(os.waitpid(kid, os.WNOHANG) == (0, 0) for kid in kids))
+"""
+
+# two children spin for 1 s of wall time; the parent reports their CPU time over the wall time
+CPU_SPIN = """
+import os, time
+start = time.monotonic()
+kids = []
+for _ in range(2):
+    pid = os.fork()
+    if pid == 0:
+        while time.monotonic() - start < 1.0:
+            pass
+        os._exit(0)
+    kids.append(pid)
+for kid in kids:
+    os.waitpid(kid, 0)
+t = os.times()
+print(round((t.children_user + t.children_system) / (time.monotonic() - start), 2))
+"""
+
+
+@needs_cgroups
+def test_memory_limit_holds_for_the_tree(monkeypatch):
+    holding = sandbox.run_python(MEMORY_HOG, CONFIG)
+    assert holding.stdout.strip() in ("", "0", "1"), holding  # 256 MB: one 150 MB child at a time
+    monkeypatch.setattr(sandbox, "_hierarchies", lambda: ())  # rlimits alone: every child holds its 150 MB
+    assert sandbox.run_python(MEMORY_HOG, CONFIG).stdout.strip() == "3"
+
+
+@needs_cgroups
+def test_a_judge_that_exits_removes_its_cgroups():
+    script = (f"import importlib.util, sys\nspec = importlib.util.spec_from_file_location('sbx', {sandbox.__file__!r})\n"
+              "sbx = sys.modules['sbx'] = importlib.util.module_from_spec(spec)\nspec.loader.exec_module(sbx)\n"
+              "print(sbx.run_python('print(1)').stdout.strip(), sbx.tree_limits())\nimport os\nprint(os.getpid())\n")
+    lines = subprocess.run([sys.executable, "-c", script], check=True, capture_output=True, text=True).stdout.split("\n")
+    assert lines[0].startswith("1 cgroup")
+    assert own_cgroups(int(lines[1])) == []
+
+
+@needs_cgroups
+def test_cpu_bandwidth_holds_for_the_tree():
+    share = sandbox.run_python(CPU_SPIN, SandboxConfig(timeout_s=4.0, cpus=0.5))
+    assert float(share.stdout) <= 0.5 + 0.1, share  # two spinning children share half a core
