@@ -24,6 +24,7 @@ from __future__ import annotations
 # megatron-core (and transformers/safetensors) are imported inside the functions that build, load or run
 # models: importing megatron.core costs ~3 s of CPU (9.7 s wall measured on the loaded 2-core box,
 # 2026-11-23), and config loading and --dry-run import this module without building a model.
+import queue
 from pathlib import Path
 
 import torch
@@ -98,12 +99,32 @@ def save_checkpoint(path: str | Path, model, wg, *, optimizer=None) -> None:
     from megatron.core import dist_checkpointing
 
     Path(path).mkdir(parents=True, exist_ok=True)
+    _in_process_results_queue()
     state = {}
     if model is not None:
         state["model"] = model_sharded_state_dict(model, wg)
         if optimizer is not None:
             state.update(optimizer_sharded_state_dict(state["model"], optimizer, wg))
     dist_checkpointing.save(state, str(path))
+
+
+def _in_process_results_queue() -> None:
+    """megatron-core's torch_dist writer collects its write results through a ``multiprocessing``
+    Manager queue that it starts, on a process's first save, with the *spawn* context: a fresh
+    interpreter that re-imports the entry script (``scripts/train.py``: megamarl, hydra, torch),
+    ~2.7 s of wall time and as many CPU-seconds, paid by every saving rank of every run, and a
+    server process that outlives a SIGKILLed rank. Saves here are synchronous (``dist_checkpointing.save``
+    runs the write in this process: it forks its writer processes, collects their results and
+    puts them on that queue, then reads them back), so a plain in-process ``queue.Queue`` carries
+    them as well, at no cost. (An asynchronous save, whose writer runs in another process, would
+    need megatron-core's own queue back: its results would not arrive and the save would fail with
+    "results_queue should not be empty", not silently.) The queue is a module global of
+    megatron-core's (0.16: ``filesystem_async._results_queue``); if a release renames it, this does
+    nothing and megatron-core starts its own as before."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if getattr(filesystem_async, "_results_queue", ...) is None:
+        filesystem_async._results_queue = queue.Queue()
 
 
 def load_checkpoint(path: str | Path, model, wg, *, optimizer=None) -> None:
