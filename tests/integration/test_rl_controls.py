@@ -1,0 +1,36 @@
+"""Issue #27 item 3, the RL controls users of verl / OpenRLHF / PettingLLMs expect, each in a
+``scripts/train.py`` run (one CPU rank, tiny models, 2 steps): per-agent stop strings and max_tokens."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from train_runs import train  # tests/ helper
+
+pytestmark = [pytest.mark.integration]
+
+ROOT = Path(__file__).resolve().parents[2]
+SIGNALLING = ROOT / "configs" / "signalling_tiny.yaml"
+LATE_LETTERS = list("NOPQRSTUVWXYZ")
+
+
+def _train(config: Path, tmp_path: Path, *overrides: str) -> list[dict]:
+    _, rows, _ = train(config, tmp_path, nproc=1, timeout=300, overrides=(
+        "name=run", "trainer.total_steps=2", "eval.num_tasks=0", "rollout.num_tasks=4", "rollout.group_size=4",
+        "logger.progress=false", *overrides))
+    return rows
+
+
+def test_per_agent_stop_strings_and_max_tokens(tmp_path):
+    """The sender writes up to 3 letters and stops at the first of N..Z (kept in the trained ids, cut
+    from the text the env reads); the receiver keeps its one-token replies."""
+    rows = _train(SIGNALLING, tmp_path, "agents.sender.sampling.max_tokens=3",
+                  f"agents.sender.sampling.stop=[{','.join(LATE_LETTERS)}]", "logger.episodes_per_step=4")
+    assert all(1 < r["agent/sender/response_len"] <= 3 for r in rows)  # neither 1 token nor always 3
+    assert all(r["agent/receiver/response_len"] == 1 for r in rows)
+    calls = [c for step in (1, 2) for line in (tmp_path / "run" / "episodes" / f"step_{step}.jsonl").read_text().splitlines()
+             for c in json.loads(line)["calls"] if c["agent"] == "sender"]
+    assert calls and not any(set(c["response"]) & set(LATE_LETTERS) for c in calls)
+    assert any(len(c["response"]) < 3 for c in calls)  # a stop string ended (and cut) a reply
