@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -36,6 +36,7 @@ from megamarl.registry import import_plugins, resolve_callable
 from megamarl.rl.advantages import ADVANTAGE_ESTIMATORS, GROUP_KEYS, AdvantageConfig
 from megamarl.rl.losses import KL_ESTIMATORS, LOSS_AGGREGATIONS
 from megamarl.rl.optimizer import LrScheduleConfig
+from megamarl.rl.rewards import TeamAlphaSchedule, team_alpha_at
 from megamarl.rollout import ENGINES
 from megamarl.runtime.metrics import LoggerConfig
 
@@ -258,7 +259,10 @@ class AlgorithmConfig:
     group_by: list[str] = field(default_factory=lambda: ["task", "agent", "turn"])
     normalize_std: bool = True
     std_ddof: int = 1  # group std: 1 unbiased (n - 1; verl, Dr.MAS, GiGPO), 0 population (n)
-    team_alpha: float = 1.0  # reward = team + alpha * local
+    team_alpha: float = 1.0  # reward = team + alpha * local (the schedule's start)
+    # anneal team_alpha per trainer step (kind: constant | linear | cosine; end; steps, 0: trainer.total_steps);
+    # the step's value is logged as algorithm/team_alpha
+    team_alpha_schedule: TeamAlphaSchedule = field(default_factory=TeamAlphaSchedule)
     turn_gamma: float = 1.0
     invalid_penalty: float = 0.0
     # drop groups (the estimator's group key) in which every advantage is 0 (not for critic estimators)
@@ -300,6 +304,8 @@ class AlgorithmConfig:
         KL_ESTIMATORS.get(self.kl_type, key="algorithm.kl_type")
         _check_range("algorithm.invalid_penalty", self.invalid_penalty, high=0)  # a penalty, not a bonus
         _check_range("algorithm.team_alpha", self.team_alpha, low=0)
+        if isinstance(self.team_alpha_schedule, (dict, DictConfig)):
+            self.team_alpha_schedule = TeamAlphaSchedule(**self.team_alpha_schedule)
         _check_range("algorithm.turn_gamma", self.turn_gamma, low=0, high=1)
         _check_range("algorithm.tis_cap", self.tis_cap, low=0)
         if self.std_ddof not in (0, 1):
@@ -308,6 +314,13 @@ class AlgorithmConfig:
             raise ValueError(f"algorithm.max_refill_rounds must be >= 0, got {self.max_refill_rounds}")
         if self.max_refill_rounds > 0 and not self.dynamic_sampling:
             raise ValueError("algorithm.max_refill_rounds > 0 needs algorithm.dynamic_sampling=true")
+
+    def at_step(self, step: int, *, total_steps: int) -> AlgorithmConfig:
+        """These settings as trainer ``step`` (0-based) uses them: ``team_alpha`` from its schedule."""
+        schedule = self.team_alpha_schedule
+        alpha = team_alpha_at(step, start=self.team_alpha, end=schedule.end,
+                              num_steps=schedule.steps or total_steps, kind=schedule.kind)
+        return self if alpha == self.team_alpha else replace(self, team_alpha=alpha)
 
     def advantage_config(self) -> AdvantageConfig:
         """The estimator's settings: algorithm.* keys plus ``estimator_kwargs``; call once plugins that

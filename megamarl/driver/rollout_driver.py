@@ -158,14 +158,16 @@ class RolloutDriver:
         self._log_transcripts(step + 1, result)
         if not result.samples:
             raise RolloutFailureError(result.failure_report(f"step {step + 1}: no samples"))
+        algo = self.cfg.algorithm.at_step(step, total_steps=self.cfg.trainer.total_steps)  # annealed team_alpha
         batch, prepare_metrics = prepare_rollout(
-            result.samples, result.episodes, self.cfg.algorithm, pad_id=next(iter(self.pad_ids.values())),
+            result.samples, result.episodes, algo, pad_id=next(iter(self.pad_ids.values())),
             num_tasks=self.cfg.rollout.num_tasks, draw=lambda round_: self._refill(step, round_),
         )
         self.totals["dropped_groups"] += int(prepare_metrics.get("rollout/dropped_groups", 0))
         for key in ("refill_rounds", "refill_exhausted", "dropped_incomplete_episodes"):
             self.totals[key] += int(prepare_metrics.get(f"rollout/{key}", 0))
         metrics.update(prepare_metrics)
+        metrics["algorithm/team_alpha"] = algo.team_alpha
         for name, engine in self.engines.items():
             if isinstance(engine, EnginePool):
                 metrics.update({f"engine/{name}/{k}": v for k, v in engine.counters().items()})

@@ -1,5 +1,6 @@
 """Issue #27 item 3, the RL controls users of verl / OpenRLHF / PettingLLMs expect, each in a
-``scripts/train.py`` run (one CPU rank, tiny models, 2 steps): per-agent stop strings and max_tokens."""
+``scripts/train.py`` run (one CPU rank, tiny models, 2 steps): per-agent stop strings and max_tokens
+and the team_alpha schedule in one run."""
 
 from __future__ import annotations
 
@@ -23,11 +24,14 @@ def _train(config: Path, tmp_path: Path, *overrides: str) -> list[dict]:
     return rows
 
 
-def test_per_agent_stop_strings_and_max_tokens(tmp_path):
+def test_per_agent_stop_strings_max_tokens_and_team_alpha_schedule(tmp_path):
     """The sender writes up to 3 letters and stops at the first of N..Z (kept in the trained ids, cut
-    from the text the env reads); the receiver keeps its one-token replies."""
+    from the text the env reads); the receiver keeps its one-token replies. The local-reward weight
+    anneals linearly from team_alpha=1 to 0 over 2 steps: 1.0 at step 1, 0.5 at step 2."""
     rows = _train(SIGNALLING, tmp_path, "agents.sender.sampling.max_tokens=3",
-                  f"agents.sender.sampling.stop=[{','.join(LATE_LETTERS)}]", "logger.episodes_per_step=4")
+                  f"agents.sender.sampling.stop=[{','.join(LATE_LETTERS)}]", "logger.episodes_per_step=4",
+                  "algorithm.team_alpha_schedule={kind: linear, end: 0.0}")
+    assert [r["algorithm/team_alpha"] for r in rows] == [1.0, 0.5]
     assert all(1 < r["agent/sender/response_len"] <= 3 for r in rows)  # neither 1 token nor always 3
     assert all(r["agent/receiver/response_len"] == 1 for r in rows)
     calls = [c for step in (1, 2) for line in (tmp_path / "run" / "episodes" / f"step_{step}.jsonl").read_text().splitlines()

@@ -148,3 +148,16 @@ def test_refill_until_num_tasks_informative_item3():
 def test_algorithm_config_validation(kwargs, key):
     with pytest.raises(ValueError, match=key):
         AlgorithmConfig(**kwargs)
+
+
+def test_team_alpha_schedule_shapes_the_step_rewards():
+    """algorithm.team_alpha_schedule: step k's rewards use alpha(k); the default is team_alpha, unchanged."""
+    batch = collate([_sample("t", "t/0", team=1.0, local=2.0), _sample("t", "t/1", team=1.0, local=0.0)], pad_id=0)
+    algo = AlgorithmConfig(team_alpha=0.5, team_alpha_schedule={"kind": "linear", "end": 1.5})
+    assert [algo.at_step(k, total_steps=4).team_alpha for k in range(5)] == [0.5, 0.75, 1.0, 1.25, 1.5]
+    close(shaped_rewards(batch, algo.at_step(2, total_steps=4)), [3.0, 1.0])  # 1 + 1.0 * 2, 1 + 1.0 * 0
+    close(shaped_rewards(batch, algo.at_step(0, total_steps=4)), [2.0, 1.0])
+    default = AlgorithmConfig(team_alpha=0.5)
+    assert default.at_step(3, total_steps=4) is default  # kind constant: the very same settings
+    with pytest.raises(ValueError, match="algorithm.team_alpha_schedule.kind='cosin'"):
+        AlgorithmConfig(team_alpha_schedule={"kind": "cosin"})
