@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -151,6 +151,36 @@ class EngineConfig:
 
 
 @dataclass
+class PolicyAlgorithmConfig:
+    """``policies.<p>.algorithm``: this policy's own advantage estimator and loss aggregation, so one
+    policy trains with GRPO while another uses GAE with a critic in the same run. A key left null
+    takes ``algorithm.<key>``; reward shaping, dynamic sampling, KL and TIS stay run-wide. When any
+    policy sets one, every policy's advantages are computed over its own samples (docs/rl.md)."""
+
+    estimator: str | None = None  # null: algorithm.estimator
+    estimator_kwargs: dict[str, Any] | None = None  # null: algorithm.estimator_kwargs (replaced whole, not merged)
+    group_by: list[str] | None = None  # null: algorithm.group_by
+    normalize_std: bool | None = None  # null: algorithm.normalize_std
+    std_ddof: int | None = None  # null: algorithm.std_ddof
+    loss_agg: str | None = None  # null: algorithm.loss_agg
+    value_loss_agg: str | None = None  # null: algorithm.value_loss_agg (a critic estimator's value loss)
+
+    def __post_init__(self) -> None:
+        bad = [k for k in self.group_by or [] if k not in GROUP_KEYS]
+        if bad:
+            raise ValueError(f"policies.<p>.algorithm.group_by has unknown keys {bad}; allowed: {list(GROUP_KEYS)}")
+        if self.std_ddof is not None and self.std_ddof not in (0, 1):
+            raise ValueError(f"policies.<p>.algorithm.std_ddof must be 0 (population) or 1 (unbiased), got {self.std_ddof}")
+        for key in ("loss_agg", "value_loss_agg"):
+            if getattr(self, key) is not None:
+                LOSS_AGGREGATIONS.get(getattr(self, key), key=f"policies.<p>.algorithm.{key}")
+
+    def overrides(self) -> dict[str, Any]:
+        """The ``algorithm.*`` keys this policy sets (null ones left out)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+
+
+@dataclass
 class PolicyConfig:
     model: str = MISSING  # packaged model name or local HF directory
     ranks: list[int] | None = None  # WG ranks; default: all ranks
@@ -187,8 +217,12 @@ class PolicyConfig:
     dtype: str = "auto"
     lora: LoraConfig | None = None
     engine: EngineConfig = field(default_factory=EngineConfig)
+    # this policy's own estimator (and its kwargs, group key, loss aggregation); null keys: algorithm.*
+    algorithm: PolicyAlgorithmConfig = field(default_factory=PolicyAlgorithmConfig)
 
     def __post_init__(self) -> None:
+        if isinstance(self.algorithm, (dict, DictConfig)):
+            self.algorithm = PolicyAlgorithmConfig(**self.algorithm)
         if self.dtype not in DTYPE_CHOICES:
             raise ValueError(f"policies.<p>.dtype='{self.dtype}' unknown; allowed: {list(DTYPE_CHOICES)}")
         _check_range("policies.<p>.lr", self.lr, low=0, low_open=True)
@@ -557,8 +591,38 @@ class RunConfig:
             check_team(orchestra, orchestra_name=self.orchestra.name, env_name=env_name,
                        env_roles=tuple(env_cls.agents), acting=env_cls.acting_roles(env_config), agent_kinds=kinds,
                        default_kinds=dict(env_cls.default_agents), key=key)
+        self._check_policy_algorithms()
         if self.rollout.policy_mapping:
             self._check_policy_mapping()
+
+    def policy_algorithm(self, name: str, base: AlgorithmConfig | None = None) -> AlgorithmConfig:
+        """Policy ``name``'s algorithm settings: ``base`` (default ``algorithm``; the driver passes the
+        step's, team_alpha annealed) with ``policies.<name>.algorithm`` applied; ``base`` itself, the same
+        object, when the policy overrides nothing."""
+        base = self.algorithm if base is None else base
+        overrides = self.policies[name].algorithm.overrides()
+        return replace(base, **overrides) if overrides else base
+
+    def policy_algorithms(self, base: AlgorithmConfig | None = None) -> dict[str, AlgorithmConfig]:
+        """Every policy's ``policy_algorithm``."""
+        return {name: self.policy_algorithm(name, base) for name in self.policies}
+
+    def _check_policy_algorithms(self) -> None:
+        """``policies.<p>.algorithm``: registered estimators, valid merged settings, no dynamic sampling."""
+        for name, policy in self.policies.items():
+            overrides = policy.algorithm.overrides()
+            if not overrides:
+                continue
+            key = f"policies.{name}.algorithm"
+            if self.algorithm.dynamic_sampling:
+                raise ValueError(f"{key} sets {sorted(overrides)}, but algorithm.dynamic_sampling filters groups with "
+                                 "one estimator over the whole batch; per-policy estimators need dynamic_sampling: false")
+            if "estimator" in overrides:
+                ADVANTAGE_ESTIMATORS.get(policy.algorithm.estimator, key=f"{key}.estimator")
+            try:
+                self.policy_algorithm(name).check_estimator()
+            except ValueError as exc:  # AlgorithmConfig names algorithm.<k>: the key the policy set
+                raise ValueError(str(exc).replace("algorithm.", f"{key}.")) from exc
 
     def _check_policy_mapping(self) -> None:
         """The mapping resolves and, for every agent and a few episode seeds, names a defined policy."""

@@ -67,7 +67,7 @@ class Trainer:
         self.sync_every = sync_interval(cfg.trainer)  # updates of a policy per weight push
         checkpoint.seed_everything(cfg.trainer.seed)
         self.wgs = build_worker_groups(cfg.placement(self.world_size))
-        self.splits = batch_splits(cfg.policies, cfg.agents, cfg.algorithm)  # the driver plans every policy's update
+        self.splits = batch_splits(cfg.policies, cfg.agents, cfg.policy_algorithms())  # the driver plans every policy's update
         # engine servers start now (in threads), sized on GPU from the memory plan; on CPU they overlap
         # model preparation, on GPU colocated ones are up and asleep first (EngineFleet.model_preparation)
         fractions = server_memory_fractions(cfg, world_size=self.world_size,
@@ -76,7 +76,7 @@ class Trainer:
                                  control_group=control_group(), memory_fractions=fractions)
         with self.fleet.model_preparation() if self.fleet is not None else nullcontext(), \
                 self.progress.phase("model preparation", total=len(cfg.policies), unit="policies", in_step=False) as phase:
-            self.workers = build_workers(cfg.policies, cfg.agents, cfg.algorithm, self.wgs, seed=cfg.trainer.seed,
+            self.workers = build_workers(cfg.policies, cfg.agents, cfg.policy_algorithms(), self.wgs, seed=cfg.trainer.seed,
                                          dtypes={n: DTYPES[cfg.policy_dtype(n)] for n in cfg.policies},
                                          total_steps=cfg.trainer.total_steps,
                                          on_policy=phase.advance)

@@ -159,9 +159,11 @@ class RolloutDriver:
         if not result.samples:
             raise RolloutFailureError(result.failure_report(f"step {step + 1}: no samples"))
         algo = self.cfg.algorithm.at_step(step, total_steps=self.cfg.trainer.total_steps)  # annealed team_alpha
+        own = any(p.algorithm.overrides() for p in self.cfg.policies.values())  # policies.<p>.algorithm
         batch, prepare_metrics = prepare_rollout(
             result.samples, result.episodes, algo, pad_id=next(iter(self.pad_ids.values())),
             num_tasks=self.cfg.rollout.num_tasks, draw=lambda round_: self._refill(step, round_),
+            policy_algos=self.cfg.policy_algorithms(algo) if own else None,
         )
         self.totals["dropped_groups"] += int(prepare_metrics.get("rollout/dropped_groups", 0))
         for key in ("refill_rounds", "refill_exhausted", "dropped_incomplete_episodes"):

@@ -1,6 +1,6 @@
 """Issue #27 item 3, the RL controls users of verl / OpenRLHF / PettingLLMs expect, each in a
 ``scripts/train.py`` run (one CPU rank, tiny models, 2 steps): per-agent stop strings and max_tokens
-and the team_alpha schedule in one run."""
+and the team_alpha schedule in one run; an algorithm per policy (GRPO-family next to GAE)."""
 
 from __future__ import annotations
 
@@ -38,3 +38,17 @@ def test_per_agent_stop_strings_max_tokens_and_team_alpha_schedule(tmp_path):
              for c in json.loads(line)["calls"] if c["agent"] == "sender"]
     assert calls and not any(set(c["response"]) & set(LATE_LETTERS) for c in calls)
     assert any(len(c["response"]) < 3 for c in calls)  # a stop string ended (and cut) a reply
+
+
+def test_two_policies_train_with_different_estimators(tmp_path):
+    """L3 signalling on one rank: the sender's policy keeps the run's at_grpo, the receiver gets a
+    policy of its own whose policies.<p>.algorithm is GAE with a critic (value head) in the same run."""
+    critic = ("{model: tiny-plain-llama, lr: 1.0e-3, micro_batch_size: 64, dtype: fp32, "
+              "engine: {backend: hf, dtype: fp32}, "
+              "algorithm: {estimator: gae, estimator_kwargs: {gamma: 1.0, lam: 0.95}, value_loss_agg: seq-mean-token-sum}}")
+    rows = _train(SIGNALLING, tmp_path, f"+policies.critic={critic}", "agents.receiver.policy=critic")
+    for row in rows:
+        assert row["policy/critic/vf_loss"] > 0 and "policy/shared/vf_loss" not in row
+        assert "agent/sender/advantage_mean" in row and "agent/receiver/advantage_mean" not in row
+        assert row["policy/shared/grad_norm"] > 0 and row["policy/critic/grad_norm"] > 0
+    assert rows[1]["policy/critic/value_mean"] != 0.0  # the zero-initialised head has learned
