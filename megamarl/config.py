@@ -22,6 +22,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 import megamarl.orchestration  # noqa: F401 - registers the built-in agents, envs, orchestras
 from megamarl.config_loader import compose_config
+from megamarl.driver.opponent_pool import OpponentPoolConfig
 from megamarl.driver.schedules import SCHEDULES
 from megamarl.models.lora import LoraConfig
 from megamarl.models.packaged import PACKAGED_MODELS, TINY_MODELS
@@ -275,8 +276,13 @@ class RolloutConfig:
     policy_mapping: str = ""
     # a step or evaluation whose failed-episode fraction is above this stops the run (first traceback)
     max_failed_fraction: float = 0.5
+    # self-play against past versions: {learner, snapshots (frozen policies), every, pick: latest | uniform,
+    # alias}; policy_mapping returns `alias` for the seat the pool fills (megamarl.driver.opponent_pool)
+    opponent_pool: OpponentPoolConfig = field(default_factory=OpponentPoolConfig)
 
     def __post_init__(self) -> None:
+        if isinstance(self.opponent_pool, (dict, DictConfig)):
+            self.opponent_pool = OpponentPoolConfig(**self.opponent_pool)
         for key in ("num_tasks", "group_size", "max_concurrency"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -592,6 +598,7 @@ class RunConfig:
                        env_roles=tuple(env_cls.agents), acting=env_cls.acting_roles(env_config), agent_kinds=kinds,
                        default_kinds=dict(env_cls.default_agents), key=key)
         self._check_policy_algorithms()
+        self._check_opponent_pool()
         if self.rollout.policy_mapping:
             self._check_policy_mapping()
 
@@ -624,16 +631,41 @@ class RunConfig:
             except ValueError as exc:  # AlgorithmConfig names algorithm.<k>: the key the policy set
                 raise ValueError(str(exc).replace("algorithm.", f"{key}.")) from exc
 
+    def _check_opponent_pool(self) -> None:
+        """``rollout.opponent_pool``: a trained learner, frozen snapshots of its model, a policy mapping."""
+        pool, key = self.rollout.opponent_pool, "rollout.opponent_pool"
+        if not pool.enabled:
+            return
+        learner = self.policies.get(pool.learner)
+        if learner is None or learner.frozen or learner.lora is not None:
+            raise ValueError(f"{key}.learner={pool.learner!r} must be a trained policy without LoRA; defined: "
+                             f"{sorted(self.policies)}")
+        for name in pool.snapshots:
+            policy = self.policies.get(name)
+            if name == pool.learner or policy is None or not policy.frozen or policy.model != learner.model:
+                raise ValueError(f"{key}.snapshots: {name!r} must be a frozen policy (policies.{name}.frozen: true) "
+                                 f"of the learner's model {learner.model!r}, not the learner; defined: {sorted(self.policies)}")
+            if policy.lora is not None or policy.engine.launch == "server" or policy.engine.server_urls:
+                raise ValueError(f"{key}.snapshots: policies.{name} must be served by an in-process engine without "
+                                 "LoRA (snapshots are copied into engines in the driver's process)")
+        if pool.alias in self.policies:
+            raise ValueError(f"{key}.alias={pool.alias!r} is a policy's name; the alias stands for the pool's seat")
+        if not self.rollout.policy_mapping:
+            raise ValueError(f"{key} needs rollout.policy_mapping, returning {pool.alias!r} for the seat the pool fills")
+
     def _check_policy_mapping(self) -> None:
-        """The mapping resolves and, for every agent and a few episode seeds, names a defined policy."""
+        """The mapping resolves and, for every agent and a few episode seeds, names a defined policy
+        (or the opponent pool's alias)."""
         key = "rollout.policy_mapping"
         mapping = resolve_callable(self.rollout.policy_mapping, key=key)
+        pool = self.rollout.opponent_pool
+        allowed = set(self.policies) | ({pool.alias} if pool.enabled else set())
         for role, agent in self.agents.items():
             if agent.lora is not None:
                 raise ValueError(f"{key} cannot remap agents.{role}, which samples from LoRA adapter '{agent.lora}'")
             for episode_seed in range(4):
                 policy = mapping(role, episode_seed)
-                if policy not in self.policies:
+                if policy not in allowed:
                     raise ValueError(
                         f"{key}('{role}', {episode_seed}) returned {policy!r}, not a policy; defined: {sorted(self.policies)}"
                     )

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from megamarl.config import RunConfig
+from megamarl.driver.opponent_pool import snapshot_slot
 from megamarl.driver.rollout_driver import RolloutDriver, policy_adapters
 from megamarl.driver.schedules import SCHEDULES, sync_interval
 from megamarl.parallel.collectives import scatter_objects
@@ -119,6 +120,7 @@ class Trainer:
             metrics.update(self.update(received, offloaded))
             metrics.update(self.sync_all_weights(self.due_for_sync()))
             self.step += 1
+            metrics.update(self.snapshot_opponents())
             metrics["timing_s/step"] = time.perf_counter() - step_start
             metrics["timing_s/idle"] = idle_seconds(metrics)
             metrics.update(throughput_metrics(
@@ -244,6 +246,24 @@ class Trainer:
                     metrics.update(self.pusher.push(name, self.versions[name], engines))
         dist.barrier(group=control_group())
         metrics["timing_s/weight_sync"] = time.perf_counter() - start
+        return metrics
+
+    def snapshot_opponents(self) -> dict[str, float]:
+        """``rollout.opponent_pool``: after every ``every``-th step, the learner's weights go into the next
+        snapshot slot (a frozen policy's engines), a new version of that policy (collective)."""
+        pool = self.cfg.rollout.opponent_pool
+        slot = snapshot_slot(self.step, every=pool.every, num_slots=len(pool.snapshots)) if pool.enabled else None
+        if slot is None:
+            return {}
+        name = pool.snapshots[slot]
+        self.versions[name] += 1
+        engines = self.driver.engines_for(name) if self.is_driver else None
+        with self.driver.weight_update() if self.is_driver else nullcontext(), \
+                self.progress.phase(f"snapshot {pool.learner} -> {name}", unit=""):
+            metrics = self.pusher.snapshot(pool.learner, name, self.versions[name], engines)
+        if self.is_driver:
+            self.driver.opponent_pool.record(slot, self.step)
+        dist.barrier(group=control_group())
         return metrics
 
     def resync_restarted(self) -> dict[str, float]:

@@ -52,3 +52,24 @@ def test_two_policies_train_with_different_estimators(tmp_path):
         assert "agent/sender/advantage_mean" in row and "agent/receiver/advantage_mean" not in row
         assert row["policy/shared/grad_norm"] > 0 and row["policy/critic/grad_norm"] > 0
     assert rows[1]["policy/critic/value_mean"] != 0.0  # the zero-initialised head has learned
+
+
+def test_tictactoe_against_an_opponent_pool_of_past_selves(tmp_path):
+    """configs/tictactoe_pool.yaml with a snapshot every step and pick=latest: step 1's opponents are
+    past_1 with alpha's initial weights (engine version 0, never pushed); after step 1 alpha's weights
+    go into past_1 (a new version), after step 2 into past_2; step 2's opponents are past_1 at that new
+    version (the snapshot serves the rollouts), and only alpha trains."""
+    pytest.importorskip("pygame")  # pettingzoo.classic needs it (the pettingzoo extra installs it)
+    rows = _train(ROOT / "configs" / "tictactoe_pool.yaml", tmp_path, "rollout.opponent_pool.every=1",
+                  "rollout.opponent_pool.pick=latest", "logger.episodes_per_step=8")
+    assert [r["opponent_pool/num_snapshots"] for r in rows] == [0, 1]  # taken before each step's rollout
+    assert [r["opponent_pool/past_1/snapshot_step"] for r in rows] == [0, 1]
+    assert rows[0]["weight_sync/past_1/bytes"] > 0 and rows[1]["weight_sync/past_2/bytes"] > 0
+    assert all("policy/past_1/loss" not in r and r["policy/alpha/grad_norm"] > 0 for r in rows)
+    opponents = {}
+    for step in (1, 2):
+        calls = [c for line in (tmp_path / "run" / "episodes" / f"step_{step}.jsonl").read_text().splitlines()
+                 for c in json.loads(line)["calls"]]
+        assert {c["policy"] for c in calls} == {"alpha", "past_1"}
+        opponents[step] = {c["weight_version"] for c in calls if c["policy"] == "past_1"}
+    assert opponents[1] == {0} and len(opponents[2]) == 1 and opponents[2] != {0}

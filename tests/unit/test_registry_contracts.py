@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import megamarl.orchestration  # noqa: F401 - registers the built-in agents, envs, orchestras
+from megamarl.driver.opponent_pool import OPPONENT_PICKS
 from megamarl.driver.schedules import SCHEDULES, Schedule, ScheduleTraits
 from megamarl.models.registry import MODEL_FAMILIES
 from megamarl.orchestration.agents import AGENTS, Agent, AgentConfig
@@ -31,7 +32,7 @@ from megamarl.rollout import ENGINES, Engine
 from megamarl.rollout.base import EngineTraits
 
 REGISTRIES = [ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, LOSS_AGGREGATIONS, ENGINES, SCHEDULES, AGENTS, ENVS, ORCHESTRAS,
-              WORKERS, MODEL_FAMILIES, ALPHA_SCHEDULES]
+              WORKERS, MODEL_FAMILIES, ALPHA_SCHEDULES, OPPONENT_PICKS]
 # envs whose Config has required fields: the kwargs a run would give
 ENV_KWARGS = {"pettingzoo_parallel": {"factory": "megamarl.orchestration.testing:make_echo_parallel"},
               "pettingzoo_aec": {"factory": "megamarl.orchestration.testing:make_counting_aec"}}
