@@ -301,7 +301,7 @@ class AlgorithmConfig:
     std_ddof: int = 1  # group std: 1 unbiased (n - 1; verl, Dr.MAS, GiGPO), 0 population (n)
     team_alpha: float = 1.0  # reward = team + alpha * local (the schedule's start)
     # anneal team_alpha per trainer step (kind: constant | linear | cosine; end; steps, 0: trainer.total_steps);
-    # the step's value is logged as algorithm/team_alpha
+    # the step's value is logged as algorithm/team_alpha (kind != constant)
     team_alpha_schedule: TeamAlphaSchedule = field(default_factory=TeamAlphaSchedule)
     turn_gamma: float = 1.0
     invalid_penalty: float = 0.0

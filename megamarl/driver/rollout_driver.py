@@ -174,7 +174,8 @@ class RolloutDriver:
         for key in ("refill_rounds", "refill_exhausted", "dropped_incomplete_episodes"):
             self.totals[key] += int(prepare_metrics.get(f"rollout/{key}", 0))
         metrics.update(prepare_metrics)
-        metrics["algorithm/team_alpha"] = algo.team_alpha
+        if algo.team_alpha_schedule.anneals:
+            metrics["algorithm/team_alpha"] = algo.team_alpha
         if self.opponent_pool is not None:
             metrics.update(self.opponent_pool.metrics())
         for name, engine in self.engines.items():

@@ -56,6 +56,11 @@ class TeamAlphaSchedule:
     end: float = 0.0  # the weight reached after `steps` steps (kind != constant)
     steps: int = 0  # trainer steps of the anneal; 0: trainer.total_steps
 
+    @property
+    def anneals(self) -> bool:
+        """False for ``constant``: team_alpha never moves (and is not logged per step)."""
+        return self.kind != "constant"
+
     def __post_init__(self) -> None:
         ALPHA_SCHEDULES.get(self.kind, key="algorithm.team_alpha_schedule.kind")
         if not math.isfinite(self.end) or self.end < 0:
