@@ -1,6 +1,7 @@
 """Issue #27 item 3, the RL controls users of verl / OpenRLHF / PettingLLMs expect, each in a
 ``scripts/train.py`` run (one CPU rank, tiny models, 2 steps): per-agent stop strings and max_tokens
-and the team_alpha schedule in one run; an algorithm per policy (GRPO-family next to GAE)."""
+and the team_alpha schedule in one run; an algorithm per policy (GRPO-family next to GAE); tic-tac-toe
+against an opponent pool of the learner's past versions."""
 
 from __future__ import annotations
 
@@ -54,6 +55,7 @@ def test_two_policies_train_with_different_estimators(tmp_path):
     assert rows[1]["policy/critic/value_mean"] != 0.0  # the zero-initialised head has learned
 
 
+@pytest.mark.slow
 def test_tictactoe_against_an_opponent_pool_of_past_selves(tmp_path):
     """configs/tictactoe_pool.yaml with a snapshot every step and pick=latest: step 1's opponents are
     past_1 with alpha's initial weights (engine version 0, never pushed); after step 1 alpha's weights
