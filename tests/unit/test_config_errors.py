@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from megamarl.config import load_config
+from megamarl.rl.policy_setup import critic_config, loss_config
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs" / "signalling_tiny.yaml"
@@ -151,3 +152,15 @@ def test_per_policy_algorithm_merges_over_the_run_algorithm():
         "gae", {"gamma": 1.0, "lam": 0.9}, cfg.algorithm.group_by, "at_grpo")
     plain = load_config(CONFIG)
     assert plain.policy_algorithm("shared") is plain.algorithm  # nothing set: the run's own settings object
+
+
+def test_per_policy_loss_aggregations_reach_the_policys_loss_and_critic():
+    """policies.<p>.algorithm.loss_agg / value_loss_agg: what the policy's worker is built with."""
+    cfg = load_config(CONFIG, ["policies.shared.algorithm.estimator=gae", "policies.shared.algorithm.loss_agg=seq-mean-token-sum",
+                               "policies.shared.algorithm.value_loss_agg=seq-mean-token-mean"])
+    algos = cfg.policy_algorithms()
+    policy = cfg.policies["shared"]
+    assert loss_config(policy, algos["shared"]).agg_mode == "seq-mean-token-sum"
+    critic = critic_config(policy, algos["shared"])
+    assert (critic.loss_agg, critic.advantage.estimator) == ("seq-mean-token-mean", "gae")
+    assert critic_config(policy, cfg.algorithm) is None  # the run's at_grpo has no critic
