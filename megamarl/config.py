@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -22,6 +22,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 import megamarl.orchestration  # noqa: F401 - registers the built-in agents, envs, orchestras
 from megamarl.config_loader import compose_config
+from megamarl.driver.opponent_pool import OpponentPoolConfig
 from megamarl.driver.schedules import SCHEDULES
 from megamarl.models.lora import LoraConfig
 from megamarl.models.packaged import PACKAGED_MODELS, TINY_MODELS
@@ -36,6 +37,7 @@ from megamarl.registry import import_plugins, resolve_callable
 from megamarl.rl.advantages import ADVANTAGE_ESTIMATORS, GROUP_KEYS, AdvantageConfig
 from megamarl.rl.losses import KL_ESTIMATORS, LOSS_AGGREGATIONS
 from megamarl.rl.optimizer import LrScheduleConfig
+from megamarl.rl.rewards import TeamAlphaSchedule, team_alpha_at
 from megamarl.rollout import ENGINES
 from megamarl.runtime.metrics import LoggerConfig
 
@@ -150,6 +152,36 @@ class EngineConfig:
 
 
 @dataclass
+class PolicyAlgorithmConfig:
+    """``policies.<p>.algorithm``: this policy's own advantage estimator and loss aggregation, so one
+    policy trains with GRPO while another uses GAE with a critic in the same run. A key left null
+    takes ``algorithm.<key>``; reward shaping, dynamic sampling, KL and TIS stay run-wide. When any
+    policy sets one, every policy's advantages are computed over its own samples (docs/rl.md)."""
+
+    estimator: str | None = None  # null: algorithm.estimator
+    estimator_kwargs: dict[str, Any] | None = None  # null: algorithm.estimator_kwargs (replaced whole, not merged)
+    group_by: list[str] | None = None  # null: algorithm.group_by
+    normalize_std: bool | None = None  # null: algorithm.normalize_std
+    std_ddof: int | None = None  # null: algorithm.std_ddof
+    loss_agg: str | None = None  # null: algorithm.loss_agg
+    value_loss_agg: str | None = None  # null: algorithm.value_loss_agg (a critic estimator's value loss)
+
+    def __post_init__(self) -> None:
+        bad = [k for k in self.group_by or [] if k not in GROUP_KEYS]
+        if bad:
+            raise ValueError(f"policies.<p>.algorithm.group_by has unknown keys {bad}; allowed: {list(GROUP_KEYS)}")
+        if self.std_ddof is not None and self.std_ddof not in (0, 1):
+            raise ValueError(f"policies.<p>.algorithm.std_ddof must be 0 (population) or 1 (unbiased), got {self.std_ddof}")
+        for key in ("loss_agg", "value_loss_agg"):
+            if getattr(self, key) is not None:
+                LOSS_AGGREGATIONS.get(getattr(self, key), key=f"policies.<p>.algorithm.{key}")
+
+    def overrides(self) -> dict[str, Any]:
+        """The ``algorithm.*`` keys this policy sets (null ones left out)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+
+
+@dataclass
 class PolicyConfig:
     model: str = MISSING  # packaged model name or local HF directory
     ranks: list[int] | None = None  # WG ranks; default: all ranks
@@ -186,8 +218,12 @@ class PolicyConfig:
     dtype: str = "auto"
     lora: LoraConfig | None = None
     engine: EngineConfig = field(default_factory=EngineConfig)
+    # this policy's own estimator (and its kwargs, group key, loss aggregation); null keys: algorithm.*
+    algorithm: PolicyAlgorithmConfig = field(default_factory=PolicyAlgorithmConfig)
 
     def __post_init__(self) -> None:
+        if isinstance(self.algorithm, (dict, DictConfig)):
+            self.algorithm = PolicyAlgorithmConfig(**self.algorithm)
         if self.dtype not in DTYPE_CHOICES:
             raise ValueError(f"policies.<p>.dtype='{self.dtype}' unknown; allowed: {list(DTYPE_CHOICES)}")
         _check_range("policies.<p>.lr", self.lr, low=0, low_open=True)
@@ -240,8 +276,13 @@ class RolloutConfig:
     policy_mapping: str = ""
     # a step or evaluation whose failed-episode fraction is above this stops the run (first traceback)
     max_failed_fraction: float = 0.5
+    # self-play against past versions: {learner, snapshots (frozen policies), every, pick: latest | uniform,
+    # alias}; policy_mapping returns `alias` for the seat the pool fills (megamarl.driver.opponent_pool)
+    opponent_pool: OpponentPoolConfig = field(default_factory=OpponentPoolConfig)
 
     def __post_init__(self) -> None:
+        if isinstance(self.opponent_pool, (dict, DictConfig)):
+            self.opponent_pool = OpponentPoolConfig(**self.opponent_pool)
         for key in ("num_tasks", "group_size", "max_concurrency"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -258,7 +299,10 @@ class AlgorithmConfig:
     group_by: list[str] = field(default_factory=lambda: ["task", "agent", "turn"])
     normalize_std: bool = True
     std_ddof: int = 1  # group std: 1 unbiased (n - 1; verl, Dr.MAS, GiGPO), 0 population (n)
-    team_alpha: float = 1.0  # reward = team + alpha * local
+    team_alpha: float = 1.0  # reward = team + alpha * local (the schedule's start)
+    # anneal team_alpha per trainer step (kind: constant | linear | cosine; end; steps, 0: trainer.total_steps);
+    # the step's value is logged as algorithm/team_alpha (kind != constant)
+    team_alpha_schedule: TeamAlphaSchedule = field(default_factory=TeamAlphaSchedule)
     turn_gamma: float = 1.0
     invalid_penalty: float = 0.0
     # drop groups (the estimator's group key) in which every advantage is 0 (not for critic estimators)
@@ -300,6 +344,8 @@ class AlgorithmConfig:
         KL_ESTIMATORS.get(self.kl_type, key="algorithm.kl_type")
         _check_range("algorithm.invalid_penalty", self.invalid_penalty, high=0)  # a penalty, not a bonus
         _check_range("algorithm.team_alpha", self.team_alpha, low=0)
+        if isinstance(self.team_alpha_schedule, (dict, DictConfig)):
+            self.team_alpha_schedule = TeamAlphaSchedule(**self.team_alpha_schedule)
         _check_range("algorithm.turn_gamma", self.turn_gamma, low=0, high=1)
         _check_range("algorithm.tis_cap", self.tis_cap, low=0)
         if self.std_ddof not in (0, 1):
@@ -308,6 +354,13 @@ class AlgorithmConfig:
             raise ValueError(f"algorithm.max_refill_rounds must be >= 0, got {self.max_refill_rounds}")
         if self.max_refill_rounds > 0 and not self.dynamic_sampling:
             raise ValueError("algorithm.max_refill_rounds > 0 needs algorithm.dynamic_sampling=true")
+
+    def at_step(self, step: int, *, total_steps: int) -> AlgorithmConfig:
+        """These settings as trainer ``step`` (0-based) uses them: ``team_alpha`` from its schedule."""
+        schedule = self.team_alpha_schedule
+        alpha = team_alpha_at(step, start=self.team_alpha, end=schedule.end,
+                              num_steps=schedule.steps or total_steps, kind=schedule.kind)
+        return self if alpha == self.team_alpha else replace(self, team_alpha=alpha)
 
     def advantage_config(self) -> AdvantageConfig:
         """The estimator's settings: algorithm.* keys plus ``estimator_kwargs``; call once plugins that
@@ -544,19 +597,75 @@ class RunConfig:
             check_team(orchestra, orchestra_name=self.orchestra.name, env_name=env_name,
                        env_roles=tuple(env_cls.agents), acting=env_cls.acting_roles(env_config), agent_kinds=kinds,
                        default_kinds=dict(env_cls.default_agents), key=key)
+        self._check_policy_algorithms()
+        self._check_opponent_pool()
         if self.rollout.policy_mapping:
             self._check_policy_mapping()
 
+    def policy_algorithm(self, name: str, base: AlgorithmConfig | None = None) -> AlgorithmConfig:
+        """Policy ``name``'s algorithm settings: ``base`` (default ``algorithm``; the driver passes the
+        step's, team_alpha annealed) with ``policies.<name>.algorithm`` applied; ``base`` itself, the same
+        object, when the policy overrides nothing."""
+        base = self.algorithm if base is None else base
+        overrides = self.policies[name].algorithm.overrides()
+        return replace(base, **overrides) if overrides else base
+
+    def policy_algorithms(self, base: AlgorithmConfig | None = None) -> dict[str, AlgorithmConfig]:
+        """Every policy's ``policy_algorithm``."""
+        return {name: self.policy_algorithm(name, base) for name in self.policies}
+
+    def _check_policy_algorithms(self) -> None:
+        """``policies.<p>.algorithm``: registered estimators, valid merged settings, no dynamic sampling."""
+        for name, policy in self.policies.items():
+            overrides = policy.algorithm.overrides()
+            if not overrides:
+                continue
+            key = f"policies.{name}.algorithm"
+            if self.algorithm.dynamic_sampling:
+                raise ValueError(f"{key} sets {sorted(overrides)}, but algorithm.dynamic_sampling filters groups with "
+                                 "one estimator over the whole batch; per-policy estimators need dynamic_sampling: false")
+            if "estimator" in overrides:
+                ADVANTAGE_ESTIMATORS.get(policy.algorithm.estimator, key=f"{key}.estimator")
+            try:
+                self.policy_algorithm(name).check_estimator()
+            except ValueError as exc:  # AlgorithmConfig names algorithm.<k>: the key the policy set
+                raise ValueError(str(exc).replace("algorithm.", f"{key}.")) from exc
+
+    def _check_opponent_pool(self) -> None:
+        """``rollout.opponent_pool``: a trained learner, frozen snapshots of its model, a policy mapping."""
+        pool, key = self.rollout.opponent_pool, "rollout.opponent_pool"
+        if not pool.enabled:
+            return
+        learner = self.policies.get(pool.learner)
+        if learner is None or learner.frozen or learner.lora is not None:
+            raise ValueError(f"{key}.learner={pool.learner!r} must be a trained policy without LoRA; defined: "
+                             f"{sorted(self.policies)}")
+        for name in pool.snapshots:
+            policy = self.policies.get(name)
+            if name == pool.learner or policy is None or not policy.frozen or policy.model != learner.model:
+                raise ValueError(f"{key}.snapshots: {name!r} must be a frozen policy (policies.{name}.frozen: true) "
+                                 f"of the learner's model {learner.model!r}, not the learner; defined: {sorted(self.policies)}")
+            if policy.lora is not None or policy.engine.launch == "server" or policy.engine.server_urls:
+                raise ValueError(f"{key}.snapshots: policies.{name} must be served by an in-process engine without "
+                                 "LoRA (snapshots are copied into engines in the driver's process)")
+        if pool.alias in self.policies:
+            raise ValueError(f"{key}.alias={pool.alias!r} is a policy's name; the alias stands for the pool's seat")
+        if not self.rollout.policy_mapping:
+            raise ValueError(f"{key} needs rollout.policy_mapping, returning {pool.alias!r} for the seat the pool fills")
+
     def _check_policy_mapping(self) -> None:
-        """The mapping resolves and, for every agent and a few episode seeds, names a defined policy."""
+        """The mapping resolves and, for every agent and a few episode seeds, names a defined policy
+        (or the opponent pool's alias)."""
         key = "rollout.policy_mapping"
         mapping = resolve_callable(self.rollout.policy_mapping, key=key)
+        pool = self.rollout.opponent_pool
+        allowed = set(self.policies) | ({pool.alias} if pool.enabled else set())
         for role, agent in self.agents.items():
             if agent.lora is not None:
                 raise ValueError(f"{key} cannot remap agents.{role}, which samples from LoRA adapter '{agent.lora}'")
             for episode_seed in range(4):
                 policy = mapping(role, episode_seed)
-                if policy not in self.policies:
+                if policy not in allowed:
                     raise ValueError(
                         f"{key}('{role}', {episode_seed}) returned {policy!r}, not a policy; defined: {sorted(self.policies)}"
                     )

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from megamarl.config import RunConfig
+from megamarl.driver.opponent_pool import snapshot_slot
 from megamarl.driver.rollout_driver import RolloutDriver, policy_adapters
 from megamarl.driver.schedules import SCHEDULES, sync_interval
 from megamarl.parallel.collectives import scatter_objects
@@ -67,7 +68,7 @@ class Trainer:
         self.sync_every = sync_interval(cfg.trainer)  # updates of a policy per weight push
         checkpoint.seed_everything(cfg.trainer.seed)
         self.wgs = build_worker_groups(cfg.placement(self.world_size))
-        self.splits = batch_splits(cfg.policies, cfg.agents, cfg.algorithm)  # the driver plans every policy's update
+        self.splits = batch_splits(cfg.policies, cfg.agents, cfg.policy_algorithms())  # the driver plans every policy's update
         # engine servers start now (in threads), sized on GPU from the memory plan; on CPU they overlap
         # model preparation, on GPU colocated ones are up and asleep first (EngineFleet.model_preparation)
         fractions = server_memory_fractions(cfg, world_size=self.world_size,
@@ -76,7 +77,7 @@ class Trainer:
                                  control_group=control_group(), memory_fractions=fractions)
         with self.fleet.model_preparation() if self.fleet is not None else nullcontext(), \
                 self.progress.phase("model preparation", total=len(cfg.policies), unit="policies", in_step=False) as phase:
-            self.workers = build_workers(cfg.policies, cfg.agents, cfg.algorithm, self.wgs, seed=cfg.trainer.seed,
+            self.workers = build_workers(cfg.policies, cfg.agents, cfg.policy_algorithms(), self.wgs, seed=cfg.trainer.seed,
                                          dtypes={n: DTYPES[cfg.policy_dtype(n)] for n in cfg.policies},
                                          total_steps=cfg.trainer.total_steps,
                                          on_policy=phase.advance)
@@ -119,6 +120,7 @@ class Trainer:
             metrics.update(self.update(received, offloaded))
             metrics.update(self.sync_all_weights(self.due_for_sync()))
             self.step += 1
+            metrics.update(self.snapshot_opponents())
             metrics["timing_s/step"] = time.perf_counter() - step_start
             metrics["timing_s/idle"] = idle_seconds(metrics)
             metrics.update(throughput_metrics(
@@ -244,6 +246,24 @@ class Trainer:
                     metrics.update(self.pusher.push(name, self.versions[name], engines))
         dist.barrier(group=control_group())
         metrics["timing_s/weight_sync"] = time.perf_counter() - start
+        return metrics
+
+    def snapshot_opponents(self) -> dict[str, float]:
+        """``rollout.opponent_pool``: after every ``every``-th step, the learner's weights go into the next
+        snapshot slot (a frozen policy's engines), a new version of that policy (collective)."""
+        pool = self.cfg.rollout.opponent_pool
+        slot = snapshot_slot(self.step, every=pool.every, num_slots=len(pool.snapshots)) if pool.enabled else None
+        if slot is None:
+            return {}
+        name = pool.snapshots[slot]
+        self.versions[name] += 1
+        engines = self.driver.engines_for(name) if self.is_driver else None
+        with self.driver.weight_update() if self.is_driver else nullcontext(), \
+                self.progress.phase(f"snapshot {pool.learner} -> {name}", unit=""):
+            metrics = self.pusher.snapshot(pool.learner, name, self.versions[name], engines)
+        if self.is_driver:
+            self.driver.opponent_pool.record(slot, self.step)
+        dist.barrier(group=control_group())
         return metrics
 
     def resync_restarted(self) -> dict[str, float]:

@@ -19,6 +19,7 @@ from transformers import AutoTokenizer
 
 import megamarl.orchestration  # noqa: F401 - registers the built-in agents, envs, orchestras
 from megamarl.config import RunConfig, to_yaml
+from megamarl.driver.opponent_pool import OpponentPool
 from megamarl.driver.schedules import SCHEDULES, build_schedule
 from megamarl.driver.streaming import RolloutLoop
 from megamarl.models.packaged import resolve_model_path
@@ -63,6 +64,10 @@ class RolloutDriver:
         self.orchestra = cfg.orchestra.build()
         self.agents = build_agents(cfg.agents, self.tokenizers, default_kinds=self.env.default_agents)
         self.policy_mapping = _policy_mapping(cfg, self.tokenizers)
+        # rollout.opponent_pool: the mapping's alias becomes a snapshot policy per episode
+        self.opponent_pool = OpponentPool(cfg.rollout.opponent_pool) if cfg.rollout.opponent_pool.enabled else None
+        if self.opponent_pool is not None:
+            self.policy_mapping = self.opponent_pool.mapping(self.policy_mapping)
         self.logger = MetricsLogger(run_dir, cfg.logger, cfg.name, json.loads(json.dumps(asdict(cfg), default=str)), rank=0)
         self.rollout_seconds = 0.0
         self.totals = {"dropped_episodes": 0, "failed_episodes": 0, "dropped_groups": 0, "refill_rounds": 0,
@@ -158,14 +163,21 @@ class RolloutDriver:
         self._log_transcripts(step + 1, result)
         if not result.samples:
             raise RolloutFailureError(result.failure_report(f"step {step + 1}: no samples"))
+        algo = self.cfg.algorithm.at_step(step, total_steps=self.cfg.trainer.total_steps)  # annealed team_alpha
+        own = any(p.algorithm.overrides() for p in self.cfg.policies.values())  # policies.<p>.algorithm
         batch, prepare_metrics = prepare_rollout(
-            result.samples, result.episodes, self.cfg.algorithm, pad_id=next(iter(self.pad_ids.values())),
+            result.samples, result.episodes, algo, pad_id=next(iter(self.pad_ids.values())),
             num_tasks=self.cfg.rollout.num_tasks, draw=lambda round_: self._refill(step, round_),
+            policy_algos=self.cfg.policy_algorithms(algo) if own else None,
         )
         self.totals["dropped_groups"] += int(prepare_metrics.get("rollout/dropped_groups", 0))
         for key in ("refill_rounds", "refill_exhausted", "dropped_incomplete_episodes"):
             self.totals[key] += int(prepare_metrics.get(f"rollout/{key}", 0))
         metrics.update(prepare_metrics)
+        if algo.team_alpha_schedule.anneals:
+            metrics["algorithm/team_alpha"] = algo.team_alpha
+        if self.opponent_pool is not None:
+            metrics.update(self.opponent_pool.metrics())
         for name, engine in self.engines.items():
             if isinstance(engine, EnginePool):
                 metrics.update({f"engine/{name}/{k}": v for k, v in engine.counters().items()})

@@ -281,7 +281,7 @@ class FullyAsyncSchedule(Schedule):
         self.partial = t.partial_rollout
         self.buffer = GroupBuffer(
             groups_per_batch=r.num_tasks, capacity=max(1, t.max_staleness) * t.sync_every * r.num_tasks,
-            per_policy=policy_separable(cfg.algorithm),
+            per_policy=all(policy_separable(algo) for algo in cfg.policy_algorithms().values()),
         )
         self.producer = GroupProducer(
             source, loop, self.buffer, self.clock, group_size=r.group_size, max_concurrency=r.max_concurrency,

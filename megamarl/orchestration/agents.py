@@ -57,6 +57,9 @@ class SamplingConfig:
     # Constrained decoding: sample only these strings' tokens (each must be one token), e.g. the
     # ten symbols of the signalling game. Empty: unconstrained.
     allowed_tokens: list[str] = field(default_factory=list)
+    # Stop strings (vLLM's / OpenAI's ``stop``): the reply ends at the first one. Its tokens stay in the
+    # trained response (they were sampled); the text the parser reads is cut before it. Empty: none.
+    stop: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         _check_number("agents.<a>.sampling.temperature", self.temperature, low=0)
@@ -65,13 +68,16 @@ class SamplingConfig:
             raise ValueError(f"agents.<a>.sampling.top_k must be -1 (off) or >= 1, got {self.top_k}")
         _check_number("agents.<a>.sampling.max_tokens", self.max_tokens, low=1)
         self.allowed_tokens = list(self.allowed_tokens)
+        self.stop = list(self.stop)
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError(f"agents.<a>.sampling.stop must list non-empty strings, got {self.stop}")
 
     def sampling_params(self, tokenizer: Any = None) -> SamplingParams:
         """The engine's request parameters; ``allowed_tokens`` become token ids with ``tokenizer``
         (needed only when some are set)."""
         return SamplingParams(
             temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, max_tokens=self.max_tokens,
-            allowed_token_ids=_single_token_ids(self.allowed_tokens, tokenizer),
+            allowed_token_ids=_single_token_ids(self.allowed_tokens, tokenizer), stop=tuple(self.stop),
         )
 
 
@@ -175,9 +181,12 @@ class Agent:
         return self.template.format(observation=observation)
 
     def response_text(self, response_ids: list[int]) -> str:
-        """Reply content: the decoded ids without a trailing stop token."""
+        """Reply content: the decoded ids without a trailing stop token, cut before the first stop
+        string (``sampling.stop``; as vLLM's text without ``include_stop_str_in_output``)."""
         ids = response_ids[:-1] if response_ids and response_ids[-1] in self.stop_token_ids else response_ids
-        return self.tokenizer.decode(ids, skip_special_tokens=False)
+        text = self.tokenizer.decode(ids, skip_special_tokens=False)
+        cuts = [i for i in (text.find(stop) for stop in self.sampling.stop) if i >= 0]
+        return text[:min(cuts)] if cuts else text
 
     def parse(self, text: str) -> tuple[Any, bool]:
         """``(action value, valid)``; the base kind accepts any non-empty reply as text."""

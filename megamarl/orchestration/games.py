@@ -53,6 +53,13 @@ def render_tictactoe(obs: dict, agent: str) -> str:
             + f"\nFree cells: {legal}. Answer with the number of the cell you take.")
 
 
+def tictactoe_vs_pool(agent_id: str, episode_seed: int) -> str:
+    """Policy ``alpha`` against the opponent pool (``rollout.opponent_pool``, alias ``opponent``):
+    alpha takes X or O by the seed's parity, the pool fills the other seat."""
+    seat = 0 if agent_id == "player_1" else 1
+    return "alpha" if (episode_seed + seat) % 2 == 0 else "opponent"
+
+
 def tictactoe_self_play(agent_id: str, episode_seed: int) -> str:
     """Policies ``alpha`` and ``beta`` swap seats from episode to episode (by the seed's parity), so
     each plays X (who moves first) in about half the games."""

@@ -42,11 +42,13 @@ def load_policy_model(policy, wg: WorkerGroup, *, seed: int, dtype: torch.dtype 
 
 
 def build_workers(
-    policies: Mapping, agents: Mapping, algo: AlgorithmConfig, wgs: Mapping[str, WorkerGroup], *, seed: int,
+    policies: Mapping, agents: Mapping, algos: Mapping[str, AlgorithmConfig], wgs: Mapping[str, WorkerGroup], *,
+    seed: int,
     dtypes: Mapping[str, torch.dtype] | None = None, total_steps: int = 1,
     on_policy: Callable[[], None] = lambda: None,
 ) -> dict[str, PolicyWorker]:
-    """A worker for every trainable policy whose WG this rank belongs to. ``dtypes``: each policy's
+    """A worker for every trainable policy whose WG this rank belongs to; ``algos``: each policy's
+    algorithm settings (``RunConfig.policy_algorithms``: a critic for a critic estimator). ``dtypes``: each policy's
     training dtype (its parameters'; default fp32); ``total_steps``: the run's trainer steps (the
     default learning-rate decay length); ``on_policy`` is called once per policy (progress)."""
     workers = {}
@@ -56,6 +58,7 @@ def build_workers(
             on_policy()
             continue
         lora = policy.lora is not None
+        algo = algos[name]
         trainings = agent_trainings(name, policy, agents, algo)
         dtype = (dtypes or {}).get(name, torch.float32)
         handle = load_policy_model(policy, wg, seed=seed, dtype=dtype)
@@ -86,9 +89,9 @@ def agent_trainings(name: str, policy, agents: Mapping, algo: AlgorithmConfig) -
     }
 
 
-def batch_splits(policies: Mapping, agents: Mapping, algo: AlgorithmConfig) -> dict[str, BatchSplit]:
+def batch_splits(policies: Mapping, agents: Mapping, algos: Mapping[str, AlgorithmConfig]) -> dict[str, BatchSplit]:
     """Every trained (non-frozen) policy's ``BatchSplit``, built from the same settings as its workers."""
-    return {name: batch_split(policy, agent_trainings(name, policy, agents, algo))
+    return {name: batch_split(policy, agent_trainings(name, policy, agents, algos[name]))
             for name, policy in policies.items() if not policy.frozen}
 
 

@@ -16,6 +16,14 @@ keeping lists of names:
   nothing (GiGPO episodes that all succeed: per-step rewards {0, 1}, advantages 0) nor drops one it
   gives a signal (a Dr.MAS singleton group, advantage = its raw reward: see ``drmas_advantages``).
 
+Per-policy algorithms (``policies.<p>.algorithm``, passed as ``policy_algos``: policy -> its settings
+where any policy has its own): each policy's rewards are shaped with its estimator's placement and its
+advantages are computed by its estimator over its own rows only (a GRPO group never mixes two
+policies' samples then); the rows of a critic-estimator policy get placeholder zeros, which its worker
+replaces with its critic's advantages, and its agents log no ``advantage_*``. Dynamic sampling is
+run-wide and rejected with per-policy algorithms at load time. Without ``policy_algos`` (the
+default) nothing of this runs.
+
 Refill (DAPO): while fewer than ``num_tasks`` tasks have an informative group and fewer than
 ``algorithm.max_refill_rounds`` extra rounds ran, ``draw(round)`` rolls out a fresh chunk of tasks
 (unique task ids, so groups of two rounds never merge); the informative tasks beyond ``num_tasks``
@@ -27,7 +35,7 @@ When the rounds run out short of ``num_tasks`` (``rollout/refill_exhausted`` = 1
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -61,8 +69,23 @@ def complete_episodes(samples: Sequence[Sample]) -> tuple[list[Sample], int]:
     return [s for s in samples if s.episode_id not in incomplete], len(incomplete)
 
 
-def shaped_rewards(batch: SampleBatch, algo: AlgorithmConfig) -> torch.Tensor:
-    """``[B]`` rewards the estimator consumes (see ``megamarl.rl.rewards``)."""
+PolicyAlgos = Mapping[str, "AlgorithmConfig"]  # policy -> its algorithm settings (RunConfig.policy_algorithms)
+
+
+def _policy_rows(batch: SampleBatch, algos: PolicyAlgos) -> list[tuple[torch.Tensor, AlgorithmConfig]]:
+    """``(rows [B] bool, settings)`` of each policy present in ``batch``, in vocab order."""
+    present = set(batch.policy.tolist())
+    return [(batch.policy == i, algos[name]) for i, name in enumerate(batch.vocab["policy"]) if i in present]
+
+
+def shaped_rewards(batch: SampleBatch, algo: AlgorithmConfig, policy_algos: PolicyAlgos | None = None) -> torch.Tensor:
+    """``[B]`` rewards the estimator consumes (see ``megamarl.rl.rewards``); with ``policy_algos``,
+    each policy's rows shaped with its own settings (over the whole batch: episodes span policies)."""
+    if policy_algos:
+        out = torch.zeros_like(batch.rewards)
+        for rows, own in _policy_rows(batch, policy_algos):
+            out = torch.where(rows, shaped_rewards(batch, own), out)
+        return out
     index = batch.group_index()
     team_mask = None
     if estimator_traits(algo.estimator).team_reward_once:
@@ -120,19 +143,52 @@ def fill_informative(
     return (batch.select(keep) if keep.any() else batch), metrics
 
 
-def batch_advantages(batch: SampleBatch, algo: AlgorithmConfig) -> torch.Tensor | None:
-    """Advantages of ``batch`` (rewards shaped); None for critic estimators (GAE runs on the workers)."""
+def batch_advantages(batch: SampleBatch, algo: AlgorithmConfig, policy_algos: PolicyAlgos | None = None,
+                     ) -> torch.Tensor | None:
+    """Advantages of ``batch`` (rewards shaped); None for critic estimators (GAE runs on the workers).
+    With ``policy_algos``, each policy's by its own estimator over its own rows (module docstring)."""
+    if policy_algos:
+        return _per_policy_advantages(batch, policy_algos)
     if estimator_traits(algo.estimator).needs_critic:
         return None
     return compute_advantages(batch.rewards, batch.group_index(), algo.advantage_config(),
                               response_mask=batch.response_mask)
 
 
+def _per_policy_advantages(batch: SampleBatch, policy_algos: PolicyAlgos) -> torch.Tensor | None:
+    """``[B]`` or (when some estimator is per token) ``[B, T]`` advantages, each policy's rows from its
+    own estimator on its own rows; zeros for critic-estimator policies; None when every policy present
+    uses a critic estimator."""
+    parts = []
+    for rows, own in _policy_rows(batch, policy_algos):
+        adv = batch_advantages(batch.select(rows), own)
+        parts.append((rows, adv))
+    if all(adv is None for _, adv in parts):
+        return None
+    per_token = any(adv is not None and adv.dim() == 2 for _, adv in parts)
+    dtype = next(adv.dtype for _, adv in parts if adv is not None)
+    out = torch.zeros(batch.response_mask.shape if per_token else batch.rewards.shape, dtype=dtype)
+    for rows, adv in parts:
+        if adv is None:
+            continue
+        if not per_token:
+            out[rows] = adv.to(dtype)
+            continue
+        if adv.dim() == 1:  # a sample's advantage on each of its tokens (the loss masks the rest)
+            adv = adv[:, None].expand(-1, out.shape[1])
+        out[rows, : adv.shape[1]] = adv.to(dtype)  # a policy's rows may be narrower (select trims padding)
+    return out
+
+
 def prepare_batch(
-    batch: SampleBatch, algo: AlgorithmConfig, *, num_tasks: int, draw: Draw,
+    batch: SampleBatch, algo: AlgorithmConfig, *, num_tasks: int, draw: Draw, policy_algos: PolicyAlgos | None = None,
 ) -> tuple[SampleBatch, dict[str, float]]:
     """Shape rewards, apply dynamic sampling (+ refill) when ``algo.dynamic_sampling``, set advantages.
-    ``draw`` returns *unshaped* collated batches; they are shaped here."""
+    ``draw`` returns *unshaped* collated batches; they are shaped here. ``policy_algos``: per-policy
+    settings (module docstring; not with dynamic sampling)."""
+    if policy_algos:
+        batch = batch.replace(rewards=shaped_rewards(batch, algo, policy_algos))
+        return batch.replace(advantages=batch_advantages(batch, algo, policy_algos)), {}
     batch = batch.replace(rewards=shaped_rewards(batch, algo))
     metrics: dict[str, float] = {}
     if algo.dynamic_sampling:
@@ -146,23 +202,32 @@ def prepare_batch(
 
 def prepare_rollout(
     samples: Sequence[Sample], episodes: Iterable, algo: AlgorithmConfig, *, pad_id: int, num_tasks: int,
-    draw: Draw,
+    draw: Draw, policy_algos: PolicyAlgos | None = None,
 ) -> tuple[SampleBatch, dict[str, float]]:
     """Collected samples -> the training batch and its metrics, in one call: (for ``team_reward_once``
     estimators) drop episodes that lost their last step, collate, ``prepare_batch`` (shaping, dynamic
     sampling with refill, advantages), then the per-agent batch statistics and each agent's and
-    policy's own success over the finished ``episodes``."""
+    policy's own success over the finished ``episodes``. ``policy_algos``: per-policy settings, given
+    when some policy has its own (module docstring)."""
     num_incomplete = 0
-    if estimator_traits(algo.estimator).team_reward_once:
+    every = list(policy_algos.values()) if policy_algos else [algo]
+    once = any(estimator_traits(a.estimator).team_reward_once for a in every)
+    if once:
         samples, num_incomplete = complete_episodes(samples)
         if not samples:
             raise RolloutFailureError(f"every episode of the batch lost its last-step samples before preparation "
                                       f"({num_incomplete} episodes); algorithm.estimator={algo.estimator!r} "
                                       f"places the team reward on that step")
-    batch, metrics = prepare_batch(collate(samples, pad_id=pad_id), algo, num_tasks=num_tasks, draw=draw)
-    if estimator_traits(algo.estimator).team_reward_once:
+    batch, metrics = prepare_batch(collate(samples, pad_id=pad_id), algo, num_tasks=num_tasks, draw=draw,
+                                   policy_algos=policy_algos)
+    if once:
         metrics["rollout/dropped_incomplete_episodes"] = float(num_incomplete)
     metrics.update(agent_batch_metrics(batch))
+    for rows, own in _policy_rows(batch, policy_algos) if policy_algos else []:
+        if estimator_traits(own.estimator).needs_critic:  # placeholders: the worker's critic sets them
+            for agent in {batch.names("agent")[i] for i in rows.nonzero().flatten().tolist()}:
+                metrics.pop(f"agent/{agent}/advantage_mean", None)
+                metrics.pop(f"agent/{agent}/advantage_std", None)
     metrics.update(success_metrics(e for e in episodes if e.status == "ok"))
     return batch, metrics
 

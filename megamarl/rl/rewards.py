@@ -6,7 +6,10 @@ A sample (one agent call) carries the episode's ``team_reward`` and the agent's 
   0. placement (estimators that sum rewards along an episode, e.g. GiGPO): the team reward stays
                only on the samples of the episode's last step (``last_step_mask``), so it is
                counted once per episode however many agent calls the episode made;
-  1. mix:      ``r_i = team_i + alpha * local_i``
+  1. mix:      ``r_i = team_i + alpha * local_i``; ``alpha`` may be annealed over training steps
+               (``team_alpha_at``: ``alpha(k) = start + (end - start) * shape(min(k / K, 1))`` at
+               trainer step k, shape constant 0, linear ``p``, cosine ``(1 - cos(pi p)) / 2``), e.g.
+               from local-reward shaping early to the pure team objective late;
   2. discount: ``r_i <- gamma^(T_last(s) - t_i) * r_i`` for the sequence s = (task, episode, agent)
                of sample i, ``t_i`` its turn and ``T_last(s)`` the last turn of that agent in that
                episode: the last call keeps the full reward, a call k turns earlier gets gamma^k.
@@ -26,10 +29,53 @@ singleton group, whose advantage is its raw reward, is kept unless that reward i
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+from megamarl.registry import Registry
+
+# progress p in [0, 1] of the schedule -> fraction of the way from start to end
+ALPHA_SCHEDULES: Registry[Callable[[float], float]] = Registry(
+    "team_alpha schedule", signature="shape(progress: float in [0, 1]) -> float, 0 at progress 0 and 1 at 1 "
+                                     "(constant: always 0)")
+ALPHA_SCHEDULES.add("constant", lambda progress: 0.0)
+ALPHA_SCHEDULES.add("linear", lambda progress: progress)
+ALPHA_SCHEDULES.add("cosine", lambda progress: 0.5 * (1.0 - math.cos(math.pi * progress)))
+
+
+@dataclass
+class TeamAlphaSchedule:
+    """``algorithm.team_alpha_schedule``: anneals the local-reward weight ``algorithm.team_alpha`` (the
+    start) to ``end`` over ``steps`` trainer steps, then holds it. ``kind: constant`` keeps team_alpha."""
+
+    kind: str = "constant"  # constant | linear | cosine (ALPHA_SCHEDULES)
+    end: float = 0.0  # the weight reached after `steps` steps (kind != constant)
+    steps: int = 0  # trainer steps of the anneal; 0: trainer.total_steps
+
+    @property
+    def anneals(self) -> bool:
+        """False for ``constant``: team_alpha never moves (and is not logged per step)."""
+        return self.kind != "constant"
+
+    def __post_init__(self) -> None:
+        ALPHA_SCHEDULES.get(self.kind, key="algorithm.team_alpha_schedule.kind")
+        if not math.isfinite(self.end) or self.end < 0:
+            raise ValueError(f"algorithm.team_alpha_schedule.end must be a finite number >= 0, got {self.end}")
+        if self.steps < 0:
+            raise ValueError(f"algorithm.team_alpha_schedule.steps must be >= 0 (0: trainer.total_steps), "
+                             f"got {self.steps}")
+
+
+def team_alpha_at(step: int, *, start: float, end: float, num_steps: int, kind: str) -> float:
+    """The local-reward weight at (0-based) trainer ``step``: ``start`` at step 0, ``end`` from step
+    ``num_steps`` on, shaped by ``kind`` in between; ``kind=constant`` returns ``start`` exactly."""
+    progress = min(step / num_steps, 1.0) if num_steps > 0 else 1.0
+    fraction = ALPHA_SCHEDULES.get(kind)(progress)
+    return start if fraction == 0.0 else start + (end - start) * fraction
 
 
 def mix_rewards(team: Tensor, local: Tensor, *, alpha: float) -> Tensor:

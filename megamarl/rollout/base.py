@@ -35,8 +35,14 @@ class SamplingParams:
     # Constrained decoding (as vLLM's ``allowed_token_ids``): sample only among these tokens; the
     # returned logprobs are under that restricted distribution. Empty: no constraint.
     allowed_token_ids: tuple[int, ...] = ()
+    # Stop strings (vLLM's ``stop``): generation ends after the token whose decoded text completes
+    # one of them ("stop"). The tokens stay in the returned ids (they were sampled and are trained);
+    # the agent cuts its reply text at the string (``Agent.response_text``).
+    stop: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        if any(not s for s in self.stop):
+            raise ValueError(f"sampling.stop strings must be non-empty, got {list(self.stop)}")
         if self.temperature < 0:
             raise ValueError(f"sampling.temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:

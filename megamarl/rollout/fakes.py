@@ -177,7 +177,7 @@ class FakeSGLangServer(_FakeServer):
             sampling = SamplingParams(
                 temperature=sp.get("temperature", 1.0), top_p=sp.get("top_p", 1.0), top_k=sp.get("top_k", -1),
                 max_tokens=sp.get("max_new_tokens", 128), stop_token_ids=eos + tuple(sp.get("stop_token_ids") or ()),
-                seed=sp.get("sampling_seed"),
+                seed=sp.get("sampling_seed"), stop=tuple(sp.get("stop") or ()),
             )
             (gen,) = self.run(self.engine.generate(ids, sampling, lora=lora))
             finish = {"type": "length", "length": len(gen.token_ids)} if gen.finish_reason == "length" else {
@@ -344,7 +344,7 @@ class FakeVLLMServer(_FakeServer):
         sampling = SamplingParams(
             temperature=body.get("temperature", 1.0), top_p=body.get("top_p", 1.0), top_k=body.get("top_k", -1),
             max_tokens=body["max_tokens"], stop_token_ids=tuple(body.get("stop_token_ids") or ()),
-            n=body.get("n", 1), seed=body.get("seed"),
+            n=body.get("n", 1), seed=body.get("seed"), stop=tuple(body.get("stop") or ()),
         )
         gens = self.run(self.engine.generate(body["prompt"], sampling))
         choices = [{

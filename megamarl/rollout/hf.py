@@ -2,8 +2,10 @@
 
 Concurrent ``generate`` calls are merged by a ``MicroBatcher`` into one left-padded batch (static
 batching: the batch decodes until its longest member stops). Every row keeps its own sampling
-parameters (temperature, top-k, top-p, max_tokens, stop ids, seed), so episodes with different
-settings share a forward pass.
+parameters (temperature, top-k, top-p, max_tokens, stop ids, stop strings, seed), so episodes with
+different settings share a forward pass. Stop strings are matched, as vLLM does, on the decoded text
+of the row's response after each token; they need the tokenizer (``tokenizer``, or the one saved
+next to a model directory, loaded on the first request that has stop strings).
 
 Logprobs (the same definition as the ``vllm`` engine, i.e. vLLM's
 ``logprobs_mode="processed_logprobs"``): the log-probability of each sampled token under the
@@ -57,8 +59,10 @@ class HFEngine(InProcessEngine):
         eos_token_ids: Iterable[int] | None = None,
         seed: int = 0,
         num_threads: int = 0,
+        tokenizer=None,
     ) -> None:
-        """``num_threads`` > 0: CPU threads each batch decodes with (set on the batch's thread)."""
+        """``num_threads`` > 0: CPU threads each batch decodes with (set on the batch's thread);
+        ``tokenizer``: decodes responses for stop strings (None: the model directory's, when needed)."""
         super().__init__()
         self.num_threads = num_threads
         if isinstance(model, torch.nn.Module):
@@ -69,6 +73,7 @@ class HFEngine(InProcessEngine):
 
             self.model_path = Path(model)
             self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=dtype)
+        self._tokenizer = tokenizer
         self.base_model = self.model  # self.model becomes a PeftModel around it with the first adapter
         self.device = torch.device(device)
         self.model.to(self.device).eval()
@@ -123,6 +128,16 @@ class HFEngine(InProcessEngine):
                     results[i].append(Generation(tokens[r], logprobs[r], reasons[r], version, meta))
         return results
 
+    def _decoder(self):
+        """ids -> text, for stop strings: the given tokenizer or the model directory's."""
+        if self._tokenizer is None:
+            if self.model_path is None:
+                raise ValueError("sampling.stop needs the engine's tokenizer: build HFEngine(..., tokenizer=...)")
+            from transformers import AutoTokenizer
+
+            self._tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        return lambda ids: self._tokenizer.decode(ids, skip_special_tokens=False)
+
     def _adapter(self, lora: str | None):
         """Context: forwards use adapter ``lora`` (None: the bare base model)."""
         if not self.lora_versions:
@@ -151,6 +166,8 @@ class HFEngine(InProcessEngine):
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
         sampler = _RowSampler(params, generators, dev)
         stop_ids = [self.eos_token_ids | set(sp.stop_token_ids) for sp in params]
+        stop_texts = [sp.stop for sp in params]
+        decode = self._decoder() if any(stop_texts) else None
         max_new = [sp.max_tokens for sp in params]
 
         out = self.model(
@@ -168,7 +185,7 @@ class HFEngine(InProcessEngine):
                 tok = int(next_tokens[r])
                 tokens[r].append(tok)
                 logprobs[r].append(float(next_logprobs[r]))
-                if tok in stop_ids[r]:
+                if tok in stop_ids[r] or stop_texts[r] and _has_stop(decode(tokens[r]), stop_texts[r]):
                     reasons[r] = "stop"
                 elif len(tokens[r]) >= max_new[r]:
                     reasons[r] = "length"
@@ -342,6 +359,10 @@ class _RowSampler:
         remove &= ~self.greedy[:, None]
         mask = torch.zeros_like(remove).scatter(1, order, remove)
         return scaled.masked_fill(mask, float("-inf"))
+
+
+def _has_stop(text: str, stops: tuple[str, ...]) -> bool:
+    return any(stop in text for stop in stops)
 
 
 def _model_eos(model: torch.nn.Module) -> set[int]:

@@ -50,6 +50,17 @@ class WeightPusher:
                                  bucket_mb=policy.engine.bucket_mb)
         return stats.as_dict(f"weight_sync/{name}")
 
+    def snapshot(self, source: str, target: str, version: int, engines: list | None) -> dict[str, float]:
+        """Collective: copy policy ``source``'s current trained weights into the in-process engines of
+        the frozen policy ``target`` (an opponent-pool slot), stamping ``version``. ``engines``: the
+        driver's engines of ``target`` (None elsewhere)."""
+        if self._served(target):
+            raise ValueError(f"rollout.opponent_pool.snapshots: policies.{target} is served by engine servers; "
+                             "snapshots are copied into in-process engines only")
+        stats = sync_weights(self.wgs[source], self._export(source), engines, version=version,
+                             engine_rank=self.driver_rank, bucket_mb=self.cfg.policies[target].engine.bucket_mb)
+        return stats.as_dict(f"weight_sync/{target}")
+
     def _export(self, name: str):
         """This rank's export of ``name``'s full weights, in the engine's dtype (None: no shard here)."""
         worker = self.workers.get(name)

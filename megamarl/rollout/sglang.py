@@ -84,6 +84,8 @@ def sglang_sampling(sampling: SamplingParams, sample_index: int) -> dict[str, An
         "skip_special_tokens": False,
         "no_stop_trim": True,
     }
+    if sampling.stop:  # with no_stop_trim the output ids keep the stop string's tokens
+        params["stop"] = list(sampling.stop)
     if sampling.seed is not None:
         params["sampling_seed"] = sampling.seed + sample_index
     return params

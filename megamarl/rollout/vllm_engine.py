@@ -147,7 +147,10 @@ def to_vllm_sampling(sampling: SamplingParams):
         seed=sampling.seed,
         logprobs=0,  # the sampled token's logprob only
         output_kind=RequestOutputKind.FINAL_ONLY,
-        detokenize=False,
+        # stop strings are matched on detokenized text; the ids keep every sampled token either way
+        stop=list(sampling.stop) or None,
+        include_stop_str_in_output=True,
+        detokenize=bool(sampling.stop),
         allowed_token_ids=list(sampling.allowed_token_ids) or None,
     )
 

@@ -117,6 +117,8 @@ class VLLMServerClient(Engine):
         }
         if sampling.allowed_token_ids:
             payload["allowed_token_ids"] = list(sampling.allowed_token_ids)
+        if sampling.stop:  # the returned token_ids keep the stop string's tokens
+            payload.update(stop=list(sampling.stop), include_stop_str_in_output=True)
         version = self.version_for(lora)
         reply = await self.http.apost("/v1/completions", payload)
         generations = []

@@ -115,7 +115,7 @@ def _measure_body(rank, config_path):
     wgs = build_worker_groups(cfg.placement(WORLD))
     results = {}
     for name, policy in cfg.policies.items():
-        workers = build_workers({name: policy}, cfg.agents, cfg.algorithm, {name: wgs[name]}, seed=0,
+        workers = build_workers({name: policy}, cfg.agents, {name: cfg.algorithm}, {name: wgs[name]}, seed=0,
                                 dtypes={name: DTYPES[cfg.policy_dtype(name)]})
         worker = workers.pop(name)
         metrics = worker.train_step(_batch())

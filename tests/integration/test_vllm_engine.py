@@ -200,3 +200,16 @@ def test_lora_adapter_matches_merged_hf_and_updates(engine, hf_model, prompts, s
     assert [g.token_ids for g in greedy(engine, prompts, lora="solver")] == base
     with pytest.raises(ValueError, match="unknown LoRA"):
         greedy(engine, prompts[:1], lora="nobody")
+
+
+def test_stop_strings_and_max_tokens_reach_vllm_sampling_params():
+    """``agents.<a>.sampling.stop``/``max_tokens`` as the in-process vLLM engine receives them: stop
+    strings need detokenization (off otherwise) and stay in the output (the ids are trained)."""
+    from megamarl.rollout.base import SamplingParams
+    from megamarl.rollout.vllm_engine import to_vllm_sampling
+
+    params = to_vllm_sampling(SamplingParams(max_tokens=5, stop=("</answer>",)))
+    assert (params.stop, params.max_tokens, params.detokenize, params.include_stop_str_in_output) == (
+        ["</answer>"], 5, True, True)
+    plain = to_vllm_sampling(SamplingParams(max_tokens=3))
+    assert (plain.stop, plain.detokenize) == ([], False)

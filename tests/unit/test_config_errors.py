@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from megamarl.config import load_config
+from megamarl.rl.policy_setup import critic_config, loss_config
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs" / "signalling_tiny.yaml"
@@ -128,3 +129,38 @@ def test_train_script_prints_one_line(overrides, env, key):
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("config error:") and key in lines[0], result.stderr
     assert "Traceback" not in result.stderr + result.stdout
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["policies.shared.algorithm.estimator=ppo"], "unknown advantage estimator policies.shared.algorithm.estimator='ppo'"),
+    (["policies.shared.algorithm.group_by=[task,agnt]"], "policies.shared.algorithm.group_by has unknown keys ['agnt']"),
+    (["policies.shared.algorithm.std_ddof=2"], "policies.shared.algorithm.std_ddof must be 0"),
+    (["policies.shared.algorithm.loss_agg=foo"], "policies.shared.algorithm.loss_agg='foo'"),
+    (["policies.shared.algorithm.estimator_kwargs={lamda: 0.9}"], "policies.shared.algorithm.estimator_kwargs:"),
+    (["policies.shared.algorithm.estimator=gae", "algorithm.dynamic_sampling=true"],
+     "policies.shared.algorithm sets ['estimator'], but algorithm.dynamic_sampling"),
+])
+def test_per_policy_algorithm_errors_name_the_policy_key(overrides, message):
+    assert message in _error(overrides)
+
+
+def test_per_policy_algorithm_merges_over_the_run_algorithm():
+    cfg = load_config(CONFIG, ["policies.shared.algorithm.estimator=gae",
+                               "policies.shared.algorithm.estimator_kwargs={gamma: 1.0, lam: 0.9}"])
+    own = cfg.policy_algorithm("shared")
+    assert (own.estimator, own.estimator_kwargs, own.group_by, cfg.algorithm.estimator) == (
+        "gae", {"gamma": 1.0, "lam": 0.9}, cfg.algorithm.group_by, "at_grpo")
+    plain = load_config(CONFIG)
+    assert plain.policy_algorithm("shared") is plain.algorithm  # nothing set: the run's own settings object
+
+
+def test_per_policy_loss_aggregations_reach_the_policys_loss_and_critic():
+    """policies.<p>.algorithm.loss_agg / value_loss_agg: what the policy's worker is built with."""
+    cfg = load_config(CONFIG, ["policies.shared.algorithm.estimator=gae", "policies.shared.algorithm.loss_agg=seq-mean-token-sum",
+                               "policies.shared.algorithm.value_loss_agg=seq-mean-token-mean"])
+    algos = cfg.policy_algorithms()
+    policy = cfg.policies["shared"]
+    assert loss_config(policy, algos["shared"]).agg_mode == "seq-mean-token-sum"
+    critic = critic_config(policy, algos["shared"])
+    assert (critic.loss_agg, critic.advantage.estimator) == ("seq-mean-token-mean", "gae")
+    assert critic_config(policy, cfg.algorithm) is None  # the run's at_grpo has no critic

@@ -30,6 +30,9 @@ FREE = {
     (r"name|output_dir|logger\.wandb\.(entity|project)", "out of range"): "free text (a run name, a path to create)",
     (r"agents\.\w+\.system_prompt", "out of range"): "free text (a prompt)",
     (r"agents\.\w+\.choices", "out of range"): "free text (the choices an agent may name)",
+    (r"rollout\.opponent_pool\.alias", "out of range"): "free text (the name a policy mapping returns for the pool)",
+    (r"rollout\.opponent_pool\.alias", "over-long"): "free text (the name a policy mapping returns for the pool)",
+    (r"agents\.\w+\.sampling\.stop", "out of range"): "free text (any non-empty string may end a reply)",
     (r"algorithm\.invalid_penalty", "out of range"): "-1e9 is a (large) penalty; > 0 is rejected (test below)",
     (r"agents\.\w+\.system_prompt|logger\.wandb\.(entity|project)", "over-long"): "free text of any length",
 }

@@ -244,3 +244,34 @@ def test_lora_update_in_place_stamps_adapter_version_only(tmp_path, reference):
         engine.update_weights([("base_model.model.lm_head.lora_A.weight", torch.zeros(1))], version=4, lora="solver")
     with pytest.raises(ValueError, match="unknown LoRA adapter"):
         engine.update_weights(other.items(), version=4, lora="nobody")
+
+
+class _IdsAsText:
+    """A tokenizer stand-in: token ``i`` decodes to ``<i>``."""
+
+    def decode(self, ids, skip_special_tokens=False):
+        return "".join(f"<{i}>" for i in ids)
+
+
+def test_stop_strings_end_a_row_on_the_decoded_text():
+    """``SamplingParams.stop``: the row ends after the token that completes the string (kept in the
+    ids), finish_reason "stop"; rows without stop strings in the same batch run on."""
+    engine = make_engine(tokenizer=_IdsAsText(), max_wait_ms=20)
+    (base,) = generate_all(engine, PROMPTS[:1], GREEDY)[0]
+    cut = 4
+    stop = f"{base.token_ids[cut - 2]}><{base.token_ids[cut - 1]}>"  # spans two tokens
+    cut = min(i + 1 for i in range(1, len(base.token_ids))
+              if stop in "".join(f"<{t}>" for t in base.token_ids[: i + 1]))
+
+    async def mixed():
+        stopped = engine.generate(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=12, stop=(stop, "never")))
+        plain = engine.generate(PROMPTS[0], GREEDY)
+        return await asyncio.gather(stopped, plain)
+
+    (stopped,), (plain,) = asyncio.run(mixed())
+    assert stopped.token_ids == base.token_ids[:cut] and stopped.finish_reason == "stop"
+    assert plain.token_ids == base.token_ids and plain.finish_reason == "length"
+    with pytest.raises(ValueError, match="needs the engine's tokenizer"):
+        generate_all(make_engine(), PROMPTS[:1], SamplingParams(max_tokens=2, stop=("x",)))
+    with pytest.raises(ValueError, match="stop strings must be non-empty"):
+        SamplingParams(stop=("",))

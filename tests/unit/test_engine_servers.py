@@ -10,6 +10,7 @@ import torch
 
 from megamarl.models.tiny import tiny_model
 from megamarl.rollout import ENGINES
+from megamarl.rollout.base import SamplingParams
 from megamarl.rollout.fakes import FakeSGLangServer, FakeVLLMServer, QueueTransport
 from megamarl.rollout.hf import HFEngine
 from megamarl.rollout.sglang import (
@@ -17,6 +18,7 @@ from megamarl.rollout.sglang import (
     SGLangEngine,
     deserialize_named_tensors,
     serialize_named_tensors,
+    sglang_sampling,
 )
 from megamarl.rollout.vllm_server import VLLMServerClient
 
@@ -25,12 +27,15 @@ GREEDY = {"temperature": 0.0, "max_tokens": 8}
 
 
 def run(client, prompts, **sampling):
-    from megamarl.rollout.base import SamplingParams
-
     async def main():
         return await asyncio.gather(*(client.generate(p, SamplingParams(**sampling)) for p in prompts))
 
     return asyncio.run(main())
+
+
+class _IdsAsText:  # a tokenizer stand-in for stop strings: token i decodes to <i>
+    def decode(self, ids, skip_special_tokens=False):
+        return "".join(f"<{i}>" for i in ids)
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +94,7 @@ def test_sglang_client_generate_update_lifecycle(local):
 
 def test_vllm_server_client_generate_and_weight_transfer(local):
     transport = QueueTransport()
-    server = FakeVLLMServer(HFEngine(tiny_model("llama", seed=0)), transport)
+    server = FakeVLLMServer(HFEngine(tiny_model("llama", seed=0), tokenizer=_IdsAsText()), transport)
     client = VLLMServerClient(server.url, transport=transport, bucket_bytes=64 * 1024)
     try:
         expected = [g[0] for g in run(local, PROMPTS, **GREEDY)]
@@ -97,7 +102,11 @@ def test_vllm_server_client_generate_and_weight_transfer(local):
         assert [g.token_ids for g in got] == [g.token_ids for g in expected]
         body = next(b for p, b in server.calls if p == "/v1/completions")
         assert body["prompt"] == PROMPTS[0] or body["prompt"] == PROMPTS[1]
-        assert body["logprobs"] == 0 and body["return_token_ids"] is True
+        assert body["logprobs"] == 0 and body["return_token_ids"] is True and "stop" not in body
+        (stopped,), = run(client, PROMPTS[:1], temperature=0.0, max_tokens=5, stop=("never seen",))
+        body = [b for p, b in server.calls if p == "/v1/completions"][-1]
+        assert (body["stop"], body["include_stop_str_in_output"], body["max_tokens"]) == (["never seen"], True, 5)
+        assert stopped.token_ids == expected[0].token_ids[:5]
 
         state = tiny_model("llama", seed=0).state_dict()
         client.pause()
@@ -131,3 +140,9 @@ def test_every_registered_engine_implements_the_protocol():
     assert {"hf", "vllm", "vllm_server", "sglang", "sglang_inprocess"} <= set(ENGINES.names())
     for name in ENGINES.names():
         assert issubclass(ENGINES.get(name), Engine), name
+
+
+def test_sglang_request_carries_stop_strings():
+    params = sglang_sampling(SamplingParams(max_tokens=5, stop=("</answer>",)), 0)
+    assert (params["stop"], params["max_new_tokens"], params["no_stop_trim"]) == (["</answer>"], 5, True)
+    assert "stop" not in sglang_sampling(SamplingParams(), 0)

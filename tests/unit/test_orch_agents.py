@@ -109,3 +109,24 @@ def test_policies_lora_and_sampling_route_per_agent(tok):
     assert (v_lora, v_sampling.temperature) == (None, 0.0)
     assert [(s.agent, s.policy, s.weight_version) for s in result.samples] == [("solver", "base", 3), ("verifier", "big", 9)]
     assert all(len(s.rollout_logprobs) == len(s.response_ids) for s in result.samples)
+
+
+def test_stop_strings_and_max_tokens_reach_the_engine_and_cut_the_reply(tok):
+    """``agents.<a>.sampling.stop`` / ``max_tokens``: carried by every request of the agent; the
+    parser reads the reply cut before the first stop string (the ids keep every sampled token)."""
+    maker = EnvMaker("math", kinds=("add1",))
+    configs = {"solver": AgentConfig(policy="default", sampling={"max_tokens": 7, "stop": ["</answer>", "\n\n"]}),
+               "verifier": AgentConfig(policy="default", sampling={"max_tokens": 3})}
+    agents = build_agents(configs, tok, default_kinds=maker.default_agents)
+    engine = ScriptedEngine(tok, fixed("4"))
+    asyncio.run(run_episodes(build_orchestra("solve_verify"), maker, maker.tasks(1), agents=agents,
+                             engines={"default": engine}))
+    (_, solver, _), (_, verifier, _) = engine.requests[:2]  # solver first, then the verifier
+    assert (solver.stop, solver.max_tokens) == (("</answer>", "\n\n"), 7)
+    assert (verifier.stop, verifier.max_tokens) == ((), 3)
+    agent = agents["solver"]
+    ids = tok.encode("<answer>4</answer> more\n\nrest", add_special_tokens=False)
+    assert agent.response_text(ids) == "<answer>4"
+    assert agent.response_text(tok.encode("a\n\nb</answer>", add_special_tokens=False)) == "a"
+    with pytest.raises(ValueError, match=r"agents.<a>.sampling.stop must list non-empty strings"):
+        SamplingConfig(stop=[""])

@@ -9,7 +9,13 @@ import torch
 from megamarl.config import AlgorithmConfig
 from megamarl.rl.advantages import AdvantageConfig, compute_advantages, estimator_traits
 from megamarl.rl.batch import collate
-from megamarl.rl.prepare import dynamic_sampling_key, fill_informative, prepare_batch, shaped_rewards
+from megamarl.rl.prepare import (
+    dynamic_sampling_key,
+    fill_informative,
+    prepare_batch,
+    prepare_rollout,
+    shaped_rewards,
+)
 from megamarl.rl.rewards import last_step_mask
 from megamarl.rl.sample import Sample
 
@@ -148,3 +154,39 @@ def test_refill_until_num_tasks_informative_item3():
 def test_algorithm_config_validation(kwargs, key):
     with pytest.raises(ValueError, match=key):
         AlgorithmConfig(**kwargs)
+
+
+def test_team_alpha_schedule_shapes_the_step_rewards():
+    """algorithm.team_alpha_schedule: step k's rewards use alpha(k); the default is team_alpha, unchanged."""
+    batch = collate([_sample("t", "t/0", team=1.0, local=2.0), _sample("t", "t/1", team=1.0, local=0.0)], pad_id=0)
+    algo = AlgorithmConfig(team_alpha=0.5, team_alpha_schedule={"kind": "linear", "end": 1.5})
+    assert [algo.at_step(k, total_steps=4).team_alpha for k in range(5)] == [0.5, 0.75, 1.0, 1.25, 1.5]
+    close(shaped_rewards(batch, algo.at_step(2, total_steps=4)), [3.0, 1.0])  # 1 + 1.0 * 2, 1 + 1.0 * 0
+    close(shaped_rewards(batch, algo.at_step(0, total_steps=4)), [2.0, 1.0])
+    default = AlgorithmConfig(team_alpha=0.5)
+    assert default.at_step(3, total_steps=4) is default  # kind constant: the very same settings
+    with pytest.raises(ValueError, match="algorithm.team_alpha_schedule.kind='cosin'"):
+        AlgorithmConfig(team_alpha_schedule={"kind": "cosin"})
+
+
+def test_per_policy_algorithms_compute_each_policys_advantages_over_its_own_rows():
+    """policies.<p>.algorithm: policy a on GRPO (group: task, no std), policy b on GAE. One task, four
+    episodes: a's team rewards 1, 0 -> advantages r - mean(a's rows) = +0.5, -0.5 (one estimator over
+    the whole batch would give 1 - 0.75, 0 - 0.75); b's rows get placeholder zeros (its worker's critic
+    sets them) and b's agent logs no advantage statistics."""
+    rewards = {"a": (1.0, 0.0), "b": (1.0, 1.0)}
+    samples = [Sample(task_id="t", episode_id=f"t/{p}{i}", agent=f"agent_{p}", policy=p, turn=0, prompt_ids=[1, 2],
+                      response_ids=[3, 4], rollout_logprobs=[0.0, 0.0], team_reward=r)
+               for p in ("a", "b") for i, r in enumerate(rewards[p])]
+    algo = AlgorithmConfig(estimator="grpo", group_by=["task"], normalize_std=False)
+    gae = AlgorithmConfig(estimator="gae", group_by=["task"], normalize_std=False)
+    whole, _ = prepare_rollout(samples, [], algo, pad_id=0, num_tasks=1, draw=_no_refill)
+    close(whole.advantages, [0.25, -0.75, 0.25, 0.25])
+    batch, metrics = prepare_rollout(samples, [], algo, pad_id=0, num_tasks=1, draw=_no_refill,
+                                     policy_algos={"a": algo, "b": gae})
+    close(batch.advantages, [0.5, -0.5, 0.0, 0.0])
+    close(batch.rewards, [1.0, 0.0, 1.0, 1.0])
+    assert metrics["agent/agent_a/advantage_mean"] == 0.0 and "agent/agent_b/advantage_mean" not in metrics
+    only_gae, _ = prepare_rollout(samples[2:], [], algo, pad_id=0, num_tasks=1, draw=_no_refill,
+                                  policy_algos={"a": algo, "b": gae})
+    assert only_gae.advantages is None  # every policy present uses its critic

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import megamarl.orchestration  # noqa: F401 - registers the built-in agents, envs, orchestras
+from megamarl.driver.opponent_pool import OPPONENT_PICKS
 from megamarl.driver.schedules import SCHEDULES, Schedule, ScheduleTraits
 from megamarl.models.registry import MODEL_FAMILIES
 from megamarl.orchestration.agents import AGENTS, Agent, AgentConfig
@@ -26,11 +27,12 @@ from megamarl.rl.advantages import (
     compute_advantages,
 )
 from megamarl.rl.losses import KL_ESTIMATORS, LOSS_AGGREGATIONS
+from megamarl.rl.rewards import ALPHA_SCHEDULES
 from megamarl.rollout import ENGINES, Engine
 from megamarl.rollout.base import EngineTraits
 
 REGISTRIES = [ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, LOSS_AGGREGATIONS, ENGINES, SCHEDULES, AGENTS, ENVS, ORCHESTRAS,
-              WORKERS, MODEL_FAMILIES]
+              WORKERS, MODEL_FAMILIES, ALPHA_SCHEDULES, OPPONENT_PICKS]
 # envs whose Config has required fields: the kwargs a run would give
 ENV_KWARGS = {"pettingzoo_parallel": {"factory": "megamarl.orchestration.testing:make_echo_parallel"},
               "pettingzoo_aec": {"factory": "megamarl.orchestration.testing:make_counting_aec"}}
@@ -193,3 +195,10 @@ def test_env_worker_backends(name):
 def test_model_families(name):
     module = MODEL_FAMILIES.get(name)
     assert name in module.MODEL_TYPES and callable(module.arch_from_hf)
+
+
+@pytest.mark.parametrize("name", ALPHA_SCHEDULES.names())
+def test_team_alpha_schedule_shapes_run_from_0_to_1(name):
+    shape = ALPHA_SCHEDULES.get(name)
+    assert shape(0.0) == 0.0 and shape(1.0) == (0.0 if name == "constant" else 1.0)
+    assert all(0.0 <= shape(p / 10) <= 1.0 for p in range(11))

@@ -11,6 +11,7 @@ from megamarl.rl.rewards import (
     mix_rewards,
     rewards_to_tokens,
     shape_rewards,
+    team_alpha_at,
 )
 
 
@@ -69,3 +70,15 @@ def test_dynamic_sampling_drops_groups_whose_advantages_are_all_zero():
 def test_config_validation_names_key(kwargs, key):
     with pytest.raises(ValueError, match=key):
         RewardConfig(**kwargs)
+
+
+def test_team_alpha_schedule_hand_numbers():
+    """alpha(k) = start + (end - start) * shape(min(k / K, 1)); start 1, end 0, K 4."""
+    def alphas(kind):
+        return [team_alpha_at(k, start=1.0, end=0.0, num_steps=4, kind=kind) for k in range(6)]
+
+    assert alphas("constant") == [1.0] * 6
+    assert alphas("linear") == [1.0, 0.75, 0.5, 0.25, 0.0, 0.0]
+    # cosine: 1 - (1 - cos(pi k / 4)) / 2: 1, (1 + 0.70710678) / 2, 0.5, (1 - 0.70710678) / 2, 0
+    assert alphas("cosine") == pytest.approx([1.0, 0.8535533906, 0.5, 0.1464466094, 0.0, 0.0], abs=1e-10)
+    assert team_alpha_at(7, start=0.2, end=0.6, num_steps=0, kind="linear") == 0.6  # no anneal steps: the end
