@@ -1,0 +1,76 @@
+"""``rollout.env_workers`` through ``scripts/train.py`` (configs/slow_judge.yaml: the signalling game
+with a blocking judge on every step, ``Env.remote_step``): the judges run in process workers or Ray
+actors, and a judge slower than ``rollout.env_timeout_s`` fails its episode (counted), not the run.
+
+Checked from the run directory only: the step's ``env_workers/*`` counters equal what the episodes
+imply (every step of a finished episode went through a worker; each timed-out step is one failed
+episode). That the judges of concurrent episodes overlap is a timing, measured by
+``scripts/bench_env_workers.py`` (docs/performance.md), not asserted here.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from train_runs import train  # tests/ helper
+
+import megamarl.orchestration.envs_latency  # noqa: F401 - registers slow_judge
+from megamarl.orchestration import EnvMaker
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIG = ROOT / "configs" / "slow_judge.yaml"
+ENV = {"OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false"}
+NUM_TASKS, GROUP_SIZE = 4, 2
+JUDGE_S = (0.05, 0.05, 20.0)  # drawn per task: with seed 0, one task of four has the 20 s judge
+TIMEOUT_S = 1.5
+
+
+def _run(out: Path, *overrides: str) -> tuple[dict, str]:
+    _, rows, output = train(CONFIG, out, nproc=1, timeout=600, env=ENV, overrides=(
+        "trainer.total_steps=1", f"rollout.num_tasks={NUM_TASKS}", f"rollout.group_size={GROUP_SIZE}", *overrides))
+    assert len(rows) == 1
+    return rows[0], output
+
+
+def _slow_tasks(judge_s) -> int:
+    """Tasks of step 1 whose judge outlasts the timeout (the driver's chunk 0: seed trainer.seed * 1_000_003)."""
+    tasks = EnvMaker("slow_judge", judge_s=list(judge_s)).tasks(NUM_TASKS, seed=0)
+    return sum(t.payload.judge_s > TIMEOUT_S for t in tasks)
+
+
+@pytest.fixture(scope="module")
+def process_run(tmp_path_factory) -> tuple[dict, str]:
+    return _run(tmp_path_factory.mktemp("env_workers"), "rollout.env_workers.backend=process",
+                "rollout.env_workers.num_workers=2", f"env.kwargs.judge_s=[{','.join(map(str, JUDGE_S))}]",
+                f"rollout.env_timeout_s={TIMEOUT_S}")
+
+
+def test_process_workers_run_every_judged_step(process_run):
+    metrics, output = process_run
+    assert "env steps of slow_judge: in 2 process workers (rollout.env_workers)" in output
+    num_episodes = NUM_TASKS * GROUP_SIZE
+    num_failed = int(metrics["rollout/num_failed"])
+    # a finished episode made two judged steps (sender, receiver); a timed-out one its first only
+    assert metrics["env_workers/calls"] == 2 * (num_episodes - num_failed) + num_failed
+    assert metrics["rollout/num_samples"] == 2 * (num_episodes - num_failed)
+
+
+def test_worker_timeout_is_a_counted_failed_episode(process_run):
+    metrics, _ = process_run
+    expected = _slow_tasks(JUDGE_S) * GROUP_SIZE
+    assert 0 < expected < NUM_TASKS * GROUP_SIZE  # the seeded draw has slow and fast tasks
+    assert metrics["env_workers/timeouts"] == metrics["rollout/num_failed"] == expected
+    assert metrics["rollout/total_failed_episodes"] == expected
+    assert metrics["env_workers/crashes"] == metrics["env_workers/errors"] == 0
+
+
+@pytest.mark.slow  # a local Ray cluster starts and stops in the run (~10 CPU-s)
+def test_ray_actors_in_a_local_cluster_started_by_the_run(tmp_path):
+    pytest.importorskip("ray")
+    metrics, output = _run(tmp_path, "rollout.env_workers.backend=ray", "rollout.env_workers.num_workers=1",
+                           "env.kwargs.judge_s=[0.05]")
+    assert "env steps of slow_judge: in 1 ray workers (rollout.env_workers)" in output
+    assert metrics["env_workers/calls"] == 2 * NUM_TASKS * GROUP_SIZE and metrics["rollout/num_failed"] == 0
