@@ -15,9 +15,6 @@ from pathlib import Path
 import pytest
 from train_runs import train  # tests/ helper
 
-import megamarl.orchestration.envs_latency  # noqa: F401 - registers slow_judge
-from megamarl.orchestration import EnvMaker
-
 pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -25,7 +22,11 @@ CONFIG = ROOT / "configs" / "slow_judge.yaml"
 ENV = {"OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false"}
 NUM_TASKS, GROUP_SIZE = 4, 2
 JUDGE_S = (0.05, 0.05, 20.0)  # drawn per task: with seed 0, one task of four has the 20 s judge
-TIMEOUT_S = 1.5
+# EnvMaker("slow_judge", judge_s=list(JUDGE_S)).tasks(NUM_TASKS, seed=0): step 1's tasks (the driver's chunk
+# 0, seed trainer.seed * 1_000_003). Written out: importing the plugin env here would register it in this
+# test process, and the config reference (test_config_reference) lists only the built-in envs.
+NUM_SLOW_TASKS = 1
+TIMEOUT_S = 5.0  # a hang guard for the fast judges on a loaded machine, far below the slow one
 
 
 def _run(out: Path, *overrides: str) -> tuple[dict, str]:
@@ -33,12 +34,6 @@ def _run(out: Path, *overrides: str) -> tuple[dict, str]:
         "trainer.total_steps=1", f"rollout.num_tasks={NUM_TASKS}", f"rollout.group_size={GROUP_SIZE}", *overrides))
     assert len(rows) == 1
     return rows[0], output
-
-
-def _slow_tasks(judge_s) -> int:
-    """Tasks of step 1 whose judge outlasts the timeout (the driver's chunk 0: seed trainer.seed * 1_000_003)."""
-    tasks = EnvMaker("slow_judge", judge_s=list(judge_s)).tasks(NUM_TASKS, seed=0)
-    return sum(t.payload.judge_s > TIMEOUT_S for t in tasks)
 
 
 @pytest.fixture(scope="module")
@@ -60,8 +55,7 @@ def test_process_workers_run_every_judged_step(process_run):
 
 def test_worker_timeout_is_a_counted_failed_episode(process_run):
     metrics, _ = process_run
-    expected = _slow_tasks(JUDGE_S) * GROUP_SIZE
-    assert 0 < expected < NUM_TASKS * GROUP_SIZE  # the seeded draw has slow and fast tasks
+    expected = NUM_SLOW_TASKS * GROUP_SIZE
     assert metrics["env_workers/timeouts"] == metrics["rollout/num_failed"] == expected
     assert metrics["rollout/total_failed_episodes"] == expected
     assert metrics["env_workers/crashes"] == metrics["env_workers/errors"] == 0
