@@ -33,7 +33,6 @@ import importlib.util
 import multiprocessing
 import os
 import threading
-import time
 from collections.abc import Callable
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
@@ -146,7 +145,7 @@ class ProcessWorkers(EnvWorkers):
         self._loop: asyncio.AbstractEventLoop | None = None
 
     def _new_slot(self) -> concurrent.futures.ProcessPoolExecutor:
-        return concurrent.futures.ProcessPoolExecutor(1, mp_context=self._context, initializer=_exit_with_parent)
+        return concurrent.futures.ProcessPoolExecutor(1, mp_context=self._context, initializer=_exit_with_driver)
 
     def _queue(self) -> asyncio.Queue:
         loop = asyncio.get_running_loop()
@@ -197,15 +196,17 @@ def _noop() -> None:
     return None
 
 
-def _exit_with_parent(poll_s: float = 1.0) -> None:
-    """A process worker's initializer: exit once its parent (the fork server, which exits with the
-    driver) is gone, so a driver killed without ``close`` (SIGKILL, a node loss) leaves no worker
-    waiting forever on its call queue."""
-    parent = os.getppid()
+def _exit_with_driver() -> None:
+    """A process worker's initializer: exit as soon as the driver process that started it is gone, so a
+    driver killed without ``close`` (SIGKILL, a node loss) leaves no worker waiting forever on its
+    call queue. Not the parent pid: a worker's parent is the fork server, which stays alive as long
+    as any worker it forked does. ``parent_process()`` is the driver, watched through its sentinel."""
+    driver = multiprocessing.parent_process()
+    if driver is None:
+        return
 
     def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(poll_s)
+        driver.join()  # returns when the driver's end of the pipe closes: it exited or was killed
         os._exit(0)
 
     threading.Thread(target=watch, name="megamarl-env-worker-watch", daemon=True).start()

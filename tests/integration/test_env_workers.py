@@ -5,11 +5,16 @@ actors, and a judge slower than ``rollout.env_timeout_s`` fails its episode (cou
 Checked from the run directory only: the step's ``env_workers/*`` counters equal what the episodes
 imply (every step of a finished episode went through a worker; each timed-out step is one failed
 episode). That the judges of concurrent episodes overlap is a timing, measured by
-``scripts/bench_env_workers.py`` (docs/performance.md), not asserted here.
+``scripts/bench_env_workers.py`` (docs/performance.md), not asserted here. Last, process workers of a
+driver killed with SIGKILL exit by themselves.
 """
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -68,3 +73,39 @@ def test_ray_actors_in_a_local_cluster_started_by_the_run(tmp_path):
                            "env.kwargs.judge_s=[0.05]")
     assert "env steps of slow_judge: in 1 ray workers (rollout.env_workers)" in output
     assert metrics["env_workers/calls"] == 2 * NUM_TASKS * GROUP_SIZE and metrics["rollout/num_failed"] == 0
+
+
+KILLED_DRIVER = """
+import time
+from megamarl.orchestration import make_workers
+if __name__ == "__main__":
+    workers = make_workers(backend="process", num_workers=2)
+    print(*(p.pid for slot in workers._slots for p in slot._processes.values()), flush=True)
+    time.sleep(600)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"  # a zombie has exited (its reaper has not looked yet)
+
+
+def test_process_workers_exit_with_a_killed_driver(tmp_path):
+    """A driver killed without ``close`` (SIGKILL: no atexit, no finally) leaves no worker behind."""
+    script = tmp_path / "driver.py"
+    script.write_text(KILLED_DRIVER)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    driver = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        pids = [int(pid) for pid in driver.stdout.readline().split()]
+        assert len(pids) == 2 and all(map(_alive, pids))
+    finally:
+        driver.kill()
+        driver.wait()
+    deadline = time.monotonic() + 30
+    while any(map(_alive, pids)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(map(_alive, pids)), f"env workers {pids} outlived their killed driver"
