@@ -29,6 +29,7 @@ from megamarl.models.packaged import PACKAGED_MODELS, TINY_MODELS
 from megamarl.orchestration.agents import AGENTS, AgentConfig
 from megamarl.orchestration.env import ENVS, EnvSpec
 from megamarl.orchestration.orchestras import ORCHESTRAS, OrchestraSpec, check_team
+from megamarl.orchestration.workers import WorkersConfig
 from megamarl.parallel.engine_placement import check_engine_ranks, check_launch
 from megamarl.parallel.hardware import DTYPE_CHOICES, resolve_dtype
 from megamarl.parallel.placement import PLACEMENT_MODES, PlacementConfig, WorkerGroupLayout
@@ -269,6 +270,8 @@ class RolloutConfig:
     num_tasks: int = 16  # tasks per step
     group_size: int = 4  # episodes per task (GRPO group)
     max_concurrency: int = 64
+    # where env steps that can block (Env.remote_step: the code env's judge) run; docs/performance.md
+    env_workers: WorkersConfig = field(default_factory=WorkersConfig)
     env_timeout_s: float = 30.0
     # "module:function" (agent_id, episode_seed) -> policy name, RLlib-style: binds each agent (seat)
     # to a policy per episode (self-play, ensembles); empty: agents.<a>.policy. The policies must

@@ -16,7 +16,8 @@ fully_async; docs/async.md): where the next batch comes from and what a weight p
 from __future__ import annotations
 
 import time
-from contextlib import nullcontext
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch.distributed as dist
@@ -103,49 +104,62 @@ class Trainer:
 
     # ---- the loop -------------------------------------------------------------------------------
     def fit(self) -> None:
-        total = self.cfg.trainer.total_steps
-        self.progress.start_at(self.step)
-        if self.step == 0:
-            self.sync_all_weights()  # engines start from the (possibly resumed) trained weights
-            self.evaluate()
-        elif self.stop_reason and self.is_driver:
-            self.driver.console_print(f"resumed a run that stopped at step {self.step}: {self.stop_reason}; nothing to do")
-        preemption = PreemptionFlag()
-        while self.step < total and not self.stop_reason:
-            step_start = time.perf_counter()
-            resynced = self.resync_restarted()
-            offloaded = self.offload_train_state()  # gathered from every rank with the update's metrics
-            received, metrics = self.rollout_and_prepare()
-            metrics.update(resynced)
-            metrics.update(self.update(received, offloaded))
-            metrics.update(self.sync_all_weights(self.due_for_sync()))
-            self.step += 1
-            metrics.update(self.snapshot_opponents())
-            metrics["timing_s/step"] = time.perf_counter() - step_start
-            metrics["timing_s/idle"] = idle_seconds(metrics)
-            metrics.update(throughput_metrics(
-                num_train_tokens=received.summary.num_train_tokens, update_s=metrics["timing_s/update"],
-                num_samples=received.summary.num_samples, step_s=metrics["timing_s/step"],
-            ))
-            self.progress.step_done(self.step, metrics["timing_s/step"])
-            self.log(metrics)
-            if self._due(self.cfg.eval.every) or self.step == total:
-                self.stop_reason = self.evaluate()
-            saved = self._due(self.cfg.trainer.save_every) or self.step == total or bool(self.stop_reason)
-            if saved:
-                self.save()
-            if preemption.agreed(control_group()):  # every rank, same step (megamarl.runtime.preemption)
-                if not saved:
+        with self._release_on_error():
+            total = self.cfg.trainer.total_steps
+            self.progress.start_at(self.step)
+            if self.step == 0:
+                self.sync_all_weights()  # engines start from the (possibly resumed) trained weights
+                self.evaluate()
+            elif self.stop_reason and self.is_driver:
+                self.driver.console_print(f"resumed a run that stopped at step {self.step}: {self.stop_reason}; nothing to do")
+            preemption = PreemptionFlag()
+            while self.step < total and not self.stop_reason:
+                step_start = time.perf_counter()
+                resynced = self.resync_restarted()
+                offloaded = self.offload_train_state()  # gathered from every rank with the update's metrics
+                received, metrics = self.rollout_and_prepare()
+                metrics.update(resynced)
+                metrics.update(self.update(received, offloaded))
+                metrics.update(self.sync_all_weights(self.due_for_sync()))
+                self.step += 1
+                metrics.update(self.snapshot_opponents())
+                metrics["timing_s/step"] = time.perf_counter() - step_start
+                metrics["timing_s/idle"] = idle_seconds(metrics)
+                metrics.update(throughput_metrics(
+                    num_train_tokens=received.summary.num_train_tokens, update_s=metrics["timing_s/update"],
+                    num_samples=received.summary.num_samples, step_s=metrics["timing_s/step"],
+                ))
+                self.progress.step_done(self.step, metrics["timing_s/step"])
+                self.log(metrics)
+                if self._due(self.cfg.eval.every) or self.step == total:
+                    self.stop_reason = self.evaluate()
+                saved = self._due(self.cfg.trainer.save_every) or self.step == total or bool(self.stop_reason)
+                if saved:
                     self.save()
-                if self.is_driver:
-                    mark_stopped(self.run_dir, step=self.step, received=preemption.received)  # train.sbatch requeues on it
-                    self.driver.console_print(f"preempted ({preemption.received.name if preemption.received else 'another rank'}): saved step "
-                                              f"{self.step}; trainer.resume=auto continues from it")
-                break
-            if self.stop_reason and self.is_driver:
-                self.driver.console_print(f"stopping at step {self.step}: {self.stop_reason} (saved)")
-        preemption.uninstall()
-        self.close()
+                if preemption.agreed(control_group()):  # every rank, same step (megamarl.runtime.preemption)
+                    if not saved:
+                        self.save()
+                    if self.is_driver:
+                        mark_stopped(self.run_dir, step=self.step, received=preemption.received)  # train.sbatch requeues on it
+                        self.driver.console_print(f"preempted ({preemption.received.name if preemption.received else 'another rank'}): saved step "
+                                                  f"{self.step}; trainer.resume=auto continues from it")
+                    break
+                if self.stop_reason and self.is_driver:
+                    self.driver.console_print(f"stopping at step {self.step}: {self.stop_reason} (saved)")
+            preemption.uninstall()
+            self.close()
+
+    @contextmanager
+    def _release_on_error(self) -> Iterator[None]:
+        """On an error leaving the loop, the driver stops its env workers (a local resource: the
+        collective ``close`` is for the normal end, which every rank reaches together). Preemption and
+        the normal end go through ``close``."""
+        try:
+            yield
+        except BaseException:
+            if self.is_driver:
+                self.driver.close_env_workers()
+            raise
 
     def _due(self, every: int) -> bool:
         return every > 0 and self.step % every == 0
@@ -296,11 +310,12 @@ class Trainer:
         configured models, pushed here as ``fit`` pushes them before its step-0 evaluation. The
         eval.json entry is labelled ``step`` (default: the checkpoint's, 0 without one). Returns the
         results on the driver, {} on the other ranks."""
-        if self.step == 0:
-            self.sync_all_weights()
-        self.step = self.step if step is None else step
-        results = self._eval_on_driver()
-        self.close()
+        with self._release_on_error():
+            if self.step == 0:
+                self.sync_all_weights()
+            self.step = self.step if step is None else step
+            results = self._eval_on_driver()
+            self.close()
         return results
 
     def _eval_on_driver(self) -> dict[str, float]:

@@ -54,6 +54,7 @@ def descriptions() -> dict[str, str]:
     from megamarl.orchestration.agents import AGENTS
     from megamarl.orchestration.env import ENVS
     from megamarl.orchestration.orchestras import ORCHESTRAS
+    from megamarl.orchestration.workers import WORKERS
     from megamarl.parallel.placement import PLACEMENT_MODES
     from megamarl.rl.advantages import ADVANTAGE_ESTIMATORS, GROUP_KEYS
     from megamarl.rl.losses import KL_ESTIMATORS, LOSS_AGGREGATIONS
@@ -108,7 +109,10 @@ def descriptions() -> dict[str, str]:
         "orchestra.name": f"registered orchestra: {_names(ORCHESTRAS)}",
         "orchestra.kwargs": "the orchestra's own typed config",
         "rollout.max_concurrency": "episodes in flight at once",
-        "rollout.env_timeout_s": "a remote env step slower than this fails the episode",
+        "rollout.env_timeout_s": "an env step in an env worker (`rollout.env_workers`, not `inline`) slower than this "
+                                 "fails the episode (its worker is replaced)",
+        "rollout.env_workers.backend": f"env worker backend: {_names(WORKERS)}; steps of envs with `remote_step` "
+                                       "(`code`) run there (docs/performance.md)",
         "algorithm.estimator": f"advantage estimator: {_names(ADVANTAGE_ESTIMATORS)} (docs/rl.md)",
         "algorithm.group_by": f"index columns that form a GRPO group, from {', '.join(GROUP_KEYS)}",
         "algorithm.normalize_std": "divide advantages by the group's std (false: Dr.GRPO style)",

@@ -25,6 +25,7 @@ from megamarl.driver.streaming import RolloutLoop
 from megamarl.models.packaged import resolve_model_path
 from megamarl.orchestration.agents import build_agents
 from megamarl.orchestration.driver import RolloutFailureError, RolloutResult, check_failures, run_episodes
+from megamarl.orchestration.workers import EnvWorkers, make_workers
 from megamarl.parallel.hardware import describe_dtype_choice
 from megamarl.registry import import_plugins, resolve_callable
 from megamarl.rl.batch import SampleBatch, collate
@@ -77,6 +78,7 @@ class RolloutDriver:
         if cfg.eval.sets or cfg.eval.env.is_set():
             for name, env in cfg.eval.resolved_sets(cfg.env).items():
                 self.console_print(f"eval set {name or '(default)'}: env {env.name} {env.kwargs}")
+        self.env_workers = self._start_env_workers()
         self.loop = RolloutLoop()  # every engine call of the driver runs on this one event loop
         self.schedule = build_schedule(cfg, self, self.loop)  # trainer.mode
         self.console_print(self.schedule.describe())
@@ -107,6 +109,25 @@ class RolloutDriver:
                 phase.advance()
         return engines
 
+    def _start_env_workers(self) -> EnvWorkers | None:
+        """``rollout.env_workers``, built once for the run when an env of the run (training or eval)
+        steps remotely (``Env.remote_step``: the code env's judge); None when none does: every env
+        step is then a cheap call on the event loop and no worker would ever be used."""
+        config = self.cfg.rollout.env_workers
+        makers = [self.env, *self.eval_envs.values()]
+        remote = sorted({maker.name for maker in makers if maker.env_cls.remote_step})
+        if not remote:
+            if config.backend != "inline":
+                self.console_print(f"rollout.env_workers: no {config.backend} workers started: no env of this run "
+                                   "has remote steps (Env.remote_step)")
+            return None
+        with self.progress.phase("env workers start-up", in_step=False):
+            workers = make_workers(config)
+        where = "on the driver's event loop" if config.backend == "inline" else \
+            f"in {config.num_workers} {config.backend} workers" + (f" at {config.address}" if config.address else "")
+        self.console_print(f"env steps of {', '.join(remote)}: {where} (rollout.env_workers)")
+        return workers
+
     def engines_for(self, policy: str) -> list[Engine]:
         """The engines a weight push of ``policy`` goes to (one Engine or EnginePool per policy)."""
         return [self.engines[policy]]
@@ -120,7 +141,8 @@ class RolloutDriver:
         result = await run_episodes(
             self.orchestra, env or self.env, tasks, agents=agents or self.agents, engines=self.engines,
             group_size=group_size, max_concurrency=self.cfg.rollout.max_concurrency,
-            step_timeout_s=self.cfg.rollout.env_timeout_s, seed=seed, policy_mapping=self.policy_mapping,
+            workers=self.env_workers, step_timeout_s=self.cfg.rollout.env_timeout_s, seed=seed,
+            policy_mapping=self.policy_mapping,
             on_episode=self._episode_done,
         )
         # before a schedule can drop any part of an episode (a stale policy share): preparation then
@@ -181,6 +203,8 @@ class RolloutDriver:
         for name, engine in self.engines.items():
             if isinstance(engine, EnginePool):
                 metrics.update({f"engine/{name}/{k}": v for k, v in engine.counters().items()})
+        if self.env_workers is not None:
+            metrics.update({f"env_workers/{k}": v for k, v in self.env_workers.counters().items()})
         self._hand_over(wake=False)  # colocated servers free their memory while the trainer updates
         return batch, metrics
 
@@ -290,9 +314,17 @@ class RolloutDriver:
             self.console_print(f"resume: the checkpoint has {saved}; trainer.mode={mode} starts its rollout afresh "
                                "from the checkpoint's step (buffered or prefetched groups are regenerated or lost)")
 
+    def close_env_workers(self) -> None:
+        """Stop the env workers now (a step still running is killed; a local Ray cluster the run started
+        is stopped). Idempotent; ``close`` calls it, and the trainer on its way out of an error, where
+        no collective ``close`` runs: a worker left running would outlive the run or hold up its exit."""
+        if self.env_workers is not None:
+            self.env_workers.close()
+
     def close(self) -> None:
         self.schedule.close()
-        self.loop.close()
+        self.loop.close()  # no episode runs any more: the env workers can go
+        self.close_env_workers()
         self.logger.close()
         for engine in self.engines.values():
             engine.shutdown()

@@ -4,7 +4,8 @@
 calls the engine of the agent's policy, parses the reply and records one ``Sample`` per sampled
 candidate, tagged (task_id, episode_id, agent, policy, turn, branch, weight_version, valid, step,
 anchor). ``await ctx.step(agent, action)`` applies it to the env (in an env worker when the env
-says ``remote_step``). ``ctx.turn(agent)`` is observe + act + step.
+says ``remote_step``; ``step_timeout_s`` bounds each such call). ``ctx.turn(agent)`` is observe +
+act + step.
 
 Active mask: once the env is done, ``act`` raises ``EpisodeDone`` (the driver treats it as the
 normal end), so an orchestra that forgets to check ``ctx.done`` still never calls an agent of a
@@ -32,6 +33,7 @@ on what it generated before: a resumed run samples exactly what the uninterrupte
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import hashlib
 from collections.abc import Mapping
@@ -131,6 +133,7 @@ class EpisodeContext:
         self.memory: list[MemoryEntry] = []
         self._step_rewards: dict[int, float] = {}  # id(sample) -> local reward from env/agent
         self._scored: set[int] = set()  # id(sample) of tree candidates (local reward = score)
+        self._env_lock = asyncio.Lock()  # remote env calls of this episode, one at a time
 
     @property
     def done(self) -> bool:
@@ -249,7 +252,11 @@ class EpisodeContext:
         if not (self.env.remote_step and self.workers is not None):
             env, result = fn(self.env, agent, action)
         else:
-            env, result = await self.workers.call(fn, self.env, agent, action, timeout_s=self.step_timeout_s)
+            # A remote step returns a stepped *copy* of the env: two calls of one episode in flight at
+            # once (agents acting concurrently) would each start from the same state and the later
+            # would undo the earlier; the lock keeps them in call order, as inline calls are.
+            async with self._env_lock:
+                env, result = await self.workers.call(fn, self.env, agent, action, timeout_s=self.step_timeout_s)
         if mutates:
             self.env = env
         return result

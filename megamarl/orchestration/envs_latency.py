@@ -11,6 +11,13 @@ by the env, not by the model, so they need no sandbox.
 Tool calls are awaited by the ``tool_calls`` orchestra on the rollout event loop (``asyncio.sleep``,
 ``asyncio.create_subprocess_exec``), so hundreds of episodes can wait on tools at once without
 threads. Import this module as a plugin (``plugins: [megamarl.orchestration.envs_latency]``).
+
+``slow_judge``: the signalling game whose every step waits for a *blocking* judge (``time.sleep``
+for ``judge_s``, as a judge waits on its sandboxed process), declared ``remote_step`` like the code
+env: the workload of ``scripts/bench_env_workers.py``. Inline, each judge blocks the event loop and
+every other episode with it; in env workers (``rollout.env_workers``) the judges of concurrent
+episodes overlap. ``judge_s`` is drawn per task, so a long tail (one value above
+``rollout.env_timeout_s``) makes some steps time out in their worker.
 """
 
 from __future__ import annotations
@@ -18,12 +25,13 @@ from __future__ import annotations
 import asyncio
 import random
 import sys
+import time
 from dataclasses import dataclass, field
 from typing import ClassVar
 
 from megamarl.orchestration.context import ConfigError, EpisodeContext
 from megamarl.orchestration.env import ENVS, Env, EnvConfig, StepResult, Task
-from megamarl.orchestration.envs.signalling import SYMBOLS
+from megamarl.orchestration.envs.signalling import SYMBOLS, SignallingConfig, SignallingEnv
 from megamarl.orchestration.orchestras import ORCHESTRAS, Orchestra, OrchestraConfig
 
 TOOL_KINDS = ("wait", "python")
@@ -191,3 +199,41 @@ class ToolCalls(Orchestra):
             call = ctx.env.pending_call()
             if call is not None:
                 ctx.env.finish_call(await run_tool(call, timeout_s=self.config.tool_timeout_s))
+
+
+@dataclass(frozen=True)
+class JudgedSecret:
+    secret: int
+    judge_s: float  # how long each step's judge blocks
+
+
+@dataclass
+class SlowJudgeConfig(SignallingConfig):
+    judge_s: list[float] = field(default_factory=lambda: [0.2])  # judge seconds per step, drawn per task
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.judge_s or min(self.judge_s) < 0:
+            raise ValueError(f"env.judge_s must be a non-empty list of seconds >= 0, got {self.judge_s}")
+
+
+@ENVS.register("slow_judge")
+class SlowJudgeEnv(SignallingEnv):
+    """Signalling (sender, receiver) with a blocking judge on every step (module docstring)."""
+
+    Config = SlowJudgeConfig
+    remote_step = True
+
+    def __init__(self, task: Task, config: SlowJudgeConfig) -> None:
+        super().__init__(task, config)
+        self.secret, self.judge_s = task.payload.secret, task.payload.judge_s
+
+    @classmethod
+    def generate_tasks(cls, config: SlowJudgeConfig, *, num_tasks: int, seed: int) -> list[Task]:
+        rng = random.Random(seed ^ 0x5EED)  # not the secrets' stream: the same secrets as signalling
+        return [Task(t.task_id.replace("signal-", "judged-", 1), JudgedSecret(t.payload, rng.choice(config.judge_s)))
+                for t in super().generate_tasks(config, num_tasks=num_tasks, seed=seed)]
+
+    def step(self, agent: str, action) -> StepResult:
+        time.sleep(self.judge_s)  # blocks its caller: the event loop, or an env worker
+        return super().step(agent, action)

@@ -3,18 +3,25 @@
 ``await workers.call(fn, *args, timeout_s=...)`` runs the picklable ``fn(*args)`` elsewhere and
 returns its result, or raises ``EnvWorkerError`` with a short ``reason`` ("timeout", "crash",
 "error: ..."). The driver turns that into a *failed episode* (counted by reason); the run goes on.
+The episode context sends an env step there when the env declares ``Env.remote_step`` (the code
+env's sandboxed judge): the env object goes to the worker, is stepped there and comes back, so
+while one episode's judge runs, the event loop keeps serving every other episode's engine calls.
 
-Backends (``WORKERS`` registry):
+The run's workers are ``rollout.env_workers`` (``WorkersConfig``), built once per run by the
+rollout driver (only when an env of the run has remote steps) and closed at its end. Backends
+(``WORKERS`` registry; what a backend needs is declared in its ``WorkerTraits``):
 
+* ``inline`` (the default): calls ``fn`` directly on the driver's event loop (no isolation, no
+  timeout, no copy of the env): today's behaviour, bit-identical, and free for cheap envs.
 * ``process``: ``num_workers`` single-process ``concurrent.futures.ProcessPoolExecutor`` slots
   (forkserver start with ``megamarl.orchestration`` preloaded: workers do not inherit the driver's
   threads or CUDA state and start in milliseconds). Each call holds one slot, so a worker crash
   (``BrokenProcessPool``) or a hang (timeout; the slot's process is killed) is attributed to
   exactly that call, and only that slot is replaced; one shared pool would break every in-flight
   call on a single crash.
-* ``ray``: a fixed set of Ray actors; a timed-out or dead actor is killed and replaced.
-* ``inline``: calls ``fn`` directly in the driver (no isolation, no timeout); for tests and
-  cheap envs.
+* ``ray``: a fixed set of Ray actors; a timed-out or dead actor is killed and replaced. With
+  ``address`` empty the run starts a local Ray cluster of its own (and stops it at the end), else
+  it connects to the cluster at ``address`` (``auto``, ``host:port`` or ``ray://host:10001``).
 """
 
 from __future__ import annotations
@@ -22,7 +29,10 @@ from __future__ import annotations
 import abc
 import asyncio
 import concurrent.futures
+import importlib.util
 import multiprocessing
+import os
+import threading
 from collections.abc import Callable
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
@@ -37,30 +47,59 @@ class EnvWorkerError(RuntimeError):
         self.reason = reason
 
 
+@dataclass(frozen=True)
+class WorkerTraits:
+    package: str = ""  # a package the backend imports (checked at load time: importable here)
+    takes_address: bool = False  # the backend can join an existing cluster (rollout.env_workers.address)
+
+
 @dataclass
 class WorkersConfig:
-    kind: str = "process"  # process | ray | inline
-    num_workers: int = 2
-    timeout_s: float = 30.0  # default per-call timeout
+    """``rollout.env_workers``: where env steps that can block (``Env.remote_step``) run. Each step's
+    timeout is ``rollout.env_timeout_s``."""
+
+    backend: str = "inline"
+    num_workers: int = 2  # process slots or Ray actors: remote env steps that run at once
+    # ray: address of an existing cluster (auto, host:port, ray://host:10001); empty: the run starts a local one
+    address: str = ""
 
     def __post_init__(self) -> None:
-        if self.num_workers < 1:
-            raise ValueError(f"env_workers.num_workers must be >= 1, got {self.num_workers}")
-        if self.timeout_s <= 0:
-            raise ValueError(f"env_workers.timeout_s must be > 0, got {self.timeout_s}")
+        traits = WORKERS.traits(self.backend, key="rollout.env_workers.backend")
+        if isinstance(self.num_workers, bool) or not isinstance(self.num_workers, int) or self.num_workers < 1:
+            raise ValueError(f"rollout.env_workers.num_workers must be an integer >= 1, got {self.num_workers!r}")
+        if self.address and not traits.takes_address:
+            takers = [n for n in WORKERS.names() if WORKERS.traits(n).takes_address]
+            raise ValueError(f"rollout.env_workers.address is set but backend={self.backend!r} joins no cluster; "
+                             f"only {takers} take an address")
+        if traits.package and importlib.util.find_spec(traits.package) is None:
+            raise ValueError(f"rollout.env_workers.backend={self.backend} needs the '{traits.package}' package, which "
+                             f"is not importable here: pip install 'megamarl[{traits.package}]' (or bash "
+                             f"scripts/setup.sh --extras {traits.package}), or choose backend process")
 
 
 class EnvWorkers(abc.ABC):
     def __init__(self, config: WorkersConfig) -> None:
         self.config = config
-        self.num_failures: dict[str, int] = {}
+        self.num_calls = 0
+        self.num_failures: dict[str, int] = {}  # reason (timeout, crash, error) -> calls
+
+    async def call(self, fn: Callable[..., Any], *args: Any, timeout_s: float) -> Any:
+        """Run ``fn(*args)`` in a worker; raise ``EnvWorkerError`` on timeout/crash/exception."""
+        self.num_calls += 1
+        return await self._run(fn, *args, timeout_s=timeout_s)
 
     @abc.abstractmethod
-    async def call(self, fn: Callable[..., Any], *args: Any, timeout_s: float | None = None) -> Any:
-        """Run ``fn(*args)`` in a worker; raise ``EnvWorkerError`` on timeout/crash/exception."""
+    async def _run(self, fn: Callable[..., Any], *args: Any, timeout_s: float) -> Any:
+        """The backend's ``call``."""
+
+    def counters(self) -> dict[str, float]:
+        """Cumulative counts for the step metrics (``env_workers/...``, docs/metrics.md)."""
+        failures = {name: float(self.num_failures.get(reason, 0))
+                    for reason, name in (("timeout", "timeouts"), ("crash", "crashes"), ("error", "errors"))}
+        return {"calls": float(self.num_calls), **failures}
 
     def close(self) -> None:
-        pass
+        """Stop the workers now (a call still running is killed). Idempotent."""
 
     def _fail(self, reason: str) -> EnvWorkerError:
         key = reason.split(":")[0]
@@ -69,17 +108,18 @@ class EnvWorkers(abc.ABC):
 
 
 WORKERS: Registry[type[EnvWorkers]] = Registry(
-    "env worker backend", signature="class(EnvWorkers); cls(config: WorkersConfig); async call(fn, *args, timeout_s)")
+    "env worker backend", traits=WorkerTraits,
+    signature="class(EnvWorkers); cls(config: WorkersConfig); async _run(fn, *args, timeout_s)")
 
 
 def make_workers(config: WorkersConfig | None = None, **overrides: Any) -> EnvWorkers:
     config = config or WorkersConfig(**overrides)
-    return WORKERS.get(config.kind, key="env_workers.kind")(config)
+    return WORKERS.get(config.backend, key="rollout.env_workers.backend")(config)
 
 
 @WORKERS.register("inline")
 class InlineWorkers(EnvWorkers):
-    async def call(self, fn: Callable[..., Any], *args: Any, timeout_s: float | None = None) -> Any:
+    async def _run(self, fn: Callable[..., Any], *args: Any, timeout_s: float) -> Any:
         try:
             return fn(*args)
         except Exception as exc:  # reported as an episode failure
@@ -95,7 +135,8 @@ class ProcessWorkers(EnvWorkers):
         super().__init__(config)
         self._context = multiprocessing.get_context("forkserver")
         # Imported once in the fork server, so every (re)started worker forks with envs loaded and a
-        # call's timeout never pays for interpreter start-up and imports.
+        # call's timeout never pays for interpreter start-up and imports. The fork server starts with
+        # the driver's sys.path: env classes of plugins load in the workers as in the driver.
         self._context.set_forkserver_preload(["megamarl.orchestration"])
         self._slots = [self._new_slot() for _ in range(config.num_workers)]
         for slot in self._slots:
@@ -104,7 +145,7 @@ class ProcessWorkers(EnvWorkers):
         self._loop: asyncio.AbstractEventLoop | None = None
 
     def _new_slot(self) -> concurrent.futures.ProcessPoolExecutor:
-        return concurrent.futures.ProcessPoolExecutor(1, mp_context=self._context)
+        return concurrent.futures.ProcessPoolExecutor(1, mp_context=self._context, initializer=_exit_with_driver)
 
     def _queue(self) -> asyncio.Queue:
         loop = asyncio.get_running_loop()
@@ -114,22 +155,27 @@ class ProcessWorkers(EnvWorkers):
                 self._free.put_nowait(slot)
         return self._free
 
-    def _replace(self, slot: concurrent.futures.Executor) -> concurrent.futures.ProcessPoolExecutor:
+    @staticmethod
+    def _kill(slot: concurrent.futures.ProcessPoolExecutor) -> None:
         # ProcessPoolExecutor cannot cancel a running task; killing its process is the only way to
-        # reclaim a hung worker (``_processes`` is private but stable since Python 3.3).
+        # reclaim a hung worker (``_processes`` is private but stable since Python 3.3). A hung worker
+        # left alive would also hold up the interpreter's exit (concurrent.futures joins its workers).
         for process in list((getattr(slot, "_processes", None) or {}).values()):
             process.kill()
         slot.shutdown(wait=False, cancel_futures=True)
+
+    def _replace(self, slot: concurrent.futures.ProcessPoolExecutor) -> concurrent.futures.ProcessPoolExecutor:
+        self._kill(slot)
         fresh = self._new_slot()
         self._slots[self._slots.index(slot)] = fresh
         return fresh
 
-    async def call(self, fn: Callable[..., Any], *args: Any, timeout_s: float | None = None) -> Any:
+    async def _run(self, fn: Callable[..., Any], *args: Any, timeout_s: float) -> Any:
         free = self._queue()
         slot = await free.get()
         try:
             future = slot.submit(fn, *args)
-            return await asyncio.wait_for(asyncio.wrap_future(future), timeout_s or self.config.timeout_s)
+            return await asyncio.wait_for(asyncio.wrap_future(future), timeout_s)
         except asyncio.TimeoutError:
             slot = self._replace(slot)
             raise self._fail("timeout") from None
@@ -143,15 +189,27 @@ class ProcessWorkers(EnvWorkers):
 
     def close(self) -> None:
         for slot in self._slots:
-            slot.shutdown(wait=False, cancel_futures=True)
+            self._kill(slot)
 
 
 def _noop() -> None:
     return None
 
 
-def _warm_up() -> None:
-    import megamarl.orchestration  # noqa: F401 - envs and agents imported before the first timed call
+def _exit_with_driver() -> None:
+    """A process worker's initializer: exit as soon as the driver process that started it is gone, so a
+    driver killed without ``close`` (SIGKILL, a node loss) leaves no worker waiting forever on its
+    call queue. Not the parent pid: a worker's parent is the fork server, which stays alive as long
+    as any worker it forked does. ``parent_process()`` is the driver, watched through its sentinel."""
+    driver = multiprocessing.parent_process()
+    if driver is None:
+        return
+
+    def watch() -> None:
+        driver.join()  # returns when the driver's end of the pipe closes: it exited or was killed
+        os._exit(0)
+
+    threading.Thread(target=watch, name="megamarl-env-worker-watch", daemon=True).start()
 
 
 def _ray_actor_class():
@@ -165,26 +223,34 @@ def _ray_actor_class():
     return _EnvActor
 
 
-@WORKERS.register("ray")
+# imported in each actor before its first timed call (envs and agents registered)
+_WARM_UP = (importlib.import_module, "megamarl.orchestration")
+
+
+@WORKERS.register("ray", traits=WorkerTraits(package="ray", takes_address=True))
 class RayWorkers(EnvWorkers):
-    """Ray actors (``ray.init`` is called if Ray is not initialised yet). Actors are started and
-    warmed up (imports done) in the constructor, so call timeouts never include actor start-up; a
-    replacement actor after a timeout or crash is warmed up before it serves calls."""
+    """Ray actors. Without ``address`` (and Ray not initialised yet by the caller) a local cluster
+    of ``num_workers`` CPUs is started, and stopped by ``close``; with one the driver connects to that
+    cluster (``close`` disconnects). Actors are started and warmed up (imports done) in the
+    constructor, so call timeouts never include actor start-up; a replacement actor after a timeout
+    or crash is warmed up before it serves calls."""
 
     def __init__(self, config: WorkersConfig) -> None:
         super().__init__(config)
-        try:
-            import ray
-        except ImportError as exc:
-            raise ValueError("env_workers.kind='ray' needs the 'ray' package: pip install ray") from exc
+        import ray
+
         self._ray = ray
-        if not ray.is_initialized():
+        self._owns_ray = not ray.is_initialized()
+        if self._owns_ray and config.address:
+            ray.init(address=config.address, log_to_driver=False)
+        elif self._owns_ray:
             ray.init(num_cpus=config.num_workers, include_dashboard=False, log_to_driver=False)
         self._actor_cls = _ray_actor_class()
         self._actors = [self._actor_cls.remote() for _ in range(config.num_workers)]
-        ray.get([actor.call.remote(_warm_up) for actor in self._actors])
+        ray.get([actor.call.remote(*_WARM_UP) for actor in self._actors])
         self._free: asyncio.Queue | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._closed = False
 
     def _queue(self) -> asyncio.Queue:
         loop = asyncio.get_running_loop()
@@ -197,18 +263,17 @@ class RayWorkers(EnvWorkers):
     async def _replace(self, actor):
         self._ray.kill(actor)
         fresh = self._actor_cls.remote()
-        await asyncio.wrap_future(fresh.call.remote(_warm_up).future())
+        await asyncio.wrap_future(fresh.call.remote(*_WARM_UP).future())
         self._actors[self._actors.index(actor)] = fresh
         return fresh
 
-    async def call(self, fn: Callable[..., Any], *args: Any, timeout_s: float | None = None) -> Any:
+    async def _run(self, fn: Callable[..., Any], *args: Any, timeout_s: float) -> Any:
         ray = self._ray
         free = self._queue()
         actor = await free.get()
         try:
             ref = actor.call.remote(fn, *args)
-            timeout = timeout_s or self.config.timeout_s
-            return await asyncio.wait_for(asyncio.wrap_future(ref.future()), timeout)
+            return await asyncio.wait_for(asyncio.wrap_future(ref.future()), timeout_s)
         except asyncio.TimeoutError:
             actor = await self._replace(actor)
             raise self._fail("timeout") from None
@@ -221,5 +286,10 @@ class RayWorkers(EnvWorkers):
             free.put_nowait(actor)
 
     def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
         for actor in self._actors:
             self._ray.kill(actor)
+        if self._owns_ray:  # the local cluster this run started (or its connection to the one at address)
+            self._ray.shutdown()

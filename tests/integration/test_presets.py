@@ -224,6 +224,8 @@ def test_preset_trains_and_syncs(preset: Preset, preset_runs):
         adapters = {a.lora for a in cfg.agents.values() if a.policy == name and a.lora}
         _check_policy(name, cfg.policies[name], adapters, records)
     assert records[-1]["async/staleness_max"] == 0, "the last step's samples lack the weight version pushed before it"
+    if cfg.rollout.env_workers.backend != "inline":  # code: the judge's steps ran in the env workers
+        assert all(r["env_workers/calls"] > 0 for r in records), "no env step went through rollout.env_workers"
     run_dir = out / "runs" / cfg.name
     assert (run_dir / "checkpoints" / f"step_{num_steps:06d}" / "COMPLETE").is_file()
     if cfg.eval.num_tasks > 0:

@@ -188,7 +188,8 @@ def test_orchestras_have_a_config_and_an_async_run(name):
 @pytest.mark.parametrize("name", WORKERS.names())
 def test_env_worker_backends(name):
     cls = WORKERS.get(name)
-    assert issubclass(cls, EnvWorkers) and asyncio.iscoroutinefunction(cls.call)
+    assert issubclass(cls, EnvWorkers) and asyncio.iscoroutinefunction(cls._run)
+    WORKERS.traits(name)  # what a backend needs (a package, an address) is declared where it registers
 
 
 @pytest.mark.parametrize("name", MODEL_FAMILIES.names())
