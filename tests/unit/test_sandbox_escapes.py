@@ -306,8 +306,9 @@ def test_killed_judge_leaves_nothing(tmp_path):
         judge.stdout.close()
         if mode == "isolated":
             assert wait_gone(uid) == []  # --die-with-parent, then the PID namespace goes
-            assert own_cgroups(judge.pid) != [] or sandbox.tree_limits() == "rlimits"
-            sandbox.run_python("pass", CONFIG)  # the next judge's run removes the dead one's cgroups
+            # the next run of any judge removes the dead one's cgroups (in a parallel suite, another
+            # worker's sandbox may have done so already)
+            sandbox.run_python("pass", CONFIG)
             assert own_cgroups(judge.pid) == []
         else:
             # the old path runs as root in the host /tmp; its candidates outlive a killed judge (one
