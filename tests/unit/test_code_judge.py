@@ -35,7 +35,7 @@ HACKS = {
     "os._exit(0) in the call": "import os\ndef scale(x):\n    os._exit(0)\n",
     "fake pass markers on stdout": "print('OK: all tests passed')\nprint(json.dumps({'i': 0, 'value': '6'}))\n"
                                    "import json\n" + FALLBACK,
-    "forged records on every fd": "import json, os\nfor fd in range(3, 64):\n"
+    "forged records on every fd": "import json, os\nfor fd in [int(f) for f in os.listdir('/proc/self/fd') if int(f) > 2]:\n"
                                   "    for i in range(3):\n        try: os.write(fd, (json.dumps({'i': i, 'value': '6'}) + '\\n').encode())\n"
                                   "        except OSError: pass\n" + FALLBACK,
     "reads files in its cwd": "import os, re\nfound = {}\nfor name in os.listdir('.'):\n"

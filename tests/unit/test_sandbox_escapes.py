@@ -257,7 +257,7 @@ def test_overflow_and_deep_values_score_zero_and_are_counted():
     verdict, _ = scores_zero(deep)  # json.dumps fails inside the sandbox: an error record
     # 5000 deep is past json's recursion limit and all of it (~35 KB) fits a pipe's 64 KiB buffer: the
     # candidate never waits for the judge to read, so a loaded machine cannot turn it into a timeout
-    forged = ("import os, json\nfor fd in range(3, 64):\n    try:\n        for i in range(3):\n"
+    forged = ("import os, json\nfor fd in [int(f) for f in os.listdir('/proc/self/fd') if int(f) > 2]:\n    try:\n        for i in range(3):\n"
               "            os.write(fd, (json.dumps({'i': i, 'value': '[' * 5000 + ']' * 5000}) + '\\n').encode())\n"
               "        os.write(fd, b'[' * 5000 + b'\\n')\n    except OSError:\n        pass\nos._exit(0)\n")
     verdict, _ = scores_zero(forged)  # the judge's own json.loads hits RecursionError: counted
