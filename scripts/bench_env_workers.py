@@ -44,10 +44,12 @@ from megamarl.orchestration import (
     run_episodes,
 )
 from megamarl.orchestration.sandbox import isolation_error
-from megamarl.orchestration.testing import ScriptedEngine, smollm2_tokenizer
 from megamarl.orchestration.workers import EnvWorkers, WorkersConfig
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))  # the test suite's model-free engine: this bench times env work only
+from scripted import ScriptedEngine, smollm2_tokenizer
+
 CODE_REPLIES = {"scale": "def scale(x):\n    return x * 3\n", "clip": "def clip(x):\n    return max(0, min(9, x))\n"}
 NOTE = ("1, 5, 15 min load averages. Other work on the machine lowers every figure and favours backends that run "
         "more processes at once (they get a larger share of the contended cores): on a loaded machine, gains beyond "

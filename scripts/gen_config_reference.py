@@ -38,10 +38,9 @@ names the key.
 
 def _names(registry) -> str:
     """The built-in names: registered by megamarl's own modules, not by plugins or test helpers
-    (``megamarl.orchestration.testing``) that the process happens to have imported."""
+    (``tests/scripted.py``) that the process happens to have imported."""
     def builtin(name: str) -> bool:
-        module = getattr(registry.get(name), "__module__", "")
-        return module.startswith("megamarl.") and ".testing" not in module
+        return getattr(registry.get(name), "__module__", "").startswith("megamarl.")
 
     return ", ".join(f"`{n}`" for n in registry.names() if builtin(n))
 

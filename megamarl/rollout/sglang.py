@@ -32,7 +32,7 @@ Not supported by SGLang's sampling parameters: ``allowed_token_ids`` (raises; ``
 rejects ``agents.<a>.sampling.allowed_tokens`` for SGLang policies at start-up).
 
 SGLang cannot run on the CPU machines this project is developed on, so the client is tested
-against a local server speaking the protocol above (``megamarl.rollout.fakes.FakeSGLangServer``,
+against a local server speaking the protocol above (``tests/fake_servers.py: FakeSGLangServer``,
 also launchable as ``python -m sglang.launch_server`` from ``tests/fake_sglang``).
 Logprobs: SGLang returns logprobs of the temperature-scaled distribution
 (``--return-logprob`` after temperature); the same quantity as our ``hf``/``vllm`` engines when

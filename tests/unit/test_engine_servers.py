@@ -1,5 +1,5 @@
 """SGLang and vLLM-server clients against local servers speaking their documented protocols
-(``megamarl.rollout.fakes``, backed by a real HFEngine on a tiny model)."""
+(``tests/fake_servers.py``, backed by a real HFEngine on a tiny model)."""
 
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ import asyncio
 
 import pytest
 import torch
+from fake_servers import FakeSGLangServer, FakeVLLMServer, QueueTransport  # tests/ helper
 
 from megamarl.models.tiny import tiny_model
 from megamarl.rollout import ENGINES
 from megamarl.rollout.base import SamplingParams
-from megamarl.rollout.fakes import FakeSGLangServer, FakeVLLMServer, QueueTransport
 from megamarl.rollout.hf import HFEngine
 from megamarl.rollout.sglang import (
     SGLangClient,

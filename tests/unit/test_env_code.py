@@ -3,13 +3,13 @@
 import asyncio
 
 import pytest
+from scripted import ScriptedEngine, smollm2_tokenizer  # tests/ helper
 
 from megamarl.orchestration import AgentConfig, EnvMaker, Task, build_agents, build_orchestra, run_episodes
 from megamarl.orchestration.agents import code_block
 from megamarl.orchestration.context import Action
 from megamarl.orchestration.envs.code import PROBLEM_KINDS, CodeProblem
 from megamarl.orchestration.sandbox import SandboxConfig
-from megamarl.orchestration.testing import ScriptedEngine, smollm2_tokenizer
 
 PROBLEM = CodeProblem("Write `scale(x)` returning x * 3.", "def scale(x):\n    return x * 3\n",
                       "assert scale(2) == 6\nassert scale(-1) == -3\n")

@@ -6,11 +6,11 @@ import re
 
 import pytest
 import torch
+from scripted import ScriptedEngine, smollm2_tokenizer  # tests/ helper
 
 from megamarl.orchestration import AgentConfig, EnvMaker, build_agents, build_orchestra, run_episodes
 from megamarl.orchestration.agents import last_number, verdict
 from megamarl.orchestration.envs.math import PROBLEM_KINDS, load_jsonl
-from megamarl.orchestration.testing import ScriptedEngine, smollm2_tokenizer
 from megamarl.rl.batch import collate
 
 

@@ -5,22 +5,18 @@ import asyncio
 
 import numpy as np
 import pytest
+from scripted import ScriptedEngine, smollm2_tokenizer  # tests/ helper
 
 from megamarl.orchestration import AgentConfig, EnvMaker, build_agents, build_orchestra, run_episodes
 from megamarl.orchestration.agents import AGENTS, Agent, last_number
 from megamarl.orchestration.context import ConfigError
+from megamarl.orchestration.pettingzoo_games import CountingAECGame, EchoParallelGame
 from megamarl.orchestration.pettingzoo_text import InvalidAction, parse_action, render_observation
-from megamarl.orchestration.testing import (
-    CountingAECGame,
-    EchoParallelGame,
-    ScriptedEngine,
-    smollm2_tokenizer,
-)
 
 pettingzoo = pytest.importorskip("pettingzoo")
 spaces = pytest.importorskip("gymnasium.spaces")
 
-TESTING = "megamarl.orchestration.testing"
+TOY_GAMES = "megamarl.orchestration.pettingzoo_games"
 GAMES = "megamarl.orchestration.games"
 
 
@@ -91,7 +87,7 @@ def test_parallel_game(tok):
         return word if "alice" in request.system else "red"
 
     configs = {a: AgentConfig(policy="default", kind="text", system_prompt=a) for a in ("alice", "bob")}
-    maker = EnvMaker("pettingzoo_parallel", factory=f"{TESTING}:make_echo_parallel")
+    maker = EnvMaker("pettingzoo_parallel", factory=f"{TOY_GAMES}:make_echo_parallel")
     result = _run(tok, maker, build_orchestra("simultaneous", max_rounds=5), configs, policy)
     first = [s for s in result.samples if s.episode_id == result.episodes[0].episode_id]
     assert [(s.agent, s.turn) for s in first] == [("alice", 0), ("bob", 0), ("alice", 1), ("bob", 1)]
@@ -110,7 +106,7 @@ def test_aec_game_with_render_hook_counts_until_mistake(tok):
         return "99" if count >= 2 else f"{count} + 1 = {count + 1}"
 
     configs = {p: AgentConfig(policy="default", kind="testing_counter") for p in ("p0", "p1")}
-    maker = EnvMaker("pettingzoo_aec", factory=f"{TESTING}:make_counting_aec", render=f"{TESTING}:render_count",
+    maker = EnvMaker("pettingzoo_aec", factory=f"{TOY_GAMES}:make_counting_aec", render=f"{TOY_GAMES}:render_count",
                      invalid_outcome="pass")
     result = _run(tok, maker, build_orchestra("sequential", max_steps=20), configs, policy)
     # task 0: seed 0 -> count 0: p0 says 1, p1 says 2, p0 says 99 (legal in Discrete(100), wrong) -> terminated
@@ -207,11 +203,11 @@ def test_config_errors_name_the_key():
     with pytest.raises(ValueError, match="module:function"):
         EnvMaker("pettingzoo_aec", factory="nocolon")
     with pytest.raises(ValueError, match="env.kwargs.render"):
-        EnvMaker("pettingzoo_aec", factory=f"{TESTING}:make_counting_aec", render=f"{TESTING}:no_such_hook")
+        EnvMaker("pettingzoo_aec", factory=f"{TOY_GAMES}:make_counting_aec", render=f"{TOY_GAMES}:no_such_hook")
     with pytest.raises(ValueError, match="env.kwargs.invalid_outcome"):
-        EnvMaker("pettingzoo_aec", factory=f"{TESTING}:make_counting_aec", invalid_outcome="retry")
+        EnvMaker("pettingzoo_aec", factory=f"{TOY_GAMES}:make_counting_aec", invalid_outcome="retry")
     with pytest.raises(ValueError, match="env.kwargs.scoring"):
-        EnvMaker("pettingzoo_aec", factory=f"{TESTING}:make_counting_aec", scoring="zero_sum")
+        EnvMaker("pettingzoo_aec", factory=f"{TOY_GAMES}:make_counting_aec", scoring="zero_sum")
 
 
 def test_tictactoe_config_loads_and_rejects_bad_mappings(tmp_path):
@@ -224,6 +220,6 @@ def test_tictactoe_config_loads_and_rejects_bad_mappings(tmp_path):
     cfg = load_config(path)
     assert cfg.rollout.policy_mapping.endswith(":tictactoe_self_play")
     with pytest.raises(ValueError, match=r"rollout.policy_mapping\('player_1', 0\) returned 'gamma'"):
-        load_config(path, ["rollout.policy_mapping=megamarl.orchestration.testing:map_to_gamma"])
+        load_config(path, ["rollout.policy_mapping=scripted:map_to_gamma"])
     with pytest.raises(ValueError, match="rollout.policy_mapping must be 'module:function'"):
         load_config(path, ["rollout.policy_mapping=nocolon"])

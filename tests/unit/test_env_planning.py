@@ -4,12 +4,12 @@ import asyncio
 from collections import deque
 
 import pytest
+from scripted import ScriptedEngine, smollm2_tokenizer  # tests/ helper
 
 from megamarl.orchestration import AgentConfig, EnvMaker, Task, build_agents, build_orchestra, run_episodes
 from megamarl.orchestration.context import Action
 from megamarl.orchestration.envs.planning import MOVES, GridLevel, SokobanLevel, parse_moves
 from megamarl.orchestration.envs.sudoku import is_valid_solution, parse_placements
-from megamarl.orchestration.testing import ScriptedEngine, smollm2_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -3,10 +3,10 @@
 import asyncio
 
 import pytest
+from scripted import ScriptedEngine, smollm2_tokenizer  # tests/ helper
 
 from megamarl.orchestration import AgentConfig, EnvMaker, build_agents, build_orchestra, run_episodes
 from megamarl.orchestration.envs.search import BM25Index, build_corpus, extract_answer, normalize_answer
-from megamarl.orchestration.testing import ScriptedEngine, smollm2_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -3,6 +3,7 @@
 import asyncio
 
 import pytest
+from scripted import ScriptedEngine, smollm2_tokenizer  # tests/ helper
 
 from megamarl.orchestration import (
     AgentConfig,
@@ -13,7 +14,6 @@ from megamarl.orchestration import (
     run_episodes,
 )
 from megamarl.orchestration.envs.signalling import SYMBOLS
-from megamarl.orchestration.testing import ScriptedEngine, smollm2_tokenizer
 
 
 @pytest.fixture(scope="module")

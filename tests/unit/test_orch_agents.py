@@ -4,6 +4,7 @@ import asyncio
 import sys
 
 import pytest
+from scripted import ScriptedEngine, fixed, smollm2_tokenizer  # tests/ helper
 
 from megamarl.orchestration import (
     AGENTS,
@@ -16,7 +17,6 @@ from megamarl.orchestration import (
     run_episodes,
 )
 from megamarl.orchestration.agents import first_choice
-from megamarl.orchestration.testing import ScriptedEngine, fixed, smollm2_tokenizer
 from megamarl.registry import import_plugins
 from megamarl.rollout.base import SamplingParams
 

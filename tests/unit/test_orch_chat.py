@@ -4,6 +4,7 @@ import asyncio
 from typing import ClassVar
 
 import pytest
+from scripted import ScriptedEngine, smollm2_tokenizer  # tests/ helper
 
 from megamarl.orchestration import (
     AgentConfig,
@@ -14,7 +15,6 @@ from megamarl.orchestration import (
     run_episodes,
 )
 from megamarl.orchestration.chat import ChatTranscript, TemplateDeltaError
-from megamarl.orchestration.testing import ScriptedEngine, smollm2_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -4,6 +4,7 @@ import asyncio
 from dataclasses import dataclass
 
 import pytest
+from scripted import ScriptedEngine, smollm2_tokenizer  # tests/ helper
 
 from megamarl.orchestration import (
     ENVS,
@@ -19,7 +20,6 @@ from megamarl.orchestration import (
     run_episodes,
 )
 from megamarl.orchestration.orchestras import topological_levels
-from megamarl.orchestration.testing import ScriptedEngine, smollm2_tokenizer
 
 
 @dataclass

@@ -4,6 +4,7 @@ import asyncio
 import sys
 
 import pytest
+from scripted import ScriptedEngine, fixed, smollm2_tokenizer  # tests/ helper
 
 from megamarl.orchestration import (
     AgentConfig,
@@ -15,7 +16,6 @@ from megamarl.orchestration import (
     make_workers,
     run_episodes,
 )
-from megamarl.orchestration.testing import ScriptedEngine, fixed, smollm2_tokenizer
 
 
 def _rollout(workers, faults, *, step_timeout_s=30.0, **kwargs):

@@ -8,6 +8,7 @@ import inspect
 
 import pytest
 import torch
+from scripted import smollm2_tokenizer  # tests/ helper
 
 import megamarl.orchestration  # noqa: F401 - registers the built-in agents, envs, orchestras
 from megamarl.driver.opponent_pool import OPPONENT_PICKS
@@ -16,7 +17,6 @@ from megamarl.models.registry import MODEL_FAMILIES
 from megamarl.orchestration.agents import AGENTS, Agent, AgentConfig
 from megamarl.orchestration.env import ENVS, Env, EnvConfig, EnvMaker, Task
 from megamarl.orchestration.orchestras import ORCHESTRAS, Orchestra, OrchestraConfig
-from megamarl.orchestration.testing import smollm2_tokenizer
 from megamarl.orchestration.workers import WORKERS, EnvWorkers
 from megamarl.registry import Registry
 from megamarl.rl.advantages import (
@@ -34,8 +34,8 @@ from megamarl.rollout.base import EngineTraits
 REGISTRIES = [ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, LOSS_AGGREGATIONS, ENGINES, SCHEDULES, AGENTS, ENVS, ORCHESTRAS,
               WORKERS, MODEL_FAMILIES, ALPHA_SCHEDULES, OPPONENT_PICKS]
 # envs whose Config has required fields: the kwargs a run would give
-ENV_KWARGS = {"pettingzoo_parallel": {"factory": "megamarl.orchestration.testing:make_echo_parallel"},
-              "pettingzoo_aec": {"factory": "megamarl.orchestration.testing:make_counting_aec"}}
+ENV_KWARGS = {"pettingzoo_parallel": {"factory": "megamarl.orchestration.pettingzoo_games:make_echo_parallel"},
+              "pettingzoo_aec": {"factory": "megamarl.orchestration.pettingzoo_games:make_counting_aec"}}
 
 
 @pytest.mark.parametrize("registry", REGISTRIES, ids=lambda r: r.kind)

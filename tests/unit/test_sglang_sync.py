@@ -8,10 +8,10 @@ import asyncio
 
 import pytest
 import torch
+from fake_servers import FakeSGLangServer  # tests/ helper
 
 from megamarl.models.tiny import tiny_model
 from megamarl.rollout.base import SamplingParams
-from megamarl.rollout.fakes import FakeSGLangServer
 from megamarl.rollout.hf import HFEngine
 from megamarl.rollout.server_launch import free_port
 from megamarl.rollout.sglang import SGLangClient, deserialize_named_tensors

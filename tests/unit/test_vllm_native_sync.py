@@ -10,11 +10,11 @@ import itertools
 
 import pytest
 import torch
+from fake_servers import FakeVLLMServer, QueueTransport  # tests/ helper
 
 from megamarl.models.tiny import tiny_model
 from megamarl.rollout import vllm_native_sync
 from megamarl.rollout.base import SamplingParams
-from megamarl.rollout.fakes import FakeVLLMServer, QueueTransport
 from megamarl.rollout.hf import HFEngine
 from megamarl.rollout.vllm_native_sync import VLLMNativeSender
 

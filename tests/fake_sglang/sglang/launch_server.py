@@ -9,6 +9,7 @@ import argparse
 import json
 import sys
 import threading
+from pathlib import Path
 
 DTYPES = {"auto": "float32", "bfloat16": "bfloat16", "float16": "float16", "half": "float16",
           "float32": "float32", "float": "float32"}
@@ -39,8 +40,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parse(sys.argv[1:] if argv is None else argv)
     import torch
 
-    from megamarl.rollout.fakes import FakeSGLangServer
     from megamarl.rollout.hf import HFEngine
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/: the fake server lives there
+    from fake_servers import FakeSGLangServer
 
     engine = HFEngine(args.model_path, dtype=getattr(torch, DTYPES[args.dtype]), seed=args.random_seed,
                       max_batch_rows=args.max_running_requests, max_wait_ms=2.0)
