@@ -1,17 +1,21 @@
-"""The run configuration: typed dataclasses composed from YAML with Hydra, validated at start-up.
+"""The run configuration: typed dataclasses composed from YAML with Hydra. The ground of the package.
 
-``load_config(path, overrides)`` composes a YAML file (its ``defaults:`` list included) and Hydra
-overrides (``key=value``, ``+key=value``, ``++key=value``, ``~key``, ``group@pkg=option``) onto the
-structured schema below, registered in Hydra's ConfigStore (``megamarl.config_loader``). Unknown keys
-and wrong types are rejected with the full key named; our ``__post_init__`` checks add the
-cross-field rules (a layout that cannot be placed, an agent pointing at a policy that does not
-exist...). Defaults live here and nowhere else; docs/config_reference.md is generated from them.
+``compose_run_config(path, overrides)`` composes a YAML file (its ``defaults:`` list included) and
+Hydra overrides (``key=value``, ``+key=value``, ``++key=value``, ``~key``, ``group@pkg=option``)
+onto the structured schema below, registered in Hydra's ConfigStore (``megamarl.config_loader``).
+Unknown keys and wrong types are rejected with the full key named; our ``__post_init__`` checks add
+the rules a section can check alone and the cross-field ones (an agent pointing at a policy that does
+not exist...). Defaults live here and in ``megamarl.config_sections`` and nowhere else;
+docs/config_reference.md is generated from them.
+
+This module imports nothing of megamarl above ``config_loader``, ``config_sections`` and ``registry``:
+checks that need a registry (engines, estimators, envs, schedules...), the placement or the user's
+plugins are written where those live and run at load time through
+``megamarl.runtime.configure.load_config``, the one entry every script and test uses.
 """
 
 from __future__ import annotations
 
-import math
-import re
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, ClassVar
@@ -20,27 +24,20 @@ import yaml
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-import megamarl.orchestration  # noqa: F401 - registers the built-in agents, envs, orchestras
 from megamarl.config_loader import compose_config
-from megamarl.driver.opponent_pool import OpponentPoolConfig
-from megamarl.driver.schedules import SCHEDULES
-from megamarl.models.lora import LoraConfig
-from megamarl.models.packaged import PACKAGED_MODELS, TINY_MODELS
-from megamarl.orchestration.agents import AGENTS, AgentConfig
-from megamarl.orchestration.env import ENVS, EnvSpec
-from megamarl.orchestration.orchestras import ORCHESTRAS, OrchestraSpec, check_team
-from megamarl.orchestration.workers import WorkersConfig
-from megamarl.parallel.engine_placement import check_engine_ranks, check_launch
-from megamarl.parallel.hardware import DTYPE_CHOICES, resolve_dtype
-from megamarl.parallel.placement import PLACEMENT_MODES, PlacementConfig, WorkerGroupLayout
-from megamarl.planning.model_presets import PRESETS
-from megamarl.registry import import_plugins, resolve_callable
-from megamarl.rl.advantages import ADVANTAGE_ESTIMATORS, GROUP_KEYS, AdvantageConfig
-from megamarl.rl.losses import KL_ESTIMATORS, LOSS_AGGREGATIONS
-from megamarl.rl.optimizer import LrScheduleConfig
-from megamarl.rl.rewards import TeamAlphaSchedule, team_alpha_at
-from megamarl.rollout import ENGINES
-from megamarl.runtime.metrics import LoggerConfig
+from megamarl.config_sections import (
+    AgentConfig,
+    EnvSpec,
+    LoggerConfig,
+    LoraConfig,
+    LrScheduleConfig,
+    OpponentPoolConfig,
+    OrchestraSpec,
+    TeamAlphaSchedule,
+    WorkersConfig,
+    check_range,
+)
+from megamarl.registry import resolve_callable
 
 WEIGHT_TRANSFER_CHOICES = ("auto", "native", "megamarl")  # engine.weight_transfer
 
@@ -48,31 +45,18 @@ WEIGHT_TRANSFER_CHOICES = ("auto", "native", "megamarl")  # engine.weight_transf
 MAX_SEED = 2**32 - 1
 NAME_MAX_BYTES = 255  # a path component on Linux filesystems (NAME_MAX)
 
-# A Hugging Face hub id ("org/name") that is not a local directory: megamarl never downloads.
-_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
 
 RECOMPUTE_CHOICES = ("none", "selective", "full")  # megamarl.rl.policy_setup.RECOMPUTE
 
 
-def _exists(path: Path, *, is_dir: bool = False) -> bool:
+def path_exists(path: Path, *, is_dir: bool = False) -> bool:
     """``path.exists()`` / ``is_dir()`` that answers False instead of raising for a name the OS
     refuses (a component over 255 bytes raises ENAMETOOLONG; pathlib only swallows ENOENT and kin)."""
     try:
         return path.is_dir() if is_dir else path.exists()
     except (OSError, ValueError):  # ValueError: an embedded NUL byte
         return False
-
-
-def _check_range(key: str, value, *, low=None, high=None, low_open=False) -> None:
-    """``key`` (a full key path, or one with a ``<p>``/``<a>`` placeholder that ``load_config``
-    fills in) must lie in [low, high] (low excluded when ``low_open``)."""
-    if isinstance(value, float) and not math.isfinite(value):
-        raise ValueError(f"{key} must be a finite number, got {value}")
-    if low is not None and (value <= low if low_open else value < low) or high is not None and value > high:
-        bound = f"{'>' if low_open else '>='} {low}" if high is None else (
-            f"<= {high}" if low is None else f"in {'(' if low_open else '['}{low}, {high}]")
-        raise ValueError(f"{key} must be {bound}, got {value}")
 
 
 @dataclass
@@ -122,7 +106,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         if self.gpu_memory_utilization is not None:
-            _check_range("policies.<p>.engine.gpu_memory_utilization", self.gpu_memory_utilization, low=0, high=1,
+            check_range("policies.<p>.engine.gpu_memory_utilization", self.gpu_memory_utilization, low=0, high=1,
                          low_open=True)
         if self.backend == "hf" and (self.enforce_eager is not None or self.gpu_memory_utilization is not None):
             key = "enforce_eager" if self.enforce_eager is not None else "gpu_memory_utilization"
@@ -131,25 +115,21 @@ class EngineConfig:
         if self.weight_transfer not in WEIGHT_TRANSFER_CHOICES:
             raise ValueError(f"policies.<p>.engine.weight_transfer='{self.weight_transfer}' unknown; allowed: "
                              f"{list(WEIGHT_TRANSFER_CHOICES)}")
-        if self.dtype not in DTYPE_CHOICES:
-            raise ValueError(f"policies.<p>.engine.dtype='{self.dtype}' unknown; allowed: {list(DTYPE_CHOICES)}")
         if self.num_threads < 0:
             raise ValueError(f"policies.<p>.engine.num_threads must be >= 0 (0: all cores), got {self.num_threads}")
-        configurable = [n for n in ENGINES.names() if ENGINES.traits(n).configurable]
-        if self.backend not in configurable:
-            raise ValueError(f"policies.<p>.engine.backend='{self.backend}' unknown; allowed: {configurable}")
         if self.num_replicas < 1:
             raise ValueError(f"policies.<p>.engine.num_replicas must be >= 1, got {self.num_replicas}")
         for key in ("tp", "max_num_seqs", "bucket_mb"):
-            _check_range(f"policies.<p>.engine.{key}", getattr(self, key), low=1)
-        _check_range("policies.<p>.engine.kv_cache_gib", self.kv_cache_gib, low=0)
+            check_range(f"policies.<p>.engine.{key}", getattr(self, key), low=1)
+        check_range("policies.<p>.engine.kv_cache_gib", self.kv_cache_gib, low=0)
         bad = [r for r in self.ranks if r < 0]
         if bad:
             raise ValueError(f"policies.<p>.engine.ranks has negative ranks {bad}")
         bad = [u for u in self.server_urls if not u.startswith(("http://", "https://"))]
         if bad:
             raise ValueError(f"policies.<p>.engine.server_urls must be http(s) URLs, got {bad}")
-        check_launch(self)  # launch / ranks / server_urls rules (megamarl.parallel.engine_placement)
+        # dtype, backend and launch rules need the hardware, engine and placement modules: checked at load
+        # time by megamarl.runtime.configure (check_engine_config, megamarl.parallel.engine_placement.check_launch)
 
 
 @dataclass
@@ -168,14 +148,8 @@ class PolicyAlgorithmConfig:
     value_loss_agg: str | None = None  # null: algorithm.value_loss_agg (a critic estimator's value loss)
 
     def __post_init__(self) -> None:
-        bad = [k for k in self.group_by or [] if k not in GROUP_KEYS]
-        if bad:
-            raise ValueError(f"policies.<p>.algorithm.group_by has unknown keys {bad}; allowed: {list(GROUP_KEYS)}")
         if self.std_ddof is not None and self.std_ddof not in (0, 1):
             raise ValueError(f"policies.<p>.algorithm.std_ddof must be 0 (population) or 1 (unbiased), got {self.std_ddof}")
-        for key in ("loss_agg", "value_loss_agg"):
-            if getattr(self, key) is not None:
-                LOSS_AGGREGATIONS.get(getattr(self, key), key=f"policies.<p>.algorithm.{key}")
 
     def overrides(self) -> dict[str, Any]:
         """The ``algorithm.*`` keys this policy sets (null ones left out)."""
@@ -225,9 +199,7 @@ class PolicyConfig:
     def __post_init__(self) -> None:
         if isinstance(self.algorithm, (dict, DictConfig)):
             self.algorithm = PolicyAlgorithmConfig(**self.algorithm)
-        if self.dtype not in DTYPE_CHOICES:
-            raise ValueError(f"policies.<p>.dtype='{self.dtype}' unknown; allowed: {list(DTYPE_CHOICES)}")
-        _check_range("policies.<p>.lr", self.lr, low=0, low_open=True)
+        check_range("policies.<p>.lr", self.lr, low=0, low_open=True)
         if self.recompute not in RECOMPUTE_CHOICES:
             raise ValueError(f"policies.<p>.recompute={self.recompute!r} unknown; allowed: {list(RECOMPUTE_CHOICES)}")
         if isinstance(self.lr_schedule, (dict, DictConfig)):
@@ -237,26 +209,21 @@ class PolicyConfig:
         if self.max_tokens_per_micro_batch is not None:
             if not self.pack:
                 raise ValueError("policies.<p>.max_tokens_per_micro_batch is read only with policies.<p>.pack: true")
-            _check_range("policies.<p>.max_tokens_per_micro_batch", self.max_tokens_per_micro_batch, low=1)
+            check_range("policies.<p>.max_tokens_per_micro_batch", self.max_tokens_per_micro_batch, low=1)
         if self.micro_batch_size < 1:
             raise ValueError(f"policies.<p>.micro_batch_size must be >= 1, got {self.micro_batch_size}")
         if self.seq_len < 1:
             raise ValueError(f"policies.<p>.seq_len must be >= 1, got {self.seq_len}")
-        known = self.model in PACKAGED_MODELS or self.model in TINY_MODELS or self.model in PRESETS
-        if not known and not _exists(Path(self.model).expanduser()):
-            hub = " looks like a model hub id (megamarl never downloads);" if _HUB_ID.fullmatch(self.model) else ""
-            raise ValueError(
-                f"policies.<p>.model='{self.model}'{hub} is not a local directory, a packaged model "
-                f"{sorted(PACKAGED_MODELS) + sorted(TINY_MODELS)} or a --dry-run architecture preset "
-                f"{sorted(PRESETS)}; scripts/prepare_model.py writes a local directory")
+        # model (a packaged model, a --dry-run preset or a local directory) and dtype: checked at load time
+        # by megamarl.runtime.configure, where the model and hardware registries are
         for key in ("tp", "pp", "ppo_epochs"):
-            _check_range(f"policies.<p>.{key}", getattr(self, key), low=1)
+            check_range(f"policies.<p>.{key}", getattr(self, key), low=1)
         for key in ("weight_decay", "grad_clip", "kl_coef", "entropy_coef", "value_coef"):
-            _check_range(f"policies.<p>.{key}", getattr(self, key), low=0)
-        _check_range("policies.<p>.clip_low", self.clip_low, low=0, high=1)
-        _check_range("policies.<p>.clip_high", self.clip_high, low=0)
+            check_range(f"policies.<p>.{key}", getattr(self, key), low=0)
+        check_range("policies.<p>.clip_low", self.clip_low, low=0, high=1)
+        check_range("policies.<p>.clip_high", self.clip_high, low=0)
         if self.value_clip is not None:
-            _check_range("policies.<p>.value_clip", self.value_clip, low=0, low_open=True)
+            check_range("policies.<p>.value_clip", self.value_clip, low=0, low_open=True)
         bad = [r for r in self.ranks or [] if r < 0]
         if bad:
             raise ValueError(f"policies.<p>.ranks has negative ranks {bad}")
@@ -330,27 +297,21 @@ class AlgorithmConfig:
         "estimator": "estimator", "group_by": "group_by", "norm_std": "normalize_std", "std_ddof": "std_ddof"}
 
     def __post_init__(self) -> None:
-        bad = [k for k in self.group_by if k not in GROUP_KEYS]
-        if bad:
-            raise ValueError(f"algorithm.group_by has unknown keys {bad}; allowed: {list(GROUP_KEYS)}")
         for key in self.estimator_kwargs:
             if key in self.OWN_KEYS:
                 raise ValueError(f"algorithm.estimator_kwargs.{key} duplicates algorithm.{self.OWN_KEYS[key]}: "
                                  f"set algorithm.{self.OWN_KEYS[key]} instead")
-        LOSS_AGGREGATIONS.get(self.loss_agg, key="algorithm.loss_agg")
-        LOSS_AGGREGATIONS.get(self.value_loss_agg, key="algorithm.value_loss_agg")
         if self.refill_exhausted not in ("train", "stop"):
             raise ValueError(f"algorithm.refill_exhausted must be 'train' or 'stop', got {self.refill_exhausted!r}")
         if self.refill_exhausted == "stop" and self.max_refill_rounds == 0:
             raise ValueError("algorithm.refill_exhausted=stop needs algorithm.max_refill_rounds > 0 (no refill: "
                              "nothing to exhaust)")
-        KL_ESTIMATORS.get(self.kl_type, key="algorithm.kl_type")
-        _check_range("algorithm.invalid_penalty", self.invalid_penalty, high=0)  # a penalty, not a bonus
-        _check_range("algorithm.team_alpha", self.team_alpha, low=0)
+        check_range("algorithm.invalid_penalty", self.invalid_penalty, high=0)  # a penalty, not a bonus
+        check_range("algorithm.team_alpha", self.team_alpha, low=0)
         if isinstance(self.team_alpha_schedule, (dict, DictConfig)):
             self.team_alpha_schedule = TeamAlphaSchedule(**self.team_alpha_schedule)
-        _check_range("algorithm.turn_gamma", self.turn_gamma, low=0, high=1)
-        _check_range("algorithm.tis_cap", self.tis_cap, low=0)
+        check_range("algorithm.turn_gamma", self.turn_gamma, low=0, high=1)
+        check_range("algorithm.tis_cap", self.tis_cap, low=0)
         if self.std_ddof not in (0, 1):
             raise ValueError(f"algorithm.std_ddof must be 0 (population) or 1 (unbiased), got {self.std_ddof}")
         if self.max_refill_rounds < 0:
@@ -358,30 +319,6 @@ class AlgorithmConfig:
         if self.max_refill_rounds > 0 and not self.dynamic_sampling:
             raise ValueError("algorithm.max_refill_rounds > 0 needs algorithm.dynamic_sampling=true")
 
-    def at_step(self, step: int, *, total_steps: int) -> AlgorithmConfig:
-        """These settings as trainer ``step`` (0-based) uses them: ``team_alpha`` from its schedule."""
-        schedule = self.team_alpha_schedule
-        alpha = team_alpha_at(step, start=self.team_alpha, end=schedule.end,
-                              num_steps=schedule.steps or total_steps, kind=schedule.kind)
-        return self if alpha == self.team_alpha else replace(self, team_alpha=alpha)
-
-    def advantage_config(self) -> AdvantageConfig:
-        """The estimator's settings: algorithm.* keys plus ``estimator_kwargs``; call once plugins that
-        register estimators are imported. Errors name the algorithm key."""
-        try:
-            return AdvantageConfig(estimator=self.estimator, group_by=list(self.group_by),
-                                   norm_std=self.normalize_std, std_ddof=self.std_ddof, **self.estimator_kwargs)
-        except TypeError as exc:  # an unknown keyword
-            raise ValueError(f"algorithm.estimator_kwargs: {exc}") from exc
-        except ValueError as exc:  # AdvantageConfig names its field (advantage.gamma), not where it came from
-            raise ValueError(f"algorithm.estimator_kwargs: {exc}") from exc
-
-    def check_estimator(self) -> None:
-        """Load-time checks that need the estimator's registry entry (after plugins are imported)."""
-        self.advantage_config()
-        if self.dynamic_sampling and ADVANTAGE_ESTIMATORS.traits(self.estimator, key="algorithm.estimator").needs_critic:
-            raise ValueError(f"algorithm.dynamic_sampling filters on advantages computed on the driver; "
-                             f"algorithm.estimator={self.estimator!r} computes them from a critic on the workers")
 
 
 @dataclass
@@ -419,13 +356,13 @@ class EvalConfig:
 
     def __post_init__(self) -> None:
         for key in ("every", "num_tasks"):
-            _check_range(f"eval.{key}", getattr(self, key), low=0)
+            check_range(f"eval.{key}", getattr(self, key), low=0)
         for key, value in self.stop_at.items():  # a number (the typed merge rejects others)
-            _check_range(f"eval.stop_at.{key}", value)
+            check_range(f"eval.stop_at.{key}", value)
         if self.stop_at and self.num_tasks <= 0:
             raise ValueError("eval.stop_at needs eval.num_tasks > 0 (it is checked on the eval results)")
-        _check_range("eval.k", self.k, low=1)
-        _check_range("eval.temperature", self.temperature, low=0)
+        check_range("eval.k", self.k, low=1)
+        check_range("eval.temperature", self.temperature, low=0)
         if self.env.is_set() and self.sets:
             raise ValueError("eval.env and eval.sets are exclusive: name the set in eval.sets.<name> instead")
         bad = [name for name in self.sets if not name or "/" in name]
@@ -474,26 +411,21 @@ class TrainerConfig:
     def __post_init__(self) -> None:
         if self.collective_timeout_s <= 0:
             raise ValueError(f"trainer.collective_timeout_s must be > 0, got {self.collective_timeout_s}")
-        schedule = SCHEDULES.traits(self.mode, key="trainer.mode")
         for key in ("total_steps", "save_every", "keep_last"):
             if getattr(self, key) < 0:
                 raise ValueError(f"trainer.{key} must be >= 0, got {getattr(self, key)}")
         if not self.resume:
             raise ValueError("trainer.resume is empty; use none, auto or a checkpoint/run directory")
-        if self.resume not in ("none", "auto") and not _exists(Path(self.resume), is_dir=True):
+        if self.resume not in ("none", "auto") and not path_exists(Path(self.resume), is_dir=True):
             raise ValueError(f"trainer.resume={self.resume}: no such directory; use none, auto or a checkpoint/run directory")
-        _check_range("trainer.seed", self.seed, low=0, high=MAX_SEED)
+        check_range("trainer.seed", self.seed, low=0, high=MAX_SEED)
         if self.sync_every < 1:
             raise ValueError(f"trainer.sync_every must be >= 1, got {self.sync_every}")
         if self.max_nonfinite_updates < 1:
             raise ValueError(f"trainer.max_nonfinite_updates must be >= 1, got {self.max_nonfinite_updates}")
         if self.max_staleness < 0:
             raise ValueError(f"trainer.max_staleness must be >= 0, got {self.max_staleness}")
-        if self.max_staleness < schedule.min_staleness:
-            raise ValueError(
-                f"trainer.max_staleness must be >= {schedule.min_staleness} with trainer.mode={self.mode} "
-                "(less would drop every sample generated while the trainer trains)"
-            )
+        # trainer.mode and its minimum staleness: megamarl.driver.schedules.check_trainer (load time)
 
 
 @dataclass
@@ -506,10 +438,10 @@ class ClusterConfig:
     reserved_gib: float = 4.0  # per GPU, outside the estimate: CUDA context, NCCL buffers, fragmentation
 
     def __post_init__(self) -> None:
-        _check_range("cluster.num_nodes", self.num_nodes, low=1)
+        check_range("cluster.num_nodes", self.num_nodes, low=1)
         for key in ("gpus_per_node", "reserved_gib"):
-            _check_range(f"cluster.{key}", getattr(self, key), low=0)
-        _check_range("cluster.gpu_memory_gib", self.gpu_memory_gib, low=0, low_open=True)
+            check_range(f"cluster.{key}", getattr(self, key), low=0)
+        check_range("cluster.gpu_memory_gib", self.gpu_memory_gib, low=0, low_open=True)
 
 
 @dataclass
@@ -537,8 +469,6 @@ class RunConfig:
         if not self.output_dir:
             raise ValueError("output_dir is empty; give the directory runs are written under (e.g. runs)")
         _check_path_length("output_dir", self.output_dir)
-        if self.placement_mode not in PLACEMENT_MODES:
-            raise ValueError(f"placement_mode='{self.placement_mode}' unknown; allowed: {list(PLACEMENT_MODES)}")
         if not self.policies:
             raise ValueError("policies is empty: define at least one policy")
         if not self.agents:
@@ -565,45 +495,8 @@ class RunConfig:
             raise ValueError("algorithm.max_refill_rounds > 0 needs trainer.mode sync or one_step_off "
                              "(fully_async batches already wait for rollout.num_tasks groups)")
         self.eval.check_stop_at(self.agents)
-        check_engine_ranks(self.policies)
-        self._check_registered_names()
-
-    def _check_registered_names(self) -> None:
-        """Registry names and their kwargs, after importing ``plugins`` (they may register more), so
-        a typo stops the run at load time instead of after the models are built."""
-        import_plugins(self.plugins, paths=self.plugin_paths)
-        ADVANTAGE_ESTIMATORS.get(self.algorithm.estimator, key="algorithm.estimator")
-        self.algorithm.check_estimator()
-        eval_envs = {f"eval.sets.{name}" if name else "eval.env": env
-                     for name, env in self.eval.resolved_sets(self.env).items()}
-        sections = [("env", ENVS, self.env), ("orchestra", ORCHESTRAS, self.orchestra)]
-        sections += [(key, ENVS, env) for key, env in eval_envs.items()]
-        built = {}
-        for key, registry, section in sections:
-            cls = registry.get(section.name, key=f"{key}.name")
-            try:
-                built[key] = (cls, cls.Config(**section.kwargs))
-            except TypeError as exc:  # an unknown keyword
-                raise ValueError(f"{key}.kwargs for {key} '{section.name}': {exc}") from exc
-            except ValueError as exc:  # the env's own validation (names its field, not where it came from)
-                if key == "env":
-                    raise
-                raise ValueError(f"{key}.kwargs: {exc}") from exc
-        for role, agent in self.agents.items():
-            if agent.kind:
-                AGENTS.get(agent.kind, key=f"agents.{role}.kind")
-        orchestra_cls, orchestra_config = built.pop("orchestra")
-        orchestra = orchestra_cls(orchestra_config)
-        kinds = {role: agent.kind for role, agent in self.agents.items()}
-        for key, (env_cls, env_config) in built.items():  # the training env and every eval env
-            env_name = self.env.name if key == "env" else eval_envs[key].name
-            check_team(orchestra, orchestra_name=self.orchestra.name, env_name=env_name,
-                       env_roles=tuple(env_cls.agents), acting=env_cls.acting_roles(env_config), agent_kinds=kinds,
-                       default_kinds=dict(env_cls.default_agents), key=key)
-        self._check_policy_algorithms()
         self._check_opponent_pool()
-        if self.rollout.policy_mapping:
-            self._check_policy_mapping()
+        # every check that needs a registry, the placement or imported plugins: megamarl.runtime.configure
 
     def policy_algorithm(self, name: str, base: AlgorithmConfig | None = None) -> AlgorithmConfig:
         """Policy ``name``'s algorithm settings: ``base`` (default ``algorithm``; the driver passes the
@@ -616,23 +509,6 @@ class RunConfig:
     def policy_algorithms(self, base: AlgorithmConfig | None = None) -> dict[str, AlgorithmConfig]:
         """Every policy's ``policy_algorithm``."""
         return {name: self.policy_algorithm(name, base) for name in self.policies}
-
-    def _check_policy_algorithms(self) -> None:
-        """``policies.<p>.algorithm``: registered estimators, valid merged settings, no dynamic sampling."""
-        for name, policy in self.policies.items():
-            overrides = policy.algorithm.overrides()
-            if not overrides:
-                continue
-            key = f"policies.{name}.algorithm"
-            if self.algorithm.dynamic_sampling:
-                raise ValueError(f"{key} sets {sorted(overrides)}, but algorithm.dynamic_sampling filters groups with "
-                                 "one estimator over the whole batch; per-policy estimators need dynamic_sampling: false")
-            if "estimator" in overrides:
-                ADVANTAGE_ESTIMATORS.get(policy.algorithm.estimator, key=f"{key}.estimator")
-            try:
-                self.policy_algorithm(name).check_estimator()
-            except ValueError as exc:  # AlgorithmConfig names algorithm.<k>: the key the policy set
-                raise ValueError(str(exc).replace("algorithm.", f"{key}.")) from exc
 
     def _check_opponent_pool(self) -> None:
         """``rollout.opponent_pool``: a trained learner, frozen snapshots of its model, a policy mapping."""
@@ -656,7 +532,7 @@ class RunConfig:
         if not self.rollout.policy_mapping:
             raise ValueError(f"{key} needs rollout.policy_mapping, returning {pool.alias!r} for the seat the pool fills")
 
-    def _check_policy_mapping(self) -> None:
+    def check_policy_mapping(self) -> None:
         """The mapping resolves and, for every agent and a few episode seeds, names a defined policy
         (or the opponent pool's alias)."""
         key = "rollout.policy_mapping"
@@ -672,26 +548,6 @@ class RunConfig:
                     raise ValueError(
                         f"{key}('{role}', {episode_seed}) returned {policy!r}, not a policy; defined: {sorted(self.policies)}"
                     )
-
-    def policy_dtype(self, name: str) -> str:
-        """``policies.<name>.dtype`` resolved on this node (``auto``: the engine's resolved dtype)."""
-        policy = self.policies[name]
-        return resolve_dtype(policy.engine.dtype if policy.dtype == "auto" else policy.dtype)
-
-    def placement(self, world_size: int) -> PlacementConfig:
-        """The WG layouts for a world of ``world_size`` ranks (policies without ranks take all)."""
-        layouts = {
-            name: WorkerGroupLayout(
-                ranks=list(p.ranks) if p.ranks else list(range(world_size)),
-                tp=p.tp,
-                pp=p.pp,
-                key=f"policies.{name}",
-            )
-            for name, p in self.policies.items()
-        }
-        placement = PlacementConfig(layouts, mode=self.placement_mode)
-        placement.validate_world(world_size)
-        return placement
 
 
 def _check_run_name(name: str) -> None:
@@ -715,9 +571,11 @@ def _check_path_length(key: str, path: str) -> None:
                          f"({shorten(long[0], 40)!r}), the filesystem limit is {NAME_MAX_BYTES}")
 
 
-def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
-    """YAML (composed with Hydra; see ``megamarl.config_loader``) + overrides -> validated
-    ``RunConfig``. Errors are ValueErrors that name the offending key (YAML syntax: file, line, column)."""
+def compose_run_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """YAML (composed with Hydra; see ``megamarl.config_loader``) + overrides -> a ``RunConfig`` whose
+    sections passed their own checks. Errors are ValueErrors that name the offending key (YAML syntax:
+    file, line, column). The checks that need registries, the placement or plugins follow in
+    ``megamarl.runtime.configure.load_config``, which every entry point calls."""
     if path is not None and Path(path).is_file():
         _check_yaml_file(Path(path))
     try:

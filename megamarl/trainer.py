@@ -29,8 +29,8 @@ from megamarl.driver.schedules import SCHEDULES, sync_interval
 from megamarl.parallel.collectives import scatter_objects
 from megamarl.parallel.distributed import control_group, init_distributed, wait_for_driver
 from megamarl.parallel.engine_placement import plan_engines, ranks_per_node
-from megamarl.parallel.hardware import DTYPES
-from megamarl.parallel.placement import build_worker_groups
+from megamarl.parallel.hardware import DTYPES, policy_dtype
+from megamarl.parallel.placement import build_worker_groups, placement_of
 from megamarl.planning.engine_budget import server_memory_fractions
 from megamarl.rl.dispatch import RankBatch, rank_batches
 from megamarl.rl.policy_setup import batch_splits, build_workers
@@ -68,7 +68,7 @@ class Trainer:
         self.updates_since_sync = {name: 0 for name in cfg.policies}
         self.sync_every = sync_interval(cfg.trainer)  # updates of a policy per weight push
         checkpoint.seed_everything(cfg.trainer.seed)
-        self.wgs = build_worker_groups(cfg.placement(self.world_size))
+        self.wgs = build_worker_groups(placement_of(cfg, self.world_size))
         self.splits = batch_splits(cfg.policies, cfg.agents, cfg.policy_algorithms())  # the driver plans every policy's update
         # engine servers start now (in threads), sized on GPU from the memory plan; on CPU they overlap
         # model preparation, on GPU colocated ones are up and asleep first (EngineFleet.model_preparation)
@@ -79,7 +79,7 @@ class Trainer:
         with self.fleet.model_preparation() if self.fleet is not None else nullcontext(), \
                 self.progress.phase("model preparation", total=len(cfg.policies), unit="policies", in_step=False) as phase:
             self.workers = build_workers(cfg.policies, cfg.agents, cfg.policy_algorithms(), self.wgs, seed=cfg.trainer.seed,
-                                         dtypes={n: DTYPES[cfg.policy_dtype(n)] for n in cfg.policies},
+                                         dtypes={n: DTYPES[policy_dtype(cfg, n)] for n in cfg.policies},
                                          total_steps=cfg.trainer.total_steps,
                                          on_policy=phase.advance)
         self.driver = RolloutDriver(cfg, self.run_dir, self.progress, fleet=self.fleet) if self.is_driver else None

@@ -44,8 +44,7 @@ LAYOUTS = {  # wg name -> (model key, ranks, tp)
 
 
 def model_paths(cache: Path) -> dict[str, str]:
-    from megamarl.models.packaged import resolve_model_path
-    from megamarl.models.tiny import save_tiny_model
+    from megamarl.models.packaged import resolve_model_path, save_tiny_model
 
     tiny = cache / "tiny-llama-h128"
     if not (tiny / "model.safetensors").is_file():

@@ -33,7 +33,8 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from megamarl.config import RunConfig, load_config
+from megamarl.config import RunConfig
+from megamarl.runtime.configure import load_config
 from megamarl.runtime.front_door import launch_world, preflight, report_config_error
 
 

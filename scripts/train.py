@@ -16,8 +16,8 @@ import argparse
 import signal
 import sys
 
-from megamarl.config import load_config
 from megamarl.config_loader import expand_sweeps
+from megamarl.runtime.configure import load_config
 from megamarl.runtime.front_door import launch_world, preflight, report_config_error
 from megamarl.runtime.preemption import PreemptionFlag
 

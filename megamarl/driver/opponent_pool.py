@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 
+from megamarl.config_sections import OpponentPoolConfig
 from megamarl.registry import Registry
 
 Pick = Callable[[Sequence[int], random.Random], int]  # slots' snapshot steps, rng -> slot index
@@ -44,37 +44,6 @@ def pick_latest(snapshot_steps: Sequence[int], rng: random.Random) -> int:
 def pick_uniform(snapshot_steps: Sequence[int], rng: random.Random) -> int:
     """Any slot, with equal probability."""
     return rng.randrange(len(snapshot_steps))
-
-
-@dataclass
-class OpponentPoolConfig:
-    """``rollout.opponent_pool``: ``learner``'s past versions in the frozen policies ``snapshots``."""
-
-    learner: str = ""  # the trained policy whose snapshots fill the pool; empty: no pool
-    snapshots: list[str] = field(default_factory=list)  # frozen policies (the learner's model) holding them
-    every: int = 1  # trainer steps between snapshots (the learner's weights after step every, 2 every, ...)
-    pick: str = "latest"  # latest | uniform (OPPONENT_PICKS): the slot an episode's opponent seat gets
-    alias: str = "opponent"  # what rollout.policy_mapping returns for the seat the pool fills
-
-    def __post_init__(self) -> None:
-        self.snapshots = list(self.snapshots)
-        OPPONENT_PICKS.get(self.pick, key="rollout.opponent_pool.pick")
-        if self.every < 1:
-            raise ValueError(f"rollout.opponent_pool.every must be >= 1, got {self.every}")
-        if not self.alias:
-            raise ValueError("rollout.opponent_pool.alias is empty; name what rollout.policy_mapping returns "
-                             "for the pool's seat")
-        if self.learner and not self.snapshots:
-            raise ValueError(f"rollout.opponent_pool.learner={self.learner!r} needs rollout.opponent_pool.snapshots "
-                             "(frozen policies that hold its past versions)")
-        if self.snapshots and not self.learner:
-            raise ValueError("rollout.opponent_pool.snapshots needs rollout.opponent_pool.learner")
-        if len(set(self.snapshots)) != len(self.snapshots):
-            raise ValueError(f"rollout.opponent_pool.snapshots lists a policy twice: {self.snapshots}")
-
-    @property
-    def enabled(self) -> bool:
-        return bool(self.learner)
 
 
 def snapshot_slot(step: int, *, every: int, num_slots: int) -> int | None:

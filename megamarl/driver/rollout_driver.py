@@ -25,11 +25,15 @@ from megamarl.driver.streaming import RolloutLoop
 from megamarl.models.packaged import resolve_model_path
 from megamarl.orchestration.agents import build_agents
 from megamarl.orchestration.driver import RolloutFailureError, RolloutResult, check_failures, run_episodes
+from megamarl.orchestration.env import EnvMaker
+from megamarl.orchestration.orchestras import build_orchestra
 from megamarl.orchestration.workers import EnvWorkers, make_workers
-from megamarl.parallel.hardware import describe_dtype_choice
+from megamarl.parallel.hardware import describe_dtype_choice, policy_dtype
 from megamarl.registry import import_plugins, resolve_callable
 from megamarl.rl.batch import SampleBatch, collate
+from megamarl.rl.batch_metrics import success_metrics
 from megamarl.rl.prepare import prepare_rollout
+from megamarl.rl.rewards import algorithm_at_step
 from megamarl.rl.sample import mark_episode_ends
 from megamarl.rollout.base import Engine
 from megamarl.rollout.factory import LoraServing, build_engine, engine_threads
@@ -37,7 +41,6 @@ from megamarl.rollout.pool import EnginePool
 from megamarl.runtime.metrics import MetricsLogger
 from megamarl.runtime.plot import plot_run
 from megamarl.runtime.progress import RunProgress
-from megamarl.runtime.step_metrics import success_metrics
 from megamarl.runtime.transcripts import episode_transcripts
 
 EVAL_SEED = 10**9 + 7  # held-out tasks: a seed the training stream never uses
@@ -61,8 +64,8 @@ class RolloutDriver:
         self.engines = self._start_engines(paths)
         if fleet is not None:
             (run_dir / "engine_servers.json").write_text(json.dumps(fleet.table(), indent=1))
-        self.env = cfg.env.maker()
-        self.orchestra = cfg.orchestra.build()
+        self.env = EnvMaker(cfg.env.name, **cfg.env.kwargs)
+        self.orchestra = build_orchestra(cfg.orchestra.name, **cfg.orchestra.kwargs)
         self.agents = build_agents(cfg.agents, self.tokenizers, default_kinds=self.env.default_agents)
         self.policy_mapping = _policy_mapping(cfg, self.tokenizers)
         # rollout.opponent_pool: the mapping's alias becomes a snapshot policy per episode
@@ -74,7 +77,7 @@ class RolloutDriver:
         self.totals = {"dropped_episodes": 0, "failed_episodes": 0, "dropped_groups": 0, "refill_rounds": 0,
                        "refill_exhausted": 0, "dropped_incomplete_episodes": 0}
         # eval set name ("" = the unnamed default set) -> env (eval.env / eval.sets; default: training env)
-        self.eval_envs = {name: env.maker() for name, env in cfg.eval.resolved_sets(cfg.env).items()}
+        self.eval_envs = {name: EnvMaker(env.name, **env.kwargs) for name, env in cfg.eval.resolved_sets(cfg.env).items()}
         if cfg.eval.sets or cfg.eval.env.is_set():
             for name, env in cfg.eval.resolved_sets(cfg.env).items():
                 self.console_print(f"eval set {name or '(default)'}: env {env.name} {env.kwargs}")
@@ -102,7 +105,7 @@ class RolloutDriver:
                 self.progress.line(
                     f"policy {name}: {p.engine.num_replicas} x {p.engine.backend} engine, "
                     f"dtype {describe_dtype_choice(p.engine.dtype)}, {threads} CPU threads; "
-                    f"training dtype {cfg.policy_dtype(name)}"
+                    f"training dtype {policy_dtype(cfg, name)}"
                 )
                 engines[name] = build_engine(p.engine, paths[name], seed=cfg.trainer.seed,
                                              lora=_lora_serving(cfg, name), num_threads=threads)
@@ -185,7 +188,7 @@ class RolloutDriver:
         self._log_transcripts(step + 1, result)
         if not result.samples:
             raise RolloutFailureError(result.failure_report(f"step {step + 1}: no samples"))
-        algo = self.cfg.algorithm.at_step(step, total_steps=self.cfg.trainer.total_steps)  # annealed team_alpha
+        algo = algorithm_at_step(self.cfg.algorithm, step, total_steps=self.cfg.trainer.total_steps)  # annealed team_alpha
         own = any(p.algorithm.overrides() for p in self.cfg.policies.values())  # policies.<p>.algorithm
         batch, prepare_metrics = prepare_rollout(
             result.samples, result.episodes, algo, pad_id=next(iter(self.pad_ids.values())),

@@ -54,8 +54,8 @@ import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
+from megamarl.config import AlgorithmConfig, RunConfig, TrainerConfig
 from megamarl.driver.streaming import (
     BusyClock,
     EpisodeGroup,
@@ -70,9 +70,6 @@ from megamarl.driver.streaming import (
 from megamarl.orchestration.driver import EpisodeStats, RolloutResult
 from megamarl.registry import Registry
 from megamarl.rl.advantages import ADVANTAGE_ESTIMATORS
-
-if TYPE_CHECKING:  # config.py validates trainer.mode against SCHEDULES: a run-time import would be circular
-    from megamarl.config import AlgorithmConfig, RunConfig, TrainerConfig
 
 GIL_SWITCH_INTERVAL_S = 0.0005  # while rollout overlaps training (see the module docstring)
 
@@ -340,3 +337,13 @@ class FullyAsyncSchedule(Schedule):
     def close(self) -> None:
         self.producer.stop()
         super().close()
+
+
+def check_trainer(trainer: TrainerConfig) -> None:
+    """Load time: ``trainer.mode`` is a registered schedule and ``trainer.max_staleness`` reaches its minimum."""
+    schedule = SCHEDULES.traits(trainer.mode, key="trainer.mode")
+    if trainer.max_staleness < schedule.min_staleness:
+        raise ValueError(
+            f"trainer.max_staleness must be >= {schedule.min_staleness} with trainer.mode={trainer.mode} "
+            "(less would drop every sample generated while the trainer trains)"
+        )

@@ -5,5 +5,5 @@
 - ``registry.MODEL_FAMILIES``: HF ``model_type`` -> family folder (``llama``, ``qwen2``, ``qwen3``).
 - ``lora``: per-agent adapters on one frozen base, PEFT export.
 - ``checkpoint``: ``dist_checkpointing`` (torch_dist) save/load of model + AdamW state, any layout.
-- ``convert``: ``python -m megamarl.models.convert`` HF <-> Megatron CLI.
+- ``convert``: HF <-> Megatron conversion of one model (the ``megamarl-convert`` CLI is ``megamarl.runtime.export``).
 """

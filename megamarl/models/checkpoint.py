@@ -29,13 +29,13 @@ from pathlib import Path
 
 import torch
 
+from megamarl.models.bridge import unwrap
+
 STEP_KEY = "optimizer.step"
 
 
 def model_sharded_state_dict(model, wg) -> dict:
     from megatron.core import parallel_state
-
-    from megamarl.models.bridge import unwrap
 
     # megatron-core 0.16 gap: with tied embeddings on a last stage that is not also the first
     # (PP>1), LanguageModule.tie_embeddings_and_output_weights_state_dict asks the *global*
@@ -130,8 +130,6 @@ def _in_process_results_queue() -> None:
 def load_checkpoint(path: str | Path, model, wg, *, optimizer=None) -> None:
     """Load ``path`` into this rank's shards (any layout). Collective over all ranks (see module doc)."""
     from megatron.core import dist_checkpointing
-
-    from megamarl.models.bridge import unwrap
 
     template = {}
     if model is not None:

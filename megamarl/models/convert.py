@@ -6,7 +6,7 @@
 
 ``--from run`` exports the policies a training run saved (``runs/<name>/checkpoints/step_N``, L2
 adapters as PEFT directories) to Hugging Face directories: see ``megamarl.runtime.export``. The other two
-convert a single model (``python -m megamarl.models.convert`` is the same command).
+convert a single model (``python -m megamarl.runtime.export`` is the same command).
 
 Megatron side (``DST`` of the first command): ``config.json`` and tokenizer files copied from the
 HF directory, plus ``megatron/`` holding the ``torch_dist`` sharded checkpoint of the model. Because
@@ -15,16 +15,14 @@ second command (the layout the checkpoint is *loaded* at) need not match the one
 
 Ranks: by default the command spawns ``tp * pp`` local CPU/gloo ranks with
 ``megamarl.parallel.launch.run_ranks``. Under ``torchrun --nproc_per_node tp*pp -m
-megamarl.models.convert ...`` (``RANK`` set) it runs in place on the launched ranks instead (GPUs:
+megamarl.runtime.export ...`` (``RANK`` set) it runs in place on the launched ranks instead (GPUs:
 NCCL). The HF output is one safetensors file per pipeline stage (written by that stage's
 tp_rank-0 rank) plus ``model.safetensors.index.json``; a single stage writes ``model.safetensors``.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import shutil
 import sys
 from pathlib import Path
@@ -42,12 +40,20 @@ MEGATRON_SUBDIR = "megatron"
 _COPY_SKIP = (".safetensors", ".bin", ".pt", ".index.json")
 
 
-def _copy_side_files(src: Path, dst: Path) -> None:
-    """config, tokenizer, generation config... everything that is not a weight file."""
-    dst.mkdir(parents=True, exist_ok=True)
+def copy_side_files(src: Path, dst: Path, *, dtype: str | None = None) -> None:
+    """config, tokenizer, chat template, generation config... everything that is not a weight file,
+    into a fresh ``dst``; with ``dtype``, config.json says the weights' new dtype."""
+    if dst.exists():
+        shutil.rmtree(dst)  # no stale weight files from an earlier write with another layout
+    dst.mkdir(parents=True)
     for file in src.iterdir():
+        # dot files are megamarl's own markers (the model cache's completion marker), not the model's
         if file.is_file() and not file.name.endswith(_COPY_SKIP) and not file.name.startswith("."):
             shutil.copy2(file, dst / file.name)
+    if dtype is not None:
+        config = json.loads((dst / "config.json").read_text())
+        config["torch_dtype" if "torch_dtype" in config and "dtype" not in config else "dtype"] = dtype
+        (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
 def _progress(iterable, *, total: int, desc: str, enabled: bool):
@@ -107,7 +113,7 @@ def convert(src: str | Path, dst: str | Path, *, from_format: str, to_format: st
     if final.resolve() == src.resolve():
         raise ValueError(f"{final}: the output directory must differ from the input")
     with atomic_dir(final) as staging:  # readers never see a half-converted checkpoint
-        _copy_side_files(src, staging)
+        copy_side_files(src, staging)
         if from_format == "hf":
             run_on_ranks(hf_to_megatron, tp * pp, str(src), str(staging), tp, pp)
             (staging / "megamarl_convert.json").write_text(json.dumps({"saved_tp": tp, "saved_pp": pp}))
@@ -119,45 +125,3 @@ def convert(src: str | Path, dst: str | Path, *, from_format: str, to_format: st
             weight_map = dict(reversed(line.split("\t")) for line in lines)
             (staging / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2))
     return final
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="megamarl-convert", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--from", dest="from_format", choices=["run", "hf", "megatron"], required=True,
-                        help="run: a training run's checkpoint (runs/<name> or runs/<name>/checkpoints/step_N)")
-    parser.add_argument("--to", dest="to_format", choices=["hf", "megatron"], required=True)
-    parser.add_argument("--policy", action="append", default=None,
-                        help="--from run: export this policy (repeatable; default: every trained policy)")
-    parser.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"],
-                        help="weight dtype of the HF output (--from run default: auto = the source model's; else float32)")
-    parser.add_argument("--tp", type=int, default=1, help="tensor parallel size of the ranks doing the conversion")
-    parser.add_argument("--pp", type=int, default=1, help="pipeline parallel size of the ranks doing the conversion")
-    parser.add_argument("src")
-    parser.add_argument("dst")
-    args = parser.parse_args(argv)
-    os.environ.setdefault("PYTHONWARNINGS", "ignore")
-    # Through the importable module, not __main__: spawned ranks unpickle the rank bodies by name.
-    from megamarl.models.convert import convert
-    from megamarl.runtime.export import export_run
-
-    try:
-        if args.from_format == "run":
-            if args.to_format != "hf":
-                raise ValueError("--from run exports to --to hf only")
-            for out in export_run(args.src, args.dst, policies=args.policy, dtype=args.dtype or "auto",
-                                  tp=args.tp, pp=args.pp):
-                print(f"wrote {out}", file=sys.stderr)
-            return
-        if args.policy:
-            raise ValueError("--policy applies to --from run only")
-        dtype = args.dtype if args.dtype not in (None, "auto") else "float32"
-        out = convert(args.src, args.dst, from_format=args.from_format, to_format=args.to_format, tp=args.tp,
-                      pp=args.pp, dtype=dtype)
-    except ValueError as exc:
-        print(f"megamarl-convert: {exc}", file=sys.stderr)
-        raise SystemExit(2) from None
-    print(f"wrote {out}", file=sys.stderr)
-
-
-if __name__ == "__main__":
-    main()

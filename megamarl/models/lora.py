@@ -42,12 +42,12 @@ import json
 import math
 import zlib
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from megamarl.config_sections import LoraConfig
 from megamarl.models.bridge import is_sender, unwrap
 from megamarl.models.mapping import qkv_unpack
 from megamarl.parallel.collectives import all_gather_objects, all_gather_tensors
@@ -59,39 +59,6 @@ LORA_TARGETS = {
     "linear_fc1": ("column", ("gate_proj", "up_proj"), "mlp"),
     "linear_fc2": ("row", ("down_proj",), "mlp"),
 }
-
-
-# ``policies.<p>.lora.targets`` names -> megatron-core linear names
-TARGET_NAMES = {"qkv": "linear_qkv", "proj": "linear_proj", "fc1": "linear_fc1", "fc2": "linear_fc2"}
-
-
-@dataclass
-class LoraConfig:
-    """``policies.<p>.lora``: L2 adapters on the policy's frozen base, one per agent that names one
-    (``agents.<a>.lora``). ``targets`` are short names of the adapted linears (``TARGET_NAMES``)."""
-
-    rank: int = 8
-    alpha: float = 16.0
-    targets: list[str] = field(default_factory=lambda: list(TARGET_NAMES))
-    seed: int = 0  # adapter initialisation (A; B starts at zero)
-
-    def __post_init__(self) -> None:
-        bad = [t for t in self.targets if t not in TARGET_NAMES]
-        if bad or not self.targets:
-            raise ValueError(f"policies.<p>.lora.targets={list(self.targets)}: allowed {list(TARGET_NAMES)}")
-        if self.rank < 1:
-            raise ValueError(f"policies.<p>.lora.rank must be >= 1, got {self.rank}")
-        if not (math.isfinite(self.alpha) and self.alpha > 0):
-            raise ValueError(f"policies.<p>.lora.alpha must be > 0, got {self.alpha}")
-
-    @property
-    def modules(self) -> tuple[str, ...]:
-        """The megatron-core linear names of ``targets``."""
-        return tuple(TARGET_NAMES[t] for t in self.targets)
-
-    @property
-    def scaling(self) -> float:
-        return self.alpha / self.rank
 
 
 class LoraAdapter(nn.Module):

@@ -14,6 +14,7 @@ import os
 from pathlib import Path
 
 from megamarl.models.model_cache import build_once, save_hf_model
+from megamarl.models.tiny import PLAIN_CHAT_TEMPLATE, tiny_model
 
 PACKAGED_MODELS = {
     # name -> (PyPI package, GGUF file inside it, pip command that installs it)
@@ -60,8 +61,6 @@ def resolve_model_path(name_or_path: str | os.PathLike, *, key: str = "model.pat
 
 
 def _build_tiny(name: str, tmp: Path) -> None:
-    from megamarl.models.tiny import PLAIN_CHAT_TEMPLATE, save_tiny_model
-
     template = PLAIN_CHAT_TEMPLATE if name.startswith("tiny-plain-") else None
     save_tiny_model(tmp, TINY_MODELS[name], seed=0, chat_template=template, **TINY_OVERRIDES.get(name, {}))
 
@@ -96,3 +95,18 @@ def _convert_packaged(name: str, tmp: Path) -> None:
     model.load_state_dict(dequantized.state_dict())
     save_hf_model(model, tmp)
     tokenizer.save_pretrained(tmp)
+
+
+def save_tiny_model(path: str | Path, family: str = "llama", *, seed: int = 0, init_std: float | None = 0.15,
+                    chat_template: str | None = None, **overrides) -> Path:
+    """Write a tiny model plus the packaged SmolLM2 tokenizer as an HF directory; returns ``path``."""
+    from transformers import AutoTokenizer  # heavy: only when a model is written
+
+    path = Path(path)
+    model = tiny_model(family, seed=seed, init_std=init_std, **overrides)
+    save_hf_model(model, path)
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path("smollm2-135m-instruct"))
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
+    tokenizer.save_pretrained(path)
+    return path

@@ -1,17 +1,13 @@
 """Tiny random models for fast tests: real HF architectures, a few layers, no download.
 
-They reuse the packaged SmolLM2 tokenizer (so prompts, chat templates and EOS behave like the
+``megamarl.models.packaged.save_tiny_model`` writes one with the packaged SmolLM2 tokenizer (so prompts, chat templates and EOS behave like the
 real model) and differ per family only in what the family tests must exercise: GQA, QKV bias,
 tied/untied embeddings, QK-norm.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
-
-from megamarl.models.model_cache import save_hf_model
 
 TINY_DEFAULTS = {
     "hidden_size": 64,
@@ -69,20 +65,3 @@ def tiny_model(family: str = "llama", *, seed: int = 0, init_std: float | None =
 PLAIN_CHAT_TEMPLATE = (
     "{%- for m in messages -%}{{ m['content'] }}{{ '' if m['role'] == 'user' else '\n' }}{%- endfor -%}"
 )
-
-
-def save_tiny_model(path: str | Path, family: str = "llama", *, seed: int = 0, init_std: float | None = 0.15,
-                    chat_template: str | None = None, **overrides) -> Path:
-    """Write a tiny model plus the packaged SmolLM2 tokenizer as an HF directory; returns ``path``."""
-    from transformers import AutoTokenizer
-
-    from megamarl.models.packaged import resolve_model_path
-
-    path = Path(path)
-    model = tiny_model(family, seed=seed, init_std=init_std, **overrides)
-    save_hf_model(model, path)
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path("smollm2-135m-instruct"))
-    if chat_template is not None:
-        tokenizer.chat_template = chat_template
-    tokenizer.save_pretrained(path)
-    return path

@@ -16,69 +16,27 @@ reply, because models write "3 + 2 = 5".
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from omegaconf import MISSING
-
+from megamarl.config_sections import AgentConfig, SamplingConfig
 from megamarl.registry import Registry
 from megamarl.rollout.base import SamplingParams
 
 if TYPE_CHECKING:
-    from megamarl.orchestration.context import Action
+    from megamarl.orchestration.action import Action
     from megamarl.orchestration.env import Env
 
-MEMORY_SCOPES = ("team", "self")
 
-
-def _check_number(key: str, value: float, *, low: float, high: float | None = None, low_open: bool = False) -> None:
-    """``key`` (an ``agents.<a>...`` key; ``megamarl.config.load_config`` puts the agent's name in)
-    must be a finite number in [low, high], low excluded when ``low_open``. Worded as config.py's checks."""
-    if isinstance(value, float) and not math.isfinite(value):
-        raise ValueError(f"{key} must be a finite number, got {value}")
-    if (value <= low if low_open else value < low) or (high is not None and value > high):
-        opening = "(" if low_open else "["
-        bound = f"{'>' if low_open else '>='} {low}" if high is None else f"in {opening}{low}, {high}]"
-        raise ValueError(f"{key} must be {bound}, got {value}")
-
-
-@dataclass
-class SamplingConfig:
-    """``agents.<a>.sampling``: what the agent's engine requests look like. ``sampling_params``
-    turns it into the engine's per-request ``SamplingParams`` (token ids need the tokenizer)."""
-
-    temperature: float = 1.0  # sampling temperature (also applied to the trainer's logprobs)
-    top_p: float = 1.0
-    top_k: int = -1
-    max_tokens: int = 64
-    # Constrained decoding: sample only these strings' tokens (each must be one token), e.g. the
-    # ten symbols of the signalling game. Empty: unconstrained.
-    allowed_tokens: list[str] = field(default_factory=list)
-    # Stop strings (vLLM's / OpenAI's ``stop``): the reply ends at the first one. Its tokens stay in the
-    # trained response (they were sampled); the text the parser reads is cut before it. Empty: none.
-    stop: list[str] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        _check_number("agents.<a>.sampling.temperature", self.temperature, low=0)
-        _check_number("agents.<a>.sampling.top_p", self.top_p, low=0, high=1, low_open=True)
-        if self.top_k != -1 and self.top_k < 1:
-            raise ValueError(f"agents.<a>.sampling.top_k must be -1 (off) or >= 1, got {self.top_k}")
-        _check_number("agents.<a>.sampling.max_tokens", self.max_tokens, low=1)
-        self.allowed_tokens = list(self.allowed_tokens)
-        self.stop = list(self.stop)
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            raise ValueError(f"agents.<a>.sampling.stop must list non-empty strings, got {self.stop}")
-
-    def sampling_params(self, tokenizer: Any = None) -> SamplingParams:
-        """The engine's request parameters; ``allowed_tokens`` become token ids with ``tokenizer``
-        (needed only when some are set)."""
-        return SamplingParams(
-            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, max_tokens=self.max_tokens,
-            allowed_token_ids=_single_token_ids(self.allowed_tokens, tokenizer), stop=tuple(self.stop),
-        )
+def sampling_params(sampling: SamplingConfig, tokenizer: Any = None) -> SamplingParams:
+    """An agent's engine request parameters (``agents.<a>.sampling``); ``allowed_tokens`` become token
+    ids with ``tokenizer``, the tokenizer of the agent's policy (needed only when some are set)."""
+    return SamplingParams(
+        temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k, max_tokens=sampling.max_tokens,
+        allowed_token_ids=_single_token_ids(sampling.allowed_tokens, tokenizer), stop=tuple(sampling.stop),
+    )
 
 
 def _single_token_ids(texts: list[str], tokenizer: Any) -> tuple[int, ...]:
@@ -93,65 +51,6 @@ def _single_token_ids(texts: list[str], tokenizer: Any) -> tuple[int, ...]:
             raise ValueError(f"agents.<a>.sampling.allowed_tokens: {text!r} is {len(encoded)} tokens, not one")
         ids.append(encoded[0])
     return tuple(ids)
-
-
-@dataclass
-class AgentConfig:
-    """``agents.<role>`` of the run config, and what an agent is built from. ``kind`` defaults to
-    the env's default kind for the role. Typed for OmegaConf (``Optional``, ``list``): the same
-    class is the structured-config schema (``megamarl.config.RunConfig.agents``)."""
-
-    policy: str = MISSING  # the policy this agent samples from and trains (a key of `policies`)
-    kind: str = ""  # registered agent kind; empty: the env's default kind for this role
-    lora: str | None = None  # L2: adapter name on the policy's shared base
-    system_prompt: str | None = None  # system turn; null: the agent kind's default
-    prompt_template: str | None = None  # user turn, `{observation}` is replaced; null: the kind's default
-    sampling: SamplingConfig = field(default_factory=SamplingConfig)
-    multi_turn: bool = False  # keep the agent's own chat transcript across its turns (token-exact)
-    memory_tokens: int = 0  # budget of earlier turns shown in the prompt (oldest dropped); 0: none
-    memory_scope: str = "team"  # team: every agent's earlier turns; self: its own only
-    tree_k: int = 1  # >1: tree sampling (AT-GRPO), K candidates per call, continue from the best
-    max_prompt_tokens: int = 4096  # longer prompts drop the episode (counted, reason prompt_too_long)
-    choices: list[str] = field(default_factory=list)  # names a router agent may pick
-    # Per-agent training hyperparameters; None inherits the policy's value. ``lr`` needs the agent's
-    # own parameters (an L2 LoRA adapter or an L3 policy of its own): agents sharing weights share one
-    # optimizer step. ``frozen``: the agent acts but its samples never train the policy.
-    lr: float | None = None
-    clip_low: float | None = None
-    clip_high: float | None = None
-    kl_coef: float | None = None
-    entropy_coef: float | None = None
-    micro_batch_size: int | None = None
-    mini_batch_size: int | None = None  # samples per optimizer step for this agent's rows
-    frozen: bool = False
-
-    def __post_init__(self) -> None:
-        if self.policy == MISSING:
-            raise ValueError("agents.<a>.policy must be set (a key of `policies`)")
-        if isinstance(self.sampling, Mapping):
-            self.sampling = SamplingConfig(**self.sampling)
-        if self.prompt_template is not None and "{observation}" not in self.prompt_template:
-            raise ValueError("agents.<a>.prompt_template must contain '{observation}'")
-        if self.memory_scope not in MEMORY_SCOPES:
-            raise ValueError(f"agents.<a>.memory_scope='{self.memory_scope}' unknown; allowed: {list(MEMORY_SCOPES)}")
-        for key in ("tree_k", "max_prompt_tokens"):
-            _check_number(f"agents.<a>.{key}", getattr(self, key), low=1)
-        _check_number("agents.<a>.memory_tokens", self.memory_tokens, low=0)
-        if self.lr is not None:
-            _check_number("agents.<a>.lr", self.lr, low=0, low_open=True)
-        if self.clip_low is not None:
-            _check_number("agents.<a>.clip_low", self.clip_low, low=0, high=1)
-        self.choices = list(self.choices)
-
-    def sampling_params(self, tokenizer: Any = None) -> SamplingParams:
-        """This agent's engine request parameters (``sampling``; ``allowed_tokens`` resolved with
-        ``tokenizer``, the tokenizer of the agent's policy)."""
-        return self.sampling.sampling_params(tokenizer)
-
-    def train_overrides(self) -> dict[str, float]:
-        """The per-agent hyperparameters this agent sets (None values omitted)."""
-        keys = ("lr", "clip_low", "clip_high", "kl_coef", "entropy_coef", "micro_batch_size", "mini_batch_size")
-        return {k: getattr(self, k) for k in keys if getattr(self, k) is not None}
 
 
 class Agent:
@@ -169,7 +68,7 @@ class Agent:
         self.system = config.system_prompt if config.system_prompt is not None else self.system_prompt
         self.template = config.prompt_template or self.prompt_template
         eos = getattr(tokenizer, "eos_token_id", None)
-        sampling = config.sampling_params(tokenizer)
+        sampling = sampling_params(config.sampling, tokenizer)
         stops = tuple(sampling.stop_token_ids)
         if eos is not None and eos not in stops:
             stops += (eos,)

@@ -37,9 +37,10 @@ import asyncio
 import dataclasses
 import hashlib
 from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
+from megamarl.orchestration.action import Action
 from megamarl.orchestration.chat import ChatTranscript
 from megamarl.orchestration.env import Env, StepResult, Task
 from megamarl.rl.sample import Sample
@@ -72,25 +73,6 @@ class EpisodeDropped(Exception):
     def __init__(self, reason: str) -> None:
         super().__init__(reason)
         self.reason = reason
-
-
-@dataclass
-class Action:
-    """One agent decision: the chosen candidate's text and parsed value, plus every candidate's Sample."""
-
-    agent: str
-    text: str
-    value: Any
-    valid: bool
-    turn: int
-    step: int
-    branch: int = 0  # the candidate continued from
-    samples: list[Sample] = field(default_factory=list, repr=False)
-    scores: list[float] | None = None  # tree sampling: one per candidate
-
-    def stripped(self) -> Action:
-        """A copy without token-heavy samples, for sending to env workers."""
-        return dataclasses.replace(self, samples=[])
 
 
 @dataclass

@@ -17,14 +17,14 @@ import abc
 import json
 import random
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from megamarl.registry import Registry
 
 if TYPE_CHECKING:
-    from megamarl.orchestration.context import Action
+    from megamarl.orchestration.action import Action
 
 
 @dataclass(frozen=True)
@@ -209,13 +209,3 @@ class EnvMaker:
         return dict(self.env_cls.default_agents)
 
 
-@dataclass
-class EnvSpec:
-    """``env:`` in the run config: a registered env's name and the keyword arguments of its own
-    ``Config`` (which validates them)."""
-
-    name: str = "math"
-    kwargs: dict[str, Any] = field(default_factory=dict)
-
-    def maker(self) -> EnvMaker:
-        return EnvMaker(self.name, **self.kwargs)

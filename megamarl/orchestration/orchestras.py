@@ -89,18 +89,6 @@ def build_orchestra(name: str, **config: Any) -> Orchestra:
     return cls(cls.Config(**config))
 
 
-@dataclass
-class OrchestraSpec:
-    """``orchestra:`` in the run config: a registered orchestra's name and the keyword arguments of
-    its own ``Config`` (which validates them)."""
-
-    name: str = "solve_verify"
-    kwargs: dict[str, Any] = field(default_factory=dict)
-
-    def build(self) -> Orchestra:
-        return build_orchestra(self.name, **self.kwargs)
-
-
 def _positive(value: int, key: str) -> None:
     if value < 1:
         raise ValueError(f"orchestra.{key} must be >= 1, got {value}")

@@ -32,12 +32,14 @@ import concurrent.futures
 import importlib.util
 import multiprocessing
 import os
+import sys
 import threading
 from collections.abc import Callable
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from typing import Any
 
+from megamarl.config_sections import WorkersConfig
 from megamarl.registry import Registry
 
 
@@ -51,30 +53,6 @@ class EnvWorkerError(RuntimeError):
 class WorkerTraits:
     package: str = ""  # a package the backend imports (checked at load time: importable here)
     takes_address: bool = False  # the backend can join an existing cluster (rollout.env_workers.address)
-
-
-@dataclass
-class WorkersConfig:
-    """``rollout.env_workers``: where env steps that can block (``Env.remote_step``) run. Each step's
-    timeout is ``rollout.env_timeout_s``."""
-
-    backend: str = "inline"
-    num_workers: int = 2  # process slots or Ray actors: remote env steps that run at once
-    # ray: address of an existing cluster (auto, host:port, ray://host:10001); empty: the run starts a local one
-    address: str = ""
-
-    def __post_init__(self) -> None:
-        traits = WORKERS.traits(self.backend, key="rollout.env_workers.backend")
-        if isinstance(self.num_workers, bool) or not isinstance(self.num_workers, int) or self.num_workers < 1:
-            raise ValueError(f"rollout.env_workers.num_workers must be an integer >= 1, got {self.num_workers!r}")
-        if self.address and not traits.takes_address:
-            takers = [n for n in WORKERS.names() if WORKERS.traits(n).takes_address]
-            raise ValueError(f"rollout.env_workers.address is set but backend={self.backend!r} joins no cluster; "
-                             f"only {takers} take an address")
-        if traits.package and importlib.util.find_spec(traits.package) is None:
-            raise ValueError(f"rollout.env_workers.backend={self.backend} needs the '{traits.package}' package, which "
-                             f"is not importable here: pip install 'megamarl[{traits.package}]' (or bash "
-                             f"scripts/setup.sh --extras {traits.package}), or choose backend process")
 
 
 class EnvWorkers(abc.ABC):
@@ -227,6 +205,13 @@ def _ray_actor_class():
 _WARM_UP = (importlib.import_module, "megamarl.orchestration")
 
 
+def _driver_import_path() -> list[str]:
+    """The driver's ``sys.path`` entries outside the interpreter's own libraries (those the workers
+    have anyway): the working directory, plugin directories, PYTHONPATH."""
+    return [p for p in sys.path if p and os.path.isdir(p) and "site-packages" not in p
+            and not os.path.basename(p).startswith("python3") and not p.endswith(".zip")]
+
+
 @WORKERS.register("ray", traits=WorkerTraits(package="ray", takes_address=True))
 class RayWorkers(EnvWorkers):
     """Ray actors. Without ``address`` (and Ray not initialised yet by the caller) a local cluster
@@ -241,10 +226,13 @@ class RayWorkers(EnvWorkers):
 
         self._ray = ray
         self._owns_ray = not ray.is_initialized()
+        # Actors unpickle the env by module name: give them the driver's import path (plugin_paths, a
+        # test's helpers), which a local cluster's workers would not have (they start from the raylet).
+        runtime_env = {"env_vars": {"PYTHONPATH": os.pathsep.join(_driver_import_path())}}
         if self._owns_ray and config.address:
-            ray.init(address=config.address, log_to_driver=False)
+            ray.init(address=config.address, log_to_driver=False, runtime_env=runtime_env)
         elif self._owns_ray:
-            ray.init(num_cpus=config.num_workers, include_dashboard=False, log_to_driver=False)
+            ray.init(num_cpus=config.num_workers, include_dashboard=False, log_to_driver=False, runtime_env=runtime_env)
         self._actor_cls = _ray_actor_class()
         self._actors = [self._actor_cls.remote() for _ in range(config.num_workers)]
         ray.get([actor.call.remote(*_WARM_UP) for actor in self._actors])
@@ -293,3 +281,17 @@ class RayWorkers(EnvWorkers):
             self._ray.kill(actor)
         if self._owns_ray:  # the local cluster this run started (or its connection to the one at address)
             self._ray.shutdown()
+
+
+def check_workers(config: WorkersConfig) -> None:
+    """Load time: ``rollout.env_workers``' backend is registered, takes an address if one is given,
+    and its package imports here."""
+    traits = WORKERS.traits(config.backend, key="rollout.env_workers.backend")
+    if config.address and not traits.takes_address:
+        takers = [n for n in WORKERS.names() if WORKERS.traits(n).takes_address]
+        raise ValueError(f"rollout.env_workers.address is set but backend={config.backend!r} joins no cluster; "
+                         f"only {takers} take an address")
+    if traits.package and importlib.util.find_spec(traits.package) is None:
+        raise ValueError(f"rollout.env_workers.backend={config.backend} needs the '{traits.package}' package, which "
+                         f"is not importable here: pip install 'megamarl[{traits.package}]' (or bash "
+                         f"scripts/setup.sh --extras {traits.package}), or choose backend process")

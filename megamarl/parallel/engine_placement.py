@@ -25,6 +25,7 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from megamarl.parallel.placement import placement_of
 from megamarl.rollout import ENGINES
 
 if TYPE_CHECKING:
@@ -161,7 +162,7 @@ def plan_engines(cfg: RunConfig, world_size: int, ranks_per_node: int) -> dict[s
     """
     if ranks_per_node < 1:
         raise ValueError(f"ranks per node must be >= 1 (LOCAL_WORLD_SIZE / cluster.gpus_per_node), got {ranks_per_node}")
-    placement = cfg.placement(world_size)  # WG rank lists (every rank for policies without ranks), checked
+    placement = placement_of(cfg, world_size)  # WG rank lists (every rank for policies without ranks), checked
     shard_owner = {}
     for name, layout in placement.worker_groups.items():
         for rank in layout.ranks:

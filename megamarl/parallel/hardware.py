@@ -16,6 +16,8 @@ import platform
 
 import torch
 
+from megamarl.config import RunConfig
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DTYPE_CHOICES = ("auto", *DTYPES)
 
@@ -68,3 +70,17 @@ def describe_dtype_choice(name: str) -> str:
         return f"{resolved} (set)"
     where = "GPU" if torch.cuda.is_available() else "CPU"
     return f"{resolved} (auto: this {where} {'computes' if native_bf16() else 'does not compute'} bf16 natively)"
+
+
+def policy_dtype(cfg: RunConfig, name: str) -> str:
+    """``policies.<name>.dtype`` resolved on this node (``auto``: the engine's resolved dtype)."""
+    policy = cfg.policies[name]
+    return resolve_dtype(policy.engine.dtype if policy.dtype == "auto" else policy.dtype)
+
+
+def check_dtypes(cfg: RunConfig) -> None:
+    """Load time: every ``policies.<p>.dtype`` and ``policies.<p>.engine.dtype`` is a known dtype."""
+    for name, policy in cfg.policies.items():
+        for key, value in (("dtype", policy.dtype), ("engine.dtype", policy.engine.dtype)):
+            if value not in DTYPE_CHOICES:
+                raise ValueError(f"policies.{name}.{key}='{value}' unknown; allowed: {list(DTYPE_CHOICES)}")

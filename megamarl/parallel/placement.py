@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from megamarl.config import RunConfig
 from megamarl.parallel.distributed import device_backend, local_device
 
 AXES = ("tp", "cp", "ep", "dp", "pp")  # megatron-core rank order, fastest-varying first
@@ -232,3 +233,21 @@ def build_worker_groups(placement: PlacementConfig, *, backend: str | None = Non
     """Build every WG of ``placement`` on every rank (same order everywhere: group creation is collective)."""
     placement.validate_world(dist.get_world_size())
     return {name: build_worker_group(name, layout, backend=backend) for name, layout in placement.worker_groups.items()}
+
+
+def placement_of(cfg: RunConfig, world_size: int) -> PlacementConfig:
+    """The run's WG layouts for a world of ``world_size`` ranks (policies without ranks take all),
+    checked against the world."""
+    layouts = {
+        name: WorkerGroupLayout(ranks=list(p.ranks) if p.ranks else list(range(world_size)), tp=p.tp, pp=p.pp,
+                                key=f"policies.{name}")
+        for name, p in cfg.policies.items()
+    }
+    placement = PlacementConfig(layouts, mode=cfg.placement_mode)
+    placement.validate_world(world_size)
+    return placement
+
+
+def check_placement_mode(cfg: RunConfig) -> None:
+    if cfg.placement_mode not in PLACEMENT_MODES:
+        raise ValueError(f"placement_mode='{cfg.placement_mode}' unknown; allowed: {list(PLACEMENT_MODES)}")

@@ -42,6 +42,7 @@ replica crossing a node boundary is an error there.
 
 from __future__ import annotations
 
+import argparse
 import math
 import sys
 from dataclasses import dataclass, field
@@ -57,10 +58,12 @@ from megamarl.parallel.placement import (
     WorkerGroupLayout,
     build_worker_groups,
     group_enumeration,
+    placement_of,
     rank_coords,
 )
 from megamarl.planning.memory import Memory, TrainingSetup, num_micro_batches, train_memory
 from megamarl.planning.model_presets import ModelShape, resolve_model_shape
+from megamarl.runtime.configure import load_config
 
 GIB = 2**30
 
@@ -153,7 +156,7 @@ def dry_run(cfg: RunConfig, *, console=None, world_size: int | None = None) -> D
     on_gpus = cluster.gpus_per_node > 0
     if world_size is None:
         world_size = declared_world_size(cfg)
-    placement = cfg.placement(world_size)
+    placement = placement_of(cfg, world_size)
     gpus_per_node = cluster.gpus_per_node or world_size
 
     shapes = {name: resolve_model_shape(policy.model, key=f"policies.{name}.model") for name, policy in cfg.policies.items()}
@@ -184,7 +187,7 @@ def plan_memory(cfg: RunConfig, *, world_size: int, gpus_per_node: int, on_gpus:
     """Every WG's and engine's bytes and what each GPU holds, for ``world_size`` ranks (no checks,
     no printing; ``dry_run`` adds them, and engine servers take their memory fraction from it:
     ``megamarl.planning.engine_budget``)."""
-    placement = cfg.placement(world_size)
+    placement = placement_of(cfg, world_size)
     shapes = shapes or {name: resolve_model_shape(p.model, key=f"policies.{name}.model")
                         for name, p in cfg.policies.items()}
     plan = plan_engines(cfg, world_size, gpus_per_node)
@@ -483,10 +486,6 @@ def main_dry_run(cfg: RunConfig, *, console=None) -> int:
 
 def main(argv: list[str] | None = None) -> None:
     """``python -m megamarl.planning.dryrun CONFIG [key=value ...]``: the same check as ``train.py --dry-run``."""
-    import argparse
-
-    from megamarl.config import load_config
-
     parser = argparse.ArgumentParser(description="Check a run's placement and per-GPU memory without GPUs.")
     parser.add_argument("config")
     parser.add_argument("overrides", nargs="*", help="key=value overrides")

@@ -12,6 +12,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from megamarl.models.packaged import resolve_model_path
+
 
 @dataclass(frozen=True)
 class ModelShape:
@@ -97,8 +99,6 @@ def resolve_model_shape(model: str, *, key: str = "model") -> ModelShape:
         return PRESETS[model]
     path = Path(model).expanduser()
     if not (path / "config.json").is_file():  # a packaged model name (materialized once into the cache)
-        from megamarl.models.packaged import resolve_model_path
-
         try:
             path = resolve_model_path(model, key=key)
         except ValueError as exc:

@@ -25,7 +25,7 @@ from megamarl.parallel.engine_placement import (
     plan_engines,
     replicas_led_by,
 )
-from megamarl.parallel.placement import build_worker_groups
+from megamarl.parallel.placement import build_worker_groups, placement_of
 from megamarl.planning.dryrun import Shard, declared_world_size, rank_ranges
 
 
@@ -48,7 +48,7 @@ def fake_world_views(cfg: RunConfig, world_size: int, ranks_per_node: int):
 
     if dist.is_initialized():
         raise RuntimeError("fake_world_views builds a fake world of its own: call it before init_distributed()")
-    placement = cfg.placement(world_size)
+    placement = placement_of(cfg, world_size)
     first_plan, views = None, []
     for rank in range(world_size):
         dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)

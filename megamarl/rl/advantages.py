@@ -39,7 +39,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from megamarl.config import AlgorithmConfig, PolicyAlgorithmConfig
 from megamarl.registry import Registry
+from megamarl.rl.losses import KL_ESTIMATORS, LOSS_AGGREGATIONS
 from megamarl.rl.rewards import rewards_to_tokens
 
 GROUP_KEYS = ("task", "episode", "agent", "policy", "turn", "branch", "step")
@@ -467,3 +469,50 @@ def _gae(rewards, index, cfg, *, response_mask=None, values=None, all_reduce=Non
     if cfg.norm_std:
         adv = masked_whiten(adv, response_mask, eps=cfg.eps, ddof=cfg.std_ddof, all_reduce=all_reduce)
     return adv, returns
+
+
+def advantage_config(algo: AlgorithmConfig) -> AdvantageConfig:
+    """The estimator's settings: ``algorithm.*`` keys plus ``estimator_kwargs``; call once plugins that
+    register estimators are imported. Errors name the algorithm key."""
+    try:
+        return AdvantageConfig(estimator=algo.estimator, group_by=list(algo.group_by), norm_std=algo.normalize_std,
+                               std_ddof=algo.std_ddof, **algo.estimator_kwargs)
+    except TypeError as exc:  # an unknown keyword
+        raise ValueError(f"algorithm.estimator_kwargs: {exc}") from exc
+    except ValueError as exc:  # AdvantageConfig names its field (advantage.gamma), not where it came from
+        raise ValueError(f"algorithm.estimator_kwargs: {exc}") from exc
+
+
+def check_group_by(group_by: Sequence[str], *, key: str) -> None:
+    bad = [k for k in group_by if k not in GROUP_KEYS]
+    if bad:
+        raise ValueError(f"{key} has unknown keys {bad}; allowed: {list(GROUP_KEYS)}")
+
+
+def check_algorithm(algo: AlgorithmConfig) -> None:
+    """Load time, after plugins are imported: the run's ``algorithm`` section against the estimator,
+    loss-aggregation and KL registries (errors name ``algorithm.<key>``)."""
+    check_group_by(algo.group_by, key="algorithm.group_by")
+    LOSS_AGGREGATIONS.get(algo.loss_agg, key="algorithm.loss_agg")
+    LOSS_AGGREGATIONS.get(algo.value_loss_agg, key="algorithm.value_loss_agg")
+    KL_ESTIMATORS.get(algo.kl_type, key="algorithm.kl_type")
+    ADVANTAGE_ESTIMATORS.get(algo.estimator, key="algorithm.estimator")
+    check_estimator(algo)
+
+
+def check_policy_algorithm(override: PolicyAlgorithmConfig, *, key: str) -> None:
+    """``policies.<p>.algorithm``'s own keys (``key`` is that section's full name)."""
+    check_group_by(override.group_by or [], key=f"{key}.group_by")
+    for name in ("loss_agg", "value_loss_agg"):
+        if getattr(override, name) is not None:
+            LOSS_AGGREGATIONS.get(getattr(override, name), key=f"{key}.{name}")
+    if override.estimator is not None:
+        ADVANTAGE_ESTIMATORS.get(override.estimator, key=f"{key}.estimator")
+
+
+def check_estimator(algo: AlgorithmConfig) -> None:
+    """The estimator's settings build, and dynamic sampling is not asked of a critic estimator."""
+    advantage_config(algo)
+    if algo.dynamic_sampling and ADVANTAGE_ESTIMATORS.traits(algo.estimator, key="algorithm.estimator").needs_critic:
+        raise ValueError(f"algorithm.dynamic_sampling filters on advantages computed on the driver; "
+                         f"algorithm.estimator={algo.estimator!r} computes them from a critic on the workers")

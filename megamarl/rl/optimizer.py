@@ -32,33 +32,11 @@ from __future__ import annotations
 import contextlib
 import math
 import types
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-LR_DECAY_STYLES = ("constant", "linear", "cosine")
-
-
-@dataclass
-class LrScheduleConfig:
-    """``policies.<p>.lr_schedule``: linear warmup from 0 to ``policies.<p>.lr`` over ``warmup_steps``
-    trainer steps, then ``decay`` down to ``min_lr`` at ``decay_steps`` (default: trainer.total_steps)."""
-
-    warmup_steps: int = 0  # trainer steps of linear warmup from 0 to policies.<p>.lr
-    decay: str = "constant"  # constant | linear | cosine (megatron-core's lr_decay_style)
-    min_lr: float = 0.0  # the learning rate at the end of the decay
-    decay_steps: int | None = None  # None: trainer.total_steps
-
-    def __post_init__(self) -> None:
-        if self.decay not in LR_DECAY_STYLES:
-            raise ValueError(f"policies.<p>.lr_schedule.decay='{self.decay}' unknown; allowed: {list(LR_DECAY_STYLES)}")
-        if self.warmup_steps < 0:
-            raise ValueError(f"policies.<p>.lr_schedule.warmup_steps must be >= 0, got {self.warmup_steps}")
-        if self.min_lr < 0:
-            raise ValueError(f"policies.<p>.lr_schedule.min_lr must be >= 0, got {self.min_lr}")
-        if self.decay_steps is not None and self.decay_steps < 1:
-            raise ValueError(f"policies.<p>.lr_schedule.decay_steps must be >= 1, got {self.decay_steps}")
+from megamarl.config_sections import LrScheduleConfig
 
 
 @contextlib.contextmanager

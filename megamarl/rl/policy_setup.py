@@ -15,7 +15,7 @@ from megamarl.config import AlgorithmConfig
 from megamarl.models.bridge import build_model, load_hf_config, load_hf_weights
 from megamarl.models.packaged import resolve_model_path
 from megamarl.parallel.placement import WorkerGroup
-from megamarl.rl.advantages import ADVANTAGE_ESTIMATORS
+from megamarl.rl.advantages import ADVANTAGE_ESTIMATORS, advantage_config
 from megamarl.rl.dispatch import BatchSplit
 from megamarl.rl.losses import LossConfig
 from megamarl.rl.worker import AgentTraining, CriticConfig, ModelHandle, PolicyWorker, batch_split
@@ -110,5 +110,5 @@ def critic_config(policy, algo: AlgorithmConfig) -> CriticConfig | None:
     """The policy's critic when the estimator needs one (its registered traits say so)."""
     if not ADVANTAGE_ESTIMATORS.traits(algo.estimator, key="algorithm.estimator").needs_critic:
         return None
-    return CriticConfig(algo.advantage_config(), value_coef=policy.value_coef, value_clip=policy.value_clip,
+    return CriticConfig(advantage_config(algo), value_coef=policy.value_coef, value_clip=policy.value_clip,
                         loss_agg=algo.value_loss_agg)

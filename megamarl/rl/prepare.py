@@ -41,11 +41,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from megamarl.orchestration.driver import RolloutFailureError
-from megamarl.rl.advantages import compute_advantages, estimator_traits, group_ids
+from megamarl.rl.advantages import advantage_config, compute_advantages, estimator_traits, group_ids
 from megamarl.rl.batch import SampleBatch, collate, concat
+from megamarl.rl.batch_metrics import agent_batch_metrics, success_metrics
 from megamarl.rl.rewards import RewardConfig, dynamic_sampling_mask, last_step_mask, shape_rewards
 from megamarl.rl.sample import Sample
-from megamarl.runtime.step_metrics import agent_batch_metrics, success_metrics
 
 if TYPE_CHECKING:  # config.py imports the estimator registry through this package: no run-time cycle
     from megamarl.config import AlgorithmConfig
@@ -151,7 +151,7 @@ def batch_advantages(batch: SampleBatch, algo: AlgorithmConfig, policy_algos: Po
         return _per_policy_advantages(batch, policy_algos)
     if estimator_traits(algo.estimator).needs_critic:
         return None
-    return compute_advantages(batch.rewards, batch.group_index(), algo.advantage_config(),
+    return compute_advantages(batch.rewards, batch.group_index(), advantage_config(algo),
                               response_mask=batch.response_mask)
 
 

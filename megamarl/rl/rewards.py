@@ -31,11 +31,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
 
+from megamarl.config import AlgorithmConfig
+from megamarl.config_sections import TeamAlphaSchedule
 from megamarl.registry import Registry
 
 # progress p in [0, 1] of the schedule -> fraction of the way from start to end
@@ -47,27 +49,18 @@ ALPHA_SCHEDULES.add("linear", lambda progress: progress)
 ALPHA_SCHEDULES.add("cosine", lambda progress: 0.5 * (1.0 - math.cos(math.pi * progress)))
 
 
-@dataclass
-class TeamAlphaSchedule:
-    """``algorithm.team_alpha_schedule``: anneals the local-reward weight ``algorithm.team_alpha`` (the
-    start) to ``end`` over ``steps`` trainer steps, then holds it. ``kind: constant`` keeps team_alpha."""
+def algorithm_at_step(algo: AlgorithmConfig, step: int, *, total_steps: int) -> AlgorithmConfig:
+    """``algo`` as trainer ``step`` (0-based) uses it: ``team_alpha`` from its schedule; ``algo``
+    itself, the same object, while the weight does not move."""
+    schedule = algo.team_alpha_schedule
+    alpha = team_alpha_at(step, start=algo.team_alpha, end=schedule.end, num_steps=schedule.steps or total_steps,
+                          kind=schedule.kind)
+    return algo if alpha == algo.team_alpha else replace(algo, team_alpha=alpha)
 
-    kind: str = "constant"  # constant | linear | cosine (ALPHA_SCHEDULES)
-    end: float = 0.0  # the weight reached after `steps` steps (kind != constant)
-    steps: int = 0  # trainer steps of the anneal; 0: trainer.total_steps
 
-    @property
-    def anneals(self) -> bool:
-        """False for ``constant``: team_alpha never moves (and is not logged per step)."""
-        return self.kind != "constant"
-
-    def __post_init__(self) -> None:
-        ALPHA_SCHEDULES.get(self.kind, key="algorithm.team_alpha_schedule.kind")
-        if not math.isfinite(self.end) or self.end < 0:
-            raise ValueError(f"algorithm.team_alpha_schedule.end must be a finite number >= 0, got {self.end}")
-        if self.steps < 0:
-            raise ValueError(f"algorithm.team_alpha_schedule.steps must be >= 0 (0: trainer.total_steps), "
-                             f"got {self.steps}")
+def check_team_alpha_schedule(schedule: TeamAlphaSchedule) -> None:
+    """Load time: ``algorithm.team_alpha_schedule.kind`` is a registered shape."""
+    ALPHA_SCHEDULES.get(schedule.kind, key="algorithm.team_alpha_schedule.kind")
 
 
 def team_alpha_at(step: int, *, start: float, end: float, num_steps: int, kind: str) -> float:

@@ -33,7 +33,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from torch.distributed.checkpoint import FileSystemReader
 
 from megamarl.config import PolicyConfig
 from megamarl.models import checkpoint as model_checkpoint  # looked up per call (tests swap in faults)
@@ -162,6 +161,10 @@ def validate_checkpoint(path: Path, policies: dict[str, PolicyConfig]) -> None:
     for name in trained:
         policy_dir = path / POLICIES / name
         try:
+            # imported here: torch.distributed.checkpoint pulls in sympy (~2 CPU-s), which a config
+            # error reported by the front door would otherwise wait for
+            from torch.distributed.checkpoint import FileSystemReader
+
             metadata = FileSystemReader(str(policy_dir)).read_metadata()
         except Exception as exc:  # noqa: BLE001 - as above
             raise corrupt(f"{POLICIES}/{name}/.metadata does not load ({type(exc).__name__})") from None

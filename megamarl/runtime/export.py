@@ -18,24 +18,32 @@ Each policy is loaded from its ``dist_checkpointing`` shards into a Megatron mod
 export's ``--tp``/``--pp`` (any layout: the shards are layout-free), then streamed out through the
 same HF mapping the trainer uses to push weights into its engines; tensors are cast to ``dtype``
 on the way out (the trainer's master weights are fp32). Ranks: ``tp * pp`` spawned CPU/gloo ranks,
-or the launched ranks under ``torchrun`` (as ``megamarl.models.convert``).
+or the launched ranks under ``torchrun`` (as for a single model).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
-import shutil
+import os
+import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 
+from megamarl.driver.rollout_driver import policy_adapters
+from megamarl.models import bridge, checkpoint
+from megamarl.models.convert import conversion_worker_group, convert, copy_side_files, run_on_ranks
+from megamarl.models.lora import add_lora_adapter, save_peft_adapter
 from megamarl.models.model_cache import atomic_dir
+from megamarl.models.packaged import resolve_model_path
 from megamarl.runtime import checkpoint as policy_io
+from megamarl.runtime.configure import load_config
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 MANIFEST = "megamarl_export.json"
-_COPY_SKIP = (".safetensors", ".bin", ".pt", ".index.json")
 
 
 @dataclass(frozen=True)
@@ -67,10 +75,6 @@ def find_run_checkpoint(src: str | Path) -> tuple[Path, Path]:
 def plan_exports(src: str | Path, dst: str | Path, *, policies: list[str] | None = None,
                  dtype: str = "auto") -> list[PolicyExport]:
     """Which policies to export and from where; validates the request before any rank starts."""
-    from megamarl.config import load_config
-    from megamarl.driver.rollout_driver import policy_adapters
-    from megamarl.models.packaged import resolve_model_path
-
     run_dir, ckpt = find_run_checkpoint(src)
     config_file = run_dir / "config.yaml"
     if not config_file.is_file():
@@ -108,13 +112,11 @@ def _source_dtype(model_path: Path) -> str:
 def export_run(src: str | Path, dst: str | Path, *, policies: list[str] | None = None, dtype: str = "auto",
                tp: int = 1, pp: int = 1) -> list[Path]:
     """Library entry point of ``megamarl-convert --from run --to hf``; returns the policy directories."""
-    from megamarl.models.convert import run_on_ranks
-
     jobs = plan_exports(src, dst, policies=policies, dtype=dtype)
     _, ckpt = find_run_checkpoint(src)
     for job in jobs:
         with atomic_dir(job.dst) as tmp:  # a reader never sees a half-written export
-            _copy_side_files(Path(job.model_path), tmp, dtype=job.dtype)
+            copy_side_files(Path(job.model_path), tmp, dtype=job.dtype)
             lines = [line for rank_lines in run_on_ranks(export_policy_rank, tp * pp, replace(job, dst=str(tmp)), tp, pp)
                      for line in rank_lines]
             if pp > 1:
@@ -131,29 +133,9 @@ def export_run(src: str | Path, dst: str | Path, *, policies: list[str] | None =
     return [Path(job.dst) for job in jobs]
 
 
-def _copy_side_files(src: Path, dst: Path, *, dtype: str) -> None:
-    """Tokenizer, chat template, generation config...; config.json with the export's dtype."""
-    if dst.exists():
-        shutil.rmtree(dst)  # no stale weight files from an earlier export with another layout
-    dst.mkdir(parents=True)
-    for file in src.iterdir():
-        # dot files are megamarl's own markers (the model cache's completion marker), not the model's
-        if file.is_file() and not file.name.endswith(_COPY_SKIP) and not file.name.startswith("."):
-            shutil.copy2(file, dst / file.name)
-    config = json.loads((dst / "config.json").read_text())
-    config["torch_dtype" if "torch_dtype" in config and "dtype" not in config else "dtype"] = dtype
-    (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-
-
 def export_policy_rank(rank: int, job: PolicyExport, tp: int, pp: int) -> list[str]:
     """Body on each rank: build, add the adapters, load the shards, stream HF tensors; the stage
     senders write the weights, the first stage's sender the PEFT adapters. Returns index lines."""
-    from safetensors.torch import save_file
-
-    from megamarl.models import bridge, checkpoint
-    from megamarl.models.convert import conversion_worker_group
-    from megamarl.models.lora import add_lora_adapter, save_peft_adapter
-
     wg = conversion_worker_group(tp, pp)
     model = bridge.build_model(job.model_path, wg, init_weights=False)
     for adapter in job.adapters:  # same parameters as the trainer's model, so the shards match
@@ -169,3 +151,41 @@ def export_policy_rank(rank: int, job: PolicyExport, tp: int, pp: int) -> list[s
     file = "model.safetensors" if pp == 1 else f"model-{wg.pp_rank + 1:05d}-of-{pp:05d}.safetensors"
     save_file(tensors, str(Path(job.dst) / file), metadata={"format": "pt"})
     return [f"{file}\t{name}" for name in tensors]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="megamarl-convert", description="Convert between Hugging Face, Megatron torch_dist and a run's checkpoints.")
+    parser.add_argument("--from", dest="from_format", choices=["run", "hf", "megatron"], required=True,
+                        help="run: a training run's checkpoint (runs/<name> or runs/<name>/checkpoints/step_N)")
+    parser.add_argument("--to", dest="to_format", choices=["hf", "megatron"], required=True)
+    parser.add_argument("--policy", action="append", default=None,
+                        help="--from run: export this policy (repeatable; default: every trained policy)")
+    parser.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"],
+                        help="weight dtype of the HF output (--from run default: auto = the source model's; else float32)")
+    parser.add_argument("--tp", type=int, default=1, help="tensor parallel size of the ranks doing the conversion")
+    parser.add_argument("--pp", type=int, default=1, help="pipeline parallel size of the ranks doing the conversion")
+    parser.add_argument("src")
+    parser.add_argument("dst")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("PYTHONWARNINGS", "ignore")
+    try:
+        if args.from_format == "run":
+            if args.to_format != "hf":
+                raise ValueError("--from run exports to --to hf only")
+            for out in export_run(args.src, args.dst, policies=args.policy, dtype=args.dtype or "auto",
+                                  tp=args.tp, pp=args.pp):
+                print(f"wrote {out}", file=sys.stderr)
+            return
+        if args.policy:
+            raise ValueError("--policy applies to --from run only")
+        dtype = args.dtype if args.dtype not in (None, "auto") else "float32"
+        out = convert(args.src, args.dst, from_format=args.from_format, to_format=args.to_format, tp=args.tp,
+                      pp=args.pp, dtype=dtype)
+    except ValueError as exc:
+        print(f"megamarl-convert: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+    print(f"wrote {out}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

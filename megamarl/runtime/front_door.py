@@ -1,9 +1,8 @@
 """The front door of a launch (``scripts/train.py``, ``scripts/evaluate.py``): the checks that need
 more than the config, and the one-line config error (docs/reliability.md, "The front door").
 
-Imports stay light at module level: a config error is reported before transformers, megatron-core,
-the checkpoint code and the dry run load (the function-local imports below: ~1.3 s of a config
-error's ~3 s here).
+transformers is imported only when ``allowed_tokens`` need a tokenizer (it is what a config error
+would otherwise wait for).
 """
 
 from __future__ import annotations
@@ -14,7 +13,11 @@ import time
 from pathlib import Path
 
 from megamarl.config import RunConfig, config_error_line
+from megamarl.models.packaged import resolve_model_path
+from megamarl.orchestration.agents import check_allowed_tokens
 from megamarl.parallel.engine_placement import plan_engines, ranks_per_node
+from megamarl.planning.dryrun import declared_world_size
+from megamarl.runtime import checkpoint
 
 # Under torchrun every rank runs the same checks; a rank other than 0 waits this long before it
 # reports, so that when every rank fails alike torchrun has already stopped it (after rank 0's exit)
@@ -28,8 +31,6 @@ def launch_world(cfg: RunConfig, *, check: bool) -> int:
     (``planning.dryrun.declared_world_size``): a 2-rank config is not an error there."""
     if "WORLD_SIZE" in os.environ or not check:
         return int(os.environ.get("WORLD_SIZE", "1"))
-    from megamarl.planning.dryrun import declared_world_size
-
     return declared_world_size(cfg)
 
 
@@ -38,9 +39,6 @@ def preflight(cfg: RunConfig, *, world_size: int) -> None:
     the run directory, the resume checkpoint, single-token ``allowed_tokens`` (tokenizers only).
     Nothing here builds a model or engine; the one write is the run directory probe, last, once
     everything else passed (a refused launch leaves an existing run directory as it was)."""
-    from megamarl.orchestration.agents import check_allowed_tokens
-    from megamarl.runtime import checkpoint
-
     plan_engines(cfg, world_size, ranks_per_node(cfg.cluster, world_size))  # WG and engine placement
     run_dir = Path(cfg.output_dir) / cfg.name
     resume = checkpoint.find_checkpoint(cfg.trainer.resume, run_dir)
@@ -48,9 +46,7 @@ def preflight(cfg: RunConfig, *, world_size: int) -> None:
         checkpoint.validate_checkpoint(resume, cfg.policies)
     constrained = {a.policy for a in cfg.agents.values() if a.sampling.allowed_tokens}
     if constrained:  # the tokenizers alone (no model): allowed_tokens must be one token each
-        from transformers import AutoTokenizer
-
-        from megamarl.models.packaged import resolve_model_path
+        from transformers import AutoTokenizer  # heavy: only for configs that constrain tokens
 
         check_allowed_tokens(cfg.agents, {
             name: AutoTokenizer.from_pretrained(resolve_model_path(cfg.policies[name].model, key=f"policies.{name}.model"))

@@ -30,45 +30,14 @@ import statistics
 import sys
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Self
 
+from megamarl.config_sections import LoggerConfig
 from megamarl.runtime.transcripts import TABLE_COLUMNS, table_rows, write_transcripts
 
-WANDB_MODES = ("offline", "online", "disabled")
 METRICS_FILE = "metrics.jsonl"
 EVAL_FILE = "eval.json"
-
-
-@dataclass
-class WandbConfig:
-    mode: str = "offline"  # offline | online | disabled
-    project: str = "megamarl"
-    entity: str | None = None
-
-    def __post_init__(self) -> None:
-        if self.mode not in WANDB_MODES:
-            raise ValueError(f"logger.wandb.mode='{self.mode}' unknown; allowed: {list(WANDB_MODES)}")
-
-
-@dataclass
-class LoggerConfig:
-    """``logger:``: the run's metrics sinks (JSONL always; wandb per ``wandb.mode``) and console progress."""
-
-    wandb: WandbConfig = field(default_factory=WandbConfig)
-    # A live display (rich) on a terminal; one plain line per phase otherwise (Slurm logs).
-    progress: bool = True
-    # full transcripts (prompts, replies, parsed actions, rewards) of this many of each step's episodes
-    # go to <run>/episodes/step_<N>.jsonl (and a wandb table); scripts/show_episodes.py prints them. 0: none
-    episodes_per_step: int = 2
-    # PNG curves of metrics.jsonl / eval.json in <run>/plots when the run ends (megamarl-plot RUN_DIR
-    # draws them any time, e.g. while it runs); false: none (a sweep of many runs watched in wandb)
-    plots: bool = True
-
-    def __post_init__(self) -> None:
-        if self.episodes_per_step < 0:
-            raise ValueError(f"logger.episodes_per_step must be >= 0, got {self.episodes_per_step}")
 
 
 class MetricsLogger:

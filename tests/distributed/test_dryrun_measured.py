@@ -22,7 +22,9 @@ import torch
 import yaml
 from saved_storage import record_saved_storage  # tests/ helper
 
+from megamarl.parallel.hardware import policy_dtype
 from megamarl.parallel.launch import run_ranks
+from megamarl.parallel.placement import placement_of
 
 pytestmark = pytest.mark.distributed
 
@@ -43,7 +45,7 @@ POLICIES = {
 
 
 def _write_config(tmp_path) -> str:
-    from megamarl.models.tiny import save_tiny_model
+    from megamarl.models.packaged import save_tiny_model
 
     models = {
         "llama": save_tiny_model(tmp_path / "llama", "llama", seed=0),  # tied embeddings
@@ -106,17 +108,17 @@ def allocated_bytes(worker) -> dict[str, int]:
 
 
 def _measure_body(rank, config_path):
-    from megamarl.config import load_config
     from megamarl.parallel.hardware import DTYPES
     from megamarl.parallel.placement import build_worker_groups
     from megamarl.rl.policy_setup import build_workers
+    from megamarl.runtime.configure import load_config
 
     cfg = load_config(config_path)
-    wgs = build_worker_groups(cfg.placement(WORLD))
+    wgs = build_worker_groups(placement_of(cfg, WORLD))
     results = {}
     for name, policy in cfg.policies.items():
         workers = build_workers({name: policy}, cfg.agents, {name: cfg.algorithm}, {name: wgs[name]}, seed=0,
-                                dtypes={name: DTYPES[cfg.policy_dtype(name)]})
+                                dtypes={name: DTYPES[policy_dtype(cfg, name)]})
         worker = workers.pop(name)
         metrics = worker.train_step(_batch())
         base = sum(p.numel() for n, p in worker.model.module.named_parameters() if ".lora_adapters." not in n)
@@ -138,9 +140,9 @@ def _torch_optimizers(worker):
 def test_dry_run_bytes_equal_what_the_worker_allocates(tmp_path):
     from rich.console import Console
 
-    from megamarl.config import load_config
     from megamarl.planning.dryrun import dry_run
     from megamarl.planning.memory import rank_parameters
+    from megamarl.runtime.configure import load_config
 
     config_path = _write_config(tmp_path)
     cfg = load_config(config_path)
@@ -211,7 +213,7 @@ def test_saved_activations_match_the_local_spec_formula(tmp_path):
     backward equal ``saved_activation_bytes`` for recompute none / selective / full, padded rows
     and one packed row (block-diagonal mask)."""
     from megamarl.config import PolicyConfig
-    from megamarl.models.tiny import save_tiny_model
+    from megamarl.models.packaged import save_tiny_model
     from megamarl.parallel.placement import WorkerGroupLayout
     from megamarl.planning.memory import TrainingSetup, saved_activation_bytes
     from megamarl.planning.model_presets import resolve_model_shape

@@ -1,4 +1,4 @@
-"""The conversion CLI's ``main`` (``python -m megamarl.models.convert``): HF -> Megatron torch_dist (saved
+"""The conversion CLI's ``main`` (``megamarl-convert``, ``python -m megamarl.runtime.export``): HF -> Megatron torch_dist (saved
 at TP=2 x PP=2, 4 ranks) -> HF (loaded at TP=1 x PP=2) reproduces every tensor bit-exactly, and the HF
 model loads. ``main`` runs in this process (its ranks fork from the worker's preloaded fork server):
 the command as a subprocess, with its own interpreter and imports per rank, is run by test_export."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from megamarl.models.convert import main as convert_main
+from megamarl.runtime.export import main as convert_main
 
 pytestmark = pytest.mark.distributed
 
@@ -21,7 +21,7 @@ def test_convert_cli_roundtrip_bit_exact(tmp_path):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from megamarl.models.tiny import save_tiny_model
+    from megamarl.models.packaged import save_tiny_model
 
     src = save_tiny_model(tmp_path / "hf", "qwen3", head_dim=24)
     _cli("--from", "hf", "--to", "megatron", "--tp", "2", "--pp", "2", str(src), str(tmp_path / "mcore"))

@@ -63,7 +63,7 @@ def _body(rank, model_dir):
 
 
 def test_nonfinite_loss_skips_the_update_on_every_rank(tmp_path):
-    from megamarl.models.tiny import save_tiny_model
+    from megamarl.models.packaged import save_tiny_model
 
     model_dir = save_tiny_model(tmp_path / "tiny", "llama", seed=0)
     results = run_ranks(_body, 2, str(model_dir))

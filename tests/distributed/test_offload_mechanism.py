@@ -59,7 +59,7 @@ def _body(rank, model_dir):
 
 
 def test_offload_empties_every_storage_and_restores_the_exact_state(tmp_path):
-    from megamarl.models.tiny import save_tiny_model
+    from megamarl.models.packaged import save_tiny_model
 
     model_dir = save_tiny_model(tmp_path / "tiny", "llama", seed=0)
     (r,) = run_ranks(_body, 1, str(model_dir), timeout_s=600)

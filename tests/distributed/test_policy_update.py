@@ -85,7 +85,7 @@ def _ranks_body(rank, model_dir):
 
 
 def test_megatron_policy_gradients_equal_single_process_reference(tmp_path):
-    from megamarl.models.tiny import save_tiny_model
+    from megamarl.models.packaged import save_tiny_model
 
     model_dir = save_tiny_model(tmp_path / "tiny", "llama", seed=0)
     results = run_ranks(_ranks_body, 2, str(model_dir))
@@ -190,7 +190,7 @@ def test_per_agent_losses_reference_kl_and_restricted_vocab_match_reference(tmp_
     a reference model with other weights, rows sampled from restricted vocabularies and at other
     temperatures: the Megatron
     gradients at TP=2 and PP=2 equal the single-process sum of per-agent losses."""
-    from megamarl.models.tiny import save_tiny_model
+    from megamarl.models.packaged import save_tiny_model
 
     model_dir = save_tiny_model(tmp_path / "tiny", "llama", seed=0)
     ref_dir = save_tiny_model(tmp_path / "ref", "llama", seed=1)
@@ -277,7 +277,7 @@ def _critic_body(rank, model_dir):
 def test_gae_critic_gradients_equal_single_process_reference(tmp_path):
     """GAE advantages from the value head, whitened over every DP rank's tokens, PPO + clipped value
     loss: Megatron gradients (trunk and value head) at TP=2, PP=2 and DP=2 equal the single-process ones."""
-    from megamarl.models.tiny import save_tiny_model
+    from megamarl.models.packaged import save_tiny_model
 
     model_dir = save_tiny_model(tmp_path / "tiny", "llama", seed=0)
     results = run_ranks(_critic_body, 2, str(model_dir))
@@ -318,7 +318,7 @@ def _one_row_body(rank, model_dir):
 def test_one_row_batch_at_dp2_every_rank_takes_part(tmp_path):
     """Rank 1's share is empty: it runs a zero-weight stand-in row (no response tokens), joins the DP
     gradient all-reduce, and both ranks end with the 1-row batch's exact gradient and the same weights."""
-    from megamarl.models.tiny import save_tiny_model
+    from megamarl.models.packaged import save_tiny_model
 
     model_dir = save_tiny_model(tmp_path / "tiny", "llama", seed=0)
     results = run_ranks(_one_row_body, 2, str(model_dir), timeout_s=120)

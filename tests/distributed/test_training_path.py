@@ -58,7 +58,7 @@ def _optimizer_body(rank, model_dir):
 
 
 def test_distributed_optimizer_equals_non_distributed(tmp_path):
-    from megamarl.models.tiny import save_tiny_model
+    from megamarl.models.packaged import save_tiny_model
 
     model_dir = save_tiny_model(tmp_path / "tiny", "llama", seed=0)
     results = run_ranks(_optimizer_body, 2, str(model_dir))
@@ -123,7 +123,7 @@ def _features_body(rank, model_dir):
 
 
 def test_mini_batches_recompute_packing_and_lr_schedule(tmp_path):
-    from megamarl.models.tiny import save_tiny_model
+    from megamarl.models.packaged import save_tiny_model
 
     model_dir = save_tiny_model(tmp_path / "tiny", "llama", seed=0)
     for out in run_ranks(_features_body, 2, str(model_dir)):
@@ -170,7 +170,7 @@ def _resume_body(rank, model_dir, ckpt):
 def test_distributed_optimizer_checkpoint_resumes_exactly(tmp_path):
     """Sharded Adam state saved mid-run and loaded into a fresh worker: the next update is bit-identical
     (megatron-core 0.16 without TE/apex shared one step tensor between all parameters on load)."""
-    from megamarl.models.tiny import save_tiny_model
+    from megamarl.models.packaged import save_tiny_model
 
     model_dir = save_tiny_model(tmp_path / "tiny", "llama", seed=0)
     for diff, steps in run_ranks(_resume_body, 2, str(model_dir), str(tmp_path / "ckpt")):

@@ -19,9 +19,9 @@ def _disk_full(*args, **kwargs):
 
 
 def _run(rank, output_dir, where):
-    from megamarl.config import load_config
     from megamarl.models import checkpoint
     from megamarl.runtime import checkpoint as policy_io
+    from megamarl.runtime.configure import load_config
     from megamarl.trainer import Trainer
 
     overrides = ["trainer.total_steps=2", "trainer.save_every=1", "rollout.num_tasks=2", "rollout.group_size=4",

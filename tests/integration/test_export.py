@@ -27,9 +27,9 @@ import pytest
 import torch
 from train_runs import train  # tests/ helper
 
-from megamarl.models.convert import main as convert_main
 from megamarl.models.model_cache import is_complete
 from megamarl.parallel.launch import run_ranks
+from megamarl.runtime.export import main as convert_main
 from megamarl.runtime.export import plan_exports
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -50,8 +50,8 @@ def _train(out: Path, config: str, *overrides: str) -> Path:
 
 
 def _convert(*args: str, ok: bool = True) -> subprocess.CompletedProcess:
-    """``python -m megamarl.models.convert ...`` as a user runs it (the module fixture's export)."""
-    proc = subprocess.run([sys.executable, "-m", "megamarl.models.convert", *args], check=False, env=_env(),
+    """``python -m megamarl.runtime.export ...`` (megamarl-convert) as a user runs it (the module fixture's export)."""
+    proc = subprocess.run([sys.executable, "-m", "megamarl.runtime.export", *args], check=False, env=_env(),
                           capture_output=True, text=True, timeout=600)
     assert (proc.returncode == 0) == ok, proc.stderr[-4000:]
     return proc

@@ -46,6 +46,8 @@ from pathlib import Path
 import pytest
 from train_runs import launch  # tests/ helper
 
+from megamarl.parallel.placement import placement_of
+
 ROOT = Path(__file__).resolve().parents[2]
 PRESET_DIR = ROOT / "configs" / "presets"
 NUM_STEPS = 2
@@ -69,7 +71,7 @@ def _fp32_overrides(names) -> list[str]:
 
 @functools.cache
 def _load(path: Path):
-    from megamarl.config import load_config
+    from megamarl.runtime.configure import load_config
 
     return load_config(path, _fp32_overrides(load_config(path).policies))
 
@@ -195,7 +197,7 @@ def test_presets_load_and_place():
     for preset in PRESETS:
         cfg = _load(preset.path)
         assert preset.world_size == _world_size(cfg), f"{preset.name}: WORLD_SIZES says {preset.world_size}"
-        cfg.placement(preset.world_size)
+        placement_of(cfg, preset.world_size)
         assert cfg.trainer.total_steps == NUM_STEPS, f"{preset.name}: presets are 2-step smoke runs"
         assert cfg.name == f"preset_{preset.name}", f"{preset.name}: run name should be preset_<file stem>"
 
@@ -240,7 +242,7 @@ def _run_presets(out: Path, configs: list[str]) -> None:
     stops the other ranks, as torchrun does): the presets after it are reported as not finished."""
     import runpy
 
-    from megamarl.config import load_config
+    from megamarl.runtime.configure import load_config
 
     train = runpy.run_path(str(ROOT / "scripts" / "train.py"), run_name="megamarl_train")["main"]
     rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ["WORLD_SIZE"])

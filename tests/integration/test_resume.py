@@ -161,7 +161,7 @@ def test_seeded_rollout_does_not_depend_on_batching(tmp_path):
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from megamarl.models.tiny import save_tiny_model
+    from megamarl.models.packaged import save_tiny_model
     from megamarl.orchestration import (
         AgentConfig,
         EnvMaker,

@@ -22,7 +22,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 def engine_and_tokenizer(tmp_path_factory):
     from transformers import AutoTokenizer
 
-    from megamarl.models.tiny import save_tiny_model
+    from megamarl.models.packaged import save_tiny_model
     from megamarl.rollout.hf import HFEngine
 
     path = save_tiny_model(tmp_path_factory.mktemp("tiny"), "llama", seed=0)

@@ -50,7 +50,7 @@ def test_self_play_trains_both_policies_on_their_own_moves(run):
         seats = row["agent/player_1/success"] + row["agent/player_2/success"]
         assert seats == pytest.approx(row["rollout/success_rate"])
         assert row["policy/alpha/success"] + row["policy/beta/success"] == pytest.approx(row["rollout/success_rate"])
-        assert row["agent/player_1/success"] != row["agent/player_2/success"] or seats == 0
+        # (the seats may win equally often: 0.5 and 0.5 of a step's games is a legal outcome, seen at 06fd11e)
         # illegal moves forfeit (-1) and are counted; every reply is one constrained token
         for seat in ("player_1", "player_2"):
             assert row[f"agent/{seat}/reward_min"] == -1.0

@@ -128,7 +128,7 @@ def _fused(exported: dict[str, torch.Tensor], name: str) -> torch.Tensor:
 def test_megatron_tp2_sync_into_vllm_matches_transformers(tmp_path):
     from safetensors.torch import load_file
 
-    from megamarl.models.tiny import save_tiny_model
+    from megamarl.models.packaged import save_tiny_model
 
     model_dir = str(save_tiny_model(tmp_path / "tiny", "llama", seed=0, hidden_size=128, intermediate_size=256))
     engine = run_ranks(_colocated_sync, 2, model_dir, timeout_s=420)[0]

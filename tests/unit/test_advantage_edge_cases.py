@@ -9,12 +9,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from megamarl.config import AlgorithmConfig, load_config
+from megamarl.config import AlgorithmConfig
 from megamarl.orchestration.driver import RolloutFailureError
+from megamarl.rl.advantages import advantage_config, check_algorithm
 from megamarl.rl.batch import collate, concat
 from megamarl.rl.losses import LOSS_AGGREGATIONS, value_loss
 from megamarl.rl.prepare import RefillExhaustedError, complete_episodes, prepare_batch, prepare_rollout
 from megamarl.rl.sample import Sample, mark_episode_ends
+from megamarl.runtime.configure import load_config
 
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "signalling_tiny.yaml"
 R = 1 / math.sqrt(2)  # a {1, 0} pair normalised with the unbiased std
@@ -145,7 +147,7 @@ def test_estimator_kwargs_checked_at_load():
     with pytest.raises(ValueError, match="algorithm.dynamic_sampling.*gae"):
         load_config(CONFIG, ["algorithm.estimator=gae", "algorithm.dynamic_sampling=true"])
     cfg = load_config(CONFIG, ["algorithm.std_ddof=0", "+algorithm.estimator_kwargs.gamma=0.9"])
-    adv = cfg.algorithm.advantage_config()
+    adv = advantage_config(cfg.algorithm)
     assert (adv.std_ddof, adv.gamma, adv.group_by) == (0, 0.9, ["task", "agent", "turn"])
 
 
@@ -153,7 +155,7 @@ def test_value_loss_has_its_own_aggregation_key():
     algo = AlgorithmConfig(loss_agg="seq-mean-token-sum")
     assert algo.value_loss_agg == "token-mean"  # not the policy loss's
     with pytest.raises(ValueError, match="algorithm.value_loss_agg"):
-        AlgorithmConfig(value_loss_agg="token-sum")
+        check_algorithm(AlgorithmConfig(value_loss_agg="token-sum"))  # load time (megamarl.runtime.configure)
     # values [[1, 2, -], [3, -, -]], returns 0, unclipped: per token .5 v^2 = [[.5, 2], [4.5]]
     mask = torch.tensor([[1, 1, 0], [1, 0, 0]], dtype=torch.bool)
     values = torch.tensor([[1.0, 2, 9], [3, 9, 9]])

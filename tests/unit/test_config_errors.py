@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from megamarl.config import load_config
+from megamarl.parallel.placement import placement_of
 from megamarl.rl.policy_setup import critic_config, loss_config
+from megamarl.runtime.configure import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs" / "signalling_tiny.yaml"
@@ -22,14 +23,14 @@ def _error(overrides, *, world_size: int | None = None, path=CONFIG) -> str:
     with pytest.raises(ValueError) as info:
         cfg = load_config(path, overrides)
         if world_size is not None:
-            cfg.placement(world_size)
+            placement_of(cfg, world_size)
     return str(info.value)
 
 
 def test_the_base_config_loads():
     cfg = load_config(CONFIG, ["trainer.keep_last=2"])
     assert cfg.trainer.keep_last == 2
-    cfg.placement(1)
+    placement_of(cfg, 1)
 
 
 @pytest.mark.parametrize(

@@ -17,7 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from megamarl.config import MAX_ERROR_CHARS, load_config
+from megamarl.config import MAX_ERROR_CHARS
+from megamarl.parallel.placement import placement_of
+from megamarl.runtime.configure import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -112,7 +114,7 @@ def test_every_leaf_mutation_is_named_at_load_time(config, path, kind, text, cap
     monkeypatch.setenv("WORLD_SIZE", str(CONFIGS[config]))
     override = f"{path}={text}"
     if _free(path, kind):
-        load_config(ROOT / "configs" / config, [override]).placement(CONFIGS[config])  # accepted, as documented
+        placement_of(load_config(ROOT / "configs" / config, [override]), CONFIGS[config])  # accepted, as documented
         return
     code = main(["--config", str(ROOT / "configs" / config), "--check", override])
     err = capsys.readouterr().err

@@ -54,7 +54,7 @@ def _body(rank, model_dir):
 
 
 def test_policy_update_keeps_every_tensor_on_the_wg_device(tmp_path):
-    from megamarl.models.tiny import save_tiny_model
+    from megamarl.models.packaged import save_tiny_model
 
     model_dir = save_tiny_model(tmp_path / "tiny", "llama", seed=0)
     (r,) = run_ranks(_body, 1, str(model_dir))

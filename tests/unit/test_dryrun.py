@@ -9,11 +9,11 @@ import pytest
 import torch.distributed as dist
 from rich.console import Console
 
-from megamarl.config import load_config
 from megamarl.parallel.placement import WorkerGroupLayout
 from megamarl.planning.dryrun import GIB, dry_run, engine_memory, rank_ranges
 from megamarl.planning.memory import TrainingSetup, ddp_buffer_numel, rank_parameters, train_memory
 from megamarl.planning.model_presets import PRESETS, ModelShape, resolve_model_shape
+from megamarl.runtime.configure import load_config
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from megamarl.config import load_config
 from megamarl.planning.dryrun import GIB, plan_memory
 from megamarl.planning.engine_budget import engine_memory_fractions, server_memory_fractions
+from megamarl.runtime.configure import load_config
 
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "70b_hetero.yaml"
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from megamarl.config import ClusterConfig, EngineConfig, load_config
+from megamarl.config import ClusterConfig, EngineConfig
 from megamarl.parallel.engine_placement import (
     ReplicaPlacement,
     placement_rows,
@@ -20,7 +20,9 @@ from megamarl.parallel.engine_placement import (
     replicas_led_by,
     resolve_launch,
 )
+from megamarl.parallel.placement import placement_of
 from megamarl.planning.dryrun import dry_run
+from megamarl.runtime.configure import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "configs" / "signalling_tiny.yaml"  # one policy "shared" on every rank, hf engine
@@ -90,7 +92,7 @@ def test_hetero_70b_plan_for_64_ranks():
 ])
 def test_resolve_launch(overrides, world, launch):
     cfg = load_config(TINY, overrides)
-    wg_ranks = cfg.placement(world).worker_groups["shared"].ranks
+    wg_ranks = placement_of(cfg, world).worker_groups["shared"].ranks
     assert resolve_launch(cfg.policies["shared"].engine, wg_ranks, world) == launch
 
 

@@ -213,7 +213,7 @@ def test_config_errors_name_the_key():
 def test_tictactoe_config_loads_and_rejects_bad_mappings(tmp_path):
     from pathlib import Path
 
-    from megamarl.config import load_config
+    from megamarl.runtime.configure import load_config
 
     _tictactoe()
     path = Path(__file__).resolve().parents[2] / "configs" / "tictactoe.yaml"

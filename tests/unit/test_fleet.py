@@ -13,8 +13,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megamarl.config import load_config
 from megamarl.rollout.fleet import build_fleet
+from megamarl.runtime.configure import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 

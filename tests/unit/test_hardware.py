@@ -2,8 +2,9 @@
 
 import pytest
 
-from megamarl.config import load_config
 from megamarl.parallel import hardware
+from megamarl.parallel.hardware import policy_dtype
+from megamarl.runtime.configure import load_config
 
 
 @pytest.fixture
@@ -30,13 +31,13 @@ def test_auto_is_bf16_only_with_native_bf16(cpu):
 def test_policy_dtype_follows_the_engine_unless_set(cpu, tmp_path):
     cfg = load_config("configs/quickstart_cpu.yaml")
     cpu("avx2")
-    assert cfg.policy_dtype("shared") == "fp32"
+    assert policy_dtype(cfg, "shared") == "fp32"
     cpu("amx_bf16")
-    assert cfg.policy_dtype("shared") == "bf16"
+    assert policy_dtype(cfg, "shared") == "bf16"
     cfg = load_config("configs/quickstart_cpu.yaml", ["policies.shared.engine.dtype=fp32"])
-    assert cfg.policy_dtype("shared") == "fp32"
+    assert policy_dtype(cfg, "shared") == "fp32"
     cfg = load_config("configs/quickstart_cpu.yaml", ["policies.shared.dtype=fp32", "policies.shared.engine.dtype=bf16"])
-    assert cfg.policy_dtype("shared") == "fp32"
+    assert policy_dtype(cfg, "shared") == "fp32"
 
 
 @pytest.mark.parametrize("override, key", [

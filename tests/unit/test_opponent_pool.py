@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 
-from megamarl.config import load_config
 from megamarl.driver.opponent_pool import (
     OpponentPool,
     OpponentPoolConfig,
@@ -17,6 +16,7 @@ from megamarl.driver.opponent_pool import (
     snapshot_slot,
 )
 from megamarl.orchestration.games import tictactoe_vs_pool
+from megamarl.runtime.configure import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 POOL = ROOT / "configs" / "tictactoe_pool.yaml"

@@ -16,7 +16,7 @@ from megamarl.orchestration import (
     build_orchestra,
     run_episodes,
 )
-from megamarl.orchestration.agents import first_choice
+from megamarl.orchestration.agents import first_choice, sampling_params
 from megamarl.registry import import_plugins
 from megamarl.rollout.base import SamplingParams
 
@@ -39,18 +39,18 @@ def test_config_validation_names_keys():
         SamplingConfig(top_p=5.0)
     config = AgentConfig(policy="default", sampling={"temperature": 0.5, "max_tokens": 8})
     assert config.sampling == SamplingConfig(temperature=0.5, max_tokens=8)
-    assert config.sampling_params() == SamplingParams(temperature=0.5, max_tokens=8)
+    assert sampling_params(config.sampling) == SamplingParams(temperature=0.5, max_tokens=8)
 
 
 def test_allowed_tokens_become_the_policy_tokenizers_ids(tok):
     """``agents.<a>.sampling.allowed_tokens`` (strings in the config) reach the engine as token ids."""
     config = AgentConfig(policy="default", sampling=SamplingConfig(max_tokens=1, allowed_tokens=["A", "B"]))
     ids = (tok.encode("A", add_special_tokens=False)[0], tok.encode("B", add_special_tokens=False)[0])
-    assert config.sampling_params(tok) == SamplingParams(max_tokens=1, allowed_token_ids=ids)
+    assert sampling_params(config.sampling, tok) == SamplingParams(max_tokens=1, allowed_token_ids=ids)
     agent = build_agents({"s": config}, tok, default_kinds={"s": "text"})["s"]
     assert agent.sampling == SamplingParams(max_tokens=1, allowed_token_ids=ids, stop_token_ids=(tok.eos_token_id,))
     with pytest.raises(ValueError, match="allowed_tokens: ' hello world' is 2 tokens, not one"):
-        AgentConfig(policy="default", sampling={"allowed_tokens": [" hello world"]}).sampling_params(tok)
+        sampling_params(AgentConfig(policy="default", sampling={"allowed_tokens": [" hello world"]}).sampling, tok)
 
 
 def test_build_agents_errors(tok):

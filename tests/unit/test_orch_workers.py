@@ -16,6 +16,7 @@ from megamarl.orchestration import (
     make_workers,
     run_episodes,
 )
+from megamarl.orchestration.workers import check_workers
 
 
 def _rollout(workers, faults, *, step_timeout_s=30.0, **kwargs):
@@ -34,7 +35,7 @@ def test_config_validation():
     with pytest.raises(ValueError, match="rollout.env_workers.backend='threads'"):
         make_workers(backend="threads")
     with pytest.raises(ValueError, match="rollout.env_workers.address is set but backend='process'"):
-        WorkersConfig(backend="process", address="auto")
+        check_workers(WorkersConfig(backend="process", address="auto"))  # load time
     assert WorkersConfig().backend == "inline"  # the default: today's behaviour, no processes
 
 
@@ -42,7 +43,7 @@ def test_ray_backend_needs_ray_importable(monkeypatch):
     """Rejected at load time with what to install, not when the driver builds the workers."""
     monkeypatch.setitem(sys.modules, "ray", None)  # what Python does for a package that cannot be imported
     with pytest.raises(ValueError, match=r"backend=ray needs the 'ray' package.*megamarl\[ray\]"):
-        WorkersConfig(backend="ray")
+        check_workers(WorkersConfig(backend="ray"))
 
 
 def test_inline_worker_error_fails_only_that_episode():

@@ -16,7 +16,7 @@ from megamarl.rl.prepare import (
     prepare_rollout,
     shaped_rewards,
 )
-from megamarl.rl.rewards import last_step_mask
+from megamarl.rl.rewards import algorithm_at_step, check_team_alpha_schedule, last_step_mask
 from megamarl.rl.sample import Sample
 
 
@@ -160,13 +160,13 @@ def test_team_alpha_schedule_shapes_the_step_rewards():
     """algorithm.team_alpha_schedule: step k's rewards use alpha(k); the default is team_alpha, unchanged."""
     batch = collate([_sample("t", "t/0", team=1.0, local=2.0), _sample("t", "t/1", team=1.0, local=0.0)], pad_id=0)
     algo = AlgorithmConfig(team_alpha=0.5, team_alpha_schedule={"kind": "linear", "end": 1.5})
-    assert [algo.at_step(k, total_steps=4).team_alpha for k in range(5)] == [0.5, 0.75, 1.0, 1.25, 1.5]
-    close(shaped_rewards(batch, algo.at_step(2, total_steps=4)), [3.0, 1.0])  # 1 + 1.0 * 2, 1 + 1.0 * 0
-    close(shaped_rewards(batch, algo.at_step(0, total_steps=4)), [2.0, 1.0])
+    assert [algorithm_at_step(algo, k, total_steps=4).team_alpha for k in range(5)] == [0.5, 0.75, 1.0, 1.25, 1.5]
+    close(shaped_rewards(batch, algorithm_at_step(algo, 2, total_steps=4)), [3.0, 1.0])  # 1 + 1.0 * 2, 1 + 1.0 * 0
+    close(shaped_rewards(batch, algorithm_at_step(algo, 0, total_steps=4)), [2.0, 1.0])
     default = AlgorithmConfig(team_alpha=0.5)
-    assert default.at_step(3, total_steps=4) is default  # kind constant: the very same settings
+    assert algorithm_at_step(default, 3, total_steps=4) is default  # kind constant: the very same settings
     with pytest.raises(ValueError, match="algorithm.team_alpha_schedule.kind='cosin'"):
-        AlgorithmConfig(team_alpha_schedule={"kind": "cosin"})
+        check_team_alpha_schedule(AlgorithmConfig(team_alpha_schedule={"kind": "cosin"}).team_alpha_schedule)
 
 
 def test_per_policy_algorithms_compute_each_policys_advantages_over_its_own_rows():

@@ -7,12 +7,11 @@ import torch
 
 from megamarl.orchestration.driver import EpisodeStats
 from megamarl.rl.batch import collate
+from megamarl.rl.batch_metrics import agent_batch_metrics, success_metrics
 from megamarl.rl.sample import Sample
 from megamarl.runtime.step_metrics import (
-    agent_batch_metrics,
     idle_seconds,
     merge_rank_metrics,
-    success_metrics,
     throughput_metrics,
 )
 
