@@ -35,8 +35,8 @@ from megamarl.planning.engine_budget import server_memory_fractions
 from megamarl.rl.dispatch import RankBatch, rank_batches
 from megamarl.rl.policy_setup import batch_splits, build_workers
 from megamarl.rl.worker import NumericalFaultError
-from megamarl.rollout.fleet import build_fleet
-from megamarl.rollout.push import WeightPusher
+from megamarl.rollout.replicas.push import WeightPusher
+from megamarl.rollout.servers.fleet import build_fleet
 from megamarl.runtime import checkpoint
 from megamarl.runtime.preemption import PreemptionFlag, mark_stopped
 from megamarl.runtime.progress import RunProgress

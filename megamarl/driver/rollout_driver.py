@@ -31,9 +31,9 @@ from megamarl.registry import import_plugins, resolve_callable
 from megamarl.rl.batch import SampleBatch, collate
 from megamarl.rl.prepare import prepare_rollout
 from megamarl.rl.sample import mark_episode_ends
-from megamarl.rollout.base import Engine
-from megamarl.rollout.factory import LoraServing, build_engine, engine_threads
-from megamarl.rollout.pool import EnginePool
+from megamarl.rollout.engines.base import Engine
+from megamarl.rollout.replicas.factory import LoraServing, build_engine, engine_threads
+from megamarl.rollout.replicas.pool import EnginePool
 from megamarl.runtime.metrics import MetricsLogger
 from megamarl.runtime.plot import plot_run
 from megamarl.runtime.progress import RunProgress
@@ -48,7 +48,7 @@ class RolloutDriver:
 
     def __init__(self, cfg: RunConfig, run_dir: Path, progress: RunProgress | None = None, fleet=None):
         self.cfg = cfg
-        self.fleet = fleet  # megamarl.rollout.fleet.EngineFleet: the policies served by engine servers
+        self.fleet = fleet  # megamarl.rollout.servers.fleet.EngineFleet: the policies served by engine servers
         self.run_dir = run_dir
         self.progress = progress or RunProgress(total_steps=cfg.trainer.total_steps, enabled=cfg.logger.progress)
         self._phase = None  # the phase that finished episodes count towards (rollout or eval)

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from omegaconf import MISSING
 
 from megamarl.registry import Registry
-from megamarl.rollout.base import SamplingParams
+from megamarl.rollout.engines.base import SamplingParams
 
 if TYPE_CHECKING:
     from megamarl.orchestration.context import Action

@@ -16,7 +16,7 @@ from megamarl.driver.streaming import RolloutLoop
 from megamarl.orchestration.driver import EpisodeStats, RolloutResult
 from megamarl.orchestration.env import Task
 from megamarl.rl.sample import Sample
-from megamarl.rollout.batching import AdmissionGate
+from megamarl.rollout.engines.batching import AdmissionGate
 
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "signalling_tiny.yaml"
 POLICIES = ("a", "b")

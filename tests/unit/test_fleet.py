@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from megamarl.config import load_config
-from megamarl.rollout.fleet import build_fleet
+from megamarl.rollout.servers.fleet import build_fleet
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -37,12 +37,12 @@ def test_sglang_servers_refuse_allowed_tokens_by_key(tmp_path, monkeypatch):
 
 
 def test_senders_and_clients_by_backend():
-    from megamarl.rollout.fleet import CLIENTS, SENDERS
-    from megamarl.rollout.server_sync import WeightSender
-    from megamarl.rollout.sglang import SGLangClient
-    from megamarl.rollout.sglang_sync import SGLangWeightSender
-    from megamarl.rollout.vllm_native_sync import VLLMNativeSender
-    from megamarl.rollout.vllm_server import VLLMServerClient
+    from megamarl.rollout.engines.sglang import SGLangClient
+    from megamarl.rollout.engines.vllm_server import VLLMServerClient
+    from megamarl.rollout.servers.fleet import CLIENTS, SENDERS
+    from megamarl.rollout.weights.server_sync import WeightSender
+    from megamarl.rollout.weights.sglang_sync import SGLangWeightSender
+    from megamarl.rollout.weights.vllm_native_sync import VLLMNativeSender
 
     kw = {"master_addr": "127.0.0.1", "master_port": 29999, "replica_tp": [1]}
     sglang = SENDERS["sglang"](["http://127.0.0.1:1"], transport="gloo", **kw)
@@ -69,7 +69,7 @@ def test_senders_and_clients_by_backend():
 def test_weight_transfer_choice(choice, colocated, pp, tp, on_gpu, vllm, sglang):
     from types import SimpleNamespace
 
-    from megamarl.rollout.fleet import TRANSPORTS
+    from megamarl.rollout.servers.fleet import TRANSPORTS
 
     engine = SimpleNamespace(weight_transfer=choice, tp=tp)
     assert TRANSPORTS["vllm"](engine, colocated=colocated, pp=pp, on_gpu=on_gpu) == vllm
@@ -92,7 +92,7 @@ def test_weight_transfer_errors_name_the_key(tmp_path, monkeypatch):
 
 
 def test_ipc_servers_may_unpickle_handles():
-    from megamarl.rollout.server_launch import ServerSpec, server_env
+    from megamarl.rollout.servers.server_launch import ServerSpec, server_env
 
     spec = {"policy": "p", "replica": 0, "rank": 0, "backend": "vllm", "model_path": "m", "on_gpu": True, "devices": (0,)}
     assert server_env(ServerSpec(**spec, weight_transfer="ipc"), base={})["VLLM_ALLOW_INSECURE_SERIALIZATION"] == "1"
@@ -177,7 +177,7 @@ class _FakeClient:
 def fake_servers(monkeypatch):
     """``EngineFleet`` with recording fake servers and clients in a one-rank gloo world (its
     ``wait_ready`` is a collective over the control group)."""
-    from megamarl.rollout import fleet as fleet_module
+    from megamarl.rollout.servers import fleet as fleet_module
 
     if dist.is_initialized():
         pytest.skip("a process group is already up in this process")
@@ -270,7 +270,7 @@ def test_start_up_overlaps_model_building_elsewhere(fake_servers, monkeypatch, d
 
 
 def test_a_server_that_does_not_fall_asleep_stops_start_up(fake_servers, monkeypatch):
-    from megamarl.rollout import fleet as fleet_module
+    from megamarl.rollout.servers import fleet as fleet_module
 
     make, events = fake_servers
 
@@ -295,7 +295,7 @@ def test_an_in_process_vllm_engine_takes_the_keys_too(monkeypatch, on_gpu):
     the engine's 0.5) reach an in-process vLLM engine as well (its constructor replaced here)."""
     import importlib.util
 
-    from megamarl.rollout.vllm_engine import VLLMEngine
+    from megamarl.rollout.engines.vllm_engine import VLLMEngine
 
     if importlib.util.find_spec("vllm") is None:
         pytest.skip("vllm is not installed: the engine falls back to hf")

@@ -17,9 +17,9 @@ import torch.distributed as dist
 from megamarl.models.lora import save_peft_adapter
 from megamarl.parallel.distributed import control_group
 from megamarl.parallel.hardware import DTYPES, resolve_dtype
-from megamarl.rollout.fleet import SERVED_MODEL
-from megamarl.rollout.sync_check import verify_adapter
-from megamarl.rollout.weight_sync import SyncStats, sync_weights
+from megamarl.rollout.servers.fleet import SERVED_MODEL
+from megamarl.rollout.weights.sync_check import verify_adapter
+from megamarl.rollout.weights.weight_sync import SyncStats, sync_weights
 
 
 class WeightPusher:

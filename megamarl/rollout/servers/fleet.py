@@ -45,16 +45,22 @@ from megamarl.parallel.network import host_address
 from megamarl.parallel.placement import WorkerGroup
 from megamarl.planning.dryrun import engine_memory
 from megamarl.planning.model_presets import resolve_model_shape
-from megamarl.rollout.pool import EnginePool
-from megamarl.rollout.server_launch import ServerProcess, ServerSpec, ServerStartError, free_port, healthy
-from megamarl.rollout.server_sync import WeightSender
-from megamarl.rollout.sglang import SGLangClient
-from megamarl.rollout.sglang_sync import SGLangWeightSender
-from megamarl.rollout.sync_check import verify_replicas
-from megamarl.rollout.vllm_native_sync import TRANSPORTS as VLLM_NATIVE
-from megamarl.rollout.vllm_native_sync import VLLMNativeSender
-from megamarl.rollout.vllm_server import VLLMServerClient
-from megamarl.rollout.weight_sync import SyncStats, drain, stage_sender
+from megamarl.rollout.engines.sglang import SGLangClient
+from megamarl.rollout.engines.vllm_server import VLLMServerClient
+from megamarl.rollout.replicas.pool import EnginePool
+from megamarl.rollout.servers.server_launch import (
+    ServerProcess,
+    ServerSpec,
+    ServerStartError,
+    free_port,
+    healthy,
+)
+from megamarl.rollout.weights.server_sync import WeightSender
+from megamarl.rollout.weights.sglang_sync import SGLangWeightSender
+from megamarl.rollout.weights.sync_check import verify_replicas
+from megamarl.rollout.weights.vllm_native_sync import TRANSPORTS as VLLM_NATIVE
+from megamarl.rollout.weights.vllm_native_sync import VLLMNativeSender
+from megamarl.rollout.weights.weight_sync import SyncStats, drain, stage_sender
 
 log = logging.getLogger(__name__)
 

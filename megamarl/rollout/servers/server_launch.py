@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 
 from megamarl.parallel.network import HOST_ADDR_ENV, host_address
-from megamarl.rollout.factory import LoraServing
+from megamarl.rollout.replicas.factory import LoraServing
 
 SERVER_BACKENDS = ("vllm", "sglang")
 _VLLM_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}

@@ -12,7 +12,7 @@ adapter carry; the base ``weight_version`` is left alone.
 from __future__ import annotations
 
 import abc
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from megamarl.registry import Registry
-from megamarl.rollout.batching import AdmissionGate
+from megamarl.rollout.engines.batching import AdmissionGate
 
 
 @dataclass(frozen=True)
@@ -174,3 +174,20 @@ ENGINES: Registry[type[Engine]] = Registry(
     "engine", traits=EngineTraits,
     signature="class(Engine); configurable: cls.from_config(cfg: EngineConfig, path, *, replica, seed, lora, num_threads)",
 )
+
+
+def buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int, *,
+            dtype: torch.dtype | None = None) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Group tensors into lists of at most ``bucket_bytes`` (a larger tensor goes alone); with
+    ``dtype``, floating tensors count at its size (they travel cast to it)."""
+    bucket, size = [], 0
+    for name, tensor in named:
+        itemsize = dtype.itemsize if dtype is not None and tensor.is_floating_point() else tensor.element_size()
+        nbytes = tensor.numel() * itemsize
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, tensor))
+        size += nbytes
+    if bucket:
+        yield bucket

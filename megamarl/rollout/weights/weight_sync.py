@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from megamarl.parallel.placement import WorkerGroup
+from megamarl.rollout.engines.base import buckets
 
 
 @dataclass
@@ -53,23 +54,6 @@ def stage_ranks(wg: WorkerGroup, pp_rank: int) -> list[int]:
 def stage_sender(wg: WorkerGroup, pp_rank: int) -> int:
     """Global rank that sends pipeline stage ``pp_rank`` (tp 0, dp 0 of that stage)."""
     return stage_ranks(wg, pp_rank)[0]
-
-
-def buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int, *,
-            dtype: torch.dtype | None = None) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Group tensors into lists of at most ``bucket_bytes`` (a larger tensor goes alone); with
-    ``dtype``, floating tensors count at its size (they travel cast to it)."""
-    bucket, size = [], 0
-    for name, tensor in named:
-        itemsize = dtype.itemsize if dtype is not None and tensor.is_floating_point() else tensor.element_size()
-        nbytes = tensor.numel() * itemsize
-        if bucket and size + nbytes > bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, tensor))
-        size += nbytes
-    if bucket:
-        yield bucket
 
 
 def _send_buckets(named: Iterable[tuple[str, torch.Tensor]], dst: int, bucket_bytes: int) -> int:
