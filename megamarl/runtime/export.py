@@ -68,8 +68,8 @@ def plan_exports(src: str | Path, dst: str | Path, *, policies: list[str] | None
                  dtype: str = "auto") -> list[PolicyExport]:
     """Which policies to export and from where; validates the request before any rank starts."""
     from megamarl.config import load_config
-    from megamarl.driver.rollout_driver import policy_adapters
     from megamarl.models.packaged import resolve_model_path
+    from megamarl.rollout.engines.lora import policy_adapters
 
     run_dir, ckpt = find_run_checkpoint(src)
     config_file = run_dir / "config.yaml"

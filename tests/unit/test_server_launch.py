@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megamarl.rollout.replicas.factory import LoraServing
+from megamarl.rollout.engines.lora import LoraServing
 from megamarl.rollout.servers.server_launch import ServerSpec, plugin_env, server_command, server_env
 from megamarl.rollout.weights.server_sync import (
     ALIGN,
