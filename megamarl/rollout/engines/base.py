@@ -159,7 +159,7 @@ class EngineTraits:
     ``sleep``/``wake`` release and restore memory (colocation); ``serves_lora``: L2 multi-adapter
     serving (``add_lora`` and adapter-only updates); ``external``: connects to servers listed in
     ``engine.server_urls`` (one per replica); ``server``: megamarl can start this backend as an
-    inference server of its own (``rollout.server_launch.server_command``; ``engine.launch=server``).
+    inference server of its own (``rollout.servers.server_launch.server_command``; ``engine.launch=server``).
     """
 
     configurable: bool = False

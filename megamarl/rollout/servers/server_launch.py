@@ -75,7 +75,7 @@ class ServerSpec:
     host: str = "127.0.0.1"  # bind address; 0.0.0.0 to serve other nodes
     served_model_name: str = "default"  # the name requests use (``VLLMServerClient(model=...)``)
     on_gpu: bool | None = None  # None: this node has a CUDA device
-    # colocated and handing its memory to training (fleet.EngineFleet.hands_over): on GPU started
+    # colocated and handing its memory to training (fleet.PolicyServers.hands_over): on GPU started
     # with vLLM's sleep mode / SGLang's memory saver, so that sleeping frees its memory
     sleeps: bool = False
     enforce_eager: bool | None = None  # no CUDA graphs; None: eager on CPU, CUDA graphs on GPU
