@@ -129,7 +129,7 @@ class EngineConfig:
         if bad:
             raise ValueError(f"policies.<p>.engine.server_urls must be http(s) URLs, got {bad}")
         # dtype, backend and launch rules need the hardware, engine and placement modules: checked at load
-        # time by megamarl.runtime.configure (check_engine_config, megamarl.parallel.engine_placement.check_launch)
+        # time by megamarl.runtime.configure (check_engine_config, megamarl.rollout.placement.check_launch)
 
 
 @dataclass

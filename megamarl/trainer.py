@@ -15,6 +15,7 @@ fully_async; docs/async.md): where the next batch comes from and what a weight p
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
@@ -24,19 +25,21 @@ import torch.distributed as dist
 
 from megamarl.config import RunConfig
 from megamarl.driver.opponent_pool import snapshot_slot
-from megamarl.driver.rollout_driver import RolloutDriver, policy_adapters
+from megamarl.driver.rollout_driver import RolloutDriver
 from megamarl.driver.schedules import SCHEDULES, sync_interval
 from megamarl.parallel.collectives import scatter_objects
 from megamarl.parallel.distributed import control_group, init_distributed, wait_for_driver
-from megamarl.parallel.engine_placement import plan_engines, ranks_per_node
 from megamarl.parallel.hardware import DTYPES, policy_dtype
 from megamarl.parallel.placement import build_worker_groups, placement_of
+from megamarl.planning.dryrun import engine_memory
 from megamarl.planning.engine_budget import server_memory_fractions
+from megamarl.planning.model_presets import resolve_model_shape
 from megamarl.rl.dispatch import RankBatch, rank_batches
 from megamarl.rl.policy_setup import batch_splits, build_workers
 from megamarl.rl.worker import NumericalFaultError
-from megamarl.rollout.fleet import build_fleet
-from megamarl.rollout.push import WeightPusher
+from megamarl.rollout.placement import ReplicaPlacement, plan_engines, ranks_per_node
+from megamarl.rollout.replicas.policy import build_replicas, stale_replicas
+from megamarl.rollout.servers.fleet import build_fleet
 from megamarl.runtime import checkpoint
 from megamarl.runtime.preemption import PreemptionFlag, mark_stopped
 from megamarl.runtime.progress import RunProgress
@@ -51,9 +54,12 @@ DRIVER = 0
 
 
 class Trainer:
-    def __init__(self, cfg: RunConfig, *, run_dir: str | Path | None = None, eval_only: bool = False):
+    def __init__(self, cfg: RunConfig, *, run_dir: str | Path | None = None, eval_only: bool = False,
+                 plan: dict[str, list[ReplicaPlacement]] | None = None):
         """``eval_only``: the run directory is an evaluation's (``evaluate_only``), not the resumed
-        checkpoint's run: resuming loads and pushes the weights but rewinds nothing there."""
+        checkpoint's run: resuming loads and pushes the weights but rewinds nothing there. ``plan``: the
+        run's engine plan when the launch already computed it (``front_door.preflight``); computed here
+        otherwise, once, and handed to whoever needs it."""
         init_distributed(timeout_s=cfg.trainer.collective_timeout_s)
         self.cfg = cfg
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
@@ -70,32 +76,45 @@ class Trainer:
         checkpoint.seed_everything(cfg.trainer.seed)
         self.wgs = build_worker_groups(placement_of(cfg, self.world_size))
         self.splits = batch_splits(cfg.policies, cfg.agents, cfg.policy_algorithms())  # the driver plans every policy's update
+        per_node = ranks_per_node(cfg.cluster, self.world_size)
+        self.plan = plan if plan is not None else plan_engines(cfg, self.world_size, per_node)
         # engine servers start now (in threads), sized on GPU from the memory plan; on CPU they overlap
-        # model preparation, on GPU colocated ones are up and asleep first (EngineFleet.model_preparation)
-        fractions = server_memory_fractions(cfg, world_size=self.world_size,
-                                            gpus_per_node=ranks_per_node(cfg.cluster, self.world_size))
-        self.fleet = build_fleet(cfg, rank=self.rank, world_size=self.world_size, run_dir=self.run_dir,
-                                 control_group=control_group(), memory_fractions=fractions)
+        # model preparation, on GPU colocated ones are up and asleep first (ServerFleet.model_preparation)
+        fractions = server_memory_fractions(cfg, world_size=self.world_size, gpus_per_node=per_node)
+        overlaps = SCHEDULES.traits(cfg.trainer.mode, key="trainer.mode").overlaps_training
+        self.fleet = build_fleet(cfg, plan=self.plan, rank=self.rank, world_size=self.world_size, run_dir=self.run_dir,
+                                 control_group=control_group(), overlaps_training=overlaps, kv_estimate=self._kv_estimate,
+                                 memory_fractions=fractions)
         with self.fleet.model_preparation() if self.fleet is not None else nullcontext(), \
                 self.progress.phase("model preparation", total=len(cfg.policies), unit="policies", in_step=False) as phase:
             self.workers = build_workers(cfg.policies, cfg.agents, cfg.policy_algorithms(), self.wgs, seed=cfg.trainer.seed,
                                          dtypes={n: DTYPES[policy_dtype(cfg, n)] for n in cfg.policies},
                                          total_steps=cfg.trainer.total_steps,
                                          on_policy=phase.advance)
-        self.driver = RolloutDriver(cfg, self.run_dir, self.progress, fleet=self.fleet) if self.is_driver else None
+        # every policy's replicas: the one object that pauses, sleeps, wakes and pushes into them
+        self.replicas = build_replicas(cfg, wgs=self.wgs, workers=self.workers, fleet=self.fleet, run_dir=self.run_dir,
+                                       driver_rank=DRIVER, control_group=control_group())
+        self.driver = RolloutDriver(cfg, self.run_dir, self.progress, replicas=self.replicas) if self.is_driver else None
+        if self.is_driver and self.fleet is not None:
+            (self.run_dir / "engine_servers.json").write_text(json.dumps(self.fleet.table(), indent=1))
         self._wait_for_driver("engine start-up")
         self._offloaded = self._offload_targets()
-        self.pusher = WeightPusher(cfg, wgs=self.wgs, workers=self.workers, fleet=self.fleet, run_dir=self.run_dir,
-                                   driver_rank=DRIVER, adapters=lambda name: policy_adapters(cfg, name))
-        self.pusher.register_adapters(self.driver.engines_for if self.is_driver else None)
+        for replicas in self.replicas.values():
+            replicas.register_adapters()
         self._maybe_resume(rewind=not eval_only)
+
+    def _kv_estimate(self, policy: str, path: Path) -> float:
+        """The KV cache (GiB) an engine server of ``policy`` gets with ``engine.kv_cache_gib: 0``: what
+        ``max_num_seqs`` sequences of ``seq_len`` need (the dry-run's estimate, so start-up gives the
+        server what the plan counted)."""
+        shape = resolve_model_shape(str(path), key="policies.<p>.model")
+        return engine_memory(shape, self.cfg.policies[policy]).kv_cache / 2**30
 
     def _offload_targets(self) -> list[str]:
         """This rank's policies whose training state leaves the accelerator during rollouts."""
         if SCHEDULES.traits(self.cfg.trainer.mode, key="trainer.mode").overlaps_training:
             return []
-        plan = plan_engines(self.cfg, self.world_size, ranks_per_node(self.cfg.cluster, self.world_size))
-        engine_here = any(self.rank in rep.ranks for reps in plan.values() for rep in reps)
+        engine_here = any(self.rank in rep.ranks for reps in self.plan.values() for rep in reps)
         return [name for name, worker in self.workers.items()
                 if engine_here and self.cfg.policies[name].offload_train_state and worker.train_state.applies]
 
@@ -255,9 +274,8 @@ class Trainer:
                 policy = self.cfg.policies[name]
                 if policy.frozen:
                     continue
-                engines = self.driver.engines_for(name) if self.is_driver else None
                 with self.progress.phase(f"weight sync {name}", unit=""):
-                    metrics.update(self.pusher.push(name, self.versions[name], engines))
+                    metrics.update(self.replicas[name].push(self.versions[name]))
         dist.barrier(group=control_group())
         metrics["timing_s/weight_sync"] = time.perf_counter() - start
         return metrics
@@ -271,10 +289,9 @@ class Trainer:
             return {}
         name = pool.snapshots[slot]
         self.versions[name] += 1
-        engines = self.driver.engines_for(name) if self.is_driver else None
         with self.driver.weight_update() if self.is_driver else nullcontext(), \
                 self.progress.phase(f"snapshot {pool.learner} -> {name}", unit=""):
-            metrics = self.pusher.snapshot(pool.learner, name, self.versions[name], engines)
+            metrics = self.replicas[name].snapshot_from(self.replicas[pool.learner], self.versions[name])
         if self.is_driver:
             self.driver.opponent_pool.record(slot, self.step)
         dist.barrier(group=control_group())
@@ -284,10 +301,9 @@ class Trainer:
         """Engine servers restarted since the last push get the current weights now, before the
         step's rollout, instead of idling until the next push (collective; nothing when none restarted)."""
         metrics = {}
-        for name, replicas in self.pusher.stale(self.driver.engines_for if self.is_driver else None).items():
-            engines = self.driver.engines_for(name) if self.is_driver else None
-            with self.progress.phase(f"re-sync {name} replicas {replicas}", unit=""):
-                metrics.update(self.pusher.resync(name, self.versions[name], engines, replicas))
+        for name, indices in stale_replicas(self.replicas, driver_rank=DRIVER, control_group=control_group()).items():
+            with self.progress.phase(f"re-sync {name} replicas {indices}", unit=""):
+                metrics.update(self.replicas[name].resync(self.versions[name], indices))
         return metrics
 
     def evaluate(self) -> str:
@@ -399,6 +415,8 @@ class Trainer:
             self.driver.close()
         self.progress.close()
         self._wait_for_driver("shutting down engines and plotting")
+        for replicas in self.replicas.values():
+            replicas.close()
         if self.fleet is not None:
             self.fleet.close()
         dist.barrier(group=control_group())

@@ -1,5 +1,5 @@
 """The ``vllm.general_plugins`` entry point (``pyproject.toml``): registers megamarl's weight-transfer
-backends (``megamarl.rollout.vllm_plugin``) with vLLM in every vLLM process.
+backends (``megamarl.rollout.weights.vllm_plugin``) with vLLM in every vLLM process.
 
 It lives outside ``megamarl.rollout`` on purpose: vLLM calls it in the API server and engine-core
 processes too, and importing ``megamarl.rollout`` there would apply the in-process engine's
@@ -17,4 +17,4 @@ def register() -> None:
 
     for name, cls_name in BACKENDS.items():
         if name not in WeightTransferEngineFactory._registry:
-            WeightTransferEngineFactory.register_engine(name, "megamarl.rollout.vllm_plugin", cls_name)
+            WeightTransferEngineFactory.register_engine(name, "megamarl.rollout.weights.vllm_plugin", cls_name)

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from megamarl.models.packaged import resolve_model_path
-from megamarl.rollout.base import SamplingParams
+from megamarl.rollout.engines.base import SamplingParams
 
 QUESTIONS = [f"What is {a} + {b}? Answer with a number." for a in range(3, 11) for b in (4, 7, 9, 12)]
 
@@ -48,7 +48,7 @@ def time_engine(engine, prompts: list[list[int]], batch: int, sampling: Sampling
 
 
 def time_raw_vllm(engine, prompts, batch, sampling: SamplingParams, rounds: int) -> dict:
-    from megamarl.rollout.vllm_engine import to_vllm_sampling
+    from megamarl.rollout.engines.vllm_engine import to_vllm_sampling
 
     params = to_vllm_sampling(sampling)
     tokens, start = 0, time.perf_counter()
@@ -116,7 +116,7 @@ def main() -> None:
     if "hf" in args.engines:
         import torch
 
-        from megamarl.rollout.hf import HFEngine
+        from megamarl.rollout.engines.hf import HFEngine
 
         default_threads = torch.get_num_threads()
         torch.set_num_threads(args.hf_threads)
@@ -132,7 +132,7 @@ def main() -> None:
         except ImportError:
             print("vllm not installed: skipping vllm engines")
         else:
-            from megamarl.rollout.vllm_engine import VLLMEngine
+            from megamarl.rollout.engines.vllm_engine import VLLMEngine
 
             engine = VLLMEngine(model_path, dtype="float32", max_model_len=1024)
             time_engine(engine, prompts, 2, SamplingParams(max_tokens=4), 1)  # warm-up

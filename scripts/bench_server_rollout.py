@@ -32,10 +32,10 @@ from bench_rollout import chat_prompts, machine_info
 
 from megamarl.models.packaged import resolve_model_path
 from megamarl.parallel.hardware import resolve_dtype
-from megamarl.rollout.base import SamplingParams
-from megamarl.rollout.pool import EnginePool
-from megamarl.rollout.server_launch import ServerProcess, ServerSpec
-from megamarl.rollout.vllm_server import VLLMServerClient
+from megamarl.rollout.engines.base import SamplingParams
+from megamarl.rollout.engines.vllm_server import VLLMServerClient
+from megamarl.rollout.replicas.pool import EnginePool
+from megamarl.rollout.servers.server_launch import ServerProcess, ServerSpec
 
 # ---- rollout --------------------------------------------------------------------------------------
 

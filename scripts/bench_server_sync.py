@@ -48,15 +48,15 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from bench_rollout import machine_info
 
 from megamarl.models.packaged import resolve_model_path
-from megamarl.rollout.server_launch import ServerProcess, ServerSpec, free_port
-from megamarl.rollout.server_sync import (
+from megamarl.rollout.engines.base import buckets
+from megamarl.rollout.servers.server_launch import ServerProcess, ServerSpec, free_port
+from megamarl.rollout.weights.server_sync import (
     WeightSender,
     bucket_info,
     gloo_broadcast,
     new_gloo_group,
     pack_bucket,
 )
-from megamarl.rollout.weight_sync import buckets
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 

@@ -80,10 +80,10 @@ def engine_load_seconds(engine, tensors: dict, repeats: int) -> float:
 
 def build_engine(kind: str, path: str):
     if kind == "hf":
-        from megamarl.rollout.hf import HFEngine
+        from megamarl.rollout.engines.hf import HFEngine
 
         return HFEngine(path, max_wait_ms=1)
-    from megamarl.rollout.vllm_engine import VLLMEngine
+    from megamarl.rollout.engines.vllm_engine import VLLMEngine
 
     return VLLMEngine(path, dtype="float32", max_model_len=256, kv_cache_bytes=32 * 2**20)
 
@@ -93,7 +93,7 @@ def _bench(rank: int, paths: dict[str, str], engines: list[str], repeats: int, b
 
     from megamarl.models import bridge
     from megamarl.parallel.placement import PlacementConfig, WorkerGroupLayout, build_worker_groups
-    from megamarl.rollout.weight_sync import sync_weights
+    from megamarl.rollout.weights.weight_sync import sync_weights
 
     wgs = build_worker_groups(PlacementConfig({
         name: WorkerGroupLayout(ranks=ranks, tp=tp) for name, (_, ranks, tp) in LAYOUTS.items()

@@ -2,6 +2,7 @@
 
     python scripts/compare_runs.py --base 60ff66b            # base revision vs the working tree
     python scripts/compare_runs.py --base HEAD --head HEAD   # determinism: one revision twice
+    python scripts/compare_runs.py --base main --config configs/presets/l2_colocated.yaml --nproc 2   # a 2-rank preset
 
 Runs a seeded ``trainer.total_steps``-step ``configs/signalling_tiny.yaml`` run (torchrun, one rank)
 once at each side, each from its own source tree: a revision is checked out into a temporary
@@ -33,12 +34,12 @@ REPO = Path(__file__).resolve().parents[1]
 WALL_CLOCK = re.compile(r"^time$|^(timing|perf|progress)/|timing_|_s$|_per_s$|gbps$|/seconds$|^async/.*_ratio$")
 
 
-def run_at(source: Path, out_dir: Path, *, config: str, steps: int, extra: list[str]) -> list[dict]:
+def run_at(source: Path, out_dir: Path, *, config: str, steps: int, extra: list[str], nproc: int = 1) -> list[dict]:
     """One seeded run with ``source`` first on PYTHONPATH; returns its metrics.jsonl records."""
     env = dict(os.environ, PYTHONPATH=str(source), OMP_NUM_THREADS="1")
     torchrun = Path(sys.executable).with_name("torchrun")
     cmd = [
-        str(torchrun), "--nproc_per_node", "1", "--master_port", str(29500 + os.getpid() % 1000),
+        str(torchrun), "--nproc_per_node", str(nproc), "--master_port", str(29500 + os.getpid() % 1000),
         str(source / "scripts" / "train.py"), "--config", str(source / config),
         f"trainer.total_steps={steps}", f"output_dir={out_dir}", "name=compare", *extra,
     ]
@@ -89,6 +90,7 @@ def main(argv=None) -> int:
     parser.add_argument("--head", default=None, help="git revision to compare (default: the working tree)")
     parser.add_argument("--config", default="configs/signalling_tiny.yaml")
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--nproc", type=int, default=1, help="ranks per run (a 2-rank preset: 2)")
     parser.add_argument("--rtol", type=float, default=0.0,
                         help="relative tolerance for numbers (default 0: bit-identical)")
     parser.add_argument("overrides", nargs="*", help="extra key=value overrides for both runs")
@@ -104,7 +106,7 @@ def main(argv=None) -> int:
                 source = checkout(rev, tmp / f"src_{side}")
                 worktrees.append(source)
             sides[side] = run_at(source, tmp / f"out_{side}", config=args.config, steps=args.steps,
-                                 extra=args.overrides)
+                                 extra=args.overrides, nproc=args.nproc)
         diffs, num_compared = compare(sides["base"], sides["head"], args.rtol)
     finally:
         for tree in worktrees:

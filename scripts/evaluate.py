@@ -52,7 +52,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     try:
         cfg, step, notes = eval_config(args)
-        preflight(cfg, world_size=launch_world(cfg, check=args.check))
+        plan = preflight(cfg, world_size=launch_world(cfg, check=args.check))  # the run's engine plan, once
     except (ValueError, ImportError) as exc:  # ImportError: a plugin module that does not load
         return report_config_error(exc)
     out = Path(cfg.output_dir) / cfg.name
@@ -66,7 +66,7 @@ def main(argv=None) -> int:
     for note in notes if is_driver else ():
         print(note)
     try:
-        trainer = Trainer(cfg, eval_only=True)
+        trainer = Trainer(cfg, eval_only=True, plan=plan)
         results = trainer.evaluate_only(step=step)
     except RolloutFailureError as exc:
         print(f"evaluation failed: {exc}", file=sys.stderr)

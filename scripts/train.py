@@ -48,7 +48,7 @@ def main(argv=None) -> int:
         PreemptionFlag((signal.SIGUSR1,))  # kept alive by the handler it installs; Trainer.fit's flag takes over
     try:
         cfg = load_config(args.config, args.overrides)
-        preflight(cfg, world_size=launch_world(cfg, check=args.check))
+        plan = preflight(cfg, world_size=launch_world(cfg, check=args.check))  # the run's engine plan, once
     except (ValueError, ImportError) as exc:  # ImportError: a plugin module that does not load
         return report_config_error(exc)
     if args.check:
@@ -61,7 +61,7 @@ def main(argv=None) -> int:
 
     # Errors every rank raises together, with exit codes documented in docs/reliability.md
     try:
-        Trainer(cfg).fit()
+        Trainer(cfg, plan=plan).fit()
     except NumericalFaultError as exc:
         print(f"training stopped: {exc}", file=sys.stderr)
         return 3

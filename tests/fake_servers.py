@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from megamarl.rollout.base import SamplingParams
-from megamarl.rollout.hf import HFEngine
+from megamarl.rollout.engines.base import SamplingParams
+from megamarl.rollout.engines.hf import HFEngine
 
 Handler = Callable[[dict, dict], Any]  # (json body, query) -> json reply
 
@@ -94,7 +94,7 @@ class _FakeServer:
 
 
 class FakeSGLangServer(_FakeServer):
-    """SGLang's native server (see ``megamarl.rollout.sglang`` and ``sglang_sync``), backed by a real
+    """SGLang's native server (see ``megamarl.rollout.engines.sglang`` and ``sglang_sync``), backed by a real
     ``HFEngine``: ``/generate`` (greedy and seeded sampling, SGLang's reply shape and
     ``weight_version``), the weight endpoints with real effects (``/init_weights_update_group`` joins
     a gloo group through a ``tcp://`` rendezvous keyed as SGLang's ``init_custom_process_group`` keys
@@ -201,7 +201,7 @@ class FakeSGLangServer(_FakeServer):
             self.weight_version = str(body["weight_version"])
 
     def _update_from_tensor(self, body: dict, query: dict) -> dict:
-        from megamarl.rollout.sglang import deserialize_named_tensors
+        from megamarl.rollout.engines.sglang import deserialize_named_tensors
 
         with self._update_lock:
             named = deserialize_named_tensors(body["serialized_named_tensors"][0])

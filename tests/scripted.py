@@ -25,7 +25,7 @@ from typing import Any, ClassVar
 
 from megamarl.models.packaged import resolve_model_path
 from megamarl.orchestration.env import ENVS, Env, EnvConfig, StepResult, Task
-from megamarl.rollout.base import Engine, Generation, SamplingParams
+from megamarl.rollout.engines.base import Engine, Generation, SamplingParams
 
 
 @functools.lru_cache(maxsize=1)

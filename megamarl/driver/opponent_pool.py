@@ -5,7 +5,7 @@ of its own past versions, as in AlphaStar's / OpenAI Five's past-self opponents 
 A snapshot is a *frozen policy* of the run (``policies.<s>.frozen: true``, the learner's model): its
 engine serves rollouts like any policy's, its samples train nobody. Every ``every`` trainer steps the
 trainer copies the learner's current weights into the next snapshot slot (round-robin, the oldest
-overwritten) through the ordinary weight push (``WeightPusher.snapshot``). Before the first copy every
+overwritten) through the ordinary weight push (``PolicyReplicas.snapshot_from``). Before the first copy every
 slot holds the initial weights (the learner at step 0).
 
 ``rollout.policy_mapping`` stays the one place that binds seats to policies: it returns the pool's

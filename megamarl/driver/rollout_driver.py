@@ -35,9 +35,11 @@ from megamarl.rl.batch_metrics import success_metrics
 from megamarl.rl.prepare import prepare_rollout
 from megamarl.rl.rewards import algorithm_at_step
 from megamarl.rl.sample import mark_episode_ends
-from megamarl.rollout.base import Engine
-from megamarl.rollout.factory import LoraServing, build_engine, engine_threads
-from megamarl.rollout.pool import EnginePool
+from megamarl.rollout.engines.base import Engine
+from megamarl.rollout.engines.lora import lora_serving
+from megamarl.rollout.replicas.factory import build_engine, engine_threads
+from megamarl.rollout.replicas.policy import PolicyReplicas
+from megamarl.rollout.replicas.pool import EnginePool
 from megamarl.runtime.metrics import MetricsLogger
 from megamarl.runtime.plot import plot_run
 from megamarl.runtime.progress import RunProgress
@@ -49,9 +51,12 @@ EVAL_SEED = 10**9 + 7  # held-out tasks: a seed the training stream never uses
 class RolloutDriver:
     """Rank 0's half: engines, agents, env, orchestra, batch preparation, logging and evaluation."""
 
-    def __init__(self, cfg: RunConfig, run_dir: Path, progress: RunProgress | None = None, fleet=None):
+    def __init__(self, cfg: RunConfig, run_dir: Path, progress: RunProgress | None = None,
+                 replicas: dict[str, PolicyReplicas] | None = None):
         self.cfg = cfg
-        self.fleet = fleet  # megamarl.rollout.fleet.EngineFleet: the policies served by engine servers
+        # every policy's replicas (megamarl.rollout.replicas.policy): the driver's engines are attached to
+        # them, and they pause / sleep / wake / push (None: in-process engines only, none attached)
+        self.replicas = replicas or {}
         self.run_dir = run_dir
         self.progress = progress or RunProgress(total_steps=cfg.trainer.total_steps, enabled=cfg.logger.progress)
         self._phase = None  # the phase that finished episodes count towards (rollout or eval)
@@ -62,8 +67,6 @@ class RolloutDriver:
         self.tokenizers = {name: AutoTokenizer.from_pretrained(path) for name, path in paths.items()}
         self.pad_ids = {name: (t.pad_token_id if t.pad_token_id is not None else t.eos_token_id) for name, t in self.tokenizers.items()}
         self.engines = self._start_engines(paths)
-        if fleet is not None:
-            (run_dir / "engine_servers.json").write_text(json.dumps(fleet.table(), indent=1))
         self.env = EnvMaker(cfg.env.name, **cfg.env.kwargs)
         self.orchestra = build_orchestra(cfg.orchestra.name, **cfg.orchestra.kwargs)
         self.agents = build_agents(cfg.agents, self.tokenizers, default_kinds=self.env.default_agents)
@@ -94,11 +97,12 @@ class RolloutDriver:
         engines = {}
         with self.progress.phase("engine start-up", total=len(cfg.policies), unit="policies", in_step=False) as phase:
             for name, p in cfg.policies.items():
-                if self.fleet is not None and self.fleet.serves(name):
-                    servers = self.fleet.policies[name]
+                replicas = self.replicas.get(name)
+                if replicas is not None and replicas.served:
+                    servers = replicas.servers
                     self.progress.line(f"policy {name}: {len(servers.urls)} x {p.engine.backend} server "
                                        f"(tp {p.engine.tp}) at {', '.join(servers.urls)}")
-                    engines[name] = self.fleet.driver_pool(name)
+                    engines[name] = replicas.connect()
                     phase.advance()
                     continue
                 threads = engine_threads(p.engine, overlaps_training=overlaps, num_local_ranks=local_ranks)
@@ -108,7 +112,9 @@ class RolloutDriver:
                     f"training dtype {policy_dtype(cfg, name)}"
                 )
                 engines[name] = build_engine(p.engine, paths[name], seed=cfg.trainer.seed,
-                                             lora=_lora_serving(cfg, name), num_threads=threads)
+                                             lora=lora_serving(cfg, name), num_threads=threads)
+                if replicas is not None:
+                    replicas.attach(engines[name])
                 phase.advance()
         return engines
 
@@ -227,13 +233,11 @@ class RolloutDriver:
         self.logger.log_episodes(step, records)
 
     def _hand_over(self, *, wake: bool) -> None:
-        if self.fleet is None:
-            return
-        for name in self.fleet.policies:
+        for replicas in self.replicas.values():
             if wake:
-                self.fleet.wake(name, self.engines[name])
+                replicas.wake()
             else:
-                self.fleet.sleep(name, self.engines[name])
+                replicas.sleep()
 
     def _refill(self, step: int, round_: int) -> SampleBatch | None:
         """A fresh chunk for dynamic sampling's refill: its own seed (negative chunk indices, which the
@@ -346,17 +350,6 @@ def _policy_mapping(cfg: RunConfig, tokenizers: dict):
         if vocab != vocabs[first]:
             raise ValueError(f"rollout.policy_mapping: policies '{first}' and '{name}' have different tokenizers")
     return resolve_callable(cfg.rollout.policy_mapping, key="rollout.policy_mapping")
-
-
-def _lora_serving(cfg: RunConfig, policy: str) -> LoraServing | None:
-    lora = cfg.policies[policy].lora
-    adapters = policy_adapters(cfg, policy)
-    return LoraServing(num_adapters=len(adapters), rank=lora.rank) if lora is not None and adapters else None
-
-
-def policy_adapters(cfg: RunConfig, policy: str) -> list[str]:
-    """L2: the LoRA adapter names the agents of ``policy`` sample from (sorted, unique)."""
-    return sorted({a.lora for a in cfg.agents.values() if a.policy == policy and a.lora})
 
 
 def eval_summary(result: RolloutResult, *, k: int) -> dict[str, float]:

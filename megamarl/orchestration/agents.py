@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from megamarl.config_sections import AgentConfig, SamplingConfig
 from megamarl.registry import Registry
-from megamarl.rollout.base import SamplingParams
+from megamarl.rollout.engines.base import SamplingParams
 
 if TYPE_CHECKING:
     from megamarl.orchestration.action import Action

@@ -44,7 +44,7 @@ from megamarl.orchestration.action import Action
 from megamarl.orchestration.chat import ChatTranscript
 from megamarl.orchestration.env import Env, StepResult, Task
 from megamarl.rl.sample import Sample
-from megamarl.rollout.base import Engine
+from megamarl.rollout.engines.base import Engine
 
 if TYPE_CHECKING:
     from megamarl.orchestration.agents import Agent

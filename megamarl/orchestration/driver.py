@@ -37,7 +37,7 @@ from megamarl.orchestration.env import Env, Task
 from megamarl.orchestration.orchestras import Orchestra
 from megamarl.orchestration.workers import EnvWorkerError, EnvWorkers
 from megamarl.rl.sample import Sample
-from megamarl.rollout.base import Engine
+from megamarl.rollout.engines.base import Engine
 
 
 @dataclass

@@ -33,7 +33,7 @@ the GPU needs max(train, rollout); the async modes overlap the two, so they add 
 ``cluster.reserved_gib`` is added on top for the CUDA context, NCCL buffers and allocator
 fragmentation.
 
-Engine placement comes from ``megamarl.parallel.engine_placement.plan_engines``, the plan every
+Engine placement comes from ``megamarl.rollout.placement.plan_engines``, the plan every
 rank computes at start-up: ``engine.ranks`` empty -> replica i sits on the policy's WG ranks
 [i*tp_e, (i+1)*tp_e) (colocated); set -> the replicas take those ranks in blocks of tp_e;
 ``launch: in_process`` -> every replica on rank 0; ``server_urls`` -> external, no GPU here. A
@@ -51,7 +51,6 @@ import torch.distributed as dist
 
 from megamarl.config import PolicyConfig, RunConfig
 from megamarl.driver.schedules import SCHEDULES
-from megamarl.parallel.engine_placement import ReplicaPlacement, plan_engines
 from megamarl.parallel.hardware import resolve_dtype
 from megamarl.parallel.placement import (
     PlacementConfig,
@@ -63,6 +62,7 @@ from megamarl.parallel.placement import (
 )
 from megamarl.planning.memory import Memory, TrainingSetup, num_micro_batches, train_memory
 from megamarl.planning.model_presets import ModelShape, resolve_model_shape
+from megamarl.rollout.placement import ReplicaPlacement, plan_engines
 from megamarl.runtime.configure import load_config
 
 GIB = 2**30
@@ -86,7 +86,7 @@ class EngineReport:
     replicas: list[list[int]]  # global ranks of each replica (empty: external servers)
     colocated: bool
     memory: Memory
-    launch: str = "server"  # in_process | server | external (engine_placement.resolve_launch)
+    launch: str = "server"  # in_process | server | external (rollout.placement.resolve_launch)
 
 
 @dataclass(frozen=True)

@@ -28,8 +28,8 @@ import torch
 
 from megamarl.config import RunConfig
 from megamarl.driver.schedules import SCHEDULES
-from megamarl.parallel.engine_placement import plan_engines
 from megamarl.planning.dryrun import GIB, plan_memory
+from megamarl.rollout.placement import plan_engines
 
 
 def engine_memory_fractions(cfg: RunConfig, *, world_size: int, gpus_per_node: int,

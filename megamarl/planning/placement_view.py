@@ -18,15 +18,15 @@ from dataclasses import dataclass, field
 import torch.distributed as dist
 
 from megamarl.config import RunConfig
-from megamarl.parallel.engine_placement import (
+from megamarl.parallel.placement import build_worker_groups, placement_of
+from megamarl.planning.dryrun import Shard, declared_world_size, rank_ranges
+from megamarl.rollout.placement import (
     ReplicaPlacement,
     format_table,
     placement_table,
     plan_engines,
     replicas_led_by,
 )
-from megamarl.parallel.placement import build_worker_groups, placement_of
-from megamarl.planning.dryrun import Shard, declared_world_size, rank_ranges
 
 
 @dataclass

@@ -26,7 +26,6 @@ from megamarl.orchestration.agents import AGENTS
 from megamarl.orchestration.env import ENVS
 from megamarl.orchestration.orchestras import ORCHESTRAS, check_team
 from megamarl.orchestration.workers import check_workers
-from megamarl.parallel.engine_placement import check_engine_ranks, check_launch
 from megamarl.parallel.hardware import check_dtypes
 from megamarl.parallel.placement import check_placement_mode
 from megamarl.planning.model_presets import PRESETS
@@ -34,6 +33,7 @@ from megamarl.registry import import_plugins
 from megamarl.rl.advantages import check_algorithm, check_estimator, check_policy_algorithm
 from megamarl.rl.rewards import check_team_alpha_schedule
 from megamarl.rollout import ENGINES
+from megamarl.rollout.placement import check_engine_ranks, check_launch
 
 # A Hugging Face hub id ("org/name") that is not a local directory: megamarl never downloads.
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")

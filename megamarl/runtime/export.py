@@ -33,12 +33,12 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from megamarl.driver.rollout_driver import policy_adapters
 from megamarl.models import bridge, checkpoint
 from megamarl.models.convert import conversion_worker_group, convert, copy_side_files, run_on_ranks
 from megamarl.models.lora import add_lora_adapter, save_peft_adapter
 from megamarl.models.model_cache import atomic_dir
 from megamarl.models.packaged import resolve_model_path
+from megamarl.rollout.engines.lora import policy_adapters
 from megamarl.runtime import checkpoint as policy_io
 from megamarl.runtime.configure import load_config
 

@@ -15,8 +15,8 @@ from pathlib import Path
 from megamarl.config import RunConfig, config_error_line
 from megamarl.models.packaged import resolve_model_path
 from megamarl.orchestration.agents import check_allowed_tokens
-from megamarl.parallel.engine_placement import plan_engines, ranks_per_node
 from megamarl.planning.dryrun import declared_world_size
+from megamarl.rollout.placement import ReplicaPlacement, plan_engines, ranks_per_node
 from megamarl.runtime import checkpoint
 
 # Under torchrun every rank runs the same checks; a rank other than 0 waits this long before it
@@ -34,12 +34,13 @@ def launch_world(cfg: RunConfig, *, check: bool) -> int:
     return declared_world_size(cfg)
 
 
-def preflight(cfg: RunConfig, *, world_size: int) -> None:
+def preflight(cfg: RunConfig, *, world_size: int) -> dict[str, list[ReplicaPlacement]]:
     """The checks of a training launch that need more than the config: placement on this world,
     the run directory, the resume checkpoint, single-token ``allowed_tokens`` (tokenizers only).
     Nothing here builds a model or engine; the one write is the run directory probe, last, once
-    everything else passed (a refused launch leaves an existing run directory as it was)."""
-    plan_engines(cfg, world_size, ranks_per_node(cfg.cluster, world_size))  # WG and engine placement
+    everything else passed (a refused launch leaves an existing run directory as it was). Returns the
+    engine plan, computed once per run: the launch hands it to the trainer."""
+    plan = plan_engines(cfg, world_size, ranks_per_node(cfg.cluster, world_size))  # WG and engine placement
     run_dir = Path(cfg.output_dir) / cfg.name
     resume = checkpoint.find_checkpoint(cfg.trainer.resume, run_dir)
     if resume is not None:
@@ -52,6 +53,7 @@ def preflight(cfg: RunConfig, *, world_size: int) -> None:
             name: AutoTokenizer.from_pretrained(resolve_model_path(cfg.policies[name].model, key=f"policies.{name}.model"))
             for name in sorted(constrained)})
     checkpoint.check_run_dir(run_dir)  # last: its probe is the only write (a temporary directory, removed)
+    return plan
 
 
 def report_config_error(exc: BaseException) -> int:

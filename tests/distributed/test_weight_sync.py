@@ -57,7 +57,7 @@ class BackgroundGenerations:
     def _run(self) -> None:
         import asyncio
 
-        from megamarl.rollout.base import SamplingParams
+        from megamarl.rollout.engines.base import SamplingParams
 
         async def loop():
             sampling = SamplingParams(temperature=0.0, max_tokens=4)
@@ -89,8 +89,8 @@ def _disaggregated(rank, model_dir):
     from megamarl.rl.losses import LossConfig
     from megamarl.rl.policy_setup import load_policy_model
     from megamarl.rl.worker import PolicyWorker
-    from megamarl.rollout.hf import HFEngine
-    from megamarl.rollout.weight_sync import sync_weights
+    from megamarl.rollout.engines.hf import HFEngine
+    from megamarl.rollout.weights.weight_sync import sync_weights
 
     wgs = build_worker_groups(PlacementConfig({
         "tp2": WorkerGroupLayout(ranks=[1, 2], tp=2), "pp2": WorkerGroupLayout(ranks=[1, 2], pp=2),
@@ -176,7 +176,7 @@ def _private_world(rank, init_file):
     the ranks' own world and groups keep working, before and after."""
     import torch.distributed as dist
 
-    from megamarl.rollout.private_world import PrivateWorld
+    from megamarl.rollout.engines.private_world import PrivateWorld
 
     ours = dist.new_group([0, 1])
     out = {}

@@ -30,8 +30,8 @@ def _l2_sync(rank, model_dir, out_dir):
 
     from megamarl.models import bridge, lora
     from megamarl.parallel.placement import PlacementConfig, WorkerGroupLayout, build_worker_groups
-    from megamarl.rollout.hf import HFEngine
-    from megamarl.rollout.weight_sync import sync_weights
+    from megamarl.rollout.engines.hf import HFEngine
+    from megamarl.rollout.weights.weight_sync import sync_weights
 
     wg = build_worker_groups(PlacementConfig({"base": WorkerGroupLayout(ranks=[1, 2], tp=2)}))["base"]
     out: dict = {}
@@ -88,7 +88,7 @@ def _l2_sync(rank, model_dir, out_dir):
 def _greedy(engine, lora):
     import asyncio
 
-    from megamarl.rollout.base import SamplingParams
+    from megamarl.rollout.engines.base import SamplingParams
 
     async def main():
         sampling = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)

@@ -1,7 +1,7 @@
 """A CUDA IPC weight bucket, encoded by megamarl, decoded in another process as vLLM's IPC engine does.
 
-The sender side is ``megamarl.rollout.vllm_native_sync``'s own code: tensors bucketed by
-``weight_sync.buckets`` in the engine's dtype (fp32 weights travel as bf16), made contiguous on the GPU
+The sender side is ``megamarl.rollout.weights.vllm_native_sync``'s own code: tensors bucketed by
+``engines.base.buckets`` in the engine's dtype (fp32 weights travel as bf16), made contiguous on the GPU
 (``VLLMNativeSender._wire``), shared with ``_ipc_handles`` (``reduce_tensor`` args keyed by the GPU's
 UUID) and pickled with ``_pickled`` (the ``ipc_handles_pickled`` field of ``/update_weights``). A spawned
 child (a stand-in for the vLLM server's worker: it has no vLLM here) decodes the payload as
@@ -64,9 +64,9 @@ def _decode_like_vllm(update_info: dict, inbox, outbox) -> None:
 def test_ipc_bucket_round_trip_decoded_like_vllm_in_a_child_process(record_property):
     import torch.multiprocessing as mp
 
-    from megamarl.rollout.server_sync import dtype_name
-    from megamarl.rollout.vllm_native_sync import VLLMNativeSender, _ipc_handles, _pickled
-    from megamarl.rollout.weight_sync import buckets
+    from megamarl.rollout.engines.base import buckets
+    from megamarl.rollout.weights.server_sync import dtype_name
+    from megamarl.rollout.weights.vllm_native_sync import VLLMNativeSender, _ipc_handles, _pickled
 
     torch.cuda.set_device(0)
     device = torch.device("cuda", 0)

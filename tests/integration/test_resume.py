@@ -170,7 +170,7 @@ def test_seeded_rollout_does_not_depend_on_batching(tmp_path):
         build_orchestra,
         run_episodes,
     )
-    from megamarl.rollout.hf import HFEngine
+    from megamarl.rollout.engines.hf import HFEngine
 
     path = save_tiny_model(tmp_path, "llama", seed=0)
     tokenizer, model = AutoTokenizer.from_pretrained(path), AutoModelForCausalLM.from_pretrained(path)

@@ -23,7 +23,7 @@ def engine_and_tokenizer(tmp_path_factory):
     from transformers import AutoTokenizer
 
     from megamarl.models.packaged import save_tiny_model
-    from megamarl.rollout.hf import HFEngine
+    from megamarl.rollout.engines.hf import HFEngine
 
     path = save_tiny_model(tmp_path_factory.mktemp("tiny"), "llama", seed=0)
     tokenizer = AutoTokenizer.from_pretrained(path)

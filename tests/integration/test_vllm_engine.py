@@ -37,7 +37,7 @@ def prompts(smollm2_path):
 
 @pytest.fixture(scope="module")
 def engine(smollm2_path):
-    from megamarl.rollout.vllm_engine import VLLMEngine
+    from megamarl.rollout.engines.vllm_engine import VLLMEngine
 
     eng = VLLMEngine(smollm2_path, dtype="float32", max_model_len=512, enable_lora=True, max_lora_rank=LORA_RANK)
     yield eng
@@ -52,7 +52,7 @@ def run(engine, prompts, sampling, lora=None):
 
 
 def greedy(engine, prompts, lora=None):
-    from megamarl.rollout.base import SamplingParams
+    from megamarl.rollout.engines.base import SamplingParams
 
     return [g[0] for g in run(engine, prompts, SamplingParams(temperature=0.0, max_tokens=GREEDY_TOKENS), lora)]
 
@@ -77,7 +77,7 @@ def test_greedy_tokens_equal_hf_and_logprobs_close(engine, hf_model, prompts):
 
 
 def test_concurrent_sampling_is_seeded_and_batched(engine, prompts):
-    from megamarl.rollout.base import SamplingParams
+    from megamarl.rollout.engines.base import SamplingParams
 
     sampling = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=16, n=2, seed=7)
     first = run(engine, prompts * 2, sampling)
@@ -136,7 +136,7 @@ def test_sleep_wake_and_pause_resume(engine, hf_model, prompts):
     assert [g.token_ids for g in greedy(engine, prompts)] == before
 
     async def paused():
-        from megamarl.rollout.base import SamplingParams
+        from megamarl.rollout.engines.base import SamplingParams
 
         engine.pause()
         task = asyncio.ensure_future(engine.generate(prompts[0], SamplingParams(temperature=0.0, max_tokens=4)))
@@ -205,8 +205,8 @@ def test_lora_adapter_matches_merged_hf_and_updates(engine, hf_model, prompts, s
 def test_stop_strings_and_max_tokens_reach_vllm_sampling_params():
     """``agents.<a>.sampling.stop``/``max_tokens`` as the in-process vLLM engine receives them: stop
     strings need detokenization (off otherwise) and stay in the output (the ids are trained)."""
-    from megamarl.rollout.base import SamplingParams
-    from megamarl.rollout.vllm_engine import to_vllm_sampling
+    from megamarl.rollout.engines.base import SamplingParams
+    from megamarl.rollout.engines.vllm_engine import to_vllm_sampling
 
     params = to_vllm_sampling(SamplingParams(max_tokens=5, stop=("</answer>",)))
     assert (params.stop, params.max_tokens, params.detokenize, params.include_stop_str_in_output) == (

@@ -21,11 +21,11 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from megamarl.rollout.base import SamplingParams
-from megamarl.rollout.factory import LoraServing
-from megamarl.rollout.server_launch import ServerProcess, ServerSpec, ServerStartError
-from megamarl.rollout.server_sync import WeightSender
-from megamarl.rollout.vllm_server import VLLMServerClient
+from megamarl.rollout.engines.base import SamplingParams
+from megamarl.rollout.engines.lora import LoraServing
+from megamarl.rollout.engines.vllm_server import VLLMServerClient
+from megamarl.rollout.servers.server_launch import ServerProcess, ServerSpec, ServerStartError
+from megamarl.rollout.weights.server_sync import WeightSender
 
 pytestmark = [pytest.mark.vllm, pytest.mark.integration, pytest.mark.slow]
 
@@ -35,7 +35,7 @@ LORA_RANK, LORA_ALPHA = 8, 16
 
 
 def _port() -> int:
-    from megamarl.rollout.server_launch import free_port
+    from megamarl.rollout.servers.server_launch import free_port
 
     return free_port("127.0.0.1")
 

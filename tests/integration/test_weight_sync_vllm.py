@@ -55,7 +55,7 @@ def _served_weights(worker) -> dict[str, torch.Tensor]:
 def _greedy(engine):
     import asyncio
 
-    from megamarl.rollout.base import SamplingParams
+    from megamarl.rollout.engines.base import SamplingParams
 
     async def main():
         sampling = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
@@ -70,14 +70,14 @@ def _colocated_sync(rank, model_dir):
     from megamarl.rl.losses import LossConfig
     from megamarl.rl.policy_setup import load_policy_model
     from megamarl.rl.worker import PolicyWorker
-    from megamarl.rollout.weight_sync import sync_weights
+    from megamarl.rollout.weights.weight_sync import sync_weights
 
     wg = build_worker_groups(PlacementConfig({"tp2": WorkerGroupLayout(ranks=[0, 1], tp=2)}))["tp2"]
     policy = PolicyConfig(model=model_dir, micro_batch_size=2, lr=5e-3, grad_clip=0.0)
     worker = PolicyWorker("p", policy, wg, load_policy_model(policy, wg, seed=0), LossConfig())
     engine = None
     if rank == 0:
-        from megamarl.rollout.vllm_engine import VLLMEngine
+        from megamarl.rollout.engines.vllm_engine import VLLMEngine
 
         engine = VLLMEngine(model_dir, dtype="float32", max_model_len=64, kv_cache_bytes=8 * 2**20)
     out = {}

@@ -15,7 +15,7 @@ from megamarl.driver.streaming import RolloutLoop
 from megamarl.orchestration.driver import EpisodeStats, RolloutResult
 from megamarl.orchestration.env import Task
 from megamarl.rl.sample import Sample
-from megamarl.rollout.batching import AdmissionGate
+from megamarl.rollout.engines.batching import AdmissionGate
 from megamarl.runtime.configure import load_config
 
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "signalling_tiny.yaml"

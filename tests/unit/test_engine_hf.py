@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from megamarl.models.tiny import tiny_model
-from megamarl.rollout.base import ENGINES, SamplingParams
-from megamarl.rollout.hf import HFEngine
+from megamarl.rollout.engines.base import ENGINES, SamplingParams
+from megamarl.rollout.engines.hf import HFEngine
 
 PROMPTS = [[1, 9690, 198, 2683, 359], [1, 4093, 28, 17, 12], [1, 300], [1, 77, 88, 99, 1000, 2000, 3000, 4000]]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12)

@@ -1,4 +1,4 @@
-"""Engine placement (megamarl.parallel.engine_placement): exact replica blocks, launch resolution and
+"""Engine placement (megamarl.rollout.placement): exact replica blocks, launch resolution and
 the errors, each naming its config key; load-time checks of policies.<p>.engine.launch/ranks."""
 
 from __future__ import annotations
@@ -11,7 +11,9 @@ import pytest
 from rich.console import Console
 
 from megamarl.config import ClusterConfig, EngineConfig
-from megamarl.parallel.engine_placement import (
+from megamarl.parallel.placement import placement_of
+from megamarl.planning.dryrun import dry_run
+from megamarl.rollout.placement import (
     ReplicaPlacement,
     placement_rows,
     placement_table,
@@ -20,8 +22,6 @@ from megamarl.parallel.engine_placement import (
     replicas_led_by,
     resolve_launch,
 )
-from megamarl.parallel.placement import placement_of
-from megamarl.planning.dryrun import dry_run
 from megamarl.runtime.configure import load_config
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -9,10 +9,10 @@ import torch
 from fake_servers import FakeSGLangServer  # tests/ helper
 
 from megamarl.models.tiny import tiny_model
-from megamarl.rollout.base import SamplingParams
-from megamarl.rollout.hf import HFEngine
-from megamarl.rollout.pool import EnginePool, NoLiveReplicaError
-from megamarl.rollout.sglang import SGLangClient
+from megamarl.rollout.engines.base import SamplingParams
+from megamarl.rollout.engines.hf import HFEngine
+from megamarl.rollout.engines.sglang import SGLangClient
+from megamarl.rollout.replicas.pool import EnginePool, NoLiveReplicaError
 
 PROMPTS = [[1, 9690, 198, 2683, 359], [1, 300, 301], [1, 5, 6, 7]]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6)

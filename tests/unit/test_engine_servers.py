@@ -11,16 +11,16 @@ from fake_servers import FakeSGLangServer, FakeVLLMServer, QueueTransport  # tes
 
 from megamarl.models.tiny import tiny_model
 from megamarl.rollout import ENGINES
-from megamarl.rollout.base import SamplingParams
-from megamarl.rollout.hf import HFEngine
-from megamarl.rollout.sglang import (
+from megamarl.rollout.engines.base import SamplingParams
+from megamarl.rollout.engines.hf import HFEngine
+from megamarl.rollout.engines.sglang import (
     SGLangClient,
     SGLangEngine,
     deserialize_named_tensors,
     serialize_named_tensors,
     sglang_sampling,
 )
-from megamarl.rollout.vllm_server import VLLMServerClient
+from megamarl.rollout.engines.vllm_server import VLLMServerClient
 
 PROMPTS = [[1, 9690, 198, 2683, 359], [1, 300, 301]]
 GREEDY = {"temperature": 0.0, "max_tokens": 8}
@@ -135,7 +135,7 @@ def test_sglang_inprocess_engine_needs_sglang():
 
 
 def test_every_registered_engine_implements_the_protocol():
-    from megamarl.rollout.base import Engine
+    from megamarl.rollout.engines.base import Engine
 
     assert {"hf", "vllm", "vllm_server", "sglang", "sglang_inprocess"} <= set(ENGINES.names())
     for name in ENGINES.names():

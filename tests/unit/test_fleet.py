@@ -13,7 +13,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megamarl.rollout.fleet import build_fleet
+from megamarl.rollout.placement import plan_engines, ranks_per_node
+from megamarl.rollout.replicas.policy import PolicyReplicas
+from megamarl.rollout.servers.fleet import build_fleet
 from megamarl.runtime.configure import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -23,9 +25,15 @@ def _cfg(*overrides: str):
     return load_config(ROOT / "configs" / "signalling_tiny.yaml", list(overrides))
 
 
+def _build(cfg, run_dir, *, world_size: int = 2):
+    """``build_fleet`` on the plan the trainer computes once and hands in."""
+    plan = plan_engines(cfg, world_size, ranks_per_node(cfg.cluster, world_size))
+    return build_fleet(cfg, plan=plan, rank=0, world_size=world_size, run_dir=run_dir, control_group=None)
+
+
 def test_in_process_plans_start_no_fleet(tmp_path, monkeypatch):
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
-    assert build_fleet(_cfg(), rank=0, world_size=2, run_dir=tmp_path, control_group=None) is None
+    assert _build(_cfg(), tmp_path) is None
 
 
 def test_sglang_servers_refuse_allowed_tokens_by_key(tmp_path, monkeypatch):
@@ -33,16 +41,17 @@ def test_sglang_servers_refuse_allowed_tokens_by_key(tmp_path, monkeypatch):
     cfg = _cfg("policies.shared.engine.backend=sglang", "policies.shared.engine.launch=server")
     with pytest.raises(ValueError, match=r"^agents\.sender\.sampling\.allowed_tokens: policy shared serves through "
                                          r"SGLang"):
-        build_fleet(cfg, rank=0, world_size=2, run_dir=tmp_path, control_group=None)
+        _build(cfg, tmp_path)
 
 
 def test_senders_and_clients_by_backend():
-    from megamarl.rollout.fleet import CLIENTS, SENDERS
-    from megamarl.rollout.server_sync import WeightSender
-    from megamarl.rollout.sglang import SGLangClient
-    from megamarl.rollout.sglang_sync import SGLangWeightSender
-    from megamarl.rollout.vllm_native_sync import VLLMNativeSender
-    from megamarl.rollout.vllm_server import VLLMServerClient
+    from megamarl.rollout.engines.sglang import SGLangClient
+    from megamarl.rollout.engines.vllm_server import VLLMServerClient
+    from megamarl.rollout.servers.fleet import CLIENTS
+    from megamarl.rollout.weights.server_sync import WeightSender
+    from megamarl.rollout.weights.sglang_sync import SGLangWeightSender
+    from megamarl.rollout.weights.transport import SENDERS
+    from megamarl.rollout.weights.vllm_native_sync import VLLMNativeSender
 
     kw = {"master_addr": "127.0.0.1", "master_port": 29999, "replica_tp": [1]}
     sglang = SENDERS["sglang"](["http://127.0.0.1:1"], transport="gloo", **kw)
@@ -69,7 +78,7 @@ def test_senders_and_clients_by_backend():
 def test_weight_transfer_choice(choice, colocated, pp, tp, on_gpu, vllm, sglang):
     from types import SimpleNamespace
 
-    from megamarl.rollout.fleet import TRANSPORTS
+    from megamarl.rollout.weights.transport import TRANSPORTS
 
     engine = SimpleNamespace(weight_transfer=choice, tp=tp)
     assert TRANSPORTS["vllm"](engine, colocated=colocated, pp=pp, on_gpu=on_gpu) == vllm
@@ -84,15 +93,15 @@ def test_weight_transfer_errors_name_the_key(tmp_path, monkeypatch):
     cfg = _cfg("policies.shared.engine.weight_transfer=megamarl")  # in-process engines: nothing to choose
     with pytest.raises(ValueError, match=r"^policies\.shared\.engine\.weight_transfer=megamarl applies to engine "
                                          r"servers only"):
-        build_fleet(cfg, rank=0, world_size=2, run_dir=tmp_path, control_group=None)
+        _build(cfg, tmp_path)
     cfg = _cfg("policies.shared.model=tiny-vllm-llama", "policies.shared.engine.backend=vllm",
                "policies.shared.engine.launch=server", "policies.shared.engine.weight_transfer=native")
     with pytest.raises(ValueError, match=r"^policies\.shared\.engine\.weight_transfer=native needs CUDA"):
-        build_fleet(cfg, rank=0, world_size=2, run_dir=tmp_path, control_group=None)
+        _build(cfg, tmp_path)
 
 
 def test_ipc_servers_may_unpickle_handles():
-    from megamarl.rollout.server_launch import ServerSpec, server_env
+    from megamarl.rollout.servers.server_launch import ServerSpec, server_env
 
     spec = {"policy": "p", "replica": 0, "rank": 0, "backend": "vllm", "model_path": "m", "on_gpu": True, "devices": (0,)}
     assert server_env(ServerSpec(**spec, weight_transfer="ipc"), base={})["VLLM_ALLOW_INSECURE_SERIALIZATION"] == "1"
@@ -104,7 +113,7 @@ def test_a_seq_len_beyond_the_models_context_names_the_key(tmp_path, monkeypatch
     cfg = _cfg("policies.shared.model=tiny-vllm-llama", "policies.shared.engine.backend=vllm",
                "policies.shared.engine.launch=server", "policies.shared.seq_len=4096")
     with pytest.raises(ValueError, match=r"^policies\.shared\.seq_len=4096 exceeds the model's max_position_embeddings=512"):
-        build_fleet(cfg, rank=0, world_size=2, run_dir=tmp_path, control_group=None)
+        _build(cfg, tmp_path)
 
 
 # -- GPU memory hand-over: config keys, server specs, start order ------------------------------------
@@ -131,7 +140,7 @@ def test_gpu_memory_utilization_needs_a_gpu(tmp_path, monkeypatch):
     cfg = _cfg("policies.shared.engine.backend=vllm", "policies.shared.engine.gpu_memory_utilization=0.5")
     with pytest.raises(ValueError, match=r"^policies\.shared\.engine\.gpu_memory_utilization=0.5 sizes an engine on a "
                                          r"GPU and this node has none"):
-        build_fleet(cfg, rank=0, world_size=2, run_dir=tmp_path, control_group=None)
+        _build(cfg, tmp_path)
 
 
 class _FakeServer:
@@ -175,9 +184,9 @@ class _FakeClient:
 
 @pytest.fixture
 def fake_servers(monkeypatch):
-    """``EngineFleet`` with recording fake servers and clients in a one-rank gloo world (its
+    """``ServerFleet`` with recording fake servers and clients in a one-rank gloo world (its
     ``wait_ready`` is a collective over the control group)."""
-    from megamarl.rollout import fleet as fleet_module
+    from megamarl.rollout.servers import fleet as fleet_module
 
     if dist.is_initialized():
         pytest.skip("a process group is already up in this process")
@@ -194,9 +203,10 @@ def fake_servers(monkeypatch):
         monkeypatch.setattr(torch.cuda, "is_available", lambda: on_gpu)
         cfg = _cfg("policies.shared.model=tiny-vllm-llama", "policies.shared.engine.backend=vllm",
                    "policies.shared.engine.launch=server", *overrides)
-        fleet = fleet_module.EngineFleet(
-            cfg, rank=rank, world_size=2, ranks_per_node=2, model_paths={"shared": Path("/m")}, log_dir=Path("/tmp"),
-            control_group=dist.group.WORLD, num_threads=lambda policy: 1, overlaps_training=overlaps_training,
+        fleet = fleet_module.ServerFleet(
+            cfg, plan=plan_engines(cfg, 2, 2), rank=rank, world_size=2, ranks_per_node=2,
+            model_paths={"shared": Path("/m")}, log_dir=Path("/tmp"), control_group=dist.group.WORLD,
+            num_threads=lambda policy: 1, kv_cache_gib=lambda policy: 1.0, overlaps_training=overlaps_training,
             memory_fractions=fractions)
         fleets.append(fleet)
         return fleet
@@ -207,6 +217,12 @@ def fake_servers(monkeypatch):
         for fleet in fleets:
             fleet.close()
         dist.destroy_process_group()
+
+
+def _replicas(fleet) -> PolicyReplicas:
+    """The policy's replicas on the driver (rank 0): the object that sleeps and wakes them."""
+    return PolicyReplicas(fleet.cfg, "shared", wg=None, worker=None, fleet=fleet, run_dir=Path("/tmp"), driver_rank=0,
+                          control_group=dist.group.WORLD)
 
 
 def _build_models(events: list[str]):
@@ -228,10 +244,11 @@ def test_gpu_colocated_servers_are_up_and_asleep_before_models_are_built(fake_se
     assert events == ["start shared#0", "healthy shared#0", "sleep http://127.0.0.1:8000 level 1", "models built"]
     spec = _FakeServer.specs[0]
     assert spec.sleeps and spec.on_gpu and spec.memory_fraction == 0.42 and not spec.enforce_eager
-    pool = SimpleNamespace(replicas=[_FakeClient("http://127.0.0.1:8000", events)], live=[True])
-    fleet.sleep("shared", pool)  # already asleep since start-up: nothing sent
-    fleet.wake("shared", pool, tags=("weights",))  # the first push
-    fleet.wake("shared", pool, tags=("kv_cache",))
+    replicas = _replicas(fleet)
+    replicas.attach(SimpleNamespace(replicas=[_FakeClient("http://127.0.0.1:8000", events)], live=[True]))
+    replicas.sleep()  # already asleep since start-up: nothing sent
+    replicas.wake(tags=("weights",))  # the first push
+    replicas.wake(tags=("kv_cache",))
     assert events[4:] == ["wake http://127.0.0.1:8000 ['weights']", "wake http://127.0.0.1:8000 ['kv_cache']"]
 
 
@@ -266,11 +283,11 @@ def test_start_up_overlaps_model_building_elsewhere(fake_servers, monkeypatch, d
     spec = _FakeServer.specs[0]
     assert spec.sleeps == (not disaggregated)  # a colocated CPU server hands over (its command omits the flag)
     assert spec.memory_fraction == (0.9 if on_gpu else None) and spec.enforce_eager == (not on_gpu)
-    assert fleet._asleep == {}
+    assert _replicas(fleet).asleep == set()
 
 
 def test_a_server_that_does_not_fall_asleep_stops_start_up(fake_servers, monkeypatch):
-    from megamarl.rollout import fleet as fleet_module
+    from megamarl.rollout.servers import fleet as fleet_module
 
     make, events = fake_servers
 
@@ -295,7 +312,7 @@ def test_an_in_process_vllm_engine_takes_the_keys_too(monkeypatch, on_gpu):
     the engine's 0.5) reach an in-process vLLM engine as well (its constructor replaced here)."""
     import importlib.util
 
-    from megamarl.rollout.vllm_engine import VLLMEngine
+    from megamarl.rollout.engines.vllm_engine import VLLMEngine
 
     if importlib.util.find_spec("vllm") is None:
         pytest.skip("vllm is not installed: the engine falls back to hf")

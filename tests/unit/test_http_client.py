@@ -10,7 +10,7 @@ import threading
 import pytest
 from aiohttp import web
 
-from megamarl.rollout._http import EngineConnectionError, EngineHTTPError, JSONClient
+from megamarl.rollout.engines._http import EngineConnectionError, EngineHTTPError, JSONClient
 
 
 async def _serve(ports: list[int]):

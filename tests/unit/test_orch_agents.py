@@ -18,7 +18,7 @@ from megamarl.orchestration import (
 )
 from megamarl.orchestration.agents import first_choice, sampling_params
 from megamarl.registry import import_plugins
-from megamarl.rollout.base import SamplingParams
+from megamarl.rollout.engines.base import SamplingParams
 
 
 @pytest.fixture(scope="module")

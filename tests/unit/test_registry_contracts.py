@@ -29,7 +29,7 @@ from megamarl.rl.advantages import (
 from megamarl.rl.losses import KL_ESTIMATORS, LOSS_AGGREGATIONS
 from megamarl.rl.rewards import ALPHA_SCHEDULES
 from megamarl.rollout import ENGINES, Engine
-from megamarl.rollout.base import EngineTraits
+from megamarl.rollout.engines.base import EngineTraits
 
 REGISTRIES = [ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, LOSS_AGGREGATIONS, ENGINES, SCHEDULES, AGENTS, ENVS, ORCHESTRAS,
               WORKERS, MODEL_FAMILIES, ALPHA_SCHEDULES, OPPONENT_PICKS]
@@ -140,7 +140,7 @@ def test_configurable_hf_engine_builds_from_config_and_replicas_pool(tmp_path):
     from megamarl.config import EngineConfig
     from megamarl.models.packaged import resolve_model_path
     from megamarl.rollout import EnginePool
-    from megamarl.rollout.factory import build_engine
+    from megamarl.rollout.replicas.factory import build_engine
 
     path = resolve_model_path("tiny-plain-llama", key="test")
     assert type(build_engine(EngineConfig(backend="hf"), path)).__name__ == "HFEngine"

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from megamarl.rollout.factory import LoraServing
-from megamarl.rollout.server_launch import ServerSpec, plugin_env, server_command, server_env
-from megamarl.rollout.server_sync import (
+from megamarl.rollout.engines.lora import LoraServing
+from megamarl.rollout.servers.server_launch import ServerSpec, plugin_env, server_command, server_env
+from megamarl.rollout.weights.server_sync import (
     ALIGN,
     BufferPool,
     WeightSender,
@@ -132,7 +132,7 @@ def test_servers_for_other_nodes_advertise_and_bind_the_chosen_address(monkeypat
     """A server bound to 0.0.0.0 gets this node's address (parallel.network.host_address) as
     MEGAMARL_HOST_ADDR, so its transfer-group workers bind where its URL points; one set by the
     operator is kept; a local server gets none."""
-    from megamarl.rollout import server_launch
+    from megamarl.rollout.servers import server_launch
 
     monkeypatch.setattr(server_launch, "host_address", lambda *, multi_node, environ=None: "10.1.2.3")
     assert server_env(spec(host="0.0.0.0"), base={})["MEGAMARL_HOST_ADDR"] == "10.1.2.3"
@@ -222,7 +222,7 @@ def test_plugin_shim_declares_the_entry_point(tmp_path, monkeypatch):
 
 def test_server_trait_matches_the_launchable_backends():
     from megamarl.rollout import ENGINES
-    from megamarl.rollout.server_launch import SERVER_BACKENDS
+    from megamarl.rollout.servers.server_launch import SERVER_BACKENDS
 
     assert {n for n in ENGINES.names() if ENGINES.traits(n).server} == set(SERVER_BACKENDS)
 

@@ -11,12 +11,12 @@ import torch
 from fake_servers import FakeSGLangServer  # tests/ helper
 
 from megamarl.models.tiny import tiny_model
-from megamarl.rollout.base import SamplingParams
-from megamarl.rollout.hf import HFEngine
-from megamarl.rollout.server_launch import free_port
-from megamarl.rollout.sglang import SGLangClient, deserialize_named_tensors
-from megamarl.rollout.sglang_sync import SGLangWeightSender, tensor_payload
-from megamarl.rollout.sync_check import served_tokens
+from megamarl.rollout.engines.base import SamplingParams
+from megamarl.rollout.engines.hf import HFEngine
+from megamarl.rollout.engines.sglang import SGLangClient, deserialize_named_tensors
+from megamarl.rollout.servers.server_launch import free_port
+from megamarl.rollout.weights.sglang_sync import SGLangWeightSender, tensor_payload
+from megamarl.rollout.weights.sync_check import served_tokens
 
 PROMPTS = [[1, 9690, 198, 2683, 359], [1, 300, 301]]
 
@@ -81,7 +81,7 @@ def test_greedy_probe_matches_transformers_after_push(servers):
     from transformers import AutoModelForCausalLM
 
     from megamarl.models.packaged import resolve_model_path
-    from megamarl.rollout.sync_check import reference_tokens
+    from megamarl.rollout.weights.sync_check import reference_tokens
 
     path = resolve_model_path("tiny-plain-llama", key="test")
     weights = {k: v + 0.01 * torch.randn_like(v) for k, v in AutoModelForCausalLM.from_pretrained(path).state_dict().items()}

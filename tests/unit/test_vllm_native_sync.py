@@ -13,10 +13,10 @@ import torch
 from fake_servers import FakeVLLMServer, QueueTransport  # tests/ helper
 
 from megamarl.models.tiny import tiny_model
-from megamarl.rollout import vllm_native_sync
-from megamarl.rollout.base import SamplingParams
-from megamarl.rollout.hf import HFEngine
-from megamarl.rollout.vllm_native_sync import VLLMNativeSender
+from megamarl.rollout.engines.base import SamplingParams
+from megamarl.rollout.engines.hf import HFEngine
+from megamarl.rollout.weights import vllm_native_sync
+from megamarl.rollout.weights.vllm_native_sync import VLLMNativeSender
 
 PROMPT = [1, 9690, 198, 2683, 359]
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from megamarl.parallel.placement import WorkerGroup, WorkerGroupLayout, rank_coords
-from megamarl.rollout.weight_sync import SyncStats, buckets, stage_ranks, stage_sender
+from megamarl.rollout.engines.base import buckets
+from megamarl.rollout.weights.weight_sync import SyncStats, stage_ranks, stage_sender
 
 
 def named(*numels: int) -> list[tuple[str, torch.Tensor]]:

@@ -1,5 +1,5 @@
 """``python -m sglang.launch_server`` of the fake ``sglang`` package: parses the SGLang server flags
-that ``megamarl.rollout.server_launch.server_command`` emits (an unknown flag is an error, so the
+that ``megamarl.rollout.servers.server_launch.server_command`` emits (an unknown flag is an error, so the
 command line stays within SGLang's real CLI) and serves ``FakeSGLangServer`` on ``--host:--port``.
 Every call is printed as one ``[fake-sglang] {json}`` line to stdout (the server's log file)."""
 
@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse(sys.argv[1:] if argv is None else argv)
     import torch
 
-    from megamarl.rollout.hf import HFEngine
+    from megamarl.rollout.engines.hf import HFEngine
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/: the fake server lives there
     from fake_servers import FakeSGLangServer

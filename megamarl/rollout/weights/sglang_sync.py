@@ -44,9 +44,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megamarl.rollout._http import JSONClient
-from megamarl.rollout.server_sync import dtype_name, join_replicas
-from megamarl.rollout.weight_sync import SyncStats, buckets
+from megamarl.rollout.engines._http import JSONClient
+from megamarl.rollout.engines.base import buckets
+from megamarl.rollout.weights.server_sync import dtype_name, join_replicas
+from megamarl.rollout.weights.weight_sync import SyncStats
 
 TRANSPORTS = ("gloo", "nccl", "cuda_ipc")
 FLATTENED = "flattened_bucket"  # SGLang's load_format for one broadcast per bucket

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from megamarl.rollout._http import JSONClient
+from megamarl.rollout.engines._http import JSONClient
 
 PROBE_PROMPTS = ([1, 17, 42, 99, 7], [2, 300, 5, 11])  # token ids: no tokenizer needed
 PROBE_TOKENS = 8

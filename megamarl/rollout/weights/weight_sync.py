@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from megamarl.parallel.placement import WorkerGroup
+from megamarl.rollout.engines.base import buckets
 
 
 @dataclass
@@ -55,21 +56,22 @@ def stage_sender(wg: WorkerGroup, pp_rank: int) -> int:
     return stage_ranks(wg, pp_rank)[0]
 
 
-def buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int, *,
-            dtype: torch.dtype | None = None) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Group tensors into lists of at most ``bucket_bytes`` (a larger tensor goes alone); with
-    ``dtype``, floating tensors count at its size (they travel cast to it)."""
-    bucket, size = [], 0
-    for name, tensor in named:
-        itemsize = dtype.itemsize if dtype is not None and tensor.is_floating_point() else tensor.element_size()
-        nbytes = tensor.numel() * itemsize
-        if bucket and size + nbytes > bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, tensor))
-        size += nbytes
-    if bucket:
-        yield bucket
+def stage_role(wg: WorkerGroup, rank: int) -> str | None:
+    """``rank``'s part in a push of its worker group's weights, by pipeline stage (the one rule, for the
+    in-process path and the engine servers alike): ``"sender"`` (tp 0, dp 0 of its stage: runs the
+    export and sends the stage), ``"peer"`` (another dp-0 rank of the stage: runs the export, whose TP
+    gathers need it, and sends nothing), None (no shard here, or dp rank > 0: not part of the push)."""
+    if not wg.is_member or wg.dp_rank != 0:
+        return None
+    return "sender" if rank == stage_sender(wg, wg.pp_rank) else "peer"
+
+
+def tp_group_ranks(wg: WorkerGroup) -> list[int]:
+    """The ranks of this rank's TP group (its stage, its DP replica): tp is megatron's fastest axis."""
+    layout = wg.layout
+    block = layout.tp
+    start = (wg.layout.ranks.index(dist.get_rank()) // block) * block
+    return layout.ranks[start : start + block]
 
 
 def _send_buckets(named: Iterable[tuple[str, torch.Tensor]], dst: int, bucket_bytes: int) -> int:
@@ -142,9 +144,10 @@ def sync_weights(
     stats = SyncStats()
     start = time.perf_counter()
     bucket_bytes = int(bucket_mb * 2**20)
-    if rank != engine_rank and wg.is_member and wg.dp_rank == 0 and export is not None:
+    role = stage_role(wg, rank)
+    if rank != engine_rank and role is not None and export is not None:
         named = export()
-        if rank == stage_sender(wg, wg.pp_rank) and engine_rank not in stage_ranks(wg, wg.pp_rank):
+        if role == "sender" and engine_rank not in stage_ranks(wg, wg.pp_rank):
             stats.num_buckets = _send_buckets(_counted(named, stats), engine_rank, bucket_bytes)
         else:
             drain(named)  # TP peers take part in the gathers (an engine rank among them keeps its copy)

@@ -12,7 +12,7 @@ adapter carry; the base ``weight_version`` is left alone.
 from __future__ import annotations
 
 import abc
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from megamarl.registry import Registry
-from megamarl.rollout.batching import AdmissionGate
+from megamarl.rollout.engines.batching import AdmissionGate
 
 
 @dataclass(frozen=True)
@@ -114,7 +114,7 @@ class Engine(abc.ABC):
     def from_config(cls, cfg: Any, path: Path, *, replica: int, seed: int, lora: Any = None,
                     num_threads: int = 0) -> Engine:
         """Replica ``replica`` of a policy's engine from its ``EngineConfig`` (``lora``: a
-        ``rollout.factory.LoraServing`` when the policy serves L2 adapters; ``num_threads``: CPU
+        ``rollout.engines.lora.LoraServing`` when the policy serves L2 adapters; ``num_threads``: CPU
         threads of an in-process engine, 0: the process's setting). Engines registered with
         ``EngineTraits(configurable=True)`` implement it."""
         raise NotImplementedError(f"{cls.__name__} is not built from policies.<p>.engine")
@@ -159,7 +159,7 @@ class EngineTraits:
     ``sleep``/``wake`` release and restore memory (colocation); ``serves_lora``: L2 multi-adapter
     serving (``add_lora`` and adapter-only updates); ``external``: connects to servers listed in
     ``engine.server_urls`` (one per replica); ``server``: megamarl can start this backend as an
-    inference server of its own (``rollout.server_launch.server_command``; ``engine.launch=server``).
+    inference server of its own (``rollout.servers.server_launch.server_command``; ``engine.launch=server``).
     """
 
     configurable: bool = False
@@ -174,3 +174,20 @@ ENGINES: Registry[type[Engine]] = Registry(
     "engine", traits=EngineTraits,
     signature="class(Engine); configurable: cls.from_config(cfg: EngineConfig, path, *, replica, seed, lora, num_threads)",
 )
+
+
+def buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int, *,
+            dtype: torch.dtype | None = None) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Group tensors into lists of at most ``bucket_bytes`` (a larger tensor goes alone); with
+    ``dtype``, floating tensors count at its size (they travel cast to it)."""
+    bucket, size = [], 0
+    for name, tensor in named:
+        itemsize = dtype.itemsize if dtype is not None and tensor.is_floating_point() else tensor.element_size()
+        nbytes = tensor.numel() * itemsize
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, tensor))
+        size += nbytes
+    if bucket:
+        yield bucket

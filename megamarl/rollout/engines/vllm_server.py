@@ -48,9 +48,8 @@ from typing import Any, Protocol
 
 import torch
 
-from megamarl.rollout._http import JSONClient
-from megamarl.rollout.base import ENGINES, Engine, EngineTraits, Generation, SamplingParams
-from megamarl.rollout.weight_sync import buckets
+from megamarl.rollout.engines._http import JSONClient
+from megamarl.rollout.engines.base import ENGINES, Engine, EngineTraits, Generation, SamplingParams, buckets
 
 
 class WeightTransport(Protocol):

@@ -8,7 +8,7 @@ only by a worker that uses one). When the installed megamarl distribution predat
 (an editable install from before it was added), ``server_launch`` puts a one-file distribution that
 declares it on the server's ``PYTHONPATH`` (``plugin_env``), so no reinstall is needed.
 
-Backends (the trainer side is ``megamarl.rollout.server_sync.WeightSender``):
+Backends (the trainer side is ``megamarl.rollout.weights.server_sync.WeightSender``):
 
 - ``megamarl_gloo``: the worker joins a gloo group rendezvousing on the trainer's TCPStore (group
   rank ``rank_offset + worker rank``; not vLLM's own world) and receives each announced bucket as
@@ -43,7 +43,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from megamarl.parallel.network import HOST_ADDR_ENV
-from megamarl.rollout.server_sync import BufferPool, new_gloo_group, unpack_bucket
+from megamarl.rollout.weights.server_sync import BufferPool, new_gloo_group, unpack_bucket
 
 logger = logging.getLogger("vllm.megamarl")  # vLLM's handlers: lines land in the server's log
 

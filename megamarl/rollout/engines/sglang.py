@@ -18,7 +18,7 @@ and the request dataclasses in ``managers/io_struct.py``):
   broadcasts the tensors from rank 0 of that group (cross-node path).
   (``load_format: "flattened_bucket"``: one broadcast of the bucket's flattened concatenation);
   ``POST /update_weight_version {"new_version"}``; ``POST /destroy_weights_update_group
-  {"group_name"}``. The fan-out sender is ``megamarl.rollout.sglang_sync.SGLangWeightSender``.
+  {"group_name"}``. The fan-out sender is ``megamarl.rollout.weights.sglang_sync.SGLangWeightSender``.
 - ``POST /release_memory_occupation`` / ``/resume_memory_occupation`` ``{"tags": ["weights",
   "kv_cache"] | null}``, ``POST /pause_generation`` ``{"mode": "abort"|"retract"|"in_place"}``, ``POST
   /continue_generation``, ``POST /flush_cache``, ``GET /health``, ``GET /get_model_info`` (carries
@@ -50,9 +50,8 @@ from typing import Any
 
 import torch
 
-from megamarl.rollout._http import JSONClient
-from megamarl.rollout.base import ENGINES, Engine, EngineTraits, Generation, SamplingParams
-from megamarl.rollout.weight_sync import buckets
+from megamarl.rollout.engines._http import JSONClient
+from megamarl.rollout.engines.base import ENGINES, Engine, EngineTraits, Generation, SamplingParams, buckets
 
 
 def serialize_named_tensors(named_tensors: list[tuple[str, torch.Tensor]]) -> str:

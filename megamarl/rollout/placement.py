@@ -1,4 +1,5 @@
-"""Engine placement: which ranks (and which devices on which node) host each engine replica.
+"""Engine placement: which ranks (and which devices on which node) host each engine replica. It sits
+in rollout/ (it moved from parallel/, 2026-11-28) because it reads the engines' registry traits.
 
 Every rank computes the same plan from the config and the world size (``plan_engines``), before any
 model loads; each rank then starts the replicas it leads (``replicas_led_by``). A replica is a block
@@ -26,7 +27,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from megamarl.parallel.placement import placement_of
-from megamarl.rollout import ENGINES
+from megamarl.rollout.engines.base import ENGINES
 
 if TYPE_CHECKING:
     from megamarl.config import ClusterConfig, EngineConfig, PolicyConfig, RunConfig

@@ -28,8 +28,8 @@ from contextlib import contextmanager
 
 import torch
 
-from megamarl.rollout.base import Engine, Generation, SamplingParams
-from megamarl.rollout.batching import AdmissionGate
+from megamarl.rollout.engines.base import Engine, Generation, SamplingParams
+from megamarl.rollout.engines.batching import AdmissionGate
 
 _DONE = object()
 
@@ -210,7 +210,7 @@ class EnginePool(Engine):
     def external_update(self, version: int, *, lora: str | None = None,
                         only: Iterable[int] | None = None) -> Iterator[list[tuple[int, int]]]:
         """Bracket a weight push that reaches the replicas from outside this process (engine servers
-        fed by the training ranks, ``megamarl.rollout.fleet``). Admission stops and every live
+        fed by the training ranks, ``megamarl.rollout.servers.fleet``). Admission stops and every live
         replica pauses (drains); the body gets the ``(index, restart generation)`` pairs that take the
         update and delivers it; afterwards they carry ``version`` (a restarted replica is thereby
         re-synced and takes traffic again), caches are flushed and everything resumes.

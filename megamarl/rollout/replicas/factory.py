@@ -1,33 +1,16 @@
 """A policy's engine from its ``EngineConfig``: the backend's class is looked up in the one engine
-registry (``rollout.base.ENGINES``) and built with its ``from_config``; several replicas are always
+registry (``rollout.engines.base.ENGINES``) and built with its ``from_config``; several replicas are always
 one ``EnginePool`` (least-loaded routing, failover, one weight update fanned out to all).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 from megamarl.parallel.hardware import node_cores
-from megamarl.rollout import ENGINES, Engine, EnginePool
-
-
-@dataclass
-class LoraServing:
-    num_adapters: int
-    rank: int
-
-    @property
-    def vllm_max_rank(self) -> int:
-        """vLLM's ``max_lora_rank`` for adapters of ``rank``: it accepts only the values of
-        ``vllm.config.lora.MaxLoRARanks`` (0.32), so the smallest of them that holds ``rank``."""
-        fits = [r for r in VLLM_LORA_RANKS if r >= self.rank]
-        if not fits:
-            raise ValueError(f"policies.<p>.lora.rank={self.rank} exceeds vLLM's largest max_lora_rank {VLLM_LORA_RANKS[-1]}")
-        return fits[0]
-
-
-VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vllm.config.lora.MaxLoRARanks
+from megamarl.rollout.engines.base import ENGINES, Engine
+from megamarl.rollout.engines.lora import LoraServing
+from megamarl.rollout.replicas.pool import EnginePool
 
 
 def engine_threads(cfg, *, overlaps_training: bool, num_local_ranks: int) -> int:

@@ -1,6 +1,6 @@
 """Start, watch, restart and stop one engine replica as a real inference server process.
 
-The rank that leads a replica's device block (``parallel.engine_placement``) owns its server:
+The rank that leads a replica's device block (``rollout.placement``) owns its server:
 ``ServerProcess(spec).start()`` runs vLLM's OpenAI-compatible server (or SGLang's) in its own
 process group (the server forks an engine core and workers; ``stop`` kills the whole group) under
 ``server_guard``, which takes the server down when the owning process dies (even by SIGKILL), logs
@@ -39,8 +39,9 @@ from pathlib import Path
 
 import torch
 
+from megamarl.models.packaged import cache_dir
 from megamarl.parallel.network import HOST_ADDR_ENV, host_address
-from megamarl.rollout.factory import LoraServing
+from megamarl.rollout.engines.lora import LoraServing
 
 SERVER_BACKENDS = ("vllm", "sglang")
 _VLLM_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
@@ -70,11 +71,11 @@ class ServerSpec:
     lora: LoraServing | None = None
     port: int = 0  # 0: a free port
     log_path: Path | None = None
-    weight_transfer: str = "megamarl_gloo"  # vLLM weight-transfer backend (fleet.vllm_transport)
+    weight_transfer: str = "megamarl_gloo"  # vLLM weight-transfer backend (weights.transport.vllm_transport)
     host: str = "127.0.0.1"  # bind address; 0.0.0.0 to serve other nodes
     served_model_name: str = "default"  # the name requests use (``VLLMServerClient(model=...)``)
     on_gpu: bool | None = None  # None: this node has a CUDA device
-    # colocated and handing its memory to training (fleet.EngineFleet.hands_over): on GPU started
+    # colocated and handing its memory to training (fleet.PolicyServers.hands_over): on GPU started
     # with vLLM's sleep mode / SGLang's memory saver, so that sleeping frees its memory
     sleeps: bool = False
     enforce_eager: bool | None = None  # no CUDA graphs; None: eager on CPU, CUDA graphs on GPU
@@ -150,8 +151,6 @@ def plugin_env(env: dict[str, str]) -> dict[str, str]:
     ``*.dist-info`` directories on ``sys.path``)."""
     env = dict(env)
     if "megamarl" not in {ep.name for ep in entry_points(group="vllm.general_plugins")}:
-        from megamarl.models.packaged import cache_dir
-
         dist_info = cache_dir() / "vllm_plugin" / "megamarl_vllm_plugin-0.1.dist-info"
         dist_info.mkdir(parents=True, exist_ok=True)
         (dist_info / "METADATA").write_text("Metadata-Version: 2.1\nName: megamarl-vllm-plugin\nVersion: 0.1\n")

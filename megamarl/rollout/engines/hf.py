@@ -37,8 +37,8 @@ from pathlib import Path
 import torch
 
 from megamarl.parallel.hardware import DTYPES, resolve_dtype
-from megamarl.rollout.base import ENGINES, EngineTraits, Generation, InProcessEngine, SamplingParams
-from megamarl.rollout.batching import MicroBatcher
+from megamarl.rollout.engines.base import ENGINES, EngineTraits, Generation, InProcessEngine, SamplingParams
+from megamarl.rollout.engines.batching import MicroBatcher
 
 BASE_LAYER = ".base_layer."  # PEFT wraps each adapted linear: its base weight moves under this name
 

@@ -1,0 +1,38 @@
+"""L2 serving rules: which LoRA adapters a policy's engines serve, and what an engine must be started
+with to serve them (``LoraServing``). One place for the rule, used by the in-process factory, the server
+command line, the weight push and the export."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class LoraServing:
+    num_adapters: int
+    rank: int
+
+    @property
+    def vllm_max_rank(self) -> int:
+        """vLLM's ``max_lora_rank`` for adapters of ``rank``: it accepts only the values of
+        ``vllm.config.lora.MaxLoRARanks`` (0.32), so the smallest of them that holds ``rank``."""
+        fits = [r for r in VLLM_LORA_RANKS if r >= self.rank]
+        if not fits:
+            raise ValueError(f"policies.<p>.lora.rank={self.rank} exceeds vLLM's largest max_lora_rank {VLLM_LORA_RANKS[-1]}")
+        return fits[0]
+
+
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vllm.config.lora.MaxLoRARanks
+
+
+def policy_adapters(cfg, policy: str) -> list[str]:
+    """L2: the LoRA adapter names the agents of ``policy`` sample from (sorted, unique). ``cfg``: the
+    run config (``agents.<a>.policy`` / ``agents.<a>.lora``)."""
+    return sorted({a.lora for a in cfg.agents.values() if a.policy == policy and a.lora})
+
+
+def lora_serving(cfg, policy: str) -> LoraServing | None:
+    """What ``policy``'s engines must be started with to serve its adapters (None: no L2 adapters)."""
+    lora = cfg.policies[policy].lora
+    adapters = policy_adapters(cfg, policy)
+    return LoraServing(num_adapters=len(adapters), rank=lora.rank) if lora is not None and adapters else None

@@ -1,0 +1,401 @@
+"""``PolicyReplicas``: one policy's engine replicas, seen from every rank, and the one object that
+decides and performs pause / sleep / wake / weight push for them.
+
+Built on every rank for every policy (``build_replicas``); the driver attaches the engine it serves
+rollouts with (``attach``: an in-process ``Engine`` / ``EnginePool``, or for a server-backed policy
+the pool of server clients that ``connect`` builds). Every method below that says *collective* runs
+on every rank together; the driver's copy holds the engine, the others ``None``.
+
+Pushes: full weights or (L2) each agent's adapter,
+
+- into in-process engines through the driver (``weights.weight_sync.sync_weights``: the driver pauses
+  its engines, receives each stage's buckets from the stage's sender and loads them);
+- into engine servers straight from the training ranks (``ServerFleet`` started them): the driver's
+  pool opens the update (``EnginePool.external_update``: stop admitting, pause every live replica)
+  and names the targets over the control group; each stage's sender (``weight_sync.stage_role``)
+  pushes over the policy's transport (``weights.transport``): disaggregated replicas get one
+  broadcast per bucket from each stage's sender (all replicas at once); colocated replicas (PP=1) are
+  fed by their own leader rank, which holds full tensors after the export's TP gather (vLLM: shared
+  memory, on GPU CUDA IPC at engine TP=1; SGLang: CUDA IPC on GPU, on CPU a gloo group of the leader
+  and its replica). An all-gather closes the update; the pool stamps the version and resumes.
+- L2 through servers: an adapter's tensors travel as a PEFT directory (written collectively by its WG
+  under ``<run_dir>/adapters/<policy>/<adapter>/v<version>``) that every replica (re)loads through
+  ``/v1/load_lora_adapter``, the way vLLM and SGLang servers take adapters; only that adapter's
+  version changes.
+
+Sleep / wake (colocated servers in a schedule that never overlaps training, ``PolicyServers.hands_over``):
+asleep after the rollout, weights woken before a push writes into them, the KV cache after it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megamarl.models.lora import save_peft_adapter
+from megamarl.parallel.hardware import DTYPES, resolve_dtype
+from megamarl.parallel.network import host_address
+from megamarl.parallel.placement import WorkerGroup
+from megamarl.rollout.engines.base import Engine
+from megamarl.rollout.engines.lora import policy_adapters
+from megamarl.rollout.engines.sglang import SGLangClient
+from megamarl.rollout.engines.vllm_server import VLLMServerClient
+from megamarl.rollout.replicas.pool import EnginePool
+from megamarl.rollout.servers.fleet import CLIENTS, SERVED_MODEL, ServerFleet
+from megamarl.rollout.servers.server_launch import free_port, healthy
+from megamarl.rollout.weights.server_sync import WeightSender
+from megamarl.rollout.weights.sglang_sync import SGLangWeightSender
+from megamarl.rollout.weights.sync_check import verify_adapter, verify_replicas
+from megamarl.rollout.weights.transport import SENDERS, transport_for
+from megamarl.rollout.weights.vllm_native_sync import VLLMNativeSender
+from megamarl.rollout.weights.weight_sync import SyncStats, drain, stage_role, sync_weights, tp_group_ranks
+
+UNSYNCED = -1  # weight_version of a restarted replica until a push reaches it
+ASLEEP = ("weights", "kv_cache")  # the memory a sleeping replica has released (level 1)
+
+
+@dataclass
+class _Transfer:
+    """A live weight-transfer connection from this rank to some replicas of one policy."""
+
+    sender: WeightSender | SGLangWeightSender | VLLMNativeSender
+    key: tuple  # (replica indices, their restart generations): a change means a new group
+
+
+class PolicyReplicas:
+    def __init__(self, cfg, name: str, *, wg: WorkerGroup, worker, fleet: ServerFleet | None, run_dir: Path,
+                 driver_rank: int, control_group) -> None:
+        """``worker``: this rank's ``PolicyWorker`` of ``name`` (None: no shard here); ``fleet``: the run's
+        servers (None: in-process engines only)."""
+        self.cfg, self.name, self.policy = cfg, name, cfg.policies[name]
+        self.wg, self.worker, self.run_dir = wg, worker, run_dir
+        self.driver_rank, self.control = driver_rank, control_group
+        self.rank = dist.get_rank()
+        self.is_driver = self.rank == driver_rank
+        self.fleet = fleet if fleet is not None and fleet.serves(name) else None
+        self.servers = self.fleet.policies[name] if self.fleet is not None else None
+        self.adapters = policy_adapters(cfg, name)  # L2: its adapters (sorted)
+        self.engine: Engine | None = None  # the driver's engine of this policy (``attach``)
+        # the memory its replicas have released; on GPU servers that hand memory over fall asleep right
+        # after start-up (``ServerFleet._start``)
+        self.asleep: set[str] = set(ASLEEP) if self.hands_over and self.fleet.on_gpu else set()
+        self._transfers: dict[tuple, _Transfer] = {}
+
+    @property
+    def served(self) -> bool:
+        """Its replicas are engine servers (``ServerFleet``), not in-process engines."""
+        return self.fleet is not None
+
+    @property
+    def hands_over(self) -> bool:
+        """Its replicas sleep while the worker group trains (colocated servers, no overlap)."""
+        return self.servers is not None and self.servers.hands_over
+
+    # -- the driver's engine ------------------------------------------------------------------------
+
+    def attach(self, engine: Engine) -> None:
+        """On the driver: the engine (in-process ``Engine`` / ``EnginePool``) rollouts of this policy use."""
+        self.engine = engine
+
+    def connect(self) -> EnginePool:
+        """On the driver, for a server-backed policy: one pool of clients of its servers (least-loaded
+        routing, failover), attached. A dead replica's client is rebuilt once its owner has restarted
+        the server, and it takes traffic only after the next push re-synced it."""
+        urls = self.servers.urls
+        restart_timeout = self.cfg.trainer.collective_timeout_s
+        make_client = CLIENTS[self.policy.engine.backend]
+        # A restarted server serves the checkpoint it was started from: current already when the base
+        # weights never change (frozen, L2: the pool re-loads the newest adapters), else it waits
+        # for a push (``stale``; the trainer re-syncs it at the next step boundary).
+        base_moves = not self.policy.frozen and self.policy.lora is None
+
+        def replica(index: int, *, restarted: bool = False) -> VLLMServerClient | SGLangClient:
+            if restarted:  # the owner rank restarts the process; wait until it answers again
+                _await_health(urls[index], timeout_s=restart_timeout)
+            client = make_client(urls[index], SERVED_MODEL)
+            client.weight_version = (UNSYNCED if base_moves else pool.weight_version) if restarted else 0
+            return client
+
+        pool = EnginePool(lambda i: replica(i), len(urls))
+        pool.factory = lambda i: replica(i, restarted=True)
+        self.attach(pool)
+        return pool
+
+    # -- colocated memory hand-over (sync mode) -------------------------------------------------------
+
+    def sleep(self) -> None:
+        """On the driver, after the rollout: release weights and KV cache (level 1: weights kept in
+        host memory). Nothing unless the replicas hand their memory over."""
+        if self.hands_over and not self.asleep:
+            _each_live(self.engine, lambda r: r.sleep(level=1))
+            self.asleep = set(ASLEEP)
+
+    def wake(self, tags: tuple[str, ...] = ASLEEP) -> None:
+        """On the driver: weights first (before a push writes into them), the KV cache after it (before
+        the rollout)."""
+        wanted = [t for t in tags if t in self.asleep]
+        if wanted:
+            _each_live(self.engine, lambda r: r.wake(tags=wanted))
+            self.asleep.difference_update(wanted)
+
+    # -- weight pushes (collective) -------------------------------------------------------------------
+
+    def push(self, version: int) -> dict[str, float]:
+        """Collective: this policy's current trained weights (L2: each adapter) into its replicas,
+        stamped ``version``."""
+        if self.policy.lora is not None:
+            return self._push_adapters(version)
+        if self.served:
+            if self.is_driver:
+                self.wake(tags=("weights",))  # colocated: weights back before they are written
+            return self._push_to_servers(version, bucket_bytes=int(self.policy.engine.bucket_mb * 2**20))
+        stats = sync_weights(self.wg, self.export(), self._engines(), version=version, engine_rank=self.driver_rank,
+                             bucket_mb=self.policy.engine.bucket_mb)
+        return stats.as_dict(f"weight_sync/{self.name}")
+
+    def snapshot_from(self, source: PolicyReplicas, version: int) -> dict[str, float]:
+        """Collective: copy ``source``'s current trained weights into this (frozen) policy's in-process
+        engines (an opponent-pool slot), stamping ``version``."""
+        if self.served:
+            raise ValueError(f"rollout.opponent_pool.snapshots: policies.{self.name} is served by engine servers; "
+                             "snapshots are copied into in-process engines only")
+        stats = sync_weights(source.wg, source.export(), self._engines(), version=version,
+                             engine_rank=self.driver_rank, bucket_mb=self.policy.engine.bucket_mb)
+        return stats.as_dict(f"weight_sync/{self.name}")
+
+    def stale(self) -> list[int]:
+        """On the driver: the replicas restarted since their last push (server-backed policies whose
+        base weights train; frozen and L2 replicas are never stale, ``connect``)."""
+        return self.engine.stale_replicas() if self.served else []
+
+    def resync(self, version: int, replicas: list[int]) -> dict[str, float]:
+        """Collective: push the current weights (``version``, unchanged) into restarted ``replicas``
+        only, before they take traffic; the other replicas keep serving."""
+        return self._push_to_servers(version, bucket_bytes=int(self.policy.engine.bucket_mb * 2**20), only=replicas)
+
+    def export(self) -> Callable[[], Iterator[tuple[str, torch.Tensor]]] | None:
+        """This rank's export of the full weights, in the engine's dtype (None: no shard here)."""
+        worker = self.worker
+        dtype = DTYPES[resolve_dtype(self.policy.engine.dtype)]  # tensors travel in the engine's dtype
+        return (lambda: ((n, t.to(dtype)) for n, t in worker.export())) if worker else None
+
+    def _engines(self) -> list[Engine] | None:
+        return [self.engine] if self.is_driver else None
+
+    def _push_to_servers(self, version: int, *, bucket_bytes: int, only: list[int] | None = None) -> dict[str, float]:
+        """Collective over all ranks: the driver's pool (None elsewhere) drains and pauses the replicas
+        and names the targets; the training ranks push; the pool stamps ``version``. ``only``: re-sync
+        just these (restarted) replicas at the current ``version``; metrics then go under
+        ``weight_sync/<policy>/resync/``. Returns the push's metrics summed over the sending ranks."""
+        prefix = f"weight_sync/{self.name}" + ("/resync" if only is not None else "")
+        pool = self.engine if self.is_driver else None
+        with pool.external_update(version, only=only) if pool is not None else _nothing() as targets:
+            holder = [targets]
+            dist.broadcast_object_list(holder, src=0, group=self.control)
+            stats, check = self._send_from_here(version=version, bucket_bytes=bucket_bytes, targets=holder[0])
+            gathered: list = [None] * dist.get_world_size(self.control)
+            dist.all_gather_object(gathered, stats, group=self.control)  # also: every sender is done
+        if pool is not None:
+            self.wake(tags=("kv_cache",))  # colocated: the KV cache back before any request
+        dist.barrier(group=self.control)  # the driver's pool has resumed the replicas: they can answer probes
+        verified = check() if check is not None else 0
+        counts: list = [None] * dist.get_world_size(self.control)
+        dist.all_gather_object(counts, verified, group=self.control)
+        total = SyncStats(
+            num_tensors=sum(s.num_tensors for s in gathered), num_bytes=sum(s.num_bytes for s in gathered),
+            num_buckets=sum(s.num_buckets for s in gathered), seconds=max(s.seconds for s in gathered),
+        )
+        metrics = total.as_dict(prefix)
+        metrics[f"{prefix}/replicas"] = float(len(holder[0]))
+        if self.policy.engine.verify_sync:
+            metrics[f"{prefix}/verified_replicas"] = float(sum(counts))
+        return metrics
+
+    def _send_from_here(self, *, version: int, bucket_bytes: int,
+                        targets: list[tuple[int, int]]) -> tuple[SyncStats, Callable[[], int] | None]:
+        """This rank's part of a push into the servers. ``targets``: the (replica, restart generation)
+        pairs that take this update, the same on every rank. Returns what this rank sent and, with
+        ``engine.verify_sync``, the check to run once the replicas have resumed (it returns how many
+        replicas matched)."""
+        servers, wg, export = self.servers, self.wg, self.export()
+        stats, start = SyncStats(), time.perf_counter()
+        generations = dict(targets)
+        if servers.colocated and wg.layout.pp == 1:
+            leaders = {servers.replicas[i].leader: i for i in generations}
+            if wg.is_member and export is not None and any(r in leaders for r in tp_group_ranks(wg)):
+                named = export()
+                if self.rank not in leaders:
+                    drain(named)  # a TP peer takes part in the leader's gathers
+                    return stats, None
+                index = leaders[self.rank]
+                sender = self._sender((self.rank,), [(index, generations[index])], colocated=True)
+                return self._send(sender, named, [index], version, bucket_bytes, stats, start)
+            return stats, None
+        role = stage_role(wg, self.rank)
+        if role is None or export is None:
+            return stats, None
+        named = export()
+        if role != "sender":
+            drain(named)
+            return stats, None
+        sender = self._sender((wg.pp_rank,), targets, colocated=False)
+        verify_here = wg.layout.pp == 1  # a stage alone is not a model to decode with
+        return self._send(sender, named, list(generations) if verify_here else [], version, bucket_bytes, stats, start)
+
+    def _send(self, sender, named, verify: list[int], version, bucket_bytes, stats, start):
+        check = self.policy.engine.verify_sync and verify
+        pushed: dict[str, torch.Tensor] = {}
+        if check:
+            named = _keep(named, pushed)
+        stats = sender.push(named, version=version, bucket_bytes=bucket_bytes, pause=False)  # the pool paused
+        stats.seconds = time.perf_counter() - start
+        if not check:
+            return stats, None
+        urls = {i: self.servers.urls[i] for i in verify}
+        return stats, lambda: verify_replicas(self.name, self.fleet.model_paths[self.name], pushed, urls,
+                                              served_model=SERVED_MODEL, version=version,
+                                              backend=self.policy.engine.backend)
+
+    def _sender(self, where: tuple, targets: list[tuple[int, int]], *,
+                colocated: bool) -> WeightSender | VLLMNativeSender | SGLangWeightSender:
+        """The connection for ``targets``, rebuilt when the replica set or a restart changed it."""
+        wanted = tuple(sorted(targets))
+        current = self._transfers.get(where)
+        if current is not None and current.key == wanted:
+            return current.sender
+        if current is not None:
+            current.sender.close()
+        servers = self.servers
+        indices = [i for i, _ in wanted]
+        sender = SENDERS[self.policy.engine.backend](
+            [servers.urls[i] for i in indices],
+            transport=transport_for(self.policy, colocated=colocated, on_gpu=torch.cuda.is_available()),
+            master_addr=host_address(multi_node=self.fleet.multi_node), master_port=free_port("0.0.0.0"),
+            replica_tp=[len(servers.replicas[i].ranks) for i in indices],
+        )
+        sender.connect()
+        self._transfers[where] = _Transfer(sender, wanted)
+        return sender
+
+    # -- L2 adapters ----------------------------------------------------------------------------------
+
+    def adapter_dir(self, adapter: str, version: int) -> Path:
+        return self.run_dir / "adapters" / self.name / adapter / f"v{version}"
+
+    def register_adapters(self) -> None:
+        """Collective, L2: write each adapter's initial PEFT directory (over its WG) and register it
+        with the policy's engines, which then receive adapter-only updates."""
+        if self.policy.lora is None:
+            return
+        for adapter in self.adapters:
+            path = self.adapter_dir(adapter, 0)
+            if self.worker is not None:
+                save_peft_adapter(self.worker.model, self.wg, adapter, path)
+            dist.barrier(group=self.control)
+            if self.is_driver:
+                if self.served:
+                    self.wake()  # on GPU asleep since start-up (ServerFleet._start)
+                self.engine.add_lora(adapter, path)
+
+    def _push_adapters(self, version: int) -> dict[str, float]:
+        metrics, worker = {}, self.worker
+        for adapter in self.adapters:
+            if self.served:
+                stats, verified = self._adapter_to_servers(adapter, version)
+                if self.policy.engine.verify_sync and self.is_driver:
+                    metrics[f"weight_sync/{self.name}/{adapter}/verified_replicas"] = float(verified)
+            else:
+                export = (lambda a=adapter: worker.export_adapter(a)) if worker else None
+                stats = sync_weights(self.wg, export, self._engines(), version=version, engine_rank=self.driver_rank,
+                                     bucket_mb=self.policy.engine.bucket_mb, lora=adapter)
+            metrics.update(stats.as_dict(f"weight_sync/{self.name}/{adapter}"))
+        return metrics
+
+    def _adapter_to_servers(self, adapter: str, version: int) -> tuple[SyncStats, int]:
+        path = self.adapter_dir(adapter, version)
+        if self.worker is not None:
+            save_peft_adapter(self.worker.model, self.wg, adapter, path)
+        dist.barrier(group=self.control)
+        stats = SyncStats(num_tensors=sum(1 for _ in path.glob("*.safetensors")) if self.is_driver else 0)
+        verified = 0  # replicas whose greedy tokens matched (engine.verify_sync)
+        if self.is_driver:
+            stats.num_bytes = sum(f.stat().st_size for f in path.iterdir() if f.is_file())
+            engine = self.engine
+            self.wake()  # colocated, asleep since the rollout: weights, KV cache back
+            with engine.external_update(version, lora=adapter) as targets:
+                for index, _ in targets:  # every replica reloads the adapter in place
+                    replica = engine.replicas[index]
+                    replica.add_lora(adapter, path)
+                    replica.lora_versions[adapter] = version
+            engine.adapter_updated(adapter, path, version)  # a restarted replica loads the newest directory
+            if self.policy.engine.verify_sync:
+                urls = {i: engine.replicas[i].base_url for i, _ in targets}
+                verified += verify_adapter(self.name, adapter, self.fleet.model_paths[self.name], path, urls,
+                                           version=version, served_model=SERVED_MODEL,
+                                           backend=self.policy.engine.backend)
+        return stats, verified
+
+    def close(self) -> None:
+        for transfer in self._transfers.values():
+            try:
+                transfer.sender.close()
+            except Exception:  # noqa: BLE001, S110 - servers may already be gone
+                pass
+
+
+def build_replicas(cfg, *, wgs: dict[str, WorkerGroup], workers: dict, fleet: ServerFleet | None, run_dir: Path,
+                   driver_rank: int, control_group) -> dict[str, PolicyReplicas]:
+    """Every policy's replicas, on every rank."""
+    return {name: PolicyReplicas(cfg, name, wg=wgs[name], worker=workers.get(name), fleet=fleet, run_dir=run_dir,
+                                 driver_rank=driver_rank, control_group=control_group)
+            for name in cfg.policies}
+
+
+def stale_replicas(replicas: dict[str, PolicyReplicas], *, driver_rank: int, control_group) -> dict[str, list[int]]:
+    """Collective: the driver's replicas (of server-backed policies whose weights train) that restarted
+    since their last push, the same on every rank."""
+    if not any(r.served for r in replicas.values()):  # in-process engines: the pool re-sends the weights itself
+        return {}
+    found = {}
+    if dist.get_rank() == driver_rank:
+        for name, r in replicas.items():
+            indices = r.stale()
+            if indices:
+                found[name] = indices
+    holder = [found]
+    dist.broadcast_object_list(holder, src=driver_rank, group=control_group)
+    return holder[0]
+
+
+def _each_live(pool: EnginePool, call) -> None:
+    for index, replica in enumerate(pool.replicas):
+        if pool.live[index]:
+            try:
+                call(replica)
+            except ConnectionError:
+                pool._mark_dead(index, replica)
+
+
+@contextmanager
+def _nothing():
+    yield None
+
+
+def _keep(named: Iterable[tuple[str, torch.Tensor]], into: dict) -> Iterator[tuple[str, torch.Tensor]]:
+    for name, tensor in named:
+        into[name] = tensor
+        yield name, tensor
+
+
+def _await_health(url: str, *, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not healthy(url, timeout_s=5):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"engine server {url} did not come back within {timeout_s:.0f} s")
+        time.sleep(1.0)

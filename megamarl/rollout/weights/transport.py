@@ -1,0 +1,55 @@
+"""How pushes reach a policy's engine servers: the data plane (``TRANSPORTS`` by engine backend, from
+``engine.weight_transfer``; the same string goes on the server's command line and into the sender) and
+the sender that speaks it (``SENDERS`` by engine backend: connect/begin/send/end/push/close). The one
+place for the transport choice."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from megamarl.rollout.weights.server_sync import WeightSender
+from megamarl.rollout.weights.sglang_sync import SGLangWeightSender
+from megamarl.rollout.weights.vllm_native_sync import TRANSPORTS as VLLM_NATIVE
+from megamarl.rollout.weights.vllm_native_sync import VLLMNativeSender
+
+
+def vllm_transport(engine, *, colocated: bool, pp: int, on_gpu: bool) -> str:
+    """The data plane into a policy's vLLM replicas (their ``--weight-transfer-config`` backend and the
+    sender's), from ``engine.weight_transfer``. vLLM's own backends (GPU): CUDA IPC into a colocated
+    replica at engine TP=1, NCCL to disaggregated replicas at PP=1 (a vLLM worker holds ONE nccl
+    group, and each pipeline stage sends on its own). megamarl's plugin backends: shared memory into
+    a colocated replica (PP=1) fed by its own rank, a gloo broadcast per stage otherwise."""
+    native = on_gpu and engine.weight_transfer != "megamarl"
+    if colocated and pp == 1:
+        return "ipc" if native and engine.tp == 1 else "megamarl_shm"
+    return "nccl" if native and pp == 1 else "megamarl_gloo"
+
+
+def sglang_transport(engine, *, colocated: bool, pp: int, on_gpu: bool) -> str:
+    """SGLang's own data planes on GPU (CUDA IPC into a colocated replica, NCCL otherwise); a gloo
+    group on CPU or with ``engine.weight_transfer: megamarl`` (on CPU also for a colocated replica:
+    its own leader rank is the group's sender)."""
+    if not on_gpu or engine.weight_transfer == "megamarl":
+        return "gloo"
+    return "cuda_ipc" if colocated else "nccl"
+
+
+def _vllm_sender(urls: list[str], *, transport: str, **kw) -> WeightSender | VLLMNativeSender:
+    if transport in VLLM_NATIVE:
+        return VLLMNativeSender(urls, transport=transport, **kw)
+    return WeightSender(urls, backend=transport, **kw)
+
+
+def _sglang_sender(urls: list[str], *, transport: str, **kw) -> SGLangWeightSender:
+    return SGLangWeightSender(urls, transport=transport, **kw)
+
+
+# engine backend -> how its servers receive weights (the transport from the policy's engine config)
+TRANSPORTS: dict[str, Callable[..., str]] = {"vllm": vllm_transport, "sglang": sglang_transport}
+# engine backend -> the weight sender into its servers (connect/begin/send/end/push/close)
+SENDERS: dict[str, Callable[..., WeightSender | VLLMNativeSender | SGLangWeightSender]] = {"vllm": _vllm_sender, "sglang": _sglang_sender}
+
+
+def transport_for(policy, *, colocated: bool, on_gpu: bool) -> str:
+    """The data plane of pushes into the servers of ``policy`` (``policies.<p>``; ``TRANSPORTS``)."""
+    return TRANSPORTS[policy.engine.backend](policy.engine, colocated=colocated, pp=policy.pp, on_gpu=on_gpu)
