@@ -2,6 +2,7 @@
 
     python scripts/bench_sandbox.py               # docs/bench/sandbox.json + a table (~30-50 s)
     python scripts/bench_sandbox.py --num 10      # quicker
+    python scripts/bench_sandbox.py --preset-steps 3   # also the code preset's step time, both paths (~4 min)
 
 Both paths judge the same candidates in one run, one judge process, sequentially (as one env
 worker does): a function-call problem (three cases, one sandboxed process per candidate) and a
@@ -13,6 +14,12 @@ namespaces); ``unsafe_inprocess`` is the old one (rlimits + audit hook, same uid
 kept only as the explicit opt-in ``env.kwargs.unsafe_inprocess: true``. ``isolated_rlimits_only``
 is the isolated path without its per-run cgroup (tree-wide memory, pids and CPU limits), to show
 what the cgroup costs; the row is left out where no cgroup hierarchy is writable.
+
+``--preset-steps N`` also trains ``configs/presets/code.yaml`` (the code env's judge in 2 process env
+workers) for N steps on each path (``env.kwargs.unsafe_inprocess`` true, then false, then both again:
+alternating runs), through ``torchrun --nproc_per_node 1 scripts/train.py``, and reports the steps'
+``timing_s/step`` and ``timing_s/rollout`` (means over the runs' steps), the per-step coder reward and
+the judge's error and failed-episode counts: that the preset trains the same on both paths.
 """
 
 from __future__ import annotations
@@ -22,8 +29,10 @@ import json
 import os
 import platform
 import resource
+import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -96,6 +105,45 @@ def bench(kind: str, num: int, config: SandboxConfig, paths: tuple[str, ...], *,
     return rows
 
 
+def train_preset(steps: int, *, unsafe: bool, out: str) -> list[dict]:
+    """One code-preset run on one path: its per-step metrics (metrics.jsonl)."""
+    torchrun = str(Path(sys.executable).with_name("torchrun"))
+    name = f"code_{'unsafe' if unsafe else 'isolated'}"
+    command = [torchrun, "--nproc_per_node", "1", str(ROOT / "scripts/train.py"), "--config",
+               str(ROOT / "configs/presets/code.yaml"), f"trainer.total_steps={steps}", f"output_dir={out}",
+               f"name={name}", f"env.kwargs.unsafe_inprocess={str(unsafe).lower()}", "trainer.save_every=0",
+               "logger.plots=false", "logger.progress=false"]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise SystemExit(f"bench_sandbox: {' '.join(command)} exited {done.returncode}:\n{done.stderr[-3000:]}")
+    lines = [json.loads(line) for line in (Path(out) / name / "metrics.jsonl").read_text().splitlines()]
+    return [m for m in lines if "timing_s/step" in m]
+
+
+def bench_preset(steps: int, *, num_rounds: int = 2) -> list[dict]:
+    """The code preset on both paths, alternating runs; means over every run's steps."""
+    runs = {True: [], False: []}
+    with tempfile.TemporaryDirectory(prefix="bench-sandbox-") as out:
+        for round_ in range(num_rounds):
+            for unsafe in (True, False):
+                print(f"code preset, {'unsafe_inprocess' if unsafe else 'isolated'}, run {round_ + 1}/{num_rounds}",
+                      flush=True)
+                runs[unsafe].append(train_preset(steps, unsafe=unsafe, out=f"{out}/{round_}"))
+    rows = []
+    for unsafe, per_run in runs.items():
+        steps_ = [m for run in per_run for m in run]
+        rows.append({
+            "path": "unsafe_inprocess" if unsafe else "isolated", "runs": len(per_run), "steps_per_run": steps,
+            "step_s": round(statistics.mean(m["timing_s/step"] for m in steps_), 2),
+            "rollout_s": round(statistics.mean(m["timing_s/rollout"] for m in steps_), 2),
+            "coder_reward_mean_per_step": [[round(m.get("agent/coder/reward_mean", float("nan")), 4) for m in run]
+                                           for run in per_run],
+            "judge_errors": sum(m.get("env/judge_errors", 0) for m in steps_),
+            "failed_episodes": sum(m.get("rollout/num_failed", 0) for m in steps_),
+        })
+    return rows
+
+
 def machine() -> dict:
     cpu = platform.processor()
     for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -111,6 +159,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--num", type=int, default=20, help="candidates per problem kind and path")
     parser.add_argument("--out", default=str(ROOT / "docs/bench/sandbox.json"))
+    parser.add_argument("--preset-steps", type=int, default=0,
+                        help="also train configs/presets/code.yaml this many steps on each path (0: skip)")
     args = parser.parse_args()
     reason = isolation_error()
     if reason is not None:
@@ -125,6 +175,7 @@ def main() -> int:
         for path in paths:  # warm the page cache for every path
             judge_some(kind, path, 2, config, 0)
         rows += bench(kind, args.num, config, paths)
+    preset = bench_preset(args.preset_steps) if args.preset_steps > 0 else []
     load_after = os.getloadavg()[0]
     for r in rows:
         old = next(o for o in rows if o["problem"] == r["problem"] and o["path"] == "unsafe_inprocess")
@@ -134,7 +185,13 @@ def main() -> int:
     for r in rows:
         print(f"| {r['problem']} | {r['path']} | {r['candidates_per_s']:.2f} | {r['ms_per_process']:.1f} | "
               f"{r['cpu_ms_per_process']:.1f} | {r.get('vs_unsafe_inprocess', 1.0):.2f}x |")
-    result = {"machine": machine(), "tree_limits": limits, "load_avg_1m": {"before": load_before, "after": load_after},
+    if preset:
+        print("\n| code preset | step s | rollout s | coder reward per step (runs) | judge errors | failed episodes |\n"
+              "|---|---|---|---|---|---|")
+        for r in preset:
+            print(f"| {r['path']} | {r['step_s']:.2f} | {r['rollout_s']:.2f} | {r['coder_reward_mean_per_step']} | "
+                  f"{r['judge_errors']:g} | {r['failed_episodes']:g} |")
+    result = {"machine": machine(), "tree_limits": limits, "code_preset": preset, "load_avg_1m": {"before": load_before, "after": load_after},
               "sandbox": {k: v for k, v in vars(config).items()}, "results": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
