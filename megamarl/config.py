@@ -24,7 +24,7 @@ import yaml
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from megamarl.config_loader import compose_config
+from megamarl.config_loader import compose_config, first_line
 from megamarl.config_sections import (
     AgentConfig,
     EnvSpec,
@@ -641,14 +641,10 @@ def _with_names(message: str, merged) -> str:
             try:
                 OmegaConf.to_object(merged[section][name])
             except (ValueError, OmegaConfBaseException) as exc:
-                if _first_line(exc) == message:
+                if first_line(exc) == message:
                     return message.replace(placeholder, f"{section}.{name}")
     return message
 
-
-
-def _first_line(exc: Exception) -> str:
-    return str(exc).strip().splitlines()[0]
 
 
 def _resolve_plugin_paths(cfg: DictConfig, config_dir: Path) -> None:

@@ -105,7 +105,7 @@ def compose_config(schema_cls: type, path: str | Path | None, overrides: list[st
             key = None if getattr(exc, "full_key", None) else _mismatched_key(schema, composed)
             if key is None:
                 raise
-            raise ValueError(f"config key '{key}': {_first_line(exc)}") from exc
+            raise ValueError(f"config key '{key}': {first_line(exc)}") from exc
         try:
             return OmegaConf.to_object(merged)
         except ValueError as exc:  # a component's __post_init__ (OmegaConf's own errors: below)
@@ -163,7 +163,7 @@ def _parse(overrides) -> list:
         try:
             parsed.extend(parser.parse_overrides([override]))
         except HydraException as exc:
-            raise ValueError(f"config override {override!r}: {_first_line(exc)}") from exc
+            raise ValueError(f"config override {override!r}: {first_line(exc)}") from exc
     return parsed
 
 
@@ -217,14 +217,14 @@ def _describe(exc: BaseException, schema_cls: type) -> str:
             found = cause
         cause = cause.__cause__
     if found is None:
-        message = _first_line(exc)
+        message = first_line(exc)
         quoted = re.search(r"An item is already at '([^']+)'", message)
         if quoted:  # '+key=v' on a key that exists
             key = quoted.group(1)
             return f"config key '{key}': already set; replace it with {key}=... (or ++{key}=...: set or add)"
         return f"config: {message}"
     key = found.full_key
-    message = _first_line(found)
+    message = first_line(found)
     if "not in struct" in message or "not in '" in message:
         message = f"unknown key{_suggest(schema_cls, key)}"
     return f"config key '{key}': {message}"
@@ -251,5 +251,5 @@ def _suggest(schema_cls: type, full_key: str) -> str:
     return f"; did you mean {prefix}{close[0]}?" if close else f"; allowed: {names}"
 
 
-def _first_line(exc: BaseException) -> str:
+def first_line(exc: BaseException) -> str:
     return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__

@@ -28,8 +28,8 @@ import sys
 import time
 from pathlib import Path
 
-from megamarl.parallel.distributed import free_local_port
 from megamarl.parallel.launch import rank_context, set_rank_environ
+from megamarl.parallel.network import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = ROOT / "scripts" / "train.py"
@@ -119,7 +119,7 @@ def start(argv: list[str], *, nproc: int, log: Path, env: dict[str, str] | None 
     if Path(script) == TRAIN and not any(a.lstrip("+").startswith("logger.plots=") for a in argv):
         argv = [*argv, "logger.plots=false"]  # NO_PLOTS (module docstring)
     ctx = rank_context(TRAIN_PRELOAD)
-    port = free_local_port()
+    port = free_port()
     environ = {**os.environ, "CI": "true", **(env or {})}
     procs = [ctx.Process(target=_rank_main, args=(rank, nproc, port, str(script), list(argv), environ, str(cwd),
                                                   str(log)))

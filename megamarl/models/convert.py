@@ -97,9 +97,7 @@ def megatron_to_hf(rank: int, src: str, dst: str, tp: int, pp: int, dtype: str =
     return [f"{file}\t{name}" for name in tensors]
 
 
-def run_on_ranks(body, world: int, *args) -> list:
-    """``body(rank, *args)`` on ``world`` ranks: this process under torchrun, else spawned ranks."""
-    return launch.run_on_ranks(body, world, *args, timeout_s=3600)
+CONVERSION_TIMEOUT_S = 3600  # a conversion rank's whole life (a large model's load and write)
 
 
 def convert(src: str | Path, dst: str | Path, *, from_format: str, to_format: str, tp: int = 1, pp: int = 1,
@@ -115,12 +113,14 @@ def convert(src: str | Path, dst: str | Path, *, from_format: str, to_format: st
     with atomic_dir(final) as staging:  # readers never see a half-converted checkpoint
         copy_side_files(src, staging)
         if from_format == "hf":
-            run_on_ranks(hf_to_megatron, tp * pp, str(src), str(staging), tp, pp)
+            launch.run_on_ranks(hf_to_megatron, tp * pp, str(src), str(staging), tp, pp,
+                                timeout_s=CONVERSION_TIMEOUT_S)
             (staging / "megamarl_convert.json").write_text(json.dumps({"saved_tp": tp, "saved_pp": pp}))
             return final
         (staging / "megamarl_convert.json").unlink(missing_ok=True)
-        lines = [line for rank_lines in run_on_ranks(megatron_to_hf, tp * pp, str(src), str(staging), tp, pp, dtype)
-                 for line in rank_lines]
+        per_rank = launch.run_on_ranks(megatron_to_hf, tp * pp, str(src), str(staging), tp, pp, dtype,
+                                       timeout_s=CONVERSION_TIMEOUT_S)
+        lines = [line for rank_lines in per_rank for line in rank_lines]
         if pp > 1 and lines:
             weight_map = dict(reversed(line.split("\t")) for line in lines)
             (staging / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2))

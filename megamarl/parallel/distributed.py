@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from megamarl.parallel.cpu_compat import enable_cpu_compat
+from megamarl.parallel.network import free_port
 
 
 def device_backend() -> str:
@@ -44,7 +45,7 @@ def init_distributed(*, timeout_s: float = 600.0) -> torch.device:
     if not dist.is_initialized():
         if "RANK" not in os.environ:  # plain `python scripts/train.py`: a one-rank world
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", str(free_local_port()))
+            os.environ.setdefault("MASTER_PORT", str(free_port()))
             os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
         dist.init_process_group(
             backend=device_backend(),
@@ -109,10 +110,3 @@ def wait_for_driver(what: str, *, driver: int = 0, timeout_s: float, heartbeat_s
             continue
 
 
-def free_local_port() -> int:
-    """A TCP port free on 127.0.0.1 now (a local rendezvous)."""
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]

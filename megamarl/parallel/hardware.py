@@ -13,10 +13,13 @@ from __future__ import annotations
 import functools
 import os
 import platform
+from typing import TYPE_CHECKING
 
 import torch
 
-from megamarl.config import RunConfig
+if TYPE_CHECKING:  # annotations only: parallel/ stays importable without the config's Hydra stack
+    from megamarl.config import RunConfig
+
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DTYPE_CHOICES = ("auto", *DTYPES)
@@ -84,3 +87,9 @@ def check_dtypes(cfg: RunConfig) -> None:
         for key, value in (("dtype", policy.dtype), ("engine.dtype", policy.engine.dtype)):
             if value not in DTYPE_CHOICES:
                 raise ValueError(f"policies.{name}.{key}='{value}' unknown; allowed: {list(DTYPE_CHOICES)}")
+
+
+def synchronize() -> None:
+    """Wait for the accelerator's queued work (a no-op on CPU, where there is none)."""
+    if torch.accelerator.is_available():
+        torch.accelerator.synchronize()

@@ -20,7 +20,8 @@ from typing import Any
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from megamarl.parallel.distributed import free_local_port, init_distributed
+from megamarl.parallel.distributed import init_distributed
+from megamarl.parallel.network import free_port
 
 
 def set_rank_environ(environ: dict[str, str], rank: int, world_size: int, port: int) -> None:
@@ -78,7 +79,7 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout_s: float = 180.
     ``rank_context``); return results in rank order."""
     ctx = rank_context()
     results = ctx.Queue()
-    port = free_local_port()
+    port = free_port()
     procs = [
         ctx.Process(target=_rank_main, args=(rank, world_size, port, fn, args, results, dict(os.environ)),
                     daemon=False)

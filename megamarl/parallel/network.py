@@ -37,6 +37,16 @@ _SIOCGIFADDR = 0x8915  # Linux ioctl: an interface's IPv4 address
 _PUBLIC_PROBE = "8.8.8.8"  # any global address: a UDP connect picks the default route and sends nothing
 
 
+ANY_HOST = ("0.0.0.0", "::")  # bind addresses that serve other nodes
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` now (0.0.0.0 or ::, every interface; the default, a local rendezvous)."""
+    with socket.socket() as sock:
+        sock.bind((host if host not in ANY_HOST else "", 0))
+        return sock.getsockname()[1]
+
+
 def host_address(*, multi_node: bool, environ: Mapping[str, str] | None = None) -> str:
     """The address peers reach this node's senders and servers at (module docstring's rules)."""
     env = os.environ if environ is None else environ

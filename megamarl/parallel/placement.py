@@ -18,12 +18,15 @@ from __future__ import annotations
 # models: importing megatron.core costs ~3 s of CPU (9.7 s wall measured on the loaded 2-core box,
 # 2026-11-23), and config loading and --dry-run import this module without building a model.
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
-from megamarl.config import RunConfig
 from megamarl.parallel.distributed import device_backend, local_device
+
+if TYPE_CHECKING:  # annotations only: parallel/ stays importable without the config's Hydra stack
+    from megamarl.config import RunConfig
 
 AXES = ("tp", "cp", "ep", "dp", "pp")  # megatron-core rank order, fastest-varying first
 PLACEMENT_MODES = ("colocated", "disaggregated")

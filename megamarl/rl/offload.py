@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from megamarl.parallel.hardware import synchronize
+
 HOST = torch.device("cpu")
 
 
@@ -63,7 +65,7 @@ class TrainStateOffload:
             host = torch.empty(size, dtype=torch.uint8, device=HOST, pin_memory=pin).untyped_storage()
             host.copy_(storage, non_blocking=pin)
             self._held.append((storage, host, size))
-        _synchronize()  # every copy has landed before the device memory is released
+        synchronize()  # every copy has landed before the device memory is released
         for storage, _, _ in self._held:
             storage.resize_(0)
         _empty_cache()
@@ -80,7 +82,7 @@ class TrainStateOffload:
         for module in self.modules:
             if hasattr(module, "restore_grad_buffers"):
                 module.restore_grad_buffers(synchronize=False)
-        _synchronize()
+        synchronize()
         moved = sum(size for *_, size in self._held)
         self._held = []
         self.offloaded = False
@@ -127,11 +129,6 @@ def _unique_storages(tensors: Iterable[torch.Tensor], device: torch.device) -> l
         if storage.nbytes() and where.type == device.type and (device.index is None or where.index == device.index):
             seen.setdefault(storage.data_ptr(), storage)
     return list(seen.values())
-
-
-def _synchronize() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
 
 
 def _empty_cache() -> None:

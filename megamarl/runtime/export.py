@@ -34,10 +34,11 @@ import torch
 from safetensors.torch import save_file
 
 from megamarl.models import bridge, checkpoint
-from megamarl.models.convert import conversion_worker_group, convert, copy_side_files, run_on_ranks
+from megamarl.models.convert import CONVERSION_TIMEOUT_S, conversion_worker_group, convert, copy_side_files
 from megamarl.models.lora import add_lora_adapter, save_peft_adapter
 from megamarl.models.model_cache import atomic_dir
 from megamarl.models.packaged import resolve_model_path
+from megamarl.parallel.launch import run_on_ranks
 from megamarl.rollout.engines.lora import policy_adapters
 from megamarl.runtime import checkpoint as policy_io
 from megamarl.runtime.configure import load_config
@@ -117,7 +118,8 @@ def export_run(src: str | Path, dst: str | Path, *, policies: list[str] | None =
     for job in jobs:
         with atomic_dir(job.dst) as tmp:  # a reader never sees a half-written export
             copy_side_files(Path(job.model_path), tmp, dtype=job.dtype)
-            lines = [line for rank_lines in run_on_ranks(export_policy_rank, tp * pp, replace(job, dst=str(tmp)), tp, pp)
+            lines = [line for rank_lines in run_on_ranks(export_policy_rank, tp * pp, replace(job, dst=str(tmp)), tp, pp,
+                                                  timeout_s=CONVERSION_TIMEOUT_S)
                      for line in rank_lines]
             if pp > 1:
                 weight_map = dict(reversed(line.split("\t")) for line in lines)

@@ -35,7 +35,7 @@ LORA_RANK, LORA_ALPHA = 8, 16
 
 
 def _port() -> int:
-    from megamarl.rollout.servers.server_launch import free_port
+    from megamarl.parallel.network import free_port
 
     return free_port("127.0.0.1")
 

@@ -122,6 +122,23 @@ def test_no_import_circles_between_files():
     assert not circles, "\n".join(circles)
 
 
+# Module-level functions that several modules define on purpose: a CLI's entry point and the model
+# families' protocol function (models/registry.py dispatches to each family's).
+PROTOCOL_FUNCTIONS = ("main", "arch_from_hf")
+
+
+def test_no_function_is_defined_twice():
+    """One function per job: a module-level function name appears in one module only (two copies of
+    ``_first_line`` and of a free-port picker had drifted apart before)."""
+    where: dict[str, list[str]] = {}
+    for module, path in MODULES.items():
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name not in PROTOCOL_FUNCTIONS:
+                where.setdefault(node.name, []).append(module)
+    twice = {name: modules for name, modules in where.items() if len(modules) > 1}
+    assert not twice, twice
+
+
 def test_the_checker_sees_a_circle_and_an_upward_import():
     """The checks above would catch what they are for (a hand-made graph, not the package)."""
     assert _layer("megamarl.config") < _layer("megamarl.rollout.pool") < _layer("megamarl.trainer")

@@ -11,10 +11,10 @@ import torch
 from fake_servers import FakeSGLangServer  # tests/ helper
 
 from megamarl.models.tiny import tiny_model
+from megamarl.parallel.network import free_port
 from megamarl.rollout.engines.base import SamplingParams
 from megamarl.rollout.engines.hf import HFEngine
 from megamarl.rollout.engines.sglang import SGLangClient, deserialize_named_tensors
-from megamarl.rollout.servers.server_launch import free_port
 from megamarl.rollout.weights.sglang_sync import SGLangWeightSender, tensor_payload
 from megamarl.rollout.weights.sync_check import served_tokens
 

@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 from megamarl.models.lora import save_peft_adapter
 from megamarl.parallel.hardware import DTYPES, resolve_dtype
-from megamarl.parallel.network import host_address
+from megamarl.parallel.network import free_port, host_address
 from megamarl.parallel.placement import WorkerGroup
 from megamarl.rollout.engines.base import Engine
 from megamarl.rollout.engines.lora import policy_adapters
@@ -48,7 +48,7 @@ from megamarl.rollout.engines.sglang import SGLangClient
 from megamarl.rollout.engines.vllm_server import VLLMServerClient
 from megamarl.rollout.replicas.pool import EnginePool
 from megamarl.rollout.servers.fleet import CLIENTS, SERVED_MODEL, ServerFleet
-from megamarl.rollout.servers.server_launch import free_port, healthy
+from megamarl.rollout.servers.server_launch import healthy
 from megamarl.rollout.weights.server_sync import WeightSender
 from megamarl.rollout.weights.sglang_sync import SGLangWeightSender
 from megamarl.rollout.weights.sync_check import verify_adapter, verify_replicas

@@ -28,7 +28,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -40,13 +39,12 @@ from pathlib import Path
 import torch
 
 from megamarl.models.packaged import cache_dir
-from megamarl.parallel.network import HOST_ADDR_ENV, host_address
+from megamarl.parallel.network import ANY_HOST, HOST_ADDR_ENV, free_port, host_address
 from megamarl.rollout.engines.lora import LoraServing
 
 SERVER_BACKENDS = ("vllm", "sglang")
 _VLLM_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 PLUGIN_ENTRY_POINT = "megamarl = megamarl.vllm_plugins:register"
-ANY_HOST = ("0.0.0.0", "::")  # bind addresses that serve other nodes
 
 
 class ServerStartError(RuntimeError):
@@ -100,13 +98,6 @@ class ServerSpec:
     @property
     def label(self) -> str:
         return f"policy '{self.policy}' replica {self.replica} (rank {self.rank})"
-
-
-def free_port(host: str) -> int:
-    """A port free on ``host`` now (0.0.0.0: on every interface)."""
-    with socket.socket() as sock:
-        sock.bind((host if host not in ANY_HOST else "", 0))
-        return sock.getsockname()[1]
 
 
 def server_command(spec: ServerSpec) -> list[str]:

@@ -42,6 +42,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
+from megamarl.parallel.hardware import synchronize
 from megamarl.parallel.network import HOST_ADDR_ENV
 from megamarl.rollout.weights.server_sync import BufferPool, new_gloo_group, unpack_bucket
 
@@ -83,13 +84,6 @@ class BucketInfo(WeightTransferUpdateInfo):
             raise ValueError("update_info: names, dtype_names, shapes and offsets must have one entry per tensor")
 
 
-def _synchronize() -> None:
-    """What vLLM's base engine does after an update, skipped where there is no accelerator (it
-    synchronizes unconditionally, which fails on CPU)."""
-    if torch.accelerator.is_available():
-        torch.accelerator.synchronize()
-
-
 def repack_tied_lm_head(model: torch.nn.Module) -> None:
     """vLLM-CPU keeps a packed copy of the LM head's GEMM weight; a tied head gets no tensor in a
     reload, so repack it from the reloaded embedding (see ``vllm_engine._repack_tied_lm_head``)."""
@@ -125,7 +119,7 @@ class _LayerwiseEngine(WeightTransferEngine):
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         self.receive_weights(self.parse_update_info(update_info))
-        _synchronize()
+        synchronize()  # vLLM's base engine does this unconditionally, which fails on CPU
 
     def receive_weights(self, update_info: BucketInfo) -> None:
         self._load(lambda: self._bucket_bytes(update_info), update_info)
@@ -191,7 +185,7 @@ class GlooWeightTransferEngine(_LayerwiseEngine):
     def update_weights(self, update_info: dict[str, Any]) -> None:
         self._post(self.parse_update_info(update_info))
         self._load_arrived(wait=False)
-        _synchronize()
+        synchronize()  # vLLM's base engine does this unconditionally, which fails on CPU
 
     def finish_weight_update(self) -> None:
         self._load_arrived(wait=True)
