@@ -48,8 +48,9 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from bench_rollout import machine_info
 
 from megamarl.models.packaged import resolve_model_path
+from megamarl.parallel.network import free_port
 from megamarl.rollout.engines.base import buckets
-from megamarl.rollout.servers.server_launch import ServerProcess, ServerSpec, free_port
+from megamarl.rollout.servers.server_launch import ServerProcess, ServerSpec
 from megamarl.rollout.weights.server_sync import (
     WeightSender,
     bucket_info,
