@@ -7,11 +7,10 @@ import math
 
 import pytest
 
+from megamarl.config_sections import LoggerConfig, WandbConfig
 from megamarl.runtime.metrics import (
-    LoggerConfig,
     MetricsLogger,
     Timer,
-    WandbConfig,
     agent_metrics,
     describe,
     mean,

@@ -8,7 +8,8 @@ import math
 
 import pytest
 
-from megamarl.runtime.metrics import LoggerConfig, MetricsLogger, WandbConfig
+from megamarl.config_sections import LoggerConfig, WandbConfig
+from megamarl.runtime.metrics import MetricsLogger
 from megamarl.runtime.plot import main, plot_run, run_figures
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -7,9 +7,10 @@ import json
 
 import pytest
 
+from megamarl.config_sections import LoggerConfig, WandbConfig
 from megamarl.orchestration.context import derive_seed
 from megamarl.runtime import checkpoint as run_ckpt
-from megamarl.runtime.metrics import LoggerConfig, MetricsLogger, WandbConfig, read_eval, read_metrics
+from megamarl.runtime.metrics import MetricsLogger, read_eval, read_metrics
 
 
 def _checkpoint(run_dir, step, *, complete=True):
