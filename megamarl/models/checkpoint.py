@@ -17,6 +17,13 @@ hyper-parameters (``param_groups``) come from the config of the run that loads.
 Collectives: megatron-core 0.16's ``dist_checkpointing.save/load`` run over the *whole world*
 (global rank 0 writes the metadata). So ``save_checkpoint``/``load_checkpoint`` are collective
 over all ranks: ranks outside the WG call them with ``model=None`` (they contribute nothing).
+
+The common part: what a state dict holds besides ``ShardedTensor``/``ShardedObject`` leaves (for
+megatron-core's optimizer: its ``param_groups`` with the step, and the sharding type) goes to
+``common.pt``, which megatron-core writes from *global* rank 0 only. A WG that rank 0 is not in
+(disaggregated placements: the driver on rank 0) would lose it. So the WG's common part is saved as
+one ``ShardedObject`` (``COMMON_KEY``) written by the WG's first rank, and merged back on load;
+checkpoints written before (common part in ``common.pt``) still load.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ import torch
 from megamarl.models.bridge import unwrap
 
 STEP_KEY = "optimizer.step"
+COMMON_KEY = "common"  # the WG's non-sharded state (see the module doc)
 
 
 def model_sharded_state_dict(model, wg) -> dict:
@@ -101,11 +109,35 @@ def save_checkpoint(path: str | Path, model, wg, *, optimizer=None) -> None:
     Path(path).mkdir(parents=True, exist_ok=True)
     _in_process_results_queue()
     state = {}
-    if model is not None:
-        state["model"] = model_sharded_state_dict(model, wg)
-        if optimizer is not None:
-            state.update(optimizer_sharded_state_dict(state["model"], optimizer, wg))
+    try:
+        if model is not None:
+            state["model"] = model_sharded_state_dict(model, wg)
+            if optimizer is not None:
+                state.update(optimizer_sharded_state_dict(state["model"], optimizer, wg))
+            state = _with_common_as_object(state, wg)
+    except Exception:
+        # the save below is collective over the world: take part (contributing nothing) so the other
+        # ranks' collectives stay in step, then raise; the caller agrees on the outcome
+        dist_checkpointing.save({}, str(path))
+        raise
     dist_checkpointing.save(state, str(path))
+
+
+def _with_common_as_object(state: dict, wg) -> dict:
+    """``state`` with its non-sharded leaves moved into one ``ShardedObject`` that the WG's first
+    rank writes (megatron-core writes ``common.pt`` from global rank 0 only: see the module doc)."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+    from megatron.core.dist_checkpointing.utils import extract_sharded_base
+
+    sharded, common = extract_sharded_base(state)
+    first = wg.tp_rank == 0 and wg.pp_rank == 0 and wg.dp_rank == 0
+    return {**sharded, COMMON_KEY: ShardedObject(COMMON_KEY, common, (1,), (0,), replica_id=0 if first else 1)}
+
+
+def _has_common_object(path: Path) -> bool:
+    from torch.distributed.checkpoint import FileSystemReader
+
+    return any(key.split("/")[0] == COMMON_KEY for key in FileSystemReader(str(path)).read_metadata().state_dict_metadata)
 
 
 def _in_process_results_queue() -> None:
@@ -130,6 +162,7 @@ def _in_process_results_queue() -> None:
 def load_checkpoint(path: str | Path, model, wg, *, optimizer=None) -> None:
     """Load ``path`` into this rank's shards (any layout). Collective over all ranks (see module doc)."""
     from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.dict_utils import merge
 
     template = {}
     if model is not None:
@@ -138,9 +171,13 @@ def load_checkpoint(path: str | Path, model, wg, *, optimizer=None) -> None:
             if not _is_megatron(optimizer):  # megatron-core's builds its template state itself
                 init_optimizer_state(optimizer)
             template.update(optimizer_sharded_state_dict(template["model"], optimizer, wg, is_loading=True))
+        if _has_common_object(Path(path)):  # else a checkpoint from before: its common part is in common.pt
+            template = _with_common_as_object(template, wg)
     loaded = dist_checkpointing.load(template, str(path))
     if model is None:
         return
+    if COMMON_KEY in loaded:
+        merge(loaded, loaded.pop(COMMON_KEY))
     result = unwrap(model).load_state_dict(loaded["model"], strict=False)
     missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
     if missing or result.unexpected_keys:

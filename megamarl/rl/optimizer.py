@@ -23,6 +23,13 @@ How it differs from Megatron-LM's training loop:
   (``KeyError: 'step'``), and on load gives every parameter one shared step tensor that torch's Adam
   then increments once per parameter; ``_keep_step_on_load`` keeps ``step`` out of the per-parameter
   state and gives each parameter its own copy of the restored step.
+- megatron-core 0.16's distributed optimizer records each parameter's place in its parameter group
+  (``model_param_group_index_map``, which checkpoint save and load go by) in grad-buffer order, then
+  installs each group as fp32 parameters first, then the fp32 copies of bf16 ones. A group that
+  mixes both (bf16 training: the no-weight-decay group holds bf16 biases and the fp32 norm weights
+  of megatron-core's local layers) has its state saved under the wrong parameters: a size-mismatch
+  error, or silently swapped state when sizes agree (NVIDIA/Megatron-LM#2777).
+  ``_index_params_as_installed`` rebuilds the map in the installed order.
 - LoRA policies: only the adapters require grad, so DDP buffers and optimizer state exist for them
   alone; each adapter is a parameter group with its agent's learning rate (``ParamKey`` overrides).
 """
@@ -103,6 +110,20 @@ def _keep_step_on_load() -> None:
     DistributedOptimizer.load_state_dict = load_with_own_steps
 
 
+def _index_params_as_installed(optimizer) -> None:
+    """Rebuild each distributed optimizer's ``model_param_group_index_map`` in the order megatron-core
+    installed the groups' parameters: fp32 ones, then bf16/fp16 ones (see the module doc)."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if isinstance(inner, DistributedOptimizer):
+            inner.model_param_group_index_map = {
+                param: (group_index, order)
+                for group_index, (fp32, half) in enumerate(zip(inner.model_fp32_groups, inner.model_float16_groups))
+                for order, param in enumerate([*fp32, *half])
+            }
+
+
 def build_optimizer(ddp_model, wg, *, lr: float, weight_decay: float, grad_clip: float, dtype: torch.dtype,
                     distributed: bool, min_lr: float = 0.0, adapter_lrs: dict[str, float] | None = None):
     """megatron-core's optimizer for ``ddp_model`` (a megatron-core ``DistributedDataParallel``).
@@ -123,8 +144,10 @@ def build_optimizer(ddp_model, wg, *, lr: float, weight_decay: float, grad_clip:
         overrides[ParamKey(name=f"*.lora_adapters.{adapter}.*")] = {"max_lr": adapter_lr, "min_lr": min_lr * adapter_lr / lr}
     _keep_step_on_load()
     with _collectives_in(wg.pgs.intra_dist_opt):
-        return get_megatron_optimizer(config, [ddp_model], config_overrides=overrides,
-                                      use_gloo_process_groups=False, pg_collection=wg.pgs)
+        optimizer = get_megatron_optimizer(config, [ddp_model], config_overrides=overrides,
+                                           use_gloo_process_groups=False, pg_collection=wg.pgs)
+    _index_params_as_installed(optimizer)
+    return optimizer
 
 
 def build_scheduler(optimizer, schedule: LrScheduleConfig, *, lr: float, total_steps: int):
