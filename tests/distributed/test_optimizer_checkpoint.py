@@ -85,7 +85,7 @@ def _save_then_load(rank, model_dir, ckpt_dir):
 def test_bf16_optimizer_round_trip_when_rank0_is_outside_the_wg(tmp_path):
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    from megamarl.models.tiny import save_tiny_model
+    from megamarl.models.packaged import save_tiny_model
 
     model_dir = save_tiny_model(tmp_path / "tiny", "qwen2", seed=0)
     results = run_ranks(_save_then_load, 3, str(model_dir), str(tmp_path / "ckpt"))
