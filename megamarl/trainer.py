@@ -80,7 +80,7 @@ class Trainer:
         self.plan = plan if plan is not None else plan_engines(cfg, self.world_size, per_node)
         # engine servers start now (in threads), sized on GPU from the memory plan; on CPU they overlap
         # model preparation, on GPU colocated ones are up and asleep first (ServerFleet.model_preparation)
-        fractions = server_memory_fractions(cfg, world_size=self.world_size, gpus_per_node=per_node)
+        fractions = server_memory_fractions(cfg, world_size=self.world_size, gpus_per_node=per_node, plan=self.plan)
         overlaps = SCHEDULES.traits(cfg.trainer.mode, key="trainer.mode").overlaps_training
         self.fleet = build_fleet(cfg, plan=self.plan, rank=self.rank, world_size=self.world_size, run_dir=self.run_dir,
                                  control_group=control_group(), overlaps_training=overlaps, kv_estimate=self._kv_estimate,

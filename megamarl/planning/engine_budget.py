@@ -29,7 +29,7 @@ import torch
 from megamarl.config import RunConfig
 from megamarl.driver.schedules import SCHEDULES
 from megamarl.planning.dryrun import GIB, plan_memory
-from megamarl.rollout.placement import plan_engines
+from megamarl.rollout.placement import ReplicaPlacement, plan_engines
 
 
 def engine_memory_fractions(cfg: RunConfig, *, world_size: int, gpus_per_node: int,
@@ -63,12 +63,14 @@ def engine_memory_fractions(cfg: RunConfig, *, world_size: int, gpus_per_node: i
     return fractions
 
 
-def server_memory_fractions(cfg: RunConfig, *, world_size: int, gpus_per_node: int) -> dict[tuple[str, int], float]:
+def server_memory_fractions(cfg: RunConfig, *, world_size: int, gpus_per_node: int,
+                            plan: dict[str, list[ReplicaPlacement]] | None = None) -> dict[tuple[str, int], float]:
     """``engine_memory_fractions`` on this node's GPUs (their memory measured here); empty without CUDA
-    (CPU servers are sized by ``engine.kv_cache_gib`` alone) or engine servers."""
+    (CPU servers are sized by ``engine.kv_cache_gib`` alone) or engine servers. ``plan``: the run's
+    engine plan (computed here when not given: tests)."""
     if not torch.cuda.is_available():
         return {}
-    plan = plan_engines(cfg, world_size, gpus_per_node)
+    plan = plan if plan is not None else plan_engines(cfg, world_size, gpus_per_node)
     if not any(r.launch == "server" for reps in plan.values() for r in reps):
         return {}
     capacity = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
