@@ -112,6 +112,24 @@ def unshared(buffer: torch.Tensor) -> bool:
     return torch._C._storage_Use_Count(buffer.untyped_storage()._cdata) <= 2
 
 
+def push_whole(sender, named: Iterable[tuple[str, torch.Tensor]], *, version: int, bucket_bytes: int,
+               pause: bool) -> SyncStats:
+    """One sender's whole push, its three parts in a row: ``begin`` (pausing the replicas), ``send``,
+    ``end`` without resuming; then ``resume``, also when the push failed (the senders of every
+    backend: ``WeightSender``, ``SGLangWeightSender``)."""
+    stats = SyncStats()
+    start = time.perf_counter()
+    sender.begin(pause=pause)
+    try:
+        sender.send(named, bucket_bytes=bucket_bytes, stats=stats)
+        sender.end(version=version, resume=False)
+    finally:
+        if pause:
+            sender.resume()
+    stats.seconds = time.perf_counter() - start
+    return stats
+
+
 class BufferPool:
     """Receive buffers reused across buckets and updates, so a bucket lands in pages that are
     already mapped (a fresh 64 MiB buffer per bucket costs ~16k page faults). A buffer is handed
@@ -241,17 +259,7 @@ class WeightSender:
         """Send ``named`` (HF names) to every replica and stamp ``version``. With ``pause`` the
         replicas stop scheduling first (in-flight requests finish: ``/pause?mode=wait``) and resume
         after the prefix caches are flushed, so no request sees half-updated weights."""
-        stats = SyncStats()
-        start = time.perf_counter()
-        self.begin(pause=pause)
-        try:
-            self.send(named, bucket_bytes=bucket_bytes, stats=stats)
-            self.end(version=version, resume=False)
-        finally:
-            if pause:
-                self._all("/resume")
-        stats.seconds = time.perf_counter() - start
-        return stats
+        return push_whole(self, named, version=version, bucket_bytes=bucket_bytes, pause=pause)
 
     # ``push`` in three parts, for several senders into the same replicas (one per pipeline stage):
     # one of them calls ``begin``, then every stage ``send``s its tensors concurrently (each on its
@@ -299,7 +307,11 @@ class WeightSender:
         self._all("/finish_weight_update", {"weight_version": str(version)})
         self._all("/reset_prefix_cache")
         if resume:
-            self._all("/resume")
+            self.resume()
+
+    def resume(self) -> None:
+        """The replicas schedule requests again."""
+        self._all("/resume")
 
     def _start_bucket(self, bucket: list[tuple[str, torch.Tensor]], stats: SyncStats,
                       previous: _InFlight | None, *, next_bytes: int) -> _InFlight:

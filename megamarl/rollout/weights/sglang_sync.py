@@ -35,7 +35,6 @@ from __future__ import annotations
 import copyreg
 import datetime
 import io
-import time
 import uuid
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -46,7 +45,7 @@ import torch.distributed as dist
 
 from megamarl.rollout.engines._http import JSONClient
 from megamarl.rollout.engines.base import buckets
-from megamarl.rollout.weights.server_sync import dtype_name, join_replicas
+from megamarl.rollout.weights.server_sync import dtype_name, join_replicas, push_whole
 from megamarl.rollout.weights.weight_sync import SyncStats
 
 TRANSPORTS = ("gloo", "nccl", "cuda_ipc")
@@ -203,17 +202,7 @@ class SGLangWeightSender:
         """Send ``named`` (HF names) to every replica and stamp ``version``. With ``pause`` the
         replicas pause first (``/pause_generation``, requests keep their place) and continue after
         the caches are flushed."""
-        stats = SyncStats()
-        start = time.perf_counter()
-        self.begin(pause=pause)
-        try:
-            self.send(named, bucket_bytes=bucket_bytes, stats=stats)
-            self.end(version=version, resume=False)
-        finally:
-            if pause:
-                self._all("/continue_generation", {})
-        stats.seconds = time.perf_counter() - start
-        return stats
+        return push_whole(self, named, version=version, bucket_bytes=bucket_bytes, pause=pause)
 
     # ``push`` in three parts for several senders into the same replicas (one per pipeline stage):
     # one calls ``begin``, every stage ``send``s on its own group, then one calls ``end``.
@@ -258,7 +247,11 @@ class SGLangWeightSender:
         self._all("/update_weight_version", {"new_version": str(version), "abort_all_requests": False})
         self._all("/flush_cache", {})
         if resume:
-            self._all("/continue_generation", {})
+            self.resume()
+
+    def resume(self) -> None:
+        """The replicas continue generating (paused requests keep their place)."""
+        self._all("/continue_generation", {})
 
     def _cast(self, named: Iterable[tuple[str, torch.Tensor]]):
         device = torch.device("cuda", torch.cuda.current_device()) if self.transport != "gloo" else None
