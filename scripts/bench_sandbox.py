@@ -18,8 +18,9 @@ what the cgroup costs; the row is left out where no cgroup hierarchy is writable
 ``--preset-steps N`` also trains ``configs/presets/code.yaml`` (the code env's judge in 2 process env
 workers) for N steps on each path (``env.kwargs.unsafe_inprocess`` true, then false, then both again:
 alternating runs), through ``torchrun --nproc_per_node 1 scripts/train.py``, and reports the steps'
-``timing_s/step`` and ``timing_s/rollout`` (means over the runs' steps), the per-step coder reward and
-the judge's error and failed-episode counts: that the preset trains the same on both paths.
+``timing_s/step`` and ``timing_s/rollout`` (means over the runs' steps), the per-step coder reward,
+the coder answers that reached the judge per step (those that parsed), the judge's error and
+failed-episode counts: that the preset trains the same on both paths.
 """
 
 from __future__ import annotations
@@ -138,6 +139,9 @@ def bench_preset(steps: int, *, num_rounds: int = 2) -> list[dict]:
             "rollout_s": round(statistics.mean(m["timing_s/rollout"] for m in steps_), 2),
             "coder_reward_mean_per_step": [[round(m.get("agent/coder/reward_mean", float("nan")), 4) for m in run]
                                            for run in per_run],
+            # coder answers that parsed, so went through the judge (an invalid one is never judged)
+            "coder_judged_per_step": [[round((1 - m["agent/coder/invalid_rate"]) * m["agent/coder/num_samples"])
+                                       for m in run] for run in per_run],
             "judge_errors": sum(m.get("env/judge_errors", 0) for m in steps_),
             "failed_episodes": sum(m.get("rollout/num_failed", 0) for m in steps_),
         })
@@ -186,11 +190,11 @@ def main() -> int:
         print(f"| {r['problem']} | {r['path']} | {r['candidates_per_s']:.2f} | {r['ms_per_process']:.1f} | "
               f"{r['cpu_ms_per_process']:.1f} | {r.get('vs_unsafe_inprocess', 1.0):.2f}x |")
     if preset:
-        print("\n| code preset | step s | rollout s | coder reward per step (runs) | judge errors | failed episodes |\n"
-              "|---|---|---|---|---|---|")
+        print("\n| code preset | step s | rollout s | coder reward per step (runs) | coder answers judged per step "
+              "| judge errors | failed episodes |\n|---|---|---|---|---|---|---|")
         for r in preset:
             print(f"| {r['path']} | {r['step_s']:.2f} | {r['rollout_s']:.2f} | {r['coder_reward_mean_per_step']} | "
-                  f"{r['judge_errors']:g} | {r['failed_episodes']:g} |")
+                  f"{r['coder_judged_per_step']} | {r['judge_errors']:g} | {r['failed_episodes']:g} |")
     result = {"machine": machine(), "tree_limits": limits, "code_preset": preset, "load_avg_1m": {"before": load_before, "after": load_after},
               "sandbox": {k: v for k, v in vars(config).items()}, "results": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -6,7 +6,10 @@ adversarial suite.
 """
 
 import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -119,3 +122,40 @@ def test_code_env_refuses_without_isolation_unless_opted_in(monkeypatch, tmp_pat
     finally:
         monkeypatch.undo()
         isolation_error.cache_clear()
+
+
+# Runs argv as root in a fresh user namespace that maps uids/gids 0..399999 one to one (so the
+# sandbox's uid exists) and allows no user namespace below it: a platform without namespaces.
+_NO_USER_NAMESPACES = """
+import ctypes, os, sys
+ready, go = os.pipe(), os.pipe()
+pid = os.fork()
+if pid == 0:
+    if ctypes.CDLL(None, use_errno=True).unshare(0x10000000) != 0:  # CLONE_NEWUSER
+        os._exit(90)
+    os.write(ready[1], b"x")
+    os.read(go[0], 1)
+    with open("/proc/sys/user/max_user_namespaces", "w") as f:  # per user namespace: the host's is untouched
+        f.write("0")
+    os.execv(sys.argv[1], sys.argv[1:])
+os.read(ready[0], 1)
+for name in ("uid_map", "gid_map"):
+    with open(f"/proc/{pid}/{name}", "w") as f:
+        f.write("0 0 400000\\n")
+os.write(go[1], b"x")
+sys.exit(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
+"""
+
+
+@needs_isolation
+def test_escape_suite_skips_with_the_reason_where_user_namespaces_are_forbidden():
+    """The issue's must-show: where namespaces are missing the escape suite skips (every test) and
+    says why, rather than failing or passing vacuously."""
+    suite = Path(__file__).with_name("test_sandbox_escapes.py")
+    done = subprocess.run([sys.executable, "-c", _NO_USER_NAMESPACES, sys.executable, "-m", "pytest", "-q", "-rs",
+                           "-n", "0", "-p", "no:cacheprovider", str(suite)],
+                          capture_output=True, text=True, timeout=300, check=False)
+    summary = done.stdout.strip().splitlines()[-1]
+    assert done.returncode == 0 and " skipped" in summary and "passed" not in summary, done.stdout[-3000:]
+    reason = "sandbox isolation unavailable here: a probe run failed (error, rc 1): unshare: unshare failed"
+    assert reason in done.stdout, done.stdout[-3000:]
