@@ -158,8 +158,9 @@ class Trainer:
                 if preemption.agreed(control_group()):  # every rank, same step (megamarl.runtime.preemption)
                     if not saved:
                         self.save()
-                    if self.is_driver:
+                    if self.is_driver and not self.stop_reason:  # eval.stop_at ended it: finished, nothing to requeue
                         mark_stopped(self.run_dir, step=self.step, received=preemption.received)  # train.sbatch requeues on it
+                    if self.is_driver:
                         self.driver.console_print(f"preempted ({preemption.received.name if preemption.received else 'another rank'}): saved step "
                                                   f"{self.step}; trainer.resume=auto continues from it")
                     break

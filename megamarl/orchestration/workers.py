@@ -32,6 +32,7 @@ import concurrent.futures
 import importlib.util
 import multiprocessing
 import os
+import signal
 import sys
 import threading
 from collections.abc import Callable
@@ -179,6 +180,9 @@ def _exit_with_driver() -> None:
     driver killed without ``close`` (SIGKILL, a node loss) leaves no worker waiting forever on its
     call queue. Not the parent pid: a worker's parent is the fork server, which stays alive as long
     as any worker it forked does. ``parent_process()`` is the driver, watched through its sentinel."""
+    # Slurm's time-limit warning (USR1) reaches every process of the job step; the driver acts on it,
+    # a worker would die of it (the default action) and fail the episodes it serves.
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     driver = multiprocessing.parent_process()
     if driver is None:
         return

@@ -58,6 +58,10 @@ def main(argv: list[str] | None = None) -> int:
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         parser.error("no server command after --")
+    # Slurm's time-limit warning (USR1) goes to every process of the job step; the trainer's ranks act on
+    # it, a server would die of it (the default action). Ignored here, and so in the server, which
+    # inherits the disposition through exec.
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     proc = subprocess.Popen(command)  # same process group: ServerProcess.stop's killpg reaches it
     stop = {"requested": False}
 

@@ -35,6 +35,7 @@ PACKAGES = ("slurm-wlm", "munge")
 # 120 s; measured by starting it with each value): it is also a requeued job's wait before its restart.
 CRED_EXPIRE_S = 5
 START_TIMEOUT_S = 60
+APT_TIMEOUT_S = 300  # one apt-get call
 
 
 def ensure_installed() -> str | None:
@@ -47,10 +48,15 @@ def ensure_installed() -> str | None:
         return "slurm-wlm/munge not installed and no apt-get to install them (Debian/Ubuntu packages)"
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
     install = ["apt-get", "install", "-y", "-qq", "--no-install-recommends", *PACKAGES]
-    done = subprocess.run(install, check=False, env=env, capture_output=True, text=True)
-    if done.returncode != 0:  # a stale package index: refresh it once, as scripts/setup.sh does for bubblewrap
-        subprocess.run(["apt-get", "update", "-qq"], check=False, env=env, capture_output=True)
-        done = subprocess.run(install, check=False, env=env, capture_output=True, text=True)
+    try:  # bounded: without a reachable package mirror apt may wait long before failing; that is a skip
+        done = subprocess.run(install, check=False, env=env, capture_output=True, text=True, timeout=APT_TIMEOUT_S)
+        if done.returncode != 0:  # a stale package index: refresh it once, as scripts/setup.sh does for bubblewrap
+            subprocess.run(["apt-get", "update", "-qq"], check=False, env=env, capture_output=True,
+                           timeout=APT_TIMEOUT_S)
+            done = subprocess.run(install, check=False, env=env, capture_output=True, text=True,
+                                  timeout=APT_TIMEOUT_S)
+    except subprocess.TimeoutExpired as exc:
+        return f"{' '.join(exc.cmd[:3])} took over {APT_TIMEOUT_S} s (no package mirror reachable?)"
     if done.returncode != 0 or not all(shutil.which(b) for b in BINARIES):
         return f"apt-get install {' '.join(PACKAGES)} failed: {done.stderr.strip()[-500:]}"
     return None

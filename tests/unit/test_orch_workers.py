@@ -68,6 +68,22 @@ def test_process_pool_crash_hang_and_error_are_counted():
         workers.close()
 
 
+def _usr1_disposition() -> bool:
+    import signal
+
+    return signal.getsignal(signal.SIGUSR1) == signal.SIG_IGN
+
+
+def test_process_workers_ignore_slurms_warning_signal():
+    """Slurm's time-limit warning (USR1) reaches every process of the job step: a process worker
+    ignores it (it would die of it and fail its episodes); the driver acts on it."""
+    workers = make_workers(backend="process", num_workers=1)
+    try:
+        assert asyncio.run(workers.call(_usr1_disposition, timeout_s=60.0)) is True
+    finally:
+        workers.close()
+
+
 def test_episode_timeout_without_workers():
     tok = smollm2_tokenizer()
     maker = EnvMaker("math", kinds=("add1",), with_verifier=False)

@@ -257,3 +257,28 @@ def test_guard_stops_the_server_when_its_owner_dies(tmp_path):
                 break
             assert time.monotonic() < deadline, f"process {pid} survived its owner"
             time.sleep(0.1)
+
+
+def test_guard_and_its_server_ignore_slurms_warning_signal(tmp_path):
+    """Slurm's time-limit warning (USR1) reaches every process of the job step: the guard and the
+    server it starts (the disposition is inherited through exec) live on; the ranks act on it."""
+    import os
+    import signal
+    import time
+
+    pid_file = tmp_path / "server.pid"
+    server = f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(600)"
+    guard = subprocess.Popen([sys.executable, "-m", "megamarl.runtime.server_guard", "--owner", str(os.getpid()), "--",
+                              sys.executable, "-c", server], start_new_session=True)
+    try:
+        deadline = time.monotonic() + 30
+        while not pid_file.exists() or not pid_file.read_text():
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        os.killpg(guard.pid, signal.SIGUSR1)  # as scancel --signal=USR1 does to the step's processes
+        time.sleep(1.0)
+        assert guard.poll() is None
+        os.kill(int(pid_file.read_text()), 0)  # the server is alive (raises ProcessLookupError otherwise)
+    finally:
+        os.killpg(guard.pid, signal.SIGKILL)
+        guard.wait()
