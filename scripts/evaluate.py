@@ -59,7 +59,7 @@ def main(argv=None) -> int:
     if args.check:
         print(f"config ok: evaluation of {_describe(args)} into {out}")
         return 0
-    from megamarl.orchestration.driver import RolloutFailureError
+    from megamarl.orchestration.episodes import RolloutFailureError
     from megamarl.trainer import Trainer
 
     is_driver = int(os.environ.get("RANK", "0")) == 0

@@ -54,7 +54,7 @@ def main(argv=None) -> int:
     if args.check:
         print(f"config ok: {args.config}")
         return 0
-    from megamarl.orchestration.driver import RolloutFailureError
+    from megamarl.orchestration.episodes import RolloutFailureError
     from megamarl.rl.worker import NumericalFaultError
     from megamarl.runtime.checkpoint import CheckpointWriteError
     from megamarl.trainer import Trainer

@@ -24,8 +24,8 @@ from megamarl.driver.schedules import SCHEDULES, build_schedule
 from megamarl.driver.streaming import RolloutLoop
 from megamarl.models.packaged import resolve_model_path
 from megamarl.orchestration.agents import build_agents
-from megamarl.orchestration.driver import RolloutFailureError, RolloutResult, check_failures, run_episodes
 from megamarl.orchestration.env import EnvMaker
+from megamarl.orchestration.episodes import RolloutFailureError, RolloutResult, check_failures, run_episodes
 from megamarl.orchestration.orchestras import build_orchestra
 from megamarl.orchestration.workers import EnvWorkers, make_workers
 from megamarl.parallel.hardware import describe_dtype_choice, policy_dtype

@@ -67,7 +67,7 @@ from megamarl.driver.streaming import (
     group_samples,
     split_fresh,
 )
-from megamarl.orchestration.driver import EpisodeStats, RolloutResult
+from megamarl.orchestration.episodes import EpisodeStats, RolloutResult
 from megamarl.registry import Registry
 from megamarl.rl.advantages import ADVANTAGE_ESTIMATORS
 

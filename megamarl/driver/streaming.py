@@ -29,8 +29,8 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
-from megamarl.orchestration.driver import EpisodeStats, RolloutResult
 from megamarl.orchestration.env import Task
+from megamarl.orchestration.episodes import EpisodeStats, RolloutResult
 from megamarl.rl.sample import Sample
 
 

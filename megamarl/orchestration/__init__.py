@@ -7,15 +7,15 @@ backend. Public entry points:
 * ``ORCHESTRAS``/``build_orchestra``            (orchestras.py)
 * ``ENVS``/``EnvMaker``/``Env``/``Task``        (env.py, envs/, pettingzoo_env.py)
 * ``EpisodeContext``/``Action``                 (context.py)
-* ``run_episodes``/``RolloutResult``            (driver.py)
+* ``run_episodes``/``RolloutResult``            (episodes.py)
 * ``make_workers``/``WorkersConfig``            (workers.py)
 """
 
 from megamarl.orchestration import envs, pettingzoo_env  # noqa: F401 - registration
 from megamarl.orchestration.agents import AGENTS, Agent, AgentConfig, SamplingConfig, build_agents
 from megamarl.orchestration.context import Action, ConfigError, EpisodeContext, EpisodeDone, EpisodeDropped
-from megamarl.orchestration.driver import EpisodeStats, RolloutResult, run_episode, run_episodes
 from megamarl.orchestration.env import ENVS, Env, EnvConfig, EnvMaker, StepResult, Task
+from megamarl.orchestration.episodes import EpisodeStats, RolloutResult, run_episode, run_episodes
 from megamarl.orchestration.orchestras import ORCHESTRAS, Orchestra, build_orchestra
 from megamarl.orchestration.workers import WORKERS, EnvWorkerError, EnvWorkers, WorkersConfig, make_workers
 

@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from megamarl.orchestration.driver import RolloutFailureError
+from megamarl.orchestration.episodes import RolloutFailureError
 from megamarl.rl.advantages import advantage_config, compute_advantages, estimator_traits, group_ids
 from megamarl.rl.batch import SampleBatch, collate, concat
 from megamarl.rl.batch_metrics import agent_batch_metrics, success_metrics

@@ -27,7 +27,7 @@ class BrokenEval(SignallingEnv):
 
 
 def _run(rank, output_dir):
-    from megamarl.orchestration.driver import RolloutFailureError
+    from megamarl.orchestration.episodes import RolloutFailureError
     from megamarl.runtime.configure import load_config
     from megamarl.trainer import Trainer
 

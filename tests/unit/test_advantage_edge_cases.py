@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from megamarl.config import AlgorithmConfig
-from megamarl.orchestration.driver import RolloutFailureError
+from megamarl.orchestration.episodes import RolloutFailureError
 from megamarl.rl.advantages import advantage_config, check_algorithm
 from megamarl.rl.batch import collate, concat
 from megamarl.rl.losses import LOSS_AGGREGATIONS, value_loss

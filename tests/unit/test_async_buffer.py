@@ -15,7 +15,7 @@ from megamarl.driver.streaming import (
     group_samples,
     split_fresh,
 )
-from megamarl.orchestration.driver import EpisodeStats
+from megamarl.orchestration.episodes import EpisodeStats
 from megamarl.rl.sample import Sample
 
 

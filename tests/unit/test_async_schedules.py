@@ -12,8 +12,8 @@ import pytest
 
 from megamarl.driver.schedules import build_schedule, policy_separable, sync_interval
 from megamarl.driver.streaming import RolloutLoop
-from megamarl.orchestration.driver import EpisodeStats, RolloutResult
 from megamarl.orchestration.env import Task
+from megamarl.orchestration.episodes import EpisodeStats, RolloutResult
 from megamarl.rl.sample import Sample
 from megamarl.rollout.engines.batching import AdmissionGate
 from megamarl.runtime.configure import load_config

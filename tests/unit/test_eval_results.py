@@ -9,7 +9,7 @@ import pytest
 
 from megamarl.config import EvalConfig
 from megamarl.driver.rollout_driver import eval_summary
-from megamarl.orchestration.driver import EpisodeStats, RolloutResult
+from megamarl.orchestration.episodes import EpisodeStats, RolloutResult
 from megamarl.runtime.configure import load_config
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megamarl.orchestration.driver import EpisodeStats
+from megamarl.orchestration.episodes import EpisodeStats
 from megamarl.rl.batch import collate
 from megamarl.rl.batch_metrics import agent_batch_metrics, success_metrics
 from megamarl.rl.sample import Sample

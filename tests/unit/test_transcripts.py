@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from megamarl.orchestration.driver import EpisodeStats
+from megamarl.orchestration.episodes import EpisodeStats
 from megamarl.rl.sample import Sample
 from megamarl.runtime.metrics import LoggerConfig
 from megamarl.runtime.transcripts import (

@@ -1,4 +1,4 @@
-"""Rollout driver: run many episodes concurrently and hand back agent-tagged Samples plus stats.
+"""Episodes: run many episodes concurrently and hand back agent-tagged Samples plus stats.
 
 ``run_episodes`` creates ``group_size`` episodes per task (GRPO groups share the task id), runs up
 to ``max_concurrency`` of them at once on one asyncio loop (engines batch the concurrent
