@@ -97,8 +97,7 @@ def optimizer_sharded_state_dict(model_ssd: dict, optimizer, wg, *, is_loading: 
     id_map = get_param_id_to_sharded_param_map(model_ssd, params)
     state = optimizer.state_dict()
     optim_state_to_sharding_state(state, id_map, exclude_keys=("step",))
-    first = wg.tp_rank == 0 and wg.pp_rank == 0 and wg.dp_rank == 0
-    step = ShardedObject(STEP_KEY, _optimizer_step(optimizer), (1,), (0,), replica_id=0 if first else 1)
+    step = ShardedObject(STEP_KEY, _optimizer_step(optimizer), (1,), (0,), replica_id=_replica_id(wg))
     return {"optimizer": state, "step": step}
 
 
@@ -130,8 +129,12 @@ def _with_common_as_object(state: dict, wg) -> dict:
     from megatron.core.dist_checkpointing.utils import extract_sharded_base
 
     sharded, common = extract_sharded_base(state)
-    first = wg.tp_rank == 0 and wg.pp_rank == 0 and wg.dp_rank == 0
-    return {**sharded, COMMON_KEY: ShardedObject(COMMON_KEY, common, (1,), (0,), replica_id=0 if first else 1)}
+    return {**sharded, COMMON_KEY: ShardedObject(COMMON_KEY, common, (1,), (0,), replica_id=_replica_id(wg))}
+
+
+def _replica_id(wg) -> int:
+    """A WG-wide object's replica id: 0 (the copy that is written) on the WG's first rank only."""
+    return 0 if wg.tp_rank == 0 and wg.pp_rank == 0 and wg.dp_rank == 0 else 1
 
 
 def _has_common_object(path: Path) -> bool:

@@ -90,9 +90,7 @@ def group_ids(index: GroupIndex, group_by: Sequence[str]) -> Tensor:
     Ids follow the lexicographic order of the key tuples, so they are deterministic. An empty key
     puts every sample in group 0.
     """
-    bad = [k for k in group_by if k not in GROUP_KEYS]
-    if bad:
-        raise ValueError(f"advantage.group_by has unknown keys {bad}; allowed: {list(GROUP_KEYS)}")
+    check_group_by(group_by, key="advantage.group_by")
     n = index.num_samples
     if not group_by or n == 0:
         return torch.zeros_like(index.task)
@@ -387,9 +385,7 @@ class AdvantageConfig:
 
     def __post_init__(self) -> None:
         ADVANTAGE_ESTIMATORS.get(self.estimator, key="advantage.estimator")
-        bad = [k for k in self.group_by if k not in GROUP_KEYS]
-        if bad:
-            raise ValueError(f"advantage.group_by has unknown keys {bad}; allowed: {list(GROUP_KEYS)}")
+        check_group_by(self.group_by, key="advantage.group_by")
         if not self.eps > 0:
             raise ValueError(f"advantage.eps must be > 0, got {self.eps}")
         if self.std_ddof not in (0, 1):

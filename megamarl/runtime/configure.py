@@ -52,10 +52,10 @@ def check_config(cfg: RunConfig) -> None:
     """The checks that need registries, the placement or plugins, in the order a reader fixes them:
     placement and policies, rollout and trainer sections, then (plugins imported) names and kwargs."""
     check_placement_mode(cfg)
+    configurable = [n for n in ENGINES.names() if ENGINES.traits(n).configurable]
     for name, policy in cfg.policies.items():
         with _named("policies.<p>", f"policies.{name}"):
             _check_model(policy.model)
-            configurable = [n for n in ENGINES.names() if ENGINES.traits(n).configurable]
             if policy.engine.backend not in configurable:
                 raise ValueError(f"policies.<p>.engine.backend='{policy.engine.backend}' unknown; allowed: {configurable}")
             check_launch(policy.engine)
