@@ -76,6 +76,28 @@ def test_greedy_tokens_equal_hf_and_logprobs_close(engine, hf_model, prompts):
     assert max_diff < 1e-3
 
 
+def test_two_engines_of_one_process_generate_concurrently(engine, hf_model, prompts, smollm2_path):
+    """An L3 run's policies on one rank: two in-process engines, each stepped from its own driver
+    thread. vLLM keeps per-process state, so unserialised steps corrupted the heap ("double free or
+    corruption" at an L3 run's first eval); with the process-wide engine lock both answer greedily as
+    transformers does, at the same time."""
+    from megamarl.rollout.engines.base import SamplingParams
+    from megamarl.rollout.engines.vllm_engine import VLLMEngine
+
+    second = VLLMEngine(smollm2_path, dtype="float32", max_model_len=512)
+    try:
+        sampling = SamplingParams(temperature=0.0, max_tokens=GREEDY_TOKENS)
+
+        async def both():
+            return await asyncio.gather(*(eng.generate(p, sampling) for p in prompts * 2 for eng in (engine, second)))
+
+        expected = [hf_greedy(hf_model, p) for p in prompts * 2 for _ in (engine, second)]
+        for _ in range(3):
+            assert [g[0].token_ids for g in asyncio.run(both())] == expected
+    finally:
+        second.shutdown()
+
+
 def test_concurrent_sampling_is_seeded_and_batched(engine, prompts):
     from megamarl.rollout.engines.base import SamplingParams
 
