@@ -65,8 +65,8 @@ class External(Orchestra):
         roles: tuple[str, ...] = ()  # roles the program calls (each needs agents.<role>); empty: the env's
         timeout_s: float = 300.0  # per episode; the program is killed after it
         max_concurrency: int = 16  # programs running at once
-        host: str = "127.0.0.1"  # the endpoint's address (port 0: any free port)
-        port: int = 0
+        host: str = "127.0.0.1"  # the endpoint's address
+        port: int = 0  # the endpoint's port; 0: a free one, chosen at the first episode
         env: dict[str, str] = field(default_factory=dict)  # extra environment variables for the program
         cwd: str = ""  # the program's working directory; empty: the run's
 
