@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING
 from megamarl.orchestration.action import Action
 from megamarl.orchestration.chat import ChatTranscript
 from megamarl.orchestration.env import Env, StepResult, Task
+from megamarl.orchestration.tools import parse_tool_calls, run_tool
 from megamarl.rl.sample import Sample
 from megamarl.rollout.engines.base import Engine, SamplingParams
 
@@ -153,7 +154,7 @@ class EpisodeContext:
             text = f"Earlier turns:\n{memory}\n{observation}" if memory else observation
         transcript = self.transcripts.get(agent.role) if agent.config.multi_turn else None
         if transcript is None:
-            transcript = ChatTranscript(agent.tokenizer, agent.system)
+            transcript = ChatTranscript(agent.tokenizer, agent.system, tools=[t.schema() for t in agent.tools.values()])
         transcript.add_user(agent.user_message(text))
         if len(transcript.ids) > agent.config.max_prompt_tokens:
             raise EpisodeDropped("prompt_too_long")
@@ -249,6 +250,9 @@ class EpisodeContext:
         num_candidates = agent.config.tree_k
         sampled = await self._sample(agent, prompt_ids, anchor=observation, sampling=agent.sampling,
                                      num_candidates=num_candidates)
+        tool_samples = []
+        if agent.tools:  # tree_k is 1 (AgentConfig): a reply that calls tools is answered, then resampled
+            tool_samples, sampled = await self._tool_rounds(agent, transcript, sampled, anchor=observation)
         candidates = [Action(agent_name, sample.response_text, value, sample.valid, sample.turn, sample.step,
                              sample.branch, [sample]) for sample, value in sampled]
         samples = [c.samples[0] for c in candidates]
@@ -260,8 +264,10 @@ class EpisodeContext:
             for sample, score in zip(samples, scores):
                 sample.local_reward = score
                 self._scored.add(id(sample))
-        action = dataclasses.replace(best, samples=samples, scores=scores)
         best_sample = samples[best.branch]
+        # the tool rounds' samples share the action's reward (``step``) and end with it
+        samples = tool_samples + samples
+        action = dataclasses.replace(best, samples=samples, scores=scores)
         if agent.config.multi_turn:
             transcript.add_response(best_sample.response_ids, best.text)
             self.transcripts[agent_name] = transcript
@@ -271,6 +277,27 @@ class EpisodeContext:
             entry_text = best.text.strip()
             self.memory.append(MemoryEntry(agent_name, entry_text, len(agent.tokenizer.encode(entry_text))))
         return action
+
+    async def _tool_rounds(self, agent: Agent, transcript: ChatTranscript, sampled: list[tuple[Sample, object]],
+                           *, anchor: str) -> tuple[list[Sample], list[tuple[Sample, object]]]:
+        """While the reply calls tools (at most ``max_tool_calls`` rounds): run them, append the reply
+        and each result (a ``tool`` turn) to the transcript, sample again. Returns the tool-calling
+        samples (valid: a call is a well-formed move) and the final reply."""
+        tool_samples = []
+        for _ in range(agent.config.max_tool_calls):
+            sample = sampled[0][0]
+            _, calls = parse_tool_calls(sample.response_text)
+            if not calls:
+                break
+            sample.valid = True
+            tool_samples.append(sample)
+            transcript.add_response(sample.response_ids, sample.response_text)
+            for call in calls:
+                transcript.add_message("tool", run_tool(call, agent.tools))
+            if len(transcript.ids) > agent.config.max_prompt_tokens:
+                raise EpisodeDropped("prompt_too_long")
+            sampled = await self._sample(agent, list(transcript.ids), anchor=anchor, sampling=agent.sampling)
+        return tool_samples, sampled
 
     async def _score(self, agent: Agent, candidate: Action) -> float:
         score = agent.local_reward(candidate, self.env)

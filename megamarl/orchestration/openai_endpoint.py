@@ -38,6 +38,7 @@ from urllib.parse import quote
 from aiohttp import web
 
 from megamarl.orchestration.context import EpisodeContext, EpisodeDone, EpisodeDropped
+from megamarl.orchestration.tools import ToolCall, parse_tool_calls, template_supports_tools, with_tools
 
 EPISODE_HEADER = "X-Episode-Id"
 AGENT_HEADER = "X-Megamarl-Agent"
@@ -203,8 +204,11 @@ class RecordingEndpoint:
         except EndpointError as exc:
             return _error(exc.status, exc.message, exc.code)
         finish = "length" if sample.truncated else "stop"
+        calls = []
+        if chat and body.get("tools"):
+            _, calls = parse_tool_calls(sample.response_text)
         reply = _reply(sample, role=role, chat=chat, finish=finish, logprobs=bool(body.get("logprobs")),
-                       tokenizer=handle.ctx.agents[role].tokenizer)
+                       tokenizer=handle.ctx.agents[role].tokenizer, calls=calls)
         if not body.get("stream"):
             return web.json_response(reply)
         return await _stream(request, reply, chat=chat)
@@ -221,14 +225,17 @@ class RecordingEndpoint:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise EndpointError(400, "messages must be a non-empty list", "invalid_messages")
+        native = template_supports_tools(tokenizer)
         rendered = []
         for message in messages:
             if not isinstance(message, dict) or "role" not in message:
                 raise EndpointError(400, "each message needs a role", "invalid_messages")
             entry = {key: value for key, value in message.items() if key != "content"}
             entry["content"] = _content_text(message.get("content"))
+            if entry.get("tool_calls") and not native:  # the template cannot show them: as the model wrote them
+                entry["content"] += "".join(_hermes_block(call) for call in entry.pop("tool_calls"))
             rendered.append(entry)
-        kwargs = {"tools": body["tools"]} if body.get("tools") else {}
+        rendered, kwargs = with_tools(rendered, list(body.get("tools") or []), tokenizer)
         try:
             text = tokenizer.apply_chat_template(rendered, tokenize=False, add_generation_prompt=True, **kwargs)
         except Exception as exc:
@@ -258,7 +265,18 @@ class RecordingEndpoint:
         return web.json_response({"episode_id": episode_id, "team": handle.reward[0], "agents": handle.reward[1]})
 
 
-def _reply(sample, *, role: str, chat: bool, finish: str, logprobs: bool, tokenizer) -> dict:
+def _hermes_block(call: dict) -> str:
+    function = call.get("function", {}) if isinstance(call, dict) else {}
+    arguments = function.get("arguments", "{}")
+    try:
+        arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
+    except json.JSONDecodeError:
+        pass
+    return "<tool_call>" + json.dumps({"name": function.get("name", ""), "arguments": arguments}) + "</tool_call>"
+
+
+def _reply(sample, *, role: str, chat: bool, finish: str, logprobs: bool, tokenizer,
+           calls: list[ToolCall] = ()) -> dict:
     created = int(time.time())
     usage = {"prompt_tokens": len(sample.prompt_ids), "completion_tokens": len(sample.response_ids),
              "total_tokens": len(sample.prompt_ids) + len(sample.response_ids)}
@@ -268,8 +286,12 @@ def _reply(sample, *, role: str, chat: bool, finish: str, logprobs: bool, tokeni
         token_logprobs = {"content": [{"token": tok, "logprob": lp, "bytes": list(tok.encode()), "top_logprobs": []}
                                       for tok, lp in zip(tokens, sample.rollout_logprobs)]}
     if chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": sample.response_text},
-                  "finish_reason": finish, "logprobs": token_logprobs}
+        message = {"role": "assistant", "content": sample.response_text}
+        if calls:  # the reply called tools: OpenAI's shape (content is the text around the calls)
+            content, _ = parse_tool_calls(sample.response_text)
+            message = {"role": "assistant", "content": content or None, "tool_calls": [c.openai() for c in calls]}
+            finish = "tool_calls" if finish == "stop" else finish
+        choice = {"index": 0, "message": message, "finish_reason": finish, "logprobs": token_logprobs}
         return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": created,
                 "model": role, "choices": [choice], "usage": usage}
     choice = {"index": 0, "text": sample.response_text, "finish_reason": finish, "logprobs": None}
@@ -285,8 +307,10 @@ async def _stream(request: web.Request, reply: dict, *, chat: bool) -> web.Strea
     base = {key: reply[key] for key in ("id", "created", "model")}
     if chat:
         base["object"] = "chat.completion.chunk"
-        chunks = [{"index": 0, "delta": {"role": "assistant", "content": choice["message"]["content"]},
-                   "finish_reason": None, "logprobs": choice["logprobs"]},
+        delta = {"role": "assistant", "content": choice["message"]["content"]}
+        if choice["message"].get("tool_calls"):
+            delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(choice["message"]["tool_calls"])]
+        chunks = [{"index": 0, "delta": delta, "finish_reason": None, "logprobs": choice["logprobs"]},
                   {"index": 0, "delta": {}, "finish_reason": choice["finish_reason"], "logprobs": None}]
     else:
         base["object"] = "text_completion"

@@ -194,3 +194,28 @@ def test_config_is_validated_naming_the_key():
         build_orchestra("external", module="x", timeout_s=0)
     with pytest.raises(ValueError, match="orchestra.max_concurrency"):
         build_orchestra("external", module="x", max_concurrency=0)
+
+
+def test_tool_calls_through_the_endpoint():
+    """``tools`` reach the prompt (a tool block: SmolLM2's template ignores them); the model's Hermes
+    block comes back as OpenAI ``tool_calls`` (streamed); the program's tool result is the next turn."""
+    tokenizer = smollm2_tokenizer()
+    maker, agents = _agents(tokenizer, max_tokens=64)
+
+    def policy(request):
+        if "<|im_start|>tool\n" in request.prompt_text:
+            return "So it is " + request.prompt_text.rsplit("<|im_start|>tool\n", 1)[1].split("<|im_end|>")[0]
+        question = request.last_user.removeprefix("What is ").rstrip("?")
+        return '<tool_call>{"name": "calculator", "arguments": {"expression": "%s"}}</tool_call>' % question
+
+    engine = ScriptedEngine(tokenizer, policy)
+    orchestra = build_orchestra("external", command=["python", str(PROGRAMS / "tool_user.py")], timeout_s=60)
+    tasks = EnvMaker("math", kinds=["mul12"]).tasks(2, seed=0)
+    result = asyncio.run(run_episodes(orchestra, maker, tasks, agents=agents, engines={"default": engine}))
+    assert result.num_failed == 0, result.first_error()
+    assert [e.team_reward for e in result.episodes] == [1.0, 1.0]
+    for first, second in zip(result.samples[::2], result.samples[1::2]):
+        assert "You may call functions" in tokenizer.decode(first.prompt_ids)  # the tool block, system turn
+        # the call, as the model wrote it, and the tool's result are in the second prompt
+        assert '<tool_call>{"name": "calculator"' in tokenizer.decode(second.prompt_ids)
+        assert second.response_text.startswith("So it is ")
