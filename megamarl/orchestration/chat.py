@@ -64,6 +64,29 @@ class ChatTranscript:
     def _encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False) if text else []
 
+    @classmethod
+    def of_prompt(cls, tokenizer: Any, messages: list[dict], *, template_kwargs: dict | None = None) -> ChatTranscript:
+        """A transcript whose ids are ``messages`` rendered (with the generation prompt) and encoded
+        in one piece: a conversation that arrives whole (the OpenAI endpoint's requests)."""
+        transcript = cls(tokenizer)
+        transcript.messages, transcript._template_kwargs = list(messages), dict(template_kwargs or {})
+        transcript._text = transcript._render(transcript.messages, generation_prompt=True)
+        transcript.ids = transcript._encode(transcript._text)
+        return transcript
+
+    def continued(self, messages: list[dict]) -> ChatTranscript | None:
+        """A new transcript for ``messages`` (rendered with the generation prompt) that keeps this
+        one's ids, sampled replies included, and encodes only the appended text; None when this
+        one's text is not an unchanged prefix of theirs (another conversation, or edited history)."""
+        full = self._render(messages, generation_prompt=True)
+        if not full.startswith(self._text):
+            return None
+        transcript = ChatTranscript(self.tokenizer)
+        transcript.messages, transcript._template_kwargs = list(messages), self._template_kwargs
+        transcript._text, transcript._closing = full, self._closing
+        transcript.ids = self.ids + self._encode(full[len(self._text):])
+        return transcript
+
     def add_user(self, content: str) -> list[int]:
         """Append a user turn plus the assistant generation prompt; return the appended ids."""
         return self.add_message("user", content)

@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING
 from megamarl.orchestration.action import Action
 from megamarl.orchestration.chat import ChatTranscript
 from megamarl.orchestration.env import Env, StepResult, Task
-from megamarl.orchestration.tools import parse_tool_calls, run_tool
+from megamarl.orchestration.tools import call_tool, parse_tool_calls
 from megamarl.rl.sample import Sample
 from megamarl.rollout.engines.base import Engine, SamplingParams
 
@@ -293,7 +293,7 @@ class EpisodeContext:
             tool_samples.append(sample)
             transcript.add_response(sample.response_ids, sample.response_text)
             for call in calls:
-                transcript.add_message("tool", run_tool(call, agent.tools))
+                transcript.add_message("tool", call_tool(call, agent.tools))
             if len(transcript.ids) > agent.config.max_prompt_tokens:
                 raise EpisodeDropped("prompt_too_long")
             sampled = await self._sample(agent, list(transcript.ids), anchor=anchor, sampling=agent.sampling)

@@ -13,10 +13,16 @@ does not serve one model: each call is routed to an *episode* and an *agent role
   through), encoded without adding special tokens, and sampled by ``EpisodeContext.complete``: the
   role's policy, engine pool, sampling config and seed, exactly as ``ctx.act``. The Sample records
   the prompt ids the engine received and the response ids and log-probs it returned; the reply text
-  is decoded from them. The request's ``temperature``/``top_p`` are ignored (the agent's sampling
+  is decoded from them. A request that continues an earlier conversation of the role (its rendering
+  is a prefix of the new one) keeps that conversation's ids, sampled replies included, and encodes
+  only the new turns (``ChatTranscript.continued``). The request's ``temperature``/``top_p`` are ignored (the agent's sampling
   config is what trains); ``max_tokens`` may lower the agent's budget; ``stop`` adds stop strings;
   ``n`` must be 1. ``stream: true`` answers with server-sent events (the whole reply in one delta,
   then ``finish_reason``, then ``[DONE]``): the engines return whole replies.
+* Tools: a request's ``tools`` reach the chat template (or a tool block in the system turn, for a
+  template that ignores them, ``tools.with_tools``); a reply holding tool calls (``tools.parse_tool_calls``)
+  is answered with ``message.tool_calls`` and ``finish_reason: "tool_calls"``; an assistant message's
+  ``tool_calls`` sent back are rendered as the block the model wrote when the template cannot show them.
 * Reward: ``POST .../reward`` with ``{"team": float, "agents": {role: float}}`` (``agents``
   optional; a role left out gets the team reward as its local reward). Unknown episode: 404.
 
@@ -37,6 +43,7 @@ from urllib.parse import quote
 
 from aiohttp import web
 
+from megamarl.orchestration.chat import ChatTranscript, TemplateDeltaError
 from megamarl.orchestration.context import EpisodeContext, EpisodeDone, EpisodeDropped
 from megamarl.orchestration.tools import ToolCall, parse_tool_calls, template_supports_tools, with_tools
 
@@ -58,7 +65,9 @@ class EpisodeHandle:
     reward: tuple[float, dict[str, float]] | None = None
     error: BaseException | None = None  # e.g. EpisodeDropped from a request: re-raised by the orchestra
     num_requests: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)
+    # role -> its conversations so far (each ends with a sampled reply): a request that continues one
+    # reuses its ids, so the replies in a multi-turn prompt are the sampled tokens, not re-encoded text
+    transcripts: dict[str, list[ChatTranscript]] = field(default_factory=dict)
 
 
 def _error(status: int, message: str, code: str) -> web.Response:
@@ -186,7 +195,7 @@ class RecordingEndpoint:
             body = await self._body(request)
             handle = self._handle(request, body)
             role = self._role(request, body, handle)
-            prompt_ids, anchor = self._prompt(handle.ctx, role, body, chat=chat)
+            prompt_ids, anchor, transcript = self._prompt(handle, role, body, chat=chat)
             if int(body.get("n") or 1) != 1:
                 raise EndpointError(400, "n must be 1 (one recorded sample per call)", "unsupported_n")
             stop = body.get("stop") or ()
@@ -203,6 +212,8 @@ class RecordingEndpoint:
                 raise EndpointError(409, "the episode's env is done", "episode_done") from exc
         except EndpointError as exc:
             return _error(exc.status, exc.message, exc.code)
+        if transcript is not None:
+            self._remember(handle, role, transcript, sample)
         finish = "length" if sample.truncated else "stop"
         calls = []
         if chat and body.get("tools"):
@@ -213,15 +224,17 @@ class RecordingEndpoint:
             return web.json_response(reply)
         return await _stream(request, reply, chat=chat)
 
-    def _prompt(self, ctx: EpisodeContext, role: str, body: dict, *, chat: bool) -> tuple[list[int], str]:
-        tokenizer = ctx.agents[role].tokenizer
+    def _prompt(self, handle: EpisodeHandle, role: str, body: dict, *,
+                chat: bool) -> tuple[list[int], str, ChatTranscript | None]:
+        """(prompt ids, anchor text, the chat transcript the ids belong to)."""
+        tokenizer = handle.ctx.agents[role].tokenizer
         if not chat:
             prompt = body.get("prompt")
             if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-                return list(prompt), tokenizer.decode(prompt)
+                return list(prompt), tokenizer.decode(prompt), None
             if not isinstance(prompt, str):
                 raise EndpointError(400, "prompt must be a string or a list of token ids", "invalid_prompt")
-            return tokenizer.encode(prompt), prompt
+            return tokenizer.encode(prompt), prompt, None
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise EndpointError(400, "messages must be a non-empty list", "invalid_messages")
@@ -237,11 +250,26 @@ class RecordingEndpoint:
             rendered.append(entry)
         rendered, kwargs = with_tools(rendered, list(body.get("tools") or []), tokenizer)
         try:
-            text = tokenizer.apply_chat_template(rendered, tokenize=False, add_generation_prompt=True, **kwargs)
-        except Exception as exc:
+            transcript = None
+            for earlier in reversed(handle.transcripts.get(role, [])[-4:]):  # the latest conversations
+                transcript = earlier.continued(rendered) if earlier._template_kwargs == kwargs else None
+                if transcript is not None:
+                    break
+            if transcript is None:
+                transcript = ChatTranscript.of_prompt(tokenizer, rendered, template_kwargs=kwargs)
+        except Exception as exc:  # a template that rejects the messages: the caller's error
             raise EndpointError(400, f"the chat template of role '{role}' rejected the messages: {exc}",
                                 "template_error") from exc
-        return tokenizer.encode(text, add_special_tokens=False), rendered[-1]["content"]
+        return list(transcript.ids), rendered[-1]["content"], transcript
+
+    @staticmethod
+    def _remember(handle: EpisodeHandle, role: str, transcript: ChatTranscript, sample) -> None:
+        """Keep the conversation with its sampled reply, for a later request that continues it."""
+        try:
+            transcript.add_response(sample.response_ids, sample.response_text)
+        except TemplateDeltaError:  # a template that rewrites history: later prompts are encoded whole
+            return
+        handle.transcripts.setdefault(role, []).append(transcript)
 
     async def _reward(self, request: web.Request) -> web.Response:
         try:

@@ -13,7 +13,7 @@ for tool calls (``parse_tool_calls``), in the two formats open models write:
   ``<|python_tag|>``), or a list of such objects.
 
 A block that is not valid JSON or names no function is not a call (it stays in the content). Running
-a call (``run_tool``) never raises: an unknown tool or a failing function gives an ``error: ...``
+a call (``call_tool``) never raises: an unknown tool or a failing function gives an ``error: ...``
 result, which the model sees like any other result.
 """
 
@@ -59,7 +59,7 @@ class Tool:
 TOOLS: Registry[Tool] = Registry("tool", signature="Tool(name, description, parameters: JSON schema, fn(**arguments) -> str)")
 
 
-def _call(obj: Any) -> ToolCall | None:
+def _as_call(obj: Any) -> ToolCall | None:
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
     arguments = obj.get("arguments", obj.get("parameters", {}))
@@ -80,7 +80,7 @@ def parse_tool_calls(text: str) -> tuple[str, list[ToolCall]]:
     last = 0
     for match in _HERMES.finditer(text):
         try:
-            call = _call(json.loads(match.group(1)))
+            call = _as_call(json.loads(match.group(1)))
         except json.JSONDecodeError:
             call = None
         if call is not None:
@@ -95,13 +95,13 @@ def parse_tool_calls(text: str) -> tuple[str, list[ToolCall]]:
             obj = json.loads(body)
         except json.JSONDecodeError:
             return text, []
-        found = [_call(o) for o in (obj if isinstance(obj, list) else [obj])]
+        found = [_as_call(o) for o in (obj if isinstance(obj, list) else [obj])]
         if found and all(c is not None for c in found):
             return "", found
     return text, []
 
 
-def run_tool(call: ToolCall, tools: Mapping[str, Tool]) -> str:
+def call_tool(call: ToolCall, tools: Mapping[str, Tool]) -> str:
     """The tool's result as text; ``error: ...`` for an unknown tool, bad arguments or a raising function."""
     tool = tools.get(call.name)
     if tool is None:
@@ -146,22 +146,22 @@ _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, as
         ast.USub: operator.neg, ast.UAdd: operator.pos}
 
 
-def _eval(node: ast.AST) -> float:
+def _arith(node: ast.AST) -> float:
     if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)) and not isinstance(node.value, bool):
         return node.value
     if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
-        left, right = _eval(node.left), _eval(node.right)
+        left, right = _arith(node.left), _arith(node.right)
         if isinstance(node.op, ast.Pow) and abs(right) > 64:
             raise ValueError("exponent too large")
         return _OPS[type(node.op)](left, right)
     if isinstance(node, ast.UnaryOp) and type(node.op) in _OPS:
-        return _OPS[type(node.op)](_eval(node.operand))
+        return _OPS[type(node.op)](_arith(node.operand))
     raise ValueError(f"not arithmetic: {ast.dump(node)[:60]}")
 
 
 def calculator(expression: str) -> str:
     """Evaluate an arithmetic expression (+ - * / // % ** and parentheses; x is read as *)."""
-    value = _eval(ast.parse(str(expression).replace("x", "*").replace("×", "*"), mode="eval").body)
+    value = _arith(ast.parse(str(expression).replace("x", "*").replace("×", "*"), mode="eval").body)
     return str(int(value)) if float(value).is_integer() else f"{value:.6g}"
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+from scripted import ScriptedEngine, fixed, smollm2_tokenizer
 
 from megamarl.orchestration import (
     AgentConfig,
@@ -21,7 +22,6 @@ from megamarl.orchestration import (
     run_episodes,
 )
 from megamarl.rollout.engines.base import Engine
-from tests.scripted import ScriptedEngine, fixed, smollm2_tokenizer
 
 pytestmark = [pytest.mark.integration]
 PROGRAMS = Path(__file__).parent / "openai_programs"
@@ -72,11 +72,12 @@ def test_openai_client_drives_two_roles_token_exact(hf_engine, tmp_path, monkeyp
     assert result.num_failed == 0, result.first_error()
     posted = {row["episode_id"]: row for row in map(json.loads, log.read_text().splitlines())}
     assert sorted(posted) == sorted(e.episode_id for e in result.episodes) and len(posted) == 4
-    assert len(result.samples) == 12 and len(engine.calls) == 12
+    assert len(result.samples) == 16 and len(engine.calls) == 16
     generated = {(tuple(p), tuple(ids), tuple(lps)) for p, gens in engine.calls for ids, lps in gens}
     for episode_id, row in posted.items():
         samples = sorted((s for s in result.samples if s.episode_id == episode_id), key=lambda s: s.step)
-        assert [(s.agent, s.turn, s.step) for s in samples] == [("solver", 0, 0), ("verifier", 0, 1), ("solver", 1, 2)]
+        assert [(s.agent, s.turn, s.step) for s in samples] == [
+            ("solver", 0, 0), ("verifier", 0, 1), ("solver", 1, 2), ("solver", 2, 3)]
         for sample, text in zip(samples, row["texts"]):
             # token in / token out: what the engine saw and returned, not a re-tokenisation
             assert (tuple(sample.prompt_ids), tuple(sample.response_ids), tuple(sample.rollout_logprobs)) in generated
@@ -92,6 +93,10 @@ def test_openai_client_drives_two_roles_token_exact(hf_engine, tmp_path, monkeyp
         assert samples[0].prompt_ids == tokenizer.encode(rendered, add_special_tokens=False)
         assert samples[2].prompt_ids == tokenizer.encode(f"Answer: {question}")
         assert row["usage"] == [len(samples[0].response_ids), len(samples[2].response_ids)]
+        # a continued conversation keeps the sampled reply's ids (not its text re-encoded)
+        first, later = samples[0], samples[3]
+        assert later.prompt_ids[:len(first.prompt_ids) + len(first.response_ids)] == first.prompt_ids + first.response_ids
+        assert tokenizer.decode(later.prompt_ids).endswith("<|im_start|>user\nSure?<|im_end|>\n<|im_start|>assistant\n")
     assert {e.team_reward for e in result.episodes} == {row["reward"]["team"] for row in posted.values()}
 
 
@@ -206,7 +211,7 @@ def test_tool_calls_through_the_endpoint():
         if "<|im_start|>tool\n" in request.prompt_text:
             return "So it is " + request.prompt_text.rsplit("<|im_start|>tool\n", 1)[1].split("<|im_end|>")[0]
         question = request.last_user.removeprefix("What is ").rstrip("?")
-        return '<tool_call>{"name": "calculator", "arguments": {"expression": "%s"}}</tool_call>' % question
+        return "<tool_call>" + json.dumps({"name": "calculator", "arguments": {"expression": question}}) + "</tool_call>"
 
     engine = ScriptedEngine(tokenizer, policy)
     orchestra = build_orchestra("external", command=["python", str(PROGRAMS / "tool_user.py")], timeout_s=60)

@@ -6,11 +6,18 @@ import asyncio
 import json
 
 import pytest
+from scripted import ScriptedEngine, smollm2_tokenizer
 
-from megamarl.orchestration import AgentConfig, EnvMaker, SamplingConfig, build_agents, build_orchestra, run_episodes
+from megamarl.orchestration import (
+    AgentConfig,
+    EnvMaker,
+    SamplingConfig,
+    build_agents,
+    build_orchestra,
+    run_episodes,
+)
 from megamarl.orchestration.chat import ChatTranscript
-from megamarl.orchestration.tools import TOOLS, ToolCall, calculator, parse_tool_calls, run_tool, with_tools
-from tests.scripted import ScriptedEngine, smollm2_tokenizer
+from megamarl.orchestration.tools import TOOLS, ToolCall, calculator, call_tool, parse_tool_calls, with_tools
 
 
 def test_parse_hermes_blocks_with_text_around():
@@ -32,10 +39,10 @@ def test_parse_llama_json_and_non_calls():
 def test_calculator_and_run_tool_errors():
     assert calculator("12 * (3 + 4)") == "84" and calculator("7 / 2") == "3.5" and calculator("3 x 4") == "12"
     tools = {"calculator": TOOLS.get("calculator")}
-    assert run_tool(ToolCall("calculator", {"expression": "2**10"}), tools) == "1024"
-    assert run_tool(ToolCall("calculator", {"expression": "__import__('os')"}), tools).startswith("error: ValueError")
-    assert run_tool(ToolCall("calculator", {"expr": "1"}), tools).startswith("error: TypeError")
-    assert run_tool(ToolCall("search", {}), tools) == "error: unknown tool 'search'; tools: ['calculator']"
+    assert call_tool(ToolCall("calculator", {"expression": "2**10"}), tools) == "1024"
+    assert call_tool(ToolCall("calculator", {"expression": "__import__('os')"}), tools).startswith("error: ValueError")
+    assert call_tool(ToolCall("calculator", {"expr": "1"}), tools).startswith("error: TypeError")
+    assert call_tool(ToolCall("search", {}), tools) == "error: unknown tool 'search'; tools: ['calculator']"
     with pytest.raises(ValueError, match="exponent too large"):
         calculator("2 ** 1000")
 
@@ -90,3 +97,11 @@ def test_tools_are_validated_naming_the_key():
     with pytest.raises(ValueError, match="agents.solver.tools"):
         build_agents({"solver": AgentConfig(policy="p", tools=["abacus"])}, smollm2_tokenizer(),
                      default_kinds={"solver": "math_solver"})
+
+
+@pytest.mark.parametrize("name", TOOLS.names())
+def test_registered_tools_have_an_object_schema_and_a_function(name):
+    tool = TOOLS.get(name)
+    assert tool.name == name and callable(tool.fn)
+    schema = tool.schema()
+    assert schema["type"] == "function" and schema["function"]["parameters"]["type"] == "object"

@@ -1,7 +1,7 @@
 """Test program for the recording endpoint: two roles through the official ``openai`` client.
 
-Calls the solver (chat, plain), the verifier (chat, streamed) and the solver again through
-``/v1/completions`` routed by header; posts a reward derived from the replies and appends what it
+Calls the solver (chat, plain), the verifier (chat, streamed), the solver again through
+``/v1/completions`` routed by header, and the solver's first conversation continued; posts a reward derived from the replies and appends what it
 received and posted to ``$OAI_TEST_LOG`` (one JSON line per episode) for the test to compare.
 """
 
@@ -28,7 +28,11 @@ def main() -> None:
     again = plain.completions.create(model="ignored", prompt=f"Answer: {question}", max_tokens=4,
                                      extra_headers={"X-Episode-Id": os.environ["MEGAMARL_EPISODE_ID"],
                                                     "X-Megamarl-Agent": "solver"})
-    texts = [solver.choices[0].message.content, verifier, again.choices[0].text]
+    # the solver's conversation continued: its earlier reply comes back as text
+    history = [{"role": "system", "content": "Solve."}, {"role": "user", "content": question},
+               {"role": "assistant", "content": solver.choices[0].message.content}, {"role": "user", "content": "Sure?"}]
+    sure = client.chat.completions.create(model="solver", messages=history, max_tokens=4)
+    texts = [solver.choices[0].message.content, verifier, again.choices[0].text, sure.choices[0].message.content]
     team = (len(texts[0]) % 5) / 4
     reward = {"team": team, "agents": {"verifier": len(verifier) % 2 * 0.5}}
     client.post(f"{os.environ['OPENAI_BASE_URL']}/reward", body=reward, cast_to=object)
