@@ -224,3 +224,27 @@ def test_tool_calls_through_the_endpoint():
         # the call, as the model wrote it, and the tool's result are in the second prompt
         assert '<tool_call>{"name": "calculator"' in tokenizer.decode(second.prompt_ids)
         assert second.response_text.startswith("So it is ")
+
+
+def test_prompt_over_budget_answers_400_and_drops_the_episode():
+    tokenizer = smollm2_tokenizer()
+    maker = EnvMaker("math")
+    agents = build_agents({"solver": AgentConfig(policy="default", max_prompt_tokens=5)}, tokenizer,
+                          default_kinds=maker.default_agents)
+    script = """
+import json, os, sys, urllib.request, urllib.error
+json.load(sys.stdin)
+req = urllib.request.Request(os.environ["OPENAI_BASE_URL"] + "/chat/completions", headers={"Content-Type": "application/json"},
+                             data=json.dumps({"model": "solver", "messages": [{"role": "user", "content": "hi"}]}).encode())
+try:
+    urllib.request.urlopen(req)
+except urllib.error.HTTPError as e:
+    assert e.code == 400 and json.load(e)["error"]["code"] == "context_length_exceeded"
+else:
+    sys.exit("no error")
+"""
+    orchestra = build_orchestra("external", command=[sys.executable, "-c", script], roles=["solver"], timeout_s=30)
+    result = asyncio.run(run_episodes(orchestra, maker, maker.tasks(1, seed=0), agents=agents,
+                                      engines={"default": ScriptedEngine(tokenizer, fixed("4"))}))
+    [episode] = result.episodes
+    assert (episode.status, episode.reason) == ("dropped", "prompt_too_long") and result.samples == []
