@@ -3,9 +3,10 @@
 ``await ctx.act(agent, observation)`` builds the agent's prompt (token-exact, see ``chat.py``),
 calls the engine of the agent's policy, parses the reply and records one ``Sample`` per sampled
 candidate, tagged (task_id, episode_id, agent, policy, turn, branch, weight_version, valid, step,
-anchor). ``await ctx.step(agent, action)`` applies it to the env (in an env worker when the env
-says ``remote_step``; ``step_timeout_s`` bounds each such call). ``ctx.turn(agent)`` is observe +
-act + step.
+anchor). ``await ctx.complete(agent, prompt_ids)`` samples and records a reply to a prompt rendered
+elsewhere (the OpenAI endpoint) on the same path (``_sample``). ``await ctx.step(agent, action)``
+applies an action to the env (in an env worker when the env says ``remote_step``; ``step_timeout_s``
+bounds each such call). ``ctx.turn(agent)`` is observe + act + step.
 
 Active mask: once the env is done, ``act`` raises ``EpisodeDone`` (the driver treats it as the
 normal end), so an orchestra that forgets to check ``ctx.done`` still never calls an agent of a
@@ -20,6 +21,12 @@ Tree sampling (``tree_k = K > 1``): one engine call with ``n=K``; every candidat
 scored (the agent's ``local_reward`` if it returns a value, else the env's ``score`` check fn);
 the conversation continues from the best (lowest branch on ties); all K become Samples sharing
 (task, agent, turn) with branch 0..K-1 and their score as ``local_reward``.
+
+Tools: an agent with ``tools`` whose reply calls them gets each result as a ``tool`` turn of its
+transcript and samples again (``max_tool_calls`` rounds); the calling samples join the action's.
+
+Reported rewards: a program that scores its own episode (``report_rewards``, the external
+orchestra) sets the team and per-agent rewards ``finalize`` writes, and the success statistics.
 
 Policy mapping: a context built with ``policies`` (agent -> policy, from ``rollout.policy_mapping``
 for this episode) sends an agent's calls to that policy's engine and tags its samples with it, so
@@ -170,9 +177,9 @@ class EpisodeContext:
 
     async def _sample(self, agent: Agent, prompt_ids: list[int], *, anchor: str, sampling: SamplingParams,
                       num_candidates: int = 1) -> list[tuple[Sample, object]]:
-        """One engine call for ``agent`` on ``prompt_ids`` (``num_candidates`` replies); the tagged
-        Samples (not yet recorded), each with the agent's parsed value of its reply. The one path by which every agent call (``act``, ``complete``)
-        reaches an engine."""
+        """One engine call for ``agent`` on ``prompt_ids`` (``num_candidates`` replies; the candidates
+        share the list); the tagged Samples (not yet recorded), each with the agent's parsed value of
+        its reply. The one path by which every agent call (``act``, ``complete``) reaches an engine."""
         agent_name = agent.role
         policy, engine = self._engine(agent_name)
         # Counters are taken before the engine call so concurrent agents get them in call order.
@@ -193,7 +200,7 @@ class EpisodeContext:
             samples.append((Sample(
                 task_id=self.task.task_id, episode_id=self.episode_id, agent=agent_name, policy=policy,
                 turn=turn, branch=branch, weight_version=gen.weight_version, valid=bool(valid), step=step,
-                prompt_ids=list(prompt_ids), response_ids=list(gen.token_ids), rollout_logprobs=list(gen.logprobs),
+                prompt_ids=prompt_ids, response_ids=list(gen.token_ids), rollout_logprobs=list(gen.logprobs),
                 anchor=anchor, truncated=gen.finish_reason == "length", response_text=text,
                 allowed_token_ids=tuple(sampling.allowed_token_ids) if sampling.allowed_token_ids else None,
                 temperature=sampling.temperature if sampling.temperature > 0 else 1.0,
