@@ -80,6 +80,11 @@ class AgentConfig:
     tree_k: int = 1  # >1: tree sampling (AT-GRPO), K candidates per call, continue from the best
     max_prompt_tokens: int = 4096  # longer prompts drop the episode (counted, reason prompt_too_long)
     choices: list[str] = field(default_factory=list)  # names a router agent may pick
+    # Registered tools (calculator, ...) the agent may call: their schemas go into its prompt, a reply
+    # holding tool calls (Hermes/Qwen <tool_call> blocks or Llama JSON) is answered with the tools'
+    # results as the next turn, up to max_tool_calls rounds; the reply after that is the action.
+    tools: list[str] = field(default_factory=list)
+    max_tool_calls: int = 2  # tool rounds per agent call
     # Per-agent training hyperparameters; None inherits the policy's value. ``lr`` needs the agent's
     # own parameters (an L2 LoRA adapter or an L3 policy of its own): agents sharing weights share one
     # optimizer step. ``frozen``: the agent acts but its samples never train the policy.
@@ -101,8 +106,11 @@ class AgentConfig:
             raise ValueError("agents.<a>.prompt_template must contain '{observation}'")
         if self.memory_scope not in MEMORY_SCOPES:
             raise ValueError(f"agents.<a>.memory_scope='{self.memory_scope}' unknown; allowed: {list(MEMORY_SCOPES)}")
-        for key in ("tree_k", "max_prompt_tokens"):
+        for key in ("tree_k", "max_prompt_tokens", "max_tool_calls"):
             check_range(f"agents.<a>.{key}", getattr(self, key), low=1)
+        self.tools = list(self.tools)
+        if self.tools and self.tree_k > 1:
+            raise ValueError("agents.<a>.tools cannot be combined with agents.<a>.tree_k > 1 (tool rounds follow one reply)")
         check_range("agents.<a>.memory_tokens", self.memory_tokens, low=0)
         if self.lr is not None:
             check_range("agents.<a>.lr", self.lr, low=0, low_open=True)

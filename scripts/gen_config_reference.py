@@ -234,7 +234,26 @@ def render() -> str:
     for name, section_rows in sections.items():
         lines = [f"## `{name}`\n"] + table + [f"| `{k}` | {t} | {d} | {c} |" for k, t, d, c in section_rows]
         parts.append("\n".join(lines) + "\n")
+        if name == "orchestra":
+            parts.extend(orchestra_kwargs(table))
     return "\n".join(parts)
+
+
+def orchestra_kwargs(table: list[str]) -> list[str]:
+    """One table per built-in orchestra: its ``Config`` fields, the keys ``orchestra.kwargs`` takes
+    (validated at load time; an unknown key is rejected)."""
+    import megamarl.orchestration  # noqa: F401 - registers the built-in orchestras
+    from megamarl.orchestration.orchestras import ORCHESTRAS
+
+    parts = []
+    for name in ORCHESTRAS.names():
+        cls = ORCHESTRAS.get(name)
+        if not getattr(cls, "__module__", "").startswith("megamarl."):
+            continue
+        config_rows = rows(cls.Config, "orchestra.kwargs.", {})
+        body = table + [f"| `{k}` | {t} | {d} | {c} |" for k, t, d, c in config_rows] if config_rows else ["(no keys)"]
+        parts.append("\n".join([f"### `orchestra.kwargs` of `{name}`\n", *body]) + "\n")
+    return parts
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -4,14 +4,14 @@ Importing this package registers every built-in agent kind, orchestra, env and e
 backend. Public entry points:
 
 * ``AGENTS``/``AgentConfig``/``SamplingConfig``/``build_agents``  (agents.py; the ``agents.<role>`` config section)
-* ``ORCHESTRAS``/``build_orchestra``            (orchestras.py)
+* ``ORCHESTRAS``/``build_orchestra``            (orchestras.py; ``external``: external.py, openai_endpoint.py)
 * ``ENVS``/``EnvMaker``/``Env``/``Task``        (env.py, envs/, pettingzoo_env.py)
 * ``EpisodeContext``/``Action``                 (context.py)
 * ``run_episodes``/``RolloutResult``            (episodes.py)
 * ``make_workers``/``WorkersConfig``            (workers.py)
 """
 
-from megamarl.orchestration import envs, pettingzoo_env  # noqa: F401 - registration
+from megamarl.orchestration import envs, external, pettingzoo_env  # noqa: F401 - registration
 from megamarl.orchestration.agents import AGENTS, Agent, AgentConfig, SamplingConfig, build_agents
 from megamarl.orchestration.context import Action, ConfigError, EpisodeContext, EpisodeDone, EpisodeDropped
 from megamarl.orchestration.env import ENVS, Env, EnvConfig, EnvMaker, StepResult, Task

@@ -24,7 +24,7 @@ class Action:
     turn: int
     step: int
     branch: int = 0  # the candidate continued from
-    samples: list[Sample] = field(default_factory=list, repr=False)
+    samples: list[Sample] = field(default_factory=list, repr=False)  # tool rounds (agents.<a>.tools), then the candidates
     scores: list[float] | None = None  # tree sampling: one per candidate
 
     def stripped(self) -> Action:

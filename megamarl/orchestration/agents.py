@@ -22,6 +22,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from megamarl.config_sections import AgentConfig, SamplingConfig
+from megamarl.orchestration.tools import TOOLS
 from megamarl.registry import Registry
 from megamarl.rollout.engines.base import SamplingParams
 
@@ -74,6 +75,7 @@ class Agent:
             stops += (eos,)
         self.sampling = replace(sampling, stop_token_ids=stops)
         self.stop_token_ids = frozenset(stops)
+        self.tools = {name: TOOLS.get(name, key=f"agents.{role}.tools") for name in config.tools}  # name -> Tool
 
     def user_message(self, observation: str) -> str:
         """The user-turn text for an observation (the role's prompt template applied)."""

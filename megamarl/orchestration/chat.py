@@ -24,6 +24,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from megamarl.orchestration.tools import with_tools
+
 _SENTINEL = "\x00megamarl-reply\x00"
 
 
@@ -34,18 +36,20 @@ class TemplateDeltaError(ValueError):
 class ChatTranscript:
     """One agent's conversation in one episode: ``messages`` (text) and ``ids`` (exact tokens)."""
 
-    def __init__(self, tokenizer: Any, system_prompt: str | None = None) -> None:
+    def __init__(self, tokenizer: Any, system_prompt: str | None = None, *, tools: list[dict] | None = None) -> None:
         self.tokenizer = tokenizer
         self.messages: list[dict[str, str]] = []
         if system_prompt is not None:
             self.messages.append({"role": "system", "content": system_prompt})
+        # tool schemas: the template's ``tools`` argument, or a tool block in the system turn (tools.py)
+        self.messages, self._template_kwargs = with_tools(self.messages, list(tools or []), tokenizer)
         self.ids: list[int] = []
         self._text = ""  # the template's rendering of ``messages`` that ``ids`` corresponds to
         self._closing: str | None = None
 
     def _render(self, messages: list[dict[str, str]], *, generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=generation_prompt
+            messages, tokenize=False, add_generation_prompt=generation_prompt, **self._template_kwargs
         )
 
     def _delta(self, full: str) -> str:
@@ -60,9 +64,36 @@ class ChatTranscript:
     def _encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False) if text else []
 
+    @classmethod
+    def of_prompt(cls, tokenizer: Any, messages: list[dict], *, template_kwargs: dict | None = None) -> ChatTranscript:
+        """A transcript whose ids are ``messages`` rendered (with the generation prompt) and encoded
+        in one piece: a conversation that arrives whole (the OpenAI endpoint's requests)."""
+        transcript = cls(tokenizer)
+        transcript.messages, transcript._template_kwargs = list(messages), dict(template_kwargs or {})
+        transcript._text = transcript._render(transcript.messages, generation_prompt=True)
+        transcript.ids = transcript._encode(transcript._text)
+        return transcript
+
+    def continued(self, messages: list[dict]) -> ChatTranscript | None:
+        """A new transcript for ``messages`` (rendered with the generation prompt) that keeps this
+        one's ids, sampled replies included, and encodes only the appended text; None when this
+        one's text is not an unchanged prefix of theirs (another conversation, or edited history)."""
+        full = self._render(messages, generation_prompt=True)
+        if not full.startswith(self._text):
+            return None
+        transcript = ChatTranscript(self.tokenizer)
+        transcript.messages, transcript._template_kwargs = list(messages), self._template_kwargs
+        transcript._text, transcript._closing = full, self._closing
+        transcript.ids = self.ids + self._encode(full[len(self._text):])
+        return transcript
+
     def add_user(self, content: str) -> list[int]:
         """Append a user turn plus the assistant generation prompt; return the appended ids."""
-        messages = self.messages + [{"role": "user", "content": content}]
+        return self.add_message("user", content)
+
+    def add_message(self, role: str, content: str) -> list[int]:
+        """Append a ``role`` turn (user, or tool: a tool's result) plus the generation prompt."""
+        messages = self.messages + [{"role": role, "content": content}]
         full = self._render(messages, generation_prompt=True)
         new_ids = self._encode(self._delta(full))
         self.ids.extend(new_ids)

@@ -3,9 +3,10 @@
 ``await ctx.act(agent, observation)`` builds the agent's prompt (token-exact, see ``chat.py``),
 calls the engine of the agent's policy, parses the reply and records one ``Sample`` per sampled
 candidate, tagged (task_id, episode_id, agent, policy, turn, branch, weight_version, valid, step,
-anchor). ``await ctx.step(agent, action)`` applies it to the env (in an env worker when the env
-says ``remote_step``; ``step_timeout_s`` bounds each such call). ``ctx.turn(agent)`` is observe +
-act + step.
+anchor). ``await ctx.complete(agent, prompt_ids)`` samples and records a reply to a prompt rendered
+elsewhere (the OpenAI endpoint) on the same path (``_sample``). ``await ctx.step(agent, action)``
+applies an action to the env (in an env worker when the env says ``remote_step``; ``step_timeout_s``
+bounds each such call). ``ctx.turn(agent)`` is observe + act + step.
 
 Active mask: once the env is done, ``act`` raises ``EpisodeDone`` (the driver treats it as the
 normal end), so an orchestra that forgets to check ``ctx.done`` still never calls an agent of a
@@ -20,6 +21,12 @@ Tree sampling (``tree_k = K > 1``): one engine call with ``n=K``; every candidat
 scored (the agent's ``local_reward`` if it returns a value, else the env's ``score`` check fn);
 the conversation continues from the best (lowest branch on ties); all K become Samples sharing
 (task, agent, turn) with branch 0..K-1 and their score as ``local_reward``.
+
+Tools: an agent with ``tools`` whose reply calls them gets each result as a ``tool`` turn of its
+transcript and samples again (``max_tool_calls`` rounds); the calling samples join the action's.
+
+Reported rewards: a program that scores its own episode (``report_rewards``, the external
+orchestra) sets the team and per-agent rewards ``finalize`` writes, and the success statistics.
 
 Policy mapping: a context built with ``policies`` (agent -> policy, from ``rollout.policy_mapping``
 for this episode) sends an agent's calls to that policy's engine and tags its samples with it, so
@@ -43,8 +50,9 @@ from typing import TYPE_CHECKING
 from megamarl.orchestration.action import Action
 from megamarl.orchestration.chat import ChatTranscript
 from megamarl.orchestration.env import Env, StepResult, Task
+from megamarl.orchestration.tools import call_tool, parse_tool_calls
 from megamarl.rl.sample import Sample
-from megamarl.rollout.engines.base import Engine
+from megamarl.rollout.engines.base import Engine, SamplingParams
 
 if TYPE_CHECKING:
     from megamarl.orchestration.agents import Agent
@@ -116,6 +124,7 @@ class EpisodeContext:
         self._step_rewards: dict[int, float] = {}  # id(sample) -> local reward from env/agent
         self._scored: set[int] = set()  # id(sample) of tree candidates (local reward = score)
         self._env_lock = asyncio.Lock()  # remote env calls of this episode, one at a time
+        self.reported: tuple[float, dict[str, float]] | None = None  # report_rewards: (team, agent -> local)
 
     @property
     def done(self) -> bool:
@@ -152,30 +161,31 @@ class EpisodeContext:
             text = f"Earlier turns:\n{memory}\n{observation}" if memory else observation
         transcript = self.transcripts.get(agent.role) if agent.config.multi_turn else None
         if transcript is None:
-            transcript = ChatTranscript(agent.tokenizer, agent.system)
+            transcript = ChatTranscript(agent.tokenizer, agent.system, tools=[t.schema() for t in agent.tools.values()])
         transcript.add_user(agent.user_message(text))
         if len(transcript.ids) > agent.config.max_prompt_tokens:
             raise EpisodeDropped("prompt_too_long")
         return transcript
 
-    async def act(self, agent_name: str, observation: str) -> Action:
-        """Sample ``agent_name``'s reply to ``observation``; record Samples; return the chosen Action."""
-        if self.env.done:
-            raise EpisodeDone(self.episode_id)
-        agent = self._agent(agent_name)
+    def _engine(self, agent_name: str) -> tuple[str, Engine]:
         policy = self.policy_of(agent_name)
         engine = self.engines.get(policy)
         if engine is None:
             source = "rollout.policy_mapping" if agent_name in self.policies else f"agents.{agent_name}.policy"
             raise ConfigError(f"{source} gave '{agent_name}' policy '{policy}', which has no engine; have {sorted(self.engines)}")
-        transcript = self._prompt(agent, observation)
-        prompt_ids = list(transcript.ids)
+        return policy, engine
+
+    async def _sample(self, agent: Agent, prompt_ids: list[int], *, anchor: str, sampling: SamplingParams,
+                      num_candidates: int = 1) -> list[tuple[Sample, object]]:
+        """One engine call for ``agent`` on ``prompt_ids`` (``num_candidates`` replies; the candidates
+        share the list); the tagged Samples (not yet recorded), each with the agent's parsed value of
+        its reply. The one path by which every agent call (``act``, ``complete``) reaches an engine."""
+        agent_name = agent.role
+        policy, engine = self._engine(agent_name)
         # Counters are taken before the engine call so concurrent agents get them in call order.
         turn, step = self.turns.get(agent_name, 0), self.num_steps
         self.turns[agent_name] = turn + 1
         self.num_steps += 1
-        num_candidates = agent.config.tree_k
-        sampling = agent.sampling
         if self.seed is not None:
             sampling = dataclasses.replace(sampling, seed=derive_seed(self.seed, agent_name, turn))
         if num_candidates > 1:
@@ -183,19 +193,75 @@ class EpisodeContext:
         generations = await engine.generate(prompt_ids, sampling, lora=agent.lora)
         if len(generations) != num_candidates:
             raise RuntimeError(f"engine of policy '{policy}' returned {len(generations)} of {num_candidates}")
-        candidates = []
+        samples = []
         for branch, gen in enumerate(generations):
             text = agent.response_text(gen.token_ids)
             value, valid = agent.parse(text)
-            sample = Sample(
+            samples.append((Sample(
                 task_id=self.task.task_id, episode_id=self.episode_id, agent=agent_name, policy=policy,
                 turn=turn, branch=branch, weight_version=gen.weight_version, valid=bool(valid), step=step,
                 prompt_ids=prompt_ids, response_ids=list(gen.token_ids), rollout_logprobs=list(gen.logprobs),
-                anchor=observation, truncated=gen.finish_reason == "length", response_text=text,
+                anchor=anchor, truncated=gen.finish_reason == "length", response_text=text,
                 allowed_token_ids=tuple(sampling.allowed_token_ids) if sampling.allowed_token_ids else None,
                 temperature=sampling.temperature if sampling.temperature > 0 else 1.0,
-            )
-            candidates.append(Action(agent_name, text, value, bool(valid), turn, step, branch, [sample]))
+            ), value))
+        return samples
+
+    async def complete(self, agent_name: str, prompt_ids: list[int], *, max_tokens: int | None = None,
+                       stop: tuple[str, ...] = (), anchor: str = "") -> Sample:
+        """Sample ``agent_name``'s reply to a prompt rendered elsewhere (the OpenAI endpoint renders
+        the program's messages) and record it: same engine, sampling, tags and token-exactness as
+        ``act``, but no parsing into an env action and no env step. ``max_tokens`` can only lower the
+        agent's ``sampling.max_tokens``; ``stop`` strings are added to the agent's."""
+        if self.env.done:
+            raise EpisodeDone(self.episode_id)
+        agent = self._agent(agent_name)
+        if len(prompt_ids) > agent.config.max_prompt_tokens:
+            raise EpisodeDropped("prompt_too_long")
+        sampling = agent.sampling
+        if max_tokens is not None:
+            sampling = dataclasses.replace(sampling, max_tokens=max(1, min(max_tokens, sampling.max_tokens)))
+        if stop:
+            sampling = dataclasses.replace(sampling, stop=tuple(dict.fromkeys((*sampling.stop, *stop))))
+        [(sample, _)] = await self._sample(agent, prompt_ids, anchor=anchor, sampling=sampling)
+        self.samples.append(sample)
+        return sample
+
+    def report_rewards(self, team: float, agents: Mapping[str, float] | None = None) -> None:
+        """Rewards the episode's program computed itself (the external orchestra): ``finalize`` uses
+        them instead of the env's. An agent missing from ``agents`` gets the team reward as its local."""
+        unknown = sorted(set(agents or {}) - set(self.agents))
+        if unknown:
+            raise ValueError(f"rewards for unknown agents {unknown}; agents: {sorted(self.agents)}")
+        self.reported = (float(team), {name: float(r) for name, r in (agents or {}).items()})
+
+    def success(self) -> bool:
+        """The team's success: a reported team reward >= 1, else the env's ``success()``."""
+        return self.reported[0] >= 1.0 if self.reported is not None else bool(self.env.success())
+
+    def agent_success(self, agent: str) -> bool:
+        """``agent``'s own success: its reported local reward >= 1 when reported, else the env's."""
+        if self.reported is not None:
+            return self.reported[1].get(agent, self.reported[0]) >= 1.0
+        own = self.env.agent_success(agent)
+        return self.success() if own is None else bool(own)
+
+    async def act(self, agent_name: str, observation: str) -> Action:
+        """Sample ``agent_name``'s reply to ``observation``; record Samples; return the chosen Action."""
+        if self.env.done:
+            raise EpisodeDone(self.episode_id)
+        agent = self._agent(agent_name)
+        self._engine(agent_name)  # a config error before the prompt is built
+        transcript = self._prompt(agent, observation)
+        prompt_ids = list(transcript.ids)
+        num_candidates = agent.config.tree_k
+        sampled = await self._sample(agent, prompt_ids, anchor=observation, sampling=agent.sampling,
+                                     num_candidates=num_candidates)
+        tool_samples = []
+        if agent.tools:  # tree_k is 1 (AgentConfig): a reply that calls tools is answered, then resampled
+            tool_samples, sampled = await self._tool_rounds(agent, transcript, sampled, anchor=observation)
+        candidates = [Action(agent_name, sample.response_text, value, sample.valid, sample.turn, sample.step,
+                             sample.branch, [sample]) for sample, value in sampled]
         samples = [c.samples[0] for c in candidates]
         best = candidates[0]
         scores = None
@@ -205,8 +271,10 @@ class EpisodeContext:
             for sample, score in zip(samples, scores):
                 sample.local_reward = score
                 self._scored.add(id(sample))
-        action = dataclasses.replace(best, samples=samples, scores=scores)
         best_sample = samples[best.branch]
+        # the tool rounds' samples share the action's reward (``step``) and end with it
+        samples = tool_samples + samples
+        action = dataclasses.replace(best, samples=samples, scores=scores)
         if agent.config.multi_turn:
             transcript.add_response(best_sample.response_ids, best.text)
             self.transcripts[agent_name] = transcript
@@ -216,6 +284,27 @@ class EpisodeContext:
             entry_text = best.text.strip()
             self.memory.append(MemoryEntry(agent_name, entry_text, len(agent.tokenizer.encode(entry_text))))
         return action
+
+    async def _tool_rounds(self, agent: Agent, transcript: ChatTranscript, sampled: list[tuple[Sample, object]],
+                           *, anchor: str) -> tuple[list[Sample], list[tuple[Sample, object]]]:
+        """While the reply calls tools (at most ``max_tool_calls`` rounds): run them, append the reply
+        and each result (a ``tool`` turn) to the transcript, sample again. Returns the tool-calling
+        samples (valid: a call is a well-formed move) and the final reply."""
+        tool_samples = []
+        for _ in range(agent.config.max_tool_calls):
+            sample = sampled[0][0]
+            _, calls = parse_tool_calls(sample.response_text)
+            if not calls:
+                break
+            sample.valid = True
+            tool_samples.append(sample)
+            transcript.add_response(sample.response_ids, sample.response_text)
+            for call in calls:
+                transcript.add_message("tool", call_tool(call, agent.tools))
+            if len(transcript.ids) > agent.config.max_prompt_tokens:
+                raise EpisodeDropped("prompt_too_long")
+            sampled = await self._sample(agent, list(transcript.ids), anchor=anchor, sampling=agent.sampling)
+        return tool_samples, sampled
 
     async def _score(self, agent: Agent, candidate: Action) -> float:
         score = agent.local_reward(candidate, self.env)
@@ -271,6 +360,11 @@ class EpisodeContext:
 
     def finalize(self) -> float:
         """Fill team and local rewards on every Sample; return the team reward."""
+        if self.reported is not None:
+            team, local = self.reported
+            for sample in self.samples:
+                sample.team_reward, sample.local_reward = team, local.get(sample.agent, team)
+            return team
         team = float(self.env.team_reward())
         for sample in self.samples:
             sample.team_reward = team

@@ -162,14 +162,13 @@ async def run_episode(
         stats.num_samples = 0
         return [], stats
     stats.team_reward = ctx.finalize()
-    stats.success = bool(ctx.env.success())
+    stats.success = ctx.success()
     stats.env_done = bool(ctx.env.done)
     stats.num_samples = len(ctx.samples)
     stats.num_invalid = sum(not s.valid for s in ctx.samples)
     stats.env_metrics = dict(ctx.env.metrics())
     for agent in ctx.agents:  # every seat, also one that never acted (its opponent forfeited first)
-        own = ctx.env.agent_success(agent)
-        stats.agent_success[agent] = stats.success if own is None else bool(own)
+        stats.agent_success[agent] = ctx.agent_success(agent)
         stats.policies[agent] = ctx.policy_of(agent)
     return ctx.samples, stats
 

@@ -99,7 +99,7 @@ class Sequential(Orchestra):
     @dataclass
     class Config(OrchestraConfig):
         order: tuple[str, ...] = ()  # empty: the env's agents
-        max_steps: int = 16
+        max_steps: int = 16  # agent calls per episode, then it ends
 
         def __post_init__(self) -> None:
             self.order = tuple(self.order)
@@ -129,8 +129,8 @@ class Sequential(Orchestra):
 class Router(Orchestra):
     @dataclass
     class Config(OrchestraConfig):
-        router: str = "router"
-        max_hops: int = 6
+        router: str = "router"  # the role whose reply names the next agent
+        max_hops: int = 6  # router decisions per episode
 
         def __post_init__(self) -> None:
             _positive(self.max_hops, "max_hops")
@@ -152,9 +152,9 @@ class Router(Orchestra):
 class SolveVerify(Orchestra):
     @dataclass
     class Config(OrchestraConfig):
-        solver: str = "solver"
-        verifier: str = "verifier"
-        max_loops: int = 3
+        solver: str = "solver"  # the solving role
+        verifier: str = "verifier"  # the verifying role
+        max_loops: int = 3  # solver + verifier rounds per episode
         approve_value: Any = None  # None: only the env's done ends the loop early
 
         def __post_init__(self) -> None:
@@ -200,8 +200,8 @@ def topological_levels(nodes: dict[str, tuple[str, ...]]) -> list[list[str]]:
 class Dag(Orchestra):
     @dataclass
     class Config(OrchestraConfig):
-        nodes: dict[str, tuple[str, ...]] = field(default_factory=dict)
-        rounds: int = 1
+        nodes: dict[str, tuple[str, ...]] = field(default_factory=dict)  # agent -> the agents whose replies it reads
+        rounds: int = 1  # passes over the whole DAG
 
         def __post_init__(self) -> None:
             if not self.nodes:
@@ -236,7 +236,7 @@ class Dag(Orchestra):
 class Simultaneous(Orchestra):
     @dataclass
     class Config(OrchestraConfig):
-        max_rounds: int = 8
+        max_rounds: int = 8  # rounds in which every active agent acts
 
         def __post_init__(self) -> None:
             _positive(self.max_rounds, "max_rounds")

@@ -25,6 +25,7 @@ from megamarl.models.packaged import PACKAGED_MODELS, TINY_MODELS
 from megamarl.orchestration.agents import AGENTS
 from megamarl.orchestration.env import ENVS
 from megamarl.orchestration.orchestras import ORCHESTRAS, check_team
+from megamarl.orchestration.tools import TOOLS
 from megamarl.orchestration.workers import check_workers
 from megamarl.parallel.hardware import check_dtypes
 from megamarl.parallel.placement import check_placement_mode
@@ -117,6 +118,8 @@ def _check_team(cfg: RunConfig) -> None:
     for role, agent in cfg.agents.items():
         if agent.kind:
             AGENTS.get(agent.kind, key=f"agents.{role}.kind")
+        for tool in agent.tools:
+            TOOLS.get(tool, key=f"agents.{role}.tools")
     orchestra_cls, orchestra_config = built.pop("orchestra")
     orchestra = orchestra_cls(orchestra_config)
     kinds = {role: agent.kind for role, agent in cfg.agents.items()}

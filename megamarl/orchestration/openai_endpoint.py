@@ -1,0 +1,351 @@
+"""A recording OpenAI-compatible endpoint: programs written for the OpenAI API act as megamarl agents.
+
+The driver serves ``/v1/chat/completions``, ``/v1/completions``, ``/v1/models`` and
+``/v1/episodes/{episode_id}/reward`` (aiohttp, on the rollout's event loop) while the external
+orchestra (``external.py``) runs a program per episode. Unlike a plain OpenAI server (vLLM's), it
+does not serve one model: each call is routed to an *episode* and an *agent role* and recorded.
+
+* Episode: the URL prefix ``/episodes/{id}/v1/...`` (what ``OPENAI_BASE_URL`` holds, so an unchanged
+  program that builds ``OpenAI()`` is routed without knowing), else the ``X-Episode-Id`` header,
+  else ``metadata.episode_id``, else the ``user`` field. Missing: 400; not running: 404.
+* Role: the ``X-Megamarl-Agent`` header, else the request's ``model`` (``model="solver"``). Unknown: 404.
+* Generation: the messages are rendered with the role's tokenizer's chat template (``tools`` passed
+  through), encoded without adding special tokens, and sampled by ``EpisodeContext.complete``: the
+  role's policy, engine pool, sampling config and seed, exactly as ``ctx.act``. The Sample records
+  the prompt ids the engine received and the response ids and log-probs it returned; the reply text
+  is decoded from them. A request that continues an earlier conversation of the role (its rendering
+  is a prefix of the new one) keeps that conversation's ids, sampled replies included, and encodes
+  only the new turns (``ChatTranscript.continued``). The request's ``temperature``/``top_p`` are ignored (the agent's sampling
+  config is what trains); ``max_tokens`` may lower the agent's budget; ``stop`` adds stop strings;
+  ``n`` must be 1. ``stream: true`` answers with server-sent events (the whole reply in one delta,
+  then ``finish_reason``, then ``[DONE]``): the engines return whole replies.
+* Tools: a request's ``tools`` reach the chat template (or a tool block in the system turn, for a
+  template that ignores them, ``tools.with_tools``); a reply holding tool calls (``tools.parse_tool_calls``)
+  is answered with ``message.tool_calls`` and ``finish_reason: "tool_calls"``; an assistant message's
+  ``tool_calls`` sent back are rendered as the block the model wrote when the template cannot show them.
+* Reward: ``POST .../reward`` with ``{"team": float, "agents": {role: float}}`` (``agents``
+  optional; a role left out gets the team reward as its local reward). Unknown episode: 404.
+
+Errors use OpenAI's body (``{"error": {"message", "type", "code"}}``) so the official client raises
+its usual ``NotFoundError``/``BadRequestError``. A prompt over ``agents.<role>.max_prompt_tokens``
+answers 400 and drops the episode (counted as ``prompt_too_long``, as in-process agents are).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import quote
+
+from aiohttp import web
+
+from megamarl.orchestration.chat import ChatTranscript, TemplateDeltaError
+from megamarl.orchestration.context import EpisodeContext, EpisodeDone, EpisodeDropped
+from megamarl.orchestration.tools import ToolCall, parse_tool_calls, template_supports_tools, with_tools
+
+EPISODE_HEADER = "X-Episode-Id"
+AGENT_HEADER = "X-Megamarl-Agent"
+
+
+class EndpointError(Exception):
+    def __init__(self, status: int, message: str, code: str) -> None:
+        super().__init__(message)
+        self.status, self.message, self.code = status, message, code
+
+
+@dataclass
+class EpisodeHandle:
+    """What the endpoint knows about one running episode."""
+
+    ctx: EpisodeContext
+    reward: tuple[float, dict[str, float]] | None = None
+    error: BaseException | None = None  # e.g. EpisodeDropped from a request: re-raised by the orchestra
+    num_requests: int = 0
+    # role -> its conversations so far (each ends with a sampled reply): a request that continues one
+    # reuses its ids, so the replies in a multi-turn prompt are the sampled tokens, not re-encoded text
+    transcripts: dict[str, list[ChatTranscript]] = field(default_factory=dict)
+
+
+def _error(status: int, message: str, code: str) -> web.Response:
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return web.json_response({"error": {"message": message, "type": kind, "code": code, "param": None}},
+                             status=status)
+
+
+def _content_text(content: Any) -> str:
+    """OpenAI message content: a string or a list of ``{"type": "text", "text": ...}`` parts."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(part.get("text", "") for part in content if isinstance(part, dict))
+    raise EndpointError(400, f"message content must be a string or a list of text parts, got {type(content).__name__}",
+                        "invalid_content")
+
+
+class RecordingEndpoint:
+    """The aiohttp app and the table of running episodes. ``start`` binds it on the running loop."""
+
+    def __init__(self, *, host: str = "127.0.0.1", port: int = 0) -> None:
+        self.host, self.port = host, port
+        self.episodes: dict[str, EpisodeHandle] = {}
+        self._runner: web.AppRunner | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.base_url = ""
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=64 * 1024 * 1024)
+        # episode ids contain "/" (``task/index``): the path parameter matches across segments
+        for prefix in ("", "/episodes/{episode_id:.+}"):
+            app.router.add_post(prefix + "/v1/chat/completions", self._chat)
+            app.router.add_post(prefix + "/v1/completions", self._completions)
+            app.router.add_get(prefix + "/v1/models", self._models)
+        app.router.add_post("/v1/episodes/{episode_id:.+}/reward", self._reward)
+        app.router.add_post("/episodes/{episode_id:.+}/v1/reward", self._reward)
+        return app
+
+    async def start(self) -> str:
+        """Serve on the running loop (once per loop); return the base URL (no ``/v1``)."""
+        loop = asyncio.get_running_loop()
+        if self._runner is not None and self.loop is loop:
+            return self.base_url
+        self._runner = web.AppRunner(self.app(), access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.host, self.port)
+        await site.start()
+        host, port = site._server.sockets[0].getsockname()[:2]  # port 0: the one the OS chose
+        self.loop, self.base_url = loop, f"http://{host}:{port}"
+        return self.base_url
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner, self.loop, self.base_url = None, None, ""
+
+    def open(self, ctx: EpisodeContext) -> EpisodeHandle:
+        if ctx.episode_id in self.episodes:
+            raise ValueError(f"episode {ctx.episode_id} is already running on the endpoint")
+        handle = self.episodes[ctx.episode_id] = EpisodeHandle(ctx)
+        return handle
+
+    def close(self, episode_id: str) -> None:
+        self.episodes.pop(episode_id, None)
+
+    def episode_url(self, episode_id: str) -> str:
+        """The ``OPENAI_BASE_URL`` of one episode (it names the episode; ends in ``/v1``)."""
+        return f"{self.base_url}/episodes/{quote(episode_id, safe='/')}/v1"
+
+    # -- routing ---------------------------------------------------------------------------------
+
+    def _handle(self, request: web.Request, body: dict) -> EpisodeHandle:
+        metadata = body.get("metadata") if isinstance(body.get("metadata"), dict) else {}
+        episode_id = (request.match_info.get("episode_id") or request.headers.get(EPISODE_HEADER)
+                      or metadata.get("episode_id") or body.get("user"))
+        if not episode_id:
+            raise EndpointError(400, f"no episode id: use the base URL /episodes/<id>/v1, the {EPISODE_HEADER} "
+                                "header, metadata.episode_id or the user field (MEGAMARL_EPISODE_ID holds it)",
+                                "missing_episode_id")
+        handle = self.episodes.get(str(episode_id))
+        if handle is None:
+            raise EndpointError(404, f"episode '{episode_id}' is not running (finished, timed out, or never "
+                                f"started); running: {len(self.episodes)}", "unknown_episode")
+        return handle
+
+    def _role(self, request: web.Request, body: dict, handle: EpisodeHandle) -> str:
+        role = request.headers.get(AGENT_HEADER) or body.get("model")
+        if not role:
+            raise EndpointError(400, f"no agent role: set model to one of {sorted(handle.ctx.agents)} "
+                                f"(or the {AGENT_HEADER} header)", "missing_role")
+        if role not in handle.ctx.agents:
+            raise EndpointError(404, f"unknown agent role '{role}'; this run's agents: {sorted(handle.ctx.agents)}",
+                                "unknown_role")
+        return role
+
+    async def _body(self, request: web.Request) -> dict:
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise EndpointError(400, f"request body is not JSON: {exc}", "invalid_json") from exc
+        if not isinstance(body, dict):
+            raise EndpointError(400, "request body must be a JSON object", "invalid_json")
+        return body
+
+    # -- handlers --------------------------------------------------------------------------------
+
+    async def _models(self, request: web.Request) -> web.Response:
+        roles = sorted({role for h in self.episodes.values() for role in h.ctx.agents})
+        return web.json_response({"object": "list", "data": [
+            {"id": role, "object": "model", "created": 0, "owned_by": "megamarl"} for role in roles]})
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, chat=True)
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, chat=False)
+
+    async def _serve(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
+        try:
+            body = await self._body(request)
+            handle = self._handle(request, body)
+            role = self._role(request, body, handle)
+            prompt_ids, anchor, transcript = self._prompt(handle, role, body, chat=chat)
+            if int(body.get("n") or 1) != 1:
+                raise EndpointError(400, "n must be 1 (one recorded sample per call)", "unsupported_n")
+            stop = body.get("stop") or ()
+            stop = (stop,) if isinstance(stop, str) else tuple(stop)
+            max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+            handle.num_requests += 1
+            try:
+                sample = await handle.ctx.complete(role, prompt_ids, max_tokens=max_tokens, stop=stop, anchor=anchor)
+            except EpisodeDropped as exc:
+                handle.error = exc
+                raise EndpointError(400, f"episode dropped: {exc.reason} (prompt of {len(prompt_ids)} tokens > "
+                                    f"agents.{role}.max_prompt_tokens)", "context_length_exceeded") from exc
+            except EpisodeDone as exc:
+                raise EndpointError(409, "the episode's env is done", "episode_done") from exc
+        except EndpointError as exc:
+            return _error(exc.status, exc.message, exc.code)
+        if transcript is not None:
+            self._remember(handle, role, transcript, sample)
+        finish = "length" if sample.truncated else "stop"
+        calls = []
+        if chat and body.get("tools"):
+            _, calls = parse_tool_calls(sample.response_text)
+        reply = _reply(sample, role=role, chat=chat, finish=finish, logprobs=bool(body.get("logprobs")),
+                       tokenizer=handle.ctx.agents[role].tokenizer, calls=calls)
+        if not body.get("stream"):
+            return web.json_response(reply)
+        return await _stream(request, reply, chat=chat)
+
+    def _prompt(self, handle: EpisodeHandle, role: str, body: dict, *,
+                chat: bool) -> tuple[list[int], str, ChatTranscript | None]:
+        """(prompt ids, anchor text, the chat transcript the ids belong to)."""
+        tokenizer = handle.ctx.agents[role].tokenizer
+        if not chat:
+            prompt = body.get("prompt")
+            if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+                return list(prompt), tokenizer.decode(prompt), None
+            if not isinstance(prompt, str):
+                raise EndpointError(400, "prompt must be a string or a list of token ids", "invalid_prompt")
+            return tokenizer.encode(prompt), prompt, None
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise EndpointError(400, "messages must be a non-empty list", "invalid_messages")
+        native = template_supports_tools(tokenizer)
+        rendered = []
+        for message in messages:
+            if not isinstance(message, dict) or "role" not in message:
+                raise EndpointError(400, "each message needs a role", "invalid_messages")
+            entry = {key: value for key, value in message.items() if key != "content"}
+            entry["content"] = _content_text(message.get("content"))
+            if entry.get("tool_calls") and not native:  # the template cannot show them: as the model wrote them
+                entry["content"] += "".join(_hermes_block(call) for call in entry.pop("tool_calls"))
+            rendered.append(entry)
+        rendered, kwargs = with_tools(rendered, list(body.get("tools") or []), tokenizer)
+        try:
+            transcript = None
+            for earlier in reversed(handle.transcripts.get(role, [])[-4:]):  # the latest conversations
+                transcript = earlier.continued(rendered) if earlier._template_kwargs == kwargs else None
+                if transcript is not None:
+                    break
+            if transcript is None:
+                transcript = ChatTranscript.of_prompt(tokenizer, rendered, template_kwargs=kwargs)
+        except Exception as exc:  # a template that rejects the messages: the caller's error
+            raise EndpointError(400, f"the chat template of role '{role}' rejected the messages: {exc}",
+                                "template_error") from exc
+        return list(transcript.ids), rendered[-1]["content"], transcript
+
+    @staticmethod
+    def _remember(handle: EpisodeHandle, role: str, transcript: ChatTranscript, sample) -> None:
+        """Keep the conversation with its sampled reply, for a later request that continues it."""
+        try:
+            transcript.add_response(sample.response_ids, sample.response_text)
+        except TemplateDeltaError:  # a template that rewrites history: later prompts are encoded whole
+            return
+        handle.transcripts.setdefault(role, []).append(transcript)
+
+    async def _reward(self, request: web.Request) -> web.Response:
+        try:
+            body = await self._body(request)
+            episode_id = request.match_info["episode_id"]
+            handle = self.episodes.get(episode_id)
+            if handle is None:
+                raise EndpointError(404, f"episode '{episode_id}' is not running; a reward must be posted "
+                                    "before the program exits", "unknown_episode")
+            team, agents = body.get("team"), body.get("agents") or {}
+            if not isinstance(team, (int, float)) or isinstance(team, bool) or not isinstance(agents, dict):
+                raise EndpointError(400, 'reward body must be {"team": number, "agents": {role: number}}',
+                                    "invalid_reward")
+            try:
+                handle.ctx.report_rewards(float(team), {k: float(v) for k, v in agents.items()})
+            except (TypeError, ValueError) as exc:
+                raise EndpointError(400, str(exc), "invalid_reward") from exc
+            handle.reward = handle.ctx.reported
+        except EndpointError as exc:
+            return _error(exc.status, exc.message, exc.code)
+        return web.json_response({"episode_id": episode_id, "team": handle.reward[0], "agents": handle.reward[1]})
+
+
+def _hermes_block(call: dict) -> str:
+    function = call.get("function", {}) if isinstance(call, dict) else {}
+    arguments = function.get("arguments", "{}")
+    try:
+        arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
+    except json.JSONDecodeError:
+        pass
+    return "<tool_call>" + json.dumps({"name": function.get("name", ""), "arguments": arguments}) + "</tool_call>"
+
+
+def _reply(sample, *, role: str, chat: bool, finish: str, logprobs: bool, tokenizer,
+           calls: list[ToolCall] = ()) -> dict:
+    created = int(time.time())
+    usage = {"prompt_tokens": len(sample.prompt_ids), "completion_tokens": len(sample.response_ids),
+             "total_tokens": len(sample.prompt_ids) + len(sample.response_ids)}
+    token_logprobs = None
+    if logprobs:
+        tokens = [tokenizer.decode([t]) for t in sample.response_ids]
+        token_logprobs = {"content": [{"token": tok, "logprob": lp, "bytes": list(tok.encode()), "top_logprobs": []}
+                                      for tok, lp in zip(tokens, sample.rollout_logprobs)]}
+    if chat:
+        message = {"role": "assistant", "content": sample.response_text}
+        if calls:  # the reply called tools: OpenAI's shape (content is the text around the calls)
+            content, _ = parse_tool_calls(sample.response_text)
+            message = {"role": "assistant", "content": content or None, "tool_calls": [c.openai() for c in calls]}
+            finish = "tool_calls" if finish == "stop" else finish
+        choice = {"index": 0, "message": message, "finish_reason": finish, "logprobs": token_logprobs}
+        return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": created,
+                "model": role, "choices": [choice], "usage": usage}
+    choice = {"index": 0, "text": sample.response_text, "finish_reason": finish, "logprobs": None}
+    return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": created, "model": role,
+            "choices": [choice], "usage": usage}
+
+
+async def _stream(request: web.Request, reply: dict, *, chat: bool) -> web.StreamResponse:
+    """Server-sent events: the whole reply as one chunk, a closing chunk with ``finish_reason``, [DONE]."""
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await response.prepare(request)
+    choice = reply["choices"][0]
+    base = {key: reply[key] for key in ("id", "created", "model")}
+    if chat:
+        base["object"] = "chat.completion.chunk"
+        delta = {"role": "assistant", "content": choice["message"]["content"]}
+        if choice["message"].get("tool_calls"):
+            delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(choice["message"]["tool_calls"])]
+        chunks = [{"index": 0, "delta": delta, "finish_reason": None, "logprobs": choice["logprobs"]},
+                  {"index": 0, "delta": {}, "finish_reason": choice["finish_reason"], "logprobs": None}]
+    else:
+        base["object"] = "text_completion"
+        chunks = [{"index": 0, "text": choice["text"], "finish_reason": None, "logprobs": None},
+                  {"index": 0, "text": "", "finish_reason": choice["finish_reason"], "logprobs": None}]
+    for chunk in chunks:
+        await response.write(f"data: {json.dumps({**base, 'choices': [chunk]})}\n\n".encode())
+    await response.write(b"data: [DONE]\n\n")
+    await response.write_eof()
+    return response

@@ -1,0 +1,172 @@
+"""Tools: JSON-schema functions an agent may call, and the tool-call blocks models write.
+
+A tool is a registered Python function with an OpenAI-style JSON schema (``TOOLS``; the built-in
+``calculator`` evaluates arithmetic). An agent declares the tools it may call
+(``agents.<role>.tools``); its prompt carries their schemas through the chat template
+(``apply_chat_template(tools=...)``) or, for a template that ignores tools (SmolLM2's ChatML), a
+Hermes-style tool block appended to the system turn (``tool_system_prompt``). Each reply is searched
+for tool calls (``parse_tool_calls``), in the two formats open models write:
+
+* Hermes / Qwen: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks, any number,
+  with free text around them (the content);
+* Llama 3.x JSON: the whole reply is ``{"name": ..., "parameters": {...}}`` (optionally after
+  ``<|python_tag|>``), or a list of such objects.
+
+A block that is not valid JSON or names no function is not a call (it stays in the content). Running
+a call (``call_tool``) never raises: an unknown tool or a failing function gives an ``error: ...``
+result, which the model sees like any other result.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import operator
+import re
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from megamarl.registry import Registry
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    name: str
+    arguments: dict[str, Any] = field(default_factory=dict)
+    id: str = ""
+
+    def openai(self) -> dict:
+        """As an OpenAI ``message.tool_calls`` entry (arguments as a JSON string)."""
+        return {"id": self.id or f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                "function": {"name": self.name, "arguments": json.dumps(self.arguments)}}
+
+
+@dataclass(frozen=True)
+class Tool:
+    name: str
+    description: str
+    parameters: dict[str, Any]  # JSON schema of the arguments object
+    fn: Callable[..., Any]
+
+    def schema(self) -> dict:
+        """The OpenAI / transformers tool schema."""
+        return {"type": "function", "function": {"name": self.name, "description": self.description,
+                                                 "parameters": self.parameters}}
+
+
+TOOLS: Registry[Tool] = Registry("tool", signature="Tool(name, description, parameters: JSON schema, fn(**arguments) -> str)")
+
+
+def _as_call(obj: Any) -> ToolCall | None:
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    arguments = obj.get("arguments", obj.get("parameters", {}))
+    if isinstance(arguments, str):  # some models write the arguments as a JSON string, as OpenAI does
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            return None
+    return ToolCall(obj["name"], arguments) if isinstance(arguments, dict) else None
+
+
+_HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+
+
+def parse_tool_calls(text: str) -> tuple[str, list[ToolCall]]:
+    """``(content, calls)``: the reply's tool calls and its text without them (module docstring)."""
+    calls, kept = [], []
+    last = 0
+    for match in _HERMES.finditer(text):
+        try:
+            call = _as_call(json.loads(match.group(1)))
+        except json.JSONDecodeError:
+            call = None
+        if call is not None:
+            calls.append(call)
+            kept.append(text[last:match.start()])
+            last = match.end()
+    if calls:
+        return ("".join(kept) + text[last:]).strip(), calls
+    body = text.strip().removeprefix("<|python_tag|>").strip()
+    if body.startswith(("{", "[")):
+        try:
+            obj = json.loads(body)
+        except json.JSONDecodeError:
+            return text, []
+        found = [_as_call(o) for o in (obj if isinstance(obj, list) else [obj])]
+        if found and all(c is not None for c in found):
+            return "", found
+    return text, []
+
+
+def call_tool(call: ToolCall, tools: Mapping[str, Tool]) -> str:
+    """The tool's result as text; ``error: ...`` for an unknown tool, bad arguments or a raising function."""
+    tool = tools.get(call.name)
+    if tool is None:
+        return f"error: unknown tool '{call.name}'; tools: {sorted(tools)}"
+    try:
+        return str(tool.fn(**call.arguments))
+    except Exception as exc:  # noqa: BLE001 - a tool's failure is the model's observation, not a crash
+        return f"error: {type(exc).__name__}: {exc}"
+
+
+def template_supports_tools(tokenizer: Any) -> bool:
+    """Whether the tokenizer's chat template renders a ``tools`` argument (most tool-trained models')."""
+    return "tools" in (getattr(tokenizer, "chat_template", None) or "")
+
+
+def tool_system_prompt(schemas: list[dict]) -> str:
+    """Hermes-style tool instructions, for templates that ignore ``tools``."""
+    listing = "\n".join(json.dumps(s) for s in schemas)
+    return ("You may call functions. Available tools:\n<tools>\n" + listing + "\n</tools>\n"
+            "To call one, reply with <tool_call>{\"name\": <name>, \"arguments\": <object>}</tool_call>; "
+            "its result arrives in the next message.")
+
+
+def with_tools(messages: list[dict], schemas: list[dict], tokenizer: Any) -> tuple[list[dict], dict]:
+    """Messages and ``apply_chat_template`` kwargs that show ``schemas`` to the model: the template's
+    own ``tools`` when it renders them, else the tool block appended to (or as) the system turn."""
+    if not schemas:
+        return messages, {}
+    if template_supports_tools(tokenizer):
+        return messages, {"tools": schemas}
+    block = tool_system_prompt(schemas)
+    if messages and messages[0].get("role") == "system":
+        first = dict(messages[0], content=f"{messages[0].get('content') or ''}\n\n{block}".lstrip())
+        return [first, *messages[1:]], {}
+    return [{"role": "system", "content": block}, *messages], {}
+
+
+# -- built-in tools -------------------------------------------------------------------------------
+
+_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
+        ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow,
+        ast.USub: operator.neg, ast.UAdd: operator.pos}
+
+
+def _arith(node: ast.AST) -> float:
+    if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)) and not isinstance(node.value, bool):
+        return node.value
+    if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
+        left, right = _arith(node.left), _arith(node.right)
+        if isinstance(node.op, ast.Pow) and abs(right) > 64:
+            raise ValueError("exponent too large")
+        return _OPS[type(node.op)](left, right)
+    if isinstance(node, ast.UnaryOp) and type(node.op) in _OPS:
+        return _OPS[type(node.op)](_arith(node.operand))
+    raise ValueError(f"not arithmetic: {ast.dump(node)[:60]}")
+
+
+def calculator(expression: str) -> str:
+    """Evaluate an arithmetic expression (+ - * / // % ** and parentheses; x is read as *)."""
+    value = _arith(ast.parse(str(expression).replace("x", "*").replace("×", "*"), mode="eval").body)
+    return str(int(value)) if float(value).is_integer() else f"{value:.6g}"
+
+
+TOOLS.add("calculator", Tool(
+    "calculator", "Evaluate an arithmetic expression such as 12 * (3 + 4).",
+    {"type": "object", "properties": {"expression": {"type": "string", "description": "the expression"}},
+     "required": ["expression"]},
+    calculator))

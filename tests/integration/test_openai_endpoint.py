@@ -1,0 +1,250 @@
+"""The recording OpenAI endpoint and the ``external`` orchestra: a program written with the official
+``openai`` client drives two roles through the real HF engine; every recorded Sample is exactly what
+the engine generated (prompt ids, response ids, log-probs) and carries the reward the program posted.
+Bad input (unknown role, missing episode id, reward for an unknown episode, a program that crashes,
+hangs or posts no reward) is a clear HTTP error or a counted failed episode, and the run goes on."""
+
+import asyncio
+import json
+import sys
+from pathlib import Path
+
+import aiohttp
+import pytest
+from scripted import ScriptedEngine, fixed, smollm2_tokenizer
+
+from megamarl.orchestration import (
+    AgentConfig,
+    EnvMaker,
+    SamplingConfig,
+    build_agents,
+    build_orchestra,
+    run_episodes,
+)
+from megamarl.rollout.engines.base import Engine
+
+pytestmark = [pytest.mark.integration]
+PROGRAMS = Path(__file__).parent / "openai_programs"
+
+
+class RecordingEngine(Engine):
+    """Wraps an engine; keeps every (prompt ids, [(response ids, logprobs)]) it returned."""
+
+    def __init__(self, inner: Engine) -> None:
+        self.inner, self.calls = inner, []
+
+    async def generate(self, prompt_ids, sampling, *, lora=None):
+        generations = await self.inner.generate(prompt_ids, sampling, lora=lora)
+        self.calls.append((list(prompt_ids), [(list(g.token_ids), list(g.logprobs)) for g in generations]))
+        return generations
+
+    def update_weights(self, weights, *, version, lora=None):
+        self.inner.update_weights(weights, version=version, lora=lora)
+
+
+@pytest.fixture(scope="module")
+def hf_engine(tmp_path_factory):
+    from megamarl.models.packaged import save_tiny_model
+    from megamarl.rollout.engines.hf import HFEngine
+
+    path = save_tiny_model(tmp_path_factory.mktemp("tiny"), "llama", seed=0)
+    engine = HFEngine(path, max_batch_rows=16, seed=0)
+    yield engine
+    engine.shutdown()
+
+
+def _agents(tokenizer, max_tokens=12):
+    maker = EnvMaker("math")
+    configs = {role: AgentConfig(policy="default", sampling=SamplingConfig(temperature=1.0, max_tokens=max_tokens))
+               for role in ("solver", "verifier")}
+    return maker, build_agents(configs, tokenizer, default_kinds=maker.default_agents)
+
+
+def test_openai_client_drives_two_roles_token_exact(hf_engine, tmp_path, monkeypatch):
+    log = tmp_path / "posted.jsonl"
+    monkeypatch.setenv("OAI_TEST_LOG", str(log))
+    tokenizer = smollm2_tokenizer()
+    maker, agents = _agents(tokenizer)
+    engine = RecordingEngine(hf_engine)
+    orchestra = build_orchestra("external", command=["python", str(PROGRAMS / "two_roles.py")], timeout_s=60)
+    result = asyncio.run(run_episodes(orchestra, maker, maker.tasks(2, seed=0), agents=agents,
+                                      engines={"default": engine}, group_size=2, max_concurrency=4, seed=1))
+    assert result.num_failed == 0, result.first_error()
+    posted = {row["episode_id"]: row for row in map(json.loads, log.read_text().splitlines())}
+    assert sorted(posted) == sorted(e.episode_id for e in result.episodes) and len(posted) == 4
+    assert len(result.samples) == 16 and len(engine.calls) == 16
+    generated = {(tuple(p), tuple(ids), tuple(lps)) for p, gens in engine.calls for ids, lps in gens}
+    for episode_id, row in posted.items():
+        samples = sorted((s for s in result.samples if s.episode_id == episode_id), key=lambda s: s.step)
+        assert [(s.agent, s.turn, s.step) for s in samples] == [
+            ("solver", 0, 0), ("verifier", 0, 1), ("solver", 1, 2), ("solver", 2, 3)]
+        for sample, text in zip(samples, row["texts"]):
+            # token in / token out: what the engine saw and returned, not a re-tokenisation
+            assert (tuple(sample.prompt_ids), tuple(sample.response_ids), tuple(sample.rollout_logprobs)) in generated
+            assert sample.response_text == text  # the program received the decoded sampled ids
+            assert sample.team_reward == row["reward"]["team"]
+            expected_local = row["reward"]["agents"].get(sample.agent, row["reward"]["team"])
+            assert sample.local_reward == expected_local
+        # the chat prompt is the template's rendering of the program's messages, encoded once
+        question = maker.tasks(2, seed=0)[int(episode_id.split("-")[-1].split("/")[0])].payload.question
+        rendered = tokenizer.apply_chat_template([{"role": "system", "content": "Solve."},
+                                                  {"role": "user", "content": question}],
+                                                 tokenize=False, add_generation_prompt=True)
+        assert samples[0].prompt_ids == tokenizer.encode(rendered, add_special_tokens=False)
+        assert samples[2].prompt_ids == tokenizer.encode(f"Answer: {question}")
+        assert row["usage"] == [len(samples[0].response_ids), len(samples[2].response_ids)]
+        # a continued conversation keeps the sampled reply's ids (not its text re-encoded)
+        first, later = samples[0], samples[3]
+        assert later.prompt_ids[:len(first.prompt_ids) + len(first.response_ids)] == first.prompt_ids + first.response_ids
+        assert tokenizer.decode(later.prompt_ids).endswith("<|im_start|>user\nSure?<|im_end|>\n<|im_start|>assistant\n")
+    assert {e.team_reward for e in result.episodes} == {row["reward"]["team"] for row in posted.values()}
+
+
+# A program that, by task index, posts a reward (ok), crashes, hangs or exits without a reward.
+_MIXED = """
+import json, os, sys, time, urllib.request
+job = json.load(sys.stdin)
+index = int(job["task_id"].rsplit("-", 1)[1])
+if index == 1:
+    sys.exit("boom: the program crashed")
+if index == 2:
+    time.sleep(60)
+if index == 0:
+    req = urllib.request.Request(os.environ["MEGAMARL_REWARD_URL"], data=json.dumps({"team": 1.0}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    urllib.request.urlopen(req).read()
+"""
+
+
+def test_failed_programs_are_counted_and_the_run_goes_on():
+    tokenizer = smollm2_tokenizer()
+    maker, agents = _agents(tokenizer)
+    orchestra = build_orchestra("external", command=[sys.executable, "-c", _MIXED], timeout_s=3, max_concurrency=4)
+    result = asyncio.run(run_episodes(orchestra, maker, maker.tasks(4, seed=0), agents=agents,
+                                      engines={"default": ScriptedEngine(tokenizer, fixed("4"))}))
+    by_task = {e.task_id.rsplit("-", 1)[1]: e for e in result.episodes}
+    assert by_task["0"].status == "ok" and by_task["0"].team_reward == 1.0 and by_task["0"].success
+    assert (by_task["1"].status, by_task["1"].reason) == ("failed", "error:ProgramExitError")
+    assert "boom: the program crashed" in by_task["1"].error
+    assert (by_task["2"].status, by_task["2"].reason) == ("failed", "error:ProgramTimeoutError")
+    assert (by_task["3"].status, by_task["3"].reason) == ("failed", "error:NoRewardError")
+    assert result.num_failed == 3 and result.summary()["rollout/num_failed"] == 3.0
+
+
+def test_bad_requests_are_clear_http_errors():
+    """Unknown role, missing episode id, unknown episode, bad reward body: OpenAI-style errors while an
+    episode runs; then the episode ends normally with the reward it posted."""
+    tokenizer = smollm2_tokenizer()
+    maker, agents = _agents(tokenizer)
+    script = """
+import json, os, sys, urllib.request, urllib.error
+job = json.load(sys.stdin)
+base = os.environ["OPENAI_BASE_URL"]
+root = base.split("/episodes/")[0]
+def post(url, body, headers={}):
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json", **headers})
+    try:
+        with urllib.request.urlopen(req) as r:
+            return r.status, json.load(r)
+    except urllib.error.HTTPError as e:
+        return e.code, json.load(e)
+chat = {"model": "solver", "messages": [{"role": "user", "content": "hi"}]}
+out = {
+  "unknown_role": post(base + "/chat/completions", {**chat, "model": "critic"}),
+  "missing_episode": post(root + "/v1/chat/completions", chat),
+  "unknown_episode": post(root + "/v1/episodes/nope/reward", {"team": 1}),
+  "bad_reward": post(os.environ["MEGAMARL_REWARD_URL"], {"team": "high"}),
+  "unknown_agent_reward": post(os.environ["MEGAMARL_REWARD_URL"], {"team": 1, "agents": {"critic": 1}}),
+  "n2": post(base + "/chat/completions", {**chat, "n": 2}),
+  "ok": post(base + "/chat/completions", chat),
+  "reward": post(os.environ["MEGAMARL_REWARD_URL"], {"team": 0.5, "agents": {"solver": 0.25}}),
+}
+print(json.dumps(out), file=sys.stderr)
+sys.exit(7)
+"""
+    orchestra = build_orchestra("external", command=[sys.executable, "-c", script], timeout_s=30)
+    result = asyncio.run(run_episodes(orchestra, maker, maker.tasks(1, seed=0), agents=agents,
+                                      engines={"default": ScriptedEngine(tokenizer, fixed("4"))}))
+    [episode] = result.episodes  # exit 7 makes it failed, so its stderr (the answers) is in the error
+    assert episode.reason == "error:ProgramExitError"
+    out = json.loads(episode.error.splitlines()[-1])
+    assert out["unknown_role"][0] == 404 and out["unknown_role"][1]["error"]["code"] == "unknown_role"
+    assert "'critic'" in out["unknown_role"][1]["error"]["message"]
+    assert out["missing_episode"][0] == 400 and out["missing_episode"][1]["error"]["code"] == "missing_episode_id"
+    assert out["unknown_episode"][0] == 404 and out["unknown_episode"][1]["error"]["code"] == "unknown_episode"
+    assert out["bad_reward"][0] == 400 and out["unknown_agent_reward"][0] == 400
+    assert out["n2"][0] == 400
+    assert out["ok"][0] == 200 and out["ok"][1]["choices"][0]["message"]["content"] == "4"
+    assert out["reward"] == [200, {"episode_id": episode.episode_id, "team": 0.5, "agents": {"solver": 0.25}}]
+
+
+def test_endpoint_serves_on_the_running_loop_and_stops():
+    from megamarl.orchestration.openai_endpoint import RecordingEndpoint
+
+    async def go():
+        endpoint = RecordingEndpoint()
+        base = await endpoint.start()
+        assert await endpoint.start() == base  # once per loop
+        async with aiohttp.ClientSession() as session, session.get(base + "/v1/models") as response:
+            assert response.status == 200 and (await response.json())["data"] == []
+        await endpoint.stop()
+
+    asyncio.run(go())
+
+
+def test_config_is_validated_naming_the_key():
+    with pytest.raises(ValueError, match="exactly one of orchestra.command"):
+        build_orchestra("external")
+    with pytest.raises(ValueError, match="orchestra.timeout_s"):
+        build_orchestra("external", module="x", timeout_s=0)
+    with pytest.raises(ValueError, match="orchestra.max_concurrency"):
+        build_orchestra("external", module="x", max_concurrency=0)
+
+
+def test_tool_calls_through_the_endpoint():
+    """``tools`` reach the prompt (a tool block: SmolLM2's template ignores them); the model's Hermes
+    block comes back as OpenAI ``tool_calls`` (streamed); the program's tool result is the next turn."""
+    tokenizer = smollm2_tokenizer()
+    maker, agents = _agents(tokenizer, max_tokens=64)
+
+    def policy(request):
+        if "<|im_start|>tool\n" in request.prompt_text:
+            return "So it is " + request.prompt_text.rsplit("<|im_start|>tool\n", 1)[1].split("<|im_end|>")[0]
+        question = request.last_user.removeprefix("What is ").rstrip("?")
+        return "<tool_call>" + json.dumps({"name": "calculator", "arguments": {"expression": question}}) + "</tool_call>"
+
+    engine = ScriptedEngine(tokenizer, policy)
+    orchestra = build_orchestra("external", command=["python", str(PROGRAMS / "tool_user.py")], timeout_s=60)
+    tasks = EnvMaker("math", kinds=["mul12"]).tasks(2, seed=0)
+    result = asyncio.run(run_episodes(orchestra, maker, tasks, agents=agents, engines={"default": engine}))
+    assert result.num_failed == 0, result.first_error()
+    assert [e.team_reward for e in result.episodes] == [1.0, 1.0]
+    for first, second in zip(result.samples[::2], result.samples[1::2]):
+        assert "You may call functions" in tokenizer.decode(first.prompt_ids)  # the tool block, system turn
+        # the call, as the model wrote it, and the tool's result are in the second prompt
+        assert '<tool_call>{"name": "calculator"' in tokenizer.decode(second.prompt_ids)
+        assert second.response_text.startswith("So it is ")
+
+
+def test_prompt_over_budget_answers_400_and_drops_the_episode():
+    tokenizer = smollm2_tokenizer()
+    maker = EnvMaker("math")
+    agents = build_agents({"solver": AgentConfig(policy="default", max_prompt_tokens=5)}, tokenizer,
+                          default_kinds=maker.default_agents)
+    script = """
+import json, os, sys, urllib.request, urllib.error
+json.load(sys.stdin)
+req = urllib.request.Request(os.environ["OPENAI_BASE_URL"] + "/chat/completions", headers={"Content-Type": "application/json"},
+                             data=json.dumps({"model": "solver", "messages": [{"role": "user", "content": "hi"}]}).encode())
+try:
+    urllib.request.urlopen(req)
+except urllib.error.HTTPError as e:
+    assert e.code == 400 and json.load(e)["error"]["code"] == "context_length_exceeded"
+else:
+    sys.exit("no error")
+"""
+    orchestra = build_orchestra("external", command=[sys.executable, "-c", script], roles=["solver"], timeout_s=30)
+    result = asyncio.run(run_episodes(orchestra, maker, maker.tasks(1, seed=0), agents=agents,
+                                      engines={"default": ScriptedEngine(tokenizer, fixed("4"))}))
+    [episode] = result.episodes
+    assert (episode.status, episode.reason) == ("dropped", "prompt_too_long") and result.samples == []

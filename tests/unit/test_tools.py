@@ -1,0 +1,107 @@
+"""Tools: tool-call parsing (Hermes/Qwen blocks, Llama JSON), the calculator, tool prompts, and an
+agent with tools on the math env: the reply that calls the calculator is answered with its result as
+the next (tool) turn, token-exact, and both samples share the episode's rewards."""
+
+import asyncio
+import json
+
+import pytest
+from scripted import ScriptedEngine, smollm2_tokenizer
+
+from megamarl.orchestration import (
+    AgentConfig,
+    EnvMaker,
+    SamplingConfig,
+    build_agents,
+    build_orchestra,
+    run_episodes,
+)
+from megamarl.orchestration.chat import ChatTranscript
+from megamarl.orchestration.tools import TOOLS, ToolCall, calculator, call_tool, parse_tool_calls, with_tools
+
+
+def test_parse_hermes_blocks_with_text_around():
+    text = 'Let me compute. <tool_call>{"name": "calculator", "arguments": {"expression": "3*4"}}</tool_call> ok'
+    content, calls = parse_tool_calls(text)
+    assert calls == [ToolCall("calculator", {"expression": "3*4"})] and content == "Let me compute.  ok"
+    two = '<tool_call>{"name": "a", "arguments": "{\\"x\\": 1}"}</tool_call><tool_call>{"name": "b"}</tool_call>'
+    assert [c.name for c in parse_tool_calls(two)[1]] == ["a", "b"] and parse_tool_calls(two)[1][0].arguments == {"x": 1}
+
+
+def test_parse_llama_json_and_non_calls():
+    assert parse_tool_calls('<|python_tag|>{"name": "calculator", "parameters": {"expression": "1+1"}}') == (
+        "", [ToolCall("calculator", {"expression": "1+1"})])
+    assert parse_tool_calls('[{"name": "a", "parameters": {}}, {"name": "b", "parameters": {}}]')[1][1].name == "b"
+    for text in ("The answer is 5", '{"answer": 5}', "<tool_call>not json</tool_call>", "{broken"):
+        assert parse_tool_calls(text) == (text, [])
+
+
+def test_calculator_and_run_tool_errors():
+    assert calculator("12 * (3 + 4)") == "84" and calculator("7 / 2") == "3.5" and calculator("3 x 4") == "12"
+    tools = {"calculator": TOOLS.get("calculator")}
+    assert call_tool(ToolCall("calculator", {"expression": "2**10"}), tools) == "1024"
+    assert call_tool(ToolCall("calculator", {"expression": "__import__('os')"}), tools).startswith("error: ValueError")
+    assert call_tool(ToolCall("calculator", {"expr": "1"}), tools).startswith("error: TypeError")
+    assert call_tool(ToolCall("search", {}), tools) == "error: unknown tool 'search'; tools: ['calculator']"
+    with pytest.raises(ValueError, match="exponent too large"):
+        calculator("2 ** 1000")
+
+
+def test_tools_reach_the_prompt_with_and_without_template_support():
+    tokenizer = smollm2_tokenizer()  # its ChatML template ignores tools: the schemas go into the system turn
+    schema = TOOLS.get("calculator").schema()
+    messages, kwargs = with_tools([{"role": "user", "content": "q"}], [schema], tokenizer)
+    assert kwargs == {} and messages[0]["role"] == "system" and '"name": "calculator"' in messages[0]["content"]
+
+    class Native:
+        chat_template = "{% for tool in tools %}{{ tool }}{% endfor %}"
+
+    assert with_tools([{"role": "user", "content": "q"}], [schema], Native())[1] == {"tools": [schema]}
+    transcript = ChatTranscript(tokenizer, "Be brief.", tools=[schema])
+    transcript.add_user("What is 3 x 4?")
+    text = tokenizer.decode(transcript.ids)
+    assert text.startswith("<|im_start|>system\nBe brief.\n\nYou may call functions") and "<tools>" in text
+
+
+def test_math_solver_calls_the_calculator():
+    tokenizer = smollm2_tokenizer()
+    call = '<tool_call>{"name": "calculator", "arguments": {"expression": "%s"}}</tool_call>'
+
+    def policy(request):
+        if "<|im_start|>tool\n" in request.prompt_text:  # the result is the last turn: answer with it
+            return f"The answer is {request.prompt_text.rsplit('<|im_start|>tool', 1)[1].split()[0]}"
+        question = request.last_user.splitlines()[0].removeprefix("What is ").rstrip("?")
+        return call % question
+
+    engine = ScriptedEngine(tokenizer, policy)
+    maker = EnvMaker("math", with_verifier=False, kinds=["mul12"])
+    configs = {"solver": AgentConfig(policy="p", tools=["calculator"], sampling=SamplingConfig(max_tokens=64))}
+    agents = build_agents(configs, tokenizer, default_kinds=maker.default_agents)
+    result = asyncio.run(run_episodes(build_orchestra("sequential"), maker, maker.tasks(3, seed=0), agents=agents,
+                                      engines={"p": engine}))
+    assert result.num_failed == 0 and len(result.samples) == 6
+    for episode in result.episodes:
+        assert episode.team_reward == 1.0 and episode.success
+    for first, second in zip(result.samples[::2], result.samples[1::2]):
+        assert (first.turn, second.turn) == (0, 1) and "<tool_call>" in first.response_text
+        # token-exact: the second prompt extends the first prompt and the sampled call verbatim
+        assert second.prompt_ids[: len(first.prompt_ids) + len(first.response_ids)] == first.prompt_ids + first.response_ids
+        assert first.team_reward == second.team_reward == 1.0 and first.local_reward == second.local_reward == 1.0
+        assert first.valid and second.valid
+    json.dumps([s.response_text for s in result.samples])
+
+
+def test_tools_are_validated_naming_the_key():
+    with pytest.raises(ValueError, match="agents.<a>.tools cannot be combined with agents.<a>.tree_k"):
+        AgentConfig(policy="p", tools=["calculator"], tree_k=2)
+    with pytest.raises(ValueError, match="agents.solver.tools"):
+        build_agents({"solver": AgentConfig(policy="p", tools=["abacus"])}, smollm2_tokenizer(),
+                     default_kinds={"solver": "math_solver"})
+
+
+@pytest.mark.parametrize("name", TOOLS.names())
+def test_registered_tools_have_an_object_schema_and_a_function(name):
+    tool = TOOLS.get(name)
+    assert tool.name == name and callable(tool.fn)
+    schema = tool.schema()
+    assert schema["type"] == "function" and schema["function"]["parameters"]["type"] == "object"
