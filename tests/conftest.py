@@ -61,6 +61,7 @@ LONG_MODULES = (
     "tests/integration/test_trainer_features.py",
     "tests/integration/test_async_modes.py",
     "tests/integration/test_env_workers.py",  # ~1.3 min: a process-worker run, a Ray run, a killed driver
+    "tests/integration/test_openai_team_example.py",  # the example through scripts/train.py, 2 steps
 )
 TIERS = ("learning", "slow", "integration", "distributed")  # then the unit tests, in collection order
 
