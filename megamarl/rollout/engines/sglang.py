@@ -31,9 +31,10 @@ and the request dataclasses in ``managers/io_struct.py``):
 Not supported by SGLang's sampling parameters: ``allowed_token_ids`` (raises; ``build_fleet``
 rejects ``agents.<a>.sampling.allowed_tokens`` for SGLang policies at start-up).
 
-SGLang cannot run on the CPU machines this project is developed on, so the client is tested
-against a local server speaking the protocol above (``tests/fake_servers.py: FakeSGLangServer``,
-also launchable as ``python -m sglang.launch_server`` from ``tests/fake_sglang``).
+The client is tested against the real SGLang server on CPU where ``scripts/setup.sh --extras
+sglang-cpu`` built it (``.venv-sglang``; tests/integration/test_sglang_real.py) and always against a
+local server speaking the protocol above (``tests/fake_servers.py: FakeSGLangServer``, also
+launchable as ``python -m sglang.launch_server`` from ``tests/fake_sglang``).
 Logprobs: SGLang returns logprobs of the temperature-scaled distribution
 (``--return-logprob`` after temperature); the same quantity as our ``hf``/``vllm`` engines when
 top-k/top-p are off.
@@ -55,13 +56,21 @@ from megamarl.rollout.engines.base import ENGINES, Engine, EngineTraits, Generat
 
 
 def serialize_named_tensors(named_tensors: list[tuple[str, torch.Tensor]]) -> str:
-    """SGLang's ``MultiprocessingSerializer.serialize(obj, output_str=True)`` format."""
+    """SGLang's ``MultiprocessingSerializer.serialize(obj, output_str=True)`` format. CPU tensors
+    travel by the ``file_system`` sharing strategy (a named shared-memory file): with torch's default
+    (``file_descriptor``) the server must fetch each descriptor from this process's resource sharer,
+    which killed a real SGLang server on CPU."""
     from multiprocessing.reduction import ForkingPickler
 
-    import torch.multiprocessing  # noqa: F401 - registers the tensor reducers with ForkingPickler
+    import torch.multiprocessing as torch_mp  # registers the tensor reducers with ForkingPickler
 
     buf = io.BytesIO()
-    ForkingPickler(buf).dump(named_tensors)
+    strategy = torch_mp.get_sharing_strategy()
+    torch_mp.set_sharing_strategy("file_system")
+    try:
+        ForkingPickler(buf).dump(named_tensors)
+    finally:
+        torch_mp.set_sharing_strategy(strategy)
     return base64.b64encode(buf.getvalue()).decode("utf-8")
 
 
