@@ -8,6 +8,8 @@ and the request dataclasses in ``managers/io_struct.py``):
   (``finish_reason: {"type": "stop"|"length", ...}``, ``output_token_logprobs: [[logprob, id,
   text], ...]``, ``weight_version``). Sampling keys: temperature, top_p, top_k (-1 off),
   max_new_tokens, stop_token_ids, sampling_seed.
+- Weight updates run inside a session (SGLang 0.5.23): ``POST /begin_weight_update {}`` .. ``POST
+  /end_weight_update {}``; outside it the update endpoints answer 400.
 - ``POST /update_weights_from_tensor`` ``{"serialized_named_tensors": [str per TP rank],
   "load_format": null, "flush_cache": true, "weight_version": "7"}``: each string is SGLang's
   ``MultiprocessingSerializer.serialize(named_tensors, output_str=True)``, i.e. base64 of a
@@ -193,11 +195,15 @@ class SGLangClient(Engine):
             raise NotImplementedError("SGLangClient: an adapter update is a new PEFT directory loaded with "
                                       "add_lora (/load_lora_adapter), not tensors")
         previous: list[tuple[str, torch.Tensor]] = []
-        for bucket in buckets(((n, t.detach().contiguous()) for n, t in weights), self.bucket_bytes):
-            if previous:
-                self._send_bucket(previous, version=None)
-            previous = bucket
-        self._send_bucket(previous, version=version)  # the last bucket flushes and stamps the version
+        _check(self.http.post("/begin_weight_update", {}), "begin_weight_update")
+        try:
+            for bucket in buckets(((n, t.detach().contiguous()) for n, t in weights), self.bucket_bytes):
+                if previous:
+                    self._send_bucket(previous, version=None)
+                previous = bucket
+            self._send_bucket(previous, version=version)  # the last bucket flushes and stamps the version
+        finally:
+            _check(self.http.post("/end_weight_update", {}), "end_weight_update")
         self.weight_version = version
 
     def _send_bucket(self, bucket: list[tuple[str, torch.Tensor]], *, version: int | None) -> None:

@@ -115,11 +115,10 @@ def _sglang_cpu_args(spec: ServerSpec) -> list[str]:
         head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
         per_token = 2 * layers * heads * head_dim * _KV_BYTES.get(spec.dtype, 4)
         tokens = min(tokens, int(spec.kv_cache_gib * 2**30) // per_token)
-    # SGLang sizes its pools from the memory it finds: on CPU the machine's RAM, of which the
-    # fraction (0.3, what ran here) is an upper bound; --max-total-tokens decides the KV cache.
+    # No --mem-fraction-static (GPU-only here, like the other memory flags): --max-total-tokens caps
+    # the KV pool SGLang would otherwise size from the machine's free RAM.
     return ["--device", "cpu", "--attention-backend", "torch_native", "--sampling-backend", "pytorch",
-            "--disable-overlap-schedule", "--max-total-tokens", str(max(tokens, spec.max_model_len)),
-            "--mem-fraction-static", "0.3"]
+            "--disable-overlap-schedule", "--max-total-tokens", str(max(tokens, spec.max_model_len))]
 
 
 class ServerStartError(RuntimeError):
