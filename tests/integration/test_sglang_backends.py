@@ -7,8 +7,9 @@ replicas per module, shared by the module's tests (a real server takes ~80 s to 
 What each test checks is the server's behaviour, never the fake's log: greedy ``/generate`` equal
 to transformers, a gloo weight push into one and into two replicas verified greedily
 (``sync_check``), version stamping, ``/update_weights_from_tensor`` (same-node push), release /
-resume of memory, kill / restart on the same URL / re-sync. LoRA: a CPU SGLang server is refused at
-load (``test_config*``), so only the fake's LoRA protocol is tested (tests/unit/test_sglang_sync.py).
+resume of memory, kill / restart on the same URL / re-sync. LoRA: an SGLang server on CPU with
+adapters is refused before it starts (``ServerSpec``; tests/unit/test_server_launch.py), so only the
+fake's LoRA protocol is tested (tests/unit/test_sglang_sync.py).
 """
 
 from __future__ import annotations

