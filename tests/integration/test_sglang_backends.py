@@ -72,7 +72,11 @@ def sglang(request, tmp_path_factory):
 
 def _perturbed(base: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
-    return {k: v + 0.05 * torch.randn(v.shape, generator=gen) for k, v in base.items()}
+    out = {k: v + 0.05 * torch.randn(v.shape, generator=gen) for k, v in base.items()}
+    if "lm_head.weight" in out and base["lm_head.weight"].data_ptr() == base["model.embed_tokens.weight"].data_ptr():
+        # tied: one tensor (SGLang loads the embedding and skips lm_head, transformers keeps the last loaded)
+        out["lm_head.weight"] = out["model.embed_tokens.weight"]
+    return out
 
 
 def _push(urls: list[str], weights: dict[str, torch.Tensor], *, version: int) -> None:
