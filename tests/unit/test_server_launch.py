@@ -299,6 +299,7 @@ def test_sglang_on_cpu_takes_its_plain_pytorch_paths(tmp_path):
     assert flag(cmd, "--max-total-tokens") == "2048"
     assert flag(cmd, "--json-model-override-args") == '{"architectures": ["LlamaForCausalLM"]}'
     assert server_env(cpu, base={})["SGLANG_USE_CPU_ENGINE"] == "1"
+    assert server_env(cpu, base={})["SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"] == "0"  # no probe in a push's way
     gpu = server_command(spec(backend="sglang", model_path=str(tmp_path), on_gpu=True))
     assert "--device" not in gpu and "SGLANG_USE_CPU_ENGINE" not in server_env(spec(backend="sglang", on_gpu=True), base={})
 

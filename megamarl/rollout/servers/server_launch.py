@@ -265,10 +265,15 @@ def server_env(spec: ServerSpec, base: dict[str, str] | None = None) -> dict[str
             if spec.num_threads > 0:
                 env["OMP_NUM_THREADS"] = str(spec.num_threads)
                 env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"  # servers share the node's cores
-    elif not spec.on_gpu:
-        env["SGLANG_USE_CPU_ENGINE"] = "1"  # SGLang's CPU platform (sglang.srt.platforms)
-        if spec.num_threads > 0:
-            env["OMP_NUM_THREADS"] = str(spec.num_threads)
+    else:
+        # SGLang's /health runs a one-token generation by default: the owner's watchdog probes it every
+        # few seconds, and a probe in flight when a weight push ends makes /flush_cache refuse ("pending
+        # requests"; seen with the real server). /health then answers like vLLM's: the server is up.
+        env["SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"] = "0"
+        if not spec.on_gpu:
+            env["SGLANG_USE_CPU_ENGINE"] = "1"  # SGLang's CPU platform (sglang.srt.platforms)
+            if spec.num_threads > 0:
+                env["OMP_NUM_THREADS"] = str(spec.num_threads)
     if spec.devices and spec.on_gpu:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in spec.devices)
     return env
