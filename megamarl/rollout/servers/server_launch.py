@@ -83,7 +83,11 @@ def check_server_python(python: str, backend: str, *, key: str = "policies.<p>.e
     (``importlib.util.find_spec``: finds the package without running it -- importing SGLang costs
     ~12 CPU-s, too much for every load of a config)."""
     path = Path(python).expanduser()
-    if not path.is_file():
+    try:
+        is_file = path.is_file()
+    except (OSError, ValueError):  # a name the OS refuses (over 255 bytes, a NUL byte)
+        is_file = False
+    if not is_file:
         raise ValueError(f"{key}='{python}' does not exist (the {backend} server's Python interpreter; "
                          "scripts/setup.sh --extras sglang-cpu builds .venv-sglang/bin/python)")
     if not os.access(path, os.X_OK):
