@@ -37,7 +37,7 @@ pytestmark = [pytest.mark.integration]
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = "tiny-plain-llama"
 REAL = os.access(sglang_venv_python(), os.X_OK)
-KINDS = ["fake", pytest.param("real", marks=[pytest.mark.slow, pytest.mark.skipif(
+KINDS = ["fake", pytest.param("real", marks=[pytest.mark.slow, pytest.mark.timeout(1200), pytest.mark.skipif(
     not REAL, reason=f"no real SGLang: {sglang_venv_python()} missing (bash scripts/setup.sh --extras sglang-cpu)")])]
 
 
