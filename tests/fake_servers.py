@@ -100,7 +100,8 @@ class FakeSGLangServer(_FakeServer):
     a gloo group through a ``tcp://`` rendezvous keyed as SGLang's ``init_custom_process_group`` keys
     it; ``/update_weights_from_distributed`` receives one broadcast per tensor in the order of
     ``names``, or one flattened broadcast with ``load_format: "flattened_bucket"``, and loads them),
-    ``/update_weights_from_tensor``, ``/update_weight_version``, memory release/resume by tag, pause
+    ``/update_weights_from_tensor`` (both only inside a ``/begin_weight_update`` .. ``/end_weight_update``
+    session, as SGLang 0.5.23 requires), ``/update_weight_version``, memory release/resume by tag, pause
     and continue, ``/flush_cache``, LoRA load/unload through PEFT, ``/get_model_info``.
 
     ``log``: a callable that receives one JSON-able record per call (the subprocess launcher in
@@ -118,6 +119,7 @@ class FakeSGLangServer(_FakeServer):
         self._released: set[str] = set()
         self._loras: dict[str, str] = {}
         self._update_lock = threading.Lock()  # SGLang's scheduler takes one update request at a time
+        self._session = False  # SGLang 0.5.23: weight updates only between /begin_ and /end_weight_update
         # EOS ends a request unless its sampling params say ignore_eos: the engine stops on ours only
         self._eos, engine.eos_token_ids = engine.eos_token_ids, frozenset()
         ok = {"success": True, "message": "ok"}
@@ -130,6 +132,7 @@ class FakeSGLangServer(_FakeServer):
             ("POST", "/update_weights_from_distributed"): self._update_from_distributed,
             ("POST", "/destroy_weights_update_group"): self._destroy_group,
             ("POST", "/update_weight_version"): self._stamp,
+            ("POST", "/begin_weight_update"): self._begin, ("POST", "/end_weight_update"): self._end,
             ("POST", "/release_memory_occupation"): self._release,
             ("POST", "/resume_memory_occupation"): self._resume,
             ("POST", "/pause_generation"): lambda b, q: (self.engine.pause(), ok)[1],
@@ -200,9 +203,28 @@ class FakeSGLangServer(_FakeServer):
         if body.get("weight_version") is not None:
             self.weight_version = str(body["weight_version"])
 
+    def _begin(self, body: dict, query: dict) -> dict:
+        if self._session:
+            return {"success": False, "message": "a weight-update session is already open; call end_weight_update() first"}
+        self._session = True
+        return {"success": True, "message": "Success"}
+
+    def _end(self, body: dict, query: dict) -> dict:
+        if not self._session:
+            return {"success": False, "message": "no weight-update session is open; call begin_weight_update() first"}
+        self._session = False
+        return {"success": True, "message": "Success"}
+
+    def _outside_session(self, path: str) -> dict | None:
+        if self._session:
+            return None
+        return {"success": False, "message": f"{path} must run between begin_weight_update() and end_weight_update()"}
+
     def _update_from_tensor(self, body: dict, query: dict) -> dict:
         from megamarl.rollout.engines.sglang import deserialize_named_tensors
 
+        if refused := self._outside_session("update_weights_from_tensor"):
+            return refused
         with self._update_lock:
             named = deserialize_named_tensors(body["serialized_named_tensors"][0])
             self._load(named, body)
@@ -234,6 +256,8 @@ class FakeSGLangServer(_FakeServer):
     def _update_from_distributed(self, body: dict, query: dict) -> dict:
         import torch.distributed as dist
 
+        if refused := self._outside_session("update_weights_from_distributed"):
+            return refused
         group = self._groups.get(body.get("group_name", "weight_update_group"))
         if group is None:
             return {"success": False, "message": f"Group {body.get('group_name')} not in {list(self._groups)}. "

@@ -40,6 +40,8 @@ def save_hf_model(model, directory: str | os.PathLike) -> None:
     from safetensors.torch import save_file
 
     directory = Path(directory)
+    if not getattr(model.config, "architectures", None):  # save_pretrained records them; SGLang needs them
+        model.config.architectures = [type(model).__name__]
     model.config.save_pretrained(directory)
     if getattr(model, "generation_config", None) is not None and model.can_generate():
         model.generation_config.save_pretrained(directory)

@@ -35,6 +35,7 @@ from megamarl.rl.advantages import check_algorithm, check_estimator, check_polic
 from megamarl.rl.rewards import check_team_alpha_schedule
 from megamarl.rollout import ENGINES
 from megamarl.rollout.placement import check_engine_ranks, check_launch
+from megamarl.rollout.servers.server_launch import check_server_python
 
 # A Hugging Face hub id ("org/name") that is not a local directory: megamarl never downloads.
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
@@ -60,6 +61,8 @@ def check_config(cfg: RunConfig) -> None:
             if policy.engine.backend not in configurable:
                 raise ValueError(f"policies.<p>.engine.backend='{policy.engine.backend}' unknown; allowed: {configurable}")
             check_launch(policy.engine)
+            if policy.engine.server_python is not None:
+                check_server_python(policy.engine.server_python, policy.engine.backend)
     check_dtypes(cfg)
     check_engine_ranks(cfg.policies)
     check_workers(cfg.rollout.env_workers)

@@ -165,3 +165,36 @@ def test_per_policy_loss_aggregations_reach_the_policys_loss_and_critic():
     critic = critic_config(policy, algos["shared"])
     assert (critic.loss_agg, critic.advantage.estimator) == ("seq-mean-token-mean", "gae")
     assert critic_config(policy, cfg.algorithm) is None  # the run's at_grpo has no critic
+
+
+@pytest.mark.parametrize("python, message", [
+    ("/nonexistent/bin/python", "does not exist"),
+    (str(ROOT / "README.md"), "is not executable"),
+    (sys.executable, "cannot import 'sglang'"),  # megamarl's env has no sglang (it lives in .venv-sglang)
+])
+def test_engine_server_python_is_checked_at_load(python, message):
+    base = ["policies.shared.engine.backend=sglang", "policies.shared.engine.launch=server"]
+    if message == "cannot import 'sglang'" and __import__("importlib").util.find_spec("sglang") is not None:
+        pytest.skip("this environment has sglang")
+    error = _error([*base, f"policies.shared.engine.server_python={python}"])
+    assert error.startswith(f"policies.shared.engine.server_python='{python}'") and message in error
+    assert "server_python" in _error(["policies.shared.engine.backend=hf", f"policies.shared.engine.server_python={python}"])
+
+
+def test_engine_server_python_runs_the_server_and_defaults_to_the_sglang_env(monkeypatch, tmp_path):
+    from megamarl.rollout.servers import server_launch
+    from megamarl.rollout.servers.server_launch import ServerSpec, server_command, server_python
+
+    cfg = load_config(CONFIG, ["policies.shared.engine.backend=vllm", "policies.shared.engine.launch=server",
+                               f"policies.shared.engine.server_python={sys.executable}"])
+    assert cfg.policies["shared"].engine.server_python == sys.executable  # finds vllm: accepted
+    spec = ServerSpec(policy="p", replica=0, rank=0, backend="sglang", model_path=str(tmp_path), python="/opt/x/python")
+    assert server_command(spec)[:3] == ["/opt/x/python", "-m", "sglang.launch_server"]
+    assert server_python("vllm") == sys.executable
+    venv = tmp_path / "sgl"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").symlink_to(sys.executable)
+    monkeypatch.setenv(server_launch.SGLANG_VENV_ENV, str(venv))
+    monkeypatch.setattr(server_launch.importlib.util, "find_spec", lambda name: None)
+    assert server_python("sglang") == str(venv / "bin" / "python")  # this env lacks sglang: setup.sh's env
+    assert server_python("sglang", "/custom/python") == "/custom/python"

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from megamarl.rollout.engines.lora import LoraServing
+from megamarl.rollout.servers import server_launch
 from megamarl.rollout.servers.server_launch import ServerSpec, plugin_env, server_command, server_env
 from megamarl.rollout.weights.server_sync import (
     ALIGN,
@@ -132,7 +133,6 @@ def test_servers_for_other_nodes_advertise_and_bind_the_chosen_address(monkeypat
     """A server bound to 0.0.0.0 gets this node's address (parallel.network.host_address) as
     MEGAMARL_HOST_ADDR, so its transfer-group workers bind where its URL points; one set by the
     operator is kept; a local server gets none."""
-    from megamarl.rollout.servers import server_launch
 
     monkeypatch.setattr(server_launch, "host_address", lambda *, multi_node, environ=None: "10.1.2.3")
     assert server_env(spec(host="0.0.0.0"), base={})["MEGAMARL_HOST_ADDR"] == "10.1.2.3"
@@ -143,8 +143,8 @@ def test_servers_for_other_nodes_advertise_and_bind_the_chosen_address(monkeypat
 
 
 def test_sglang_command_uses_documented_flags():
-    cmd = server_command(spec(backend="sglang", lora=LoraServing(num_adapters=2, rank=8)))
-    assert cmd[:3] == [sys.executable, "-m", "sglang.launch_server"]
+    cmd = server_command(spec(backend="sglang", lora=LoraServing(num_adapters=2, rank=8), on_gpu=True))
+    assert cmd[:3] == [server_launch.server_python("sglang"), "-m", "sglang.launch_server"]
     assert flag(cmd, "--model-path") == "/m" and flag(cmd, "--tp-size") == "2" and flag(cmd, "--port") == "8001"
     assert flag(cmd, "--dtype") == "bfloat16" and flag(cmd, "--max-running-requests") == "16"
     assert flag(cmd, "--context-length") == "1024" and flag(cmd, "--random-seed") == "5"
@@ -282,3 +282,29 @@ def test_guard_and_its_server_ignore_slurms_warning_signal(tmp_path):
     finally:
         os.killpg(guard.pid, signal.SIGKILL)
         guard.wait()
+
+
+def test_sglang_on_cpu_takes_its_plain_pytorch_paths(tmp_path):
+    """SGLang's CPU flags and environment, a KV cache of kv_cache_gib, and the architectures a
+    config.json without them needs."""
+    (tmp_path / "config.json").write_text('{"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 64, '
+                                          '"num_attention_heads": 4, "num_key_value_heads": 2}')
+    cpu = spec(backend="sglang", model_path=str(tmp_path), on_gpu=False, kv_cache_gib=2**-10, dtype="fp32",
+               python="/envs/sglang/bin/python")
+    cmd = server_command(cpu)
+    assert cmd[:3] == ["/envs/sglang/bin/python", "-m", "sglang.launch_server"]  # engine.server_python
+    assert (flag(cmd, "--device"), flag(cmd, "--attention-backend"), flag(cmd, "--sampling-backend")) == (
+        "cpu", "torch_native", "pytorch") and "--disable-overlap-schedule" in cmd
+    # 1 MiB of KV cache / (2 (K, V) * 2 layers * 2 KV heads * 16 head_dim * 4 bytes) = 2048 tokens
+    assert flag(cmd, "--max-total-tokens") == "2048"
+    assert flag(cmd, "--json-model-override-args") == '{"architectures": ["LlamaForCausalLM"]}'
+    assert server_env(cpu, base={})["SGLANG_USE_CPU_ENGINE"] == "1"
+    assert server_env(cpu, base={})["SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"] == "0"  # no probe in a push's way
+    gpu = server_command(spec(backend="sglang", model_path=str(tmp_path), on_gpu=True))
+    assert "--device" not in gpu and "SGLANG_USE_CPU_ENGINE" not in server_env(spec(backend="sglang", on_gpu=True), base={})
+
+
+def test_sglang_lora_on_cpu_is_refused_before_any_server_starts():
+    with pytest.raises(ValueError, match="policies.planner.lora with engine.backend=sglang on CPU"):
+        spec(backend="sglang", lora=LoraServing(num_adapters=1, rank=4), on_gpu=False)
+    spec(backend="vllm", lora=LoraServing(num_adapters=1, rank=4), on_gpu=False)  # vLLM-CPU serves adapters

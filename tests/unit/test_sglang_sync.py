@@ -59,9 +59,10 @@ def test_one_broadcast_per_bucket_reaches_both_replicas_in_order(servers, flatte
             assert {b["load_format"] for b in announced} == {"flattened_bucket" if flatten else None}
             assert not any(b["flush_cache"] for b in announced)
             paths = server.paths()
-            assert paths[-4:] == ["/update_weights_from_distributed", "/update_weight_version", "/flush_cache",
-                                  "/continue_generation"]
-            assert paths.index("/pause_generation") < paths.index("/update_weights_from_distributed")
+            assert paths[-5:] == ["/update_weights_from_distributed", "/end_weight_update", "/update_weight_version",
+                                  "/flush_cache", "/continue_generation"]
+            assert paths.index("/pause_generation") < paths.index("/begin_weight_update") < paths.index(
+                "/update_weights_from_distributed")
             assert server.weight_version == "7"
             loaded = server.engine.model.state_dict()
             for name, tensor in named:  # the fake loads in its own dtype (fp32): bf16 values exactly

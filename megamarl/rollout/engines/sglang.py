@@ -8,6 +8,8 @@ and the request dataclasses in ``managers/io_struct.py``):
   (``finish_reason: {"type": "stop"|"length", ...}``, ``output_token_logprobs: [[logprob, id,
   text], ...]``, ``weight_version``). Sampling keys: temperature, top_p, top_k (-1 off),
   max_new_tokens, stop_token_ids, sampling_seed.
+- Weight updates run inside a session (SGLang 0.5.23): ``POST /begin_weight_update {}`` .. ``POST
+  /end_weight_update {}``; outside it the update endpoints answer 400.
 - ``POST /update_weights_from_tensor`` ``{"serialized_named_tensors": [str per TP rank],
   "load_format": null, "flush_cache": true, "weight_version": "7"}``: each string is SGLang's
   ``MultiprocessingSerializer.serialize(named_tensors, output_str=True)``, i.e. base64 of a
@@ -31,9 +33,10 @@ and the request dataclasses in ``managers/io_struct.py``):
 Not supported by SGLang's sampling parameters: ``allowed_token_ids`` (raises; ``build_fleet``
 rejects ``agents.<a>.sampling.allowed_tokens`` for SGLang policies at start-up).
 
-SGLang cannot run on the CPU machines this project is developed on, so the client is tested
-against a local server speaking the protocol above (``tests/fake_servers.py: FakeSGLangServer``,
-also launchable as ``python -m sglang.launch_server`` from ``tests/fake_sglang``).
+The client is tested against the real SGLang server on CPU where ``scripts/setup.sh --extras
+sglang-cpu`` built it (``.venv-sglang``; tests/integration/test_sglang_real.py) and always against a
+local server speaking the protocol above (``tests/fake_servers.py: FakeSGLangServer``, also
+launchable as ``python -m sglang.launch_server`` from ``tests/fake_sglang``).
 Logprobs: SGLang returns logprobs of the temperature-scaled distribution
 (``--return-logprob`` after temperature); the same quantity as our ``hf``/``vllm`` engines when
 top-k/top-p are off.
@@ -55,13 +58,21 @@ from megamarl.rollout.engines.base import ENGINES, Engine, EngineTraits, Generat
 
 
 def serialize_named_tensors(named_tensors: list[tuple[str, torch.Tensor]]) -> str:
-    """SGLang's ``MultiprocessingSerializer.serialize(obj, output_str=True)`` format."""
+    """SGLang's ``MultiprocessingSerializer.serialize(obj, output_str=True)`` format. CPU tensors
+    travel by the ``file_system`` sharing strategy (a named shared-memory file): with torch's default
+    (``file_descriptor``) the server must fetch each descriptor from this process's resource sharer,
+    which killed a real SGLang server on CPU."""
     from multiprocessing.reduction import ForkingPickler
 
-    import torch.multiprocessing  # noqa: F401 - registers the tensor reducers with ForkingPickler
+    import torch.multiprocessing as torch_mp  # registers the tensor reducers with ForkingPickler
 
     buf = io.BytesIO()
-    ForkingPickler(buf).dump(named_tensors)
+    strategy = torch_mp.get_sharing_strategy()
+    torch_mp.set_sharing_strategy("file_system")
+    try:
+        ForkingPickler(buf).dump(named_tensors)
+    finally:
+        torch_mp.set_sharing_strategy(strategy)
     return base64.b64encode(buf.getvalue()).decode("utf-8")
 
 
@@ -184,11 +195,15 @@ class SGLangClient(Engine):
             raise NotImplementedError("SGLangClient: an adapter update is a new PEFT directory loaded with "
                                       "add_lora (/load_lora_adapter), not tensors")
         previous: list[tuple[str, torch.Tensor]] = []
-        for bucket in buckets(((n, t.detach().contiguous()) for n, t in weights), self.bucket_bytes):
-            if previous:
-                self._send_bucket(previous, version=None)
-            previous = bucket
-        self._send_bucket(previous, version=version)  # the last bucket flushes and stamps the version
+        _check(self.http.post("/begin_weight_update", {}), "begin_weight_update")
+        try:
+            for bucket in buckets(((n, t.detach().contiguous()) for n, t in weights), self.bucket_bytes):
+                if previous:
+                    self._send_bucket(previous, version=None)
+                previous = bucket
+            self._send_bucket(previous, version=version)  # the last bucket flushes and stamps the version
+        finally:
+            _check(self.http.post("/end_weight_update", {}), "end_weight_update")
         self.weight_version = version
 
     def _send_bucket(self, bucket: list[tuple[str, torch.Tensor]], *, version: int | None) -> None:

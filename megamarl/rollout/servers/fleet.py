@@ -132,7 +132,7 @@ class ServerFleet:
             served_model_name=SERVED_MODEL, on_gpu=self.on_gpu,
             host="0.0.0.0" if self.multi_node else "127.0.0.1",
             sleeps=self.policies[rep.policy].hands_over, enforce_eager=p.engine.eager(on_gpu=self.on_gpu),
-            memory_fraction=fraction if self.on_gpu else None,
+            memory_fraction=fraction if self.on_gpu else None, python=p.engine.server_python or "",
         )
 
     # -- start-up --------------------------------------------------------------------------------

@@ -16,6 +16,14 @@ own process; on CPU ``VLLM_CPU_KVCACHE_SPACE`` (whole GiB; else ``--kv-cache-mem
 advertises, and its transfer-group workers bind, this node's address (``parallel.network.host_address``,
 passed as ``MEGAMARL_HOST_ADDR``).
 
+Interpreter: ``ServerSpec.python`` (``engine.server_python``), so a backend may live in an environment
+of its own; empty: ``server_python(backend)`` -- this process's, or for SGLang, when this environment
+has no ``sglang``, the one ``scripts/setup.sh --extras sglang-cpu`` builds (``.venv-sglang``). An SGLang
+server on CPU runs with ``SGLANG_USE_CPU_ENGINE=1`` and SGLang's plain-PyTorch paths (``--device cpu
+--attention-backend torch_native --sampling-backend pytorch --disable-overlap-schedule``; its KV
+cache bounded by ``--max-total-tokens`` from ``kv_cache_gib``); a model directory whose config names
+no ``architectures`` (SGLang needs them) gets them through ``--json-model-override-args``.
+
 GPU-only flags, never on a CPU command line (vLLM-CPU refuses sleep mode): ``sleeps`` (a colocated
 server that hands its memory to training) -> vLLM ``--enable-sleep-mode`` / SGLang
 ``--enable-memory-saver``; ``memory_fraction`` (the plan's, ``planning.engine_budget``) -> vLLM
@@ -25,6 +33,7 @@ server that hands its memory to training) -> vLLM ``--enable-sleep-mode`` / SGLa
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -45,6 +54,75 @@ from megamarl.rollout.engines.lora import LoraServing
 SERVER_BACKENDS = ("vllm", "sglang")
 _VLLM_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 PLUGIN_ENTRY_POINT = "megamarl = megamarl.vllm_plugins:register"
+
+
+SGLANG_VENV_ENV = "MEGAMARL_SGLANG_VENV"  # where scripts/setup.sh --extras sglang-cpu builds SGLang's env
+_KV_BYTES = {"bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "fp32": 4, "float32": 4}
+
+
+def sglang_venv_python() -> Path:
+    """The interpreter of the environment ``scripts/setup.sh --extras sglang-cpu`` builds."""
+    root = Path(__file__).resolve().parents[3]  # the checkout megamarl runs from (setup.sh's working dir)
+    venv = Path(os.environ.get(SGLANG_VENV_ENV) or root / ".venv-sglang")
+    return (venv if venv.is_absolute() else root / venv) / "bin" / "python"
+
+
+def server_python(backend: str, configured: str | None = None) -> str:
+    """The interpreter ``backend``'s server runs in: ``configured`` (``engine.server_python``), else
+    this process's, except for an SGLang that this environment cannot import while setup.sh's
+    SGLang environment exists."""
+    if configured:
+        return configured
+    if backend == "sglang" and importlib.util.find_spec("sglang") is None and os.access(sglang_venv_python(), os.X_OK):
+        return str(sglang_venv_python())
+    return sys.executable
+
+
+def check_server_python(python: str, backend: str, *, key: str = "policies.<p>.engine.server_python") -> None:
+    """Load-time check of ``engine.server_python``: it exists, is executable and finds ``backend``
+    (``importlib.util.find_spec``: finds the package without running it -- importing SGLang costs
+    ~12 CPU-s, too much for every load of a config)."""
+    path = Path(python).expanduser()
+    try:
+        is_file = path.is_file()
+    except (OSError, ValueError):  # a name the OS refuses (over 255 bytes, a NUL byte)
+        is_file = False
+    if not is_file:
+        raise ValueError(f"{key}='{python}' does not exist (the {backend} server's Python interpreter; "
+                         "scripts/setup.sh --extras sglang-cpu builds .venv-sglang/bin/python)")
+    if not os.access(path, os.X_OK):
+        raise ValueError(f"{key}='{python}' is not executable")
+    probe = f"import importlib.util, sys; sys.exit(importlib.util.find_spec({backend!r}) is None)"
+    try:
+        found = subprocess.run([str(path), "-c", probe], capture_output=True, timeout=60, check=False).returncode == 0
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise ValueError(f"{key}='{python}' does not run: {exc}") from exc
+    if not found:
+        raise ValueError(f"{key}='{python}' cannot import '{backend}' (engine.backend={backend}); install it "
+                         "there or name the environment that has it")
+
+
+def _model_config(model_path: str) -> dict:
+    try:
+        return json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _sglang_cpu_args(spec: ServerSpec) -> list[str]:
+    """SGLang's CPU flags: its plain-PyTorch attention and sampling, no overlap scheduler, and a KV
+    cache of ``kv_cache_gib`` (at most ``max_num_seqs`` full-length sequences) as ``--max-total-tokens``."""
+    config = _model_config(spec.model_path)
+    tokens = spec.max_num_seqs * spec.max_model_len
+    layers, heads = config.get("num_hidden_layers"), config.get("num_key_value_heads", config.get("num_attention_heads"))
+    if spec.kv_cache_gib > 0 and layers and heads and config.get("hidden_size"):
+        head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+        per_token = 2 * layers * heads * head_dim * _KV_BYTES.get(spec.dtype, 4)
+        tokens = min(tokens, int(spec.kv_cache_gib * 2**30) // per_token)
+    # No --mem-fraction-static (GPU-only here, like the other memory flags): --max-total-tokens caps
+    # the KV pool SGLang would otherwise size from the machine's free RAM.
+    return ["--device", "cpu", "--attention-backend", "torch_native", "--sampling-backend", "pytorch",
+            "--disable-overlap-schedule", "--max-total-tokens", str(max(tokens, spec.max_model_len))]
 
 
 class ServerStartError(RuntimeError):
@@ -80,6 +158,7 @@ class ServerSpec:
     # GPU: the fraction of each device the server may take (vLLM --gpu-memory-utilization, SGLang
     # --mem-fraction-static); None: the server's own default
     memory_fraction: float | None = None
+    python: str = ""  # the server's interpreter (engine.server_python); empty: server_python(backend)
 
     def __post_init__(self) -> None:
         if self.on_gpu is None:
@@ -92,6 +171,10 @@ class ServerSpec:
             raise ValueError(f"ServerSpec.backend '{self.backend}' has no server; allowed: {list(SERVER_BACKENDS)}")
         if self.tp < 1:
             raise ValueError(f"ServerSpec.tp must be >= 1, got {self.tp}")
+        if self.backend == "sglang" and self.lora is not None and not self.on_gpu:
+            # SGLang's LoRA kernels are CUDA/Triton; its torch_native LoRA backend was not verified on CPU
+            raise ValueError(f"policies.{self.policy}.lora with engine.backend=sglang on CPU: SGLang serves LoRA "
+                             "adapters on GPU only here; use engine.backend=vllm (vLLM-CPU serves them) or drop the lora")
         if self.devices and len(self.devices) != self.tp:
             raise ValueError(f"ServerSpec.devices {self.devices} must list tp={self.tp} devices")
 
@@ -104,8 +187,9 @@ def server_command(spec: ServerSpec) -> list[str]:
     """The server's command line (``spec.port`` must be set). GPU-only flags (sleep mode / memory
     saver, the memory fraction, SGLang's ``--disable-cuda-graph``) only on GPU: vLLM-CPU refuses
     sleep mode, and a CPU server's memory is sized by ``kv_cache_gib`` alone."""
+    python = spec.python or server_python(spec.backend)
     if spec.backend == "sglang":
-        cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", spec.model_path,
+        cmd = [python, "-m", "sglang.launch_server", "--model-path", spec.model_path,
                "--host", spec.host, "--port", str(spec.port), "--tp-size", str(spec.tp),
                "--dtype", _VLLM_DTYPES.get(spec.dtype, spec.dtype), "--max-running-requests", str(spec.max_num_seqs),
                "--context-length", str(spec.max_model_len), "--random-seed", str(spec.seed),
@@ -113,12 +197,20 @@ def server_command(spec: ServerSpec) -> list[str]:
         if spec.lora is not None:
             cmd += ["--enable-lora", "--max-loras-per-batch", str(max(1, spec.lora.num_adapters)),
                     "--max-lora-rank", str(spec.lora.rank)]
+        config = _model_config(spec.model_path)
+        if not config.get("architectures") and config.get("model_type"):  # SGLang picks its model class by them
+            from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+            arch = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config["model_type"])
+            cmd += ["--json-model-override-args", json.dumps({"architectures": [arch]})] if arch else []
+        if not spec.on_gpu:
+            cmd += _sglang_cpu_args(spec)
         if spec.on_gpu:
             cmd += ["--enable-memory-saver"] if spec.sleeps else []
             cmd += ["--mem-fraction-static", str(spec.memory_fraction)] if spec.memory_fraction is not None else []
             cmd += ["--disable-cuda-graph"] if spec.enforce_eager else []
         return cmd
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", spec.model_path,
+    cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", spec.model_path,
            "--served-model-name", spec.served_model_name, "--host", spec.host, "--port", str(spec.port),
            "--tensor-parallel-size", str(spec.tp), "--dtype", _VLLM_DTYPES.get(spec.dtype, spec.dtype),
            "--max-num-seqs", str(spec.max_num_seqs), "--max-model-len", str(spec.max_model_len),
@@ -177,8 +269,15 @@ def server_env(spec: ServerSpec, base: dict[str, str] | None = None) -> dict[str
             if spec.num_threads > 0:
                 env["OMP_NUM_THREADS"] = str(spec.num_threads)
                 env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"  # servers share the node's cores
-    elif spec.num_threads > 0 and not spec.on_gpu:
-        env["OMP_NUM_THREADS"] = str(spec.num_threads)
+    else:
+        # SGLang's /health runs a one-token generation by default: the owner's watchdog probes it every
+        # few seconds, and a probe in flight when a weight push ends makes /flush_cache refuse ("pending
+        # requests"; seen with the real server). /health then answers like vLLM's: the server is up.
+        env["SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"] = "0"
+        if not spec.on_gpu:
+            env["SGLANG_USE_CPU_ENGINE"] = "1"  # SGLang's CPU platform (sglang.srt.platforms)
+            if spec.num_threads > 0:
+                env["OMP_NUM_THREADS"] = str(spec.num_threads)
     if spec.devices and spec.on_gpu:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in spec.devices)
     return env

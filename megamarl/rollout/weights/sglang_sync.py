@@ -24,6 +24,9 @@ structs in ``managers/io_struct.py``):
   ``CUDA_VISIBLE_DEVICES`` may differ). Needs CUDA; not exercised on the CPU machines (its payload
   format is unit-tested).
 
+Session: SGLang 0.5.23 takes weight updates only inside ``POST /begin_weight_update {}`` ..
+``POST /end_weight_update {}`` (``begin`` opens it after pausing, ``end`` closes it first; found
+against the real server: outside a session the update endpoints answer 400).
 ``end(version)``: ``POST /update_weight_version {new_version}`` (so every sender of a pipeline-staged
 update can send without knowing which bucket is last) and ``POST /flush_cache``. Replies are
 ``{"success": bool, "message": str}`` (HTTP 400 on failure); a failure raises naming the replica.
@@ -212,6 +215,7 @@ class SGLangWeightSender:
             raise RuntimeError("SGLangWeightSender.begin/push before connect()")
         if pause:
             self._all("/pause_generation", {"mode": "in_place"})
+        self._all("/begin_weight_update", {})
 
     def send(self, named: Iterable[tuple[str, torch.Tensor]], *, bucket_bytes: int = 64 * 2**20,
              stats: SyncStats | None = None) -> SyncStats:
@@ -243,7 +247,8 @@ class SGLangWeightSender:
         return stats
 
     def end(self, *, version: int, resume: bool = True) -> None:
-        """Stamp ``version``, flush the caches, continue."""
+        """Close the update session, stamp ``version``, flush the caches, continue."""
+        self._all("/end_weight_update", {})
         self._all("/update_weight_version", {"new_version": str(version), "abort_all_requests": False})
         self._all("/flush_cache", {})
         if resume:

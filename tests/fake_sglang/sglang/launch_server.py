@@ -33,6 +33,14 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--enable-memory-saver", action="store_true")
     p.add_argument("--mem-fraction-static", type=float, default=None)
     p.add_argument("--disable-cuda-graph", action="store_true")
+    # CPU (SGLANG_USE_CPU_ENGINE=1) and model overrides: accepted and ignored (the fake is transformers
+    # on CPU and loads any HF directory)
+    p.add_argument("--device", default=None, choices=["cuda", "cpu", "xpu", "hpu", "npu"])
+    p.add_argument("--attention-backend", default=None)
+    p.add_argument("--sampling-backend", default=None, choices=["flashinfer", "pytorch"])
+    p.add_argument("--disable-overlap-schedule", action="store_true")
+    p.add_argument("--max-total-tokens", type=int, default=None)
+    p.add_argument("--json-model-override-args", default="{}")
     return p.parse_args(argv)
 
 
