@@ -226,18 +226,6 @@ class SGLangClient(Engine):
         }
         _check(self.http.post("/init_weights_update_group", payload), "init_weights_update_group")
 
-    def update_weights_from_distributed(
-        self, names: list[str], dtypes: list[str], shapes: list[list[int]], *, version: int,
-        group_name: str = "weight_update_group", flush_cache: bool = True,
-    ) -> None:
-        """Announce a broadcast; the caller broadcasts the tensors on the group concurrently."""
-        payload = {
-            "names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
-            "flush_cache": flush_cache, "weight_version": str(version),
-        }
-        _check(self.http.post("/update_weights_from_distributed", payload), "update_weights_from_distributed")
-        self.weight_version = version
-
     # -- lifecycle -------------------------------------------------------------------------------
 
     # -- LoRA (L2) ---------------------------------------------------------------------------------
