@@ -12,10 +12,13 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
 from megamarl.config import RunConfig, config_error_line
 from megamarl.models.packaged import resolve_model_path
 from megamarl.orchestration.agents import check_allowed_tokens
 from megamarl.planning.dryrun import declared_world_size
+from megamarl.rollout.engines.lora import check_lora_backends
 from megamarl.rollout.placement import ReplicaPlacement, plan_engines, ranks_per_node
 from megamarl.runtime import checkpoint
 
@@ -41,6 +44,7 @@ def preflight(cfg: RunConfig, *, world_size: int) -> dict[str, list[ReplicaPlace
     everything else passed (a refused launch leaves an existing run directory as it was). Returns the
     engine plan, computed once per run: the launch hands it to the trainer."""
     plan = plan_engines(cfg, world_size, ranks_per_node(cfg.cluster, world_size))  # WG and engine placement
+    check_lora_backends(cfg, on_gpu=torch.cuda.is_available())
     run_dir = Path(cfg.output_dir) / cfg.name
     resume = checkpoint.find_checkpoint(cfg.trainer.resume, run_dir)
     if resume is not None:

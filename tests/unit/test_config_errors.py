@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from megamarl.parallel.placement import placement_of
 from megamarl.rl.policy_setup import critic_config, loss_config
@@ -198,3 +199,16 @@ def test_engine_server_python_runs_the_server_and_defaults_to_the_sglang_env(mon
     monkeypatch.setattr(server_launch.importlib.util, "find_spec", lambda name: None)
     assert server_python("sglang") == str(venv / "bin" / "python")  # this env lacks sglang: setup.sh's env
     assert server_python("sglang", "/custom/python") == "/custom/python"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for CPU nodes")
+def test_sglang_lora_on_cpu_is_refused_before_anything_loads(tmp_path):
+    """L2 adapters on SGLang: its LoRA kernels are CUDA/Triton, so a CPU launch is refused in the
+    preflight (no model, engine or server started), naming the policy's lora key."""
+    from megamarl.runtime.front_door import preflight
+
+    cfg = load_config(ROOT / "configs" / "presets" / "l2_colocated.yaml", [
+        "policies.base.engine.backend=sglang", "policies.base.engine.launch=server", f"output_dir={tmp_path}"])
+    with pytest.raises(ValueError, match=r"policies\.base\.lora with engine\.backend=sglang on CPU"):
+        preflight(cfg, world_size=2)
+    assert not any(tmp_path.iterdir())  # the run directory was never created

