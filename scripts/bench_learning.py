@@ -135,7 +135,9 @@ def run_cell(cfg: dict, work: Path, env: dict) -> dict:
     log = work / f"{cfg['name']}.log"
     command = [str(ROOT / ".venv" / "bin" / "torchrun"), "--nproc_per_node", "2", str(ROOT / "scripts" / "train.py"),
                "--config", str(config_path), f"output_dir={work / 'runs'}"]
-    run_dir = work / "runs" / cfg["name"]
+    run_dir, done = work / "runs" / cfg["name"], work / f"{cfg['name']}.json"
+    if done.exists():  # finished by an earlier invocation with --work (a crash or a kill loses no cell)
+        return json.loads(done.read_text())
     for attempt in (1, 2):  # a rank killed from outside (the OOM killer on a shared node) gets one more try
         shutil.rmtree(run_dir, ignore_errors=True)
         start, cpu_start = time.perf_counter(), _children_cpu_s()
@@ -150,7 +152,7 @@ def run_cell(cfg: dict, work: Path, env: dict) -> dict:
         print(f"{cfg['name']}: a rank was killed (SIGKILL; out of memory?); running it again", flush=True)
     metrics, evals = read_metrics(run_dir), read_eval(run_dir)
     shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # ~1 GB a cell; the curve is all we keep
-    return {
+    cell = {
         "curve": [[e["step"], e["results"]["team_accuracy"]] for e in evals],
         "rollout_success": [m.get("rollout/success_rate", 0.0) for m in metrics],
         "rollout_tokens": round(sum(m.get("perf/rollout_tokens_per_s", 0) * m.get("timing_s/rollout", 0) for m in metrics)),
@@ -161,6 +163,8 @@ def run_cell(cfg: dict, work: Path, env: dict) -> dict:
         "attempts": attempt,
         "cpu_s": round(cpu_s, 1),
     }
+    done.write_text(json.dumps(cell))
+    return cell
 
 
 def _children_cpu_s() -> float:
@@ -182,7 +186,8 @@ def summarise(cells: list[dict]) -> dict:
         "rollout_tokens": stats([c["rollout_tokens"] for c in cells]),
         "train_tokens": stats([c["train_tokens"] for c in cells]),
         "samples": stats([c["samples"] for c in cells]),
-        "wall_s": stats([c["wall_s"] for c in cells]), "cpu_s": stats([c["cpu_s"] for c in cells]),
+        "wall_s": stats([c["wall_s"] for c in cells]),
+        "cpu_s": stats(cpu) if (cpu := [c["cpu_s"] for c in cells if c.get("cpu_s") is not None]) else None,
     }
 
 
@@ -229,11 +234,14 @@ def main() -> int:
     parser.add_argument("--eval-every", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="1 step, 1 seed, 8 eval tasks: a smoke run of every cell")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "bench")
+    parser.add_argument("--work", type=Path, help="working directory; an earlier invocation's: its finished cells are kept")
     args = parser.parse_args()
     if args.quick:
         args.steps, args.seeds, args.eval_tasks, args.eval_every, args.group_size = 1, args.seeds[:1], 8, 1, 2
 
-    work = Path(tempfile.mkdtemp(prefix="megamarl-bench-learning-"))
+    work = args.work or Path(tempfile.mkdtemp(prefix="megamarl-bench-learning-"))
+    work.mkdir(parents=True, exist_ok=True)
+    print(f"working directory {work} (--work {work} continues this table after a crash)", flush=True)
     # this checkout's package first (a worktree may borrow another checkout's .venv)
     env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     env.setdefault("MEGAMARL_CACHE", str(work / "cache"))
@@ -257,7 +265,9 @@ def main() -> int:
         print(f"[{i}/{len(cells)}] {family} {variant} seed {seed}: accuracy {cell['curve'][0][1]:.3f} -> "
               f"{cell['curve'][-1][1]:.3f} in {cell['wall_s']:.0f} s | elapsed {elapsed / 60:.1f} min, "
               f"ETA {elapsed / i * (len(cells) - i) / 60:.1f} min", flush=True)
-    result["total_s"] = round(time.perf_counter() - start, 1)
+    result["total_s"] = round(time.perf_counter() - start, 1)  # this invocation
+    result["cells_wall_s"] = round(sum(c["wall_s"] for f in result["families"].values() for b in f.values()
+                                       for c in b["runs"].values()), 1)  # the whole table, across invocations
     result["load_avg_1min"] = {"before": round(load_before, 2), **sampler.stop()}
     for family, variants in result["families"].items():
         for block in variants.values():
@@ -275,7 +285,7 @@ def main() -> int:
     print("| " + " | ".join(header) + " |\n|" + "---|" * len(header))
     for row in rows:
         print("| " + " | ".join(row) + " |")
-    print(f"total {result['total_s'] / 60:.1f} min; load avg (1 min) before {load_before:.1f}, "
+    print(f"table {result['cells_wall_s'] / 60:.1f} min (this invocation {result['total_s'] / 60:.1f}); load avg (1 min) before {load_before:.1f}, "
           f"mean {result['load_avg_1min']['mean']:.1f}, max {result['load_avg_1min']['max']:.1f}")
     args.out.mkdir(parents=True, exist_ok=True)
     suffix = "_quick" if args.quick else ""
