@@ -80,7 +80,7 @@ def test_two_engines_of_one_process_generate_concurrently(engine, hf_model, prom
     """An L3 run's policies on one rank: two in-process engines, each stepped from its own driver
     thread. vLLM keeps per-process state, so unserialised steps corrupted the heap ("double free or
     corruption" at an L3 run's first eval); with the process-wide engine lock both answer greedily as
-    transformers does, at the same time."""
+    transformers does, at the same time. Shutting one down leaves the other running."""
     from megamarl.rollout.engines.base import SamplingParams
     from megamarl.rollout.engines.vllm_engine import VLLMEngine
 
@@ -96,6 +96,8 @@ def test_two_engines_of_one_process_generate_concurrently(engine, hf_model, prom
             assert [g[0].token_ids for g in asyncio.run(both())] == expected
     finally:
         second.shutdown()
+    # vLLM's shutdown tears down process-wide state (its parallel groups): the other engine goes on
+    assert [g.token_ids for g in greedy(engine, prompts)] == [hf_greedy(hf_model, p) for p in prompts]
 
 
 def test_concurrent_sampling_is_seeded_and_batched(engine, prompts):

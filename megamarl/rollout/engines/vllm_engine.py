@@ -46,6 +46,7 @@ vLLM-CPU supports LoRA (``PunicaWrapperCPU``; it forces eager mode).
 from __future__ import annotations
 
 import asyncio
+import gc
 import importlib.util
 import os
 import shutil
@@ -78,6 +79,7 @@ VLLM_WORLD = PrivateWorld()
 
 
 PROCESS_ENGINE_LOCK = threading.RLock()
+_LIVE_ENGINES: set[int] = set()  # id() of this process's running engines (under PROCESS_ENGINE_LOCK)
 
 
 def _reload_weights(worker, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -214,6 +216,8 @@ class VLLMEngine(InProcessEngine):
         finally:
             torch._C.set_num_threads(caller_threads)
         self._engine = self.llm.llm_engine
+        with PROCESS_ENGINE_LOCK:
+            _LIVE_ENGINES.add(id(self))
         self.weight_version = 0
         self.enable_lora = enable_lora
         self._loras: dict[str, Any] = {}  # name -> LoRARequest
@@ -426,8 +430,15 @@ class VLLMEngine(InProcessEngine):
         self._thread.join(timeout=10)
         self._fail_all(RuntimeError("engine shut down"))
         with self._lock, VLLM_WORLD.active():  # vLLM destroys its (private) world on shutdown
+            _LIVE_ENGINES.discard(id(self))
             core = getattr(self._engine, "engine_core", None)
-            if core is not None and hasattr(core, "shutdown"):
+            if _LIVE_ENGINES:
+                # vLLM's shutdown destroys process-wide state (its model-parallel groups) that this
+                # process's other engines still use ("pipeline model parallel group is not
+                # initialized" in their next step): drop this engine's objects, leave the teardown to the last
+                self.llm = self._engine = None
+                gc.collect()
+            elif core is not None and hasattr(core, "shutdown"):
                 core.shutdown()
 
 
