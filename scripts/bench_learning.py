@@ -138,7 +138,8 @@ def run_cell(cfg: dict, work: Path, env: dict) -> dict:
     run_dir, done = work / "runs" / cfg["name"], work / f"{cfg['name']}.json"
     if done.exists():  # finished by an earlier invocation with --work (a crash or a kill loses no cell)
         return json.loads(done.read_text())
-    for attempt in (1, 2):  # a rank killed from outside (the OOM killer on a shared node) gets one more try
+    attempts = 4
+    for attempt in range(1, attempts + 1):  # a rank killed from outside (the OOM killer on a shared node) tries again
         shutil.rmtree(run_dir, ignore_errors=True)
         start, cpu_start = time.perf_counter(), _children_cpu_s()
         with open(log, "w") as f:
@@ -147,9 +148,10 @@ def run_cell(cfg: dict, work: Path, env: dict) -> dict:
         if code == 0:
             break
         killed = "exitcode: -9" in log.read_text()
-        if attempt == 2 or not killed:
+        if attempt == attempts or not killed:
             raise SystemExit(f"{cfg['name']} failed (exit {code}); log: {log}")
-        print(f"{cfg['name']}: a rank was killed (SIGKILL; out of memory?); running it again", flush=True)
+        print(f"{cfg['name']}: a rank was killed (SIGKILL; out of memory?); running it again in 30 s", flush=True)
+        time.sleep(30)
     metrics, evals = read_metrics(run_dir), read_eval(run_dir)
     shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # ~1 GB a cell; the curve is all we keep
     cell = {
