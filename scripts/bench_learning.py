@@ -137,7 +137,7 @@ def run_cell(cfg: dict, work: Path, env: dict) -> dict:
                "--config", str(config_path), f"output_dir={work / 'runs'}"]
     run_dir, done = work / "runs" / cfg["name"], work / f"{cfg['name']}.json"
     if done.exists():  # finished by an earlier invocation with --work (a crash or a kill loses no cell)
-        return json.loads(done.read_text())
+        return {**json.loads(done.read_text()), "cached": True}
     attempts = 4
     for attempt in range(1, attempts + 1):  # a rank killed from outside (the OOM killer on a shared node) tries again
         shutil.rmtree(run_dir, ignore_errors=True)
@@ -200,7 +200,7 @@ def plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     families = list(result["families"])
-    fig, axes = plt.subplots(1, len(families), figsize=(6.2 * len(families), 4.4), squeeze=False)
+    fig, axes = plt.subplots(1, len(families), figsize=(max(7.5, 6.2 * len(families)), 4.6), squeeze=False)
     colors = dict(zip(VARIANTS, ("tab:gray", "tab:blue", "tab:green", "tab:red")))
     for ax, family in zip(axes[0], families):
         for variant, block in result["families"][family].items():
@@ -218,7 +218,7 @@ def plot(result: dict, path: Path) -> None:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8, loc="upper left")
     fig.suptitle(f"{MODEL} on CPU, {result['budget']['steps']} steps x {result['budget']['num_tasks']} tasks "
-                 f"x {result['budget']['group_size']} samples; scripts/bench_learning.py", fontsize=10)
+                 f"x {result['budget']['group_size']} samples; scripts/bench_learning.py", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -270,7 +270,10 @@ def main() -> int:
     result["total_s"] = round(time.perf_counter() - start, 1)  # this invocation
     result["cells_wall_s"] = round(sum(c["wall_s"] for f in result["families"].values() for b in f.values()
                                        for c in b["runs"].values()), 1)  # the whole table, across invocations
-    result["load_avg_1min"] = {"before": round(load_before, 2), **sampler.stop()}
+    load = sampler.stop()
+    ran_here = any(not c.get("cached") for f in result["families"].values() for b in f.values() for c in b["runs"].values())
+    # cells kept from an earlier invocation (--work) ran under that invocation's load, not this one's
+    result["load_avg_1min"] = {"before": round(load_before, 2), **load} if ran_here else None
     for family, variants in result["families"].items():
         for block in variants.values():
             block["summary"] = summarise(list(block["runs"].values()))
@@ -287,8 +290,8 @@ def main() -> int:
     print("| " + " | ".join(header) + " |\n|" + "---|" * len(header))
     for row in rows:
         print("| " + " | ".join(row) + " |")
-    print(f"table {result['cells_wall_s'] / 60:.1f} min (this invocation {result['total_s'] / 60:.1f}); load avg (1 min) before {load_before:.1f}, "
-          f"mean {result['load_avg_1min']['mean']:.1f}, max {result['load_avg_1min']['max']:.1f}")
+    print(f"table {result['cells_wall_s'] / 60:.1f} min (this invocation {result['total_s'] / 60:.1f}); load avg (1 min) "
+          + (f"before {load_before:.1f}, mean {load['mean']:.1f}, max {load['max']:.1f}" if ran_here else "not measured: every cell came from --work"))
     args.out.mkdir(parents=True, exist_ok=True)
     suffix = "_quick" if args.quick else ""
     (args.out / f"learning{suffix}.json").write_text(json.dumps(result, indent=1) + "\n")
