@@ -229,7 +229,7 @@ def main() -> int:
     parser.add_argument("--families", nargs="+", default=list(FAMILIES), choices=list(FAMILIES))
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
-    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--num-tasks", type=int, default=4, help="tasks per step (rollout.num_tasks)")
     parser.add_argument("--group-size", type=int, default=4, help="samples per task (rollout.group_size)")
     parser.add_argument("--eval-tasks", type=int, default=48)
