@@ -93,7 +93,12 @@ class ChatTranscript:
 
     def add_message(self, role: str, content: str) -> list[int]:
         """Append a ``role`` turn (user, or tool: a tool's result) plus the generation prompt."""
-        messages = self.messages + [{"role": role, "content": content}]
+        return self.add_messages([{"role": role, "content": content}])
+
+    def add_messages(self, turns: list[dict[str, str]]) -> list[int]:
+        """Append several turns (the results of a reply's tool calls) and then one generation prompt:
+        the prompt between them would not be a prefix of the next rendering."""
+        messages = self.messages + list(turns)
         full = self._render(messages, generation_prompt=True)
         new_ids = self._encode(self._delta(full))
         self.ids.extend(new_ids)

@@ -125,6 +125,9 @@ class EpisodeContext:
         self._scored: set[int] = set()  # id(sample) of tree candidates (local reward = score)
         self._env_lock = asyncio.Lock()  # remote env calls of this episode, one at a time
         self.reported: tuple[float, dict[str, float]] | None = None  # report_rewards: (team, agent -> local)
+        # agent -> tool calls run / of them answered with ``error: ...`` (agents with ``tools`` only)
+        self.tool_calls: dict[str, int] = {name: 0 for name, agent in agents.items() if getattr(agent, "tools", None)}
+        self.tool_errors: dict[str, int] = dict.fromkeys(self.tool_calls, 0)
 
     @property
     def done(self) -> bool:
@@ -299,8 +302,11 @@ class EpisodeContext:
             sample.valid = True
             tool_samples.append(sample)
             transcript.add_response(sample.response_ids, sample.response_text)
-            for call in calls:
-                transcript.add_message("tool", call_tool(call, agent.tools))
+            results = [call_tool(call, agent.tools) for call in calls]
+            self.tool_calls[agent.role] = self.tool_calls.get(agent.role, 0) + len(results)
+            errors = sum(result.startswith("error:") for result in results)
+            self.tool_errors[agent.role] = self.tool_errors.get(agent.role, 0) + errors
+            transcript.add_messages([{"role": "tool", "content": result} for result in results])
             if len(transcript.ids) > agent.config.max_prompt_tokens:
                 raise EpisodeDropped("prompt_too_long")
             sampled = await self._sample(agent, list(transcript.ids), anchor=anchor, sampling=agent.sampling)

@@ -56,6 +56,8 @@ class EpisodeStats:
     policies: dict[str, str] = field(default_factory=dict)  # agent -> the policy it used
     error: str = ""  # failed episodes: the last lines of the traceback
     env_metrics: dict[str, float] = field(default_factory=dict)  # Env.metrics() (ok episodes)
+    tool_calls: dict[str, int] = field(default_factory=dict)  # agent -> tool calls run (agents with tools)
+    tool_errors: dict[str, int] = field(default_factory=dict)  # agent -> of them answered "error: ..."
 
 
 class RolloutFailureError(RuntimeError):
@@ -110,6 +112,12 @@ class RolloutResult:
             calls.update(e.num_calls)
         for agent, num in sorted(calls.items()):
             out[f"agent/{agent}/num_calls"] = float(num)
+        for key in ("tool_calls", "tool_errors"):  # getattr: episodes pickled before the fields existed
+            totals = Counter()
+            for e in ok:
+                totals.update(getattr(e, key, {}))
+            for agent in sorted({a for e in ok for a in getattr(e, key, {})}):
+                out[f"agent/{agent}/{key}"] = float(totals[agent])
         env_totals = Counter()
         for e in ok:  # getattr: episodes pickled in a checkpoint written before Env.metrics existed
             env_totals.update(getattr(e, "env_metrics", {}))
@@ -167,6 +175,7 @@ async def run_episode(
     stats.num_samples = len(ctx.samples)
     stats.num_invalid = sum(not s.valid for s in ctx.samples)
     stats.env_metrics = dict(ctx.env.metrics())
+    stats.tool_calls, stats.tool_errors = dict(ctx.tool_calls), dict(ctx.tool_errors)
     for agent in ctx.agents:  # every seat, also one that never acted (its opponent forfeited first)
         stats.agent_success[agent] = ctx.agent_success(agent)
         stats.policies[agent] = ctx.policy_of(agent)

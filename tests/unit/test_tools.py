@@ -88,6 +88,9 @@ def test_math_solver_calls_the_calculator():
         assert second.prompt_ids[: len(first.prompt_ids) + len(first.response_ids)] == first.prompt_ids + first.response_ids
         assert first.team_reward == second.team_reward == 1.0 and first.local_reward == second.local_reward == 1.0
         assert first.valid and second.valid
+    assert [(e.tool_calls, e.tool_errors) for e in result.episodes] == [({"solver": 1}, {"solver": 0})] * 3
+    summary = result.summary()
+    assert (summary["agent/solver/tool_calls"], summary["agent/solver/tool_errors"]) == (3.0, 0.0)
     json.dumps([s.response_text for s in result.samples])
 
 
@@ -105,3 +108,27 @@ def test_registered_tools_have_an_object_schema_and_a_function(name):
     assert tool.name == name and callable(tool.fn)
     schema = tool.schema()
     assert schema["type"] == "function" and schema["function"]["parameters"]["type"] == "object"
+
+
+def test_a_failing_tool_call_is_counted_and_answered_with_the_error():
+    tokenizer = smollm2_tokenizer()
+    seen = []
+
+    def policy(request):
+        if "<|im_start|>tool\n" in request.prompt_text:
+            seen.append(request.prompt_text)
+            return "The answer is 0"
+        return '<tool_call>{"name": "abacus", "arguments": {}}</tool_call><tool_call>{"name": "calculator", "arguments": {"expression": "2*"}}</tool_call>'
+
+    maker = EnvMaker("math", with_verifier=False, kinds=["mul12"])
+    configs = {"solver": AgentConfig(policy="p", tools=["calculator"], sampling=SamplingConfig(max_tokens=64))}
+    agents = build_agents(configs, tokenizer, default_kinds=maker.default_agents)
+    result = asyncio.run(run_episodes(build_orchestra("sequential"), maker, maker.tasks(2, seed=0), agents=agents,
+                                      engines={"p": ScriptedEngine(tokenizer, policy)}))
+    assert result.num_failed == 0
+    summary = result.summary()
+    assert (summary["agent/solver/tool_calls"], summary["agent/solver/tool_errors"]) == (4.0, 4.0)
+    # both results, each its own tool turn, then one generation prompt (two prompts broke the template delta)
+    assert seen[0].endswith("<|im_start|>tool\nerror: unknown tool 'abacus'; tools: ['calculator']<|im_end|>\n"
+                            "<|im_start|>tool\nerror: SyntaxError: invalid syntax (<unknown>, line 1)<|im_end|>\n"
+                            "<|im_start|>assistant\n")
