@@ -85,6 +85,11 @@ class AgentConfig:
     # results as the next turn, up to max_tool_calls rounds; the reply after that is the action.
     tools: list[str] = field(default_factory=list)
     max_tool_calls: int = 2  # tool rounds per agent call
+    # OpenAI's ``tool_choice``: ``auto`` (the model decides) or a tool's name: the agent's first reply
+    # of each call is made to call that tool (its opening ``<tool_call>{"name": <tool>, "arguments": ``
+    # is written into the assistant turn, prompt tokens, and the model writes the arguments); the
+    # replies after the tool's result are free. For models that never call tools unprompted.
+    tool_choice: str = "auto"
     # Per-agent training hyperparameters; None inherits the policy's value. ``lr`` needs the agent's
     # own parameters (an L2 LoRA adapter or an L3 policy of its own): agents sharing weights share one
     # optimizer step. ``frozen``: the agent acts but its samples never train the policy.
@@ -109,6 +114,9 @@ class AgentConfig:
         for key in ("tree_k", "max_prompt_tokens", "max_tool_calls"):
             check_range(f"agents.<a>.{key}", getattr(self, key), low=1)
         self.tools = list(self.tools)
+        if self.tool_choice != "auto" and self.tool_choice not in self.tools:
+            raise ValueError(f"agents.<a>.tool_choice='{self.tool_choice}' must be auto or one of agents.<a>.tools "
+                             f"{self.tools}")
         if self.tools and self.tree_k > 1:
             raise ValueError("agents.<a>.tools cannot be combined with agents.<a>.tree_k > 1 (tool rounds follow one reply)")
         check_range("agents.<a>.memory_tokens", self.memory_tokens, low=0)

@@ -22,7 +22,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from megamarl.config_sections import AgentConfig, SamplingConfig
-from megamarl.orchestration.tools import TOOLS
+from megamarl.orchestration.tools import TOOLS, forced_call_prefix
 from megamarl.registry import Registry
 from megamarl.rollout.engines.base import SamplingParams
 
@@ -76,6 +76,8 @@ class Agent:
         self.sampling = replace(sampling, stop_token_ids=stops)
         self.stop_token_ids = frozenset(stops)
         self.tools = {name: TOOLS.get(name, key=f"agents.{role}.tools") for name in config.tools}  # name -> Tool
+        # agents.<a>.tool_choice naming a tool: the assistant turn opens with its call (tools.forced_call_prefix)
+        self.tool_prefix = forced_call_prefix(config.tool_choice) if config.tool_choice != "auto" else ""
 
     def user_message(self, observation: str) -> str:
         """The user-turn text for an observation (the role's prompt template applied)."""

@@ -179,10 +179,12 @@ class EpisodeContext:
         return policy, engine
 
     async def _sample(self, agent: Agent, prompt_ids: list[int], *, anchor: str, sampling: SamplingParams,
-                      num_candidates: int = 1) -> list[tuple[Sample, object]]:
+                      num_candidates: int = 1, prefix: str = "") -> list[tuple[Sample, object]]:
         """One engine call for ``agent`` on ``prompt_ids`` (``num_candidates`` replies; the candidates
         share the list); the tagged Samples (not yet recorded), each with the agent's parsed value of
-        its reply. The one path by which every agent call (``act``, ``complete``) reaches an engine."""
+        its reply. The one path by which every agent call (``act``, ``complete``) reaches an engine.
+        ``prefix``: text the assistant turn opens with, already encoded at the end of ``prompt_ids``;
+        a Sample's ``response_text`` is the whole turn (prefix and reply), its ``response_ids`` the reply."""
         agent_name = agent.role
         policy, engine = self._engine(agent_name)
         # Counters are taken before the engine call so concurrent agents get them in call order.
@@ -198,7 +200,7 @@ class EpisodeContext:
             raise RuntimeError(f"engine of policy '{policy}' returned {len(generations)} of {num_candidates}")
         samples = []
         for branch, gen in enumerate(generations):
-            text = agent.response_text(gen.token_ids)
+            text = prefix + agent.response_text(gen.token_ids)
             value, valid = agent.parse(text)
             samples.append((Sample(
                 task_id=self.task.task_id, episode_id=self.episode_id, agent=agent_name, policy=policy,
@@ -257,9 +259,12 @@ class EpisodeContext:
         self._engine(agent_name)  # a config error before the prompt is built
         transcript = self._prompt(agent, observation)
         prompt_ids = list(transcript.ids)
+        prefix = agent.tool_prefix  # tool_choice naming a tool: the reply opens with its call (prompt tokens)
+        if prefix:
+            prompt_ids += agent.tokenizer.encode(prefix, add_special_tokens=False)
         num_candidates = agent.config.tree_k
         sampled = await self._sample(agent, prompt_ids, anchor=observation, sampling=agent.sampling,
-                                     num_candidates=num_candidates)
+                                     num_candidates=num_candidates, prefix=prefix)
         tool_samples = []
         if agent.tools:  # tree_k is 1 (AgentConfig): a reply that calls tools is answered, then resampled
             tool_samples, sampled = await self._tool_rounds(agent, transcript, sampled, anchor=observation)
@@ -278,8 +283,8 @@ class EpisodeContext:
         # the tool rounds' samples share the action's reward (``step``) and end with it
         samples = tool_samples + samples
         action = dataclasses.replace(best, samples=samples, scores=scores)
-        if agent.config.multi_turn:
-            transcript.add_response(best_sample.response_ids, best.text)
+        if agent.config.multi_turn:  # the prompt's ids past the transcript: a forced call's opening
+            transcript.add_response(best_sample.prompt_ids[len(transcript.ids):] + best_sample.response_ids, best.text)
             self.transcripts[agent_name] = transcript
         self.samples.extend(samples)
         self.actions.append(action)
@@ -301,7 +306,7 @@ class EpisodeContext:
                 break
             sample.valid = True
             tool_samples.append(sample)
-            transcript.add_response(sample.response_ids, sample.response_text)
+            transcript.add_response(sample.prompt_ids[len(transcript.ids):] + sample.response_ids, sample.response_text)
             results = [call_tool(call, agent.tools) for call in calls]
             self.tool_calls[agent.role] = self.tool_calls.get(agent.role, 0) + len(results)
             errors = sum(result.startswith("error:") for result in results)

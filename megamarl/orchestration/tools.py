@@ -112,6 +112,12 @@ def call_tool(call: ToolCall, tools: Mapping[str, Tool]) -> str:
         return f"error: {type(exc).__name__}: {exc}"
 
 
+def forced_call_prefix(name: str) -> str:
+    """The opening of a Hermes-style call of ``name`` (``agents.<a>.tool_choice``): written into the
+    assistant turn before sampling, so the model writes only the arguments object and the closing tag."""
+    return '<tool_call>{"name": ' + json.dumps(name) + ', "arguments": '
+
+
 def template_supports_tools(tokenizer: Any) -> bool:
     """Whether the tokenizer's chat template renders a ``tools`` argument (most tool-trained models')."""
     return "tools" in (getattr(tokenizer, "chat_template", None) or "")

@@ -132,3 +132,33 @@ def test_a_failing_tool_call_is_counted_and_answered_with_the_error():
     assert seen[0].endswith("<|im_start|>tool\nerror: unknown tool 'abacus'; tools: ['calculator']<|im_end|>\n"
                             "<|im_start|>tool\nerror: SyntaxError: invalid syntax (<unknown>, line 1)<|im_end|>\n"
                             "<|im_start|>assistant\n")
+
+
+@pytest.mark.parametrize("multi_turn", [False, True])
+def test_tool_choice_opens_the_reply_with_the_named_call(multi_turn):
+    """agents.<a>.tool_choice=calculator: the first reply's prompt ends with the call's opening (prompt
+    tokens, not trained); the model writes only the arguments; the tool runs; the next reply is free."""
+    tokenizer = smollm2_tokenizer()
+    prefix = '<tool_call>{"name": "calculator", "arguments": '
+
+    def policy(request):
+        if "<|im_start|>tool\n" in request.prompt_text:
+            return f"The answer is {request.prompt_text.rsplit('<|im_start|>tool', 1)[1].split()[0]}"
+        assert request.prompt_text.endswith("<|im_start|>assistant\n" + prefix)
+        question = request.prompt_text.rsplit("What is ", 1)[1].split("?")[0]
+        return '{"expression": "%s"}}</tool_call>' % question
+
+    maker = EnvMaker("math", with_verifier=False, kinds=["mul12"])
+    configs = {"solver": AgentConfig(policy="p", tools=["calculator"], tool_choice="calculator", multi_turn=multi_turn,
+                                     sampling=SamplingConfig(max_tokens=64))}
+    agents = build_agents(configs, tokenizer, default_kinds=maker.default_agents)
+    result = asyncio.run(run_episodes(build_orchestra("sequential"), maker, maker.tasks(2, seed=0), agents=agents,
+                                      engines={"p": ScriptedEngine(tokenizer, policy)}))
+    assert result.num_failed == 0 and all(e.team_reward == 1.0 for e in result.episodes)
+    prefix_ids = tokenizer.encode(prefix, add_special_tokens=False)
+    for call, answer in zip(result.samples[::2], result.samples[1::2]):
+        assert call.prompt_ids[-len(prefix_ids):] == prefix_ids and call.response_text.startswith(prefix)
+        assert tokenizer.decode(call.response_ids).startswith('{"expression"')  # the trained tokens: the arguments
+        # token-exact: the answer's prompt extends the call's prompt (opening included) and its reply
+        assert answer.prompt_ids[: len(call.prompt_ids) + len(call.response_ids)] == call.prompt_ids + call.response_ids
+    assert result.summary()["agent/solver/tool_calls"] == 2.0
