@@ -183,8 +183,9 @@ class EpisodeContext:
         """One engine call for ``agent`` on ``prompt_ids`` (``num_candidates`` replies; the candidates
         share the list); the tagged Samples (not yet recorded), each with the agent's parsed value of
         its reply. The one path by which every agent call (``act``, ``complete``) reaches an engine.
-        ``prefix``: text the assistant turn opens with, already encoded at the end of ``prompt_ids``;
-        a Sample's ``response_text`` is the whole turn (prefix and reply), its ``response_ids`` the reply."""
+        ``prefix``: text the assistant turn opens with, already encoded at the end of ``prompt_ids``
+        (a forced tool call's opening): the agent parses the whole turn; a Sample's ``response_text``
+        is its reply alone, as its ``response_ids``."""
         agent_name = agent.role
         policy, engine = self._engine(agent_name)
         # Counters are taken before the engine call so concurrent agents get them in call order.
@@ -200,8 +201,8 @@ class EpisodeContext:
             raise RuntimeError(f"engine of policy '{policy}' returned {len(generations)} of {num_candidates}")
         samples = []
         for branch, gen in enumerate(generations):
-            text = prefix + agent.response_text(gen.token_ids)
-            value, valid = agent.parse(text)
+            text = agent.response_text(gen.token_ids)
+            value, valid = agent.parse(prefix + text)
             samples.append((Sample(
                 task_id=self.task.task_id, episode_id=self.episode_id, agent=agent_name, policy=policy,
                 turn=turn, branch=branch, weight_version=gen.weight_version, valid=bool(valid), step=step,
@@ -267,8 +268,10 @@ class EpisodeContext:
                                      num_candidates=num_candidates, prefix=prefix)
         tool_samples = []
         if agent.tools:  # tree_k is 1 (AgentConfig): a reply that calls tools is answered, then resampled
-            tool_samples, sampled = await self._tool_rounds(agent, transcript, sampled, anchor=observation)
-        candidates = [Action(agent_name, sample.response_text, value, sample.valid, sample.turn, sample.step,
+            tool_samples, sampled = await self._tool_rounds(agent, transcript, sampled, anchor=observation, opening=prefix)
+        # the assistant turn's text: a forced call's opening (prompt tokens past the transcript) and the reply
+        opening = prefix if len(sampled[0][0].prompt_ids) > len(transcript.ids) else ""
+        candidates = [Action(agent_name, opening + sample.response_text, value, sample.valid, sample.turn, sample.step,
                              sample.branch, [sample]) for sample, value in sampled]
         samples = [c.samples[0] for c in candidates]
         best = candidates[0]
@@ -283,7 +286,7 @@ class EpisodeContext:
         # the tool rounds' samples share the action's reward (``step``) and end with it
         samples = tool_samples + samples
         action = dataclasses.replace(best, samples=samples, scores=scores)
-        if agent.config.multi_turn:  # the prompt's ids past the transcript: a forced call's opening
+        if agent.config.multi_turn:
             transcript.add_response(best_sample.prompt_ids[len(transcript.ids):] + best_sample.response_ids, best.text)
             self.transcripts[agent_name] = transcript
         self.samples.extend(samples)
@@ -294,19 +297,22 @@ class EpisodeContext:
         return action
 
     async def _tool_rounds(self, agent: Agent, transcript: ChatTranscript, sampled: list[tuple[Sample, object]],
-                           *, anchor: str) -> tuple[list[Sample], list[tuple[Sample, object]]]:
+                           *, anchor: str, opening: str = "") -> tuple[list[Sample], list[tuple[Sample, object]]]:
         """While the reply calls tools (at most ``max_tool_calls`` rounds): run them, append the reply
         and each result (a ``tool`` turn) to the transcript, sample again. Returns the tool-calling
-        samples (valid: a call is a well-formed move) and the final reply."""
+        samples (valid: a call is a well-formed move) and the final reply. ``opening``: the first
+        reply's forced call opening (``agents.<a>.tool_choice``), at the end of its prompt ids."""
         tool_samples = []
         for _ in range(agent.config.max_tool_calls):
             sample = sampled[0][0]
-            _, calls = parse_tool_calls(sample.response_text)
+            text = opening + sample.response_text
+            _, calls = parse_tool_calls(text)
             if not calls:
                 break
             sample.valid = True
             tool_samples.append(sample)
-            transcript.add_response(sample.prompt_ids[len(transcript.ids):] + sample.response_ids, sample.response_text)
+            transcript.add_response(sample.prompt_ids[len(transcript.ids):] + sample.response_ids, text)
+            opening = ""
             results = [call_tool(call, agent.tools) for call in calls]
             self.tool_calls[agent.role] = self.tool_calls.get(agent.role, 0) + len(results)
             errors = sum(result.startswith("error:") for result in results)

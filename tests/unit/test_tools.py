@@ -146,7 +146,7 @@ def test_tool_choice_opens_the_reply_with_the_named_call(multi_turn):
             return f"The answer is {request.prompt_text.rsplit('<|im_start|>tool', 1)[1].split()[0]}"
         assert request.prompt_text.endswith("<|im_start|>assistant\n" + prefix)
         question = request.prompt_text.rsplit("What is ", 1)[1].split("?")[0]
-        return '{"expression": "%s"}}</tool_call>' % question
+        return json.dumps({"expression": question}) + "}</tool_call>"
 
     maker = EnvMaker("math", with_verifier=False, kinds=["mul12"])
     configs = {"solver": AgentConfig(policy="p", tools=["calculator"], tool_choice="calculator", multi_turn=multi_turn,
@@ -157,8 +157,8 @@ def test_tool_choice_opens_the_reply_with_the_named_call(multi_turn):
     assert result.num_failed == 0 and all(e.team_reward == 1.0 for e in result.episodes)
     prefix_ids = tokenizer.encode(prefix, add_special_tokens=False)
     for call, answer in zip(result.samples[::2], result.samples[1::2]):
-        assert call.prompt_ids[-len(prefix_ids):] == prefix_ids and call.response_text.startswith(prefix)
-        assert tokenizer.decode(call.response_ids).startswith('{"expression"')  # the trained tokens: the arguments
+        assert call.prompt_ids[-len(prefix_ids):] == prefix_ids  # the opening: prompt tokens, not trained
+        assert call.response_text.startswith('{"expression"') and tokenizer.decode(call.response_ids).startswith('{"expression"')
         # token-exact: the answer's prompt extends the call's prompt (opening included) and its reply
         assert answer.prompt_ids[: len(call.prompt_ids) + len(call.response_ids)] == call.prompt_ids + call.response_ids
     assert result.summary()["agent/solver/tool_calls"] == 2.0
