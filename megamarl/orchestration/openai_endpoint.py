@@ -45,7 +45,13 @@ from aiohttp import web
 
 from megamarl.orchestration.chat import ChatTranscript, TemplateDeltaError
 from megamarl.orchestration.context import EpisodeContext, EpisodeDone, EpisodeDropped
-from megamarl.orchestration.tools import ToolCall, parse_tool_calls, template_supports_tools, with_tools
+from megamarl.orchestration.tools import (
+    ToolCall,
+    forced_call_prefix,
+    parse_tool_calls,
+    template_supports_tools,
+    with_tools,
+)
 
 EPISODE_HEADER = "X-Episode-Id"
 AGENT_HEADER = "X-Megamarl-Agent"
@@ -198,6 +204,9 @@ class RecordingEndpoint:
             prompt_ids, anchor, transcript = self._prompt(handle, role, body, chat=chat)
             if int(body.get("n") or 1) != 1:
                 raise EndpointError(400, "n must be 1 (one recorded sample per call)", "unsupported_n")
+            opening = _forced_opening(body) if chat else ""
+            if opening:  # tool_choice names a tool: the reply opens with its call (prompt tokens)
+                prompt_ids = prompt_ids + handle.ctx.agents[role].tokenizer.encode(opening, add_special_tokens=False)
             stop = body.get("stop") or ()
             stop = (stop,) if isinstance(stop, str) else tuple(stop)
             max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
@@ -212,13 +221,14 @@ class RecordingEndpoint:
                 raise EndpointError(409, "the episode's env is done", "episode_done") from exc
         except EndpointError as exc:
             return _error(exc.status, exc.message, exc.code)
+        text = opening + sample.response_text  # the assistant turn
         if transcript is not None:
-            self._remember(handle, role, transcript, sample)
+            self._remember(handle, role, transcript, sample, text)
         finish = "length" if sample.truncated else "stop"
         calls = []
-        if chat and body.get("tools"):
-            _, calls = parse_tool_calls(sample.response_text)
-        reply = _reply(sample, role=role, chat=chat, finish=finish, logprobs=bool(body.get("logprobs")),
+        if chat and body.get("tools") and body.get("tool_choice") != "none":
+            _, calls = parse_tool_calls(text)
+        reply = _reply(sample, text, role=role, chat=chat, finish=finish, logprobs=bool(body.get("logprobs")),
                        tokenizer=handle.ctx.agents[role].tokenizer, calls=calls)
         if not body.get("stream"):
             return web.json_response(reply)
@@ -263,10 +273,11 @@ class RecordingEndpoint:
         return list(transcript.ids), rendered[-1]["content"], transcript
 
     @staticmethod
-    def _remember(handle: EpisodeHandle, role: str, transcript: ChatTranscript, sample) -> None:
-        """Keep the conversation with its sampled reply, for a later request that continues it."""
+    def _remember(handle: EpisodeHandle, role: str, transcript: ChatTranscript, sample, text: str) -> None:
+        """Keep the conversation with its sampled reply (``text``: the whole assistant turn, a forced
+        call's opening included), for a later request that continues it."""
         try:
-            transcript.add_response(sample.response_ids, sample.response_text)
+            transcript.add_response(sample.prompt_ids[len(transcript.ids):] + sample.response_ids, text)
         except TemplateDeltaError:  # a template that rewrites history: later prompts are encoded whole
             return
         handle.transcripts.setdefault(role, []).append(transcript)
@@ -293,6 +304,28 @@ class RecordingEndpoint:
         return web.json_response({"episode_id": episode_id, "team": handle.reward[0], "agents": handle.reward[1]})
 
 
+def _forced_opening(body: dict) -> str:
+    """OpenAI's ``tool_choice``: ``auto`` / ``none`` / absent force nothing; a named function, or
+    ``required`` with exactly one tool, opens the reply with that tool's call
+    (``tools.forced_call_prefix``). ``required`` among several tools would need constrained decoding:
+    refused."""
+    choice = body.get("tool_choice")
+    if choice in (None, "auto", "none"):
+        return ""
+    names = [t.get("function", {}).get("name") for t in body.get("tools") or [] if isinstance(t, dict)]
+    if choice == "required":
+        if len(names) != 1:
+            raise EndpointError(400, f"tool_choice=required needs exactly one tool here (got {len(names)}); "
+                                "name the function: {\"type\": \"function\", \"function\": {\"name\": ...}}",
+                                "unsupported_tool_choice")
+        return forced_call_prefix(names[0])
+    name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
+    if name not in names:
+        raise EndpointError(400, f"tool_choice {json.dumps(choice)} names no tool of the request's tools {names}",
+                            "invalid_tool_choice")
+    return forced_call_prefix(name)
+
+
 def _hermes_block(call: dict) -> str:
     function = call.get("function", {}) if isinstance(call, dict) else {}
     arguments = function.get("arguments", "{}")
@@ -303,7 +336,7 @@ def _hermes_block(call: dict) -> str:
     return "<tool_call>" + json.dumps({"name": function.get("name", ""), "arguments": arguments}) + "</tool_call>"
 
 
-def _reply(sample, *, role: str, chat: bool, finish: str, logprobs: bool, tokenizer,
+def _reply(sample, text: str, *, role: str, chat: bool, finish: str, logprobs: bool, tokenizer,
            calls: list[ToolCall] = ()) -> dict:
     created = int(time.time())
     usage = {"prompt_tokens": len(sample.prompt_ids), "completion_tokens": len(sample.response_ids),
@@ -314,15 +347,15 @@ def _reply(sample, *, role: str, chat: bool, finish: str, logprobs: bool, tokeni
         token_logprobs = {"content": [{"token": tok, "logprob": lp, "bytes": list(tok.encode()), "top_logprobs": []}
                                       for tok, lp in zip(tokens, sample.rollout_logprobs)]}
     if chat:
-        message = {"role": "assistant", "content": sample.response_text}
+        message = {"role": "assistant", "content": text}
         if calls:  # the reply called tools: OpenAI's shape (content is the text around the calls)
-            content, _ = parse_tool_calls(sample.response_text)
+            content, _ = parse_tool_calls(text)
             message = {"role": "assistant", "content": content or None, "tool_calls": [c.openai() for c in calls]}
             finish = "tool_calls" if finish == "stop" else finish
         choice = {"index": 0, "message": message, "finish_reason": finish, "logprobs": token_logprobs}
         return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": created,
                 "model": role, "choices": [choice], "usage": usage}
-    choice = {"index": 0, "text": sample.response_text, "finish_reason": finish, "logprobs": None}
+    choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
     return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": created, "model": role,
             "choices": [choice], "usage": usage}
 

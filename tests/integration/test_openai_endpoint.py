@@ -201,16 +201,25 @@ def test_config_is_validated_naming_the_key():
         build_orchestra("external", module="x", max_concurrency=0)
 
 
-def test_tool_calls_through_the_endpoint():
+@pytest.mark.parametrize("forced", [False, True])
+def test_tool_calls_through_the_endpoint(forced, monkeypatch):
     """``tools`` reach the prompt (a tool block: SmolLM2's template ignores them); the model's Hermes
-    block comes back as OpenAI ``tool_calls`` (streamed); the program's tool result is the next turn."""
+    block comes back as OpenAI ``tool_calls`` (streamed); the program's tool result is the next turn.
+    Forced (``tool_choice`` names the function): the call's opening ends the prompt, the model writes
+    the arguments, and the program's next request continues that conversation token-exactly."""
     tokenizer = smollm2_tokenizer()
     maker, agents = _agents(tokenizer, max_tokens=64)
+    opening = '<tool_call>{"name": "calculator", "arguments": '
+    if forced:
+        monkeypatch.setenv("OAI_FORCE_TOOL", "1")
 
     def policy(request):
         if "<|im_start|>tool\n" in request.prompt_text:
             return "So it is " + request.prompt_text.rsplit("<|im_start|>tool\n", 1)[1].split("<|im_end|>")[0]
-        question = request.last_user.removeprefix("What is ").rstrip("?")
+        question = request.prompt_text.rsplit("What is ", 1)[1].split("?")[0]
+        if forced:
+            assert request.prompt_text.endswith(opening)
+            return json.dumps({"expression": question}) + "}</tool_call>"
         return "<tool_call>" + json.dumps({"name": "calculator", "arguments": {"expression": question}}) + "</tool_call>"
 
     engine = ScriptedEngine(tokenizer, policy)
@@ -224,6 +233,24 @@ def test_tool_calls_through_the_endpoint():
         # the call, as the model wrote it, and the tool's result are in the second prompt
         assert '<tool_call>{"name": "calculator"' in tokenizer.decode(second.prompt_ids)
         assert second.response_text.startswith("So it is ")
+        if forced:  # the opening: prompt tokens; the continuation kept the first prompt and reply verbatim
+            assert tokenizer.decode(first.prompt_ids).endswith(opening)
+            assert second.prompt_ids[:len(first.prompt_ids) + len(first.response_ids)] == first.prompt_ids + first.response_ids
+
+
+def test_tool_choice_that_cannot_be_honoured_is_a_400():
+    from megamarl.orchestration.openai_endpoint import EndpointError, _forced_opening
+
+    calc = {"type": "function", "function": {"name": "calculator"}}
+    other = {"type": "function", "function": {"name": "lookup"}}
+    assert _forced_opening({"tools": [calc], "tool_choice": "auto"}) == ""
+    assert _forced_opening({"tools": [calc], "tool_choice": "required"}).endswith('"calculator", "arguments": ')
+    with pytest.raises(EndpointError, match="needs exactly one tool") as exc:
+        _forced_opening({"tools": [calc, other], "tool_choice": "required"})
+    assert (exc.value.status, exc.value.code) == (400, "unsupported_tool_choice")
+    with pytest.raises(EndpointError, match="names no tool") as exc:
+        _forced_opening({"tools": [calc], "tool_choice": {"type": "function", "function": {"name": "abacus"}}})
+    assert exc.value.code == "invalid_tool_choice"
 
 
 def test_prompt_over_budget_answers_400_and_drops_the_episode():

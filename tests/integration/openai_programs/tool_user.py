@@ -1,6 +1,7 @@
 """Test program: the solver gets a calculator tool through the OpenAI ``tools`` API, the endpoint
 returns the model's call as ``tool_calls``, the program runs it and sends the result back as a
-``tool`` message; the final reply's number is checked against the task's answer."""
+``tool`` message; the final reply's number is checked against the task's answer. With
+``OAI_FORCE_TOOL`` set, the first request names the tool in ``tool_choice``."""
 
 import json
 import os
@@ -18,7 +19,8 @@ def main() -> None:
     job = json.load(sys.stdin)
     client = OpenAI()
     messages = [{"role": "user", "content": job["task"]["question"]}]
-    first = client.chat.completions.create(model="solver", messages=messages, tools=TOOLS, stream=True)
+    forced = {"tool_choice": {"type": "function", "function": {"name": "calculator"}}} if os.environ.get("OAI_FORCE_TOOL") else {}
+    first = client.chat.completions.create(model="solver", messages=messages, tools=TOOLS, stream=True, **forced)
     chunks = list(first)
     calls = [c for chunk in chunks for c in (chunk.choices[0].delta.tool_calls or [])]
     finish = [chunk.choices[0].finish_reason for chunk in chunks if chunk.choices[0].finish_reason]
