@@ -22,7 +22,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from megamarl.config_sections import AgentConfig, SamplingConfig
-from megamarl.orchestration.tools import TOOLS, forced_call_prefix
+from megamarl.orchestration.tools import TOOLS, forced_call
 from megamarl.registry import Registry
 from megamarl.rollout.engines.base import SamplingParams
 
@@ -76,19 +76,20 @@ class Agent:
         self.sampling = replace(sampling, stop_token_ids=stops)
         self.stop_token_ids = frozenset(stops)
         self.tools = {name: TOOLS.get(name, key=f"agents.{role}.tools") for name in config.tools}  # name -> Tool
-        # agents.<a>.tool_choice naming a tool: the assistant turn opens with its call (tools.forced_call_prefix)
-        self.tool_prefix = forced_call_prefix(config.tool_choice) if config.tool_choice != "auto" else ""
+        # agents.<a>.tool_choice naming a tool: each call's first reply is made to call it (tools.ForcedCall)
+        self.forced_call = forced_call(self.tools[config.tool_choice]) if config.tool_choice != "auto" else None
 
     def user_message(self, observation: str) -> str:
         """The user-turn text for an observation (the role's prompt template applied)."""
         return self.template.format(observation=observation)
 
-    def response_text(self, response_ids: list[int]) -> str:
+    def response_text(self, response_ids: list[int], stop: tuple[str, ...] | None = None) -> str:
         """Reply content: the decoded ids without a trailing stop token, cut before the first stop
-        string (``sampling.stop``; as vLLM's text without ``include_stop_str_in_output``)."""
+        string (``stop``, those the call sampled with; default ``sampling.stop``; as vLLM's text
+        without ``include_stop_str_in_output``)."""
         ids = response_ids[:-1] if response_ids and response_ids[-1] in self.stop_token_ids else response_ids
         text = self.tokenizer.decode(ids, skip_special_tokens=False)
-        cuts = [i for i in (text.find(stop) for stop in self.sampling.stop) if i >= 0]
+        cuts = [i for i in (text.find(s) for s in (self.sampling.stop if stop is None else stop)) if i >= 0]
         return text[:min(cuts)] if cuts else text
 
     def parse(self, text: str) -> tuple[Any, bool]:

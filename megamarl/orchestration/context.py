@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING
 from megamarl.orchestration.action import Action
 from megamarl.orchestration.chat import ChatTranscript
 from megamarl.orchestration.env import Env, StepResult, Task
-from megamarl.orchestration.tools import call_tool, parse_tool_calls
+from megamarl.orchestration.tools import ForcedCall, call_tool, parse_tool_calls
 from megamarl.rl.sample import Sample
 from megamarl.rollout.engines.base import Engine, SamplingParams
 
@@ -179,13 +179,12 @@ class EpisodeContext:
         return policy, engine
 
     async def _sample(self, agent: Agent, prompt_ids: list[int], *, anchor: str, sampling: SamplingParams,
-                      num_candidates: int = 1, prefix: str = "") -> list[tuple[Sample, object]]:
+                      num_candidates: int = 1, forced: ForcedCall | None = None) -> list[tuple[Sample, object]]:
         """One engine call for ``agent`` on ``prompt_ids`` (``num_candidates`` replies; the candidates
         share the list); the tagged Samples (not yet recorded), each with the agent's parsed value of
         its reply. The one path by which every agent call (``act``, ``complete``) reaches an engine.
-        ``prefix``: text the assistant turn opens with, already encoded at the end of ``prompt_ids``
-        (a forced tool call's opening): the agent parses the whole turn; a Sample's ``response_text``
-        is its reply alone, as its ``response_ids``."""
+        ``forced``: a forced tool call, its opening already encoded at the end of ``prompt_ids``: the
+        agent parses the whole turn; a Sample's ``response_text`` is its reply alone, as its ids."""
         agent_name = agent.role
         policy, engine = self._engine(agent_name)
         # Counters are taken before the engine call so concurrent agents get them in call order.
@@ -201,8 +200,8 @@ class EpisodeContext:
             raise RuntimeError(f"engine of policy '{policy}' returned {len(generations)} of {num_candidates}")
         samples = []
         for branch, gen in enumerate(generations):
-            text = agent.response_text(gen.token_ids)
-            value, valid = agent.parse(prefix + text)
+            text = agent.response_text(gen.token_ids, sampling.stop)  # the call's stops: a request's, a forced call's
+            value, valid = agent.parse(forced.turn_text(text) if forced is not None else text)
             samples.append((Sample(
                 task_id=self.task.task_id, episode_id=self.episode_id, agent=agent_name, policy=policy,
                 turn=turn, branch=branch, weight_version=gen.weight_version, valid=bool(valid), step=step,
@@ -260,19 +259,21 @@ class EpisodeContext:
         self._engine(agent_name)  # a config error before the prompt is built
         transcript = self._prompt(agent, observation)
         prompt_ids = list(transcript.ids)
-        prefix = agent.tool_prefix  # tool_choice naming a tool: the reply opens with its call (prompt tokens)
-        if prefix:
-            prompt_ids += agent.tokenizer.encode(prefix, add_special_tokens=False)
+        sampling, forced = agent.sampling, agent.forced_call  # tool_choice naming a tool: the reply opens with its call
+        if forced is not None:
+            prompt_ids += agent.tokenizer.encode(forced.opening, add_special_tokens=False)
+            sampling = dataclasses.replace(sampling, stop=(*sampling.stop, *forced.stop))
         num_candidates = agent.config.tree_k
-        sampled = await self._sample(agent, prompt_ids, anchor=observation, sampling=agent.sampling,
-                                     num_candidates=num_candidates, prefix=prefix)
+        sampled = await self._sample(agent, prompt_ids, anchor=observation, sampling=sampling,
+                                     num_candidates=num_candidates, forced=forced)
         tool_samples = []
         if agent.tools:  # tree_k is 1 (AgentConfig): a reply that calls tools is answered, then resampled
-            tool_samples, sampled = await self._tool_rounds(agent, transcript, sampled, anchor=observation, opening=prefix)
-        # the assistant turn's text: a forced call's opening (prompt tokens past the transcript) and the reply
-        opening = prefix if len(sampled[0][0].prompt_ids) > len(transcript.ids) else ""
-        candidates = [Action(agent_name, opening + sample.response_text, value, sample.valid, sample.turn, sample.step,
-                             sample.branch, [sample]) for sample, value in sampled]
+            tool_samples, sampled = await self._tool_rounds(agent, transcript, sampled, anchor=observation, forced=forced)
+        # the assistant turn's text (a forced call's, when its reply called nothing: prompt ids past the transcript)
+        forced_reply = forced is not None and len(sampled[0][0].prompt_ids) > len(transcript.ids)
+        candidates = [Action(agent_name, forced.turn_text(sample.response_text) if forced_reply else sample.response_text,
+                             value, sample.valid, sample.turn, sample.step, sample.branch, [sample])
+                      for sample, value in sampled]
         samples = [c.samples[0] for c in candidates]
         best = candidates[0]
         scores = None
@@ -297,22 +298,22 @@ class EpisodeContext:
         return action
 
     async def _tool_rounds(self, agent: Agent, transcript: ChatTranscript, sampled: list[tuple[Sample, object]],
-                           *, anchor: str, opening: str = "") -> tuple[list[Sample], list[tuple[Sample, object]]]:
+                           *, anchor: str, forced: ForcedCall | None = None) -> tuple[list[Sample], list[tuple[Sample, object]]]:
         """While the reply calls tools (at most ``max_tool_calls`` rounds): run them, append the reply
         and each result (a ``tool`` turn) to the transcript, sample again. Returns the tool-calling
-        samples (valid: a call is a well-formed move) and the final reply. ``opening``: the first
-        reply's forced call opening (``agents.<a>.tool_choice``), at the end of its prompt ids."""
+        samples (valid: a call is a well-formed move) and the final reply. ``forced``: the first reply
+        was made to call a tool (``agents.<a>.tool_choice``; its opening ends that reply's prompt ids)."""
         tool_samples = []
         for _ in range(agent.config.max_tool_calls):
             sample = sampled[0][0]
-            text = opening + sample.response_text
+            text = forced.turn_text(sample.response_text) if forced is not None else sample.response_text
             _, calls = parse_tool_calls(text)
             if not calls:
                 break
             sample.valid = True
             tool_samples.append(sample)
             transcript.add_response(sample.prompt_ids[len(transcript.ids):] + sample.response_ids, text)
-            opening = ""
+            forced = None
             results = [call_tool(call, agent.tools) for call in calls]
             self.tool_calls[agent.role] = self.tool_calls.get(agent.role, 0) + len(results)
             errors = sum(result.startswith("error:") for result in results)

@@ -46,8 +46,10 @@ from aiohttp import web
 from megamarl.orchestration.chat import ChatTranscript, TemplateDeltaError
 from megamarl.orchestration.context import EpisodeContext, EpisodeDone, EpisodeDropped
 from megamarl.orchestration.tools import (
+    ForcedCall,
+    Tool,
     ToolCall,
-    forced_call_prefix,
+    forced_call,
     parse_tool_calls,
     template_supports_tools,
     with_tools,
@@ -204,11 +206,12 @@ class RecordingEndpoint:
             prompt_ids, anchor, transcript = self._prompt(handle, role, body, chat=chat)
             if int(body.get("n") or 1) != 1:
                 raise EndpointError(400, "n must be 1 (one recorded sample per call)", "unsupported_n")
-            opening = _forced_opening(body) if chat else ""
-            if opening:  # tool_choice names a tool: the reply opens with its call (prompt tokens)
-                prompt_ids = prompt_ids + handle.ctx.agents[role].tokenizer.encode(opening, add_special_tokens=False)
             stop = body.get("stop") or ()
             stop = (stop,) if isinstance(stop, str) else tuple(stop)
+            forced = _forced_call(body) if chat else None
+            if forced is not None:  # tool_choice names a tool: the reply opens with its call (prompt tokens)
+                prompt_ids = prompt_ids + handle.ctx.agents[role].tokenizer.encode(forced.opening, add_special_tokens=False)
+                stop = (*stop, *forced.stop)
             max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
             handle.num_requests += 1
             try:
@@ -221,7 +224,7 @@ class RecordingEndpoint:
                 raise EndpointError(409, "the episode's env is done", "episode_done") from exc
         except EndpointError as exc:
             return _error(exc.status, exc.message, exc.code)
-        text = opening + sample.response_text  # the assistant turn
+        text = forced.turn_text(sample.response_text) if forced is not None else sample.response_text  # the turn
         if transcript is not None:
             self._remember(handle, role, transcript, sample, text)
         finish = "length" if sample.truncated else "stop"
@@ -304,26 +307,29 @@ class RecordingEndpoint:
         return web.json_response({"episode_id": episode_id, "team": handle.reward[0], "agents": handle.reward[1]})
 
 
-def _forced_opening(body: dict) -> str:
+def _forced_call(body: dict) -> ForcedCall | None:
     """OpenAI's ``tool_choice``: ``auto`` / ``none`` / absent force nothing; a named function, or
-    ``required`` with exactly one tool, opens the reply with that tool's call
-    (``tools.forced_call_prefix``). ``required`` among several tools would need constrained decoding:
-    refused."""
+    ``required`` with exactly one tool, makes the reply that tool's call (``tools.ForcedCall``).
+    ``required`` among several tools would need constrained decoding: refused."""
     choice = body.get("tool_choice")
     if choice in (None, "auto", "none"):
-        return ""
-    names = [t.get("function", {}).get("name") for t in body.get("tools") or [] if isinstance(t, dict)]
+        return None
+    functions = {f.get("name"): f for f in (t.get("function") for t in body.get("tools") or [] if isinstance(t, dict))
+                 if isinstance(f, dict)}
+    names = list(functions)
     if choice == "required":
         if len(names) != 1:
             raise EndpointError(400, f"tool_choice=required needs exactly one tool here (got {len(names)}); "
                                 "name the function: {\"type\": \"function\", \"function\": {\"name\": ...}}",
                                 "unsupported_tool_choice")
-        return forced_call_prefix(names[0])
-    name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
-    if name not in names:
-        raise EndpointError(400, f"tool_choice {json.dumps(choice)} names no tool of the request's tools {names}",
-                            "invalid_tool_choice")
-    return forced_call_prefix(name)
+        name = names[0]
+    else:
+        name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
+        if name not in names:
+            raise EndpointError(400, f"tool_choice {json.dumps(choice)} names no tool of the request's tools {names}",
+                                "invalid_tool_choice")
+    function = functions[name]
+    return forced_call(Tool(name, function.get("description", ""), function.get("parameters") or {}, fn=lambda: None))
 
 
 def _hermes_block(call: dict) -> str:

@@ -112,10 +112,42 @@ def call_tool(call: ToolCall, tools: Mapping[str, Tool]) -> str:
         return f"error: {type(exc).__name__}: {exc}"
 
 
-def forced_call_prefix(name: str) -> str:
-    """The opening of a Hermes-style call of ``name`` (``agents.<a>.tool_choice``): written into the
-    assistant turn before sampling, so the model writes only the arguments object and the closing tag."""
-    return '<tool_call>{"name": ' + json.dumps(name) + ', "arguments": '
+@dataclass(frozen=True)
+class ForcedCall:
+    """A reply made to call one tool (``agents.<a>.tool_choice``, or OpenAI's ``tool_choice`` naming a
+    function): ``opening`` is written into the assistant turn before sampling (prompt tokens) and the
+    model writes the rest. For a tool with a single string parameter (the calculator's ``expression``)
+    the opening runs into that string's value: the model writes the value, which ends at its first
+    ``"`` (a stop string), and the call is that value, so the reply cannot break the JSON around it
+    (what constrained decoding does for vLLM's named ``tool_choice``; a 135M model asked to write the
+    arguments object continues the schema instead). Other tools: the opening ends at ``"arguments": ``
+    and the model writes the JSON object and the closing tag."""
+
+    name: str
+    argument: str | None  # the single string parameter the reply writes; None: the whole arguments object
+
+    @property
+    def opening(self) -> str:
+        head = '<tool_call>{"name": ' + json.dumps(self.name) + ', "arguments": '
+        return head + '{' + json.dumps(self.argument) + ': "' if self.argument else head
+
+    @property
+    def stop(self) -> tuple[str, ...]:
+        return ('"',) if self.argument else ()
+
+    def turn_text(self, reply: str) -> str:
+        """The assistant turn's text: the call as a well-formed block (argument mode), else the
+        opening followed by the reply."""
+        if self.argument:
+            return "<tool_call>" + json.dumps({"name": self.name, "arguments": {self.argument: reply}}) + "</tool_call>"
+        return self.opening + reply
+
+
+def forced_call(tool: Tool) -> ForcedCall:
+    properties = tool.parameters.get("properties") or {}
+    [(only, schema)] = properties.items() if len(properties) == 1 else [(None, {})]
+    single_string = only is not None and schema.get("type") == "string" and tool.parameters.get("required") == [only]
+    return ForcedCall(tool.name, only if single_string else None)
 
 
 def template_supports_tools(tokenizer: Any) -> bool:

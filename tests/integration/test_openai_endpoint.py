@@ -209,7 +209,7 @@ def test_tool_calls_through_the_endpoint(forced, monkeypatch):
     the arguments, and the program's next request continues that conversation token-exactly."""
     tokenizer = smollm2_tokenizer()
     maker, agents = _agents(tokenizer, max_tokens=64)
-    opening = '<tool_call>{"name": "calculator", "arguments": '
+    opening = '<tool_call>{"name": "calculator", "arguments": {"expression": "'
     if forced:
         monkeypatch.setenv("OAI_FORCE_TOOL", "1")
 
@@ -219,7 +219,7 @@ def test_tool_calls_through_the_endpoint(forced, monkeypatch):
         question = request.prompt_text.rsplit("What is ", 1)[1].split("?")[0]
         if forced:
             assert request.prompt_text.endswith(opening)
-            return json.dumps({"expression": question}) + "}</tool_call>"
+            return question + '"}} and more'  # the reply ends at its first quote (a stop string)
         return "<tool_call>" + json.dumps({"name": "calculator", "arguments": {"expression": question}}) + "</tool_call>"
 
     engine = ScriptedEngine(tokenizer, policy)
@@ -239,17 +239,19 @@ def test_tool_calls_through_the_endpoint(forced, monkeypatch):
 
 
 def test_tool_choice_that_cannot_be_honoured_is_a_400():
-    from megamarl.orchestration.openai_endpoint import EndpointError, _forced_opening
+    from megamarl.orchestration.openai_endpoint import EndpointError, _forced_call
 
-    calc = {"type": "function", "function": {"name": "calculator"}}
+    calc = {"type": "function", "function": {"name": "calculator", "parameters": {
+        "type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}
     other = {"type": "function", "function": {"name": "lookup"}}
-    assert _forced_opening({"tools": [calc], "tool_choice": "auto"}) == ""
-    assert _forced_opening({"tools": [calc], "tool_choice": "required"}).endswith('"calculator", "arguments": ')
+    assert _forced_call({"tools": [calc], "tool_choice": "auto"}) is None
+    assert _forced_call({"tools": [calc], "tool_choice": "required"}).opening.endswith('"arguments": {"expression": "')
+    assert _forced_call({"tools": [other], "tool_choice": "required"}).opening.endswith('"lookup", "arguments": ')
     with pytest.raises(EndpointError, match="needs exactly one tool") as exc:
-        _forced_opening({"tools": [calc, other], "tool_choice": "required"})
+        _forced_call({"tools": [calc, other], "tool_choice": "required"})
     assert (exc.value.status, exc.value.code) == (400, "unsupported_tool_choice")
     with pytest.raises(EndpointError, match="names no tool") as exc:
-        _forced_opening({"tools": [calc], "tool_choice": {"type": "function", "function": {"name": "abacus"}}})
+        _forced_call({"tools": [calc], "tool_choice": {"type": "function", "function": {"name": "abacus"}}})
     assert exc.value.code == "invalid_tool_choice"
 
 

@@ -14,7 +14,7 @@ from train_runs import train  # tests/ helper
 pytestmark = [pytest.mark.integration]
 
 ROOT = Path(__file__).resolve().parents[2]
-OPENING = '<tool_call>{"name": "calculator", "arguments": '
+OPENING = '<tool_call>{"name": "calculator", "arguments": {"expression": "'
 
 
 def test_math_calculator_config_calls_the_tool_in_a_run(tmp_path):

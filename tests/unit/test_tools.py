@@ -17,7 +17,16 @@ from megamarl.orchestration import (
     run_episodes,
 )
 from megamarl.orchestration.chat import ChatTranscript
-from megamarl.orchestration.tools import TOOLS, ToolCall, calculator, call_tool, parse_tool_calls, with_tools
+from megamarl.orchestration.tools import (
+    TOOLS,
+    Tool,
+    ToolCall,
+    calculator,
+    call_tool,
+    forced_call,
+    parse_tool_calls,
+    with_tools,
+)
 
 
 def test_parse_hermes_blocks_with_text_around():
@@ -139,14 +148,14 @@ def test_tool_choice_opens_the_reply_with_the_named_call(multi_turn):
     """agents.<a>.tool_choice=calculator: the first reply's prompt ends with the call's opening (prompt
     tokens, not trained); the model writes only the arguments; the tool runs; the next reply is free."""
     tokenizer = smollm2_tokenizer()
-    prefix = '<tool_call>{"name": "calculator", "arguments": '
+    prefix = '<tool_call>{"name": "calculator", "arguments": {"expression": "'
 
     def policy(request):
         if "<|im_start|>tool\n" in request.prompt_text:
             return f"The answer is {request.prompt_text.rsplit('<|im_start|>tool', 1)[1].split()[0]}"
         assert request.prompt_text.endswith("<|im_start|>assistant\n" + prefix)
         question = request.prompt_text.rsplit("What is ", 1)[1].split("?")[0]
-        return json.dumps({"expression": question}) + "}</tool_call>"
+        return question + '"}} and more'  # the reply ends at its first quote (a stop string)
 
     maker = EnvMaker("math", with_verifier=False, kinds=["mul12"])
     configs = {"solver": AgentConfig(policy="p", tools=["calculator"], tool_choice="calculator", multi_turn=multi_turn,
@@ -158,7 +167,19 @@ def test_tool_choice_opens_the_reply_with_the_named_call(multi_turn):
     prefix_ids = tokenizer.encode(prefix, add_special_tokens=False)
     for call, answer in zip(result.samples[::2], result.samples[1::2]):
         assert call.prompt_ids[-len(prefix_ids):] == prefix_ids  # the opening: prompt tokens, not trained
-        assert call.response_text.startswith('{"expression"') and tokenizer.decode(call.response_ids).startswith('{"expression"')
+        assert call.response_text == tokenizer.decode(call.response_ids).split('"')[0]  # the expression alone
         # token-exact: the answer's prompt extends the call's prompt (opening included) and its reply
         assert answer.prompt_ids[: len(call.prompt_ids) + len(call.response_ids)] == call.prompt_ids + call.response_ids
     assert result.summary()["agent/solver/tool_calls"] == 2.0
+
+
+def test_forced_call_writes_one_string_argument_or_the_arguments_object():
+    calc = forced_call(TOOLS.get("calculator"))
+    assert (calc.argument, calc.stop) == ("expression", ('"',))
+    assert calc.opening == '<tool_call>{"name": "calculator", "arguments": {"expression": "'
+    text = calc.turn_text('2 \\ 3')  # whatever the reply holds, the call is well-formed
+    assert text.startswith(calc.opening) and parse_tool_calls(text)[1] == [ToolCall("calculator", {"expression": "2 \\ 3"})]
+    two = Tool("move", "Move.", {"type": "object", "properties": {"x": {"type": "integer"}, "y": {"type": "integer"}}}, fn=dict)
+    move = forced_call(two)
+    assert (move.argument, move.stop, move.opening) == (None, (), '<tool_call>{"name": "move", "arguments": ')
+    assert parse_tool_calls(move.turn_text('{"x": 1, "y": 2}}</tool_call>'))[1] == [ToolCall("move", {"x": 1, "y": 2})]
