@@ -21,7 +21,7 @@ def test_math_calculator_config_calls_the_tool_in_a_run(tmp_path):
     run_dir, rows, _ = train(ROOT / "configs" / "math_calculator.yaml", tmp_path, nproc=1, timeout=420, overrides=(
         "policies.shared.ranks=[0]", "policies.shared.engine.backend=hf", "trainer.total_steps=1",
         "eval.num_tasks=0", "rollout.num_tasks=2", "rollout.group_size=4", "logger.episodes_per_step=8",
-        "logger.progress=false", "env.kwargs.kinds=[mul12]"))
+        "logger.progress=false"))
     [row] = rows
     episodes = [json.loads(line) for line in (run_dir / "episodes" / "step_1.jsonl").read_text().splitlines()]
     assert len(episodes) == 8 and row["rollout/num_failed"] == 0
