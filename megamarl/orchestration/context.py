@@ -307,7 +307,7 @@ class EpisodeContext:
         for _ in range(agent.config.max_tool_calls):
             sample = sampled[0][0]
             text = forced.turn_text(sample.response_text) if forced is not None else sample.response_text
-            _, calls = parse_tool_calls(text)
+            calls = forced.calls(sample.response_text) if forced is not None else parse_tool_calls(text)[1]
             if not calls:
                 break
             sample.valid = True

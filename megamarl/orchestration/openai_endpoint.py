@@ -229,7 +229,9 @@ class RecordingEndpoint:
             self._remember(handle, role, transcript, sample, text)
         finish = "length" if sample.truncated else "stop"
         calls = []
-        if chat and body.get("tools") and body.get("tool_choice") != "none":
+        if forced is not None:
+            calls = forced.calls(sample.response_text)
+        elif chat and body.get("tools") and body.get("tool_choice") != "none":
             _, calls = parse_tool_calls(text)
         reply = _reply(sample, text, role=role, chat=chat, finish=finish, logprobs=bool(body.get("logprobs")),
                        tokenizer=handle.ctx.agents[role].tokenizer, calls=calls)

@@ -135,6 +135,14 @@ class ForcedCall:
     def stop(self) -> tuple[str, ...]:
         return ('"',) if self.argument else ()
 
+    def calls(self, reply: str) -> list[ToolCall]:
+        """The call the reply makes. Argument mode: always one, with the reply as the argument
+        (re-parsing the block would misread a reply that holds ``</tool_call>``); else the calls
+        parsed from the opening and the reply."""
+        if self.argument:
+            return [ToolCall(self.name, {self.argument: reply})]
+        return parse_tool_calls(self.opening + reply)[1]
+
     def turn_text(self, reply: str) -> str:
         """The assistant turn's text: the call as a well-formed block (argument mode), else the
         opening followed by the reply."""

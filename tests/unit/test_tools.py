@@ -177,6 +177,7 @@ def test_forced_call_writes_one_string_argument_or_the_arguments_object():
     calc = forced_call(TOOLS.get("calculator"))
     assert (calc.argument, calc.stop) == ("expression", ('"',))
     assert calc.opening == '<tool_call>{"name": "calculator", "arguments": {"expression": "'
+    assert calc.calls("1 + 2}}</tool_call>") == [ToolCall("calculator", {"expression": "1 + 2}}</tool_call>"})]
     text = calc.turn_text('2 \\ 3')  # whatever the reply holds, the call is well-formed
     assert text.startswith(calc.opening) and parse_tool_calls(text)[1] == [ToolCall("calculator", {"expression": "2 \\ 3"})]
     two = Tool("move", "Move.", {"type": "object", "properties": {"x": {"type": "integer"}, "y": {"type": "integer"}}}, fn=dict)
