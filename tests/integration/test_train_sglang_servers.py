@@ -188,7 +188,8 @@ def test_colocated_replicas_are_fed_by_their_own_rank_and_sleep_while_training(c
         assert row["weight_sync/shared/replicas"] == row["weight_sync/shared/verified_replicas"] == 2
         assert row["rollout/num_episodes"] == EPISODES
     push = ["/pause_generation", "/update_weight_version", "/flush_cache", "/continue_generation"]
-    step = ["/release_memory_occupation", "/resume_memory_occupation", *push, "/resume_memory_occupation"]
+    # to sleep: /flush_cache until the scheduler is idle (SGLang asserts idleness on release), then release
+    step = ["/flush_cache", "/release_memory_occupation", "/resume_memory_occupation", *push, "/resume_memory_occupation"]
     lifecycle = set(step)
     for replica_calls in calls:
         assert [c["path"] for c in replica_calls].count("/init_weights_update_group") == 1  # its own rank's group

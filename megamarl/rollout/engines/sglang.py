@@ -53,7 +53,7 @@ from typing import Any
 
 import torch
 
-from megamarl.rollout.engines._http import JSONClient
+from megamarl.rollout.engines._http import EngineHTTPError, JSONClient
 from megamarl.rollout.engines.base import ENGINES, Engine, EngineTraits, Generation, SamplingParams, buckets
 
 
@@ -251,7 +251,24 @@ class SGLangClient(Engine):
         """Level 1: release weights and KV cache (the hand-over to training; the next push rewrites
         the weights); level 2: everything SGLang holds (also CUDA graphs)."""
         tags = None if level >= 2 else ["weights", "kv_cache"]
+        self._wait_idle()
         _check(self.http.post("/release_memory_occupation", {"tags": tags}), "release_memory_occupation")
+
+    def _wait_idle(self, timeout_s: float = 60.0) -> None:
+        """Until the scheduler is idle. SGLang's ``release_memory_occupation`` *asserts* idleness and
+        the failed assertion kills the server; a request's HTTP reply can arrive before the scheduler
+        has cleared its last batch (seen on a loaded 2-core CI machine: the colocated replica crashed
+        on its sleep). ``/flush_cache`` checks the same idleness and answers 400 instead, so it is
+        polled until it succeeds (the KV cache is released next anyway)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                self.http.post("/flush_cache")
+                return
+            except EngineHTTPError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
 
     def wake(self, tags: tuple[str, ...] | None = None) -> None:
         """Resume ``tags`` in order (weights first, so a push can land before the KV cache returns);
