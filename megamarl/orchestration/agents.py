@@ -77,7 +77,8 @@ class Agent:
         self.stop_token_ids = frozenset(stops)
         self.tools = {name: TOOLS.get(name, key=f"agents.{role}.tools") for name in config.tools}  # name -> Tool
         # agents.<a>.tool_choice naming a tool: each call's first reply is made to call it (tools.ForcedCall)
-        self.forced_call = forced_call(self.tools[config.tool_choice]) if config.tool_choice != "auto" else None
+        forced = self.tools[config.tool_choice] if config.tool_choice != "auto" else None
+        self.forced_call = forced_call(forced.name, forced.parameters) if forced is not None else None
 
     def user_message(self, observation: str) -> str:
         """The user-turn text for an observation (the role's prompt template applied)."""

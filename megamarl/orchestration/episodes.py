@@ -116,8 +116,8 @@ class RolloutResult:
             totals = Counter()
             for e in ok:
                 totals.update(getattr(e, key, {}))
-            for agent in sorted({a for e in ok for a in getattr(e, key, {})}):
-                out[f"agent/{agent}/{key}"] = float(totals[agent])
+            for agent, num in sorted(totals.items()):  # zeros kept: an agent with tools that called none
+                out[f"agent/{agent}/{key}"] = float(num)
         env_totals = Counter()
         for e in ok:  # getattr: episodes pickled in a checkpoint written before Env.metrics existed
             env_totals.update(getattr(e, "env_metrics", {}))

@@ -47,7 +47,6 @@ from megamarl.orchestration.chat import ChatTranscript, TemplateDeltaError
 from megamarl.orchestration.context import EpisodeContext, EpisodeDone, EpisodeDropped
 from megamarl.orchestration.tools import (
     ForcedCall,
-    Tool,
     ToolCall,
     forced_call,
     parse_tool_calls,
@@ -330,8 +329,7 @@ def _forced_call(body: dict) -> ForcedCall | None:
         if name not in names:
             raise EndpointError(400, f"tool_choice {json.dumps(choice)} names no tool of the request's tools {names}",
                                 "invalid_tool_choice")
-    function = functions[name]
-    return forced_call(Tool(name, function.get("description", ""), function.get("parameters") or {}, fn=lambda: None))
+    return forced_call(name, functions[name].get("parameters") or {})
 
 
 def _hermes_block(call: dict) -> str:

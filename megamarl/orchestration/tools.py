@@ -151,11 +151,12 @@ class ForcedCall:
         return self.opening + reply
 
 
-def forced_call(tool: Tool) -> ForcedCall:
-    properties = tool.parameters.get("properties") or {}
+def forced_call(name: str, parameters: Mapping[str, Any]) -> ForcedCall:
+    """The forced call of tool ``name`` whose arguments have the JSON schema ``parameters``."""
+    properties = parameters.get("properties") or {}
     [(only, schema)] = properties.items() if len(properties) == 1 else [(None, {})]
-    single_string = only is not None and schema.get("type") == "string" and tool.parameters.get("required") == [only]
-    return ForcedCall(tool.name, only if single_string else None)
+    single_string = only is not None and schema.get("type") == "string" and parameters.get("required") == [only]
+    return ForcedCall(name, only if single_string else None)
 
 
 def template_supports_tools(tokenizer: Any) -> bool:

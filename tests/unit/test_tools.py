@@ -174,13 +174,13 @@ def test_tool_choice_opens_the_reply_with_the_named_call(multi_turn):
 
 
 def test_forced_call_writes_one_string_argument_or_the_arguments_object():
-    calc = forced_call(TOOLS.get("calculator"))
+    calc = forced_call("calculator", TOOLS.get("calculator").parameters)
     assert (calc.argument, calc.stop) == ("expression", ('"',))
     assert calc.opening == '<tool_call>{"name": "calculator", "arguments": {"expression": "'
     assert calc.calls("1 + 2}}</tool_call>") == [ToolCall("calculator", {"expression": "1 + 2}}</tool_call>"})]
     text = calc.turn_text('2 \\ 3')  # whatever the reply holds, the call is well-formed
     assert text.startswith(calc.opening) and parse_tool_calls(text)[1] == [ToolCall("calculator", {"expression": "2 \\ 3"})]
     two = Tool("move", "Move.", {"type": "object", "properties": {"x": {"type": "integer"}, "y": {"type": "integer"}}}, fn=dict)
-    move = forced_call(two)
+    move = forced_call(two.name, two.parameters)
     assert (move.argument, move.stop, move.opening) == (None, (), '<tool_call>{"name": "move", "arguments": ')
     assert parse_tool_calls(move.turn_text('{"x": 1, "y": 2}}</tool_call>'))[1] == [ToolCall("move", {"x": 1, "y": 2})]
