@@ -40,6 +40,9 @@ from megamarl.config_sections import (
 from megamarl.registry import resolve_callable
 
 WEIGHT_TRANSFER_CHOICES = ("auto", "native", "megamarl")  # engine.weight_transfer
+# engine.server_start_timeout_s when null, by device: a cold GPU start (a 70B checkpoint read from shared
+# storage, TP workers, CUDA-graph capture) takes longer than a tiny CPU server (~80-150 s on 2 cores)
+SERVER_START_TIMEOUT_S = {"cpu": 600.0, "gpu": 1800.0}
 
 # trainer.seed: numpy's seed range (torch, random and numpy all take it; larger seeds overflow numpy/torch)
 MAX_SEED = 2**32 - 1
@@ -106,10 +109,21 @@ class EngineConfig:
     # environment setup.sh builds (.venv-sglang/bin/python beside megamarl's checkout, or
     # $MEGAMARL_SGLANG_VENV/bin/python) where it exists.
     server_python: str | None = None
+    # Engine servers: seconds a server may take from its start (or restart) until it answers /health;
+    # past it the run stops with the server's log. null: 600 on CPU, 1800 on GPU (a cold 70B TP=8
+    # start reads ~140 GB of weights and captures CUDA graphs). At most trainer.collective_timeout_s
+    # (the other ranks wait for the servers in a collective).
+    server_start_timeout_s: float | None = None
 
     def eager(self, *, on_gpu: bool) -> bool:
         """``enforce_eager`` resolved: null means eager on CPU, CUDA graphs on GPU."""
         return (not on_gpu) if self.enforce_eager is None else self.enforce_eager
+
+    def server_start_timeout(self, *, on_gpu: bool) -> float:
+        """``server_start_timeout_s`` resolved for this node's device."""
+        if self.server_start_timeout_s is not None:
+            return self.server_start_timeout_s
+        return SERVER_START_TIMEOUT_S["gpu" if on_gpu else "cpu"]
 
     def __post_init__(self) -> None:
         if self.gpu_memory_utilization is not None:
@@ -122,6 +136,12 @@ class EngineConfig:
         if self.backend == "hf" and self.server_python is not None:
             raise ValueError("policies.<p>.engine.server_python names a server's interpreter; engine.backend=hf has "
                              "no server: drop the key")
+        if self.server_start_timeout_s is not None:
+            if self.backend == "hf":
+                raise ValueError("policies.<p>.engine.server_start_timeout_s bounds a server's start-up; "
+                                 "engine.backend=hf has no server: drop the key")
+            check_range("policies.<p>.engine.server_start_timeout_s", self.server_start_timeout_s, low=0,
+                        low_open=True)
         if self.weight_transfer not in WEIGHT_TRANSFER_CHOICES:
             raise ValueError(f"policies.<p>.engine.weight_transfer='{self.weight_transfer}' unknown; allowed: "
                              f"{list(WEIGHT_TRANSFER_CHOICES)}")
@@ -205,6 +225,12 @@ class PolicyConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     # this policy's own estimator (and its kwargs, group key, loss aggregation); null keys: algorithm.*
     algorithm: PolicyAlgorithmConfig = field(default_factory=PolicyAlgorithmConfig)
+
+    @property
+    def base_moves(self) -> bool:
+        """The base weights train, so every push rewrites them in the engines (frozen policies and an
+        L2 policy's base never change: its adapters travel on their own)."""
+        return not self.frozen and self.lora is None
 
     def __post_init__(self) -> None:
         if isinstance(self.algorithm, (dict, DictConfig)):
@@ -504,6 +530,12 @@ class RunConfig:
         if self.algorithm.max_refill_rounds > 0 and self.trainer.mode == "fully_async":
             raise ValueError("algorithm.max_refill_rounds > 0 needs trainer.mode sync or one_step_off "
                              "(fully_async batches already wait for rollout.num_tasks groups)")
+        for name, policy in self.policies.items():
+            start_s = policy.engine.server_start_timeout_s
+            if start_s is not None and start_s > self.trainer.collective_timeout_s:
+                raise ValueError(f"policies.{name}.engine.server_start_timeout_s={start_s:g} exceeds "
+                                 f"trainer.collective_timeout_s={self.trainer.collective_timeout_s:g}: the other ranks "
+                                 "wait for the servers in a collective and would time out first; raise both")
         self.eval.check_stop_at(self.agents)
         self._check_opponent_pool()
         # every check that needs a registry, the placement or imported plugins: megamarl.runtime.configure

@@ -201,12 +201,19 @@ def export_lora_weights(model, wg, name: str) -> Iterator[tuple[str, torch.Tenso
             yield f"{prefix}.lora_B.weight", b.contiguous()
 
 
+def hf_target_modules(config: LoraConfig) -> list[str]:
+    """The HF module names ``config.targets`` adapt (sorted): an exported adapter's ``target_modules``,
+    and what an engine that loads such adapters later must be started with (SGLang's
+    ``--lora-target-modules``)."""
+    return sorted(n for t in config.modules for n in LORA_TARGETS[t][1])
+
+
 def peft_adapter_config(config: LoraConfig, *, base_model_name_or_path: str | None = None) -> dict:
     return {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": config.rank, "lora_alpha": config.alpha,
         "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
         "init_lora_weights": True, "inference_mode": True, "base_model_name_or_path": base_model_name_or_path,
-        "target_modules": sorted(n for t in config.modules for n in LORA_TARGETS[t][1]),
+        "target_modules": hf_target_modules(config),
     }
 
 

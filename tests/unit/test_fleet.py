@@ -128,6 +128,13 @@ def test_a_seq_len_beyond_the_models_context_names_the_key(tmp_path, monkeypatch
      r"^policies\.shared\.engine\.enforce_eager applies to vllm and sglang engines; engine.backend=hf"),
     (["policies.shared.engine.gpu_memory_utilization=0.5"],
      r"^policies\.shared\.engine\.gpu_memory_utilization applies to vllm and sglang engines"),
+    (["policies.shared.engine.backend=vllm", "policies.shared.engine.server_start_timeout_s=0"],
+     r"^policies\.shared\.engine\.server_start_timeout_s must be > 0, got 0"),
+    (["policies.shared.engine.server_start_timeout_s=900"],
+     r"^policies\.shared\.engine\.server_start_timeout_s bounds a server's start-up; engine.backend=hf has no server"),
+    (["policies.shared.engine.backend=vllm", "policies.shared.engine.server_start_timeout_s=3600",
+      "trainer.collective_timeout_s=1800"],
+     r"^policies\.shared\.engine\.server_start_timeout_s=3600 exceeds trainer\.collective_timeout_s=1800"),
 ])
 def test_gpu_engine_keys_are_checked_at_load(overrides, message):
     with pytest.raises(ValueError, match=message):
@@ -264,6 +271,18 @@ def test_gpu_colocated_servers_that_never_sleep_still_start_first(fake_servers, 
     assert events == ["start shared#0", "healthy shared#0", "models built"]
     spec = _FakeServer.specs[0]
     assert not spec.sleeps and spec.memory_fraction == 0.3 and spec.enforce_eager
+
+
+@pytest.mark.parametrize("on_gpu", [True, False])
+def test_server_specs_carry_the_start_timeout_and_whether_pushes_rewrite_the_weights(fake_servers, on_gpu):
+    """``engine.server_start_timeout_s`` (null: 600 s on CPU, 1800 s on GPU) reaches the server; a
+    frozen policy's servers are never pushed into after a wake (SGLang keeps a host copy of them)."""
+    make, _ = fake_servers
+    make(on_gpu=on_gpu)
+    make("policies.shared.engine.server_start_timeout_s=2400", "policies.shared.frozen=true", on_gpu=on_gpu)
+    default, configured = _FakeServer.specs
+    assert default.start_timeout_s == (1800 if on_gpu else 600) and default.weights_pushed
+    assert configured.start_timeout_s == 2400 and not configured.weights_pushed
 
 
 @pytest.mark.parametrize("disaggregated", [True, False])

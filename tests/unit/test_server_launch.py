@@ -5,6 +5,7 @@ plugin shim that lets vLLM find megamarl's weight-transfer backends without a re
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -143,12 +144,100 @@ def test_servers_for_other_nodes_advertise_and_bind_the_chosen_address(monkeypat
 
 
 def test_sglang_command_uses_documented_flags():
-    cmd = server_command(spec(backend="sglang", lora=LoraServing(num_adapters=2, rank=8), on_gpu=True))
+    lora = LoraServing(num_adapters=2, rank=8, target_modules=("o_proj", "q_proj"))
+    cmd = server_command(spec(backend="sglang", lora=lora, on_gpu=True))
     assert cmd[:3] == [server_launch.server_python("sglang"), "-m", "sglang.launch_server"]
     assert flag(cmd, "--model-path") == "/m" and flag(cmd, "--tp-size") == "2" and flag(cmd, "--port") == "8001"
     assert flag(cmd, "--dtype") == "bfloat16" and flag(cmd, "--max-running-requests") == "16"
     assert flag(cmd, "--context-length") == "1024" and flag(cmd, "--random-seed") == "5"
     assert "--enable-lora" in cmd and flag(cmd, "--max-loras-per-batch") == "2" and flag(cmd, "--max-lora-rank") == "8"
+    i = cmd.index("--lora-target-modules")  # nargs="*": the names up to the next flag
+    assert cmd[i + 1:i + 3] == ["o_proj", "q_proj"] and all(arg.startswith("--") for arg in cmd[i + 3:i + 4])
+
+
+def test_lora_targets_map_to_the_hf_modules_of_the_exported_adapters():
+    """``policies.<p>.lora.targets`` (megamarl's names) -> the HF module names the exported PEFT adapters
+    carry (``target_modules``), which SGLang must be started with."""
+    from types import SimpleNamespace
+
+    from megamarl.config_sections import LoraConfig
+    from megamarl.models.lora import peft_adapter_config
+    from megamarl.rollout.engines.lora import lora_serving
+
+    every = LoraConfig(rank=4)
+    cfg = SimpleNamespace(policies={"p": SimpleNamespace(lora=every)},
+                          agents={"a": SimpleNamespace(policy="p", lora="x"), "b": SimpleNamespace(policy="p", lora="y")})
+    served = lora_serving(cfg, "p")
+    assert served.target_modules == ("down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj")
+    assert list(served.target_modules) == peft_adapter_config(every)["target_modules"]
+    cfg.policies["p"].lora = LoraConfig(targets=["qkv", "fc2"])
+    assert lora_serving(cfg, "p").target_modules == ("down_proj", "k_proj", "q_proj", "v_proj")
+    with pytest.raises(ValueError, match="needs the adapted modules"):
+        spec(backend="sglang", lora=LoraServing(num_adapters=1, rank=4), on_gpu=True)
+
+
+@pytest.mark.parametrize("backend", ["vllm", "sglang"])
+@pytest.mark.parametrize("on_gpu", [True, False])
+@pytest.mark.parametrize("sleeps", [True, False])
+@pytest.mark.parametrize("weights_pushed", [True, False])
+def test_sleeping_sglang_servers_whose_weights_are_never_pushed_keep_a_host_copy(backend, on_gpu, sleeps,
+                                                                                 weights_pushed):
+    """SGLang's memory saver releases the weights at a level-1 sleep and resumes them as they are in
+    memory: only a push repairs them, so a server nothing pushes into after a wake (frozen, L2 base)
+    needs --enable-weights-cpu-backup. vLLM's level-1 sleep keeps a host copy by itself."""
+    cmd = server_command(spec(backend=backend, on_gpu=on_gpu, devices=(0, 1) if on_gpu else (), sleeps=sleeps,
+                              weights_pushed=weights_pushed))
+    assert ("--enable-weights-cpu-backup" in cmd) == (backend == "sglang" and on_gpu and sleeps and not weights_pushed)
+
+
+def test_start_timeout_is_the_specs_and_larger_on_gpu(monkeypatch):
+    from megamarl.config import SERVER_START_TIMEOUT_S
+
+    assert spec(on_gpu=False).start_timeout_s == SERVER_START_TIMEOUT_S["cpu"] == 600
+    assert spec(on_gpu=True, devices=(0, 1)).start_timeout_s == SERVER_START_TIMEOUT_S["gpu"] == 1800
+    waited = []
+    proc = server_launch.ServerProcess(spec(start_timeout_s=42.0))
+    monkeypatch.setattr(proc, "_start_once", lambda timeout_s, port=0: waited.append(timeout_s) or "http://x")
+    monkeypatch.setattr(proc, "stop", lambda: None)
+    proc.start()
+    proc.restart()
+    proc.start(timeout_s=7)
+    assert waited == [42.0, 42.0, 7]
+
+
+PROBE = Path(__file__).resolve().parents[1] / "sglang_args_probe.py"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not server_launch.sglang_venv_python().exists(), reason="no .venv-sglang (setup.sh --extras sglang-cpu)")
+def test_sglang_gpu_lora_and_weight_backup_pass_sglangs_own_checks():
+    """The GPU command lines through SGLang's own argument path (``prepare_server_args``,
+    ``resolve_once``, ``check_server_args``: its launcher's steps) in ``.venv-sglang``: an L2 server
+    without adapters starts with every module ``lora.targets`` names (without
+    ``--lora-target-modules`` SGLang's LoRA check asserts: the command line before the fix), and a
+    frozen colocated server with the memory saver and the weights' host copy."""
+    from megamarl.models.packaged import resolve_model_path
+
+    model = str(resolve_model_path("tiny-plain-llama", key="test"))
+    lora = LoraServing(num_adapters=2, rank=8, target_modules=("down_proj", "gate_proj", "k_proj", "o_proj", "q_proj",
+                                                               "up_proj", "v_proj"))
+    gpu = {"backend": "sglang", "model_path": model, "tp": 1, "devices": (0,), "on_gpu": True, "dtype": "fp32",
+           "max_model_len": 256}
+    l2 = server_command(spec(**gpu, lora=lora, sleeps=True, weights_pushed=False))[3:]
+    i = l2.index("--lora-target-modules")
+    unmapped = l2[:i] + l2[i + 1 + len(lora.target_modules):]  # what d98cadd emitted
+    frozen = server_command(spec(**gpu, sleeps=True, weights_pushed=False, memory_fraction=0.5))[3:]
+    trained = server_command(spec(**gpu, sleeps=True, memory_fraction=0.5))[3:]
+    env = {**os.environ, "SGLANG_USE_CPU_ENGINE": "1"}  # resolution needs a platform: SGLang's CPU one here
+    out = subprocess.run([str(server_launch.sglang_venv_python()), str(PROBE), json.dumps([l2, unmapped, frozen, trained])],
+                         capture_output=True, text=True, timeout=400, env=env, check=False)
+    results = [json.loads(line[len("PROBE "):]) for line in out.stdout.splitlines() if line.startswith("PROBE ")]
+    assert len(results) == 4, out.stdout[-2000:] + out.stderr[-3000:]
+    assert results[0]["ok"] and results[0]["enable_lora"] and results[0]["max_lora_rank"] == 8, results[0]
+    assert results[0]["lora_target_modules"] == sorted(lora.target_modules)
+    assert not results[1]["ok"] and "--lora-target-modules" in results[1]["error"], results[1]
+    assert results[2]["ok"] and results[2]["enable_memory_saver"] and results[2]["enable_weights_cpu_backup"], results[2]
+    assert results[3]["ok"] and results[3]["enable_memory_saver"] and not results[3]["enable_weights_cpu_backup"]
 
 
 def test_spec_validation():
@@ -308,3 +397,49 @@ def test_sglang_lora_on_cpu_is_refused_before_any_server_starts():
     with pytest.raises(ValueError, match="policies.planner.lora with engine.backend=sglang on CPU"):
         spec(backend="sglang", lora=LoraServing(num_adapters=1, rank=4), on_gpu=False)
     spec(backend="vllm", lora=LoraServing(num_adapters=1, rank=4), on_gpu=False)  # vLLM-CPU serves adapters
+
+
+# what torchrun gives its workers (torch.distributed.elastic's LocalElasticAgent), and megamarl's rank launcher
+LAUNCHER_ENV = {
+    "RANK": "3", "LOCAL_RANK": "3", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4", "GROUP_RANK": "0",
+    "GROUP_WORLD_SIZE": "2", "ROLE_RANK": "3", "ROLE_NAME": "default", "ROLE_WORLD_SIZE": "8",
+    "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500", "TORCHELASTIC_USE_AGENT_STORE": "True",
+    "TORCHELASTIC_RUN_ID": "job", "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
+    "TORCHELASTIC_ERROR_FILE": "/tmp/err.json", "TORCHELASTIC_TIMER_FILE": "/tmp/timer",
+}
+
+
+@pytest.mark.parametrize("backend", ["vllm", "sglang"])
+@pytest.mark.parametrize("on_gpu", [True, False])
+def test_servers_never_inherit_the_launchers_rank_variables(backend, on_gpu):
+    """A server forms its own world (SGLang and vLLM: a ``tcp://`` rendezvous); with torchrun's
+    ``TORCHELASTIC_USE_AGENT_STORE`` inherited, torch's rendezvous dials a store instead of hosting
+    one and the server never starts (tests/integration/test_sglang_under_torchrun.py runs the real
+    one). Everything else the rank had is kept."""
+    base = {**LAUNCHER_ENV, "PATH": "/bin", "PYTHONPATH": "/src", "MEGAMARL_CACHE": "/c", "NCCL_DEBUG": "INFO",
+            "CUDA_VISIBLE_DEVICES": "0,1,2,3"}
+    env = server_env(spec(backend=backend, on_gpu=on_gpu, devices=(0, 1) if on_gpu else ()), base=base)
+    assert not set(LAUNCHER_ENV) & set(env)
+    assert {k: env[k] for k in ("PATH", "PYTHONPATH", "MEGAMARL_CACHE", "NCCL_DEBUG")} == {
+        "PATH": "/bin", "PYTHONPATH": "/src", "MEGAMARL_CACHE": "/c", "NCCL_DEBUG": "INFO"}
+
+
+@pytest.mark.parametrize(("inherited", "expected"), [
+    (None, "2,3"),  # the node's devices as they are
+    ("4,5,6,7", "6,7"),  # a job given GPUs 4-7: its local devices 2, 3 are the node's 6, 7
+    (" 7, 6 ,5,4", "5,4"),
+    ("GPU-aaaa,GPU-bbbb,GPU-cccc,GPU-dddd", "GPU-cccc,GPU-dddd"),
+    ("MIG-1,MIG-2,MIG-3,MIG-4", "MIG-3,MIG-4"),
+])
+def test_server_devices_map_through_the_inherited_visible_devices(inherited, expected):
+    """The placement's devices are indices into what the rank sees (the rank itself takes the
+    LOCAL_RANK-th visible device): the server's CUDA_VISIBLE_DEVICES names the same physical devices."""
+    base = {} if inherited is None else {"CUDA_VISIBLE_DEVICES": inherited}
+    assert server_env(spec(on_gpu=True, devices=(2, 3)), base=base)["CUDA_VISIBLE_DEVICES"] == expected
+    assert server_env(spec(backend="sglang", on_gpu=True, devices=(2, 3)), base=base)["CUDA_VISIBLE_DEVICES"] == expected
+
+
+def test_server_devices_beyond_the_inherited_list_are_refused():
+    with pytest.raises(ValueError, match=r"policy 'planner' replica 1 \(rank 8\) runs on local devices \(2, 3\) but "
+                                         r"this process sees 2 \(CUDA_VISIBLE_DEVICES=4,5\)"):
+        server_env(spec(on_gpu=True, devices=(2, 3)), base={"CUDA_VISIBLE_DEVICES": "4,5"})

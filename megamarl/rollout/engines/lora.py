@@ -6,11 +6,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megamarl.models.lora import hf_target_modules
+
 
 @dataclass
 class LoraServing:
     num_adapters: int
     rank: int
+    # HF module names the adapters adapt (``policies.<p>.lora.targets`` mapped): SGLang sizes its LoRA
+    # buffers from them when started without adapters (--lora-target-modules; it refuses to start without)
+    target_modules: tuple[str, ...] = ()
 
     @property
     def vllm_max_rank(self) -> int:
@@ -35,7 +40,9 @@ def lora_serving(cfg, policy: str) -> LoraServing | None:
     """What ``policy``'s engines must be started with to serve its adapters (None: no L2 adapters)."""
     lora = cfg.policies[policy].lora
     adapters = policy_adapters(cfg, policy)
-    return LoraServing(num_adapters=len(adapters), rank=lora.rank) if lora is not None and adapters else None
+    if lora is None or not adapters:
+        return None
+    return LoraServing(num_adapters=len(adapters), rank=lora.rank, target_modules=tuple(hf_target_modules(lora)))
 
 
 # SGLang's LoRA kernels are CUDA/Triton; its torch_native LoRA backend was not verified on CPU.

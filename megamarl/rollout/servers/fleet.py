@@ -133,6 +133,8 @@ class ServerFleet:
             host="0.0.0.0" if self.multi_node else "127.0.0.1",
             sleeps=self.policies[rep.policy].hands_over, enforce_eager=p.engine.eager(on_gpu=self.on_gpu),
             memory_fraction=fraction if self.on_gpu else None, python=p.engine.server_python or "",
+            weights_pushed=p.base_moves,  # frozen, L2: no push after a wake rewrites the base
+            start_timeout_s=p.engine.server_start_timeout(on_gpu=self.on_gpu),
         )
 
     # -- start-up --------------------------------------------------------------------------------

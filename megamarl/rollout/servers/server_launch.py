@@ -6,27 +6,33 @@ process group (the server forks an engine core and workers; ``stop`` kills the w
 ``server_guard``, which takes the server down when the owning process dies (even by SIGKILL), logs
 to a file, and returns the base URL once ``/health`` answers. A server that dies during start-up,
 or does not answer within the timeout, raises ``ServerStartError`` naming the policy, replica and
-rank with the last lines of its log.
+rank with the last lines of its log. The timeout is ``engine.server_start_timeout_s`` (by device when null).
+
+Every server's environment is its owner's without the launcher's rank variables (torchrun's RANK,
+WORLD_SIZE, MASTER_*, TORCHELASTIC_*...): a server forms a world of its own. On GPU its
+``CUDA_VISIBLE_DEVICES`` names the block's devices through the owner's own list (``visible_devices``).
 
 Environment of a vLLM server: ``VLLM_SERVER_DEV_MODE=1`` (the weight-transfer, pause and sleep
 endpoints), megamarl's weight-transfer plugin (``vllm_plugin``; ``plugin_env``), engine core in its
 own process; on CPU ``VLLM_CPU_KVCACHE_SPACE`` (whole GiB; else ``--kv-cache-memory-bytes``) and
-``num_threads`` OpenMP threads without core binding (several servers share a node's cores); on GPU
-``CUDA_VISIBLE_DEVICES`` = the block's devices. A server bound to 0.0.0.0 (other nodes reach it)
-advertises, and its transfer-group workers bind, this node's address (``parallel.network.host_address``,
-passed as ``MEGAMARL_HOST_ADDR``).
+``num_threads`` OpenMP threads without core binding (several servers share a node's cores). A server
+bound to 0.0.0.0 (other nodes reach it) advertises, and its transfer-group workers bind, this node's
+address (``parallel.network.host_address``, passed as ``MEGAMARL_HOST_ADDR``).
 
 Interpreter: ``ServerSpec.python`` (``engine.server_python``), so a backend may live in an environment
 of its own; empty: ``server_python(backend)`` -- this process's, or for SGLang, when this environment
 has no ``sglang``, the one ``scripts/setup.sh --extras sglang-cpu`` builds (``.venv-sglang``). An SGLang
 server on CPU runs with ``SGLANG_USE_CPU_ENGINE=1`` and SGLang's plain-PyTorch paths (``--device cpu
 --attention-backend torch_native --sampling-backend pytorch --disable-overlap-schedule``; its KV
-cache bounded by ``--max-total-tokens`` from ``kv_cache_gib``); a model directory whose config names
-no ``architectures`` (SGLang needs them) gets them through ``--json-model-override-args``.
+cache bounded by ``--max-total-tokens`` from ``kv_cache_gib``). SGLang L2 (GPU only) starts without
+adapters, so with ``--max-lora-rank`` and ``--lora-target-modules`` (the HF modules ``lora.targets``
+adapt). A model directory whose config names no ``architectures`` (SGLang needs them) gets them
+through ``--json-model-override-args``.
 
 GPU-only flags, never on a CPU command line (vLLM-CPU refuses sleep mode): ``sleeps`` (a colocated
 server that hands its memory to training) -> vLLM ``--enable-sleep-mode`` / SGLang
-``--enable-memory-saver``; ``memory_fraction`` (the plan's, ``planning.engine_budget``) -> vLLM
+``--enable-memory-saver`` (and ``--enable-weights-cpu-backup`` where no push rewrites the weights after a
+wake: frozen policies, an L2 base); ``memory_fraction`` (the plan's, ``planning.engine_budget``) -> vLLM
 ``--gpu-memory-utilization`` / SGLang ``--mem-fraction-static``; ``enforce_eager`` -> vLLM
 ``--enforce-eager`` (also on CPU, its default there) / SGLang ``--disable-cuda-graph``.
 """
@@ -47,6 +53,7 @@ from pathlib import Path
 
 import torch
 
+from megamarl.config import SERVER_START_TIMEOUT_S
 from megamarl.models.packaged import cache_dir
 from megamarl.parallel.network import ANY_HOST, HOST_ADDR_ENV, free_port, host_address
 from megamarl.rollout.engines.lora import SGLANG_CPU_LORA, LoraServing
@@ -159,10 +166,17 @@ class ServerSpec:
     # --mem-fraction-static); None: the server's own default
     memory_fraction: float | None = None
     python: str = ""  # the server's interpreter (engine.server_python); empty: server_python(backend)
+    # False: no push rewrites the weights after a wake (frozen policies, an L2 policy's base), so a
+    # sleeping SGLang server keeps a host copy of them (--enable-weights-cpu-backup; its memory saver
+    # otherwise hands back whatever the released memory holds). vLLM's level-1 sleep always keeps one.
+    weights_pushed: bool = True
+    start_timeout_s: float | None = None  # until /health answers (engine.server_start_timeout_s); None: by device
 
     def __post_init__(self) -> None:
         if self.on_gpu is None:
             self.on_gpu = torch.cuda.is_available()
+        if self.start_timeout_s is None:
+            self.start_timeout_s = SERVER_START_TIMEOUT_S["gpu" if self.on_gpu else "cpu"]
         if self.enforce_eager is None:
             self.enforce_eager = not self.on_gpu
         if self.memory_fraction is not None and not 0 < self.memory_fraction <= 1:
@@ -173,6 +187,9 @@ class ServerSpec:
             raise ValueError(f"ServerSpec.tp must be >= 1, got {self.tp}")
         if self.backend == "sglang" and self.lora is not None and not self.on_gpu:
             raise ValueError(SGLANG_CPU_LORA.format(policy=self.policy))  # preflight refuses it first
+        if self.backend == "sglang" and self.lora is not None and not self.lora.target_modules:
+            raise ValueError(f"{self.label}: an SGLang server started without adapters needs the adapted modules "
+                             "(LoraServing.target_modules, from policies.<p>.lora.targets)")
         if self.devices and len(self.devices) != self.tp:
             raise ValueError(f"ServerSpec.devices {self.devices} must list tp={self.tp} devices")
 
@@ -192,9 +209,9 @@ def server_command(spec: ServerSpec) -> list[str]:
                "--dtype", _VLLM_DTYPES.get(spec.dtype, spec.dtype), "--max-running-requests", str(spec.max_num_seqs),
                "--context-length", str(spec.max_model_len), "--random-seed", str(spec.seed),
                "--served-model-name", spec.served_model_name]
-        if spec.lora is not None:
+        if spec.lora is not None:  # no --lora-paths (adapters arrive later): SGLang needs the rank and modules
             cmd += ["--enable-lora", "--max-loras-per-batch", str(max(1, spec.lora.num_adapters)),
-                    "--max-lora-rank", str(spec.lora.rank)]
+                    "--max-lora-rank", str(spec.lora.rank), "--lora-target-modules", *spec.lora.target_modules]
         config = _model_config(spec.model_path)
         if not config.get("architectures") and config.get("model_type"):  # SGLang picks its model class by them
             from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
@@ -205,6 +222,7 @@ def server_command(spec: ServerSpec) -> list[str]:
             cmd += _sglang_cpu_args(spec)
         if spec.on_gpu:
             cmd += ["--enable-memory-saver"] if spec.sleeps else []
+            cmd += ["--enable-weights-cpu-backup"] if spec.sleeps and not spec.weights_pushed else []
             cmd += ["--mem-fraction-static", str(spec.memory_fraction)] if spec.memory_fraction is not None else []
             cmd += ["--disable-cuda-graph"] if spec.enforce_eager else []
         return cmd
@@ -242,8 +260,31 @@ def plugin_env(env: dict[str, str]) -> dict[str, str]:
     return env
 
 
+# What torchrun (torch.distributed.elastic's agent) and megamarl's rank launcher give a rank: a server
+# forms a world of its own (a ``tcp://`` rendezvous), and with ``TORCHELASTIC_USE_AGENT_STORE`` inherited
+# torch's rendezvous dials the agent's store instead of hosting one, so the server never starts.
+LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                      "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+LAUNCHER_PREFIXES = ("TORCHELASTIC_",)
+
+
+def visible_devices(spec: ServerSpec, inherited: str | None) -> str:
+    """The server's ``CUDA_VISIBLE_DEVICES``: the block's devices are indices into what this process
+    sees (a rank takes the ``LOCAL_RANK``-th visible device), so they map through the inherited list
+    (indices or GPU-/MIG- UUIDs: a job given GPUs 4-7 starts its servers on 4-7, not on 0-3)."""
+    if inherited is None:
+        return ",".join(str(d) for d in spec.devices)
+    seen = [entry.strip() for entry in inherited.split(",") if entry.strip()]
+    if any(d >= len(seen) for d in spec.devices):
+        raise ValueError(f"{spec.label} runs on local devices {spec.devices} but this process sees {len(seen)} "
+                         f"(CUDA_VISIBLE_DEVICES={inherited}): give every rank of a node all of the node's GPUs "
+                         "(no per-rank binding by the launcher)")
+    return ",".join(seen[d] for d in spec.devices)
+
+
 def server_env(spec: ServerSpec, base: dict[str, str] | None = None) -> dict[str, str]:
-    env = dict(os.environ if base is None else base)
+    env = {key: value for key, value in (os.environ if base is None else base).items()
+           if key not in LAUNCHER_VARIABLES and not key.startswith(LAUNCHER_PREFIXES)}
     if spec.host in ANY_HOST and not env.get(HOST_ADDR_ENV):  # serving other nodes: its transfer groups
         env[HOST_ADDR_ENV] = host_address(multi_node=True, environ=env)  # bind where its URL points
     if spec.backend == "vllm":
@@ -277,7 +318,7 @@ def server_env(spec: ServerSpec, base: dict[str, str] | None = None) -> dict[str
             if spec.num_threads > 0:
                 env["OMP_NUM_THREADS"] = str(spec.num_threads)
     if spec.devices and spec.on_gpu:
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in spec.devices)
+        env["CUDA_VISIBLE_DEVICES"] = visible_devices(spec, env.get("CUDA_VISIBLE_DEVICES"))
     return env
 
 
@@ -295,10 +336,12 @@ class ServerProcess:
         host = self.spec.host
         return host_address(multi_node=True) if host in ANY_HOST else host
 
-    def start(self, timeout_s: float = 600) -> str:
-        """Launch the server and wait until ``/health`` answers; returns its base URL. With
+    def start(self, timeout_s: float | None = None) -> str:
+        """Launch the server and wait until ``/health`` answers (``timeout_s``, default the spec's
+        ``start_timeout_s``); returns its base URL. With
         ``spec.port == 0`` a free port is picked, and picked again when another process took it
         between the pick and the server's bind (several ranks of a node start servers at once)."""
+        timeout_s = self.spec.start_timeout_s if timeout_s is None else timeout_s
         for attempt in range(3):
             try:
                 return self._start_once(timeout_s)
@@ -343,9 +386,10 @@ class ServerProcess:
         """The process runs and answers ``/health``."""
         return self.proc is not None and self.proc.poll() is None and healthy(self.url, timeout_s=5)
 
-    def restart(self, timeout_s: float = 600) -> str:
+    def restart(self, timeout_s: float | None = None) -> str:
         """Stop and start again on the same port, so the URL everyone holds stays valid."""
         self.stop()
+        timeout_s = self.spec.start_timeout_s if timeout_s is None else timeout_s
         return self._start_once(timeout_s, port=self.port) if self.port else self.start(timeout_s)
 
     def stop(self, grace_s: float = 15.0) -> None:
