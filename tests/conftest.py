@@ -51,6 +51,7 @@ LONG_MODULES = (
     "tests/integration/test_resume_training_path.py",
     "tests/integration/test_train_sglang_servers.py",  # fake and, with .venv-sglang, real SGLang servers
     "tests/integration/test_sglang_backends.py",
+    "tests/integration/test_sglang_under_torchrun.py",  # with .venv-sglang: one real server, 1.5-5 min
     "tests/learning/test_signalling.py",
     "tests/integration/test_presets.py",
     "tests/integration/test_export.py",
