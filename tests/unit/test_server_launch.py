@@ -424,6 +424,16 @@ def test_servers_never_inherit_the_launchers_rank_variables(backend, on_gpu):
         "PATH": "/bin", "PYTHONPATH": "/src", "MEGAMARL_CACHE": "/c", "NCCL_DEBUG": "INFO"}
 
 
+def test_a_server_for_other_nodes_finds_its_address_through_the_ranks_master_addr(monkeypatch):
+    """The address a 0.0.0.0 server advertises comes from the rank's route to MASTER_ADDR, which the
+    server's own environment then drops."""
+    seen = []
+    monkeypatch.setattr(server_launch, "host_address",
+                        lambda *, multi_node, environ=None: seen.append(environ.get("MASTER_ADDR")) or "10.1.2.3")
+    env = server_env(spec(host="0.0.0.0"), base=dict(LAUNCHER_ENV))
+    assert seen == ["10.0.0.1"] and env["MEGAMARL_HOST_ADDR"] == "10.1.2.3" and "MASTER_ADDR" not in env
+
+
 @pytest.mark.parametrize(("inherited", "expected"), [
     (None, "2,3"),  # the node's devices as they are
     ("4,5,6,7", "6,7"),  # a job given GPUs 4-7: its local devices 2, 3 are the node's 6, 7

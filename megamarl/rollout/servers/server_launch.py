@@ -283,10 +283,12 @@ def visible_devices(spec: ServerSpec, inherited: str | None) -> str:
 
 
 def server_env(spec: ServerSpec, base: dict[str, str] | None = None) -> dict[str, str]:
-    env = {key: value for key, value in (os.environ if base is None else base).items()
+    rank_env = os.environ if base is None else base
+    env = {key: value for key, value in rank_env.items()
            if key not in LAUNCHER_VARIABLES and not key.startswith(LAUNCHER_PREFIXES)}
     if spec.host in ANY_HOST and not env.get(HOST_ADDR_ENV):  # serving other nodes: its transfer groups
-        env[HOST_ADDR_ENV] = host_address(multi_node=True, environ=env)  # bind where its URL points
+        # bind where its URL points (found through the rank's route to MASTER_ADDR, dropped below it)
+        env[HOST_ADDR_ENV] = host_address(multi_node=True, environ=rank_env)
     if spec.backend == "vllm":
         env = plugin_env(env)
         env["VLLM_SERVER_DEV_MODE"] = "1"
