@@ -138,9 +138,9 @@ def test_capacity_is_the_smaller_of_declared_and_device():
 def test_dry_run_on_a_gpu_host_checks_against_the_device(monkeypatch):
     console = Console(file=io.StringIO(), width=220)
     report = dryrun.dry_run(load_config(CONFIGS / "70b_hetero.yaml"), console=console)
-    assert report.gpu_memory_gib == 80.0 and report.peak_gib > 70  # a CPU host: cluster.gpu_memory_gib
+    assert report.gpu_memory_gib == 79.6 and report.peak_gib > 70  # a CPU host: cluster.gpu_memory_gib
     monkeypatch.setattr(dryrun, "device_total_bytes", lambda: 70 * GIB)  # a GPU host with a 70 GiB device
-    with pytest.raises(ValueError, match=r"needs \d+\.\d GiB > this GPU's 70\.0 GiB \(< cluster.gpu_memory_gib=80.0\)"):
+    with pytest.raises(ValueError, match=r"needs \d+\.\d GiB > this GPU's 70\.0 GiB \(< cluster.gpu_memory_gib=79.6\)"):
         dryrun.dry_run(load_config(CONFIGS / "70b_hetero.yaml"), console=console)
 
 
