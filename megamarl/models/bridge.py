@@ -32,7 +32,14 @@ import torch
 
 from megamarl.models.mapping import LORA_MARKER, TP_KINDS, hf_from_shards, rule_for, shard_from_hf
 from megamarl.models.registry import arch_from_hf
-from megamarl.models.spec import DecoderArch, gpt_model_kwargs, layer_spec, transformer_config
+from megamarl.models.spec import (
+    DecoderArch,
+    NodeKernels,
+    gpt_model_kwargs,
+    kernel_fusions,
+    layer_spec,
+    transformer_config,
+)
 from megamarl.parallel.collectives import all_gather_tensors
 
 # ---- config and model ------------------------------------------------------------------------------
@@ -50,11 +57,16 @@ def load_hf_config(source):
 
 
 def build_model(hf_config, wg, *, seed: int = 0, dtype: torch.dtype = torch.float32, init_weights: bool = True,
-                use_te: bool | None = None, vocab_multiple: int = 1, **config_overrides):
+                lora: bool = False, packed: bool = False, node: NodeKernels | None = None, vocab_multiple: int = 1,
+                **config_overrides):
     """This rank's stage/TP shard of a megatron-core ``GPTModel`` for ``hf_config`` in WG ``wg``.
 
     ``init_weights=False`` skips random init (faster; use when ``load_hf_weights`` follows).
-    The ``DecoderArch`` is attached as ``model.hf_arch`` for the weight mapping.
+    ``lora``: LoRA adapters will be attached (``models.lora``); ``packed``: rows will be packed
+    (``policies.<p>.pack``). With ``node`` (this node's ``NodeKernels.probe()`` unless given: a seam
+    for tests) they decide the layer spec (``NodeKernels.layer_spec``) and the fused kernels
+    (``kernel_fusions``; ``config_overrides`` win). The ``DecoderArch`` is attached as
+    ``model.hf_arch`` for the weight mapping, the spec as ``model.layer_spec``.
     """
     from megatron.core import tensor_parallel
     from megatron.core.models.gpt import GPTModel
@@ -65,13 +77,16 @@ def build_model(hf_config, wg, *, seed: int = 0, dtype: torch.dtype = torch.floa
     layout.check_model(num_heads=arch.num_heads, num_kv_heads=arch.num_kv_heads, num_layers=arch.num_layers)
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed, tp_rank=wg.tp_rank, ep_rank=0, etp_rank=0)
+    node = node or NodeKernels.probe()
+    spec = node.layer_spec(lora=lora)
     config = transformer_config(arch, tp=layout.tp, pp=layout.pp, dtype=dtype, init_weights=init_weights,
-                                **config_overrides)
+                                **{**kernel_fusions(node, packed=packed), **config_overrides})
     model = GPTModel(
-        config, layer_spec(arch, use_te=use_te), pre_process=wg.is_first_stage, post_process=wg.is_last_stage,
+        config, layer_spec(arch, spec=spec), pre_process=wg.is_first_stage, post_process=wg.is_last_stage,
         pg_collection=wg.pgs, **gpt_model_kwargs(arch, tp=layout.tp, vocab_multiple=vocab_multiple),
     )
     model.hf_arch = arch
+    model.layer_spec = spec
     if not init_weights:
         mark_tensor_parallel_params(model)
     return model

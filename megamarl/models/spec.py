@@ -7,10 +7,14 @@ checkpoints) reads the ``DecoderArch``. The Megatron side is always the same pre
 RMSNorm, rotary embeddings (non-interleaved, like HF's ``rotate_half``), SwiGLU MLP, GQA, optional
 QKV bias (Qwen2) and per-head RMSNorm on queries and keys (Qwen3).
 
-Layer spec: megatron-core's local spec (plain torch modules) when Transformer Engine is absent or
-there is no CUDA device (this machine); the Transformer Engine spec on GPUs with TE installed.
-Both specs have the same parameter layout (TE fuses the pre-norms into the next linear:
-``linear_qkv.layer_norm_weight`` / ``linear_fc1.layer_norm_weight``, handled by the weight mapping).
+Layer spec (``layer_spec_choice``, the one decision: the model build and the planner both call it):
+the Transformer Engine spec on a CUDA node with TE importable, unless the policy has LoRA adapters;
+megatron-core's local spec (plain torch modules) otherwise (this machine; LoRA everywhere, as
+``models.lora`` hooks the local Column/RowParallelLinear). Both specs have the same parameter layout
+(TE fuses the pre-norms into the next linear: ``linear_qkv.layer_norm_weight`` /
+``linear_fc1.layer_norm_weight``, handled by the weight mapping). Fused kernels (``kernel_fusions``)
+are on where megatron-core's own availability checks pass on a CUDA node (``NodeKernels.probe``),
+off on CPU.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from __future__ import annotations
 # megatron-core (and transformers/safetensors) are imported inside the functions that build, load or run
 # models: importing megatron.core costs ~3 s of CPU (9.7 s wall measured on the loaded 2-core box,
 # 2026-11-23), and config loading and --dry-run import this module without building a model.
+import functools
 import importlib.util
 from dataclasses import dataclass
 
@@ -95,8 +100,86 @@ def rope_from_hf(hf_config) -> tuple[float, float | None]:
     raise ValueError(f"rope_type='{rope_type}' unsupported; allowed: ['default', 'llama3']")
 
 
+LAYER_SPECS = ("te", "local")
+
+
+def transformer_engine_importable() -> bool:
+    """``transformer_engine`` is installed here (a file-system look-up: imports nothing)."""
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
+def layer_spec_choice(*, lora: bool, cuda: bool, transformer_engine: bool) -> str:
+    """The layer spec a policy is built with: ``"te"`` or ``"local"``. The model build
+    (``node_layer_spec``) asks with this node's facts, the planner (``planning.dryrun.training_setup``)
+    with the declared cluster's."""
+    if lora:  # models.lora hooks the local linears; TE's fused norm+linear hides the normed input
+        return "local"
+    return "te" if cuda and transformer_engine else "local"
+
+
+def node_layer_spec(*, lora: bool) -> str:
+    """``layer_spec_choice`` on this node."""
+    return layer_spec_choice(lora=lora, cuda=torch.cuda.is_available(), transformer_engine=transformer_engine_importable())
+
+
 def transformer_engine_available() -> bool:
-    return torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
+    """This node builds non-LoRA policies on the TE spec."""
+    return node_layer_spec(lora=False) == "te"
+
+
+@dataclass(frozen=True)
+class NodeKernels:
+    """What this node can run, each read where megatron-core itself looks (``probe``)."""
+
+    cuda: bool
+    transformer_engine: bool  # the TE layer spec
+    wgrad_fusion: bool  # apex's fused_weight_gradient_mlp_cuda (tensor_parallel.layers._grad_accum_fusion_available)
+    softmax_fusion: bool  # apex's scaled_masked_softmax_cuda (FusedScaleMaskSoftmax imports it to use it)
+    rope_fusion: bool  # TE's fused RoPE (rope_utils.fused_apply_rotary_pos_emb[_thd] not None)
+    triton: bool  # torch.compile on CUDA tensors (megatron.core.jit.jit_fuser is torch.compile)
+
+    @staticmethod
+    @functools.cache
+    def probe() -> NodeKernels:
+        """This node's kernels (imports megatron-core: call it where a model is built)."""
+        from megatron.core.models.common.embeddings import rope_utils
+        from megatron.core.tensor_parallel import layers
+
+        def importable(name: str) -> bool:
+            return importlib.util.find_spec(name) is not None
+
+        return NodeKernels(
+            cuda=torch.cuda.is_available(),
+            transformer_engine=transformer_engine_importable(),
+            wgrad_fusion=layers._grad_accum_fusion_available,
+            softmax_fusion=importable("scaled_masked_softmax_cuda") and importable("scaled_upper_triang_masked_softmax_cuda"),
+            rope_fusion=rope_utils.fused_apply_rotary_pos_emb is not None
+            and rope_utils.fused_apply_rotary_pos_emb_thd is not None,
+            triton=importable("triton"),
+        )
+
+    def layer_spec(self, *, lora: bool) -> str:
+        return layer_spec_choice(lora=lora, cuda=self.cuda, transformer_engine=self.transformer_engine)
+
+
+def kernel_fusions(node: NodeKernels, *, packed: bool) -> dict[str, bool]:
+    """megatron-core's fusion switches (``TransformerConfig`` fields) for a model on ``node``: each on
+    where CUDA is and megatron-core's own condition for it holds, all off on CPU. ``packed``: the
+    policy packs rows (``policies.<p>.pack``)."""
+    cuda = node.cuda
+    return {
+        # both specs: GPTModel's output layer is always megatron's ColumnParallelLinear, which refuses
+        # the flag without apex's kernel; the weights' main_grad comes from megatron's DDP (rl.worker)
+        "gradient_accumulation_fusion": cuda and node.wgrad_fusion,
+        # SwiGLU through megatron.core.fusions.fused_bias_swiglu (torch.compile: triton on CUDA)
+        "bias_activation_fusion": cuda and node.triton,
+        # local spec only (TE's attention has its own kernels). The fused causal kernel
+        # (ScaledUpperTriangMaskedSoftmax) ignores the mask passed in, and packed rows on the local spec
+        # carry a block-diagonal one: fused, packed samples would attend to each other
+        "masked_softmax_fusion": cuda and node.softmax_fusion and not packed,
+        # TransformerConfig.__post_init__ refuses it without TE's fused RoPE
+        "apply_rope_fusion": cuda and node.rope_fusion,
+    }
 
 
 def transformer_config(arch: DecoderArch, *, tp: int = 1, pp: int = 1, dtype: torch.dtype = torch.float32,
@@ -130,22 +213,24 @@ def transformer_config(arch: DecoderArch, *, tp: int = 1, pp: int = 1, dtype: to
         "perform_initialization": init_weights,
         "attention_softmax_in_fp32": True,
         "sequence_parallel": False,
+        # off unless the caller passes kernel_fusions(...) for a CUDA node (bridge.build_model does)
         "gradient_accumulation_fusion": False,
         "bias_activation_fusion": False,
         "masked_softmax_fusion": False,
         "apply_rope_fusion": False,
-        "persist_layer_norm": False,
+        "persist_layer_norm": False,  # apex's persistent LayerNorm: these models use RMSNorm
     }
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
 
 
-def layer_spec(arch: DecoderArch, *, use_te: bool | None = None):
-    """The transformer-layer ``ModuleSpec``: TE on GPUs with transformer_engine, local otherwise."""
+def layer_spec(arch: DecoderArch, *, spec: str):
+    """The transformer-layer ``ModuleSpec`` for ``spec`` (``layer_spec_choice``)."""
     from megatron.core.models.gpt import gpt_layer_specs
 
-    use_te = transformer_engine_available() if use_te is None else use_te
-    if use_te:
+    if spec not in LAYER_SPECS:
+        raise ValueError(f"layer spec '{spec}' unknown; allowed: {list(LAYER_SPECS)}")
+    if spec == "te":
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=arch.qk_norm)
     return gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=arch.qk_norm, normalization="RMSNorm")
 

@@ -18,7 +18,8 @@ Memory per GPU: ``megamarl.planning.memory`` (the formulas are in its docstring)
 per policy with what ``build_workers`` decides (``training_setup``): the training dtype (``auto`` on
 a GPU cluster plans bf16, as ``resolve_dtype`` gives on its GPUs; CPU ranks resolve it here), the
 LoRA adapters, whether a KL reference model exists, the largest micro-batch, and the layer spec
-(Transformer Engine on GPUs, with flash attention; megatron-core's local spec on CPU ranks).
+(``models.spec.layer_spec_choice``: Transformer Engine on GPUs, with flash attention, except for LoRA
+policies; megatron-core's local spec on CPU ranks).
 Engines: weights 2 * P / tp_e (bf16, no PP), KV cache ``engine.kv_cache_gib`` per GPU, or when 0:
 max_num_seqs * seq_len * 2 (K, V) * L * ceil(kv_heads / tp_e) * head_dim * 2 bytes; LoRA adapters
 2 * r * (in + out) / tp_e per targeted linear.
@@ -47,10 +48,12 @@ import math
 import sys
 from dataclasses import dataclass, field
 
+import torch
 import torch.distributed as dist
 
 from megamarl.config import PolicyConfig, RunConfig
 from megamarl.driver.schedules import SCHEDULES
+from megamarl.models.spec import layer_spec_choice
 from megamarl.parallel.hardware import resolve_dtype
 from megamarl.parallel.placement import (
     PlacementConfig,
@@ -174,6 +177,7 @@ def dry_run(cfg: RunConfig, *, console=None, world_size: int | None = None) -> D
         if sizes != expected:  # a bug in placement, not in the user's config
             raise RuntimeError(f"worker group {name}: built groups {sizes} differ from the layout {expected}")
 
+    report.gpu_memory_gib = capacity_gib(cluster.gpu_memory_gib, device_total_bytes())
     print_report(report, console)
     if on_gpus:
         _check_capacity(report, cfg)
@@ -242,7 +246,9 @@ def training_setup(cfg: RunConfig, name: str, *, on_gpus: bool) -> TrainingSetup
         num_adapters=_num_adapters(cfg, name),
         reference=policy.lora is None and (policy.kl_coef > 0 or any((a.kl_coef or 0) > 0 for a in agents)),
         micro_batch_size=max([policy.micro_batch_size] + [a.micro_batch_size for a in agents if a.micro_batch_size]),
-        spec="te" if on_gpus else "local",  # models.spec.layer_spec: TE wherever CUDA and TE are
+        # the model build's own choice (bridge.build_model). A GPU cluster has TE: the documented GPU
+        # install is megamarl[gpu], and runtime.front_door.check_layer_specs refuses a node without it
+        spec=layer_spec_choice(lora=policy.lora is not None, cuda=on_gpus, transformer_engine=on_gpus),
     )
 
 
@@ -338,8 +344,30 @@ def _gpu_totals(cfg, worker_groups, engines, world_size, gpus_per_node) -> list[
     return gpus
 
 
+def device_total_bytes() -> int | None:
+    """This host's GPU memory as the driver reports it (``total_memory``; an "80 GB" H100 reports
+    79.6 GiB); None without CUDA."""
+    if not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+
+
+def capacity_gib(declared_gib: float, device_bytes: int | None) -> float:
+    """The memory per GPU a plan is checked against: ``cluster.gpu_memory_gib`` on a host without CUDA
+    (a dry-run on a login node); on a GPU host the smaller of it and the device's reported total (the
+    device cannot give more; a smaller declared figure is a cap the user chose)."""
+    return declared_gib if device_bytes is None else min(declared_gib, device_bytes / GIB)
+
+
+def _capacity_key(report: DryRunReport, cfg: RunConfig) -> str:
+    declared = cfg.cluster.gpu_memory_gib
+    if report.gpu_memory_gib < declared:
+        return f"this GPU's {report.gpu_memory_gib:.1f} GiB (< cluster.gpu_memory_gib={declared})"
+    return f"cluster.gpu_memory_gib={declared}"
+
+
 def _check_capacity(report: DryRunReport, cfg: RunConfig) -> None:
-    capacity = cfg.cluster.gpu_memory_gib * GIB
+    capacity = report.gpu_memory_gib * GIB
     over = [g for g in report.gpus if g.total > capacity]
     if not over:
         return
@@ -362,7 +390,7 @@ def _check_capacity(report: DryRunReport, cfg: RunConfig) -> None:
     phases = "train + rollout" if SCHEDULES.traits(cfg.trainer.mode).overlaps_training else "max(train, rollout)"
     raise ValueError(
         f"{' + '.join(f'policies.{h}' for h in holders)}: GPU node {gpu.node} local {gpu.local} (global rank "
-        f"{gpu.rank}) needs {_g(gpu.total)} GiB > cluster.gpu_memory_gib={cfg.cluster.gpu_memory_gib} "
+        f"{gpu.rank}) needs {_g(gpu.total)} GiB > {_capacity_key(report, cfg)} "
         f"[{phases} = {_g(gpu.train)} / {_g(gpu.rollout)} GiB + reserved {cfg.cluster.reserved_gib} GiB; "
         + "; ".join(detail)
         + f"]; {len(over)} of {report.world_size} GPUs over. Raise tp/pp, enable recompute, the "
@@ -459,7 +487,7 @@ def print_report(report: DryRunReport, console) -> None:
         engines.add_row(name, e.backend, f"{len(e.replicas)} x {e.tp}", ranks, where, *map(_g, memory))
     console.print(engines)
 
-    gpus = Table(title=f"GPUs (GiB; capacity {report.gpu_memory_gib}, total includes reserved)")
+    gpus = Table(title=f"GPUs (GiB; capacity {round(report.gpu_memory_gib, 1)}, total includes reserved)")
     for col in ("rank", "node:gpu", "WG shards", "engine replicas", "train", "rollout", "total"):
         gpus.add_column(col, justify="right" if col in ("train", "rollout", "total") else "left")
     capacity = report.gpu_memory_gib * GIB
@@ -472,7 +500,7 @@ def print_report(report: DryRunReport, console) -> None:
     console.print(gpus)
     for warning in report.warnings:
         console.print(f"[yellow]warning:[/yellow] {warning}")
-    console.print(f"peak {report.peak_gib:.1f} GiB of {report.gpu_memory_gib} GiB per GPU")
+    console.print(f"peak {report.peak_gib:.1f} GiB of {round(report.gpu_memory_gib, 1)} GiB per GPU")
 
 def main_dry_run(cfg: RunConfig, *, console=None) -> int:
     """``scripts/train.py --dry-run``: run ``dry_run``; a failed check prints its reason, returns 1."""

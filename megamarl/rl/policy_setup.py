@@ -14,6 +14,7 @@ import torch
 from megamarl.config import AlgorithmConfig
 from megamarl.models.bridge import build_model, load_hf_config, load_hf_weights
 from megamarl.models.packaged import resolve_model_path
+from megamarl.models.spec import NodeKernels
 from megamarl.parallel.placement import WorkerGroup
 from megamarl.rl.advantages import ADVANTAGE_ESTIMATORS, advantage_config
 from megamarl.rl.dispatch import BatchSplit
@@ -30,13 +31,15 @@ RECOMPUTE = {  # policies.<p>.recompute -> megatron-core TransformerConfig field
 
 
 def load_policy_model(policy, wg: WorkerGroup, *, seed: int, dtype: torch.dtype = torch.float32,
-                      training: bool = True) -> ModelHandle:
+                      training: bool = True, node: NodeKernels | None = None) -> ModelHandle:
     """``policies.<p>``'s model as this rank's shard of ``wg`` in ``dtype``, with the HF weights
-    loaded; ``training`` applies ``policies.<p>.recompute`` (a reference model has no backward)."""
+    loaded; ``training`` applies ``policies.<p>.recompute`` (a reference model has no backward).
+    Layer spec and fused kernels: ``bridge.build_model`` for this policy's LoRA and packing on
+    ``node`` (this node unless given)."""
     path = resolve_model_path(policy.model, key="policies.<p>.model")
     hf_config = load_hf_config(path)
-    model = build_model(hf_config, wg, seed=seed, dtype=dtype, init_weights=False,
-                        **(RECOMPUTE[policy.recompute] if training else {}))
+    model = build_model(hf_config, wg, seed=seed, dtype=dtype, init_weights=False, lora=policy.lora is not None,
+                        packed=policy.pack, node=node, **(RECOMPUTE[policy.recompute] if training else {}))
     load_hf_weights(model, path, wg)
     return ModelHandle(model=model, vocab_size=hf_config.vocab_size)
 

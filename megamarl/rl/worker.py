@@ -48,7 +48,6 @@ from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from megamarl.config import PolicyConfig
 from megamarl.models.bridge import export_hf_weights, unwrap
 from megamarl.models.lora import add_lora_adapter, export_lora_weights, set_active_adapter
-from megamarl.models.spec import transformer_engine_available
 from megamarl.parallel.collectives import all_reduce_sum
 from megamarl.parallel.placement import WorkerGroup
 from megamarl.rl.advantages import ADVANTAGE_ESTIMATORS, AdvantageConfig
@@ -234,7 +233,7 @@ class PolicyWorker:
         )
         self.model = DistributedDataParallel(config, ddp_config, model, pg_collection=wg.pgs)
         self.window = LogitWindow(model)
-        self.uses_te = transformer_engine_available()  # the layer spec's choice (models.spec.layer_spec)
+        self.uses_te = model.layer_spec == "te"  # the spec it was built with (bridge.build_model)
         # Reference policy for the KL term: a frozen copy of the initial weights in the same layout and
         # dtype, without gradients or optimizer state; ``ref_offload`` keeps it in host memory between uses.
         self.ref_model = ref_handle.model.eval() if ref_handle is not None else None

@@ -139,7 +139,7 @@ def export_policy_rank(rank: int, job: PolicyExport, tp: int, pp: int) -> list[s
     """Body on each rank: build, add the adapters, load the shards, stream HF tensors; the stage
     senders write the weights, the first stage's sender the PEFT adapters. Returns index lines."""
     wg = conversion_worker_group(tp, pp)
-    model = bridge.build_model(job.model_path, wg, init_weights=False)
+    model = bridge.build_model(job.model_path, wg, init_weights=False, lora=bool(job.adapters))
     for adapter in job.adapters:  # same parameters as the trainer's model, so the shards match
         add_lora_adapter(model, wg, adapter, job.lora)
     checkpoint.load_checkpoint(job.shards, model, wg)

@@ -16,8 +16,9 @@ import torch
 
 from megamarl.config import RunConfig, config_error_line
 from megamarl.models.packaged import resolve_model_path
+from megamarl.models.spec import layer_spec_choice, transformer_engine_importable
 from megamarl.orchestration.agents import check_allowed_tokens
-from megamarl.planning.dryrun import declared_world_size
+from megamarl.planning.dryrun import declared_world_size, training_setup
 from megamarl.rollout.engines.lora import check_lora_backends
 from megamarl.rollout.placement import ReplicaPlacement, plan_engines, ranks_per_node
 from megamarl.runtime import checkpoint
@@ -45,6 +46,7 @@ def preflight(cfg: RunConfig, *, world_size: int) -> dict[str, list[ReplicaPlace
     engine plan, computed once per run: the launch hands it to the trainer."""
     plan = plan_engines(cfg, world_size, ranks_per_node(cfg.cluster, world_size))  # WG and engine placement
     check_lora_backends(cfg, on_gpu=torch.cuda.is_available())
+    check_layer_specs(cfg, cuda=torch.cuda.is_available(), transformer_engine=transformer_engine_importable())
     run_dir = Path(cfg.output_dir) / cfg.name
     resume = checkpoint.find_checkpoint(cfg.trainer.resume, run_dir)
     if resume is not None:
@@ -58,6 +60,24 @@ def preflight(cfg: RunConfig, *, world_size: int) -> dict[str, list[ReplicaPlace
             for name in sorted(constrained)})
     checkpoint.check_run_dir(run_dir)  # last: its probe is the only write (a temporary directory, removed)
     return plan
+
+
+def check_layer_specs(cfg: RunConfig, *, cuda: bool, transformer_engine: bool) -> None:
+    """Refuse a node that would build a policy on another layer spec than the memory plan counted.
+    The plan (``planning.dryrun.training_setup``) counts Transformer Engine's spec for every non-LoRA
+    policy on GPUs; without TE this node would build megatron-core's local spec, whose attention keeps
+    the fp32 softmax scores [B, heads, T, T] of every layer (a 70B executor: ~179 GiB per GPU)."""
+    for name, policy in cfg.policies.items():
+        if policy.frozen:  # served by its engines only: no Megatron model is built
+            continue
+        planned = training_setup(cfg, name, on_gpus=cuda).spec
+        built = layer_spec_choice(lora=policy.lora is not None, cuda=cuda, transformer_engine=transformer_engine)
+        if planned == "te" and built != "te":
+            raise ValueError(
+                f"policies.{name}: the memory plan counts Transformer Engine's layer spec on GPUs, but "
+                "transformer_engine is not importable on this node, which would build megatron-core's local "
+                "spec (fp32 attention scores, far over the plan). Install the GPU extra (pip install "
+                "--no-build-isolation 'megamarl[gpu]', docs/install.md) or run in an NGC PyTorch image")
 
 
 def report_config_error(exc: BaseException) -> int:
