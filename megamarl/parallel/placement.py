@@ -17,6 +17,7 @@ from __future__ import annotations
 # megatron-core (and transformers/safetensors) are imported inside the functions that build, load or run
 # models: importing megatron.core costs ~3 s of CPU (9.7 s wall measured on the loaded 2-core box,
 # 2026-11-23), and config loading and --dry-run import this module without building a model.
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -189,9 +190,61 @@ def rank_coords(layout: WorkerGroupLayout, global_rank: int) -> dict[str, int]:
     return coords
 
 
-def _new_groups(enumeration: list[list[int]], backend: str):
-    group, _ = dist.new_subgroups_by_enumeration(enumeration, backend=backend)
-    return group
+# the process groups megatron-core's ProcessGroupCollection takes, by the mesh axes each spans
+GROUP_AXES = {"tp": ["tp"], "pp": ["pp"], "dp": ["dp"], "cp": ["cp"], "ep": ["ep"], "mp": ["tp", "pp"],
+              "tp_cp": ["tp", "cp"], "dp_cp": ["cp", "dp"], "tp_dp_cp": ["tp", "cp", "dp"], "tp_ep_pp": ["tp", "ep", "pp"]}
+
+
+def wg_enumerations(layout: WorkerGroupLayout) -> dict[str, list[list[int]]]:
+    """Every group of one WG by its ProcessGroupCollection name, as the global-rank lists of each."""
+    out = {name: group_enumeration(layout, axes) for name, axes in GROUP_AXES.items()}
+    # The distributed optimizer reduces gradient statistics over every rank of the WG (megatron-core's
+    # "intra distributed-optimizer instance" group; one instance per WG).
+    out["intra_dist_opt"] = [list(layout.ranks)]
+    # Tied embeddings: the first and last pipeline stage of each pipeline share the embedding grads.
+    out["embd"] = [sorted({p[0], p[-1]}) for p in out["pp"]]
+    out["pos_embd"] = [[p[0]] for p in out["pp"]]
+    return out
+
+
+def communicator_rank_sets(layout: WorkerGroupLayout, rank: int) -> set[tuple[int, ...]]:
+    """The distinct multi-rank groups of the WG that ``rank`` belongs to: one communicator each (NCCL on
+    GPUs: its own device buffers), however many names share it (with cp = ep = 1, tp_cp is tp, dp_cp is dp,
+    tp_ep_pp is mp, ...; ``build_worker_group`` creates each rank set once). Single-rank groups need no peer."""
+    return {tuple(sorted(ranks)) for enumeration in wg_enumerations(layout).values() for ranks in enumeration
+            if rank in ranks and len(ranks) > 1}
+
+
+# Device memory one NCCL communicator of a few local peers keeps for its buffers (NCCL_BUFFSIZE 4 MiB per
+# channel and peer for the Simple protocol, plus LL/LL128, over the channels NCCL opens on NVLink): a
+# planning figure, not a measurement (docs/design-notes.md), charged per communicator in the plan's reserve.
+NCCL_COMMUNICATOR_BYTES = 256 * 2**20
+
+
+def num_communicators(layouts: Iterable[WorkerGroupLayout], rank: int, world_size: int) -> int:
+    """Device communicators ``rank`` holds for training: its WGs' distinct multi-rank groups plus the
+    default (world) group. Weight-transfer groups belong to the engines' side."""
+    return (world_size > 1) + sum(len(communicator_rank_sets(layout, rank)) for layout in layouts
+                                  if rank in layout.ranks)
+
+
+def nccl_reserve_bytes(layouts: Iterable[WorkerGroupLayout], rank: int, world_size: int) -> float:
+    """What the plan reserves on ``rank``'s GPU for its NCCL communicators (``num_communicators``)."""
+    return num_communicators(layouts, rank, world_size) * NCCL_COMMUNICATOR_BYTES
+
+
+def _member_group(enumeration: list[list[int]], backend: str, made: dict[tuple[int, ...], object], rank: int):
+    """``new_subgroups_by_enumeration`` with a memory: a rank set made before (by another of the WG's
+    enumerations) is reused, not made again. Every rank walks the same enumerations in the same order,
+    so every rank makes the same ``new_group`` calls (a collective over the world)."""
+    mine = None
+    for ranks in enumeration:
+        key = tuple(sorted(ranks))
+        if key not in made:
+            made[key] = dist.new_group(list(key), backend=backend)
+        if rank in key:
+            mine = made[key]
+    return mine
 
 
 def build_worker_group(name: str, layout: WorkerGroupLayout, *, backend: str | None = None) -> WorkerGroup:
@@ -200,25 +253,9 @@ def build_worker_group(name: str, layout: WorkerGroupLayout, *, backend: str | N
 
     backend = backend or device_backend()
     rank = dist.get_rank()
-    groups = {
-        "tp": _new_groups(group_enumeration(layout, ["tp"]), backend),
-        "pp": _new_groups(group_enumeration(layout, ["pp"]), backend),
-        "dp": _new_groups(group_enumeration(layout, ["dp"]), backend),
-        "cp": _new_groups(group_enumeration(layout, ["cp"]), backend),
-        "ep": _new_groups(group_enumeration(layout, ["ep"]), backend),
-        "mp": _new_groups(group_enumeration(layout, ["tp", "pp"]), backend),
-        "tp_cp": _new_groups(group_enumeration(layout, ["tp", "cp"]), backend),
-        "dp_cp": _new_groups(group_enumeration(layout, ["cp", "dp"]), backend),
-        "tp_dp_cp": _new_groups(group_enumeration(layout, ["tp", "cp", "dp"]), backend),
-        "tp_ep_pp": _new_groups(group_enumeration(layout, ["tp", "ep", "pp"]), backend),
-    }
-    # The distributed optimizer reduces gradient statistics over every rank of the WG (megatron-core's
-    # "intra distributed-optimizer instance" group; one instance per WG).
-    groups["intra_dist_opt"] = _new_groups([list(layout.ranks)], backend)
-    # Tied embeddings: the first and last pipeline stage of each pipeline share the embedding grads.
-    pipelines = group_enumeration(layout, ["pp"])
-    groups["embd"] = _new_groups([sorted({p[0], p[-1]}) for p in pipelines], backend)
-    groups["pos_embd"] = _new_groups([[p[0]] for p in pipelines], backend)
+    made: dict[tuple[int, ...], object] = {}
+    groups = {attr: _member_group(enumeration, backend, made, rank)
+              for attr, enumeration in wg_enumerations(layout).items()}
     device = local_device()
     if rank not in layout.ranks:
         return WorkerGroup(name, layout, device=device)

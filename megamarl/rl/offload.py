@@ -3,7 +3,9 @@
 
 What moves: the storage of every parameter and buffer of the model and of the reference model, of
 the value head, of the optimizers' main parameters and of every tensor of their state is copied to
-(pinned) host memory and then resized to zero bytes; ``restore`` resizes each storage back and copies
+(pinned) host memory and then resized to zero bytes (the host buffers are allocated at the first
+offload and reused by every later one: pinning is slow and a fresh pinned copy of the whole state per
+step fragments host memory); ``restore`` resizes each storage back and copies
 the bytes in. Storage by storage, not tensor by tensor: megatron-core's DDP makes every parameter a
 *view* of one ``param_data`` buffer when the distributed optimizer is on, and the optimizer copies
 its updated main parameters into that buffer; replacing ``param.data`` would cut the view (the buffer
@@ -46,6 +48,8 @@ class TrainStateOffload:
     offloaded: bool = False
     # each offloaded storage with its host copy and size, in the order they left
     _held: list[tuple[torch.UntypedStorage, torch.UntypedStorage, int]] = field(default_factory=list, repr=False)
+    # the host buffers, kept across offloads: the i-th storage to leave lands in the i-th buffer
+    _hosts: list[torch.UntypedStorage] = field(default_factory=list, repr=False)
 
     @property
     def applies(self) -> bool:
@@ -60,10 +64,14 @@ class TrainStateOffload:
             if hasattr(module, "offload_grad_buffers"):  # megatron-core DDP: frees the grad buffers
                 module.offload_grad_buffers(synchronize=True, empty_cache=False)
         pin = torch.cuda.is_available()
-        for storage in _unique_storages(self._tensors(), self.device):
+        for index, storage in enumerate(_unique_storages(self._tensors(), self.device)):
             size = storage.nbytes()
-            host = torch.empty(size, dtype=torch.uint8, device=HOST, pin_memory=pin).untyped_storage()
-            host.copy_(storage, non_blocking=pin)
+            if index == len(self._hosts):
+                self._hosts.append(host_buffer(size, pin=pin))
+            elif self._hosts[index].nbytes() != size:  # the state changed shape (e.g. a new optimizer state)
+                self._hosts[index] = host_buffer(size, pin=pin)
+            host = self._hosts[index]
+            host.copy_(storage, non_blocking=host.is_pinned())
             self._held.append((storage, host, size))
         synchronize()  # every copy has landed before the device memory is released
         for storage, _, _ in self._held:
@@ -98,6 +106,11 @@ class TrainStateOffload:
             yield from main_params(optimizer)
             for state in optimizer.state.values():
                 yield from (value for value in state.values() if isinstance(value, torch.Tensor))
+
+
+def host_buffer(num_bytes: int, *, pin: bool) -> torch.UntypedStorage:
+    """A host storage for ``num_bytes`` of device state (pinned on CUDA machines: asynchronous copies)."""
+    return torch.empty(num_bytes, dtype=torch.uint8, device=HOST, pin_memory=pin).untyped_storage()
 
 
 def torch_optimizers(optimizers) -> list[torch.optim.Optimizer]:

@@ -39,6 +39,7 @@ from __future__ import annotations
 import contextlib
 import math
 import types
+from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
@@ -169,13 +170,25 @@ def current_lr(optimizer) -> float:
     return float(optimizer.param_groups[0]["lr"])
 
 
-def grads_finite(ddp_model) -> bool:
-    """Whether this rank's DDP gradient buffers hold only finite values."""
-    return all(bool(torch.isfinite(buffer.grad_data).all()) for buffer in ddp_model.buffers)
+def nonfinite(tensors: Iterable[torch.Tensor], *, device: torch.device) -> torch.Tensor:
+    """1.0 when any of ``tensors`` holds a NaN or an infinity, else 0.0: a 0-d tensor on ``device``, left
+    there (``any_rank`` reads it with the WG's decision: one host sync per step). One fp32 sum per tensor
+    instead of ``isfinite(...).all()``: a NaN or an infinity survives a sum (inf - inf is NaN), and no
+    boolean copy of the whole gradient buffer is made. Finite values whose sum passes fp32's range
+    (~3.4e38) read as non-finite too, and skip that update as an overflowing gradient norm would."""
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for tensor in tensors:
+        total = total + tensor.sum(dtype=torch.float32)
+    return (~torch.isfinite(total)).float()
 
 
-def any_rank(flag: bool, group, device) -> bool:
-    """True on every rank of ``group`` when ``flag`` is True on any."""
-    value = torch.tensor([float(flag)], device=device)
+def grads_nonfinite(ddp_model, *, device: torch.device) -> torch.Tensor:
+    """``nonfinite`` over this rank's DDP gradient buffers."""
+    return nonfinite((buffer.grad_data for buffer in ddp_model.buffers), device=device)
+
+
+def any_rank(flag: bool | torch.Tensor, group, device) -> bool:
+    """True on every rank of ``group`` when ``flag`` (a bool, or a tensor > 0) is True on any."""
+    value = flag.reshape(1).float() if isinstance(flag, torch.Tensor) else torch.tensor([float(flag)], device=device)
     dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
     return bool(value.item() > 0)

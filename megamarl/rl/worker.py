@@ -61,7 +61,14 @@ from megamarl.rl.losses import (
     value_loss,
 )
 from megamarl.rl.offload import TrainStateOffload
-from megamarl.rl.optimizer import any_rank, build_optimizer, build_scheduler, current_lr, grads_finite
+from megamarl.rl.optimizer import (
+    any_rank,
+    build_optimizer,
+    build_scheduler,
+    current_lr,
+    grads_nonfinite,
+    nonfinite,
+)
 from megamarl.rl.packing import (
     pack,
     packed_logprobs,
@@ -641,10 +648,13 @@ class PolicyWorker:
     def _clip_and_step(self) -> float:
         """megatron-core's clip-and-step; returns the global gradient norm, or NaN when any rank of the
         WG saw a non-finite loss or gradient, in which case no rank steps (same decision everywhere)."""
-        fault = bool(self._nonfinite_rows) or not grads_finite(self.model)
+        # one device flag, read once with the WG's decision (no host sync per gradient buffer)
+        fault = grads_nonfinite(self.model, device=self.device)
         if self.value_head is not None:
-            fault = fault or not all(bool(torch.isfinite(p.grad).all()) for p in self.value_head.parameters()
-                                     if p.grad is not None)
+            grads = [p.grad for p in self.value_head.parameters() if p.grad is not None]
+            fault = torch.maximum(fault, nonfinite(grads, device=self.device))
+        if self._nonfinite_rows:
+            fault = torch.ones_like(fault)
         if any_rank(fault, self.wg.pgs.intra_dist_opt, self.device):
             self.model.zero_grad_buffer()
             self.optimizer.zero_grad()

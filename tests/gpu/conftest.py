@@ -1,5 +1,6 @@
 """The GPU tier (docs/gpu.md; ``scripts/gpu_check.sh`` runs it): every test is ``pytest.mark.gpu`` and
-skips without CUDA (here and in ``tests/conftest.py``); modules import no CUDA and no packaged model,
+skips without CUDA (here and in ``tests/conftest.py``), except the kit's own checks (``gpu_kit``:
+what the tier imports imports), which run anywhere; modules import no CUDA and no packaged model,
 so the tier collects on any machine."""
 
 from __future__ import annotations
@@ -9,8 +10,8 @@ import torch
 
 
 @pytest.fixture(autouse=True)
-def _needs_cuda():
-    if not torch.cuda.is_available():
+def _needs_cuda(request):
+    if request.node.get_closest_marker("gpu") and not torch.cuda.is_available():
         pytest.skip("needs CUDA (torch.cuda.is_available() is False); run it on a GPU node: bash scripts/gpu_check.sh")
 
 

@@ -8,6 +8,9 @@ they are few, often made from threads outside any event loop, and must not depen
 A server that cannot be reached (refused, reset, disconnected, timed out) raises
 ``EngineConnectionError`` (a ``ConnectionError``); the engine pool treats that as a dead replica,
 while an HTTP error status raises ``EngineHTTPError``, an ordinary error.
+
+aiohttp is imported by the generation path only (``_aiohttp``): the control path, and every module that
+merely imports this one (the weight senders, the GPU tier on a node without aiohttp), need the stdlib only.
 """
 
 from __future__ import annotations
@@ -19,9 +22,16 @@ import urllib.error
 import urllib.parse
 import urllib.request
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import aiohttp
+if TYPE_CHECKING:
+    import aiohttp
+
+
+def _aiohttp():
+    import aiohttp  # the generation path's dependency, imported where it is used
+
+    return aiohttp
 
 
 class EngineConnectionError(ConnectionError):
@@ -87,6 +97,7 @@ class JSONClient:
                 return entry[0]
             for stale in [k for k, (old, _) in self._sessions.items() if old.closed]:  # finished loops
                 del self._sessions[stale]
+            aiohttp = _aiohttp()
             connector = aiohttp.TCPConnector(limit=self.max_concurrency, limit_per_host=self.max_concurrency)
             session = aiohttp.ClientSession(connector=connector)
             closer = _close_at_loop_shutdown(session)
@@ -100,6 +111,7 @@ class JSONClient:
     async def apost(self, path: str, payload: Any = None, *, query: dict | None = None,
                     timeout_s: float | None = None) -> Any:
         url = self.base_url + path
+        aiohttp = _aiohttp()
         timeout = aiohttp.ClientTimeout(total=timeout_s or self.timeout_s)
         try:
             session = await self._session()

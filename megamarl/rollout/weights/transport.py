@@ -5,6 +5,8 @@ place for the transport choice."""
 
 from __future__ import annotations
 
+import importlib.util
+import sys
 from collections.abc import Callable
 
 from megamarl.rollout.weights.server_sync import WeightSender
@@ -22,7 +24,22 @@ def vllm_transport(engine, *, colocated: bool, pp: int, on_gpu: bool) -> str:
     native = on_gpu and engine.weight_transfer != "megamarl"
     if colocated and pp == 1:
         return "ipc" if native and engine.tp == 1 else "megamarl_shm"
-    return "nccl" if native and pp == 1 else "megamarl_gloo"
+    if native and pp == 1:
+        check_nccl_sender(engine)
+        return "nccl"
+    return "megamarl_gloo"
+
+
+def check_nccl_sender(engine) -> None:
+    """vLLM's NCCL sender runs in the trainer (``vllm_native_sync._open_nccl``/``_broadcast_bucket``
+    import vLLM there), whatever interpreter the servers run from: refuse at start, naming the keys,
+    when this one cannot import vLLM (servers from ``engine.server_python``, a trainer without vLLM)."""
+    if importlib.util.find_spec("vllm") is None:
+        raise ValueError(
+            f"policies.<p>.engine.weight_transfer='{engine.weight_transfer}' pushes into GPU vLLM servers with vLLM's "
+            f"NCCL engine, whose sending end runs in the trainer, but the trainer's Python ({sys.executable}) "
+            f"cannot import vllm (engine.server_python={engine.server_python!r} runs the servers only): install vllm "
+            "in the trainer's environment, or set engine.weight_transfer: megamarl")
 
 
 def sglang_transport(engine, *, colocated: bool, pp: int, on_gpu: bool) -> str:

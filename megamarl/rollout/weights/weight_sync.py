@@ -12,8 +12,9 @@ it generates afterwards.
 L2 (one LoRA adapter per agent on a frozen base): the same path with ``lora=<adapter>`` and the
 adapter's PEFT export; only the adapter's tensors travel, and only that adapter's version changes.
 
-Transport: point-to-point over the default group (gloo on CPU; on GPU an NCCL broadcast group
-between senders and engine ranks is the intended path for disaggregated engines).
+Transport (``push_transport``): tensors point-to-point over the default group, made on the device its
+backend moves (the CPU for gloo, the local GPU for NCCL: NCCL sends device tensors only); the buckets'
+metadata (pickled objects) over the gloo control group, never NCCL.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from megamarl.parallel.distributed import control_group, device_backend, local_device
 from megamarl.parallel.placement import WorkerGroup
 from megamarl.rollout.engines.base import buckets
 
@@ -42,6 +44,19 @@ class SyncStats:
             f"{prefix}/seconds": self.seconds,
             f"{prefix}/gbps": self.num_bytes / max(self.seconds, 1e-9) / 1e9,
         }
+
+
+@dataclass(frozen=True)
+class PushTransport:
+    device: torch.device  # where tensors are sent from and received into (the default group's device)
+    objects: object  # the process group the buckets' metadata travels on
+
+
+def push_transport() -> PushTransport:
+    """The default group moves tensors on ``local_device()`` when it is NCCL (a CPU receive buffer
+    there fails), on the CPU for gloo; objects always go over the gloo ``control_group()``."""
+    device = local_device() if device_backend() == "nccl" else torch.device("cpu")
+    return PushTransport(device, control_group())
 
 
 def stage_ranks(wg: WorkerGroup, pp_rank: int) -> list[int]:
@@ -75,25 +90,27 @@ def tp_group_ranks(wg: WorkerGroup) -> list[int]:
 
 
 def _send_buckets(named: Iterable[tuple[str, torch.Tensor]], dst: int, bucket_bytes: int) -> int:
+    via = push_transport()
     num_buckets = 0
     for bucket in buckets(named, bucket_bytes):
         num_buckets += 1
         meta = [(name, tuple(t.shape), t.dtype) for name, t in bucket]
-        dist.send_object_list([meta], dst=dst)
+        dist.send_object_list([meta], dst=dst, group=via.objects)
         dtype = bucket[0][1].dtype
         if any(t.dtype != dtype for _, t in bucket):
             for _, t in bucket:
-                dist.send(t.contiguous(), dst=dst)
+                dist.send(t.to(via.device).contiguous(), dst=dst)
         else:
-            dist.send(torch.cat([t.reshape(-1) for _, t in bucket]), dst=dst)
-    dist.send_object_list([None], dst=dst)
+            dist.send(torch.cat([t.reshape(-1) for _, t in bucket]).to(via.device), dst=dst)
+    dist.send_object_list([None], dst=dst, group=via.objects)
     return num_buckets
 
 
 def _recv_buckets(src: int, stats: SyncStats) -> Iterator[tuple[str, torch.Tensor]]:
+    via = push_transport()
     while True:
         holder = [None]
-        dist.recv_object_list(holder, src=src)
+        dist.recv_object_list(holder, src=src, group=via.objects)
         meta = holder[0]
         if meta is None:
             return
@@ -101,11 +118,11 @@ def _recv_buckets(src: int, stats: SyncStats) -> Iterator[tuple[str, torch.Tenso
         dtypes = {m[2] for m in meta}
         if len(dtypes) > 1:
             for name, shape, dtype in meta:
-                t = torch.empty(shape, dtype=dtype)
+                t = torch.empty(shape, dtype=dtype, device=via.device)
                 dist.recv(t, src=src)
                 yield name, t
             continue
-        flat = torch.empty(sum(_numel(shape) for _, shape, _ in meta), dtype=meta[0][2])
+        flat = torch.empty(sum(_numel(shape) for _, shape, _ in meta), dtype=meta[0][2], device=via.device)
         dist.recv(flat, src=src)
         offset = 0
         for name, shape, _ in meta:
