@@ -14,7 +14,8 @@ Pushes: full weights or (L2) each agent's adapter,
   pool opens the update (``EnginePool.external_update``: stop admitting, pause every live replica)
   and names the targets over the control group; each stage's sender (``weight_sync.stage_role``)
   pushes over the policy's transport (``weights.transport``): disaggregated replicas get one
-  broadcast per bucket from each stage's sender (all replicas at once); colocated replicas (PP=1) are
+  broadcast per bucket from each stage's sender (all replicas at once; at PP>1 stage 0's sender opens
+  and closes the one update, or on vLLM's one-group nccl carries every stage, ``_send_stages``); colocated replicas (PP=1) are
   fed by their own leader rank, which holds full tensors after the export's TP gather (vLLM: shared
   memory, on GPU CUDA IPC at engine TP=1; SGLang: CUDA IPC on GPU, on CPU a gloo group of the leader
   and its replica). An all-gather closes the update; the pool stamps the version and resumes.
