@@ -35,6 +35,7 @@ SERIAL_MODULES = (
     "tests/distributed/test_driver_wait.py",
     "tests/integration/test_readme_quickstart.py",
     "tests/integration/test_train_l2_servers.py",
+    "tests/integration/test_train_pp_servers.py",
     "tests/integration/test_train_with_servers.py",
     "tests/integration/test_vllm_engine.py",
     "tests/integration/test_vllm_servers.py",

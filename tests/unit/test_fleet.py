@@ -71,7 +71,8 @@ def test_senders_and_clients_by_backend():
     ("auto", False, 1, 2, True, "nccl", "nccl"),             # GPU: the backend's own
     ("auto", True, 1, 1, True, "ipc", "cuda_ipc"),
     ("native", True, 1, 2, True, "megamarl_shm", "cuda_ipc"),  # vLLM IPC needs the replica on one GPU
-    ("auto", False, 2, 1, True, "megamarl_gloo", "nccl"),    # a vLLM worker holds one nccl group
+    ("auto", False, 2, 1, True, "nccl", "nccl"),             # PP>1: the stages gathered to one nccl sender
+    ("auto", True, 2, 8, True, "megamarl_gloo", "nccl"),     # colocated PP>1: NCCL refuses two ranks on a GPU
     ("megamarl", False, 1, 1, True, "megamarl_gloo", "gloo"),
     ("megamarl", True, 1, 1, True, "megamarl_shm", "gloo"),
 ])

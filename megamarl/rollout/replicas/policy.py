@@ -14,7 +14,8 @@ Pushes: full weights or (L2) each agent's adapter,
   pool opens the update (``EnginePool.external_update``: stop admitting, pause every live replica)
   and names the targets over the control group; each stage's sender (``weight_sync.stage_role``)
   pushes over the policy's transport (``weights.transport``): disaggregated replicas get one
-  broadcast per bucket from each stage's sender (all replicas at once); colocated replicas (PP=1) are
+  broadcast per bucket from each stage's sender (all replicas at once; at PP>1 stage 0's sender opens
+  and closes the one update, or on vLLM's one-group nccl carries every stage, ``_send_stages``); colocated replicas (PP=1) are
   fed by their own leader rank, which holds full tensors after the export's TP gather (vLLM: shared
   memory, on GPU CUDA IPC at engine TP=1; SGLang: CUDA IPC on GPU, on CPU a gloo group of the leader
   and its replica). An all-gather closes the update; the pool stamps the version and resumes.
@@ -29,6 +30,7 @@ asleep after the rollout, weights woken before a push writes into them, the KV c
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -51,10 +53,18 @@ from megamarl.rollout.servers.fleet import CLIENTS, SERVED_MODEL, ServerFleet
 from megamarl.rollout.servers.server_launch import healthy
 from megamarl.rollout.weights.server_sync import WeightSender
 from megamarl.rollout.weights.sglang_sync import SGLangWeightSender
+from megamarl.rollout.weights.stage_gather import forward_device, forward_stage, receive_stage
 from megamarl.rollout.weights.sync_check import verify_adapter, verify_replicas
-from megamarl.rollout.weights.transport import SENDERS, transport_for
+from megamarl.rollout.weights.transport import CONCURRENT_STAGES, SENDERS, gathers_stages, transport_for
 from megamarl.rollout.weights.vllm_native_sync import VLLMNativeSender
-from megamarl.rollout.weights.weight_sync import SyncStats, drain, stage_role, sync_weights, tp_group_ranks
+from megamarl.rollout.weights.weight_sync import (
+    SyncStats,
+    drain,
+    stage_role,
+    stage_sender,
+    sync_weights,
+    tp_group_ranks,
+)
 
 UNSYNCED = -1  # weight_version of a restarted replica until a push reaches it
 ASLEEP = ("weights", "kv_cache")  # the memory a sleeping replica has released (level 1)
@@ -86,6 +96,7 @@ class PolicyReplicas:
         # after start-up (``ServerFleet._start``)
         self.asleep: set[str] = set(ASLEEP) if self.hands_over and self.fleet.on_gpu else set()
         self._transfers: dict[tuple, _Transfer] = {}
+        self._stages_key: tuple | None = None  # the targets every stage's sender is connected to
 
     @property
     def served(self) -> bool:
@@ -237,16 +248,86 @@ class PolicyReplicas:
                 sender = self._sender((self.rank,), [(index, generations[index])], colocated=True)
                 return self._send(sender, named, [index], version, bucket_bytes, stats, start)
             return stats, None
-        role = stage_role(wg, self.rank)
-        if role is None or export is None:
+        return self._send_stages(export, targets, version=version, bucket_bytes=bucket_bytes, stats=stats, start=start)
+
+    def _send_stages(self, export, targets: list[tuple[int, int]], *, version: int, bucket_bytes: int,
+                     stats: SyncStats, start: float) -> tuple[SyncStats, Callable[[], int] | None]:
+        """Collective: every pipeline stage's sender pushes its stage into ``targets``, as ONE update
+        per replica: stage 0's sender opens it (``begin``) and closes it (``end``), every stage sends
+        in between (concurrently where the sender allows it, ``concurrent_stages``; else in pp order).
+        A vLLM worker refuses a second ``start_weight_update`` while one is open, and a stage that
+        closed the update early would finalize the other stage's layers unloaded. Each phase ends in an
+        agreement over the control group, so a failure anywhere raises on every rank."""
+        wg, on_gpu = self.wg, torch.cuda.is_available()
+        colocated = self.servers.colocated
+        role = stage_role(wg, self.rank) if export is not None else None
+        # one connection per stage's sender, or (``gathers_stages``) stage 0's alone, fed by the others
+        gather = gathers_stages(self.policy, colocated=colocated, on_gpu=on_gpu)
+        sender = self._stage_sender(targets, sending=role == "sender" and (not gather or wg.pp_rank == 0))
+        opens = sender is not None and wg.pp_rank == 0
+        verify = self.policy.engine.verify_sync and wg.layout.pp == 1  # a stage alone is not a model
+        pushed: dict[str, torch.Tensor] = {}
+        device = forward_device(on_gpu=on_gpu)
+
+        def send() -> None:
+            named = export()
+            if role != "sender":
+                drain(named)  # a TP peer takes part in its sender's gathers
+            elif sender is None:  # gathered: this stage's tensors go to stage 0's sender
+                forward_stage(named, dst=stage_sender(wg, 0), bucket_bytes=bucket_bytes, device=device)
+            else:
+                if gather:
+                    named = itertools.chain(named, *(receive_stage(stage_sender(wg, s), device=device)
+                                                     for s in range(1, wg.layout.pp)))
+                sender.send(_keep(named, pushed) if verify else named, bucket_bytes=bucket_bytes, stats=stats)
+
+        self._agree(lambda: sender.begin(pause=False) if opens else None)  # the pool paused the replicas
+        concurrent = gather or CONCURRENT_STAGES[self.policy.engine.backend]
+        for stage in (None,) if concurrent else range(wg.layout.pp):
+            mine = role is not None and (stage is None or wg.pp_rank == stage)
+            self._agree(send if mine else None)
+        self._agree(lambda: sender.end(version=version, resume=False) if opens else None)
+        stats.seconds = time.perf_counter() - start
+        if not (verify and sender is not None):
             return stats, None
-        named = export()
-        if role != "sender":
-            drain(named)
-            return stats, None
-        sender = self._sender((wg.pp_rank,), targets, colocated=False)
-        verify_here = wg.layout.pp == 1  # a stage alone is not a model to decode with
-        return self._send(sender, named, list(generations) if verify_here else [], version, bucket_bytes, stats, start)
+        urls = {i: self.servers.urls[i] for i, _ in targets}
+        return stats, lambda: verify_replicas(self.name, self.fleet.model_paths[self.name], pushed, urls,
+                                              served_model=SERVED_MODEL, version=version,
+                                              backend=self.policy.engine.backend)
+
+    def _agree(self, step: Callable[[], object] | None) -> None:
+        """Collective: run ``step`` here (None: nothing) and wait for every rank's; raise on every rank
+        when any rank's failed (its own error here, a summary elsewhere), instead of leaving the others
+        waiting in the next collective until its timeout."""
+        error = None
+        try:
+            if step is not None:
+                step()
+        except Exception as exc:  # noqa: BLE001 - re-raised below, after the others heard of it
+            error = exc
+        errors: list = [None] * dist.get_world_size(self.control)
+        dist.all_gather_object(errors, None if error is None else f"rank {self.rank}: {error!r}", group=self.control)
+        if error is not None:
+            raise error
+        failed = [e for e in errors if e is not None]
+        if failed:
+            raise RuntimeError(f"push of '{self.name}' failed on another rank: {failed[0]}")
+
+    def _stage_sender(self, targets: list[tuple[int, int]], *, sending: bool):
+        """Collective: this rank's connection to ``targets`` (None unless it sends a stage), rebuilt on
+        every rank together when the targets changed. Stages reconnect one at a time, in pp order, each
+        behind a barrier: every replica's engine core runs one utility call at a time and a worker
+        blocks in ``/init_weight_transfer_engine`` until the group forms, so two stages joining at once
+        could each hold one replica while waiting for the other (a deadlock across replicas). Each
+        stage releases only its own old group (``WeightSender.close``)."""
+        wanted = tuple(sorted(targets))
+        where = ("stage",)
+        if self._stages_key != wanted:
+            for stage in range(self.wg.layout.pp):
+                mine = sending and self.wg.pp_rank == stage
+                self._agree((lambda: self._sender(where, targets, colocated=self.servers.colocated)) if mine else None)
+            self._stages_key = wanted
+        return self._transfers[where].sender if sending else None
 
     def _send(self, sender, named, verify: list[int], version, bucket_bytes, stats, start):
         check = self.policy.engine.verify_sync and verify

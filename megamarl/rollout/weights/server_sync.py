@@ -349,11 +349,18 @@ class WeightSender:
         return _InFlight([self._pool.submit(c.post, "/update_weights", announce) for c in self.clients], path)
 
     def close(self) -> None:
-        """Release the servers' transfer state (vLLM's ``/shutdown_weight_transfer_engine`` drops
-        every group a server joined: close once no other sender into these servers is active)."""
+        """Release this sender's transfer state on the servers. ``megamarl_gloo``: its own group only,
+        by name (several senders, one per pipeline stage, share the servers, and vLLM's
+        ``/shutdown_weight_transfer_engine`` drops every group a server joined); the other backends
+        keep one connection per server and shut it down."""
         for client in self.clients:
             try:
-                client.post("/shutdown_weight_transfer_engine", timeout_s=30)
+                if self.backend == "megamarl_gloo":
+                    if self.group_name is not None:
+                        client.post("/init_weight_transfer_engine",
+                                    {"init_info": {"group_name": self.group_name, "release": True}}, timeout_s=30)
+                else:
+                    client.post("/shutdown_weight_transfer_engine", timeout_s=30)
             except Exception:  # noqa: BLE001, S110 - the server may already be gone
                 pass
             client.close()

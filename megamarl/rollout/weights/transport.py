@@ -18,13 +18,15 @@ from megamarl.rollout.weights.vllm_native_sync import VLLMNativeSender
 def vllm_transport(engine, *, colocated: bool, pp: int, on_gpu: bool) -> str:
     """The data plane into a policy's vLLM replicas (their ``--weight-transfer-config`` backend and the
     sender's), from ``engine.weight_transfer``. vLLM's own backends (GPU): CUDA IPC into a colocated
-    replica at engine TP=1, NCCL to disaggregated replicas at PP=1 (a vLLM worker holds ONE nccl
-    group, and each pipeline stage sends on its own). megamarl's plugin backends: shared memory into
-    a colocated replica (PP=1) fed by its own rank, a gloo broadcast per stage otherwise."""
+    replica at engine TP=1 (PP=1), NCCL to disaggregated replicas at any PP (a vLLM worker holds ONE
+    nccl group: the stages gather to stage 0's sender, ``GATHERS``). A colocated PP>1 replica keeps a
+    gloo broadcast per stage: an NCCL group would hold the sender's rank and a replica worker on the
+    same GPU, which NCCL refuses. megamarl's plugin backends: shared memory into a colocated replica
+    (PP=1) fed by its own rank, a gloo broadcast per stage otherwise (docs/cluster.md)."""
     native = on_gpu and engine.weight_transfer != "megamarl"
     if colocated and pp == 1:
         return "ipc" if native and engine.tp == 1 else "megamarl_shm"
-    if native and pp == 1:
+    if native and not colocated:
         check_nccl_sender(engine)
         return "nccl"
     return "megamarl_gloo"
@@ -43,12 +45,24 @@ def check_nccl_sender(engine) -> None:
 
 
 def sglang_transport(engine, *, colocated: bool, pp: int, on_gpu: bool) -> str:
-    """SGLang's own data planes on GPU (CUDA IPC into a colocated replica, NCCL otherwise); a gloo
-    group on CPU or with ``engine.weight_transfer: megamarl`` (on CPU also for a colocated replica:
-    its own leader rank is the group's sender)."""
+    """SGLang's own data planes on GPU (CUDA IPC into a colocated PP=1 replica fed by its own rank,
+    NCCL otherwise); a gloo group on CPU or with ``engine.weight_transfer: megamarl`` (on CPU also for
+    a colocated replica: its own leader rank is the group's sender)."""
     if not on_gpu or engine.weight_transfer == "megamarl":
         return "gloo"
-    return "cuda_ipc" if colocated else "nccl"
+    return "cuda_ipc" if colocated and pp == 1 else "nccl"
+
+
+# (engine backend, transport) whose server side holds ONE transfer group per worker (vLLM's NCCL
+# engine keeps one ``model_update_group``; a second init replaces it): a PP>1 policy gathers its stages
+# to stage 0's sender, which alone connects and sends (``stage_gather``). The others (megamarl_gloo,
+# SGLang's named groups) take a group per stage's sender.
+GATHERS = frozenset({("vllm", "nccl")})
+# engine backend -> whether its servers take several stages' buckets at once. vLLM (megamarl_gloo)
+# posts a bucket's receive and returns, so two stages' broadcasts interleave; an SGLang server runs one
+# update request at a time, blocking in its receive, so two stages sending at once could each hold one
+# replica while the other replica waits for the other stage: stages send in pp order.
+CONCURRENT_STAGES: dict[str, bool] = {"vllm": True, "sglang": False}
 
 
 def _vllm_sender(urls: list[str], *, transport: str, **kw) -> WeightSender | VLLMNativeSender:
@@ -70,3 +84,9 @@ SENDERS: dict[str, Callable[..., WeightSender | VLLMNativeSender | SGLangWeightS
 def transport_for(policy, *, colocated: bool, on_gpu: bool) -> str:
     """The data plane of pushes into the servers of ``policy`` (``policies.<p>``; ``TRANSPORTS``)."""
     return TRANSPORTS[policy.engine.backend](policy.engine, colocated=colocated, pp=policy.pp, on_gpu=on_gpu)
+
+
+def gathers_stages(policy, *, colocated: bool, on_gpu: bool) -> bool:
+    """A PP>1 push into ``policy``'s servers goes through stage 0's sender alone (``GATHERS``)."""
+    transport = transport_for(policy, colocated=colocated, on_gpu=on_gpu)
+    return policy.pp > 1 and (policy.engine.backend, transport) in GATHERS

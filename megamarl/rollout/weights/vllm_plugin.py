@@ -14,7 +14,8 @@ Backends (the trainer side is ``megamarl.rollout.weights.server_sync.WeightSende
   rank ``rank_offset + worker rank``; not vLLM's own world) and receives each announced bucket as
   one uint8 broadcast from rank 0, then loads the views into the model. Every
   ``/init_weight_transfer_engine`` adds a group (one per pipeline stage's sender, keyed by
-  ``group_name``); a bucket's announcement names the group it arrives on.
+  ``group_name``) or, with ``release``, drops that one group; a bucket's announcement names the
+  group it arrives on.
 - ``megamarl_shm``: the announcement names a file under ``/dev/shm`` holding the packed bucket; the
   worker maps it (no copy until ``load_weights``) and loads the views.
 
@@ -51,12 +52,23 @@ logger = logging.getLogger("vllm.megamarl")  # vLLM's handlers: lines land in th
 
 @dataclass
 class GlooInitInfo(WeightTransferInitInfo):
-    master_address: str
-    master_port: int
-    rank_offset: int
-    world_size: int
+    """Join ``group_name`` (the sender's TCPStore at ``master_address:master_port``), or with
+    ``release`` leave it and keep every other group (``/init_weight_transfer_engine`` is the only
+    control call that reaches the worker with a body: vLLM's ``/shutdown_weight_transfer_engine``
+    takes none and drops every group, including another pipeline stage's)."""
+
     group_name: str
+    master_address: str = ""
+    master_port: int = 0
+    rank_offset: int = 0
+    world_size: int = 0
     timeout_s: float = 600.0
+    release: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.release and not (self.master_address and self.master_port > 0 and self.world_size > 0):
+            raise ValueError(f"megamarl_gloo: joining group {self.group_name!r} needs master_address, "
+                             "master_port and world_size")
 
 
 @dataclass
@@ -173,6 +185,10 @@ class GlooWeightTransferEngine(_LayerwiseEngine):
         super().start_weight_update()
 
     def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
+        if init_info.release:
+            self.groups.pop(init_info.group_name, None)  # unknown (a restarted server): nothing to leave
+            self.receives.pop(init_info.group_name, None)
+            return
         parallel = self.parallel_config
         worker_rank = parallel.data_parallel_index * parallel.world_size + parallel.rank
         self.groups[init_info.group_name] = new_gloo_group(
