@@ -178,7 +178,6 @@ class RolloutDriver:
         start = time.perf_counter()
         trainable = {name: v for name, v in versions.items() if not self.cfg.policies[name].frozen}
         expected = None if self.schedule.overlaps_training else self.cfg.rollout.num_tasks * self.cfg.rollout.group_size
-        self._hand_over(wake=True)  # colocated servers asleep since the last rollout (no push since)
         with self.progress.phase("rollout", total=expected) as self._phase:
             result, metrics = self.schedule.next_rollout(step, trainable)
         self._phase = None
@@ -214,7 +213,6 @@ class RolloutDriver:
                 metrics.update({f"engine/{name}/{k}": v for k, v in engine.counters().items()})
         if self.env_workers is not None:
             metrics.update({f"env_workers/{k}": v for k, v in self.env_workers.counters().items()})
-        self._hand_over(wake=False)  # colocated servers free their memory while the trainer updates
         return batch, metrics
 
     def _log_transcripts(self, step: int, result: RolloutResult) -> None:

@@ -24,7 +24,9 @@ Pushes: full weights or (L2) each agent's adapter,
   version changes.
 
 Sleep / wake (colocated servers in a schedule that never overlaps training, ``PolicyServers.hands_over``):
-asleep after the rollout, weights woken before a push writes into them, the KV cache after it.
+performed here, ordered by the trainer's phase list (``megamarl.planning.phases``): asleep after the
+rollout, weights woken before a push writes into them, the KV cache only once the train state has
+left the GPU.
 """
 
 from __future__ import annotations
@@ -151,9 +153,7 @@ class PolicyReplicas:
         stamped ``version``."""
         if self.policy.lora is not None:
             return self._push_adapters(version)
-        if self.served:
-            if self.is_driver:
-                self.wake(tags=("weights",))  # colocated: weights back before they are written
+        if self.served:  # colocated: the trainer's wake-weights phase woke them (megamarl.planning.phases)
             return self._push_to_servers(version, bucket_bytes=int(self.policy.engine.bucket_mb * 2**20))
         stats = sync_weights(self.wg, self.export(), self._engines(), version=version, engine_rank=self.driver_rank,
                              bucket_mb=self.policy.engine.bucket_mb)
@@ -201,8 +201,6 @@ class PolicyReplicas:
             stats, check = self._send_from_here(version=version, bucket_bytes=bucket_bytes, targets=holder[0])
             gathered: list = [None] * dist.get_world_size(self.control)
             dist.all_gather_object(gathered, stats, group=self.control)  # also: every sender is done
-        if pool is not None:
-            self.wake(tags=("kv_cache",))  # colocated: the KV cache back before any request
         dist.barrier(group=self.control)  # the driver's pool has resumed the replicas: they can answer probes
         verified = check() if check is not None else 0
         counts: list = [None] * dist.get_world_size(self.control)
