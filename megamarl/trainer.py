@@ -178,7 +178,7 @@ class Trainer:
             "save": self._save_phase,
             "final_save": self._final_save,
             "offload": self._offload_phase,
-            "wake_kv": lambda: self.hand_over(wake=("kv_cache",)),
+            "wake_kv": self._wake_kv_phase,
             "evaluate": self._evaluate_phase,
             "rollout": self._rollout_phase,
             "sleep": self.sleep_engines,
@@ -193,6 +193,13 @@ class Trainer:
         if self.is_driver:
             for replicas in self.replicas.values():
                 replicas.wake(wake)
+
+    def _wake_kv_phase(self) -> None:
+        """The KV caches back (the train state has left), then the probes of this step's pushes
+        into replicas that sleep (``engine.verify_sync``; collective)."""
+        self.hand_over(wake=("kv_cache",))
+        for replicas in self.replicas.values():
+            self._metrics.update(replicas.verify_pushed())
 
     def sleep_engines(self) -> None:
         """Collective: the driver puts the sleeping kind of replicas to sleep; no rank restores its

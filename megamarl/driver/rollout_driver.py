@@ -230,13 +230,6 @@ class RolloutDriver:
                                       limit=self.cfg.logger.episodes_per_step)
         self.logger.log_episodes(step, records)
 
-    def _hand_over(self, *, wake: bool) -> None:
-        for replicas in self.replicas.values():
-            if wake:
-                replicas.wake()
-            else:
-                replicas.sleep()
-
     def _refill(self, step: int, round_: int) -> SampleBatch | None:
         """A fresh chunk for dynamic sampling's refill: its own seed (negative chunk indices, which the
         training stream never uses) and task ids suffixed so its groups never merge with the batch's."""
@@ -254,7 +247,6 @@ class RolloutDriver:
         holds them all: the unnamed default set as ``team_accuracy``, ``avg@k``, ...; a named set as
         ``<set>/team_accuracy`` (logged as ``eval/<set>/team_accuracy``)."""
         e = self.cfg.eval
-        self._hand_over(wake=True)  # on GPU a frozen policy's servers may still sleep since start-up
         # evaluation is one pass: no best-of-K with the env's check fn (tree_k=1)
         greedy = {
             role: replace(a, sampling=replace(a.sampling, temperature=e.temperature, top_p=1.0, top_k=-1), tree_k=1)

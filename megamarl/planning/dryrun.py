@@ -19,19 +19,19 @@ per policy with what ``build_workers`` decides (``training_setup``): the trainin
 a GPU cluster plans bf16, as ``resolve_dtype`` gives on its GPUs; CPU ranks resolve it here), the
 LoRA adapters, whether a KL reference model exists, the largest micro-batch, and the layer spec
 (Transformer Engine on GPUs, with flash attention; megatron-core's local spec on CPU ranks).
-Engines: weights 2 * P / tp_e (bf16, no PP), KV cache ``engine.kv_cache_gib`` per GPU, or when 0:
+Engines: weights b_e * P / tp_e (``engine.dtype``; auto is bf16 on GPUs; no PP), KV cache
+``engine.kv_cache_gib`` per GPU, or when 0 (and by default on GPUs):
 max_num_seqs * seq_len * 2 (K, V) * L * ceil(kv_heads / tp_e) * head_dim * 2 bytes; LoRA adapters
-2 * r * (in + out) / tp_e per targeted linear.
+b_e * r * (in + out) / tp_e per targeted linear.
 
-A GPU adds up what it holds. Training phase: the static state (weights, grads, main params,
-optimizer, LoRA, resident reference models) of every WG on it plus the largest peak (activations,
-or a ``ref_offload`` reference model visiting; colocated WGs update one after another). Rollout
-phase: its engine replicas, the resident reference models (``train_state`` offloading leaves them)
-and the training state of WGs with ``offload_train_state=false``. In ``trainer.mode=sync`` engines
-sleep (release weights and KV) during training and training state is offloaded during rollout, so
-the GPU needs max(train, rollout); the async modes overlap the two, so they add up.
-``cluster.reserved_gib`` is added on top for the CUDA context, NCCL buffers and allocator
-fragmentation.
+A GPU is priced phase by phase, in the order the trainer runs them (``megamarl.planning.phases``,
+the list ``Trainer.fit`` executes): in each phase it holds the kinds the phase keeps resident
+(the training state of WGs that offload it only in the phases that hold it, every other WG's always;
+the activation peak, one WG at a time, in the train phase; sleeping engines' weights and KV cache
+only in the phases that hold them, other engines always; the reference models and
+``cluster.reserved_gib`` — CUDA context, NCCL buffers, fragmentation — everywhere). The GPU needs its
+peak phase, reported by name: in ``trainer.mode=sync`` colocated, the push (train state + woken
+engine weights) or the update; the async modes hold everything at once.
 
 Engine placement comes from ``megamarl.rollout.placement.plan_engines``, the plan every
 rank computes at start-up: ``engine.ranks`` empty -> replica i sits on the policy's WG ranks
@@ -60,7 +60,7 @@ from megamarl.parallel.placement import (
     placement_of,
     rank_coords,
 )
-from megamarl.planning.memory import Memory, TrainingSetup, num_micro_batches, train_memory
+from megamarl.planning.memory import DTYPE_BYTES, Memory, TrainingSetup, num_micro_batches, train_memory
 from megamarl.planning.model_presets import ModelShape, resolve_model_shape
 from megamarl.planning.phases import ENGINE, TRAIN_STATE, Phase, run_phases
 from megamarl.rollout.placement import ReplicaPlacement, plan_engines
@@ -223,7 +223,8 @@ def plan_memory(cfg: RunConfig, *, world_size: int, gpus_per_node: int, on_gpus:
         stages = [train_memory(shape, policy, layout, setup, stage=s, num_micro_batches=micro_batches)
                   for s in range(layout.pp)]
         worker_groups[name] = WorkerGroupReport(name, policy.model, shape, layout, setup, stages)
-        engines[name] = _engine_report(name, policy, shape, plan[name], setup.num_adapters)
+        engines[name] = _engine_report(name, policy, shape, plan[name], setup.num_adapters,
+                                       dtype=engine_dtype(policy, on_gpus=on_gpus), on_gpus=on_gpus)
         warnings += _cross_node_warnings(name, layout, gpus_per_node)
     offload_applies = on_gpus if offload_applies is None else offload_applies
     gpus = _gpu_totals(cfg, worker_groups, engines, world_size, gpus_per_node, offload_applies=offload_applies)
@@ -267,19 +268,24 @@ def training_setup(cfg: RunConfig, name: str, *, on_gpus: bool) -> TrainingSetup
     )
 
 
-def engine_memory(shape: ModelShape, policy: PolicyConfig, *, num_adapters: int = 0) -> Memory:
+def engine_memory(shape: ModelShape, policy: PolicyConfig, *, num_adapters: int = 0, dtype: str = "bf16",
+                  on_gpus: bool = True) -> Memory:
+    """One engine GPU's bytes; ``dtype``: the engine's weight dtype (``engine_dtype``); ``on_gpus``:
+    how ``engine.kv_cache_gib: null`` resolves (``EngineConfig.kv_cache_setting``)."""
     engine = policy.engine
     tp = engine.tp
-    memory = Memory(weights=2 * shape.num_params / tp)
-    if engine.kv_cache_gib > 0:
-        memory.kv_cache = engine.kv_cache_gib * GIB
+    width = DTYPE_BYTES[dtype]
+    memory = Memory(weights=width * shape.num_params / tp)
+    kv_cache_gib = engine.kv_cache_setting(on_gpu=on_gpus)
+    if kv_cache_gib > 0:
+        memory.kv_cache = kv_cache_gib * GIB
     else:
         kv_heads = math.ceil(shape.num_kv_heads / tp)  # vLLM replicates KV heads when tp > kv heads
         per_token = 2 * shape.num_layers * kv_heads * shape.head_dim * 2
         memory.kv_cache = engine.max_num_seqs * policy.seq_len * per_token
     if policy.lora is not None:
         adapters = num_adapters * shape.num_layers * _lora_params_per_layer(shape, policy.lora)
-        memory.lora = 2 * adapters / tp
+        memory.lora = width * adapters / tp
     return memory
 
 
@@ -314,14 +320,20 @@ def check_engine_shape(name: str, policy: PolicyConfig, shape: ModelShape) -> No
         )
 
 
-def _engine_report(name, policy: PolicyConfig, shape, replicas: list[ReplicaPlacement], num_adapters) -> EngineReport:
+def engine_dtype(policy: PolicyConfig, *, on_gpus: bool) -> str:
+    """``engine.dtype`` as the engine will load it: ``auto`` is bf16 on GPUs, this machine's kind on CPU ranks."""
+    return "bf16" if policy.engine.dtype == "auto" and on_gpus else resolve_dtype(policy.engine.dtype)
+
+
+def _engine_report(name, policy: PolicyConfig, shape, replicas: list[ReplicaPlacement], num_adapters, *,
+                   dtype: str = "bf16", on_gpus: bool = True) -> EngineReport:
     """The policy's engine memory on the ranks ``plan_engines`` puts its replicas on (the same plan
     every rank computes at start-up)."""
     engine = policy.engine
     placed = [list(r.ranks) for r in replicas if r.launch != "external"]
     colocated = bool(placed) and all(r.colocated for r in replicas)
     return EngineReport(name, engine.backend, engine.tp, placed, colocated,
-                        engine_memory(shape, policy, num_adapters=num_adapters),
+                        engine_memory(shape, policy, num_adapters=num_adapters, dtype=dtype, on_gpus=on_gpus),
                         launch=replicas[0].launch if replicas else "external")
 
 

@@ -88,6 +88,7 @@ class PolicyReplicas:
         # after start-up (``ServerFleet._start``)
         self.asleep: set[str] = set(ASLEEP) if self.hands_over and self.fleet.on_gpu else set()
         self._transfers: dict[tuple, _Transfer] = {}
+        self._unverified: list[tuple[Callable[[], int] | None, str]] = []  # pushes whose probes wait for the KV cache
 
     @property
     def served(self) -> bool:
@@ -202,18 +203,35 @@ class PolicyReplicas:
             gathered: list = [None] * dist.get_world_size(self.control)
             dist.all_gather_object(gathered, stats, group=self.control)  # also: every sender is done
         dist.barrier(group=self.control)  # the driver's pool has resumed the replicas: they can answer probes
-        verified = check() if check is not None else 0
-        counts: list = [None] * dist.get_world_size(self.control)
-        dist.all_gather_object(counts, verified, group=self.control)
         total = SyncStats(
             num_tensors=sum(s.num_tensors for s in gathered), num_bytes=sum(s.num_bytes for s in gathered),
             num_buckets=sum(s.num_buckets for s in gathered), seconds=max(s.seconds for s in gathered),
         )
         metrics = total.as_dict(prefix)
         metrics[f"{prefix}/replicas"] = float(len(holder[0]))
-        if self.policy.engine.verify_sync:
-            metrics[f"{prefix}/verified_replicas"] = float(sum(counts))
+        if self.hands_over:  # their KV cache is still asleep: probed once it wakes (``verify_pushed``)
+            self._unverified.append((check, prefix))
+        else:
+            metrics.update(self._verify(check, prefix))
         return metrics
+
+    def verify_pushed(self) -> dict[str, float]:
+        """Collective: ``engine.verify_sync``'s probes of the pushes since the last call, for replicas
+        that sleep (their KV cache wakes only after the train state has left: ``planning.phases``)."""
+        metrics: dict[str, float] = {}
+        if self._unverified:
+            dist.barrier(group=self.control)  # the driver has woken the KV caches
+        for check, prefix in self._unverified:
+            metrics.update(self._verify(check, prefix))
+        self._unverified = []
+        return metrics
+
+    def _verify(self, check: Callable[[], int] | None, prefix: str) -> dict[str, float]:
+        """Collective: run this rank's probe (``_send``'s check) and count the replicas that matched."""
+        verified = check() if check is not None else 0
+        counts: list = [None] * dist.get_world_size(self.control)
+        dist.all_gather_object(counts, verified, group=self.control)
+        return {f"{prefix}/verified_replicas": float(sum(counts))} if self.policy.engine.verify_sync else {}
 
     def _send_from_here(self, *, version: int, bucket_bytes: int,
                         targets: list[tuple[int, int]]) -> tuple[SyncStats, Callable[[], int] | None]:
