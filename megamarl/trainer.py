@@ -1,4 +1,4 @@
-"""The training loop: rollout -> advantages -> update each policy -> sync weights -> log/eval/save.
+"""The training loop: rollout -> advantages -> update each policy -> sync weights -> save/log/eval.
 
 SPMD under torchrun: every rank runs ``Trainer.fit``. Rank 0 is also the *driver*
 (``megamarl.driver.RolloutDriver``): it hosts the engines (colocated, in-process), runs the episodes,
@@ -11,6 +11,8 @@ envs, orchestras) are looked up by name in registries; the loop itself has no pe
 ``trainer.mode`` names the driver's rollout schedule (``megamarl.driver.schedules``: sync, one_step_off,
 fully_async; docs/async.md): where the next batch comes from and what a weight push waits for.
 ``Trainer.evaluate_only`` is ``scripts/evaluate.py``'s loop: the same start-up, one evaluation, shut down.
+The loop runs the phases of ``megamarl.planning.phases`` in order (the list the dry-run prices): what
+sleeps, wakes, moves to host memory and is pushed when is decided there, not here.
 """
 
 from __future__ import annotations

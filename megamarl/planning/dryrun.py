@@ -62,7 +62,7 @@ from megamarl.parallel.placement import (
 )
 from megamarl.planning.memory import DTYPE_BYTES, Memory, TrainingSetup, num_micro_batches, train_memory
 from megamarl.planning.model_presets import ModelShape, resolve_model_shape
-from megamarl.planning.phases import ENGINE, TRAIN_STATE, Phase, run_phases
+from megamarl.planning.phases import ENGINE, TRAIN_STATE, Phase, run_phases, step_phases
 from megamarl.rollout.placement import ReplicaPlacement, plan_engines
 from megamarl.runtime.configure import load_config
 
@@ -363,9 +363,10 @@ def _gpu_totals(cfg, worker_groups, engines, world_size, gpus_per_node, *, offlo
     for gpu in gpus:
         if not (gpu.shards or gpu.engines):
             continue
-        for phase in run_phases(overlaps_training=overlap):
+        # one entry per phase name, in a step's order (start-up runs the push half of the same phases)
+        for phase in (*step_phases(overlaps_training=overlap), *run_phases(overlaps_training=overlap)):
             priced = price_phase(phase, holdings[gpu.rank], engines_on[gpu.rank], reserved=reserved)
-            if priced.total >= gpu.phases.get(phase.name, PhaseBytes(phase.name)).total:
+            if priced.total > gpu.phases.get(phase.name, PhaseBytes(phase.name)).total:
                 gpu.phases[phase.name] = priced
         peak = max(gpu.phases.values(), key=lambda p: p.total)
         gpu.peak_phase, gpu.total = peak.name, peak.total
@@ -543,7 +544,8 @@ def phase_table(report: DryRunReport):
         if g.phases:
             key = tuple((name, round(p.total / GIB, 2)) for name, p in g.phases.items())
             groups.setdefault(key, []).append(g)
-    table = Table(title="Phases (GiB per GPU, reserved included; in the trainer's order, megamarl.planning.phases)")
+    table = Table(title="Phases of a step (GiB per GPU, reserved included; the trainer's order, megamarl.planning.phases; "
+                        "start-up runs wake weights .. evaluate first)")
     table.add_column("phase", justify="left")
     for members in groups.values():
         table.add_column(f"ranks {rank_ranges([g.rank for g in members])}", justify="right")
