@@ -103,6 +103,9 @@ class Trainer:
             (self.run_dir / "engine_servers.json").write_text(json.dumps(self.fleet.table(), indent=1))
         self._wait_for_driver("engine start-up")
         self._offloaded = self._offload_targets()
+        gathered: list = [None] * self.world_size
+        dist.all_gather_object(gathered, self._offloaded, group=control_group())
+        self._offloaded_anywhere = {name for names in gathered for name in names}
         overlaps = SCHEDULES.traits(cfg.trainer.mode, key="trainer.mode").overlaps_training
         self.phases = SimpleNamespace(start=start_phases(overlaps_training=overlaps),
                                       step=step_phases(overlaps_training=overlaps),
@@ -112,6 +115,7 @@ class Trainer:
         self._received: RankBatch | None = None  # this step's batch (None before the first rollout)
         self._metrics: dict[str, float] = {}  # this step's metrics so far
         self._step_start = 0.0
+        self._resynced: dict[str, float] = {}  # the re-sync phase's metrics, logged with the rollout's
         self._saved_at = -1  # the step last saved
         self._evaluate_only: int | None = None  # evaluate_only's label (-1: the checkpoint's step)
         self._eval_results: dict[str, float] = {}
@@ -177,6 +181,7 @@ class Trainer:
             "wake_weights": lambda: self.hand_over(wake=("weights",)),
             "push_all": lambda: self.sync_all_weights(),
             "push": self._push_phase,
+            "resync": self._resync_phase,
             "save": self._save_phase,
             "final_save": self._final_save,
             "offload": self._offload_phase,
@@ -212,8 +217,8 @@ class Trainer:
         self._wait_for_driver("the engines' sleep")
 
     def _rollout_phase(self) -> None:
-        self._step_start = time.perf_counter()
         self._received, self._metrics = self.rollout_and_prepare()
+        self._metrics.update(self._resynced)
 
     def _train_phase(self) -> None:
         self._metrics.update(self.update(self._received, self._pending))
@@ -226,6 +231,12 @@ class Trainer:
         self._metrics.update(self.sync_all_weights(self.due_for_sync()))
         self._metrics.update(self.resync_restarted())
         self._metrics.update(self.snapshot_opponents())
+
+    def _resync_phase(self) -> None:
+        """Before the rollout: replicas restarted since the last push get the current weights now, of
+        policies whose train state never left the device (the others in the push phase). The step's clock starts."""
+        self._step_start = time.perf_counter()
+        self._resynced = self.resync_restarted(resident_only=True)
 
     def _save_phase(self) -> None:
         """Cadence and last-step saves here, with the train state resident; a run that stops after
@@ -397,11 +408,15 @@ class Trainer:
         dist.barrier(group=control_group())
         return metrics
 
-    def resync_restarted(self) -> dict[str, float]:
-        """Engine servers restarted since the last push get the current weights now, before the
-        step's rollout, instead of idling until the next push (collective; nothing when none restarted)."""
+    def resync_restarted(self, *, resident_only: bool = False) -> dict[str, float]:
+        """Engine servers restarted since the last push get the current weights now instead of idling
+        until the next push (collective; nothing when none restarted). ``resident_only``: only of
+        policies whose train state is on the device everywhere (no rank offloaded it)."""
         metrics = {}
-        for name, indices in stale_replicas(self.replicas, driver_rank=DRIVER, control_group=control_group()).items():
+        stale = stale_replicas(self.replicas, driver_rank=DRIVER, control_group=control_group())
+        for name, indices in stale.items():
+            if resident_only and name in self._offloaded_anywhere:
+                continue
             with self.progress.phase(f"re-sync {name} replicas {indices}", unit=""):
                 metrics.update(self.replicas[name].resync(self.versions[name], indices))
         return metrics

@@ -19,9 +19,10 @@ cached blocks -> wake the KV cache -> rollout -> sleep -> restore -> train -> re
 and around again. The first release keeps the activations' cached blocks from sitting under the
 woken engine weights; the offload's keeps the train state's from sitting under the KV cache.
 Start-up (step 0, or a resumed run) runs the same push half before the first rollout and its
-evaluation. A restarted engine replica is re-synced in the push phase (asleep since the last
-rollout's sleep like its peers, woken with them). In the async modes the engines never sleep and
-nothing is offloaded: the update runs while the engines generate.
+evaluation. A restarted engine replica is re-synced before the rollout when its policy's train
+state is on the device there (it never left: no offload), else in the push phase, with the train
+state back (asleep since the rollout's sleep like its peers, woken with them). In the async modes
+the engines never sleep and nothing is offloaded: the update runs while the engines generate.
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ _PUSH = (
 )
 _EVALUATE = _phase("evaluate", "evaluate", *ENGINE)
 _UPDATE = (
+    _phase("re-sync restarted", "resync", *ENGINE),
     _phase("rollout", "rollout", *ENGINE),
     _phase("sleep", "sleep"),
     _phase("restore", "restore", *TRAIN_STATE),
@@ -79,6 +81,7 @@ _ASYNC_PUSH = (
     _phase("save", "save", *TRAIN_STATE, *ENGINE),
 )
 _ASYNC_UPDATE = (
+    _phase("re-sync restarted", "resync", *TRAIN_STATE, *ENGINE),
     _phase("rollout", "rollout", *TRAIN_STATE, *ENGINE),
     _phase("train", "train", *TRAIN_STATE, "activations", *ENGINE),
     _phase("release", "release", *TRAIN_STATE, *ENGINE),
@@ -100,8 +103,8 @@ def start_phases(*, overlaps_training: bool) -> tuple[Phase, ...]:
 
 
 def step_phases(*, overlaps_training: bool) -> tuple[Phase, ...]:
-    """One training step: rollout, update, push (and re-sync restarted replicas), save when due,
-    hand the GPU back to the engines, evaluate when due."""
+    """One training step: re-sync restarted replicas whose train state is resident, rollout, update,
+    push (and re-sync the others), save when due, hand the GPU back to the engines, evaluate when due."""
     if overlaps_training:
         return (*_ASYNC_UPDATE, *_ASYNC_PUSH, _phase("evaluate", "evaluate", *_evaluate_kinds(True)))
     return (*_UPDATE, *_PUSH, _EVALUATE)

@@ -36,7 +36,7 @@ CALLS = {
     "wake_weights": ["wake:weights"], "push_all": ["push"], "push": ["push"], "save": ["save"],
     "offload": ["offload", "release"], "wake_kv": ["wake:kv_cache", "verify"], "evaluate": ["evaluate"],
     "rollout": ["collect"], "sleep": ["sleep"], "restore": ["restore"], "train": ["train_share"],
-    "release": ["release"], "final_save": ["save"],
+    "release": ["release"], "final_save": ["save"], "resync": [],  # no replica restarted here
 }
 
 

@@ -27,7 +27,7 @@ def test_sync_order_offloads_before_the_kv_cache_wakes():
     assert _actions(start_phases(overlaps_training=False)) == [
         "wake_weights", "push_all", "offload", "wake_kv", "evaluate"]
     assert _actions(step_phases(overlaps_training=False)) == [
-        "rollout", "sleep", "restore", "train", "release", "wake_weights", "push", "save", "offload", "wake_kv",
+        "resync", "rollout", "sleep", "restore", "train", "release", "wake_weights", "push", "save", "offload", "wake_kv",
         "evaluate"]
     assert _actions(final_save_phases(overlaps_training=False)) == ["sleep", "restore", "final_save"]
     for phase in run_phases(overlaps_training=False):
@@ -41,7 +41,7 @@ def test_async_modes_keep_the_engines_awake_and_offload_nothing():
     phases = run_phases(overlaps_training=True)
     assert not {"sleep", "restore", "offload", "wake_weights", "wake_kv"} & set(_actions(phases))
     assert all(p.holds(k) for p in phases for k in (*TRAIN_STATE, *ENGINE))
-    assert _actions(step_phases(overlaps_training=True)) == ["rollout", "train", "release", "push", "save", "evaluate"]
+    assert _actions(step_phases(overlaps_training=True)) == ["resync", "rollout", "train", "release", "push", "save", "evaluate"]
 
 
 def test_unknown_resident_kind_is_refused():
