@@ -156,7 +156,8 @@ class Trainer:
             while self.step < total and not self.stop_reason:
                 self.run_phases(self.phases.step)
                 preempted = preemption.agreed(control_group())  # every rank, same step (megamarl.runtime.preemption)
-                if (self.stop_reason or preempted) and self._saved_at != self.step:
+                # the checkpoint of a run that stops carries its stop reason (a cadence save of this step is rewritten)
+                if self.stop_reason or (preempted and self._saved_at != self.step):
                     self.run_phases(self.phases.final_save)
                 if preempted:
                     if self.is_driver and not self.stop_reason:  # eval.stop_at ended it: finished, nothing to requeue
