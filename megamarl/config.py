@@ -76,7 +76,9 @@ class EngineConfig:
     ranks: list[int] = field(default_factory=list)
     tp: int = 1
     max_num_seqs: int = 64
-    kv_cache_gib: float = 1.0  # per GPU; 0: derived from max_num_seqs * policy seq_len (see megamarl.planning.dryrun)
+    # per GPU; 0: derived from max_num_seqs * policy seq_len (the plan's figure, megamarl.planning.dryrun);
+    # null (default): that on GPUs, 1 GiB on CPU (kv_cache_setting)
+    kv_cache_gib: float | None = None
     server_urls: list[str] = field(default_factory=list)  # external servers (disaggregated HTTP)
     bucket_mb: int = 64  # weight-sync bucket size
     # auto: bf16 where this node's CPU/GPU computes it natively, fp32 otherwise (logged at start-up;
@@ -125,6 +127,14 @@ class EngineConfig:
             return self.server_start_timeout_s
         return SERVER_START_TIMEOUT_S["gpu" if on_gpu else "cpu"]
 
+    def kv_cache_setting(self, *, on_gpu: bool) -> float:
+        """``kv_cache_gib`` resolved: GiB per GPU, or 0 for the plan's figure (``max_num_seqs`` sequences of
+        ``seq_len``). null: the plan's figure on GPUs, where 1 GiB would hold two 4k sequences of an 8B model
+        and vLLM refuses a context longer than the cache; 1 GiB on CPU, whose servers share host memory."""
+        if self.kv_cache_gib is not None:
+            return self.kv_cache_gib
+        return 0.0 if on_gpu else 1.0
+
     def __post_init__(self) -> None:
         if self.gpu_memory_utilization is not None:
             check_range("policies.<p>.engine.gpu_memory_utilization", self.gpu_memory_utilization, low=0, high=1,
@@ -151,7 +161,8 @@ class EngineConfig:
             raise ValueError(f"policies.<p>.engine.num_replicas must be >= 1, got {self.num_replicas}")
         for key in ("tp", "max_num_seqs", "bucket_mb"):
             check_range(f"policies.<p>.engine.{key}", getattr(self, key), low=1)
-        check_range("policies.<p>.engine.kv_cache_gib", self.kv_cache_gib, low=0)
+        if self.kv_cache_gib is not None:
+            check_range("policies.<p>.engine.kv_cache_gib", self.kv_cache_gib, low=0)
         bad = [r for r in self.ranks if r < 0]
         if bad:
             raise ValueError(f"policies.<p>.engine.ranks has negative ranks {bad}")

@@ -1,4 +1,4 @@
-"""The training loop: rollout -> advantages -> update each policy -> sync weights -> log/eval/save.
+"""The training loop: rollout -> advantages -> update each policy -> sync weights -> save/log/eval.
 
 SPMD under torchrun: every rank runs ``Trainer.fit``. Rank 0 is also the *driver*
 (``megamarl.driver.RolloutDriver``): it hosts the engines (colocated, in-process), runs the episodes,
@@ -11,15 +11,18 @@ envs, orchestras) are looked up by name in registries; the loop itself has no pe
 ``trainer.mode`` names the driver's rollout schedule (``megamarl.driver.schedules``: sync, one_step_off,
 fully_async; docs/async.md): where the next batch comes from and what a weight push waits for.
 ``Trainer.evaluate_only`` is ``scripts/evaluate.py``'s loop: the same start-up, one evaluation, shut down.
+The loop runs the phases of ``megamarl.planning.phases`` in order (the list the dry-run prices): what
+sleeps, wakes, moves to host memory and is pushed when is decided there, not here.
 """
 
 from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch.distributed as dist
 
@@ -29,11 +32,12 @@ from megamarl.driver.rollout_driver import RolloutDriver
 from megamarl.driver.schedules import SCHEDULES, sync_interval
 from megamarl.parallel.collectives import scatter_objects
 from megamarl.parallel.distributed import control_group, init_distributed, wait_for_driver
-from megamarl.parallel.hardware import DTYPES, policy_dtype
+from megamarl.parallel.hardware import DTYPES, policy_dtype, release_cached_memory
 from megamarl.parallel.placement import build_worker_groups, placement_of
 from megamarl.planning.dryrun import engine_memory
 from megamarl.planning.engine_budget import server_memory_fractions
 from megamarl.planning.model_presets import resolve_model_shape
+from megamarl.planning.phases import Phase, final_save_phases, start_phases, step_phases
 from megamarl.rl.dispatch import RankBatch, rank_batches
 from megamarl.rl.policy_setup import batch_splits, build_workers
 from megamarl.rl.worker import NumericalFaultError
@@ -99,6 +103,22 @@ class Trainer:
             (self.run_dir / "engine_servers.json").write_text(json.dumps(self.fleet.table(), indent=1))
         self._wait_for_driver("engine start-up")
         self._offloaded = self._offload_targets()
+        gathered: list = [None] * self.world_size
+        dist.all_gather_object(gathered, self._offloaded, group=control_group())
+        self._offloaded_anywhere = {name for names in gathered for name in names}
+        overlaps = SCHEDULES.traits(cfg.trainer.mode, key="trainer.mode").overlaps_training
+        self.phases = SimpleNamespace(start=start_phases(overlaps_training=overlaps),
+                                      step=step_phases(overlaps_training=overlaps),
+                                      final_save=final_save_phases(overlaps_training=overlaps))
+        self.actions = self._actions()
+        self._pending: dict[str, float] = {}  # this rank's offload/restore metrics, gathered with the update's
+        self._received: RankBatch | None = None  # this step's batch (None before the first rollout)
+        self._metrics: dict[str, float] = {}  # this step's metrics so far
+        self._step_start = 0.0
+        self._resynced: dict[str, float] = {}  # the re-sync phase's metrics, logged with the rollout's
+        self._saved_at = -1  # the step last saved
+        self._evaluate_only: int | None = None  # evaluate_only's label (-1: the checkpoint's step)
+        self._eval_results: dict[str, float] = {}
         for replicas in self.replicas.values():
             replicas.register_adapters()
         self._maybe_resume(rewind=not eval_only)
@@ -123,41 +143,23 @@ class Trainer:
 
     # ---- the loop -------------------------------------------------------------------------------
     def fit(self) -> None:
+        """Start-up phases (the weights into the engines, the step-0 evaluation), then each step's
+        phases in ``megamarl.planning.phases`` order, the list the dry-run prices."""
         with self._release_on_error():
             total = self.cfg.trainer.total_steps
             self.progress.start_at(self.step)
-            if self.step == 0:
-                self.sync_all_weights()  # engines start from the (possibly resumed) trained weights
-                self.evaluate()
-            elif self.stop_reason and self.is_driver:
+            if self.stop_reason and self.is_driver:
                 self.driver.console_print(f"resumed a run that stopped at step {self.step}: {self.stop_reason}; nothing to do")
+            if not self.stop_reason:
+                self.run_phases(self.phases.start)
             preemption = PreemptionFlag()
             while self.step < total and not self.stop_reason:
-                step_start = time.perf_counter()
-                resynced = self.resync_restarted()
-                offloaded = self.offload_train_state()  # gathered from every rank with the update's metrics
-                received, metrics = self.rollout_and_prepare()
-                metrics.update(resynced)
-                metrics.update(self.update(received, offloaded))
-                metrics.update(self.sync_all_weights(self.due_for_sync()))
-                self.step += 1
-                metrics.update(self.snapshot_opponents())
-                metrics["timing_s/step"] = time.perf_counter() - step_start
-                metrics["timing_s/idle"] = idle_seconds(metrics)
-                metrics.update(throughput_metrics(
-                    num_train_tokens=received.summary.num_train_tokens, update_s=metrics["timing_s/update"],
-                    num_samples=received.summary.num_samples, step_s=metrics["timing_s/step"],
-                ))
-                self.progress.step_done(self.step, metrics["timing_s/step"])
-                self.log(metrics)
-                if self._due(self.cfg.eval.every) or self.step == total:
-                    self.stop_reason = self.evaluate()
-                saved = self._due(self.cfg.trainer.save_every) or self.step == total or bool(self.stop_reason)
-                if saved:
-                    self.save()
-                if preemption.agreed(control_group()):  # every rank, same step (megamarl.runtime.preemption)
-                    if not saved:
-                        self.save()
+                self.run_phases(self.phases.step)
+                preempted = preemption.agreed(control_group())  # every rank, same step (megamarl.runtime.preemption)
+                # the checkpoint of a run that stops carries its stop reason (a cadence save of this step is rewritten)
+                if self.stop_reason or (preempted and self._saved_at != self.step):
+                    self.run_phases(self.phases.final_save)
+                if preempted:
                     if self.is_driver and not self.stop_reason:  # eval.stop_at ended it: finished, nothing to requeue
                         mark_stopped(self.run_dir, step=self.step, received=preemption.received)  # train.sbatch requeues on it
                     if self.is_driver:
@@ -168,6 +170,114 @@ class Trainer:
                     self.driver.console_print(f"stopping at step {self.step}: {self.stop_reason} (saved)")
             preemption.uninstall()
             self.close()
+
+    def run_phases(self, phases: Iterable[Phase]) -> None:
+        """Run each phase's action in order (``self.actions``: the phase list's seam)."""
+        for phase in phases:
+            self.actions[phase.action]()
+
+    def _actions(self) -> dict[str, Callable[[], None]]:
+        """What each phase action of ``megamarl.planning.phases`` does here."""
+        return {
+            "wake_weights": lambda: self.hand_over(wake=("weights",)),
+            "push_all": lambda: self.sync_all_weights(),
+            "push": self._push_phase,
+            "resync": self._resync_phase,
+            "save": self._save_phase,
+            "final_save": self._final_save,
+            "offload": self._offload_phase,
+            "wake_kv": self._wake_kv_phase,
+            "evaluate": self._evaluate_phase,
+            "rollout": self._rollout_phase,
+            "sleep": self.sleep_engines,
+            "restore": lambda: self._pending.update(self.restore_train_state()),
+            "train": self._train_phase,
+            "release": release_cached_memory,
+        }
+
+    def hand_over(self, *, wake: tuple[str, ...]) -> None:
+        """On the driver: wake these parts (``weights``, ``kv_cache``) of every policy's replicas that
+        sleep (``PolicyReplicas``: nothing for replicas that never sleep)."""
+        if self.is_driver:
+            for replicas in self.replicas.values():
+                replicas.wake(wake)
+
+    def _wake_kv_phase(self) -> None:
+        """The KV caches back (the train state has left), then the probes of this step's pushes
+        into replicas that sleep (``engine.verify_sync``; collective)."""
+        self.hand_over(wake=("kv_cache",))
+        for replicas in self.replicas.values():
+            self._metrics.update(replicas.verify_pushed())
+
+    def sleep_engines(self) -> None:
+        """Collective: the driver puts the sleeping kind of replicas to sleep; no rank restores its
+        train state before their memory is free."""
+        if self.is_driver:
+            for replicas in self.replicas.values():
+                replicas.sleep()
+        self._wait_for_driver("the engines' sleep")
+
+    def _rollout_phase(self) -> None:
+        self._received, self._metrics = self.rollout_and_prepare()
+        self._metrics.update(self._resynced)
+
+    def _train_phase(self) -> None:
+        self._metrics.update(self.update(self._received, self._pending))
+        self._pending = {}
+        self.step += 1
+
+    def _push_phase(self) -> None:
+        """The due pushes, then the re-sync of restarted replicas (the train state is resident and the
+        engines' weights awake), then the opponent-pool snapshot."""
+        self._metrics.update(self.sync_all_weights(self.due_for_sync()))
+        self._metrics.update(self.resync_restarted())
+        self._metrics.update(self.snapshot_opponents())
+
+    def _resync_phase(self) -> None:
+        """Before the rollout: replicas restarted since the last push get the current weights now, of
+        policies whose train state never left the device (the others in the push phase). The step's clock starts."""
+        self._step_start = time.perf_counter()
+        self._resynced = self.resync_restarted(resident_only=True)
+
+    def _save_phase(self) -> None:
+        """Cadence and last-step saves here, with the train state resident; a run that stops after
+        an evaluation saves in the final-save phases (``fit``)."""
+        if self._due(self.cfg.trainer.save_every) or self.step == self.cfg.trainer.total_steps:
+            self._final_save()
+
+    def _final_save(self) -> None:
+        self.save()
+        self._saved_at = self.step
+
+    def _offload_phase(self) -> None:
+        """The train state (of policies that offload it here) to host memory, the allocator's cached
+        blocks released on every rank; all ranks done before the driver wakes the KV caches."""
+        self._pending.update(self.offload_train_state())
+        release_cached_memory()
+        dist.barrier(group=control_group())
+
+    def _evaluate_phase(self) -> None:
+        """At start-up: the step-0 evaluation (``evaluate_only``: its one evaluation). After a step:
+        its metrics logged, then the evaluation when due (which may stop the run)."""
+        if self._evaluate_only is not None:
+            self.step = self.step if self._evaluate_only < 0 else self._evaluate_only
+            self._eval_results = self._eval_on_driver()
+            return
+        if self._received is None:
+            if self.step == 0:
+                self.evaluate()
+            return
+        metrics, received = self._metrics, self._received
+        metrics["timing_s/step"] = time.perf_counter() - self._step_start
+        metrics["timing_s/idle"] = idle_seconds(metrics)
+        metrics.update(throughput_metrics(
+            num_train_tokens=received.summary.num_train_tokens, update_s=metrics["timing_s/update"],
+            num_samples=received.summary.num_samples, step_s=metrics["timing_s/step"],
+        ))
+        self.progress.step_done(self.step, metrics["timing_s/step"])
+        self.log(metrics)
+        if self._due(self.cfg.eval.every) or self.step == self.cfg.trainer.total_steps:
+            self.stop_reason = self.evaluate()
 
     @contextmanager
     def _release_on_error(self) -> Iterator[None]:
@@ -200,10 +310,10 @@ class Trainer:
         return received, metrics
 
     def offload_train_state(self) -> dict[str, float]:
-        """Before the rollout: policies with ``offload_train_state`` whose shards on this rank share
-        their device with an engine replica move weights, gradient buffers and optimizer state to
-        host memory (sync mode only: the async modes train while the engines generate). Nothing
-        moves on a CPU rank (``megamarl.rl.offload``)."""
+        """After the push, before the KV caches wake: policies with ``offload_train_state`` whose
+        shards on this rank share their device with an engine replica move weights, gradient buffers
+        and optimizer state to host memory (sync mode only: the async modes train while the engines
+        generate). Nothing moves on a CPU rank (``megamarl.rl.offload``)."""
         metrics = {}
         for name in self._offloaded:
             stats = self.workers[name].train_state.offload()
@@ -214,11 +324,12 @@ class Trainer:
     def restore_train_state(self) -> dict[str, float]:
         return {f"timing_s/{name}/restore": self.workers[name].train_state.restore().seconds for name in self._offloaded}
 
-    def update(self, received: RankBatch, offloaded: dict[str, float] | None = None) -> dict[str, float]:
+    def update(self, received: RankBatch, pending: dict[str, float] | None = None) -> dict[str, float]:
         """Each of this rank's workers trains on its share; every rank counts the updates of every
-        policy that had data (the summary is the same everywhere)."""
+        policy that had data (the summary is the same everywhere). ``pending``: this rank's metrics
+        of the offload and restore phases since the last update, gathered with the update's."""
         start = time.perf_counter()
-        metrics: dict[str, float] = {**(offloaded or {}), **self.restore_train_state()}
+        metrics: dict[str, float] = dict(pending or {})
         for name in received.summary.trained_policies:
             self.updates_since_sync[name] += 1
         with self.progress.phase("train", unit="micro-batches") as phase:
@@ -298,11 +409,15 @@ class Trainer:
         dist.barrier(group=control_group())
         return metrics
 
-    def resync_restarted(self) -> dict[str, float]:
-        """Engine servers restarted since the last push get the current weights now, before the
-        step's rollout, instead of idling until the next push (collective; nothing when none restarted)."""
+    def resync_restarted(self, *, resident_only: bool = False) -> dict[str, float]:
+        """Engine servers restarted since the last push get the current weights now instead of idling
+        until the next push (collective; nothing when none restarted). ``resident_only``: only of
+        policies whose train state is on the device everywhere (no rank offloaded it)."""
         metrics = {}
-        for name, indices in stale_replicas(self.replicas, driver_rank=DRIVER, control_group=control_group()).items():
+        stale = stale_replicas(self.replicas, driver_rank=DRIVER, control_group=control_group())
+        for name, indices in stale.items():
+            if resident_only and name in self._offloaded_anywhere:
+                continue
             with self.progress.phase(f"re-sync {name} replicas {indices}", unit=""):
                 metrics.update(self.replicas[name].resync(self.versions[name], indices))
         return metrics
@@ -328,10 +443,9 @@ class Trainer:
         eval.json entry is labelled ``step`` (default: the checkpoint's, 0 without one). Returns the
         results on the driver, {} on the other ranks."""
         with self._release_on_error():
-            if self.step == 0:
-                self.sync_all_weights()
-            self.step = self.step if step is None else step
-            results = self._eval_on_driver()
+            self._evaluate_only = -1 if step is None else step
+            self.run_phases(self.phases.start)  # the same start-up order as ``fit``
+            results = self._eval_results
             self.close()
         return results
 
@@ -400,8 +514,7 @@ class Trainer:
         self.step = state["step"]
         self.stop_reason = state.get("stop_reason", "")
         # sync_all_weights stamps version + 1: start one below so engines carry the saved versions
-        self.versions = {name: state["versions"].get(name, 1) - 1 for name in self.cfg.policies}
-        self.sync_all_weights()
+        self.versions = {name: state["versions"].get(name, 1) - 1 for name in self.cfg.policies}  # pushed at start-up
         if not checkpoint.load_rng(path, self.rank):  # saved with fewer ranks
             checkpoint.seed_everything(self.cfg.trainer.seed + 1_000_003 * self.step + self.rank)
         if self.is_driver and not rewind:  # evaluate_only: nothing of the run is continued here

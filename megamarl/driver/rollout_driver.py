@@ -178,7 +178,6 @@ class RolloutDriver:
         start = time.perf_counter()
         trainable = {name: v for name, v in versions.items() if not self.cfg.policies[name].frozen}
         expected = None if self.schedule.overlaps_training else self.cfg.rollout.num_tasks * self.cfg.rollout.group_size
-        self._hand_over(wake=True)  # colocated servers asleep since the last rollout (no push since)
         with self.progress.phase("rollout", total=expected) as self._phase:
             result, metrics = self.schedule.next_rollout(step, trainable)
         self._phase = None
@@ -214,7 +213,6 @@ class RolloutDriver:
                 metrics.update({f"engine/{name}/{k}": v for k, v in engine.counters().items()})
         if self.env_workers is not None:
             metrics.update({f"env_workers/{k}": v for k, v in self.env_workers.counters().items()})
-        self._hand_over(wake=False)  # colocated servers free their memory while the trainer updates
         return batch, metrics
 
     def _log_transcripts(self, step: int, result: RolloutResult) -> None:
@@ -231,13 +229,6 @@ class RolloutDriver:
         records = episode_transcripts(result.samples, result.episodes, step=step, parse=parse, decode=decode,
                                       limit=self.cfg.logger.episodes_per_step)
         self.logger.log_episodes(step, records)
-
-    def _hand_over(self, *, wake: bool) -> None:
-        for replicas in self.replicas.values():
-            if wake:
-                replicas.wake()
-            else:
-                replicas.sleep()
 
     def _refill(self, step: int, round_: int) -> SampleBatch | None:
         """A fresh chunk for dynamic sampling's refill: its own seed (negative chunk indices, which the
@@ -256,7 +247,6 @@ class RolloutDriver:
         holds them all: the unnamed default set as ``team_accuracy``, ``avg@k``, ...; a named set as
         ``<set>/team_accuracy`` (logged as ``eval/<set>/team_accuracy``)."""
         e = self.cfg.eval
-        self._hand_over(wake=True)  # on GPU a frozen policy's servers may still sleep since start-up
         # evaluation is one pass: no best-of-K with the env's check fn (tree_k=1)
         greedy = {
             role: replace(a, sampling=replace(a.sampling, temperature=e.temperature, top_p=1.0, top_k=-1), tree_k=1)

@@ -89,6 +89,13 @@ def check_dtypes(cfg: RunConfig) -> None:
                 raise ValueError(f"policies.{name}.{key}='{value}' unknown; allowed: {list(DTYPE_CHOICES)}")
 
 
+def release_cached_memory() -> None:
+    """Hand the allocator's cached, unused blocks back to the device (a no-op on CPU): another
+    process (an engine server waking up) can only use memory this one has released."""
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def synchronize() -> None:
     """Wait for the accelerator's queued work (a no-op on CPU, where there is none)."""
     if torch.accelerator.is_available():

@@ -20,19 +20,19 @@ a GPU cluster plans bf16, as ``resolve_dtype`` gives on its GPUs; CPU ranks reso
 LoRA adapters, whether a KL reference model exists, the largest micro-batch, and the layer spec
 (``models.spec.layer_spec_choice``: Transformer Engine on GPUs, with flash attention, except for LoRA
 policies; megatron-core's local spec on CPU ranks).
-Engines: weights 2 * P / tp_e (bf16, no PP), KV cache ``engine.kv_cache_gib`` per GPU, or when 0:
+Engines: weights b_e * P / tp_e (``engine.dtype``; auto is bf16 on GPUs; no PP), KV cache
+``engine.kv_cache_gib`` per GPU, or when 0 (and by default on GPUs):
 max_num_seqs * seq_len * 2 (K, V) * L * ceil(kv_heads / tp_e) * head_dim * 2 bytes; LoRA adapters
-2 * r * (in + out) / tp_e per targeted linear.
+b_e * r * (in + out) / tp_e per targeted linear.
 
-A GPU adds up what it holds. Training phase: the static state (weights, grads, main params,
-optimizer, LoRA, resident reference models) of every WG on it plus the largest peak (activations,
-or a ``ref_offload`` reference model visiting; colocated WGs update one after another). Rollout
-phase: its engine replicas, the resident reference models (``train_state`` offloading leaves them)
-and the training state of WGs with ``offload_train_state=false``. In ``trainer.mode=sync`` engines
-sleep (release weights and KV) during training and training state is offloaded during rollout, so
-the GPU needs max(train, rollout); the async modes overlap the two, so they add up.
-``cluster.reserved_gib`` is added on top for the CUDA context, NCCL buffers and allocator
-fragmentation.
+A GPU is priced phase by phase, in the order the trainer runs them (``megamarl.planning.phases``,
+the list ``Trainer.fit`` executes): in each phase it holds the kinds the phase keeps resident
+(the training state of WGs that offload it only in the phases that hold it, every other WG's always;
+the activation peak, one WG at a time, in the train phase; sleeping engines' weights and KV cache
+only in the phases that hold them, other engines always; the reference models and
+``cluster.reserved_gib`` — CUDA context, NCCL buffers, fragmentation — everywhere). The GPU needs its
+peak phase, reported by name: in ``trainer.mode=sync`` colocated, the push (train state + woken
+engine weights) or the update; the async modes hold everything at once.
 
 Engine placement comes from ``megamarl.rollout.placement.plan_engines``, the plan every
 rank computes at start-up: ``engine.ranks`` empty -> replica i sits on the policy's WG ranks
@@ -63,8 +63,9 @@ from megamarl.parallel.placement import (
     placement_of,
     rank_coords,
 )
-from megamarl.planning.memory import Memory, TrainingSetup, num_micro_batches, train_memory
+from megamarl.planning.memory import DTYPE_BYTES, Memory, TrainingSetup, num_micro_batches, train_memory
 from megamarl.planning.model_presets import ModelShape, resolve_model_shape
+from megamarl.planning.phases import ENGINE, TRAIN_STATE, Phase, run_phases, step_phases
 from megamarl.rollout.placement import ReplicaPlacement, plan_engines
 from megamarl.runtime.configure import load_config
 
@@ -118,16 +119,34 @@ class EngineShard:
 
 
 @dataclass
+class PhaseBytes:
+    """What one GPU holds during one phase, by kind (``phases.KINDS``), in bytes."""
+
+    name: str
+    kinds: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def total(self) -> float:
+        return sum(self.kinds.values())
+
+    @property
+    def engine(self) -> float:
+        return sum(self.kinds.get(k, 0.0) for k in ENGINE)
+
+
+@dataclass
 class GpuReport:
     rank: int
     node: int
     local: int
     shards: list[Shard] = field(default_factory=list)
     engines: list[EngineShard] = field(default_factory=list)
-    train: float = 0.0  # bytes
-    rollout: float = 0.0
-    total: float = 0.0  # max(train, rollout) or train + rollout, plus cluster.reserved_gib
-    engine: float = 0.0  # its engine replicas' share of ``rollout``
+    phases: dict[str, PhaseBytes] = field(default_factory=dict)  # by phase name, in the trainer's order
+    peak_phase: str = ""
+    total: float = 0.0  # the peak phase's bytes, cluster.reserved_gib included
+
+    def phase(self, name: str) -> float:
+        return self.phases[name].total if name in self.phases else 0.0
 
 
 @dataclass
@@ -187,10 +206,11 @@ def dry_run(cfg: RunConfig, *, console=None, world_size: int | None = None) -> D
 
 
 def plan_memory(cfg: RunConfig, *, world_size: int, gpus_per_node: int, on_gpus: bool,
-                shapes: dict[str, ModelShape] | None = None) -> DryRunReport:
-    """Every WG's and engine's bytes and what each GPU holds, for ``world_size`` ranks (no checks,
-    no printing; ``dry_run`` adds them, and engine servers take their memory fraction from it:
-    ``megamarl.planning.engine_budget``)."""
+                shapes: dict[str, ModelShape] | None = None, offload_applies: bool | None = None) -> DryRunReport:
+    """Every WG's and engine's bytes and what each GPU holds in each phase, for ``world_size`` ranks
+    (no checks, no printing; ``dry_run`` adds them, and engine servers take their memory fraction
+    from it: ``megamarl.planning.engine_budget``). ``offload_applies``: the train state really
+    leaves the device (default: ``on_gpus``; a CPU test forces it)."""
     placement = placement_of(cfg, world_size)
     shapes = shapes or {name: resolve_model_shape(p.model, key=f"policies.{name}.model")
                         for name, p in cfg.policies.items()}
@@ -207,9 +227,11 @@ def plan_memory(cfg: RunConfig, *, world_size: int, gpus_per_node: int, on_gpus:
         stages = [train_memory(shape, policy, layout, setup, stage=s, num_micro_batches=micro_batches)
                   for s in range(layout.pp)]
         worker_groups[name] = WorkerGroupReport(name, policy.model, shape, layout, setup, stages)
-        engines[name] = _engine_report(name, policy, shape, plan[name], setup.num_adapters)
+        engines[name] = _engine_report(name, policy, shape, plan[name], setup.num_adapters,
+                                       dtype=engine_dtype(policy, on_gpus=on_gpus), on_gpus=on_gpus)
         warnings += _cross_node_warnings(name, layout, gpus_per_node)
-    gpus = _gpu_totals(cfg, worker_groups, engines, world_size, gpus_per_node)
+    offload_applies = on_gpus if offload_applies is None else offload_applies
+    gpus = _gpu_totals(cfg, worker_groups, engines, world_size, gpus_per_node, offload_applies=offload_applies)
     return DryRunReport(world_size, gpus_per_node, cfg.cluster.gpu_memory_gib, worker_groups, engines, gpus, warnings)
 
 
@@ -252,19 +274,24 @@ def training_setup(cfg: RunConfig, name: str, *, on_gpus: bool) -> TrainingSetup
     )
 
 
-def engine_memory(shape: ModelShape, policy: PolicyConfig, *, num_adapters: int = 0) -> Memory:
+def engine_memory(shape: ModelShape, policy: PolicyConfig, *, num_adapters: int = 0, dtype: str = "bf16",
+                  on_gpus: bool = True) -> Memory:
+    """One engine GPU's bytes; ``dtype``: the engine's weight dtype (``engine_dtype``); ``on_gpus``:
+    how ``engine.kv_cache_gib: null`` resolves (``EngineConfig.kv_cache_setting``)."""
     engine = policy.engine
     tp = engine.tp
-    memory = Memory(weights=2 * shape.num_params / tp)
-    if engine.kv_cache_gib > 0:
-        memory.kv_cache = engine.kv_cache_gib * GIB
+    width = DTYPE_BYTES[dtype]
+    memory = Memory(weights=width * shape.num_params / tp)
+    kv_cache_gib = engine.kv_cache_setting(on_gpu=on_gpus)
+    if kv_cache_gib > 0:
+        memory.kv_cache = kv_cache_gib * GIB
     else:
         kv_heads = math.ceil(shape.num_kv_heads / tp)  # vLLM replicates KV heads when tp > kv heads
         per_token = 2 * shape.num_layers * kv_heads * shape.head_dim * 2
         memory.kv_cache = engine.max_num_seqs * policy.seq_len * per_token
     if policy.lora is not None:
         adapters = num_adapters * shape.num_layers * _lora_params_per_layer(shape, policy.lora)
-        memory.lora = 2 * adapters / tp
+        memory.lora = width * adapters / tp
     return memory
 
 
@@ -299,48 +326,56 @@ def check_engine_shape(name: str, policy: PolicyConfig, shape: ModelShape) -> No
         )
 
 
-def _engine_report(name, policy: PolicyConfig, shape, replicas: list[ReplicaPlacement], num_adapters) -> EngineReport:
+def engine_dtype(policy: PolicyConfig, *, on_gpus: bool) -> str:
+    """``engine.dtype`` as the engine will load it: ``auto`` is bf16 on GPUs, this machine's kind on CPU ranks."""
+    return "bf16" if policy.engine.dtype == "auto" and on_gpus else resolve_dtype(policy.engine.dtype)
+
+
+def _engine_report(name, policy: PolicyConfig, shape, replicas: list[ReplicaPlacement], num_adapters, *,
+                   dtype: str = "bf16", on_gpus: bool = True) -> EngineReport:
     """The policy's engine memory on the ranks ``plan_engines`` puts its replicas on (the same plan
     every rank computes at start-up)."""
     engine = policy.engine
     placed = [list(r.ranks) for r in replicas if r.launch != "external"]
     colocated = bool(placed) and all(r.colocated for r in replicas)
     return EngineReport(name, engine.backend, engine.tp, placed, colocated,
-                        engine_memory(shape, policy, num_adapters=num_adapters),
+                        engine_memory(shape, policy, num_adapters=num_adapters, dtype=dtype, on_gpus=on_gpus),
                         launch=replicas[0].launch if replicas else "external")
 
 
-def _gpu_totals(cfg, worker_groups, engines, world_size, gpus_per_node) -> list[GpuReport]:
+def _gpu_totals(cfg, worker_groups, engines, world_size, gpus_per_node, *, offload_applies: bool) -> list[GpuReport]:
+    """Every GPU priced phase by phase (``megamarl.planning.phases``), as the trainer runs them."""
     gpus = [GpuReport(r, r // gpus_per_node, r % gpus_per_node) for r in range(world_size)]
-    static = [0.0] * world_size
-    peaks = [0.0] * world_size  # the largest activation (or reference-visit) peak of the WGs on a GPU
-    resident = [0.0] * world_size  # what stays during rollout
+    overlap = SCHEDULES.traits(cfg.trainer.mode, key="trainer.mode").overlaps_training
+    holdings: list[list] = [[] for _ in range(world_size)]  # (Memory, offloaded) of each WG shard
+    engines_on: list[list] = [[] for _ in range(world_size)]  # (Memory, sleeps) of each engine shard
+    for name, engine in engines.items():
+        # colocated servers hand their memory over when training never overlaps (fleet.PolicyServers.hands_over)
+        sleeps = engine.colocated and engine.launch == "server" and not overlap
+        for replica, ranks in enumerate(engine.replicas):
+            for tp_rank, rank in enumerate(ranks):
+                gpus[rank].engines.append(EngineShard(name, replica, tp_rank))
+                engines_on[rank].append((engine.memory, sleeps))
     for name, wg in worker_groups.items():
         layout = wg.layout
         for rank in layout.ranks:
             coords = rank_coords(layout, rank)
-            memory = wg.stages[coords["pp"]]
             gpus[rank].shards.append(Shard(name, coords["tp"], coords["pp"], coords["dp"]))
-            static[rank] += memory.static
-            peaks[rank] = max(peaks[rank], memory.peak)
-            # PolicyWorker.train_state offloads the model, grads and optimizer; not the reference model
-            resident[rank] += memory.reference
-            if not cfg.policies[name].offload_train_state:
-                resident[rank] += memory.train_state
-    engine_bytes = [0.0] * world_size
-    for name, engine in engines.items():
-        for replica, ranks in enumerate(engine.replicas):
-            for tp_rank, rank in enumerate(ranks):
-                gpus[rank].engines.append(EngineShard(name, replica, tp_rank))
-                engine_bytes[rank] += engine.memory.total
-    overlap = SCHEDULES.traits(cfg.trainer.mode, key="trainer.mode").overlaps_training
+            # Trainer._offload_targets: sync mode, an engine replica on this rank, an accelerator
+            offloaded = (offload_applies and not overlap and bool(engines_on[rank])
+                         and cfg.policies[name].offload_train_state)
+            holdings[rank].append((wg.stages[coords["pp"]], offloaded))
+    reserved = cfg.cluster.reserved_gib * GIB
     for gpu in gpus:
-        r = gpu.rank
-        gpu.train = static[r] + peaks[r]
-        gpu.engine = engine_bytes[r]
-        gpu.rollout = engine_bytes[r] + resident[r]
-        peak = gpu.train + engine_bytes[r] if overlap else max(gpu.train, gpu.rollout)
-        gpu.total = peak + cfg.cluster.reserved_gib * GIB if (gpu.shards or gpu.engines) else 0.0
+        if not (gpu.shards or gpu.engines):
+            continue
+        # one entry per phase name, in a step's order (start-up runs the push half of the same phases)
+        for phase in (*step_phases(overlaps_training=overlap), *run_phases(overlaps_training=overlap)):
+            priced = price_phase(phase, holdings[gpu.rank], engines_on[gpu.rank], reserved=reserved)
+            if priced.total > gpu.phases.get(phase.name, PhaseBytes(phase.name)).total:
+                gpu.phases[phase.name] = priced
+        peak = max(gpu.phases.values(), key=lambda p: p.total)
+        gpu.peak_phase, gpu.total = peak.name, peak.total
     return gpus
 
 
@@ -366,6 +401,28 @@ def _capacity_key(report: DryRunReport, cfg: RunConfig) -> str:
     return f"cluster.gpu_memory_gib={declared}"
 
 
+def price_phase(phase: Phase, shards: list[tuple[Memory, bool]], engines: list[tuple[Memory, bool]], *,
+                reserved: float) -> PhaseBytes:
+    """What one GPU holds in ``phase``: ``shards`` its WG shards' ``Memory`` and whether the trainer
+    offloads that train state here; ``engines`` its engine shards' ``Memory`` and whether they sleep."""
+    out = PhaseBytes(phase.name)
+    for memory, offloaded in shards:
+        for kind in TRAIN_STATE:
+            if phase.holds(kind) or not offloaded:
+                amount = getattr(memory, kind) + (memory.lora if kind == "weights" else 0.0)
+                out.kinds[kind] = out.kinds.get(kind, 0.0) + amount
+        out.kinds["reference"] = out.kinds.get("reference", 0.0) + memory.reference
+    for kind in ("activations", "cached_blocks"):  # WGs on one GPU update one after another
+        if phase.holds(kind) and shards:
+            out.kinds[kind] = max(memory.peak for memory, _ in shards)
+    for memory, sleeps in engines:
+        for kind, amount in (("engine_weights", memory.weights + memory.lora), ("kv_cache", memory.kv_cache)):
+            if phase.holds(kind) or not sleeps:
+                out.kinds[kind] = out.kinds.get(kind, 0.0) + amount
+    out.kinds["reserve"] = reserved
+    return out
+
+
 def _check_capacity(report: DryRunReport, cfg: RunConfig) -> None:
     capacity = report.gpu_memory_gib * GIB
     over = [g for g in report.gpus if g.total > capacity]
@@ -387,12 +444,12 @@ def _check_capacity(report: DryRunReport, cfg: RunConfig) -> None:
             f"policies.{engine.policy} engine replica {engine.replica}: weights {_g(m.weights)} + kv cache "
             f"{_g(m.kv_cache)} + lora {_g(m.lora)} = {_g(m.total)} GiB"
         )
-    phases = "train + rollout" if SCHEDULES.traits(cfg.trainer.mode).overlaps_training else "max(train, rollout)"
+    peak = gpu.phases[gpu.peak_phase]
+    held = " + ".join(f"{kind} {_g(amount)}" for kind, amount in peak.kinds.items() if amount)
     raise ValueError(
         f"{' + '.join(f'policies.{h}' for h in holders)}: GPU node {gpu.node} local {gpu.local} (global rank "
         f"{gpu.rank}) needs {_g(gpu.total)} GiB > {_capacity_key(report, cfg)} "
-        f"[{phases} = {_g(gpu.train)} / {_g(gpu.rollout)} GiB + reserved {cfg.cluster.reserved_gib} GiB; "
-        + "; ".join(detail)
+        f"in phase '{gpu.peak_phase}' [{held} GiB; " + "; ".join(detail)
         + f"]; {len(over)} of {report.world_size} GPUs over. Raise tp/pp, enable recompute, the "
         "distributed optimizer or ref_offload, lower micro_batch_size/seq_len or engine.kv_cache_gib."
     )
@@ -487,20 +544,51 @@ def print_report(report: DryRunReport, console) -> None:
         engines.add_row(name, e.backend, f"{len(e.replicas)} x {e.tp}", ranks, where, *map(_g, memory))
     console.print(engines)
 
-    gpus = Table(title=f"GPUs (GiB; capacity {round(report.gpu_memory_gib, 1)}, total includes reserved)")
-    for col in ("rank", "node:gpu", "WG shards", "engine replicas", "train", "rollout", "total"):
-        gpus.add_column(col, justify="right" if col in ("train", "rollout", "total") else "left")
+    gpus = Table(title=f"GPUs (GiB; capacity {round(report.gpu_memory_gib, 1)}, total: the peak phase, reserved included)")
+    for col in ("rank", "node:gpu", "WG shards", "engine replicas", "peak phase", "total"):
+        gpus.add_column(col, justify="right" if col == "total" else "left")
     capacity = report.gpu_memory_gib * GIB
     for g in report.gpus:
         shards = ", ".join(map(str, g.shards)) or "-"
         replicas = ", ".join(map(str, g.engines)) or "-"
         style = "bold red" if g.total > capacity else None
-        gpus.add_row(str(g.rank), f"{g.node}:{g.local}", shards, replicas, _g(g.train), _g(g.rollout),
-                     _g(g.total), style=style)
+        gpus.add_row(str(g.rank), f"{g.node}:{g.local}", shards, replicas, g.peak_phase or "-", _g(g.total), style=style)
     console.print(gpus)
+    console.print(phase_table(report))
     for warning in report.warnings:
         console.print(f"[yellow]warning:[/yellow] {warning}")
-    console.print(f"peak {report.peak_gib:.1f} GiB of {round(report.gpu_memory_gib, 1)} GiB per GPU")
+    peak = max(report.gpus, key=lambda g: g.total)
+    console.print(f"peak {report.peak_gib:.1f} GiB of {round(report.gpu_memory_gib, 1)} GiB per GPU: phase '{peak.peak_phase}' "
+                  f"on rank {peak.rank}")
+
+
+def phase_table(report: DryRunReport):
+    """One row per phase, in the trainer's order; one column per set of GPUs that hold the same in
+    every phase (its ranks), with what the phase holds there; the peak phase of each set in bold."""
+    from rich.table import Table
+
+    groups: dict[tuple, list[GpuReport]] = {}
+    for g in report.gpus:
+        if g.phases:
+            key = tuple((name, round(p.total / GIB, 2)) for name, p in g.phases.items())
+            groups.setdefault(key, []).append(g)
+    table = Table(title="Phases of a step (GiB per GPU, reserved included; the trainer's order, megamarl.planning.phases; "
+                        "start-up runs wake weights .. evaluate first)")
+    table.add_column("phase", justify="left")
+    for members in groups.values():
+        table.add_column(f"ranks {rank_ranges([g.rank for g in members])}", justify="right")
+    table.add_column("held (first column)", justify="left")
+    names = list(next(iter(groups.values()))[0].phases) if groups else []
+    for name in names:
+        cells = []
+        for members in groups.values():
+            g = members[0]
+            cell = _g(g.phase(name))
+            cells.append(f"[bold]{cell}[/bold]" if name == g.peak_phase else cell)
+        first = next(iter(groups.values()))[0].phases[name]
+        held = ", ".join(f"{kind} {_g(amount)}" for kind, amount in first.kinds.items() if amount)
+        table.add_row(name, *cells, held)
+    return table
 
 def main_dry_run(cfg: RunConfig, *, console=None) -> int:
     """``scripts/train.py --dry-run``: run ``dry_run``; a failed check prints its reason, returns 1."""

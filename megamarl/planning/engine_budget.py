@@ -1,14 +1,16 @@
 """How much of each GPU an engine server may take: its memory fraction (vLLM
 ``--gpu-memory-utilization``, SGLang ``--mem-fraction-static``), from the dry-run's own plan.
 
-Per GPU (``dryrun.plan_memory``, the numbers the dry-run prints): the GPU's memory (measured at
-start-up) minus what the trainer keeps on it while the engines there are awake, minus
-``cluster.reserved_gib`` (CUDA contexts, NCCL buffers, fragmentation):
+Per GPU (``dryrun.plan_memory``, the numbers the dry-run prints, phase by phase in the trainer's
+order, ``megamarl.planning.phases``): the GPU's memory (measured at start-up) minus what the trainer
+keeps on it in the phases where the engines there hold all their memory (weights and KV cache),
+minus ``cluster.reserved_gib`` (CUDA contexts, NCCL buffers, fragmentation):
 
-- ``trainer.mode: sync``: colocated engines sleep while their WG trains and are awake while the
-  trainer holds its rollout-phase bytes (reference models, training state of policies with
-  ``offload_train_state: false``): ``GpuReport.rollout - GpuReport.engine``;
-- the async modes overlap training and generation: the trainer's whole planned peak (``GpuReport.train``);
+- ``trainer.mode: sync``: colocated engines hold their KV cache only once the train state has been
+  offloaded (wake kv cache, rollout, evaluate): the reference models and the training state of
+  policies with ``offload_train_state: false`` stay; the push phase, with the train state resident,
+  wakes only the weights, and the dry-run checks that phase against the GPU;
+- the async modes overlap training and generation: the trainer's whole planned peak (its train phase);
 - disaggregated GPUs hold no training state: the whole GPU less the reserve.
 
 Several replicas on one GPU (policies time-sharing ranks) split that budget in proportion to their
@@ -27,7 +29,6 @@ import math
 import torch
 
 from megamarl.config import RunConfig
-from megamarl.driver.schedules import SCHEDULES
 from megamarl.planning.dryrun import GIB, plan_memory
 from megamarl.rollout.placement import ReplicaPlacement, plan_engines
 
@@ -37,8 +38,12 @@ def engine_memory_fractions(cfg: RunConfig, *, world_size: int, gpus_per_node: i
     """``(policy, replica) -> fraction`` for every engine server replica (module docstring) on GPUs
     of ``capacity_bytes`` each; policies with ``engine.gpu_memory_utilization`` set are left out."""
     report = plan_memory(cfg, world_size=world_size, gpus_per_node=gpus_per_node, on_gpus=True)
-    overlap = SCHEDULES.traits(cfg.trainer.mode, key="trainer.mode").overlaps_training
     reserved = cfg.cluster.reserved_gib * GIB
+    engines_kv = [0.0] * report.world_size  # the KV cache of every engine shard on a GPU
+    for engine in report.engines.values():
+        for ranks in engine.replicas:
+            for rank in ranks:
+                engines_kv[rank] += engine.memory.kv_cache
     fractions = {}
     for name, engine in report.engines.items():
         if engine.launch != "server" or cfg.policies[name].engine.gpu_memory_utilization is not None:
@@ -48,15 +53,18 @@ def engine_memory_fractions(cfg: RunConfig, *, world_size: int, gpus_per_node: i
             shares = []
             for rank in ranks:
                 gpu = report.gpus[rank]
-                trainer = gpu.train if overlap else gpu.rollout - gpu.engine
+                # the phases where this GPU's engines hold weights and KV cache; the rest is the trainer's
+                whole = [p for p in gpu.phases.values() if p.kinds.get("kv_cache", 0.0) >= engines_kv[rank]]
+                trainer = max(p.total - p.engine - p.kinds["reserve"] for p in whole)
+                engine_bytes = max(p.engine for p in whole)
                 budget = capacity_bytes - trainer - reserved
-                share = budget * need / gpu.engine
+                share = budget * need / engine_bytes
                 if share < need:
                     raise ValueError(
                         f"policies.{name} engine replica {index}: GPU rank {rank} leaves {budget / GIB:.1f} GiB for "
                         f"its engines (GPU {capacity_bytes / GIB:.1f} GiB - trainer {trainer / GIB:.1f} GiB while they "
                         f"are awake - cluster.reserved_gib {cfg.cluster.reserved_gib}) < their planned "
-                        f"{gpu.engine / GIB:.1f} GiB; check the plan with --dry-run (cluster.gpu_memory_gib), or set "
+                        f"{engine_bytes / GIB:.1f} GiB; check the plan with --dry-run (cluster.gpu_memory_gib), or set "
                         f"policies.{name}.engine.gpu_memory_utilization")
                 shares.append(share)
             fractions[(name, index)] = math.floor(min(shares) / capacity_bytes * 1000) / 1000

@@ -85,7 +85,8 @@ def test_70b_hetero_dry_run_passes_and_prints_the_placement():
     engine = report.engines["executor"].memory  # tp=1: all weights + 40 GiB KV
     assert engine.weights == 2 * PRESETS["llama3-8b"].num_params and engine.kv_cache == 40 * GIB
     gpu48 = report.gpus[48]
-    assert gpu48.total == max(stage.total, engine.total) + 4 * GIB  # sync: max(train, rollout) + reserved
+    assert gpu48.peak_phase == "train" and gpu48.total == stage.total + 4 * GIB  # the engine asleep; + reserved
+    assert gpu48.phase("rollout") == engine.total + 4 * GIB  # the train state offloaded
     assert round(gpu48.total / GIB, 2) == 74.16
 
     # planner stage 0 (llama3-70b, tp=8, pp=2, dp=3, recompute full, kl_coef > 0): 40 layers + embedding;
@@ -101,10 +102,14 @@ def test_70b_hetero_dry_run_passes_and_prints_the_placement():
     rebuilt = (2 * (2 * 2 * 8192 + 4) + (2 * (1024 + 128) + 2 * (1024 + 2 * 128) + 2 * 1024 + 4 * 8) + 5 * 2 * 3584) * 4096
     assert s0.activations == 2 * 40 * 2 * 4096 * 8192 + rebuilt + 2 * 8 * 4096
     assert round(s0.total / GIB, 2) == 54.70
-    gpu0 = report.gpus[0]
+    gpu0, e0 = report.gpus[0], report.engines["planner"].memory
     # rollout: the engine and the reference model (PolicyWorker.train_state does not offload it)
-    assert gpu0.rollout == report.engines["planner"].memory.total + s0.reference
-    assert round(gpu0.total / GIB, 2) == 58.70
+    assert gpu0.phase("rollout") == e0.total + s0.reference + 4 * GIB
+    assert round(gpu0.phase("train") / GIB, 2) == 58.70
+    # the peak: the push, with the train state resident and the engine's weights woken (no KV cache yet)
+    assert gpu0.peak_phase == "wake weights" and gpu0.phase("push") == gpu0.total
+    assert gpu0.total == s0.static + e0.weights + 4 * GIB
+    assert round(gpu0.total / GIB, 2) == 69.71  # was max(54.7 + 4, 48.6 + 4) = 58.7 under max(train, rollout)
     assert report.peak_gib < 80
 
 
@@ -113,8 +118,10 @@ def test_oversized_variant_fails_naming_policy_and_gpu():
         _run(CONFIGS / "70b_hetero_oversized.yaml")
     message = str(err.value)
     # was 221.6 GiB before the reference model (65.7) was counted and activations followed the
-    # unsplit (no sequence parallelism) layout
-    assert message.startswith("policies.planner: GPU node 0 local 0 (global rank 0) needs 295.7 GiB")
+    # unsplit (no sequence parallelism) layout; 295.7 under max(train, rollout): the push phase holds
+    # the train state and the woken engine weights together
+    assert message.startswith("policies.planner: GPU node 0 local 0 (global rank 0) needs 299.7 GiB")
+    assert "in phase 'wake weights'" in message
     assert "cluster.gpu_memory_gib=80.0" in message
     assert "weights 65.7 + grads 131.4 + main params 5.5 + optimizer 11.0 + reference 65.7" in message
     assert "48 of 64 GPUs over" in message

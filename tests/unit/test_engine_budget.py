@@ -31,8 +31,8 @@ def test_sync_mode_leaves_the_engine_what_the_rollout_phase_does_not_hold():
     assert set(fractions) == {("planner", i) for i in range(6)} | {("executor", i) for i in range(16)}
     for (policy, index), fraction in fractions.items():
         ranks = report.engines[policy].replicas[index]
-        expected = min((80 * GIB - (report.gpus[r].rollout - report.gpus[r].engine) - 4 * GIB) / (80 * GIB)
-                       for r in ranks)
+        rollout = [report.gpus[r].phases["rollout"] for r in ranks]  # the engines' whole memory is awake
+        expected = min((80 * GIB - (p.total - p.engine - 4 * GIB) - 4 * GIB) / (80 * GIB) for p in rollout)
         assert fraction == math.floor(expected * 1000) / 1000
         assert fraction * 80 * GIB >= report.engines[policy].memory.total  # at least the plan's engine bytes
     assert fractions[("planner", 0)] == pytest.approx((80 - 4 - 8.2) / 80, abs=2e-3)
@@ -49,8 +49,9 @@ def test_async_modes_leave_the_engine_what_training_does_not_take():
                                          r"policies\.planner\.engine\.gpu_memory_utilization"):
         _fractions(["trainer.mode=one_step_off"])
     _, fractions, report = _fractions(["trainer.mode=one_step_off"], capacity_gib=200.0)
-    gpu = report.gpus[48]
-    assert fractions[("executor", 0)] == math.floor((200 * GIB - gpu.train - 4 * GIB) / (200 * GIB) * 1000) / 1000
+    train = report.gpus[48].phases["train"]  # the trainer's whole peak, next to the awake engine
+    trainer = train.total - train.engine - 4 * GIB
+    assert fractions[("executor", 0)] == math.floor((200 * GIB - trainer - 4 * GIB) / (200 * GIB) * 1000) / 1000
 
 
 def test_an_explicit_fraction_replaces_the_plan_and_its_check():

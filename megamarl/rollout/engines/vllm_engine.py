@@ -361,7 +361,8 @@ class VLLMEngine(InProcessEngine):
         lora_kwargs = {"enable_lora": True, "max_loras": max(lora.num_adapters, 1), "max_lora_rank": lora.vllm_max_rank} if lora else {}
         dtype = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[resolve_dtype(cfg.dtype)]
         memory = {} if cfg.gpu_memory_utilization is None else {"gpu_memory_utilization": cfg.gpu_memory_utilization}
-        return cls(path, seed=seed, kv_cache_bytes=int(cfg.kv_cache_gib * 2**30), dtype=dtype,
+        kv_cache_gib = cfg.kv_cache_setting(on_gpu=torch.cuda.is_available())  # 0: vLLM's fraction sizes it
+        return cls(path, seed=seed, kv_cache_bytes=int(kv_cache_gib * 2**30) or None, dtype=dtype,
                    num_threads=num_threads, max_num_seqs=cfg.max_num_seqs,
                    enforce_eager=cfg.eager(on_gpu=torch.cuda.is_available()), **memory, **lora_kwargs)
 

@@ -25,7 +25,9 @@ Pushes: full weights or (L2) each agent's adapter,
   version changes.
 
 Sleep / wake (colocated servers in a schedule that never overlaps training, ``PolicyServers.hands_over``):
-asleep after the rollout, weights woken before a push writes into them, the KV cache after it.
+performed here, ordered by the trainer's phase list (``megamarl.planning.phases``): asleep after the
+rollout, weights woken before a push writes into them, the KV cache only once the train state has
+left the GPU.
 """
 
 from __future__ import annotations
@@ -97,6 +99,7 @@ class PolicyReplicas:
         self.asleep: set[str] = set(ASLEEP) if self.hands_over and self.fleet.on_gpu else set()
         self._transfers: dict[tuple, _Transfer] = {}
         self._stages_key: tuple | None = None  # the targets every stage's sender is connected to
+        self._unverified: list[tuple[Callable[[], int] | None, str]] = []  # pushes whose probes wait for the KV cache
 
     @property
     def served(self) -> bool:
@@ -162,9 +165,7 @@ class PolicyReplicas:
         stamped ``version``."""
         if self.policy.lora is not None:
             return self._push_adapters(version)
-        if self.served:
-            if self.is_driver:
-                self.wake(tags=("weights",))  # colocated: weights back before they are written
+        if self.served:  # colocated: the trainer's wake-weights phase woke them (megamarl.planning.phases)
             return self._push_to_servers(version, bucket_bytes=int(self.policy.engine.bucket_mb * 2**20))
         stats = sync_weights(self.wg, self.export(), self._engines(), version=version, engine_rank=self.driver_rank,
                              bucket_mb=self.policy.engine.bucket_mb)
@@ -212,21 +213,36 @@ class PolicyReplicas:
             stats, check = self._send_from_here(version=version, bucket_bytes=bucket_bytes, targets=holder[0])
             gathered: list = [None] * dist.get_world_size(self.control)
             dist.all_gather_object(gathered, stats, group=self.control)  # also: every sender is done
-        if pool is not None:
-            self.wake(tags=("kv_cache",))  # colocated: the KV cache back before any request
         dist.barrier(group=self.control)  # the driver's pool has resumed the replicas: they can answer probes
-        verified = check() if check is not None else 0
-        counts: list = [None] * dist.get_world_size(self.control)
-        dist.all_gather_object(counts, verified, group=self.control)
         total = SyncStats(
             num_tensors=sum(s.num_tensors for s in gathered), num_bytes=sum(s.num_bytes for s in gathered),
             num_buckets=sum(s.num_buckets for s in gathered), seconds=max(s.seconds for s in gathered),
         )
         metrics = total.as_dict(prefix)
         metrics[f"{prefix}/replicas"] = float(len(holder[0]))
-        if self.policy.engine.verify_sync:
-            metrics[f"{prefix}/verified_replicas"] = float(sum(counts))
+        if self.hands_over:  # their KV cache is still asleep: probed once it wakes (``verify_pushed``)
+            self._unverified.append((check, prefix))
+        else:
+            metrics.update(self._verify(check, prefix))
         return metrics
+
+    def verify_pushed(self) -> dict[str, float]:
+        """Collective: ``engine.verify_sync``'s probes of the pushes since the last call, for replicas
+        that sleep (their KV cache wakes only after the train state has left: ``planning.phases``)."""
+        metrics: dict[str, float] = {}
+        if self._unverified:
+            dist.barrier(group=self.control)  # the driver has woken the KV caches
+        for check, prefix in self._unverified:
+            metrics.update(self._verify(check, prefix))
+        self._unverified = []
+        return metrics
+
+    def _verify(self, check: Callable[[], int] | None, prefix: str) -> dict[str, float]:
+        """Collective: run this rank's probe (``_send``'s check) and count the replicas that matched."""
+        verified = check() if check is not None else 0
+        counts: list = [None] * dist.get_world_size(self.control)
+        dist.all_gather_object(counts, verified, group=self.control)
+        return {f"{prefix}/verified_replicas": float(sum(counts))} if self.policy.engine.verify_sync else {}
 
     def _send_from_here(self, *, version: int, bucket_bytes: int,
                         targets: list[tuple[int, int]]) -> tuple[SyncStats, Callable[[], int] | None]:

@@ -305,8 +305,8 @@ def build_fleet(cfg, *, plan: dict[str, list[ReplicaPlacement]], rank: int, worl
     def threads(policy: str) -> int:  # CPU servers share the node's cores (the trainer idles during rollout)
         return cfg.policies[policy].engine.num_threads or max(1, node_cores() // max(1, local_servers))
 
-    def kv_cache_gib(policy: str) -> float:  # engine.kv_cache_gib, or (0) what the plan counted
-        configured = cfg.policies[policy].engine.kv_cache_gib
+    def kv_cache_gib(policy: str) -> float:  # engine.kv_cache_gib, or (0; null on GPU) what the plan counted
+        configured = cfg.policies[policy].engine.kv_cache_setting(on_gpu=torch.cuda.is_available())
         if configured > 0 or kv_estimate is None:
             return configured
         return kv_estimate(policy, paths[policy])
