@@ -23,12 +23,14 @@ def test_nccl_sender_without_vllm_in_the_trainer_is_refused_naming_the_keys(no_v
     with pytest.raises(ValueError, match=r"engine\.weight_transfer='auto'.*cannot import vllm.*server_python.*"
                                          r"weight_transfer: megamarl"):
         vllm_transport(engine, colocated=False, pp=1, on_gpu=True)
+    with pytest.raises(ValueError, match=r"cannot import vllm"):  # PP>1: the stages gather to one NCCL sender
+        vllm_transport(engine, colocated=False, pp=2, on_gpu=True)
 
 
 def test_transports_that_need_no_vllm_here_still_start(no_vllm_here):
     engine = EngineConfig(backend="vllm", server_python="/opt/vllm-env/bin/python")
     assert vllm_transport(engine, colocated=True, pp=1, on_gpu=True) == "ipc"  # torch's CUDA IPC handles, HTTP
-    assert vllm_transport(engine, colocated=False, pp=2, on_gpu=True) == "megamarl_gloo"
+    assert vllm_transport(engine, colocated=True, pp=2, on_gpu=True) == "megamarl_gloo"  # NCCL refuses one GPU twice
     assert vllm_transport(engine, colocated=False, pp=1, on_gpu=False) == "megamarl_gloo"
     megamarl = EngineConfig(backend="vllm", server_python="/opt/vllm-env/bin/python", weight_transfer="megamarl")
     assert vllm_transport(megamarl, colocated=False, pp=1, on_gpu=True) == "megamarl_gloo"
