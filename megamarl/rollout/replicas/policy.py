@@ -18,7 +18,8 @@ Pushes: full weights or (L2) each agent's adapter,
   opens and closes the one update, and on vLLM's one-group nccl carries every stage:
   ``_send_stages``); colocated replicas (PP=1) are fed by their own leader rank, which holds full
   tensors after the export's TP gather (vLLM: shared memory, on GPU CUDA IPC at engine TP=1; SGLang:
-  CUDA IPC on GPU, on CPU a gloo group of the leader and its replica). An all-gather closes the update; the pool stamps the version and resumes.
+  CUDA IPC on GPU, on CPU a gloo group of the leader and its replica). An all-gather closes the
+  update; the pool stamps the version and resumes.
 - L2 through servers: an adapter's tensors travel as a PEFT directory (written collectively by its WG
   under ``<run_dir>/adapters/<policy>/<adapter>/v<version>``) that every replica (re)loads through
   ``/v1/load_lora_adapter``, the way vLLM and SGLang servers take adapters; only that adapter's
