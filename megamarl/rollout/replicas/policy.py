@@ -14,11 +14,12 @@ Pushes: full weights or (L2) each agent's adapter,
   pool opens the update (``EnginePool.external_update``: stop admitting, pause every live replica)
   and names the targets over the control group; each stage's sender (``weight_sync.stage_role``)
   pushes over the policy's transport (``weights.transport``): disaggregated replicas get one
-  broadcast per bucket from each stage's sender (all replicas at once; at PP>1 stage 0's sender opens
-  and closes the one update, or on vLLM's one-group nccl carries every stage, ``_send_stages``); colocated replicas (PP=1) are
-  fed by their own leader rank, which holds full tensors after the export's TP gather (vLLM: shared
-  memory, on GPU CUDA IPC at engine TP=1; SGLang: CUDA IPC on GPU, on CPU a gloo group of the leader
-  and its replica). An all-gather closes the update; the pool stamps the version and resumes.
+  broadcast per bucket from each stage's sender (all replicas at once; at PP>1 stage 0's sender
+  opens and closes the one update, and on vLLM's one-group nccl carries every stage:
+  ``_send_stages``); colocated replicas (PP=1) are fed by their own leader rank, which holds full
+  tensors after the export's TP gather (vLLM: shared memory, on GPU CUDA IPC at engine TP=1; SGLang:
+  CUDA IPC on GPU, on CPU a gloo group of the leader and its replica). An all-gather closes the
+  update; the pool stamps the version and resumes.
 - L2 through servers: an adapter's tensors travel as a PEFT directory (written collectively by its WG
   under ``<run_dir>/adapters/<policy>/<adapter>/v<version>``) that every replica (re)loads through
   ``/v1/load_lora_adapter``, the way vLLM and SGLang servers take adapters; only that adapter's
@@ -270,7 +271,8 @@ class PolicyReplicas:
                      stats: SyncStats, start: float) -> tuple[SyncStats, Callable[[], int] | None]:
         """Collective: every pipeline stage's sender pushes its stage into ``targets``, as ONE update
         per replica: stage 0's sender opens it (``begin``) and closes it (``end``), every stage sends
-        in between (concurrently where the sender allows it, ``concurrent_stages``; else in pp order).
+        in between (concurrently where the servers allow it, ``transport.CONCURRENT_STAGES``; else in
+        pp order; or all through stage 0's sender, ``transport.gathers_stages``).
         A vLLM worker refuses a second ``start_weight_update`` while one is open, and a stage that
         closed the update early would finalize the other stage's layers unloaded. Each phase ends in an
         agreement over the control group, so a failure anywhere raises on every rank."""
@@ -332,7 +334,7 @@ class PolicyReplicas:
     def _stage_sender(self, targets: list[tuple[int, int]], *, sending: bool):
         """Collective: this rank's connection to ``targets`` (None unless it sends a stage), rebuilt on
         every rank together when the targets changed. Stages reconnect one at a time, in pp order, each
-        behind a barrier: every replica's engine core runs one utility call at a time and a worker
+        behind an agreement: every replica's engine core runs one utility call at a time and a worker
         blocks in ``/init_weight_transfer_engine`` until the group forms, so two stages joining at once
         could each hold one replica while waiting for the other (a deadlock across replicas). Each
         stage releases only its own old group (``WeightSender.close``)."""
