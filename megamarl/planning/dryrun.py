@@ -30,7 +30,8 @@ the list ``Trainer.fit`` executes): in each phase it holds the kinds the phase k
 (the training state of WGs that offload it only in the phases that hold it, every other WG's always;
 the activation peak, one WG at a time, in the train phase; sleeping engines' weights and KV cache
 only in the phases that hold them, other engines always; the reference models and
-``cluster.reserved_gib`` — CUDA context, NCCL buffers, fragmentation — everywhere). The GPU needs its
+the training NCCL communicators (``parallel.placement.nccl_reserve_bytes``) and ``cluster.reserved_gib``
+— CUDA context, fragmentation — everywhere). The GPU needs its
 peak phase, reported by name: in ``trainer.mode=sync`` colocated, the push (train state + woken
 engine weights) or the update; the async modes hold everything at once.
 
@@ -60,6 +61,7 @@ from megamarl.parallel.placement import (
     WorkerGroupLayout,
     build_worker_groups,
     group_enumeration,
+    nccl_reserve_bytes,
     placement_of,
     rank_coords,
 )
@@ -231,7 +233,8 @@ def plan_memory(cfg: RunConfig, *, world_size: int, gpus_per_node: int, on_gpus:
                                        dtype=engine_dtype(policy, on_gpus=on_gpus), on_gpus=on_gpus)
         warnings += _cross_node_warnings(name, layout, gpus_per_node)
     offload_applies = on_gpus if offload_applies is None else offload_applies
-    gpus = _gpu_totals(cfg, worker_groups, engines, world_size, gpus_per_node, offload_applies=offload_applies)
+    gpus = _gpu_totals(cfg, worker_groups, engines, world_size, gpus_per_node, offload_applies=offload_applies,
+                       on_gpus=on_gpus)
     return DryRunReport(world_size, gpus_per_node, cfg.cluster.gpu_memory_gib, worker_groups, engines, gpus, warnings)
 
 
@@ -343,7 +346,8 @@ def _engine_report(name, policy: PolicyConfig, shape, replicas: list[ReplicaPlac
                         launch=replicas[0].launch if replicas else "external")
 
 
-def _gpu_totals(cfg, worker_groups, engines, world_size, gpus_per_node, *, offload_applies: bool) -> list[GpuReport]:
+def _gpu_totals(cfg, worker_groups, engines, world_size, gpus_per_node, *, offload_applies: bool,
+                on_gpus: bool) -> list[GpuReport]:
     """Every GPU priced phase by phase (``megamarl.planning.phases``), as the trainer runs them."""
     gpus = [GpuReport(r, r // gpus_per_node, r % gpus_per_node) for r in range(world_size)]
     overlap = SCHEDULES.traits(cfg.trainer.mode, key="trainer.mode").overlaps_training
@@ -366,12 +370,14 @@ def _gpu_totals(cfg, worker_groups, engines, world_size, gpus_per_node, *, offlo
                          and cfg.policies[name].offload_train_state)
             holdings[rank].append((wg.stages[coords["pp"]], offloaded))
     reserved = cfg.cluster.reserved_gib * GIB
+    layouts = [wg.layout for wg in worker_groups.values()]  # NCCL communicators: only on GPUs (gloo on CPU ranks)
+    nccl = [nccl_reserve_bytes(layouts, r, world_size) if on_gpus else 0.0 for r in range(world_size)]
     for gpu in gpus:
         if not (gpu.shards or gpu.engines):
             continue
         # one entry per phase name, in a step's order (start-up runs the push half of the same phases)
         for phase in (*step_phases(overlaps_training=overlap), *run_phases(overlaps_training=overlap)):
-            priced = price_phase(phase, holdings[gpu.rank], engines_on[gpu.rank], reserved=reserved)
+            priced = price_phase(phase, holdings[gpu.rank], engines_on[gpu.rank], reserved=reserved, nccl=nccl[gpu.rank])
             if priced.total > gpu.phases.get(phase.name, PhaseBytes(phase.name)).total:
                 gpu.phases[phase.name] = priced
         peak = max(gpu.phases.values(), key=lambda p: p.total)
@@ -402,7 +408,7 @@ def _capacity_key(report: DryRunReport, cfg: RunConfig) -> str:
 
 
 def price_phase(phase: Phase, shards: list[tuple[Memory, bool]], engines: list[tuple[Memory, bool]], *,
-                reserved: float) -> PhaseBytes:
+                reserved: float, nccl: float = 0.0) -> PhaseBytes:
     """What one GPU holds in ``phase``: ``shards`` its WG shards' ``Memory`` and whether the trainer
     offloads that train state here; ``engines`` its engine shards' ``Memory`` and whether they sleep."""
     out = PhaseBytes(phase.name)
@@ -419,6 +425,7 @@ def price_phase(phase: Phase, shards: list[tuple[Memory, bool]], engines: list[t
         for kind, amount in (("engine_weights", memory.weights + memory.lora), ("kv_cache", memory.kv_cache)):
             if phase.holds(kind) or not sleeps:
                 out.kinds[kind] = out.kinds.get(kind, 0.0) + amount
+    out.kinds["nccl"] = nccl
     out.kinds["reserve"] = reserved
     return out
 

@@ -11,8 +11,9 @@ A phase names what is resident on a GPU *while it runs* (``KINDS``) for the part
 - the engine weights and KV cache of engines that sleep (colocated servers in a schedule that never
   overlaps training); engines that do not sleep keep both in every phase.
 
-The reference model (at rest; ``ref_offload`` visits with the activations) and the reserve
-(``cluster.reserved_gib``: CUDA context, NCCL buffers, fragmentation) are resident everywhere.
+The reference model (at rest; ``ref_offload`` visits with the activations), the training NCCL
+communicators (one per distinct rank set, ``parallel.placement.num_communicators``) and the reserve
+(``cluster.reserved_gib``: CUDA context, fragmentation) are resident everywhere.
 
 Sync mode, colocated: wake weights -> push -> offload the train state and release the allocator's
 cached blocks -> wake the KV cache -> rollout -> sleep -> restore -> train -> release cached blocks,
@@ -32,7 +33,7 @@ from dataclasses import dataclass
 # what a phase can hold; the training state's four kinds move together (``TRAIN_STATE``)
 TRAIN_STATE = ("weights", "grads", "main_params", "optimizer")
 ENGINE = ("engine_weights", "kv_cache")
-KINDS = (*TRAIN_STATE, "reference", "activations", "cached_blocks", *ENGINE, "reserve")
+KINDS = (*TRAIN_STATE, "reference", "activations", "cached_blocks", *ENGINE, "nccl", "reserve")
 
 
 @dataclass(frozen=True)
@@ -54,7 +55,7 @@ class Phase:
 
 
 def _phase(name: str, action: str, *kinds: str) -> Phase:
-    return Phase(name, action, frozenset((*kinds, "reference", "reserve")))
+    return Phase(name, action, frozenset((*kinds, "reference", "nccl", "reserve")))
 
 
 # sync: the push half (train state resident, engine weights woken, no KV cache yet), then the

@@ -9,7 +9,7 @@ import pytest
 import torch.distributed as dist
 from rich.console import Console
 
-from megamarl.parallel.placement import WorkerGroupLayout
+from megamarl.parallel.placement import NCCL_COMMUNICATOR_BYTES, WorkerGroupLayout
 from megamarl.planning.dryrun import GIB, dry_run, engine_memory, rank_ranges
 from megamarl.planning.memory import TrainingSetup, ddp_buffer_numel, rank_parameters, train_memory
 from megamarl.planning.model_presets import PRESETS, ModelShape, resolve_model_shape
@@ -85,9 +85,12 @@ def test_70b_hetero_dry_run_passes_and_prints_the_placement():
     engine = report.engines["executor"].memory  # tp=1: all weights + 40 GiB KV
     assert engine.weights == 2 * PRESETS["llama3-8b"].num_params and engine.kv_cache == 40 * GIB
     gpu48 = report.gpus[48]
-    assert gpu48.peak_phase == "train" and gpu48.total == stage.total + 4 * GIB  # the engine asleep; + reserved
-    assert gpu48.phase("rollout") == engine.total + 4 * GIB  # the train state offloaded
-    assert round(gpu48.total / GIB, 2) == 74.16
+    # NCCL communicators of an executor rank: world, tp (2), dp (8), tp x dp (the WG's 16): 4 x 256 MiB
+    nccl48 = 4 * NCCL_COMMUNICATOR_BYTES
+    assert nccl48 == GIB and gpu48.phases["train"].kinds["nccl"] == nccl48
+    assert gpu48.peak_phase == "train" and gpu48.total == stage.total + nccl48 + 4 * GIB  # engine asleep; + reserved
+    assert gpu48.phase("rollout") == engine.total + nccl48 + 4 * GIB  # the train state offloaded
+    assert round(gpu48.total / GIB, 2) == 75.16  # 74.16 before the communicators were counted
 
     # planner stage 0 (llama3-70b, tp=8, pp=2, dp=3, recompute full, kl_coef > 0): 40 layers + embedding;
     # the buffer is padded to a multiple of lcm(3, 128) = 384 (128 elements here)
@@ -103,13 +106,16 @@ def test_70b_hetero_dry_run_passes_and_prints_the_placement():
     assert s0.activations == 2 * 40 * 2 * 4096 * 8192 + rebuilt + 2 * 8 * 4096
     assert round(s0.total / GIB, 2) == 54.70
     gpu0, e0 = report.gpus[0], report.engines["planner"].memory
+    # NCCL communicators of a planner rank: world, tp (8), pp (2), dp (3), tp x pp (16), tp x dp (24),
+    # the WG (48): 7 x 256 MiB
+    nccl0 = 7 * NCCL_COMMUNICATOR_BYTES
     # rollout: the engine and the reference model (PolicyWorker.train_state does not offload it)
-    assert gpu0.phase("rollout") == e0.total + s0.reference + 4 * GIB
-    assert round(gpu0.phase("train") / GIB, 2) == 58.70
+    assert gpu0.phase("rollout") == e0.total + s0.reference + nccl0 + 4 * GIB
+    assert round(gpu0.phase("train") / GIB, 2) == 60.45  # 58.70 + 1.75
     # the peak: the push, with the train state resident and the engine's weights woken (no KV cache yet)
     assert gpu0.peak_phase == "wake weights" and gpu0.phase("push") == gpu0.total
-    assert gpu0.total == s0.static + e0.weights + 4 * GIB
-    assert round(gpu0.total / GIB, 2) == 69.71  # was max(54.7 + 4, 48.6 + 4) = 58.7 under max(train, rollout)
+    assert gpu0.total == s0.static + e0.weights + nccl0 + 4 * GIB
+    assert round(gpu0.total / GIB, 2) == 71.46  # was max(54.7 + 4, 48.6 + 4) = 58.7 under max(train, rollout)
     assert report.peak_gib < 80
 
 
@@ -119,8 +125,8 @@ def test_oversized_variant_fails_naming_policy_and_gpu():
     message = str(err.value)
     # was 221.6 GiB before the reference model (65.7) was counted and activations followed the
     # unsplit (no sequence parallelism) layout; 295.7 under max(train, rollout): the push phase holds
-    # the train state and the woken engine weights together
-    assert message.startswith("policies.planner: GPU node 0 local 0 (global rank 0) needs 299.7 GiB")
+    # the train state and the woken engine weights together; 299.7 before the 7 NCCL communicators (1.0)
+    assert message.startswith("policies.planner: GPU node 0 local 0 (global rank 0) needs 300.7 GiB")
     assert "in phase 'wake weights'" in message
     assert "cluster.gpu_memory_gib=80.0" in message
     assert "weights 65.7 + grads 131.4 + main params 5.5 + optimizer 11.0 + reference 65.7" in message
@@ -130,8 +136,9 @@ def test_oversized_variant_fails_naming_policy_and_gpu():
 
 def test_async_mode_adds_train_and_rollout():
     # engines no longer sleep during training: planner GPU train 54.7 + engine 40.4 + 4 reserved (was 86.3
-    # with a 41.8 GiB training estimate that left out the reference model and fp32 main params)
-    match = r"policies.planner: GPU node 0 local 0 .* needs 99.1 GiB .* 64 of 64 GPUs"
+    # with a 41.8 GiB training estimate that left out the reference model and fp32 main params), + 1.75
+    # GiB of NCCL communicators (99.1 before they were counted)
+    match = r"policies.planner: GPU node 0 local 0 .* needs 100.9 GiB .* 64 of 64 GPUs"
     with pytest.raises(ValueError, match=match):
         _run(CONFIGS / "70b_hetero.yaml", ["trainer.mode=one_step_off"])
 

@@ -64,7 +64,7 @@ def test_price_phase_follows_offload_and_sleep():
     rollout = price("rollout")
     assert rollout.kinds == {"weights": 1 * GIB, "grads": 0.0, "main_params": 0.0, "optimizer": 0.0,
                              "reference": 0.25 * GIB, "engine_weights": 4 * GIB, "kv_cache": 8 * GIB,
-                             "reserve": 1 * GIB}
+                             "nccl": 0.0, "reserve": 1 * GIB}
     assert price("train").total == (1.125 + 2 + 0.5 + 1 + 0.25 + 1 + 3 + 1) * GIB  # activations: one WG at a time
     assert price("push").total == (1.125 + 2 + 0.5 + 1 + 0.25 + 1 + 4 + 1) * GIB  # weights woken, no KV yet
     assert price("sleep").total == (1 + 0.25 + 1) * GIB
