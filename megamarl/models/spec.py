@@ -117,6 +117,12 @@ def layer_spec_choice(*, lora: bool, cuda: bool, transformer_engine: bool) -> st
     return "te" if cuda and transformer_engine else "local"
 
 
+def planned_layer_spec(*, lora: bool, on_gpus: bool) -> str:
+    """``layer_spec_choice`` for a plan: a GPU cluster is planned with Transformer Engine (the ``gpu``
+    extra installs it; ``runtime.front_door.check_layer_specs`` refuses a node without it)."""
+    return layer_spec_choice(lora=lora, cuda=on_gpus, transformer_engine=on_gpus)
+
+
 def node_layer_spec(*, lora: bool) -> str:
     """``layer_spec_choice`` on this node."""
     return layer_spec_choice(lora=lora, cuda=torch.cuda.is_available(), transformer_engine=transformer_engine_importable())

@@ -18,7 +18,7 @@ Memory per GPU: ``megamarl.planning.memory`` (the formulas are in its docstring)
 per policy with what ``build_workers`` decides (``training_setup``): the training dtype (``auto`` on
 a GPU cluster plans bf16, as ``resolve_dtype`` gives on its GPUs; CPU ranks resolve it here), the
 LoRA adapters, whether a KL reference model exists, the largest micro-batch, and the layer spec
-(``models.spec.layer_spec_choice``: Transformer Engine on GPUs, with flash attention, except for LoRA
+(``models.spec.planned_layer_spec``: Transformer Engine on GPUs, with flash attention, except for LoRA
 policies; megatron-core's local spec on CPU ranks).
 Engines: weights b_e * P / tp_e (``engine.dtype``; auto is bf16 on GPUs; no PP), KV cache
 ``engine.kv_cache_gib`` per GPU, or when 0 (and by default on GPUs):
@@ -54,7 +54,7 @@ import torch.distributed as dist
 
 from megamarl.config import PolicyConfig, RunConfig
 from megamarl.driver.schedules import SCHEDULES
-from megamarl.models.spec import layer_spec_choice
+from megamarl.models.spec import planned_layer_spec
 from megamarl.parallel.hardware import resolve_dtype
 from megamarl.parallel.placement import (
     PlacementConfig,
@@ -273,7 +273,7 @@ def training_setup(cfg: RunConfig, name: str, *, on_gpus: bool) -> TrainingSetup
         micro_batch_size=max([policy.micro_batch_size] + [a.micro_batch_size for a in agents if a.micro_batch_size]),
         # the model build's own choice (bridge.build_model). A GPU cluster has TE: the documented GPU
         # install is megamarl[gpu], and runtime.front_door.check_layer_specs refuses a node without it
-        spec=layer_spec_choice(lora=policy.lora is not None, cuda=on_gpus, transformer_engine=on_gpus),
+        spec=planned_layer_spec(lora=policy.lora is not None, on_gpus=on_gpus),
     )
 
 
