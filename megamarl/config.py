@@ -569,7 +569,7 @@ class RunConfig:
         if not pool.enabled:
             return
         learner = self.policies.get(pool.learner)
-        if learner is None or learner.frozen or learner.lora is not None:
+        if learner is None or not learner.base_moves:
             raise ValueError(f"{key}.learner={pool.learner!r} must be a trained policy without LoRA; defined: "
                              f"{sorted(self.policies)}")
         for name in pool.snapshots:

@@ -128,7 +128,7 @@ class PolicyReplicas:
         # A restarted server serves the checkpoint it was started from: current already when the base
         # weights never change (frozen, L2: the pool re-loads the newest adapters), else it waits
         # for a push (``stale``; the trainer re-syncs it at the next step boundary).
-        base_moves = not self.policy.frozen and self.policy.lora is None
+        base_moves = self.policy.base_moves
 
         def replica(index: int, *, restarted: bool = False) -> VLLMServerClient | SGLangClient:
             if restarted:  # the owner rank restarts the process; wait until it answers again
