@@ -454,10 +454,14 @@ class TrainerConfig:
     # Bound on any wait of one rank for another (collectives, and waiting for the driver's rollout,
     # eval or model preparation). Generous: a real hang is reported with what each rank waited for.
     collective_timeout_s: float = 7200.0
+    # A rank silent this long (no heartbeat in the rendezvous store: its node died or is unreachable)
+    # stops the run on every rank, naming the lost ranks and their node (megamarl.parallel.peers).
+    peer_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
-        if self.collective_timeout_s <= 0:
-            raise ValueError(f"trainer.collective_timeout_s must be > 0, got {self.collective_timeout_s}")
+        for key in ("collective_timeout_s", "peer_timeout_s"):
+            if getattr(self, key) <= 0:
+                raise ValueError(f"trainer.{key} must be > 0, got {getattr(self, key)}")
         for key in ("total_steps", "save_every", "keep_last"):
             if getattr(self, key) < 0:
                 raise ValueError(f"trainer.{key} must be >= 0, got {getattr(self, key)}")

@@ -18,6 +18,8 @@ sleeps, wakes, moves to host memory and is pushed when is decided there, not her
 from __future__ import annotations
 
 import json
+import os
+import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager, nullcontext
@@ -33,6 +35,8 @@ from megamarl.driver.schedules import SCHEDULES, sync_interval
 from megamarl.parallel.collectives import scatter_objects
 from megamarl.parallel.distributed import control_group, init_distributed, wait_for_driver
 from megamarl.parallel.hardware import DTYPES, policy_dtype, release_cached_memory
+from megamarl.parallel.network import host_address
+from megamarl.parallel.peers import PeerWatch, describe, gather_homes
 from megamarl.parallel.placement import build_worker_groups, placement_of
 from megamarl.planning.dryrun import engine_memory
 from megamarl.planning.engine_budget import server_memory_fractions
@@ -55,6 +59,7 @@ from megamarl.runtime.step_metrics import (
 )
 
 DRIVER = 0
+EXIT_LOST_RANKS = 6  # a rank's node died or became unreachable (docs/reliability.md, exit codes)
 
 
 class Trainer:
@@ -72,6 +77,8 @@ class Trainer:
         self.progress = RunProgress(total_steps=cfg.trainer.total_steps, enabled=cfg.logger.progress) if self.is_driver \
             else RunProgress(total_steps=cfg.trainer.total_steps, enabled=False, quiet=True)
         self.run_dir = Path(run_dir or Path(cfg.output_dir) / cfg.name)
+        per_node = ranks_per_node(cfg.cluster, self.world_size)
+        self.peers = self._watch_peers(multi_node=self.world_size > per_node)
         self.step = 0
         self.stop_reason = ""  # set when eval.stop_at is reached: the loop ends after this step's checkpoint
         self.versions = {name: 0 for name in cfg.policies}  # weight pushes into the engines so far
@@ -80,7 +87,6 @@ class Trainer:
         checkpoint.seed_everything(cfg.trainer.seed)
         self.wgs = build_worker_groups(placement_of(cfg, self.world_size))
         self.splits = batch_splits(cfg.policies, cfg.agents, cfg.policy_algorithms())  # the driver plans every policy's update
-        per_node = ranks_per_node(cfg.cluster, self.world_size)
         self.plan = plan if plan is not None else plan_engines(cfg, self.world_size, per_node)
         # engine servers start now (in threads), sized on GPU from the memory plan; on CPU they overlap
         # model preparation, on GPU colocated ones are up and asleep first (ServerFleet.model_preparation)
@@ -137,6 +143,31 @@ class Trainer:
         engine_here = any(self.rank in rep.ranks for reps in self.plan.values() for rep in reps)
         return [name for name, worker in self.workers.items()
                 if engine_here and self.cfg.policies[name].offload_train_state and worker.train_state.applies]
+
+    def _watch_peers(self, *, multi_node: bool) -> PeerWatch | None:
+        """Every rank watches the others' heartbeats (``trainer.peer_timeout_s``; megamarl.parallel.peers)."""
+        if self.world_size == 1:
+            return None
+        try:
+            address = host_address(multi_node=multi_node)
+        except RuntimeError:  # only names the node in a report
+            address = "address unknown"
+        homes = gather_homes(address=address, group=control_group())
+        return PeerWatch(rank=self.rank, homes=homes, timeout_s=self.cfg.trainer.peer_timeout_s, on_lost=self._lost)
+
+    def _lost(self, lost: list[int], why: str) -> None:
+        """Ranks were lost: the lowest surviving rank prints one line, every surviving rank exits at once
+        (its main thread may be blocked in a collective that would wait trainer.collective_timeout_s)."""
+        if self.peers.reporter():
+            found = checkpoint.list_checkpoints(self.run_dir)
+            last = (f"{found[-1]} (step {checkpoint.checkpoint_step(found[-1])})" if found
+                    else "none (a relaunch starts afresh)")
+            print(f"training stopped: {describe(lost, self.peers.homes)}: {why}, seen by rank {self.rank}; "
+                  f"last complete checkpoint {last}; relaunch the same command with trainer.resume=auto to "
+                  "continue from it", file=sys.stderr)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(EXIT_LOST_RANKS)
 
     def _wait_for_driver(self, what: str) -> None:
         wait_for_driver(what, driver=DRIVER, timeout_s=self.cfg.trainer.collective_timeout_s)
@@ -286,7 +317,11 @@ class Trainer:
         the normal end go through ``close``."""
         try:
             yield
-        except BaseException:
+        except BaseException as exc:
+            # gloo reports a peer whose sockets closed as a plain RuntimeError: was it a lost rank?
+            # (if so, the watch reports it and ends the process; else the error goes on)
+            if self.peers is not None and (type(exc) is RuntimeError or isinstance(exc, dist.DistError)):
+                self.peers.suspect()
             if self.is_driver:
                 self.driver.close_env_workers()
             raise
@@ -525,6 +560,8 @@ class Trainer:
             self.driver.console_print(f"resumed from {path} at step {self.step}")
 
     def close(self) -> None:
+        if self.peers is not None:  # the ranks leave from here: exits, not losses
+            self.peers.stop()
         if self.is_driver:
             self.driver.close()
         self.progress.close()
