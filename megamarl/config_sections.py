@@ -159,10 +159,17 @@ class WorkersConfig:
     num_workers: int = 2  # process slots or Ray actors: remote env steps that run at once
     # ray: address of an existing cluster (auto, host:port, ray://host:10001); empty: the run starts a local one
     address: str = ""
+    # ray: what each actor asks the cluster for, which decides where it runs: {CPU: 1}, or a custom resource
+    # that only some nodes declare (ray start --resources '{"env_node": 8}') with {env_node: 1}; empty: nothing
+    # (an actor may run on any node, the driver's first)
+    resources: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if isinstance(self.num_workers, bool) or not isinstance(self.num_workers, int) or self.num_workers < 1:
             raise ValueError(f"rollout.env_workers.num_workers must be an integer >= 1, got {self.num_workers!r}")
+        for name, amount in self.resources.items():
+            if isinstance(amount, bool) or not isinstance(amount, (int, float)) or not amount >= 0:
+                raise ValueError(f"rollout.env_workers.resources.{name} must be a number >= 0, got {amount!r}")
         # the backend, its address and its package: megamarl.orchestration.workers.check_workers (load time)
 
 

@@ -22,6 +22,7 @@ rollout driver (only when an env of the run has remote steps) and closed at its 
 * ``ray``: a fixed set of Ray actors; a timed-out or dead actor is killed and replaced. With
   ``address`` empty the run starts a local Ray cluster of its own (and stops it at the end), else
   it connects to the cluster at ``address`` (``auto``, ``host:port`` or ``ray://host:10001``).
+  ``resources`` is what each actor asks for, which places it (a custom resource only some nodes declare).
 """
 
 from __future__ import annotations
@@ -237,7 +238,8 @@ class RayWorkers(EnvWorkers):
             ray.init(address=config.address, log_to_driver=False, runtime_env=runtime_env)
         elif self._owns_ray:
             ray.init(num_cpus=config.num_workers, include_dashboard=False, log_to_driver=False, runtime_env=runtime_env)
-        self._actor_cls = _ray_actor_class()
+        resources = dict(config.resources)
+        self._actor_cls = _ray_actor_class().options(num_cpus=resources.pop("CPU", 0), resources=resources)
         self._actors = [self._actor_cls.remote() for _ in range(config.num_workers)]
         ray.get([actor.call.remote(*_WARM_UP) for actor in self._actors])
         self._free: asyncio.Queue | None = None
@@ -291,10 +293,11 @@ def check_workers(config: WorkersConfig) -> None:
     """Load time: ``rollout.env_workers``' backend is registered, takes an address if one is given,
     and its package imports here."""
     traits = WORKERS.traits(config.backend, key="rollout.env_workers.backend")
-    if config.address and not traits.takes_address:
-        takers = [n for n in WORKERS.names() if WORKERS.traits(n).takes_address]
-        raise ValueError(f"rollout.env_workers.address is set but backend={config.backend!r} joins no cluster; "
-                         f"only {takers} take an address")
+    for key in ("address", "resources"):
+        if getattr(config, key) and not traits.takes_address:
+            takers = [n for n in WORKERS.names() if WORKERS.traits(n).takes_address]
+            raise ValueError(f"rollout.env_workers.{key} is set but backend={config.backend!r} joins no cluster; "
+                             f"only {takers} join one")
     if traits.package and importlib.util.find_spec(traits.package) is None:
         raise ValueError(f"rollout.env_workers.backend={config.backend} needs the '{traits.package}' package, which "
                          f"is not importable here: pip install 'megamarl[{traits.package}]' (or bash "

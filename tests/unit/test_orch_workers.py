@@ -36,6 +36,10 @@ def test_config_validation():
         make_workers(backend="threads")
     with pytest.raises(ValueError, match="rollout.env_workers.address is set but backend='process'"):
         check_workers(WorkersConfig(backend="process", address="auto"))  # load time
+    with pytest.raises(ValueError, match="rollout.env_workers.resources is set but backend='process'"):
+        check_workers(WorkersConfig(backend="process", resources={"CPU": 1}))
+    with pytest.raises(ValueError, match="rollout.env_workers.resources.env_node must be a number >= 0"):
+        WorkersConfig(backend="ray", resources={"env_node": -1})
     assert WorkersConfig().backend == "inline"  # the default: today's behaviour, no processes
 
 
