@@ -224,6 +224,10 @@ class PolicyConfig:
     # micro-batches pack variable-length samples into one row (no padding; block-diagonal attention)
     pack: bool = False
     max_tokens_per_micro_batch: int | None = None  # pack: real tokens per micro-batch (None: micro_batch_size x longest)
+    # pack: merge each micro-batch's rows into a trie of shared token prefixes (a group's prompt, an
+    # earlier turn), computed once; ancestor-only attention, per-node RoPE positions (rl/tree.py).
+    # Micro-batches are cut by tree tokens. Local layer spec only (CPU; not Transformer Engine)
+    prefix_tree: bool = False
     offload_train_state: bool = True  # colocated: weights/grads/optimizer leave the GPU while engines generate
     value_coef: float = 0.5  # algorithm.estimator=gae: weight of the critic's (value head's) loss
     value_clip: float | None = 0.2  # gae: clip range of the value update (None: unclipped)
@@ -253,6 +257,8 @@ class PolicyConfig:
             self.lr_schedule = LrScheduleConfig(**self.lr_schedule)
         if self.mini_batch_size is not None and self.mini_batch_size < 1:
             raise ValueError(f"policies.<p>.mini_batch_size must be >= 1 (or null: the whole batch), got {self.mini_batch_size}")
+        if self.prefix_tree and not self.pack:
+            raise ValueError("policies.<p>.prefix_tree is a way of packing: set policies.<p>.pack: true with it")
         if self.max_tokens_per_micro_batch is not None:
             if not self.pack:
                 raise ValueError("policies.<p>.max_tokens_per_micro_batch is read only with policies.<p>.pack: true")

@@ -373,7 +373,7 @@ class Trainer:
                 for key, value in self.workers[name].train_share(share).items():
                     # the worker's sections (timing_s/<section>) become timing_s/<policy>/<section>
                     section = key.removeprefix("timing_s/")
-                    if key == "padding_fraction":  # a throughput figure: perf/padding_fraction/<policy>
+                    if key in ("padding_fraction", "forwarded_tokens"):  # throughput figures: perf/<key>/<policy>
                         metrics[f"perf/{key}/{name}"] = value
                     else:
                         metrics[f"timing_s/{name}/{section}" if section != key else f"policy/{name}/{key}"] = value

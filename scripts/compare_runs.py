@@ -3,6 +3,8 @@
     python scripts/compare_runs.py --base 60ff66b            # base revision vs the working tree
     python scripts/compare_runs.py --base HEAD --head HEAD   # determinism: one revision twice
     python scripts/compare_runs.py --base main --config configs/presets/l2_colocated.yaml --nproc 2   # a 2-rank preset
+    python scripts/compare_runs.py --base HEAD --head HEAD --rtol 1e-4 policies.shared.pack=true \
+        --head-override policies.shared.prefix_tree=true   # a feature on vs off, one revision
 
 Runs a seeded ``trainer.total_steps``-step ``configs/signalling_tiny.yaml`` run (torchrun, one rank)
 once at each side, each from its own source tree: a revision is checked out into a temporary
@@ -94,6 +96,9 @@ def main(argv=None) -> int:
     parser.add_argument("--rtol", type=float, default=0.0,
                         help="relative tolerance for numbers (default 0: bit-identical)")
     parser.add_argument("overrides", nargs="*", help="extra key=value overrides for both runs")
+    parser.add_argument("--head-override", action="append", default=[], metavar="KEY=VALUE",
+                        help="an override for the head run only: a feature on vs off on one revision "
+                             "(e.g. --base HEAD --head HEAD --head-override policies.shared.prefix_tree=true)")
     args = parser.parse_args(argv)
     tmp = Path(tempfile.mkdtemp(prefix="megamarl_compare_"))
     worktrees = []
@@ -105,8 +110,9 @@ def main(argv=None) -> int:
             else:
                 source = checkout(rev, tmp / f"src_{side}")
                 worktrees.append(source)
+            extra = [*args.overrides, *(args.head_override if side == "head" else [])]
             sides[side] = run_at(source, tmp / f"out_{side}", config=args.config, steps=args.steps,
-                                 extra=args.overrides, nproc=args.nproc)
+                                 extra=extra, nproc=args.nproc)
         diffs, num_compared = compare(sides["base"], sides["head"], args.rtol)
     finally:
         for tree in worktrees:
@@ -114,7 +120,8 @@ def main(argv=None) -> int:
                            check=False)
         shutil.rmtree(tmp, ignore_errors=True)
     losses = sorted({k for record in sides["base"] for k in record if k.startswith("policy/") and not WALL_CLOCK.search(k)})
-    print(f"base={args.base} head={args.head or 'working tree'}: {len(sides['base'])} records, "
+    head_overrides = f" with {' '.join(args.head_override)}" if args.head_override else ""
+    print(f"base={args.base} head={args.head or 'working tree'}{head_overrides}: {len(sides['base'])} records, "
           f"{num_compared} values compared, loss keys: {losses}")
     for record in sides["base"]:
         print(f"  step {record.get('step')}: " + ", ".join(f"{k}={record[k]!r}" for k in losses if k in record))

@@ -31,7 +31,8 @@ from megamarl.registry import Registry
 Pick = Callable[[Sequence[int], random.Random], int]  # slots' snapshot steps, rng -> slot index
 
 OPPONENT_PICKS: Registry[Pick] = Registry(
-    "opponent pick", signature="pick(snapshot_steps: Sequence[int] (one per slot), rng: random.Random) -> slot index")
+    "opponent pick", signature="pick(snapshot_steps: Sequence[int] (one per slot), rng: random.Random) -> slot index",
+    keys=("rollout.opponent_pool.pick",))
 
 
 @OPPONENT_PICKS.register("latest")

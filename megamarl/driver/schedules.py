@@ -206,6 +206,7 @@ class ScheduleTraits:
 SCHEDULES: Registry[type[Schedule]] = Registry(
     "trainer mode", traits=ScheduleTraits,
     signature="class(Schedule); cls(cfg: RunConfig, source: EpisodeSource, loop: RolloutLoop); next_rollout(step, versions)",
+    keys=("trainer.mode",),
 )
 
 

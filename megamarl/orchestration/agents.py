@@ -104,7 +104,8 @@ class Agent:
 
 
 AGENTS: Registry[type[Agent]] = Registry(
-    "agent", signature="class(Agent); cls(role, config: AgentConfig, tokenizer); parse(text) -> (action, valid)")
+    "agent", signature="class(Agent); cls(role, config: AgentConfig, tokenizer); parse(text) -> (action, valid)",
+    keys=("agents.<name>.kind",))
 AGENTS.add("text", Agent)
 
 

@@ -115,7 +115,8 @@ class Env(abc.ABC):
 
 
 ENVS: Registry[type[Env]] = Registry(
-    "env", signature="class(Env) with a Config(EnvConfig); generate_tasks(config, *, num_tasks, seed); cls(task, config)")
+    "env", signature="class(Env) with a Config(EnvConfig); generate_tasks(config, *, num_tasks, seed); cls(task, config)",
+    keys=("env.name", "eval.env.name", "eval.sets.<name>.name"))
 
 
 def draw_from_dataset(num_items: int, num_tasks: int, *, seed: int, prefix: str) -> list[tuple[int, str]]:

@@ -51,7 +51,8 @@ class Orchestra(abc.ABC):
 
 
 ORCHESTRAS: Registry[type[Orchestra]] = Registry(
-    "orchestra", signature="class(Orchestra) with a Config(OrchestraConfig); cls(config); async run(ctx: EpisodeContext)")
+    "orchestra", signature="class(Orchestra) with a Config(OrchestraConfig); cls(config); async run(ctx: EpisodeContext)",
+    keys=("orchestra.name",))
 
 
 def check_team(orchestra: Orchestra, *, orchestra_name: str, env_name: str, env_roles: tuple[str, ...],

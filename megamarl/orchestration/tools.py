@@ -56,7 +56,9 @@ class Tool:
                                                  "parameters": self.parameters}}
 
 
-TOOLS: Registry[Tool] = Registry("tool", signature="Tool(name, description, parameters: JSON schema, fn(**arguments) -> str)")
+TOOLS: Registry[Tool] = Registry(
+    "tool", signature="Tool(name, description, parameters: JSON schema, fn(**arguments) -> str)",
+    keys=("agents.<name>.tools",))
 
 
 def _as_call(obj: Any) -> ToolCall | None:

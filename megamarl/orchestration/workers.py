@@ -89,7 +89,8 @@ class EnvWorkers(abc.ABC):
 
 WORKERS: Registry[type[EnvWorkers]] = Registry(
     "env worker backend", traits=WorkerTraits,
-    signature="class(EnvWorkers); cls(config: WorkersConfig); async _run(fn, *args, timeout_s)")
+    signature="class(EnvWorkers); cls(config: WorkersConfig); async _run(fn, *args, timeout_s)",
+    keys=("rollout.env_workers.backend",))
 
 
 def make_workers(config: WorkersConfig | None = None, **overrides: Any) -> EnvWorkers:

@@ -337,7 +337,7 @@ class EstimatorTraits:
     ``team_reward_once``: it sums rewards along an episode (returns), so the episode's team reward
     must sit on the final step only instead of on every agent call.
     ``needs_critic``: advantages need a critic's values, so each policy's workers compute them
-    (value head on the Megatron model, ``rl.worker.CriticConfig``), not the driver.
+    (value head on the Megatron model, ``rl.critic.CriticConfig``), not the driver.
     """
 
     group_key: tuple[str, ...] | None = None
@@ -355,6 +355,7 @@ class EstimatorTraits:
 ADVANTAGE_ESTIMATORS: Registry[Estimator] = Registry(
     "advantage estimator", traits=EstimatorTraits,
     signature="fn(rewards, index, cfg, *, response_mask=None, values=None) -> [N] | ([N, T], [N, T])",
+    keys=("algorithm.estimator", "policies.<name>.algorithm.estimator"),
 )
 
 

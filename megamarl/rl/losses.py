@@ -137,7 +137,8 @@ def tis_weights(
 # KL to the reference policy
 
 KL_ESTIMATORS: Registry[Callable[[Tensor, Tensor], Tensor]] = Registry(
-    "kl estimator", signature="fn(logprobs [B, T], ref_logprobs [B, T]) -> [B, T] (0 where equal)")
+    "kl estimator", signature="fn(logprobs [B, T], ref_logprobs [B, T]) -> [B, T] (0 where equal)",
+    keys=("algorithm.kl_type",))
 
 
 @KL_ESTIMATORS.register("k1")
@@ -197,7 +198,9 @@ def value_loss(
 # whole mini-batch. Left None, the counts of the given tensors are used.
 
 LOSS_AGGREGATIONS: Registry[Callable[..., Tensor]] = Registry(
-    "loss aggregation", signature="fn(loss [B, T], mask [B, T], *, num_tokens=None, num_seqs=None) -> scalar")
+    "loss aggregation", signature="fn(loss [B, T], mask [B, T], *, num_tokens=None, num_seqs=None) -> scalar",
+    keys=("algorithm.loss_agg", "algorithm.value_loss_agg", "policies.<name>.algorithm.loss_agg",
+          "policies.<name>.algorithm.value_loss_agg"))
 
 
 def loss_counts(response_mask: Tensor) -> dict[str, int]:

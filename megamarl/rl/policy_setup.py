@@ -17,9 +17,10 @@ from megamarl.models.packaged import resolve_model_path
 from megamarl.models.spec import NodeKernels
 from megamarl.parallel.placement import WorkerGroup
 from megamarl.rl.advantages import ADVANTAGE_ESTIMATORS, advantage_config
+from megamarl.rl.critic import CriticConfig
 from megamarl.rl.dispatch import BatchSplit
 from megamarl.rl.losses import LossConfig
-from megamarl.rl.worker import AgentTraining, CriticConfig, ModelHandle, PolicyWorker, batch_split
+from megamarl.rl.worker import AgentTraining, ModelHandle, PolicyWorker, batch_split
 
 RECOMPUTE = {  # policies.<p>.recompute -> megatron-core TransformerConfig fields
     "none": {},

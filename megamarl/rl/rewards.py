@@ -43,7 +43,8 @@ from megamarl.registry import Registry
 # progress p in [0, 1] of the schedule -> fraction of the way from start to end
 ALPHA_SCHEDULES: Registry[Callable[[float], float]] = Registry(
     "team_alpha schedule", signature="shape(progress: float in [0, 1]) -> float, 0 at progress 0 and 1 at 1 "
-                                     "(constant: always 0)")
+                                     "(constant: always 0)",
+    keys=("algorithm.team_alpha_schedule.kind",))
 ALPHA_SCHEDULES.add("constant", lambda progress: 0.0)
 ALPHA_SCHEDULES.add("linear", lambda progress: progress)
 ALPHA_SCHEDULES.add("cosine", lambda progress: 0.5 * (1.0 - math.cos(math.pi * progress)))

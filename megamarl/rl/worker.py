@@ -35,7 +35,7 @@ import logging
 import math
 import time
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -46,38 +46,35 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
 from megamarl.config import PolicyConfig
-from megamarl.models.bridge import export_hf_weights, unwrap
+from megamarl.models.bridge import export_hf_weights
 from megamarl.models.lora import add_lora_adapter, export_lora_weights, set_active_adapter
-from megamarl.parallel.collectives import all_reduce_sum
 from megamarl.parallel.placement import WorkerGroup
-from megamarl.rl.advantages import ADVANTAGE_ESTIMATORS, AdvantageConfig
 from megamarl.rl.batch import SampleBatch
+from megamarl.rl.critic import Critic, CriticConfig, NoCritic
 from megamarl.rl.dispatch import BatchSplit, PolicyShare, dp_parts, mini_batches, plan_policy, trainable_rows
-from megamarl.rl.losses import (
-    LOSS_AGGREGATIONS,
-    LossConfig,
-    masked_mean,
-    policy_loss,
-    value_loss,
+from megamarl.rl.forward import (
+    LogitWindow,
+    causal_mask,
+    merge_rows,
+    model_shape,
+    restricted_vocab_mask,
+    split_rows,
 )
+from megamarl.rl.losses import LossConfig, policy_loss
 from megamarl.rl.offload import TrainStateOffload
-from megamarl.rl.optimizer import (
-    any_rank,
-    build_optimizer,
-    build_scheduler,
-    current_lr,
-    grads_nonfinite,
-    nonfinite,
+from megamarl.rl.optimizer import any_rank, build_optimizer, build_scheduler, current_lr, grads_nonfinite
+from megamarl.rl.packing import pack, packed_logprobs, padding_fraction, prediction_positions, split_by_tokens
+from megamarl.rl.reference import ReferenceModel
+from megamarl.rl.tree import (
+    RotaryPositions,
+    TreeView,
+    first_prediction,
+    split_by_tree_tokens,
+    tree_logprobs,
+    tree_pack,
+    tree_tokens,
 )
-from megamarl.rl.packing import (
-    pack,
-    packed_logprobs,
-    padding_fraction,
-    place_predictions,
-    prediction_positions,
-    split_by_tokens,
-)
-from megamarl.rl.vocab_parallel import place_window, scale_logits, vocab_parallel_logprobs
+from megamarl.rl.vocab_parallel import scale_logits, vocab_parallel_logprobs
 
 logger = logging.getLogger(__name__)
 
@@ -86,104 +83,12 @@ class NumericalFaultError(RuntimeError):
     """Too many non-finite updates in a row (``trainer.max_nonfinite_updates``)."""
 
 
-def causal_mask(seq_len: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """[1, 1, T, T] bool, True = masked (megatron-core convention); right padding needs nothing more."""
-    return torch.triu(torch.ones(1, 1, seq_len, seq_len, dtype=torch.bool, device=device), diagonal=1)
-
-
-def first_logit_position(response_mask: torch.Tensor) -> int:
-    """Earliest position whose logits predict a response token (one before the first response token)."""
-    has_response = response_mask.any(dim=1)
-    if not has_response.any():
-        return 0
-    first = response_mask[has_response].float().argmax(dim=1).min()
-    return max(int(first) - 1, 0)
-
-
-def restricted_vocab_mask(allowed, vocab_start: int, num_local: int,
-                          device: torch.device | str = "cpu") -> torch.Tensor | None:
-    """[B, V_local] True where a row's sampling excluded the token (rows without a set: all False)."""
-    if not any(allowed):
-        return None
-    mask = torch.zeros(len(allowed), num_local, dtype=torch.bool, device=device)
-    for row, ids in enumerate(allowed):
-        if ids:
-            local = torch.tensor(ids, dtype=torch.long, device=device) - vocab_start
-            mask[row] = True
-            mask[row, local[(local >= 0) & (local < num_local)]] = False
-    return mask
-
-
-class LogitWindow:
-    """Runs the output layer only from position ``start`` on.
-
-    The RL losses need logits where response tokens are predicted; prompts are most of every
-    sequence in multi-agent transcripts, and the [T, V] logits (V = 49k-150k) dominate the cost of a
-    small model's step. A forward pre-hook slices the decoder output before the output layer, so
-    parameter names and the model are unchanged. Off (start stays 0) with sequence parallelism,
-    where the decoder output is sharded along the sequence.
-    """
-
-    def __init__(self, model: torch.nn.Module):
-        self.start = 0
-        self.positions: torch.Tensor | None = None  # packed rows: exactly these positions
-        self.hidden: torch.Tensor | None = None  # the last forward's windowed decoder output [W, B, H]
-        gpt = unwrap(model)
-        self.enabled = bool(getattr(gpt, "post_process", False)) and not gpt.config.sequence_parallel
-        if self.enabled:
-            gpt.output_layer.register_forward_pre_hook(self._slice)
-
-    def set(self, response_mask: torch.Tensor) -> int:
-        self.positions = None
-        self.start = first_logit_position(response_mask) if self.enabled else 0
-        return self.start
-
-    def select(self, positions: torch.Tensor) -> bool:
-        """Packed rows: run the output layer on ``positions`` [K] of the packed row only (the
-        positions whose next token is a response token); False when the hook is off."""
-        self.start, self.positions = 0, positions if self.enabled else None
-        return self.enabled
-
-    def _slice(self, module, args):
-        # decoder output is [S, B, H]; packed: [L, 1, H] -> [K, 1, H]
-        self.hidden = args[0][self.start :] if self.positions is None else args[0][self.positions]
-        return (self.hidden,) + tuple(args[1:])
-
-
 @dataclass
 class ModelHandle:
     """What the worker needs from the model bridge for one policy."""
 
     model: torch.nn.Module  # GPTModel (this rank's shard)
     vocab_size: int  # true vocabulary size (padding columns beyond it are masked)
-
-
-@dataclass
-class CriticConfig:
-    """A critic estimator (``EstimatorTraits.needs_critic``, e.g. gae) with a value head on the
-    policy's own Megatron model (shared trunk). ``advantage.norm_std`` whitens the advantages over
-    the policy batch's response tokens on all DP ranks."""
-
-    advantage: AdvantageConfig = field(default_factory=lambda: AdvantageConfig(estimator="gae"))
-    value_coef: float = 0.5
-    value_clip: float | None = 0.2
-    # ``algorithm.value_loss_agg``: a regression to returns, aggregated on its own terms, not with
-    # the policy loss's ``algorithm.loss_agg`` (whose choices are about policy-gradient length bias)
-    loss_agg: str = "token-mean"
-
-
-class ValueHead(torch.nn.Module):
-    """``V(s_t) = w . h_t + b`` on the final hidden states (after the final norm), TP-replicated,
-    on the last pipeline stage. Zero-initialised: values start at 0."""
-
-    def __init__(self, hidden_size: int):
-        super().__init__()
-        self.linear = torch.nn.Linear(hidden_size, 1)
-        torch.nn.init.zeros_(self.linear.weight)
-        torch.nn.init.zeros_(self.linear.bias)
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [W, B, H] -> [B, W]
-        return self.linear(hidden.float()).squeeze(-1).transpose(0, 1)
 
 
 @dataclass
@@ -240,24 +145,12 @@ class PolicyWorker:
         )
         self.model = DistributedDataParallel(config, ddp_config, model, pg_collection=wg.pgs)
         self.window = LogitWindow(model)
+        self.rotary = RotaryPositions(model)  # prefix_tree: RoPE by node depth (rl.tree)
         self.uses_te = model.layer_spec == "te"  # the spec it was built with (bridge.build_model)
-        # Reference policy for the KL term: a frozen copy of the initial weights in the same layout and
-        # dtype, without gradients or optimizer state; ``ref_offload`` keeps it in host memory between uses.
-        self.ref_model = ref_handle.model.eval() if ref_handle is not None else None
-        self.ref_offload = None
-        if self.ref_model is not None:
-            self.ref_model.requires_grad_(False)
-            self.ref_window = LogitWindow(self.ref_model)
-            self.ref_offload = TrainStateOffload(self.device, [self.ref_model]) if cfg.ref_offload else None
-            if self.ref_offload is not None:
-                self.ref_offload.offload()
-            else:
-                self.ref_model.to(self.device)
-        if self._needs_ref() and self.ref_model is None and not self.adapters:
+        # the KL term's frozen reference (``rl.reference``); LoRA policies use the base (adapters off)
+        self.ref = ReferenceModel(ref_handle.model, self.device, offload=cfg.ref_offload) if ref_handle else None
+        if self._needs_ref() and self.ref is None and not self.adapters:
             raise ValueError(f"policies.{name}: kl_coef > 0 needs a reference model (ref_handle)")
-        self.critic, self.value_head = critic, None
-        if critic is not None and wg.is_last_stage and not self.window.enabled:
-            raise ValueError(f"policies.{name}: the critic needs the output-layer hook (no sequence parallelism)")
         adapter_lrs = {adapter: self._adapter_lr(adapter) for adapter in self.adapters}
         self.optimizer = build_optimizer(
             self.model, wg, lr=cfg.lr, min_lr=cfg.lr_schedule.min_lr, weight_decay=cfg.weight_decay,
@@ -265,18 +158,11 @@ class PolicyWorker:
             adapter_lrs=adapter_lrs,
         )
         self.scheduler = build_scheduler(self.optimizer, cfg.lr_schedule, lr=cfg.lr, total_steps=total_steps)
-        self.value_optimizer = None
-        if critic is not None and wg.is_last_stage:
-            # Outside DDP and the model's checkpoint: gradients are averaged over DP in
-            # _reduce_value_head, clipped on their own; it is saved by megamarl.runtime.checkpoint
-            # (replicated, layout-free).
-            self.value_head = ValueHead(config.hidden_size).to(self.device)
-            self.value_optimizer = torch.optim.AdamW(self.value_head.parameters(), lr=cfg.lr, betas=(0.9, 0.999), eps=1e-8)
+        self.critic = NoCritic() if critic is None else Critic(
+            name, critic, wg, self.window, hidden_size=config.hidden_size, lr=cfg.lr, grad_clip=cfg.grad_clip)
         # ``policies.<p>.offload_train_state``: moved to host memory while colocated engines generate
-        self.train_state = TrainStateOffload(
-            self.device, [m for m in (self.model, self.value_head) if m is not None],
-            [o for o in (self.optimizer, self.value_optimizer) if o is not None],
-        )
+        self.train_state = TrainStateOffload(self.device, [self.model, *self.critic.modules],
+                                             [self.optimizer, *self.critic.optimizers])
         self.num_updates = 0
         # Numerical faults: an update whose loss or gradient norm is not finite is skipped on every
         # rank of the WG (the flag is reduced over mp and dp); ``skip_streak`` counts them in a row.
@@ -324,18 +210,31 @@ class PolicyWorker:
 
     def _micro_batches(self, part: SampleBatch) -> list[SampleBatch]:
         """Micro-batches of ``cfg.micro_batch_size`` rows; with per-agent settings, each micro-batch
-        holds one agent's rows (its own size and loss settings). Rows keep their order within an agent."""
+        holds one agent's rows (its own size and loss settings), or with ``prefix_tree`` the rows of
+        agents that train alike (so a team's shared tokens are shared too). Rows keep their order."""
         if not part.num_samples:
             return []
         if not self.agents:
             return self._chunks(part, self.cfg.micro_batch_size)
         names = part.names("agent")
         out = []
-        for agent in sorted(set(names)):
-            rows = torch.tensor([n == agent for n in names], dtype=torch.bool, device=part.device)
-            size = self.agents[agent].micro_batch_size if agent in self.agents else self.cfg.micro_batch_size
+        for agents in self._agents_together(sorted(set(names))):
+            rows = torch.tensor([n in agents for n in names], dtype=torch.bool, device=part.device)
+            size = self.agents[agents[0]].micro_batch_size if agents[0] in self.agents else self.cfg.micro_batch_size
             out.extend(self._chunks(part.select(rows), size))
         return out
+
+    def _agents_together(self, agents: list[str]) -> list[list[str]]:
+        """Agents whose rows may share a micro-batch: each alone, or with ``prefix_tree`` those with the
+        same micro-batch size, LoRA adapter and loss settings (first-name order)."""
+        if not self.cfg.prefix_tree:
+            return [[agent] for agent in agents]
+        groups: dict[tuple, list[str]] = {}
+        for agent in agents:
+            t = self.agents.get(agent)
+            key = (t.micro_batch_size, t.adapter, repr(t.loss)) if t else (None, None, repr(self.loss_cfg))
+            groups.setdefault(key, []).append(agent)
+        return list(groups.values())
 
     def _chunks(self, rows: SampleBatch, size: int) -> list[SampleBatch]:
         """Padded: consecutive rows, ``size`` at a time. Packed (``policies.<p>.pack``): at most
@@ -344,7 +243,11 @@ class PolicyWorker:
         if not self.cfg.pack:
             return rows.micro_batches(max_samples=size)
         budget = self.cfg.max_tokens_per_micro_batch or size * int(rows.lengths.max())
-        return [rows.select(group) for group in split_by_tokens(rows.lengths, budget, max_samples=size)]
+        if self.cfg.prefix_tree:  # the budget counts tree tokens (what the forward computes)
+            groups = split_by_tree_tokens(rows.tokens, rows.attention_mask, budget, max_samples=size)
+        else:
+            groups = split_by_tokens(rows.lengths, budget, max_samples=size)
+        return [rows.select(group) for group in groups]
 
     def padding_fraction(self, part: SampleBatch) -> float:
         """Share of the token slots of this rank's micro-batches that are padding (0 when packed)."""
@@ -361,10 +264,17 @@ class PolicyWorker:
 
     def _logprobs(self, logits: torch.Tensor, mb: SampleBatch, where) -> tuple[torch.Tensor, torch.Tensor]:
         """(logprobs, entropy) [B, T] of ``mb``'s tokens. ``where``: the window offset of padded
-        rows, or ``(packed, positions)`` for a packed row (logits [1, K, V_local] at ``positions``)."""
+        rows, ``(packed, positions)`` for a packed row (logits [1, K, V_local] at ``positions``), or a
+        ``TreeView`` (logits at its prediction rows)."""
         vocab_start = self._vocab_start(logits)
-        packed = None
-        if isinstance(where, tuple):  # one packed row: per-position sampling settings of its sample
+        packed = tree = None
+        if isinstance(where, TreeView):  # each prediction row with its own sample's sampling settings
+            tree = where
+            rows = tree.predictions.samples.tolist()
+            logits = tree.rows(logits).transpose(0, 1)  # [K, 1, V]
+            temperatures = [mb.temperatures[r] for r in rows] if mb.temperatures else ()
+            allowed = [mb.allowed[r] for r in rows] if mb.allowed else ()
+        elif isinstance(where, tuple):  # one packed row: per-position sampling settings of its sample
             packed, positions = where
             rows = packed.sample_ids[positions].tolist()
             logits = logits.transpose(0, 1)  # [K, 1, V]: each position its own "row"
@@ -378,6 +288,9 @@ class PolicyWorker:
         disallowed = restricted_vocab_mask(allowed, vocab_start, logits.shape[-1], logits.device)
         if disallowed is not None:  # renormalise over the set the engine sampled from
             logits = logits.masked_fill(disallowed.unsqueeze(1), float("-inf"))
+        if tree is not None:
+            return tree_logprobs(logits.transpose(0, 1), tree.tree, tree.predictions, tp_group=self.wg.pgs.tp,
+                                 vocab_start=vocab_start, vocab_size=self.vocab_size, seq_len=mb.tokens.shape[1])
         if packed is not None:
             return packed_logprobs(logits.transpose(0, 1), packed, positions=positions, tp_group=self.wg.pgs.tp,
                                    vocab_start=vocab_start, vocab_size=self.vocab_size, seq_len=mb.tokens.shape[1])
@@ -393,16 +306,19 @@ class PolicyWorker:
             return []
         pp = self.wg.layout.pp
         forward_backward = get_forward_backward_func(pp_size=pp, vp_size=None)
-        if reference and self.ref_model is not None:
-            model, window = self.ref_model, self.ref_window
+        use_ref = reference and self.ref is not None
+        if use_ref:
+            model, window, rotary = self.ref.model, self.ref.window, self.ref.rotary
         else:  # LoRA policies: the reference is the base model (adapters off)
-            model, window = self.model, self.window
+            model, window, rotary = self.model, self.window, self.rotary
 
         def forward_step(data_iterator: Iterator[SampleBatch], model):
             mb = next(data_iterator)
             self.on_micro_batch()
-            if self.adapters and model is not self.ref_model:
+            if self.adapters and not use_ref:
                 set_active_adapter(model, None if reference else self._adapter(mb))
+            if self.cfg.prefix_tree:
+                return self._tree_forward(model, window, rotary, mb, loss_func)
             if self.cfg.pack:
                 return self._packed_forward(model, window, mb, loss_func)
             seq_len = mb.tokens.shape[1]
@@ -412,14 +328,14 @@ class PolicyWorker:
             return output, partial(loss_func, mb, offset)
 
         p2p = P2PCommunicator(self.wg.pgs.pp, self.model.config) if pp > 1 else None
-        with self._reference_on_device(reference and self.ref_model is not None):
+        with self.ref.on_device() if use_ref else contextlib.nullcontext():
             return forward_backward(
                 forward_step_func=forward_step,
                 data_iterator=iter(micro_batches),
                 model=[model],
                 num_microbatches=len(micro_batches),
-                seq_length=max(_model_shape(mb, self.cfg.pack)[1] for mb in micro_batches),
-                micro_batch_size=max(_model_shape(mb, self.cfg.pack)[0] for mb in micro_batches),
+                seq_length=max(model_shape(mb, self.cfg.pack)[1] for mb in micro_batches),
+                micro_batch_size=max(model_shape(mb, self.cfg.pack)[0] for mb in micro_batches),
                 forward_only=forward_only,
                 p2p_communicator=p2p,
                 pg_collection=self.wg.pgs,
@@ -441,6 +357,21 @@ class PolicyWorker:
             output = model(packed.tokens, packed.position_ids, packed.causal_mask())
         return output, partial(loss_func, mb, (packed, positions))
 
+    def _tree_forward(self, model, window: LogitWindow, rotary: RotaryPositions, mb: SampleBatch, loss_func):
+        """``mb``'s rows as one row of prefix-trie nodes (``rl.tree``): ancestor-only attention (the local
+        spec's explicit mask), RoPE by node depth, the output layer on the prediction rows only."""
+        tree = tree_pack(mb.tokens, mb.attention_mask)
+        predictions = tree.predictions(mb.response_mask)
+        if not predictions.positions.numel():  # a zero-weight stand-in row: any row keeps the graph connected
+            predictions = first_prediction(tree.predictions())
+        gathered = window.select(predictions.positions)
+        rotary.positions = tree.position_ids[0]
+        try:
+            output = model(tree.tokens, tree.position_ids, tree.causal_mask())
+        finally:
+            rotary.positions = None
+        return output, partial(loss_func, mb, TreeView(tree, predictions, gathered))
+
     @torch.no_grad()
     def compute_logprobs(self, part: SampleBatch, *, reference: bool = False) -> torch.Tensor | None:
         """Logprobs [B, T] of this rank's part under the current (or the reference) policy; only the
@@ -450,7 +381,7 @@ class PolicyWorker:
     @torch.no_grad()
     def compute_values(self, part: SampleBatch) -> torch.Tensor | None:
         """Critic values [B, T] aligned like logprobs (value at t from the state before token t)."""
-        return self._forward_only(part, lambda mb, offset, logits: self._values(mb, offset), False)
+        return self._forward_only(part, lambda mb, offset, logits: self.critic.values(mb, offset), False)
 
     def _forward_only(self, part: SampleBatch, per_token, reference: bool) -> torch.Tensor | None:
         def loss_func(mb, offset, logits):
@@ -462,48 +393,18 @@ class PolicyWorker:
         self.model.train()
         if not self.wg.is_last_stage or not outputs:
             return None
-        return _merge_rows([o["out"] for o in outputs], micro_batches, part, part.tokens.shape[1])
-
-    def _values(self, mb: SampleBatch, where) -> torch.Tensor:
-        values = self.value_head(self.window.hidden)  # [B, W] (packed: [1, K])
-        if isinstance(where, tuple):
-            packed, positions = where
-            return place_predictions(values, packed, positions, seq_len=mb.tokens.shape[1])
-        return place_window(values, mb.tokens.shape[1], where)
+        return merge_rows([o["out"] for o in outputs], micro_batches, part, part.tokens.shape[1])
 
     # ---- critic ---------------------------------------------------------------------------------
     def critic_targets(self, part: SampleBatch) -> tuple[SampleBatch, torch.Tensor | None, torch.Tensor | None]:
-        """The registered critic estimator's ``[B, T]`` advantages and returns from the critic's
-        values: ``(part with advantages, returns, values)`` on the last stage (other stages do not
-        need them). Whitening statistics span every DP rank's part."""
+        """``(part with advantages, returns, values)`` from the critic's values on the last stage
+        (``Critic.targets``); other stages run the forward pass only and need none of them."""
         part = self.on_device(part)
         values = self.compute_values(part)
         if values is None:
             return part, None, None
-        estimator = ADVANTAGE_ESTIMATORS.get(self.critic.advantage.estimator, key="algorithm.estimator")
-        adv, returns = estimator(part.rewards, part.group_index(), self.critic.advantage, response_mask=part.response_mask,
-                                 values=values, all_reduce=all_reduce_sum(self.wg.pgs.dp))
-        return part.replace(advantages=adv), returns, values
-
-    def critic_state(self) -> dict | None:
-        """Value head and its optimizer (identical on every last-stage rank), for checkpoints."""
-        if self.value_head is None:
-            return None
-        return {"value_head": self.value_head.state_dict(), "optimizer": self.value_optimizer.state_dict()}
-
-    def load_critic_state(self, state: dict) -> None:
-        if self.value_head is not None:
-            self.value_head.load_state_dict(state["value_head"])
-            self.value_optimizer.load_state_dict(state["optimizer"])
-
-    def _reduce_value_head(self) -> None:
-        """Average the value head's gradients over DP, as DDP does for the model's."""
-        if self.value_head is None or self.wg.layout.dp == 1:
-            return
-        for p in self.value_head.parameters():
-            if p.grad is not None:
-                dist.all_reduce(p.grad, group=self.wg.pgs.dp)
-                p.grad.div_(self.wg.layout.dp)
+        part, returns = self.critic.targets(part, values)
+        return part, returns, values
 
     # ---- per-agent settings ---------------------------------------------------------------------
     def _needs_ref(self) -> bool:
@@ -514,10 +415,9 @@ class PolicyWorker:
         return trainable_rows(batch, self.split.frozen_agents)
 
     def _loss_cfg(self, mb: SampleBatch) -> LossConfig:
-        agents = set(mb.names("agent"))
-        if len(agents) == 1 and (agent := agents.pop()) in self.agents:
-            return self.agents[agent].loss
-        return self.loss_cfg
+        """The loss settings of ``mb``'s agents (a micro-batch only mixes agents that train alike)."""
+        losses = [self.agents[a].loss if a in self.agents else self.loss_cfg for a in sorted(set(mb.names("agent")))]
+        return losses[0] if losses and all(loss == losses[0] for loss in losses) else self.loss_cfg
 
     # ---- the update -----------------------------------------------------------------------------
     def mini_batches(self, batch: SampleBatch) -> list[SampleBatch]:
@@ -527,7 +427,7 @@ class PolicyWorker:
     def train_step(self, batch: SampleBatch) -> dict[str, float]:
         """One update on a whole policy batch (advantages set), planned here (``plan``): for callers
         that hold the batch; the trainer sends each rank its planned share (``train_share``)."""
-        if batch.advantages is None and self.critic is None:
+        if batch.advantages is None and not self.critic.enabled:
             raise ValueError(f"policy '{self.name}': train_step needs a batch with advantages")
         return self.train_share(self.plan(batch))
 
@@ -536,7 +436,7 @@ class PolicyWorker:
         normalised by each mini-batch's global counts); then the learning-rate schedule advances once."""
         if not share.minis:  # every row of the policy was a frozen agent's
             return {}
-        if share.minis[0].rows.advantages is None and self.critic is None:
+        if share.minis[0].rows.advantages is None and not self.critic.enabled:
             raise ValueError(f"policy '{self.name}': train_share needs parts with advantages")
         parts = [self.on_device(mini.rows) for mini in share.minis]
         counts = [mini.counts for mini in share.minis]  # of each whole mini-batch (all DP ranks)
@@ -552,7 +452,7 @@ class PolicyWorker:
         refs = [self.compute_logprobs(part, reference=True) for part in parts] if self._needs_ref() else [None] * len(parts)
         timings["timing_s/ref_logprobs"] = time.perf_counter() - start
         critics: list = [None] * len(parts)
-        if self.critic is not None:
+        if self.critic.enabled:
             start = time.perf_counter()
             for i, part in enumerate(parts):
                 parts[i], returns, values = self.critic_targets(part)
@@ -568,9 +468,14 @@ class PolicyWorker:
         metrics["lr"] = current_lr(self.optimizer)
         metrics["optimizer_steps"] = float(len(parts) * self.cfg.ppo_epochs)
         metrics["padding_fraction"] = _mean([self.padding_fraction(part) for part in parts])
+        if self.cfg.pack:  # tokens one pass forwards on this rank: sample tokens, or trie nodes with prefix_tree
+            metrics["forwarded_tokens"] = float(sum(
+                tree_tokens(mb.tokens, mb.attention_mask) if self.cfg.prefix_tree else int(mb.lengths.sum())
+                for part in parts for mb in self._micro_batches(part)))
         self.scheduler.step(increment=1)
         if not any(part.response_mask.any() for part in parts):  # zero-weight stand-ins (dp_parts): no data
-            metrics = {k: v for k, v in metrics.items() if k in ("grad_norm", "lr", "optimizer_steps", "padding_fraction")}
+            metrics = {k: v for k, v in metrics.items()
+                       if k in ("grad_norm", "lr", "optimizer_steps", "padding_fraction", "forwarded_tokens")}
         return {**metrics, **timings}
 
     def _update(self, part: SampleBatch, old: torch.Tensor | None, counts: dict, *, ref=None, critic=None) -> dict[str, float]:
@@ -605,8 +510,8 @@ class PolicyWorker:
         """Fresh gradients (DP-reduced into ``param.main_grad``) of the policy loss on ``part``;
         ``counts`` are the policy batch's global token/sequence counts. Returns micro-batch metrics."""
         micro_batches = self._micro_batches(self.on_device(part))
-        olds, refs = _split_rows(old, micro_batches, part), _split_rows(ref, micro_batches, part)
-        returns, old_values = (_split_rows(t, micro_batches, part) for t in (critic or (None, None)))
+        olds, refs = split_rows(old, micro_batches, part), split_rows(ref, micro_batches, part)
+        returns, old_values = (split_rows(t, micro_batches, part) for t in (critic or (None, None)))
         scale = len(micro_batches) * self.wg.layout.dp
         collected: list[dict[str, float]] = []
         position = {id(mb): i for i, mb in enumerate(micro_batches)}
@@ -621,7 +526,7 @@ class PolicyWorker:
             )
             collected.append(metrics.as_dict())
             if returns is not None:
-                loss = loss + self._value_loss(mb, offset, returns[i], old_values[i], counts, collected[-1])
+                loss = loss + self.critic.loss(mb, offset, returns[i], old_values[i], counts, collected[-1])
             if not torch.isfinite(loss.detach()):
                 agents, episodes = sorted(set(mb.names("agent"))), sorted(set(mb.names("episode")))
                 self._nonfinite_rows.append(f"agents {agents} episodes {episodes[:4]}")
@@ -629,88 +534,26 @@ class PolicyWorker:
 
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
-        if self.value_optimizer is not None:
-            self.value_optimizer.zero_grad(set_to_none=True)
+        self.critic.zero_grad()
         self._schedule(micro_batches, loss_func, forward_only=False)
-        self._reduce_value_head()
+        self.critic.reduce_grads()
         return collected
-
-    def _value_loss(self, mb, offset, returns, old_values, counts, metrics: dict) -> torch.Tensor:
-        values = self._values(mb, offset)
-        per_token, clipped = value_loss(values, old_values, returns, mb.response_mask, clip=self.critic.value_clip)
-        vf_loss = LOSS_AGGREGATIONS.get(self.critic.loss_agg, key="algorithm.value_loss_agg")(
-            per_token, mb.response_mask, **counts)
-        metrics["vf_loss"] = float(vf_loss.detach())
-        metrics["vf_clip_frac"] = float(masked_mean(clipped.float(), mb.response_mask))
-        metrics["value_mean"] = float(masked_mean(values.detach(), mb.response_mask))
-        return self.critic.value_coef * vf_loss
 
     def _clip_and_step(self) -> float:
         """megatron-core's clip-and-step; returns the global gradient norm, or NaN when any rank of the
         WG saw a non-finite loss or gradient, in which case no rank steps (same decision everywhere)."""
         # one device flag, read once with the WG's decision (no host sync per gradient buffer)
-        fault = grads_nonfinite(self.model, device=self.device)
-        if self.value_head is not None:
-            grads = [p.grad for p in self.value_head.parameters() if p.grad is not None]
-            fault = torch.maximum(fault, nonfinite(grads, device=self.device))
+        fault = self.critic.grads_nonfinite(grads_nonfinite(self.model, device=self.device))
         if self._nonfinite_rows:
             fault = torch.ones_like(fault)
         if any_rank(fault, self.wg.pgs.intra_dist_opt, self.device):
             self.model.zero_grad_buffer()
             self.optimizer.zero_grad()
-            if self.value_optimizer is not None:
-                self.value_optimizer.zero_grad(set_to_none=True)
+            self.critic.zero_grad()
             return float("nan")
         _, grad_norm, _ = self.optimizer.step()
-        if self.value_optimizer is not None:
-            if self.cfg.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(self.value_head.parameters(), self.cfg.grad_clip)
-            self.value_optimizer.step()
+        self.critic.step()
         return float(grad_norm) if grad_norm is not None else 0.0
-
-    @contextlib.contextmanager
-    def _reference_on_device(self, active: bool):
-        """``policies.<p>.ref_offload``: the reference model visits the device only while it is used."""
-        if not active or self.ref_offload is None:
-            yield
-            return
-        self.ref_offload.restore()
-        try:
-            yield
-        finally:
-            self.ref_offload.offload()
-
-
-def _model_shape(mb: SampleBatch, packed: bool) -> tuple[int, int]:
-    """(rows, tokens) the model sees for ``mb``: [B, T] padded, [1, sum of lengths] packed."""
-    return (1, int(mb.lengths.sum())) if packed else (mb.num_samples, mb.tokens.shape[1])
-
-
-def _row_ids(mb: SampleBatch) -> list[tuple[int, int, int, int]]:
-    return list(zip(mb.episode.tolist(), mb.agent.tolist(), mb.turn.tolist(), mb.branch.tolist()))
-
-
-def _split_rows(
-    full: torch.Tensor | None, micro_batches: list[SampleBatch], part: SampleBatch
-) -> list[torch.Tensor] | None:
-    """Cut per-row tensors of ``part`` ([B, T]) into the rows and width of each micro-batch (which may
-    regroup rows, e.g. by agent)."""
-    if full is None:
-        return None
-    index = {key: i for i, key in enumerate(_row_ids(part))}
-    return [full[[index[k] for k in _row_ids(mb)], : mb.tokens.shape[1]] for mb in micro_batches]
-
-
-def _merge_rows(
-    pieces: list[torch.Tensor], micro_batches: list[SampleBatch], part: SampleBatch, width: int
-) -> torch.Tensor:
-    """Inverse of ``_split_rows``: micro-batch rows back into ``part``'s row order, padded to ``width``."""
-    index = {key: i for i, key in enumerate(_row_ids(part))}
-    out = pieces[0].new_zeros(part.num_samples, width)
-    for piece, mb in zip(pieces, micro_batches):
-        out[[index[k] for k in _row_ids(mb)], : piece.shape[1]] = piece
-    return out
-
 
 def _summarise(collected: list[dict[str, float]], **extra: float) -> dict[str, float]:
     """Micro-batch metrics -> sums for losses (they are already globally normalised), means otherwise."""

@@ -195,7 +195,7 @@ def save_policies(path: Path, policies: dict[str, PolicyConfig], workers: dict, 
             path / POLICIES / name, worker.model if worker else None, wgs[name],
             optimizer=worker.optimizer if worker else None,
         )
-        critic = worker.critic_state() if worker else None
+        critic = worker.critic.state() if worker else None
         if critic is not None and wgs[name].tp_rank == 0 and wgs[name].dp_rank == 0:
             torch.save(critic, path / POLICIES / name / CRITIC_FILE)  # replicated: one writer
 
@@ -213,11 +213,11 @@ def load_policies(path: Path, policies: dict[str, PolicyConfig], workers: dict, 
             path / POLICIES / name, worker.model if worker else None, wgs[name],
             optimizer=worker.optimizer if worker else None,
         )
-        if worker is not None and worker.value_head is not None:
+        if worker is not None and worker.critic.has_state:
             critic_file = path / POLICIES / name / CRITIC_FILE
             if not critic_file.is_file():
                 raise ValueError(f"trainer.resume: {critic_file} is missing; the run uses a critic (algorithm.estimator=gae)")
-            worker.load_critic_state(torch.load(critic_file, weights_only=False))
+            worker.critic.load_state(torch.load(critic_file, weights_only=False))
 
 
 # ---- RNG and run state ---------------------------------------------------------------------------

@@ -72,6 +72,11 @@ def check_layer_specs(cfg: RunConfig, *, cuda: bool, transformer_engine: bool) -
             continue
         planned = training_setup(cfg, name, on_gpus=cuda).spec
         built = layer_spec_choice(lora=policy.lora is not None, cuda=cuda, transformer_engine=transformer_engine)
+        if policy.prefix_tree and built == "te":
+            raise ValueError(
+                f"policies.{name}.prefix_tree: tree attention needs an arbitrary (ancestor) mask, which "
+                "megatron-core's local spec takes and Transformer Engine's attention does not; this node "
+                f"builds the TE spec: set policies.{name}.prefix_tree: false")
         if planned == "te" and built != "te":
             raise ValueError(
                 f"policies.{name}: the memory plan counts Transformer Engine's layer spec on GPUs, but "

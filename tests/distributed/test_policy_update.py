@@ -123,9 +123,9 @@ def _restricted_batch():
 def _reference_grads_per_agent(model_dir, ref_dir):
     from transformers import AutoModelForCausalLM
 
+    from megamarl.rl.forward import restricted_vocab_mask
     from megamarl.rl.losses import policy_loss
     from megamarl.rl.vocab_parallel import vocab_parallel_logprobs
-    from megamarl.rl.worker import restricted_vocab_mask
 
     batch = _restricted_batch()
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -207,7 +207,7 @@ def test_per_agent_losses_reference_kl_and_restricted_vocab_match_reference(tmp_
 
 def _critic_cfg():
     from megamarl.rl.advantages import AdvantageConfig
-    from megamarl.rl.worker import CriticConfig
+    from megamarl.rl.critic import CriticConfig
 
     return CriticConfig(AdvantageConfig(estimator="gae", gamma=0.9, lam=0.8, norm_std=True), value_coef=0.5, value_clip=0.2)
 
@@ -268,8 +268,8 @@ def _critic_body(rank, model_dir):
         worker.backward(part, None, counts, critic=(returns, values))
         grads = dict(megatron_steps.export_hf_grads(worker.model, wg))
         diffs[name] = max((grads[n] - reference[n]).abs().max().item() for n in grads)
-        if worker.value_head is not None:
-            head = {n.removeprefix("linear."): p.grad for n, p in worker.value_head.named_parameters()}
+        if worker.critic.head is not None:
+            head = {n.removeprefix("linear."): p.grad for n, p in worker.critic.head.named_parameters()}
             diffs[name + "_head"] = max((head[n] - reference_head[n]).abs().max().item() for n in head)
     return diffs
 

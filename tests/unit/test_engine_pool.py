@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import socket
+import time
 
 import pytest
 import torch
@@ -216,3 +218,54 @@ def test_a_restarted_replica_reloads_each_adapter_at_its_newest_version(tmp_path
     pool.wait_restarts(60)
     assert loaded == [("solver", str(tmp_path / "solver" / "v3"))]
     assert pool.replicas[0].lora_versions == {"solver": 3} and pool.replicas[0].version_for("solver") == 3
+
+
+class SlowToAnswerHealth(FakeSGLangServer):
+    """A live server on a loaded host: its first /generate connection drops before a reply, and its first
+    /health answer takes longer than one probe (5 s)."""
+
+    def __init__(self, engine, *, health_s: float) -> None:
+        super().__init__(engine)
+        slow = [health_s]
+        self.routes[("GET", "/health")] = lambda body, q: time.sleep(slow.pop() if slow else 0)
+        self.dropped = False
+
+    def on_call(self, path, body):
+        if path == "/generate" and not self.dropped:
+            self.dropped = True
+            raise ConnectionResetError("dropped")  # the handler dies: the client sees the connection close
+
+
+def test_a_server_slow_to_answer_health_under_load_is_not_taken_for_dead(expected):
+    # CI failure of 2026-11-29 (test_train_with_servers): a colocated vLLM-CPU server on a loaded 2-core
+    # host missed one 5 s /health probe after a dropped request, was marked dead and served step 1 stale
+    server = SlowToAnswerHealth(HFEngine(tiny_model("llama", seed=0), max_wait_ms=1), health_s=6.5)
+    built = []
+
+    def factory(index):
+        built.append(index)
+        return SGLangClient(server.url, timeout_s=30)
+
+    try:
+        pool = EnginePool(factory, 1)  # the only replica: marking it dead would fail the request
+        assert [g.token_ids for g in run(pool, PROMPTS[:1])] == expected[:1]
+        assert (pool.connection_errors, pool.live, pool.num_restarts, built) == (1, [True], [0], [0])
+    finally:
+        server.kill()
+
+
+def test_liveness_verdicts_refused_at_once_silent_after_patience():
+    from megamarl.rollout.engines._http import JSONClient
+
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]  # bound, never listening: connections are refused
+        started = time.monotonic()
+        assert not JSONClient(f"http://127.0.0.1:{port}").answers(patience_s=30)
+        assert time.monotonic() - started < 2
+    with socket.socket() as silent:  # accepts (the kernel's backlog) and never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        started = time.monotonic()
+        assert not JSONClient(f"http://127.0.0.1:{silent.getsockname()[1]}").answers(probe_s=0.5, patience_s=1.5)
+        assert 1.5 <= time.monotonic() - started < 4  # probed again while patience lasted, then judged dead

@@ -161,7 +161,7 @@ def _tiny_megatron(rank):
     from megamarl.models import bridge
     from megamarl.models.tiny import tiny_model
     from megamarl.parallel.placement import PlacementConfig, WorkerGroupLayout, build_worker_groups
-    from megamarl.rl.worker import causal_mask
+    from megamarl.rl.forward import causal_mask
 
     wg = build_worker_groups(PlacementConfig({"p": WorkerGroupLayout(ranks=[0])}))["p"]
     hf = tiny_model("qwen2", vocab_size=300, num_hidden_layers=2)  # GQA, QKV bias, untied output

@@ -17,6 +17,7 @@ from megamarl.models.registry import MODEL_FAMILIES
 from megamarl.orchestration.agents import AGENTS, Agent, AgentConfig
 from megamarl.orchestration.env import ENVS, Env, EnvConfig, EnvMaker, Task
 from megamarl.orchestration.orchestras import ORCHESTRAS, Orchestra, OrchestraConfig
+from megamarl.orchestration.tools import TOOLS
 from megamarl.orchestration.workers import WORKERS, EnvWorkers
 from megamarl.registry import Registry
 from megamarl.rl.advantages import (
@@ -32,7 +33,7 @@ from megamarl.rollout import ENGINES, Engine
 from megamarl.rollout.engines.base import EngineTraits
 
 REGISTRIES = [ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, LOSS_AGGREGATIONS, ENGINES, SCHEDULES, AGENTS, ENVS, ORCHESTRAS,
-              WORKERS, MODEL_FAMILIES, ALPHA_SCHEDULES, OPPONENT_PICKS]
+              WORKERS, MODEL_FAMILIES, ALPHA_SCHEDULES, OPPONENT_PICKS, TOOLS]
 # envs whose Config has required fields: the kwargs a run would give
 ENV_KWARGS = {"pettingzoo_parallel": {"factory": "megamarl.orchestration.pettingzoo_games:make_echo_parallel"},
               "pettingzoo_aec": {"factory": "megamarl.orchestration.pettingzoo_games:make_counting_aec"}}
@@ -46,6 +47,13 @@ def test_every_registry_documents_its_signature_and_has_entries(registry):
         assert (traits is None) == (registry.traits_type is None), name
         if registry.traits_type is not None:
             assert isinstance(traits, registry.traits_type), name
+
+
+def test_every_registry_megamarl_declares_is_checked_here():
+    import megamarl.runtime.configure  # noqa: F401 - imports every module that declares a registry
+
+    declared = {id(r): r.kind for r in Registry.instances if r.module.startswith("megamarl.")}
+    assert declared == {id(r): r.kind for r in REGISTRIES}
 
 
 def test_registry_rejects_duplicates_wrong_traits_and_names_the_key():

@@ -38,7 +38,7 @@ def test_padded_vocab_columns_take_no_mass():
 
 
 def test_logit_window_equals_full_logits_from_its_offset_on():
-    from megamarl.rl.worker import first_logit_position
+    from megamarl.rl.forward import first_logit_position
 
     torch.manual_seed(2)
     logits = torch.randn(3, 7, 11, dtype=torch.double)

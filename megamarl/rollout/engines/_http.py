@@ -6,8 +6,10 @@ keep-alive connections (up to ``max_concurrency`` per server), no thread per req
 they are few, often made from threads outside any event loop, and must not depend on one.
 
 A server that cannot be reached (refused, reset, disconnected, timed out) raises
-``EngineConnectionError`` (a ``ConnectionError``); the engine pool treats that as a dead replica,
-while an HTTP error status raises ``EngineHTTPError``, an ordinary error.
+``EngineConnectionError`` (a ``ConnectionError``), while an HTTP error status raises
+``EngineHTTPError``, an ordinary error. Whether such a server is dead is ``answers``' verdict: a
+refused, reset or unroutable probe is final at once; a probe that only times out means a server
+busy under load (or a path that drops packets), so it is tried again until ``BUSY_PATIENCE_S``.
 
 aiohttp is imported by the generation path only (``_aiohttp``): the control path, and every module that
 merely imports this one (the weight senders, the GPU tier on a node without aiohttp), need the stdlib only.
@@ -18,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -34,12 +37,21 @@ def _aiohttp():
     return aiohttp
 
 
+BUSY_PATIENCE_S = 60.0  # a server that accepts but does not answer ``/health`` this long counts as dead
+
+
 class EngineConnectionError(ConnectionError):
     """The engine server is unreachable (refused, reset, timed out)."""
 
 
 class EngineHTTPError(RuntimeError):
     """The engine server answered with an error status."""
+
+
+def _timed_out(exc: BaseException | None) -> bool:
+    """A probe that got no answer in time (``urlopen`` raises a bare ``TimeoutError`` while reading, a
+    ``URLError`` wrapping one while connecting), as opposed to one the peer or the network refused."""
+    return isinstance(getattr(exc, "reason", exc), TimeoutError)
 
 
 def _decode(body: bytes) -> Any:
@@ -86,6 +98,22 @@ class JSONClient:
 
     def get(self, path: str, **kwargs) -> Any:
         return self.request("GET", path, **kwargs)
+
+    def answers(self, path: str = "/health", *, probe_s: float = 5.0, patience_s: float = BUSY_PATIENCE_S) -> bool:
+        """The server is alive: ``path`` answers 200. Refused, reset, unroutable or an error status is
+        ``False`` at once; a probe that times out is repeated for ``patience_s`` (a CPU server busy
+        generating on a loaded host can take longer than one probe to answer, and declaring it dead
+        would take a healthy replica out of service until the next push)."""
+        deadline = time.monotonic() + patience_s
+        while True:
+            try:
+                self.get(path, timeout_s=probe_s)
+                return True
+            except EngineConnectionError as exc:
+                if not _timed_out(exc.__cause__) or time.monotonic() >= deadline:
+                    return False
+            except EngineHTTPError:
+                return False
 
     # -- async generation path -------------------------------------------------------------------
 

@@ -1,9 +1,10 @@
 """``EnginePool``: several replicas of one policy behind the ``Engine`` protocol.
 
 Routing: each request goes to the live replica with the fewest requests in flight (ties rotate).
-Failure: a replica whose request raises ``ConnectionError`` and that then fails ``health()`` (an
-unreachable disaggregated server) is marked dead, the request is retried on another replica, and the
-replica is rebuilt by ``factory(index)`` in the background. A request that fails on a replica that
+Failure: a replica whose request raises ``ConnectionError`` and that then fails ``health()`` is
+marked dead (a server client's ``health`` is ``JSONClient.answers``: refused or unroutable at once,
+silent only after ``BUSY_PATIENCE_S``, so a server slow under load is not taken for dead), the
+request is retried on another replica, and the replica is rebuilt by ``factory(index)`` in the background. A request that fails on a replica that
 still answers ``health()`` (a keep-alive connection the server closed as the request went out, a
 reset under load) is retried, on any live replica, and the replica stays: marking a live server dead
 would take it out of service until the next push re-synced it. A rebuilt replica starts from its
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import queue
 import threading
 from collections.abc import Callable, Iterable, Iterator
@@ -32,6 +34,7 @@ from megamarl.rollout.engines.base import Engine, Generation, SamplingParams
 from megamarl.rollout.engines.batching import AdmissionGate
 
 _DONE = object()
+log = logging.getLogger(__name__)
 
 
 class NoLiveReplicaError(RuntimeError):
@@ -127,6 +130,7 @@ class EnginePool(Engine):
                 return  # already handled
             self.live[index] = False
             self._restarting.add(index)
+        log.warning("engine replica %d is unreachable: out of service until it is rebuilt and re-synced", index)
         threading.Thread(target=self._restart, args=(index, replica), daemon=True).start()
 
     def _restart(self, index: int, dead: Engine) -> None:
