@@ -11,6 +11,14 @@ would take it out of service until the next push re-synced it. A rebuilt replica
 checkpoint, so it only takes traffic again once its ``weight_version`` equals the pool's: at once
 when ``weights_provider`` can re-send the current weights, otherwise at the next update.
 
+A replica that answers nothing at all (its node unreachable: a pulled link drops packets, so neither
+the requests in flight nor those on its kept-alive connections ever fail) is caught by the stall
+watch: when a replica with requests in flight has answered none for ``stall_s``, one ``health()``
+probe runs in a thread; if it fails (after ``BUSY_PATIENCE_S`` of timed-out probes) the replica is
+marked dead and every request waiting on it is abandoned and retried on another replica. So an
+unreachable replica is out of service within ``stall_s + BUSY_PATIENCE_S`` (30 + 60 s by default);
+a server that is merely slow answers the probe and keeps its requests.
+
 Weight updates fan out to every replica as one barrier: the pool stops admitting, every replica
 pauses and drains, the single weight stream is teed to all replicas concurrently (bounded queues,
 never materialised), caches are flushed, then everything resumes at the new version. A request
@@ -25,6 +33,7 @@ import itertools
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 
@@ -37,8 +46,16 @@ _DONE = object()
 log = logging.getLogger(__name__)
 
 
+STALL_S = 30.0  # a replica with requests in flight that answered none this long is probed
+POLL_S = 1.0  # how often a waiting request checks whether its replica was declared dead
+
+
 class NoLiveReplicaError(RuntimeError):
     pass
+
+
+class ReplicaLostError(ConnectionError):
+    """The request's replica was declared dead while it waited (the stall watch): it is retried."""
 
 
 class EnginePool(Engine):
@@ -49,13 +66,17 @@ class EnginePool(Engine):
         *,
         max_attempts: int = 3,
         weights_provider: Callable[[], Iterable[tuple[str, torch.Tensor]]] | None = None,
+        stall_s: float = STALL_S,
     ) -> None:
         if num_replicas < 1:
             raise ValueError(f"num_replicas must be >= 1, got {num_replicas}")
         self.factory = factory
         self.max_attempts = max_attempts
         self.weights_provider = weights_provider
+        self.stall_s = stall_s
         self.replicas: list[Engine] = [factory(i) for i in range(num_replicas)]
+        self._answered = [time.monotonic()] * num_replicas  # last answer (or first request after idling)
+        self._probing: set[int] = set()  # replicas whose stall probe runs
         self.in_flight = [0] * num_replicas
         self.live = [True] * num_replicas
         self.num_restarts = [0] * num_replicas
@@ -88,6 +109,8 @@ class EnginePool(Engine):
             start = next(self._rotation)
             ready.sort(key=lambda i: (self.in_flight[i], (i - start) % len(self.replicas)))
             choice = ready[0]
+            if self.in_flight[choice] == 0:  # an idle replica's silence so far is no stall
+                self._answered[choice] = time.monotonic()
             self.in_flight[choice] += 1
             return choice
 
@@ -106,7 +129,7 @@ class EnginePool(Engine):
                 raise
             replica = self.replicas[index]
             try:
-                out = await replica.generate(prompt_ids, sampling, lora=lora)
+                out = await self._answer(index, replica, replica.generate(prompt_ids, sampling, lora=lora))
                 self.served[index] += 1
                 if tried:
                     self.failovers += 1
@@ -114,13 +137,49 @@ class EnginePool(Engine):
             except ConnectionError as exc:
                 last_error = exc
                 self.connection_errors += 1
-                if not await asyncio.to_thread(replica.health):
+                if isinstance(exc, ReplicaLostError) or not await asyncio.to_thread(replica.health):
                     tried.add(index)
                     self._mark_dead(index, replica)
             finally:
                 with self._lock:
                     self.in_flight[index] -= 1
         raise NoLiveReplicaError(f"request failed on replicas {sorted(tried)}: {last_error!r}") from last_error
+
+    async def _answer(self, index: int, replica: Engine, call) -> list[Generation]:
+        """``call``'s result; raises ``ReplicaLostError`` when ``replica`` is declared dead meanwhile (the
+        stall watch, or another request's failure), abandoning the call."""
+        task = asyncio.ensure_future(call)
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=POLL_S)
+                if done:
+                    with self._lock:
+                        self._answered[index] = time.monotonic()
+                    return task.result()
+                if self.replicas[index] is not replica or not self.live[index]:
+                    raise ReplicaLostError(f"replica {index} was declared dead while this request waited")
+                self._watch_stall(index, replica)
+        finally:
+            if not task.done():
+                task.cancel()
+
+    def _watch_stall(self, index: int, replica: Engine) -> None:
+        """Requests wait on ``replica`` and it answered none for ``stall_s``: probe it once, in a thread."""
+        with self._lock:
+            if time.monotonic() - self._answered[index] < self.stall_s or index in self._probing:
+                return
+            self._probing.add(index)
+
+        def probe() -> None:
+            try:
+                if not replica.health():
+                    self._mark_dead(index, replica)
+            finally:
+                with self._lock:
+                    self._answered[index] = time.monotonic()  # the next probe after another stall_s
+                    self._probing.discard(index)
+
+        threading.Thread(target=probe, name=f"pool-stall-probe-{index}", daemon=True).start()
 
     # -- failure handling ------------------------------------------------------------------------
 
