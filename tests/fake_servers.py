@@ -344,8 +344,9 @@ class FakeVLLMServer(_FakeServer):
 
     def __init__(self, engine: HFEngine, transport: QueueTransport | None = None, *,
                  weight_transfer: str | None = None, gpu_uuid: str = "GPU-fake-0",
-                 rebuild: Callable[[tuple], torch.Tensor] | None = None) -> None:
-        super().__init__(engine)
+                 rebuild: Callable[[tuple], torch.Tensor] | None = None, host: str = "127.0.0.1",
+                 port: int = 0) -> None:
+        super().__init__(engine, host=host, port=port)
         self.transport = transport
         self.weight_transfer, self.gpu_uuid, self.rebuild = weight_transfer, gpu_uuid, rebuild
         self.init_info: Any = None
