@@ -79,9 +79,11 @@ class SlurmCluster:
         self.conf = root / "slurm.conf"
         self.env = {**os.environ, "SLURM_CONF": str(self.conf)}
         self._daemons: list[tuple[str, subprocess.Popen]] = []
+        self.ctld_addr = "127.0.0.1"
+        self.node_addrs = [(self.node, "127.0.0.1")]  # (NodeName, NodeAddr) of each slurmd
 
     def start(self) -> None:
-        for sub in ("munge", "state", "spool", "log"):
+        for sub in ("munge", "state", "spool", "log", *(f"spool/{name}" for name, _ in self.node_addrs)):
             (self.root / sub).mkdir(mode=0o700, parents=True, exist_ok=True)
         self._start_munged()
         self._write_conf()
@@ -106,7 +108,7 @@ class SlurmCluster:
         log = self.root / "log"
         self.conf.write_text("\n".join([
             "ClusterName=megamarl-test",
-            f"SlurmctldHost={self.node}(127.0.0.1)",
+            f"SlurmctldHost={self.node}({self.ctld_addr})",
             f"SlurmctldPort={_free_port()}",
             f"SlurmdPort={_free_port()}",
             "SlurmUser=root",
@@ -115,11 +117,11 @@ class SlurmCluster:
             "CredType=cred/munge",
             f"AuthInfo=socket={self.munge_socket},cred_expire={CRED_EXPIRE_S}",
             f"StateSaveLocation={self.root / 'state'}",
-            f"SlurmdSpoolDir={self.root / 'spool'}",
+            f"SlurmdSpoolDir={self.root / 'spool' / '%n'}",
             f"SlurmctldPidFile={self.root / 'slurmctld.pid'}",
-            f"SlurmdPidFile={self.root / 'slurmd.pid'}",
+            f"SlurmdPidFile={self.root / 'slurmd-%n.pid'}",
             f"SlurmctldLogFile={log / 'slurmctld.log'}",
-            f"SlurmdLogFile={log / 'slurmd.log'}",
+            f"SlurmdLogFile={log / 'slurmd-%n.log'}",
             "SlurmctldDebug=info",
             "SlurmdDebug=info",
             "MailProg=/bin/true",
@@ -138,15 +140,17 @@ class SlurmCluster:
             "AccountingStorageType=accounting_storage/none",
             "JobAcctGatherType=jobacct_gather/none",
             f"PlugStackConfig={self.root / 'plugstack.conf'}",
-            f"NodeName={self.node} NodeAddr=127.0.0.1 CPUs={self.num_cpus} State=UNKNOWN",
+            *(f"NodeName={name} NodeAddr={addr} CPUs={self.num_cpus} State=UNKNOWN" for name, addr in self.node_addrs),
             "PartitionName=test Nodes=ALL Default=YES MaxTime=INFINITE State=UP",
             "",
         ]))
         (self.root / "plugstack.conf").write_text("")
 
-    def _spawn(self, name: str, argv: list[str]) -> None:
+    def _spawn(self, name: str, argv: list[str], node=None) -> None:
+        """Start a daemon here, or inside ``node`` (tests/nodes.py)."""
         log = open(self.root / "log" / f"{name}.out", "ab")  # noqa: SIM115 - the daemon holds it
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True)
+        popen = subprocess.Popen if node is None else node.popen
+        proc = popen(argv, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True)
         log.close()
         self._daemons.append((name, proc))
 
@@ -163,9 +167,9 @@ class SlurmCluster:
     def _wait_idle(self) -> None:
         def idle() -> bool:
             out = self.run("sinfo", "-h", "-N", "-o", "%t", check=False).stdout
-            return out.strip() == "idle"
+            return out.split() == ["idle"] * len(self.node_addrs)
 
-        self._until(idle, f"node {self.node} idle")
+        self._until(idle, f"nodes {[name for name, _ in self.node_addrs]} idle")
 
     def run(self, *argv: str, check: bool = True, **kwargs) -> subprocess.CompletedProcess:
         return subprocess.run(list(argv), env=kwargs.pop("env", self.env), capture_output=True, text=True,
@@ -198,3 +202,31 @@ class SlurmCluster:
                     os.killpg(proc.pid, signal.SIGKILL)
                     proc.wait()
         self._daemons = []
+
+
+class NodeSlurmCluster(SlurmCluster):
+    """The same cluster over network-namespace nodes (tests/nodes.py): slurmctld and slurmd ``n0`` on the
+    first node, slurmd ``n<i>`` on node i (``NodeName=n<i> NodeAddr=<its address>``); munged stays in the
+    host's namespaces (its socket is a file under ``root``, which must be visible in every node: the
+    cluster's shared directory). Slurm's commands (``run``) run on the first node, as on a login node."""
+
+    def __init__(self, root: Path, nodes) -> None:
+        super().__init__(root)
+        self.nodes = nodes
+        self.node = nodes[0].name
+        self.ctld_addr = nodes[0].addr
+        self.node_addrs = [(node.name, node.addr) for node in nodes]
+
+    def start(self) -> None:
+        for sub in ("munge", "state", "spool", "log", *(f"spool/{node.name}" for node in self.nodes)):
+            (self.root / sub).mkdir(mode=0o700, parents=True, exist_ok=True)
+        self._start_munged()
+        self._write_conf()
+        self._spawn("slurmctld", ["slurmctld", "-D", "-i", "-f", str(self.conf)], node=self.nodes[0])
+        for node in self.nodes:
+            self._spawn(f"slurmd-{node.name}", ["slurmd", "-D", "-f", str(self.conf), "-N", node.name], node=node)
+        self._wait_idle()
+
+    def run(self, *argv: str, check: bool = True, **kwargs) -> subprocess.CompletedProcess:
+        return self.nodes[0].run(list(argv), env=kwargs.pop("env", self.env), cwd=kwargs.pop("cwd", None),
+                                 capture_output=True, text=True, check=check, **kwargs)
