@@ -12,8 +12,8 @@ closed (the kernel of a surviving host sends the reset), and a collective waits 
 ``trainer.collective_timeout_s`` (hours) for a peer that is merely unreachable. A collective that
 fails early (``suspect``) shortens the wait to ``SUSPECT_INTERVALS`` heartbeats, then names the
 silent ranks. The first rank to conclude publishes the verdict in the store, every rank adopts it
-within an interval, and ``on_lost(lost)`` runs once per rank (the caller reports and exits). The
-store's own host lost (its connection fails before any rank has exited) loses that node's ranks.
+within an interval, and ``on_lost(lost)`` runs once per rank (the caller reports and exits). A store
+that keeps failing as long (before any rank has exited) loses its host's ranks (rank 0's node).
 """
 
 from __future__ import annotations
@@ -102,15 +102,20 @@ class PeerWatch:
     # -- the thread ----------------------------------------------------------------------------------
 
     def _run(self) -> None:
+        failing_since: float | None = None
         while not self._stop.is_set():
             try:
                 self._beat()
+                failing_since = None
             except Exception as exc:  # noqa: BLE001 - the store's host is gone or unreachable
-                if not self._stop.is_set() and not self._someone_exited:
+                if self._stop.is_set() or self._someone_exited:
+                    return
+                failing_since = failing_since or time.monotonic()
+                if time.monotonic() - failing_since >= self._patience():  # not one hiccup: the store is gone
                     lost = [r for r, home in enumerate(self.homes) if home == self.homes[self.store_rank]]
                     self._conclude(lost, f"the rendezvous store on rank {self.store_rank}'s node stopped answering "
                                          f"({type(exc).__name__})", publish=False)
-                return
+                    return
             if self._verdict.is_set():
                 return
             self._stop.wait(self.interval_s)
