@@ -27,9 +27,15 @@ NUM_TASKS, GROUP_SIZE, NUM_WORKERS = 2, 2, 2
 PORT = 6390
 
 
+# Ray 2.60 refuses a node or driver that joins a head bound to a non-loopback address without the
+# cluster's token (InvalidAuthToken, even with RAY_AUTH_MODE unset): every node and the driver share one.
+TOKEN = os.urandom(16).hex()
+
+
 def _env() -> dict[str, str]:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONWARNINGS": "ignore", "WANDB_MODE": "disabled",
-           "RAY_USAGE_STATS_ENABLED": "0", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+           "RAY_USAGE_STATS_ENABLED": "0", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+           "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": TOKEN}
     env.pop("RAY_ADDRESS", None)
     return env
 
