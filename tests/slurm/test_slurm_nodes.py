@@ -1,19 +1,37 @@
 """The Slurm tier on two network-namespace nodes (issue 41, item 4, first part): slurmctld and one slurmd
 on n0, a second slurmd on n1, each in its node's namespaces (``NodeName=n0,n1 NodeAddr=10.77.0.1,2``;
 tests/slurm/slurm_cluster.py ``NodeSlurmCluster``, tests/nodes.py). A two-node step (``srun -N2``) runs
-one task on each node, and ``sbatch --nodes 2`` gets both. What is not here yet: scripts/slurm/submit.sh
-training on both nodes and a requeue across them (docs/cluster.md, section 5). About 15 s."""
+one task on each node, and ``sbatch --nodes 2`` gets both (about 5 s).
+
+Then ``scripts/slurm/submit.sh`` as a user runs it on the first node (the login node), from the real
+template: the tiny signalling run at 2 ranks per node (``cluster.num_nodes=2``, ranks 0-3), 2 steps. USR1
+reaches the batch shell before any rank exists (``scancel --batch --signal=USR1``, as Slurm's warning
+does); the held signal stops the ranks of both nodes after step 1, they save, the template requeues
+the job; the requeued run resumes at step 1 and completes step 2, with the metrics of an uninterrupted
+4-rank run (forked ranks of this host, tests/train_runs.py). About 3-4 minutes."""
 
 from __future__ import annotations
 
+import json
+import os
 import re
 import time
+from pathlib import Path
 
 import pytest
 from nodes import cluster, nodes_permitted  # tests/ helper
 from slurm_cluster import NodeSlurmCluster, ensure_installed
+from train_runs import start  # tests/ helper
 
-pytestmark = [pytest.mark.slurm, pytest.mark.multinode, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.slurm, pytest.mark.multinode, pytest.mark.timeout(1500)]
+
+ROOT = Path(__file__).resolve().parents[2]
+VENV_BIN = ROOT / ".venv" / "bin"
+RUN = "signalling_tiny"
+OVERRIDES = ("policies.shared.ranks=[0,1,2,3]", "cluster.num_nodes=2", "trainer.total_steps=2", "trainer.save_every=0",
+             "rollout.num_tasks=4", "eval.num_tasks=0", "logger.progress=false")
+JOB_TIMEOUT_S = 1200
+DONE = ("COMPLETED", "FAILED", "TIMEOUT", "CANCELLED", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE")
 
 
 @pytest.fixture(scope="module")
@@ -56,3 +74,62 @@ def test_a_two_node_batch_job(slurm, tmp_path_factory):
         time.sleep(0.5)
     lines = out.read_text().split()
     assert lines[:2] == ["n0", "n1"] and sorted(lines[2:]) == ["n0", "n1"]
+
+
+def _metrics(run_dir: Path) -> list[dict]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in row.items() if k not in ("time", "elapsed_s")
+             and not k.startswith(("timing/", "timing_s/", "weight_sync/", "perf/")) and not k.endswith(("_s", "_ratio"))}
+            for row in rows]
+
+
+@pytest.fixture(scope="module")
+def job(slurm, tmp_path_factory):
+    out = slurm.root.parent / "job"  # on the shared filesystem
+    out.mkdir()
+    reference_out = tmp_path_factory.mktemp("reference")
+    env = {**slurm.env, "PATH": f"{VENV_BIN}{os.pathsep}{os.environ['PATH']}", "VIRTUAL_ENV": str(VENV_BIN.parent),
+           "PYTHONWARNINGS": "ignore", "WANDB_MODE": "disabled", "PYTHONPATH": str(ROOT)}
+    env.pop("OMP_NUM_THREADS", None)
+    done = slurm.run("scripts/slurm/submit.sh", f"configs/{RUN}.yaml", *OVERRIDES, f"output_dir={out}", "--",
+                     f"--output={out}/%x-%j.out", f"--error={out}/%x-%j.out", "--time=30", check=False, cwd=ROOT,
+                     env=env, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    job_id = re.search(r"Submitted batch job (\d+)", done.stdout).group(1)
+    log = out / f"{RUN}-{job_id}.out"
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+    while not (log.is_file() and "megamarl: job" in log.read_text()):
+        assert time.monotonic() < deadline, slurm.logs()
+        time.sleep(0.2)
+    slurm.run("scancel", "--batch", "--signal=USR1", job_id)  # before torchrun: no rank exists yet
+    reference = start(["--config", f"configs/{RUN}.yaml", *OVERRIDES, f"output_dir={reference_out}"], nproc=4,
+                      log=reference_out / "ranks.log", env={"PYTHONWARNINGS": "ignore", "WANDB_MODE": "disabled"})
+    try:
+        def finished(record: dict) -> bool:  # the first run's end before its requeue is not the end
+            return record["JobState"] in DONE and (record.get("Restarts") != "0" or "requeueing job" not in log.read_text())
+
+        while not finished(record := slurm.job(job_id)):
+            assert time.monotonic() < deadline, log.read_text()[-3000:] + slurm.logs()
+            time.sleep(2)
+        assert reference.wait(timeout=max(deadline - time.monotonic(), 1)) == 0
+    finally:
+        reference.kill()
+    return {"record": record, "log": log.read_text(errors="replace"), "run_dir": out / RUN,
+            "reference_dir": reference_out / RUN}
+
+
+def test_both_nodes_ranks_train_and_the_requeued_job_completes(job):
+    record, log = job["record"], job["log"]
+    assert (record["JobState"], record["ExitCode"], record["Restarts"]) == ("COMPLETED", "0:0", "1"), log[-4000:]
+    assert record["NodeList"] == "n[0-1]", record
+    first, _, second = log.partition("restart 1,")
+    assert first.count("2 nodes x 2 ranks") == 1 and second.count("2 nodes x 2 ranks") == 1, log[-4000:]
+    assert "preempted (SIGUSR1): saved step 1;" in first and "requeueing job" in first
+
+
+def test_the_requeued_run_resumes_exactly(job):
+    second = job["log"].partition("restart 1,")[2]
+    assert f"resumed from {job['run_dir'] / 'checkpoints' / 'step_000001'} at step 1" in second
+    rows = _metrics(job["run_dir"])
+    assert [r["step"] for r in rows] == [1, 2]
+    assert rows == _metrics(job["reference_dir"])
