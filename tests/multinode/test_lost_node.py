@@ -121,6 +121,8 @@ def lost_run(tmp_path_factory):
         timeline["wall_s"] = round(timeline["end"] - t0, 1)
     (shared / "timeline.json").write_text(json.dumps(timeline, indent=1))
     print("lost-node timeline:", json.dumps(timeline), file=sys.stderr)
+    for name, ps in listing.items():  # the per-node process listing at the kill
+        print(f"--- processes of {name} before the kill\n{ps}", file=sys.stderr)
     yield SimpleRun(timeline, first_log, second_log, _metrics(out / RUN), ref_code, _metrics(ref_dir / RUN),
                     listing, out)
 
