@@ -1,17 +1,33 @@
 """How an update's micro-batch metrics become the step's: losses summed (each micro-batch's is already
-normalised by the mini-batch's global counts), everything else averaged; per optimizer step, the mean
-over a pass's steps, with the non-finite counters summed (skips) or maxed (the streak)."""
+normalised by the mini-batch's global counts), maxima maxed, everything else averaged weighted by the
+micro-batch's response tokens (``RESPONSE_TOKENS``), so a step's metrics do not depend on how its rows
+were cut into micro-batches (padded, packed, prefix tree); per optimizer step, the mean over a pass's
+steps, with the non-finite counters summed (skips) or maxed (the streak)."""
 
 from __future__ import annotations
 
+RESPONSE_TOKENS = "response_tokens"  # a micro-batch's weight in the step's means (not reported)
+SUMMED = frozenset({"loss", "pg_loss", "kl_loss", "vf_loss"})
+
 
 def summarise(collected: list[dict[str, float]], **extra: float) -> dict[str, float]:
-    """Micro-batch metrics -> sums for losses (they are already globally normalised), means otherwise."""
+    """Micro-batch metrics -> sums for losses (they are already globally normalised), maxima for
+    ``*_max``, response-token-weighted means otherwise (unweighted when no micro-batch has any)."""
     if not collected:
         return dict(extra)
-    keys = collected[0].keys()
-    summed = {"loss", "pg_loss", "kl_loss", "vf_loss"}
-    out = {k: (sum if k in summed else average)([c[k] for c in collected if k in c]) for k in keys}
+    keys = [k for k in collected[0] if k != RESPONSE_TOKENS]
+    out = {}
+    for key in keys:
+        rows = [c for c in collected if key in c]
+        if key in SUMMED:
+            out[key] = sum(c[key] for c in rows)
+        elif key.endswith("_max"):
+            out[key] = max(c[key] for c in rows)
+        else:
+            weights = [c.get(RESPONSE_TOKENS, 1.0) for c in rows]
+            total = sum(weights)
+            out[key] = (sum(w * c[key] for w, c in zip(weights, rows)) / total if total
+                        else average([c[key] for c in rows]))
     out.update(extra)
     return out
 

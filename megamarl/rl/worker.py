@@ -68,7 +68,7 @@ from megamarl.rl.offload import TrainStateOffload
 from megamarl.rl.optimizer import any_rank, build_optimizer, build_scheduler, current_lr, grads_nonfinite
 from megamarl.rl.reference import ReferenceModel
 from megamarl.rl.tree import RotaryPositions
-from megamarl.rl.update_metrics import average, mean_over_steps, summarise
+from megamarl.rl.update_metrics import RESPONSE_TOKENS, average, mean_over_steps, summarise
 
 logger = logging.getLogger(__name__)
 
@@ -407,7 +407,7 @@ class PolicyWorker:
                 old_logprobs=olds[i] if olds is not None else None, rollout_logprobs=mb.rollout_logprobs,
                 ref_logprobs=refs[i] if refs is not None else None, entropy=entropy, **counts,
             )
-            collected.append(metrics.as_dict())
+            collected.append({**metrics.as_dict(), RESPONSE_TOKENS: float(mb.response_mask.sum())})
             if returns is not None:
                 loss = loss + self.critic.loss(mb, offset, returns[i], old_values[i], counts, collected[-1])
             if not torch.isfinite(loss.detach()):
