@@ -3,7 +3,7 @@
     python scripts/compare_runs.py --base 60ff66b            # base revision vs the working tree
     python scripts/compare_runs.py --base HEAD --head HEAD   # determinism: one revision twice
     python scripts/compare_runs.py --base main --config configs/presets/l2_colocated.yaml --nproc 2   # a 2-rank preset
-    python scripts/compare_runs.py --base HEAD --head HEAD --rtol 1e-4 policies.shared.pack=true \
+    python scripts/compare_runs.py --base HEAD --head HEAD --rtol 1e-4 --atol 1e-6 policies.shared.pack=true \
         --head-override policies.shared.prefix_tree=true   # a feature on vs off, one revision
 
 Runs a seeded ``trainer.total_steps``-step ``configs/signalling_tiny.yaml`` run (torchrun, one rank)
