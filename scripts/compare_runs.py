@@ -3,7 +3,7 @@
     python scripts/compare_runs.py --base 60ff66b            # base revision vs the working tree
     python scripts/compare_runs.py --base HEAD --head HEAD   # determinism: one revision twice
     python scripts/compare_runs.py --base main --config configs/presets/l2_colocated.yaml --nproc 2   # a 2-rank preset
-    python scripts/compare_runs.py --base HEAD --head HEAD --rtol 1e-4 policies.shared.pack=true \
+    python scripts/compare_runs.py --base HEAD --head HEAD --rtol 1e-4 --atol 1e-6 policies.shared.pack=true \
         --head-override policies.shared.prefix_tree=true   # a feature on vs off, one revision
 
 Runs a seeded ``trainer.total_steps``-step ``configs/signalling_tiny.yaml`` run (torchrun, one rank)
@@ -52,17 +52,17 @@ def run_at(source: Path, out_dir: Path, *, config: str, steps: int, extra: list[
     return [json.loads(line) for line in lines if line.strip()]
 
 
-def _close(a, b, rtol: float) -> bool:
+def _close(a, b, rtol: float, atol: float = 0.0) -> bool:
     if a == b:
         return True
     if rtol <= 0 or isinstance(a, bool) or isinstance(b, bool):
         return False
     if not (isinstance(a, (int, float)) and isinstance(b, (int, float))):
         return False
-    return abs(a - b) <= rtol * max(abs(a), abs(b))
+    return abs(a - b) <= max(rtol * max(abs(a), abs(b)), atol)
 
 
-def compare(base: list[dict], head: list[dict], rtol: float = 0.0) -> tuple[list[str], int]:
+def compare(base: list[dict], head: list[dict], rtol: float = 0.0, atol: float = 0.0) -> tuple[list[str], int]:
     """Differences between two runs' records (empty: identical) and the number of values compared.
     ``rtol > 0``: numbers within that relative tolerance match and one-sided keys are not differences."""
     diffs, num_compared = [], 0
@@ -75,7 +75,7 @@ def compare(base: list[dict], head: list[dict], rtol: float = 0.0) -> tuple[list
             diffs.append(f"record {i}: key {key} only in {'base' if key in keys_a else 'head'}")
         for key in sorted(keys_a & keys_b):
             num_compared += 1
-            if not _close(a[key], b[key], rtol):
+            if not _close(a[key], b[key], rtol, atol):
                 diffs.append(f"record {i} (step {a.get('step')}): {key} base={a[key]!r} head={b[key]!r}")
     return diffs, num_compared
 
@@ -95,6 +95,8 @@ def main(argv=None) -> int:
     parser.add_argument("--nproc", type=int, default=1, help="ranks per run (a 2-rank preset: 2)")
     parser.add_argument("--rtol", type=float, default=0.0,
                         help="relative tolerance for numbers (default 0: bit-identical)")
+    parser.add_argument("--atol", type=float, default=0.0,
+                        help="with --rtol: numbers this close also match (values near 0, e.g. a pg_loss of ~1e-8)")
     parser.add_argument("overrides", nargs="*", help="extra key=value overrides for both runs")
     parser.add_argument("--head-override", action="append", default=[], metavar="KEY=VALUE",
                         help="an override for the head run only: a feature on vs off on one revision "
@@ -113,7 +115,7 @@ def main(argv=None) -> int:
             extra = [*args.overrides, *(args.head_override if side == "head" else [])]
             sides[side] = run_at(source, tmp / f"out_{side}", config=args.config, steps=args.steps,
                                  extra=extra, nproc=args.nproc)
-        diffs, num_compared = compare(sides["base"], sides["head"], args.rtol)
+        diffs, num_compared = compare(sides["base"], sides["head"], args.rtol, args.atol)
     finally:
         for tree in worktrees:
             subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(tree)], capture_output=True,
@@ -138,7 +140,7 @@ def main(argv=None) -> int:
         print("DIFFERENT:\n  " + "\n  ".join(diffs[:50]))
         return 1
     print("IDENTICAL (bit-for-bit, wall-clock keys excluded)" if args.rtol <= 0
-          else f"MATCH within rtol={args.rtol:g} (wall-clock keys excluded)")
+          else f"MATCH within rtol={args.rtol:g}, atol={args.atol:g} (wall-clock keys excluded)")
     return 0
 
 

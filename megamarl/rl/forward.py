@@ -1,5 +1,6 @@
-"""Helpers of the policy's forward pass: masks, the output layer's logit window, and the row
-bookkeeping that cuts a DP part into micro-batches and puts per-row results back.
+"""The policy's forward pass over one micro-batch, in its three layouts (padded rows, one packed row,
+one row of prefix-trie nodes), and what turns its logits into the sampled tokens' log-probs; with
+masks, the output layer's logit window, and the row bookkeeping that puts per-row results back.
 
 ``LogitWindow`` runs the output layer only where response tokens are predicted (prompts are most of
 every multi-agent transcript, and [T, V] logits dominate a small model's step); the row helpers key
@@ -12,6 +13,9 @@ import torch
 
 from megamarl.models.bridge import unwrap
 from megamarl.rl.batch import SampleBatch
+from megamarl.rl.packing import pack, packed_logprobs, prediction_positions
+from megamarl.rl.tree import RotaryPositions, TreeView, first_prediction, tree_logprobs, tree_pack
+from megamarl.rl.vocab_parallel import scale_logits, vocab_parallel_logprobs
 
 
 def causal_mask(seq_len: int, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -105,3 +109,86 @@ def merge_rows(
     for piece, mb in zip(pieces, micro_batches):
         out[[index[k] for k in _row_ids(mb)], : piece.shape[1]] = piece
     return out
+
+
+# ---- one micro-batch through the model: (output, where its predictions sit) --------------------------
+
+
+def padded_forward(model, window: LogitWindow, mb: SampleBatch):
+    """Right-padded rows [B, T], causal attention, the output layer from the first response prediction
+    on; ``where`` is that window offset."""
+    seq_len = mb.tokens.shape[1]
+    positions = torch.arange(seq_len, device=mb.device).expand_as(mb.tokens)
+    offset = window.set(mb.response_mask)
+    return model(mb.tokens, positions, causal_mask(seq_len, mb.device)), offset
+
+
+def packed_forward(model, window: LogitWindow, mb: SampleBatch, *, uses_te: bool):
+    """``mb``'s rows as one packed row [1, L] (``rl.packing``): block-diagonal causal attention (the
+    local spec's explicit mask on CPU; megatron-core's ``PackedSeqParams`` (THD) with Transformer
+    Engine), positions restarting per sample, the output layer only where a response token is
+    predicted; ``where`` is ``(packed, positions)``."""
+    packed = pack(mb.tokens, mb.attention_mask)
+    positions = prediction_positions(packed, mb.response_mask)
+    if not positions.numel():  # a zero-weight stand-in row: any position keeps the graph connected
+        positions = prediction_positions(packed)[:1]
+    if not window.select(positions):
+        positions = torch.arange(packed.num_tokens, device=mb.device)  # sequence parallel: whole row
+    if uses_te:
+        output = model(packed.tokens, packed.position_ids, None, packed_seq_params=packed.seq_params())
+    else:
+        output = model(packed.tokens, packed.position_ids, packed.causal_mask())
+    return output, (packed, positions)
+
+
+def tree_forward(model, window: LogitWindow, rotary: RotaryPositions, mb: SampleBatch):
+    """``mb``'s rows as one row of prefix-trie nodes (``rl.tree``): ancestor-only attention (the local
+    spec's explicit mask), RoPE by node depth, the output layer on the prediction rows only; ``where``
+    is a ``TreeView``."""
+    tree = tree_pack(mb.tokens, mb.attention_mask)
+    predictions = tree.predictions(mb.response_mask)
+    if not predictions.positions.numel():  # a zero-weight stand-in row: any row keeps the graph connected
+        predictions = first_prediction(tree.predictions())
+    gathered = window.select(predictions.positions)
+    rotary.positions = tree.position_ids[0]
+    try:
+        output = model(tree.tokens, tree.position_ids, tree.causal_mask())
+    finally:
+        rotary.positions = None
+    return output, TreeView(tree, predictions, gathered)
+
+
+def sampled_logprobs(logits: torch.Tensor, mb: SampleBatch, where, *, tp_group, vocab_start: int,
+                   vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logprobs, entropy) [B, T] of ``mb``'s tokens from vocab-parallel ``logits``. ``where``: the
+    window offset of padded rows, ``(packed, positions)`` for a packed row (logits [1, K, V_local] at
+    ``positions``), or a ``TreeView`` (logits at its prediction rows)."""
+    packed = tree = None
+    if isinstance(where, TreeView):  # each prediction row with its own sample's sampling settings
+        tree = where
+        rows = tree.predictions.samples.tolist()
+        logits = tree.rows(logits).transpose(0, 1)  # [K, 1, V]
+    elif isinstance(where, tuple):  # one packed row: per-position sampling settings of its sample
+        packed, positions = where
+        rows = packed.sample_ids[positions].tolist()
+        logits = logits.transpose(0, 1)  # [K, 1, V]: each position its own "row"
+    if tree is not None or packed is not None:
+        temperatures = [mb.temperatures[r] for r in rows] if mb.temperatures else ()
+        allowed = [mb.allowed[r] for r in rows] if mb.allowed else ()
+    else:
+        temperatures, allowed = mb.temperatures, mb.allowed
+    # the distribution the engine sampled from; temperature scaling and log-softmax in fp32 whatever
+    # the compute dtype
+    logits = scale_logits(logits, temperatures)
+    disallowed = restricted_vocab_mask(allowed, vocab_start, logits.shape[-1], logits.device)
+    if disallowed is not None:  # renormalise over the set the engine sampled from
+        logits = logits.masked_fill(disallowed.unsqueeze(1), float("-inf"))
+    seq_len = mb.tokens.shape[1]
+    if tree is not None:
+        return tree_logprobs(logits.transpose(0, 1), tree.tree, tree.predictions, tp_group=tp_group,
+                             vocab_start=vocab_start, vocab_size=vocab_size, seq_len=seq_len)
+    if packed is not None:
+        return packed_logprobs(logits.transpose(0, 1), packed, positions=positions, tp_group=tp_group,
+                               vocab_start=vocab_start, vocab_size=vocab_size, seq_len=seq_len)
+    return vocab_parallel_logprobs(logits, mb.tokens, tp_group=tp_group, vocab_start=vocab_start,
+                                   vocab_size=vocab_size, offset=where)

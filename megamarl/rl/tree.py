@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from megamarl.models.bridge import unwrap
 from megamarl.rl.vocab_parallel import _VocabParallelLogprobEntropy
 
 
@@ -219,8 +220,6 @@ class RotaryPositions:
     other forward needs it). A node's depth is below the layout length, so the table covers it."""
 
     def __init__(self, model: torch.nn.Module):
-        from megamarl.models.bridge import unwrap
-
         self.positions: Tensor | None = None
         rotary = getattr(unwrap(model), "rotary_pos_emb", None)
         self.enabled = rotary is not None

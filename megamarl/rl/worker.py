@@ -54,27 +54,21 @@ from megamarl.rl.critic import Critic, CriticConfig, NoCritic
 from megamarl.rl.dispatch import BatchSplit, PolicyShare, dp_parts, mini_batches, plan_policy, trainable_rows
 from megamarl.rl.forward import (
     LogitWindow,
-    causal_mask,
     merge_rows,
     model_shape,
-    restricted_vocab_mask,
+    packed_forward,
+    padded_forward,
+    sampled_logprobs,
     split_rows,
+    tree_forward,
 )
 from megamarl.rl.losses import LossConfig, policy_loss
+from megamarl.rl.micro_batches import MicroBatcher
 from megamarl.rl.offload import TrainStateOffload
 from megamarl.rl.optimizer import any_rank, build_optimizer, build_scheduler, current_lr, grads_nonfinite
-from megamarl.rl.packing import pack, packed_logprobs, padding_fraction, prediction_positions, split_by_tokens
 from megamarl.rl.reference import ReferenceModel
-from megamarl.rl.tree import (
-    RotaryPositions,
-    TreeView,
-    first_prediction,
-    split_by_tree_tokens,
-    tree_logprobs,
-    tree_pack,
-    tree_tokens,
-)
-from megamarl.rl.vocab_parallel import scale_logits, vocab_parallel_logprobs
+from megamarl.rl.tree import RotaryPositions
+from megamarl.rl.update_metrics import RESPONSE_TOKENS, average, mean_over_steps, summarise
 
 logger = logging.getLogger(__name__)
 
@@ -132,6 +126,7 @@ class PolicyWorker:
         config = model.config
         self.agents = agents or {}
         self.split = batch_split(cfg, self.agents)
+        self.batcher = MicroBatcher(cfg, self.agents, loss_cfg)
         self.adapters = sorted({a.adapter for a in self.agents.values() if a.adapter})
         if self.adapters:
             if lora is None:
@@ -209,95 +204,18 @@ class PolicyWorker:
         return plan_policy(batch, self.split, num_dp=self.wg.layout.dp)[self.wg.dp_rank]
 
     def _micro_batches(self, part: SampleBatch) -> list[SampleBatch]:
-        """Micro-batches of ``cfg.micro_batch_size`` rows; with per-agent settings, each micro-batch
-        holds one agent's rows (its own size and loss settings), or with ``prefix_tree`` the rows of
-        agents that train alike (so a team's shared tokens are shared too). Rows keep their order."""
-        if not part.num_samples:
-            return []
-        if not self.agents:
-            return self._chunks(part, self.cfg.micro_batch_size)
-        names = part.names("agent")
-        out = []
-        for agents in self._agents_together(sorted(set(names))):
-            rows = torch.tensor([n in agents for n in names], dtype=torch.bool, device=part.device)
-            size = self.agents[agents[0]].micro_batch_size if agents[0] in self.agents else self.cfg.micro_batch_size
-            out.extend(self._chunks(part.select(rows), size))
-        return out
-
-    def _agents_together(self, agents: list[str]) -> list[list[str]]:
-        """Agents whose rows may share a micro-batch: each alone, or with ``prefix_tree`` those with the
-        same micro-batch size, LoRA adapter and loss settings (first-name order)."""
-        if not self.cfg.prefix_tree:
-            return [[agent] for agent in agents]
-        groups: dict[tuple, list[str]] = {}
-        for agent in agents:
-            t = self.agents.get(agent)
-            key = (t.micro_batch_size, t.adapter, repr(t.loss)) if t else (None, None, repr(self.loss_cfg))
-            groups.setdefault(key, []).append(agent)
-        return list(groups.values())
-
-    def _chunks(self, rows: SampleBatch, size: int) -> list[SampleBatch]:
-        """Padded: consecutive rows, ``size`` at a time. Packed (``policies.<p>.pack``): at most
-        ``max_tokens_per_micro_batch`` real tokens (and ``size`` rows) per micro-batch, first-fit
-        decreasing, so a micro-batch costs what its tokens cost."""
-        if not self.cfg.pack:
-            return rows.micro_batches(max_samples=size)
-        budget = self.cfg.max_tokens_per_micro_batch or size * int(rows.lengths.max())
-        if self.cfg.prefix_tree:  # the budget counts tree tokens (what the forward computes)
-            groups = split_by_tree_tokens(rows.tokens, rows.attention_mask, budget, max_samples=size)
-        else:
-            groups = split_by_tokens(rows.lengths, budget, max_samples=size)
-        return [rows.select(group) for group in groups]
+        """This rank's part cut into the micro-batches the schedule runs (``rl.micro_batches``)."""
+        return self.batcher.split(part)
 
     def padding_fraction(self, part: SampleBatch) -> float:
-        """Share of the token slots of this rank's micro-batches that are padding (0 when packed)."""
-        if self.cfg.pack or not part.num_samples:
-            return 0.0
-        micro_batches = self._micro_batches(part)
-        shapes = [(mb.num_samples, mb.tokens.shape[1]) for mb in micro_batches]
-        lengths = torch.cat([mb.lengths for mb in micro_batches])
-        return padding_fraction(lengths, shapes)
+        return self.batcher.padding_fraction(part)
 
     # ---- forward/backward -----------------------------------------------------------------------
-    def _vocab_start(self, logits: torch.Tensor) -> int:
-        return self.wg.tp_rank * logits.shape[-1]
-
     def _logprobs(self, logits: torch.Tensor, mb: SampleBatch, where) -> tuple[torch.Tensor, torch.Tensor]:
-        """(logprobs, entropy) [B, T] of ``mb``'s tokens. ``where``: the window offset of padded
-        rows, ``(packed, positions)`` for a packed row (logits [1, K, V_local] at ``positions``), or a
-        ``TreeView`` (logits at its prediction rows)."""
-        vocab_start = self._vocab_start(logits)
-        packed = tree = None
-        if isinstance(where, TreeView):  # each prediction row with its own sample's sampling settings
-            tree = where
-            rows = tree.predictions.samples.tolist()
-            logits = tree.rows(logits).transpose(0, 1)  # [K, 1, V]
-            temperatures = [mb.temperatures[r] for r in rows] if mb.temperatures else ()
-            allowed = [mb.allowed[r] for r in rows] if mb.allowed else ()
-        elif isinstance(where, tuple):  # one packed row: per-position sampling settings of its sample
-            packed, positions = where
-            rows = packed.sample_ids[positions].tolist()
-            logits = logits.transpose(0, 1)  # [K, 1, V]: each position its own "row"
-            temperatures = [mb.temperatures[r] for r in rows] if mb.temperatures else ()
-            allowed = [mb.allowed[r] for r in rows] if mb.allowed else ()
-        else:
-            temperatures, allowed = mb.temperatures, mb.allowed
-        # the distribution the engine sampled from; temperature scaling and log-softmax in fp32 whatever
-        # the compute dtype
-        logits = scale_logits(logits, temperatures)
-        disallowed = restricted_vocab_mask(allowed, vocab_start, logits.shape[-1], logits.device)
-        if disallowed is not None:  # renormalise over the set the engine sampled from
-            logits = logits.masked_fill(disallowed.unsqueeze(1), float("-inf"))
-        if tree is not None:
-            return tree_logprobs(logits.transpose(0, 1), tree.tree, tree.predictions, tp_group=self.wg.pgs.tp,
-                                 vocab_start=vocab_start, vocab_size=self.vocab_size, seq_len=mb.tokens.shape[1])
-        if packed is not None:
-            return packed_logprobs(logits.transpose(0, 1), packed, positions=positions, tp_group=self.wg.pgs.tp,
-                                   vocab_start=vocab_start, vocab_size=self.vocab_size, seq_len=mb.tokens.shape[1])
-        return vocab_parallel_logprobs(
-            logits, mb.tokens, tp_group=self.wg.pgs.tp, vocab_start=vocab_start,
-            vocab_size=self.vocab_size, offset=where,
-        )
+        """(logprobs, entropy) [B, T] of ``mb``'s tokens under the distribution the engine sampled from
+        (``rl.forward.sampled_logprobs``; this rank's vocabulary shard)."""
+        return sampled_logprobs(logits, mb, where, tp_group=self.wg.pgs.tp, vocab_start=self.wg.tp_rank * logits.shape[-1],
+                              vocab_size=self.vocab_size)
 
     def _schedule(
         self, micro_batches: list[SampleBatch], loss_func, *, forward_only: bool, reference: bool = False
@@ -318,14 +236,12 @@ class PolicyWorker:
             if self.adapters and not use_ref:
                 set_active_adapter(model, None if reference else self._adapter(mb))
             if self.cfg.prefix_tree:
-                return self._tree_forward(model, window, rotary, mb, loss_func)
-            if self.cfg.pack:
-                return self._packed_forward(model, window, mb, loss_func)
-            seq_len = mb.tokens.shape[1]
-            positions = torch.arange(seq_len, device=mb.device).expand_as(mb.tokens)
-            offset = window.set(mb.response_mask)
-            output = model(mb.tokens, positions, causal_mask(seq_len, mb.device))
-            return output, partial(loss_func, mb, offset)
+                output, where = tree_forward(model, window, rotary, mb)
+            elif self.cfg.pack:
+                output, where = packed_forward(model, window, mb, uses_te=self.uses_te)
+            else:
+                output, where = padded_forward(model, window, mb)
+            return output, partial(loss_func, mb, where)
 
         p2p = P2PCommunicator(self.wg.pgs.pp, self.model.config) if pp > 1 else None
         with self.ref.on_device() if use_ref else contextlib.nullcontext():
@@ -340,37 +256,6 @@ class PolicyWorker:
                 p2p_communicator=p2p,
                 pg_collection=self.wg.pgs,
             )
-
-    def _packed_forward(self, model, window: LogitWindow, mb: SampleBatch, loss_func):
-        """``mb``'s rows as one packed row [1, L]: block-diagonal causal attention (the local spec's
-        explicit mask on CPU; megatron-core's ``PackedSeqParams`` (THD) with Transformer Engine),
-        positions restarting per sample, the output layer only where a response token is predicted."""
-        packed = pack(mb.tokens, mb.attention_mask)
-        positions = prediction_positions(packed, mb.response_mask)
-        if not positions.numel():  # a zero-weight stand-in row: any position keeps the graph connected
-            positions = prediction_positions(packed)[:1]
-        if not window.select(positions):
-            positions = torch.arange(packed.num_tokens, device=mb.device)  # sequence parallel: whole row
-        if self.uses_te:
-            output = model(packed.tokens, packed.position_ids, None, packed_seq_params=packed.seq_params())
-        else:
-            output = model(packed.tokens, packed.position_ids, packed.causal_mask())
-        return output, partial(loss_func, mb, (packed, positions))
-
-    def _tree_forward(self, model, window: LogitWindow, rotary: RotaryPositions, mb: SampleBatch, loss_func):
-        """``mb``'s rows as one row of prefix-trie nodes (``rl.tree``): ancestor-only attention (the local
-        spec's explicit mask), RoPE by node depth, the output layer on the prediction rows only."""
-        tree = tree_pack(mb.tokens, mb.attention_mask)
-        predictions = tree.predictions(mb.response_mask)
-        if not predictions.positions.numel():  # a zero-weight stand-in row: any row keeps the graph connected
-            predictions = first_prediction(tree.predictions())
-        gathered = window.select(predictions.positions)
-        rotary.positions = tree.position_ids[0]
-        try:
-            output = model(tree.tokens, tree.position_ids, tree.causal_mask())
-        finally:
-            rotary.positions = None
-        return output, partial(loss_func, mb, TreeView(tree, predictions, gathered))
 
     @torch.no_grad()
     def compute_logprobs(self, part: SampleBatch, *, reference: bool = False) -> torch.Tensor | None:
@@ -464,14 +349,12 @@ class PolicyWorker:
             collected = [self._update(part, old, count, ref=ref, critic=critic)
                          for part, old, count, ref, critic in zip(parts, olds, counts, refs, critics)]
         timings["timing_s/update"] = time.perf_counter() - start
-        metrics = _mean_over_steps(collected)
+        metrics = mean_over_steps(collected)
         metrics["lr"] = current_lr(self.optimizer)
         metrics["optimizer_steps"] = float(len(parts) * self.cfg.ppo_epochs)
-        metrics["padding_fraction"] = _mean([self.padding_fraction(part) for part in parts])
+        metrics["padding_fraction"] = average([self.padding_fraction(part) for part in parts])
         if self.cfg.pack:  # tokens one pass forwards on this rank: sample tokens, or trie nodes with prefix_tree
-            metrics["forwarded_tokens"] = float(sum(
-                tree_tokens(mb.tokens, mb.attention_mask) if self.cfg.prefix_tree else int(mb.lengths.sum())
-                for part in parts for mb in self._micro_batches(part)))
+            metrics["forwarded_tokens"] = float(self.batcher.forwarded_tokens(parts))
         self.scheduler.step(increment=1)
         if not any(part.response_mask.any() for part in parts):  # zero-weight stand-ins (dp_parts): no data
             metrics = {k: v for k, v in metrics.items()
@@ -487,7 +370,7 @@ class PolicyWorker:
             return self._skipped(collected)
         self.num_updates += 1
         self.skip_streak = 0
-        return _summarise(collected, grad_norm=grad_norm, lr=lr, nonfinite_skipped=0.0)
+        return summarise(collected, grad_norm=grad_norm, lr=lr, nonfinite_skipped=0.0)
 
     def _skipped(self, collected: list[dict[str, float]]) -> dict[str, float]:
         """Bookkeeping for an update that ``_clip_and_step`` refused (weights and optimizer state
@@ -500,7 +383,7 @@ class PolicyWorker:
         self.last_fault = f"policy '{self.name}' update {self.num_updates + self.num_skipped}: {where}"
         logger.warning("skipped update (%d in a row): %s", self.skip_streak, self.last_fault)
         finite = [{k: v for k, v in c.items() if math.isfinite(v)} for c in collected]
-        return _summarise(finite, lr=current_lr(self.optimizer), nonfinite_skipped=1.0,
+        return summarise(finite, lr=current_lr(self.optimizer), nonfinite_skipped=1.0,
                           nonfinite_streak=float(self.skip_streak))
 
     def backward(
@@ -524,7 +407,7 @@ class PolicyWorker:
                 old_logprobs=olds[i] if olds is not None else None, rollout_logprobs=mb.rollout_logprobs,
                 ref_logprobs=refs[i] if refs is not None else None, entropy=entropy, **counts,
             )
-            collected.append(metrics.as_dict())
+            collected.append({**metrics.as_dict(), RESPONSE_TOKENS: float(mb.response_mask.sum())})
             if returns is not None:
                 loss = loss + self.critic.loss(mb, offset, returns[i], old_values[i], counts, collected[-1])
             if not torch.isfinite(loss.detach()):
@@ -554,31 +437,3 @@ class PolicyWorker:
         _, grad_norm, _ = self.optimizer.step()
         self.critic.step()
         return float(grad_norm) if grad_norm is not None else 0.0
-
-def _summarise(collected: list[dict[str, float]], **extra: float) -> dict[str, float]:
-    """Micro-batch metrics -> sums for losses (they are already globally normalised), means otherwise."""
-    if not collected:
-        return dict(extra)
-    keys = collected[0].keys()
-    summed = {"loss", "pg_loss", "kl_loss", "vf_loss"}
-    out = {k: (sum if k in summed else _mean)([c[k] for c in collected if k in c]) for k in keys}
-    out.update(extra)
-    return out
-
-
-def _mean_over_steps(steps: list[dict[str, float]]) -> dict[str, float]:
-    """Per-optimizer-step metrics (the last epoch's) -> their mean; ``nonfinite_*`` summed."""
-    if not steps:
-        return {}
-    keys = {k for step in steps for k in step}
-    out = {k: _mean([step[k] for step in steps if k in step]) for k in keys}
-    for key in ("nonfinite_skipped",):
-        if key in out:
-            out[key] = sum(step.get(key, 0.0) for step in steps)
-    if "nonfinite_streak" in out:
-        out["nonfinite_streak"] = max(step.get("nonfinite_streak", 0.0) for step in steps)
-    return out
-
-
-def _mean(values: list[float]) -> float:
-    return sum(values) / len(values)

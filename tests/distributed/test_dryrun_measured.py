@@ -185,14 +185,14 @@ def _activations_body(rank, model_dir):
     from megamarl.config import PolicyConfig
     from megamarl.parallel.hardware import DTYPES
     from megamarl.parallel.placement import PlacementConfig, WorkerGroupLayout, build_worker_groups
+    from megamarl.rl.forward import causal_mask
     from megamarl.rl.packing import pack
     from megamarl.rl.policy_setup import load_policy_model
-    from megamarl.rl.worker import causal_mask
 
     wg = build_worker_groups(PlacementConfig({"tp2": WorkerGroupLayout(ranks=[0, 1], tp=2)}))["tp2"]
     tokens = torch.randint(0, 49152, (ROWS, SEQ_LEN), generator=torch.Generator().manual_seed(0))
     padded = (tokens, torch.arange(SEQ_LEN).expand_as(tokens), causal_mask(SEQ_LEN))
-    packed = pack(tokens, torch.ones_like(tokens, dtype=torch.bool))  # as PolicyWorker._packed_forward (local spec)
+    packed = pack(tokens, torch.ones_like(tokens, dtype=torch.bool))  # as rl.forward.packed_forward (local spec)
     packed = (packed.tokens, packed.position_ids, packed.causal_mask())
     saved = {}
     for recompute, dtype, packing in ACTIVATION_CASES:

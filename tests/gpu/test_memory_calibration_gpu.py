@@ -37,7 +37,7 @@ def _body(rank):
 
     from megamarl.models.bridge import build_model
     from megamarl.parallel.placement import PlacementConfig, WorkerGroupLayout, build_worker_groups
-    from megamarl.rl.worker import causal_mask
+    from megamarl.rl.forward import causal_mask
 
     free, total = torch.cuda.mem_get_info()
     if free < NEEDS_GIB * 2**30:

@@ -1,0 +1,50 @@
+"""How an update's micro-batch metrics become the step's: losses summed (each micro-batch's is already
+normalised by the mini-batch's global counts), maxima maxed, everything else averaged weighted by the
+micro-batch's response tokens (``RESPONSE_TOKENS``), so a step's metrics do not depend on how its rows
+were cut into micro-batches (padded, packed, prefix tree); per optimizer step, the mean over a pass's
+steps, with the non-finite counters summed (skips) or maxed (the streak)."""
+
+from __future__ import annotations
+
+RESPONSE_TOKENS = "response_tokens"  # a micro-batch's weight in the step's means (not reported)
+SUMMED = frozenset({"loss", "pg_loss", "kl_loss", "vf_loss"})
+
+
+def summarise(collected: list[dict[str, float]], **extra: float) -> dict[str, float]:
+    """Micro-batch metrics -> sums for losses (they are already globally normalised), maxima for
+    ``*_max``, response-token-weighted means otherwise (unweighted when no micro-batch has any)."""
+    if not collected:
+        return dict(extra)
+    keys = [k for k in collected[0] if k != RESPONSE_TOKENS]
+    out = {}
+    for key in keys:
+        rows = [c for c in collected if key in c]
+        if key in SUMMED:
+            out[key] = sum(c[key] for c in rows)
+        elif key.endswith("_max"):
+            out[key] = max(c[key] for c in rows)
+        else:
+            weights = [c.get(RESPONSE_TOKENS, 1.0) for c in rows]
+            total = sum(weights)
+            out[key] = (sum(w * c[key] for w, c in zip(weights, rows)) / total if total
+                        else average([c[key] for c in rows]))
+    out.update(extra)
+    return out
+
+
+def mean_over_steps(steps: list[dict[str, float]]) -> dict[str, float]:
+    """Per-optimizer-step metrics (the last epoch's) -> their mean; ``nonfinite_*`` summed."""
+    if not steps:
+        return {}
+    keys = {k for step in steps for k in step}
+    out = {k: average([step[k] for step in steps if k in step]) for k in keys}
+    for key in ("nonfinite_skipped",):
+        if key in out:
+            out[key] = sum(step.get(key, 0.0) for step in steps)
+    if "nonfinite_streak" in out:
+        out["nonfinite_streak"] = max(step.get("nonfinite_streak", 0.0) for step in steps)
+    return out
+
+
+def average(values: list[float]) -> float:
+    return sum(values) / len(values)
