@@ -36,7 +36,7 @@ from megamarl.parallel.collectives import scatter_objects
 from megamarl.parallel.distributed import control_group, init_distributed, wait_for_driver
 from megamarl.parallel.hardware import DTYPES, policy_dtype, release_cached_memory
 from megamarl.parallel.network import host_address
-from megamarl.parallel.peers import PeerWatch, describe, gather_homes
+from megamarl.parallel.peers import PeerWatch, describe_lost, gather_homes
 from megamarl.parallel.placement import build_worker_groups, placement_of
 from megamarl.planning.dryrun import engine_memory
 from megamarl.planning.engine_budget import server_memory_fractions
@@ -162,7 +162,7 @@ class Trainer:
             found = checkpoint.list_checkpoints(self.run_dir)
             last = (f"{found[-1]} (step {checkpoint.checkpoint_step(found[-1])})" if found
                     else "none (a relaunch starts afresh)")
-            print(f"training stopped: {describe(lost, self.peers.homes)}: {why}, seen by rank {self.rank}; "
+            print(f"training stopped: {describe_lost(lost, self.peers.homes)}: {why}, seen by rank {self.rank}; "
                   f"last complete checkpoint {last}; relaunch the same command with trainer.resume=auto to "
                   "continue from it", file=sys.stderr)
         sys.stdout.flush()

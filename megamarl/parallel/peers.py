@@ -47,7 +47,7 @@ def heartbeat_interval(timeout_s: float) -> float:
     return min(5.0, max(0.5, timeout_s / 10))
 
 
-def describe(lost: list[int], homes: list[RankHome]) -> str:
+def describe_lost(lost: list[int], homes: list[RankHome]) -> str:
     """``lost ranks [2, 3] (node n1, 10.77.0.2)``; several nodes are listed one after the other."""
     nodes: dict[RankHome, list[int]] = {}
     for rank in lost:

@@ -14,7 +14,7 @@ import pytest
 import torch.distributed as dist
 
 from megamarl.parallel.network import free_port
-from megamarl.parallel.peers import SUSPECT_INTERVALS, PeerWatch, RankHome, describe, heartbeat_interval
+from megamarl.parallel.peers import SUSPECT_INTERVALS, PeerWatch, RankHome, describe_lost, heartbeat_interval
 
 HOMES = [RankHome("n0", "10.77.0.1"), RankHome("n0", "10.77.0.1"), RankHome("n1", "10.77.0.2")]
 
@@ -62,7 +62,7 @@ def test_a_silent_rank_is_named_with_its_node_after_the_timeout_and_exited_ranks
         lost, why = ranks.verdicts[0]
         assert lost == [2] and "no heartbeat" in why
         assert ranks.watches[0].reporter()
-        assert describe(lost, HOMES) == "lost ranks [2] (node n1, 10.77.0.2)"
+        assert describe_lost(lost, HOMES) == "lost ranks [2] (node n1, 10.77.0.2)"
         assert 1 not in ranks.verdicts  # it stopped watching when it exited
     finally:
         ranks.close()
