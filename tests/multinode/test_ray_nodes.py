@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 
 import pytest
-from nodes import cluster, nodes_permitted  # tests/ helper
+from nodes import SUBNET, cluster, nodes_permitted  # tests/ helper
 
 pytestmark = [pytest.mark.multinode, pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -81,7 +81,7 @@ def test_the_run_trains_with_env_workers_of_the_other_node(ray_run):
     run, metrics, _, _ = ray_run
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     output = run.stdout + run.stderr
-    assert f"env steps of where_judge: in {NUM_WORKERS} ray workers (rollout.env_workers)" in output
+    assert f"env steps of where_judge: in {NUM_WORKERS} ray workers at {SUBNET}.1:{PORT} (rollout.env_workers)" in output
     assert len(metrics) == 1 and metrics[0]["policy/shared/optimizer_steps"] >= 1
     assert metrics[0]["env_workers/calls"] == 2 * NUM_TASKS * GROUP_SIZE and metrics[0]["rollout/num_failed"] == 0
 
