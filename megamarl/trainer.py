@@ -569,5 +569,8 @@ class Trainer:
         for replicas in self.replicas.values():
             replicas.close()
         if self.fleet is not None:
+            # every rank has released its transfer groups before any rank stops its servers: a release
+            # reaching a server in shutdown answers 500 (its engine core rejects the call)
+            dist.barrier(group=control_group())
             self.fleet.close()
         dist.barrier(group=control_group())

@@ -29,9 +29,10 @@ A GPU is priced phase by phase, in the order the trainer runs them (``megamarl.p
 the list ``Trainer.fit`` executes): in each phase it holds the kinds the phase keeps resident
 (the training state of WGs that offload it only in the phases that hold it, every other WG's always;
 the activation peak, one WG at a time, in the train phase; sleeping engines' weights and KV cache
-only in the phases that hold them, other engines always; the reference models and
-the training NCCL communicators (``parallel.placement.nccl_reserve_bytes``) and ``cluster.reserved_gib``
-— CUDA context, fragmentation — everywhere). The GPU needs its
+only in the phases that hold them, other engines always; the buffers of a relayed PP>1 push
+(``_relay_buffers``) in the phases that push; the reference models, the training NCCL communicators
+(``parallel.placement.nccl_reserve_bytes``, + a relay's point-to-point partners) and
+``cluster.reserved_gib`` — CUDA context, fragmentation — everywhere). The GPU needs its
 peak phase, reported by name: in ``trainer.mode=sync`` colocated, the push (train state + woken
 engine weights) or the update; the async modes hold everything at once.
 
@@ -57,6 +58,7 @@ from megamarl.driver.schedules import SCHEDULES
 from megamarl.models.spec import planned_layer_spec
 from megamarl.parallel.hardware import resolve_dtype
 from megamarl.parallel.placement import (
+    NCCL_COMMUNICATOR_BYTES,
     PlacementConfig,
     WorkerGroupLayout,
     build_worker_groups,
@@ -65,10 +67,19 @@ from megamarl.parallel.placement import (
     placement_of,
     rank_coords,
 )
-from megamarl.planning.memory import DTYPE_BYTES, Memory, TrainingSetup, num_micro_batches, train_memory
+from megamarl.planning.memory import (
+    DTYPE_BYTES,
+    Memory,
+    TrainingSetup,
+    num_micro_batches,
+    relay_buffer_bytes,
+    train_memory,
+)
 from megamarl.planning.model_presets import ModelShape, resolve_model_shape
 from megamarl.planning.phases import ENGINE, TRAIN_STATE, Phase, run_phases, step_phases
 from megamarl.rollout.placement import ReplicaPlacement, plan_engines
+from megamarl.rollout.weights.stage_gather import relay_roles
+from megamarl.rollout.weights.transport import relays_stages
 from megamarl.runtime.configure import load_config
 
 GIB = 2**30
@@ -372,17 +383,41 @@ def _gpu_totals(cfg, worker_groups, engines, world_size, gpus_per_node, *, offlo
     reserved = cfg.cluster.reserved_gib * GIB
     layouts = [wg.layout for wg in worker_groups.values()]  # NCCL communicators: only on GPUs (gloo on CPU ranks)
     nccl = [nccl_reserve_bytes(layouts, r, world_size) if on_gpus else 0.0 for r in range(world_size)]
+    relayed, partners = _relay_buffers(cfg, worker_groups, engines, world_size, on_gpus=on_gpus)
+    if on_gpus:  # a relay's point-to-point pairs on the default group: an NCCL communicator each
+        nccl = [n + partners[r] * NCCL_COMMUNICATOR_BYTES for r, n in enumerate(nccl)]
     for gpu in gpus:
         if not (gpu.shards or gpu.engines):
             continue
         # one entry per phase name, in a step's order (start-up runs the push half of the same phases)
         for phase in (*step_phases(overlaps_training=overlap), *run_phases(overlaps_training=overlap)):
-            priced = price_phase(phase, holdings[gpu.rank], engines_on[gpu.rank], reserved=reserved, nccl=nccl[gpu.rank])
+            priced = price_phase(phase, holdings[gpu.rank], engines_on[gpu.rank], reserved=reserved, nccl=nccl[gpu.rank],
+                                 push_buffers=relayed[gpu.rank])
             if priced.total > gpu.phases.get(phase.name, PhaseBytes(phase.name)).total:
                 gpu.phases[phase.name] = priced
         peak = max(gpu.phases.values(), key=lambda p: p.total)
         gpu.peak_phase, gpu.total = peak.name, peak.total
     return gpus
+
+
+def _relay_buffers(cfg, worker_groups, engines, world_size: int, *, on_gpus: bool) -> tuple[list[float], list[int]]:
+    """Per rank: the device bytes a relayed push holds (``memory.relay_buffer_bytes``) and its number of
+    point-to-point partners, for every policy whose colocated PP>1 servers are fed by their leaders
+    (``transport.relays_stages``; the roles of ``stage_gather.relay_roles``)."""
+    buffers, partners = [0.0] * world_size, [0] * world_size
+    for name, engine in engines.items():
+        policy, wg = cfg.policies[name], worker_groups[name]
+        if not (engine.colocated and engine.launch == "server" and policy.pp > 1
+                and relays_stages(policy, colocated=True, on_gpu=on_gpus)):
+            continue
+        width = DTYPE_BYTES[engine_dtype(policy, on_gpus=on_gpus)]
+        bucket_bytes = int(policy.engine.bucket_mb * 2**20)
+        for rank, role in relay_roles(wg.layout, [ranks[0] for ranks in engine.replicas]).items():
+            held = relay_buffer_bytes(wg.shape, width=width, bucket_bytes=bucket_bytes,
+                                      forwards=bool(role.destinations), feeds=role.feeds)
+            buffers[rank] = max(buffers[rank], held)  # policies push one after another
+            partners[rank] += len(set(role.destinations) | set(role.sources.values()))
+    return buffers, partners
 
 
 def device_total_bytes() -> int | None:
@@ -408,9 +443,10 @@ def _capacity_key(report: DryRunReport, cfg: RunConfig) -> str:
 
 
 def price_phase(phase: Phase, shards: list[tuple[Memory, bool]], engines: list[tuple[Memory, bool]], *,
-                reserved: float, nccl: float = 0.0) -> PhaseBytes:
+                reserved: float, nccl: float = 0.0, push_buffers: float = 0.0) -> PhaseBytes:
     """What one GPU holds in ``phase``: ``shards`` its WG shards' ``Memory`` and whether the trainer
-    offloads that train state here; ``engines`` its engine shards' ``Memory`` and whether they sleep."""
+    offloads that train state here; ``engines`` its engine shards' ``Memory`` and whether they sleep;
+    ``push_buffers`` what a relayed push holds here (``_relay_buffers``) in the phases that push."""
     out = PhaseBytes(phase.name)
     for memory, offloaded in shards:
         for kind in TRAIN_STATE:
@@ -425,6 +461,8 @@ def price_phase(phase: Phase, shards: list[tuple[Memory, bool]], engines: list[t
         for kind, amount in (("engine_weights", memory.weights + memory.lora), ("kv_cache", memory.kv_cache)):
             if phase.holds(kind) or not sleeps:
                 out.kinds[kind] = out.kinds.get(kind, 0.0) + amount
+    if phase.holds("push_buffers") and push_buffers:
+        out.kinds["push_buffers"] = push_buffers
     out.kinds["nccl"] = nccl
     out.kinds["reserve"] = reserved
     return out

@@ -356,3 +356,14 @@ def num_micro_batches(policy: PolicyConfig, dp: int) -> int:
     of a mini-batch split over ``dp`` (``balance_across_dp``), in micro-batches of ``micro_batch_size``."""
     rows = -(-policy.mini_batch_size // dp)
     return -(-rows // policy.micro_batch_size)
+
+
+def relay_buffer_bytes(shape: ModelShape, *, width: int, bucket_bytes: int, forwards: bool, feeds: bool) -> float:
+    """Device bytes a relayed PP>1 push (``rollout.weights.stage_gather.relay_roles``) adds on one rank
+    while it runs: a forwarding rank holds a bucket of its export until the bucket is sent
+    (``bucket_bytes``, overshot by at most one tensor), a leader receives the other stages one tensor at
+    a time (the largest: the embedding or output layer, ``V h``, in the engine's ``width``); the two
+    happen in different stages' turns, so a rank needs the larger."""
+    largest = width * shape.hidden_size * max(shape.vocab_size, shape.ffn_hidden_size,
+                                              shape.num_heads * shape.head_dim)
+    return max(bucket_bytes + largest if forwards else 0.0, largest if feeds else 0.0)

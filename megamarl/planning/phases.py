@@ -33,7 +33,9 @@ from dataclasses import dataclass
 # what a phase can hold; the training state's four kinds move together (``TRAIN_STATE``)
 TRAIN_STATE = ("weights", "grads", "main_params", "optimizer")
 ENGINE = ("engine_weights", "kv_cache")
-KINDS = (*TRAIN_STATE, "reference", "activations", "cached_blocks", *ENGINE, "nccl", "reserve")
+# push_buffers: what a push that moves stages between training ranks holds on them (colocated PP>1
+# replicas fed by their leaders: ``planning.memory.relay_buffer_bytes``), in the phases that push
+KINDS = (*TRAIN_STATE, "reference", "activations", "cached_blocks", *ENGINE, "push_buffers", "nccl", "reserve")
 
 
 @dataclass(frozen=True)
@@ -62,14 +64,14 @@ def _phase(name: str, action: str, *kinds: str) -> Phase:
 # engines' half (train state away), then the update (engines asleep)
 _PUSH = (
     _phase("wake weights", "wake_weights", *TRAIN_STATE, "engine_weights"),
-    _phase("push", "push", *TRAIN_STATE, "engine_weights"),
+    _phase("push", "push", *TRAIN_STATE, "engine_weights", "push_buffers"),
     _phase("save", "save", *TRAIN_STATE, "engine_weights"),
     _phase("offload", "offload", "engine_weights"),
     _phase("wake kv cache", "wake_kv", *ENGINE),
 )
 _EVALUATE = _phase("evaluate", "evaluate", *ENGINE)
 _UPDATE = (
-    _phase("re-sync restarted", "resync", *ENGINE),
+    _phase("re-sync restarted", "resync", *ENGINE),  # a colocated replica's re-sync waits for the push phase
     _phase("rollout", "rollout", *ENGINE),
     _phase("sleep", "sleep"),
     _phase("restore", "restore", *TRAIN_STATE),
@@ -78,11 +80,11 @@ _UPDATE = (
 )
 # async modes: engines awake throughout, the update overlaps generation, nothing offloaded
 _ASYNC_PUSH = (
-    _phase("push", "push", *TRAIN_STATE, *ENGINE),
+    _phase("push", "push", *TRAIN_STATE, *ENGINE, "push_buffers"),
     _phase("save", "save", *TRAIN_STATE, *ENGINE),
 )
 _ASYNC_UPDATE = (
-    _phase("re-sync restarted", "resync", *TRAIN_STATE, *ENGINE),
+    _phase("re-sync restarted", "resync", *TRAIN_STATE, *ENGINE, "push_buffers"),
     _phase("rollout", "rollout", *TRAIN_STATE, *ENGINE),
     _phase("train", "train", *TRAIN_STATE, "activations", *ENGINE),
     _phase("release", "release", *TRAIN_STATE, *ENGINE),

@@ -1,6 +1,8 @@
 """``stage_gather`` over gloo, 2 ranks: stage 1's sender streams its export to stage 0's sender in
 buckets, and stage 0 receives every tensor (names, dtypes, values) in order on its device, its own
-stage first: what a PP>1 push into vLLM's one-group ``nccl`` engine does on GPU (there over NCCL)."""
+stage first: what a PP>1 push into vLLM's one-group ``nccl`` engine does on GPU (there over NCCL).
+Relayed (colocated replicas at PP>1): the two stages' leaders swap their stages in pp order, each
+ending with the whole model, while a rank whose replica is not targeted still forwards its stage."""
 
 from __future__ import annotations
 
@@ -37,3 +39,35 @@ def test_stage_one_reaches_stage_zero_in_order():
     assert [n for n, *_ in got] == [n for n, _ in expected]
     for (_, dtype, device, tensor), (_, want) in zip(got, expected):
         assert dtype == want.dtype and device == "cpu" and torch.equal(tensor, want)
+
+
+def _relay(rank: int) -> list:
+    """Both stages' leaders swap their stages (every replica targeted), then a re-sync of replica 1
+    alone: rank 0 still forwards its stage, and feeds nothing."""
+    import itertools
+
+    from megamarl.parallel.placement import WorkerGroupLayout
+    from megamarl.rollout.weights.stage_gather import forward_device, receive_stage, relay_roles, relay_stage
+    from megamarl.rollout.weights.weight_sync import drain
+
+    device, layout, fed = forward_device(on_gpu=False), WorkerGroupLayout([0, 1], pp=2), []
+    for leaders in ({0, 1}, {1}):
+        role = relay_roles(layout, leaders)[rank]
+        named = relay_stage(iter(_stage(rank)), destinations=role.destinations, bucket_bytes=10_000, device=device)
+        if not role.feeds:
+            drain(named)
+            fed.append(None)
+            continue
+        stages = [named if s == role.stage else receive_stage(role.sources[s], device=device) for s in range(2)]
+        fed.append([(n, t.dtype, t.clone()) for n, t in itertools.chain(*stages)])
+    return fed
+
+
+def test_colocated_leaders_swap_stages_in_pp_order():
+    fed0, fed1 = run_ranks(_relay, 2, timeout_s=120)
+    expected = _stage(0) + _stage(1)
+    for got in (fed0[0], fed1[0], fed1[1]):
+        assert [n for n, *_ in got] == [n for n, _ in expected]
+        for (_, dtype, tensor), (_, want) in zip(got, expected):
+            assert dtype == want.dtype and torch.equal(tensor, want)
+    assert fed0[1] is None  # replica 0 not targeted: its leader only forwarded stage 0

@@ -26,8 +26,9 @@ def _fractions(overrides=(), capacity_gib: float = 80.0):
 
 def test_sync_mode_leaves_the_engine_what_the_rollout_phase_does_not_hold():
     """70b_hetero, sync: a planner GPU keeps its bf16 reference model (8.2 GiB) and its 7 training NCCL
-    communicators (1.75 GiB) while the engine is awake, so its TP=8 replica may take (80 - 8.2 - 1.75 - 4)
-    / 80 of each GPU; executor GPUs keep their 4 communicators (1 GiB)."""
+    communicators (1.75 GiB; a replica's leader 8, one with its relay partner: 2 GiB) while the engine is
+    awake, so its TP=8 replica may take (80 - 8.2 - 2 - 4) / 80 of each GPU; executor GPUs keep their 4
+    communicators (1 GiB)."""
     _cfg, fractions, report = _fractions()
     assert set(fractions) == {("planner", i) for i in range(6)} | {("executor", i) for i in range(16)}
     for (policy, index), fraction in fractions.items():
@@ -36,16 +37,16 @@ def test_sync_mode_leaves_the_engine_what_the_rollout_phase_does_not_hold():
         expected = min((80 * GIB - (p.total - p.engine - 4 * GIB) - 4 * GIB) / (80 * GIB) for p in rollout)
         assert fraction == math.floor(expected * 1000) / 1000
         assert fraction * 80 * GIB >= report.engines[policy].memory.total  # at least the plan's engine bytes
-    assert fractions[("planner", 0)] == pytest.approx((80 - 4 - 8.2 - 1.75) / 80, abs=2e-3)
+    assert fractions[("planner", 0)] == pytest.approx((80 - 4 - 8.2 - 2.0) / 80, abs=2e-3)
     assert fractions[("executor", 0)] == pytest.approx((80 - 4 - 1) / 80, abs=1e-3)
 
 
 def test_async_modes_leave_the_engine_what_training_does_not_take():
     """one_step_off: training and generation overlap, so the trainer's whole planned peak stays; the
-    planner's engine (54.7 GiB of training at peak on its GPUs, + 1.75 of NCCL communicators) no longer fits an 80 GiB GPU (the
+    planner's engine (54.7 GiB of training at peak on its GPUs, + 2.0 of NCCL communicators on a leader) no longer fits an 80 GiB GPU (the
     dry-run refuses this layout too, docs/cluster.md)."""
-    with pytest.raises(ValueError, match=r"^policies\.planner engine replica 0: GPU rank 0 leaves 19\.5 GiB for its "
-                                         r"engines \(GPU 80\.0 GiB - trainer 56\.5 GiB while they are awake - "
+    with pytest.raises(ValueError, match=r"^policies\.planner engine replica 0: GPU rank 0 leaves 19\.3 GiB for its "
+                                         r"engines \(GPU 80\.0 GiB - trainer 56\.7 GiB while they are awake - "
                                          r"cluster\.reserved_gib 4\.0\) < their planned 40\.4 GiB.* set "
                                          r"policies\.planner\.engine\.gpu_memory_utilization"):
         _fractions(["trainer.mode=one_step_off"])

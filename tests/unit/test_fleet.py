@@ -67,12 +67,13 @@ def test_senders_and_clients_by_backend():
 @pytest.mark.parametrize("choice,colocated,pp,tp,on_gpu,vllm,sglang", [
     ("auto", False, 1, 1, False, "megamarl_gloo", "gloo"),   # CPU: megamarl's data planes
     ("auto", True, 1, 1, False, "megamarl_shm", "gloo"),
-    ("auto", True, 2, 1, False, "megamarl_gloo", "gloo"),    # colocated PP>1: a broadcast per stage
+    ("auto", True, 2, 1, False, "megamarl_shm", "gloo"),     # colocated PP>1: the leader relays (vLLM)
     ("auto", False, 1, 2, True, "nccl", "nccl"),             # GPU: the backend's own
     ("auto", True, 1, 1, True, "ipc", "cuda_ipc"),
     ("native", True, 1, 2, True, "megamarl_shm", "cuda_ipc"),  # vLLM IPC needs the replica on one GPU
     ("auto", False, 2, 1, True, "nccl", "nccl"),             # PP>1: the stages gathered to one nccl sender
-    ("auto", True, 2, 8, True, "megamarl_gloo", "nccl"),     # colocated PP>1: NCCL refuses two ranks on a GPU
+    ("auto", True, 2, 8, True, "megamarl_shm", "nccl"),      # colocated PP>1: the leader relays, no NCCL group
+    ("auto", True, 2, 1, True, "ipc", "nccl"),
     ("megamarl", False, 1, 1, True, "megamarl_gloo", "gloo"),
     ("megamarl", True, 1, 1, True, "megamarl_shm", "gloo"),
 ])

@@ -5,8 +5,9 @@ each replica is the real ``Worker`` methods behind a router that stands in for t
 - two stages' senders may not each run a whole update: the worker refuses the second
   ``start_weight_update``; one opens, both send, the opener finishes (``PolicyReplicas._send_stages``);
 - a stage's sender releases its own group by name, never the other stage's;
-- the transport choice for PP>1 on GPU (``transport.gathers_stages``), and where the gathered stages
-  travel (``stage_gather.forward_device``).
+- the transport choice for PP>1 on GPU (``transport.gathers_stages``, ``transport.relays_stages``),
+  where the gathered stages travel (``stage_gather.forward_device``), and which rank relays which
+  stage to a colocated replica's leader (``stage_gather.relay_roles``).
 """
 
 from __future__ import annotations
@@ -20,9 +21,11 @@ pytest.importorskip("vllm")
 
 from vllm.v1.worker.gpu_worker import Worker
 
+from megamarl.parallel.placement import WorkerGroupLayout
 from megamarl.rollout.weights import stage_gather
 from megamarl.rollout.weights.server_sync import WeightSender
-from megamarl.rollout.weights.transport import CONCURRENT_STAGES, gathers_stages, transport_for
+from megamarl.rollout.weights.stage_gather import relay_roles
+from megamarl.rollout.weights.transport import CONCURRENT_STAGES, gathers_stages, relays_stages, transport_for
 from megamarl.rollout.weights.vllm_plugin import GlooInitInfo, GlooWeightTransferEngine
 
 
@@ -173,8 +176,7 @@ def test_pp2_on_gpu_gathers_to_one_nccl_sender_for_disaggregated_vllm():
     # vLLM's NCCL engine holds one group per worker: the stages gather to stage 0's sender
     assert transport_for(policy, colocated=False, on_gpu=True) == "nccl"
     assert gathers_stages(policy, colocated=False, on_gpu=True)
-    # colocated: an NCCL group would hold the sender and a replica worker on one GPU; gloo per stage
-    assert transport_for(policy, colocated=True, on_gpu=True) == "megamarl_gloo"
+    # colocated: an NCCL group would hold the sender and a replica worker on one GPU; relayed instead
     assert not gathers_stages(policy, colocated=True, on_gpu=True)
     # CPU, or megamarl's own backends asked for: a gloo group per stage, stages send concurrently
     assert transport_for(policy, colocated=False, on_gpu=False) == "megamarl_gloo"
@@ -198,3 +200,38 @@ def test_gathered_stages_travel_in_device_memory_on_gpu(monkeypatch):
     assert stage_gather.forward_device(on_gpu=False) == torch.device("cpu")
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)  # CUDA is mocked, nothing else
     assert stage_gather.forward_device(on_gpu=True) == torch.device("cuda", 3)
+
+
+def test_colocated_pp2_never_takes_gloo_its_leaders_are_fed_locally():
+    """configs/70b_hetero.yaml's planner (TP8 x PP2 x DP3, engine TP8, colocated): no megamarl_gloo
+    broadcast through host memory; each replica's leader feeds it through shared memory (engine TP=1:
+    CUDA IPC), having received the other stage point to point."""
+    for on_gpu in (True, False):
+        assert transport_for(_policy(), colocated=True, on_gpu=on_gpu) == "megamarl_shm"
+        assert relays_stages(_policy(), colocated=True, on_gpu=on_gpu)
+        assert not relays_stages(_policy(), colocated=False, on_gpu=on_gpu)
+    tp1 = SimpleNamespace(pp=2, engine=SimpleNamespace(backend="vllm", tp=1, weight_transfer="auto"))
+    assert transport_for(tp1, colocated=True, on_gpu=True) == "ipc" and relays_stages(tp1, colocated=True, on_gpu=True)
+    assert transport_for(_policy(weight_transfer="megamarl"), colocated=True, on_gpu=True) == "megamarl_shm"
+    assert not relays_stages(_policy(backend="sglang"), colocated=True, on_gpu=True)  # named groups per stage
+
+
+def test_relay_roles_pair_each_leader_with_its_dp_replicas_other_stage():
+    layout = WorkerGroupLayout(list(range(48)), tp=8, pp=2)  # the 70B planner: stage 0 on nodes 0-2
+    leaders = {0, 8, 16, 24, 32, 40}  # a TP8 replica per node
+    roles = relay_roles(layout, leaders)
+    for leader in leaders:  # leader (s, d, tp 0) swaps with (1 - s, d, tp 0): the node 3 away
+        partner = (leader + 24) % 48
+        assert roles[leader].feeds and roles[leader].sources == {1 - roles[leader].stage: partner}
+        assert roles[leader].destinations == (partner,)
+    for rank in set(range(48)) - leaders:
+        assert roles[rank].exports and not roles[rank].feeds and roles[rank].destinations == ()
+    # a re-sync of replica 3 alone (leader 24, stage 1 dp 0): dp 0 of stage 0 exports and forwards
+    roles = relay_roles(layout, {24})
+    assert roles[0].destinations == (24,) and not roles[0].feeds and roles[24].sources == {0: 0}
+    assert [r for r, role in roles.items() if role.exports] == [*range(8), *range(24, 32)]
+    # engine TP 4 under training TP 8: two leaders per TP group, each with its own source
+    roles = relay_roles(layout, {0, 4, 24, 28})
+    assert roles[4].sources == {1: 28} and roles[28].destinations == (4,)
+    with pytest.raises(ValueError, match=r"leaders \[48\] hold no shard"):
+        relay_roles(layout, {48})

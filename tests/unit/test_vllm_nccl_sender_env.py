@@ -30,7 +30,7 @@ def test_nccl_sender_without_vllm_in_the_trainer_is_refused_naming_the_keys(no_v
 def test_transports_that_need_no_vllm_here_still_start(no_vllm_here):
     engine = EngineConfig(backend="vllm", server_python="/opt/vllm-env/bin/python")
     assert vllm_transport(engine, colocated=True, pp=1, on_gpu=True) == "ipc"  # torch's CUDA IPC handles, HTTP
-    assert vllm_transport(engine, colocated=True, pp=2, on_gpu=True) == "megamarl_gloo"  # NCCL refuses one GPU twice
+    assert vllm_transport(engine, colocated=True, pp=2, on_gpu=True) == "ipc"  # the leader relays the stages
     assert vllm_transport(engine, colocated=False, pp=1, on_gpu=False) == "megamarl_gloo"
     megamarl = EngineConfig(backend="vllm", server_python="/opt/vllm-env/bin/python", weight_transfer="megamarl")
     assert vllm_transport(megamarl, colocated=False, pp=1, on_gpu=True) == "megamarl_gloo"

@@ -16,10 +16,11 @@ Pushes: full weights or (L2) each agent's adapter,
   pushes over the policy's transport (``weights.transport``): disaggregated replicas get one
   broadcast per bucket from each stage's sender (all replicas at once; at PP>1 stage 0's sender
   opens and closes the one update, and on vLLM's one-group nccl carries every stage:
-  ``_send_stages``); colocated replicas (PP=1) are fed by their own leader rank, which holds full
-  tensors after the export's TP gather (vLLM: shared memory, on GPU CUDA IPC at engine TP=1; SGLang:
-  CUDA IPC on GPU, on CPU a gloo group of the leader and its replica). An all-gather closes the
-  update; the pool stamps the version and resumes.
+  ``_send_stages``); colocated replicas are fed by their own leader rank, which holds full tensors
+  after the export's TP gather (vLLM: shared memory, on GPU CUDA IPC at engine TP=1; SGLang (PP=1):
+  CUDA IPC on GPU, on CPU a gloo group of the leader and its replica); at PP>1 (vLLM) the leader first
+  receives the other stages point to point from its DP replica's stage peers (``_feed_leaders``).
+  An all-gather closes the update; the pool stamps the version and resumes.
 - L2 through servers: an adapter's tensors travel as a PEFT directory (written collectively by its WG
   under ``<run_dir>/adapters/<policy>/<adapter>/v<version>``) that every replica (re)loads through
   ``/v1/load_lora_adapter``, the way vLLM and SGLang servers take adapters; only that adapter's
@@ -56,9 +57,21 @@ from megamarl.rollout.servers.fleet import CLIENTS, SERVED_MODEL, ServerFleet
 from megamarl.rollout.servers.server_launch import healthy
 from megamarl.rollout.weights.server_sync import WeightSender
 from megamarl.rollout.weights.sglang_sync import SGLangWeightSender
-from megamarl.rollout.weights.stage_gather import forward_device, forward_stage, receive_stage
+from megamarl.rollout.weights.stage_gather import (
+    forward_device,
+    forward_stage,
+    receive_stage,
+    relay_roles,
+    relay_stage,
+)
 from megamarl.rollout.weights.sync_check import verify_adapter, verify_replicas
-from megamarl.rollout.weights.transport import CONCURRENT_STAGES, SENDERS, gathers_stages, transport_for
+from megamarl.rollout.weights.transport import (
+    CONCURRENT_STAGES,
+    SENDERS,
+    gathers_stages,
+    relays_stages,
+    transport_for,
+)
 from megamarl.rollout.weights.vllm_native_sync import VLLMNativeSender
 from megamarl.rollout.weights.weight_sync import (
     SyncStats,
@@ -66,7 +79,6 @@ from megamarl.rollout.weights.weight_sync import (
     stage_role,
     stage_sender,
     sync_weights,
-    tp_group_ranks,
 )
 
 UNSYNCED = -1  # weight_version of a restarted replica until a push reaches it
@@ -253,19 +265,36 @@ class PolicyReplicas:
         replicas matched)."""
         servers, wg, export = self.servers, self.wg, self.export()
         stats, start = SyncStats(), time.perf_counter()
-        generations = dict(targets)
-        if servers.colocated and wg.layout.pp == 1:
-            leaders = {servers.replicas[i].leader: i for i in generations}
-            if wg.is_member and export is not None and any(r in leaders for r in tp_group_ranks(wg)):
-                named = export()
-                if self.rank not in leaders:
-                    drain(named)  # a TP peer takes part in the leader's gathers
-                    return stats, None
-                index = leaders[self.rank]
-                sender = self._sender((self.rank,), [(index, generations[index])], colocated=True)
-                return self._send(sender, named, [index], version, bucket_bytes, stats, start)
-            return stats, None
+        on_gpu = torch.cuda.is_available()
+        if servers.colocated and (wg.layout.pp == 1 or relays_stages(self.policy, colocated=True, on_gpu=on_gpu)):
+            return self._feed_leaders(export, targets, version=version, bucket_bytes=bucket_bytes, stats=stats,
+                                      start=start)
         return self._send_stages(export, targets, version=version, bucket_bytes=bucket_bytes, stats=stats, start=start)
+
+    def _feed_leaders(self, export, targets: list[tuple[int, int]], *, version: int, bucket_bytes: int,
+                      stats: SyncStats, start: float) -> tuple[SyncStats, Callable[[], int] | None]:
+        """Colocated replicas, each fed by its own leader rank, which holds full tensors after the
+        export's TP gather. At PP>1 (``transport.relays_stages``) the leader receives the stages it does
+        not hold point to point from its DP replica's ranks of those stages (``stage_gather.relay_roles``)
+        and feeds its replica every stage, in pp order, as ONE update."""
+        generations = dict(targets)
+        leaders = {self.servers.replicas[i].leader: i for i in generations}
+        roles = relay_roles(self.wg.layout, leaders) if self.wg.is_member else {}
+        role = roles.get(self.rank)
+        if export is None or role is None or not role.exports:
+            return stats, None
+        device = forward_device(on_gpu=torch.cuda.is_available())
+        named = export()
+        if role.destinations:
+            named = relay_stage(named, destinations=role.destinations, bucket_bytes=bucket_bytes, device=device)
+        if not role.feeds:
+            drain(named)  # a TP peer takes part in the gathers; a source forwards its stage
+            return stats, None
+        stages = [named if stage == role.stage else receive_stage(role.sources[stage], device=device)
+                  for stage in range(self.wg.layout.pp)]
+        index = leaders[self.rank]
+        sender = self._sender((self.rank,), [(index, generations[index])], colocated=True)
+        return self._send(sender, itertools.chain(*stages), [index], version, bucket_bytes, stats, start)
 
     def _send_stages(self, export, targets: list[tuple[int, int]], *, version: int, bucket_bytes: int,
                      stats: SyncStats, start: float) -> tuple[SyncStats, Callable[[], int] | None]:

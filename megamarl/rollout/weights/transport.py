@@ -17,14 +17,14 @@ from megamarl.rollout.weights.vllm_native_sync import VLLMNativeSender
 
 def vllm_transport(engine, *, colocated: bool, pp: int, on_gpu: bool) -> str:
     """The data plane into a policy's vLLM replicas (their ``--weight-transfer-config`` backend and the
-    sender's), from ``engine.weight_transfer``. vLLM's own backends (GPU): CUDA IPC into a colocated
-    replica at engine TP=1 (PP=1), NCCL to disaggregated replicas at any PP (a vLLM worker holds ONE
-    nccl group: the stages gather to stage 0's sender, ``GATHERS``). A colocated PP>1 replica keeps a
-    gloo broadcast per stage: an NCCL group would hold the sender's rank and a replica worker on the
-    same GPU, which NCCL refuses. megamarl's plugin backends: shared memory into a colocated replica
-    (PP=1) fed by its own rank, a gloo broadcast per stage otherwise (docs/cluster.md)."""
+    sender's), from ``engine.weight_transfer``. A colocated replica is fed by its own leader rank at any
+    PP (at PP>1 the leader first receives the other stages' layers point to point: ``RELAYS``): CUDA
+    IPC at engine TP=1 on GPU, else shared memory (an NCCL group would hold the leader's rank and a
+    replica worker on one GPU, which NCCL refuses). Disaggregated replicas: NCCL on GPU (a vLLM worker
+    holds ONE nccl group: the stages gather to stage 0's sender, ``GATHERS``), a gloo broadcast per
+    stage on CPU or with ``weight_transfer: megamarl`` (docs/cluster.md)."""
     native = on_gpu and engine.weight_transfer != "megamarl"
-    if colocated and pp == 1:
+    if colocated:
         return "ipc" if native and engine.tp == 1 else "megamarl_shm"
     if native and not colocated:
         check_nccl_sender(engine)
@@ -58,6 +58,10 @@ def sglang_transport(engine, *, colocated: bool, pp: int, on_gpu: bool) -> str:
 # to stage 0's sender, which alone connects and sends (``stage_gather``). The others (megamarl_gloo,
 # SGLang's named groups) take a group per stage's sender.
 GATHERS = frozenset({("vllm", "nccl")})
+# (engine backend, transport) that feed a colocated replica from its leader rank through local memory
+# (shared memory, CUDA IPC): at PP>1 that leader receives the other stages' layers point to point from
+# its DP replica's stage peers over the training world, and feeds them with its own (``stage_relay``).
+RELAYS = frozenset({("vllm", "megamarl_shm"), ("vllm", "ipc")})
 # engine backend -> whether its servers take several stages' buckets at once. vLLM (megamarl_gloo)
 # posts a bucket's receive and returns, so two stages' broadcasts interleave; an SGLang server runs one
 # update request at a time, blocking in its receive, so two stages sending at once could each hold one
@@ -90,3 +94,10 @@ def gathers_stages(policy, *, colocated: bool, on_gpu: bool) -> bool:
     """A PP>1 push into ``policy``'s servers goes through stage 0's sender alone (``GATHERS``)."""
     transport = transport_for(policy, colocated=colocated, on_gpu=on_gpu)
     return policy.pp > 1 and (policy.engine.backend, transport) in GATHERS
+
+
+def relays_stages(policy, *, colocated: bool, on_gpu: bool) -> bool:
+    """A push into ``policy``'s colocated replicas goes from each replica's leader rank, which holds (or
+    receives, at PP>1) every stage's tensors (``RELAYS``)."""
+    transport = transport_for(policy, colocated=colocated, on_gpu=on_gpu)
+    return colocated and (policy.engine.backend, transport) in RELAYS
