@@ -17,7 +17,9 @@ device to it (``server_sync``), and an engine server bound to 0.0.0.0 advertises
 and raises otherwise. A loopback answer from 4 or 5 is skipped. Unlike
 ``gethostbyname(gethostname())`` (Debian maps the hostname to 127.0.1.1, which other nodes
 cannot dial: a hang across nodes) it never gives a multi-node run a loopback address unless told to.
-``gloo_group`` builds a gloo group whose device binds the chosen address.
+``gloo_group`` builds a gloo group whose device binds the chosen address. ``listen_address`` applies
+the rule to a listener's configured host (the recording endpoint's ``orchestra.host``, the engine
+servers'): auto (``""``) stays on loopback on one node and binds every interface on several.
 """
 
 from __future__ import annotations
@@ -45,6 +47,26 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as sock:
         sock.bind((host if host not in ANY_HOST else "", 0))
         return sock.getsockname()[1]
+
+
+def is_multi_node(environ: Mapping[str, str] | None = None) -> bool:
+    """torchrun's view of this run: the world has ranks on other nodes (WORLD_SIZE > LOCAL_WORLD_SIZE)."""
+    env = os.environ if environ is None else environ
+    world = int(env.get("WORLD_SIZE") or 1)
+    return world > int(env.get("LOCAL_WORLD_SIZE") or world)
+
+
+def listen_address(host: str, *, environ: Mapping[str, str] | None = None) -> tuple[str, str]:
+    """(bind, advertise) for a listener that other nodes may reach. ``host`` ``""`` (auto): one node,
+    127.0.0.1 for both (nothing else can dial in); several, every interface, advertised at
+    ``host_address``. 0.0.0.0 or ``::``: bind it, advertise ``host_address`` (never the wildcard, which
+    no peer can dial). Any other address: bind and advertise it as given."""
+    multi_node = is_multi_node(environ)
+    if not host:
+        host = ANY_HOST[0] if multi_node else "127.0.0.1"
+    if host in ANY_HOST:
+        return host, host_address(multi_node=multi_node, environ=environ)
+    return host, host
 
 
 def host_address(*, multi_node: bool, environ: Mapping[str, str] | None = None) -> str:
