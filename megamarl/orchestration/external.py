@@ -65,9 +65,8 @@ class External(Orchestra):
         roles: tuple[str, ...] = ()  # roles the program calls (each needs agents.<role>); empty: the env's
         timeout_s: float = 300.0  # per episode; the program is killed after it
         max_concurrency: int = 16  # programs running at once
-        # the endpoint's bind address; "" (auto): loopback on one node, every interface of a multi-node
-        # run (a program may run on another node); advertised by parallel.network.listen_address
-        host: str = ""
+        # a program may run on another node: advertised at this node's address (parallel.network.listen_address)
+        host: str = ""  # the endpoint's bind address; "" (auto): 127.0.0.1 on one node, 0.0.0.0 on several
         port: int = 0  # the endpoint's port; 0: a free one, chosen at the first episode
         env: dict[str, str] = field(default_factory=dict)  # extra environment variables for the program
         cwd: str = ""  # the program's working directory; empty: the run's
