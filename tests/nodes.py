@@ -192,7 +192,7 @@ class Node:
 
     def ps(self) -> str:
         """``ps`` inside the node: its processes, as the node sees them (pid 1 is its init)."""
-        return self.run(["ps", "-eo", "pid,ppid,rss,etime,args", "--width", "200"], capture_output=True,
+        return self.run(["ps", "-eo", "pid,ppid,rss,etime,args", "--width", "1000"], capture_output=True,
                         text=True, check=False, cwd="/").stdout
 
     def kill_all(self, *, timeout_s: float = 10.0) -> list[int]:

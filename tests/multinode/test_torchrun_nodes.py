@@ -217,14 +217,11 @@ def test_l3_each_node_runs_its_ranks_and_its_policys_server(l3):
     assert re.fullmatch(rf"http://{re.escape(n0.addr)}:\d+", servers["pa"]["url"]), servers
     assert re.fullmatch(rf"http://{re.escape(n1.addr)}:\d+", servers["pb"]["url"]), servers
     assert (servers["pa"]["ranks"], servers["pb"]["ranks"]) == ([0], [2])
-    for node, ranks, server in ((n0, (0, 1), "pa"), (n1, (2, 3), "pb")):
-        listing = l3.listings[node.name]
-        assert listing.count("scripts/train.py") >= 2, listing  # its two ranks (and torchrun's agent)
-        assert f"engine_logs/{server}-replica0" in listing or "sglang.launch_server" in listing, listing
-        log = l3.logs[node.name].read_text(errors="replace")
-        assert f"host      : {node.name}" not in log  # torchrun reported no failure
-    # which node holds which ranks: the ranks' hostnames, from the rank-0 and rank-2 server owners
-    assert "sglang.launch_server" in l3.listings[n0.name] and "sglang.launch_server" in l3.listings[n1.name]
+    for node, model, other in ((n0, "tiny-random-llama", "tiny-random-qwen2"), (n1, "tiny-random-qwen2", "tiny-random-llama")):
+        listing = l3.listings[node.name]  # what ``ps`` inside the node showed at its busiest
+        assert listing.count("scripts/train.py") >= 3, listing  # torchrun's agent and its two ranks
+        [server] = [line for line in listing.splitlines() if "sglang.launch_server" in line]
+        assert model in server and other not in listing, listing  # its policy's server, not the other's
 
 
 def test_l3_weights_reach_each_server_over_its_nodes_address(l3):
