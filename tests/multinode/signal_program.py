@@ -1,6 +1,7 @@
 """The signalling game as a program for the ``external`` orchestra, over the OpenAI HTTP API (stdlib only:
-an interpreter start per episode, no client import). The sender sees the secret digit, the receiver the
-sender's reply; the team reward is 1 when the receiver names the digit. Appends the endpoint URL it used
+an interpreter start per episode, no client import). The sender sees the secret bit, the receiver the
+sender's reply; the team reward is 1 when the parity of the receiver's first character is the secret (a
+game a random tiny model wins half the time, so advantages and losses are not all zero). Appends the endpoint URL it used
 and the hostname it ran on to ``$SIGNAL_LOG`` (one line per episode) for the tests."""
 
 import json
@@ -27,8 +28,8 @@ def main() -> None:
     base = os.environ["OPENAI_BASE_URL"]
     secret = int(job["task"])
     symbol = ask(base, "sender", str(secret)).strip()[:1] or "?"
-    guess = ask(base, "receiver", symbol).strip()[:1]
-    post(os.environ["MEGAMARL_REWARD_URL"], {"team": float(guess == str(secret))})
+    guess = ask(base, "receiver", symbol)[:1]
+    post(os.environ["MEGAMARL_REWARD_URL"], {"team": float(ord(guess or "\0") % 2 == secret % 2)})
     if os.environ.get("SIGNAL_LOG"):
         with open(os.environ["SIGNAL_LOG"], "a") as log:
             log.write(json.dumps({"host": socket.gethostname(), "base": base, "episode": job["episode_id"]}) + "\n")

@@ -30,6 +30,15 @@ async def main():
 asyncio.run(main())
 """
 GET = "import sys, urllib.request; print(urllib.request.urlopen(sys.argv[1], timeout=5).read().decode())"
+# one rank per node: the world's gloo group through megamarl's init_distributed, then an all-reduce
+WORLD = """
+import os, torch, torch.distributed as dist
+from megamarl.parallel.distributed import init_distributed
+init_distributed(timeout_s=30)
+t = torch.ones(1)
+dist.all_reduce(t)
+print(os.environ.get("GLOO_SOCKET_IFNAME"), t.item(), flush=True)
+"""
 HOST_ADDRESS = "from megamarl.parallel.network import host_address; print(host_address(multi_node=True))"
 
 
@@ -51,6 +60,18 @@ def test_host_address_is_each_nodes_own(nodes):
         done = node.run([PY, "-c", HOST_ADDRESS], env=multi_node_env(2 * i), cwd=ROOT, capture_output=True,
                         text=True, timeout=60, check=False)
         assert done.stdout.strip() == node.addr, done.stderr[-2000:]
+
+
+def test_the_world_gloo_group_spans_the_nodes(nodes):
+    """torch's gloo device takes the address the hostname resolves to: with Debian's hosts file that is
+    127.0.1.1 and the first collective fails ("connectFullMesh ... remote=[127.0.1.1]"); megamarl pins
+    GLOO_SOCKET_IFNAME to the host-address rule's interface (``network.pin_gloo_interface``)."""
+    env = {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "n0", "MASTER_PORT": "29411"}
+    ranks = [node.popen([PY, "-c", WORLD], env={**multi_node_env(i), **env, "RANK": str(i)}, cwd=ROOT,
+                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i, node in enumerate(nodes)]
+    outs = [rank.communicate(timeout=120) for rank in ranks]
+    assert [rank.returncode for rank in ranks] == [0, 0], [err[-2000:] for _, err in outs]
+    assert [out.split() for out, _ in outs] == [["eth0", "2.0"], ["eth0", "2.0"]]
 
 
 def test_the_recording_endpoint_on_n0_answers_n1(nodes):

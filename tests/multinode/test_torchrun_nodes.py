@@ -63,10 +63,10 @@ policies:
 agents:
   sender:
     policy: pa
-    sampling: {{temperature: 1.0, max_tokens: 1, allowed_tokens: [A, B]}}
+    sampling: {{temperature: 1.0, max_tokens: 1}}
   receiver:
     policy: pb
-    sampling: {{temperature: 1.0, max_tokens: 1, allowed_tokens: ["0", "1"]}}
+    sampling: {{temperature: 1.0, max_tokens: 1}}
 env: {{name: signalling, kwargs: {{terse: true, num_symbols: 2, num_digits: 2}}}}
 orchestra: {orchestra}
 rollout: {{num_tasks: 2, group_size: 4, max_concurrency: 8}}
