@@ -249,7 +249,9 @@ def test_l3_the_agent_program_runs_on_n1_and_reaches_the_endpoint_on_n0(l3):
 def test_l3_gives_the_metrics_of_the_one_node_run(l3, one_node):
     l3.check_ok()
     run_dir, _, wall_s = one_node
-    done = subprocess.run([PY, "scripts/compare_runs.py", "--metrics", str(run_dir / "metrics.jsonl"),
+    # rtol 1e-5: the sampled tokens, rewards and counts are equal, but the servers' fp32 log-probs depend on
+    # how requests were batched (timing), so TIS weights and losses differ in the last bits (~1e-7 seen)
+    done = subprocess.run([PY, "scripts/compare_runs.py", "--rtol", "1e-5", "--metrics", str(run_dir / "metrics.jsonl"),
                            str(l3.run_dir / "metrics.jsonl")], cwd=ROOT, capture_output=True, text=True, check=False)
     print(f"\none-node reference: {wall_s:.0f} s wall\n{done.stdout}")
     assert done.returncode == 0, done.stdout + done.stderr
