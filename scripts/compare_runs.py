@@ -3,6 +3,7 @@
     python scripts/compare_runs.py --base 60ff66b            # base revision vs the working tree
     python scripts/compare_runs.py --base HEAD --head HEAD   # determinism: one revision twice
     python scripts/compare_runs.py --base main --config configs/presets/l2_colocated.yaml --nproc 2   # a 2-rank preset
+    python scripts/compare_runs.py --metrics runs/one_node/metrics.jsonl runs/two_nodes/metrics.jsonl   # two finished runs
     python scripts/compare_runs.py --base HEAD --head HEAD --rtol 1e-4 --atol 1e-6 policies.shared.pack=true \
         --head-override policies.shared.prefix_tree=true   # a feature on vs off, one revision
 
@@ -17,6 +18,10 @@ and sample counts come from the same seeded rollout. Exit status 0 when identica
 ``--rtol R`` compares across a numerical change instead (for example a different optimizer
 implementation): numbers match when ``|a - b| <= R * max(|a|, |b|)``, keys only one side logs are
 listed but do not fail, and the largest relative difference of each loss key is printed.
+
+``--metrics BASE HEAD`` compares two runs already made (their ``metrics.jsonl``, e.g. the same config and
+seed on one node and on two) by the same rules, starting nothing; ``--ignore REGEX`` leaves out more keys
+(values that may differ by design, said why where it is used).
 """
 
 from __future__ import annotations
@@ -62,15 +67,21 @@ def _close(a, b, rtol: float, atol: float = 0.0) -> bool:
     return abs(a - b) <= max(rtol * max(abs(a), abs(b)), atol)
 
 
-def compare(base: list[dict], head: list[dict], rtol: float = 0.0, atol: float = 0.0) -> tuple[list[str], int]:
+def compare(base: list[dict], head: list[dict], rtol: float = 0.0, ignore: re.Pattern | None = None,
+            atol: float = 0.0) -> tuple[list[str], int]:
     """Differences between two runs' records (empty: identical) and the number of values compared.
-    ``rtol > 0``: numbers within that relative tolerance match and one-sided keys are not differences."""
+    ``rtol > 0``: numbers within that relative tolerance match and one-sided keys are not differences;
+    ``ignore``: keys left out besides the wall-clock ones."""
     diffs, num_compared = [], 0
     if len(base) != len(head):
         diffs.append(f"{len(base)} records vs {len(head)}")
+
+    def kept(key: str) -> bool:
+        return not WALL_CLOCK.search(key) and not (ignore and ignore.search(key))
+
     for i, (a, b) in enumerate(zip(base, head)):
-        keys_a = {k for k in a if not WALL_CLOCK.search(k)}
-        keys_b = {k for k in b if not WALL_CLOCK.search(k)}
+        keys_a = {k for k in a if kept(k)}
+        keys_b = {k for k in b if kept(k)}
         for key in sorted(keys_a ^ keys_b) if rtol <= 0 else ():
             diffs.append(f"record {i}: key {key} only in {'base' if key in keys_a else 'head'}")
         for key in sorted(keys_a & keys_b):
@@ -88,7 +99,10 @@ def checkout(rev: str, into: Path) -> Path:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--base", required=True, help="git revision of the reference run")
+    parser.add_argument("--base", help="git revision of the reference run")
+    parser.add_argument("--metrics", nargs=2, metavar=("BASE", "HEAD"), type=Path,
+                        help="compare two finished runs' metrics.jsonl instead of running anything")
+    parser.add_argument("--ignore", default="", help="regex of further keys not compared (--metrics)")
     parser.add_argument("--head", default=None, help="git revision to compare (default: the working tree)")
     parser.add_argument("--config", default="configs/signalling_tiny.yaml")
     parser.add_argument("--steps", type=int, default=3)
@@ -102,6 +116,11 @@ def main(argv=None) -> int:
                         help="an override for the head run only: a feature on vs off on one revision "
                              "(e.g. --base HEAD --head HEAD --head-override policies.shared.prefix_tree=true)")
     args = parser.parse_args(argv)
+    if args.metrics:
+        return report(*(_records(path) for path in args.metrics), names=tuple(map(str, args.metrics)),
+                      rtol=args.rtol, atol=args.atol, ignore=re.compile(args.ignore) if args.ignore else None)
+    if not args.base:
+        parser.error("give --base REV (or --metrics BASE HEAD)")
     tmp = Path(tempfile.mkdtemp(prefix="megamarl_compare_"))
     worktrees = []
     try:
@@ -112,35 +131,45 @@ def main(argv=None) -> int:
             else:
                 source = checkout(rev, tmp / f"src_{side}")
                 worktrees.append(source)
-            extra = [*args.overrides, *(args.head_override if side == "head" else [])]
             sides[side] = run_at(source, tmp / f"out_{side}", config=args.config, steps=args.steps,
-                                 extra=extra, nproc=args.nproc)
-        diffs, num_compared = compare(sides["base"], sides["head"], args.rtol, args.atol)
+                                 extra=[*args.overrides, *(args.head_override if side == "head" else [])],
+                                 nproc=args.nproc)
     finally:
         for tree in worktrees:
             subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(tree)], capture_output=True,
                            check=False)
         shutil.rmtree(tmp, ignore_errors=True)
-    losses = sorted({k for record in sides["base"] for k in record if k.startswith("policy/") and not WALL_CLOCK.search(k)})
-    head_overrides = f" with {' '.join(args.head_override)}" if args.head_override else ""
-    print(f"base={args.base} head={args.head or 'working tree'}{head_overrides}: {len(sides['base'])} records, "
+    head = (args.head or "working tree") + (f" with {' '.join(args.head_override)}" if args.head_override else "")
+    return report(sides["base"], sides["head"], names=(args.base, head), rtol=args.rtol, atol=args.atol)
+
+
+def _records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def report(base: list[dict], head: list[dict], *, names: tuple[str, str], rtol: float = 0.0, atol: float = 0.0,
+           ignore: re.Pattern | None = None) -> int:
+    """Print the comparison of two runs' records; 0 when they match."""
+    diffs, num_compared = compare(base, head, rtol, ignore, atol)
+    losses = sorted({k for record in base for k in record if k.startswith("policy/") and not WALL_CLOCK.search(k)})
+    print(f"base={names[0]} head={names[1]}: {len(base)} records, "
           f"{num_compared} values compared, loss keys: {losses}")
-    for record in sides["base"]:
+    for record in base:
         print(f"  step {record.get('step')}: " + ", ".join(f"{k}={record[k]!r}" for k in losses if k in record))
-    if args.rtol > 0:
-        only = sorted({k for side, other in (("base", "head"), ("head", "base")) for r in sides[side][:1]
-                       for k in r if not WALL_CLOCK.search(k) and k not in sides[other][0]})
+    if rtol > 0:
+        only = sorted({k for side, other in ((base, head), (head, base)) for r in side[:1]
+                       for k in r if not WALL_CLOCK.search(k) and k not in other[0]})
         print(f"keys logged by one side only (not compared): {only}")
         for key in losses:
             rel = [abs(a[key] - b[key]) / max(abs(a[key]), abs(b[key]), 1e-30)
-                   for a, b in zip(sides["base"], sides["head"]) if key in a and key in b
+                   for a, b in zip(base, head) if key in a and key in b
                    and isinstance(a[key], (int, float)) and isinstance(b[key], (int, float))]
             print(f"  {key}: max relative difference {max(rel, default=0.0):.3g} over {len(rel)} steps")
     if diffs:
         print("DIFFERENT:\n  " + "\n  ".join(diffs[:50]))
         return 1
-    print("IDENTICAL (bit-for-bit, wall-clock keys excluded)" if args.rtol <= 0
-          else f"MATCH within rtol={args.rtol:g}, atol={args.atol:g} (wall-clock keys excluded)")
+    print("IDENTICAL (bit-for-bit, wall-clock keys excluded)" if rtol <= 0
+          else f"MATCH within rtol={rtol:g}, atol={atol:g} (wall-clock keys excluded)")
     return 0
 
 

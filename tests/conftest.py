@@ -48,6 +48,7 @@ SPLIT_MODULES = ("tests/learning/test_signalling.py",)
 VLLM_BESIDE_OTHERS = ("tests/integration/test_export.py",)
 # Modules that take a minute or more on 2 cores, longest first: queued right after "serial".
 LONG_MODULES = (
+    "tests/multinode/test_torchrun_nodes.py",  # two torchrun --nnodes 2 runs in namespace nodes, a reference
     "tests/slurm/test_slurm_sbatch.py",  # 1.5-2 min idle (5 min beside heavy load), mostly waiting on its job
     "tests/integration/test_resume_training_path.py",
     "tests/integration/test_train_sglang_servers.py",  # fake and, with .venv-sglang, real SGLang servers

@@ -9,7 +9,7 @@ init (PID 1 of the node's PID namespace, reaping orphans as a host's init does):
   route and no way out of the switch;
 * UTS: hostname ``n0``, ``n1``, ...; every node's ``/etc/hosts`` names all nodes (a cluster's DNS), so
   ``gethostbyname("n1")`` is n1's address everywhere and a node's own hostname resolves to its
-  ``eth0`` address, not to loopback;
+  ``eth0`` address (or, with ``own_name_on_loopback``, to 127.0.1.1 as on a stock Debian host);
 * mount: a private tmpfs on ``/dev/shm`` and on ``/tmp``; every other path (the repository, the venvs,
   the model cache under ``~/.cache``) is the host's, at the same path. ``shared`` (and ``keep``) stay
   visible at their paths even when they lie under ``/tmp`` (pytest's ``tmp_path``): they are bound back
@@ -192,7 +192,7 @@ class Node:
 
     def ps(self) -> str:
         """``ps`` inside the node: its processes, as the node sees them (pid 1 is its init)."""
-        return self.run(["ps", "-eo", "pid,ppid,rss,etime,args", "--width", "200"], capture_output=True,
+        return self.run(["ps", "-eo", "pid,ppid,rss,etime,args", "--width", "1000"], capture_output=True,
                         text=True, check=False, cwd="/").stdout
 
     def kill_all(self, *, timeout_s: float = 10.0) -> list[int]:
@@ -240,16 +240,21 @@ class Node:
         self.holder.stdout.close()
 
 
-def _hosts_file(num_nodes: int) -> str:
+def _hosts_file(num_nodes: int, index: int, *, own_name_on_loopback: bool) -> str:
     lines = ["127.0.0.1 localhost", "::1 localhost ip6-localhost ip6-loopback"]
-    lines += [f"{SUBNET}.{i + 1} n{i}" for i in range(num_nodes)]
+    lines += [f"{'127.0.1.1' if own_name_on_loopback and i == index else f'{SUBNET}.{i + 1}'} n{i}"
+              for i in range(num_nodes)]
     return "\n".join(lines) + "\n"
 
 
 @contextlib.contextmanager
-def cluster(n: int, shared: Path, *, keep: Sequence[Path] = ()) -> Iterator[list[Node]]:
+def cluster(n: int, shared: Path, *, keep: Sequence[Path] = (),
+            own_name_on_loopback: bool = False) -> Iterator[list[Node]]:
     """``n`` nodes on one switch; ``shared`` (created if missing) and ``keep`` visible in all of them at
-    their paths. Everything is stopped and removed when the context exits, however it exits."""
+    their paths. Everything is stopped and removed when the context exits, however it exits.
+    ``own_name_on_loopback``: each node's /etc/hosts maps its own hostname to 127.0.1.1, as Debian's
+    installer writes it (the others' names still resolve to their addresses): a process that takes
+    ``gethostbyname(gethostname())`` for its address advertises loopback."""
     if not 1 <= n <= 250:
         raise ValueError(f"cluster: n={n}, must be 1..250 (one /24)")
     reason = nodes_permitted()
@@ -261,13 +266,13 @@ def cluster(n: int, shared: Path, *, keep: Sequence[Path] = ()) -> Iterator[list
     nodes: list[Node] = []
     switch = None
     with tempfile.TemporaryDirectory(prefix="megamarl-nodes-") as scratch:
-        hosts = Path(scratch) / "hosts"
-        hosts.write_text(_hosts_file(n))
         try:
             switch = _start_holder(["unshare", "--net", "--fork", "--kill-child", "--", "sh", "-c",
                                     f"set -e; ip link add name {BRIDGE} type bridge; ip link set {BRIDGE} up; "
                                     + "echo ready; exec sleep infinity"])
             for i in range(n):
+                hosts = Path(scratch) / f"hosts-n{i}"
+                hosts.write_text(_hosts_file(n, i, own_name_on_loopback=own_name_on_loopback))
                 holder = _start_holder(["unshare", "--net", "--uts", "--mount", "--ipc", "--pid", "--fork",
                                         "--mount-proc", "--kill-child", "--propagation", "private", "--",
                                         "sh", "-c", f"{_SETUP}\nexec {shlex.quote(sys.executable)} -c "

@@ -53,6 +53,7 @@ from megamarl.orchestration.tools import (
     template_supports_tools,
     with_tools,
 )
+from megamarl.parallel.network import listen_address
 
 EPISODE_HEADER = "X-Episode-Id"
 AGENT_HEADER = "X-Megamarl-Agent"
@@ -98,7 +99,10 @@ def _content_text(content: Any) -> str:
 class RecordingEndpoint:
     """The aiohttp app and the table of running episodes. ``start`` binds it on the running loop."""
 
-    def __init__(self, *, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(self, *, host: str = "", port: int = 0) -> None:
+        """``host``: the bind address, "" for auto; bound and advertised at ``start`` by the one rule
+        (``parallel.network.listen_address``: loopback on one node; every interface of a multi-node run,
+        its URLs carrying this node's address). ``port`` 0: a free one."""
         self.host, self.port = host, port
         self.episodes: dict[str, EpisodeHandle] = {}
         self._runner: web.AppRunner | None = None
@@ -125,10 +129,11 @@ class RecordingEndpoint:
             return self.base_url
         self._runner = web.AppRunner(self.app(), access_log=None)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.host, self.port)
+        bind, advertise = listen_address(self.host)
+        site = web.TCPSite(self._runner, bind, self.port)
         await site.start()
-        host, port = site._server.sockets[0].getsockname()[:2]  # port 0: the one the OS chose
-        self.loop, self.base_url = loop, f"http://{host}:{port}"
+        port = site._server.sockets[0].getsockname()[1]  # port 0: the one the OS chose
+        self.loop, self.base_url = loop, f"http://{advertise}:{port}"
         return self.base_url
 
     async def stop(self) -> None:

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from megamarl.parallel.cpu_compat import enable_cpu_compat
-from megamarl.parallel.network import free_port
+from megamarl.parallel.network import free_port, pin_gloo_interface
 
 
 def device_backend() -> str:
@@ -47,6 +47,7 @@ def init_distributed(*, timeout_s: float = 600.0) -> torch.device:
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
             os.environ.setdefault("MASTER_PORT", str(free_port()))
             os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        pin_gloo_interface()  # several nodes: the world's gloo device on the host-address rule's interface
         dist.init_process_group(
             backend=device_backend(),
             timeout=timedelta(seconds=timeout_s),

@@ -13,11 +13,15 @@ device to it (``server_sync``), and an engine server bound to 0.0.0.0 advertises
 4. the source address of this node's route to the control group's rendezvous host (``MASTER_ADDR``,
    which torchrun sets on every rank): the interface the control group itself reaches other nodes on;
 5. the source address of the default route;
+6. the node's only non-loopback IPv4 address (a network with no default route, whose rendezvous host
+   names itself on loopback: the rendezvous node of a Debian-style cluster);
 
 and raises otherwise. A loopback answer from 4 or 5 is skipped. Unlike
 ``gethostbyname(gethostname())`` (Debian maps the hostname to 127.0.1.1, which other nodes
 cannot dial: a hang across nodes) it never gives a multi-node run a loopback address unless told to.
-``gloo_group`` builds a gloo group whose device binds the chosen address.
+``gloo_group`` builds a gloo group whose device binds the chosen address. ``listen_address`` applies
+the rule to a listener's configured host (the recording endpoint's ``orchestra.host``, the engine
+servers'): auto (``""``) stays on loopback on one node and binds every interface on several.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import ipaddress
 import os
 import socket
 import struct
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -45,6 +49,26 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as sock:
         sock.bind((host if host not in ANY_HOST else "", 0))
         return sock.getsockname()[1]
+
+
+def is_multi_node(environ: Mapping[str, str] | None = None) -> bool:
+    """torchrun's view of this run: the world has ranks on other nodes (WORLD_SIZE > LOCAL_WORLD_SIZE)."""
+    env = os.environ if environ is None else environ
+    world = int(env.get("WORLD_SIZE") or 1)
+    return world > int(env.get("LOCAL_WORLD_SIZE") or world)
+
+
+def listen_address(host: str, *, environ: Mapping[str, str] | None = None) -> tuple[str, str]:
+    """(bind, advertise) for a listener that other nodes may reach. ``host`` ``""`` (auto): one node,
+    127.0.0.1 for both (nothing else can dial in); several, every interface, advertised at
+    ``host_address``. 0.0.0.0 or ``::``: bind it, advertise ``host_address`` (never the wildcard, which
+    no peer can dial). Any other address: bind and advertise it as given."""
+    multi_node = is_multi_node(environ)
+    if not host:
+        host = ANY_HOST[0] if multi_node else "127.0.0.1"
+    if host in ANY_HOST:
+        return host, host_address(multi_node=multi_node, environ=environ)
+    return host, host
 
 
 def host_address(*, multi_node: bool, environ: Mapping[str, str] | None = None) -> str:
@@ -74,9 +98,50 @@ def host_address(*, multi_node: bool, environ: Mapping[str, str] | None = None) 
             continue
         if not ipaddress.ip_address(address).is_loopback:
             return address
+    candidates = node_addresses()
+    if len(candidates) == 1:
+        return candidates[0]
     raise RuntimeError(f"no address of this node reachable from other nodes was found (MASTER_ADDR "
-                       f"{env.get('MASTER_ADDR')!r} is local or unroutable, no default route): set {HOST_ADDR_ENV} "
-                       f"or {IFNAME_ENVS[0]}")
+                       f"{env.get('MASTER_ADDR')!r} is local or unroutable, no default route, this node's "
+                       f"addresses: {candidates}): set {HOST_ADDR_ENV} or {IFNAME_ENVS[0]}")
+
+
+def node_addresses() -> list[str]:
+    """This node's non-loopback IPv4 addresses, one per interface that has one, in interface order."""
+    found = []
+    for name in interfaces():
+        try:
+            address = interface_address(name)
+        except OSError:
+            continue
+        if not ipaddress.ip_address(address).is_loopback and address not in found:
+            found.append(address)
+    return found
+
+
+def interface_of(address: str) -> str | None:
+    """The interface holding IPv4 ``address`` on this node, None when none does (e.g. a NAT address)."""
+    for name in interfaces():
+        try:
+            if interface_address(name) == address:
+                return name
+        except OSError:
+            continue
+    return None
+
+
+def pin_gloo_interface(environ: MutableMapping[str, str] | None = None) -> str | None:
+    """Multi-node, ``GLOO_SOCKET_IFNAME`` unset: set it to the interface holding ``host_address``, so that
+    torch's own gloo groups (the world, the control group) bind the address this rule chose. Unpinned,
+    gloo binds the address the hostname resolves to: 127.0.1.1 on Debian-style hosts, which peers
+    cannot dial (the first collective across nodes hangs). Returns the interface set, or None."""
+    env = os.environ if environ is None else environ
+    if not is_multi_node(env) or env.get(IFNAME_ENVS[0]):
+        return None
+    name = interface_of(host_address(multi_node=True, environ=env))
+    if name is not None:
+        env[IFNAME_ENVS[0]] = name
+    return name
 
 
 def _named_interfaces(value: str, *, prefixes: bool) -> list[str] | None:

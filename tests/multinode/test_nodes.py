@@ -66,6 +66,16 @@ def test_addresses_hostnames_and_names(nodes):
         assert _out(node, "ip -4 route") == f"{SUBNET}.0/24 dev eth0 proto kernel scope link src {node.addr}"
 
 
+def test_own_name_on_loopback_as_debian_writes_it(tmp_path):
+    if reason := nodes_permitted():
+        pytest.skip(reason)
+    with cluster(2, tmp_path, own_name_on_loopback=True) as (n0, n1):
+        names = "(socket.gethostname(), 'n0', 'n1')"
+        program = f"import socket; print(*(socket.gethostbyname(h) for h in {names}))"
+        assert _out(n0, [PY, "-c", program]) == f"127.0.1.1 127.0.1.1 {n1.addr}"
+        assert _out(n1, [PY, "-c", program]) == f"127.0.1.1 {n0.addr} 127.0.1.1"
+
+
 def test_private_shm_and_tmp_shared_dir(nodes):
     nodes, shared = nodes
     n0, n1 = nodes

@@ -24,3 +24,13 @@ def test_rtol_accepts_rounding_and_one_sided_keys_but_not_larger_changes():
     assert compare_runs.compare(base, head, rtol=1e-6) == ([], 3)
     diffs, _ = compare_runs.compare(base, [{"step": 1, "policy/p/loss": 0.51, "reward": 3}], rtol=1e-6)
     assert len(diffs) == 1 and "policy/p/loss" in diffs[0]
+
+
+def test_metrics_compares_two_finished_runs_with_ignored_keys(tmp_path, capsys):
+    base, head = tmp_path / "base.jsonl", tmp_path / "head.jsonl"
+    base.write_text('{"step": 1, "policy/p/loss": 0.5, "engine/url_count": 2}\n')
+    head.write_text('{"step": 1, "policy/p/loss": 0.5, "engine/url_count": 3}\n')
+    assert compare_runs.main(["--metrics", str(base), str(head)]) == 1
+    assert "engine/url_count base=2 head=3" in capsys.readouterr().out
+    assert compare_runs.main(["--metrics", str(base), str(head), "--ignore", "^engine/"]) == 0
+    assert "IDENTICAL" in capsys.readouterr().out

@@ -93,6 +93,23 @@ def test_no_routable_address_is_an_error(lookups, monkeypatch):
         host_address(multi_node=True, environ={"MASTER_ADDR": "localhost"})
 
 
+def test_no_route_and_one_address_takes_that_address(lookups, monkeypatch):
+    """A rendezvous node whose name maps to loopback, on a network without a default route (an
+    isolated cluster fabric, the tests' namespace nodes): its only non-loopback address."""
+    monkeypatch.setattr(network, "interfaces", lambda: ["lo", "eth0", "ib1"])
+    monkeypatch.delitem(ROUTES, "8.8.8.8")
+    assert host_address(multi_node=True, environ={"MASTER_ADDR": "localhost"}) == "10.0.0.5"
+    monkeypatch.setattr(network, "interfaces", lambda: ["lo", "eth0", "ib0"])  # two: ambiguous
+    with pytest.raises(RuntimeError, match=r"addresses: \['10.0.0.5', '192.168.7.5'\]"):
+        host_address(multi_node=True, environ={"MASTER_ADDR": "localhost"})
+
+
+def test_interface_of_an_address(lookups):
+    assert network.interface_of("192.168.7.5") == "ib0"
+    assert network.interface_of("10.0.0.5") == "eth0"
+    assert network.interface_of("203.0.113.9") is None
+
+
 def test_real_lookups_on_this_machine():
     """Unpatched: the loopback interface has 127.0.0.1, and the route to it leaves from it."""
     assert network.interface_address("lo") == "127.0.0.1" and "lo" in network.interfaces()
@@ -110,3 +127,15 @@ def test_gloo_group_binds_the_given_address():
         opts.rootRank = 0
         group.broadcast([tensor], opts).wait()
         assert torch.equal(tensor, torch.arange(4.0))
+
+
+def test_pin_gloo_interface_only_for_several_nodes_and_never_over_the_operator(lookups):
+    one_node = {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "node0"}
+    assert network.pin_gloo_interface(one_node) is None and "GLOO_SOCKET_IFNAME" not in one_node
+    two_nodes = {"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "node0"}
+    pinned = dict(two_nodes)
+    assert network.pin_gloo_interface(pinned) == "eth0" and pinned["GLOO_SOCKET_IFNAME"] == "eth0"
+    given = {**two_nodes, "GLOO_SOCKET_IFNAME": "ib0"}
+    assert network.pin_gloo_interface(given) is None and given["GLOO_SOCKET_IFNAME"] == "ib0"
+    nat = {**two_nodes, "MEGAMARL_HOST_ADDR": "203.0.113.9"}  # no interface holds it: gloo left alone
+    assert network.pin_gloo_interface(nat) is None and "GLOO_SOCKET_IFNAME" not in nat
