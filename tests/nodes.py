@@ -50,6 +50,19 @@ BRIDGE = "br0"
 START_TIMEOUT_S = 30
 TOOLS = ("unshare", "nsenter", "ip")
 PRIVATE = ("/dev/shm", "/tmp")  # a tmpfs of each node's own
+REPOSITORY = Path(__file__).resolve().parents[1]
+
+
+def _host_paths() -> list[Path]:
+    """The repository, this interpreter's environment and the model cache, where they lie under a
+    private path (a clone in /tmp, ``MEGAMARL_CACHE`` in a fresh temporary directory): a cluster's
+    shared filesystem shows them on every node, so the nodes keep them at their paths."""
+    from megamarl.models.packaged import cache_dir
+
+    cache = Path(cache_dir()).resolve()
+    cache.mkdir(parents=True, exist_ok=True)
+    paths = [REPOSITORY, Path(sys.prefix).resolve(), cache]
+    return [p for p in paths if any(p.is_relative_to(d) for d in PRIVATE)]
 _PR_SET_PDEATHSIG = 1
 
 # The node's init: PID 1 of its PID namespace reaps the orphans reparented to it (a sleep would leave
@@ -262,7 +275,10 @@ def cluster(n: int, shared: Path, *, keep: Sequence[Path] = (),
         raise RuntimeError(reason)
     shared = Path(shared).resolve()
     shared.mkdir(parents=True, exist_ok=True)
-    visible = [shared, *(Path(p).resolve() for p in keep)]
+    visible = []
+    for path in sorted({shared, *(Path(p).resolve() for p in keep), *_host_paths()}, key=lambda p: len(p.parts)):
+        if not any(path.is_relative_to(outer) for outer in visible):  # inside one already kept: kept with it
+            visible.append(path)
     nodes: list[Node] = []
     switch = None
     with tempfile.TemporaryDirectory(prefix="megamarl-nodes-") as scratch:
