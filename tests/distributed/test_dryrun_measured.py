@@ -102,8 +102,8 @@ def allocated_bytes(worker) -> dict[str, int]:
     add("main_params", [p for opt in optimizers for p in main_params(opt)])
     add("optimizer", [v for opt in optimizers for state in opt.state.values() for v in state.values()
                       if isinstance(v, torch.Tensor)])
-    if worker.ref_model is not None:
-        add("reference", list(worker.ref_model.parameters()))
+    if worker.ref is not None:
+        add("reference", list(worker.ref.model.parameters()))
     return out
 
 
