@@ -139,7 +139,10 @@ class PeerWatch:
                 self._seen[r], self._changed[r] = count, now
             if now - self._changed[r] > self._patience():
                 silent.append(r)
-        if silent:
+        if silent:  # a node fails as a unit: its other ranks, silent for two heartbeats, go with it
+            homes = [self.homes[r] for r in silent]
+            silent += [r for r in range(self.world_size) if r != self.rank and r not in silent and not exited[r]
+                       and self.homes[r] in homes and now - self._changed[r] > 2 * self.interval_s]
             quiet = max(now - self._changed[r] for r in silent)
             self._conclude(silent, f"no heartbeat for {quiet:.0f} s", publish=True)
 
