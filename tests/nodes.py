@@ -187,11 +187,11 @@ class Node:
         """``subprocess.run`` of ``cmd`` inside the node (same keywords: check, timeout, capture_output...)."""
         return subprocess.run(self.command(cmd, cwd=cwd), env=env, **kw)  # noqa: PLW1510 (the caller's check)
 
-    def pids(self) -> list[int]:
-        """Host pids of the node's live processes, its init excluded."""
+    def pids(self, *, with_init: bool = False) -> list[int]:
+        """Host pids of the node's live processes, its init excluded unless ``with_init``."""
         found = []
         for entry in os.listdir("/proc"):
-            if not entry.isdigit() or int(entry) == self.init_pid:
+            if not entry.isdigit() or (int(entry) == self.init_pid and not with_init):
                 continue
             try:
                 if os.readlink(f"/proc/{entry}/ns/pid") != self.pid_ns:
@@ -251,6 +251,11 @@ class Node:
         self.holder.kill()  # the init dies with it (--kill-child), and with the init the namespaces
         self.holder.wait()
         self.holder.stdout.close()
+        # the kernel delivers --kill-child's SIGKILL after the holder is reaped: on a loaded host the
+        # init (and with it the namespaces) outlived the exit by a moment, so the exit waits for it
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while self.pids(with_init=True) and time.monotonic() < deadline:
+            time.sleep(0.02)
 
 
 def _hosts_file(num_nodes: int, index: int, *, own_name_on_loopback: bool) -> str:
