@@ -453,3 +453,46 @@ def test_server_devices_beyond_the_inherited_list_are_refused():
     with pytest.raises(ValueError, match=r"policy 'planner' replica 1 \(rank 8\) runs on local devices \(2, 3\) but "
                                          r"this process sees 2 \(CUDA_VISIBLE_DEVICES=4,5\)"):
         server_env(spec(on_gpu=True, devices=(2, 3)), base={"CUDA_VISIBLE_DEVICES": "4,5"})
+
+
+def test_an_sglang_server_that_killed_itself_in_its_own_warm_up_is_started_once_more(tmp_path):
+    """SGLang polls its own /model_info for 120 s after launch and then SIGKILLs its process tree; on
+    the loaded CI host its HTTP server was not up by then and the run died at start-up. The first start
+    here does exactly that (SGLang's log line, then SIGKILL of itself); the second serves /health."""
+    import signal
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}))
+    marker = tmp_path / "started-once"
+    python = tmp_path / "python"
+    python.write_text(f"""#!{sys.executable}
+import http.server, os, signal, sys
+port = int(sys.argv[sys.argv.index("--port") + 1])
+if not os.path.exists({str(marker)!r}):
+    open({str(marker)!r}, "w").close()
+    print("[2026-11-28 10:41:07] Initialization failed. warmup error: Traceback (most recent call last):", flush=True)
+    print("requests.exceptions.ConnectionError: HTTPConnectionPool(host='127.0.0.1'): Max retries exceeded", flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers(); self.wfile.write(b"ok")
+http.server.HTTPServer(("127.0.0.1", port), Health).serve_forever()
+""")
+    python.chmod(0o755)
+    proc = server_launch.ServerProcess(spec(backend="sglang", python=str(python), model_path=str(model), port=0,
+                                            host="127.0.0.1", tp=1, log_path=str(tmp_path / "server.log")))
+    try:
+        url = proc.start(timeout_s=60)
+        assert proc.num_starts == 2 and proc.alive(), (tmp_path / "server.log").read_text()
+        assert url.startswith("http://127.0.0.1:")
+    finally:
+        proc.stop()
+    # a server that dies at start-up for any other reason is not started again: the error names it
+    marker.unlink()
+    python.write_text(f"#!{sys.executable}\nimport os, signal\nos.kill(os.getpid(), signal.SIGKILL)\n")
+    proc = server_launch.ServerProcess(spec(backend="sglang", python=str(python), model_path=str(model), port=0,
+                                            host="127.0.0.1", tp=1, log_path=str(tmp_path / "other.log")))
+    with pytest.raises(server_launch.ServerStartError, match=f"exited with code {128 + signal.SIGKILL}"):
+        proc.start(timeout_s=60)
+    assert proc.num_starts == 1

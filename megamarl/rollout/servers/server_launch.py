@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -57,6 +58,8 @@ from megamarl.config import SERVER_START_TIMEOUT_S
 from megamarl.models.packaged import cache_dir
 from megamarl.parallel.network import ANY_HOST, HOST_ADDR_ENV, free_port, host_address
 from megamarl.rollout.engines.lora import SGLANG_CPU_LORA, LoraServing
+
+log = logging.getLogger(__name__)
 
 SERVER_BACKENDS = ("vllm", "sglang")
 _VLLM_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
@@ -333,6 +336,7 @@ class ServerProcess:
         self.log_path = Path(spec.log_path) if spec.log_path else Path(
             f"/tmp/megamarl-server-{spec.policy}-{spec.replica}-{os.getpid()}.log")
         self.num_starts = 0
+        self._log_start = 0  # where this start's lines begin in the log
 
     def _advertised_host(self) -> str:
         host = self.spec.host
@@ -344,13 +348,26 @@ class ServerProcess:
         ``spec.port == 0`` a free port is picked, and picked again when another process took it
         between the pick and the server's bind (several ranks of a node start servers at once)."""
         timeout_s = self.spec.start_timeout_s if timeout_s is None else timeout_s
-        for attempt in range(3):
+        warmup_retried = False
+        for attempt in range(4):
             try:
                 return self._start_once(timeout_s)
             except ServerStartError as exc:
-                if self.spec.port or "Address already in use" not in str(exc) or attempt == 2:
-                    raise
+                if "Address already in use" in str(exc) and not self.spec.port and attempt < 3:
+                    continue
+                # SGLang polls its own /model_info for 120 s and then kills its process tree; on an
+                # overloaded host its HTTP server was not up by then (seen in CI). Once more, warm.
+                if not warmup_retried and self._killed_itself_in_warmup():
+                    warmup_retried = True
+                    log.warning("%s: the SGLang server killed itself in its own warm-up; starting it once more",
+                                   self.spec.label)
+                    continue
+                raise
         raise AssertionError("unreachable")
+
+    def _killed_itself_in_warmup(self) -> bool:
+        return self.spec.backend == "sglang" and any(
+            "Initialization failed. warmup error" in line for line in tail(self.log_path, 400, since=self._log_start))
 
     def _start_once(self, timeout_s: float, *, port: int = 0) -> str:
         spec = self.spec
@@ -358,6 +375,7 @@ class ServerProcess:
         self.port = port
         cmd = server_command(_with_port(spec, port))
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log_start = self.log_path.stat().st_size if self.log_path.exists() else 0
         with open(self.log_path, "ab") as log:
             log.write(f"[megamarl] {spec.label}: {' '.join(cmd)}\n".encode())
             log.flush()
@@ -444,8 +462,11 @@ def healthy(url: str, *, timeout_s: float) -> bool:
         return False
 
 
-def tail(path: Path, num_lines: int) -> list[str]:
+def tail(path: Path, num_lines: int, *, since: int = 0) -> list[str]:
+    """The last ``num_lines`` lines of ``path`` from byte ``since`` on."""
     try:
-        return Path(path).read_text(errors="replace").splitlines()[-num_lines:]
+        with open(path, "rb") as f:
+            f.seek(since)
+            return f.read().decode(errors="replace").splitlines()[-num_lines:]
     except OSError:
         return [f"(no log at {path})"]
