@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from script_loader import load_script  # tests/ helper
 
 pytestmark = pytest.mark.integration
 
@@ -62,14 +63,10 @@ def test_quick_run_writes_the_result(tmp_path):
 def test_random_weights_build_the_preset_architecture(tmp_path, monkeypatch):
     """``--random-weights`` (GPU nodes without the packaged model): ``--model``'s preset shape, random
     weights, no tokenizer; the Megatron bridge reads it back as that shape."""
-    import importlib.util
-
     from megamarl.planning import model_presets
 
-    spec = importlib.util.spec_from_file_location("bench_train", ROOT / "scripts" / "bench_train.py")
-    bench = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "bench_train", bench)  # its dataclasses look their module up
-    spec.loader.exec_module(bench)
+    # its dataclasses look their module up in sys.modules
+    bench = load_script("scripts/bench_train.py", before_exec=lambda m: monkeypatch.setitem(sys.modules, "bench_train", m))
     shapes = {"tiny-gqa": model_presets.ModelShape(2, 64, 4, 2, 96, 320, tied_embeddings=True),
               "tiny-qwen3": model_presets.ModelShape(2, 64, 4, 2, 96, 320, head_dim=32, qk_norm=True)}
     monkeypatch.setattr(model_presets, "PRESETS", shapes)

@@ -1,12 +1,9 @@
 """scripts/compare_runs.py's record comparison: bit-identical by default, relative tolerance on request."""
 
-import importlib.util
-from pathlib import Path
 
-_spec = importlib.util.spec_from_file_location(
-    "compare_runs", Path(__file__).resolve().parents[2] / "scripts" / "compare_runs.py")
-compare_runs = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(compare_runs)
+from script_loader import load_script  # tests/ helper
+
+compare_runs = load_script("scripts/compare_runs.py")
 
 
 def test_exact_by_default_and_wall_clock_keys_ignored():

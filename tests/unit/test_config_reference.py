@@ -4,10 +4,10 @@ every key the schema has (as OmegaConf sees it, independently of the generator) 
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 from pathlib import Path
 
 from omegaconf import OmegaConf
+from script_loader import load_script  # tests/ helper
 
 from megamarl.config import RunConfig
 
@@ -16,10 +16,7 @@ SCRIPT = ROOT / "scripts" / "gen_config_reference.py"
 
 
 def _generator():
-    spec = importlib.util.spec_from_file_location("gen_config_reference", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(SCRIPT)
 
 
 def _leaf_keys(node, prefix=""):

@@ -3,12 +3,12 @@ the errors, each naming its config key; load-time checks of policies.<p>.engine.
 
 from __future__ import annotations
 
-import importlib.util
 import io
 from pathlib import Path
 
 import pytest
 from rich.console import Console
+from script_loader import load_script  # tests/ helper
 
 from megamarl.config import ClusterConfig, EngineConfig
 from megamarl.parallel.placement import placement_of
@@ -193,9 +193,7 @@ def test_dry_run_places_engines_with_plan_engines():
 def test_train_py_checks_the_engine_plan_before_loading_models(monkeypatch, capsys):
     """The pre-flight check of scripts/train.py plans the engines for WORLD_SIZE: a placement that
     cannot be built exits 2 with the key named, before any model is built."""
-    spec = importlib.util.spec_from_file_location("train_script", ROOT / "scripts" / "train.py")
-    train = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(train)
+    train = load_script("scripts/train.py", name="train_script")
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     argv = ["--config", str(TINY), "policies.shared.engine.backend=vllm", "policies.shared.engine.num_replicas=3"]

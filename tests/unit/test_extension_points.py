@@ -3,18 +3,16 @@ and every config key that names a registry entry is rejected at load when the na
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
+
+from script_loader import load_script  # tests/ helper
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "gen_extension_points.py"
 
 
 def _generator():
-    spec = importlib.util.spec_from_file_location("gen_extension_points", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(SCRIPT)
 
 
 def test_committed_page_is_current_and_every_naming_key_is_checked_at_load():

@@ -3,9 +3,10 @@ with exact tables for the 4-rank demos and the 64-rank 70b_hetero cluster."""
 
 from __future__ import annotations
 
-import importlib.util
 import io
 from pathlib import Path
+
+from script_loader import load_script  # tests/ helper
 
 from megamarl.planning.placement_view import show_placement
 from megamarl.runtime.configure import load_config
@@ -59,9 +60,7 @@ def test_colocated_demo_table():
 def test_70b_hetero_placement_for_64_ranks(capsys):
     """The cluster config through the command line: 6 planner servers at TP=8 (one per node, led by
     each node's first rank) on the planner's TP8 x PP2 x DP3 shards, 16 executor servers one per GPU."""
-    spec = importlib.util.spec_from_file_location("train_script", ROOT / "scripts" / "train.py")
-    train = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(train)
+    train = load_script("scripts/train.py", name="train_script")
     assert train.main(["--config", str(ROOT / "configs" / "70b_hetero.yaml"), "--show-placement"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == "Engine replicas (64 ranks, 8 per node, 8 nodes; every rank computed this same plan in a fake world):"
@@ -80,9 +79,7 @@ def test_70b_hetero_placement_for_64_ranks(capsys):
 
 
 def test_a_replica_across_nodes_fails_the_command(capsys):
-    spec = importlib.util.spec_from_file_location("train_script", ROOT / "scripts" / "train.py")
-    train = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(train)
+    train = load_script("scripts/train.py", name="train_script")
     argv = ["--config", str(ROOT / "configs" / "70b_hetero.yaml"), "--show-placement",
             "policies.planner.engine.tp=16", "policies.planner.engine.num_replicas=3"]
     assert train.main(argv) == 2  # a placement that cannot be built is a config error

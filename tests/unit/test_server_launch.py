@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from script_loader import load_script  # tests/ helper
 
 from megamarl.rollout.engines.lora import LoraServing
 from megamarl.rollout.servers import server_launch
@@ -102,12 +103,7 @@ def test_memory_hand_over_flags(backend, colocated, on_gpu):
 def test_sglang_gpu_command_line_parses_with_its_cli():
     """SGLang's GPU flags against the fake server's parser, which mirrors SGLang's CLI and refuses
     unknown flags (loaded by path: the fake ``sglang`` package must not shadow a real one here)."""
-    import importlib.util
-
-    path = Path(__file__).resolve().parents[1] / "fake_sglang" / "sglang" / "launch_server.py"
-    module_spec = importlib.util.spec_from_file_location("_fake_sglang_launch_server", path)
-    fake = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(fake)
+    fake = load_script("tests/fake_sglang/sglang/launch_server.py", name="_fake_sglang_launch_server")
     cmd = server_command(spec(backend="sglang", on_gpu=True, devices=(0, 1), sleeps=True, memory_fraction=0.4,
                               enforce_eager=True))
     args = fake.parse(cmd[3:])

@@ -2,11 +2,11 @@
 kept, what a record holds, the file round trip and the printed text. A real run's files are checked
 by tests/integration/test_trainer_features.py."""
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
+from script_loader import load_script  # tests/ helper
 
 from megamarl.orchestration.episodes import EpisodeStats
 from megamarl.rl.sample import Sample
@@ -19,9 +19,7 @@ from megamarl.runtime.transcripts import (
 )
 
 ROOT = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("show_episodes", ROOT / "scripts" / "show_episodes.py")
-show_episodes = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(show_episodes)
+show_episodes = load_script("scripts/show_episodes.py")
 
 
 def test_pick_episodes_round_robin_over_tasks():
