@@ -3,18 +3,17 @@ exactly as on a cluster: ``torchrun --nnodes 2 --nproc_per_node 2 --rdzv-backend
 <n0>:<port>`` in each node, the run directory on the shared directory, each node with its own address,
 /dev/shm and /tmp (docs/cluster.md, "Several nodes").
 
-Two runs, each checked many ways (module-scoped fixtures), and one reference:
+One run, checked many ways (a module-scoped fixture), and one reference:
 
-* ``l3``: two policies (tiny Llama, tiny Qwen2), ``placement_mode: disaggregated``, policy ``pa`` on
-  n0's ranks, ``pb`` on n1's, each with an engine server on its first rank: the driver (rank 0, n0)
-  samples from pb's server on n1 over the namespace network, and each policy pushes its weights into its
-  server over a gloo group on its node's address. The episodes come from the ``external`` orchestra: the
-  agent program runs on n1 (``remote_exec.py``, the tests' ``srun -w n1``), its ``OPENAI_BASE_URL``
-  pointing at the recording endpoint on n0's address.
-* ``cross``: the engines on their own ranks of the other node (``engine.ranks``): pa trains on n0 and
-  serves from n1, pb the other way round, so every push crosses the node boundary.
-* the one-node reference: ``l3`` on 4 local ranks with the program run locally; the two-node run gives
-  the same metrics (``scripts/compare_runs.py --metrics``), wall-clock keys excepted.
+* two policies (tiny Llama, tiny Qwen2), ``placement_mode: disaggregated``, policy ``pa`` training on
+  rank 0 (n0) with its engine server on rank 3 (n1, ``engine.ranks``), ``pb`` training on rank 2 (n1)
+  with its server on rank 1 (n0): the driver (rank 0, n0) samples from pa's server on n1 over the
+  namespace network, and every weight push crosses the node boundary (a gloo group on the sending
+  node's address). The episodes come from the ``external`` orchestra: the agent program runs on n1
+  (``remote_exec.py``, the tests' ``srun -w n1``), its ``OPENAI_BASE_URL`` pointing at the recording
+  endpoint on n0's address.
+* the one-node reference: the same config on 4 local ranks with the program run locally; the two-node
+  run gives the same metrics (``scripts/compare_runs.py --metrics``), wall-clock keys excepted.
 
 Engine servers are ``tests/fake_sglang`` (the real SGLang command line and HTTP protocol, transformers
 behind it, a real gloo receiver; tests/fake_servers.py): what is under test is megamarl's side, the
@@ -161,116 +160,92 @@ def nodes(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def l3(nodes):
+def run(nodes):
     nodes, shared = nodes
     n1 = nodes[1]
     relay = n1.popen([PY, RELAY, "serve", n1.addr, str(RELAY_PORT)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
     assert relay.stdout.readline().startswith("serving")
     # the program runs on n1, as ``srun -w n1 python signal_program.py`` would run it on a cluster
     command = ["python", RELAY, n1.name, str(RELAY_PORT), "--", "python", PROGRAM]
-    text = config("l3", pa_ranks=[0, 1], pb_ranks=[2, 3], orchestra=external(command))
-    run = NodeRun(nodes, shared, "l3", text, env=run_env(SIGNAL_LOG=str(shared / "l3-signal.jsonl")))
-    run.signal_log = shared / "l3-signal.jsonl"
+    run = NodeRun(nodes, shared, "cross", cross_config(external(command)),
+                  env=run_env(SIGNAL_LOG=str(shared / "cross-signal.jsonl")))
+    run.signal_log = shared / "cross-signal.jsonl"
     relay.kill()
     relay.wait()
     return run
+
+
+def cross_config(orchestra: str) -> str:
+    return config("cross", pa_ranks=[0], pa_engine=[3], pb_ranks=[2], pb_engine=[1], orchestra=orchestra)
 
 
 @pytest.fixture(scope="module")
 def one_node(tmp_path_factory):
     """The reference: the same config and seed on 4 local ranks of this machine, the program local."""
     out = tmp_path_factory.mktemp("one_node")
-    path = out / "l3.yaml"
-    path.write_text(config("l3", pa_ranks=[0, 1], pb_ranks=[2, 3], orchestra=external(["python", PROGRAM])))
+    path = out / "cross.yaml"
+    path.write_text(cross_config(external(["python", PROGRAM])))
     start = time.monotonic()
     run_dir, rows, _ = train(path, out, nproc=4, timeout=RUN_TIMEOUT_S, env=run_env())
     return run_dir, rows, time.monotonic() - start
 
 
-@pytest.fixture(scope="module")
-def cross(nodes):
-    nodes, shared = nodes
-    text = config("cross", pa_ranks=[0], pa_engine=[3], pb_ranks=[2], pb_engine=[1],
-                  orchestra="{name: sequential}")
-    return NodeRun(nodes, shared, "cross", text, env=run_env())
-
-
-# -- l3: one policy per node, servers on both, the external orchestra's program on n1 ------------------
-
-def test_l3_trains_both_policies_across_two_nodes(l3):
-    l3.check_ok()
-    rows = l3.metrics()
+def test_both_policies_train_across_two_nodes(run):
+    run.check_ok()
+    rows = run.metrics()
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     for row in rows:
         assert row["rollout/num_episodes"] == 8 and row["rollout/num_failed"] == 0
         assert "policy/pa/loss" in row and "policy/pb/loss" in row
-    print(f"\nl3 two-node run: {l3.wall_s:.0f} s wall")
-    for node, listing in l3.listings.items():
+    print(f"\ntwo-node run: {run.wall_s:.0f} s wall")
+    for node, listing in run.listings.items():
         print(f"--- ps in {node}\n{listing}")
 
 
-def test_l3_each_node_runs_its_ranks_and_its_policys_server(l3):
-    l3.check_ok()
-    n0, n1 = l3.nodes
-    servers = l3.servers()
+def test_each_node_runs_its_ranks_and_the_other_policys_server(run):
+    run.check_ok()
+    n0, n1 = run.nodes
+    servers = run.servers()
     # the servers advertise their node's address (bound to 0.0.0.0), never loopback or the wildcard
-    assert re.fullmatch(rf"http://{re.escape(n0.addr)}:\d+", servers["pa"]["url"]), servers
-    assert re.fullmatch(rf"http://{re.escape(n1.addr)}:\d+", servers["pb"]["url"]), servers
-    assert (servers["pa"]["ranks"], servers["pb"]["ranks"]) == ([0], [2])
-    for node, model, other in ((n0, "tiny-random-llama", "tiny-random-qwen2"), (n1, "tiny-random-qwen2", "tiny-random-llama")):
-        listing = l3.listings[node.name]  # what ``ps`` inside the node showed at its busiest
+    assert re.fullmatch(rf"http://{re.escape(n1.addr)}:\d+", servers["pa"]["url"]), servers
+    assert re.fullmatch(rf"http://{re.escape(n0.addr)}:\d+", servers["pb"]["url"]), servers
+    assert (servers["pa"]["ranks"], servers["pb"]["ranks"]) == ([3], [1])
+    for node, model, other in ((n0, "tiny-random-qwen2", "tiny-random-llama"), (n1, "tiny-random-llama", "tiny-random-qwen2")):
+        listing = run.listings[node.name]  # what ``ps`` inside the node showed at its busiest
         assert listing.count("scripts/train.py") >= 3, listing  # torchrun's agent and its two ranks
-        # its policy's server (megamarl's server_guard and the server under it), not the other's
+        # the server of the policy trained on the other node (megamarl's server_guard and the server under it)
         servers = [line for line in listing.splitlines() if "sglang.launch_server" in line]
         assert servers and all(model in line for line in servers) and other not in listing, listing
 
 
-def test_l3_weights_reach_each_server_over_its_nodes_address(l3):
-    l3.check_ok()
-    for policy, node in zip(("pa", "pb"), l3.nodes):
-        calls = l3.server_calls(policy)
+def test_every_push_crosses_the_node_boundary(run):
+    run.check_ok()
+    n0, n1 = run.nodes
+    for policy, trainer_node in (("pa", n0), ("pb", n1)):
+        calls = run.server_calls(policy)
         [init] = [c for c in calls if c["path"] == "/init_weights_update_group"]
         body = init["body"]
-        assert body["master_address"] == node.addr, body  # host_address: the node's own, not loopback
+        assert body["master_address"] == trainer_node.addr, body  # the sender's node, the other one
         assert body["backend"] == "gloo"
         pushes = [c for c in calls if c["path"] == "/update_weight_version"]
         assert len(pushes) >= STEPS  # the initial push and one after each step but the last
 
 
-def test_l3_the_agent_program_runs_on_n1_and_reaches_the_endpoint_on_n0(l3):
-    l3.check_ok()
-    n0, n1 = l3.nodes
-    episodes = [json.loads(line) for line in l3.signal_log.read_text().splitlines()]
+def test_the_agent_program_runs_on_n1_and_reaches_the_endpoint_on_n0(run):
+    run.check_ok()
+    n0, n1 = run.nodes
+    episodes = [json.loads(line) for line in run.signal_log.read_text().splitlines()]
     assert len(episodes) == 8 * STEPS
     assert {e["host"] for e in episodes} == {n1.name}
     assert all(e["base"].startswith(f"http://{n0.addr}:") for e in episodes), episodes[0]
 
 
-def test_l3_gives_the_metrics_of_the_one_node_run(l3, one_node):
-    l3.check_ok()
+def test_gives_the_metrics_of_the_one_node_run(run, one_node):
+    run.check_ok()
     run_dir, _, wall_s = one_node
     # rtol 1e-5: the sampled tokens, rewards and counts are equal, but the servers' fp32 log-probs depend on
     # how requests were batched (timing), so TIS weights and losses differ in the last bits (~1e-7 seen)
     done = subprocess.run([PY, "scripts/compare_runs.py", "--rtol", "1e-5", "--metrics", str(run_dir / "metrics.jsonl"),
-                           str(l3.run_dir / "metrics.jsonl")], cwd=ROOT, capture_output=True, text=True, check=False)
+                           str(run.run_dir / "metrics.jsonl")], cwd=ROOT, capture_output=True, text=True, check=False)
     print(f"\none-node reference: {wall_s:.0f} s wall\n{done.stdout}")
     assert done.returncode == 0, done.stdout + done.stderr
-
-
-# -- cross: engines on their own ranks of the other node, every push crosses the boundary --------------
-
-def test_cross_pushes_every_policy_into_the_other_node(cross):
-    cross.check_ok()
-    n0, n1 = cross.nodes
-    rows = cross.metrics()
-    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
-    assert all(r["rollout/num_failed"] == 0 for r in rows)
-    servers = cross.servers()
-    assert (servers["pa"]["ranks"], servers["pb"]["ranks"]) == ([3], [1])
-    assert servers["pa"]["url"].startswith(f"http://{n1.addr}:") and servers["pb"]["url"].startswith(f"http://{n0.addr}:")
-    for policy, trainer_node in (("pa", n0), ("pb", n1)):
-        calls = cross.server_calls(policy)
-        [init] = [c for c in calls if c["path"] == "/init_weights_update_group"]
-        body = init["body"]
-        assert body["master_address"] == trainer_node.addr, body  # the sender's node, the other one
-    print(f"\ncross two-node run: {cross.wall_s:.0f} s wall")

@@ -2,7 +2,7 @@
 episode waits until this rank has received a SIGUSR1 (at most ``WAIT_S``): Slurm sends the
 time-limit warning at its first time-limit check, 0-30 s after the run starts, and a run that starts up
 and trains its last step faster than that would finish before it (test harness for
-tests/slurm/test_slurm_sbatch.py). Outside Slurm, or in a job's first run, it is the signalling env."""
+tests/slurm/test_slurm_nodes.py). Outside Slurm, or in a job's first run, it is the signalling env."""
 
 from __future__ import annotations
 
