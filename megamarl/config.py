@@ -11,7 +11,7 @@ docs/config_reference.md is generated from them.
 This module imports nothing of megamarl above ``config_loader``, ``config_sections`` and ``registry``:
 checks that need a registry (engines, estimators, envs, schedules...), the placement or the user's
 plugins are written where those live and run at load time through
-``megamarl.runtime.configure.load_config``, the one entry every script and test uses.
+``megamarl.cli.configure.load_config``, the one entry every script and test uses.
 """
 
 from __future__ import annotations
@@ -170,7 +170,7 @@ class EngineConfig:
         if bad:
             raise ValueError(f"policies.<p>.engine.server_urls must be http(s) URLs, got {bad}")
         # dtype, backend and launch rules need the hardware, engine and placement modules: checked at load
-        # time by megamarl.runtime.configure (check_engine_config, megamarl.rollout.placement.check_launch)
+        # time by megamarl.cli.configure (check_engine_config, megamarl.rollout.engine_placement.check_launch)
 
 
 @dataclass
@@ -268,7 +268,7 @@ class PolicyConfig:
         if self.seq_len < 1:
             raise ValueError(f"policies.<p>.seq_len must be >= 1, got {self.seq_len}")
         # model (a packaged model, a --dry-run preset or a local directory) and dtype: checked at load time
-        # by megamarl.runtime.configure, where the model and hardware registries are
+        # by megamarl.cli.configure, where the model and hardware registries are
         for key in ("tp", "pp", "ppo_epochs"):
             check_range(f"policies.<p>.{key}", getattr(self, key), low=1)
         for key in ("weight_decay", "grad_clip", "kl_coef", "entropy_coef", "value_coef"):
@@ -559,7 +559,7 @@ class RunConfig:
                                  "wait for the servers in a collective and would time out first; raise both")
         self.eval.check_stop_at(self.agents)
         self._check_opponent_pool()
-        # every check that needs a registry, the placement or imported plugins: megamarl.runtime.configure
+        # every check that needs a registry, the placement or imported plugins: megamarl.cli.configure
 
     def policy_algorithm(self, name: str, base: AlgorithmConfig | None = None) -> AlgorithmConfig:
         """Policy ``name``'s algorithm settings: ``base`` (default ``algorithm``; the driver passes the
@@ -638,7 +638,7 @@ def compose_run_config(path: str | Path | None, overrides: list[str] | tuple[str
     """YAML (composed with Hydra; see ``megamarl.config_loader``) + overrides -> a ``RunConfig`` whose
     sections passed their own checks. Errors are ValueErrors that name the offending key (YAML syntax:
     file, line, column). The checks that need registries, the placement or plugins follow in
-    ``megamarl.runtime.configure.load_config``, which every entry point calls."""
+    ``megamarl.cli.configure.load_config``, which every entry point calls."""
     if path is not None and Path(path).is_file():
         _check_yaml_file(Path(path))
     try:

@@ -5,7 +5,7 @@ They sit at the ground with ``megamarl.config`` (which composes them into ``RunC
 config imports nothing above it; the modules that act on a section import it from here. Each
 ``__post_init__`` checks what the section can check alone (ranges, fixed choices); checks that need
 a registry (a registered env, worker backend, schedule shape, opponent pick) run at load time in the
-module that owns the registry, called by ``megamarl.runtime.configure.load_config``. A key inside a
+module that owns the registry, called by ``megamarl.cli.configure.load_config``. A key inside a
 named entry is written with a placeholder (``agents.<a>.lr``) that ``load_config`` fills in.
 """
 

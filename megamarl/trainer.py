@@ -32,6 +32,7 @@ from megamarl.config import RunConfig
 from megamarl.driver.opponent_pool import snapshot_slot
 from megamarl.driver.rollout_driver import RolloutDriver
 from megamarl.driver.schedules import SCHEDULES, sync_interval
+from megamarl.errors import EXIT_LOST_RANKS, NumericalFaultError
 from megamarl.parallel.collectives import scatter_objects
 from megamarl.parallel.distributed import control_group, init_distributed, wait_for_driver
 from megamarl.parallel.hardware import DTYPES, policy_dtype, release_cached_memory
@@ -44,8 +45,7 @@ from megamarl.planning.model_presets import resolve_model_shape
 from megamarl.planning.phases import Phase, final_save_phases, start_phases, step_phases
 from megamarl.rl.dispatch import RankBatch, rank_batches
 from megamarl.rl.policy_setup import batch_splits, build_workers
-from megamarl.rl.worker import NumericalFaultError
-from megamarl.rollout.placement import ReplicaPlacement, plan_engines, ranks_per_node
+from megamarl.rollout.engine_placement import ReplicaPlacement, plan_engines, ranks_per_node
 from megamarl.rollout.replicas.policy import build_replicas, stale_replicas
 from megamarl.rollout.servers.fleet import build_fleet
 from megamarl.runtime import checkpoint
@@ -59,7 +59,6 @@ from megamarl.runtime.step_metrics import (
 )
 
 DRIVER = 0
-EXIT_LOST_RANKS = 6  # a rank's node died or became unreachable (docs/reliability.md, exit codes)
 
 
 class Trainer:
@@ -90,8 +89,9 @@ class Trainer:
         self.plan = plan if plan is not None else plan_engines(cfg, self.world_size, per_node)
         # engine servers start now (in threads), sized on GPU from the memory plan; on CPU they overlap
         # model preparation, on GPU colocated ones are up and asleep first (ServerFleet.model_preparation)
-        fractions = server_memory_fractions(cfg, world_size=self.world_size, gpus_per_node=per_node, plan=self.plan)
         overlaps = SCHEDULES.traits(cfg.trainer.mode, key="trainer.mode").overlaps_training
+        fractions = server_memory_fractions(cfg, world_size=self.world_size, gpus_per_node=per_node, plan=self.plan,
+                                            overlaps_training=overlaps)
         self.fleet = build_fleet(cfg, plan=self.plan, rank=self.rank, world_size=self.world_size, run_dir=self.run_dir,
                                  control_group=control_group(), overlaps_training=overlaps, kv_estimate=self._kv_estimate,
                                  memory_fractions=fractions)

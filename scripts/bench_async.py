@@ -1,7 +1,7 @@
 """Trainer modes side by side on a multi-agent workload whose environment has real latency.
 
 The workload (configs/bench_async.yaml): two tiny policies, a caller and an answerer, play a
-signalling game through slow tools (megamarl.orchestration.envs_latency): after every caller turn a
+signalling game through slow tools (megamarl.orchestration.envs.latency): after every caller turn a
 tool call waits (a remote API) or runs a python program in a subprocess; episodes take 1 to 10
 rounds (long tail). Each ``trainer.mode`` trains the same config for ``--steps`` steps in a fresh
 process, one run after the other (never concurrently: they would share the CPU), ``--repeats``

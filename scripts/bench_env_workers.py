@@ -6,7 +6,7 @@ with the steps inline (on the event loop) vs in process workers vs in Ray actors
 
 Two workloads, each ``--episodes`` episodes run at once by ``run_episodes`` (the driver's rollout):
 
-* ``slow_judge`` (megamarl.orchestration.envs_latency): the signalling game, every step (sender,
+* ``slow_judge`` (megamarl.orchestration.envs.latency): the signalling game, every step (sender,
   receiver) blocks on a judge for ``--judge-s`` seconds (``time.sleep``: a judge waiting on its
   sandboxed process). Inline the judges of all episodes run one after the other.
 * ``code``: the code env (``solve_verify``, one loop): the coder's function is judged on the hidden
@@ -34,7 +34,7 @@ import sys
 import time
 from pathlib import Path
 
-import megamarl.orchestration.envs_latency  # noqa: F401 - registers slow_judge
+import megamarl.orchestration.envs.latency  # noqa: F401 - registers slow_judge
 from megamarl.orchestration import (
     AgentConfig,
     EnvMaker,

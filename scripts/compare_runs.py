@@ -1,4 +1,5 @@
-"""Check that a refactor keeps a seeded run's losses bit-identical (STYLE.md rule 9).
+"""Check that a refactor keeps a seeded run's losses bit-identical (docs/style.md "Refactors keep seeded runs
+bit-identical").
 
     python scripts/compare_runs.py --base 60ff66b            # base revision vs the working tree
     python scripts/compare_runs.py --base HEAD --head HEAD   # determinism: one revision twice

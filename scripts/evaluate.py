@@ -33,9 +33,10 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+from megamarl.cli.configure import load_config
+from megamarl.cli.front_door import launch_world, preflight, report_config_error
 from megamarl.config import RunConfig
-from megamarl.runtime.configure import load_config
-from megamarl.runtime.front_door import launch_world, preflight, report_config_error
+from megamarl.errors import EXIT_OK, RolloutFailureError
 
 
 def main(argv=None) -> int:
@@ -58,8 +59,7 @@ def main(argv=None) -> int:
     out = Path(cfg.output_dir) / cfg.name
     if args.check:
         print(f"config ok: evaluation of {_describe(args)} into {out}")
-        return 0
-    from megamarl.orchestration.episodes import RolloutFailureError
+        return EXIT_OK
     from megamarl.trainer import Trainer
 
     is_driver = int(os.environ.get("RANK", "0")) == 0
@@ -70,11 +70,11 @@ def main(argv=None) -> int:
         results = trainer.evaluate_only(step=step)
     except RolloutFailureError as exc:
         print(f"evaluation failed: {exc}", file=sys.stderr)
-        return 5
+        return exc.exit_code
     if is_driver:
         step = trainer.step if step is None else step
         print_table(results, title=f"{_describe(args)}, step {step} ({out / 'eval.json'})", sets=list(cfg.eval.sets))
-    return 0
+    return EXIT_OK
 
 
 def eval_config(args) -> tuple[RunConfig, int | None, list[str]]:
@@ -128,7 +128,7 @@ def _checkpoint_dir(args) -> Path | None:
 
 def _hf_policies(cfg: RunConfig, path: Path) -> tuple[dict, int, list[str]]:
     """``--hf``: each policy's model from the export; the export's step; a note per policy kept."""
-    from megamarl.runtime.export import MANIFEST
+    from megamarl.cli.export import MANIFEST
 
     if not path.is_dir():
         raise ValueError(f"--hf {path} does not exist; give megamarl-convert's output directory or one model directory")

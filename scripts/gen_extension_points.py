@@ -36,8 +36,8 @@ before any model loads.
 
 
 def registries() -> list:
-    import megamarl.models.registry
-    import megamarl.runtime.configure  # noqa: F401 - imports every module that declares a registry
+    import megamarl.cli.configure  # imports every module that declares a registry
+    import megamarl.models.families  # noqa: F401 - the model families' registry
     from megamarl.registry import Registry
 
     return sorted((r for r in Registry.instances if r.module.startswith("megamarl.")), key=lambda r: r.kind)
@@ -64,7 +64,7 @@ def _traits(value) -> str:
 
 def rejection(key: str) -> str:
     """What load_config says when ``key`` names an unregistered entry (``NOT CHECKED`` when it loads)."""
-    from megamarl.runtime.configure import load_config
+    from megamarl.cli.configure import load_config
 
     concrete = key
     for placeholder, name in NAMES.items():

@@ -16,9 +16,10 @@ import argparse
 import signal
 import sys
 
+from megamarl.cli.configure import load_config
+from megamarl.cli.front_door import launch_world, preflight, report_config_error
 from megamarl.config_loader import expand_sweeps
-from megamarl.runtime.configure import load_config
-from megamarl.runtime.front_door import launch_world, preflight, report_config_error
+from megamarl.errors import EXIT_CONFIG_ERROR, EXIT_OK, RunStoppedError
 from megamarl.runtime.preemption import PreemptionFlag
 
 
@@ -53,41 +54,31 @@ def main(argv=None) -> int:
         return report_config_error(exc)
     if args.check:
         print(f"config ok: {args.config}")
-        return 0
-    from megamarl.orchestration.episodes import RolloutFailureError
-    from megamarl.rl.worker import NumericalFaultError
-    from megamarl.runtime.checkpoint import CheckpointWriteError
+        return EXIT_OK
     from megamarl.trainer import Trainer
 
-    # Errors every rank raises together, with exit codes documented in docs/reliability.md
     try:
         Trainer(cfg, plan=plan).fit()
-    except NumericalFaultError as exc:
+    except RunStoppedError as exc:  # every rank raises it together; its code: megamarl.errors, docs/reliability.md
         print(f"training stopped: {exc}", file=sys.stderr)
-        return 3
-    except CheckpointWriteError as exc:
-        print(f"training stopped: {exc}", file=sys.stderr)
-        return 4
-    except RolloutFailureError as exc:
-        print(f"training stopped: {exc}", file=sys.stderr)
-        return 5
-    return 0
+        return exc.exit_code
+    return EXIT_OK
 
 
 def _dry_run(config: str, overrides: list[str]) -> int:
     """Plan every sweep combination against the declared cluster (not WORLD_SIZE); worst exit code."""
-    from megamarl.planning.dryrun import main_dry_run
+    from megamarl.cli.dry_run_command import main_dry_run
 
     try:
         combos = expand_sweeps(overrides)
         configs = [(combo, load_config(config, combo)) for combo in combos]
     except (ValueError, ImportError) as exc:
         return report_config_error(exc)
-    status = 0
+    status = EXIT_OK
     for combo, cfg in configs:
         if len(configs) > 1:
             print(f"== dry run: {' '.join(combo)}")
-        status = max(status, 2 if main_dry_run(cfg) else 0)  # a plan that does not fit: a config error too
+        status = max(status, EXIT_CONFIG_ERROR if main_dry_run(cfg) else EXIT_OK)  # a plan that does not fit: a config error too
     return status
 
 
@@ -98,7 +89,7 @@ def _show_placement(config: str, overrides: list[str]) -> int:
         cfg = load_config(config, overrides)
     except (ValueError, ImportError) as exc:
         return report_config_error(exc)
-    return 2 if main_show_placement(cfg) else 0  # a placement that cannot be built: a config error too
+    return EXIT_CONFIG_ERROR if main_show_placement(cfg) else EXIT_OK  # a placement that cannot be built: a config error too
 
 
 if __name__ == "__main__":

@@ -22,10 +22,11 @@ from megamarl.config import RunConfig, to_yaml
 from megamarl.driver.opponent_pool import OpponentPool
 from megamarl.driver.schedules import SCHEDULES, build_schedule
 from megamarl.driver.streaming import RolloutLoop
+from megamarl.errors import RolloutFailureError
 from megamarl.models.packaged import resolve_model_path
 from megamarl.orchestration.agents import build_agents
 from megamarl.orchestration.env import EnvMaker
-from megamarl.orchestration.episodes import RolloutFailureError, RolloutResult, check_failures, run_episodes
+from megamarl.orchestration.episodes import RolloutResult, check_failures, run_episodes
 from megamarl.orchestration.orchestras import build_orchestra
 from megamarl.orchestration.workers import EnvWorkers, make_workers
 from megamarl.parallel.hardware import describe_dtype_choice, policy_dtype
@@ -36,7 +37,7 @@ from megamarl.rl.prepare import prepare_rollout
 from megamarl.rl.rewards import algorithm_at_step
 from megamarl.rl.sample import mark_episode_ends
 from megamarl.rollout.engines.base import Engine
-from megamarl.rollout.engines.lora import lora_serving
+from megamarl.rollout.engines.lora_backends import lora_serving
 from megamarl.rollout.replicas.factory import build_engine, engine_threads
 from megamarl.rollout.replicas.policy import PolicyReplicas
 from megamarl.rollout.replicas.pool import EnginePool

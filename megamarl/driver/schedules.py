@@ -218,6 +218,12 @@ def sync_interval(trainer: TrainerConfig) -> int:
     return SCHEDULES.get(trainer.mode, key="trainer.mode").sync_interval(trainer)
 
 
+def overlaps_training(trainer: TrainerConfig) -> bool:
+    """``trainer.mode``'s schedule rolls out while the trainer trains: what the memory plan is told
+    (``planning.dryrun.plan_memory``: the planner sits below the driver and takes it as a parameter)."""
+    return SCHEDULES.traits(trainer.mode, key="trainer.mode").overlaps_training
+
+
 @SCHEDULES.register("sync", traits=ScheduleTraits())
 class SyncSchedule(Schedule):
     def _next(self, step, versions):

@@ -30,8 +30,8 @@ from pathlib import Path
 
 import torch
 
+from megamarl.models.families import arch_from_hf
 from megamarl.models.mapping import LORA_MARKER, TP_KINDS, hf_from_shards, rule_for, shard_from_hf
-from megamarl.models.registry import arch_from_hf
 from megamarl.models.spec import (
     DecoderArch,
     NodeKernels,

@@ -5,8 +5,8 @@
     megamarl-convert --from megatron --to hf [--tp 1 --pp 1] [--dtype D] SRC DST_HF_DIR
 
 ``--from run`` exports the policies a training run saved (``runs/<name>/checkpoints/step_N``, L2
-adapters as PEFT directories) to Hugging Face directories: see ``megamarl.runtime.export``. The other two
-convert a single model (``python -m megamarl.runtime.export`` is the same command).
+adapters as PEFT directories) to Hugging Face directories: see ``megamarl.cli.export``. The other two
+convert a single model (``python -m megamarl.cli.export`` is the same command).
 
 Megatron side (``DST`` of the first command): ``config.json`` and tokenizer files copied from the
 HF directory, plus ``megatron/`` holding the ``torch_dist`` sharded checkpoint of the model. Because
@@ -15,7 +15,7 @@ second command (the layout the checkpoint is *loaded* at) need not match the one
 
 Ranks: by default the command spawns ``tp * pp`` local CPU/gloo ranks with
 ``megamarl.parallel.launch.run_ranks``. Under ``torchrun --nproc_per_node tp*pp -m
-megamarl.runtime.export ...`` (``RANK`` set) it runs in place on the launched ranks instead (GPUs:
+megamarl.cli.export ...`` (``RANK`` set) it runs in place on the launched ranks instead (GPUs:
 NCCL). The HF output is one safetensors file per pipeline stage (written by that stage's
 tp_rank-0 rank) plus ``model.safetensors.index.json``; a single stage writes ``model.safetensors``.
 """
@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from megamarl.models import bridge, checkpoint
+from megamarl.models import bridge, dist_checkpoint
 from megamarl.models.mapping import hf_param_names
 from megamarl.models.model_cache import atomic_dir
 from megamarl.parallel import launch
@@ -77,14 +77,14 @@ def hf_to_megatron(rank: int, src: str, dst: str, tp: int, pp: int) -> None:
     bridge.load_hf_weights(model, src, wg)
     if rank == 0:
         print(f"saving torch_dist checkpoint (tp={tp}, pp={pp}) to {dst}/{MEGATRON_SUBDIR}", file=sys.stderr)
-    checkpoint.save_checkpoint(Path(dst) / MEGATRON_SUBDIR, model, wg)
+    dist_checkpoint.save_checkpoint(Path(dst) / MEGATRON_SUBDIR, model, wg)
 
 
 def megatron_to_hf(rank: int, src: str, dst: str, tp: int, pp: int, dtype: str = "float32") -> list[str]:
     """Body on each rank: load ``src/megatron`` at tp x pp, stream HF tensors, senders write files."""
     wg = conversion_worker_group(tp, pp)
     model = bridge.build_model(src, wg, init_weights=False)
-    checkpoint.load_checkpoint(Path(src) / MEGATRON_SUBDIR, model, wg)
+    dist_checkpoint.load_checkpoint(Path(src) / MEGATRON_SUBDIR, model, wg)
     sender = bridge.is_sender(wg)
     total = len(hf_param_names(bridge.unwrap(model).hf_arch))
     stream = _progress(bridge.export_hf_weights(model, wg), total=total, desc=f"stage {wg.pp_rank} -> HF",

@@ -119,7 +119,7 @@ def layer_spec_choice(*, lora: bool, cuda: bool, transformer_engine: bool) -> st
 
 def planned_layer_spec(*, lora: bool, on_gpus: bool) -> str:
     """``layer_spec_choice`` for a plan: a GPU cluster is planned with Transformer Engine (the ``gpu``
-    extra installs it; ``runtime.front_door.check_layer_specs`` refuses a node without it)."""
+    extra installs it; ``cli.front_door.check_layer_specs`` refuses a node without it)."""
     return layer_spec_choice(lora=lora, cuda=on_gpus, transformer_engine=on_gpus)
 
 

@@ -5,16 +5,17 @@ backend. Public entry points:
 
 * ``AGENTS``/``AgentConfig``/``SamplingConfig``/``build_agents``  (agents.py; the ``agents.<role>`` config section)
 * ``ORCHESTRAS``/``build_orchestra``            (orchestras.py; ``external``: external.py, openai_endpoint.py)
-* ``ENVS``/``EnvMaker``/``Env``/``Task``        (env.py, envs/, pettingzoo_env.py)
+* ``ENVS``/``EnvMaker``/``Env``/``Task``        (env.py, envs/)
 * ``EpisodeContext``/``Action``                 (context.py)
 * ``run_episodes``/``RolloutResult``            (episodes.py)
 * ``make_workers``/``WorkersConfig``            (workers.py)
 """
 
-from megamarl.orchestration import envs, external, pettingzoo_env  # noqa: F401 - registration
+from megamarl.orchestration import envs, external  # noqa: F401 - registration
 from megamarl.orchestration.agents import AGENTS, Agent, AgentConfig, SamplingConfig, build_agents
 from megamarl.orchestration.context import Action, ConfigError, EpisodeContext, EpisodeDone, EpisodeDropped
 from megamarl.orchestration.env import ENVS, Env, EnvConfig, EnvMaker, StepResult, Task
+from megamarl.orchestration.envs import pettingzoo  # noqa: F401 - registration (after external, as before)
 from megamarl.orchestration.episodes import EpisodeStats, RolloutResult, run_episode, run_episodes
 from megamarl.orchestration.orchestras import ORCHESTRAS, Orchestra, build_orchestra
 from megamarl.orchestration.workers import WORKERS, EnvWorkerError, EnvWorkers, WorkersConfig, make_workers

@@ -24,6 +24,7 @@ from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from megamarl.errors import RolloutFailureError
 from megamarl.orchestration.agents import Agent
 from megamarl.orchestration.chat import TemplateDeltaError
 from megamarl.orchestration.context import (
@@ -58,10 +59,6 @@ class EpisodeStats:
     env_metrics: dict[str, float] = field(default_factory=dict)  # Env.metrics() (ok episodes)
     tool_calls: dict[str, int] = field(default_factory=dict)  # agent -> tool calls run (agents with tools)
     tool_errors: dict[str, int] = field(default_factory=dict)  # agent -> of them answered "error: ..."
-
-
-class RolloutFailureError(RuntimeError):
-    """More episodes failed than ``rollout.max_failed_fraction`` allows."""
 
 
 @dataclass

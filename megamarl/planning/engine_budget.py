@@ -30,14 +30,16 @@ import torch
 
 from megamarl.config import RunConfig
 from megamarl.planning.dryrun import GIB, plan_memory
-from megamarl.rollout.placement import ReplicaPlacement, plan_engines
+from megamarl.rollout.engine_placement import ReplicaPlacement, plan_engines
 
 
-def engine_memory_fractions(cfg: RunConfig, *, world_size: int, gpus_per_node: int,
-                            capacity_bytes: float) -> dict[tuple[str, int], float]:
+def engine_memory_fractions(cfg: RunConfig, *, world_size: int, gpus_per_node: int, capacity_bytes: float,
+                            overlaps_training: bool) -> dict[tuple[str, int], float]:
     """``(policy, replica) -> fraction`` for every engine server replica (module docstring) on GPUs
-    of ``capacity_bytes`` each; policies with ``engine.gpu_memory_utilization`` set are left out."""
-    report = plan_memory(cfg, world_size=world_size, gpus_per_node=gpus_per_node, on_gpus=True)
+    of ``capacity_bytes`` each; policies with ``engine.gpu_memory_utilization`` set are left out.
+    ``overlaps_training``: the run's schedule rolls out while it trains (``plan_memory``)."""
+    report = plan_memory(cfg, world_size=world_size, gpus_per_node=gpus_per_node, on_gpus=True,
+                         overlaps_training=overlaps_training)
     reserved = cfg.cluster.reserved_gib * GIB
     engines_kv = [0.0] * report.world_size  # the KV cache of every engine shard on a GPU
     for engine in report.engines.values():
@@ -71,7 +73,7 @@ def engine_memory_fractions(cfg: RunConfig, *, world_size: int, gpus_per_node: i
     return fractions
 
 
-def server_memory_fractions(cfg: RunConfig, *, world_size: int, gpus_per_node: int,
+def server_memory_fractions(cfg: RunConfig, *, world_size: int, gpus_per_node: int, overlaps_training: bool,
                             plan: dict[str, list[ReplicaPlacement]] | None = None) -> dict[tuple[str, int], float]:
     """``engine_memory_fractions`` on this node's GPUs (their memory measured here); empty without CUDA
     (CPU servers are sized by ``engine.kv_cache_gib`` alone) or engine servers. ``plan``: the run's
@@ -82,4 +84,5 @@ def server_memory_fractions(cfg: RunConfig, *, world_size: int, gpus_per_node: i
     if not any(r.launch == "server" for reps in plan.values() for r in reps):
         return {}
     capacity = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
-    return engine_memory_fractions(cfg, world_size=world_size, gpus_per_node=gpus_per_node, capacity_bytes=capacity)
+    return engine_memory_fractions(cfg, world_size=world_size, gpus_per_node=gpus_per_node, capacity_bytes=capacity,
+                                   overlaps_training=overlaps_training)

@@ -89,7 +89,7 @@ def shape_from_hf_config(config: dict) -> ModelShape:
         head_dim=config.get("head_dim") or 0,
         tied_embeddings=bool(config.get("tie_word_embeddings", False)),
         qkv_bias=bool(config.get("attention_bias", config.get("model_type") == "qwen2")),
-        qk_norm=config.get("model_type") == "qwen3",  # the families of megamarl.models.registry
+        qk_norm=config.get("model_type") == "qwen3",  # the families of megamarl.models.families
     )
 
 

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from megamarl.config import RunConfig
 from megamarl.parallel.placement import build_worker_groups, placement_of
 from megamarl.planning.dryrun import Shard, declared_world_size, rank_ranges
-from megamarl.rollout.placement import (
+from megamarl.rollout.engine_placement import (
     ReplicaPlacement,
     format_table,
     placement_table,

@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from megamarl.orchestration.episodes import RolloutFailureError
+from megamarl.errors import RefillExhaustedError, RolloutFailureError
 from megamarl.rl.advantages import advantage_config, compute_advantages, estimator_traits, group_ids
 from megamarl.rl.batch import SampleBatch, collate, concat
 from megamarl.rl.batch_metrics import agent_batch_metrics, success_metrics
@@ -51,10 +51,6 @@ if TYPE_CHECKING:  # config.py imports the estimator registry through this packa
     from megamarl.config import AlgorithmConfig
 
 Draw = Callable[[int], "SampleBatch | None"]  # refill round (1, 2, ...) -> a fresh batch, or None
-
-
-class RefillExhaustedError(RolloutFailureError):
-    """``algorithm.refill_exhausted=stop`` and the refill rounds left too few informative tasks."""
 
 
 def complete_episodes(samples: Sequence[Sample]) -> tuple[list[Sample], int]:

@@ -73,10 +73,6 @@ from megamarl.rl.update_metrics import RESPONSE_TOKENS, average, mean_over_steps
 logger = logging.getLogger(__name__)
 
 
-class NumericalFaultError(RuntimeError):
-    """Too many non-finite updates in a row (``trainer.max_nonfinite_updates``)."""
-
-
 @dataclass
 class ModelHandle:
     """What the worker needs from the model bridge for one policy."""

@@ -5,7 +5,7 @@ One directory per saved step::
 
     <run_dir>/checkpoints/step_000040/
         policies/<policy>/   model + AdamW state in megatron-core dist_checkpointing (torch_dist):
-                             loads at any TP x PP x DP layout (``megamarl.models.checkpoint``)
+                             loads at any TP x PP x DP layout (``megamarl.models.dist_checkpoint``)
         rng/rank_00000.pt    each rank's python / numpy / torch (+ CUDA) generator states
         trainer.pt           step, weight versions, update counts, the driver's running totals and
                              its rollout_state (async modes: what the schedule owns, driver/schedules.py)
@@ -35,7 +35,8 @@ import numpy as np
 import torch
 
 from megamarl.config import PolicyConfig
-from megamarl.models import checkpoint as model_checkpoint  # looked up per call (tests swap in faults)
+from megamarl.errors import CheckpointWriteError  # noqa: F401 - the trainer raises it as checkpoint.CheckpointWriteError
+from megamarl.models import dist_checkpoint as model_checkpoint  # looked up per call (tests swap in faults)
 from megamarl.runtime.metrics import EVAL_FILE, METRICS_FILE
 
 CHECKPOINTS = "checkpoints"
@@ -43,16 +44,6 @@ COMPLETE = "COMPLETE"
 TRAINER_STATE = "trainer.pt"
 POLICIES = "policies"
 _STEP_DIR = re.compile(r"step_(\d+)")
-
-
-class CheckpointWriteError(RuntimeError):
-    """A checkpoint could not be written (disk full, ...); the earlier ones are untouched."""
-
-    def __init__(self, path: Path, errors: list[str], complete: list[Path]) -> None:
-        last = (f"the previous checkpoint {complete[-1]} is complete and loadable (trainer.resume=auto resumes from it)"
-                if complete else "no earlier checkpoint exists")
-        super().__init__(f"writing checkpoint {path} failed ({'; '.join(errors)}); its partial directory "
-                         f"was removed; {last}")
 
 
 # ---- where checkpoints are -----------------------------------------------------------------------

@@ -31,9 +31,9 @@ from __future__ import annotations
 import shlex
 import sys
 
+from megamarl.cli.configure import load_config
 from megamarl.config import config_error_line
 from megamarl.planning.dryrun import declared_world_size
-from megamarl.runtime.configure import load_config
 
 
 def job_config(config: str, overrides: list[str]) -> dict[str, str | list[str]]:

@@ -20,7 +20,7 @@ while (($#)) && [[ $1 != "--" ]]; do OVERRIDES+=("$1"); shift; done
 SBATCH_ARGS=("$@")
 
 cd "$(dirname "$0")/../.."
-python -m megamarl.planning.dryrun "$CONFIG" ${OVERRIDES[@]+"${OVERRIDES[@]}"}
+python -m megamarl.cli.dry_run_command "$CONFIG" ${OVERRIDES[@]+"${OVERRIDES[@]}"}
 
 INFO=$(python scripts/slurm/job_config.py "$CONFIG" ${OVERRIDES[@]+"${OVERRIDES[@]}"}) || exit 2
 eval "$INFO"   # JOB_NAME RESOURCES ...

@@ -25,7 +25,7 @@ NUM_STEPS = 2
 
 
 def _train_and_record(rank: int, output_dir: str) -> list[dict]:
-    from megamarl.runtime.configure import load_config
+    from megamarl.cli.configure import load_config
     from megamarl.trainer import Trainer
 
     records: list[dict] = []

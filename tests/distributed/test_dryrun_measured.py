@@ -108,10 +108,10 @@ def allocated_bytes(worker) -> dict[str, int]:
 
 
 def _measure_body(rank, config_path):
+    from megamarl.cli.configure import load_config
     from megamarl.parallel.hardware import DTYPES
     from megamarl.parallel.placement import build_worker_groups
     from megamarl.rl.policy_setup import build_workers
-    from megamarl.runtime.configure import load_config
 
     cfg = load_config(config_path)
     wgs = build_worker_groups(placement_of(cfg, WORLD))
@@ -140,14 +140,16 @@ def _torch_optimizers(worker):
 def test_dry_run_bytes_equal_what_the_worker_allocates(tmp_path):
     from rich.console import Console
 
+    from megamarl.cli.configure import load_config
+    from megamarl.driver.schedules import overlaps_training
     from megamarl.planning.dryrun import dry_run
     from megamarl.planning.memory import rank_parameters
-    from megamarl.runtime.configure import load_config
 
     config_path = _write_config(tmp_path)
     cfg = load_config(config_path)
     # before any process group: the dry-run builds a fake world of its own
-    report = dry_run(cfg, console=Console(file=io.StringIO(), width=250), world_size=WORLD)
+    report = dry_run(cfg, overlaps_training=overlaps_training(cfg.trainer), console=Console(file=io.StringIO(), width=250),
+                     world_size=WORLD)
     measured = run_ranks(_measure_body, WORLD, config_path, timeout_s=900)
     rows = []
     for rank, per_policy in enumerate(measured):

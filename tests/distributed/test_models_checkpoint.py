@@ -34,7 +34,7 @@ def _state_by_hf_name(model, wg, optimizer):
 def _save_then_load(rank, ckpt_dir):
     import torch
 
-    from megamarl.models import bridge, checkpoint
+    from megamarl.models import bridge, dist_checkpoint
     from megamarl.models.tiny import tiny_model
     from megamarl.parallel.placement import PlacementConfig, WorkerGroupLayout, build_worker_groups
 
@@ -62,7 +62,7 @@ def _save_then_load(rank, ckpt_dir):
         opt.step()
         result["src_logits"] = megatron_steps.forward_logits(model, src, ids)
         result["src_state"] = _state_by_hf_name(model, src, opt)
-    checkpoint.save_checkpoint(ckpt_dir, model, src, optimizer=opt)
+    dist_checkpoint.save_checkpoint(ckpt_dir, model, src, optimizer=opt)
 
     for name in ("tp1", "pp2"):
         wg = wgs[name]
@@ -70,7 +70,7 @@ def _save_then_load(rank, ckpt_dir):
         if wg.is_member:
             model = bridge.build_model(hf.config, wg, seed=123)  # random init: the load must overwrite it
             opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        checkpoint.load_checkpoint(ckpt_dir, model, wg, optimizer=opt)
+        dist_checkpoint.load_checkpoint(ckpt_dir, model, wg, optimizer=opt)
         if wg.is_member:
             result[f"{name}_logits"] = megatron_steps.forward_logits(model, wg, ids)
             result[f"{name}_state"] = _state_by_hf_name(model, wg, opt)

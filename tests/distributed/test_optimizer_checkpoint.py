@@ -54,7 +54,7 @@ def _optimizer_state(worker) -> dict:
 
 def _save_then_load(rank, model_dir, ckpt_dir):
     from megamarl.config import PolicyConfig
-    from megamarl.models import checkpoint
+    from megamarl.models import dist_checkpoint
     from megamarl.parallel.placement import PlacementConfig, WorkerGroupLayout, build_worker_groups
     from megamarl.rl.losses import LossConfig
     from megamarl.rl.policy_setup import load_policy_model
@@ -70,12 +70,12 @@ def _save_then_load(rank, model_dir, ckpt_dir):
         worker.train_step(_batch())
         worker.scheduler.step(increment=1)  # hyper-parameters the checkpoint must carry
         result["saved"] = _optimizer_state(worker)
-    checkpoint.save_checkpoint(ckpt_dir, worker.model if worker else None, wg,
+    dist_checkpoint.save_checkpoint(ckpt_dir, worker.model if worker else None, wg,
                                optimizer=worker.optimizer if worker else None)
     fresh = None
     if wg.is_member:
         fresh = PolicyWorker("p", policy, wg, load_policy_model(policy, wg, seed=1, dtype=torch.bfloat16), LossConfig())
-    checkpoint.load_checkpoint(ckpt_dir, fresh.model if fresh else None, wg,
+    dist_checkpoint.load_checkpoint(ckpt_dir, fresh.model if fresh else None, wg,
                                optimizer=fresh.optimizer if fresh else None)
     if fresh is not None:
         result["loaded"] = _optimizer_state(fresh)

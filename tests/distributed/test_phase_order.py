@@ -42,11 +42,11 @@ CALLS = {
 
 def _run_and_record(rank: int, output_dir: str):
     import megamarl.trainer as trainer_module
+    from megamarl.cli.configure import load_config
     from megamarl.driver.rollout_driver import RolloutDriver
     from megamarl.rl.offload import TrainStateOffload
     from megamarl.rl.worker import PolicyWorker
     from megamarl.rollout.replicas.policy import PolicyReplicas
-    from megamarl.runtime.configure import load_config
 
     calls: list[str] = []
 
@@ -113,11 +113,13 @@ def test_the_trainer_runs_the_phase_list_in_order(run):
 
 
 def test_each_phase_holds_what_the_plan_says(run):
+    from megamarl.cli.configure import load_config
+    from megamarl.driver.schedules import overlaps_training
     from megamarl.planning.dryrun import plan_memory
-    from megamarl.runtime.configure import load_config
 
     cfg = load_config(PRESET, OVERRIDES)
-    report = plan_memory(cfg, world_size=2, gpus_per_node=2, on_gpus=False, offload_applies=True)
+    report = plan_memory(cfg, world_size=2, gpus_per_node=2, on_gpus=False, offload_applies=True,
+                         overlaps_training=overlaps_training(cfg.trainer))
     kinds = ("weights", "grads", "main_params", "optimizer", "reference", "engine_weights")
     rows = []
     for rank, got in enumerate(run):

@@ -147,7 +147,7 @@ def test_mini_batches_recompute_packing_and_lr_schedule(tmp_path):
 
 
 def _resume_body(rank, model_dir, ckpt):
-    from megamarl.models import checkpoint
+    from megamarl.models import dist_checkpoint
     from megamarl.parallel.placement import PlacementConfig, WorkerGroupLayout, build_worker_groups
 
     wg = build_worker_groups(PlacementConfig({"dp2": WorkerGroupLayout(ranks=[0, 1])}))["dp2"]
@@ -156,10 +156,10 @@ def _resume_body(rank, model_dir, ckpt):
     straight = _worker("dp2", wg, model_dir, **keys)
     for _ in range(2):
         straight.train_step(batch)
-    checkpoint.save_checkpoint(ckpt, straight.model, wg, optimizer=straight.optimizer)
+    dist_checkpoint.save_checkpoint(ckpt, straight.model, wg, optimizer=straight.optimizer)
     straight.train_step(batch)
     resumed = _worker("dp2", wg, model_dir, **keys)
-    checkpoint.load_checkpoint(ckpt, resumed.model, wg, optimizer=resumed.optimizer)
+    dist_checkpoint.load_checkpoint(ckpt, resumed.model, wg, optimizer=resumed.optimizer)
     resumed.scheduler.step(increment=2)  # the trainer restores the schedule's position (trainer.pt)
     resumed.train_step(batch)
     a, b = _weights(straight), _weights(resumed)

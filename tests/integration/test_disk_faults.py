@@ -19,15 +19,15 @@ def _disk_full(*args, **kwargs):
 
 
 def _run(rank, output_dir, where):
-    from megamarl.models import checkpoint
-    from megamarl.runtime import checkpoint as policy_io
-    from megamarl.runtime.configure import load_config
+    from megamarl.cli.configure import load_config
+    from megamarl.errors import CheckpointWriteError
+    from megamarl.models import dist_checkpoint
     from megamarl.trainer import Trainer
 
     overrides = ["trainer.total_steps=2", "trainer.save_every=1", "rollout.num_tasks=2", "rollout.group_size=4",
                  "eval.num_tasks=0", f"output_dir={output_dir}"]
     trainer = Trainer(load_config(ROOT / "configs/signalling_tiny.yaml", overrides))
-    real = {"shards": checkpoint.save_checkpoint, "marker": Path.write_text}
+    real = {"shards": dist_checkpoint.save_checkpoint, "marker": Path.write_text}
     calls = {"n": 0}
 
     def failing_on_step_2(*args, **kwargs):
@@ -37,16 +37,16 @@ def _run(rank, output_dir, where):
         return real[where](*args, **kwargs)
 
     if where == "shards":
-        checkpoint.save_checkpoint = failing_on_step_2
+        dist_checkpoint.save_checkpoint = failing_on_step_2
     else:
         Path.write_text = failing_on_step_2
     try:
         trainer.fit()
         error = ""
-    except policy_io.CheckpointWriteError as exc:
+    except CheckpointWriteError as exc:
         error = str(exc)
     finally:
-        checkpoint.save_checkpoint, Path.write_text = real["shards"], real["marker"]
+        dist_checkpoint.save_checkpoint, Path.write_text = real["shards"], real["marker"]
     left = sorted(p.name for p in (trainer.run_dir / "checkpoints").iterdir())
     resumed = Trainer(load_config(ROOT / "configs/signalling_tiny.yaml", [*overrides, "trainer.resume=auto"]))
     return error, calls["n"], left, resumed.step

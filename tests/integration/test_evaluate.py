@@ -35,7 +35,7 @@ from pathlib import Path
 import pytest
 from train_runs import launch, train  # tests/ helper
 
-from megamarl.runtime.export import main as convert_main
+from megamarl.cli.export import main as convert_main
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

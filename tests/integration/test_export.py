@@ -27,10 +27,10 @@ import pytest
 import torch
 from train_runs import train  # tests/ helper
 
+from megamarl.cli.export import main as convert_main
+from megamarl.cli.export import plan_exports
 from megamarl.models.model_cache import is_complete
 from megamarl.parallel.launch import run_ranks
-from megamarl.runtime.export import main as convert_main
-from megamarl.runtime.export import plan_exports
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -50,8 +50,8 @@ def _train(out: Path, config: str, *overrides: str) -> Path:
 
 
 def _convert(*args: str, ok: bool = True) -> subprocess.CompletedProcess:
-    """``python -m megamarl.runtime.export ...`` (megamarl-convert) as a user runs it (the module fixture's export)."""
-    proc = subprocess.run([sys.executable, "-m", "megamarl.runtime.export", *args], check=False, env=_env(),
+    """``python -m megamarl.cli.export ...`` (megamarl-convert) as a user runs it (the module fixture's export)."""
+    proc = subprocess.run([sys.executable, "-m", "megamarl.cli.export", *args], check=False, env=_env(),
                           capture_output=True, text=True, timeout=600)
     assert (proc.returncode == 0) == ok, proc.stderr[-4000:]
     return proc
@@ -74,14 +74,14 @@ def _convert_here(*args: str, ok: bool = True) -> str:
 def _megatron_logits(rank, job, ids, adapters):
     """The trained Megatron model: the checkpoint's shards in a fresh GPTModel (1 rank); logits per
     adapter (None: the base)."""
-    from megamarl.models import bridge, checkpoint, lora
+    from megamarl.models import bridge, dist_checkpoint, lora
     from megamarl.models.convert import conversion_worker_group
 
     wg = conversion_worker_group(1, 1)
     model = bridge.build_model(job.model_path, wg, init_weights=False)
     for name in job.adapters:
         lora.add_lora_adapter(model, wg, name, job.lora)
-    checkpoint.load_checkpoint(job.shards, model, wg)
+    dist_checkpoint.load_checkpoint(job.shards, model, wg)
     out = {}
     for adapter in adapters:
         with lora.active_adapter(model, adapter):

@@ -27,8 +27,8 @@ class BrokenEval(SignallingEnv):
 
 
 def _run(rank, output_dir):
-    from megamarl.orchestration.episodes import RolloutFailureError
-    from megamarl.runtime.configure import load_config
+    from megamarl.cli.configure import load_config
+    from megamarl.errors import RolloutFailureError
     from megamarl.trainer import Trainer
 
     base = ["trainer.total_steps=1", "rollout.num_tasks=2", "rollout.group_size=4", "eval.num_tasks=4",

@@ -36,8 +36,8 @@ class NanAfterTwoSteps(SignallingEnv):
 
 
 def _run(rank, output_dir):
-    from megamarl.rl.worker import NumericalFaultError
-    from megamarl.runtime.configure import load_config
+    from megamarl.cli.configure import load_config
+    from megamarl.errors import NumericalFaultError
     from megamarl.trainer import Trainer
 
     cfg = load_config(ROOT / "configs/signalling_tiny.yaml", [

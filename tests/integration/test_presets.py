@@ -71,7 +71,7 @@ def _fp32_overrides(names) -> list[str]:
 
 @functools.cache
 def _load(path: Path):
-    from megamarl.runtime.configure import load_config
+    from megamarl.cli.configure import load_config
 
     return load_config(path, _fp32_overrides(load_config(path).policies))
 
@@ -242,7 +242,7 @@ def _run_presets(out: Path, configs: list[str]) -> None:
     stops the other ranks, as torchrun does): the presets after it are reported as not finished."""
     import runpy
 
-    from megamarl.runtime.configure import load_config
+    from megamarl.cli.configure import load_config
 
     train = runpy.run_path(str(ROOT / "scripts" / "train.py"), run_name="megamarl_train")["main"]
     rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ["WORLD_SIZE"])

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from megamarl.rollout.engines.base import SamplingParams
-from megamarl.rollout.engines.lora import LoraServing
+from megamarl.rollout.engines.lora_backends import LoraServing
 from megamarl.rollout.engines.vllm_server import VLLMServerClient
 from megamarl.rollout.servers.server_launch import ServerProcess, ServerSpec, ServerStartError
 from megamarl.rollout.weights.server_sync import WeightSender

@@ -64,7 +64,7 @@ def ray_run(tmp_path_factory):
                       "rollout.env_workers.backend=ray", f"rollout.env_workers.address={n0.addr}:{PORT}",
                       f"rollout.env_workers.num_workers={NUM_WORKERS}", "rollout.env_workers.resources={env_node: 1}",
                       "env.name=where_judge", "env.kwargs.judge_s=[0.01]", f"+env.kwargs.where_dir={where}",
-                      "plugins=[megamarl.orchestration.envs_latency,where_judge]", f"plugin_paths=[{PLUGINS}]",
+                      "plugins=[megamarl.orchestration.envs.latency,where_judge]", f"plugin_paths=[{PLUGINS}]",
                       f"output_dir={out}", "logger.plots=false"],
                      env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=600)
         listing = {node.name: node.ps() for node in (n0, n1)}

@@ -9,14 +9,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from megamarl.cli.configure import load_config
 from megamarl.config import AlgorithmConfig
-from megamarl.orchestration.episodes import RolloutFailureError
+from megamarl.errors import RefillExhaustedError, RolloutFailureError
 from megamarl.rl.advantages import advantage_config, check_algorithm
 from megamarl.rl.batch import collate, concat
 from megamarl.rl.losses import LOSS_AGGREGATIONS, value_loss
-from megamarl.rl.prepare import RefillExhaustedError, complete_episodes, prepare_batch, prepare_rollout
+from megamarl.rl.prepare import complete_episodes, prepare_batch, prepare_rollout
 from megamarl.rl.sample import Sample, mark_episode_ends
-from megamarl.runtime.configure import load_config
 
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "signalling_tiny.yaml"
 R = 1 / math.sqrt(2)  # a {1, 0} pair normalised with the unbiased std
@@ -155,7 +155,7 @@ def test_value_loss_has_its_own_aggregation_key():
     algo = AlgorithmConfig(loss_agg="seq-mean-token-sum")
     assert algo.value_loss_agg == "token-mean"  # not the policy loss's
     with pytest.raises(ValueError, match="algorithm.value_loss_agg"):
-        check_algorithm(AlgorithmConfig(value_loss_agg="token-sum"))  # load time (megamarl.runtime.configure)
+        check_algorithm(AlgorithmConfig(value_loss_agg="token-sum"))  # load time (megamarl.cli.configure)
     # values [[1, 2, -], [3, -, -]], returns 0, unclipped: per token .5 v^2 = [[.5, 2], [4.5]]
     mask = torch.tensor([[1, 1, 0], [1, 0, 0]], dtype=torch.bool)
     values = torch.tensor([[1.0, 2, 9], [3, 9, 9]])

@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 
+from megamarl.cli.configure import load_config
 from megamarl.driver.schedules import build_schedule, policy_separable, sync_interval
 from megamarl.driver.streaming import RolloutLoop
 from megamarl.orchestration.env import Task
 from megamarl.orchestration.episodes import EpisodeStats, RolloutResult
 from megamarl.rl.sample import Sample
 from megamarl.rollout.engines.batching import AdmissionGate
-from megamarl.runtime.configure import load_config
 
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "signalling_tiny.yaml"
 POLICIES = ("a", "b")

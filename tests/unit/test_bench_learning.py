@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from megamarl.runtime.configure import load_config
+from megamarl.cli.configure import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from megamarl.cli.configure import load_config
 from megamarl.parallel.placement import placement_of
 from megamarl.rl.policy_setup import critic_config, loss_config
-from megamarl.runtime.configure import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs" / "signalling_tiny.yaml"
@@ -103,11 +103,12 @@ def test_layout_that_does_not_fit_the_model_names_the_key(override):
     the dry run and again when the trainer builds the model)."""
     from rich.console import Console
 
+    from megamarl.driver.schedules import overlaps_training
     from megamarl.planning.dryrun import dry_run
 
     cfg = load_config(CONFIG, [override])
     with pytest.raises(ValueError, match=override.replace(".", r"\.")):
-        dry_run(cfg, world_size=3, console=Console(file=io.StringIO()))
+        dry_run(cfg, overlaps_training=overlaps_training(cfg.trainer), world_size=3, console=Console(file=io.StringIO()))
 
 
 def test_missing_config_file_names_the_flag(tmp_path):
@@ -205,7 +206,7 @@ def test_engine_server_python_runs_the_server_and_defaults_to_the_sglang_env(mon
 def test_sglang_lora_on_cpu_is_refused_before_anything_loads(tmp_path):
     """L2 adapters on SGLang: its LoRA kernels are CUDA/Triton, so a CPU launch is refused in the
     preflight (no model, engine or server started), naming the policy's lora key."""
-    from megamarl.runtime.front_door import preflight
+    from megamarl.cli.front_door import preflight
 
     cfg = load_config(ROOT / "configs" / "presets" / "l2_colocated.yaml", [
         "policies.base.engine.backend=sglang", "policies.base.engine.launch=server", f"output_dir={tmp_path}"])

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
+from megamarl.cli.configure import load_config
 from megamarl.config import RunConfig, to_yaml
 from megamarl.config_loader import expand_sweeps
-from megamarl.runtime.configure import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 PRESETS = ROOT / "configs" / "presets"

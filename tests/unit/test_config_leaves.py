@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
+from megamarl.cli.configure import load_config
 from megamarl.config import MAX_ERROR_CHARS
 from megamarl.parallel.placement import placement_of
-from megamarl.runtime.configure import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))

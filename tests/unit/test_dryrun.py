@@ -9,11 +9,12 @@ import pytest
 import torch.distributed as dist
 from rich.console import Console
 
+from megamarl.cli.configure import load_config
+from megamarl.driver.schedules import overlaps_training
 from megamarl.parallel.placement import NCCL_COMMUNICATOR_BYTES, WorkerGroupLayout
 from megamarl.planning.dryrun import GIB, dry_run, engine_memory, rank_ranges
 from megamarl.planning.memory import TrainingSetup, ddp_buffer_numel, rank_parameters, train_memory
 from megamarl.planning.model_presets import PRESETS, ModelShape, resolve_model_shape
-from megamarl.runtime.configure import load_config
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
@@ -29,7 +30,8 @@ def _console() -> Console:
 
 def _run(path: Path, overrides=()):
     console = _console()
-    report = dry_run(load_config(path, list(overrides)), console=console)
+    cfg = load_config(path, list(overrides))
+    report = dry_run(cfg, overlaps_training=overlaps_training(cfg.trainer), console=console)
     return report, console.file.getvalue()
 
 
@@ -289,12 +291,12 @@ def test_rank_ranges():
 
 
 def test_main_dry_run_returns_status_and_cpu_clusters_are_not_checked(capsys):
-    from megamarl.planning.dryrun import main_dry_run
+    from megamarl.cli.dry_run_command import main_dry_run
 
     oversized = load_config(CONFIGS / "70b_hetero_oversized.yaml")
     assert main_dry_run(oversized, console=_console()) == 1
     assert "dry-run failed: policies.planner: GPU node 0 local 0" in capsys.readouterr().err
     # gpus_per_node=0 declares CPU ranks: the world comes from the ranks, memory is shown, not checked
     cpu = load_config(CONFIGS / "70b_hetero_oversized.yaml", ["cluster.gpus_per_node=0"])
-    report = dry_run(cpu, console=_console())
+    report = dry_run(cpu, overlaps_training=overlaps_training(cpu.trainer), console=_console())
     assert report.world_size == 64 and report.peak_gib > 80

@@ -8,9 +8,10 @@ from pathlib import Path
 
 import pytest
 
+from megamarl.cli.configure import load_config
+from megamarl.driver.schedules import overlaps_training
 from megamarl.planning.dryrun import GIB, plan_memory
 from megamarl.planning.engine_budget import engine_memory_fractions, server_memory_fractions
-from megamarl.runtime.configure import load_config
 
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "70b_hetero.yaml"
 
@@ -19,8 +20,9 @@ def _fractions(overrides=(), capacity_gib: float = 80.0):
     cfg = load_config(CONFIG, list(overrides))
     world = cfg.cluster.num_nodes * cfg.cluster.gpus_per_node
     fractions = engine_memory_fractions(cfg, world_size=world, gpus_per_node=cfg.cluster.gpus_per_node,
-                                        capacity_bytes=capacity_gib * GIB)
-    report = plan_memory(cfg, world_size=world, gpus_per_node=cfg.cluster.gpus_per_node, on_gpus=True)
+                                        capacity_bytes=capacity_gib * GIB, overlaps_training=overlaps_training(cfg.trainer))
+    report = plan_memory(cfg, world_size=world, gpus_per_node=cfg.cluster.gpus_per_node, on_gpus=True,
+                         overlaps_training=overlaps_training(cfg.trainer))
     return cfg, fractions, report
 
 
@@ -68,7 +70,8 @@ def test_no_fractions_without_cuda(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     cfg = load_config(CONFIG)
-    assert server_memory_fractions(cfg, world_size=64, gpus_per_node=8) == {}
+    assert server_memory_fractions(cfg, world_size=64, gpus_per_node=8,
+                                   overlaps_training=overlaps_training(cfg.trainer)) == {}
 
 
 def test_fractions_on_the_measured_gpu(monkeypatch):
@@ -81,7 +84,9 @@ def test_fractions_on_the_measured_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=80 * GIB))
     cfg = load_config(CONFIG)
-    assert server_memory_fractions(cfg, world_size=64, gpus_per_node=8) == _fractions()[1]
+    assert server_memory_fractions(cfg, world_size=64, gpus_per_node=8,
+                                   overlaps_training=overlaps_training(cfg.trainer)) == _fractions()[1]
     external = load_config(CONFIG, [("policies.planner.engine.server_urls=[http://a:1,http://b:1,http://c:1,"
                                      "http://d:1,http://e:1,http://f:1]")])  # nobody here starts them
-    assert not any(p == "planner" for p, _ in server_memory_fractions(external, world_size=64, gpus_per_node=8))
+    assert not any(p == "planner" for p, _ in server_memory_fractions(external, world_size=64, gpus_per_node=8,
+                                                      overlaps_training=overlaps_training(external.trainer)))

@@ -1,4 +1,4 @@
-"""Engine placement (megamarl.rollout.placement): exact replica blocks, launch resolution and
+"""Engine placement (megamarl.rollout.engine_placement): exact replica blocks, launch resolution and
 the errors, each naming its config key; load-time checks of policies.<p>.engine.launch/ranks."""
 
 from __future__ import annotations
@@ -10,10 +10,12 @@ import pytest
 from rich.console import Console
 from script_loader import load_script  # tests/ helper
 
+from megamarl.cli.configure import load_config
 from megamarl.config import ClusterConfig, EngineConfig
+from megamarl.driver.schedules import overlaps_training
 from megamarl.parallel.placement import placement_of
 from megamarl.planning.dryrun import dry_run
-from megamarl.rollout.placement import (
+from megamarl.rollout.engine_placement import (
     ReplicaPlacement,
     placement_rows,
     placement_table,
@@ -22,7 +24,6 @@ from megamarl.rollout.placement import (
     replicas_led_by,
     resolve_launch,
 )
-from megamarl.runtime.configure import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "configs" / "signalling_tiny.yaml"  # one policy "shared" on every rank, hf engine
@@ -180,14 +181,14 @@ def test_dry_run_places_engines_with_plan_engines():
     """The dry-run's engine memory sits on the ranks the start-up plan gives (one source of truth),
     and a replica crossing a node is an error there too (it used to be a warning)."""
     cfg = load_config(HETERO, [])
-    report = dry_run(cfg, console=Console(file=io.StringIO(), width=200))
+    report = dry_run(cfg, overlaps_training=overlaps_training(cfg.trainer), console=Console(file=io.StringIO(), width=200))
     plan = plan_engines(cfg, 64, 8)
     assert {name: e.replicas for name, e in report.engines.items()} == {
         name: [list(r.ranks) for r in replicas] for name, replicas in plan.items()}
     cfg = load_config(HETERO, ["policies.planner.engine.tp=16", "policies.planner.engine.num_replicas=3"])
     with pytest.raises(ValueError, match=r"policies.planner.engine.tp=16 \(colocated on policies.planner.ranks\): "
                                          r"replica 0 on ranks \[0, 1, .*\] crosses nodes \[0, 1\] \(8 ranks per node\)"):
-        dry_run(cfg, console=Console(file=io.StringIO(), width=200))
+        dry_run(cfg, overlaps_training=overlaps_training(cfg.trainer), console=Console(file=io.StringIO(), width=200))
 
 
 def test_train_py_checks_the_engine_plan_before_loading_models(monkeypatch, capsys):

@@ -10,14 +10,14 @@ from scripted import ScriptedEngine, smollm2_tokenizer  # tests/ helper
 from megamarl.orchestration import AgentConfig, EnvMaker, build_agents, build_orchestra, run_episodes
 from megamarl.orchestration.agents import AGENTS, Agent, last_number
 from megamarl.orchestration.context import ConfigError
-from megamarl.orchestration.pettingzoo_games import CountingAECGame, EchoParallelGame
-from megamarl.orchestration.pettingzoo_text import InvalidAction, parse_action, render_observation
+from megamarl.orchestration.envs.pettingzoo_games import CountingAECGame, EchoParallelGame
+from megamarl.orchestration.envs.pettingzoo_text import InvalidAction, parse_action, render_observation
 
 pettingzoo = pytest.importorskip("pettingzoo")
 spaces = pytest.importorskip("gymnasium.spaces")
 
-TOY_GAMES = "megamarl.orchestration.pettingzoo_games"
-GAMES = "megamarl.orchestration.games"
+TOY_GAMES = "megamarl.orchestration.envs.pettingzoo_games"
+GAMES = "megamarl.orchestration.envs.games"
 
 
 @AGENTS.register("testing_counter")
@@ -34,7 +34,7 @@ def tok():
 
 def _tictactoe():
     pytest.importorskip("pygame")  # pettingzoo.classic imports it
-    from megamarl.orchestration.games import make_tictactoe
+    from megamarl.orchestration.envs.games import make_tictactoe
 
     return make_tictactoe(0)
 
@@ -180,7 +180,7 @@ def test_illegal_move_outcomes(tok, outcome):
 
 
 def test_policy_mapping_binds_seats_per_episode(tok):
-    from megamarl.orchestration.games import tictactoe_self_play
+    from megamarl.orchestration.envs.games import tictactoe_self_play
 
     engines = {name: ScriptedEngine(tok, _script({"X": ["0", "1", "2"], "O": ["4", "5", "8"]})) for name in ("alpha", "beta")}
     result = _run(tok, _ttt_maker(), build_orchestra("sequential", max_steps=9), TTT_AGENTS, engines, num_tasks=2,
@@ -213,7 +213,7 @@ def test_config_errors_name_the_key():
 def test_tictactoe_config_loads_and_rejects_bad_mappings(tmp_path):
     from pathlib import Path
 
-    from megamarl.runtime.configure import load_config
+    from megamarl.cli.configure import load_config
 
     _tictactoe()
     path = Path(__file__).resolve().parents[2] / "configs" / "tictactoe.yaml"

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
+from megamarl.cli.configure import load_config
 from megamarl.config import EvalConfig
 from megamarl.driver.rollout_driver import eval_summary
 from megamarl.orchestration.episodes import EpisodeStats, RolloutResult
-from megamarl.runtime.configure import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -13,10 +13,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megamarl.rollout.placement import plan_engines, ranks_per_node
+from megamarl.cli.configure import load_config
+from megamarl.rollout.engine_placement import plan_engines, ranks_per_node
 from megamarl.rollout.replicas.policy import PolicyReplicas
 from megamarl.rollout.servers.fleet import build_fleet
-from megamarl.runtime.configure import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -2,9 +2,9 @@
 
 import pytest
 
+from megamarl.cli.configure import load_config
 from megamarl.parallel import hardware
 from megamarl.parallel.hardware import policy_dtype
-from megamarl.runtime.configure import load_config
 
 
 @pytest.fixture

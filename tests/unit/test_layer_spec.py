@@ -19,12 +19,12 @@ import pytest
 import torch
 from rich.console import Console
 
+from megamarl.cli.configure import load_config
+from megamarl.cli.front_door import check_layer_specs
 from megamarl.models.spec import NodeKernels, kernel_fusions, layer_spec_choice
 from megamarl.parallel.launch import run_ranks
 from megamarl.planning import dryrun
 from megamarl.planning.dryrun import GIB, capacity_gib, training_setup
-from megamarl.runtime.configure import load_config
-from megamarl.runtime.front_door import check_layer_specs
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 GPU_CLUSTER = ["cluster.num_nodes=1", "cluster.gpus_per_node=2"]
@@ -137,11 +137,11 @@ def test_capacity_is_the_smaller_of_declared_and_device():
 
 def test_dry_run_on_a_gpu_host_checks_against_the_device(monkeypatch):
     console = Console(file=io.StringIO(), width=220)
-    report = dryrun.dry_run(load_config(CONFIGS / "70b_hetero.yaml"), console=console)
+    report = dryrun.dry_run(load_config(CONFIGS / "70b_hetero.yaml"), overlaps_training=False, console=console)
     assert report.gpu_memory_gib == 79.6 and report.peak_gib > 70  # a CPU host: cluster.gpu_memory_gib
     monkeypatch.setattr(dryrun, "device_total_bytes", lambda: 70 * GIB)  # a GPU host with a 70 GiB device
     with pytest.raises(ValueError, match=r"needs \d+\.\d GiB > this GPU's 70\.0 GiB \(< cluster.gpu_memory_gib=79.6\)"):
-        dryrun.dry_run(load_config(CONFIGS / "70b_hetero.yaml"), console=console)
+        dryrun.dry_run(load_config(CONFIGS / "70b_hetero.yaml"), overlaps_training=False, console=console)
 
 
 # ---- item 12: fused kernels where megatron-core's conditions hold ------------------------------------
@@ -160,7 +160,7 @@ def test_fusions_are_off_on_cpu_and_on_where_the_kernels_are():
 
 
 def _arch():
-    from megamarl.models.registry import arch_from_hf
+    from megamarl.models.families import arch_from_hf
     from megamarl.models.tiny import tiny_config
 
     return arch_from_hf(tiny_config("llama"))

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from megamarl.models import mapping
-from megamarl.models.registry import MODEL_FAMILIES, arch_from_hf
+from megamarl.models.families import MODEL_FAMILIES, arch_from_hf
 from megamarl.models.spec import DecoderArch, rope_from_hf, transformer_config
 from megamarl.models.tiny import tiny_config
 

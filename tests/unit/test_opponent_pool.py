@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from megamarl.cli.configure import load_config
 from megamarl.driver.opponent_pool import (
     OpponentPool,
     OpponentPoolConfig,
@@ -15,8 +16,7 @@ from megamarl.driver.opponent_pool import (
     pick_uniform,
     snapshot_slot,
 )
-from megamarl.orchestration.games import tictactoe_vs_pool
-from megamarl.runtime.configure import load_config
+from megamarl.orchestration.envs.games import tictactoe_vs_pool
 
 ROOT = Path(__file__).resolve().parents[2]
 POOL = ROOT / "configs" / "tictactoe_pool.yaml"

@@ -8,8 +8,8 @@ from pathlib import Path
 
 from script_loader import load_script  # tests/ helper
 
+from megamarl.cli.configure import load_config
 from megamarl.planning.placement_view import show_placement
-from megamarl.runtime.configure import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "configs" / "signalling_tiny.yaml"

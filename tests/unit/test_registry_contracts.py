@@ -1,5 +1,6 @@
 """Every extension point is one ``Registry`` with a documented signature; every registered entry
-honours it (STYLE.md rules 8 and 11). A new plugin inherits these checks by registering."""
+honours it (docs/style.md "Extension points are typed and tested", "Traits live on the registry
+entry"). A new plugin inherits these checks by registering."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from scripted import smollm2_tokenizer  # tests/ helper
 import megamarl.orchestration  # noqa: F401 - registers the built-in agents, envs, orchestras
 from megamarl.driver.opponent_pool import OPPONENT_PICKS
 from megamarl.driver.schedules import SCHEDULES, Schedule, ScheduleTraits
-from megamarl.models.registry import MODEL_FAMILIES
+from megamarl.models.families import MODEL_FAMILIES
 from megamarl.orchestration.agents import AGENTS, Agent, AgentConfig
 from megamarl.orchestration.env import ENVS, Env, EnvConfig, EnvMaker, Task
 from megamarl.orchestration.orchestras import ORCHESTRAS, Orchestra, OrchestraConfig
@@ -35,8 +36,8 @@ from megamarl.rollout.engines.base import EngineTraits
 REGISTRIES = [ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, LOSS_AGGREGATIONS, ENGINES, SCHEDULES, AGENTS, ENVS, ORCHESTRAS,
               WORKERS, MODEL_FAMILIES, ALPHA_SCHEDULES, OPPONENT_PICKS, TOOLS]
 # envs whose Config has required fields: the kwargs a run would give
-ENV_KWARGS = {"pettingzoo_parallel": {"factory": "megamarl.orchestration.pettingzoo_games:make_echo_parallel"},
-              "pettingzoo_aec": {"factory": "megamarl.orchestration.pettingzoo_games:make_counting_aec"}}
+ENV_KWARGS = {"pettingzoo_parallel": {"factory": "megamarl.orchestration.envs.pettingzoo_games:make_echo_parallel"},
+              "pettingzoo_aec": {"factory": "megamarl.orchestration.envs.pettingzoo_games:make_counting_aec"}}
 
 
 @pytest.mark.parametrize("registry", REGISTRIES, ids=lambda r: r.kind)
@@ -50,7 +51,7 @@ def test_every_registry_documents_its_signature_and_has_entries(registry):
 
 
 def test_every_registry_megamarl_declares_is_checked_here():
-    import megamarl.runtime.configure  # noqa: F401 - imports every module that declares a registry
+    import megamarl.cli.configure  # noqa: F401 - imports every module that declares a registry
 
     declared = {id(r): r.kind for r in Registry.instances if r.module.startswith("megamarl.")}
     assert declared == {id(r): r.kind for r in REGISTRIES}

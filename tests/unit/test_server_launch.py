@@ -14,7 +14,7 @@ import pytest
 import torch
 from script_loader import load_script  # tests/ helper
 
-from megamarl.rollout.engines.lora import LoraServing
+from megamarl.rollout.engines.lora_backends import LoraServing
 from megamarl.rollout.servers import server_launch
 from megamarl.rollout.servers.server_launch import ServerSpec, plugin_env, server_command, server_env
 from megamarl.rollout.weights.server_sync import (
@@ -158,7 +158,7 @@ def test_lora_targets_map_to_the_hf_modules_of_the_exported_adapters():
 
     from megamarl.config_sections import LoraConfig
     from megamarl.models.lora import peft_adapter_config
-    from megamarl.rollout.engines.lora import lora_serving
+    from megamarl.rollout.engines.lora_backends import lora_serving
 
     every = LoraConfig(rank=4)
     cfg = SimpleNamespace(policies={"p": SimpleNamespace(lora=every)},

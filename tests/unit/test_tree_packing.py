@@ -131,8 +131,8 @@ def test_tree_forward_matches_padded_on_tiny_megatron(monkeypatch):
 def test_prefix_tree_is_rejected_before_any_model_loads_where_it_cannot_run():
     from pathlib import Path
 
-    from megamarl.runtime.configure import load_config
-    from megamarl.runtime.front_door import check_layer_specs
+    from megamarl.cli.configure import load_config
+    from megamarl.cli.front_door import check_layer_specs
 
     config = Path(__file__).resolve().parents[2] / "configs" / "signalling_tiny.yaml"
     with pytest.raises(ValueError, match=r"policies\.shared\.prefix_tree is a way of packing"):

@@ -114,7 +114,7 @@ class Engine(abc.ABC):
     def from_config(cls, cfg: Any, path: Path, *, replica: int, seed: int, lora: Any = None,
                     num_threads: int = 0) -> Engine:
         """Replica ``replica`` of a policy's engine from its ``EngineConfig`` (``lora``: a
-        ``rollout.engines.lora.LoraServing`` when the policy serves L2 adapters; ``num_threads``: CPU
+        ``rollout.engines.lora_backends.LoraServing`` when the policy serves L2 adapters; ``num_threads``: CPU
         threads of an in-process engine, 0: the process's setting). Engines registered with
         ``EngineTraits(configurable=True)`` implement it."""
         raise NotImplementedError(f"{cls.__name__} is not built from policies.<p>.engine")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from megamarl.parallel.hardware import node_cores
 from megamarl.rollout.engines.base import ENGINES, Engine
-from megamarl.rollout.engines.lora import LoraServing
+from megamarl.rollout.engines.lora_backends import LoraServing
 from megamarl.rollout.replicas.pool import EnginePool
 
 

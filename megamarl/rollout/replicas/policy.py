@@ -49,7 +49,7 @@ from megamarl.parallel.hardware import DTYPES, resolve_dtype
 from megamarl.parallel.network import free_port, host_address
 from megamarl.parallel.placement import WorkerGroup
 from megamarl.rollout.engines.base import Engine
-from megamarl.rollout.engines.lora import policy_adapters
+from megamarl.rollout.engines.lora_backends import policy_adapters
 from megamarl.rollout.engines.sglang import SGLangClient
 from megamarl.rollout.engines.vllm_server import VLLMServerClient
 from megamarl.rollout.replicas.pool import EnginePool

@@ -1,6 +1,6 @@
 """``ServerFleet``: the engine server processes of every policy, seen from every rank.
 
-Built on every rank at start-up from the run's engine plan (``megamarl.rollout.placement``,
+Built on every rank at start-up from the run's engine plan (``megamarl.rollout.engine_placement``,
 computed once by the caller and handed in):
 
 - each rank starts the servers whose device block it leads (``ServerProcess``; started in a thread,
@@ -31,10 +31,10 @@ import torch.distributed as dist
 
 from megamarl.models.packaged import resolve_model_path
 from megamarl.parallel.hardware import node_cores
-from megamarl.rollout.engines.lora import lora_serving
+from megamarl.rollout.engine_placement import ReplicaPlacement, ranks_per_node, replicas_led_by
+from megamarl.rollout.engines.lora_backends import lora_serving
 from megamarl.rollout.engines.sglang import SGLangClient
 from megamarl.rollout.engines.vllm_server import VLLMServerClient
-from megamarl.rollout.placement import ReplicaPlacement, ranks_per_node, replicas_led_by
 from megamarl.rollout.servers.server_launch import ServerProcess, ServerSpec, ServerStartError
 from megamarl.rollout.weights.transport import SENDERS, transport_for
 
@@ -277,7 +277,7 @@ def build_fleet(cfg, *, plan: dict[str, list[ReplicaPlacement]], rank: int, worl
                 control_group, overlaps_training: bool = False, kv_estimate: Callable[[str, Path], float] | None = None,
                 memory_fractions: dict[tuple[str, int], float] | None = None) -> ServerFleet | None:
     """The run's server fleet when any policy's replicas are servers (None: in-process engines only).
-    ``plan``: the run's engine plan (``rollout.placement.plan_engines``, computed once by the
+    ``plan``: the run's engine plan (``rollout.engine_placement.plan_engines``, computed once by the
     caller); ``kv_estimate(policy, model_path)``: the GiB of KV cache a server of a policy with
     ``engine.kv_cache_gib: 0`` gets (the caller's memory plan); ``memory_fractions``: the plan's GPU
     fraction per (policy, replica) (``planning.engine_budget``)."""

@@ -1,6 +1,6 @@
 """Start, watch, restart and stop one engine replica as a real inference server process.
 
-The rank that leads a replica's device block (``rollout.placement``) owns its server:
+The rank that leads a replica's device block (``rollout.engine_placement``) owns its server:
 ``ServerProcess(spec).start()`` runs vLLM's OpenAI-compatible server (or SGLang's) in its own
 process group (the server forks an engine core and workers; ``stop`` kills the whole group) under
 ``server_guard``, which takes the server down when the owning process dies (even by SIGKILL), logs
@@ -57,7 +57,7 @@ import torch
 from megamarl.config import SERVER_START_TIMEOUT_S
 from megamarl.models.packaged import cache_dir
 from megamarl.parallel.network import ANY_HOST, HOST_ADDR_ENV, free_port, host_address
-from megamarl.rollout.engines.lora import SGLANG_CPU_LORA, LoraServing
+from megamarl.rollout.engines.lora_backends import SGLANG_CPU_LORA, LoraServing
 
 log = logging.getLogger(__name__)
 

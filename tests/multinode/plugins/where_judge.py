@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megamarl.orchestration.env import ENVS, Task
-from megamarl.orchestration.envs_latency import SlowJudgeConfig, SlowJudgeEnv
+from megamarl.orchestration.envs.latency import SlowJudgeConfig, SlowJudgeEnv
 
 
 @dataclass

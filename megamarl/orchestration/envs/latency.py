@@ -10,7 +10,7 @@ by the env, not by the model, so they need no sandbox.
 
 Tool calls are awaited by the ``tool_calls`` orchestra on the rollout event loop (``asyncio.sleep``,
 ``asyncio.create_subprocess_exec``), so hundreds of episodes can wait on tools at once without
-threads. Import this module as a plugin (``plugins: [megamarl.orchestration.envs_latency]``).
+threads. Import this module as a plugin (``plugins: [megamarl.orchestration.envs.latency]``).
 
 ``slow_judge``: the signalling game whose every step waits for a *blocking* judge (``time.sleep``
 for ``judge_s``, as a judge waits on its sandboxed process), declared ``remote_step`` like the code

@@ -34,7 +34,7 @@ from megamarl.registry import import_plugins
 from megamarl.rl.advantages import check_algorithm, check_estimator, check_policy_algorithm
 from megamarl.rl.rewards import check_team_alpha_schedule
 from megamarl.rollout import ENGINES
-from megamarl.rollout.placement import check_engine_ranks, check_launch
+from megamarl.rollout.engine_placement import check_engine_ranks, check_launch
 from megamarl.rollout.servers.server_launch import check_server_python
 
 # A Hugging Face hub id ("org/name") that is not a local directory: megamarl never downloads.

@@ -33,15 +33,16 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from megamarl.models import bridge, checkpoint
+from megamarl.cli.configure import load_config
+from megamarl.errors import EXIT_CONFIG_ERROR
+from megamarl.models import bridge, dist_checkpoint
 from megamarl.models.convert import CONVERSION_TIMEOUT_S, conversion_worker_group, convert, copy_side_files
 from megamarl.models.lora import add_lora_adapter, save_peft_adapter
 from megamarl.models.model_cache import atomic_dir
 from megamarl.models.packaged import resolve_model_path
 from megamarl.parallel.launch import run_on_ranks
-from megamarl.rollout.engines.lora import policy_adapters
+from megamarl.rollout.engines.lora_backends import policy_adapters
 from megamarl.runtime import checkpoint as policy_io
-from megamarl.runtime.configure import load_config
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 MANIFEST = "megamarl_export.json"
@@ -142,7 +143,7 @@ def export_policy_rank(rank: int, job: PolicyExport, tp: int, pp: int) -> list[s
     model = bridge.build_model(job.model_path, wg, init_weights=False, lora=bool(job.adapters))
     for adapter in job.adapters:  # same parameters as the trainer's model, so the shards match
         add_lora_adapter(model, wg, adapter, job.lora)
-    checkpoint.load_checkpoint(job.shards, model, wg)
+    dist_checkpoint.load_checkpoint(job.shards, model, wg)
     dtype = DTYPES[job.dtype]
     tensors = {name: t.to(dtype).contiguous() for name, t in bridge.export_hf_weights(model, wg)}
     for adapter in job.adapters:  # collective over the WG (TP gathers, PP gather)
@@ -185,7 +186,7 @@ def main(argv: list[str] | None = None) -> None:
                       pp=args.pp, dtype=dtype)
     except ValueError as exc:
         print(f"megamarl-convert: {exc}", file=sys.stderr)
-        raise SystemExit(2) from None
+        raise SystemExit(EXIT_CONFIG_ERROR) from None
     print(f"wrote {out}", file=sys.stderr)
 
 

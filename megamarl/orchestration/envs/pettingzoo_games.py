@@ -3,7 +3,7 @@
 ``EchoParallelGame`` (parallel API; the ``configs/presets/task/pettingzoo.yaml`` task: each round both
 players must say the word they are shown) and ``CountingAECGame`` (AEC API with a numeric
 observation, rendered as text by ``render_count``). They subclass pettingzoo's bases when it is
-installed; the adapters (``pettingzoo_env``, ``pettingzoo_text``) need only the API.
+installed; the adapters (``pettingzoo``, ``pettingzoo_text``) need only the API.
 """
 
 from __future__ import annotations

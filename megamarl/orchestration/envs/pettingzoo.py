@@ -40,7 +40,7 @@ from typing import Any
 
 from megamarl.orchestration.context import derive_seed
 from megamarl.orchestration.env import ENVS, Env, EnvConfig, StepResult, Task
-from megamarl.orchestration.pettingzoo_text import (
+from megamarl.orchestration.envs.pettingzoo_text import (
     InvalidAction,
     action_mask,
     is_legal,

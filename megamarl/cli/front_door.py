@@ -15,12 +15,13 @@ from pathlib import Path
 import torch
 
 from megamarl.config import RunConfig, config_error_line
+from megamarl.errors import EXIT_CONFIG_ERROR
 from megamarl.models.packaged import resolve_model_path
 from megamarl.models.spec import layer_spec_choice, transformer_engine_importable
 from megamarl.orchestration.agents import check_allowed_tokens
 from megamarl.planning.dryrun import declared_world_size, training_setup
-from megamarl.rollout.engines.lora import check_lora_backends
-from megamarl.rollout.placement import ReplicaPlacement, plan_engines, ranks_per_node
+from megamarl.rollout.engine_placement import ReplicaPlacement, plan_engines, ranks_per_node
+from megamarl.rollout.engines.lora_backends import check_lora_backends
 from megamarl.runtime import checkpoint
 
 # Under torchrun every rank runs the same checks; a rank other than 0 waits this long before it
@@ -92,4 +93,4 @@ def report_config_error(exc: BaseException) -> int:
     if rank != 0:
         time.sleep(QUIET_RANK_GRACE_S)
     print(f"config error{f' (rank {rank})' if rank else ''}: {config_error_line(exc)}", file=sys.stderr)
-    return 2
+    return EXIT_CONFIG_ERROR
