@@ -292,7 +292,7 @@ class RolloutDriver:
     def state_dict(self) -> dict:
         """Running totals and ``rollout_state``: what the schedule owns at this step boundary (the
         prefetched batch of one_step_off; fully_async's drained buffer and task cursor). Tasks and
-        sampling seeds are functions of (trainer.seed, chunk); RNGs are saved per rank by Trainer.save.
+        sampling seeds are functions of (trainer.seed, chunk); RNGs are saved per rank by the Checkpointer.
         A schedule that cannot be saved (its rollout already failed) saves no rollout_state: the
         resumed run regenerates from the step, and meets the error again."""
         try:

@@ -12,7 +12,7 @@ never split across two training batches (with per-policy batching, each policy's
 moves as one part).
 
 Staleness: a *weight version* is one push of a policy's weights into its engines
-(``Trainer.sync_all_weights``; with ``trainer.sync_every = N`` one version covers N updates) and
+(``EnginePushes.push``; with ``trainer.sync_every = N`` one version covers N updates) and
 every ``Sample`` carries the version that generated it. A group's staleness when it is trained is
 ``max over its samples of versions[sample.policy] - sample.weight_version`` with the trainer's
 current versions. Groups beyond ``trainer.max_staleness`` are dropped and counted, never trained on.

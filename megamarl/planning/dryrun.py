@@ -375,7 +375,7 @@ def _gpu_totals(cfg, worker_groups, engines, world_size, gpus_per_node, *, offlo
         for rank in layout.ranks:
             coords = rank_coords(layout, rank)
             gpus[rank].shards.append(Shard(name, coords["tp"], coords["pp"], coords["dp"]))
-            # Trainer._offload_targets: sync mode, an engine replica on this rank, an accelerator
+            # run.offload_targets: sync mode, an engine replica on this rank, an accelerator
             offloaded = (offload_applies and not overlap and bool(engines_on[rank])
                          and cfg.policies[name].offload_train_state)
             holdings[rank].append((wg.stages[coords["pp"]], offloaded))

@@ -108,6 +108,21 @@ class TrainStateOffload:
                 yield from (value for value in state.values() if isinstance(value, torch.Tensor))
 
 
+def offload_train_states(workers: dict, names: list[str]) -> dict[str, float]:
+    """Offload these policies' train states; the metrics: GiB moved and seconds, per policy."""
+    metrics = {}
+    for name in names:
+        stats = workers[name].train_state.offload()
+        metrics[f"perf/offloaded_gib/{name}"] = stats.num_bytes / 2**30
+        metrics[f"timing_s/{name}/offload"] = stats.seconds
+    return metrics
+
+
+def restore_train_states(workers: dict, names: list[str]) -> dict[str, float]:
+    """Restore these policies' train states; the metrics: seconds, per policy."""
+    return {f"timing_s/{name}/restore": workers[name].train_state.restore().seconds for name in names}
+
+
 def host_buffer(num_bytes: int, *, pin: bool) -> torch.UntypedStorage:
     """A host storage for ``num_bytes`` of device state (pinned on CUDA machines: asynchronous copies)."""
     return torch.empty(num_bytes, dtype=torch.uint8, device=HOST, pin_memory=pin).untyped_storage()

@@ -48,3 +48,18 @@ def mean_over_steps(steps: list[dict[str, float]]) -> dict[str, float]:
 
 def average(values: list[float]) -> float:
     return sum(values) / len(values)
+
+
+def skipped_updates(
+    metrics: dict[str, float], faults: dict[str, str], *, step: int, limit: int
+) -> tuple[list[str], str]:
+    """The step's skipped (non-finite) updates, one note each, and why the run stops ("" if it goes on):
+    a policy ``limit`` (``trainer.max_nonfinite_updates``) skips in a row; no note after that one."""
+    notes = []
+    for name, fault in faults.items():
+        streak = int(metrics.get(f"policy/{name}/nonfinite_streak", 0))
+        notes.append(f"step {step}: skipped the update of '{name}' ({streak} in a row): {fault}")
+        if streak >= limit:
+            return notes, (f"{streak} non-finite updates in a row (trainer.max_nonfinite_updates={limit}); "
+                           f"last: {fault}; no NaN weights were applied or pushed")
+    return notes, ""

@@ -1,4 +1,4 @@
-"""The run checkpoint around the policies' shards (``Trainer.save`` / ``Trainer._maybe_resume``; see
+"""The run checkpoint around the policies' shards (``runtime.checkpointer.Checkpointer``; see
 docs/checkpointing.md).
 
 One directory per saved step::

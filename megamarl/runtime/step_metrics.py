@@ -3,8 +3,10 @@ the episodes are ``megamarl.rl.batch_metrics``. The trainer logs what these retu
 is the table of every key):
 
 * ``throughput_metrics``: ``perf/train_tokens_per_s`` and ``perf/samples_per_s``;
-  ``idle_seconds``: the part of ``timing_s/step`` outside its sections;
-* ``peak_memory_gib``: this process's peak memory (CUDA allocator peak, else peak RSS).
+  ``idle_seconds``: the part of ``timing_s/step`` outside its sections; ``step_end_metrics``: the
+  step's time, its idle part and its throughput;
+* ``peak_memory_gib``: this process's peak memory (CUDA allocator peak, else peak RSS);
+* ``policy_update_metrics``: a worker's update metrics under its policy's keys.
 """
 
 from __future__ import annotations
@@ -34,6 +36,17 @@ def idle_seconds(metrics: Mapping[str, float]) -> float:
     return max(0.0, metrics["timing_s/step"] - sections)
 
 
+def step_end_metrics(metrics: Mapping[str, float], *, step_s: float, summary) -> dict[str, float]:
+    """What a step's ``metrics`` gain at its end: ``timing_s/step``, ``timing_s/idle``, the throughputs
+    (``summary``: the batch's, ``rl.dispatch.BatchSummary``)."""
+    ended = {"timing_s/step": step_s}
+    ended["timing_s/idle"] = idle_seconds({**metrics, **ended})
+    update_s = metrics["timing_s/update"]
+    ended.update(throughput_metrics(num_train_tokens=summary.num_train_tokens, update_s=update_s,
+                                    num_samples=summary.num_samples, step_s=step_s))
+    return ended
+
+
 def peak_memory_gib() -> float:
     """Peak memory of this process: ``torch.cuda.max_memory_allocated`` when it uses CUDA, else the
     peak resident set size (on CPU every worker group of the rank, and rank 0's engines, share it)."""
@@ -41,6 +54,20 @@ def peak_memory_gib() -> float:
         return torch.cuda.max_memory_allocated() / 2**30
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
     return peak / 2**30 if sys.platform == "darwin" else peak / 2**20
+
+
+def policy_update_metrics(policy: str, values: Mapping[str, float]) -> dict[str, float]:
+    """A worker's ``train_share`` metrics named for its policy: ``timing_s/<section>`` becomes
+    ``timing_s/<policy>/<section>``, the throughput figures ``perf/<key>/<policy>``, the rest
+    ``policy/<policy>/<key>``."""
+    metrics = {}
+    for key, value in values.items():
+        section = key.removeprefix("timing_s/")
+        if key in ("padding_fraction", "forwarded_tokens"):
+            metrics[f"perf/{key}/{policy}"] = value
+        else:
+            metrics[f"timing_s/{policy}/{section}" if section != key else f"policy/{policy}/{key}"] = value
+    return metrics
 
 
 def merge_rank_metrics(per_rank: Iterable[Mapping[str, float]]) -> dict[str, float]:

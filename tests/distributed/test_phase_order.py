@@ -5,7 +5,7 @@ in-process engine) of two steps, with the train state's offload forced on these 
 mechanism is device-agnostic, ``tests/distributed/test_offload_mechanism.py``). On every rank the
 test records the calls that reach the real objects (``PolicyReplicas`` wake / sleep / push,
 ``TrainStateOffload`` offload / restore, ``PolicyWorker.train_share``, the driver's ``collect`` and
-``evaluate``, ``Trainer.save``, the allocator release) and compares them with the phase list; after
+``evaluate``, ``Checkpointer.save``, the allocator release) and compares them with the phase list; after
 each phase it measures the bytes the real objects hold (parameters, DDP buffers, main params, Adam
 state, reference model: ``test_dryrun_measured.allocated_bytes``; the engine's weights) and compares
 them with the plan's figure for that phase on that rank (``plan_memory``, offload applied) within 5%.
@@ -47,6 +47,7 @@ def _run_and_record(rank: int, output_dir: str):
     from megamarl.rl.offload import TrainStateOffload
     from megamarl.rl.worker import PolicyWorker
     from megamarl.rollout.replicas.policy import PolicyReplicas
+    from megamarl.runtime.checkpointer import Checkpointer
 
     calls: list[str] = []
 
@@ -63,7 +64,7 @@ def _run_and_record(rank: int, output_dir: str):
                                (PolicyReplicas, "push", None), (PolicyReplicas, "verify_pushed", "verify"),
                                (TrainStateOffload, "offload", None), (TrainStateOffload, "restore", None),
                                (PolicyWorker, "train_share", None), (RolloutDriver, "collect", None),
-                               (RolloutDriver, "evaluate", None), (trainer_module.Trainer, "save", None),
+                               (RolloutDriver, "evaluate", None), (Checkpointer, "save", None),
                                (trainer_module, "release_cached_memory", "release")]:
         spy(owner, attr, label)
     TrainStateOffload.applies = property(lambda self: True)  # offload on CPU ranks too
@@ -83,7 +84,7 @@ def _run_and_record(rank: int, output_dir: str):
     executed = [p.action for p in (*trainer.phases.start, *trainer.phases.step, *trainer.phases.step)]
     trainer.fit()
     return {"calls": calls, "executed": executed, "measured": measured,
-            "offloaded": list(trainer._offloaded)}
+            "offloaded": list(trainer.run.offloaded)}
 
 
 def _engine_bytes(engine) -> int:
@@ -106,7 +107,7 @@ def test_the_trainer_runs_the_phase_list_in_order(run):
                 if call in ("wake:weights", "wake:kv_cache", "sleep", "collect", "evaluate") and rank != 0:
                     continue  # the driver's engines: woken, put to sleep, rolled out and evaluated on rank 0
                 if call in ("offload", "restore") and not got["offloaded"]:
-                    continue  # no engine on this rank: its train state stays (Trainer._offload_targets)
+                    continue  # no engine on this rank: its train state stays (megamarl.run.offload_targets)
                 expected.append(call)
         assert got["calls"] == expected, (rank, got["calls"], expected)
     assert run[0]["offloaded"] == ["shared"] and run[1]["offloaded"] == []
