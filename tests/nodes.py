@@ -34,6 +34,7 @@ import contextlib
 import ctypes
 import functools
 import os
+import select
 import shlex
 import shutil
 import signal
@@ -160,6 +161,11 @@ class Node:
         self.holder = holder
         self.init_pid = _child_pid(holder.pid)
         self.pid_ns = os.readlink(f"/proc/{self.init_pid}/ns/pid")
+        # Namespace numbers are reused as soon as a namespace is freed (a sandbox on the other test
+        # worker gets the same pid:[N]): holding the namespace open keeps the number ours until _stop,
+        # and a pidfd says when the init, and with it every process of the node, has exited.
+        self._pid_ns_fd = os.open(f"/proc/{self.init_pid}/ns/pid", os.O_RDONLY)
+        self._init_fd = os.pidfd_open(self.init_pid)
         self.veth = f"vn{index}"  # the switch's end; the node's end is eth0
         self._switch_pid = switch_pid
         self._started: list[subprocess.Popen] = []
@@ -245,17 +251,26 @@ class Node:
         subprocess.run(["nsenter", "-t", str(self._switch_pid), "--net", "--", *argv], check=True,
                        capture_output=True, timeout=START_TIMEOUT_S)
 
-    def _stop(self) -> None:
+    def _stop(self) -> str | None:
+        """Kill the node and wait until its init has exited; the reason if it would not."""
         with contextlib.suppress(Exception):
             self.kill_all()
         self.holder.kill()  # the init dies with it (--kill-child), and with the init the namespaces
         self.holder.wait()
         self.holder.stdout.close()
-        # the kernel delivers --kill-child's SIGKILL after the holder is reaped: on a loaded host the
-        # init (and with it the namespaces) outlived the exit by a moment, so the exit waits for it
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while self.pids(with_init=True) and time.monotonic() < deadline:
-            time.sleep(0.02)
+        return _kill_and_wait(self._init_fd, f"{self.name}'s init {self.init_pid}", close=[self._pid_ns_fd])
+
+
+def _kill_and_wait(pidfd: int, what: str, *, close: Sequence[int] = ()) -> str | None:
+    """SIGKILL the process behind ``pidfd`` and wait for its exit (the kernel delivers --kill-child's
+    SIGKILL only after the holder is reaped, so on a loaded host the init outlived the context's exit).
+    A PID namespace's init exits after every other process in it, so its exit means the node is empty."""
+    with contextlib.suppress(ProcessLookupError):
+        signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+    exited = select.select([pidfd], [], [], START_TIMEOUT_S)[0]
+    for fd in (pidfd, *close):
+        os.close(fd)
+    return None if exited else f"{what} outlived SIGKILL for {START_TIMEOUT_S} s"
 
 
 def _hosts_file(num_nodes: int, index: int, *, own_name_on_loopback: bool) -> str:
@@ -285,12 +300,13 @@ def cluster(n: int, shared: Path, *, keep: Sequence[Path] = (),
         if not any(path.is_relative_to(outer) for outer in visible):  # inside one already kept: kept with it
             visible.append(path)
     nodes: list[Node] = []
-    switch = None
+    switch = switch_fd = None
     with tempfile.TemporaryDirectory(prefix="megamarl-nodes-") as scratch:
         try:
             switch = _start_holder(["unshare", "--net", "--fork", "--kill-child", "--", "sh", "-c",
                                     f"set -e; ip link add name {BRIDGE} type bridge; ip link set {BRIDGE} up; "
                                     + "echo ready; exec sleep infinity"])
+            switch_fd = os.pidfd_open(_child_pid(switch.pid))
             for i in range(n):
                 hosts = Path(scratch) / f"hosts-n{i}"
                 hosts.write_text(_hosts_file(n, i, own_name_on_loopback=own_name_on_loopback))
@@ -307,9 +323,12 @@ def cluster(n: int, shared: Path, *, keep: Sequence[Path] = (),
                          capture_output=True, timeout=START_TIMEOUT_S, cwd="/")
             yield nodes
         finally:
-            for node in nodes:
-                node._stop()
+            stuck = [node._stop() for node in nodes]
             if switch is not None:
                 switch.kill()
                 switch.wait()
                 switch.stdout.close()
+            if switch_fd is not None:
+                stuck.append(_kill_and_wait(switch_fd, "the switch"))
+            if any(stuck):
+                raise RuntimeError(f"cluster exit: {'; '.join(filter(None, stuck))}")

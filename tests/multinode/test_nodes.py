@@ -4,12 +4,15 @@ the process that made the cluster is killed). About 5 s."""
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import os
 import signal
 import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -145,24 +148,41 @@ def test_clean_up_also_when_the_owner_is_killed(tmp_path):
     owner = subprocess.Popen([PY, "-c", program], stdout=subprocess.PIPE, text=True)
     inits = [int(p) for p in owner.stdout.readline().split()]
     assert len(inits) == 3  # the two nodes' inits and the switch's holder
-    namespaces = {os.readlink(f"/proc/{pid}/ns/{kind}") for pid in inits for kind in ("net", "mnt", "pid")}
-    namespaces -= {os.readlink(f"/proc/self/ns/{kind}") for kind in ("net", "mnt", "pid")}  # the switch's
-    owner.kill()  # no finally, no atexit: the kernel's PR_SET_PDEATHSIG and --kill-child must clean up
-    owner.wait()
-    deadline = time.monotonic() + 10
-    while _holding(namespaces) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert _holding(namespaces) == []
+    with _pinned(inits) as namespaces:
+        owner.kill()  # no finally, no atexit: the kernel's PR_SET_PDEATHSIG and --kill-child must clean up
+        owner.wait()
+        deadline = time.monotonic() + 10
+        while _holding(namespaces) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _holding(namespaces) == []
     assert not list(Path("/run").glob("megamarl-node.*"))
 
 
-def _holding(namespaces: set[str]) -> list[int]:
+@contextlib.contextmanager
+def _pinned(pids: list[int]) -> Iterator[set[tuple[int, int]]]:
+    """The net, mount and PID namespaces of ``pids`` (less this process's own), held open: a freed
+    namespace's number is reused at once (a sandbox on the other test worker got it, and its
+    processes were counted here), a held one's is not. Yields their (device, inode) keys."""
+    with contextlib.ExitStack() as held:
+        keys = set()
+        for pid, kind in itertools.product(pids, ("net", "mnt", "pid")):
+            fd = os.open(f"/proc/{pid}/ns/{kind}", os.O_RDONLY)
+            held.callback(os.close, fd)
+            keys.add(_key(os.fstat(fd)))
+        yield keys - {_key(os.stat(f"/proc/self/ns/{kind}")) for kind in ("net", "mnt", "pid")}
+
+
+def _key(st: os.stat_result) -> tuple[int, int]:
+    return st.st_dev, st.st_ino
+
+
+def _holding(namespaces: set[tuple[int, int]]) -> list[int]:
     """Host pids of processes in any of ``namespaces``: when none is left, the namespaces (and the
-    veths, the bridge and the tmpfs mounts in them) are gone."""
+    veths, the bridge and the tmpfs mounts in them) go with the last open descriptor."""
     found = []
     for entry in filter(str.isdigit, os.listdir("/proc")):
         try:
-            if any(os.readlink(f"/proc/{entry}/ns/{k}") in namespaces for k in ("net", "mnt", "pid")):
+            if any(_key(os.stat(f"/proc/{entry}/ns/{k}")) in namespaces for k in ("net", "mnt", "pid")):
                 found.append(int(entry))
         except OSError:
             continue
@@ -172,8 +192,9 @@ def _holding(namespaces: set[str]) -> list[int]:
 def test_context_exit_removes_everything(tmp_path):
     if reason := nodes_permitted():
         pytest.skip(reason)
-    with pytest.raises(RuntimeError, match="boom"), cluster(2, tmp_path) as ns:
-        ns[0].popen(["sleep", "300"])
-        namespaces = {os.readlink(f"/proc/{n.init_pid}/ns/{k}") for n in ns for k in ("net", "mnt", "pid")}
-        raise RuntimeError("boom")  # a failing test
-    assert _holding(namespaces) == []
+    with contextlib.ExitStack() as pins:
+        with pytest.raises(RuntimeError, match="boom"), cluster(2, tmp_path) as ns:
+            ns[0].popen(["sleep", "300"])
+            namespaces = pins.enter_context(_pinned([n.init_pid for n in ns]))
+            raise RuntimeError("boom")  # a failing test
+        assert _holding(namespaces) == []
