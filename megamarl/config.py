@@ -116,6 +116,13 @@ class EngineConfig:
     # start reads ~140 GB of weights and captures CUDA graphs). At most trainer.collective_timeout_s
     # (the other ranks wait for the servers in a collective).
     server_start_timeout_s: float | None = None
+    # Several replicas (an EnginePool): a replica with requests in flight that answered none for
+    # stall_s is probed (/health); one the probe finds dead leaves service, its requests go to the others.
+    stall_s: float = 30.0
+    # Engine servers: a /health probe that only times out (a server busy under load, or an unreachable
+    # node dropping packets) is repeated this long before the server counts as dead; refused is dead at
+    # once. An unreachable replica is out of service within stall_s + health_patience_s.
+    health_patience_s: float = 60.0
 
     def eager(self, *, on_gpu: bool) -> bool:
         """``enforce_eager`` resolved: null means eager on CPU, CUDA graphs on GPU."""
@@ -152,6 +159,8 @@ class EngineConfig:
                                  "engine.backend=hf has no server: drop the key")
             check_range("policies.<p>.engine.server_start_timeout_s", self.server_start_timeout_s, low=0,
                         low_open=True)
+        for key in ("stall_s", "health_patience_s"):
+            check_range(f"policies.<p>.engine.{key}", getattr(self, key), low=0, low_open=True)
         if self.weight_transfer not in WEIGHT_TRANSFER_CHOICES:
             raise ValueError(f"policies.<p>.engine.weight_transfer='{self.weight_transfer}' unknown; allowed: "
                              f"{list(WEIGHT_TRANSFER_CHOICES)}")

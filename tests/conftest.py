@@ -52,6 +52,7 @@ LONG_MODULES = (
     "tests/multinode/test_lost_node.py",  # a 2-node run, node 1 killed, the relaunch: ~3 min
     "tests/multinode/test_torchrun_nodes.py",  # one torchrun --nnodes 2 run in namespace nodes, a reference: ~3 min
     "tests/multinode/test_ray_nodes.py",  # a Ray cluster on two namespace nodes and a run: ~2 min
+    "tests/multinode/test_link_down_run.py",  # a run whose second engine node loses its link: ~1.5 min
     "tests/integration/test_resume_training_path.py",
     "tests/integration/test_train_sglang_servers.py",  # fake and, with .venv-sglang, real SGLang servers
     "tests/integration/test_sglang_backends.py",

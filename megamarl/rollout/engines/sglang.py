@@ -53,7 +53,7 @@ from typing import Any
 
 import torch
 
-from megamarl.rollout.engines._http import EngineHTTPError, JSONClient
+from megamarl.rollout.engines._http import BUSY_PATIENCE_S, EngineHTTPError, JSONClient
 from megamarl.rollout.engines.base import ENGINES, Engine, EngineTraits, Generation, SamplingParams, buckets
 
 
@@ -126,8 +126,10 @@ def _version(stamp: Any, default: int) -> int:
 class SGLangClient(Engine):
     """Disaggregated SGLang server at ``base_url`` (``http://host:port``)."""
 
-    def __init__(self, base_url: str, *, timeout_s: float = 600.0, tp_size: int = 1, bucket_bytes: int = 512 * 2**20):
+    def __init__(self, base_url: str, *, timeout_s: float = 600.0, tp_size: int = 1, bucket_bytes: int = 512 * 2**20,
+                 health_patience_s: float = BUSY_PATIENCE_S):
         self.base_url = base_url
+        self.health_patience_s = health_patience_s  # ``health``: how long a probe that times out is repeated
         self.http = JSONClient(base_url, timeout_s=timeout_s)
         self.tp_size = tp_size
         self.bucket_bytes = bucket_bytes
@@ -143,7 +145,7 @@ class SGLangClient(Engine):
         if replica >= len(cfg.server_urls):
             raise ValueError(f"policies.<p>.engine.backend=sglang needs one engine.server_urls entry per replica "
                              f"(replica {replica}, {len(cfg.server_urls)} urls)")
-        return cls(cfg.server_urls[replica])
+        return cls(cfg.server_urls[replica], health_patience_s=cfg.health_patience_s)
 
     async def generate(
         self, prompt_ids: list[int], sampling: SamplingParams, *, lora: str | None = None
@@ -292,7 +294,8 @@ class SGLangClient(Engine):
         self.http.post("/flush_cache")
 
     def health(self) -> bool:
-        return self.http.answers("/health")  # a busy server is given time; a refused one is dead at once
+        # a busy server is given time; a refused one is dead at once
+        return self.http.answers("/health", patience_s=self.health_patience_s)
 
     def shutdown(self) -> None:
         self.http.close()

@@ -48,7 +48,7 @@ from typing import Any, Protocol
 
 import torch
 
-from megamarl.rollout.engines._http import JSONClient
+from megamarl.rollout.engines._http import BUSY_PATIENCE_S, JSONClient
 from megamarl.rollout.engines.base import ENGINES, Engine, EngineTraits, Generation, SamplingParams, buckets
 
 
@@ -85,8 +85,10 @@ class VLLMServerClient(Engine):
         bucket_bytes: int = 512 * 2**20,
         timeout_s: float = 600.0,
         lora_dir: str | Path | None = None,
+        health_patience_s: float = BUSY_PATIENCE_S,
     ) -> None:
         self.base_url = base_url
+        self.health_patience_s = health_patience_s  # ``health``: how long a probe that times out is repeated
         self.http = JSONClient(base_url, timeout_s=timeout_s)
         self.model = model
         self.transport = transport
@@ -231,7 +233,8 @@ class VLLMServerClient(Engine):
         self.http.post("/reset_prefix_cache")
 
     def health(self) -> bool:
-        return self.http.answers("/health")  # a busy server is given time; a refused one is dead at once
+        # a busy server is given time; a refused one is dead at once
+        return self.http.answers("/health", patience_s=self.health_patience_s)
 
     def shutdown(self) -> None:
         self.http.close()

@@ -31,4 +31,4 @@ def build_engine(cfg, path: Path, *, seed: int = 0, lora: LoraServing | None = N
     def replica(i: int) -> Engine:
         return cls.from_config(cfg, path, replica=i, seed=seed + i, lora=lora, num_threads=num_threads)
 
-    return replica(0) if cfg.num_replicas == 1 else EnginePool(replica, cfg.num_replicas)
+    return replica(0) if cfg.num_replicas == 1 else EnginePool(replica, cfg.num_replicas, stall_s=cfg.stall_s)

@@ -3,7 +3,8 @@ decides and performs pause / sleep / wake / weight push for them.
 
 Built on every rank for every policy (``build_replicas``); the driver attaches the engine it serves
 rollouts with (``attach``: an in-process ``Engine`` / ``EnginePool``, or for a server-backed policy
-the pool of server clients that ``connect`` builds). Every method below that says *collective* runs
+the pool of server clients that ``connect`` builds; external servers, ``engine.server_urls``, too when
+the fleet feeds them: ``fleet.fed_by_fleet``). Every method below that says *collective* runs
 on every rank together; the driver's copy holds the engine, the others ``None``.
 
 Pushes: full weights or (L2) each agent's adapter,
@@ -46,7 +47,7 @@ import torch.distributed as dist
 
 from megamarl.models.lora import save_peft_adapter
 from megamarl.parallel.hardware import DTYPES, resolve_dtype
-from megamarl.parallel.network import free_port, host_address
+from megamarl.parallel.network import free_port
 from megamarl.parallel.placement import WorkerGroup
 from megamarl.rollout.engines.base import Engine
 from megamarl.rollout.engines.lora_backends import policy_adapters
@@ -132,24 +133,26 @@ class PolicyReplicas:
 
     def connect(self) -> EnginePool:
         """On the driver, for a server-backed policy: one pool of clients of its servers (least-loaded
-        routing, failover), attached. A dead replica's client is rebuilt once its owner has restarted
-        the server, and it takes traffic only after the next push re-synced it."""
-        urls = self.servers.urls
+        routing, failover; ``engine.stall_s`` and ``engine.health_patience_s`` bound how long an
+        unreachable one keeps requests), attached. A dead replica's client is rebuilt once the server
+        answers again (its owner restarted it; an external one's node is reachable again), and it takes
+        traffic only after a push re-synced it (``resync``, at the next step boundary)."""
+        urls, engine = self.servers.urls, self.policy.engine
         restart_timeout = self.cfg.trainer.collective_timeout_s
-        make_client = CLIENTS[self.policy.engine.backend]
+        make_client = CLIENTS[engine.backend]
         # A restarted server serves the checkpoint it was started from: current already when the base
         # weights never change (frozen, L2: the pool re-loads the newest adapters), else it waits
         # for a push (``stale``; the trainer re-syncs it at the next step boundary).
         base_moves = self.policy.base_moves
 
         def replica(index: int, *, restarted: bool = False) -> VLLMServerClient | SGLangClient:
-            if restarted:  # the owner rank restarts the process; wait until it answers again
+            if restarted:  # the owner rank restarts the process (or the link returns); wait until it answers
                 _await_health(urls[index], timeout_s=restart_timeout)
-            client = make_client(urls[index], SERVED_MODEL)
+            client = make_client(urls[index], SERVED_MODEL, health_patience_s=engine.health_patience_s)
             client.weight_version = (UNSYNCED if base_moves else pool.weight_version) if restarted else 0
             return client
 
-        pool = EnginePool(lambda i: replica(i), len(urls))
+        pool = EnginePool(lambda i: replica(i), len(urls), stall_s=engine.stall_s)
         pool.factory = lambda i: replica(i, restarted=True)
         self.attach(pool)
         return pool
@@ -404,8 +407,8 @@ class PolicyReplicas:
         sender = SENDERS[self.policy.engine.backend](
             [servers.urls[i] for i in indices],
             transport=transport_for(self.policy, colocated=colocated, on_gpu=torch.cuda.is_available()),
-            master_addr=host_address(multi_node=self.fleet.multi_node), master_port=free_port("0.0.0.0"),
-            replica_tp=[len(servers.replicas[i].ranks) for i in indices],
+            master_addr=self.fleet.rendezvous_address(self.name), master_port=free_port("0.0.0.0"),
+            replica_tp=[self.policy.engine.tp] * len(indices),  # an external replica holds no rank here
         )
         sender.connect()
         self._transfers[where] = _Transfer(sender, wanted)

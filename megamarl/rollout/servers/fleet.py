@@ -8,7 +8,11 @@ computed once by the caller and handed in):
   servers come up, and those that hand memory over fall asleep, before any model is built:
   ``model_preparation``), watches them and restarts one that dies (same port, so its URL stays valid);
 - ``wait_ready`` exchanges the addresses over the control group; a server that failed to start
-  stops every rank with its error (policy, replica, rank, last log lines).
+  stops every rank with its error (policy, replica, rank, last log lines);
+- external servers (``engine.server_urls``) of a backend with a sender (``transport.SENDERS``) are in
+  the fleet too, started and watched by nobody here: they are fed as disaggregated servers (pushes
+  from the training ranks, a group whose rendezvous is on the route to them, the re-sync of one that
+  was unreachable and answers again).
 
 What happens to a policy's running servers afterwards (the driver's pool of ``CLIENTS``, pause,
 sleep / wake, weight pushes) is that policy's ``rollout.replicas.policy.PolicyReplicas``.
@@ -16,8 +20,10 @@ sleep / wake, weight pushes) is that policy's ``rollout.replicas.policy.PolicyRe
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -25,12 +31,14 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import torch
 import torch.distributed as dist
 
 from megamarl.models.packaged import resolve_model_path
 from megamarl.parallel.hardware import node_cores
+from megamarl.parallel.network import HOST_ADDR_ENV, host_address, route_source
 from megamarl.rollout.engine_placement import ReplicaPlacement, ranks_per_node, replicas_led_by
 from megamarl.rollout.engines.lora_backends import lora_serving
 from megamarl.rollout.engines.sglang import SGLangClient
@@ -44,10 +52,10 @@ WATCH_S = 2.0  # how often an owner checks its servers
 HANG_S = 300.0  # a live process that has not answered /health for this long is restarted
 SERVED_MODEL = "default"  # the model name requests use; L2 adapters are served under their own names
 
-# engine backend -> the driver's client of one server
-CLIENTS: dict[str, Callable[[str, str], VLLMServerClient | SGLangClient]] = {
-    "vllm": lambda url, model: VLLMServerClient(url, model=model),
-    "sglang": lambda url, model: SGLangClient(url),  # one base model per server: requests name no model
+# engine backend -> the driver's client of one server (keywords: the clients' own, e.g. health_patience_s)
+CLIENTS: dict[str, Callable[..., VLLMServerClient | SGLangClient]] = {
+    "vllm": lambda url, model, **kw: VLLMServerClient(url, model=model, **kw),
+    "sglang": lambda url, model, **kw: SGLangClient(url, **kw),  # one base model per server: requests name no model
 }
 
 
@@ -61,6 +69,18 @@ class PolicyServers:
     @property
     def colocated(self) -> bool:
         return self.replicas[0].colocated
+
+    @property
+    def external(self) -> bool:
+        """Servers someone else runs (``engine.server_urls``): fed here, never started or restarted."""
+        return self.replicas[0].launch == "external"
+
+
+def fed_by_fleet(cfg, policy: str, replicas: list[ReplicaPlacement]) -> bool:
+    """The fleet pushes into these replicas: servers it starts, and external servers of a backend it has a
+    sender for (the others, in-process engines, are fed through the driver)."""
+    launch = replicas[0].launch if replicas else None
+    return launch == "server" or (launch == "external" and cfg.policies[policy].engine.backend in SENDERS)
 
 
 class ServerFleet:
@@ -88,14 +108,15 @@ class ServerFleet:
         (servers of a schedule that never overlaps training hand their memory over while it trains)."""
         self.cfg, self.rank, self.control = cfg, rank, control_group
         self.model_paths = model_paths
-        self.multi_node = world_size > ranks_per_node
+        self.multi_node = world_size > ranks_per_node  # servers bind every interface, pushes a routable address
         self.on_gpu = torch.cuda.is_available()
         self.memory_fractions = memory_fractions or {}  # (policy, replica) -> the plan's GPU fraction
         self.kv_cache_gib = kv_cache_gib
         self.plan = plan
         self.policies = {
-            name: PolicyServers(name, reps, hands_over=reps[0].colocated and not overlaps_training)
-            for name, reps in plan.items() if reps and reps[0].launch == "server"
+            name: PolicyServers(name, reps, hands_over=reps[0].colocated and not overlaps_training,
+                                urls=[rep.url for rep in reps] if reps[0].launch == "external" else [])
+            for name, reps in plan.items() if fed_by_fleet(cfg, name, reps)
         }
         self.local: dict[tuple[str, int], ServerProcess] = {}
         self.restarts: dict[tuple[str, int], int] = {}
@@ -105,7 +126,7 @@ class ServerFleet:
         self._stop = threading.Event()
         self._watchdog: threading.Thread | None = None
         for name, servers in self.policies.items():
-            for rep in replicas_led_by({name: servers.replicas}, rank):  # all of them are servers
+            for rep in replicas_led_by({name: servers.replicas}, rank):  # started here (external: led by none)
                 spec = self._spec(rep, model_paths[name], log_dir, num_threads(name))
                 proc = ServerProcess(spec)
                 self.local[(name, rep.index)] = proc
@@ -188,7 +209,7 @@ class ServerFleet:
             raise RuntimeError(errors[0])
         urls = {key: url for m, _ in gathered for key, url in m.items()}
         for name, servers in self.policies.items():
-            servers.urls = [urls[(name, rep.index)] for rep in servers.replicas]
+            servers.urls = [urls.get((name, rep.index), rep.url) for rep in servers.replicas]  # rep.url: external
         pids: list = [None] * dist.get_world_size()
         dist.all_gather_object(pids, {key: proc.proc.pid for key, proc in self.local.items() if proc.proc}, group=self.control)
         self.pids = {key: pid for m in pids for key, pid in m.items()}
@@ -220,6 +241,16 @@ class ServerFleet:
                     silent_since.pop(key, None)
                 except Exception:
                     log.exception("restarting engine server %s replica %d failed", *key)
+
+    def rendezvous_address(self, policy: str) -> str:
+        """Where a rank pushing into ``policy``'s servers hosts the group's rendezvous: an address they
+        reach. External servers may be on any node: the source address of the route to one of them,
+        not loopback unless every one is local (``MEGAMARL_HOST_ADDR`` overrides, as for started servers)."""
+        servers = self.policies[policy]
+        if servers.external and not os.environ.get(HOST_ADDR_ENV):
+            sources = [route_source(urlsplit(url).hostname) for url in servers.urls]
+            return next((a for a in sources if not ipaddress.ip_address(a).is_loopback), sources[0])
+        return host_address(multi_node=self.multi_node)
 
     def table(self) -> list[dict]:
         """One row per server (written to ``<run_dir>/engine_servers.json`` by the driver)."""
@@ -282,7 +313,7 @@ def build_fleet(cfg, *, plan: dict[str, list[ReplicaPlacement]], rank: int, worl
     ``engine.kv_cache_gib: 0`` gets (the caller's memory plan); ``memory_fractions``: the plan's GPU
     fraction per (policy, replica) (``planning.engine_budget``)."""
     per_node = ranks_per_node(cfg.cluster, world_size)
-    served = {name: bool(reps and reps[0].launch == "server") for name, reps in plan.items()}
+    served = {name: fed_by_fleet(cfg, name, reps) for name, reps in plan.items()}
     for name in plan:
         _check_weight_transfer(cfg, name, servers=served[name])
         _check_gpu_memory(cfg, name)
@@ -290,7 +321,7 @@ def build_fleet(cfg, *, plan: dict[str, list[ReplicaPlacement]], rank: int, worl
         return None
     paths = {name: resolve_model_path(p.model, key=f"policies.{name}.model") for name, p in cfg.policies.items()}
     for name in plan:  # on every rank, before any server or model starts
-        if served[name]:
+        if served[name]:  # an external one is fed only by a sender (fed_by_fleet)
             backend = cfg.policies[name].engine.backend
             if backend not in SENDERS:
                 raise ValueError(f"policies.{name}.engine.backend={backend} with launch=server: megamarl starts and "
