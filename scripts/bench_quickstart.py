@@ -2,6 +2,7 @@
 
     python scripts/bench_quickstart.py                 # fresh clone of HEAD, empty model cache
     python scripts/bench_quickstart.py --in-place      # this checkout (its .venv), empty model cache
+    python scripts/bench_quickstart.py --tag avx512    # docs/bench/quickstart_avx512.json, docs/quickstart_avx512/
 
 Runs the quickstart's first command exactly as README.md prints it (``bash scripts/setup.sh ... &&
 .venv/bin/torchrun ... configs/quickstart_cpu.yaml``) in a clean environment with ``MEGAMARL_CACHE``
@@ -62,6 +63,8 @@ def run_timed(command: str, cwd: Path, env: dict, log: Path) -> tuple[float, int
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--in-place", action="store_true", help="run in this checkout instead of a fresh clone")
+    parser.add_argument("--tag", default="", help="suffix of what is written (one committed run per machine "
+                        "kind): docs/bench/quickstart_TAG.json and docs/quickstart_TAG/")
     parser.add_argument("overrides", nargs="*", help="extra key=value overrides appended to the command")
     args = parser.parse_args()
 
@@ -107,10 +110,11 @@ def main() -> int:
     base, final = evals[0]["results"]["team_accuracy"], evals[-1]["results"]["team_accuracy"]
     result["team_accuracy_base_to_final"] = [base, final]
 
-    out = ROOT / "docs" / "bench" / "quickstart.json"
+    suffix = f"_{args.tag}" if args.tag else ""
+    out = ROOT / "docs" / "bench" / f"quickstart{suffix}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
-    committed = ROOT / "docs" / "quickstart"
+    committed = ROOT / "docs" / f"quickstart{suffix}"
     shutil.rmtree(committed, ignore_errors=True)
     committed.mkdir(parents=True)
     for name in ("eval.json", "metrics.jsonl", "config.yaml"):
