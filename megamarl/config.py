@@ -190,7 +190,8 @@ class PolicyAlgorithmConfig:
     policy sets one, every policy's advantages are computed over its own samples (docs/rl.md)."""
 
     estimator: str | None = None  # null: algorithm.estimator
-    estimator_kwargs: dict[str, Any] | None = None  # null: algorithm.estimator_kwargs (replaced whole, not merged)
+    # null: algorithm.estimator_kwargs (replaced whole, not merged)
+    estimator_kwargs: dict[str, Any] | None = None
     group_by: list[str] | None = None  # null: algorithm.group_by
     normalize_std: bool | None = None  # null: algorithm.normalize_std
     std_ddof: int | None = None  # null: algorithm.std_ddof
@@ -232,12 +233,14 @@ class PolicyConfig:
     ref_offload: bool = False  # the KL reference model waits in (pinned) host memory between uses
     # micro-batches pack variable-length samples into one row (no padding; block-diagonal attention)
     pack: bool = False
-    max_tokens_per_micro_batch: int | None = None  # pack: real tokens per micro-batch (None: micro_batch_size x longest)
+    # pack: real tokens per micro-batch (None: micro_batch_size x longest)
+    max_tokens_per_micro_batch: int | None = None
     # pack: merge each micro-batch's rows into a trie of shared token prefixes (a group's prompt, an
     # earlier turn), computed once; ancestor-only attention, per-node RoPE positions (rl/tree.py).
     # Micro-batches are cut by tree tokens. Local layer spec only (CPU; not Transformer Engine)
     prefix_tree: bool = False
-    offload_train_state: bool = True  # colocated: weights/grads/optimizer leave the GPU while engines generate
+    # colocated: weights/grads/optimizer leave the GPU while engines generate
+    offload_train_state: bool = True
     value_coef: float = 0.5  # algorithm.estimator=gae: weight of the critic's (value head's) loss
     value_clip: float | None = 0.2  # gae: clip range of the value update (None: unclipped)
     # Training dtype: the model's (and the reference model's) parameters and forward/backward; main

@@ -201,7 +201,8 @@ def topological_levels(nodes: dict[str, tuple[str, ...]]) -> list[list[str]]:
 class Dag(Orchestra):
     @dataclass
     class Config(OrchestraConfig):
-        nodes: dict[str, tuple[str, ...]] = field(default_factory=dict)  # agent -> the agents whose replies it reads
+        # agent -> the agents whose replies it reads
+        nodes: dict[str, tuple[str, ...]] = field(default_factory=dict)
         rounds: int = 1  # passes over the whole DAG
 
         def __post_init__(self) -> None:

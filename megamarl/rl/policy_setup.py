@@ -20,7 +20,8 @@ from megamarl.rl.advantages import ADVANTAGE_ESTIMATORS, advantage_config
 from megamarl.rl.critic import CriticConfig
 from megamarl.rl.dispatch import BatchSplit
 from megamarl.rl.losses import LossConfig
-from megamarl.rl.worker import AgentTraining, ModelHandle, PolicyWorker, batch_split
+from megamarl.rl.worker import PolicyWorker
+from megamarl.rl.worker_parts import AgentTraining, ModelHandle, batch_split
 
 RECOMPUTE = {  # policies.<p>.recompute -> megatron-core TransformerConfig fields
     "none": {},

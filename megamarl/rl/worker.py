@@ -34,26 +34,22 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Iterator
 from functools import partial
 
 import torch
 import torch.distributed as dist
-from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
 from megamarl.config import PolicyConfig
 from megamarl.models.bridge import export_hf_weights
-from megamarl.models.lora import add_lora_adapter, export_lora_weights, set_active_adapter
+from megamarl.models.lora import export_lora_weights, set_active_adapter
 from megamarl.parallel.placement import WorkerGroup
 from megamarl.rl.batch import SampleBatch
-from megamarl.rl.critic import Critic, CriticConfig, NoCritic
-from megamarl.rl.dispatch import BatchSplit, PolicyShare, dp_parts, mini_batches, plan_policy, trainable_rows
+from megamarl.rl.critic import CriticConfig
+from megamarl.rl.dispatch import PolicyShare, dp_parts, mini_batches, plan_policy, trainable_rows
 from megamarl.rl.forward import (
-    LogitWindow,
     merge_rows,
     model_shape,
     packed_forward,
@@ -64,40 +60,11 @@ from megamarl.rl.forward import (
 )
 from megamarl.rl.losses import LossConfig, policy_loss
 from megamarl.rl.micro_batches import MicroBatcher
-from megamarl.rl.offload import TrainStateOffload
-from megamarl.rl.optimizer import any_rank, build_optimizer, build_scheduler, current_lr, grads_nonfinite
-from megamarl.rl.reference import ReferenceModel
-from megamarl.rl.tree import RotaryPositions
+from megamarl.rl.optimizer import any_rank, current_lr, grads_nonfinite
 from megamarl.rl.update_metrics import RESPONSE_TOKENS, average, mean_over_steps, summarise
+from megamarl.rl.worker_parts import AgentTraining, ModelHandle, batch_split, wire_training
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class ModelHandle:
-    """What the worker needs from the model bridge for one policy."""
-
-    model: torch.nn.Module  # GPTModel (this rank's shard)
-    vocab_size: int  # true vocabulary size (padding columns beyond it are masked)
-
-
-@dataclass
-class AgentTraining:
-    """One agent's training settings on a shared policy (``agents.<a>.*`` overrides applied)."""
-
-    loss: LossConfig
-    micro_batch_size: int
-    frozen: bool = False
-    mini_batch_size: int | None = None  # samples per optimizer step (None: the policy's)
-    adapter: str | None = None  # L2: the agent's LoRA adapter on the policy's frozen base
-    lr: float | None = None  # the adapter's learning rate (None: the policy's)
-
-
-def batch_split(cfg: PolicyConfig, agents: Mapping[str, AgentTraining]) -> BatchSplit:
-    """How the policy's rows are cut for an update (``rl.dispatch``): trainable agents, mini-batch sizes."""
-    return BatchSplit(mini_batch_size=cfg.mini_batch_size,
-                      agent_mini_batch_sizes={a: t.mini_batch_size for a, t in agents.items() if t.mini_batch_size},
-                      frozen_agents=frozenset(a for a, t in agents.items() if t.frozen))
 
 
 class PolicyWorker:
@@ -119,41 +86,19 @@ class PolicyWorker:
         self.on_micro_batch = lambda: None  # progress display: called once per micro-batch forward
         self.vocab_size = handle.vocab_size
         model = handle.model.to(self.device)  # megatron-core builds on the current device already: a no-op
-        config = model.config
         self.agents = agents or {}
         self.split = batch_split(cfg, self.agents)
         self.batcher = MicroBatcher(cfg, self.agents, loss_cfg)
         self.adapters = sorted({a.adapter for a in self.agents.values() if a.adapter})
-        if self.adapters:
-            if lora is None:
-                raise ValueError(f"policies.{name}: agents name LoRA adapters {self.adapters} but policies.{name}.lora is not set")
-            for adapter in self.adapters:  # before DDP: it allocates grad buffers for what requires grad
-                add_lora_adapter(model, wg, adapter, lora)
-        config.finalize_model_grads_func = finalize_model_grads
-        config.variable_seq_lengths = True  # micro-batches differ in length; PP communicates shapes
-        ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=cfg.distributed_optimizer
+        parts = wire_training(  # adapters, DDP, reference, optimizer, critic (rl.worker_parts)
+            name, cfg, wg, model, compute_dtype=self.compute_dtype, lora=lora, critic=critic, total_steps=total_steps,
+            adapter_lrs={adapter: self._adapter_lr(adapter) for adapter in self.adapters},
+            needs_ref=self._needs_ref(), ref_model=ref_handle.model if ref_handle else None,
         )
-        self.model = DistributedDataParallel(config, ddp_config, model, pg_collection=wg.pgs)
-        self.window = LogitWindow(model)
-        self.rotary = RotaryPositions(model)  # prefix_tree: RoPE by node depth (rl.tree)
-        self.uses_te = model.layer_spec == "te"  # the spec it was built with (bridge.build_model)
-        # the KL term's frozen reference (``rl.reference``); LoRA policies use the base (adapters off)
-        self.ref = ReferenceModel(ref_handle.model, self.device, offload=cfg.ref_offload) if ref_handle else None
-        if self._needs_ref() and self.ref is None and not self.adapters:
-            raise ValueError(f"policies.{name}: kl_coef > 0 needs a reference model (ref_handle)")
-        adapter_lrs = {adapter: self._adapter_lr(adapter) for adapter in self.adapters}
-        self.optimizer = build_optimizer(
-            self.model, wg, lr=cfg.lr, min_lr=cfg.lr_schedule.min_lr, weight_decay=cfg.weight_decay,
-            grad_clip=cfg.grad_clip, dtype=self.compute_dtype, distributed=cfg.distributed_optimizer,
-            adapter_lrs=adapter_lrs,
-        )
-        self.scheduler = build_scheduler(self.optimizer, cfg.lr_schedule, lr=cfg.lr, total_steps=total_steps)
-        self.critic = NoCritic() if critic is None else Critic(
-            name, critic, wg, self.window, hidden_size=config.hidden_size, lr=cfg.lr, grad_clip=cfg.grad_clip)
-        # ``policies.<p>.offload_train_state``: moved to host memory while colocated engines generate
-        self.train_state = TrainStateOffload(self.device, [self.model, *self.critic.modules],
-                                             [self.optimizer, *self.critic.optimizers])
+        self.model, self.window, self.rotary = parts.model, parts.window, parts.rotary
+        self.uses_te, self.ref = parts.uses_te, parts.ref
+        self.optimizer, self.scheduler = parts.optimizer, parts.scheduler
+        self.critic, self.train_state = parts.critic, parts.train_state
         self.num_updates = 0
         # Numerical faults: an update whose loss or gradient norm is not finite is skipped on every
         # rank of the WG (the flag is reduced over mp and dp); ``skip_streak`` counts them in a row.
