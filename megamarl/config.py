@@ -49,7 +49,6 @@ MAX_SEED = 2**32 - 1
 NAME_MAX_BYTES = 255  # a path component on Linux filesystems (NAME_MAX)
 
 
-
 RECOMPUTE_CHOICES = ("none", "selective", "full")  # megamarl.rl.policy_setup.RECOMPUTE
 
 
@@ -144,28 +143,49 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         if self.gpu_memory_utilization is not None:
-            check_range("policies.<p>.engine.gpu_memory_utilization", self.gpu_memory_utilization, low=0, high=1,
-                         low_open=True)
-        if self.backend == "hf" and (self.enforce_eager is not None or self.gpu_memory_utilization is not None):
+            check_range(
+                "policies.<p>.engine.gpu_memory_utilization",
+                self.gpu_memory_utilization,
+                low=0,
+                high=1,
+                low_open=True,
+            )
+        if self.backend == "hf" and (
+            self.enforce_eager is not None or self.gpu_memory_utilization is not None
+        ):
             key = "enforce_eager" if self.enforce_eager is not None else "gpu_memory_utilization"
-            raise ValueError(f"policies.<p>.engine.{key} applies to vllm and sglang engines; engine.backend=hf has "
-                             "no CUDA graphs or memory fraction: drop the key")
+            raise ValueError(
+                f"policies.<p>.engine.{key} applies to vllm and sglang engines; engine.backend=hf has "
+                "no CUDA graphs or memory fraction: drop the key"
+            )
         if self.backend == "hf" and self.server_python is not None:
-            raise ValueError("policies.<p>.engine.server_python names a server's interpreter; engine.backend=hf has "
-                             "no server: drop the key")
+            raise ValueError(
+                "policies.<p>.engine.server_python names a server's interpreter; engine.backend=hf has "
+                "no server: drop the key"
+            )
         if self.server_start_timeout_s is not None:
             if self.backend == "hf":
-                raise ValueError("policies.<p>.engine.server_start_timeout_s bounds a server's start-up; "
-                                 "engine.backend=hf has no server: drop the key")
-            check_range("policies.<p>.engine.server_start_timeout_s", self.server_start_timeout_s, low=0,
-                        low_open=True)
+                raise ValueError(
+                    "policies.<p>.engine.server_start_timeout_s bounds a server's start-up; "
+                    "engine.backend=hf has no server: drop the key"
+                )
+            check_range(
+                "policies.<p>.engine.server_start_timeout_s",
+                self.server_start_timeout_s,
+                low=0,
+                low_open=True,
+            )
         for key in ("stall_s", "health_patience_s"):
             check_range(f"policies.<p>.engine.{key}", getattr(self, key), low=0, low_open=True)
         if self.weight_transfer not in WEIGHT_TRANSFER_CHOICES:
-            raise ValueError(f"policies.<p>.engine.weight_transfer='{self.weight_transfer}' unknown; allowed: "
-                             f"{list(WEIGHT_TRANSFER_CHOICES)}")
+            raise ValueError(
+                f"policies.<p>.engine.weight_transfer='{self.weight_transfer}' unknown; allowed: "
+                f"{list(WEIGHT_TRANSFER_CHOICES)}"
+            )
         if self.num_threads < 0:
-            raise ValueError(f"policies.<p>.engine.num_threads must be >= 0 (0: all cores), got {self.num_threads}")
+            raise ValueError(
+                f"policies.<p>.engine.num_threads must be >= 0 (0: all cores), got {self.num_threads}"
+            )
         if self.num_replicas < 1:
             raise ValueError(f"policies.<p>.engine.num_replicas must be >= 1, got {self.num_replicas}")
         for key in ("tp", "max_num_seqs", "bucket_mb"):
@@ -200,7 +220,9 @@ class PolicyAlgorithmConfig:
 
     def __post_init__(self) -> None:
         if self.std_ddof is not None and self.std_ddof not in (0, 1):
-            raise ValueError(f"policies.<p>.algorithm.std_ddof must be 0 (population) or 1 (unbiased), got {self.std_ddof}")
+            raise ValueError(
+                f"policies.<p>.algorithm.std_ddof must be 0 (population) or 1 (unbiased), got {self.std_ddof}"
+            )
 
     def overrides(self) -> dict[str, Any]:
         """The ``algorithm.*`` keys this policy sets (null ones left out)."""
@@ -264,16 +286,24 @@ class PolicyConfig:
             self.algorithm = PolicyAlgorithmConfig(**self.algorithm)
         check_range("policies.<p>.lr", self.lr, low=0, low_open=True)
         if self.recompute not in RECOMPUTE_CHOICES:
-            raise ValueError(f"policies.<p>.recompute={self.recompute!r} unknown; allowed: {list(RECOMPUTE_CHOICES)}")
+            raise ValueError(
+                f"policies.<p>.recompute={self.recompute!r} unknown; allowed: {list(RECOMPUTE_CHOICES)}"
+            )
         if isinstance(self.lr_schedule, (dict, DictConfig)):
             self.lr_schedule = LrScheduleConfig(**self.lr_schedule)
         if self.mini_batch_size is not None and self.mini_batch_size < 1:
-            raise ValueError(f"policies.<p>.mini_batch_size must be >= 1 (or null: the whole batch), got {self.mini_batch_size}")
+            raise ValueError(
+                f"policies.<p>.mini_batch_size must be >= 1 (or null: the whole batch), got {self.mini_batch_size}"
+            )
         if self.prefix_tree and not self.pack:
-            raise ValueError("policies.<p>.prefix_tree is a way of packing: set policies.<p>.pack: true with it")
+            raise ValueError(
+                "policies.<p>.prefix_tree is a way of packing: set policies.<p>.pack: true with it"
+            )
         if self.max_tokens_per_micro_batch is not None:
             if not self.pack:
-                raise ValueError("policies.<p>.max_tokens_per_micro_batch is read only with policies.<p>.pack: true")
+                raise ValueError(
+                    "policies.<p>.max_tokens_per_micro_batch is read only with policies.<p>.pack: true"
+                )
             check_range("policies.<p>.max_tokens_per_micro_batch", self.max_tokens_per_micro_batch, low=1)
         if self.micro_batch_size < 1:
             raise ValueError(f"policies.<p>.micro_batch_size must be >= 1, got {self.micro_batch_size}")
@@ -293,8 +323,10 @@ class PolicyConfig:
         if bad:
             raise ValueError(f"policies.<p>.ranks has negative ranks {bad}")
         if self.ranks is not None and not self.ranks:  # it would silently mean "every rank" (placement())
-            raise ValueError("policies.<p>.ranks=[] lists no rank; list the worker group's ranks, or leave the key "
-                             "out (null) for every rank")
+            raise ValueError(
+                "policies.<p>.ranks=[] lists no rank; list the worker group's ranks, or leave the key "
+                "out (null) for every rank"
+            )
 
 
 @dataclass
@@ -359,18 +391,28 @@ class AlgorithmConfig:
 
     # AdvantageConfig fields that come from algorithm.* keys, never from estimator_kwargs
     OWN_KEYS: ClassVar[dict[str, str]] = {
-        "estimator": "estimator", "group_by": "group_by", "norm_std": "normalize_std", "std_ddof": "std_ddof"}
+        "estimator": "estimator",
+        "group_by": "group_by",
+        "norm_std": "normalize_std",
+        "std_ddof": "std_ddof",
+    }
 
     def __post_init__(self) -> None:
         for key in self.estimator_kwargs:
             if key in self.OWN_KEYS:
-                raise ValueError(f"algorithm.estimator_kwargs.{key} duplicates algorithm.{self.OWN_KEYS[key]}: "
-                                 f"set algorithm.{self.OWN_KEYS[key]} instead")
+                raise ValueError(
+                    f"algorithm.estimator_kwargs.{key} duplicates algorithm.{self.OWN_KEYS[key]}: "
+                    f"set algorithm.{self.OWN_KEYS[key]} instead"
+                )
         if self.refill_exhausted not in ("train", "stop"):
-            raise ValueError(f"algorithm.refill_exhausted must be 'train' or 'stop', got {self.refill_exhausted!r}")
+            raise ValueError(
+                f"algorithm.refill_exhausted must be 'train' or 'stop', got {self.refill_exhausted!r}"
+            )
         if self.refill_exhausted == "stop" and self.max_refill_rounds == 0:
-            raise ValueError("algorithm.refill_exhausted=stop needs algorithm.max_refill_rounds > 0 (no refill: "
-                             "nothing to exhaust)")
+            raise ValueError(
+                "algorithm.refill_exhausted=stop needs algorithm.max_refill_rounds > 0 (no refill: "
+                "nothing to exhaust)"
+            )
         check_range("algorithm.invalid_penalty", self.invalid_penalty, high=0)  # a penalty, not a bonus
         check_range("algorithm.team_alpha", self.team_alpha, low=0)
         if isinstance(self.team_alpha_schedule, (dict, DictConfig)):
@@ -378,12 +420,13 @@ class AlgorithmConfig:
         check_range("algorithm.turn_gamma", self.turn_gamma, low=0, high=1)
         check_range("algorithm.tis_cap", self.tis_cap, low=0)
         if self.std_ddof not in (0, 1):
-            raise ValueError(f"algorithm.std_ddof must be 0 (population) or 1 (unbiased), got {self.std_ddof}")
+            raise ValueError(
+                f"algorithm.std_ddof must be 0 (population) or 1 (unbiased), got {self.std_ddof}"
+            )
         if self.max_refill_rounds < 0:
             raise ValueError(f"algorithm.max_refill_rounds must be >= 0, got {self.max_refill_rounds}")
         if self.max_refill_rounds > 0 and not self.dynamic_sampling:
             raise ValueError("algorithm.max_refill_rounds > 0 needs algorithm.dynamic_sampling=true")
-
 
 
 @dataclass
@@ -398,7 +441,9 @@ class EvalEnvConfig:
 
     def resolve(self, train: EnvSpec) -> EnvSpec:
         name = self.name or train.name
-        kwargs = self.kwargs if self.kwargs is not None else (dict(train.kwargs) if name == train.name else {})
+        kwargs = (
+            self.kwargs if self.kwargs is not None else (dict(train.kwargs) if name == train.name else {})
+        )
         return EnvSpec(name=name, kwargs=dict(kwargs))
 
 
@@ -486,7 +531,9 @@ class TrainerConfig:
         if not self.resume:
             raise ValueError("trainer.resume is empty; use none, auto or a checkpoint/run directory")
         if self.resume not in ("none", "auto") and not path_exists(Path(self.resume), is_dir=True):
-            raise ValueError(f"trainer.resume={self.resume}: no such directory; use none, auto or a checkpoint/run directory")
+            raise ValueError(
+                f"trainer.resume={self.resume}: no such directory; use none, auto or a checkpoint/run directory"
+            )
         check_range("trainer.seed", self.seed, low=0, high=MAX_SEED)
         if self.sync_every < 1:
             raise ValueError(f"trainer.sync_every must be >= 1, got {self.sync_every}")
@@ -548,7 +595,9 @@ class RunConfig:
                     f"agents.{name}.policy='{agent.policy}' is not a policy; defined: {sorted(self.policies)}"
                 )
             if agent.lora is not None and self.policies[agent.policy].lora is None:
-                raise ValueError(f"agents.{name}.lora='{agent.lora}' but policies.{agent.policy}.lora is not set")
+                raise ValueError(
+                    f"agents.{name}.lora='{agent.lora}' but policies.{agent.policy}.lora is not set"
+                )
             sharing = [a for a, other in self.agents.items() if other.policy == agent.policy and a != name]
             if agent.lr is not None and agent.lora is None and sharing:
                 raise ValueError(
@@ -559,16 +608,22 @@ class RunConfig:
             for key, value in agent.train_overrides().items():
                 counts = key in ("micro_batch_size", "mini_batch_size")
                 if counts and value < 1 or not counts and value < 0:
-                    raise ValueError(f"agents.{name}.{key} must be {'>= 1' if counts else '>= 0'}, got {value}")
+                    raise ValueError(
+                        f"agents.{name}.{key} must be {'>= 1' if counts else '>= 0'}, got {value}"
+                    )
         if self.algorithm.max_refill_rounds > 0 and self.trainer.mode == "fully_async":
-            raise ValueError("algorithm.max_refill_rounds > 0 needs trainer.mode sync or one_step_off "
-                             "(fully_async batches already wait for rollout.num_tasks groups)")
+            raise ValueError(
+                "algorithm.max_refill_rounds > 0 needs trainer.mode sync or one_step_off "
+                "(fully_async batches already wait for rollout.num_tasks groups)"
+            )
         for name, policy in self.policies.items():
             start_s = policy.engine.server_start_timeout_s
             if start_s is not None and start_s > self.trainer.collective_timeout_s:
-                raise ValueError(f"policies.{name}.engine.server_start_timeout_s={start_s:g} exceeds "
-                                 f"trainer.collective_timeout_s={self.trainer.collective_timeout_s:g}: the other ranks "
-                                 "wait for the servers in a collective and would time out first; raise both")
+                raise ValueError(
+                    f"policies.{name}.engine.server_start_timeout_s={start_s:g} exceeds "
+                    f"trainer.collective_timeout_s={self.trainer.collective_timeout_s:g}: the other ranks "
+                    "wait for the servers in a collective and would time out first; raise both"
+                )
         self.eval.check_stop_at(self.agents)
         self._check_opponent_pool()
         # every check that needs a registry, the placement or imported plugins: megamarl.cli.configure
@@ -592,20 +647,30 @@ class RunConfig:
             return
         learner = self.policies.get(pool.learner)
         if learner is None or not learner.base_moves:
-            raise ValueError(f"{key}.learner={pool.learner!r} must be a trained policy without LoRA; defined: "
-                             f"{sorted(self.policies)}")
+            raise ValueError(
+                f"{key}.learner={pool.learner!r} must be a trained policy without LoRA; defined: "
+                f"{sorted(self.policies)}"
+            )
         for name in pool.snapshots:
             policy = self.policies.get(name)
             if name == pool.learner or policy is None or not policy.frozen or policy.model != learner.model:
-                raise ValueError(f"{key}.snapshots: {name!r} must be a frozen policy (policies.{name}.frozen: true) "
-                                 f"of the learner's model {learner.model!r}, not the learner; defined: {sorted(self.policies)}")
+                raise ValueError(
+                    f"{key}.snapshots: {name!r} must be a frozen policy (policies.{name}.frozen: true) "
+                    f"of the learner's model {learner.model!r}, not the learner; defined: {sorted(self.policies)}"
+                )
             if policy.lora is not None or policy.engine.launch == "server" or policy.engine.server_urls:
-                raise ValueError(f"{key}.snapshots: policies.{name} must be served by an in-process engine without "
-                                 "LoRA (snapshots are copied into engines in the driver's process)")
+                raise ValueError(
+                    f"{key}.snapshots: policies.{name} must be served by an in-process engine without "
+                    "LoRA (snapshots are copied into engines in the driver's process)"
+                )
         if pool.alias in self.policies:
-            raise ValueError(f"{key}.alias={pool.alias!r} is a policy's name; the alias stands for the pool's seat")
+            raise ValueError(
+                f"{key}.alias={pool.alias!r} is a policy's name; the alias stands for the pool's seat"
+            )
         if not self.rollout.policy_mapping:
-            raise ValueError(f"{key} needs rollout.policy_mapping, returning {pool.alias!r} for the seat the pool fills")
+            raise ValueError(
+                f"{key} needs rollout.policy_mapping, returning {pool.alias!r} for the seat the pool fills"
+            )
 
     def check_policy_mapping(self) -> None:
         """The mapping resolves and, for every agent and a few episode seeds, names a defined policy
@@ -616,7 +681,9 @@ class RunConfig:
         allowed = set(self.policies) | ({pool.alias} if pool.enabled else set())
         for role, agent in self.agents.items():
             if agent.lora is not None:
-                raise ValueError(f"{key} cannot remap agents.{role}, which samples from LoRA adapter '{agent.lora}'")
+                raise ValueError(
+                    f"{key} cannot remap agents.{role}, which samples from LoRA adapter '{agent.lora}'"
+                )
             for episode_seed in range(4):
                 policy = mapping(role, episode_seed)
                 if policy not in allowed:
@@ -632,8 +699,10 @@ def _check_run_name(name: str) -> None:
         raise ValueError("name is empty; a run's name is its directory under output_dir")
     parts = Path(name).parts
     if Path(name).is_absolute() or ".." in parts:
-        raise ValueError(f"name={shorten(name, 80)!r} escapes output_dir; a run's name is a relative directory "
-                         "under output_dir without '..' (put the location in output_dir)")
+        raise ValueError(
+            f"name={shorten(name, 80)!r} escapes output_dir; a run's name is a relative directory "
+            "under output_dir without '..' (put the location in output_dir)"
+        )
     _check_path_length("name", name)
 
 
@@ -642,8 +711,10 @@ def _check_path_length(key: str, path: str) -> None:
         raise ValueError(f"{key} contains a NUL byte")
     long = [p for p in Path(path).parts if len(p.encode()) > NAME_MAX_BYTES]
     if long:
-        raise ValueError(f"{key} is too long: {len(long[0].encode())} bytes in one path component "
-                         f"({shorten(long[0], 40)!r}), the filesystem limit is {NAME_MAX_BYTES}")
+        raise ValueError(
+            f"{key} is too long: {len(long[0].encode())} bytes in one path component "
+            f"({shorten(long[0], 40)!r}), the filesystem limit is {NAME_MAX_BYTES}"
+        )
 
 
 def compose_run_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
@@ -671,9 +742,15 @@ def _check_yaml_file(path: Path) -> None:
     except yaml.YAMLError as exc:
         raise ValueError(_yaml_error(exc, path)) from None
     if node is not None and not isinstance(node, yaml.MappingNode):
-        kind = "a list" if isinstance(node, yaml.SequenceNode) else f"a single value ({shorten(str(node.value), 40)!r})"
-        raise ValueError(f"--config {path}: the top level is {kind}; a config is a mapping of keys "
-                         "(name:, policies:, agents:, ...)")
+        kind = (
+            "a list"
+            if isinstance(node, yaml.SequenceNode)
+            else f"a single value ({shorten(str(node.value), 40)!r})"
+        )
+        raise ValueError(
+            f"--config {path}: the top level is {kind}; a config is a mapping of keys "
+            "(name:, policies:, agents:, ...)"
+        )
 
 
 def _yaml_error(exc: yaml.YAMLError, path) -> str:
@@ -721,7 +798,6 @@ def _with_names(message: str, merged) -> str:
     return message
 
 
-
 def _resolve_plugin_paths(cfg: DictConfig, config_dir: Path) -> None:
     """``plugin_paths`` relative to the config file's directory, made absolute before validation
     imports the plugins (and so in the run's saved config.yaml)."""
@@ -729,7 +805,9 @@ def _resolve_plugin_paths(cfg: DictConfig, config_dir: Path) -> None:
     cfg.plugin_paths = [str((config_dir / str(p)).resolve()) for p in paths]
     missing = [p for p in cfg.plugin_paths if not Path(p).is_dir()]
     if missing:
-        raise ValueError(f"plugin_paths: {missing} not found (paths are relative to the config file's directory)")
+        raise ValueError(
+            f"plugin_paths: {missing} not found (paths are relative to the config file's directory)"
+        )
 
 
 def to_yaml(cfg: RunConfig) -> str:

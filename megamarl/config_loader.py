@@ -80,8 +80,14 @@ def _open_maps(typed: DictConfig, plain: DictConfig) -> None:
                 _open_maps(child, plain[key])
 
 
-def compose_config(schema_cls: type, path: str | Path | None, overrides: list[str] | tuple[str, ...] = (), *,
-                   rewrite=None, explain=None) -> Any:
+def compose_config(
+    schema_cls: type,
+    path: str | Path | None,
+    overrides: list[str] | tuple[str, ...] = (),
+    *,
+    rewrite=None,
+    explain=None,
+) -> Any:
     """Compose ``path`` (any YAML file; None: schema defaults) with ``overrides`` and instantiate
     ``schema_cls``. ``rewrite(cfg, config_dir)`` may edit the composed DictConfig before the typed
     merge (``load_config`` resolves ``plugin_paths`` against the file's directory there).
@@ -186,7 +192,9 @@ def _mismatched_key(schema, composed, prefix: str = "") -> str | None:
         else:
             continue
         path = f"{prefix}{key}"
-        if isinstance(theirs, (ListConfig, DictConfig)) and _is_list_node(ours) != isinstance(theirs, ListConfig):
+        if isinstance(theirs, (ListConfig, DictConfig)) and _is_list_node(ours) != isinstance(
+            theirs, ListConfig
+        ):
             return path
         found = _mismatched_key(ours, theirs, path + ".")
         if found:

@@ -25,8 +25,11 @@ def check_range(key: str, value, *, low=None, high=None, low_open: bool = False)
     if isinstance(value, float) and not math.isfinite(value):
         raise ValueError(f"{key} must be a finite number, got {value}")
     if low is not None and (value <= low if low_open else value < low) or high is not None and value > high:
-        bound = f"{'>' if low_open else '>='} {low}" if high is None else (
-            f"<= {high}" if low is None else f"in {'(' if low_open else '['}{low}, {high}]")
+        bound = (
+            f"{'>' if low_open else '>='} {low}"
+            if high is None
+            else (f"<= {high}" if low is None else f"in {'(' if low_open else '['}{low}, {high}]")
+        )
         raise ValueError(f"{key} must be {bound}, got {value}")
 
 
@@ -110,15 +113,21 @@ class AgentConfig:
         if self.prompt_template is not None and "{observation}" not in self.prompt_template:
             raise ValueError("agents.<a>.prompt_template must contain '{observation}'")
         if self.memory_scope not in MEMORY_SCOPES:
-            raise ValueError(f"agents.<a>.memory_scope='{self.memory_scope}' unknown; allowed: {list(MEMORY_SCOPES)}")
+            raise ValueError(
+                f"agents.<a>.memory_scope='{self.memory_scope}' unknown; allowed: {list(MEMORY_SCOPES)}"
+            )
         for key in ("tree_k", "max_prompt_tokens", "max_tool_calls"):
             check_range(f"agents.<a>.{key}", getattr(self, key), low=1)
         self.tools = list(self.tools)
         if self.tool_choice != "auto" and self.tool_choice not in self.tools:
-            raise ValueError(f"agents.<a>.tool_choice='{self.tool_choice}' must be auto or one of agents.<a>.tools "
-                             f"{self.tools}")
+            raise ValueError(
+                f"agents.<a>.tool_choice='{self.tool_choice}' must be auto or one of agents.<a>.tools "
+                f"{self.tools}"
+            )
         if self.tools and self.tree_k > 1:
-            raise ValueError("agents.<a>.tools cannot be combined with agents.<a>.tree_k > 1 (tool rounds follow one reply)")
+            raise ValueError(
+                "agents.<a>.tools cannot be combined with agents.<a>.tree_k > 1 (tool rounds follow one reply)"
+            )
         check_range("agents.<a>.memory_tokens", self.memory_tokens, low=0)
         if self.lr is not None:
             check_range("agents.<a>.lr", self.lr, low=0, low_open=True)
@@ -128,7 +137,15 @@ class AgentConfig:
 
     def train_overrides(self) -> dict[str, float]:
         """The per-agent hyperparameters this agent sets (None values omitted)."""
-        keys = ("lr", "clip_low", "clip_high", "kl_coef", "entropy_coef", "micro_batch_size", "mini_batch_size")
+        keys = (
+            "lr",
+            "clip_low",
+            "clip_high",
+            "kl_coef",
+            "entropy_coef",
+            "micro_batch_size",
+            "mini_batch_size",
+        )
         return {k: getattr(self, k) for k in keys if getattr(self, k) is not None}
 
 
@@ -165,11 +182,19 @@ class WorkersConfig:
     resources: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if isinstance(self.num_workers, bool) or not isinstance(self.num_workers, int) or self.num_workers < 1:
-            raise ValueError(f"rollout.env_workers.num_workers must be an integer >= 1, got {self.num_workers!r}")
+        if (
+            isinstance(self.num_workers, bool)
+            or not isinstance(self.num_workers, int)
+            or self.num_workers < 1
+        ):
+            raise ValueError(
+                f"rollout.env_workers.num_workers must be an integer >= 1, got {self.num_workers!r}"
+            )
         for name, amount in self.resources.items():
             if isinstance(amount, bool) or not isinstance(amount, (int, float)) or not amount >= 0:
-                raise ValueError(f"rollout.env_workers.resources.{name} must be a number >= 0, got {amount!r}")
+                raise ValueError(
+                    f"rollout.env_workers.resources.{name} must be a number >= 0, got {amount!r}"
+                )
         # the backend, its address and its package: megamarl.orchestration.workers.check_workers (load time)
 
 
@@ -221,11 +246,15 @@ class OpponentPoolConfig:
         if self.every < 1:
             raise ValueError(f"rollout.opponent_pool.every must be >= 1, got {self.every}")
         if not self.alias:
-            raise ValueError("rollout.opponent_pool.alias is empty; name what rollout.policy_mapping returns "
-                             "for the pool's seat")
+            raise ValueError(
+                "rollout.opponent_pool.alias is empty; name what rollout.policy_mapping returns "
+                "for the pool's seat"
+            )
         if self.learner and not self.snapshots:
-            raise ValueError(f"rollout.opponent_pool.learner={self.learner!r} needs rollout.opponent_pool.snapshots "
-                             "(frozen policies that hold its past versions)")
+            raise ValueError(
+                f"rollout.opponent_pool.learner={self.learner!r} needs rollout.opponent_pool.snapshots "
+                "(frozen policies that hold its past versions)"
+            )
         if self.snapshots and not self.learner:
             raise ValueError("rollout.opponent_pool.snapshots needs rollout.opponent_pool.learner")
         if len(set(self.snapshots)) != len(self.snapshots):
@@ -251,7 +280,9 @@ class LrScheduleConfig:
 
     def __post_init__(self) -> None:
         if self.decay not in LR_DECAY_STYLES:
-            raise ValueError(f"policies.<p>.lr_schedule.decay='{self.decay}' unknown; allowed: {list(LR_DECAY_STYLES)}")
+            raise ValueError(
+                f"policies.<p>.lr_schedule.decay='{self.decay}' unknown; allowed: {list(LR_DECAY_STYLES)}"
+            )
         if self.warmup_steps < 0:
             raise ValueError(f"policies.<p>.lr_schedule.warmup_steps must be >= 0, got {self.warmup_steps}")
         if self.min_lr < 0:
@@ -276,10 +307,13 @@ class TeamAlphaSchedule:
 
     def __post_init__(self) -> None:
         if not math.isfinite(self.end) or self.end < 0:
-            raise ValueError(f"algorithm.team_alpha_schedule.end must be a finite number >= 0, got {self.end}")
+            raise ValueError(
+                f"algorithm.team_alpha_schedule.end must be a finite number >= 0, got {self.end}"
+            )
         if self.steps < 0:
-            raise ValueError(f"algorithm.team_alpha_schedule.steps must be >= 0 (0: trainer.total_steps), "
-                             f"got {self.steps}")
+            raise ValueError(
+                f"algorithm.team_alpha_schedule.steps must be >= 0 (0: trainer.total_steps), got {self.steps}"
+            )
 
 
 WANDB_MODES = ("offline", "online", "disabled")

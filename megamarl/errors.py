@@ -37,10 +37,15 @@ class CheckpointWriteError(RunStoppedError):
     exit_code = EXIT_CHECKPOINT_WRITE
 
     def __init__(self, path: Path, errors: list[str], complete: list[Path]) -> None:
-        last = (f"the previous checkpoint {complete[-1]} is complete and loadable (trainer.resume=auto resumes from it)"
-                if complete else "no earlier checkpoint exists")
-        super().__init__(f"writing checkpoint {path} failed ({'; '.join(errors)}); its partial directory "
-                         f"was removed; {last}")
+        last = (
+            f"the previous checkpoint {complete[-1]} is complete and loadable (trainer.resume=auto resumes from it)"
+            if complete
+            else "no earlier checkpoint exists"
+        )
+        super().__init__(
+            f"writing checkpoint {path} failed ({'; '.join(errors)}); its partial directory "
+            f"was removed; {last}"
+        )
 
 
 class RolloutFailureError(RunStoppedError):

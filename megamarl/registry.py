@@ -34,7 +34,9 @@ class Registry(Generic[T]):
 
     instances: ClassVar[list[Registry]] = []  # every registry created, in creation order
 
-    def __init__(self, kind: str, *, traits: type | None = None, signature: str = "", keys: tuple[str, ...] = ()):
+    def __init__(
+        self, kind: str, *, traits: type | None = None, signature: str = "", keys: tuple[str, ...] = ()
+    ):
         self.kind = kind
         self.traits_type = traits  # None: this extension point declares no traits
         self.signature = signature  # the documented call signature of an entry
@@ -61,7 +63,9 @@ class Registry(Generic[T]):
         if self.traits_type is None and traits is not None:
             raise ValueError(f"{self.kind} '{name}': this registry declares no traits")
         if self.traits_type is not None and not isinstance(traits, self.traits_type):
-            raise TypeError(f"{self.kind} '{name}': traits must be {self.traits_type.__name__}, got {traits!r}")
+            raise TypeError(
+                f"{self.kind} '{name}': traits must be {self.traits_type.__name__}, got {traits!r}"
+            )
         self._items[name] = obj
         self._traits[name] = traits
 

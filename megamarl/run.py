@@ -261,8 +261,9 @@ def create_engine_fleet(
     CPU they overlap model preparation, on GPU colocated ones are up and asleep first. None without
     servers."""
     overlaps = SCHEDULES.traits(cfg.trainer.mode, key="trainer.mode").overlaps_training
-    fractions = server_memory_fractions(cfg, world_size=world_size, gpus_per_node=per_node, plan=plan,
-                                        overlaps_training=overlaps)
+    fractions = server_memory_fractions(
+        cfg, world_size=world_size, gpus_per_node=per_node, plan=plan, overlaps_training=overlaps
+    )
 
     def kv_estimate(policy: str, path: Path) -> float:
         # engine.kv_cache_gib: 0 gets what max_num_seqs sequences of seq_len need (the dry-run's estimate)

@@ -17,4 +17,6 @@ def register() -> None:
 
     for name, cls_name in BACKENDS.items():
         if name not in WeightTransferEngineFactory._registry:
-            WeightTransferEngineFactory.register_engine(name, "megamarl.rollout.weights.vllm_plugin", cls_name)
+            WeightTransferEngineFactory.register_engine(
+                name, "megamarl.rollout.weights.vllm_plugin", cls_name
+            )

@@ -36,10 +36,19 @@ ROOT = Path(__file__).resolve().parents[1]
 MODES = ("sync", "one_step_off", "fully_async")
 
 
-def run_mode(mode: str, *, config: Path, steps: int, overrides: list[str], out_dir: Path, threads: int) -> dict:
+def run_mode(
+    mode: str, *, config: Path, steps: int, overrides: list[str], out_dir: Path, threads: int
+) -> dict:
     command = [
-        sys.executable, str(ROOT / "scripts" / "train.py"), "--config", str(config), f"trainer.mode={mode}",
-        f"trainer.total_steps={steps}", f"output_dir={out_dir}", f"name={mode}", *overrides,
+        sys.executable,
+        str(ROOT / "scripts" / "train.py"),
+        "--config",
+        str(config),
+        f"trainer.mode={mode}",
+        f"trainer.total_steps={steps}",
+        f"output_dir={out_dir}",
+        f"name={mode}",
+        *overrides,
     ]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
     load_before = os.getloadavg()[0]
@@ -61,21 +70,34 @@ def summarise(mode: str, lines: list[dict], *, wall_s: float, load: tuple[float,
         return sum(values) / max(len(values), 1)
 
     samples = sum(m["rollout/num_samples"] for m in steady)
-    updated = [k.split("/")[1] for m in steady for k in m if k.startswith("policy/") and k.endswith("/grad_norm")]
+    updated = [
+        k.split("/")[1] for m in steady for k in m if k.startswith("policy/") and k.endswith("/grad_norm")
+    ]
     num_policies = len(set(updated))
     return {
-        "mode": mode, "iterations": len(lines), "steady_seconds": span, "num_policies": num_policies,
-        "steps_per_hour": len(updated) / num_policies / span * 3600, "samples_per_hour": samples / span * 3600,
-        "iterations_per_hour": len(steady) / span * 3600, "policy_updates_per_iteration": len(updated) / len(steady),
+        "mode": mode,
+        "iterations": len(lines),
+        "steady_seconds": span,
+        "num_policies": num_policies,
+        "steps_per_hour": len(updated) / num_policies / span * 3600,
+        "samples_per_hour": samples / span * 3600,
+        "iterations_per_hour": len(steady) / span * 3600,
+        "policy_updates_per_iteration": len(updated) / len(steady),
         "samples_per_iteration": samples / len(steady),
-        "step_s": mean("timing_s/step"), "rollout_wait_s": mean("timing_s/rollout"),
-        "update_s": mean("timing_s/update"), "weight_sync_s": mean("timing_s/weight_sync"),
-        "rollout_idle_ratio": mean("async/rollout_idle_ratio"), "trainer_idle_ratio": mean("async/trainer_idle_ratio"),
+        "step_s": mean("timing_s/step"),
+        "rollout_wait_s": mean("timing_s/rollout"),
+        "update_s": mean("timing_s/update"),
+        "weight_sync_s": mean("timing_s/weight_sync"),
+        "rollout_idle_ratio": mean("async/rollout_idle_ratio"),
+        "trainer_idle_ratio": mean("async/trainer_idle_ratio"),
         "weight_sync_bubble_s": mean("async/weight_sync_bubble_s"),
-        "staleness_mean": mean("async/staleness_mean"), "staleness_max": max(m["async/staleness_max"] for m in lines),
+        "staleness_mean": mean("async/staleness_mean"),
+        "staleness_max": max(m["async/staleness_max"] for m in lines),
         "dropped_stale_groups": lines[-1]["rollout/total_dropped_stale_groups"],
         "dropped_stale_samples": lines[-1]["rollout/total_dropped_stale_samples"],
-        "success_rate": mean("rollout/success_rate"), "process_wall_s": wall_s, "load_avg_1m": list(load),
+        "success_rate": mean("rollout/success_rate"),
+        "process_wall_s": wall_s,
+        "load_avg_1m": list(load),
     }
 
 
@@ -102,18 +124,43 @@ def print_table(rows: list[dict]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title="trainer modes on the tool-latency workload (medians over runs; steady state, steps 2..N)")
-    columns = ("mode", "steps/h", "x sync", "samples/h", "x sync", "samples/iter", "updates/iter", "iter s",
-               "update s", "rollout idle", "trainer idle", "bubble s", "staleness", "dropped groups")
+    table = Table(
+        title="trainer modes on the tool-latency workload (medians over runs; steady state, steps 2..N)"
+    )
+    columns = (
+        "mode",
+        "steps/h",
+        "x sync",
+        "samples/h",
+        "x sync",
+        "samples/iter",
+        "updates/iter",
+        "iter s",
+        "update s",
+        "rollout idle",
+        "trainer idle",
+        "bubble s",
+        "staleness",
+        "dropped groups",
+    )
     for col in columns:
         table.add_column(col, justify="right")
     for r in rows:
         table.add_row(
-            r["mode"], f"{r['steps_per_hour']:.0f}", f"{r['speedup_vs_sync'] or 0:.2f}", f"{r['samples_per_hour']:.0f}",
-            f"{r['samples_speedup_vs_sync'] or 0:.2f}", f"{r['samples_per_iteration']:.0f}",
-            f"{r['policy_updates_per_iteration']:.2f}", f"{r['step_s']:.2f}", f"{r['update_s']:.2f}",
-            f"{r['rollout_idle_ratio']:.2f}", f"{r['trainer_idle_ratio']:.2f}", f"{r['weight_sync_bubble_s']:.3f}",
-            f"{r['staleness_mean']:.2f} (max {r['staleness_max']:.0f})", f"{r['dropped_stale_groups']:.0f}",
+            r["mode"],
+            f"{r['steps_per_hour']:.0f}",
+            f"{r['speedup_vs_sync'] or 0:.2f}",
+            f"{r['samples_per_hour']:.0f}",
+            f"{r['samples_speedup_vs_sync'] or 0:.2f}",
+            f"{r['samples_per_iteration']:.0f}",
+            f"{r['policy_updates_per_iteration']:.2f}",
+            f"{r['step_s']:.2f}",
+            f"{r['update_s']:.2f}",
+            f"{r['rollout_idle_ratio']:.2f}",
+            f"{r['trainer_idle_ratio']:.2f}",
+            f"{r['weight_sync_bubble_s']:.3f}",
+            f"{r['staleness_mean']:.2f} (max {r['staleness_max']:.0f})",
+            f"{r['dropped_stale_groups']:.0f}",
         )
     Console(width=200).print(table)
 
@@ -124,7 +171,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=3, help="rounds over the modes, interleaved")
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
-    parser.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of every run (same for all modes)")
+    parser.add_argument(
+        "--threads", type=int, default=1, help="OMP_NUM_THREADS of every run (same for all modes)"
+    )
     parser.add_argument("--out", default=str(ROOT / "docs" / "bench" / "async.json"))
     parser.add_argument("overrides", nargs="*", help="key=value config overrides for every mode")
     args = parser.parse_args()
@@ -133,12 +182,21 @@ def main() -> None:
     for repeat in range(args.repeats):
         for mode in args.modes:
             with tempfile.TemporaryDirectory(prefix="bench-async-") as tmp:
-                run = run_mode(mode, config=Path(args.config), steps=args.steps, overrides=args.overrides,
-                               out_dir=Path(tmp), threads=args.threads)
+                run = run_mode(
+                    mode,
+                    config=Path(args.config),
+                    steps=args.steps,
+                    overrides=args.overrides,
+                    out_dir=Path(tmp),
+                    threads=args.threads,
+                )
             run["repeat"] = repeat
             runs.append(run)
-            print(f"[bench_async] round {repeat + 1}/{args.repeats} {mode}: {run['steps_per_hour']:.0f} steps/h, "
-                  f"{run['samples_per_hour']:.0f} samples/h (load {run['load_avg_1m'][0]:.1f})", flush=True)
+            print(
+                f"[bench_async] round {repeat + 1}/{args.repeats} {mode}: {run['steps_per_hour']:.0f} steps/h, "
+                f"{run['samples_per_hour']:.0f} samples/h (load {run['load_avg_1m'][0]:.1f})",
+                flush=True,
+            )
     rows = median_by_mode(runs)
     print_table(rows)
 
@@ -146,13 +204,18 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     report = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": machine_info(), "config": os.path.relpath(args.config, ROOT), "overrides": args.overrides,
-        "steps": args.steps, "repeats": args.repeats, "omp_num_threads": args.threads,
+        "machine": machine_info(),
+        "config": os.path.relpath(args.config, ROOT),
+        "overrides": args.overrides,
+        "steps": args.steps,
+        "repeats": args.repeats,
+        "omp_num_threads": args.threads,
         "notes": "modes run one after another in fresh processes on the same machine, interleaved over the "
         "repeats; steady state = from the end of step 1 to the end of the last step; per-mode figures are "
         "medians over runs (dropped groups: sums); idle ratios and bubble are per-step means of the async/* "
         "metrics; load_avg_1m before/after each run (other jobs on a shared machine skew the figures).",
-        "results": rows, "runs": runs,
+        "results": rows,
+        "runs": runs,
     }
     out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {out}")

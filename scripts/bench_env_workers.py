@@ -50,10 +50,15 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))  # the test suite's model-free engine: this bench times env work only
 from scripted import ScriptedEngine, smollm2_tokenizer
 
-CODE_REPLIES = {"scale": "def scale(x):\n    return x * 3\n", "clip": "def clip(x):\n    return max(0, min(9, x))\n"}
-NOTE = ("1, 5, 15 min load averages. Other work on the machine lowers every figure and favours backends that run "
-        "more processes at once (they get a larger share of the contended cores): on a loaded machine, gains beyond "
-        "the core count are partly that share")
+CODE_REPLIES = {
+    "scale": "def scale(x):\n    return x * 3\n",
+    "clip": "def clip(x):\n    return max(0, min(9, x))\n",
+}
+NOTE = (
+    "1, 5, 15 min load averages. Other work on the machine lowers every figure and favours backends that run "
+    "more processes at once (they get a larger share of the contended cores): on a loaded machine, gains beyond "
+    "the core count are partly that share"
+)
 CODE_TESTS = {"scale": "assert scale(1) == 3\n", "clip": "assert clip(20) == 9\n"}
 
 
@@ -82,16 +87,26 @@ class Workload:
         self.name = name
         self.tasks = self.maker.tasks(num_episodes, seed=0)
         roles = self.maker.env_cls.acting_roles(self.maker.config)
-        self.agents = build_agents({r: AgentConfig(policy="default") for r in roles}, tok,
-                                   default_kinds=self.maker.default_agents)
+        self.agents = build_agents(
+            {r: AgentConfig(policy="default") for r in roles}, tok, default_kinds=self.maker.default_agents
+        )
         self.engines = {"default": ScriptedEngine(tok, reply)}
 
     def run(self, workers: EnvWorkers) -> tuple[float, list]:
         """(seconds, outcome) of every episode at once; outcome: the rewards, to compare backends."""
         start = time.perf_counter()
-        result = asyncio.run(run_episodes(self.orchestra, self.maker, self.tasks, agents=self.agents,
-                                          engines=self.engines, max_concurrency=len(self.tasks), workers=workers,
-                                          step_timeout_s=120.0))
+        result = asyncio.run(
+            run_episodes(
+                self.orchestra,
+                self.maker,
+                self.tasks,
+                agents=self.agents,
+                engines=self.engines,
+                max_concurrency=len(self.tasks),
+                workers=workers,
+                step_timeout_s=120.0,
+            )
+        )
         seconds = time.perf_counter() - start
         assert result.num_failed == 0, result.failure_report(self.name)
         return seconds, [(s.episode_id, s.agent, s.local_reward, s.team_reward) for s in result.samples]
@@ -110,13 +125,22 @@ def machine() -> dict:
     except ImportError:
         ray_version = None
     bwrap = subprocess.run(["bwrap", "--version"], check=False, capture_output=True, text=True).stdout.strip()
-    return {"cpu_model": cpu, "cores": os.cpu_count(), "python": platform.python_version(),
-            "kernel": platform.release(), "ray": ray_version, "bwrap": bwrap}
+    return {
+        "cpu_model": cpu,
+        "cores": os.cpu_count(),
+        "python": platform.python_version(),
+        "kernel": platform.release(),
+        "ray": ray_version,
+        "bwrap": bwrap,
+    }
 
 
 def start_backends(num_many: int, *, with_ray: bool) -> dict[str, tuple[EnvWorkers, float]]:
     """label -> (workers, start-up seconds)."""
-    configs = {"inline": WorkersConfig(backend="inline"), "process (2)": WorkersConfig(backend="process", num_workers=2)}
+    configs = {
+        "inline": WorkersConfig(backend="inline"),
+        "process (2)": WorkersConfig(backend="process", num_workers=2),
+    }
     if with_ray:
         configs["ray (2)"] = WorkersConfig(backend="ray", num_workers=2)
     configs[f"process ({num_many})"] = WorkersConfig(backend="process", num_workers=num_many)
@@ -130,19 +154,26 @@ def start_backends(num_many: int, *, with_ray: bool) -> dict[str, tuple[EnvWorke
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--episodes", type=int, default=16, help="concurrent episodes per workload")
-    parser.add_argument("--judge-s", type=float, default=0.2, help="slow_judge: seconds each step's judge blocks")
+    parser.add_argument(
+        "--judge-s", type=float, default=0.2, help="slow_judge: seconds each step's judge blocks"
+    )
     parser.add_argument("--rounds", type=int, default=2, help="rounds in which the backends alternate")
     parser.add_argument("--many", type=int, default=8, help="workers of the larger process pool")
-    parser.add_argument("--workloads", nargs="+", default=["slow_judge", "code"], choices=["slow_judge", "code"])
+    parser.add_argument(
+        "--workloads", nargs="+", default=["slow_judge", "code"], choices=["slow_judge", "code"]
+    )
     parser.add_argument("--out", default=str(ROOT / "docs/bench/env_workers.json"))
     args = parser.parse_args()
     workloads = list(args.workloads)
     if "code" in workloads and isolation_error() is not None:
-        print(f"bench_env_workers: no sandbox isolation here ({isolation_error()}): code workload skipped",
-              file=sys.stderr)
+        print(
+            f"bench_env_workers: no sandbox isolation here ({isolation_error()}): code workload skipped",
+            file=sys.stderr,
+        )
         workloads.remove("code")
     try:
         import ray  # noqa: F401
+
         with_ray = True
     except ImportError:
         print("bench_env_workers: ray is not installed: no ray row", file=sys.stderr)
@@ -170,27 +201,49 @@ def main() -> int:
         for label, (workers, startup_s) in backends.items():
             seconds = totals[name, label]
             rate = args.episodes * args.rounds / seconds
-            rows.append({"workload": name, "backend": label, "episodes": args.episodes * args.rounds,
-                         "seconds": round(seconds, 3), "episodes_per_s": round(rate, 2),
-                         "vs_inline": round(rate / inline_rate, 2), "startup_s": round(startup_s, 2)})
-    print(f"{args.episodes} concurrent episodes per rollout, {args.rounds} rounds; slow_judge: {args.judge_s} s per step\n")
+            rows.append(
+                {
+                    "workload": name,
+                    "backend": label,
+                    "episodes": args.episodes * args.rounds,
+                    "seconds": round(seconds, 3),
+                    "episodes_per_s": round(rate, 2),
+                    "vs_inline": round(rate / inline_rate, 2),
+                    "startup_s": round(startup_s, 2),
+                }
+            )
+    print(
+        f"{args.episodes} concurrent episodes per rollout, {args.rounds} rounds; slow_judge: {args.judge_s} s per step\n"
+    )
     print("| workload | backend | episodes/s | vs inline | worker start-up s |\n|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['workload']} | {r['backend']} | {r['episodes_per_s']:.2f} | {r['vs_inline']:.2f}x | "
-              f"{r['startup_s']:.2f} |")
+        print(
+            f"| {r['workload']} | {r['backend']} | {r['episodes_per_s']:.2f} | {r['vs_inline']:.2f}x | "
+            f"{r['startup_s']:.2f} |"
+        )
     result = {
         "command": "python " + " ".join([os.path.relpath(sys.argv[0], ROOT), *sys.argv[1:]]),
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%MZ"),
         "machine": machine(),
-        "load_avg": {"before": [round(x, 2) for x in load_before], "after": [round(x, 2) for x in load_after],
-                     "note": NOTE},
-        "settings": {"episodes": args.episodes, "rounds": args.rounds, "judge_s": args.judge_s, "many": args.many},
+        "load_avg": {
+            "before": [round(x, 2) for x in load_before],
+            "after": [round(x, 2) for x in load_after],
+            "note": NOTE,
+        },
+        "settings": {
+            "episodes": args.episodes,
+            "rounds": args.rounds,
+            "judge_s": args.judge_s,
+            "many": args.many,
+        },
         "results": rows,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
-    print(f"\nwrote {args.out}; load average (1 min) {load_before[0]:.2f} -> {load_after[0]:.2f} "
-          f"on {result['machine']['cores']} cores")
+    print(
+        f"\nwrote {args.out}; load average (1 min) {load_before[0]:.2f} -> {load_after[0]:.2f} "
+        f"on {result['machine']['cores']} cores"
+    )
     return 0
 
 

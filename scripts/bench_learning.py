@@ -54,8 +54,12 @@ from megamarl.parallel.hardware import cpu_flags, native_bf16, node_cores
 from megamarl.runtime.metrics import read_eval, read_metrics
 
 VARIANTS = ("single", "L1", "L2", "L3")
-LABELS = {"single": "(a) single agent, GRPO", "L1": "(b) team, L1 shared policy, AT-GRPO",
-          "L2": "(c) team, L2 LoRA per role, AT-GRPO", "L3": "(d) team, L3 policy per role, AT-GRPO"}
+LABELS = {
+    "single": "(a) single agent, GRPO",
+    "L1": "(b) team, L1 shared policy, AT-GRPO",
+    "L2": "(c) team, L2 LoRA per role, AT-GRPO",
+    "L3": "(d) team, L3 policy per role, AT-GRPO",
+}
 MODEL = "smollm2-135m-instruct"
 LR = 3.0e-5  # full-weight policies (the quickstart's)
 LORA_LR = 3.0e-4  # adapters: 10x, the usual ratio for LoRA (rank 8, alpha 16)
@@ -86,8 +90,17 @@ FAMILIES = {
 }
 
 
-def variant_config(family: str, variant: str, *, seed: int, steps: int, num_tasks: int, group_size: int,
-                   eval_tasks: int, eval_every: int) -> dict:
+def variant_config(
+    family: str,
+    variant: str,
+    *,
+    seed: int,
+    steps: int,
+    num_tasks: int,
+    group_size: int,
+    eval_tasks: int,
+    eval_every: int,
+) -> dict:
     """The full run config of one cell (a plain dict, written as the run's YAML)."""
     fam = FAMILIES[family]
     engine = {"backend": "vllm", "kv_cache_gib": 0.5}
@@ -133,13 +146,22 @@ def run_cell(cfg: dict, work: Path, env: dict) -> dict:
     config_path = work / f"{cfg['name']}.yaml"
     config_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     log = work / f"{cfg['name']}.log"
-    command = [str(ROOT / ".venv" / "bin" / "torchrun"), "--nproc_per_node", "2", str(ROOT / "scripts" / "train.py"),
-               "--config", str(config_path), f"output_dir={work / 'runs'}"]
+    command = [
+        str(ROOT / ".venv" / "bin" / "torchrun"),
+        "--nproc_per_node",
+        "2",
+        str(ROOT / "scripts" / "train.py"),
+        "--config",
+        str(config_path),
+        f"output_dir={work / 'runs'}",
+    ]
     run_dir, done = work / "runs" / cfg["name"], work / f"{cfg['name']}.json"
     if done.exists():  # finished by an earlier invocation with --work (a crash or a kill loses no cell)
         return {**json.loads(done.read_text()), "cached": True}
     attempts = 4
-    for attempt in range(1, attempts + 1):  # a rank killed from outside (the OOM killer on a shared node) tries again
+    for attempt in range(
+        1, attempts + 1
+    ):  # a rank killed from outside (the OOM killer on a shared node) tries again
         shutil.rmtree(run_dir, ignore_errors=True)
         start, cpu_start = time.perf_counter(), _children_cpu_s()
         with open(log, "w") as f:
@@ -150,15 +172,22 @@ def run_cell(cfg: dict, work: Path, env: dict) -> dict:
         killed = "exitcode: -9" in log.read_text()
         if attempt == attempts or not killed:
             raise SystemExit(f"{cfg['name']} failed (exit {code}); log: {log}")
-        print(f"{cfg['name']}: a rank was killed (SIGKILL; out of memory?); running it again in 30 s", flush=True)
+        print(
+            f"{cfg['name']}: a rank was killed (SIGKILL; out of memory?); running it again in 30 s",
+            flush=True,
+        )
         time.sleep(30)
     metrics, evals = read_metrics(run_dir), read_eval(run_dir)
     shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # ~1 GB a cell; the curve is all we keep
     cell = {
         "curve": [[e["step"], e["results"]["team_accuracy"]] for e in evals],
         "rollout_success": [m.get("rollout/success_rate", 0.0) for m in metrics],
-        "rollout_tokens": round(sum(m.get("perf/rollout_tokens_per_s", 0) * m.get("timing_s/rollout", 0) for m in metrics)),
-        "train_tokens": round(sum(m.get("perf/train_tokens_per_s", 0) * m.get("timing_s/update", 0) for m in metrics)),
+        "rollout_tokens": round(
+            sum(m.get("perf/rollout_tokens_per_s", 0) * m.get("timing_s/rollout", 0) for m in metrics)
+        ),
+        "train_tokens": round(
+            sum(m.get("perf/train_tokens_per_s", 0) * m.get("timing_s/update", 0) for m in metrics)
+        ),
         "samples": int(sum(m.get("rollout/num_samples", 0) for m in metrics)),
         "steps": len(metrics),
         "wall_s": round(wall_s, 1),
@@ -176,14 +205,19 @@ def _children_cpu_s() -> float:
 
 def summarise(cells: list[dict]) -> dict:
     def stats(values: list[float]) -> dict:
-        return {"mean": round(statistics.fmean(values), 4),
-                "std": round(statistics.stdev(values), 4) if len(values) > 1 else 0.0,
-                "min": round(min(values), 4), "max": round(max(values), 4)}
+        return {
+            "mean": round(statistics.fmean(values), 4),
+            "std": round(statistics.stdev(values), 4) if len(values) > 1 else 0.0,
+            "min": round(min(values), 4),
+            "max": round(max(values), 4),
+        }
 
     before = [c["curve"][0][1] for c in cells]
     after = [c["curve"][-1][1] for c in cells]
     return {
-        "before": stats(before), "after": stats(after), "gain": stats([a - b for a, b in zip(after, before)]),
+        "before": stats(before),
+        "after": stats(after),
+        "gain": stats([a - b for a, b in zip(after, before)]),
         "rollout_success": stats([statistics.fmean(c["rollout_success"]) for c in cells]),
         "rollout_tokens": stats([c["rollout_tokens"] for c in cells]),
         "train_tokens": stats([c["train_tokens"] for c in cells]),
@@ -208,24 +242,36 @@ def plot(result: dict, path: Path) -> None:
             steps = [s for s, _ in curves[0]]
             rows = [[acc for _, acc in curve] for curve in curves]
             mean = [statistics.fmean(col) for col in zip(*rows)]
-            ax.plot(steps, mean, marker="o", color=colors[variant], label=f"{LABELS[variant]} (n={len(rows)})")
-            ax.fill_between(steps, [min(c) for c in zip(*rows)], [max(c) for c in zip(*rows)],
-                            color=colors[variant], alpha=0.15)
+            ax.plot(
+                steps, mean, marker="o", color=colors[variant], label=f"{LABELS[variant]} (n={len(rows)})"
+            )
+            ax.fill_between(
+                steps,
+                [min(c) for c in zip(*rows)],
+                [max(c) for c in zip(*rows)],
+                color=colors[variant],
+                alpha=0.15,
+            )
         ax.set_title(f"{family}: held-out team accuracy ({result['budget']['eval_tasks']} tasks, greedy)")
         ax.set_xlabel("training step")
         ax.set_ylabel("team accuracy (mean; band: min..max over seeds)")
         ax.set_ylim(-0.02, 1.0)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8, loc="upper left")
-    fig.suptitle(f"{MODEL} on CPU, {result['budget']['steps']} steps x {result['budget']['num_tasks']} tasks "
-                 f"x {result['budget']['group_size']} samples; scripts/bench_learning.py", fontsize=9)
+    fig.suptitle(
+        f"{MODEL} on CPU, {result['budget']['steps']} steps x {result['budget']['num_tasks']} tasks "
+        f"x {result['budget']['group_size']} samples; scripts/bench_learning.py",
+        fontsize=9,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--families", nargs="+", default=list(FAMILIES), choices=list(FAMILIES))
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
@@ -234,9 +280,13 @@ def main() -> int:
     parser.add_argument("--group-size", type=int, default=4, help="samples per task (rollout.group_size)")
     parser.add_argument("--eval-tasks", type=int, default=48)
     parser.add_argument("--eval-every", type=int, default=2)
-    parser.add_argument("--quick", action="store_true", help="1 step, 1 seed, 8 eval tasks: a smoke run of every cell")
+    parser.add_argument(
+        "--quick", action="store_true", help="1 step, 1 seed, 8 eval tasks: a smoke run of every cell"
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "bench")
-    parser.add_argument("--work", type=Path, help="working directory; an earlier invocation's: its finished cells are kept")
+    parser.add_argument(
+        "--work", type=Path, help="working directory; an earlier invocation's: its finished cells are kept"
+    )
     args = parser.parse_args()
     if args.quick:
         args.steps, args.seeds, args.eval_tasks, args.eval_every, args.group_size = 1, args.seeds[:1], 8, 1, 2
@@ -245,53 +295,118 @@ def main() -> int:
     work.mkdir(parents=True, exist_ok=True)
     print(f"working directory {work} (--work {work} continues this table after a crash)", flush=True)
     # this checkout's package first (a worktree may borrow another checkout's .venv)
-    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    env = dict(
+        os.environ,
+        PYTHONUNBUFFERED="1",
+        PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    )
     env.setdefault("MEGAMARL_CACHE", str(work / "cache"))
-    budget = {"steps": args.steps, "num_tasks": args.num_tasks, "group_size": args.group_size,
-              "eval_tasks": args.eval_tasks, "eval_every": args.eval_every, "seeds": args.seeds,
-              "lr": LR, "lora_lr": LORA_LR, "ranks": 2, "model": MODEL}
-    result = {"command": "python scripts/" + " ".join([Path(__file__).name, *sys.argv[1:]]), "budget": budget,
-              "machine": {"cpu": _cpu_model(), "cores": node_cores(), "native_bf16": native_bf16(),
-                          "avx512_bf16": "avx512_bf16" in cpu_flags(), "python": platform.python_version()},
-              "families": {}}
+    budget = {
+        "steps": args.steps,
+        "num_tasks": args.num_tasks,
+        "group_size": args.group_size,
+        "eval_tasks": args.eval_tasks,
+        "eval_every": args.eval_every,
+        "seeds": args.seeds,
+        "lr": LR,
+        "lora_lr": LORA_LR,
+        "ranks": 2,
+        "model": MODEL,
+    }
+    result = {
+        "command": "python scripts/" + " ".join([Path(__file__).name, *sys.argv[1:]]),
+        "budget": budget,
+        "machine": {
+            "cpu": _cpu_model(),
+            "cores": node_cores(),
+            "native_bf16": native_bf16(),
+            "avx512_bf16": "avx512_bf16" in cpu_flags(),
+            "python": platform.python_version(),
+        },
+        "families": {},
+    }
     cells = [(f, v, s) for f in args.families for v in args.variants for s in args.seeds]
     load_before, sampler, start = os.getloadavg()[0], LoadSampler(), time.perf_counter()
     sampler.start()
     for i, (family, variant, seed) in enumerate(cells, 1):
-        cfg = variant_config(family, variant, seed=seed, steps=args.steps, num_tasks=args.num_tasks,
-                             group_size=args.group_size, eval_tasks=args.eval_tasks, eval_every=args.eval_every)
+        cfg = variant_config(
+            family,
+            variant,
+            seed=seed,
+            steps=args.steps,
+            num_tasks=args.num_tasks,
+            group_size=args.group_size,
+            eval_tasks=args.eval_tasks,
+            eval_every=args.eval_every,
+        )
         cell = run_cell(cfg, work, env)
         block = result["families"].setdefault(family, {}).setdefault(variant, {"config": cfg, "runs": {}})
         block["runs"][str(seed)] = cell
         elapsed = time.perf_counter() - start
-        print(f"[{i}/{len(cells)}] {family} {variant} seed {seed}: accuracy {cell['curve'][0][1]:.3f} -> "
-              f"{cell['curve'][-1][1]:.3f} in {cell['wall_s']:.0f} s | elapsed {elapsed / 60:.1f} min, "
-              f"ETA {elapsed / i * (len(cells) - i) / 60:.1f} min", flush=True)
+        print(
+            f"[{i}/{len(cells)}] {family} {variant} seed {seed}: accuracy {cell['curve'][0][1]:.3f} -> "
+            f"{cell['curve'][-1][1]:.3f} in {cell['wall_s']:.0f} s | elapsed {elapsed / 60:.1f} min, "
+            f"ETA {elapsed / i * (len(cells) - i) / 60:.1f} min",
+            flush=True,
+        )
     result["total_s"] = round(time.perf_counter() - start, 1)  # this invocation
-    result["cells_wall_s"] = round(sum(c["wall_s"] for f in result["families"].values() for b in f.values()
-                                       for c in b["runs"].values()), 1)  # the whole table, across invocations
+    result["cells_wall_s"] = round(
+        sum(c["wall_s"] for f in result["families"].values() for b in f.values() for c in b["runs"].values()),
+        1,
+    )  # the whole table, across invocations
     load = sampler.stop()
-    ran_here = any(not c.get("cached") for f in result["families"].values() for b in f.values() for c in b["runs"].values())
+    ran_here = any(
+        not c.get("cached")
+        for f in result["families"].values()
+        for b in f.values()
+        for c in b["runs"].values()
+    )
     # cells kept from an earlier invocation (--work) ran under that invocation's load, not this one's
     result["load_avg_1min"] = {"before": round(load_before, 2), **load} if ran_here else None
     for family, variants in result["families"].items():
         for block in variants.values():
             block["summary"] = summarise(list(block["runs"].values()))
 
-    header = ("family", "variant", "accuracy before", "after", "gain", "rollout success", "rollout tok", "train tok", "wall s")
+    header = (
+        "family",
+        "variant",
+        "accuracy before",
+        "after",
+        "gain",
+        "rollout success",
+        "rollout tok",
+        "train tok",
+        "wall s",
+    )
     rows = []
     for family, variants in result["families"].items():
         for variant, block in variants.items():
             s = block["summary"]
             pm = lambda d, f="{:.1%}": f"{f.format(d['mean'])} +- {f.format(d['std'])}"
-            rows.append((family, LABELS[variant], pm(s["before"]), pm(s["after"]), pm(s["gain"], "{:+.1%}"),
-                         pm(s["rollout_success"]), f"{s['rollout_tokens']['mean']:.0f}", f"{s['train_tokens']['mean']:.0f}",
-                         f"{s['wall_s']['mean']:.0f}"))
+            rows.append(
+                (
+                    family,
+                    LABELS[variant],
+                    pm(s["before"]),
+                    pm(s["after"]),
+                    pm(s["gain"], "{:+.1%}"),
+                    pm(s["rollout_success"]),
+                    f"{s['rollout_tokens']['mean']:.0f}",
+                    f"{s['train_tokens']['mean']:.0f}",
+                    f"{s['wall_s']['mean']:.0f}",
+                )
+            )
     print("| " + " | ".join(header) + " |\n|" + "---|" * len(header))
     for row in rows:
         print("| " + " | ".join(row) + " |")
-    print(f"table {result['cells_wall_s'] / 60:.1f} min (this invocation {result['total_s'] / 60:.1f}); load avg (1 min) "
-          + (f"before {load_before:.1f}, mean {load['mean']:.1f}, max {load['max']:.1f}" if ran_here else "not measured: every cell came from --work"))
+    print(
+        f"table {result['cells_wall_s'] / 60:.1f} min (this invocation {result['total_s'] / 60:.1f}); load avg (1 min) "
+        + (
+            f"before {load_before:.1f}, mean {load['mean']:.1f}, max {load['max']:.1f}"
+            if ran_here
+            else "not measured: every cell came from --work"
+        )
+    )
     args.out.mkdir(parents=True, exist_ok=True)
     suffix = "_quick" if args.quick else ""
     (args.out / f"learning{suffix}.json").write_text(json.dumps(result, indent=1) + "\n")

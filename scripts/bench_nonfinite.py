@@ -42,8 +42,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", default="docs/bench/nonfinite.json")
     args = parser.parse_args()
-    out = {"machine": machine_info(), "threads": torch.get_num_threads(), "numel_per_buffer": args.numel,
-           "num_buffers": 2}
+    out = {
+        "machine": machine_info(),
+        "threads": torch.get_num_threads(),
+        "numel_per_buffer": args.numel,
+        "num_buffers": 2,
+    }
     for dtype in (torch.float32, torch.bfloat16):
         buffers = [torch.randn(args.numel).to(dtype) for _ in range(2)]
         assert old_check(buffers) and new_check(buffers)

@@ -34,7 +34,9 @@ from megamarl.parallel.hardware import cpu_flags, native_bf16, node_cores
 
 
 def readme_main_command() -> str:
-    block = re.search(r"## Quickstart.*?```bash\n(.*?)```", (ROOT / "README.md").read_text(), re.DOTALL).group(1)
+    block = re.search(
+        r"## Quickstart.*?```bash\n(.*?)```", (ROOT / "README.md").read_text(), re.DOTALL
+    ).group(1)
     return next(line for line in block.splitlines() if line.strip() and not line.startswith("#"))
 
 
@@ -61,10 +63,18 @@ def run_timed(command: str, cwd: Path, env: dict, log: Path) -> tuple[float, int
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--in-place", action="store_true", help="run in this checkout instead of a fresh clone")
-    parser.add_argument("--tag", default="", help="suffix of what is written (one committed run per machine "
-                        "kind): docs/bench/quickstart_TAG.json and docs/quickstart_TAG/")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--in-place", action="store_true", help="run in this checkout instead of a fresh clone"
+    )
+    parser.add_argument(
+        "--tag",
+        default="",
+        help="suffix of what is written (one committed run per machine "
+        "kind): docs/bench/quickstart_TAG.json and docs/quickstart_TAG/",
+    )
     parser.add_argument("overrides", nargs="*", help="extra key=value overrides appended to the command")
     args = parser.parse_args()
 
@@ -94,18 +104,33 @@ def main() -> int:
     evals = json.loads((run / "eval.json").read_text())
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     result = {
-        "command": command, "overrides": args.overrides, "fresh_clone": not args.in_place,
+        "command": command,
+        "overrides": args.overrides,
+        "fresh_clone": not args.in_place,
         "machine": {
-            "cpu": _cpu_model(), "cores": node_cores(), "native_bf16": native_bf16(),
-            "avx512_bf16": "avx512_bf16" in cpu_flags(), "python": platform.python_version(),
+            "cpu": _cpu_model(),
+            "cores": node_cores(),
+            "native_bf16": native_bf16(),
+            "avx512_bf16": "avx512_bf16" in cpu_flags(),
+            "python": platform.python_version(),
         },
         "load_avg_1min": {"before": round(load_before, 2), **load},
-        "setup_s": round(setup_s, 1), "train_s": round(train_s, 1), "total_s": round(setup_s + train_s, 1),
+        "setup_s": round(setup_s, 1),
+        "train_s": round(train_s, 1),
+        "total_s": round(setup_s + train_s, 1),
         "steps": len(metrics),
         "step_s_mean": round(sum(m["timing_s/step"] for m in metrics) / max(len(metrics), 1), 2),
-        "rollout_tokens_per_s_mean": round(sum(m.get("perf/rollout_tokens_per_s", 0) for m in metrics) / max(len(metrics), 1), 1),
-        "eval": [{"step": e["step"], "team_accuracy": e["results"]["team_accuracy"],
-                  "num_tasks": e["results"]["num_tasks"]} for e in evals],
+        "rollout_tokens_per_s_mean": round(
+            sum(m.get("perf/rollout_tokens_per_s", 0) for m in metrics) / max(len(metrics), 1), 1
+        ),
+        "eval": [
+            {
+                "step": e["step"],
+                "team_accuracy": e["results"]["team_accuracy"],
+                "num_tasks": e["results"]["num_tasks"],
+            }
+            for e in evals
+        ],
     }
     base, final = evals[0]["results"]["team_accuracy"], evals[-1]["results"]["team_accuracy"]
     result["team_accuracy_base_to_final"] = [base, final]
@@ -123,12 +148,15 @@ def main() -> int:
         shutil.copy(png, committed / png.name)
     shutil.copy(work / "train.log", committed / "train.log")
 
-    rows = [("install (setup.sh)", f"{setup_s / 60:.1f} min"), ("train (torchrun, 2 ranks)", f"{train_s / 60:.1f} min"),
-            ("steps x mean step", f"{len(metrics)} x {result['step_s_mean']:.1f} s"),
-            ("rollout tokens/s (mean)", f"{result['rollout_tokens_per_s_mean']:.0f}"),
-            ("held-out team accuracy", f"{base:.1%} -> {final:.1%} ({(final - base) * 100:+.1f} points)"),
-            ("load avg (before / mean / max)", f"{load_before:.1f} / {load['mean']:.1f} / {load['max']:.1f}"),
-            ("CPU", f"{result['machine']['cpu']}, {node_cores()} cores, native bf16: {native_bf16()}")]
+    rows = [
+        ("install (setup.sh)", f"{setup_s / 60:.1f} min"),
+        ("train (torchrun, 2 ranks)", f"{train_s / 60:.1f} min"),
+        ("steps x mean step", f"{len(metrics)} x {result['step_s_mean']:.1f} s"),
+        ("rollout tokens/s (mean)", f"{result['rollout_tokens_per_s_mean']:.0f}"),
+        ("held-out team accuracy", f"{base:.1%} -> {final:.1%} ({(final - base) * 100:+.1f} points)"),
+        ("load avg (before / mean / max)", f"{load_before:.1f} / {load['mean']:.1f} / {load['max']:.1f}"),
+        ("CPU", f"{result['machine']['cpu']}, {node_cores()} cores, native bf16: {native_bf16()}"),
+    ]
     width = max(len(k) for k, _ in rows)
     for key, value in rows:
         print(f"{key:<{width}}  {value}")

@@ -73,8 +73,11 @@ def machine_info() -> dict:
     except OSError:
         pass
     info = {
-        "cpu_count": os.cpu_count(), "cpu_model": cpu_model, "python": platform.python_version(),
-        "torch": torch.__version__, "transformers": transformers.__version__,
+        "cpu_count": os.cpu_count(),
+        "cpu_model": cpu_model,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
         "load_avg_1m": os.getloadavg()[0],  # other jobs on a shared machine skew the figures
     }
@@ -95,7 +98,9 @@ def main() -> None:
     parser.add_argument("--engines", nargs="+", default=["hf", "vllm"])
     parser.add_argument("--out", default="docs/bench/rollout.json")
     parser.add_argument(
-        "--hf-threads", type=int, default=1,
+        "--hf-threads",
+        type=int,
+        default=1,
         help="torch threads for hf (vLLM-CPU itself drops to 1 per worker; on a shared 2-core machine "
         "2 spinning OpenMP threads are several times slower)",
     )
@@ -148,14 +153,18 @@ def main() -> None:
     for col in ("engine", "batch", "tokens", "seconds", "tokens/s"):
         table.add_column(col, justify="right")
     for r in results:
-        table.add_row(r["engine"], str(r["batch"]), str(r["tokens"]), f"{r['seconds']:.2f}", f"{r['tokens_per_s']:.1f}")
+        table.add_row(
+            r["engine"], str(r["batch"]), str(r["tokens"]), f"{r['seconds']:.2f}", f"{r['tokens_per_s']:.1f}"
+        )
     Console().print(table)
 
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     report = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": machine_info(), "model": args.model, "max_tokens": args.max_tokens,
+        "machine": machine_info(),
+        "model": args.model,
+        "max_tokens": args.max_tokens,
         "sampling": {"temperature": sampling.temperature, "seed": sampling.seed},
         "hf_threads": args.hf_threads,
         "notes": "batch b = b concurrent generate calls; vllm_raw = vllm.LLM.generate on the same engine "

@@ -39,13 +39,22 @@ from megamarl.rollout.servers.server_launch import ServerProcess, ServerSpec
 
 # ---- rollout --------------------------------------------------------------------------------------
 
+
 async def _raw(url: str, prompts: list[list[int]], max_tokens: int) -> int:
     import aiohttp
 
     async with aiohttp.ClientSession() as session:
+
         async def one(prompt):
-            payload = {"model": "default", "prompt": prompt, "max_tokens": max_tokens, "temperature": 1.0,
-                       "logprobs": 0, "return_token_ids": True, "seed": 0}
+            payload = {
+                "model": "default",
+                "prompt": prompt,
+                "max_tokens": max_tokens,
+                "temperature": 1.0,
+                "logprobs": 0,
+                "return_token_ids": True,
+                "seed": 0,
+            }
             async with session.post(url + "/v1/completions", json=payload) as resp:
                 reply = await resp.json()
             return len(reply["choices"][0]["token_ids"])
@@ -74,14 +83,19 @@ def bench_rollout(urls: list[str], prompts, max_tokens: int, repeats: int) -> di
             start = time.perf_counter()
             tokens = fn()
             seconds = time.perf_counter() - start
-            results.setdefault(name, []).append({"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds})
+            results.setdefault(name, []).append(
+                {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds}
+            )
     return results
 
 
 # ---- main -----------------------------------------------------------------------------------------
 
+
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=32)
@@ -95,9 +109,20 @@ def main() -> int:
     logs = Path(tempfile.mkdtemp(prefix="bench-servers-"))
 
     def spec(i: int) -> ServerSpec:
-        return ServerSpec(policy="bench", replica=i, rank=0, backend="vllm", model_path=str(path), dtype=dtype,
-                          max_num_seqs=args.prompts, max_model_len=1024, kv_cache_gib=1, num_threads=1, seed=i,
-                          log_path=logs / f"server{i}.log")
+        return ServerSpec(
+            policy="bench",
+            replica=i,
+            rank=0,
+            backend="vllm",
+            model_path=str(path),
+            dtype=dtype,
+            max_num_seqs=args.prompts,
+            max_model_len=1024,
+            kv_cache_gib=1,
+            num_threads=1,
+            seed=i,
+            log_path=logs / f"server{i}.log",
+        )
 
     servers = [ServerProcess(spec(i)) for i in range(2)]
     start = time.perf_counter()
@@ -128,9 +153,16 @@ def main() -> int:
     out = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": "python scripts/bench_server_rollout.py " + " ".join(sys.argv[1:]),
-        "machine": machine_info(), "model": args.model, "dtype": dtype, "server_startup_s": startup_s,
-        "rollout": {"prompts": args.prompts, "max_tokens": args.max_tokens, "best_tokens_per_s": best_tps,
-                    "repeats": rollout},
+        "machine": machine_info(),
+        "model": args.model,
+        "dtype": dtype,
+        "server_startup_s": startup_s,
+        "rollout": {
+            "prompts": args.prompts,
+            "max_tokens": args.max_tokens,
+            "best_tokens_per_s": best_tps,
+            "repeats": rollout,
+        },
         "ratios": ratios,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -64,7 +64,9 @@ DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 def _receiver(rank: int, world: int, port: int, sizes: list[int], repeats: int, name: str) -> None:
     torch.set_num_threads(1)
-    group, _store = new_gloo_group("127.0.0.1", port, rank=rank, world_size=world, group_name=name, timeout_s=600)
+    group, _store = new_gloo_group(
+        "127.0.0.1", port, rank=rank, world_size=world, group_name=name, timeout_s=600
+    )
     for _ in range(repeats):
         for size in sizes:
             gloo_broadcast(group, torch.empty(size, dtype=torch.uint8), src=0)
@@ -75,13 +77,21 @@ def raw_broadcast_seconds(flats: list[torch.Tensor], num_receivers: int, repeats
     port, name = free_port("127.0.0.1"), f"raw-{num_receivers}"
     world = 1 + num_receivers
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_receiver, args=(r, world, port, [f.numel() for f in flats], repeats, name))
-             for r in range(1, world)]
+    procs = [
+        ctx.Process(target=_receiver, args=(r, world, port, [f.numel() for f in flats], repeats, name))
+        for r in range(1, world)
+    ]
     group, store = None, None
     import torch.distributed as dist
 
-    store = dist.TCPStore("127.0.0.1", port, world, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=600))
+    store = dist.TCPStore(
+        "127.0.0.1",
+        port,
+        world,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=datetime.timedelta(seconds=600),
+    )
     for p in procs:
         p.start()
     group = dist.ProcessGroupGloo(dist.PrefixStore(name, store), 0, world, datetime.timedelta(seconds=600))
@@ -101,8 +111,14 @@ def server_load_seconds(log_paths: list[Path], num_updates: int) -> list[float]:
     server's per update)."""
     deadline = time.monotonic() + 10
     while True:
-        per_server = [[float(line.split("load ")[1].split(",")[0]) for line in p.read_text().splitlines()
-                       if "megamarl_" in line and "seconds: start" in line] for p in log_paths]
+        per_server = [
+            [
+                float(line.split("load ")[1].split(",")[0])
+                for line in p.read_text().splitlines()
+                if "megamarl_" in line and "seconds: start" in line
+            ]
+            for p in log_paths
+        ]
         if all(len(x) >= num_updates for x in per_server) or time.monotonic() > deadline:
             break
         time.sleep(0.2)  # the worker's log line may trail the HTTP answer
@@ -121,7 +137,9 @@ def memcpy_seconds(tensors: list[torch.Tensor], repeats: int) -> list[float]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     parser.add_argument("--bucket-mb", type=float, nargs="+", default=[64, 256])
@@ -148,24 +166,50 @@ def main() -> int:
 
     def row(name: str, receivers: int, bucket_mb: float, times: list[float], **extra) -> None:
         best = min(times)
-        rows.append({"path": name, "receivers": receivers, "bucket_mb": bucket_mb, "bytes": num_bytes,
-                     "seconds": best, "seconds_median": statistics.median(times), "seconds_all": times,
-                     "gbps": num_bytes / best / 1e9, "load_avg_1m": os.getloadavg()[0], **extra})
+        rows.append(
+            {
+                "path": name,
+                "receivers": receivers,
+                "bucket_mb": bucket_mb,
+                "bytes": num_bytes,
+                "seconds": best,
+                "seconds_median": statistics.median(times),
+                "seconds_all": times,
+                "gbps": num_bytes / best / 1e9,
+                "load_avg_1m": os.getloadavg()[0],
+                **extra,
+            }
+        )
 
     row("memcpy", 0, 0, memcpy_seconds([t for _, t in named], args.repeats))
     logs = Path("/tmp") / f"megamarl-bench-server-sync-{os.getpid()}"
-    specs = [ServerSpec(policy="bench", replica=i, rank=0, backend="vllm", model_path=path, dtype=args.dtype,
-                        max_num_seqs=8, max_model_len=512, kv_cache_gib=0.25, num_threads=1, weight_transfer=t,
-                        log_path=logs / f"r{i}.log")
-             for i, t in enumerate(("megamarl_gloo", "megamarl_gloo", "megamarl_shm"))]
+    specs = [
+        ServerSpec(
+            policy="bench",
+            replica=i,
+            rank=0,
+            backend="vllm",
+            model_path=path,
+            dtype=args.dtype,
+            max_num_seqs=8,
+            max_model_len=512,
+            kv_cache_gib=0.25,
+            num_threads=1,
+            weight_transfer=t,
+            log_path=logs / f"r{i}.log",
+        )
+        for i, t in enumerate(("megamarl_gloo", "megamarl_gloo", "megamarl_shm"))
+    ]
     servers = [ServerProcess(s) for s in specs]
     num_buckets = {}
     try:
         with ThreadPoolExecutor(len(servers)) as pool:
             urls = list(pool.map(lambda s: s.start(900), servers))
         targets = {("megamarl_gloo", 1): [0], ("megamarl_gloo", 2): [0, 1], ("megamarl_shm", 1): [2]}
-        senders = {key: WeightSender([urls[i] for i in idx], backend=key[0], master_port=free_port("127.0.0.1"))
-                   for key, idx in targets.items()}
+        senders = {
+            key: WeightSender([urls[i] for i in idx], backend=key[0], master_port=free_port("127.0.0.1"))
+            for key, idx in targets.items()
+        }
         for sender in senders.values():
             sender.connect()
         version = 0
@@ -183,11 +227,19 @@ def main() -> int:
                 for _ in range(args.repeats):
                     version += 1
                     times.append(sender.push(iter(named), version=version, bucket_bytes=bucket_bytes).seconds)
-                loads = server_load_seconds([specs[i].log_path for i in targets[backend, receivers]], args.repeats)
+                loads = server_load_seconds(
+                    [specs[i].log_path for i in targets[backend, receivers]], args.repeats
+                )
                 without = [t - lw for t, lw in zip(times, loads)]
-                row(f"push {backend.removeprefix('megamarl_')}", receivers, bucket_mb, times,
-                    server_load_weights_seconds=loads, seconds_minus_server_load=min(without),
-                    gbps_minus_server_load=num_bytes / min(without) / 1e9)
+                row(
+                    f"push {backend.removeprefix('megamarl_')}",
+                    receivers,
+                    bucket_mb,
+                    times,
+                    server_load_weights_seconds=loads,
+                    seconds_minus_server_load=min(without),
+                    gbps_minus_server_load=num_bytes / min(without) / 1e9,
+                )
         for sender in senders.values():
             sender.close()
     finally:
@@ -198,30 +250,45 @@ def main() -> int:
     for r in rows:
         if r["path"].startswith("push"):
             r["vs_raw_broadcast"] = r["gbps"] / raw[r["receivers"], r["bucket_mb"]]
-            r["minus_server_load_vs_raw_broadcast"] = r["gbps_minus_server_load"] / raw[r["receivers"], r["bucket_mb"]]
+            r["minus_server_load_vs_raw_broadcast"] = (
+                r["gbps_minus_server_load"] / raw[r["receivers"], r["bucket_mb"]]
+            )
     print(f"{args.model} {args.dtype}: {num_bytes / 1e6:.1f} MB; buckets per size: {num_buckets}")
-    print(f"{'path':<22}{'receivers':>10}{'bucket MiB':>11}{'seconds':>10}{'GB/s':>8}{'vs raw':>8}"
-          f"{'  (minus server load_weights: vs raw)':>38}{'load avg':>10}")
+    print(
+        f"{'path':<22}{'receivers':>10}{'bucket MiB':>11}{'seconds':>10}{'GB/s':>8}{'vs raw':>8}"
+        f"{'  (minus server load_weights: vs raw)':>38}{'load avg':>10}"
+    )
     for r in rows:
         ratio = f"{r['vs_raw_broadcast']:.2f}" if "vs_raw_broadcast" in r else ""
         extra = f"{r['minus_server_load_vs_raw_broadcast']:.2f}" if "vs_raw_broadcast" in r else ""
-        print(f"{r['path']:<22}{r['receivers']:>10}{r['bucket_mb']:>11g}{r['seconds']:>10.3f}{r['gbps']:>8.2f}{ratio:>8}"
-              f"{extra:>38}{r['load_avg_1m']:>10.2f}")
+        print(
+            f"{r['path']:<22}{r['receivers']:>10}{r['bucket_mb']:>11g}{r['seconds']:>10.3f}{r['gbps']:>8.2f}{ratio:>8}"
+            f"{extra:>38}{r['load_avg_1m']:>10.2f}"
+        )
     machine = dict(machine_info(), load_avg_1m_at_start=load_at_start)
     out = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": machine,
-        "settings": {"model": args.model, "dtype": args.dtype, "bucket_mb": args.bucket_mb, "repeats": args.repeats,
-                     "buckets": num_buckets, "threads_per_server": 1, "wall_seconds": time.perf_counter() - wall},
-        "notes": ("push = WeightSender.push into vLLM-CPU servers (pause, start_weight_update, per bucket an "
-                  "announce to every server + one gloo broadcast or one /dev/shm file, finish_weight_update with "
-                  "the version, reset_prefix_cache, resume), tensors already in the engine dtype. raw gloo "
-                  "broadcast = the same packed buckets broadcast between local processes, nothing else. memcpy = "
-                  "dst.copy_(src) of the same tensors. Best of the repeats (shared machine); medians given. "
-                  "Extra columns, not the figure: seconds_minus_server_load = the push minus the slowest "
-                  "receiving server's own load_weights seconds (vLLM layerwise reload incl. the CPU GEMM "
-                  "re-pack; it overlaps the transfer, so this is an upper bound of the transport path's "
-                  "speed); load_avg_1m per row."),
+        "settings": {
+            "model": args.model,
+            "dtype": args.dtype,
+            "bucket_mb": args.bucket_mb,
+            "repeats": args.repeats,
+            "buckets": num_buckets,
+            "threads_per_server": 1,
+            "wall_seconds": time.perf_counter() - wall,
+        },
+        "notes": (
+            "push = WeightSender.push into vLLM-CPU servers (pause, start_weight_update, per bucket an "
+            "announce to every server + one gloo broadcast or one /dev/shm file, finish_weight_update with "
+            "the version, reset_prefix_cache, resume), tensors already in the engine dtype. raw gloo "
+            "broadcast = the same packed buckets broadcast between local processes, nothing else. memcpy = "
+            "dst.copy_(src) of the same tensors. Best of the repeats (shared machine); medians given. "
+            "Extra columns, not the figure: seconds_minus_server_load = the push minus the slowest "
+            "receiving server's own load_weights seconds (vLLM layerwise reload incl. the CPU GEMM "
+            "re-pack; it overlaps the transfer, so this is an upper bound of the transport path's "
+            "speed); load_avg_1m per row."
+        ),
         "results": rows,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

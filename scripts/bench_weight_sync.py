@@ -88,16 +88,20 @@ def build_engine(kind: str, path: str):
     return VLLMEngine(path, dtype="float32", max_model_len=256, kv_cache_bytes=32 * 2**20)
 
 
-def _bench(rank: int, paths: dict[str, str], engines: list[str], repeats: int, bucket_mb: float) -> list[dict]:
+def _bench(
+    rank: int, paths: dict[str, str], engines: list[str], repeats: int, bucket_mb: float
+) -> list[dict]:
     import torch.distributed as dist
 
     from megamarl.models import bridge
     from megamarl.parallel.placement import PlacementConfig, WorkerGroupLayout, build_worker_groups
     from megamarl.rollout.weights.weight_sync import sync_weights
 
-    wgs = build_worker_groups(PlacementConfig({
-        name: WorkerGroupLayout(ranks=ranks, tp=tp) for name, (_, ranks, tp) in LAYOUTS.items()
-    }))
+    wgs = build_worker_groups(
+        PlacementConfig(
+            {name: WorkerGroupLayout(ranks=ranks, tp=tp) for name, (_, ranks, tp) in LAYOUTS.items()}
+        )
+    )
     models = {}
     for name, wg in wgs.items():
         if wg.is_member:
@@ -128,20 +132,40 @@ def _bench(rank: int, paths: dict[str, str], engines: list[str], repeats: int, b
                 for _ in range(repeats):
                     version += 1
                     dist.barrier()
-                    stats = sync_weights(wgs[name], export_fn(name), [engine] if engine else [],
-                                         version=version, engine_rank=0, bucket_mb=bucket_mb)
+                    stats = sync_weights(
+                        wgs[name],
+                        export_fn(name),
+                        [engine] if engine else [],
+                        version=version,
+                        engine_rank=0,
+                        bucket_mb=bucket_mb,
+                    )
                     seconds.append(stats.seconds)
                 if rank == 0:
                     best = min(seconds)  # the least contended repeat (shared machine)
-                    rows.append({
-                        "model": key, "tp": LAYOUTS[name][2], "placement": placement, "engine": kind,
-                        "ranks": LAYOUTS[name][1], "bytes": stats.num_bytes, "tensors": stats.num_tensors,
-                        "buckets": stats.num_buckets, "seconds": best, "seconds_median": statistics.median(seconds),
-                        "seconds_all": seconds, "gb_per_s": stats.num_bytes / best / 1e9,
-                        "memcpy_seconds": memcpy[key], "memcpy_gb_per_s": stats.num_bytes / memcpy[key] / 1e9,
-                        "ratio_to_memcpy": best / memcpy[key], "engine_load_seconds": load,
-                    })
-                    print(f"{name:22s} {kind:5s} {best:7.3f} s  ({best / memcpy[key]:6.1f}x memcpy)", flush=True)
+                    rows.append(
+                        {
+                            "model": key,
+                            "tp": LAYOUTS[name][2],
+                            "placement": placement,
+                            "engine": kind,
+                            "ranks": LAYOUTS[name][1],
+                            "bytes": stats.num_bytes,
+                            "tensors": stats.num_tensors,
+                            "buckets": stats.num_buckets,
+                            "seconds": best,
+                            "seconds_median": statistics.median(seconds),
+                            "seconds_all": seconds,
+                            "gb_per_s": stats.num_bytes / best / 1e9,
+                            "memcpy_seconds": memcpy[key],
+                            "memcpy_gb_per_s": stats.num_bytes / memcpy[key] / 1e9,
+                            "ratio_to_memcpy": best / memcpy[key],
+                            "engine_load_seconds": load,
+                        }
+                    )
+                    print(
+                        f"{name:22s} {kind:5s} {best:7.3f} s  ({best / memcpy[key]:6.1f}x memcpy)", flush=True
+                    )
             if engine is not None:
                 engine.shutdown()
             dist.barrier()
@@ -153,16 +177,35 @@ def print_table(rows: list[dict]) -> None:
     from rich.table import Table
 
     table = Table(title="full weight sync: Megatron WG -> engine (best of repeats; ratio = sync / memcpy)")
-    for col in ("model", "TP", "placement", "engine", "MB", "buckets", "sync s", "GB/s", "engine load s",
-                "memcpy s", "memcpy GB/s", "ratio"):
+    for col in (
+        "model",
+        "TP",
+        "placement",
+        "engine",
+        "MB",
+        "buckets",
+        "sync s",
+        "GB/s",
+        "engine load s",
+        "memcpy s",
+        "memcpy GB/s",
+        "ratio",
+    ):
         table.add_column(col, justify="right")
     for r in rows:
         table.add_row(
-            r["model"], str(r["tp"]), r["placement"], r["engine"], f"{r['bytes'] / 2**20:.1f}", str(r["buckets"]),
-            f"{r['seconds']:.3f}", f"{r['gb_per_s']:.3f}",
+            r["model"],
+            str(r["tp"]),
+            r["placement"],
+            r["engine"],
+            f"{r['bytes'] / 2**20:.1f}",
+            str(r["buckets"]),
+            f"{r['seconds']:.3f}",
+            f"{r['gb_per_s']:.3f}",
             "-" if r["engine_load_seconds"] is None else f"{r['engine_load_seconds']:.3f}",
             f"{r['memcpy_seconds']:.4f}",
-            f"{r['memcpy_gb_per_s']:.2f}", f"{r['ratio_to_memcpy']:.0f}x",
+            f"{r['memcpy_gb_per_s']:.2f}",
+            f"{r['ratio_to_memcpy']:.0f}x",
         )
     Console(width=160).print(table)
 
@@ -192,10 +235,18 @@ def main() -> None:
     report = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": info,
-        "settings": {"world": WORLD, "repeats": args.repeats, "bucket_mb": args.bucket_mb, "dtype": "float32",
-                     "threads_per_rank": 1, "wall_seconds": time.perf_counter() - start},
-        "models": {"tiny": "random Llama: 4 layers, hidden 128, 4 heads / 2 KV heads (head_dim 32), vocab 49152",
-                   "smollm2": "SmolLM2-135M-Instruct (9 heads / 3 KV heads: TP=3; TP=2 impossible)"},
+        "settings": {
+            "world": WORLD,
+            "repeats": args.repeats,
+            "bucket_mb": args.bucket_mb,
+            "dtype": "float32",
+            "threads_per_rank": 1,
+            "wall_seconds": time.perf_counter() - start,
+        },
+        "models": {
+            "tiny": "random Llama: 4 layers, hidden 128, 4 heads / 2 KV heads (head_dim 32), vocab 49152",
+            "smollm2": "SmolLM2-135M-Instruct (9 heads / 3 KV heads: TP=3; TP=2 impossible)",
+        },
         "notes": "sync seconds: the best of the repeats on rank 0 (the machine is shared: the least contended "
         "repeat; seconds_median and seconds_all are given too), from the first exported tensor to the engine "
         "resumed (pause, TP all-gathers, HF conversion, buckets, engine load, cache flush). colocated: the "

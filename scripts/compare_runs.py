@@ -39,21 +39,36 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 # wall-clock values: the record's time stamp, durations, throughputs and the async time ratios
-WALL_CLOCK = re.compile(r"^time$|^(timing|perf|progress)/|timing_|_s$|_per_s$|gbps$|/seconds$|^async/.*_ratio$")
+WALL_CLOCK = re.compile(
+    r"^time$|^(timing|perf|progress)/|timing_|_s$|_per_s$|gbps$|/seconds$|^async/.*_ratio$"
+)
 
 
-def run_at(source: Path, out_dir: Path, *, config: str, steps: int, extra: list[str], nproc: int = 1) -> list[dict]:
+def run_at(
+    source: Path, out_dir: Path, *, config: str, steps: int, extra: list[str], nproc: int = 1
+) -> list[dict]:
     """One seeded run with ``source`` first on PYTHONPATH; returns its metrics.jsonl records."""
     env = dict(os.environ, PYTHONPATH=str(source), OMP_NUM_THREADS="1")
     torchrun = Path(sys.executable).with_name("torchrun")
     cmd = [
-        str(torchrun), "--nproc_per_node", str(nproc), "--master_port", str(29500 + os.getpid() % 1000),
-        str(source / "scripts" / "train.py"), "--config", str(source / config),
-        f"trainer.total_steps={steps}", f"output_dir={out_dir}", "name=compare", *extra,
+        str(torchrun),
+        "--nproc_per_node",
+        str(nproc),
+        "--master_port",
+        str(29500 + os.getpid() % 1000),
+        str(source / "scripts" / "train.py"),
+        "--config",
+        str(source / config),
+        f"trainer.total_steps={steps}",
+        f"output_dir={out_dir}",
+        "name=compare",
+        *extra,
     ]
     proc = subprocess.run(cmd, cwd=source, env=env, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
-        raise SystemExit(f"run at {source} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+        raise SystemExit(
+            f"run at {source} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+        )
     lines = (out_dir / "compare" / "metrics.jsonl").read_text().splitlines()
     return [json.loads(line) for line in lines if line.strip()]
 
@@ -68,8 +83,9 @@ def _close(a, b, rtol: float, atol: float = 0.0) -> bool:
     return abs(a - b) <= max(rtol * max(abs(a), abs(b)), atol)
 
 
-def compare(base: list[dict], head: list[dict], rtol: float = 0.0, ignore: re.Pattern | None = None,
-            atol: float = 0.0) -> tuple[list[str], int]:
+def compare(
+    base: list[dict], head: list[dict], rtol: float = 0.0, ignore: re.Pattern | None = None, atol: float = 0.0
+) -> tuple[list[str], int]:
     """Differences between two runs' records (empty: identical) and the number of values compared.
     ``rtol > 0``: numbers within that relative tolerance match and one-sided keys are not differences;
     ``ignore``: keys left out besides the wall-clock ones."""
@@ -93,33 +109,58 @@ def compare(base: list[dict], head: list[dict], rtol: float = 0.0, ignore: re.Pa
 
 
 def checkout(rev: str, into: Path) -> Path:
-    subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(into), rev], check=True,
-                   capture_output=True)
+    subprocess.run(
+        ["git", "-C", str(REPO), "worktree", "add", "--detach", str(into), rev],
+        check=True,
+        capture_output=True,
+    )
     return into
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--base", help="git revision of the reference run")
-    parser.add_argument("--metrics", nargs=2, metavar=("BASE", "HEAD"), type=Path,
-                        help="compare two finished runs' metrics.jsonl instead of running anything")
+    parser.add_argument(
+        "--metrics",
+        nargs=2,
+        metavar=("BASE", "HEAD"),
+        type=Path,
+        help="compare two finished runs' metrics.jsonl instead of running anything",
+    )
     parser.add_argument("--ignore", default="", help="regex of further keys not compared (--metrics)")
     parser.add_argument("--head", default=None, help="git revision to compare (default: the working tree)")
     parser.add_argument("--config", default="configs/signalling_tiny.yaml")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--nproc", type=int, default=1, help="ranks per run (a 2-rank preset: 2)")
-    parser.add_argument("--rtol", type=float, default=0.0,
-                        help="relative tolerance for numbers (default 0: bit-identical)")
-    parser.add_argument("--atol", type=float, default=0.0,
-                        help="with --rtol: numbers this close also match (values near 0, e.g. a pg_loss of ~1e-8)")
+    parser.add_argument(
+        "--rtol", type=float, default=0.0, help="relative tolerance for numbers (default 0: bit-identical)"
+    )
+    parser.add_argument(
+        "--atol",
+        type=float,
+        default=0.0,
+        help="with --rtol: numbers this close also match (values near 0, e.g. a pg_loss of ~1e-8)",
+    )
     parser.add_argument("overrides", nargs="*", help="extra key=value overrides for both runs")
-    parser.add_argument("--head-override", action="append", default=[], metavar="KEY=VALUE",
-                        help="an override for the head run only: a feature on vs off on one revision "
-                             "(e.g. --base HEAD --head HEAD --head-override policies.shared.prefix_tree=true)")
+    parser.add_argument(
+        "--head-override",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an override for the head run only: a feature on vs off on one revision "
+        "(e.g. --base HEAD --head HEAD --head-override policies.shared.prefix_tree=true)",
+    )
     args = parser.parse_args(argv)
     if args.metrics:
-        return report(*(_records(path) for path in args.metrics), names=tuple(map(str, args.metrics)),
-                      rtol=args.rtol, atol=args.atol, ignore=re.compile(args.ignore) if args.ignore else None)
+        return report(
+            *(_records(path) for path in args.metrics),
+            names=tuple(map(str, args.metrics)),
+            rtol=args.rtol,
+            atol=args.atol,
+            ignore=re.compile(args.ignore) if args.ignore else None,
+        )
     if not args.base:
         parser.error("give --base REV (or --metrics BASE HEAD)")
     tmp = Path(tempfile.mkdtemp(prefix="megamarl_compare_"))
@@ -132,15 +173,25 @@ def main(argv=None) -> int:
             else:
                 source = checkout(rev, tmp / f"src_{side}")
                 worktrees.append(source)
-            sides[side] = run_at(source, tmp / f"out_{side}", config=args.config, steps=args.steps,
-                                 extra=[*args.overrides, *(args.head_override if side == "head" else [])],
-                                 nproc=args.nproc)
+            sides[side] = run_at(
+                source,
+                tmp / f"out_{side}",
+                config=args.config,
+                steps=args.steps,
+                extra=[*args.overrides, *(args.head_override if side == "head" else [])],
+                nproc=args.nproc,
+            )
     finally:
         for tree in worktrees:
-            subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(tree)], capture_output=True,
-                           check=False)
+            subprocess.run(
+                ["git", "-C", str(REPO), "worktree", "remove", "--force", str(tree)],
+                capture_output=True,
+                check=False,
+            )
         shutil.rmtree(tmp, ignore_errors=True)
-    head = (args.head or "working tree") + (f" with {' '.join(args.head_override)}" if args.head_override else "")
+    head = (args.head or "working tree") + (
+        f" with {' '.join(args.head_override)}" if args.head_override else ""
+    )
     return report(sides["base"], sides["head"], names=(args.base, head), rtol=args.rtol, atol=args.atol)
 
 
@@ -148,29 +199,57 @@ def _records(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def report(base: list[dict], head: list[dict], *, names: tuple[str, str], rtol: float = 0.0, atol: float = 0.0,
-           ignore: re.Pattern | None = None) -> int:
+def report(
+    base: list[dict],
+    head: list[dict],
+    *,
+    names: tuple[str, str],
+    rtol: float = 0.0,
+    atol: float = 0.0,
+    ignore: re.Pattern | None = None,
+) -> int:
     """Print the comparison of two runs' records; 0 when they match."""
     diffs, num_compared = compare(base, head, rtol, ignore, atol)
-    losses = sorted({k for record in base for k in record if k.startswith("policy/") and not WALL_CLOCK.search(k)})
-    print(f"base={names[0]} head={names[1]}: {len(base)} records, "
-          f"{num_compared} values compared, loss keys: {losses}")
+    losses = sorted(
+        {k for record in base for k in record if k.startswith("policy/") and not WALL_CLOCK.search(k)}
+    )
+    print(
+        f"base={names[0]} head={names[1]}: {len(base)} records, "
+        f"{num_compared} values compared, loss keys: {losses}"
+    )
     for record in base:
-        print(f"  step {record.get('step')}: " + ", ".join(f"{k}={record[k]!r}" for k in losses if k in record))
+        print(
+            f"  step {record.get('step')}: " + ", ".join(f"{k}={record[k]!r}" for k in losses if k in record)
+        )
     if rtol > 0:
-        only = sorted({k for side, other in ((base, head), (head, base)) for r in side[:1]
-                       for k in r if not WALL_CLOCK.search(k) and k not in other[0]})
+        only = sorted(
+            {
+                k
+                for side, other in ((base, head), (head, base))
+                for r in side[:1]
+                for k in r
+                if not WALL_CLOCK.search(k) and k not in other[0]
+            }
+        )
         print(f"keys logged by one side only (not compared): {only}")
         for key in losses:
-            rel = [abs(a[key] - b[key]) / max(abs(a[key]), abs(b[key]), 1e-30)
-                   for a, b in zip(base, head) if key in a and key in b
-                   and isinstance(a[key], (int, float)) and isinstance(b[key], (int, float))]
+            rel = [
+                abs(a[key] - b[key]) / max(abs(a[key]), abs(b[key]), 1e-30)
+                for a, b in zip(base, head)
+                if key in a
+                and key in b
+                and isinstance(a[key], (int, float))
+                and isinstance(b[key], (int, float))
+            ]
             print(f"  {key}: max relative difference {max(rel, default=0.0):.3g} over {len(rel)} steps")
     if diffs:
         print("DIFFERENT:\n  " + "\n  ".join(diffs[:50]))
         return 1
-    print("IDENTICAL (bit-for-bit, wall-clock keys excluded)" if rtol <= 0
-          else f"MATCH within rtol={rtol:g}, atol={atol:g} (wall-clock keys excluded)")
+    print(
+        "IDENTICAL (bit-for-bit, wall-clock keys excluded)"
+        if rtol <= 0
+        else f"MATCH within rtol={rtol:g}, atol={atol:g} (wall-clock keys excluded)"
+    )
     return 0
 
 

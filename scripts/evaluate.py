@@ -40,15 +40,24 @@ from megamarl.errors import EXIT_OK, RolloutFailureError
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", help="YAML run config (default with --run/--checkpoint: the run's config.yaml)")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--config", help="YAML run config (default with --run/--checkpoint: the run's config.yaml)"
+    )
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--run", help="a run directory: its latest complete checkpoint")
     source.add_argument("--checkpoint", help="a checkpoint directory, <run>/checkpoints/step_N")
-    source.add_argument("--hf", help="exported HF models (megamarl-convert output, DIR/<policy>/) or one model directory")
+    source.add_argument(
+        "--hf", help="exported HF models (megamarl-convert output, DIR/<policy>/) or one model directory"
+    )
     parser.add_argument("--out", help="where eval.json goes (default: <output_dir>/<name>-eval)")
-    parser.add_argument("--check", action="store_true",
-                        help="run the start-up checks (config, sources, placement, output directory) and exit")
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="run the start-up checks (config, sources, placement, output directory) and exit",
+    )
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. eval.num_tasks=200 eval.k=4")
     args = parser.parse_args(argv)
     try:
@@ -73,7 +82,9 @@ def main(argv=None) -> int:
         return exc.exit_code
     if is_driver:
         step = trainer.step if step is None else step
-        print_table(results, title=f"{_describe(args)}, step {step} ({out / 'eval.json'})", sets=list(cfg.eval.sets))
+        print_table(
+            results, title=f"{_describe(args)}, step {step} ({out / 'eval.json'})", sets=list(cfg.eval.sets)
+        )
     return EXIT_OK
 
 
@@ -83,7 +94,9 @@ def eval_config(args) -> tuple[RunConfig, int | None, list[str]]:
     directory. Also the step to label the entry with (None: the checkpoint's) and notes to print."""
     bad = [o for o in args.overrides if o.lstrip("+~").split("=", 1)[0] == "trainer.resume"]
     if bad:
-        raise ValueError(f"{bad[0]}: the evaluated checkpoint is given with --run or --checkpoint, not trainer.resume")
+        raise ValueError(
+            f"{bad[0]}: the evaluated checkpoint is given with --run or --checkpoint, not trainer.resume"
+        )
     checkpoint = _checkpoint_dir(args)
     config = args.config
     if config is None:  # the run's own resolved config
@@ -94,7 +107,9 @@ def eval_config(args) -> tuple[RunConfig, int | None, list[str]]:
             raise ValueError(f"--config is required: the run has no {config}")
     cfg = load_config(config, args.overrides)
     if cfg.eval.num_tasks <= 0:
-        raise ValueError("eval.num_tasks is 0: nothing to evaluate; set eval.num_tasks=N (tasks per eval set)")
+        raise ValueError(
+            "eval.num_tasks is 0: nothing to evaluate; set eval.num_tasks=N (tasks per eval set)"
+        )
     step, notes, policies = None, [], cfg.policies
     if args.hf is not None:
         policies, step, notes = _hf_policies(cfg, Path(args.hf))
@@ -102,7 +117,11 @@ def eval_config(args) -> tuple[RunConfig, int | None, list[str]]:
     _check_out(out, checkpoint)
     # the output directory is the Trainer's run directory (config.yaml, eval.json, engine logs, plots)
     trainer = replace(cfg.trainer, resume=str(checkpoint) if checkpoint is not None else "none")
-    return replace(cfg, output_dir=str(out.parent), name=out.name, trainer=trainer, policies=policies), step, notes
+    return (
+        replace(cfg, output_dir=str(out.parent), name=out.name, trainer=trainer, policies=policies),
+        step,
+        notes,
+    )
 
 
 def _checkpoint_dir(args) -> Path | None:
@@ -112,16 +131,28 @@ def _checkpoint_dir(args) -> Path | None:
     if args.checkpoint is not None:
         path = Path(args.checkpoint)
         if not (path / checkpoint.COMPLETE).is_file():
-            why = "does not exist" if not path.exists() else f"is not a complete checkpoint (no {checkpoint.COMPLETE} marker)"
-            raise ValueError(f"--checkpoint {path} {why}; give <run>/{checkpoint.CHECKPOINTS}/step_N, or a run "
-                             "directory with --run")
+            why = (
+                "does not exist"
+                if not path.exists()
+                else f"is not a complete checkpoint (no {checkpoint.COMPLETE} marker)"
+            )
+            raise ValueError(
+                f"--checkpoint {path} {why}; give <run>/{checkpoint.CHECKPOINTS}/step_N, or a run "
+                "directory with --run"
+            )
         return path
     if args.run is not None:
         path = Path(args.run)
         found = checkpoint.list_checkpoints(path)
         if not found:
-            why = "does not exist" if not path.exists() else f"holds no complete checkpoint under {checkpoint.CHECKPOINTS}/"
-            raise ValueError(f"--run {path} {why}; give a run directory (or one checkpoint with --checkpoint)")
+            why = (
+                "does not exist"
+                if not path.exists()
+                else f"holds no complete checkpoint under {checkpoint.CHECKPOINTS}/"
+            )
+            raise ValueError(
+                f"--run {path} {why}; give a run directory (or one checkpoint with --checkpoint)"
+            )
         return found[-1]
     return None
 
@@ -131,25 +162,38 @@ def _hf_policies(cfg: RunConfig, path: Path) -> tuple[dict, int, list[str]]:
     from megamarl.cli.export import MANIFEST
 
     if not path.is_dir():
-        raise ValueError(f"--hf {path} does not exist; give megamarl-convert's output directory or one model directory")
+        raise ValueError(
+            f"--hf {path} does not exist; give megamarl-convert's output directory or one model directory"
+        )
     if (path / "config.json").is_file():  # one model directory
         if len(cfg.policies) != 1:
-            raise ValueError(f"--hf {path} is one model directory but the config has policies {sorted(cfg.policies)}; "
-                             "give the export directory holding one <policy>/ directory each")
+            raise ValueError(
+                f"--hf {path} is one model directory but the config has policies {sorted(cfg.policies)}; "
+                "give the export directory holding one <policy>/ directory each"
+            )
         found, manifest = {next(iter(cfg.policies)): path}, path.parent / MANIFEST
     else:
         found = {name: path / name for name in cfg.policies if (path / name / "config.json").is_file()}
         manifest = path / MANIFEST
         if not found:
-            raise ValueError(f"--hf {path} has no model directory for any policy of the config "
-                             f"({', '.join(f'{name}/' for name in sorted(cfg.policies))})")
+            raise ValueError(
+                f"--hf {path} has no model directory for any policy of the config "
+                f"({', '.join(f'{name}/' for name in sorted(cfg.policies))})"
+            )
     lora = sorted(name for name in found if cfg.policies[name].lora is not None)
     if lora:
-        raise ValueError(f"--hf: policies {lora} are L2 (LoRA) policies, whose exported adapters the engines do not "
-                         "load from an export; evaluate their run with --run or --checkpoint")
-    notes = [f"--hf: policy {name} is not in {path}; it keeps policies.{name}.model={p.model}"
-             for name, p in cfg.policies.items() if name not in found]
-    policies = {name: replace(p, model=str(found[name])) if name in found else p for name, p in cfg.policies.items()}
+        raise ValueError(
+            f"--hf: policies {lora} are L2 (LoRA) policies, whose exported adapters the engines do not "
+            "load from an export; evaluate their run with --run or --checkpoint"
+        )
+    notes = [
+        f"--hf: policy {name} is not in {path}; it keeps policies.{name}.model={p.model}"
+        for name, p in cfg.policies.items()
+        if name not in found
+    ]
+    policies = {
+        name: replace(p, model=str(found[name])) if name in found else p for name, p in cfg.policies.items()
+    }
     try:
         step = int(json.loads(manifest.read_text(encoding="utf-8"))["step"])
     except (OSError, ValueError, KeyError, TypeError):
@@ -163,7 +207,9 @@ def _check_out(out: Path, checkpoint: Path | None) -> None:
     from megamarl.runtime.checkpoint import CHECKPOINTS
 
     if checkpoint is not None and out.resolve() == checkpoint.parent.parent.resolve():
-        raise ValueError(f"--out {out} is the evaluated run's directory; give another (default: <output_dir>/<name>-eval)")
+        raise ValueError(
+            f"--out {out} is the evaluated run's directory; give another (default: <output_dir>/<name>-eval)"
+        )
     if (out / CHECKPOINTS).exists():
         raise ValueError(f"--out {out} holds a training run ({CHECKPOINTS}/); give another directory")
 
@@ -180,17 +226,23 @@ def print_table(results: dict, *, title: str, sets: list[str]) -> None:
     rows = []
     for key, value in results.items():
         name, result = key.split("/", 1) if sets and key.split("/", 1)[0] in sets else ("", key)
-        text = "-" if value is None else str(int(value)) if result in ("num_tasks", "num_failed") else f"{value:.4f}"
+        text = (
+            "-"
+            if value is None
+            else str(int(value))
+            if result in ("num_tasks", "num_failed")
+            else f"{value:.4f}"
+        )
         rows.append((name, result, text))
     if sys.stdout.isatty():
         from rich.console import Console
         from rich.table import Table
 
         table = Table(title=f"eval of {title}")
-        for column in ("set", "result", "value")[0 if sets else 1:]:
+        for column in ("set", "result", "value")[0 if sets else 1 :]:
             table.add_column(column, justify="right" if column == "value" else "left")
         for row in rows:
-            table.add_row(*row[0 if sets else 1:])
+            table.add_row(*row[0 if sets else 1 :])
         Console().print(table)
         return
     print(f"eval of {title}")

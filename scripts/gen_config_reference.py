@@ -39,6 +39,7 @@ names the key.
 def _names(registry) -> str:
     """The built-in names: registered by megamarl's own modules, not by plugins or test helpers
     (``tests/scripted.py``) that the process happens to have imported."""
+
     def builtin(name: str) -> bool:
         return getattr(registry.get(name), "__module__", "").startswith("megamarl.")
 
@@ -100,8 +101,10 @@ def descriptions() -> dict[str, str]:
         a + "frozen": "acts but its samples never train the policy",
         a + "system_prompt": "system turn; null: the agent kind's default",
         a + "prompt_template": "user turn, `{observation}` is replaced; null: the kind's default",
-        **{a + k: f"per-agent override of `policies.<name>.{k}`; null: inherit" for k in
-           ("clip_low", "clip_high", "kl_coef", "entropy_coef", "micro_batch_size")},
+        **{
+            a + k: f"per-agent override of `policies.<name>.{k}`; null: inherit"
+            for k in ("clip_low", "clip_high", "kl_coef", "entropy_coef", "micro_batch_size")
+        },
         "logger.wandb.entity": "wandb entity (team); null: your default",
         "env.name": f"registered env: {_names(ENVS)}",
         "env.kwargs": "the env's own typed config (unknown keys are rejected at load time)",
@@ -109,9 +112,9 @@ def descriptions() -> dict[str, str]:
         "orchestra.kwargs": "the orchestra's own typed config",
         "rollout.max_concurrency": "episodes in flight at once",
         "rollout.env_timeout_s": "an env step in an env worker (`rollout.env_workers`, not `inline`) slower than this "
-                                 "fails the episode (its worker is replaced)",
+        "fails the episode (its worker is replaced)",
         "rollout.env_workers.backend": f"env worker backend: {_names(WORKERS)}; steps of envs with `remote_step` "
-                                       "(`code`) run there (docs/performance.md)",
+        "(`code`) run there (docs/performance.md)",
         "algorithm.estimator": f"advantage estimator: {_names(ADVANTAGE_ESTIMATORS)} (docs/rl.md)",
         "algorithm.group_by": f"index columns that form a GRPO group, from {', '.join(GROUP_KEYS)}",
         "algorithm.normalize_std": "divide advantages by the group's std (false: Dr.GRPO style)",
@@ -229,8 +232,11 @@ def render() -> str:
         if "." in row[0]:
             sections.setdefault(row[0].split(".")[0], []).append(row)
     table = ["| key | type | default | description |", "|---|---|---|---|"]
-    parts.append("## Top level\n\n" + "\n".join(table + [f"| `{k}` | {t} | {d} | {c} |" for k, t, d, c in scalars
-                                                         if k not in sections]) + "\n")
+    parts.append(
+        "## Top level\n\n"
+        + "\n".join(table + [f"| `{k}` | {t} | {d} | {c} |" for k, t, d, c in scalars if k not in sections])
+        + "\n"
+    )
     for name, section_rows in sections.items():
         lines = [f"## `{name}`\n"] + table + [f"| `{k}` | {t} | {d} | {c} |" for k, t, d, c in section_rows]
         parts.append("\n".join(lines) + "\n")
@@ -251,7 +257,11 @@ def orchestra_kwargs(table: list[str]) -> list[str]:
         if not getattr(cls, "__module__", "").startswith("megamarl."):
             continue
         config_rows = rows(cls.Config, "orchestra.kwargs.", {})
-        body = table + [f"| `{k}` | {t} | {d} | {c} |" for k, t, d, c in config_rows] if config_rows else ["(no keys)"]
+        body = (
+            table + [f"| `{k}` | {t} | {d} | {c} |" for k, t, d, c in config_rows]
+            if config_rows
+            else ["(no keys)"]
+        )
         parts.append("\n".join([f"### `orchestra.kwargs` of `{name}`\n", *body]) + "\n")
     return parts
 
@@ -263,7 +273,10 @@ def main(argv: list[str] | None = None) -> int:
     text = render()
     if args.check:
         if not OUTPUT.is_file() or OUTPUT.read_text() != text:
-            print(f"{OUTPUT.relative_to(ROOT)} is stale: run python scripts/gen_config_reference.py", file=sys.stderr)
+            print(
+                f"{OUTPUT.relative_to(ROOT)} is stale: run python scripts/gen_config_reference.py",
+                file=sys.stderr,
+            )
             return 1
         return 0
     OUTPUT.write_text(text)

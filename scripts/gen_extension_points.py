@@ -57,8 +57,11 @@ def _traits(value) -> str:
     if value is None:
         return ""
     default = type(value)()
-    changed = [f"{f.name}={getattr(value, f.name)!r}" for f in dataclasses.fields(value)
-               if getattr(value, f.name) != getattr(default, f.name)]
+    changed = [
+        f"{f.name}={getattr(value, f.name)!r}"
+        for f in dataclasses.fields(value)
+        if getattr(value, f.name) != getattr(default, f.name)
+    ]
     return ", ".join(changed) or "defaults"
 
 
@@ -87,7 +90,9 @@ def render() -> str:
         out.append(f"`{variable}` in `{_source(registry.module)}`\n")
         out.append(f"- signature: `{registry.signature}`")
         if registry.traits_type is not None:
-            fields = ", ".join(f"`{f.name}` = `{f.default!r}`" for f in dataclasses.fields(registry.traits_type))
+            fields = ", ".join(
+                f"`{f.name}` = `{f.default!r}`" for f in dataclasses.fields(registry.traits_type)
+            )
             out.append(f"- traits: `{registry.traits_type.__name__}` ({fields})")
         if registry.keys:
             out.append("- named by: " + ", ".join(f"`{k}`" for k in registry.keys))
@@ -124,7 +129,10 @@ def main() -> int:
     text = render()
     if args.check:
         if OUTPUT.read_text() != text:
-            print(f"{OUTPUT.relative_to(ROOT)} is stale: run python scripts/gen_extension_points.py", file=sys.stderr)
+            print(
+                f"{OUTPUT.relative_to(ROOT)} is stale: run python scripts/gen_extension_points.py",
+                file=sys.stderr,
+            )
             return 1
         return 0
     OUTPUT.write_text(text)

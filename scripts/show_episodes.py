@@ -25,8 +25,10 @@ def render(records: list[dict], *, agent: str | None = None, prompt_chars: int =
     for r in records:
         status = r["status"] or "?"
         success = {True: "success", False: "failure", None: "?"}[r["success"]]
-        out.append(f"=== episode {r['episode_id']} (task {r['task_id']}): {status}, {success}, "
-                   f"team reward {r['team_reward']:g}")
+        out.append(
+            f"=== episode {r['episode_id']} (task {r['task_id']}): {status}, {success}, "
+            f"team reward {r['team_reward']:g}"
+        )
         if r.get("agent_success"):
             own = (f"{a}={'yes' if ok else 'no'}" for a, ok in r["agent_success"].items())
             out.append("    own success: " + ", ".join(own))
@@ -34,8 +36,10 @@ def render(records: list[dict], *, agent: str | None = None, prompt_chars: int =
         for c in calls:
             flags = "" if c["valid"] else ", INVALID"
             flags += ", truncated" if c["truncated"] else ""
-            out.append(f"--- step {c['step']}: {c['agent']} (policy {c['policy']}, turn {c['turn']}, branch "
-                       f"{c['branch']}, weights v{c['weight_version']}) local reward {c['local_reward']:g}{flags}")
+            out.append(
+                f"--- step {c['step']}: {c['agent']} (policy {c['policy']}, turn {c['turn']}, branch "
+                f"{c['branch']}, weights v{c['weight_version']}) local reward {c['local_reward']:g}{flags}"
+            )
             prompt = c["prompt"]
             if prompt_chars and len(prompt) > prompt_chars:
                 prompt = "..." + prompt[-prompt_chars:]
@@ -55,8 +59,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("run", type=Path, help="the run directory (<output_dir>/<name>)")
     parser.add_argument("--step", type=int, default=None, help="the training step (default: the latest)")
     parser.add_argument("--agent", default=None, help="only this agent's calls")
-    parser.add_argument("--prompt-chars", type=int, default=0,
-                        help="print only the last N characters of each prompt (default: all of it)")
+    parser.add_argument(
+        "--prompt-chars",
+        type=int,
+        default=0,
+        help="print only the last N characters of each prompt (default: all of it)",
+    )
     args = parser.parse_args(argv)
     try:
         step, records = read_transcripts(args.run, args.step)
@@ -66,8 +74,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.agent is not None:
         known = {c["agent"] for r in records for c in r["calls"]}
         if args.agent not in known:
-            print(f"show_episodes: no agent {args.agent!r} at step {step}; agents: {sorted(known)}",
-                  file=sys.stderr)
+            print(
+                f"show_episodes: no agent {args.agent!r} at step {step}; agents: {sorted(known)}",
+                file=sys.stderr,
+            )
             return 2
     try:
         print(f"{args.run} step {step}: {len(records)} episodes\n")

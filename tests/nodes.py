@@ -64,16 +64,20 @@ def _host_paths() -> list[Path]:
     cache.mkdir(parents=True, exist_ok=True)
     paths = [REPOSITORY, Path(sys.prefix).resolve(), cache]
     return [p for p in paths if any(p.is_relative_to(d) for d in PRIVATE)]
+
+
 _PR_SET_PDEATHSIG = 1
 
 # The node's init: PID 1 of its PID namespace reaps the orphans reparented to it (a sleep would leave
 # zombies that kill_all would then keep finding). The holder script has set the node up before it.
-_INIT = ("import os, time\n"
-         "while True:\n"
-         "    try:\n"
-         "        os.waitpid(-1, 0)\n"
-         "    except ChildProcessError:\n"
-         "        time.sleep(0.5)\n")
+_INIT = (
+    "import os, time\n"
+    "while True:\n"
+    "    try:\n"
+    "        os.waitpid(-1, 0)\n"
+    "    except ChildProcessError:\n"
+    "        time.sleep(0.5)\n"
+)
 
 # Run by the node's init before it becomes the init: $1 hostname, $2 hosts file, $3.. paths to keep.
 _SETUP = r"""
@@ -114,11 +118,30 @@ def nodes_permitted() -> str | None:
     missing = [tool for tool in TOOLS if shutil.which(tool) is None]
     if missing:
         return f"network-namespace nodes need {', '.join(missing)} (util-linux, iproute2)"
-    probe = ("ip link add pa type veth peer name pb && ip link add name probebr type bridge && ip link set pa master probebr "
-             "&& mount -t tmpfs tmpfs /dev/shm && hostname probe")
+    probe = (
+        "ip link add pa type veth peer name pb && ip link add name probebr type bridge && ip link set pa master probebr "
+        "&& mount -t tmpfs tmpfs /dev/shm && hostname probe"
+    )
     try:
-        done = subprocess.run(["unshare", "--net", "--uts", "--mount", "--ipc", "--pid", "--fork", "--mount-proc",
-                               "sh", "-c", probe], check=False, capture_output=True, text=True, timeout=START_TIMEOUT_S)
+        done = subprocess.run(
+            [
+                "unshare",
+                "--net",
+                "--uts",
+                "--mount",
+                "--ipc",
+                "--pid",
+                "--fork",
+                "--mount-proc",
+                "sh",
+                "-c",
+                probe,
+            ],
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=START_TIMEOUT_S,
+        )
     except (OSError, subprocess.TimeoutExpired) as exc:
         return f"network-namespace nodes: the probe failed: {exc}"
     if done.returncode != 0:
@@ -128,8 +151,14 @@ def nodes_permitted() -> str | None:
 
 def _start_holder(argv: list[str]) -> subprocess.Popen:
     """A holder process whose stdout says ``ready`` once its namespaces are set up."""
-    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, preexec_fn=_die_with_parent)  # noqa: PLW1509 (prctl only)
+    proc = subprocess.Popen(
+        argv,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        preexec_fn=_die_with_parent,
+    )  # noqa: PLW1509 (prctl only)
     lines = []
     for line in proc.stdout:  # ends at EOF: the setup failed
         if line.strip() == "ready":
@@ -178,18 +207,39 @@ class Node:
         process's working directory, which must be visible in the node)."""
         argv = ["sh", "-c", cmd] if isinstance(cmd, str) else [str(a) for a in cmd]
         where = os.fspath(cwd) if cwd is not None else os.getcwd()
-        return ["nsenter", "-t", str(self.init_pid), "--net", "--uts", "--mount", "--ipc", "--pid",
-                f"--wd={where}", "--", *argv]
+        return [
+            "nsenter",
+            "-t",
+            str(self.init_pid),
+            "--net",
+            "--uts",
+            "--mount",
+            "--ipc",
+            "--pid",
+            f"--wd={where}",
+            "--",
+            *argv,
+        ]
 
-    def popen(self, cmd: Sequence[str] | str, env: dict[str, str] | None = None,
-              cwd: str | os.PathLike | None = None, **kw) -> subprocess.Popen:
+    def popen(
+        self,
+        cmd: Sequence[str] | str,
+        env: dict[str, str] | None = None,
+        cwd: str | os.PathLike | None = None,
+        **kw,
+    ) -> subprocess.Popen:
         """``subprocess.Popen`` of ``cmd`` inside the node (``env`` None: this process's environment)."""
         proc = subprocess.Popen(self.command(cmd, cwd=cwd), env=env, **kw)
         self._started.append(proc)
         return proc
 
-    def run(self, cmd: Sequence[str] | str, env: dict[str, str] | None = None,
-            cwd: str | os.PathLike | None = None, **kw) -> subprocess.CompletedProcess:
+    def run(
+        self,
+        cmd: Sequence[str] | str,
+        env: dict[str, str] | None = None,
+        cwd: str | os.PathLike | None = None,
+        **kw,
+    ) -> subprocess.CompletedProcess:
         """``subprocess.run`` of ``cmd`` inside the node (same keywords: check, timeout, capture_output...)."""
         return subprocess.run(self.command(cmd, cwd=cwd), env=env, **kw)  # noqa: PLW1510 (the caller's check)
 
@@ -211,8 +261,13 @@ class Node:
 
     def ps(self) -> str:
         """``ps`` inside the node: its processes, as the node sees them (pid 1 is its init)."""
-        return self.run(["ps", "-eo", "pid,ppid,rss,etime,args", "--width", "1000"], capture_output=True,
-                        text=True, check=False, cwd="/").stdout
+        return self.run(
+            ["ps", "-eo", "pid,ppid,rss,etime,args", "--width", "1000"],
+            capture_output=True,
+            text=True,
+            check=False,
+            cwd="/",
+        ).stdout
 
     def kill_all(self, *, timeout_s: float = 10.0) -> list[int]:
         """SIGKILL every process of the node (the node dies; the node, its address and mounts stay) and
@@ -248,8 +303,12 @@ class Node:
         self._switch(["ip", "link", "set", self.veth, "up"])
 
     def _switch(self, argv: list[str]) -> None:
-        subprocess.run(["nsenter", "-t", str(self._switch_pid), "--net", "--", *argv], check=True,
-                       capture_output=True, timeout=START_TIMEOUT_S)
+        subprocess.run(
+            ["nsenter", "-t", str(self._switch_pid), "--net", "--", *argv],
+            check=True,
+            capture_output=True,
+            timeout=START_TIMEOUT_S,
+        )
 
     def _stop(self) -> str | None:
         """Kill the node and wait until its init has exited; the reason if it would not."""
@@ -275,14 +334,17 @@ def _kill_and_wait(pidfd: int, what: str, *, close: Sequence[int] = ()) -> str |
 
 def _hosts_file(num_nodes: int, index: int, *, own_name_on_loopback: bool) -> str:
     lines = ["127.0.0.1 localhost", "::1 localhost ip6-localhost ip6-loopback"]
-    lines += [f"{'127.0.1.1' if own_name_on_loopback and i == index else f'{SUBNET}.{i + 1}'} n{i}"
-              for i in range(num_nodes)]
+    lines += [
+        f"{'127.0.1.1' if own_name_on_loopback and i == index else f'{SUBNET}.{i + 1}'} n{i}"
+        for i in range(num_nodes)
+    ]
     return "\n".join(lines) + "\n"
 
 
 @contextlib.contextmanager
-def cluster(n: int, shared: Path, *, keep: Sequence[Path] = (),
-            own_name_on_loopback: bool = False) -> Iterator[list[Node]]:
+def cluster(
+    n: int, shared: Path, *, keep: Sequence[Path] = (), own_name_on_loopback: bool = False
+) -> Iterator[list[Node]]:
     """``n`` nodes on one switch; ``shared`` (created if missing) and ``keep`` visible in all of them at
     their paths. Everything is stopped and removed when the context exits, however it exits.
     ``own_name_on_loopback``: each node's /etc/hosts maps its own hostname to 127.0.1.1, as Debian's
@@ -296,31 +358,80 @@ def cluster(n: int, shared: Path, *, keep: Sequence[Path] = (),
     shared = Path(shared).resolve()
     shared.mkdir(parents=True, exist_ok=True)
     visible = []
-    for path in sorted({shared, *(Path(p).resolve() for p in keep), *_host_paths()}, key=lambda p: len(p.parts)):
+    for path in sorted(
+        {shared, *(Path(p).resolve() for p in keep), *_host_paths()}, key=lambda p: len(p.parts)
+    ):
         if not any(path.is_relative_to(outer) for outer in visible):  # inside one already kept: kept with it
             visible.append(path)
     nodes: list[Node] = []
     switch = switch_fd = None
     with tempfile.TemporaryDirectory(prefix="megamarl-nodes-") as scratch:
         try:
-            switch = _start_holder(["unshare", "--net", "--fork", "--kill-child", "--", "sh", "-c",
-                                    f"set -e; ip link add name {BRIDGE} type bridge; ip link set {BRIDGE} up; "
-                                    + "echo ready; exec sleep infinity"])
+            switch = _start_holder(
+                [
+                    "unshare",
+                    "--net",
+                    "--fork",
+                    "--kill-child",
+                    "--",
+                    "sh",
+                    "-c",
+                    f"set -e; ip link add name {BRIDGE} type bridge; ip link set {BRIDGE} up; "
+                    + "echo ready; exec sleep infinity",
+                ]
+            )
             switch_fd = os.pidfd_open(_child_pid(switch.pid))
             for i in range(n):
                 hosts = Path(scratch) / f"hosts-n{i}"
                 hosts.write_text(_hosts_file(n, i, own_name_on_loopback=own_name_on_loopback))
-                holder = _start_holder(["unshare", "--net", "--uts", "--mount", "--ipc", "--pid", "--fork",
-                                        "--mount-proc", "--kill-child", "--propagation", "private", "--",
-                                        "sh", "-c", f"{_SETUP}\nexec {shlex.quote(sys.executable)} -c "
-                                        + shlex.quote(_INIT), "megamarl-node", f"n{i}", str(hosts), *map(str, visible)])
+                holder = _start_holder(
+                    [
+                        "unshare",
+                        "--net",
+                        "--uts",
+                        "--mount",
+                        "--ipc",
+                        "--pid",
+                        "--fork",
+                        "--mount-proc",
+                        "--kill-child",
+                        "--propagation",
+                        "private",
+                        "--",
+                        "sh",
+                        "-c",
+                        f"{_SETUP}\nexec {shlex.quote(sys.executable)} -c " + shlex.quote(_INIT),
+                        "megamarl-node",
+                        f"n{i}",
+                        str(hosts),
+                        *map(str, visible),
+                    ]
+                )
                 node = Node(i, holder=holder, switch_pid=switch.pid)
                 nodes.append(node)
-                node._switch(["ip", "link", "add", node.veth, "type", "veth", "peer", "name", "eth0", "netns",
-                              str(node.init_pid)])
+                node._switch(
+                    [
+                        "ip",
+                        "link",
+                        "add",
+                        node.veth,
+                        "type",
+                        "veth",
+                        "peer",
+                        "name",
+                        "eth0",
+                        "netns",
+                        str(node.init_pid),
+                    ]
+                )
                 node._switch(["ip", "link", "set", node.veth, "master", BRIDGE, "up"])
-                node.run(f"ip addr add {node.addr}/{PREFIX_LEN} dev eth0 && ip link set eth0 up", check=True,
-                         capture_output=True, timeout=START_TIMEOUT_S, cwd="/")
+                node.run(
+                    f"ip addr add {node.addr}/{PREFIX_LEN} dev eth0 && ip link set eth0 up",
+                    check=True,
+                    capture_output=True,
+                    timeout=START_TIMEOUT_S,
+                    cwd="/",
+                )
             yield nodes
         finally:
             stuck = [node._stop() for node in nodes]

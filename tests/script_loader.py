@@ -11,8 +11,9 @@ from types import ModuleType
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def load_script(path: str | Path, *, name: str | None = None,
-                before_exec: Callable[[ModuleType], None] | None = None) -> ModuleType:
+def load_script(
+    path: str | Path, *, name: str | None = None, before_exec: Callable[[ModuleType], None] | None = None
+) -> ModuleType:
     """The module at ``path`` (relative to the repository root, or absolute), executed once. ``name``
     defaults to the file's stem; ``before_exec`` sees the module before its code runs (a script whose
     dataclasses look their module up in ``sys.modules`` is registered there by the caller)."""

@@ -57,7 +57,11 @@ class ScriptedRequest:
 
 class ScriptedEngine(Engine):
     def __init__(
-        self, tokenizer: Any, policy: Callable[[ScriptedRequest], str], *, weight_version: int = 0,
+        self,
+        tokenizer: Any,
+        policy: Callable[[ScriptedRequest], str],
+        *,
+        weight_version: int = 0,
         delay_s: float = 0.0,
     ) -> None:
         self.tokenizer = tokenizer

@@ -13,7 +13,13 @@ import sys
 
 from sglang.srt.server_args import prepare_server_args
 
-FIELDS = ("enable_lora", "lora_target_modules", "max_lora_rank", "enable_memory_saver", "enable_weights_cpu_backup")
+FIELDS = (
+    "enable_lora",
+    "lora_target_modules",
+    "max_lora_rank",
+    "enable_memory_saver",
+    "enable_weights_cpu_backup",
+)
 
 
 def probe(argv: list[str]) -> dict:

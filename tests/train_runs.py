@@ -37,8 +37,16 @@ TRAIN = ROOT / "scripts" / "train.py"
 TRAIN_PRELOAD = ("megamarl.trainer", "megamarl.orchestration", "megamarl.runtime.plot", "matplotlib.pyplot")
 
 
-def _rank_main(rank: int, nproc: int, port: int, script: str, argv: list[str], environ: dict[str, str],
-               cwd: str, log: str) -> None:
+def _rank_main(
+    rank: int,
+    nproc: int,
+    port: int,
+    script: str,
+    argv: list[str],
+    environ: dict[str, str],
+    cwd: str,
+    log: str,
+) -> None:
     """One rank: torchrun's environment, output appended to ``log``, ``script`` run as ``__main__``."""
     os.setsid()  # its own process group: a timeout kills the rank and whatever it started
     fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
@@ -46,12 +54,21 @@ def _rank_main(rank: int, nproc: int, port: int, script: str, argv: list[str], e
     os.dup2(fd, 2)
     os.close(fd)
     set_rank_environ(environ, rank, nproc, port)
-    os.environ.update(GROUP_RANK="0", ROLE_RANK=str(rank), ROLE_WORLD_SIZE=str(nproc), TORCHELASTIC_RESTART_COUNT="0",
-                      TORCHELASTIC_MAX_RESTARTS="0", TORCHELASTIC_RUN_ID="megamarl-tests")
+    os.environ.update(
+        GROUP_RANK="0",
+        ROLE_RANK=str(rank),
+        ROLE_WORLD_SIZE=str(nproc),
+        TORCHELASTIC_RESTART_COUNT="0",
+        TORCHELASTIC_MAX_RESTARTS="0",
+        TORCHELASTIC_RUN_ID="megamarl-tests",
+    )
     if nproc > 1 and "OMP_NUM_THREADS" not in environ:  # torchrun's default for several local ranks
         os.environ["OMP_NUM_THREADS"] = "1"
     # What a fresh interpreter would put first on sys.path: the script's directory, then PYTHONPATH.
-    sys.path[:0] = [str(Path(script).parent), *(p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p)]
+    sys.path[:0] = [
+        str(Path(script).parent),
+        *(p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p),
+    ]
     if os.environ.get("PYTHONWARNINGS"):  # read at interpreter start-up, which a fork skips
         import warnings
 
@@ -98,8 +115,10 @@ class Ranks:
         while (code := self.poll()) is None:
             if time.monotonic() > deadline:
                 self.kill()
-                raise TimeoutError(f"still running after {timeout:.0f}s; log tail:\n"
-                                   f"{self.log.read_text(errors='replace')[-4000:]}")
+                raise TimeoutError(
+                    f"still running after {timeout:.0f}s; log tail:\n"
+                    f"{self.log.read_text(errors='replace')[-4000:]}"
+                )
             time.sleep(0.1)
         return code
 
@@ -112,8 +131,15 @@ class Ranks:
         _signal(self.procs, sig, grace_s=0)
 
 
-def start(argv: list[str], *, nproc: int, log: Path, env: dict[str, str] | None = None, cwd: Path = ROOT,
-          script: Path = TRAIN) -> Ranks:
+def start(
+    argv: list[str],
+    *,
+    nproc: int,
+    log: Path,
+    env: dict[str, str] | None = None,
+    cwd: Path = ROOT,
+    script: Path = TRAIN,
+) -> Ranks:
     """Start ``script argv`` on ``nproc`` local ranks (module docstring), every rank's output appended
     to ``log``; returns at once."""
     if Path(script) == TRAIN and not any(a.lstrip("+").startswith("logger.plots=") for a in argv):
@@ -121,16 +147,27 @@ def start(argv: list[str], *, nproc: int, log: Path, env: dict[str, str] | None 
     ctx = rank_context(TRAIN_PRELOAD)
     port = free_port()
     environ = {**os.environ, "CI": "true", **(env or {})}
-    procs = [ctx.Process(target=_rank_main, args=(rank, nproc, port, str(script), list(argv), environ, str(cwd),
-                                                  str(log)))
-             for rank in range(nproc)]
+    procs = [
+        ctx.Process(
+            target=_rank_main, args=(rank, nproc, port, str(script), list(argv), environ, str(cwd), str(log))
+        )
+        for rank in range(nproc)
+    ]
     for proc in procs:
         proc.start()
     return Ranks(procs, log)
 
 
-def launch(argv: list[str], *, nproc: int, log: Path, timeout: float, env: dict[str, str] | None = None,
-           cwd: Path = ROOT, script: Path = TRAIN) -> int:
+def launch(
+    argv: list[str],
+    *,
+    nproc: int,
+    log: Path,
+    timeout: float,
+    env: dict[str, str] | None = None,
+    cwd: Path = ROOT,
+    script: Path = TRAIN,
+) -> int:
     """``start`` and wait: the exit code (0: every rank succeeded). Past ``timeout`` every rank is
     killed and ``TimeoutError`` raised."""
     return start(argv, nproc=nproc, log=log, env=env, cwd=cwd, script=script).wait(timeout)
@@ -149,25 +186,56 @@ def _signal(procs, sig: int, *, grace_s: float) -> None:
         proc.join(timeout=max(end - time.monotonic(), 0.1))
 
 
-def torchrun(argv: list[str], *, nproc: int = 1, cwd: Path = ROOT, env: dict[str, str] | None = None,
-             timeout: float = 600, script: Path = TRAIN) -> subprocess.CompletedProcess:
+def torchrun(
+    argv: list[str],
+    *,
+    nproc: int = 1,
+    cwd: Path = ROOT,
+    env: dict[str, str] | None = None,
+    timeout: float = 600,
+    script: Path = TRAIN,
+) -> subprocess.CompletedProcess:
     """``torchrun --standalone --nproc_per_node N script argv`` itself (a free rendezvous port), for
     the tests of what only torchrun does (module docstring); output captured as text."""
-    command = [str(Path(sys.executable).with_name("torchrun")), "--standalone", f"--nproc_per_node={nproc}",
-               str(script), *argv]
-    return subprocess.run(command, check=False, cwd=cwd, env={**os.environ, **(env or {})}, capture_output=True,
-                          text=True, timeout=timeout)
+    command = [
+        str(Path(sys.executable).with_name("torchrun")),
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        str(script),
+        *argv,
+    ]
+    return subprocess.run(
+        command,
+        check=False,
+        cwd=cwd,
+        env={**os.environ, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
-def train(config: Path, out: Path, *, nproc: int, timeout: int, env: dict[str, str] | None = None,
-          overrides: tuple[str, ...] = ()) -> tuple[Path, list[dict], str]:
+def train(
+    config: Path,
+    out: Path,
+    *,
+    nproc: int,
+    timeout: int,
+    env: dict[str, str] | None = None,
+    overrides: tuple[str, ...] = (),
+) -> tuple[Path, list[dict], str]:
     """Run ``config`` (with ``overrides``) on ``nproc`` local ranks (``launch``) with its outputs under
     ``out``. Returns the run directory (``out/<name>``: the config's stem unless ``name=`` is overridden), its metrics rows and the ranks'
     output; a failed run raises with the tails of that output and of every engine server's log."""
     out.mkdir(parents=True, exist_ok=True)
     log = out / "launch.log"
-    rc = launch(["--config", str(config), f"output_dir={out}", *overrides], nproc=nproc, log=log,
-                timeout=timeout, env=env)
+    rc = launch(
+        ["--config", str(config), f"output_dir={out}", *overrides],
+        nproc=nproc,
+        log=log,
+        timeout=timeout,
+        env=env,
+    )
     output = log.read_text(errors="replace")
     run_dir = out / next((o.split("=", 1)[1] for o in overrides if o.startswith("name=")), config.stem)
     if rc != 0:
@@ -182,8 +250,16 @@ def _first_error(output: str) -> str:
     """The first error the ranks printed (train.py's "training stopped: ..." or a traceback), shown
     before the output's tail: under server logs and the other ranks' c10d noise the tail alone may
     not reach it."""
-    starts = [i for i in (output.find("training stopped:"), output.find("Traceback (most recent call last)")) if i >= 0]
-    return f"--- first error in the output:\n{output[min(starts):min(starts) + 4000]}\n--- tail:\n" if starts else ""
+    starts = [
+        i
+        for i in (output.find("training stopped:"), output.find("Traceback (most recent call last)"))
+        if i >= 0
+    ]
+    return (
+        f"--- first error in the output:\n{output[min(starts) : min(starts) + 4000]}\n--- tail:\n"
+        if starts
+        else ""
+    )
 
 
 def check_staleness(metrics: list[dict], max_staleness: int) -> None:
@@ -193,6 +269,11 @@ def check_staleness(metrics: list[dict], max_staleness: int) -> None:
         hist = {int(k.rsplit("/", 1)[1]): v for k, v in m.items() if k.startswith("async/staleness/")}
         assert hist and max(hist) <= max_staleness and m["async/staleness_max"] <= max_staleness, m
         assert sum(hist.values()) == m["rollout/num_samples"]  # every sample handed to the trainer
-        for key in ("async/rollout_idle_ratio", "async/trainer_idle_ratio", "async/weight_sync_bubble_s",
-                    "async/dropped_stale_groups", "rollout/total_dropped_stale_samples"):
+        for key in (
+            "async/rollout_idle_ratio",
+            "async/trainer_idle_ratio",
+            "async/weight_sync_bubble_s",
+            "async/dropped_stale_groups",
+            "rollout/total_dropped_stale_samples",
+        ):
             assert key in m, key

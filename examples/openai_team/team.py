@@ -51,16 +51,25 @@ def main() -> None:
         prompt = question if attempt == 0 else f"{question}\nA reviewer rejected {answer}. Try again."
         answer = last_number(ask(client, "solver", SOLVER_SYSTEM, prompt))
         correct = answer is not None and abs(answer - truth) < 1e-6
-        judged = verdict(ask(client, "verifier", VERIFIER_SYSTEM,
-                             f"Problem: {question}\nProposed answer: {answer}\nIs it correct? Reply yes or no.",
-                             stream=True))
+        judged = verdict(
+            ask(
+                client,
+                "verifier",
+                VERIFIER_SYSTEM,
+                f"Problem: {question}\nProposed answer: {answer}\nIs it correct? Reply yes or no.",
+                stream=True,
+            )
+        )
         verdicts_right.append(judged is not None and judged == correct)
         if judged is not False:  # approved (or no verdict): done
             break
     team = float(correct)
     body = {"team": team, "agents": {"solver": team, "verifier": float(all(verdicts_right))}}
-    request = urllib.request.Request(os.environ["MEGAMARL_REWARD_URL"], data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        os.environ["MEGAMARL_REWARD_URL"],
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
     urllib.request.urlopen(request, timeout=30).read()
 
 

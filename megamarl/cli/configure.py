@@ -59,7 +59,9 @@ def check_config(cfg: RunConfig) -> None:
         with _named("policies.<p>", f"policies.{name}"):
             _check_model(policy.model)
             if policy.engine.backend not in configurable:
-                raise ValueError(f"policies.<p>.engine.backend='{policy.engine.backend}' unknown; allowed: {configurable}")
+                raise ValueError(
+                    f"policies.<p>.engine.backend='{policy.engine.backend}' unknown; allowed: {configurable}"
+                )
             check_launch(policy.engine)
             if policy.engine.server_python is not None:
                 check_server_python(policy.engine.server_python, policy.engine.backend)
@@ -97,14 +99,17 @@ def _check_model(model: str) -> None:
         raise ValueError(
             f"policies.<p>.model='{model}'{hub} is not a local directory, a packaged model "
             f"{sorted(PACKAGED_MODELS) + sorted(TINY_MODELS)} or a --dry-run architecture preset "
-            f"{sorted(PRESETS)}; scripts/prepare_model.py writes a local directory")
+            f"{sorted(PRESETS)}; scripts/prepare_model.py writes a local directory"
+        )
 
 
 def _check_team(cfg: RunConfig) -> None:
     """Env, orchestra and every eval env are registered and take their kwargs; agent kinds are
     registered; the orchestra's and env's roles are covered by ``agents`` (``check_team``)."""
-    eval_envs = {f"eval.sets.{name}" if name else "eval.env": env
-                 for name, env in cfg.eval.resolved_sets(cfg.env).items()}
+    eval_envs = {
+        f"eval.sets.{name}" if name else "eval.env": env
+        for name, env in cfg.eval.resolved_sets(cfg.env).items()
+    }
     sections = [("env", ENVS, cfg.env), ("orchestra", ORCHESTRAS, cfg.orchestra)]
     sections += [(key, ENVS, env) for key, env in eval_envs.items()]
     built = {}
@@ -128,9 +133,16 @@ def _check_team(cfg: RunConfig) -> None:
     kinds = {role: agent.kind for role, agent in cfg.agents.items()}
     for key, (env_cls, env_config) in built.items():  # the training env and every eval env
         env_name = cfg.env.name if key == "env" else eval_envs[key].name
-        check_team(orchestra, orchestra_name=cfg.orchestra.name, env_name=env_name, env_roles=tuple(env_cls.agents),
-                   acting=env_cls.acting_roles(env_config), agent_kinds=kinds,
-                   default_kinds=dict(env_cls.default_agents), key=key)
+        check_team(
+            orchestra,
+            orchestra_name=cfg.orchestra.name,
+            env_name=env_name,
+            env_roles=tuple(env_cls.agents),
+            acting=env_cls.acting_roles(env_config),
+            agent_kinds=kinds,
+            default_kinds=dict(env_cls.default_agents),
+            key=key,
+        )
 
 
 def _check_policy_algorithms(cfg: RunConfig) -> None:
@@ -142,8 +154,10 @@ def _check_policy_algorithms(cfg: RunConfig) -> None:
         if not overrides:
             continue
         if cfg.algorithm.dynamic_sampling:
-            raise ValueError(f"{key} sets {sorted(overrides)}, but algorithm.dynamic_sampling filters groups with "
-                             "one estimator over the whole batch; per-policy estimators need dynamic_sampling: false")
+            raise ValueError(
+                f"{key} sets {sorted(overrides)}, but algorithm.dynamic_sampling filters groups with "
+                "one estimator over the whole batch; per-policy estimators need dynamic_sampling: false"
+            )
         try:
             check_estimator(cfg.policy_algorithm(name))
         except ValueError as exc:  # the check names algorithm.<k>: the key the policy set

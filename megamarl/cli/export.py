@@ -68,14 +68,18 @@ def find_run_checkpoint(src: str | Path) -> tuple[Path, Path]:
         return src.parent.parent, src
     found = policy_io.list_checkpoints(src)
     if not found:
-        why = "has no COMPLETE marker (an interrupted save)" if src.name.startswith("step_") else (
-            f"holds no complete checkpoint under {policy_io.CHECKPOINTS}/")
+        why = (
+            "has no COMPLETE marker (an interrupted save)"
+            if src.name.startswith("step_")
+            else (f"holds no complete checkpoint under {policy_io.CHECKPOINTS}/")
+        )
         raise ValueError(f"{src} {why}; give a run directory or <run>/{policy_io.CHECKPOINTS}/step_N")
     return src, found[-1]
 
 
-def plan_exports(src: str | Path, dst: str | Path, *, policies: list[str] | None = None,
-                 dtype: str = "auto") -> list[PolicyExport]:
+def plan_exports(
+    src: str | Path, dst: str | Path, *, policies: list[str] | None = None, dtype: str = "auto"
+) -> list[PolicyExport]:
     """Which policies to export and from where; validates the request before any rank starts."""
     run_dir, ckpt = find_run_checkpoint(src)
     config_file = run_dir / "config.yaml"
@@ -96,11 +100,17 @@ def plan_exports(src: str | Path, dst: str | Path, *, policies: list[str] | None
         shards = ckpt / policy_io.POLICIES / name
         if not shards.is_dir():
             raise ValueError(f"checkpoint {ckpt} has no policy '{name}'")
-        jobs.append(PolicyExport(
-            name=name, model_path=str(model_path), shards=str(shards), dst=str(Path(dst) / name),
-            dtype=_source_dtype(model_path) if dtype == "auto" else dtype,
-            lora=policy.lora, adapters=tuple(policy_adapters(cfg, name)),
-        ))
+        jobs.append(
+            PolicyExport(
+                name=name,
+                model_path=str(model_path),
+                shards=str(shards),
+                dst=str(Path(dst) / name),
+                dtype=_source_dtype(model_path) if dtype == "auto" else dtype,
+                lora=policy.lora,
+                adapters=tuple(policy_adapters(cfg, name)),
+            )
+        )
     return jobs
 
 
@@ -111,25 +121,44 @@ def _source_dtype(model_path: Path) -> str:
     return found if found in DTYPES else "float32"
 
 
-def export_run(src: str | Path, dst: str | Path, *, policies: list[str] | None = None, dtype: str = "auto",
-               tp: int = 1, pp: int = 1) -> list[Path]:
+def export_run(
+    src: str | Path,
+    dst: str | Path,
+    *,
+    policies: list[str] | None = None,
+    dtype: str = "auto",
+    tp: int = 1,
+    pp: int = 1,
+) -> list[Path]:
     """Library entry point of ``megamarl-convert --from run --to hf``; returns the policy directories."""
     jobs = plan_exports(src, dst, policies=policies, dtype=dtype)
     _, ckpt = find_run_checkpoint(src)
     for job in jobs:
         with atomic_dir(job.dst) as tmp:  # a reader never sees a half-written export
             copy_side_files(Path(job.model_path), tmp, dtype=job.dtype)
-            lines = [line for rank_lines in run_on_ranks(export_policy_rank, tp * pp, replace(job, dst=str(tmp)), tp, pp,
-                                                  timeout_s=CONVERSION_TIMEOUT_S)
-                     for line in rank_lines]
+            lines = [
+                line
+                for rank_lines in run_on_ranks(
+                    export_policy_rank,
+                    tp * pp,
+                    replace(job, dst=str(tmp)),
+                    tp,
+                    pp,
+                    timeout_s=CONVERSION_TIMEOUT_S,
+                )
+                for line in rank_lines
+            ]
             if pp > 1:
                 weight_map = dict(reversed(line.split("\t")) for line in lines)
                 index = {"metadata": {}, "weight_map": weight_map}
                 (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     manifest = {
-        "checkpoint": str(ckpt.resolve()), "step": policy_io.checkpoint_step(ckpt),
-        "policies": {job.name: {"dtype": job.dtype, "source_model": job.model_path, "adapters": list(job.adapters)}
-                     for job in jobs},
+        "checkpoint": str(ckpt.resolve()),
+        "step": policy_io.checkpoint_step(ckpt),
+        "policies": {
+            job.name: {"dtype": job.dtype, "source_model": job.model_path, "adapters": list(job.adapters)}
+            for job in jobs
+        },
     }
     Path(dst).mkdir(parents=True, exist_ok=True)
     (Path(dst) / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
@@ -147,8 +176,14 @@ def export_policy_rank(rank: int, job: PolicyExport, tp: int, pp: int) -> list[s
     dtype = DTYPES[job.dtype]
     tensors = {name: t.to(dtype).contiguous() for name, t in bridge.export_hf_weights(model, wg)}
     for adapter in job.adapters:  # collective over the WG (TP gathers, PP gather)
-        save_peft_adapter(model, wg, adapter, Path(job.dst) / "adapters" / adapter,
-                          base_model_name_or_path=str(Path(job.dst).resolve()), dtype=dtype)
+        save_peft_adapter(
+            model,
+            wg,
+            adapter,
+            Path(job.dst) / "adapters" / adapter,
+            base_model_name_or_path=str(Path(job.dst).resolve()),
+            dtype=dtype,
+        )
     if not bridge.is_sender(wg):
         return []
     file = "model.safetensors" if pp == 1 else f"model-{wg.pp_rank + 1:05d}-of-{pp:05d}.safetensors"
@@ -157,16 +192,36 @@ def export_policy_rank(rank: int, job: PolicyExport, tp: int, pp: int) -> list[s
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="megamarl-convert", description="Convert between Hugging Face, Megatron torch_dist and a run's checkpoints.")
-    parser.add_argument("--from", dest="from_format", choices=["run", "hf", "megatron"], required=True,
-                        help="run: a training run's checkpoint (runs/<name> or runs/<name>/checkpoints/step_N)")
+    parser = argparse.ArgumentParser(
+        prog="megamarl-convert",
+        description="Convert between Hugging Face, Megatron torch_dist and a run's checkpoints.",
+    )
+    parser.add_argument(
+        "--from",
+        dest="from_format",
+        choices=["run", "hf", "megatron"],
+        required=True,
+        help="run: a training run's checkpoint (runs/<name> or runs/<name>/checkpoints/step_N)",
+    )
     parser.add_argument("--to", dest="to_format", choices=["hf", "megatron"], required=True)
-    parser.add_argument("--policy", action="append", default=None,
-                        help="--from run: export this policy (repeatable; default: every trained policy)")
-    parser.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"],
-                        help="weight dtype of the HF output (--from run default: auto = the source model's; else float32)")
-    parser.add_argument("--tp", type=int, default=1, help="tensor parallel size of the ranks doing the conversion")
-    parser.add_argument("--pp", type=int, default=1, help="pipeline parallel size of the ranks doing the conversion")
+    parser.add_argument(
+        "--policy",
+        action="append",
+        default=None,
+        help="--from run: export this policy (repeatable; default: every trained policy)",
+    )
+    parser.add_argument(
+        "--dtype",
+        default=None,
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="weight dtype of the HF output (--from run default: auto = the source model's; else float32)",
+    )
+    parser.add_argument(
+        "--tp", type=int, default=1, help="tensor parallel size of the ranks doing the conversion"
+    )
+    parser.add_argument(
+        "--pp", type=int, default=1, help="pipeline parallel size of the ranks doing the conversion"
+    )
     parser.add_argument("src")
     parser.add_argument("dst")
     args = parser.parse_args(argv)
@@ -175,15 +230,23 @@ def main(argv: list[str] | None = None) -> None:
         if args.from_format == "run":
             if args.to_format != "hf":
                 raise ValueError("--from run exports to --to hf only")
-            for out in export_run(args.src, args.dst, policies=args.policy, dtype=args.dtype or "auto",
-                                  tp=args.tp, pp=args.pp):
+            for out in export_run(
+                args.src, args.dst, policies=args.policy, dtype=args.dtype or "auto", tp=args.tp, pp=args.pp
+            ):
                 print(f"wrote {out}", file=sys.stderr)
             return
         if args.policy:
             raise ValueError("--policy applies to --from run only")
         dtype = args.dtype if args.dtype not in (None, "auto") else "float32"
-        out = convert(args.src, args.dst, from_format=args.from_format, to_format=args.to_format, tp=args.tp,
-                      pp=args.pp, dtype=dtype)
+        out = convert(
+            args.src,
+            args.dst,
+            from_format=args.from_format,
+            to_format=args.to_format,
+            tp=args.tp,
+            pp=args.pp,
+            dtype=dtype,
+        )
     except ValueError as exc:
         print(f"megamarl-convert: {exc}", file=sys.stderr)
         raise SystemExit(EXIT_CONFIG_ERROR) from None

@@ -56,9 +56,15 @@ def preflight(cfg: RunConfig, *, world_size: int) -> dict[str, list[ReplicaPlace
     if constrained:  # the tokenizers alone (no model): allowed_tokens must be one token each
         from transformers import AutoTokenizer  # heavy: only for configs that constrain tokens
 
-        check_allowed_tokens(cfg.agents, {
-            name: AutoTokenizer.from_pretrained(resolve_model_path(cfg.policies[name].model, key=f"policies.{name}.model"))
-            for name in sorted(constrained)})
+        check_allowed_tokens(
+            cfg.agents,
+            {
+                name: AutoTokenizer.from_pretrained(
+                    resolve_model_path(cfg.policies[name].model, key=f"policies.{name}.model")
+                )
+                for name in sorted(constrained)
+            },
+        )
     checkpoint.check_run_dir(run_dir)  # last: its probe is the only write (a temporary directory, removed)
     return plan
 
@@ -72,18 +78,22 @@ def check_layer_specs(cfg: RunConfig, *, cuda: bool, transformer_engine: bool) -
         if policy.frozen:  # served by its engines only: no Megatron model is built
             continue
         planned = training_setup(cfg, name, on_gpus=cuda).spec
-        built = layer_spec_choice(lora=policy.lora is not None, cuda=cuda, transformer_engine=transformer_engine)
+        built = layer_spec_choice(
+            lora=policy.lora is not None, cuda=cuda, transformer_engine=transformer_engine
+        )
         if policy.prefix_tree and built == "te":
             raise ValueError(
                 f"policies.{name}.prefix_tree: tree attention needs an arbitrary (ancestor) mask, which "
                 "megatron-core's local spec takes and Transformer Engine's attention does not; this node "
-                f"builds the TE spec: set policies.{name}.prefix_tree: false")
+                f"builds the TE spec: set policies.{name}.prefix_tree: false"
+            )
         if planned == "te" and built != "te":
             raise ValueError(
                 f"policies.{name}: the memory plan counts Transformer Engine's layer spec on GPUs, but "
                 "transformer_engine is not importable on this node, which would build megatron-core's local "
                 "spec (fp32 attention scores, far over the plan). Install the GPU extra (pip install "
-                "--no-build-isolation 'megamarl[gpu]', docs/install.md) or run in an NGC PyTorch image")
+                "--no-build-isolation 'megamarl[gpu]', docs/install.md) or run in an NGC PyTorch image"
+            )
 
 
 def report_config_error(exc: BaseException) -> int:

@@ -31,8 +31,10 @@ from megamarl.registry import Registry
 Pick = Callable[[Sequence[int], random.Random], int]  # slots' snapshot steps, rng -> slot index
 
 OPPONENT_PICKS: Registry[Pick] = Registry(
-    "opponent pick", signature="pick(snapshot_steps: Sequence[int] (one per slot), rng: random.Random) -> slot index",
-    keys=("rollout.opponent_pool.pick",))
+    "opponent pick",
+    signature="pick(snapshot_steps: Sequence[int] (one per slot), rng: random.Random) -> slot index",
+    keys=("rollout.opponent_pool.pick",),
+)
 
 
 @OPPONENT_PICKS.register("latest")
@@ -75,6 +77,7 @@ class OpponentPool:
 
     def mapping(self, base: Callable[[str, int], str]) -> Callable[[str, int], str]:
         """``base`` (``rollout.policy_mapping``) with the pool's alias resolved per episode."""
+
         def mapped(agent_id: str, episode_seed: int) -> str:
             policy = base(agent_id, episode_seed)
             return self.pick(episode_seed) if policy == self.cfg.alias else policy
@@ -83,6 +86,10 @@ class OpponentPool:
 
     def metrics(self) -> dict[str, float]:
         out = {"opponent_pool/num_snapshots": float(self.num_snapshots)}
-        out.update({f"opponent_pool/{name}/snapshot_step": float(step)
-                    for name, step in zip(self.cfg.snapshots, self.snapshot_steps)})
+        out.update(
+            {
+                f"opponent_pool/{name}/snapshot_step": float(step)
+                for name, step in zip(self.cfg.snapshots, self.snapshot_steps)
+            }
+        )
         return out

@@ -52,36 +52,61 @@ EVAL_SEED = 10**9 + 7  # held-out tasks: a seed the training stream never uses
 class RolloutDriver:
     """Rank 0's half: engines, agents, env, orchestra, batch preparation, logging and evaluation."""
 
-    def __init__(self, cfg: RunConfig, run_dir: Path, progress: RunProgress | None = None,
-                 replicas: dict[str, PolicyReplicas] | None = None):
+    def __init__(
+        self,
+        cfg: RunConfig,
+        run_dir: Path,
+        progress: RunProgress | None = None,
+        replicas: dict[str, PolicyReplicas] | None = None,
+    ):
         self.cfg = cfg
         # every policy's replicas (megamarl.rollout.replicas.policy): the driver's engines are attached to
         # them, and they pause / sleep / wake / push (None: in-process engines only, none attached)
         self.replicas = replicas or {}
         self.run_dir = run_dir
-        self.progress = progress or RunProgress(total_steps=cfg.trainer.total_steps, enabled=cfg.logger.progress)
+        self.progress = progress or RunProgress(
+            total_steps=cfg.trainer.total_steps, enabled=cfg.logger.progress
+        )
         self._phase = None  # the phase that finished episodes count towards (rollout or eval)
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(to_yaml(cfg))
         import_plugins(cfg.plugins, paths=cfg.plugin_paths)
-        paths = {name: resolve_model_path(p.model, key=f"policies.{name}.model") for name, p in cfg.policies.items()}
+        paths = {
+            name: resolve_model_path(p.model, key=f"policies.{name}.model")
+            for name, p in cfg.policies.items()
+        }
         self.tokenizers = {name: AutoTokenizer.from_pretrained(path) for name, path in paths.items()}
-        self.pad_ids = {name: (t.pad_token_id if t.pad_token_id is not None else t.eos_token_id) for name, t in self.tokenizers.items()}
+        self.pad_ids = {
+            name: (t.pad_token_id if t.pad_token_id is not None else t.eos_token_id)
+            for name, t in self.tokenizers.items()
+        }
         self.engines = self._start_engines(paths)
         self.env = EnvMaker(cfg.env.name, **cfg.env.kwargs)
         self.orchestra = build_orchestra(cfg.orchestra.name, **cfg.orchestra.kwargs)
         self.agents = build_agents(cfg.agents, self.tokenizers, default_kinds=self.env.default_agents)
         self.policy_mapping = _policy_mapping(cfg, self.tokenizers)
         # rollout.opponent_pool: the mapping's alias becomes a snapshot policy per episode
-        self.opponent_pool = OpponentPool(cfg.rollout.opponent_pool) if cfg.rollout.opponent_pool.enabled else None
+        self.opponent_pool = (
+            OpponentPool(cfg.rollout.opponent_pool) if cfg.rollout.opponent_pool.enabled else None
+        )
         if self.opponent_pool is not None:
             self.policy_mapping = self.opponent_pool.mapping(self.policy_mapping)
-        self.logger = MetricsLogger(run_dir, cfg.logger, cfg.name, json.loads(json.dumps(asdict(cfg), default=str)), rank=0)
+        self.logger = MetricsLogger(
+            run_dir, cfg.logger, cfg.name, json.loads(json.dumps(asdict(cfg), default=str)), rank=0
+        )
         self.rollout_seconds = 0.0
-        self.totals = {"dropped_episodes": 0, "failed_episodes": 0, "dropped_groups": 0, "refill_rounds": 0,
-                       "refill_exhausted": 0, "dropped_incomplete_episodes": 0}
+        self.totals = {
+            "dropped_episodes": 0,
+            "failed_episodes": 0,
+            "dropped_groups": 0,
+            "refill_rounds": 0,
+            "refill_exhausted": 0,
+            "dropped_incomplete_episodes": 0,
+        }
         # eval set name ("" = the unnamed default set) -> env (eval.env / eval.sets; default: training env)
-        self.eval_envs = {name: EnvMaker(env.name, **env.kwargs) for name, env in cfg.eval.resolved_sets(cfg.env).items()}
+        self.eval_envs = {
+            name: EnvMaker(env.name, **env.kwargs) for name, env in cfg.eval.resolved_sets(cfg.env).items()
+        }
         if cfg.eval.sets or cfg.eval.env.is_set():
             for name, env in cfg.eval.resolved_sets(cfg.env).items():
                 self.console_print(f"eval set {name or '(default)'}: env {env.name} {env.kwargs}")
@@ -96,13 +121,17 @@ class RolloutDriver:
         overlaps = SCHEDULES.traits(cfg.trainer.mode, key="trainer.mode").overlaps_training
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         engines = {}
-        with self.progress.phase("engine start-up", total=len(cfg.policies), unit="policies", in_step=False) as phase:
+        with self.progress.phase(
+            "engine start-up", total=len(cfg.policies), unit="policies", in_step=False
+        ) as phase:
             for name, p in cfg.policies.items():
                 replicas = self.replicas.get(name)
                 if replicas is not None and replicas.served:
                     servers = replicas.servers
-                    self.progress.line(f"policy {name}: {len(servers.urls)} x {p.engine.backend} server "
-                                       f"(tp {p.engine.tp}) at {', '.join(servers.urls)}")
+                    self.progress.line(
+                        f"policy {name}: {len(servers.urls)} x {p.engine.backend} server "
+                        f"(tp {p.engine.tp}) at {', '.join(servers.urls)}"
+                    )
                     engines[name] = replicas.connect()
                     phase.advance()
                     continue
@@ -112,8 +141,13 @@ class RolloutDriver:
                     f"dtype {describe_dtype_choice(p.engine.dtype)}, {threads} CPU threads; "
                     f"training dtype {policy_dtype(cfg, name)}"
                 )
-                engines[name] = build_engine(p.engine, paths[name], seed=cfg.trainer.seed,
-                                             lora=lora_serving(cfg, name), num_threads=threads)
+                engines[name] = build_engine(
+                    p.engine,
+                    paths[name],
+                    seed=cfg.trainer.seed,
+                    lora=lora_serving(cfg, name),
+                    num_threads=threads,
+                )
                 if replicas is not None:
                     replicas.attach(engines[name])
                 phase.advance()
@@ -128,13 +162,19 @@ class RolloutDriver:
         remote = sorted({maker.name for maker in makers if maker.env_cls.remote_step})
         if not remote:
             if config.backend != "inline":
-                self.console_print(f"rollout.env_workers: no {config.backend} workers started: no env of this run "
-                                   "has remote steps (Env.remote_step)")
+                self.console_print(
+                    f"rollout.env_workers: no {config.backend} workers started: no env of this run "
+                    "has remote steps (Env.remote_step)"
+                )
             return None
         with self.progress.phase("env workers start-up", in_step=False):
             workers = make_workers(config)
-        where = "on the driver's event loop" if config.backend == "inline" else \
-            f"in {config.num_workers} {config.backend} workers" + (f" at {config.address}" if config.address else "")
+        where = (
+            "on the driver's event loop"
+            if config.backend == "inline"
+            else f"in {config.num_workers} {config.backend} workers"
+            + (f" at {config.address}" if config.address else "")
+        )
         self.console_print(f"env steps of {', '.join(remote)}: {where} (rollout.env_workers)")
         return workers
 
@@ -149,9 +189,16 @@ class RolloutDriver:
 
     async def episodes(self, tasks, *, group_size: int, agents=None, seed: int | None = None, env=None):
         result = await run_episodes(
-            self.orchestra, env or self.env, tasks, agents=agents or self.agents, engines=self.engines,
-            group_size=group_size, max_concurrency=self.cfg.rollout.max_concurrency,
-            workers=self.env_workers, step_timeout_s=self.cfg.rollout.env_timeout_s, seed=seed,
+            self.orchestra,
+            env or self.env,
+            tasks,
+            agents=agents or self.agents,
+            engines=self.engines,
+            group_size=group_size,
+            max_concurrency=self.cfg.rollout.max_concurrency,
+            workers=self.env_workers,
+            step_timeout_s=self.cfg.rollout.env_timeout_s,
+            seed=seed,
             policy_mapping=self.policy_mapping,
             on_episode=self._episode_done,
         )
@@ -178,27 +225,46 @@ class RolloutDriver:
         versions, against which samples beyond ``trainer.max_staleness`` are dropped."""
         start = time.perf_counter()
         trainable = {name: v for name, v in versions.items() if not self.cfg.policies[name].frozen}
-        expected = None if self.schedule.overlaps_training else self.cfg.rollout.num_tasks * self.cfg.rollout.group_size
+        expected = (
+            None
+            if self.schedule.overlaps_training
+            else self.cfg.rollout.num_tasks * self.cfg.rollout.group_size
+        )
         with self.progress.phase("rollout", total=expected) as self._phase:
             result, metrics = self.schedule.next_rollout(step, trainable)
         self._phase = None
         rollout_s = time.perf_counter() - start
         num_tokens = sum(len(s.response_ids) for s in result.samples)
-        metrics.update({"timing_s/rollout": rollout_s, "perf/rollout_tokens_per_s": num_tokens / max(rollout_s, 1e-9),
-                        **result.summary()})
+        metrics.update(
+            {
+                "timing_s/rollout": rollout_s,
+                "perf/rollout_tokens_per_s": num_tokens / max(rollout_s, 1e-9),
+                **result.summary(),
+            }
+        )
         self.totals["dropped_episodes"] += result.num_dropped
         self.totals["failed_episodes"] += result.num_failed
         for key in ("dropped_stale_groups", "dropped_stale_samples"):
-            self.totals[key] = self.totals.get(key, 0) + int(metrics[f"async/{key}"])  # absent in old checkpoints
-        check_failures(result, max_failed_fraction=self.cfg.rollout.max_failed_fraction, what=f"step {step + 1} rollout")
+            self.totals[key] = self.totals.get(key, 0) + int(
+                metrics[f"async/{key}"]
+            )  # absent in old checkpoints
+        check_failures(
+            result, max_failed_fraction=self.cfg.rollout.max_failed_fraction, what=f"step {step + 1} rollout"
+        )
         self._log_transcripts(step + 1, result)
         if not result.samples:
             raise RolloutFailureError(result.failure_report(f"step {step + 1}: no samples"))
-        algo = algorithm_at_step(self.cfg.algorithm, step, total_steps=self.cfg.trainer.total_steps)  # annealed team_alpha
+        algo = algorithm_at_step(
+            self.cfg.algorithm, step, total_steps=self.cfg.trainer.total_steps
+        )  # annealed team_alpha
         own = any(p.algorithm.overrides() for p in self.cfg.policies.values())  # policies.<p>.algorithm
         batch, prepare_metrics = prepare_rollout(
-            result.samples, result.episodes, algo, pad_id=next(iter(self.pad_ids.values())),
-            num_tasks=self.cfg.rollout.num_tasks, draw=lambda round_: self._refill(step, round_),
+            result.samples,
+            result.episodes,
+            algo,
+            pad_id=next(iter(self.pad_ids.values())),
+            num_tasks=self.cfg.rollout.num_tasks,
+            draw=lambda round_: self._refill(step, round_),
             policy_algos=self.cfg.policy_algorithms(algo) if own else None,
         )
         self.totals["dropped_groups"] += int(prepare_metrics.get("rollout/dropped_groups", 0))
@@ -218,6 +284,7 @@ class RolloutDriver:
 
     def _log_transcripts(self, step: int, result: RolloutResult) -> None:
         """A few of the step's episodes, as the agents saw and said them (``logger.episodes_per_step``)."""
+
         def parse(agent: str, text: str):
             value, valid = self.agents[agent].parse(text)
             return value if valid else None
@@ -227,8 +294,14 @@ class RolloutDriver:
             tokenizer = self.tokenizers.get(policy) or next(iter(self.tokenizers.values()))
             return tokenizer.decode(ids, skip_special_tokens=False)
 
-        records = episode_transcripts(result.samples, result.episodes, step=step, parse=parse, decode=decode,
-                                      limit=self.cfg.logger.episodes_per_step)
+        records = episode_transcripts(
+            result.samples,
+            result.episodes,
+            step=step,
+            parse=parse,
+            decode=decode,
+            limit=self.cfg.logger.episodes_per_step,
+        )
         self.logger.log_episodes(step, records)
 
     def _refill(self, step: int, round_: int) -> SampleBatch | None:
@@ -250,7 +323,9 @@ class RolloutDriver:
         e = self.cfg.eval
         # evaluation is one pass: no best-of-K with the env's check fn (tree_k=1)
         greedy = {
-            role: replace(a, sampling=replace(a.sampling, temperature=e.temperature, top_p=1.0, top_k=-1), tree_k=1)
+            role: replace(
+                a, sampling=replace(a.sampling, temperature=e.temperature, top_p=1.0, top_k=-1), tree_k=1
+            )
             for role, a in self.cfg.agents.items()
         }
         results: dict = {}
@@ -283,7 +358,11 @@ class RolloutDriver:
         for key, value in self.totals.items():
             metrics[f"rollout/total_{key}"] = float(value)
         self.logger.log(step, metrics)
-        shown = {k: metrics[k] for k in ("rollout/team_reward_mean", "rollout/success_rate", "timing_s/step") if k in metrics}
+        shown = {
+            k: metrics[k]
+            for k in ("rollout/team_reward_mean", "rollout/success_rate", "timing_s/step")
+            if k in metrics
+        }
         self.console_print(f"step {step}: " + ", ".join(f"{k}={v:.3f}" for k, v in shown.items()))
 
     def console_print(self, text: str) -> None:
@@ -307,10 +386,16 @@ class RolloutDriver:
         rollout, mode = state.get("rollout_state"), self.cfg.trainer.mode
         if rollout is not None and rollout["mode"] == mode:
             self.schedule.load_state_dict(rollout)
-        elif SCHEDULES.traits(mode, key="trainer.mode").overlaps_training or (rollout and rollout["mode"] != "sync"):
-            saved = "no rollout_state" if rollout is None else f"rollout_state of trainer.mode={rollout['mode']}"
-            self.console_print(f"resume: the checkpoint has {saved}; trainer.mode={mode} starts its rollout afresh "
-                               "from the checkpoint's step (buffered or prefetched groups are regenerated or lost)")
+        elif SCHEDULES.traits(mode, key="trainer.mode").overlaps_training or (
+            rollout and rollout["mode"] != "sync"
+        ):
+            saved = (
+                "no rollout_state" if rollout is None else f"rollout_state of trainer.mode={rollout['mode']}"
+            )
+            self.console_print(
+                f"resume: the checkpoint has {saved}; trainer.mode={mode} starts its rollout afresh "
+                "from the checkpoint's step (buffered or prefetched groups are regenerated or lost)"
+            )
 
     def close_env_workers(self) -> None:
         """Stop the env workers now (a step still running is killed; a local Ray cluster the run started
@@ -339,7 +424,9 @@ def _policy_mapping(cfg: RunConfig, tokenizers: dict):
     first = next(iter(vocabs))
     for name, vocab in vocabs.items():
         if vocab != vocabs[first]:
-            raise ValueError(f"rollout.policy_mapping: policies '{first}' and '{name}' have different tokenizers")
+            raise ValueError(
+                f"rollout.policy_mapping: policies '{first}' and '{name}' have different tokenizers"
+            )
     return resolve_callable(cfg.rollout.policy_mapping, key="rollout.policy_mapping")
 
 
@@ -351,7 +438,8 @@ def eval_summary(result: RolloutResult, *, k: int) -> dict[str, float]:
         by_task.setdefault(episode.task_id, []).append(episode.status == "ok" and episode.success)
     num = max(len(by_task), 1)
     return {
-        "team_accuracy": sum(sum(v) for v in by_task.values()) / max(sum(len(v) for v in by_task.values()), 1),
+        "team_accuracy": sum(sum(v) for v in by_task.values())
+        / max(sum(len(v) for v in by_task.values()), 1),
         f"avg@{k}": sum(sum(v) / len(v) for v in by_task.values()) / num,
         f"pass@{k}": sum(any(v) for v in by_task.values()) / num,
         "num_tasks": float(len(by_task)),

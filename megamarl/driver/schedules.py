@@ -78,7 +78,9 @@ def policy_separable(algo: AlgorithmConfig) -> bool:
     """True when no advantage, reward-shaping or dynamic-sampling group can mix two policies, so a
     policy's batch may be formed from its own samples alone. Advantages and dynamic sampling both
     group by the estimator's key (``EstimatorTraits.key``); its registered traits answer."""
-    return ADVANTAGE_ESTIMATORS.traits(algo.estimator, key="algorithm.estimator").policy_separable(algo.group_by)
+    return ADVANTAGE_ESTIMATORS.traits(algo.estimator, key="algorithm.estimator").policy_separable(
+        algo.group_by
+    )
 
 
 class Schedule(abc.ABC):
@@ -122,14 +124,18 @@ class Schedule(abc.ABC):
         stats.record_dropped(stale)
         stats.record_trained(fresh, versions)
         if max(stats.histogram, default=0) > self.max_staleness:  # split_fresh guarantees it
-            raise RuntimeError(f"staleness {max(stats.histogram)} > trainer.max_staleness={self.max_staleness}")
+            raise RuntimeError(
+                f"staleness {max(stats.histogram)} > trainer.max_staleness={self.max_staleness}"
+            )
         self._wait_s += time.perf_counter() - start
         samples = [s for group in fresh for s in group.samples]
         return RolloutResult(samples, list(episodes)), {**stats.metrics(), **metrics}
 
     @abc.abstractmethod
     def _next(
-        self, step: int, versions: Mapping[str, int],
+        self,
+        step: int,
+        versions: Mapping[str, int],
     ) -> tuple[list[EpisodeGroup], list[EpisodeStats], StalenessStats, dict[str, float]]:
         """(groups, episodes to report, drops already made, extra metrics) of the next batch."""
 
@@ -204,7 +210,8 @@ class ScheduleTraits:
 
 
 SCHEDULES: Registry[type[Schedule]] = Registry(
-    "trainer mode", traits=ScheduleTraits,
+    "trainer mode",
+    traits=ScheduleTraits,
     signature="class(Schedule); cls(cfg: RunConfig, source: EpisodeSource, loop: RolloutLoop); next_rollout(step, versions)",
     keys=("trainer.mode",),
 )
@@ -233,7 +240,6 @@ class SyncSchedule(Schedule):
 
 @SCHEDULES.register("one_step_off", traits=ScheduleTraits(overlaps_training=True, min_staleness=1))
 class OneStepOffSchedule(Schedule):
-
     def __init__(self, cfg: RunConfig, source: EpisodeSource, loop: RolloutLoop) -> None:
         super().__init__(cfg, source, loop)
         self._pending: concurrent.futures.Future | None = None  # the rollout of the next step
@@ -255,7 +261,9 @@ class OneStepOffSchedule(Schedule):
             return {"prefetched": None}
         concurrent.futures.wait([self._pending])
         ok = not self._pending.cancelled() and self._pending.exception() is None
-        return {"prefetched": {"chunk": self._pending_chunk, "result": self._pending.result()} if ok else None}
+        return {
+            "prefetched": {"chunk": self._pending_chunk, "result": self._pending.result()} if ok else None
+        }
 
     def load_state_dict(self, state: dict) -> None:
         if state["prefetched"] is not None:
@@ -278,17 +286,22 @@ class OneStepOffSchedule(Schedule):
 
 @SCHEDULES.register("fully_async", traits=ScheduleTraits(overlaps_training=True, min_staleness=1))
 class FullyAsyncSchedule(Schedule):
-
     def __init__(self, cfg: RunConfig, source: EpisodeSource, loop: RolloutLoop) -> None:
         super().__init__(cfg, source, loop)
         r, t = cfg.rollout, cfg.trainer
         self.partial = t.partial_rollout
         self.buffer = GroupBuffer(
-            groups_per_batch=r.num_tasks, capacity=max(1, t.max_staleness) * t.sync_every * r.num_tasks,
+            groups_per_batch=r.num_tasks,
+            capacity=max(1, t.max_staleness) * t.sync_every * r.num_tasks,
             per_policy=all(policy_separable(algo) for algo in cfg.policy_algorithms().values()),
         )
         self.producer = GroupProducer(
-            source, loop, self.buffer, self.clock, group_size=r.group_size, max_concurrency=r.max_concurrency,
+            source,
+            loop,
+            self.buffer,
+            self.clock,
+            group_size=r.group_size,
+            max_concurrency=r.max_concurrency,
         )
 
     @classmethod

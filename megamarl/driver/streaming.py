@@ -166,7 +166,9 @@ class EpisodeGroup:
     def staleness(self, versions: Mapping[str, int]) -> int:
         """Versions behind ``versions`` of the stalest sample; policies missing from ``versions``
         (frozen ones, never trained) count 0."""
-        return max((versions[s.policy] - s.weight_version for s in self.samples if s.policy in versions), default=0)
+        return max(
+            (versions[s.policy] - s.weight_version for s in self.samples if s.policy in versions), default=0
+        )
 
     def by_policy(self) -> dict[str, EpisodeGroup]:
         parts: dict[str, list[Sample]] = {}
@@ -184,7 +186,9 @@ def group_samples(samples: Iterable[Sample]) -> list[EpisodeGroup]:
 
 
 def split_fresh(
-    groups: Iterable[EpisodeGroup], versions: Mapping[str, int], max_staleness: int,
+    groups: Iterable[EpisodeGroup],
+    versions: Mapping[str, int],
+    max_staleness: int,
 ) -> tuple[list[EpisodeGroup], list[EpisodeGroup]]:
     """``(fresh, stale)``: groups within ``max_staleness`` versions, and the rest (to be dropped)."""
     fresh, stale = [], []
@@ -203,7 +207,9 @@ class StalenessStats:
 
     def record_trained(self, groups: Iterable[EpisodeGroup], versions: Mapping[str, int]) -> None:
         for group in groups:
-            self.histogram.update(versions[s.policy] - s.weight_version for s in group.samples if s.policy in versions)
+            self.histogram.update(
+                versions[s.policy] - s.weight_version for s in group.samples if s.policy in versions
+            )
 
     def record_dropped(self, groups: Iterable[EpisodeGroup]) -> None:
         for group in groups:
@@ -245,7 +251,9 @@ class GroupBuffer:
         self.groups_per_batch, self.capacity, self.per_policy = groups_per_batch, capacity, per_policy
         self._cond = threading.Condition()
         self._queues: dict[str, deque[EpisodeGroup]] = {}
-        self._episodes: list[tuple[int, EpisodeStats]] = []  # (group seq, episode) finished since the last take
+        self._episodes: list[
+            tuple[int, EpisodeStats]
+        ] = []  # (group seq, episode) finished since the last take
         self._in_flight = 0
         self._error: BaseException | None = None
         self.last_depth = 0  # longest queue when the last batch was formed
@@ -309,7 +317,11 @@ class GroupBuffer:
             return self._cond.wait_for(lambda: self._in_flight == 0 or self._error is not None, timeout)
 
     def take(
-        self, versions: Mapping[str, int], max_staleness: int, *, timeout: float | None = None,
+        self,
+        versions: Mapping[str, int],
+        max_staleness: int,
+        *,
+        timeout: float | None = None,
         poll_s: float = 1.0,
     ) -> tuple[list[EpisodeGroup], list[EpisodeStats], StalenessStats]:
         """Block until some key holds ``groups_per_batch`` fresh parts; pop that many (oldest first)
@@ -333,9 +345,13 @@ class GroupBuffer:
             self.last_in_flight = self._in_flight
             # oldest finished first decides *which* groups; admission order decides their order in the
             # batch (micro-batch split, summation order), so it does not depend on finishing times
-            parts = [part for k in ready
-                     for part in sorted((self._queues[k].popleft() for _ in range(self.groups_per_batch)),
-                                        key=lambda p: p.seq)]
+            parts = [
+                part
+                for k in ready
+                for part in sorted(
+                    (self._queues[k].popleft() for _ in range(self.groups_per_batch)), key=lambda p: p.seq
+                )
+            ]
             episodes = [e for _, e in sorted(self._episodes, key=lambda item: item[0])]
             self._episodes = []
             dropped, self._dropped = self._dropped, StalenessStats()
@@ -350,8 +366,11 @@ class GroupBuffer:
             if self._in_flight:
                 raise RuntimeError(f"GroupBuffer.state_dict with {self._in_flight} groups in flight")
             return {
-                "queues": {k: list(q) for k, q in self._queues.items()}, "episodes": list(self._episodes),
-                "dropped": self._dropped, "last_depth": self.last_depth, "peak_occupancy": self.peak_occupancy,
+                "queues": {k: list(q) for k, q in self._queues.items()},
+                "episodes": list(self._episodes),
+                "dropped": self._dropped,
+                "last_depth": self.last_depth,
+                "peak_occupancy": self.peak_occupancy,
             }
 
     def load_state_dict(self, state: dict) -> None:
@@ -392,8 +411,14 @@ class GroupProducer:
     """
 
     def __init__(
-        self, source: EpisodeSource, loop: RolloutLoop, buffer: GroupBuffer, clock: BusyClock, *,
-        group_size: int, max_concurrency: int,
+        self,
+        source: EpisodeSource,
+        loop: RolloutLoop,
+        buffer: GroupBuffer,
+        clock: BusyClock,
+        *,
+        group_size: int,
+        max_concurrency: int,
     ) -> None:
         self.source, self.loop, self.buffer, self.clock = source, loop, buffer, clock
         self.group_size, self.max_concurrency = group_size, max_concurrency
@@ -468,7 +493,9 @@ class GroupProducer:
                         chunk = self._next_chunk
                         tasks, seed = self.source.task_chunk(chunk)
                         for t in tasks:
-                            self._pending.append((replace(t, task_id=f"{t.task_id}@{chunk}"), seed, self._next_seq))
+                            self._pending.append(
+                                (replace(t, task_id=f"{t.task_id}@{chunk}"), seed, self._next_seq)
+                            )
                             self._next_seq += 1
                         self._next_chunk = chunk + 1
                     entry = self._pending.popleft()
@@ -484,7 +511,9 @@ class GroupProducer:
                 job.cancel()
             await asyncio.gather(*jobs, return_exceptions=True)
             cancelled = sorted((entry for job, entry in jobs.items() if job.cancelled()), key=lambda e: e[2])
-            self._pending.extendleft(reversed(cancelled))  # regenerated (from their seeds) if production resumes
+            self._pending.extendleft(
+                reversed(cancelled)
+            )  # regenerated (from their seeds) if production resumes
 
     async def _run_group(self, task: Task, seed: int, seq: int) -> None:
         self.clock.enter(self.group_size)

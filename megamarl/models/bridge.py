@@ -56,9 +56,19 @@ def load_hf_config(source):
     return AutoConfig.from_pretrained(str(source))
 
 
-def build_model(hf_config, wg, *, seed: int = 0, dtype: torch.dtype = torch.float32, init_weights: bool = True,
-                lora: bool = False, packed: bool = False, node: NodeKernels | None = None, vocab_multiple: int = 1,
-                **config_overrides):
+def build_model(
+    hf_config,
+    wg,
+    *,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    init_weights: bool = True,
+    lora: bool = False,
+    packed: bool = False,
+    node: NodeKernels | None = None,
+    vocab_multiple: int = 1,
+    **config_overrides,
+):
     """This rank's stage/TP shard of a megatron-core ``GPTModel`` for ``hf_config`` in WG ``wg``.
 
     ``init_weights=False`` skips random init (faster; use when ``load_hf_weights`` follows).
@@ -79,11 +89,21 @@ def build_model(hf_config, wg, *, seed: int = 0, dtype: torch.dtype = torch.floa
     tensor_parallel.model_parallel_cuda_manual_seed(seed, tp_rank=wg.tp_rank, ep_rank=0, etp_rank=0)
     node = node or NodeKernels.probe()
     spec = node.layer_spec(lora=lora)
-    config = transformer_config(arch, tp=layout.tp, pp=layout.pp, dtype=dtype, init_weights=init_weights,
-                                **{**kernel_fusions(node, packed=packed), **config_overrides})
+    config = transformer_config(
+        arch,
+        tp=layout.tp,
+        pp=layout.pp,
+        dtype=dtype,
+        init_weights=init_weights,
+        **{**kernel_fusions(node, packed=packed), **config_overrides},
+    )
     model = GPTModel(
-        config, layer_spec(arch, spec=spec), pre_process=wg.is_first_stage, post_process=wg.is_last_stage,
-        pg_collection=wg.pgs, **gpt_model_kwargs(arch, tp=layout.tp, vocab_multiple=vocab_multiple),
+        config,
+        layer_spec(arch, spec=spec),
+        pre_process=wg.is_first_stage,
+        post_process=wg.is_last_stage,
+        pg_collection=wg.pgs,
+        **gpt_model_kwargs(arch, tp=layout.tp, vocab_multiple=vocab_multiple),
     )
     model.hf_arch = arch
     model.layer_spec = spec
@@ -199,10 +219,18 @@ def load_hf_weights(model, source, wg) -> None:
         missing = [n for n in hf_names if n not in hf]
         if missing:
             raise KeyError(f"HF checkpoint lacks {missing} (needed for Megatron '{name}')")
-        shard = shard_from_hf(rule, [hf.get(n) for n in hf_names], tp_rank=wg.tp_rank, tp=wg.layout.tp,
-                              arch=model.hf_arch, padded_vocab=padded_vocab)
+        shard = shard_from_hf(
+            rule,
+            [hf.get(n) for n in hf_names],
+            tp_rank=wg.tp_rank,
+            tp=wg.layout.tp,
+            arch=model.hf_arch,
+            padded_vocab=padded_vocab,
+        )
         if tuple(shard.shape) != tuple(param.shape):
-            raise ValueError(f"'{name}': HF gives shape {tuple(shard.shape)}, Megatron shard is {tuple(param.shape)}")
+            raise ValueError(
+                f"'{name}': HF gives shape {tuple(shard.shape)}, Megatron shard is {tuple(param.shape)}"
+            )
         param.copy_(shard)
 
 
@@ -210,8 +238,12 @@ def load_hf_weights(model, source, wg) -> None:
 
 
 @torch.no_grad()
-def export_hf_weights(model, wg, *, source: Callable[[torch.nn.Parameter], torch.Tensor] | None = None,
-                      ) -> Iterator[tuple[str, torch.Tensor]]:
+def export_hf_weights(
+    model,
+    wg,
+    *,
+    source: Callable[[torch.nn.Parameter], torch.Tensor] | None = None,
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Stream this PP stage's weights as ``(hf_name, full tensor)``, one at a time (see module doc).
 
     ``source`` picks what to export per parameter (default: the parameter itself); e.g.

@@ -87,8 +87,9 @@ def megatron_to_hf(rank: int, src: str, dst: str, tp: int, pp: int, dtype: str =
     dist_checkpoint.load_checkpoint(Path(src) / MEGATRON_SUBDIR, model, wg)
     sender = bridge.is_sender(wg)
     total = len(hf_param_names(bridge.unwrap(model).hf_arch))
-    stream = _progress(bridge.export_hf_weights(model, wg), total=total, desc=f"stage {wg.pp_rank} -> HF",
-                       enabled=sender)
+    stream = _progress(
+        bridge.export_hf_weights(model, wg), total=total, desc=f"stage {wg.pp_rank} -> HF", enabled=sender
+    )
     tensors = {name: tensor.to(getattr(torch, dtype)).contiguous() for name, tensor in stream}
     if not sender:
         return []
@@ -100,12 +101,22 @@ def megatron_to_hf(rank: int, src: str, dst: str, tp: int, pp: int, dtype: str =
 CONVERSION_TIMEOUT_S = 3600  # a conversion rank's whole life (a large model's load and write)
 
 
-def convert(src: str | Path, dst: str | Path, *, from_format: str, to_format: str, tp: int = 1, pp: int = 1,
-            dtype: str = "float32") -> Path:
+def convert(
+    src: str | Path,
+    dst: str | Path,
+    *,
+    from_format: str,
+    to_format: str,
+    tp: int = 1,
+    pp: int = 1,
+    dtype: str = "float32",
+) -> Path:
     """Library entry point of the single-model conversions (same arguments as the CLI); returns ``dst``."""
     src, final = Path(src), Path(dst)
     if (from_format, to_format) not in (("hf", "megatron"), ("megatron", "hf")):
-        raise ValueError(f"--from {from_format} --to {to_format} unsupported; allowed: hf->megatron, megatron->hf, run->hf")
+        raise ValueError(
+            f"--from {from_format} --to {to_format} unsupported; allowed: hf->megatron, megatron->hf, run->hf"
+        )
     if not (src / "config.json").is_file():
         raise ValueError(f"{src} has no config.json")
     if final.resolve() == src.resolve():
@@ -113,15 +124,19 @@ def convert(src: str | Path, dst: str | Path, *, from_format: str, to_format: st
     with atomic_dir(final) as staging:  # readers never see a half-converted checkpoint
         copy_side_files(src, staging)
         if from_format == "hf":
-            launch.run_on_ranks(hf_to_megatron, tp * pp, str(src), str(staging), tp, pp,
-                                timeout_s=CONVERSION_TIMEOUT_S)
+            launch.run_on_ranks(
+                hf_to_megatron, tp * pp, str(src), str(staging), tp, pp, timeout_s=CONVERSION_TIMEOUT_S
+            )
             (staging / "megamarl_convert.json").write_text(json.dumps({"saved_tp": tp, "saved_pp": pp}))
             return final
         (staging / "megamarl_convert.json").unlink(missing_ok=True)
-        per_rank = launch.run_on_ranks(megatron_to_hf, tp * pp, str(src), str(staging), tp, pp, dtype,
-                                       timeout_s=CONVERSION_TIMEOUT_S)
+        per_rank = launch.run_on_ranks(
+            megatron_to_hf, tp * pp, str(src), str(staging), tp, pp, dtype, timeout_s=CONVERSION_TIMEOUT_S
+        )
         lines = [line for rank_lines in per_rank for line in rank_lines]
         if pp > 1 and lines:
             weight_map = dict(reversed(line.split("\t")) for line in lines)
-            (staging / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2))
+            (staging / "model.safetensors.index.json").write_text(
+                json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2)
+            )
     return final

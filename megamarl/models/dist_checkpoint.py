@@ -86,7 +86,9 @@ def optimizer_sharded_state_dict(model_ssd: dict, optimizer, wg, *, is_loading: 
         for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
             init_optimizer_state(inner.optimizer)
         metadata = {"distrib_optim_sharding_type": "fully_reshardable"}
-        return {"optimizer": optimizer.sharded_state_dict(model_ssd, is_loading=is_loading, metadata=metadata)}
+        return {
+            "optimizer": optimizer.sharded_state_dict(model_ssd, is_loading=is_loading, metadata=metadata)
+        }
     from megatron.core.dist_checkpointing.mapping import ShardedObject
     from megatron.core.dist_checkpointing.optimizer import (
         get_param_id_to_sharded_param_map,
@@ -140,7 +142,10 @@ def _replica_id(wg) -> int:
 def _has_common_object(path: Path) -> bool:
     from torch.distributed.checkpoint import FileSystemReader
 
-    return any(key.split("/")[0] == COMMON_KEY for key in FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+    return any(
+        key.split("/")[0] == COMMON_KEY
+        for key in FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    )
 
 
 def _in_process_results_queue() -> None:

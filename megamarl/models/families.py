@@ -14,7 +14,9 @@ from megamarl.registry import Registry
 _FAMILY_MODULES = ("megamarl.models.llama", "megamarl.models.qwen2", "megamarl.models.qwen3")
 
 MODEL_FAMILIES: Registry = Registry(
-    "model architecture (HF model_type)", signature="module with MODEL_TYPES and arch_from_hf(hf_config) -> DecoderArch")
+    "model architecture (HF model_type)",
+    signature="module with MODEL_TYPES and arch_from_hf(hf_config) -> DecoderArch",
+)
 for _module_name in _FAMILY_MODULES:
     _module = importlib.import_module(_module_name)
     for _model_type in _module.MODEL_TYPES:

@@ -64,8 +64,17 @@ LORA_TARGETS = {
 class LoraAdapter(nn.Module):
     """One adapter on one parallel linear (this TP rank's slices of A and B)."""
 
-    def __init__(self, full_a: torch.Tensor, out_local: int, *, kind: str, tp_rank: int, tp: int, scaling: float,
-                 tp_group):
+    def __init__(
+        self,
+        full_a: torch.Tensor,
+        out_local: int,
+        *,
+        kind: str,
+        tp_rank: int,
+        tp: int,
+        scaling: float,
+        tp_group,
+    ):
         super().__init__()
         self.kind, self.scaling, self.tp_group = kind, scaling, tp_group
         rank = full_a.shape[0]
@@ -105,8 +114,10 @@ def _target_modules(model, targets):
             module = getattr(parent, target)
             expected = ColumnParallelLinear if LORA_TARGETS[target][0] == "column" else RowParallelLinear
             if type(module) is not expected:
-                raise ValueError(f"LoRA needs megatron-core's local {expected.__name__} for {target}, "
-                                 f"got {type(module).__name__} (Transformer Engine spec is unsupported)")
+                raise ValueError(
+                    f"LoRA needs megatron-core's local {expected.__name__} for {target}, "
+                    f"got {type(module).__name__} (Transformer Engine spec is unsupported)"
+                )
             yield layer.layer_number - 1, target, module
 
 
@@ -132,8 +143,15 @@ def add_lora_adapter(model, wg, name: str, config: LoraConfig) -> list[nn.Parame
         bound = 1.0 / math.sqrt(in_full)  # kaiming_uniform_(a=sqrt(5)), as PEFT/nn.Linear
         full_a = (torch.rand(config.rank, in_full, generator=gen, dtype=torch.float32) * 2 - 1) * bound
         out_local = weight.shape[0]
-        adapter = LoraAdapter(full_a.to(weight.dtype), out_local, kind=kind, tp_rank=wg.tp_rank, tp=wg.layout.tp,
-                              scaling=config.scaling, tp_group=wg.pgs.tp).to(weight.device)
+        adapter = LoraAdapter(
+            full_a.to(weight.dtype),
+            out_local,
+            kind=kind,
+            tp_rank=wg.tp_rank,
+            tp=wg.layout.tp,
+            scaling=config.scaling,
+            tp_group=wg.pgs.tp,
+        ).to(weight.device)
         module.lora_adapters[name] = adapter
         params += list(adapter.parameters())
     model.lora_configs = {**getattr(model, "lora_configs", {}), name: config}
@@ -145,15 +163,20 @@ def add_lora_adapter(model, wg, name: str, config: LoraConfig) -> list[nn.Parame
 
 def lora_parameters(model, name: str | None = None) -> list[nn.Parameter]:
     """The parameters of adapter ``name`` (all adapters when None) on this rank."""
-    return [p for n, p in unwrap(model).named_parameters()
-            if ".lora_adapters." in n and (name is None or f".lora_adapters.{name}." in n)]
+    return [
+        p
+        for n, p in unwrap(model).named_parameters()
+        if ".lora_adapters." in n and (name is None or f".lora_adapters.{name}." in n)
+    ]
 
 
 def set_active_adapter(model, name: str | None) -> None:
     """Select the adapter used by subsequent forwards (None: the bare base model)."""
     model = unwrap(model)
     if name is not None and name not in getattr(model, "lora_configs", {}):
-        raise ValueError(f"LoRA adapter '{name}' unknown; added: {sorted(getattr(model, 'lora_configs', {}))}")
+        raise ValueError(
+            f"LoRA adapter '{name}' unknown; added: {sorted(getattr(model, 'lora_configs', {}))}"
+        )
     for module in model.modules():
         if hasattr(module, "lora_adapters"):
             module.lora_active = name
@@ -210,15 +233,31 @@ def hf_target_modules(config: LoraConfig) -> list[str]:
 
 def peft_adapter_config(config: LoraConfig, *, base_model_name_or_path: str | None = None) -> dict:
     return {
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": config.rank, "lora_alpha": config.alpha,
-        "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
-        "init_lora_weights": True, "inference_mode": True, "base_model_name_or_path": base_model_name_or_path,
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": config.rank,
+        "lora_alpha": config.alpha,
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "use_dora": False,
+        "init_lora_weights": True,
+        "inference_mode": True,
+        "base_model_name_or_path": base_model_name_or_path,
         "target_modules": hf_target_modules(config),
     }
 
 
-def save_peft_adapter(model, wg, name: str, path: str | Path, *, base_model_name_or_path: str | None = None,
-                      dtype: torch.dtype | None = None) -> Path | None:
+def save_peft_adapter(
+    model,
+    wg,
+    name: str,
+    path: str | Path,
+    *,
+    base_model_name_or_path: str | None = None,
+    dtype: torch.dtype | None = None,
+) -> Path | None:
     """Write adapter ``name`` as a PEFT directory (adapter_config.json + adapter_model.safetensors).
 
     Collective over the WG's ranks (TP gathers; with PP>1 the stages' tensors are gathered over the
@@ -236,6 +275,8 @@ def save_peft_adapter(model, wg, name: str, path: str | Path, *, base_model_name
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(path / "adapter_model.safetensors"))
-    config = peft_adapter_config(unwrap(model).lora_configs[name], base_model_name_or_path=base_model_name_or_path)
+    config = peft_adapter_config(
+        unwrap(model).lora_configs[name], base_model_name_or_path=base_model_name_or_path
+    )
     (path / "adapter_config.json").write_text(json.dumps(config, indent=2))
     return path

@@ -44,14 +44,22 @@ _MLP = "model.layers.{i}.mlp."
 # Megatron name (layer-relative for decoder layers) -> Rule. Local spec and TE spec names both listed.
 LAYER_RULES: dict[str, Rule] = {
     "input_layernorm.weight": Rule("replicated", ("model.layers.{i}.input_layernorm.weight",)),
-    "self_attention.linear_qkv.layer_norm_weight": Rule("replicated", ("model.layers.{i}.input_layernorm.weight",)),
-    "self_attention.linear_qkv.weight": Rule("qkv", (_ATTN + "q_proj.weight", _ATTN + "k_proj.weight", _ATTN + "v_proj.weight")),
-    "self_attention.linear_qkv.bias": Rule("qkv", (_ATTN + "q_proj.bias", _ATTN + "k_proj.bias", _ATTN + "v_proj.bias")),
+    "self_attention.linear_qkv.layer_norm_weight": Rule(
+        "replicated", ("model.layers.{i}.input_layernorm.weight",)
+    ),
+    "self_attention.linear_qkv.weight": Rule(
+        "qkv", (_ATTN + "q_proj.weight", _ATTN + "k_proj.weight", _ATTN + "v_proj.weight")
+    ),
+    "self_attention.linear_qkv.bias": Rule(
+        "qkv", (_ATTN + "q_proj.bias", _ATTN + "k_proj.bias", _ATTN + "v_proj.bias")
+    ),
     "self_attention.q_layernorm.weight": Rule("replicated", (_ATTN + "q_norm.weight",)),
     "self_attention.k_layernorm.weight": Rule("replicated", (_ATTN + "k_norm.weight",)),
     "self_attention.linear_proj.weight": Rule("row", (_ATTN + "o_proj.weight",)),
     "pre_mlp_layernorm.weight": Rule("replicated", ("model.layers.{i}.post_attention_layernorm.weight",)),
-    "mlp.linear_fc1.layer_norm_weight": Rule("replicated", ("model.layers.{i}.post_attention_layernorm.weight",)),
+    "mlp.linear_fc1.layer_norm_weight": Rule(
+        "replicated", ("model.layers.{i}.post_attention_layernorm.weight",)
+    ),
     "mlp.linear_fc1.weight": Rule("gate_up", (_MLP + "gate_proj.weight", _MLP + "up_proj.weight")),
     "mlp.linear_fc2.weight": Rule("row", (_MLP + "down_proj.weight",)),
 }
@@ -97,8 +105,9 @@ def qkv_unpack(fused: torch.Tensor, arch: DecoderArch) -> list[torch.Tensor]:
     return [t.reshape(-1, *rest).contiguous() for t in (q, k, v)]
 
 
-def shard_from_hf(rule: Rule, hf: list[torch.Tensor], *, tp_rank: int, tp: int, arch: DecoderArch,
-                  padded_vocab: int) -> torch.Tensor:
+def shard_from_hf(
+    rule: Rule, hf: list[torch.Tensor], *, tp_rank: int, tp: int, arch: DecoderArch, padded_vocab: int
+) -> torch.Tensor:
     """This TP rank's Megatron tensor for ``rule`` from the full HF tensors (in ``rule.hf_names`` order)."""
     if rule.kind == "replicated":
         return hf[0]
@@ -145,14 +154,23 @@ def hf_param_names(arch: DecoderArch) -> list[str]:
     names = ["model.embed_tokens.weight"]
     for i in range(arch.num_layers):
         a, m = _ATTN.format(i=i), _MLP.format(i=i)
-        names += [f"model.layers.{i}.input_layernorm.weight", a + "q_proj.weight", a + "k_proj.weight",
-                  a + "v_proj.weight"]
+        names += [
+            f"model.layers.{i}.input_layernorm.weight",
+            a + "q_proj.weight",
+            a + "k_proj.weight",
+            a + "v_proj.weight",
+        ]
         if arch.qkv_bias:
             names += [a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"]
         if arch.qk_norm:
             names += [a + "q_norm.weight", a + "k_norm.weight"]
-        names += [a + "o_proj.weight", f"model.layers.{i}.post_attention_layernorm.weight",
-                  m + "gate_proj.weight", m + "up_proj.weight", m + "down_proj.weight"]
+        names += [
+            a + "o_proj.weight",
+            f"model.layers.{i}.post_attention_layernorm.weight",
+            m + "gate_proj.weight",
+            m + "up_proj.weight",
+            m + "down_proj.weight",
+        ]
     names.append("model.norm.weight")
     if not arch.tied_embeddings:
         names.append("lm_head.weight")

@@ -49,8 +49,11 @@ def save_hf_model(model, directory: str | os.PathLike) -> None:
     head, embed = state.get("lm_head.weight"), state.get("model.embed_tokens.weight")
     if head is not None and embed is not None and head.data_ptr() == embed.data_ptr():
         del state["lm_head.weight"]  # tied: the embedding is stored once, as transformers does
-    save_file({k: v.detach().contiguous() for k, v in state.items()}, str(directory / "model.safetensors"),
-              metadata={"format": "pt"})
+    save_file(
+        {k: v.detach().contiguous() for k, v in state.items()},
+        str(directory / "model.safetensors"),
+        metadata={"format": "pt"},
+    )
 
 
 def is_complete(target: Path) -> bool:
@@ -60,19 +63,27 @@ def is_complete(target: Path) -> bool:
         files = json.loads(manifest.read_text())["files"]
     except (OSError, ValueError, KeyError, TypeError):
         return False
-    return all((target / name).is_file() and (target / name).stat().st_size == size for name, size in files.items())
+    return all(
+        (target / name).is_file() and (target / name).stat().st_size == size for name, size in files.items()
+    )
 
 
 def write_manifest(directory: Path) -> None:
     files = {
         str(p.relative_to(directory)): p.stat().st_size
-        for p in sorted(directory.rglob("*")) if p.is_file() and p.name != MANIFEST
+        for p in sorted(directory.rglob("*"))
+        if p.is_file() and p.name != MANIFEST
     }
     (directory / MANIFEST).write_text(json.dumps({"files": files}, indent=1))
 
 
-def build_once(target: str | os.PathLike, build: Callable[[Path], None], *, what: str = "model",
-               status: Callable[[str], None] | None = None) -> Path:
+def build_once(
+    target: str | os.PathLike,
+    build: Callable[[Path], None],
+    *,
+    what: str = "model",
+    status: Callable[[str], None] | None = None,
+) -> Path:
     """Make ``target`` a complete directory, calling ``build(tmp_dir)`` at most once across processes.
 
     ``build`` writes the entry's files into the empty directory it is given. ``status`` receives one

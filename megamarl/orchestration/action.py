@@ -24,7 +24,9 @@ class Action:
     turn: int
     step: int
     branch: int = 0  # the candidate continued from
-    samples: list[Sample] = field(default_factory=list, repr=False)  # tool rounds (agents.<a>.tools), then the candidates
+    samples: list[Sample] = field(
+        default_factory=list, repr=False
+    )  # tool rounds (agents.<a>.tools), then the candidates
     scores: list[float] | None = None  # tree sampling: one per candidate
 
     def stripped(self) -> Action:

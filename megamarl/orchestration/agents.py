@@ -35,8 +35,12 @@ def sampling_params(sampling: SamplingConfig, tokenizer: Any = None) -> Sampling
     """An agent's engine request parameters (``agents.<a>.sampling``); ``allowed_tokens`` become token
     ids with ``tokenizer``, the tokenizer of the agent's policy (needed only when some are set)."""
     return SamplingParams(
-        temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k, max_tokens=sampling.max_tokens,
-        allowed_token_ids=_single_token_ids(sampling.allowed_tokens, tokenizer), stop=tuple(sampling.stop),
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        top_k=sampling.top_k,
+        max_tokens=sampling.max_tokens,
+        allowed_token_ids=_single_token_ids(sampling.allowed_tokens, tokenizer),
+        stop=tuple(sampling.stop),
     )
 
 
@@ -44,12 +48,16 @@ def _single_token_ids(texts: list[str], tokenizer: Any) -> tuple[int, ...]:
     if not texts:
         return ()
     if tokenizer is None:
-        raise ValueError("agents.<a>.sampling.allowed_tokens needs the policy's tokenizer to become token ids")
+        raise ValueError(
+            "agents.<a>.sampling.allowed_tokens needs the policy's tokenizer to become token ids"
+        )
     ids = []
     for text in texts:
         encoded = tokenizer.encode(text, add_special_tokens=False)
         if len(encoded) != 1:
-            raise ValueError(f"agents.<a>.sampling.allowed_tokens: {text!r} is {len(encoded)} tokens, not one")
+            raise ValueError(
+                f"agents.<a>.sampling.allowed_tokens: {text!r} is {len(encoded)} tokens, not one"
+            )
         ids.append(encoded[0])
     return tuple(ids)
 
@@ -75,7 +83,9 @@ class Agent:
             stops += (eos,)
         self.sampling = replace(sampling, stop_token_ids=stops)
         self.stop_token_ids = frozenset(stops)
-        self.tools = {name: TOOLS.get(name, key=f"agents.{role}.tools") for name in config.tools}  # name -> Tool
+        self.tools = {
+            name: TOOLS.get(name, key=f"agents.{role}.tools") for name in config.tools
+        }  # name -> Tool
         # agents.<a>.tool_choice naming a tool: each call's first reply is made to call it (tools.ForcedCall)
         forced = self.tools[config.tool_choice] if config.tool_choice != "auto" else None
         self.forced_call = forced_call(forced.name, forced.parameters) if forced is not None else None
@@ -91,7 +101,7 @@ class Agent:
         ids = response_ids[:-1] if response_ids and response_ids[-1] in self.stop_token_ids else response_ids
         text = self.tokenizer.decode(ids, skip_special_tokens=False)
         cuts = [i for i in (text.find(s) for s in (self.sampling.stop if stop is None else stop)) if i >= 0]
-        return text[:min(cuts)] if cuts else text
+        return text[: min(cuts)] if cuts else text
 
     def parse(self, text: str) -> tuple[Any, bool]:
         """``(action value, valid)``; the base kind accepts any non-empty reply as text."""
@@ -104,8 +114,10 @@ class Agent:
 
 
 AGENTS: Registry[type[Agent]] = Registry(
-    "agent", signature="class(Agent); cls(role, config: AgentConfig, tokenizer); parse(text) -> (action, valid)",
-    keys=("agents.<name>.kind",))
+    "agent",
+    signature="class(Agent); cls(role, config: AgentConfig, tokenizer); parse(text) -> (action, valid)",
+    keys=("agents.<name>.kind",),
+)
 AGENTS.add("text", Agent)
 
 
@@ -147,8 +159,10 @@ def check_allowed_tokens(configs: Mapping[str, AgentConfig], tokenizers: Mapping
             try:
                 _single_token_ids(config.sampling.allowed_tokens, tokenizers[config.policy])
             except ValueError as exc:
-                raise ValueError(f"{str(exc).replace('agents.<a>', f'agents.{role}')} (policies.{config.policy}'s "
-                                 "tokenizer)") from None
+                raise ValueError(
+                    f"{str(exc).replace('agents.<a>', f'agents.{role}')} (policies.{config.policy}'s "
+                    "tokenizer)"
+                ) from None
 
 
 # -- parsers ------------------------------------------------------------------------------------

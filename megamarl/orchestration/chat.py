@@ -36,7 +36,9 @@ class TemplateDeltaError(ValueError):
 class ChatTranscript:
     """One agent's conversation in one episode: ``messages`` (text) and ``ids`` (exact tokens)."""
 
-    def __init__(self, tokenizer: Any, system_prompt: str | None = None, *, tools: list[dict] | None = None) -> None:
+    def __init__(
+        self, tokenizer: Any, system_prompt: str | None = None, *, tools: list[dict] | None = None
+    ) -> None:
         self.tokenizer = tokenizer
         self.messages: list[dict[str, str]] = []
         if system_prompt is not None:
@@ -65,7 +67,9 @@ class ChatTranscript:
         return self.tokenizer.encode(text, add_special_tokens=False) if text else []
 
     @classmethod
-    def of_prompt(cls, tokenizer: Any, messages: list[dict], *, template_kwargs: dict | None = None) -> ChatTranscript:
+    def of_prompt(
+        cls, tokenizer: Any, messages: list[dict], *, template_kwargs: dict | None = None
+    ) -> ChatTranscript:
         """A transcript whose ids are ``messages`` rendered (with the generation prompt) and encoded
         in one piece: a conversation that arrives whole (the OpenAI endpoint's requests)."""
         transcript = cls(tokenizer)
@@ -84,7 +88,7 @@ class ChatTranscript:
         transcript = ChatTranscript(self.tokenizer)
         transcript.messages, transcript._template_kwargs = list(messages), self._template_kwargs
         transcript._text, transcript._closing = full, self._closing
-        transcript.ids = self.ids + self._encode(full[len(self._text):])
+        transcript.ids = self.ids + self._encode(full[len(self._text) :])
         return transcript
 
     def add_user(self, content: str) -> list[int]:

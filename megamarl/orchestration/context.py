@@ -126,7 +126,9 @@ class EpisodeContext:
         self._env_lock = asyncio.Lock()  # remote env calls of this episode, one at a time
         self.reported: tuple[float, dict[str, float]] | None = None  # report_rewards: (team, agent -> local)
         # agent -> tool calls run / of them answered with ``error: ...`` (agents with ``tools`` only)
-        self.tool_calls: dict[str, int] = {name: 0 for name, agent in agents.items() if getattr(agent, "tools", None)}
+        self.tool_calls: dict[str, int] = {
+            name: 0 for name, agent in agents.items() if getattr(agent, "tools", None)
+        }
         self.tool_errors: dict[str, int] = dict.fromkeys(self.tool_calls, 0)
 
     @property
@@ -164,7 +166,9 @@ class EpisodeContext:
             text = f"Earlier turns:\n{memory}\n{observation}" if memory else observation
         transcript = self.transcripts.get(agent.role) if agent.config.multi_turn else None
         if transcript is None:
-            transcript = ChatTranscript(agent.tokenizer, agent.system, tools=[t.schema() for t in agent.tools.values()])
+            transcript = ChatTranscript(
+                agent.tokenizer, agent.system, tools=[t.schema() for t in agent.tools.values()]
+            )
         transcript.add_user(agent.user_message(text))
         if len(transcript.ids) > agent.config.max_prompt_tokens:
             raise EpisodeDropped("prompt_too_long")
@@ -174,12 +178,24 @@ class EpisodeContext:
         policy = self.policy_of(agent_name)
         engine = self.engines.get(policy)
         if engine is None:
-            source = "rollout.policy_mapping" if agent_name in self.policies else f"agents.{agent_name}.policy"
-            raise ConfigError(f"{source} gave '{agent_name}' policy '{policy}', which has no engine; have {sorted(self.engines)}")
+            source = (
+                "rollout.policy_mapping" if agent_name in self.policies else f"agents.{agent_name}.policy"
+            )
+            raise ConfigError(
+                f"{source} gave '{agent_name}' policy '{policy}', which has no engine; have {sorted(self.engines)}"
+            )
         return policy, engine
 
-    async def _sample(self, agent: Agent, prompt_ids: list[int], *, anchor: str, sampling: SamplingParams,
-                      num_candidates: int = 1, forced: ForcedCall | None = None) -> list[tuple[Sample, object]]:
+    async def _sample(
+        self,
+        agent: Agent,
+        prompt_ids: list[int],
+        *,
+        anchor: str,
+        sampling: SamplingParams,
+        num_candidates: int = 1,
+        forced: ForcedCall | None = None,
+    ) -> list[tuple[Sample, object]]:
         """One engine call for ``agent`` on ``prompt_ids`` (``num_candidates`` replies; the candidates
         share the list); the tagged Samples (not yet recorded), each with the agent's parsed value of
         its reply. The one path by which every agent call (``act``, ``complete``) reaches an engine.
@@ -200,20 +216,47 @@ class EpisodeContext:
             raise RuntimeError(f"engine of policy '{policy}' returned {len(generations)} of {num_candidates}")
         samples = []
         for branch, gen in enumerate(generations):
-            text = agent.response_text(gen.token_ids, sampling.stop)  # the call's stops: a request's, a forced call's
+            text = agent.response_text(
+                gen.token_ids, sampling.stop
+            )  # the call's stops: a request's, a forced call's
             value, valid = agent.parse(forced.turn_text(text) if forced is not None else text)
-            samples.append((Sample(
-                task_id=self.task.task_id, episode_id=self.episode_id, agent=agent_name, policy=policy,
-                turn=turn, branch=branch, weight_version=gen.weight_version, valid=bool(valid), step=step,
-                prompt_ids=prompt_ids, response_ids=list(gen.token_ids), rollout_logprobs=list(gen.logprobs),
-                anchor=anchor, truncated=gen.finish_reason == "length", response_text=text,
-                allowed_token_ids=tuple(sampling.allowed_token_ids) if sampling.allowed_token_ids else None,
-                temperature=sampling.temperature if sampling.temperature > 0 else 1.0,
-            ), value))
+            samples.append(
+                (
+                    Sample(
+                        task_id=self.task.task_id,
+                        episode_id=self.episode_id,
+                        agent=agent_name,
+                        policy=policy,
+                        turn=turn,
+                        branch=branch,
+                        weight_version=gen.weight_version,
+                        valid=bool(valid),
+                        step=step,
+                        prompt_ids=prompt_ids,
+                        response_ids=list(gen.token_ids),
+                        rollout_logprobs=list(gen.logprobs),
+                        anchor=anchor,
+                        truncated=gen.finish_reason == "length",
+                        response_text=text,
+                        allowed_token_ids=tuple(sampling.allowed_token_ids)
+                        if sampling.allowed_token_ids
+                        else None,
+                        temperature=sampling.temperature if sampling.temperature > 0 else 1.0,
+                    ),
+                    value,
+                )
+            )
         return samples
 
-    async def complete(self, agent_name: str, prompt_ids: list[int], *, max_tokens: int | None = None,
-                       stop: tuple[str, ...] = (), anchor: str = "") -> Sample:
+    async def complete(
+        self,
+        agent_name: str,
+        prompt_ids: list[int],
+        *,
+        max_tokens: int | None = None,
+        stop: tuple[str, ...] = (),
+        anchor: str = "",
+    ) -> Sample:
         """Sample ``agent_name``'s reply to a prompt rendered elsewhere (the OpenAI endpoint renders
         the program's messages) and record it: same engine, sampling, tags and token-exactness as
         ``act``, but no parsing into an env action and no env step. ``max_tokens`` can only lower the
@@ -259,21 +302,42 @@ class EpisodeContext:
         self._engine(agent_name)  # a config error before the prompt is built
         transcript = self._prompt(agent, observation)
         prompt_ids = list(transcript.ids)
-        sampling, forced = agent.sampling, agent.forced_call  # tool_choice naming a tool: the reply opens with its call
+        sampling, forced = (
+            agent.sampling,
+            agent.forced_call,
+        )  # tool_choice naming a tool: the reply opens with its call
         if forced is not None:
             prompt_ids += agent.tokenizer.encode(forced.opening, add_special_tokens=False)
             sampling = dataclasses.replace(sampling, stop=(*sampling.stop, *forced.stop))
         num_candidates = agent.config.tree_k
-        sampled = await self._sample(agent, prompt_ids, anchor=observation, sampling=sampling,
-                                     num_candidates=num_candidates, forced=forced)
+        sampled = await self._sample(
+            agent,
+            prompt_ids,
+            anchor=observation,
+            sampling=sampling,
+            num_candidates=num_candidates,
+            forced=forced,
+        )
         tool_samples = []
         if agent.tools:  # tree_k is 1 (AgentConfig): a reply that calls tools is answered, then resampled
-            tool_samples, sampled = await self._tool_rounds(agent, transcript, sampled, anchor=observation, forced=forced)
+            tool_samples, sampled = await self._tool_rounds(
+                agent, transcript, sampled, anchor=observation, forced=forced
+            )
         # the assistant turn's text (a forced call's, when its reply called nothing: prompt ids past the transcript)
         forced_reply = forced is not None and len(sampled[0][0].prompt_ids) > len(transcript.ids)
-        candidates = [Action(agent_name, forced.turn_text(sample.response_text) if forced_reply else sample.response_text,
-                             value, sample.valid, sample.turn, sample.step, sample.branch, [sample])
-                      for sample, value in sampled]
+        candidates = [
+            Action(
+                agent_name,
+                forced.turn_text(sample.response_text) if forced_reply else sample.response_text,
+                value,
+                sample.valid,
+                sample.turn,
+                sample.step,
+                sample.branch,
+                [sample],
+            )
+            for sample, value in sampled
+        ]
         samples = [c.samples[0] for c in candidates]
         best = candidates[0]
         scores = None
@@ -288,7 +352,9 @@ class EpisodeContext:
         samples = tool_samples + samples
         action = dataclasses.replace(best, samples=samples, scores=scores)
         if agent.config.multi_turn:
-            transcript.add_response(best_sample.prompt_ids[len(transcript.ids):] + best_sample.response_ids, best.text)
+            transcript.add_response(
+                best_sample.prompt_ids[len(transcript.ids) :] + best_sample.response_ids, best.text
+            )
             self.transcripts[agent_name] = transcript
         self.samples.extend(samples)
         self.actions.append(action)
@@ -297,8 +363,15 @@ class EpisodeContext:
             self.memory.append(MemoryEntry(agent_name, entry_text, len(agent.tokenizer.encode(entry_text))))
         return action
 
-    async def _tool_rounds(self, agent: Agent, transcript: ChatTranscript, sampled: list[tuple[Sample, object]],
-                           *, anchor: str, forced: ForcedCall | None = None) -> tuple[list[Sample], list[tuple[Sample, object]]]:
+    async def _tool_rounds(
+        self,
+        agent: Agent,
+        transcript: ChatTranscript,
+        sampled: list[tuple[Sample, object]],
+        *,
+        anchor: str,
+        forced: ForcedCall | None = None,
+    ) -> tuple[list[Sample], list[tuple[Sample, object]]]:
         """While the reply calls tools (at most ``max_tool_calls`` rounds): run them, append the reply
         and each result (a ``tool`` turn) to the transcript, sample again. Returns the tool-calling
         samples (valid: a call is a well-formed move) and the final reply. ``forced``: the first reply
@@ -312,7 +385,7 @@ class EpisodeContext:
                 break
             sample.valid = True
             tool_samples.append(sample)
-            transcript.add_response(sample.prompt_ids[len(transcript.ids):] + sample.response_ids, text)
+            transcript.add_response(sample.prompt_ids[len(transcript.ids) :] + sample.response_ids, text)
             forced = None
             results = [call_tool(call, agent.tools) for call in calls]
             self.tool_calls[agent.role] = self.tool_calls.get(agent.role, 0) + len(results)
@@ -345,7 +418,9 @@ class EpisodeContext:
             # once (agents acting concurrently) would each start from the same state and the later
             # would undo the earlier; the lock keeps them in call order, as inline calls are.
             async with self._env_lock:
-                env, result = await self.workers.call(fn, self.env, agent, action, timeout_s=self.step_timeout_s)
+                env, result = await self.workers.call(
+                    fn, self.env, agent, action, timeout_s=self.step_timeout_s
+                )
         if mutates:
             self.env = env
         return result

@@ -115,8 +115,10 @@ class Env(abc.ABC):
 
 
 ENVS: Registry[type[Env]] = Registry(
-    "env", signature="class(Env) with a Config(EnvConfig); generate_tasks(config, *, num_tasks, seed); cls(task, config)",
-    keys=("env.name", "eval.env.name", "eval.sets.<name>.name"))
+    "env",
+    signature="class(Env) with a Config(EnvConfig); generate_tasks(config, *, num_tasks, seed); cls(task, config)",
+    keys=("env.name", "eval.env.name", "eval.sets.<name>.name"),
+)
 
 
 def draw_from_dataset(num_items: int, num_tasks: int, *, seed: int, prefix: str) -> list[tuple[int, str]]:
@@ -153,8 +155,9 @@ def read_jsonl(path: str | Path, *, key: str) -> Iterator[tuple[str, dict]]:
         reason = exc.strerror if isinstance(exc, OSError) else str(exc)
         raise ValueError(f"{key}: {str(path)[:200]} cannot be read ({reason})") from None
     if not path.is_file():
-        raise ValueError(f"{key}: {path} is {'a directory' if path.is_dir() else 'not a regular file'}, not a JSONL "
-                         "file")
+        raise ValueError(
+            f"{key}: {path} is {'a directory' if path.is_dir() else 'not a regular file'}, not a JSONL file"
+        )
     num_records = 0
     with open(path, "rb") as f:
         for line_no, raw in enumerate(f, 1):
@@ -162,7 +165,9 @@ def read_jsonl(path: str | Path, *, key: str) -> Iterator[tuple[str, dict]]:
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as exc:
-                raise ValueError(f"{where}: not UTF-8 text (byte {exc.start}: {raw[exc.start:exc.start + 1]!r})") from None
+                raise ValueError(
+                    f"{where}: not UTF-8 text (byte {exc.start}: {raw[exc.start : exc.start + 1]!r})"
+                ) from None
             if not line.strip():
                 continue
             try:
@@ -208,5 +213,3 @@ class EnvMaker:
     @property
     def default_agents(self) -> dict[str, str]:
         return dict(self.env_cls.default_agents)
-
-

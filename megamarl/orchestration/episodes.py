@@ -90,8 +90,10 @@ class RolloutResult:
         return ""
 
     def failure_report(self, what: str) -> str:
-        return (f"{what}: {self.num_failed}/{len(self.episodes)} episodes failed {dict(self.reasons())}; "
-                f"first: {self.first_error()}")
+        return (
+            f"{what}: {self.num_failed}/{len(self.episodes)} episodes failed {dict(self.reasons())}; "
+            f"first: {self.first_error()}"
+        )
 
     def summary(self) -> dict[str, float]:
         ok = [e for e in self.episodes if e.status == "ok"]
@@ -143,8 +145,15 @@ async def run_episode(
     ``seed``: this episode's sampling seed; ``policies``: agent -> policy for this episode (see
     ``EpisodeContext``)."""
     ctx = EpisodeContext(
-        task=task, episode_id=episode_id, env=env, agents=agents, engines=engines, workers=workers,
-        step_timeout_s=step_timeout_s, seed=seed, policies=policies,
+        task=task,
+        episode_id=episode_id,
+        env=env,
+        agents=agents,
+        engines=engines,
+        workers=workers,
+        step_timeout_s=step_timeout_s,
+        seed=seed,
+        policies=policies,
     )
     stats = EpisodeStats(task.task_id, episode_id, "ok")
     try:
@@ -192,7 +201,8 @@ def check_failures(result: RolloutResult, *, max_failed_fraction: float, what: s
     if result.episodes and result.failed_fraction > max_failed_fraction:
         raise RolloutFailureError(
             result.failure_report(what) + f"\n(failed fraction {result.failed_fraction:.3f} > "
-            f"rollout.max_failed_fraction={max_failed_fraction})")
+            f"rollout.max_failed_fraction={max_failed_fraction})"
+        )
 
 
 async def _run_to_end(orchestra: Orchestra, ctx: EpisodeContext) -> None:
@@ -241,10 +251,17 @@ async def run_episodes(
             policies = {agent: policy_mapping(agent, episode_seed) for agent in agents}
         async with semaphore:
             result = await run_episode(
-                orchestra, make_env(task), task, episode_id=f"{task.task_id}/{index}", agents=agents,
-                engines=engines, workers=workers, step_timeout_s=step_timeout_s,
+                orchestra,
+                make_env(task),
+                task,
+                episode_id=f"{task.task_id}/{index}",
+                agents=agents,
+                engines=engines,
+                workers=workers,
+                step_timeout_s=step_timeout_s,
                 episode_timeout_s=episode_timeout_s,
-                seed=None if seed is None else derive_seed(seed, task.task_id, index), policies=policies,
+                seed=None if seed is None else derive_seed(seed, task.task_id, index),
+                policies=policies,
             )
         if on_episode is not None:
             on_episode(result[0])

@@ -74,9 +74,11 @@ class External(Orchestra):
         def __post_init__(self) -> None:
             self.command, self.roles = tuple(str(c) for c in self.command), tuple(self.roles)
             if bool(self.command) == bool(self.module):
-                raise ValueError("orchestra.kwargs: set exactly one of orchestra.command (an argv list) and "
-                                 f"orchestra.module (a module name); got command={list(self.command)}, "
-                                 f"module='{self.module}'")
+                raise ValueError(
+                    "orchestra.kwargs: set exactly one of orchestra.command (an argv list) and "
+                    f"orchestra.module (a module name); got command={list(self.command)}, "
+                    f"module='{self.module}'"
+                )
             if not self.timeout_s > 0:
                 raise ValueError(f"orchestra.timeout_s must be > 0, got {self.timeout_s}")
             if self.max_concurrency < 1:
@@ -104,19 +106,32 @@ class External(Orchestra):
     def environ(self, ctx: EpisodeContext, task_json: str) -> dict[str, str]:
         # the program runs with the driver's sys.path, so a module on plugin_paths is found
         paths = [p for p in sys.path if p and os.path.isdir(p)]
-        return {**os.environ, **self.config.env,
-                "PYTHONPATH": os.pathsep.join(dict.fromkeys([*paths, *os.environ.get("PYTHONPATH", "").split(os.pathsep)])),
-                "OPENAI_BASE_URL": self.endpoint.episode_url(ctx.episode_id), "OPENAI_API_KEY": "megamarl",
-                "MEGAMARL_EPISODE_ID": ctx.episode_id, "MEGAMARL_TASK": task_json,
-                "MEGAMARL_REWARD_URL": f"{self.endpoint.episode_url(ctx.episode_id)}/reward"}
+        return {
+            **os.environ,
+            **self.config.env,
+            "PYTHONPATH": os.pathsep.join(
+                dict.fromkeys([*paths, *os.environ.get("PYTHONPATH", "").split(os.pathsep)])
+            ),
+            "OPENAI_BASE_URL": self.endpoint.episode_url(ctx.episode_id),
+            "OPENAI_API_KEY": "megamarl",
+            "MEGAMARL_EPISODE_ID": ctx.episode_id,
+            "MEGAMARL_TASK": task_json,
+            "MEGAMARL_REWARD_URL": f"{self.endpoint.episode_url(ctx.episode_id)}/reward",
+        }
 
     async def run(self, ctx: EpisodeContext) -> None:
         loop = asyncio.get_running_loop()
         await self.endpoint.start()
         limit = self._limits.setdefault(loop, asyncio.Semaphore(self.config.max_concurrency))
-        task_json = json.dumps({"episode_id": ctx.episode_id, "task_id": ctx.task.task_id,
-                                "task": _payload(ctx.task.payload), "roles": list(self.roles(tuple(ctx.env.agents)))},
-                               default=str)
+        task_json = json.dumps(
+            {
+                "episode_id": ctx.episode_id,
+                "task_id": ctx.task.task_id,
+                "task": _payload(ctx.task.payload),
+                "roles": list(self.roles(tuple(ctx.env.agents))),
+            },
+            default=str,
+        )
         async with limit:
             handle = self.endpoint.open(ctx)
             try:
@@ -126,19 +141,28 @@ class External(Orchestra):
         if handle.error is not None:  # e.g. a prompt over budget: the episode is dropped
             raise handle.error
         if handle.reward is None:
-            raise NoRewardError(f"the program exited without posting a reward to "
-                                f"{self.endpoint.episode_url(ctx.episode_id)}/reward ({handle.num_requests} completions)")
+            raise NoRewardError(
+                f"the program exited without posting a reward to "
+                f"{self.endpoint.episode_url(ctx.episode_id)}/reward ({handle.num_requests} completions)"
+            )
 
     async def _run_program(self, ctx: EpisodeContext, task_json: str) -> None:
         proc = await asyncio.create_subprocess_exec(
-            *self.argv(), stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.DEVNULL,
-            stderr=asyncio.subprocess.PIPE, env=self.environ(ctx, task_json), cwd=self.config.cwd or None,
-            start_new_session=True)  # its own process group: a timeout kills what it started too
+            *self.argv(),
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.PIPE,
+            env=self.environ(ctx, task_json),
+            cwd=self.config.cwd or None,
+            start_new_session=True,
+        )  # its own process group: a timeout kills what it started too
         try:
             _, stderr = await asyncio.wait_for(proc.communicate(task_json.encode()), self.config.timeout_s)
         except asyncio.TimeoutError:
-            raise ProgramTimeoutError(f"episode {ctx.episode_id}: the program ran longer than "
-                                      f"orchestra.timeout_s={self.config.timeout_s} s and was killed") from None
+            raise ProgramTimeoutError(
+                f"episode {ctx.episode_id}: the program ran longer than "
+                f"orchestra.timeout_s={self.config.timeout_s} s and was killed"
+            ) from None
         finally:
             if proc.returncode is None:  # timed out or cancelled (the episode's own timeout)
                 try:
@@ -148,5 +172,6 @@ class External(Orchestra):
                 await proc.wait()
         if proc.returncode != 0:
             tail = stderr.decode(errors="replace").strip().splitlines()[-15:]
-            raise ProgramExitError(f"episode {ctx.episode_id}: {self.argv()} exited with {proc.returncode}:\n"
-                                   + "\n".join(tail))
+            raise ProgramExitError(
+                f"episode {ctx.episode_id}: {self.argv()} exited with {proc.returncode}:\n" + "\n".join(tail)
+            )

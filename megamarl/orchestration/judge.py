@@ -40,7 +40,7 @@ NO_EXPECTED = object()  # an ExprCase whose expression must evaluate to True (``
 
 # Runs inside the sandbox as main.py. It binds everything it needs before the candidate runs, so
 # a candidate that patches builtins/json/os can only corrupt its own records (scoring 0).
-_HARNESS = r'''
+_HARNESS = r"""
 def _harness(fd, write, dumps, loads, evaluate, compile_, exc_base, stdin):
     request = loads(stdin.read())
     import io, sys
@@ -68,7 +68,7 @@ def _harness(fd, write, dumps, loads, evaluate, compile_, exc_base, stdin):
 
 import json as _json, os as _os, sys as _sys
 _harness(__channel__, _os.write, _json.dumps, _json.loads, eval, compile, BaseException, _sys.stdin)
-'''
+"""
 
 
 @dataclass(frozen=True)
@@ -126,8 +126,10 @@ def same_value(got, want) -> bool:
 
 def same_output(got: str, want: str) -> bool:
     """stdout comparison as in APPS/CodeContests checkers: trailing spaces and blank lines ignored."""
+
     def norm(text: str) -> list[str]:
         return [line.rstrip() for line in text.strip().splitlines()]
+
     return norm(got) == norm(want)
 
 
@@ -170,8 +172,9 @@ def call_case(fn_name: str, args: list, expected) -> ExprCase:
     return ExprCase(f"{fn_name}(*{list(args)!r})", _json_value(expected))
 
 
-def judge_calls(code: str, cases: list[ExprCase], config: SandboxConfig, *,
-                setup: list[str] = (), isolated: bool = True) -> Verdict:
+def judge_calls(
+    code: str, cases: list[ExprCase], config: SandboxConfig, *, setup: list[str] = (), isolated: bool = True
+) -> Verdict:
     """Score ``cases`` against ``code`` (function-call style); see the module docstring.
     ``isolated=False``: the old audit-hook sandbox (``env.kwargs.unsafe_inprocess``)."""
     request = {"code": code, "setup": list(setup), "exprs": [c.expr for c in cases]}
@@ -206,14 +209,20 @@ def judge_calls(code: str, cases: list[ExprCase], config: SandboxConfig, *,
                 ok = same_value(json.loads(values[i]), want)
                 why = f"{case.expr} returned {values[i][:200]}, expected {json.dumps(want)[:200]}"
             except Exception as exc:  # noqa: BLE001 - the judge is total: this case scores 0
-                ok, why, num_errors = False, f"{case.expr}: unreadable value ({type(exc).__name__})", num_errors + 1
+                ok, why, num_errors = (
+                    False,
+                    f"{case.expr}: unreadable value ({type(exc).__name__})",
+                    num_errors + 1,
+                )
         passed.append(ok)
         if not ok:
             messages.append(why)
     return Verdict(passed, messages, num_errors)
 
 
-def judge_stdio(code: str, cases: list[StdioCase], config: SandboxConfig, *, isolated: bool = True) -> Verdict:
+def judge_stdio(
+    code: str, cases: list[StdioCase], config: SandboxConfig, *, isolated: bool = True
+) -> Verdict:
     """Score stdin/stdout ``cases``: one fresh sandboxed process per case, its whole stdout
     compared with the whole expected output."""
     passed, messages, num_errors = [], [], 0

@@ -80,8 +80,9 @@ class EpisodeHandle:
 
 def _error(status: int, message: str, code: str) -> web.Response:
     kind = "invalid_request_error" if status < 500 else "server_error"
-    return web.json_response({"error": {"message": message, "type": kind, "code": code, "param": None}},
-                             status=status)
+    return web.json_response(
+        {"error": {"message": message, "type": kind, "code": code, "param": None}}, status=status
+    )
 
 
 def _content_text(content: Any) -> str:
@@ -92,8 +93,11 @@ def _content_text(content: Any) -> str:
         return content
     if isinstance(content, list):
         return "".join(part.get("text", "") for part in content if isinstance(part, dict))
-    raise EndpointError(400, f"message content must be a string or a list of text parts, got {type(content).__name__}",
-                        "invalid_content")
+    raise EndpointError(
+        400,
+        f"message content must be a string or a list of text parts, got {type(content).__name__}",
+        "invalid_content",
+    )
 
 
 class RecordingEndpoint:
@@ -158,26 +162,44 @@ class RecordingEndpoint:
 
     def _handle(self, request: web.Request, body: dict) -> EpisodeHandle:
         metadata = body.get("metadata") if isinstance(body.get("metadata"), dict) else {}
-        episode_id = (request.match_info.get("episode_id") or request.headers.get(EPISODE_HEADER)
-                      or metadata.get("episode_id") or body.get("user"))
+        episode_id = (
+            request.match_info.get("episode_id")
+            or request.headers.get(EPISODE_HEADER)
+            or metadata.get("episode_id")
+            or body.get("user")
+        )
         if not episode_id:
-            raise EndpointError(400, f"no episode id: use the base URL /episodes/<id>/v1, the {EPISODE_HEADER} "
-                                "header, metadata.episode_id or the user field (MEGAMARL_EPISODE_ID holds it)",
-                                "missing_episode_id")
+            raise EndpointError(
+                400,
+                f"no episode id: use the base URL /episodes/<id>/v1, the {EPISODE_HEADER} "
+                "header, metadata.episode_id or the user field (MEGAMARL_EPISODE_ID holds it)",
+                "missing_episode_id",
+            )
         handle = self.episodes.get(str(episode_id))
         if handle is None:
-            raise EndpointError(404, f"episode '{episode_id}' is not running (finished, timed out, or never "
-                                f"started); running: {len(self.episodes)}", "unknown_episode")
+            raise EndpointError(
+                404,
+                f"episode '{episode_id}' is not running (finished, timed out, or never "
+                f"started); running: {len(self.episodes)}",
+                "unknown_episode",
+            )
         return handle
 
     def _role(self, request: web.Request, body: dict, handle: EpisodeHandle) -> str:
         role = request.headers.get(AGENT_HEADER) or body.get("model")
         if not role:
-            raise EndpointError(400, f"no agent role: set model to one of {sorted(handle.ctx.agents)} "
-                                f"(or the {AGENT_HEADER} header)", "missing_role")
+            raise EndpointError(
+                400,
+                f"no agent role: set model to one of {sorted(handle.ctx.agents)} "
+                f"(or the {AGENT_HEADER} header)",
+                "missing_role",
+            )
         if role not in handle.ctx.agents:
-            raise EndpointError(404, f"unknown agent role '{role}'; this run's agents: {sorted(handle.ctx.agents)}",
-                                "unknown_role")
+            raise EndpointError(
+                404,
+                f"unknown agent role '{role}'; this run's agents: {sorted(handle.ctx.agents)}",
+                "unknown_role",
+            )
         return role
 
     async def _body(self, request: web.Request) -> dict:
@@ -193,8 +215,14 @@ class RecordingEndpoint:
 
     async def _models(self, request: web.Request) -> web.Response:
         roles = sorted({role for h in self.episodes.values() for role in h.ctx.agents})
-        return web.json_response({"object": "list", "data": [
-            {"id": role, "object": "model", "created": 0, "owned_by": "megamarl"} for role in roles]})
+        return web.json_response(
+            {
+                "object": "list",
+                "data": [
+                    {"id": role, "object": "model", "created": 0, "owned_by": "megamarl"} for role in roles
+                ],
+            }
+        )
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         return await self._serve(request, chat=True)
@@ -214,21 +242,31 @@ class RecordingEndpoint:
             stop = (stop,) if isinstance(stop, str) else tuple(stop)
             forced = _forced_call(body) if chat else None
             if forced is not None:  # tool_choice names a tool: the reply opens with its call (prompt tokens)
-                prompt_ids = prompt_ids + handle.ctx.agents[role].tokenizer.encode(forced.opening, add_special_tokens=False)
+                prompt_ids = prompt_ids + handle.ctx.agents[role].tokenizer.encode(
+                    forced.opening, add_special_tokens=False
+                )
                 stop = (*stop, *forced.stop)
             max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
             handle.num_requests += 1
             try:
-                sample = await handle.ctx.complete(role, prompt_ids, max_tokens=max_tokens, stop=stop, anchor=anchor)
+                sample = await handle.ctx.complete(
+                    role, prompt_ids, max_tokens=max_tokens, stop=stop, anchor=anchor
+                )
             except EpisodeDropped as exc:
                 handle.error = exc
-                raise EndpointError(400, f"episode dropped: {exc.reason} (prompt of {len(prompt_ids)} tokens > "
-                                    f"agents.{role}.max_prompt_tokens)", "context_length_exceeded") from exc
+                raise EndpointError(
+                    400,
+                    f"episode dropped: {exc.reason} (prompt of {len(prompt_ids)} tokens > "
+                    f"agents.{role}.max_prompt_tokens)",
+                    "context_length_exceeded",
+                ) from exc
             except EpisodeDone as exc:
                 raise EndpointError(409, "the episode's env is done", "episode_done") from exc
         except EndpointError as exc:
             return _error(exc.status, exc.message, exc.code)
-        text = forced.turn_text(sample.response_text) if forced is not None else sample.response_text  # the turn
+        text = (
+            forced.turn_text(sample.response_text) if forced is not None else sample.response_text
+        )  # the turn
         if transcript is not None:
             self._remember(handle, role, transcript, sample, text)
         finish = "length" if sample.truncated else "stop"
@@ -237,14 +275,23 @@ class RecordingEndpoint:
             calls = forced.calls(sample.response_text)
         elif chat and body.get("tools") and body.get("tool_choice") != "none":
             _, calls = parse_tool_calls(text)
-        reply = _reply(sample, text, role=role, chat=chat, finish=finish, logprobs=bool(body.get("logprobs")),
-                       tokenizer=handle.ctx.agents[role].tokenizer, calls=calls)
+        reply = _reply(
+            sample,
+            text,
+            role=role,
+            chat=chat,
+            finish=finish,
+            logprobs=bool(body.get("logprobs")),
+            tokenizer=handle.ctx.agents[role].tokenizer,
+            calls=calls,
+        )
         if not body.get("stream"):
             return web.json_response(reply)
         return await _stream(request, reply, chat=chat)
 
-    def _prompt(self, handle: EpisodeHandle, role: str, body: dict, *,
-                chat: bool) -> tuple[list[int], str, ChatTranscript | None]:
+    def _prompt(
+        self, handle: EpisodeHandle, role: str, body: dict, *, chat: bool
+    ) -> tuple[list[int], str, ChatTranscript | None]:
         """(prompt ids, anchor text, the chat transcript the ids belong to)."""
         tokenizer = handle.ctx.agents[role].tokenizer
         if not chat:
@@ -264,7 +311,9 @@ class RecordingEndpoint:
                 raise EndpointError(400, "each message needs a role", "invalid_messages")
             entry = {key: value for key, value in message.items() if key != "content"}
             entry["content"] = _content_text(message.get("content"))
-            if entry.get("tool_calls") and not native:  # the template cannot show them: as the model wrote them
+            if (
+                entry.get("tool_calls") and not native
+            ):  # the template cannot show them: as the model wrote them
                 entry["content"] += "".join(_hermes_block(call) for call in entry.pop("tool_calls"))
             rendered.append(entry)
         rendered, kwargs = with_tools(rendered, list(body.get("tools") or []), tokenizer)
@@ -277,8 +326,9 @@ class RecordingEndpoint:
             if transcript is None:
                 transcript = ChatTranscript.of_prompt(tokenizer, rendered, template_kwargs=kwargs)
         except Exception as exc:  # a template that rejects the messages: the caller's error
-            raise EndpointError(400, f"the chat template of role '{role}' rejected the messages: {exc}",
-                                "template_error") from exc
+            raise EndpointError(
+                400, f"the chat template of role '{role}' rejected the messages: {exc}", "template_error"
+            ) from exc
         return list(transcript.ids), rendered[-1]["content"], transcript
 
     @staticmethod
@@ -286,7 +336,7 @@ class RecordingEndpoint:
         """Keep the conversation with its sampled reply (``text``: the whole assistant turn, a forced
         call's opening included), for a later request that continues it."""
         try:
-            transcript.add_response(sample.prompt_ids[len(transcript.ids):] + sample.response_ids, text)
+            transcript.add_response(sample.prompt_ids[len(transcript.ids) :] + sample.response_ids, text)
         except TemplateDeltaError:  # a template that rewrites history: later prompts are encoded whole
             return
         handle.transcripts.setdefault(role, []).append(transcript)
@@ -297,12 +347,17 @@ class RecordingEndpoint:
             episode_id = request.match_info["episode_id"]
             handle = self.episodes.get(episode_id)
             if handle is None:
-                raise EndpointError(404, f"episode '{episode_id}' is not running; a reward must be posted "
-                                    "before the program exits", "unknown_episode")
+                raise EndpointError(
+                    404,
+                    f"episode '{episode_id}' is not running; a reward must be posted "
+                    "before the program exits",
+                    "unknown_episode",
+                )
             team, agents = body.get("team"), body.get("agents") or {}
             if not isinstance(team, (int, float)) or isinstance(team, bool) or not isinstance(agents, dict):
-                raise EndpointError(400, 'reward body must be {"team": number, "agents": {role: number}}',
-                                    "invalid_reward")
+                raise EndpointError(
+                    400, 'reward body must be {"team": number, "agents": {role: number}}', "invalid_reward"
+                )
             try:
                 handle.ctx.report_rewards(float(team), {k: float(v) for k, v in agents.items()})
             except (TypeError, ValueError) as exc:
@@ -310,7 +365,9 @@ class RecordingEndpoint:
             handle.reward = handle.ctx.reported
         except EndpointError as exc:
             return _error(exc.status, exc.message, exc.code)
-        return web.json_response({"episode_id": episode_id, "team": handle.reward[0], "agents": handle.reward[1]})
+        return web.json_response(
+            {"episode_id": episode_id, "team": handle.reward[0], "agents": handle.reward[1]}
+        )
 
 
 def _forced_call(body: dict) -> ForcedCall | None:
@@ -320,20 +377,29 @@ def _forced_call(body: dict) -> ForcedCall | None:
     choice = body.get("tool_choice")
     if choice in (None, "auto", "none"):
         return None
-    functions = {f.get("name"): f for f in (t.get("function") for t in body.get("tools") or [] if isinstance(t, dict))
-                 if isinstance(f, dict)}
+    functions = {
+        f.get("name"): f
+        for f in (t.get("function") for t in body.get("tools") or [] if isinstance(t, dict))
+        if isinstance(f, dict)
+    }
     names = list(functions)
     if choice == "required":
         if len(names) != 1:
-            raise EndpointError(400, f"tool_choice=required needs exactly one tool here (got {len(names)}); "
-                                "name the function: {\"type\": \"function\", \"function\": {\"name\": ...}}",
-                                "unsupported_tool_choice")
+            raise EndpointError(
+                400,
+                f"tool_choice=required needs exactly one tool here (got {len(names)}); "
+                'name the function: {"type": "function", "function": {"name": ...}}',
+                "unsupported_tool_choice",
+            )
         name = names[0]
     else:
         name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
         if name not in names:
-            raise EndpointError(400, f"tool_choice {json.dumps(choice)} names no tool of the request's tools {names}",
-                                "invalid_tool_choice")
+            raise EndpointError(
+                400,
+                f"tool_choice {json.dumps(choice)} names no tool of the request's tools {names}",
+                "invalid_tool_choice",
+            )
     return forced_call(name, functions[name].get("parameters") or {})
 
 
@@ -344,31 +410,67 @@ def _hermes_block(call: dict) -> str:
         arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
     except json.JSONDecodeError:
         pass
-    return "<tool_call>" + json.dumps({"name": function.get("name", ""), "arguments": arguments}) + "</tool_call>"
+    return (
+        "<tool_call>"
+        + json.dumps({"name": function.get("name", ""), "arguments": arguments})
+        + "</tool_call>"
+    )
 
 
-def _reply(sample, text: str, *, role: str, chat: bool, finish: str, logprobs: bool, tokenizer,
-           calls: list[ToolCall] = ()) -> dict:
+def _reply(
+    sample,
+    text: str,
+    *,
+    role: str,
+    chat: bool,
+    finish: str,
+    logprobs: bool,
+    tokenizer,
+    calls: list[ToolCall] = (),
+) -> dict:
     created = int(time.time())
-    usage = {"prompt_tokens": len(sample.prompt_ids), "completion_tokens": len(sample.response_ids),
-             "total_tokens": len(sample.prompt_ids) + len(sample.response_ids)}
+    usage = {
+        "prompt_tokens": len(sample.prompt_ids),
+        "completion_tokens": len(sample.response_ids),
+        "total_tokens": len(sample.prompt_ids) + len(sample.response_ids),
+    }
     token_logprobs = None
     if logprobs:
         tokens = [tokenizer.decode([t]) for t in sample.response_ids]
-        token_logprobs = {"content": [{"token": tok, "logprob": lp, "bytes": list(tok.encode()), "top_logprobs": []}
-                                      for tok, lp in zip(tokens, sample.rollout_logprobs)]}
+        token_logprobs = {
+            "content": [
+                {"token": tok, "logprob": lp, "bytes": list(tok.encode()), "top_logprobs": []}
+                for tok, lp in zip(tokens, sample.rollout_logprobs)
+            ]
+        }
     if chat:
         message = {"role": "assistant", "content": text}
         if calls:  # the reply called tools: OpenAI's shape (content is the text around the calls)
             content, _ = parse_tool_calls(text)
-            message = {"role": "assistant", "content": content or None, "tool_calls": [c.openai() for c in calls]}
+            message = {
+                "role": "assistant",
+                "content": content or None,
+                "tool_calls": [c.openai() for c in calls],
+            }
             finish = "tool_calls" if finish == "stop" else finish
         choice = {"index": 0, "message": message, "finish_reason": finish, "logprobs": token_logprobs}
-        return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": created,
-                "model": role, "choices": [choice], "usage": usage}
+        return {
+            "id": f"chatcmpl-{uuid.uuid4().hex}",
+            "object": "chat.completion",
+            "created": created,
+            "model": role,
+            "choices": [choice],
+            "usage": usage,
+        }
     choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
-    return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": created, "model": role,
-            "choices": [choice], "usage": usage}
+    return {
+        "id": f"cmpl-{uuid.uuid4().hex}",
+        "object": "text_completion",
+        "created": created,
+        "model": role,
+        "choices": [choice],
+        "usage": usage,
+    }
 
 
 async def _stream(request: web.Request, reply: dict, *, chat: bool) -> web.StreamResponse:
@@ -381,13 +483,19 @@ async def _stream(request: web.Request, reply: dict, *, chat: bool) -> web.Strea
         base["object"] = "chat.completion.chunk"
         delta = {"role": "assistant", "content": choice["message"]["content"]}
         if choice["message"].get("tool_calls"):
-            delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(choice["message"]["tool_calls"])]
-        chunks = [{"index": 0, "delta": delta, "finish_reason": None, "logprobs": choice["logprobs"]},
-                  {"index": 0, "delta": {}, "finish_reason": choice["finish_reason"], "logprobs": None}]
+            delta["tool_calls"] = [
+                {"index": i, **call} for i, call in enumerate(choice["message"]["tool_calls"])
+            ]
+        chunks = [
+            {"index": 0, "delta": delta, "finish_reason": None, "logprobs": choice["logprobs"]},
+            {"index": 0, "delta": {}, "finish_reason": choice["finish_reason"], "logprobs": None},
+        ]
     else:
         base["object"] = "text_completion"
-        chunks = [{"index": 0, "text": choice["text"], "finish_reason": None, "logprobs": None},
-                  {"index": 0, "text": "", "finish_reason": choice["finish_reason"], "logprobs": None}]
+        chunks = [
+            {"index": 0, "text": choice["text"], "finish_reason": None, "logprobs": None},
+            {"index": 0, "text": "", "finish_reason": choice["finish_reason"], "logprobs": None},
+        ]
     for chunk in chunks:
         await response.write(f"data: {json.dumps({**base, 'choices': [chunk]})}\n\n".encode())
     await response.write(b"data: [DONE]\n\n")

@@ -51,13 +51,23 @@ class Orchestra(abc.ABC):
 
 
 ORCHESTRAS: Registry[type[Orchestra]] = Registry(
-    "orchestra", signature="class(Orchestra) with a Config(OrchestraConfig); cls(config); async run(ctx: EpisodeContext)",
-    keys=("orchestra.name",))
+    "orchestra",
+    signature="class(Orchestra) with a Config(OrchestraConfig); cls(config); async run(ctx: EpisodeContext)",
+    keys=("orchestra.name",),
+)
 
 
-def check_team(orchestra: Orchestra, *, orchestra_name: str, env_name: str, env_roles: tuple[str, ...],
-               acting: tuple[str, ...], agent_kinds: dict[str, str], default_kinds: dict[str, str],
-               key: str = "env") -> None:
+def check_team(
+    orchestra: Orchestra,
+    *,
+    orchestra_name: str,
+    env_name: str,
+    env_roles: tuple[str, ...],
+    acting: tuple[str, ...],
+    agent_kinds: dict[str, str],
+    default_kinds: dict[str, str],
+    key: str = "env",
+) -> None:
     """Load time, before any model exists: the roles ``orchestra`` calls in env ``env_name`` (those
     the env turns off by config excluded) each have an ``agents.<role>`` entry, and each
     ``agents.<role>`` either plays a role of the env or the orchestra or names its ``kind``.
@@ -70,19 +80,25 @@ def check_team(orchestra: Orchestra, *, orchestra_name: str, env_name: str, env_
     known = set(env_roles) | set(called)
     for role, kind in agent_kinds.items():  # a typo first: it is also why a needed role looks missing
         if not kind and role not in known:
-            raise ValueError(f"agents.{role}: '{role}' is not a role of {key} '{env_name}' (its roles: "
-                             f"{list(env_roles)}) nor one orchestra '{orchestra_name}' calls; rename the entry, "
-                             f"or set agents.{role}.kind for an extra agent")
+            raise ValueError(
+                f"agents.{role}: '{role}' is not a role of {key} '{env_name}' (its roles: "
+                f"{list(env_roles)}) nor one orchestra '{orchestra_name}' calls; rename the entry, "
+                f"or set agents.{role}.kind for an extra agent"
+            )
         if not kind and role not in default_kinds:
-            raise ValueError(f"agents.{role}.kind is empty and {key} '{env_name}' has no default kind for role "
-                             f"'{role}' (defaults: {default_kinds})")
+            raise ValueError(
+                f"agents.{role}.kind is empty and {key} '{env_name}' has no default kind for role "
+                f"'{role}' (defaults: {default_kinds})"
+            )
     needed = [r for r in dict.fromkeys(called) if r not in env_roles or r in acting]
     missing = [r for r in needed if r not in agent_kinds]
     if missing:
-        raise ValueError(f"agents.{missing[0]} is not defined, but orchestra '{orchestra_name}' calls role "
-                         f"'{missing[0]}' in {key} '{env_name}' (roles called: {needed}, from orchestra.kwargs or "
-                         f"the env's roles {list(env_roles)}); define agents.{missing[0]} or fix the role name "
-                         f"(agents defined: {sorted(agent_kinds)})")
+        raise ValueError(
+            f"agents.{missing[0]} is not defined, but orchestra '{orchestra_name}' calls role "
+            f"'{missing[0]}' in {key} '{env_name}' (roles called: {needed}, from orchestra.kwargs or "
+            f"the env's roles {list(env_roles)}); define agents.{missing[0]} or fix the role name "
+            f"(agents defined: {sorted(agent_kinds)})"
+        )
 
 
 def build_orchestra(name: str, **config: Any) -> Orchestra:

@@ -73,7 +73,7 @@ from dataclasses import dataclass, field
 
 # Binds the channel fd and (old path only) installs the audit hook, then runs main.py.
 _BOOTSTRAP = textwrap.dedent(
-    r'''
+    r"""
     import os, sys
     ROOT = os.path.realpath(sys.argv[2])
     WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
@@ -136,7 +136,7 @@ _BOOTSTRAP = textwrap.dedent(
     if hooked:
         sys.addaudithook(hook)
     exec(code, {"__name__": "__main__", "__builtins__": __builtins__, "__channel__": channel})
-    '''
+    """
 )
 
 _UID_BASE = 200000  # sandbox uids: _UID_BASE + judge pid % 100000 (no passwd entry needed)
@@ -160,8 +160,16 @@ class SandboxConfig:
     max_output_mb: float = 4.0  # stdout (and channel) read before the run is killed: judge memory bound
 
     def __post_init__(self) -> None:
-        for key in ("timeout_s", "cpu_s", "memory_mb", "file_size_mb", "num_procs", "cpus", "max_output_chars",
-                    "max_output_mb"):
+        for key in (
+            "timeout_s",
+            "cpu_s",
+            "memory_mb",
+            "file_size_mb",
+            "num_procs",
+            "cpus",
+            "max_output_chars",
+            "max_output_mb",
+        ):
             if getattr(self, key) <= 0:
                 raise ValueError(f"sandbox.{key} must be > 0, got {getattr(self, key)}")
 
@@ -181,8 +189,10 @@ def isolation_error() -> str | None:
     """None when isolated runs work here, else why not (probed once per process)."""
     missing = [tool for tool in ("bwrap", "setpriv", "unshare") if shutil.which(tool) is None]
     if missing:
-        return (f"{', '.join(missing)} not found (install Debian's bubblewrap: scripts/setup.sh does; "
-                "util-linux has setpriv/unshare)")
+        return (
+            f"{', '.join(missing)} not found (install Debian's bubblewrap: scripts/setup.sh does; "
+            "util-linux has setpriv/unshare)"
+        )
     if os.geteuid() != 0:
         return "the isolated sandbox needs a root judge (to drop candidates to another uid)"
     probe = _run_isolated("print(6 * 7)", SandboxConfig(timeout_s=20), stdin=None, channel=False)
@@ -191,8 +201,14 @@ def isolation_error() -> str | None:
     return None
 
 
-def run_python(code: str, config: SandboxConfig | None = None, *, stdin: bytes | None = None,
-               channel: bool = False, isolated: bool = True) -> SandboxResult:
+def run_python(
+    code: str,
+    config: SandboxConfig | None = None,
+    *,
+    stdin: bytes | None = None,
+    channel: bool = False,
+    isolated: bool = True,
+) -> SandboxResult:
     """Run ``code`` as a script in a fresh sandbox; never raises for anything the code does.
 
     ``stdin``: bytes fed to the program's stdin (else /dev/null). ``channel``: also give the
@@ -225,29 +241,97 @@ def _run_isolated(code: str, config: SandboxConfig, *, stdin: bytes | None, chan
     stdin_fd = _memfd("stdin", stdin) if stdin is not None else subprocess.DEVNULL
     chan_r, chan_w = os.pipe() if channel else (None, None)
     command = [
-        "bwrap", "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
-        "--die-with-parent", "--new-session",
-        "--ro-bind", "/usr", "/usr", "--symlink", "usr/bin", "/bin", "--symlink", "usr/lib", "/lib",
-        "--symlink", "usr/lib64", "/lib64", "--ro-bind-try", "/etc/ld.so.cache", "/etc/ld.so.cache",
-        "--ro-bind", prefix, "/python", "--proc", "/proc", "--dev", "/dev",
-        "--perms", "1777", "--size", str(config.file_size_mb * _MB), "--tmpfs", "/tmp",
-        "--perms", "0444", "--ro-bind-data", str(fds[0]), "/sandbox/main.py",
-        "--perms", "0444", "--ro-bind-data", str(fds[1]), "/sandbox/bootstrap.py",
-        "--remount-ro", "/", "--chdir", "/tmp", "--setenv", "HOME", "/tmp", "--setenv", "TMPDIR", "/tmp",
+        "bwrap",
+        "--unshare-pid",
+        "--unshare-net",
+        "--unshare-ipc",
+        "--unshare-uts",
+        "--unshare-cgroup-try",
+        "--die-with-parent",
+        "--new-session",
+        "--ro-bind",
+        "/usr",
+        "/usr",
+        "--symlink",
+        "usr/bin",
+        "/bin",
+        "--symlink",
+        "usr/lib",
+        "/lib",
+        "--symlink",
+        "usr/lib64",
+        "/lib64",
+        "--ro-bind-try",
+        "/etc/ld.so.cache",
+        "/etc/ld.so.cache",
+        "--ro-bind",
+        prefix,
+        "/python",
+        "--proc",
+        "/proc",
+        "--dev",
+        "/dev",
+        "--perms",
+        "1777",
+        "--size",
+        str(config.file_size_mb * _MB),
+        "--tmpfs",
+        "/tmp",
+        "--perms",
+        "0444",
+        "--ro-bind-data",
+        str(fds[0]),
+        "/sandbox/main.py",
+        "--perms",
+        "0444",
+        "--ro-bind-data",
+        str(fds[1]),
+        "/sandbox/bootstrap.py",
+        "--remount-ro",
+        "/",
+        "--chdir",
+        "/tmp",
+        "--setenv",
+        "HOME",
+        "/tmp",
+        "--setenv",
+        "TMPDIR",
+        "/tmp",
         "--",
-        "setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--inh-caps=-all",
-        "--bounding-set=-all", "--no-new-privs", "--",
-        "unshare", "--user", "--map-current-user", "--",
-        python, "-I", "-S", "-B", "/sandbox/bootstrap.py", "/sandbox/main.py", "/tmp",
-        str(chan_w) if channel else "-", "nohook",
+        "setpriv",
+        f"--reuid={uid}",
+        f"--regid={uid}",
+        "--clear-groups",
+        "--inh-caps=-all",
+        "--bounding-set=-all",
+        "--no-new-privs",
+        "--",
+        "unshare",
+        "--user",
+        "--map-current-user",
+        "--",
+        python,
+        "-I",
+        "-S",
+        "-B",
+        "/sandbox/bootstrap.py",
+        "/sandbox/main.py",
+        "/tmp",
+        str(chan_w) if channel else "-",
+        "nohook",
     ]
     env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}
     cgroup = _pool().acquire(config)
     try:
         try:
             proc = subprocess.Popen(
-                command, env=env, stdin=stdin_fd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                preexec_fn=_limits(config, cgroup), start_new_session=True,  # noqa: PLW1509 - os.write/setrlimit only
+                command,
+                env=env,
+                stdin=stdin_fd,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                preexec_fn=_limits(config, cgroup),
+                start_new_session=True,  # noqa: PLW1509 - os.write/setrlimit only
                 pass_fds=tuple(fds) + ((chan_w,) if channel else ()),
             )
         finally:
@@ -331,8 +415,11 @@ def _collect(proc: subprocess.Popen, config: SandboxConfig, chan_r: int | None) 
         status = "ok" if returncode == 0 else ("killed" if returncode < 0 or returncode > 128 else "error")
     stdout, stderr = streams[out_fd], streams[err_fd]
     return SandboxResult(
-        ok=status == "ok", status=status, returncode=returncode, stdout=stdout.decode(errors="replace"),
-        stderr=stderr.decode(errors="replace")[-config.max_output_chars:],
+        ok=status == "ok",
+        status=status,
+        returncode=returncode,
+        stdout=stdout.decode(errors="replace"),
+        stderr=stderr.decode(errors="replace")[-config.max_output_chars :],
         channel=streams[chan_r].decode(errors="replace") if chan_r is not None else "",
     )
 
@@ -379,7 +466,7 @@ def _hierarchies() -> tuple[_Hierarchy, ...]:
     own_v2 = next((path for _, names, path in membership if not names), None)
     v1, v2 = {}, None
     for fields in mounts:
-        tail = fields[fields.index("-") + 1:]
+        tail = fields[fields.index("-") + 1 :]
         root, point = fields[3], fields[4]
         if tail[0] == "cgroup":
             for c in tail[2].split(","):
@@ -542,7 +629,11 @@ def _limit_files(hierarchy: _Hierarchy, path: str, config: SandboxConfig) -> lis
     memory, tasks = str(config.memory_mb * _MB), str(config.num_procs)
     if hierarchy.version == 2:
         period = 100000
-        files = [("memory.max", memory), ("pids.max", tasks), ("cpu.max", f"{int(config.cpus * period)} {period}")]
+        files = [
+            ("memory.max", memory),
+            ("pids.max", tasks),
+            ("cpu.max", f"{int(config.cpus * period)} {period}"),
+        ]
         return files + ([("memory.swap.max", "0")] if os.path.exists(f"{path}/memory.swap.max") else [])
     controller = hierarchy.controllers[0]
     if controller == "memory":  # memory <= memsw (memory + swap) must hold after each write
@@ -550,7 +641,11 @@ def _limit_files(hierarchy: _Hierarchy, path: str, config: SandboxConfig) -> lis
         if os.path.exists(f"{path}/memory.memsw.limit_in_bytes"):
             with open(f"{path}/memory.limit_in_bytes") as f:
                 raising = int(f.read()) < int(memory)  # a reused cgroup: raise memsw first
-            files = [("memory.memsw.limit_in_bytes", memory), *files] if raising else [*files, ("memory.memsw.limit_in_bytes", memory)]
+            files = (
+                [("memory.memsw.limit_in_bytes", memory), *files]
+                if raising
+                else [*files, ("memory.memsw.limit_in_bytes", memory)]
+            )
         return files
     if controller == "pids":
         return [("pids.max", tasks)]
@@ -605,7 +700,7 @@ def _sweep_stale_cgroups(found: tuple[_Hierarchy, ...]) -> None:
         for name in names:
             if not name.startswith(_CGROUP_PREFIX):
                 continue
-            owner = name[len(_CGROUP_PREFIX):].split("-")[0]
+            owner = name[len(_CGROUP_PREFIX) :].split("-")[0]
             if owner.isdigit() and not os.path.exists(f"/proc/{owner}"):
                 _remove_cgroup(os.path.join(hierarchy.parent, name), within_s=0.2)
 
@@ -631,7 +726,7 @@ def _unshare_prefix() -> tuple[str, ...]:
 def _sweep_stale_dirs() -> None:
     """Remove temp dirs of judges that died (SIGKILL skips ``TemporaryDirectory`` cleanup)."""
     for path in glob.glob(os.path.join(tempfile.gettempdir(), _TMP_PREFIX + "*")):
-        owner = os.path.basename(path)[len(_TMP_PREFIX):].split("-")[0]
+        owner = os.path.basename(path)[len(_TMP_PREFIX) :].split("-")[0]
         if owner.isdigit() and not os.path.exists(f"/proc/{owner}"):
             shutil.rmtree(path, ignore_errors=True)
 
@@ -647,13 +742,28 @@ def _run_audited(code: str, config: SandboxConfig, *, stdin: bytes | None, chann
         prefix = _unshare_prefix() if config.network_namespace else ()
         chan_r, chan_w = os.pipe() if channel else (None, None)
         stdin_fd = _memfd("stdin", stdin) if stdin is not None else subprocess.DEVNULL
-        command = [*prefix, sys.executable, "-I", "-B", bootstrap, script, root,
-                   str(chan_w) if channel else "-", "hook"]
+        command = [
+            *prefix,
+            sys.executable,
+            "-I",
+            "-B",
+            bootstrap,
+            script,
+            root,
+            str(chan_w) if channel else "-",
+            "hook",
+        ]
         env = {"PATH": "/usr/bin:/bin", "HOME": root, "TMPDIR": root, "LANG": "C.UTF-8"}
         try:
             proc = subprocess.Popen(
-                command, cwd=root, env=env, stdin=stdin_fd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                preexec_fn=_limits(config), start_new_session=True,  # noqa: PLW1509 - setrlimit only
+                command,
+                cwd=root,
+                env=env,
+                stdin=stdin_fd,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                preexec_fn=_limits(config),
+                start_new_session=True,  # noqa: PLW1509 - setrlimit only
                 pass_fds=(chan_w,) if channel else (),
             )
         finally:

@@ -39,8 +39,11 @@ class ToolCall:
 
     def openai(self) -> dict:
         """As an OpenAI ``message.tool_calls`` entry (arguments as a JSON string)."""
-        return {"id": self.id or f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                "function": {"name": self.name, "arguments": json.dumps(self.arguments)}}
+        return {
+            "id": self.id or f"call_{uuid.uuid4().hex[:24]}",
+            "type": "function",
+            "function": {"name": self.name, "arguments": json.dumps(self.arguments)},
+        }
 
 
 @dataclass(frozen=True)
@@ -52,13 +55,17 @@ class Tool:
 
     def schema(self) -> dict:
         """The OpenAI / transformers tool schema."""
-        return {"type": "function", "function": {"name": self.name, "description": self.description,
-                                                 "parameters": self.parameters}}
+        return {
+            "type": "function",
+            "function": {"name": self.name, "description": self.description, "parameters": self.parameters},
+        }
 
 
 TOOLS: Registry[Tool] = Registry(
-    "tool", signature="Tool(name, description, parameters: JSON schema, fn(**arguments) -> str)",
-    keys=("agents.<name>.tools",))
+    "tool",
+    signature="Tool(name, description, parameters: JSON schema, fn(**arguments) -> str)",
+    keys=("agents.<name>.tools",),
+)
 
 
 def _as_call(obj: Any) -> ToolCall | None:
@@ -87,7 +94,7 @@ def parse_tool_calls(text: str) -> tuple[str, list[ToolCall]]:
             call = None
         if call is not None:
             calls.append(call)
-            kept.append(text[last:match.start()])
+            kept.append(text[last : match.start()])
             last = match.end()
     if calls:
         return ("".join(kept) + text[last:]).strip(), calls
@@ -131,7 +138,7 @@ class ForcedCall:
     @property
     def opening(self) -> str:
         head = '<tool_call>{"name": ' + json.dumps(self.name) + ', "arguments": '
-        return head + '{' + json.dumps(self.argument) + ': "' if self.argument else head
+        return head + "{" + json.dumps(self.argument) + ': "' if self.argument else head
 
     @property
     def stop(self) -> tuple[str, ...]:
@@ -149,7 +156,11 @@ class ForcedCall:
         """The assistant turn's text: the call as a well-formed block (argument mode), else the
         opening followed by the reply."""
         if self.argument:
-            return "<tool_call>" + json.dumps({"name": self.name, "arguments": {self.argument: reply}}) + "</tool_call>"
+            return (
+                "<tool_call>"
+                + json.dumps({"name": self.name, "arguments": {self.argument: reply}})
+                + "</tool_call>"
+            )
         return self.opening + reply
 
 
@@ -157,7 +168,9 @@ def forced_call(name: str, parameters: Mapping[str, Any]) -> ForcedCall:
     """The forced call of tool ``name`` whose arguments have the JSON schema ``parameters``."""
     properties = parameters.get("properties") or {}
     [(only, schema)] = properties.items() if len(properties) == 1 else [(None, {})]
-    single_string = only is not None and schema.get("type") == "string" and parameters.get("required") == [only]
+    single_string = (
+        only is not None and schema.get("type") == "string" and parameters.get("required") == [only]
+    )
     return ForcedCall(name, only if single_string else None)
 
 
@@ -169,9 +182,11 @@ def template_supports_tools(tokenizer: Any) -> bool:
 def tool_system_prompt(schemas: list[dict]) -> str:
     """Hermes-style tool instructions, for templates that ignore ``tools``."""
     listing = "\n".join(json.dumps(s) for s in schemas)
-    return ("You may call functions. Available tools:\n<tools>\n" + listing + "\n</tools>\n"
-            "To call one, reply with <tool_call>{\"name\": <name>, \"arguments\": <object>}</tool_call>; "
-            "its result arrives in the next message.")
+    return (
+        "You may call functions. Available tools:\n<tools>\n" + listing + "\n</tools>\n"
+        'To call one, reply with <tool_call>{"name": <name>, "arguments": <object>}</tool_call>; '
+        "its result arrives in the next message."
+    )
 
 
 def with_tools(messages: list[dict], schemas: list[dict], tokenizer: Any) -> tuple[list[dict], dict]:
@@ -190,13 +205,25 @@ def with_tools(messages: list[dict], schemas: list[dict], tokenizer: Any) -> tup
 
 # -- built-in tools -------------------------------------------------------------------------------
 
-_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
-        ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow,
-        ast.USub: operator.neg, ast.UAdd: operator.pos}
+_OPS = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.FloorDiv: operator.floordiv,
+    ast.Mod: operator.mod,
+    ast.Pow: operator.pow,
+    ast.USub: operator.neg,
+    ast.UAdd: operator.pos,
+}
 
 
 def _arith(node: ast.AST) -> float:
-    if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)) and not isinstance(node.value, bool):
+    if (
+        isinstance(node, ast.Constant)
+        and isinstance(node.value, (int, float))
+        and not isinstance(node.value, bool)
+    ):
         return node.value
     if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
         left, right = _arith(node.left), _arith(node.right)
@@ -214,8 +241,16 @@ def calculator(expression: str) -> str:
     return str(int(value)) if float(value).is_integer() else f"{value:.6g}"
 
 
-TOOLS.add("calculator", Tool(
-    "calculator", "Evaluate an arithmetic expression such as 12 * (3 + 4).",
-    {"type": "object", "properties": {"expression": {"type": "string", "description": "the expression"}},
-     "required": ["expression"]},
-    calculator))
+TOOLS.add(
+    "calculator",
+    Tool(
+        "calculator",
+        "Evaluate an arithmetic expression such as 12 * (3 + 4).",
+        {
+            "type": "object",
+            "properties": {"expression": {"type": "string", "description": "the expression"}},
+            "required": ["expression"],
+        },
+        calculator,
+    ),
+)

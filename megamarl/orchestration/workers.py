@@ -74,8 +74,10 @@ class EnvWorkers(abc.ABC):
 
     def counters(self) -> dict[str, float]:
         """Cumulative counts for the step metrics (``env_workers/...``, docs/metrics.md)."""
-        failures = {name: float(self.num_failures.get(reason, 0))
-                    for reason, name in (("timeout", "timeouts"), ("crash", "crashes"), ("error", "errors"))}
+        failures = {
+            name: float(self.num_failures.get(reason, 0))
+            for reason, name in (("timeout", "timeouts"), ("crash", "crashes"), ("error", "errors"))
+        }
         return {"calls": float(self.num_calls), **failures}
 
     def close(self) -> None:
@@ -88,9 +90,11 @@ class EnvWorkers(abc.ABC):
 
 
 WORKERS: Registry[type[EnvWorkers]] = Registry(
-    "env worker backend", traits=WorkerTraits,
+    "env worker backend",
+    traits=WorkerTraits,
     signature="class(EnvWorkers); cls(config: WorkersConfig); async _run(fn, *args, timeout_s)",
-    keys=("rollout.env_workers.backend",))
+    keys=("rollout.env_workers.backend",),
+)
 
 
 def make_workers(config: WorkersConfig | None = None, **overrides: Any) -> EnvWorkers:
@@ -126,7 +130,9 @@ class ProcessWorkers(EnvWorkers):
         self._loop: asyncio.AbstractEventLoop | None = None
 
     def _new_slot(self) -> concurrent.futures.ProcessPoolExecutor:
-        return concurrent.futures.ProcessPoolExecutor(1, mp_context=self._context, initializer=_exit_with_driver)
+        return concurrent.futures.ProcessPoolExecutor(
+            1, mp_context=self._context, initializer=_exit_with_driver
+        )
 
     def _queue(self) -> asyncio.Queue:
         loop = asyncio.get_running_loop()
@@ -145,7 +151,9 @@ class ProcessWorkers(EnvWorkers):
             process.kill()
         slot.shutdown(wait=False, cancel_futures=True)
 
-    def _replace(self, slot: concurrent.futures.ProcessPoolExecutor) -> concurrent.futures.ProcessPoolExecutor:
+    def _replace(
+        self, slot: concurrent.futures.ProcessPoolExecutor
+    ) -> concurrent.futures.ProcessPoolExecutor:
         self._kill(slot)
         fresh = self._new_slot()
         self._slots[self._slots.index(slot)] = fresh
@@ -214,8 +222,15 @@ _WARM_UP = (importlib.import_module, "megamarl.orchestration")
 def _driver_import_path() -> list[str]:
     """The driver's ``sys.path`` entries outside the interpreter's own libraries (those the workers
     have anyway): the working directory, plugin directories, PYTHONPATH."""
-    return [p for p in sys.path if p and os.path.isdir(p) and "site-packages" not in p
-            and not os.path.basename(p).startswith("python3") and not p.endswith(".zip")]
+    return [
+        p
+        for p in sys.path
+        if p
+        and os.path.isdir(p)
+        and "site-packages" not in p
+        and not os.path.basename(p).startswith("python3")
+        and not p.endswith(".zip")
+    ]
 
 
 @WORKERS.register("ray", traits=WorkerTraits(package="ray", takes_address=True))
@@ -238,7 +253,12 @@ class RayWorkers(EnvWorkers):
         if self._owns_ray and config.address:
             ray.init(address=config.address, log_to_driver=False, runtime_env=runtime_env)
         elif self._owns_ray:
-            ray.init(num_cpus=config.num_workers, include_dashboard=False, log_to_driver=False, runtime_env=runtime_env)
+            ray.init(
+                num_cpus=config.num_workers,
+                include_dashboard=False,
+                log_to_driver=False,
+                runtime_env=runtime_env,
+            )
         resources = dict(config.resources)
         self._actor_cls = _ray_actor_class().options(num_cpus=resources.pop("CPU", 0), resources=resources)
         self._actors = [self._actor_cls.remote() for _ in range(config.num_workers)]
@@ -297,9 +317,13 @@ def check_workers(config: WorkersConfig) -> None:
     for key in ("address", "resources"):
         if getattr(config, key) and not traits.takes_address:
             takers = [n for n in WORKERS.names() if WORKERS.traits(n).takes_address]
-            raise ValueError(f"rollout.env_workers.{key} is set but backend={config.backend!r} joins no cluster; "
-                             f"only {takers} join one")
+            raise ValueError(
+                f"rollout.env_workers.{key} is set but backend={config.backend!r} joins no cluster; "
+                f"only {takers} join one"
+            )
     if traits.package and importlib.util.find_spec(traits.package) is None:
-        raise ValueError(f"rollout.env_workers.backend={config.backend} needs the '{traits.package}' package, which "
-                         f"is not importable here: pip install 'megamarl[{traits.package}]' (or bash "
-                         f"scripts/setup.sh --extras {traits.package}), or choose backend process")
+        raise ValueError(
+            f"rollout.env_workers.backend={config.backend} needs the '{traits.package}' package, which "
+            f"is not importable here: pip install 'megamarl[{traits.package}]' (or bash "
+            f"scripts/setup.sh --extras {traits.package}), or choose backend process"
+        )

@@ -68,8 +68,11 @@ def scatter_objects(objects: Sequence[Any] | None, *, src: int, group) -> tuple[
         return objects[0], sizes.tolist()
     dist.broadcast(sizes, group=group, group_src=src)
     if rank == src:
-        sends = [dist.isend(torch.frombuffer(bytearray(blob), dtype=torch.uint8), group=group, group_dst=dst)
-                 for dst, blob in enumerate(blobs) if dst != src]
+        sends = [
+            dist.isend(torch.frombuffer(bytearray(blob), dtype=torch.uint8), group=group, group_dst=dst)
+            for dst, blob in enumerate(blobs)
+            if dst != src
+        ]
         for work in sends:
             work.wait()
         return objects[src], sizes.tolist()

@@ -118,9 +118,14 @@ def _patch_optimizers() -> None:
 
     def type_as_cuda(self, *args, **kwargs):
         name = tensor_type(self, *args, **kwargs)
-        if (not args and not kwargs and name.startswith("torch.") and not name.startswith("torch.cuda.")
-                and sys._getframe(1).f_globals.get("__name__") in optimizer_modules):
-            return "torch.cuda." + name[len("torch."):]
+        if (
+            not args
+            and not kwargs
+            and name.startswith("torch.")
+            and not name.startswith("torch.cuda.")
+            and sys._getframe(1).f_globals.get("__name__") in optimizer_modules
+        ):
+            return "torch.cuda." + name[len("torch.") :]
         return name
 
     torch.Tensor.type = type_as_cuda
@@ -156,12 +161,15 @@ def _optimizers_patched() -> bool:
     from megatron.core import utils
     from megatron.core.optimizer import clip_grads, distrib_optimizer, optimizer
 
-    return (any(isinstance(m.torch, _CudaToCpuTorch) for m in (optimizer, clip_grads, distrib_optimizer, utils))
-            or torch.Tensor.type.__name__ == "type_as_cuda")
+    return (
+        any(isinstance(m.torch, _CudaToCpuTorch) for m in (optimizer, clip_grads, distrib_optimizer, utils))
+        or torch.Tensor.type.__name__ == "type_as_cuda"
+    )
 
 
-_PROBES: dict[str, callable] = dict(zip(PATCHES, (_torch_cuda_patched, _tp_random_patched, _schedules_patched,
-                                                  _optimizers_patched)))
+_PROBES: dict[str, callable] = dict(
+    zip(PATCHES, (_torch_cuda_patched, _tp_random_patched, _schedules_patched, _optimizers_patched))
+)
 
 
 def patches_in_force() -> list[str]:

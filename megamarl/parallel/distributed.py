@@ -109,5 +109,3 @@ def wait_for_driver(what: str, *, driver: int = 0, timeout_s: float, heartbeat_s
             return
         except RuntimeError:  # DistStoreError (a RuntimeError): this slice timed out
             continue
-
-

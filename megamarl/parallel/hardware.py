@@ -72,7 +72,9 @@ def describe_dtype_choice(name: str) -> str:
     if name != "auto":
         return f"{resolved} (set)"
     where = "GPU" if torch.cuda.is_available() else "CPU"
-    return f"{resolved} (auto: this {where} {'computes' if native_bf16() else 'does not compute'} bf16 natively)"
+    return (
+        f"{resolved} (auto: this {where} {'computes' if native_bf16() else 'does not compute'} bf16 natively)"
+    )
 
 
 def policy_dtype(cfg: RunConfig, name: str) -> str:

@@ -30,12 +30,19 @@ def set_rank_environ(environ: dict[str, str], rank: int, world_size: int, port: 
     MEGAMARL_CACHE in a test, would be missing) plus torchrun's rank variables of one local world."""
     os.environ.clear()
     os.environ.update(environ)
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
 
 
-def _rank_main(rank: int, world_size: int, port: int, fn: Callable, args: tuple, results,
-               environ: dict[str, str]) -> None:
+def _rank_main(
+    rank: int, world_size: int, port: int, fn: Callable, args: tuple, results, environ: dict[str, str]
+) -> None:
     set_rank_environ(environ, rank, world_size, port)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch  # after the environment above, as in a torchrun child (preloaded: no cost)
@@ -54,8 +61,15 @@ def _rank_main(rank: int, world_size: int, port: int, fn: Callable, args: tuple,
 
 # Modules every rank body needs, imported once in the fork server (``rank_context``) instead of once per
 # rank; callers may add theirs (``rank_context(also_preload)``) before the server starts.
-RANK_PRELOAD = ["torch", "torch.distributed", "megatron.core", "megatron.core.models.gpt", "transformers",
-                "megamarl.models.bridge", "megamarl.rl.worker"]
+RANK_PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "megatron.core",
+    "megatron.core.models.gpt",
+    "transformers",
+    "megamarl.models.bridge",
+    "megamarl.rl.worker",
+]
 
 
 def rank_context(also_preload: Iterable[str] = ()):
@@ -81,8 +95,11 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout_s: float = 180.
     results = ctx.Queue()
     port = free_port()
     procs = [
-        ctx.Process(target=_rank_main, args=(rank, world_size, port, fn, args, results, dict(os.environ)),
-                    daemon=False)
+        ctx.Process(
+            target=_rank_main,
+            args=(rank, world_size, port, fn, args, results, dict(os.environ)),
+            daemon=False,
+        )
         for rank in range(world_size)
     ]
     for proc in procs:

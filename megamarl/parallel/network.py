@@ -87,8 +87,10 @@ def host_address(*, multi_node: bool, environ: Mapping[str, str] | None = None) 
                 return interface_address(name)
             except OSError:
                 continue
-        raise RuntimeError(f"{key}={env[key]}: no interface it names has an IPv4 address on this node "
-                           f"(interfaces: {interfaces()}); fix it or set {HOST_ADDR_ENV}")
+        raise RuntimeError(
+            f"{key}={env[key]}: no interface it names has an IPv4 address on this node "
+            f"(interfaces: {interfaces()}); fix it or set {HOST_ADDR_ENV}"
+        )
     for host in (env.get("MASTER_ADDR"), _PUBLIC_PROBE):
         if not host:
             continue
@@ -101,9 +103,11 @@ def host_address(*, multi_node: bool, environ: Mapping[str, str] | None = None) 
     candidates = node_addresses()
     if len(candidates) == 1:
         return candidates[0]
-    raise RuntimeError(f"no address of this node reachable from other nodes was found (MASTER_ADDR "
-                       f"{env.get('MASTER_ADDR')!r} is local or unroutable, no default route, this node's "
-                       f"addresses: {candidates}): set {HOST_ADDR_ENV} or {IFNAME_ENVS[0]}")
+    raise RuntimeError(
+        f"no address of this node reachable from other nodes was found (MASTER_ADDR "
+        f"{env.get('MASTER_ADDR')!r} is local or unroutable, no default route, this node's "
+        f"addresses: {candidates}): set {HOST_ADDR_ENV} or {IFNAME_ENVS[0]}"
+    )
 
 
 def node_addresses() -> list[str]:

@@ -57,9 +57,16 @@ def describe_lost(lost: list[int], homes: list[RankHome]) -> str:
 
 
 class PeerWatch:
-    def __init__(self, *, rank: int, homes: list[RankHome], timeout_s: float,
-                 on_lost: Callable[[list[int], str], None], prefix: str = "megamarl/peers",
-                 store_addr: tuple[str, int] | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        rank: int,
+        homes: list[RankHome],
+        timeout_s: float,
+        on_lost: Callable[[list[int], str], None],
+        prefix: str = "megamarl/peers",
+        store_addr: tuple[str, int] | None = None,
+    ) -> None:
         """``homes``: every rank's ``RankHome`` (``gather_homes``); ``on_lost(lost, why)`` runs in the
         watch's thread once a verdict is reached (it is expected to end the process)."""
         self.rank, self.homes, self.world_size = rank, homes, len(homes)
@@ -113,8 +120,12 @@ class PeerWatch:
                 failing_since = failing_since or time.monotonic()
                 if time.monotonic() - failing_since >= self._patience():  # not one hiccup: the store is gone
                     lost = [r for r, home in enumerate(self.homes) if home == self.homes[self.store_rank]]
-                    self._conclude(lost, f"the rendezvous store on rank {self.store_rank}'s node stopped answering "
-                                         f"({type(exc).__name__})", publish=False)
+                    self._conclude(
+                        lost,
+                        f"the rendezvous store on rank {self.store_rank}'s node stopped answering "
+                        f"({type(exc).__name__})",
+                        publish=False,
+                    )
                     return
             if self._verdict.is_set():
                 return
@@ -141,8 +152,15 @@ class PeerWatch:
                 silent.append(r)
         if silent:  # a node fails as a unit: its other ranks, silent for two heartbeats, go with it
             homes = [self.homes[r] for r in silent]
-            silent += [r for r in range(self.world_size) if r != self.rank and r not in silent and not exited[r]
-                       and self.homes[r] in homes and now - self._changed[r] > 2 * self.interval_s]
+            silent += [
+                r
+                for r in range(self.world_size)
+                if r != self.rank
+                and r not in silent
+                and not exited[r]
+                and self.homes[r] in homes
+                and now - self._changed[r] > 2 * self.interval_s
+            ]
             quiet = max(now - self._changed[r] for r in silent)
             self._conclude(silent, f"no heartbeat for {quiet:.0f} s", publish=True)
 

@@ -73,7 +73,9 @@ class WorkerGroupLayout:
     def check_model(self, *, num_heads: int, num_kv_heads: int, num_layers: int) -> None:
         """Raise when the model cannot be sharded with this layout."""
         if num_heads % self.tp:
-            raise ValueError(f"{self.key}.tp={self.tp} does not divide the model's {num_heads} attention heads")
+            raise ValueError(
+                f"{self.key}.tp={self.tp} does not divide the model's {num_heads} attention heads"
+            )
         if num_kv_heads % self.tp:
             raise ValueError(
                 f"{self.key}.tp={self.tp} does not divide the model's {num_kv_heads} KV heads (query groups)"
@@ -191,8 +193,18 @@ def rank_coords(layout: WorkerGroupLayout, global_rank: int) -> dict[str, int]:
 
 
 # the process groups megatron-core's ProcessGroupCollection takes, by the mesh axes each spans
-GROUP_AXES = {"tp": ["tp"], "pp": ["pp"], "dp": ["dp"], "cp": ["cp"], "ep": ["ep"], "mp": ["tp", "pp"],
-              "tp_cp": ["tp", "cp"], "dp_cp": ["cp", "dp"], "tp_dp_cp": ["tp", "cp", "dp"], "tp_ep_pp": ["tp", "ep", "pp"]}
+GROUP_AXES = {
+    "tp": ["tp"],
+    "pp": ["pp"],
+    "dp": ["dp"],
+    "cp": ["cp"],
+    "ep": ["ep"],
+    "mp": ["tp", "pp"],
+    "tp_cp": ["tp", "cp"],
+    "dp_cp": ["cp", "dp"],
+    "tp_dp_cp": ["tp", "cp", "dp"],
+    "tp_ep_pp": ["tp", "ep", "pp"],
+}
 
 
 def wg_enumerations(layout: WorkerGroupLayout) -> dict[str, list[list[int]]]:
@@ -211,8 +223,12 @@ def communicator_rank_sets(layout: WorkerGroupLayout, rank: int) -> set[tuple[in
     """The distinct multi-rank groups of the WG that ``rank`` belongs to: one communicator each (NCCL on
     GPUs: its own device buffers), however many names share it (with cp = ep = 1, tp_cp is tp, dp_cp is dp,
     tp_ep_pp is mp, ...; ``build_worker_group`` creates each rank set once). Single-rank groups need no peer."""
-    return {tuple(sorted(ranks)) for enumeration in wg_enumerations(layout).values() for ranks in enumeration
-            if rank in ranks and len(ranks) > 1}
+    return {
+        tuple(sorted(ranks))
+        for enumeration in wg_enumerations(layout).values()
+        for ranks in enumeration
+        if rank in ranks and len(ranks) > 1
+    }
 
 
 # Device memory one NCCL communicator of a few local peers keeps for its buffers (NCCL_BUFFSIZE 4 MiB per
@@ -224,8 +240,9 @@ NCCL_COMMUNICATOR_BYTES = 256 * 2**20
 def num_communicators(layouts: Iterable[WorkerGroupLayout], rank: int, world_size: int) -> int:
     """Device communicators ``rank`` holds for training: its WGs' distinct multi-rank groups plus the
     default (world) group. Weight-transfer groups belong to the engines' side."""
-    return (world_size > 1) + sum(len(communicator_rank_sets(layout, rank)) for layout in layouts
-                                  if rank in layout.ranks)
+    return (world_size > 1) + sum(
+        len(communicator_rank_sets(layout, rank)) for layout in layouts if rank in layout.ranks
+    )
 
 
 def nccl_reserve_bytes(layouts: Iterable[WorkerGroupLayout], rank: int, world_size: int) -> float:
@@ -254,8 +271,10 @@ def build_worker_group(name: str, layout: WorkerGroupLayout, *, backend: str | N
     backend = backend or device_backend()
     rank = dist.get_rank()
     made: dict[tuple[int, ...], object] = {}
-    groups = {attr: _member_group(enumeration, backend, made, rank)
-              for attr, enumeration in wg_enumerations(layout).items()}
+    groups = {
+        attr: _member_group(enumeration, backend, made, rank)
+        for attr, enumeration in wg_enumerations(layout).items()
+    }
     device = local_device()
     if rank not in layout.ranks:
         return WorkerGroup(name, layout, device=device)
@@ -272,15 +291,22 @@ def build_worker_group(name: str, layout: WorkerGroupLayout, *, backend: str | N
 def build_worker_groups(placement: PlacementConfig, *, backend: str | None = None) -> dict[str, WorkerGroup]:
     """Build every WG of ``placement`` on every rank (same order everywhere: group creation is collective)."""
     placement.validate_world(dist.get_world_size())
-    return {name: build_worker_group(name, layout, backend=backend) for name, layout in placement.worker_groups.items()}
+    return {
+        name: build_worker_group(name, layout, backend=backend)
+        for name, layout in placement.worker_groups.items()
+    }
 
 
 def placement_of(cfg: RunConfig, world_size: int) -> PlacementConfig:
     """The run's WG layouts for a world of ``world_size`` ranks (policies without ranks take all),
     checked against the world."""
     layouts = {
-        name: WorkerGroupLayout(ranks=list(p.ranks) if p.ranks else list(range(world_size)), tp=p.tp, pp=p.pp,
-                                key=f"policies.{name}")
+        name: WorkerGroupLayout(
+            ranks=list(p.ranks) if p.ranks else list(range(world_size)),
+            tp=p.tp,
+            pp=p.pp,
+            key=f"policies.{name}",
+        )
         for name, p in cfg.policies.items()
     }
     placement = PlacementConfig(layouts, mode=cfg.placement_mode)

@@ -174,7 +174,9 @@ class DryRunReport:
         return max(g.total for g in self.gpus) / GIB
 
 
-def dry_run(cfg: RunConfig, *, overlaps_training: bool, console=None, world_size: int | None = None) -> DryRunReport:
+def dry_run(
+    cfg: RunConfig, *, overlaps_training: bool, console=None, world_size: int | None = None
+) -> DryRunReport:
     """Validate ``cfg`` against its declared cluster, print the placement and memory tables.
     ``overlaps_training``: the schedule of ``trainer.mode`` rolls out while it trains (its
     ``ScheduleTraits``, given by the caller: the planner sits below the driver).
@@ -193,14 +195,25 @@ def dry_run(cfg: RunConfig, *, overlaps_training: bool, console=None, world_size
     placement = placement_of(cfg, world_size)
     gpus_per_node = cluster.gpus_per_node or world_size
 
-    shapes = {name: resolve_model_shape(policy.model, key=f"policies.{name}.model") for name, policy in cfg.policies.items()}
+    shapes = {
+        name: resolve_model_shape(policy.model, key=f"policies.{name}.model")
+        for name, policy in cfg.policies.items()
+    }
     for name, policy in cfg.policies.items():  # shape errors first: they say why a tp cannot work at all
         placement.worker_groups[name].check_model(
-            num_heads=shapes[name].num_heads, num_kv_heads=shapes[name].num_kv_heads, num_layers=shapes[name].num_layers
+            num_heads=shapes[name].num_heads,
+            num_kv_heads=shapes[name].num_kv_heads,
+            num_layers=shapes[name].num_layers,
         )
         check_engine_shape(name, policy, shapes[name])
-    report = plan_memory(cfg, world_size=world_size, gpus_per_node=gpus_per_node, on_gpus=on_gpus, shapes=shapes,
-                         overlaps_training=overlaps_training)
+    report = plan_memory(
+        cfg,
+        world_size=world_size,
+        gpus_per_node=gpus_per_node,
+        on_gpus=on_gpus,
+        shapes=shapes,
+        overlaps_training=overlaps_training,
+    )
 
     group_sizes = build_fake_groups(placement, world_size)
     for name, sizes in group_sizes.items():
@@ -218,15 +231,24 @@ def dry_run(cfg: RunConfig, *, overlaps_training: bool, console=None, world_size
     return report
 
 
-def plan_memory(cfg: RunConfig, *, world_size: int, gpus_per_node: int, on_gpus: bool, overlaps_training: bool,
-                shapes: dict[str, ModelShape] | None = None, offload_applies: bool | None = None) -> DryRunReport:
+def plan_memory(
+    cfg: RunConfig,
+    *,
+    world_size: int,
+    gpus_per_node: int,
+    on_gpus: bool,
+    overlaps_training: bool,
+    shapes: dict[str, ModelShape] | None = None,
+    offload_applies: bool | None = None,
+) -> DryRunReport:
     """Every WG's and engine's bytes and what each GPU holds in each phase, for ``world_size`` ranks
     (no checks, no printing; ``dry_run`` adds them, and engine servers take their memory fraction
     from it: ``megamarl.planning.engine_budget``). ``offload_applies``: the train state really
     leaves the device (default: ``on_gpus``; a CPU test forces it)."""
     placement = placement_of(cfg, world_size)
-    shapes = shapes or {name: resolve_model_shape(p.model, key=f"policies.{name}.model")
-                        for name, p in cfg.policies.items()}
+    shapes = shapes or {
+        name: resolve_model_shape(p.model, key=f"policies.{name}.model") for name, p in cfg.policies.items()
+    }
     plan = plan_engines(cfg, world_size, gpus_per_node)
     worker_groups, engines, warnings = {}, {}, []
     for name, policy in cfg.policies.items():
@@ -234,19 +256,41 @@ def plan_memory(cfg: RunConfig, *, world_size: int, gpus_per_node: int, on_gpus:
         setup = training_setup(cfg, name, on_gpus=on_gpus)
         # micro-batches in flight are capped by those of an optimizer step when rows alone count them
         # (agents' own sizes split steps per agent, packing splits by tokens: no cap, the safe side)
-        overridden = policy.pack or any(a.micro_batch_size or a.mini_batch_size
-                                        for a in cfg.agents.values() if a.policy == name)
-        micro_batches = None if policy.mini_batch_size is None or overridden else num_micro_batches(policy, layout.dp)
-        stages = [train_memory(shape, policy, layout, setup, stage=s, num_micro_batches=micro_batches)
-                  for s in range(layout.pp)]
+        overridden = policy.pack or any(
+            a.micro_batch_size or a.mini_batch_size for a in cfg.agents.values() if a.policy == name
+        )
+        micro_batches = (
+            None if policy.mini_batch_size is None or overridden else num_micro_batches(policy, layout.dp)
+        )
+        stages = [
+            train_memory(shape, policy, layout, setup, stage=s, num_micro_batches=micro_batches)
+            for s in range(layout.pp)
+        ]
         worker_groups[name] = WorkerGroupReport(name, policy.model, shape, layout, setup, stages)
-        engines[name] = _engine_report(name, policy, shape, plan[name], setup.num_adapters,
-                                       dtype=engine_dtype(policy, on_gpus=on_gpus), on_gpus=on_gpus)
+        engines[name] = _engine_report(
+            name,
+            policy,
+            shape,
+            plan[name],
+            setup.num_adapters,
+            dtype=engine_dtype(policy, on_gpus=on_gpus),
+            on_gpus=on_gpus,
+        )
         warnings += _cross_node_warnings(name, layout, gpus_per_node)
     offload_applies = on_gpus if offload_applies is None else offload_applies
-    gpus = _gpu_totals(cfg, worker_groups, engines, world_size, gpus_per_node, offload_applies=offload_applies,
-                       on_gpus=on_gpus, overlap=overlaps_training)
-    return DryRunReport(world_size, gpus_per_node, cfg.cluster.gpu_memory_gib, worker_groups, engines, gpus, warnings)
+    gpus = _gpu_totals(
+        cfg,
+        worker_groups,
+        engines,
+        world_size,
+        gpus_per_node,
+        offload_applies=offload_applies,
+        on_gpus=on_gpus,
+        overlap=overlaps_training,
+    )
+    return DryRunReport(
+        world_size, gpus_per_node, cfg.cluster.gpu_memory_gib, worker_groups, engines, gpus, warnings
+    )
 
 
 def declared_world_size(cfg: RunConfig) -> int:
@@ -281,15 +325,23 @@ def training_setup(cfg: RunConfig, name: str, *, on_gpus: bool) -> TrainingSetup
         dtype=dtype,
         num_adapters=_num_adapters(cfg, name),
         reference=policy.lora is None and (policy.kl_coef > 0 or any((a.kl_coef or 0) > 0 for a in agents)),
-        micro_batch_size=max([policy.micro_batch_size] + [a.micro_batch_size for a in agents if a.micro_batch_size]),
+        micro_batch_size=max(
+            [policy.micro_batch_size] + [a.micro_batch_size for a in agents if a.micro_batch_size]
+        ),
         # the model build's own choice (bridge.build_model). A GPU cluster has TE: the documented GPU
         # install is megamarl[gpu], and cli.front_door.check_layer_specs refuses a node without it
         spec=planned_layer_spec(lora=policy.lora is not None, on_gpus=on_gpus),
     )
 
 
-def engine_memory(shape: ModelShape, policy: PolicyConfig, *, num_adapters: int = 0, dtype: str = "bf16",
-                  on_gpus: bool = True) -> Memory:
+def engine_memory(
+    shape: ModelShape,
+    policy: PolicyConfig,
+    *,
+    num_adapters: int = 0,
+    dtype: str = "bf16",
+    on_gpus: bool = True,
+) -> Memory:
     """One engine GPU's bytes; ``dtype``: the engine's weight dtype (``engine_dtype``); ``on_gpus``:
     how ``engine.kv_cache_gib: null`` resolves (``EngineConfig.kv_cache_setting``)."""
     engine = policy.engine
@@ -345,20 +397,43 @@ def engine_dtype(policy: PolicyConfig, *, on_gpus: bool) -> str:
     return "bf16" if policy.engine.dtype == "auto" and on_gpus else resolve_dtype(policy.engine.dtype)
 
 
-def _engine_report(name, policy: PolicyConfig, shape, replicas: list[ReplicaPlacement], num_adapters, *,
-                   dtype: str = "bf16", on_gpus: bool = True) -> EngineReport:
+def _engine_report(
+    name,
+    policy: PolicyConfig,
+    shape,
+    replicas: list[ReplicaPlacement],
+    num_adapters,
+    *,
+    dtype: str = "bf16",
+    on_gpus: bool = True,
+) -> EngineReport:
     """The policy's engine memory on the ranks ``plan_engines`` puts its replicas on (the same plan
     every rank computes at start-up)."""
     engine = policy.engine
     placed = [list(r.ranks) for r in replicas if r.launch != "external"]
     colocated = bool(placed) and all(r.colocated for r in replicas)
-    return EngineReport(name, engine.backend, engine.tp, placed, colocated,
-                        engine_memory(shape, policy, num_adapters=num_adapters, dtype=dtype, on_gpus=on_gpus),
-                        launch=replicas[0].launch if replicas else "external")
+    return EngineReport(
+        name,
+        engine.backend,
+        engine.tp,
+        placed,
+        colocated,
+        engine_memory(shape, policy, num_adapters=num_adapters, dtype=dtype, on_gpus=on_gpus),
+        launch=replicas[0].launch if replicas else "external",
+    )
 
 
-def _gpu_totals(cfg, worker_groups, engines, world_size, gpus_per_node, *, offload_applies: bool,
-                on_gpus: bool, overlap: bool) -> list[GpuReport]:
+def _gpu_totals(
+    cfg,
+    worker_groups,
+    engines,
+    world_size,
+    gpus_per_node,
+    *,
+    offload_applies: bool,
+    on_gpus: bool,
+    overlap: bool,
+) -> list[GpuReport]:
     """Every GPU priced phase by phase (``megamarl.planning.phases``), as the trainer runs them."""
     gpus = [GpuReport(r, r // gpus_per_node, r % gpus_per_node) for r in range(world_size)]
     holdings: list[list] = [[] for _ in range(world_size)]  # (Memory, offloaded) of each WG shard
@@ -376,11 +451,17 @@ def _gpu_totals(cfg, worker_groups, engines, world_size, gpus_per_node, *, offlo
             coords = rank_coords(layout, rank)
             gpus[rank].shards.append(Shard(name, coords["tp"], coords["pp"], coords["dp"]))
             # run.offload_targets: sync mode, an engine replica on this rank, an accelerator
-            offloaded = (offload_applies and not overlap and bool(engines_on[rank])
-                         and cfg.policies[name].offload_train_state)
+            offloaded = (
+                offload_applies
+                and not overlap
+                and bool(engines_on[rank])
+                and cfg.policies[name].offload_train_state
+            )
             holdings[rank].append((wg.stages[coords["pp"]], offloaded))
     reserved = cfg.cluster.reserved_gib * GIB
-    layouts = [wg.layout for wg in worker_groups.values()]  # NCCL communicators: only on GPUs (gloo on CPU ranks)
+    layouts = [
+        wg.layout for wg in worker_groups.values()
+    ]  # NCCL communicators: only on GPUs (gloo on CPU ranks)
     nccl = [nccl_reserve_bytes(layouts, r, world_size) if on_gpus else 0.0 for r in range(world_size)]
     relayed, partners = _relay_buffers(cfg, worker_groups, engines, world_size, on_gpus=on_gpus)
     if on_gpus:  # a relay's point-to-point pairs on the default group: an NCCL communicator each
@@ -390,8 +471,14 @@ def _gpu_totals(cfg, worker_groups, engines, world_size, gpus_per_node, *, offlo
             continue
         # one entry per phase name, in a step's order (start-up runs the push half of the same phases)
         for phase in (*step_phases(overlaps_training=overlap), *run_phases(overlaps_training=overlap)):
-            priced = price_phase(phase, holdings[gpu.rank], engines_on[gpu.rank], reserved=reserved, nccl=nccl[gpu.rank],
-                                 push_buffers=relayed[gpu.rank])
+            priced = price_phase(
+                phase,
+                holdings[gpu.rank],
+                engines_on[gpu.rank],
+                reserved=reserved,
+                nccl=nccl[gpu.rank],
+                push_buffers=relayed[gpu.rank],
+            )
             if priced.total > gpu.phases.get(phase.name, PhaseBytes(phase.name)).total:
                 gpu.phases[phase.name] = priced
         peak = max(gpu.phases.values(), key=lambda p: p.total)
@@ -399,21 +486,32 @@ def _gpu_totals(cfg, worker_groups, engines, world_size, gpus_per_node, *, offlo
     return gpus
 
 
-def _relay_buffers(cfg, worker_groups, engines, world_size: int, *, on_gpus: bool) -> tuple[list[float], list[int]]:
+def _relay_buffers(
+    cfg, worker_groups, engines, world_size: int, *, on_gpus: bool
+) -> tuple[list[float], list[int]]:
     """Per rank: the device bytes a relayed push holds (``memory.relay_buffer_bytes``) and its number of
     point-to-point partners, for every policy whose colocated PP>1 servers are fed by their leaders
     (``transport.relays_stages``; the roles of ``stage_gather.relay_roles``)."""
     buffers, partners = [0.0] * world_size, [0] * world_size
     for name, engine in engines.items():
         policy, wg = cfg.policies[name], worker_groups[name]
-        if not (engine.colocated and engine.launch == "server" and policy.pp > 1
-                and relays_stages(policy, colocated=True, on_gpu=on_gpus)):
+        if not (
+            engine.colocated
+            and engine.launch == "server"
+            and policy.pp > 1
+            and relays_stages(policy, colocated=True, on_gpu=on_gpus)
+        ):
             continue
         width = DTYPE_BYTES[engine_dtype(policy, on_gpus=on_gpus)]
         bucket_bytes = int(policy.engine.bucket_mb * 2**20)
         for rank, role in relay_roles(wg.layout, [ranks[0] for ranks in engine.replicas]).items():
-            held = relay_buffer_bytes(wg.shape, width=width, bucket_bytes=bucket_bytes,
-                                      forwards=bool(role.destinations), feeds=role.feeds)
+            held = relay_buffer_bytes(
+                wg.shape,
+                width=width,
+                bucket_bytes=bucket_bytes,
+                forwards=bool(role.destinations),
+                feeds=role.feeds,
+            )
             buffers[rank] = max(buffers[rank], held)  # policies push one after another
             partners[rank] += len(set(role.destinations) | set(role.sources.values()))
     return buffers, partners
@@ -441,8 +539,15 @@ def _capacity_key(report: DryRunReport, cfg: RunConfig) -> str:
     return f"cluster.gpu_memory_gib={declared}"
 
 
-def price_phase(phase: Phase, shards: list[tuple[Memory, bool]], engines: list[tuple[Memory, bool]], *,
-                reserved: float, nccl: float = 0.0, push_buffers: float = 0.0) -> PhaseBytes:
+def price_phase(
+    phase: Phase,
+    shards: list[tuple[Memory, bool]],
+    engines: list[tuple[Memory, bool]],
+    *,
+    reserved: float,
+    nccl: float = 0.0,
+    push_buffers: float = 0.0,
+) -> PhaseBytes:
     """What one GPU holds in ``phase``: ``shards`` its WG shards' ``Memory`` and whether the trainer
     offloads that train state here; ``engines`` its engine shards' ``Memory`` and whether they sleep;
     ``push_buffers`` what a relayed push holds here (``_relay_buffers``) in the phases that push."""
@@ -477,11 +582,13 @@ def _check_capacity(report: DryRunReport, cfg: RunConfig) -> None:
     detail = []
     for shard in gpu.shards:
         m = report.worker_groups[shard.policy].stages[shard.pp]
-        detail.append(f"policies.{shard.policy} training (tp{shard.tp} pp{shard.pp} dp{shard.dp}): weights "
-                      f"{_g(m.weights)} + grads {_g(m.grads)} + main params {_g(m.main_params)} + optimizer "
-                      f"{_g(m.optimizer)} + reference {_g(m.reference)} + lora {_g(m.lora)} + "
-                      f"{'activations' if m.activations >= m.reference_visit else 'reference visit'} {_g(m.peak)} "
-                      f"= {_g(m.total)} GiB")
+        detail.append(
+            f"policies.{shard.policy} training (tp{shard.tp} pp{shard.pp} dp{shard.dp}): weights "
+            f"{_g(m.weights)} + grads {_g(m.grads)} + main params {_g(m.main_params)} + optimizer "
+            f"{_g(m.optimizer)} + reference {_g(m.reference)} + lora {_g(m.lora)} + "
+            f"{'activations' if m.activations >= m.reference_visit else 'reference visit'} {_g(m.peak)} "
+            f"= {_g(m.total)} GiB"
+        )
     for engine in gpu.engines:
         m = report.engines[engine.policy].memory
         detail.append(
@@ -493,7 +600,8 @@ def _check_capacity(report: DryRunReport, cfg: RunConfig) -> None:
     raise ValueError(
         f"{' + '.join(f'policies.{h}' for h in holders)}: GPU node {gpu.node} local {gpu.local} (global rank "
         f"{gpu.rank}) needs {_g(gpu.total)} GiB > {_capacity_key(report, cfg)} "
-        f"in phase '{gpu.peak_phase}' [{held} GiB; " + "; ".join(detail)
+        f"in phase '{gpu.peak_phase}' [{held} GiB; "
+        + "; ".join(detail)
         + f"]; {len(over)} of {report.world_size} GPUs over. Raise tp/pp, enable recompute, the "
         "distributed optimizer or ref_offload, lower micro_batch_size/seq_len or engine.kv_cache_gib."
     )
@@ -571,8 +679,16 @@ def print_report(report: DryRunReport, console) -> None:
             cells = head if stage == 0 else [""] * len(head)
             # a ref_offload reference model costs nothing at rest; shown as its visit
             ref = _g(m.reference) if not m.reference_visit else f"(visit {_g(m.reference_visit)})"
-            memory = (_g(m.weights), _g(m.grads), _g(m.main_params), _g(m.optimizer), ref, _g(m.lora),
-                      _g(m.activations), _g(m.total))
+            memory = (
+                _g(m.weights),
+                _g(m.grads),
+                _g(m.main_params),
+                _g(m.optimizer),
+                ref,
+                _g(m.lora),
+                _g(m.activations),
+                _g(m.total),
+            )
             wgs.add_row(*cells, f"pp{stage}", *memory)
     console.print(wgs)
 
@@ -582,13 +698,16 @@ def print_report(report: DryRunReport, console) -> None:
         engines.add_column(col, justify="right" if col in numbers else "left")
     for name, e in report.engines.items():
         where = {"external": "external", "in_process": "in rank 0's process"}.get(e.launch) or (
-            "colocated (sleep/wake)" if e.colocated else "own GPUs")
+            "colocated (sleep/wake)" if e.colocated else "own GPUs"
+        )
         ranks = rank_ranges([r for replica in e.replicas for r in replica])
         memory = (e.memory.weights, e.memory.kv_cache, e.memory.lora, e.memory.total)
         engines.add_row(name, e.backend, f"{len(e.replicas)} x {e.tp}", ranks, where, *map(_g, memory))
     console.print(engines)
 
-    gpus = Table(title=f"GPUs (GiB; capacity {round(report.gpu_memory_gib, 1)}, total: the peak phase, reserved included)")
+    gpus = Table(
+        title=f"GPUs (GiB; capacity {round(report.gpu_memory_gib, 1)}, total: the peak phase, reserved included)"
+    )
     for col in ("rank", "node:gpu", "WG shards", "engine replicas", "peak phase", "total"):
         gpus.add_column(col, justify="right" if col == "total" else "left")
     capacity = report.gpu_memory_gib * GIB
@@ -596,14 +715,24 @@ def print_report(report: DryRunReport, console) -> None:
         shards = ", ".join(map(str, g.shards)) or "-"
         replicas = ", ".join(map(str, g.engines)) or "-"
         style = "bold red" if g.total > capacity else None
-        gpus.add_row(str(g.rank), f"{g.node}:{g.local}", shards, replicas, g.peak_phase or "-", _g(g.total), style=style)
+        gpus.add_row(
+            str(g.rank),
+            f"{g.node}:{g.local}",
+            shards,
+            replicas,
+            g.peak_phase or "-",
+            _g(g.total),
+            style=style,
+        )
     console.print(gpus)
     console.print(phase_table(report))
     for warning in report.warnings:
         console.print(f"[yellow]warning:[/yellow] {warning}")
     peak = max(report.gpus, key=lambda g: g.total)
-    console.print(f"peak {report.peak_gib:.1f} GiB of {round(report.gpu_memory_gib, 1)} GiB per GPU: phase '{peak.peak_phase}' "
-                  f"on rank {peak.rank}")
+    console.print(
+        f"peak {report.peak_gib:.1f} GiB of {round(report.gpu_memory_gib, 1)} GiB per GPU: phase '{peak.peak_phase}' "
+        f"on rank {peak.rank}"
+    )
 
 
 def phase_table(report: DryRunReport):
@@ -616,8 +745,10 @@ def phase_table(report: DryRunReport):
         if g.phases:
             key = tuple((name, round(p.total / GIB, 2)) for name, p in g.phases.items())
             groups.setdefault(key, []).append(g)
-    table = Table(title="Phases of a step (GiB per GPU, reserved included; the trainer's order, megamarl.planning.phases; "
-                        "start-up runs wake weights .. evaluate first)")
+    table = Table(
+        title="Phases of a step (GiB per GPU, reserved included; the trainer's order, megamarl.planning.phases; "
+        "start-up runs wake weights .. evaluate first)"
+    )
     table.add_column("phase", justify="left")
     for members in groups.values():
         table.add_column(f"ranks {rank_ranges([g.rank for g in members])}", justify="right")
@@ -635,6 +766,10 @@ def phase_table(report: DryRunReport):
     return table
 
 
-if __name__ == "__main__":  # the command moved up to the launch floor; say so rather than exit 0 having checked nothing
-    raise SystemExit("python -m megamarl.planning.dryrun is now python -m megamarl.cli.dry_run_command "
-                     "(or scripts/train.py --config ... --dry-run)")
+if (
+    __name__ == "__main__"
+):  # the command moved up to the launch floor; say so rather than exit 0 having checked nothing
+    raise SystemExit(
+        "python -m megamarl.planning.dryrun is now python -m megamarl.cli.dry_run_command "
+        "(or scripts/train.py --config ... --dry-run)"
+    )

@@ -33,13 +33,19 @@ from megamarl.planning.dryrun import GIB, plan_memory
 from megamarl.rollout.engine_placement import ReplicaPlacement, plan_engines
 
 
-def engine_memory_fractions(cfg: RunConfig, *, world_size: int, gpus_per_node: int, capacity_bytes: float,
-                            overlaps_training: bool) -> dict[tuple[str, int], float]:
+def engine_memory_fractions(
+    cfg: RunConfig, *, world_size: int, gpus_per_node: int, capacity_bytes: float, overlaps_training: bool
+) -> dict[tuple[str, int], float]:
     """``(policy, replica) -> fraction`` for every engine server replica (module docstring) on GPUs
     of ``capacity_bytes`` each; policies with ``engine.gpu_memory_utilization`` set are left out.
     ``overlaps_training``: the run's schedule rolls out while it trains (``plan_memory``)."""
-    report = plan_memory(cfg, world_size=world_size, gpus_per_node=gpus_per_node, on_gpus=True,
-                         overlaps_training=overlaps_training)
+    report = plan_memory(
+        cfg,
+        world_size=world_size,
+        gpus_per_node=gpus_per_node,
+        on_gpus=True,
+        overlaps_training=overlaps_training,
+    )
     reserved = cfg.cluster.reserved_gib * GIB
     engines_kv = [0.0] * report.world_size  # the KV cache of every engine shard on a GPU
     for engine in report.engines.values():
@@ -67,14 +73,21 @@ def engine_memory_fractions(cfg: RunConfig, *, world_size: int, gpus_per_node: i
                         f"its engines (GPU {capacity_bytes / GIB:.1f} GiB - trainer {trainer / GIB:.1f} GiB while they "
                         f"are awake - cluster.reserved_gib {cfg.cluster.reserved_gib}) < their planned "
                         f"{engine_bytes / GIB:.1f} GiB; check the plan with --dry-run (cluster.gpu_memory_gib), or set "
-                        f"policies.{name}.engine.gpu_memory_utilization")
+                        f"policies.{name}.engine.gpu_memory_utilization"
+                    )
                 shares.append(share)
             fractions[(name, index)] = math.floor(min(shares) / capacity_bytes * 1000) / 1000
     return fractions
 
 
-def server_memory_fractions(cfg: RunConfig, *, world_size: int, gpus_per_node: int, overlaps_training: bool,
-                            plan: dict[str, list[ReplicaPlacement]] | None = None) -> dict[tuple[str, int], float]:
+def server_memory_fractions(
+    cfg: RunConfig,
+    *,
+    world_size: int,
+    gpus_per_node: int,
+    overlaps_training: bool,
+    plan: dict[str, list[ReplicaPlacement]] | None = None,
+) -> dict[tuple[str, int], float]:
     """``engine_memory_fractions`` on this node's GPUs (their memory measured here); empty without CUDA
     (CPU servers are sized by ``engine.kv_cache_gib`` alone) or engine servers. ``plan``: the run's
     engine plan (computed here when not given: tests)."""
@@ -84,5 +97,10 @@ def server_memory_fractions(cfg: RunConfig, *, world_size: int, gpus_per_node: i
     if not any(r.launch == "server" for reps in plan.values() for r in reps):
         return {}
     capacity = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
-    return engine_memory_fractions(cfg, world_size=world_size, gpus_per_node=gpus_per_node, capacity_bytes=capacity,
-                                   overlaps_training=overlaps_training)
+    return engine_memory_fractions(
+        cfg,
+        world_size=world_size,
+        gpus_per_node=gpus_per_node,
+        capacity_bytes=capacity,
+        overlaps_training=overlaps_training,
+    )

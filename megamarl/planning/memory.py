@@ -151,8 +151,9 @@ class RankParameters:
         return sum(self.matrices) + sum(self.norms) + self.shared_embedding
 
 
-def rank_parameters(shape: ModelShape, *, tp: int, pp: int, stage: int, lora=None,
-                    num_adapters: int = 0) -> RankParameters:
+def rank_parameters(
+    shape: ModelShape, *, tp: int, pp: int, stage: int, lora=None, num_adapters: int = 0
+) -> RankParameters:
     """The parameter tensors of pipeline stage ``stage`` on one TP rank (module docstring)."""
     h, f = shape.hidden_size, shape.ffn_hidden_size
     q, kv = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
@@ -179,8 +180,12 @@ def rank_parameters(shape: ModelShape, *, tp: int, pp: int, stage: int, lora=Non
             matrices.append(embedding)  # output layer
     adapters = []
     if lora is not None:
-        dims = {"qkv": (h, q + 2 * kv, "column"), "proj": (q, h, "row"), "fc1": (h, 2 * f, "column"),
-                "fc2": (f, h, "row")}
+        dims = {
+            "qkv": (h, q + 2 * kv, "column"),
+            "proj": (q, h, "row"),
+            "fc1": (h, 2 * f, "column"),
+            "fc2": (f, h, "row"),
+        }
         for target in lora.targets:
             d_in, d_out, kind = dims[target]
             if kind == "column":  # A [r, in] whole, B [out/tp, r]
@@ -211,18 +216,29 @@ def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-def train_memory(shape: ModelShape, policy: PolicyConfig, layout: WorkerGroupLayout, setup: TrainingSetup, *,
-                 stage: int, num_micro_batches: int | None = None) -> Memory:
+def train_memory(
+    shape: ModelShape,
+    policy: PolicyConfig,
+    layout: WorkerGroupLayout,
+    setup: TrainingSetup,
+    *,
+    stage: int,
+    num_micro_batches: int | None = None,
+) -> Memory:
     """Bytes on one rank of pipeline stage ``stage`` (module docstring). ``num_micro_batches``: per
     optimizer step and DP rank, when known (caps the micro-batches in flight)."""
     if policy.frozen:
         return Memory()
-    params = rank_parameters(shape, tp=layout.tp, pp=layout.pp, stage=stage, lora=policy.lora,
-                             num_adapters=setup.num_adapters)
+    params = rank_parameters(
+        shape, tp=layout.tp, pp=layout.pp, stage=stage, lora=policy.lora, num_adapters=setup.num_adapters
+    )
     width, norm_width = DTYPE_BYTES[setup.dtype], setup.norm_bytes
     base_bytes = width * (sum(params.matrices) + params.shared_embedding) + norm_width * sum(params.norms)
-    memory = Memory(activations=activation_bytes(shape, policy, layout, setup, stage=stage,
-                                                 num_micro_batches=num_micro_batches))
+    memory = Memory(
+        activations=activation_bytes(
+            shape, policy, layout, setup, stage=stage, num_micro_batches=num_micro_batches
+        )
+    )
     if policy.lora is not None:  # only the adapters train: the base is frozen, and is the reference
         memory.weights = base_bytes
         _add_trainable(memory, {width: (params.adapters, 0)}, policy, layout, setup, into="lora")
@@ -241,8 +257,15 @@ def train_memory(shape: ModelShape, policy: PolicyConfig, layout: WorkerGroupLay
     return memory
 
 
-def _add_trainable(memory: Memory, groups: dict, policy: PolicyConfig, layout: WorkerGroupLayout,
-                   setup: TrainingSetup, *, into: str) -> None:
+def _add_trainable(
+    memory: Memory,
+    groups: dict,
+    policy: PolicyConfig,
+    layout: WorkerGroupLayout,
+    setup: TrainingSetup,
+    *,
+    into: str,
+) -> None:
     """Weights (into ``memory.<into>``), DDP grads, main params and Adam state of trainable
     parameters, ``groups``: element width -> (tensor sizes, shared-embedding size). megatron-core's
     DDP keeps one buffer per (param dtype, grad dtype), each padded on its own."""
@@ -280,8 +303,9 @@ def attention_row(policy: PolicyConfig, setup: TrainingSetup) -> int:
     return tokens_per_micro_batch(policy, setup) if policy.pack else policy.seq_len
 
 
-def layer_activation_bytes(shape: ModelShape, *, tp: int, tokens: int, seq_len: int, dtype_bytes: int,
-                           recompute: str, spec: str) -> float:
+def layer_activation_bytes(
+    shape: ModelShape, *, tp: int, tokens: int, seq_len: int, dtype_bytes: int, recompute: str, spec: str
+) -> float:
     """Bytes one decoder layer keeps for backward for one micro-batch of ``tokens`` in rows of
     ``seq_len`` (module docstring); with ``recompute='full'``: its input only."""
     b, h = dtype_bytes, shape.hidden_size
@@ -293,7 +317,9 @@ def layer_activation_bytes(shape: ModelShape, *, tp: int, tokens: int, seq_len: 
     norms = 2 * (_norm_bytes(h, b, spec))
     mlp = 5 * b * f
     if recompute == "selective" or spec == "te":
-        attn = b * (q + kv) + b * (q + 2 * kv) + b * q  # rotated q and k, the QKV output (held by v), the output
+        attn = (
+            b * (q + kv) + b * (q + 2 * kv) + b * q
+        )  # rotated q and k, the QKV output (held by v), the output
         if spec == "te" and recompute == "none":
             attn += 4 * heads  # softmax statistics
     else:
@@ -306,15 +332,23 @@ def _norm_bytes(h: int, b: int, spec: str) -> float:
     return 2 * b * h + 4 if spec == "te" else 8 * h + b * h + 4
 
 
-def logits_peak_bytes(shape: ModelShape, policy: PolicyConfig, layout: WorkerGroupLayout,
-                      setup: TrainingSetup) -> float:
+def logits_peak_bytes(
+    shape: ModelShape, policy: PolicyConfig, layout: WorkerGroupLayout, setup: TrainingSetup
+) -> float:
     """The log-prob/entropy peak on the last stage: ``(b + 24) * T * V_p / tp``."""
     tokens = tokens_per_micro_batch(policy, setup)
     return (DTYPE_BYTES[setup.dtype] + 24) * tokens * shape.padded_vocab_size(layout.tp) / layout.tp
 
 
-def activation_bytes(shape: ModelShape, policy: PolicyConfig, layout: WorkerGroupLayout,
-                     setup: TrainingSetup, *, stage: int, num_micro_batches: int | None = None) -> float:
+def activation_bytes(
+    shape: ModelShape,
+    policy: PolicyConfig,
+    layout: WorkerGroupLayout,
+    setup: TrainingSetup,
+    *,
+    stage: int,
+    num_micro_batches: int | None = None,
+) -> float:
     """Bytes of activations stage ``stage`` holds at its peak: what the micro-batches in flight keep
     for backward, plus the transients (a layer being rebuilt under full recompute; on the last
     stage the log-prob peak)."""
@@ -329,13 +363,16 @@ def activation_bytes(shape: ModelShape, policy: PolicyConfig, layout: WorkerGrou
     return peak
 
 
-def saved_activation_bytes(shape: ModelShape, policy: PolicyConfig, layout: WorkerGroupLayout,
-                           setup: TrainingSetup, *, stage: int) -> float:
+def saved_activation_bytes(
+    shape: ModelShape, policy: PolicyConfig, layout: WorkerGroupLayout, setup: TrainingSetup, *, stage: int
+) -> float:
     """What one micro-batch's forward through stage ``stage`` leaves for its backward (without the
     log-prob function's own tensors): its layers, the token ids (first stage), the final norm and
     the output layer's input (last stage)."""
     kwargs = _layer_kwargs(policy, layout, setup)
-    saved = shape.num_layers // layout.pp * layer_activation_bytes(shape, recompute=policy.recompute, **kwargs)
+    saved = (
+        shape.num_layers // layout.pp * layer_activation_bytes(shape, recompute=policy.recompute, **kwargs)
+    )
     if stage == 0:
         saved += 8 * kwargs["tokens"]  # token ids
     if stage == layout.pp - 1:
@@ -347,8 +384,13 @@ def saved_activation_bytes(shape: ModelShape, policy: PolicyConfig, layout: Work
 
 
 def _layer_kwargs(policy: PolicyConfig, layout: WorkerGroupLayout, setup: TrainingSetup) -> dict:
-    return {"tp": layout.tp, "tokens": tokens_per_micro_batch(policy, setup),
-            "seq_len": attention_row(policy, setup), "dtype_bytes": DTYPE_BYTES[setup.dtype], "spec": setup.spec}
+    return {
+        "tp": layout.tp,
+        "tokens": tokens_per_micro_batch(policy, setup),
+        "seq_len": attention_row(policy, setup),
+        "dtype_bytes": DTYPE_BYTES[setup.dtype],
+        "spec": setup.spec,
+    }
 
 
 def num_micro_batches(policy: PolicyConfig, dp: int) -> int:
@@ -358,12 +400,17 @@ def num_micro_batches(policy: PolicyConfig, dp: int) -> int:
     return -(-rows // policy.micro_batch_size)
 
 
-def relay_buffer_bytes(shape: ModelShape, *, width: int, bucket_bytes: int, forwards: bool, feeds: bool) -> float:
+def relay_buffer_bytes(
+    shape: ModelShape, *, width: int, bucket_bytes: int, forwards: bool, feeds: bool
+) -> float:
     """Device bytes a relayed PP>1 push (``rollout.weights.stage_gather.relay_roles``) adds on one rank
     while it runs: a forwarding rank holds a bucket of its export until the bucket is sent
     (``bucket_bytes``, overshot by at most one tensor), a leader receives the other stages one tensor at
     a time (the largest: the embedding or output layer, ``V h``, in the engine's ``width``); the two
     happen in different stages' turns, so a rank needs the larger."""
-    largest = width * shape.hidden_size * max(shape.vocab_size, shape.ffn_hidden_size,
-                                              shape.num_heads * shape.head_dim)
+    largest = (
+        width
+        * shape.hidden_size
+        * max(shape.vocab_size, shape.ffn_hidden_size, shape.num_heads * shape.head_dim)
+    )
     return max(bucket_bytes + largest if forwards else 0.0, largest if feeds else 0.0)

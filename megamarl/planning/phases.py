@@ -35,7 +35,16 @@ TRAIN_STATE = ("weights", "grads", "main_params", "optimizer")
 ENGINE = ("engine_weights", "kv_cache")
 # push_buffers: what a push that moves stages between training ranks holds on them (colocated PP>1
 # replicas fed by their leaders: ``planning.memory.relay_buffer_bytes``), in the phases that push
-KINDS = (*TRAIN_STATE, "reference", "activations", "cached_blocks", *ENGINE, "push_buffers", "nccl", "reserve")
+KINDS = (
+    *TRAIN_STATE,
+    "reference",
+    "activations",
+    "cached_blocks",
+    *ENGINE,
+    "push_buffers",
+    "nccl",
+    "reserve",
+)
 
 
 @dataclass(frozen=True)
@@ -50,7 +59,9 @@ class Phase:
     def __post_init__(self) -> None:
         unknown = set(self.resident) - set(KINDS)
         if unknown:
-            raise ValueError(f"phase '{self.name}': unknown resident kinds {sorted(unknown)}; allowed: {list(KINDS)}")
+            raise ValueError(
+                f"phase '{self.name}': unknown resident kinds {sorted(unknown)}; allowed: {list(KINDS)}"
+            )
 
     def holds(self, kind: str) -> bool:
         return kind in self.resident
@@ -126,5 +137,8 @@ def final_save_phases(*, overlaps_training: bool) -> tuple[Phase, ...]:
 def run_phases(*, overlaps_training: bool) -> tuple[Phase, ...]:
     """Every phase a run can go through, in order (what the plan prices): start-up, one step, the
     final save of a run that stops after an evaluation."""
-    return (*start_phases(overlaps_training=overlaps_training), *step_phases(overlaps_training=overlaps_training),
-            *final_save_phases(overlaps_training=overlaps_training))
+    return (
+        *start_phases(overlaps_training=overlaps_training),
+        *step_phases(overlaps_training=overlaps_training),
+        *final_save_phases(overlaps_training=overlaps_training),
+    )

@@ -47,7 +47,9 @@ def fake_world_views(cfg: RunConfig, world_size: int, ranks_per_node: int):
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     if dist.is_initialized():
-        raise RuntimeError("fake_world_views builds a fake world of its own: call it before init_distributed()")
+        raise RuntimeError(
+            "fake_world_views builds a fake world of its own: call it before init_distributed()"
+        )
     placement = placement_of(cfg, world_size)
     first_plan, views = None, []
     for rank in range(world_size):
@@ -60,13 +62,17 @@ def fake_world_views(cfg: RunConfig, world_size: int, ranks_per_node: int):
         first_plan = first_plan or plan
         if plan != first_plan:  # a bug in the planner (it must depend on the config and world only)
             raise RuntimeError(f"rank {rank} computed a different engine plan than rank 0")
-        view = RankView(rank, rank // ranks_per_node, rank % ranks_per_node, starts=replicas_led_by(plan, rank))
+        view = RankView(
+            rank, rank // ranks_per_node, rank % ranks_per_node, starts=replicas_led_by(plan, rank)
+        )
         for name, wg in groups.items():
             if wg.is_member:
                 if wg.pgs.tp.size() != wg.layout.tp or wg.pgs.pp.size() != wg.layout.pp:
                     raise RuntimeError(f"worker group {name}: rank {rank}'s groups differ from its layout")
                 view.shards.append(Shard(name, wg.tp_rank, wg.pp_rank, wg.dp_rank))
-        view.serves = [(r, r.ranks.index(rank)) for replicas in plan.values() for r in replicas if rank in r.ranks]
+        view.serves = [
+            (r, r.ranks.index(rank)) for replicas in plan.values() for r in replicas if rank in r.ranks
+        ]
         views.append(view)
     return first_plan, views
 
@@ -80,24 +86,36 @@ def rank_table(views: list[RankView]) -> str:
     rows = []
     for v in views:
         starts = ", ".join(
-            f"{_replica_name(r)} {r.launch} tp{len(r.ranks)} devices {rank_ranges(list(r.devices))}" for r in v.starts
+            f"{_replica_name(r)} {r.launch} tp{len(r.ranks)} devices {rank_ranges(list(r.devices))}"
+            for r in v.starts
         )
         serves = ", ".join(f"{_replica_name(r)} tp{tp_rank}" for r, tp_rank in v.serves)
-        rows.append((str(v.rank), f"{v.node}:{v.device}", ", ".join(map(str, v.shards)) or "-", starts or "-",
-                     serves or "-"))
+        rows.append(
+            (
+                str(v.rank),
+                f"{v.node}:{v.device}",
+                ", ".join(map(str, v.shards)) or "-",
+                starts or "-",
+                serves or "-",
+            )
+        )
     return format_table(("rank", "node:dev", "WG shards", "starts", "engine blocks"), rows)
 
 
-def show_placement(cfg: RunConfig, *, world_size: int | None = None, ranks_per_node: int | None = None,
-                   out=None) -> tuple[dict, list[RankView]]:
+def show_placement(
+    cfg: RunConfig, *, world_size: int | None = None, ranks_per_node: int | None = None, out=None
+) -> tuple[dict, list[RankView]]:
     """Print the replica table and the per-rank table for the declared cluster; return them."""
     out = out or sys.stdout
     world_size = world_size or declared_world_size(cfg)
     ranks_per_node = ranks_per_node or cfg.cluster.gpus_per_node or world_size
     plan, views = fake_world_views(cfg, world_size, ranks_per_node)
     num_nodes = -(-world_size // ranks_per_node)
-    print(f"Engine replicas ({world_size} ranks, {ranks_per_node} per node, {num_nodes} node{'s' if num_nodes > 1 else ''}; "
-          "every rank computed this same plan in a fake world):", file=out)
+    print(
+        f"Engine replicas ({world_size} ranks, {ranks_per_node} per node, {num_nodes} node{'s' if num_nodes > 1 else ''}; "
+        "every rank computed this same plan in a fake world):",
+        file=out,
+    )
     print(placement_table(plan), file=out)
     print("\nRanks (WG shards as tp/pp/dp coordinates; 'starts': the replicas the rank launches):", file=out)
     print(rank_table(views), file=out)

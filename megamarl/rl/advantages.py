@@ -72,7 +72,11 @@ class GroupIndex:
         device = torch.as_tensor(given[0]).device if given else torch.device("cpu")  # the keys' device
         for key in GROUP_KEYS:
             col = getattr(self, key)
-            col = torch.zeros(n, dtype=torch.long, device=device) if col is None else torch.as_tensor(col).long()
+            col = (
+                torch.zeros(n, dtype=torch.long, device=device)
+                if col is None
+                else torch.as_tensor(col).long()
+            )
             if col.shape != (n,):
                 raise ValueError(f"GroupIndex.{key} has shape {tuple(col.shape)}, expected ({n},)")
             setattr(self, key, col)
@@ -99,7 +103,11 @@ def group_ids(index: GroupIndex, group_by: Sequence[str]) -> Tensor:
 
 
 def group_stats(
-    x: Tensor, gid: Tensor, *, ddof: int = 1, weights: Tensor | None = None,
+    x: Tensor,
+    gid: Tensor,
+    *,
+    ddof: int = 1,
+    weights: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Per-sample (mean, std, count) of ``x [N]`` over its group ``gid [N]`` (float64).
 
@@ -145,7 +153,12 @@ def discounted_returns(rewards: Tensor, seq_ids: Tensor, order: Tensor, *, gamma
 
 
 def grpo_advantages(
-    rewards: Tensor, gid: Tensor, *, eps: float = 1e-6, norm_std: bool = True, ddof: int = 1,
+    rewards: Tensor,
+    gid: Tensor,
+    *,
+    eps: float = 1e-6,
+    norm_std: bool = True,
+    ddof: int = 1,
 ) -> Tensor:
     """GRPO: ``A_i = (r_i - mean_g) / (std_g + eps)``; without ``norm_std``: ``A_i = r_i - mean_g``.
 
@@ -159,7 +172,12 @@ def grpo_advantages(
 
 
 def drmas_advantages(
-    rewards: Tensor, gid: Tensor, *, eps: float = 1e-6, norm_std: bool = True, ddof: int = 1,
+    rewards: Tensor,
+    gid: Tensor,
+    *,
+    eps: float = 1e-6,
+    norm_std: bool = True,
+    ddof: int = 1,
 ) -> Tensor:
     """Dr.MAS agent-wise GRPO: ``A_i = (r_i - mean_g) / (std_g + eps)`` with g = (task, agent),
     pooling every invocation of the agent in every episode of the task.
@@ -185,8 +203,17 @@ def rloo_advantages(rewards: Tensor, gid: Tensor) -> Tensor:
 
 
 def reinforce_pp_advantages(
-    rewards: Tensor, seq_ids: Tensor, turns: Tensor, policy_ids: Tensor, num_tokens: Tensor, *,
-    gamma: float = 1.0, discount_turns: bool = False, eps: float = 1e-6, norm_std: bool = True, ddof: int = 1,
+    rewards: Tensor,
+    seq_ids: Tensor,
+    turns: Tensor,
+    policy_ids: Tensor,
+    num_tokens: Tensor,
+    *,
+    gamma: float = 1.0,
+    discount_turns: bool = False,
+    eps: float = 1e-6,
+    norm_std: bool = True,
+    ddof: int = 1,
 ) -> Tensor:
     """REINFORCE++: returns whitened over the response tokens of each policy,
     ``A_i = (G_i - mean_p(G)) / (std_p(G) + eps)``, where the statistics of policy p count sample i
@@ -206,7 +233,10 @@ def reinforce_pp_advantages(
 
 
 def anchor_ids(
-    prefix_ids: Tensor, anchors: Sequence[str | None], *, similarity: float | None = None,
+    prefix_ids: Tensor,
+    anchors: Sequence[str | None],
+    *,
+    similarity: float | None = None,
 ) -> Tensor:
     """GiGPO anchor-state groups ``[N]``: samples with the same ``prefix_ids`` (e.g. task, agent) and
     the same anchor observation share a group; a None anchor is a group of its own.
@@ -228,8 +258,14 @@ def anchor_ids(
             known = reps.setdefault(p, [])
             match = None
             if similarity is not None:
-                match = next((c for c, rep in enumerate(known)
-                              if difflib.SequenceMatcher(None, anchor, rep).ratio() >= similarity), None)
+                match = next(
+                    (
+                        c
+                        for c, rep in enumerate(known)
+                        if difflib.SequenceMatcher(None, anchor, rep).ratio() >= similarity
+                    ),
+                    None,
+                )
             if match is None:
                 match = len(known)
                 known.append(anchor)
@@ -240,8 +276,17 @@ def anchor_ids(
 
 
 def gigpo_advantages(
-    rewards: Tensor, task_ids: Tensor, episode_ids: Tensor, steps: Tensor, anchor_gid: Tensor, *,
-    gamma: float = 1.0, omega: float = 1.0, eps: float = 1e-6, norm_std: bool = True, ddof: int = 1,
+    rewards: Tensor,
+    task_ids: Tensor,
+    episode_ids: Tensor,
+    steps: Tensor,
+    anchor_gid: Tensor,
+    *,
+    gamma: float = 1.0,
+    omega: float = 1.0,
+    eps: float = 1e-6,
+    norm_std: bool = True,
+    ddof: int = 1,
 ) -> Tensor:
     """GiGPO: ``A_i = A_E(e(i)) + omega * A_S(i)``.
 
@@ -258,7 +303,9 @@ def gigpo_advantages(
     """
     num_eps = int(episode_ids.max()) + 1 if episode_ids.numel() else 0
     undiscounted = discounted_returns(rewards.double(), episode_ids, steps, gamma=1.0)
-    first = steps.new_full((num_eps,), torch.iinfo(steps.dtype).max).scatter_reduce(0, episode_ids, steps, "amin")
+    first = steps.new_full((num_eps,), torch.iinfo(steps.dtype).max).scatter_reduce(
+        0, episode_ids, steps, "amin"
+    )
     at_first = (steps == first[episode_ids]).double()  # [N]: the episode's first-step samples (siblings)
     ep_count = undiscounted.new_zeros(num_eps).index_add_(0, episode_ids, at_first)
     ep_return = undiscounted.new_zeros(num_eps).index_add_(0, episode_ids, undiscounted * at_first)
@@ -266,7 +313,9 @@ def gigpo_advantages(
     ep_task = task_ids.new_zeros(num_eps).scatter_(0, episode_ids, task_ids)  # [E]
     present = task_ids.new_zeros(num_eps, dtype=torch.bool).index_fill_(0, episode_ids, True)
     ep_adv = torch.zeros_like(ep_return)
-    ep_adv[present] = grpo_advantages(ep_return[present], ep_task[present], eps=eps, norm_std=norm_std, ddof=ddof)
+    ep_adv[present] = grpo_advantages(
+        ep_return[present], ep_task[present], eps=eps, norm_std=norm_std, ddof=ddof
+    )
     step_returns = discounted_returns(rewards.double(), episode_ids, steps, gamma=gamma)
     step_adv = grpo_advantages(step_returns, anchor_gid, eps=eps, norm_std=norm_std, ddof=ddof)
     return (ep_adv[episode_ids] + omega * step_adv).to(rewards.dtype)
@@ -277,7 +326,12 @@ def gigpo_advantages(
 
 
 def gae(
-    token_rewards: Tensor, values: Tensor, mask: Tensor, *, gamma: float = 1.0, lam: float = 1.0,
+    token_rewards: Tensor,
+    values: Tensor,
+    mask: Tensor,
+    *,
+    gamma: float = 1.0,
+    lam: float = 1.0,
 ) -> tuple[Tensor, Tensor]:
     """GAE over tokens, returning ``(advantages [B, T], returns [B, T])``, both 0 where ``mask`` is False.
 
@@ -302,7 +356,12 @@ def gae(
 
 
 def masked_whiten(
-    x: Tensor, mask: Tensor, *, eps: float = 1e-6, ddof: int = 1, all_reduce: Callable[[Tensor], None] | None = None,
+    x: Tensor,
+    mask: Tensor,
+    *,
+    eps: float = 1e-6,
+    ddof: int = 1,
+    all_reduce: Callable[[Tensor], None] | None = None,
 ) -> Tensor:
     """``(x - mean_m) / (std_m + eps)`` over positions where ``mask`` (std with ``ddof``, divisor
     floored at 1); 0 elsewhere.
@@ -353,7 +412,8 @@ class EstimatorTraits:
 
 
 ADVANTAGE_ESTIMATORS: Registry[Estimator] = Registry(
-    "advantage estimator", traits=EstimatorTraits,
+    "advantage estimator",
+    traits=EstimatorTraits,
     signature="fn(rewards, index, cfg, *, response_mask=None, values=None) -> [N] | ([N, T], [N, T])",
     keys=("algorithm.estimator", "policies.<name>.algorithm.estimator"),
 )
@@ -390,7 +450,9 @@ class AdvantageConfig:
         if not self.eps > 0:
             raise ValueError(f"advantage.eps must be > 0, got {self.eps}")
         if self.std_ddof not in (0, 1):
-            raise ValueError(f"advantage.std_ddof must be 0 (population) or 1 (unbiased), got {self.std_ddof}")
+            raise ValueError(
+                f"advantage.std_ddof must be 0 (population) or 1 (unbiased), got {self.std_ddof}"
+            )
         for key in ("gamma", "lam"):
             if not 0 <= getattr(self, key) <= 1:
                 raise ValueError(f"advantage.{key} must be in [0, 1], got {getattr(self, key)}")
@@ -409,8 +471,9 @@ def compute_advantages(rewards: Tensor, index: GroupIndex, cfg: AdvantageConfig,
 
 @register_estimator("grpo")
 def _grpo(rewards, index, cfg, **_):
-    return grpo_advantages(rewards, group_ids(index, cfg.group_by), eps=cfg.eps, norm_std=cfg.norm_std,
-                           ddof=cfg.std_ddof)
+    return grpo_advantages(
+        rewards, group_ids(index, cfg.group_by), eps=cfg.eps, norm_std=cfg.norm_std, ddof=cfg.std_ddof
+    )
 
 
 @register_estimator("at_grpo", group_key=("task", "agent", "turn"))
@@ -438,11 +501,22 @@ def _rloo(rewards, index, cfg, **_):
 @register_estimator("reinforce_pp", group_key=("policy",))
 def _reinforce_pp(rewards, index, cfg, *, response_mask=None, **_):
     if response_mask is None:
-        raise ValueError("advantage.estimator='reinforce_pp' whitens over response tokens: it needs response_mask")
+        raise ValueError(
+            "advantage.estimator='reinforce_pp' whitens over response tokens: it needs response_mask"
+        )
     seq = group_ids(index, ("task", "episode", "agent"))
-    return reinforce_pp_advantages(rewards, seq, index.turn, index.policy, response_mask.sum(1), gamma=cfg.gamma,
-                                   discount_turns=cfg.discount_turns, eps=cfg.eps, norm_std=cfg.norm_std,
-                                   ddof=cfg.std_ddof)
+    return reinforce_pp_advantages(
+        rewards,
+        seq,
+        index.turn,
+        index.policy,
+        response_mask.sum(1),
+        gamma=cfg.gamma,
+        discount_turns=cfg.discount_turns,
+        eps=cfg.eps,
+        norm_std=cfg.norm_std,
+        ddof=cfg.std_ddof,
+    )
 
 
 @register_estimator("gigpo", group_key=("task",), team_reward_once=True)
@@ -451,8 +525,18 @@ def _gigpo(rewards, index, cfg, **_):
     anchors = index.anchors or [None] * index.num_samples
     # Anchor groups are per (task, agent): two roles seeing the same text are not alternatives.
     agid = anchor_ids(group_ids(index, ("task", "agent")), anchors, similarity=cfg.gigpo_similarity)
-    return gigpo_advantages(rewards, index.task, episodes, index.step, agid, gamma=cfg.gamma,
-                            omega=cfg.gigpo_omega, eps=cfg.eps, norm_std=cfg.norm_std, ddof=cfg.std_ddof)
+    return gigpo_advantages(
+        rewards,
+        index.task,
+        episodes,
+        index.step,
+        agid,
+        gamma=cfg.gamma,
+        omega=cfg.gigpo_omega,
+        eps=cfg.eps,
+        norm_std=cfg.norm_std,
+        ddof=cfg.std_ddof,
+    )
 
 
 @register_estimator("gae", group_key=("policy",), needs_critic=True)
@@ -472,8 +556,13 @@ def advantage_config(algo: AlgorithmConfig) -> AdvantageConfig:
     """The estimator's settings: ``algorithm.*`` keys plus ``estimator_kwargs``; call once plugins that
     register estimators are imported. Errors name the algorithm key."""
     try:
-        return AdvantageConfig(estimator=algo.estimator, group_by=list(algo.group_by), norm_std=algo.normalize_std,
-                               std_ddof=algo.std_ddof, **algo.estimator_kwargs)
+        return AdvantageConfig(
+            estimator=algo.estimator,
+            group_by=list(algo.group_by),
+            norm_std=algo.normalize_std,
+            std_ddof=algo.std_ddof,
+            **algo.estimator_kwargs,
+        )
     except TypeError as exc:  # an unknown keyword
         raise ValueError(f"algorithm.estimator_kwargs: {exc}") from exc
     except ValueError as exc:  # AdvantageConfig names its field (advantage.gamma), not where it came from
@@ -510,6 +599,11 @@ def check_policy_algorithm(override: PolicyAlgorithmConfig, *, key: str) -> None
 def check_estimator(algo: AlgorithmConfig) -> None:
     """The estimator's settings build, and dynamic sampling is not asked of a critic estimator."""
     advantage_config(algo)
-    if algo.dynamic_sampling and ADVANTAGE_ESTIMATORS.traits(algo.estimator, key="algorithm.estimator").needs_critic:
-        raise ValueError(f"algorithm.dynamic_sampling filters on advantages computed on the driver; "
-                         f"algorithm.estimator={algo.estimator!r} computes them from a critic on the workers")
+    if (
+        algo.dynamic_sampling
+        and ADVANTAGE_ESTIMATORS.traits(algo.estimator, key="algorithm.estimator").needs_critic
+    ):
+        raise ValueError(
+            f"algorithm.dynamic_sampling filters on advantages computed on the driver; "
+            f"algorithm.estimator={algo.estimator!r} computes them from a critic on the workers"
+        )

@@ -95,8 +95,16 @@ class SampleBatch:
         return [self.vocab[column][i] for i in getattr(self, column).tolist()]
 
     def group_index(self) -> GroupIndex:
-        return GroupIndex(task=self.task, episode=self.episode, agent=self.agent, policy=self.policy,
-                          turn=self.turn, branch=self.branch, step=self.step, anchors=self.anchors)
+        return GroupIndex(
+            task=self.task,
+            episode=self.episode,
+            agent=self.agent,
+            policy=self.policy,
+            turn=self.turn,
+            branch=self.branch,
+            step=self.step,
+            anchors=self.anchors,
+        )
 
     def replace(self, **changes) -> SampleBatch:
         return dataclasses.replace(self, **changes)
@@ -110,8 +118,11 @@ class SampleBatch:
 
         Walks the dataclass fields, so a tensor column added later moves too."""
         device = torch.device(device)
-        moved = {f.name: value.to(device) for f in dataclasses.fields(self)
-                 if isinstance(value := getattr(self, f.name), Tensor) and value.device != device}
+        moved = {
+            f.name: value.to(device)
+            for f in dataclasses.fields(self)
+            if isinstance(value := getattr(self, f.name), Tensor) and value.device != device
+        }
         return self.replace(**moved) if moved else self
 
     # ---- selection --------------------------------------------------------------------------
@@ -156,7 +167,10 @@ class SampleBatch:
         return [self.select(sorted(p)) for p in parts]
 
     def micro_batches(
-        self, *, max_samples: int | None = None, max_tokens: int | None = None,
+        self,
+        *,
+        max_samples: int | None = None,
+        max_tokens: int | None = None,
     ) -> list[SampleBatch]:
         """Consecutive chunks with at most ``max_samples`` rows and at most ``max_tokens`` *padded*
         tokens (rows x longest row); a single row longer than ``max_tokens`` forms its own chunk."""
@@ -168,8 +182,10 @@ class SampleBatch:
         width = 0
         for i, length in enumerate(self.lengths.tolist()):
             new_width = max(width, length)
-            if chunks and (max_samples is None or len(chunks[-1]) < max_samples) and (
-                max_tokens is None or new_width * (len(chunks[-1]) + 1) <= max_tokens
+            if (
+                chunks
+                and (max_samples is None or len(chunks[-1]) < max_samples)
+                and (max_tokens is None or new_width * (len(chunks[-1]) + 1) <= max_tokens)
             ):
                 chunks[-1].append(i)
                 width = new_width
@@ -205,9 +221,15 @@ def collate(samples: Sequence[Sample], pad_id: int) -> SampleBatch:
     return SampleBatch(
         **{c: torch.tensor(cols[c], dtype=torch.long) for c in VOCAB_COLUMNS + INT_COLUMNS},
         **{c: torch.tensor(cols[c], dtype=torch.bool) for c in BOOL_COLUMNS},
-        team_rewards=team, local_rewards=local, rewards=team + local,
-        tokens=tokens, attention_mask=attention, response_mask=response, rollout_logprobs=logprobs,
-        vocab={c: tuple(vocab[c]) for c in VOCAB_COLUMNS}, anchors=tuple(s.anchor for s in samples),
+        team_rewards=team,
+        local_rewards=local,
+        rewards=team + local,
+        tokens=tokens,
+        attention_mask=attention,
+        response_mask=response,
+        rollout_logprobs=logprobs,
+        vocab={c: tuple(vocab[c]) for c in VOCAB_COLUMNS},
+        anchors=tuple(s.anchor for s in samples),
         allowed=tuple(s.allowed_token_ids for s in samples),
         temperatures=tuple(s.temperature for s in samples),
         pad_id=pad_id,
@@ -235,7 +257,7 @@ def concat(batches: Sequence[SampleBatch]) -> SampleBatch:
         return torch.nn.functional.pad(x, (0, width - x.shape[1]), value=value)
 
     changes = {c: torch.cat(remapped[c]) for c in VOCAB_COLUMNS}
-    for c in ROW_TENSORS[len(VOCAB_COLUMNS):]:
+    for c in ROW_TENSORS[len(VOCAB_COLUMNS) :]:
         changes[c] = torch.cat([getattr(b, c) for b in batches])
     changes["tokens"] = torch.cat([pad(b.tokens, b.pad_id) for b in batches])
     for c in ("attention_mask", "response_mask", "rollout_logprobs"):
@@ -247,7 +269,11 @@ def concat(batches: Sequence[SampleBatch]) -> SampleBatch:
         adv = torch.cat(advs)
     elif ranks == {2}:
         adv = torch.cat([pad(a, 0.0) for a in advs])
-    return batches[0].replace(**changes, advantages=adv, anchors=sum((b.anchors for b in batches), ()),
-                              allowed=sum((b.allowed for b in batches), ()),
-                              temperatures=sum((b.temperatures for b in batches), ()),
-                              vocab={c: tuple(vocab[c]) for c in VOCAB_COLUMNS})
+    return batches[0].replace(
+        **changes,
+        advantages=adv,
+        anchors=sum((b.anchors for b in batches), ()),
+        allowed=sum((b.allowed for b in batches), ()),
+        temperatures=sum((b.temperatures for b in batches), ()),
+        vocab={c: tuple(vocab[c]) for c in VOCAB_COLUMNS},
+    )

@@ -57,14 +57,25 @@ class ValueHead(torch.nn.Module):
 class Critic:
     enabled = True
 
-    def __init__(self, name: str, cfg: CriticConfig, wg: WorkerGroup, window: LogitWindow, *,
-                 hidden_size: int, lr: float, grad_clip: float):
+    def __init__(
+        self,
+        name: str,
+        cfg: CriticConfig,
+        wg: WorkerGroup,
+        window: LogitWindow,
+        *,
+        hidden_size: int,
+        lr: float,
+        grad_clip: float,
+    ):
         self.cfg, self.wg, self.window, self.grad_clip = cfg, wg, window, grad_clip
         self.head: ValueHead | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         if wg.is_last_stage:
             if not window.enabled:
-                raise ValueError(f"policies.{name}: the critic needs the output-layer hook (no sequence parallelism)")
+                raise ValueError(
+                    f"policies.{name}: the critic needs the output-layer hook (no sequence parallelism)"
+                )
             self.head = ValueHead(hidden_size).to(wg.device)
             self.optimizer = torch.optim.AdamW(self.head.parameters(), lr=lr, betas=(0.9, 0.999), eps=1e-8)
 
@@ -87,8 +98,12 @@ class Critic:
         ``(packed, positions)`` for a packed row, or a ``TreeView``)."""
         values = self.head(self.window.hidden)  # [B, W] (packed, tree: [1, K])
         if isinstance(where, TreeView):
-            return place_tree(where.rows(values.unsqueeze(-1)).squeeze(-1), where.predictions,
-                              mb.num_samples, mb.tokens.shape[1])
+            return place_tree(
+                where.rows(values.unsqueeze(-1)).squeeze(-1),
+                where.predictions,
+                mb.num_samples,
+                mb.tokens.shape[1],
+            )
         if isinstance(where, tuple):
             packed, positions = where
             return place_predictions(values, packed, positions, seq_len=mb.tokens.shape[1])
@@ -98,16 +113,25 @@ class Critic:
         """The registered critic estimator's ``[B, T]`` advantages (set on ``part``) and returns;
         whitening statistics span every DP rank's part."""
         estimator = ADVANTAGE_ESTIMATORS.get(self.cfg.advantage.estimator, key="algorithm.estimator")
-        adv, returns = estimator(part.rewards, part.group_index(), self.cfg.advantage, response_mask=part.response_mask,
-                                 values=values, all_reduce=all_reduce_sum(self.wg.pgs.dp))
+        adv, returns = estimator(
+            part.rewards,
+            part.group_index(),
+            self.cfg.advantage,
+            response_mask=part.response_mask,
+            values=values,
+            all_reduce=all_reduce_sum(self.wg.pgs.dp),
+        )
         return part.replace(advantages=adv), returns
 
     def loss(self, mb: SampleBatch, offset, returns, old_values, counts: dict, metrics: dict) -> torch.Tensor:
         """``value_coef`` x the clipped value loss, aggregated by ``loss_agg``; its metrics into ``metrics``."""
         values = self.values(mb, offset)
-        per_token, clipped = value_loss(values, old_values, returns, mb.response_mask, clip=self.cfg.value_clip)
+        per_token, clipped = value_loss(
+            values, old_values, returns, mb.response_mask, clip=self.cfg.value_clip
+        )
         vf_loss = LOSS_AGGREGATIONS.get(self.cfg.loss_agg, key="algorithm.value_loss_agg")(
-            per_token, mb.response_mask, **counts)
+            per_token, mb.response_mask, **counts
+        )
         metrics["vf_loss"] = float(vf_loss.detach())
         metrics["vf_clip_frac"] = float(masked_mean(clipped.float(), mb.response_mask))
         metrics["value_mean"] = float(masked_mean(values.detach(), mb.response_mask))

@@ -84,7 +84,9 @@ def trainable_rows(batch: SampleBatch, frozen_agents: frozenset[str]) -> SampleB
     """Rows of agents that train."""
     if not frozen_agents:
         return batch
-    keep = torch.tensor([a not in frozen_agents for a in batch.names("agent")], dtype=torch.bool, device=batch.device)
+    keep = torch.tensor(
+        [a not in frozen_agents for a in batch.names("agent")], dtype=torch.bool, device=batch.device
+    )
     return batch.select(keep)
 
 
@@ -118,7 +120,9 @@ def dp_parts(batch: SampleBatch, num_dp: int) -> list[SampleBatch]:
     ranks) gets one row with an empty response mask instead: zero loss and zero gradient, but the
     same forward/backward, so it joins the DP gradient all-reduce the other ranks are waiting in."""
     stand_in = zero_weight_rows(batch.select([0])) if batch.num_samples else None
-    return [part if part.num_samples or stand_in is None else stand_in for part in batch.balance_across_dp(num_dp)]
+    return [
+        part if part.num_samples or stand_in is None else stand_in for part in batch.balance_across_dp(num_dp)
+    ]
 
 
 def plan_policy(batch: SampleBatch, split: BatchSplit, *, num_dp: int) -> list[PolicyShare]:
@@ -135,15 +139,21 @@ def plan_policy(batch: SampleBatch, split: BatchSplit, *, num_dp: int) -> list[P
 
 
 def rank_batches(
-    batch: SampleBatch, splits: Mapping[str, BatchSplit], layouts: Mapping[str, WorkerGroupLayout], *,
+    batch: SampleBatch,
+    splits: Mapping[str, BatchSplit],
+    layouts: Mapping[str, WorkerGroupLayout],
+    *,
     world_size: int,
 ) -> list[RankBatch]:
     """Every rank's ``RankBatch`` of the step's ``batch``. ``splits`` names the trained policies
     (frozen ones have none: their rows train nobody); ``layouts`` places each policy's WG. A batch
     may hold only some policies (the async modes): the others are absent from every rank's batch."""
     by_policy = {name: rows for name, rows in batch.split_by_policy().items() if name in splits}
-    summary = BatchSummary(trained_policies=tuple(by_policy), num_samples=batch.num_samples,
-                           num_train_tokens=sum(rows.num_tokens for rows in by_policy.values()))
+    summary = BatchSummary(
+        trained_policies=tuple(by_policy),
+        num_samples=batch.num_samples,
+        num_train_tokens=sum(rows.num_tokens for rows in by_policy.values()),
+    )
     out = [RankBatch(summary) for _ in range(world_size)]
     for name, rows in by_policy.items():
         layout = layouts[name]

@@ -32,8 +32,9 @@ def first_logit_position(response_mask: torch.Tensor) -> int:
     return max(int(first) - 1, 0)
 
 
-def restricted_vocab_mask(allowed, vocab_start: int, num_local: int,
-                          device: torch.device | str = "cpu") -> torch.Tensor | None:
+def restricted_vocab_mask(
+    allowed, vocab_start: int, num_local: int, device: torch.device | str = "cpu"
+) -> torch.Tensor | None:
     """[B, V_local] True where a row's sampling excluded the token (rows without a set: all False)."""
     if not any(allowed):
         return None
@@ -158,8 +159,9 @@ def tree_forward(model, window: LogitWindow, rotary: RotaryPositions, mb: Sample
     return output, TreeView(tree, predictions, gathered)
 
 
-def sampled_logprobs(logits: torch.Tensor, mb: SampleBatch, where, *, tp_group, vocab_start: int,
-                   vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def sampled_logprobs(
+    logits: torch.Tensor, mb: SampleBatch, where, *, tp_group, vocab_start: int, vocab_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(logprobs, entropy) [B, T] of ``mb``'s tokens from vocab-parallel ``logits``. ``where``: the
     window offset of padded rows, ``(packed, positions)`` for a packed row (logits [1, K, V_local] at
     ``positions``), or a ``TreeView`` (logits at its prediction rows)."""
@@ -185,10 +187,25 @@ def sampled_logprobs(logits: torch.Tensor, mb: SampleBatch, where, *, tp_group, 
         logits = logits.masked_fill(disallowed.unsqueeze(1), float("-inf"))
     seq_len = mb.tokens.shape[1]
     if tree is not None:
-        return tree_logprobs(logits.transpose(0, 1), tree.tree, tree.predictions, tp_group=tp_group,
-                             vocab_start=vocab_start, vocab_size=vocab_size, seq_len=seq_len)
+        return tree_logprobs(
+            logits.transpose(0, 1),
+            tree.tree,
+            tree.predictions,
+            tp_group=tp_group,
+            vocab_start=vocab_start,
+            vocab_size=vocab_size,
+            seq_len=seq_len,
+        )
     if packed is not None:
-        return packed_logprobs(logits.transpose(0, 1), packed, positions=positions, tp_group=tp_group,
-                               vocab_start=vocab_start, vocab_size=vocab_size, seq_len=seq_len)
-    return vocab_parallel_logprobs(logits, mb.tokens, tp_group=tp_group, vocab_start=vocab_start,
-                                   vocab_size=vocab_size, offset=where)
+        return packed_logprobs(
+            logits.transpose(0, 1),
+            packed,
+            positions=positions,
+            tp_group=tp_group,
+            vocab_start=vocab_start,
+            vocab_size=vocab_size,
+            seq_len=seq_len,
+        )
+    return vocab_parallel_logprobs(
+        logits, mb.tokens, tp_group=tp_group, vocab_start=vocab_start, vocab_size=vocab_size, offset=where
+    )

@@ -43,7 +43,11 @@ def masked_mean(x: Tensor, mask: Tensor) -> Tensor:
 
 
 def token_logprobs(
-    logits: Tensor, tokens: Tensor, *, temperature: float = 1.0, chunk_rows: int = 4096,
+    logits: Tensor,
+    tokens: Tensor,
+    *,
+    temperature: float = 1.0,
+    chunk_rows: int = 4096,
 ) -> Tensor:
     """``out[b, t] = log softmax(logits[b, t-1] / temperature)[tokens[b, t]]``, ``out[:, 0] = 0``.
 
@@ -56,8 +60,8 @@ def token_logprobs(
     target = tokens[:, 1:].reshape(-1)  # [B*(T-1)]
     parts = []
     for start in range(0, z.shape[0], chunk_rows):
-        zc = z[start:start + chunk_rows].float() / temperature
-        picked = zc.gather(1, target[start:start + chunk_rows, None]).squeeze(1)
+        zc = z[start : start + chunk_rows].float() / temperature
+        picked = zc.gather(1, target[start : start + chunk_rows, None]).squeeze(1)
         parts.append(picked - torch.logsumexp(zc, dim=-1))
     out = torch.cat(parts) if parts else z.new_zeros(0, dtype=torch.float32)
     return torch.cat([out.new_zeros(b, 1), out.view(b, t - 1)], dim=1)
@@ -73,7 +77,7 @@ def entropy_from_logits(logits: Tensor, *, chunk_rows: int = 4096) -> Tensor:
     z = logits.reshape(-1, v)
     parts = []
     for start in range(0, z.shape[0], chunk_rows):
-        zc = z[start:start + chunk_rows].float()
+        zc = z[start : start + chunk_rows].float()
         parts.append(torch.logsumexp(zc, dim=-1) - (torch.softmax(zc, dim=-1) * zc).sum(-1))
     return (torch.cat(parts) if parts else z.new_zeros(0, dtype=torch.float32)).view(b, t)
 
@@ -83,8 +87,15 @@ def entropy_from_logits(logits: Tensor, *, chunk_rows: int = 4096) -> Tensor:
 
 
 def ppo_clip_loss(
-    logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor, *,
-    clip_low: float = 0.2, clip_high: float = 0.2, dual_clip: float | None = 3.0, ratio_level: str = "token",
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    dual_clip: float | None = 3.0,
+    ratio_level: str = "token",
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Clipped surrogate per token: returns ``(loss [B, T], clipped [B, T], dual_clipped [B, T])``.
 
@@ -116,7 +127,12 @@ def ppo_clip_loss(
 
 
 def tis_weights(
-    old_logprobs: Tensor, rollout_logprobs: Tensor, mask: Tensor, *, level: str = "token", cap: float = 2.0,
+    old_logprobs: Tensor,
+    rollout_logprobs: Tensor,
+    mask: Tensor,
+    *,
+    level: str = "token",
+    cap: float = 2.0,
 ) -> tuple[Tensor, Tensor]:
     """Truncated importance weights (no gradient): returns ``(weights [B, T], raw [B, T])``.
 
@@ -137,8 +153,10 @@ def tis_weights(
 # KL to the reference policy
 
 KL_ESTIMATORS: Registry[Callable[[Tensor, Tensor], Tensor]] = Registry(
-    "kl estimator", signature="fn(logprobs [B, T], ref_logprobs [B, T]) -> [B, T] (0 where equal)",
-    keys=("algorithm.kl_type",))
+    "kl estimator",
+    signature="fn(logprobs [B, T], ref_logprobs [B, T]) -> [B, T] (0 where equal)",
+    keys=("algorithm.kl_type",),
+)
 
 
 @KL_ESTIMATORS.register("k1")
@@ -172,7 +190,12 @@ def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor, *, kind: st
 
 
 def value_loss(
-    values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, *, clip: float | None = 0.2,
+    values: Tensor,
+    old_values: Tensor,
+    returns: Tensor,
+    mask: Tensor,
+    *,
+    clip: float | None = 0.2,
 ) -> tuple[Tensor, Tensor]:
     """Clipped value loss per token (PPO critic): returns ``(loss [B, T], clipped [B, T])``.
 
@@ -198,9 +221,15 @@ def value_loss(
 # whole mini-batch. Left None, the counts of the given tensors are used.
 
 LOSS_AGGREGATIONS: Registry[Callable[..., Tensor]] = Registry(
-    "loss aggregation", signature="fn(loss [B, T], mask [B, T], *, num_tokens=None, num_seqs=None) -> scalar",
-    keys=("algorithm.loss_agg", "algorithm.value_loss_agg", "policies.<name>.algorithm.loss_agg",
-          "policies.<name>.algorithm.value_loss_agg"))
+    "loss aggregation",
+    signature="fn(loss [B, T], mask [B, T], *, num_tokens=None, num_seqs=None) -> scalar",
+    keys=(
+        "algorithm.loss_agg",
+        "algorithm.value_loss_agg",
+        "policies.<name>.algorithm.loss_agg",
+        "policies.<name>.algorithm.value_loss_agg",
+    ),
+)
 
 
 def loss_counts(response_mask: Tensor) -> dict[str, int]:
@@ -218,16 +247,18 @@ def agg_token_mean(loss: Tensor, mask: Tensor, *, num_tokens: int | None = None,
 
 
 @LOSS_AGGREGATIONS.register("seq-mean-token-sum")
-def agg_seq_mean_token_sum(loss: Tensor, mask: Tensor, *, num_tokens: int | None = None,
-                           num_seqs: int | None = None):
+def agg_seq_mean_token_sum(
+    loss: Tensor, mask: Tensor, *, num_tokens: int | None = None, num_seqs: int | None = None
+):
     """``(1/S) sum_b sum_t m L``: long responses weigh more (Dr.GRPO without its constant)."""
     denom = mask.any(1).sum().clamp(min=1) if num_seqs is None else max(num_seqs, 1)
     return _masked(loss, mask).sum() / denom
 
 
 @LOSS_AGGREGATIONS.register("seq-mean-token-mean")
-def agg_seq_mean_token_mean(loss: Tensor, mask: Tensor, *, num_tokens: int | None = None,
-                            num_seqs: int | None = None):
+def agg_seq_mean_token_mean(
+    loss: Tensor, mask: Tensor, *, num_tokens: int | None = None, num_seqs: int | None = None
+):
     """``(1/S) sum_b (sum_t m L / sum_t m)``: every sequence weighs the same (original GRPO)."""
     per_seq = _masked(loss, mask).sum(1) / mask.sum(1).clamp(min=1)  # [B]
     denom = mask.any(1).sum().clamp(min=1) if num_seqs is None else max(num_seqs, 1)
@@ -298,10 +329,17 @@ class LossMetrics:
 
 
 def policy_loss(
-    logprobs: Tensor, advantages: Tensor, response_mask: Tensor, cfg: LossConfig, *,
-    old_logprobs: Tensor | None = None, rollout_logprobs: Tensor | None = None,
-    ref_logprobs: Tensor | None = None, entropy: Tensor | None = None,
-    num_tokens: int | None = None, num_seqs: int | None = None,
+    logprobs: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    cfg: LossConfig,
+    *,
+    old_logprobs: Tensor | None = None,
+    rollout_logprobs: Tensor | None = None,
+    ref_logprobs: Tensor | None = None,
+    entropy: Tensor | None = None,
+    num_tokens: int | None = None,
+    num_seqs: int | None = None,
 ) -> tuple[Tensor, LossMetrics]:
     """``loss = agg(w_tis * L_ppo) + kl_coef * agg(KL) - entropy_coef * agg(H)`` with ``agg = cfg.agg_mode``.
 
@@ -315,8 +353,14 @@ def policy_loss(
     counts = {"num_tokens": num_tokens, "num_seqs": num_seqs}
 
     pg_tok, clipped, dual_clipped = ppo_clip_loss(
-        lp, old, advantages, mask, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
-        dual_clip=cfg.dual_clip, ratio_level=cfg.ratio_level,
+        lp,
+        old,
+        advantages,
+        mask,
+        clip_low=cfg.clip_low,
+        clip_high=cfg.clip_high,
+        dual_clip=cfg.dual_clip,
+        ratio_level=cfg.ratio_level,
     )
     tis = {}
     if cfg.tis_mode != "none":
@@ -324,9 +368,11 @@ def policy_loss(
             raise ValueError(f"loss.tis_mode={cfg.tis_mode!r} needs rollout_logprobs (or tis_mode='none')")
         weights, raw = tis_weights(old, rollout_logprobs, mask, level=cfg.tis_mode, cap=cfg.tis_cap)
         pg_tok = pg_tok * weights
-        tis = {"tis_weight_mean": masked_mean(weights, mask),
-               "tis_weight_max": raw.amax() if raw.numel() else raw.sum(),  # sum: 0 for an empty batch
-               "tis_clip_frac": masked_mean((raw > cfg.tis_cap).float(), mask)}
+        tis = {
+            "tis_weight_mean": masked_mean(weights, mask),
+            "tis_weight_max": raw.amax() if raw.numel() else raw.sum(),  # sum: 0 for an empty batch
+            "tis_clip_frac": masked_mean((raw > cfg.tis_cap).float(), mask),
+        }
     pg_loss = agg(pg_tok, mask, **counts)
     total = pg_loss
 
@@ -342,8 +388,10 @@ def policy_loss(
         total = total - cfg.entropy_coef * agg(_masked(entropy, mask), mask, **counts)
 
     metrics = LossMetrics(
-        loss=total.detach(), pg_loss=pg_loss.detach(),
-        clip_frac=masked_mean(clipped.float(), mask), dual_clip_frac=masked_mean(dual_clipped.float(), mask),
+        loss=total.detach(),
+        pg_loss=pg_loss.detach(),
+        clip_frac=masked_mean(clipped.float(), mask),
+        dual_clip_frac=masked_mean(dual_clipped.float(), mask),
         approx_kl=masked_mean(kl_k3(lp.detach(), old.detach()), mask),
         kl_loss=None if kl_loss is None else kl_loss.detach(),
         entropy=None if entropy is None else masked_mean(entropy.detach(), mask),

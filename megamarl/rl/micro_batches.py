@@ -34,7 +34,11 @@ class MicroBatcher:
         out = []
         for agents in self._agents_together(sorted(set(names))):
             rows = torch.tensor([n in agents for n in names], dtype=torch.bool, device=part.device)
-            size = self.agents[agents[0]].micro_batch_size if agents[0] in self.agents else self.cfg.micro_batch_size
+            size = (
+                self.agents[agents[0]].micro_batch_size
+                if agents[0] in self.agents
+                else self.cfg.micro_batch_size
+            )
             out.extend(self._chunks(part.select(rows), size))
         return out
 
@@ -72,6 +76,7 @@ class MicroBatcher:
     def forwarded_tokens(self, parts: list[SampleBatch]) -> int:
         """Tokens one pass over ``parts`` forwards: rows x width padded, sample tokens packed, trie nodes
         with ``prefix_tree``."""
+
         def tokens(mb: SampleBatch) -> int:
             if self.cfg.prefix_tree:
                 return tree_tokens(mb.tokens, mb.attention_mask)

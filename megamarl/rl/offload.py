@@ -47,7 +47,9 @@ class TrainStateOffload:
     optimizers: list[torch.optim.Optimizer] = field(default_factory=list)
     offloaded: bool = False
     # each offloaded storage with its host copy and size, in the order they left
-    _held: list[tuple[torch.UntypedStorage, torch.UntypedStorage, int]] = field(default_factory=list, repr=False)
+    _held: list[tuple[torch.UntypedStorage, torch.UntypedStorage, int]] = field(
+        default_factory=list, repr=False
+    )
     # the host buffers, kept across offloads: the i-th storage to leave lands in the i-th buffer
     _hosts: list[torch.UntypedStorage] = field(default_factory=list, repr=False)
 
@@ -154,7 +156,11 @@ def _unique_storages(tensors: Iterable[torch.Tensor], device: torch.device) -> l
     for tensor in tensors:
         storage = tensor.untyped_storage()
         where = storage.device
-        if storage.nbytes() and where.type == device.type and (device.index is None or where.index == device.index):
+        if (
+            storage.nbytes()
+            and where.type == device.type
+            and (device.index is None or where.index == device.index)
+        ):
             seen.setdefault(storage.data_ptr(), storage)
     return list(seen.values())
 

@@ -55,7 +55,9 @@ def _collectives_in(group):
     real = megatron_optimizer.torch
     scoped_dist = types.SimpleNamespace(
         get_world_size=lambda group_=None: dist.get_world_size(group_ or group),
-        all_gather_object=lambda out, obj, group_=None: dist.all_gather_object(out, obj, group=group_ or group),
+        all_gather_object=lambda out, obj, group_=None: dist.all_gather_object(
+            out, obj, group=group_ or group
+        ),
     )
     proxy = types.SimpleNamespace(distributed=_Fallback(scoped_dist, real.distributed))
     megatron_optimizer.torch = _Fallback(proxy, real)
@@ -78,8 +80,10 @@ class _Fallback:
 def _keep_step_on_load() -> None:
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
-    get_states, set_states = (DistributedOptimizer._get_main_param_and_optimizer_states,
-                              DistributedOptimizer._set_main_param_and_optimizer_states)
+    get_states, set_states = (
+        DistributedOptimizer._get_main_param_and_optimizer_states,
+        DistributedOptimizer._set_main_param_and_optimizer_states,
+    )
     if getattr(set_states, "megamarl_keeps_step", False):
         return
 
@@ -120,13 +124,25 @@ def _index_params_as_installed(optimizer) -> None:
         if isinstance(inner, DistributedOptimizer):
             inner.model_param_group_index_map = {
                 param: (group_index, order)
-                for group_index, (fp32, half) in enumerate(zip(inner.model_fp32_groups, inner.model_float16_groups))
+                for group_index, (fp32, half) in enumerate(
+                    zip(inner.model_fp32_groups, inner.model_float16_groups)
+                )
                 for order, param in enumerate([*fp32, *half])
             }
 
 
-def build_optimizer(ddp_model, wg, *, lr: float, weight_decay: float, grad_clip: float, dtype: torch.dtype,
-                    distributed: bool, min_lr: float = 0.0, adapter_lrs: dict[str, float] | None = None):
+def build_optimizer(
+    ddp_model,
+    wg,
+    *,
+    lr: float,
+    weight_decay: float,
+    grad_clip: float,
+    dtype: torch.dtype,
+    distributed: bool,
+    min_lr: float = 0.0,
+    adapter_lrs: dict[str, float] | None = None,
+):
     """megatron-core's optimizer for ``ddp_model`` (a megatron-core ``DistributedDataParallel``).
 
     ``dtype``: the model parameters' dtype (bf16: fp32 main params; fp32: ``FP32Optimizer``).
@@ -135,18 +151,35 @@ def build_optimizer(ddp_model, wg, *, lr: float, weight_decay: float, grad_clip:
     from megatron.core.optimizer.optimizer_config import ParamKey
 
     config = OptimizerConfig(
-        optimizer="adam", lr=lr, min_lr=min_lr, weight_decay=weight_decay, adam_beta1=0.9, adam_beta2=0.999,
-        adam_eps=1e-8, clip_grad=grad_clip if grad_clip > 0 else math.inf,  # inf: norm computed, never clipped
-        bf16=dtype == torch.bfloat16, fp16=False, params_dtype=dtype, use_distributed_optimizer=distributed,
+        optimizer="adam",
+        lr=lr,
+        min_lr=min_lr,
+        weight_decay=weight_decay,
+        adam_beta1=0.9,
+        adam_beta2=0.999,
+        adam_eps=1e-8,
+        clip_grad=grad_clip if grad_clip > 0 else math.inf,  # inf: norm computed, never clipped
+        bf16=dtype == torch.bfloat16,
+        fp16=False,
+        params_dtype=dtype,
+        use_distributed_optimizer=distributed,
     )
     # Weight decay on every matrix, none on norms and biases (megatron-core's and verl's convention).
     overrides = dict(get_standard_config_overrides(config))
     for adapter, adapter_lr in sorted((adapter_lrs or {}).items()):
-        overrides[ParamKey(name=f"*.lora_adapters.{adapter}.*")] = {"max_lr": adapter_lr, "min_lr": min_lr * adapter_lr / lr}
+        overrides[ParamKey(name=f"*.lora_adapters.{adapter}.*")] = {
+            "max_lr": adapter_lr,
+            "min_lr": min_lr * adapter_lr / lr,
+        }
     _keep_step_on_load()
     with _collectives_in(wg.pgs.intra_dist_opt):
-        optimizer = get_megatron_optimizer(config, [ddp_model], config_overrides=overrides,
-                                           use_gloo_process_groups=False, pg_collection=wg.pgs)
+        optimizer = get_megatron_optimizer(
+            config,
+            [ddp_model],
+            config_overrides=overrides,
+            use_gloo_process_groups=False,
+            pg_collection=wg.pgs,
+        )
     _index_params_as_installed(optimizer)
     return optimizer
 
@@ -158,10 +191,19 @@ def build_scheduler(optimizer, schedule: LrScheduleConfig, *, lr: float, total_s
     decay_steps = max(schedule.decay_steps or total_steps, schedule.warmup_steps + 1)
     weight_decay = optimizer.config.weight_decay if hasattr(optimizer, "config") else 0.0
     return OptimizerParamScheduler(
-        optimizer, init_lr=0.0 if schedule.warmup_steps else lr, max_lr=lr, min_lr=schedule.min_lr,
-        lr_warmup_steps=schedule.warmup_steps, lr_decay_steps=decay_steps, lr_decay_style=schedule.decay,
-        start_wd=weight_decay, end_wd=weight_decay, wd_incr_steps=decay_steps, wd_incr_style="constant",
-        use_checkpoint_opt_param_scheduler=False, override_opt_param_scheduler=True,
+        optimizer,
+        init_lr=0.0 if schedule.warmup_steps else lr,
+        max_lr=lr,
+        min_lr=schedule.min_lr,
+        lr_warmup_steps=schedule.warmup_steps,
+        lr_decay_steps=decay_steps,
+        lr_decay_style=schedule.decay,
+        start_wd=weight_decay,
+        end_wd=weight_decay,
+        wd_incr_steps=decay_steps,
+        wd_incr_style="constant",
+        use_checkpoint_opt_param_scheduler=False,
+        override_opt_param_scheduler=True,
     )
 
 
@@ -189,6 +231,10 @@ def grads_nonfinite(ddp_model, *, device: torch.device) -> torch.Tensor:
 
 def any_rank(flag: bool | torch.Tensor, group, device) -> bool:
     """True on every rank of ``group`` when ``flag`` (a bool, or a tensor > 0) is True on any."""
-    value = flag.reshape(1).float() if isinstance(flag, torch.Tensor) else torch.tensor([float(flag)], device=device)
+    value = (
+        flag.reshape(1).float()
+        if isinstance(flag, torch.Tensor)
+        else torch.tensor([float(flag)], device=device)
+    )
     dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
     return bool(value.item() > 0)

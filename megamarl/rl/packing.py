@@ -38,8 +38,9 @@ from megamarl.rl.vocab_parallel import _VocabParallelLogprobEntropy
 # ---- micro-batches by token budget --------------------------------------------------------------
 
 
-def split_by_tokens(lengths: Sequence[int] | Tensor, max_tokens: int, *,
-                    max_samples: int | None = None) -> list[list[int]]:
+def split_by_tokens(
+    lengths: Sequence[int] | Tensor, max_tokens: int, *, max_samples: int | None = None
+) -> list[list[int]]:
     """Row indices per micro-batch: each micro-batch's total *unpadded* tokens <= ``max_tokens`` and
     rows <= ``max_samples``; a row longer than ``max_tokens`` gets a micro-batch of its own.
 
@@ -121,14 +122,21 @@ class PackedBatch:
         # megatron.core imported here: it costs seconds, and the pure functions above need none of it
         from megatron.core.packed_seq_params import PackedSeqParams
 
-        return PackedSeqParams(qkv_format="thd", cu_seqlens_q=self.cu_seqlens, cu_seqlens_kv=self.cu_seqlens,
-                               max_seqlen_q=self.max_seqlen, max_seqlen_kv=self.max_seqlen)
+        return PackedSeqParams(
+            qkv_format="thd",
+            cu_seqlens_q=self.cu_seqlens,
+            cu_seqlens_kv=self.cu_seqlens,
+            max_seqlen_q=self.max_seqlen,
+            max_seqlen_kv=self.max_seqlen,
+        )
 
     def flat_index(self, seq_len: int | None = None) -> Tensor:
         """[L] long: ``i * seq_len + j`` of each packed token in the padded [B, seq_len] layout."""
         seq_len = self.seq_len if seq_len is None else seq_len
         if seq_len < self.max_seqlen:
-            raise ValueError(f"seq_len={seq_len} is shorter than the longest packed sample ({self.max_seqlen})")
+            raise ValueError(
+                f"seq_len={seq_len} is shorter than the longest packed sample ({self.max_seqlen})"
+            )
         return self.sample_ids * seq_len + self.position_ids[0]
 
 
@@ -136,8 +144,10 @@ def pack(tokens: Tensor, attention_mask: Tensor) -> PackedBatch:
     """Pack right-padded ``tokens`` [B, T] (``attention_mask`` [B, T] bool, True = real token) into
     one row; sample order is row order."""
     if tokens.shape != attention_mask.shape or tokens.dim() != 2:
-        raise ValueError(f"pack: tokens {tuple(tokens.shape)} and attention_mask "
-                         f"{tuple(attention_mask.shape)} must both be [B, T]")
+        raise ValueError(
+            f"pack: tokens {tuple(tokens.shape)} and attention_mask "
+            f"{tuple(attention_mask.shape)} must both be [B, T]"
+        )
     mask = attention_mask.bool()
     num_samples, seq_len = tokens.shape
     device = tokens.device
@@ -150,8 +160,12 @@ def pack(tokens: Tensor, attention_mask: Tensor) -> PackedBatch:
     sample_ids = torch.repeat_interleave(torch.arange(num_samples, device=device), lengths)  # [L]
     position_ids = columns.expand(num_samples, seq_len)[mask]  # [L], row-major = packing order
     return PackedBatch(
-        tokens=tokens[mask].unsqueeze(0), position_ids=position_ids.unsqueeze(0), cu_seqlens=cu_seqlens,
-        sample_ids=sample_ids, seq_len=seq_len, max_seqlen=int(lengths.max()) if num_samples else 0,
+        tokens=tokens[mask].unsqueeze(0),
+        position_ids=position_ids.unsqueeze(0),
+        cu_seqlens=cu_seqlens,
+        sample_ids=sample_ids,
+        seq_len=seq_len,
+        max_seqlen=int(lengths.max()) if num_samples else 0,
     )
 
 
@@ -186,7 +200,9 @@ def prediction_positions(packed: PackedBatch, response_mask: Tensor | None = Non
     return torch.nonzero(keep).squeeze(1)
 
 
-def place_predictions(values: Tensor, packed: PackedBatch, positions: Tensor, seq_len: int | None = None) -> Tensor:
+def place_predictions(
+    values: Tensor, packed: PackedBatch, positions: Tensor, seq_len: int | None = None
+) -> Tensor:
     """Per-position ``values`` [1, K] or [K], computed at packed ``positions`` [K] (prediction
     positions), -> [B, seq_len] aligned with the tokens they predict (like ``place_window``): the
     value from position p lands on token p + 1's slot; every other slot is 0. Differentiable."""
@@ -222,7 +238,9 @@ def packed_logprobs(
     if positions is None:
         positions = torch.arange(num_tokens, device=logits.device)
     if logits.dim() != 3 or logits.shape[0] != 1 or logits.shape[1] != positions.shape[0]:
-        raise ValueError(f"packed_logprobs: logits {tuple(logits.shape)} must be [1, {positions.shape[0]}, V_local]")
+        raise ValueError(
+            f"packed_logprobs: logits {tuple(logits.shape)} must be [1, {positions.shape[0]}, V_local]"
+        )
     ids = packed.sample_ids
     nxt = (positions + 1).clamp(max=max(num_tokens - 1, 0))
     valid = (positions + 1 < num_tokens) & (ids[positions] == ids[nxt])  # [W]
@@ -231,5 +249,7 @@ def packed_logprobs(
     targets = packed.tokens[0, positions + 1].unsqueeze(0)  # [1, K]
     vocab_size = vocab_start + logits.shape[-1] if vocab_size is None else vocab_size
     logprobs, entropy = _VocabParallelLogprobEntropy.apply(logits, targets, tp_group, vocab_start, vocab_size)
-    return (place_predictions(logprobs, packed, positions, seq_len),
-            place_predictions(entropy, packed, positions, seq_len))
+    return (
+        place_predictions(logprobs, packed, positions, seq_len),
+        place_predictions(entropy, packed, positions, seq_len),
+    )

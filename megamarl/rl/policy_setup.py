@@ -32,24 +32,45 @@ RECOMPUTE = {  # policies.<p>.recompute -> megatron-core TransformerConfig field
 }
 
 
-def load_policy_model(policy, wg: WorkerGroup, *, seed: int, dtype: torch.dtype = torch.float32,
-                      training: bool = True, node: NodeKernels | None = None) -> ModelHandle:
+def load_policy_model(
+    policy,
+    wg: WorkerGroup,
+    *,
+    seed: int,
+    dtype: torch.dtype = torch.float32,
+    training: bool = True,
+    node: NodeKernels | None = None,
+) -> ModelHandle:
     """``policies.<p>``'s model as this rank's shard of ``wg`` in ``dtype``, with the HF weights
     loaded; ``training`` applies ``policies.<p>.recompute`` (a reference model has no backward).
     Layer spec and fused kernels: ``bridge.build_model`` for this policy's LoRA and packing on
     ``node`` (this node unless given)."""
     path = resolve_model_path(policy.model, key="policies.<p>.model")
     hf_config = load_hf_config(path)
-    model = build_model(hf_config, wg, seed=seed, dtype=dtype, init_weights=False, lora=policy.lora is not None,
-                        packed=policy.pack, node=node, **(RECOMPUTE[policy.recompute] if training else {}))
+    model = build_model(
+        hf_config,
+        wg,
+        seed=seed,
+        dtype=dtype,
+        init_weights=False,
+        lora=policy.lora is not None,
+        packed=policy.pack,
+        node=node,
+        **(RECOMPUTE[policy.recompute] if training else {}),
+    )
     load_hf_weights(model, path, wg)
     return ModelHandle(model=model, vocab_size=hf_config.vocab_size)
 
 
 def build_workers(
-    policies: Mapping, agents: Mapping, algos: Mapping[str, AlgorithmConfig], wgs: Mapping[str, WorkerGroup], *,
+    policies: Mapping,
+    agents: Mapping,
+    algos: Mapping[str, AlgorithmConfig],
+    wgs: Mapping[str, WorkerGroup],
+    *,
     seed: int,
-    dtypes: Mapping[str, torch.dtype] | None = None, total_steps: int = 1,
+    dtypes: Mapping[str, torch.dtype] | None = None,
+    total_steps: int = 1,
     on_policy: Callable[[], None] = lambda: None,
 ) -> dict[str, PolicyWorker]:
     """A worker for every trainable policy whose WG this rank belongs to; ``algos``: each policy's
@@ -69,10 +90,23 @@ def build_workers(
         handle = load_policy_model(policy, wg, seed=seed, dtype=dtype)
         needs_ref = policy.kl_coef > 0 or any(a.loss.kl_coef > 0 for a in trainings.values())
         # LoRA policies use their frozen base as the reference (adapters off): no second model
-        ref = load_policy_model(policy, wg, seed=seed, dtype=dtype, training=False) if needs_ref and not lora else None
-        workers[name] = PolicyWorker(name, policy, wg, handle, loss_config(policy, algo), agents=trainings,
-                                     ref_handle=ref, critic=critic_config(policy, algo), lora=policy.lora,
-                                     total_steps=total_steps)
+        ref = (
+            load_policy_model(policy, wg, seed=seed, dtype=dtype, training=False)
+            if needs_ref and not lora
+            else None
+        )
+        workers[name] = PolicyWorker(
+            name,
+            policy,
+            wg,
+            handle,
+            loss_config(policy, algo),
+            agents=trainings,
+            ref_handle=ref,
+            critic=critic_config(policy, algo),
+            lora=policy.lora,
+            total_steps=total_steps,
+        )
         on_policy()
     return workers
 
@@ -87,27 +121,40 @@ def agent_trainings(name: str, policy, agents: Mapping, algo: AlgorithmConfig) -
             mini_batch_size=agent.mini_batch_size,
             # an agent of a LoRA policy without an adapter acts with the frozen base
             frozen=agent.frozen or (lora and agent.lora is None),
-            adapter=agent.lora, lr=agent.lr,
+            adapter=agent.lora,
+            lr=agent.lr,
         )
         for role, agent in agents.items()
         if agent.policy == name and (agent.train_overrides() or agent.frozen or lora)
     }
 
 
-def batch_splits(policies: Mapping, agents: Mapping, algos: Mapping[str, AlgorithmConfig]) -> dict[str, BatchSplit]:
+def batch_splits(
+    policies: Mapping, agents: Mapping, algos: Mapping[str, AlgorithmConfig]
+) -> dict[str, BatchSplit]:
     """Every trained (non-frozen) policy's ``BatchSplit``, built from the same settings as its workers."""
-    return {name: batch_split(policy, agent_trainings(name, policy, agents, algos[name]))
-            for name, policy in policies.items() if not policy.frozen}
+    return {
+        name: batch_split(policy, agent_trainings(name, policy, agents, algos[name]))
+        for name, policy in policies.items()
+        if not policy.frozen
+    }
 
 
 def loss_config(policy, algo: AlgorithmConfig, **overrides) -> LossConfig:
     """The policy's loss settings, with an agent's overrides (``agents.<a>.clip_high``, ...) applied."""
-    values = {"clip_low": policy.clip_low, "clip_high": policy.clip_high, "kl_coef": policy.kl_coef,
-              "entropy_coef": policy.entropy_coef}
+    values = {
+        "clip_low": policy.clip_low,
+        "clip_high": policy.clip_high,
+        "kl_coef": policy.kl_coef,
+        "entropy_coef": policy.entropy_coef,
+    }
     values.update({k: v for k, v in overrides.items() if k in values})
     return LossConfig(
-        **values, kl_type=algo.kl_type, agg_mode=algo.loss_agg,
-        tis_mode="token" if algo.tis_cap > 0 else "none", tis_cap=algo.tis_cap or 2.0,
+        **values,
+        kl_type=algo.kl_type,
+        agg_mode=algo.loss_agg,
+        tis_mode="token" if algo.tis_cap > 0 else "none",
+        tis_cap=algo.tis_cap or 2.0,
     )
 
 
@@ -115,5 +162,9 @@ def critic_config(policy, algo: AlgorithmConfig) -> CriticConfig | None:
     """The policy's critic when the estimator needs one (its registered traits say so)."""
     if not ADVANTAGE_ESTIMATORS.traits(algo.estimator, key="algorithm.estimator").needs_critic:
         return None
-    return CriticConfig(advantage_config(algo), value_coef=policy.value_coef, value_clip=policy.value_clip,
-                        loss_agg=algo.value_loss_agg)
+    return CriticConfig(
+        advantage_config(algo),
+        value_coef=policy.value_coef,
+        value_clip=policy.value_clip,
+        loss_agg=algo.value_loss_agg,
+    )

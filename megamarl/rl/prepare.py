@@ -60,12 +60,17 @@ def complete_episodes(samples: Sequence[Sample]) -> tuple[list[Sample], int]:
     last_present: dict[str, int] = {}
     for s in samples:
         last_present[s.episode_id] = max(last_present.get(s.episode_id, s.step), s.step)
-    incomplete = {s.episode_id for s in samples
-                  if s.episode_last_step is not None and last_present[s.episode_id] < s.episode_last_step}
+    incomplete = {
+        s.episode_id
+        for s in samples
+        if s.episode_last_step is not None and last_present[s.episode_id] < s.episode_last_step
+    }
     return [s for s in samples if s.episode_id not in incomplete], len(incomplete)
 
 
-PolicyAlgos = Mapping[str, "AlgorithmConfig"]  # policy -> its algorithm settings (RunConfig.policy_algorithms)
+PolicyAlgos = Mapping[
+    str, "AlgorithmConfig"
+]  # policy -> its algorithm settings (RunConfig.policy_algorithms)
 
 
 def _policy_rows(batch: SampleBatch, algos: PolicyAlgos) -> list[tuple[torch.Tensor, AlgorithmConfig]]:
@@ -74,7 +79,9 @@ def _policy_rows(batch: SampleBatch, algos: PolicyAlgos) -> list[tuple[torch.Ten
     return [(batch.policy == i, algos[name]) for i, name in enumerate(batch.vocab["policy"]) if i in present]
 
 
-def shaped_rewards(batch: SampleBatch, algo: AlgorithmConfig, policy_algos: PolicyAlgos | None = None) -> torch.Tensor:
+def shaped_rewards(
+    batch: SampleBatch, algo: AlgorithmConfig, policy_algos: PolicyAlgos | None = None
+) -> torch.Tensor:
     """``[B]`` rewards the estimator consumes (see ``megamarl.rl.rewards``); with ``policy_algos``,
     each policy's rows shaped with its own settings (over the whole batch: episodes span policies)."""
     if policy_algos:
@@ -86,10 +93,18 @@ def shaped_rewards(batch: SampleBatch, algo: AlgorithmConfig, policy_algos: Poli
     team_mask = None
     if estimator_traits(algo.estimator).team_reward_once:
         team_mask = last_step_mask(group_ids(index, ("task", "episode")), batch.step)
-    cfg = RewardConfig(alpha=algo.team_alpha, turn_gamma=algo.turn_gamma, invalid_penalty=algo.invalid_penalty)
-    return shape_rewards(batch.team_rewards, batch.local_rewards, valid=batch.valid,
-                         seq_ids=group_ids(index, ("task", "episode", "agent")), turns=batch.turn,
-                         cfg=cfg, team_mask=team_mask)
+    cfg = RewardConfig(
+        alpha=algo.team_alpha, turn_gamma=algo.turn_gamma, invalid_penalty=algo.invalid_penalty
+    )
+    return shape_rewards(
+        batch.team_rewards,
+        batch.local_rewards,
+        valid=batch.valid,
+        seq_ids=group_ids(index, ("task", "episode", "agent")),
+        turns=batch.turn,
+        cfg=cfg,
+        team_mask=team_mask,
+    )
 
 
 def dynamic_sampling_key(algo: AlgorithmConfig) -> tuple[str, ...]:
@@ -110,7 +125,11 @@ def informative_tasks(batch: SampleBatch, keep: torch.Tensor) -> list[int]:
 
 
 def fill_informative(
-    batch: SampleBatch, draw: Draw, algo: AlgorithmConfig, *, num_tasks: int,
+    batch: SampleBatch,
+    draw: Draw,
+    algo: AlgorithmConfig,
+    *,
+    num_tasks: int,
 ) -> tuple[SampleBatch, dict[str, float]]:
     """Dynamic sampling with refill (module docstring). ``batch.rewards`` must be shaped; so must
     the batches ``draw`` returns. When no group is informative the batch is returned whole (its
@@ -129,26 +148,34 @@ def fill_informative(
         raise RefillExhaustedError(
             f"dynamic sampling: {len(found)} of rollout.num_tasks={num_tasks} tasks informative after "
             f"algorithm.max_refill_rounds={algo.max_refill_rounds} refill rounds, and "
-            f"algorithm.refill_exhausted=stop (set it to train to go on with what is left)")
+            f"algorithm.refill_exhausted=stop (set it to train to go on with what is left)"
+        )
     tasks = found[:num_tasks] if rounds else found
     keep = keep & torch.isin(batch.task, torch.tensor(tasks, dtype=batch.task.dtype))
-    metrics = {"rollout/dropped_groups": float(num_dropped), "rollout/refill_rounds": float(rounds),
-               "rollout/informative_tasks": float(len(tasks))}
+    metrics = {
+        "rollout/dropped_groups": float(num_dropped),
+        "rollout/refill_rounds": float(rounds),
+        "rollout/informative_tasks": float(len(tasks)),
+    }
     if algo.max_refill_rounds > 0:
         metrics["rollout/refill_exhausted"] = float(exhausted)
     return (batch.select(keep) if keep.any() else batch), metrics
 
 
-def batch_advantages(batch: SampleBatch, algo: AlgorithmConfig, policy_algos: PolicyAlgos | None = None,
-                     ) -> torch.Tensor | None:
+def batch_advantages(
+    batch: SampleBatch,
+    algo: AlgorithmConfig,
+    policy_algos: PolicyAlgos | None = None,
+) -> torch.Tensor | None:
     """Advantages of ``batch`` (rewards shaped); None for critic estimators (GAE runs on the workers).
     With ``policy_algos``, each policy's by its own estimator over its own rows (module docstring)."""
     if policy_algos:
         return _per_policy_advantages(batch, policy_algos)
     if estimator_traits(algo.estimator).needs_critic:
         return None
-    return compute_advantages(batch.rewards, batch.group_index(), advantage_config(algo),
-                              response_mask=batch.response_mask)
+    return compute_advantages(
+        batch.rewards, batch.group_index(), advantage_config(algo), response_mask=batch.response_mask
+    )
 
 
 def _per_policy_advantages(batch: SampleBatch, policy_algos: PolicyAlgos) -> torch.Tensor | None:
@@ -177,7 +204,12 @@ def _per_policy_advantages(batch: SampleBatch, policy_algos: PolicyAlgos) -> tor
 
 
 def prepare_batch(
-    batch: SampleBatch, algo: AlgorithmConfig, *, num_tasks: int, draw: Draw, policy_algos: PolicyAlgos | None = None,
+    batch: SampleBatch,
+    algo: AlgorithmConfig,
+    *,
+    num_tasks: int,
+    draw: Draw,
+    policy_algos: PolicyAlgos | None = None,
 ) -> tuple[SampleBatch, dict[str, float]]:
     """Shape rewards, apply dynamic sampling (+ refill) when ``algo.dynamic_sampling``, set advantages.
     ``draw`` returns *unshaped* collated batches; they are shaped here. ``policy_algos``: per-policy
@@ -188,6 +220,7 @@ def prepare_batch(
     batch = batch.replace(rewards=shaped_rewards(batch, algo))
     metrics: dict[str, float] = {}
     if algo.dynamic_sampling:
+
         def shaped_draw(round_: int) -> SampleBatch | None:
             extra = draw(round_)
             return None if extra is None else extra.replace(rewards=shaped_rewards(extra, algo))
@@ -197,8 +230,14 @@ def prepare_batch(
 
 
 def prepare_rollout(
-    samples: Sequence[Sample], episodes: Iterable, algo: AlgorithmConfig, *, pad_id: int, num_tasks: int,
-    draw: Draw, policy_algos: PolicyAlgos | None = None,
+    samples: Sequence[Sample],
+    episodes: Iterable,
+    algo: AlgorithmConfig,
+    *,
+    pad_id: int,
+    num_tasks: int,
+    draw: Draw,
+    policy_algos: PolicyAlgos | None = None,
 ) -> tuple[SampleBatch, dict[str, float]]:
     """Collected samples -> the training batch and its metrics, in one call: (for ``team_reward_once``
     estimators) drop episodes that lost their last step, collate, ``prepare_batch`` (shaping, dynamic
@@ -211,11 +250,14 @@ def prepare_rollout(
     if once:
         samples, num_incomplete = complete_episodes(samples)
         if not samples:
-            raise RolloutFailureError(f"every episode of the batch lost its last-step samples before preparation "
-                                      f"({num_incomplete} episodes); algorithm.estimator={algo.estimator!r} "
-                                      f"places the team reward on that step")
-    batch, metrics = prepare_batch(collate(samples, pad_id=pad_id), algo, num_tasks=num_tasks, draw=draw,
-                                   policy_algos=policy_algos)
+            raise RolloutFailureError(
+                f"every episode of the batch lost its last-step samples before preparation "
+                f"({num_incomplete} episodes); algorithm.estimator={algo.estimator!r} "
+                f"places the team reward on that step"
+            )
+    batch, metrics = prepare_batch(
+        collate(samples, pad_id=pad_id), algo, num_tasks=num_tasks, draw=draw, policy_algos=policy_algos
+    )
     if once:
         metrics["rollout/dropped_incomplete_episodes"] = float(num_incomplete)
     metrics.update(agent_batch_metrics(batch))
@@ -226,4 +268,3 @@ def prepare_rollout(
                 metrics.pop(f"agent/{agent}/advantage_std", None)
     metrics.update(success_metrics(e for e in episodes if e.status == "ok"))
     return batch, metrics
-

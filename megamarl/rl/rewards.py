@@ -42,9 +42,10 @@ from megamarl.registry import Registry
 
 # progress p in [0, 1] of the schedule -> fraction of the way from start to end
 ALPHA_SCHEDULES: Registry[Callable[[float], float]] = Registry(
-    "team_alpha schedule", signature="shape(progress: float in [0, 1]) -> float, 0 at progress 0 and 1 at 1 "
-                                     "(constant: always 0)",
-    keys=("algorithm.team_alpha_schedule.kind",))
+    "team_alpha schedule",
+    signature="shape(progress: float in [0, 1]) -> float, 0 at progress 0 and 1 at 1 (constant: always 0)",
+    keys=("algorithm.team_alpha_schedule.kind",),
+)
 ALPHA_SCHEDULES.add("constant", lambda progress: 0.0)
 ALPHA_SCHEDULES.add("linear", lambda progress: progress)
 ALPHA_SCHEDULES.add("cosine", lambda progress: 0.5 * (1.0 - math.cos(math.pi * progress)))
@@ -54,8 +55,13 @@ def algorithm_at_step(algo: AlgorithmConfig, step: int, *, total_steps: int) -> 
     """``algo`` as trainer ``step`` (0-based) uses it: ``team_alpha`` from its schedule; ``algo``
     itself, the same object, while the weight does not move."""
     schedule = algo.team_alpha_schedule
-    alpha = team_alpha_at(step, start=algo.team_alpha, end=schedule.end, num_steps=schedule.steps or total_steps,
-                          kind=schedule.kind)
+    alpha = team_alpha_at(
+        step,
+        start=algo.team_alpha,
+        end=schedule.end,
+        num_steps=schedule.steps or total_steps,
+        kind=schedule.kind,
+    )
     return algo if alpha == algo.team_alpha else replace(algo, team_alpha=alpha)
 
 
@@ -142,12 +148,20 @@ class RewardConfig:
         if not 0 < self.turn_gamma <= 1:
             raise ValueError(f"reward.turn_gamma must be in (0, 1], got {self.turn_gamma}")
         if self.invalid_penalty > 0:
-            raise ValueError(f"reward.invalid_penalty is added to invalid samples and must be <= 0, "
-                             f"got {self.invalid_penalty}")
+            raise ValueError(
+                f"reward.invalid_penalty is added to invalid samples and must be <= 0, "
+                f"got {self.invalid_penalty}"
+            )
 
 
 def shape_rewards(
-    team: Tensor, local: Tensor, *, valid: Tensor, seq_ids: Tensor, turns: Tensor, cfg: RewardConfig,
+    team: Tensor,
+    local: Tensor,
+    *,
+    valid: Tensor,
+    seq_ids: Tensor,
+    turns: Tensor,
+    cfg: RewardConfig,
     team_mask: Tensor | None = None,
 ) -> Tensor:
     """Place, mix, turn-discount, then penalise invalid actions (see the module docstring). All

@@ -91,8 +91,10 @@ def tree_pack(tokens: Tensor, attention_mask: Tensor) -> TreeBatch:
     """Merge right-padded ``tokens`` [B, T] (``attention_mask`` True = real token) into a trie of exact
     token prefixes, nodes in insertion order (rows in order, each row's tokens left to right)."""
     if tokens.shape != attention_mask.shape or tokens.dim() != 2:
-        raise ValueError(f"tree_pack: tokens {tuple(tokens.shape)} and attention_mask "
-                         f"{tuple(attention_mask.shape)} must both be [B, T]")
+        raise ValueError(
+            f"tree_pack: tokens {tuple(tokens.shape)} and attention_mask "
+            f"{tuple(attention_mask.shape)} must both be [B, T]"
+        )
     mask = attention_mask.bool()
     lengths = mask.sum(dim=1)
     columns = torch.arange(tokens.shape[1], device=tokens.device)
@@ -119,7 +121,8 @@ def tree_pack(tokens: Tensor, attention_mask: Tensor) -> TreeBatch:
         tokens=torch.tensor([node_tokens], dtype=torch.long, device=device),
         position_ids=torch.tensor([depths], dtype=torch.long, device=device),
         parents=torch.tensor(parents, dtype=torch.long, device=device),
-        node_of=node_of.to(device), seq_len=tokens.shape[1],
+        node_of=node_of.to(device),
+        seq_len=tokens.shape[1],
     )
 
 
@@ -158,8 +161,9 @@ def tree_tokens(tokens: Tensor, attention_mask: Tensor) -> int:
     return len(trie)
 
 
-def split_by_tree_tokens(tokens: Tensor, attention_mask: Tensor, max_tokens: int, *,
-                         max_samples: int | None = None) -> list[list[int]]:
+def split_by_tree_tokens(
+    tokens: Tensor, attention_mask: Tensor, max_tokens: int, *, max_samples: int | None = None
+) -> list[list[int]]:
     """Row indices per micro-batch, cut by *tree* tokens: rows in lexicographic token order (shared
     prefixes adjacent), each added to the open micro-batch while its trie stays within ``max_tokens``
     nodes and ``max_samples`` rows; a row alone over budget gets a micro-batch of its own.
@@ -201,14 +205,19 @@ def tree_logprobs(
     """(logprobs [B, T], entropy [B, T]) of each predicted token, aligned like the padded path's
     (``vocab_parallel_logprobs``): value at (i, j) is log p(token j of sample i | its tokens < j)."""
     if logits.dim() != 3 or logits.shape[0] != 1 or logits.shape[1] != predictions.positions.shape[0]:
-        raise ValueError(f"tree_logprobs: logits {tuple(logits.shape)} must be "
-                         f"[1, {predictions.positions.shape[0]}, V_local]")
+        raise ValueError(
+            f"tree_logprobs: logits {tuple(logits.shape)} must be "
+            f"[1, {predictions.positions.shape[0]}, V_local]"
+        )
     vocab_size = vocab_start + logits.shape[-1] if vocab_size is None else vocab_size
     logprobs, entropy = _VocabParallelLogprobEntropy.apply(
-        logits, predictions.targets.unsqueeze(0), tp_group, vocab_start, vocab_size)
+        logits, predictions.targets.unsqueeze(0), tp_group, vocab_start, vocab_size
+    )
     seq_len = tree.seq_len if seq_len is None else seq_len
-    return (place_tree(logprobs, predictions, tree.num_samples, seq_len),
-            place_tree(entropy, predictions, tree.num_samples, seq_len))
+    return (
+        place_tree(logprobs, predictions, tree.num_samples, seq_len),
+        place_tree(entropy, predictions, tree.num_samples, seq_len),
+    )
 
 
 class RotaryPositions:
@@ -250,5 +259,9 @@ class TreeView:
 
 def first_prediction(predictions: TreePredictions) -> TreePredictions:
     """The first row alone: a zero-weight stand-in micro-batch keeps the graph connected with it."""
-    return TreePredictions(*(t[:1] for t in (predictions.positions, predictions.samples, predictions.columns,
-                                             predictions.targets)))
+    return TreePredictions(
+        *(
+            t[:1]
+            for t in (predictions.positions, predictions.samples, predictions.columns, predictions.targets)
+        )
+    )

@@ -26,8 +26,11 @@ def summarise(collected: list[dict[str, float]], **extra: float) -> dict[str, fl
         else:
             weights = [c.get(RESPONSE_TOKENS, 1.0) for c in rows]
             total = sum(weights)
-            out[key] = (sum(w * c[key] for w, c in zip(weights, rows)) / total if total
-                        else average([c[key] for c in rows]))
+            out[key] = (
+                sum(w * c[key] for w, c in zip(weights, rows)) / total
+                if total
+                else average([c[key] for c in rows])
+            )
     out.update(extra)
     return out
 
@@ -60,6 +63,8 @@ def skipped_updates(
         streak = int(metrics.get(f"policy/{name}/nonfinite_streak", 0))
         notes.append(f"step {step}: skipped the update of '{name}' ({streak} in a row): {fault}")
         if streak >= limit:
-            return notes, (f"{streak} non-finite updates in a row (trainer.max_nonfinite_updates={limit}); "
-                           f"last: {fault}; no NaN weights were applied or pushed")
+            return notes, (
+                f"{streak} non-finite updates in a row (trainer.max_nonfinite_updates={limit}); "
+                f"last: {fault}; no NaN weights were applied or pushed"
+            )
     return notes, ""

@@ -69,9 +69,18 @@ logger = logging.getLogger(__name__)
 
 class PolicyWorker:
     def __init__(
-        self, name: str, cfg: PolicyConfig, wg: WorkerGroup, handle: ModelHandle, loss_cfg: LossConfig, *,
-        agents: dict[str, AgentTraining] | None = None, ref_handle: ModelHandle | None = None,
-        critic: CriticConfig | None = None, lora=None, total_steps: int = 1,
+        self,
+        name: str,
+        cfg: PolicyConfig,
+        wg: WorkerGroup,
+        handle: ModelHandle,
+        loss_cfg: LossConfig,
+        *,
+        agents: dict[str, AgentTraining] | None = None,
+        ref_handle: ModelHandle | None = None,
+        critic: CriticConfig | None = None,
+        lora=None,
+        total_steps: int = 1,
     ):
         """``handle.model`` is built in the training dtype (its parameters' dtype; bf16 or fp32).
         ``lora`` (a ``megamarl.models.lora.LoraConfig``): L2, one adapter per agent that names one
@@ -91,9 +100,17 @@ class PolicyWorker:
         self.batcher = MicroBatcher(cfg, self.agents, loss_cfg)
         self.adapters = sorted({a.adapter for a in self.agents.values() if a.adapter})
         parts = wire_training(  # adapters, DDP, reference, optimizer, critic (rl.worker_parts)
-            name, cfg, wg, model, compute_dtype=self.compute_dtype, lora=lora, critic=critic, total_steps=total_steps,
+            name,
+            cfg,
+            wg,
+            model,
+            compute_dtype=self.compute_dtype,
+            lora=lora,
+            critic=critic,
+            total_steps=total_steps,
             adapter_lrs={adapter: self._adapter_lr(adapter) for adapter in self.adapters},
-            needs_ref=self._needs_ref(), ref_model=ref_handle.model if ref_handle else None,
+            needs_ref=self._needs_ref(),
+            ref_model=ref_handle.model if ref_handle else None,
         )
         self.model, self.window, self.rotary = parts.model, parts.window, parts.rotary
         self.uses_te, self.ref = parts.uses_te, parts.ref
@@ -116,7 +133,9 @@ class PolicyWorker:
         agents = set(mb.names("agent"))
         adapters = {self.agents[a].adapter if a in self.agents else None for a in agents}
         if len(adapters) > 1:
-            raise RuntimeError(f"policy '{self.name}': a micro-batch mixes LoRA adapters {sorted(map(str, adapters))}")
+            raise RuntimeError(
+                f"policy '{self.name}': a micro-batch mixes LoRA adapters {sorted(map(str, adapters))}"
+            )
         return adapters.pop()
 
     def export_adapter(self, adapter: str):
@@ -155,8 +174,14 @@ class PolicyWorker:
     def _logprobs(self, logits: torch.Tensor, mb: SampleBatch, where) -> tuple[torch.Tensor, torch.Tensor]:
         """(logprobs, entropy) [B, T] of ``mb``'s tokens under the distribution the engine sampled from
         (``rl.forward.sampled_logprobs``; this rank's vocabulary shard)."""
-        return sampled_logprobs(logits, mb, where, tp_group=self.wg.pgs.tp, vocab_start=self.wg.tp_rank * logits.shape[-1],
-                              vocab_size=self.vocab_size)
+        return sampled_logprobs(
+            logits,
+            mb,
+            where,
+            tp_group=self.wg.pgs.tp,
+            vocab_start=self.wg.tp_rank * logits.shape[-1],
+            vocab_size=self.vocab_size,
+        )
 
     def _schedule(
         self, micro_batches: list[SampleBatch], loss_func, *, forward_only: bool, reference: bool = False
@@ -202,7 +227,9 @@ class PolicyWorker:
     def compute_logprobs(self, part: SampleBatch, *, reference: bool = False) -> torch.Tensor | None:
         """Logprobs [B, T] of this rank's part under the current (or the reference) policy; only the
         last PP stage gets them."""
-        return self._forward_only(part, lambda mb, offset, logits: self._logprobs(logits, mb, offset)[0], reference)
+        return self._forward_only(
+            part, lambda mb, offset, logits: self._logprobs(logits, mb, offset)[0], reference
+        )
 
     @torch.no_grad()
     def compute_values(self, part: SampleBatch) -> torch.Tensor | None:
@@ -222,7 +249,9 @@ class PolicyWorker:
         return merge_rows([o["out"] for o in outputs], micro_batches, part, part.tokens.shape[1])
 
     # ---- critic ---------------------------------------------------------------------------------
-    def critic_targets(self, part: SampleBatch) -> tuple[SampleBatch, torch.Tensor | None, torch.Tensor | None]:
+    def critic_targets(
+        self, part: SampleBatch
+    ) -> tuple[SampleBatch, torch.Tensor | None, torch.Tensor | None]:
         """``(part with advantages, returns, values)`` from the critic's values on the last stage
         (``Critic.targets``); other stages run the forward pass only and need none of them."""
         part = self.on_device(part)
@@ -242,7 +271,9 @@ class PolicyWorker:
 
     def _loss_cfg(self, mb: SampleBatch) -> LossConfig:
         """The loss settings of ``mb``'s agents (a micro-batch only mixes agents that train alike)."""
-        losses = [self.agents[a].loss if a in self.agents else self.loss_cfg for a in sorted(set(mb.names("agent")))]
+        losses = [
+            self.agents[a].loss if a in self.agents else self.loss_cfg for a in sorted(set(mb.names("agent")))
+        ]
         return losses[0] if losses and all(loss == losses[0] for loss in losses) else self.loss_cfg
 
     # ---- the update -----------------------------------------------------------------------------
@@ -275,7 +306,11 @@ class PolicyWorker:
         olds = [self.compute_logprobs(part) for part in parts] if needs_old else [None] * len(parts)
         timings["timing_s/old_logprobs"] = time.perf_counter() - start
         start = time.perf_counter()
-        refs = [self.compute_logprobs(part, reference=True) for part in parts] if self._needs_ref() else [None] * len(parts)
+        refs = (
+            [self.compute_logprobs(part, reference=True) for part in parts]
+            if self._needs_ref()
+            else [None] * len(parts)
+        )
         timings["timing_s/ref_logprobs"] = time.perf_counter() - start
         critics: list = [None] * len(parts)
         if self.critic.enabled:
@@ -287,22 +322,31 @@ class PolicyWorker:
         collected: list[dict[str, float]] = []
         start = time.perf_counter()
         for _ in range(self.cfg.ppo_epochs):
-            collected = [self._update(part, old, count, ref=ref, critic=critic)
-                         for part, old, count, ref, critic in zip(parts, olds, counts, refs, critics)]
+            collected = [
+                self._update(part, old, count, ref=ref, critic=critic)
+                for part, old, count, ref, critic in zip(parts, olds, counts, refs, critics)
+            ]
         timings["timing_s/update"] = time.perf_counter() - start
         metrics = mean_over_steps(collected)
         metrics["lr"] = current_lr(self.optimizer)
         metrics["optimizer_steps"] = float(len(parts) * self.cfg.ppo_epochs)
         metrics["padding_fraction"] = average([self.padding_fraction(part) for part in parts])
-        if self.cfg.pack:  # tokens one pass forwards on this rank: sample tokens, or trie nodes with prefix_tree
+        if (
+            self.cfg.pack
+        ):  # tokens one pass forwards on this rank: sample tokens, or trie nodes with prefix_tree
             metrics["forwarded_tokens"] = float(self.batcher.forwarded_tokens(parts))
         self.scheduler.step(increment=1)
         if not any(part.response_mask.any() for part in parts):  # zero-weight stand-ins (dp_parts): no data
-            metrics = {k: v for k, v in metrics.items()
-                       if k in ("grad_norm", "lr", "optimizer_steps", "padding_fraction", "forwarded_tokens")}
+            metrics = {
+                k: v
+                for k, v in metrics.items()
+                if k in ("grad_norm", "lr", "optimizer_steps", "padding_fraction", "forwarded_tokens")
+            }
         return {**metrics, **timings}
 
-    def _update(self, part: SampleBatch, old: torch.Tensor | None, counts: dict, *, ref=None, critic=None) -> dict[str, float]:
+    def _update(
+        self, part: SampleBatch, old: torch.Tensor | None, counts: dict, *, ref=None, critic=None
+    ) -> dict[str, float]:
         self._nonfinite_rows = []
         lr = current_lr(self.optimizer)
         collected = self.backward(part, old, counts, ref=ref, critic=critic)
@@ -319,16 +363,28 @@ class PolicyWorker:
         self.num_skipped += 1
         self.skip_streak += 1
         rows = self._nonfinite_rows
-        where = (f"non-finite loss in micro-batches of {', '.join(rows[:8])}" if rows
-                 else "finite loss but non-finite gradient norm (samples not attributable)")
+        where = (
+            f"non-finite loss in micro-batches of {', '.join(rows[:8])}"
+            if rows
+            else "finite loss but non-finite gradient norm (samples not attributable)"
+        )
         self.last_fault = f"policy '{self.name}' update {self.num_updates + self.num_skipped}: {where}"
         logger.warning("skipped update (%d in a row): %s", self.skip_streak, self.last_fault)
         finite = [{k: v for k, v in c.items() if math.isfinite(v)} for c in collected]
-        return summarise(finite, lr=current_lr(self.optimizer), nonfinite_skipped=1.0,
-                          nonfinite_streak=float(self.skip_streak))
+        return summarise(
+            finite,
+            lr=current_lr(self.optimizer),
+            nonfinite_skipped=1.0,
+            nonfinite_streak=float(self.skip_streak),
+        )
 
     def backward(
-        self, part: SampleBatch, old: torch.Tensor | None, counts: dict, *, ref: torch.Tensor | None = None,
+        self,
+        part: SampleBatch,
+        old: torch.Tensor | None,
+        counts: dict,
+        *,
+        ref: torch.Tensor | None = None,
         critic: tuple[torch.Tensor | None, torch.Tensor | None] | None = None,
     ) -> list[dict[str, float]]:
         """Fresh gradients (DP-reduced into ``param.main_grad``) of the policy loss on ``part``;
@@ -344,9 +400,15 @@ class PolicyWorker:
             logprobs, entropy = self._logprobs(logits, mb, offset)
             i = position[id(mb)]
             loss, metrics = policy_loss(
-                logprobs, mb.advantages, mb.response_mask, self._loss_cfg(mb),
-                old_logprobs=olds[i] if olds is not None else None, rollout_logprobs=mb.rollout_logprobs,
-                ref_logprobs=refs[i] if refs is not None else None, entropy=entropy, **counts,
+                logprobs,
+                mb.advantages,
+                mb.response_mask,
+                self._loss_cfg(mb),
+                old_logprobs=olds[i] if olds is not None else None,
+                rollout_logprobs=mb.rollout_logprobs,
+                ref_logprobs=refs[i] if refs is not None else None,
+                entropy=entropy,
+                **counts,
             )
             collected.append({**metrics.as_dict(), RESPONSE_TOKENS: float(mb.response_mask.sum())})
             if returns is not None:

@@ -53,10 +53,11 @@ class AgentTraining:
 
 def batch_split(cfg: PolicyConfig, agents: Mapping[str, AgentTraining]) -> BatchSplit:
     """How the policy's rows are cut for an update (``rl.dispatch``): trainable agents, mini-batch sizes."""
-    return BatchSplit(mini_batch_size=cfg.mini_batch_size,
-                      agent_mini_batch_sizes={a: t.mini_batch_size for a, t in agents.items() if t.mini_batch_size},
-                      frozen_agents=frozenset(a for a, t in agents.items() if t.frozen))
-
+    return BatchSplit(
+        mini_batch_size=cfg.mini_batch_size,
+        agent_mini_batch_sizes={a: t.mini_batch_size for a, t in agents.items() if t.mini_batch_size},
+        frozen_agents=frozenset(a for a, t in agents.items() if t.frozen),
+    )
 
 
 @dataclass
@@ -75,8 +76,17 @@ class TrainingParts:
 
 
 def wire_training(
-    name: str, cfg: PolicyConfig, wg: WorkerGroup, model: torch.nn.Module, *, compute_dtype: torch.dtype, lora,
-    critic: CriticConfig | None, total_steps: int, adapter_lrs: dict[str, float], needs_ref: bool,
+    name: str,
+    cfg: PolicyConfig,
+    wg: WorkerGroup,
+    model: torch.nn.Module,
+    *,
+    compute_dtype: torch.dtype,
+    lora,
+    critic: CriticConfig | None,
+    total_steps: int,
+    adapter_lrs: dict[str, float],
+    needs_ref: bool,
     ref_model: torch.nn.Module | None,
 ) -> TrainingParts:
     """Policy ``name``'s training parts around ``model`` (this rank's shard, on ``wg.device``).
@@ -86,13 +96,17 @@ def wire_training(
     config = model.config
     if adapters:
         if lora is None:
-            raise ValueError(f"policies.{name}: agents name LoRA adapters {adapters} but policies.{name}.lora is not set")
+            raise ValueError(
+                f"policies.{name}: agents name LoRA adapters {adapters} but policies.{name}.lora is not set"
+            )
         for adapter in adapters:  # before DDP: it allocates grad buffers for what requires grad
             add_lora_adapter(model, wg, adapter, lora)
     config.finalize_model_grads_func = finalize_model_grads
     config.variable_seq_lengths = True  # micro-batches differ in length; PP communicates shapes
     ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=cfg.distributed_optimizer
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=False,
+        use_distributed_optimizer=cfg.distributed_optimizer,
     )
     ddp_model = DistributedDataParallel(config, ddp_config, model, pg_collection=wg.pgs)
     window = LogitWindow(model)
@@ -103,14 +117,36 @@ def wire_training(
     if needs_ref and ref is None and not adapters:
         raise ValueError(f"policies.{name}: kl_coef > 0 needs a reference model (ref_handle)")
     optimizer = build_optimizer(
-        ddp_model, wg, lr=cfg.lr, min_lr=cfg.lr_schedule.min_lr, weight_decay=cfg.weight_decay,
-        grad_clip=cfg.grad_clip, dtype=compute_dtype, distributed=cfg.distributed_optimizer,
+        ddp_model,
+        wg,
+        lr=cfg.lr,
+        min_lr=cfg.lr_schedule.min_lr,
+        weight_decay=cfg.weight_decay,
+        grad_clip=cfg.grad_clip,
+        dtype=compute_dtype,
+        distributed=cfg.distributed_optimizer,
         adapter_lrs=adapter_lrs,
     )
     scheduler = build_scheduler(optimizer, cfg.lr_schedule, lr=cfg.lr, total_steps=total_steps)
-    critic_part = NoCritic() if critic is None else Critic(
-        name, critic, wg, window, hidden_size=config.hidden_size, lr=cfg.lr, grad_clip=cfg.grad_clip)
+    critic_part = (
+        NoCritic()
+        if critic is None
+        else Critic(
+            name, critic, wg, window, hidden_size=config.hidden_size, lr=cfg.lr, grad_clip=cfg.grad_clip
+        )
+    )
     # ``policies.<p>.offload_train_state``: moved to host memory while colocated engines generate
-    train_state = TrainStateOffload(device, [ddp_model, *critic_part.modules], [optimizer, *critic_part.optimizers])
-    return TrainingParts(model=ddp_model, window=window, rotary=rotary, uses_te=uses_te, ref=ref, optimizer=optimizer,
-                         scheduler=scheduler, critic=critic_part, train_state=train_state)
+    train_state = TrainStateOffload(
+        device, [ddp_model, *critic_part.modules], [optimizer, *critic_part.optimizers]
+    )
+    return TrainingParts(
+        model=ddp_model,
+        window=window,
+        rotary=rotary,
+        uses_te=uses_te,
+        ref=ref,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        critic=critic_part,
+        train_state=train_state,
+    )

@@ -93,32 +93,53 @@ def check_launch(engine: EngineConfig) -> None:
         raise ValueError(f"{key}.ranks has duplicates: {engine.ranks}")
     needed = engine.num_replicas * engine.tp
     if engine.ranks and len(engine.ranks) != needed:
-        raise ValueError(f"{key}.ranks has {len(engine.ranks)} ranks; num_replicas * tp = "
-                         f"{engine.num_replicas} * {engine.tp} = {needed}")
+        raise ValueError(
+            f"{key}.ranks has {len(engine.ranks)} ranks; num_replicas * tp = "
+            f"{engine.num_replicas} * {engine.tp} = {needed}"
+        )
     if engine.server_urls:
         if engine.launch != "auto" or engine.ranks:
-            raise ValueError(f"{key}.server_urls connects to external servers: leave {key}.launch=auto "
-                             f"and {key}.ranks empty (got launch={engine.launch}, ranks={engine.ranks})")
+            raise ValueError(
+                f"{key}.server_urls connects to external servers: leave {key}.launch=auto "
+                f"and {key}.ranks empty (got launch={engine.launch}, ranks={engine.ranks})"
+            )
         if len(engine.server_urls) != engine.num_replicas:
-            raise ValueError(f"{key}.server_urls has {len(engine.server_urls)} URLs; one per replica: "
-                             f"{key}.num_replicas={engine.num_replicas}")
+            raise ValueError(
+                f"{key}.server_urls has {len(engine.server_urls)} URLs; one per replica: "
+                f"{key}.num_replicas={engine.num_replicas}"
+            )
         return
     if engine.launch == "in_process":
         if engine.ranks:
-            raise ValueError(f"{key}.ranks is set but {key}.launch=in_process: in_process replicas live in "
-                             "rank 0's process; engine.ranks needs launch=server")
+            raise ValueError(
+                f"{key}.ranks is set but {key}.launch=in_process: in_process replicas live in "
+                "rank 0's process; engine.ranks needs launch=server"
+            )
         if engine.tp > 1:
-            raise ValueError(f"{key}.tp={engine.tp} with {key}.launch=in_process: in-process replicas run at "
-                             "TP=1; a tensor-parallel replica needs launch=server")
+            raise ValueError(
+                f"{key}.tp={engine.tp} with {key}.launch=in_process: in-process replicas run at "
+                "TP=1; a tensor-parallel replica needs launch=server"
+            )
         if not can_run_in_process(engine.backend):
-            raise ValueError(f"{key}.launch=in_process but {key}.backend={engine.backend} has no in-process "
-                             "engine; use launch=server (or auto)")
+            raise ValueError(
+                f"{key}.launch=in_process but {key}.backend={engine.backend} has no in-process "
+                "engine; use launch=server (or auto)"
+            )
     if not has_server(engine.backend):
-        needs = (f"{key}.launch=server" if engine.launch == "server" else f"{key}.ranks" if engine.ranks
-                 else f"{key}.tp={engine.tp}" if engine.tp > 1 else None)
+        needs = (
+            f"{key}.launch=server"
+            if engine.launch == "server"
+            else f"{key}.ranks"
+            if engine.ranks
+            else f"{key}.tp={engine.tp}"
+            if engine.tp > 1
+            else None
+        )
         if needs:
-            raise ValueError(f"{needs} needs an inference server, which {key}.backend={engine.backend} has not "
-                             f"(backends with a server: {server_backends()})")
+            raise ValueError(
+                f"{needs} needs an inference server, which {key}.backend={engine.backend} has not "
+                f"(backends with a server: {server_backends()})"
+            )
 
 
 def check_engine_ranks(policies: dict[str, PolicyConfig]) -> None:
@@ -129,8 +150,10 @@ def check_engine_ranks(policies: dict[str, PolicyConfig]) -> None:
         key = f"policies.{name}.engine.ranks"
         for rank in policy.engine.ranks:
             if rank in owner:
-                raise ValueError(f"{key} and policies.{owner[rank]}.engine.ranks share rank {rank}; "
-                                 "a disaggregated replica's ranks are its own")
+                raise ValueError(
+                    f"{key} and policies.{owner[rank]}.engine.ranks share rank {rank}; "
+                    "a disaggregated replica's ranks are its own"
+                )
             owner[rank] = name
         if not policy.engine.ranks:
             continue
@@ -138,11 +161,14 @@ def check_engine_ranks(policies: dict[str, PolicyConfig]) -> None:
             if wg.ranks is None:
                 raise ValueError(
                     f"{key}={policy.engine.ranks} but policies.{other}.ranks is unset, so its worker group "
-                    f"takes every rank, the engine ranks included; list policies.{other}.ranks")
+                    f"takes every rank, the engine ranks included; list policies.{other}.ranks"
+                )
             held = sorted(set(policy.engine.ranks) & set(wg.ranks))
             if held:
-                raise ValueError(f"{key} {held} hold shards of policies.{other} (policies.{other}.ranks); "
-                                 "disaggregated engine ranks must hold no worker-group shard")
+                raise ValueError(
+                    f"{key} {held} hold shards of policies.{other} (policies.{other}.ranks); "
+                    "disaggregated engine ranks must hold no worker-group shard"
+                )
 
 
 def ranks_per_node(cluster: ClusterConfig, world_size: int, env=os.environ) -> int:
@@ -162,8 +188,12 @@ def plan_engines(cfg: RunConfig, world_size: int, ranks_per_node: int) -> dict[s
     policies' replicas on one rank where neither is colocated there by design.
     """
     if ranks_per_node < 1:
-        raise ValueError(f"ranks per node must be >= 1 (LOCAL_WORLD_SIZE / cluster.gpus_per_node), got {ranks_per_node}")
-    placement = placement_of(cfg, world_size)  # WG rank lists (every rank for policies without ranks), checked
+        raise ValueError(
+            f"ranks per node must be >= 1 (LOCAL_WORLD_SIZE / cluster.gpus_per_node), got {ranks_per_node}"
+        )
+    placement = placement_of(
+        cfg, world_size
+    )  # WG rank lists (every rank for policies without ranks), checked
     shard_owner = {}
     for name, layout in placement.worker_groups.items():
         for rank in layout.ranks:
@@ -172,7 +202,9 @@ def plan_engines(cfg: RunConfig, world_size: int, ranks_per_node: int) -> dict[s
     for name, policy in cfg.policies.items():
         wg_ranks = placement.worker_groups[name].ranks
         launch = resolve_launch(policy.engine, wg_ranks, world_size)
-        plan[name] = _plan_policy(name, policy.engine, wg_ranks, launch, world_size, ranks_per_node, shard_owner)
+        plan[name] = _plan_policy(
+            name, policy.engine, wg_ranks, launch, world_size, ranks_per_node, shard_owner
+        )
     _check_shared_ranks(plan)
     return plan
 
@@ -181,7 +213,10 @@ def _plan_policy(name, engine, wg_ranks, launch, world_size, per_node, shard_own
     key = f"policies.{name}.engine"
     num, tp = engine.num_replicas, engine.tp
     if launch == "external":
-        return [ReplicaPlacement(name, i, (), -1, (), False, launch, url) for i, url in enumerate(engine.server_urls)]
+        return [
+            ReplicaPlacement(name, i, (), -1, (), False, launch, url)
+            for i, url in enumerate(engine.server_urls)
+        ]
     if launch == "in_process":  # the driver's process, device 0 of node 0
         return [ReplicaPlacement(name, i, (0,), 0, (0,), 0 in wg_ranks, launch) for i in range(num)]
     if engine.ranks:
@@ -203,10 +238,14 @@ def _plan_policy(name, engine, wg_ranks, launch, world_size, per_node, shard_own
                 f"policies.{name} has {len(wg_ranks)} ranks to colocate them on; lower it, or put the "
                 f"replicas on ranks of their own ({key}.ranks)"
             )
-        blocks, colocated, what = list(wg_ranks[:num * tp]), True, f"{key}.tp={tp} (colocated on policies.{name}.ranks)"
+        blocks, colocated, what = (
+            list(wg_ranks[: num * tp]),
+            True,
+            f"{key}.tp={tp} (colocated on policies.{name}.ranks)",
+        )
     replicas = []
     for i in range(num):
-        ranks = tuple(blocks[i * tp:(i + 1) * tp])
+        ranks = tuple(blocks[i * tp : (i + 1) * tp])
         nodes = sorted({r // per_node for r in ranks})
         if len(nodes) > 1:
             raise ValueError(
@@ -214,7 +253,9 @@ def _plan_policy(name, engine, wg_ranks, launch, world_size, per_node, shard_own
                 f"node); a replica's {tp} ranks must sit on one node (align the ranks to node boundaries, "
                 f"or pick an engine.tp that divides {per_node})"
             )
-        replicas.append(ReplicaPlacement(name, i, ranks, nodes[0], tuple(r % per_node for r in ranks), colocated, launch))
+        replicas.append(
+            ReplicaPlacement(name, i, ranks, nodes[0], tuple(r % per_node for r in ranks), colocated, launch)
+        )
     return replicas
 
 
@@ -260,8 +301,19 @@ def placement_rows(plan: dict[str, list[ReplicaPlacement]]) -> list[tuple[str, .
             leader = "-" if r.leader is None else str(r.leader)
             node = "-" if r.node < 0 else str(r.node)
             where = r.url if r.launch == "external" else ("yes" if r.colocated else "no")
-            rows.append((r.policy, str(r.index), leader, _ranks_text(r.ranks), node, _ranks_text(r.devices),
-                         str(len(r.ranks) or "-"), where, r.launch))
+            rows.append(
+                (
+                    r.policy,
+                    str(r.index),
+                    leader,
+                    _ranks_text(r.ranks),
+                    node,
+                    _ranks_text(r.devices),
+                    str(len(r.ranks) or "-"),
+                    where,
+                    r.launch,
+                )
+            )
     return rows
 
 

@@ -111,8 +111,9 @@ def check_run_dir(run_dir: Path, *, key: str = "output_dir") -> None:
     try:
         tempfile.TemporaryDirectory(dir=ancestor, prefix=".megamarl-probe-").cleanup()
     except OSError as exc:
-        raise ValueError(f"{key}: cannot create the run directory {run_dir}: {ancestor} is not writable "
-                         f"({exc.strerror})") from None
+        raise ValueError(
+            f"{key}: cannot create the run directory {run_dir}: {ancestor} is not writable ({exc.strerror})"
+        ) from None
 
 
 def validate_checkpoint(path: Path, policies: dict[str, PolicyConfig]) -> None:
@@ -123,9 +124,12 @@ def validate_checkpoint(path: Path, policies: dict[str, PolicyConfig]) -> None:
     storage item it lists lies inside its shard file. Not read: the tensor bytes themselves (a shard
     overwritten with garbage of the same size passes; hashing them would re-read the whole checkpoint
     at every save). Raises ValueError naming ``trainer.resume``, the checkpoint and the bad file."""
+
     def corrupt(what: str) -> ValueError:
-        return ValueError(f"trainer.resume: checkpoint {path} is corrupt: {what}; resume from an earlier "
-                          f"checkpoint ({path.parent}/step_N) or start afresh (trainer.resume=none)")
+        return ValueError(
+            f"trainer.resume: checkpoint {path} is corrupt: {what}; resume from an earlier "
+            f"checkpoint ({path.parent}/step_N) or start afresh (trainer.resume=none)"
+        )
 
     try:
         marker = json.loads((path / COMPLETE).read_text(encoding="utf-8"))
@@ -165,8 +169,10 @@ def validate_checkpoint(path: Path, policies: dict[str, PolicyConfig]) -> None:
             if item.relative_path not in sizes:
                 sizes[item.relative_path] = shard.stat().st_size if shard.is_file() else -1
             if sizes[item.relative_path] < item.offset + item.length:
-                raise corrupt(f"{POLICIES}/{name}/{item.relative_path} holds {max(sizes[item.relative_path], 0)} "
-                              f"bytes, its metadata needs {item.offset + item.length}")
+                raise corrupt(
+                    f"{POLICIES}/{name}/{item.relative_path} holds {max(sizes[item.relative_path], 0)} "
+                    f"bytes, its metadata needs {item.offset + item.length}"
+                )
 
 
 # ---- policies (collective over all ranks) --------------------------------------------------------
@@ -183,7 +189,9 @@ def save_policies(path: Path, policies: dict[str, PolicyConfig], workers: dict, 
             continue
         worker = workers.get(name)
         model_checkpoint.save_checkpoint(
-            path / POLICIES / name, worker.model if worker else None, wgs[name],
+            path / POLICIES / name,
+            worker.model if worker else None,
+            wgs[name],
             optimizer=worker.optimizer if worker else None,
         )
         critic = worker.critic.state() if worker else None
@@ -201,13 +209,17 @@ def load_policies(path: Path, policies: dict[str, PolicyConfig], workers: dict, 
     for name in trained:
         worker = workers.get(name)
         model_checkpoint.load_checkpoint(
-            path / POLICIES / name, worker.model if worker else None, wgs[name],
+            path / POLICIES / name,
+            worker.model if worker else None,
+            wgs[name],
             optimizer=worker.optimizer if worker else None,
         )
         if worker is not None and worker.critic.has_state:
             critic_file = path / POLICIES / name / CRITIC_FILE
             if not critic_file.is_file():
-                raise ValueError(f"trainer.resume: {critic_file} is missing; the run uses a critic (algorithm.estimator=gae)")
+                raise ValueError(
+                    f"trainer.resume: {critic_file} is missing; the run uses a critic (algorithm.estimator=gae)"
+                )
             worker.critic.load_state(torch.load(critic_file, weights_only=False))
 
 

@@ -40,13 +40,28 @@ from megamarl.runtime.metrics import read_eval, read_metrics
 Series = dict[str, tuple[list[int], list[float]]]  # key -> (steps, values)
 
 TIMING_ORDER = ("rollout", "logprob", "update", "weight_sync", "idle")
-POLICY_PANELS = (("loss", "loss"), ("pg_loss", "pg loss"), ("approx_kl", "KL to old policy"),
-                 ("kl_loss", "KL to reference"), ("entropy", "entropy (nats)"), ("clip_frac", "clipped token share"),
-                 ("grad_norm", "grad norm"), ("vf_loss", "value loss"))
-AGENT_PANELS = (("response_len", "response length (tokens)"), ("invalid_rate", "invalid share"),
-                ("advantage_std", "advantage std"), ("response_clip_ratio", "clipped response share"))
-GLOBAL_PANELS = (("kl", "KL"), ("entropy", "entropy (nats)"), ("clip_frac", "clipped token share"),
-                 ("invalid_rate", "invalid share"))  # runs logged before per-policy loss metrics
+POLICY_PANELS = (
+    ("loss", "loss"),
+    ("pg_loss", "pg loss"),
+    ("approx_kl", "KL to old policy"),
+    ("kl_loss", "KL to reference"),
+    ("entropy", "entropy (nats)"),
+    ("clip_frac", "clipped token share"),
+    ("grad_norm", "grad norm"),
+    ("vf_loss", "value loss"),
+)
+AGENT_PANELS = (
+    ("response_len", "response length (tokens)"),
+    ("invalid_rate", "invalid share"),
+    ("advantage_std", "advantage std"),
+    ("response_clip_ratio", "clipped response share"),
+)
+GLOBAL_PANELS = (
+    ("kl", "KL"),
+    ("entropy", "entropy (nats)"),
+    ("clip_frac", "clipped token share"),
+    ("invalid_rate", "invalid share"),
+)  # runs logged before per-policy loss metrics
 RATE = re.compile(r"^(?:(?P<set>.+)/)?(?P<metric>team_accuracy|accuracy|avg@\d+|pass@\d+)$")
 AGENT_PALETTE = "tab10"
 # policies: Dark2 reordered so its first colours differ from tab10's blue and orange (agents)
@@ -82,14 +97,22 @@ def run_figures(run_dir: Path) -> dict:
     series = _series(read_metrics(run_dir)) if has_metrics else {}
     eval_series = _eval_series(evals)
     agents = Colors([*_names(series, "agent"), *_names(eval_series, "agent")], AGENT_PALETTE)
-    policies = Colors([*_names(series, "policy"), *_names(series, "perf/max_memory_gib", tail=False),
-                       *_names(eval_series, "policy")], POLICY_PALETTE)
+    policies = Colors(
+        [
+            *_names(series, "policy"),
+            *_names(series, "perf/max_memory_gib", tail=False),
+            *_names(eval_series, "policy"),
+        ],
+        POLICY_PALETTE,
+    )
     title = run_dir.resolve().name
-    draws = (("rewards", lambda: _rewards(series, agents, policies, title)),
-             ("timing", lambda: _timing(series, title)),
-             ("training", lambda: _training(series, agents, policies, title)),
-             ("throughput", lambda: _throughput(series, policies, title)),
-             ("eval", lambda: _eval(eval_series, agents, policies, title)))
+    draws = (
+        ("rewards", lambda: _rewards(series, agents, policies, title)),
+        ("timing", lambda: _timing(series, title)),
+        ("training", lambda: _training(series, agents, policies, title)),
+        ("throughput", lambda: _throughput(series, policies, title)),
+        ("eval", lambda: _eval(eval_series, agents, policies, title)),
+    )
     figures = {}
     for name, draw in draws:
         fig = draw()
@@ -241,7 +264,7 @@ def _grid(panels: list, title: str, *, cols: int = 3):
     fig, axes = plt.subplots(rows, cols, figsize=(4.3 * cols, 3.1 * rows), squeeze=False)
     for ax, draw in zip(axes.flat, panels):
         draw(ax)
-    for ax in list(axes.flat)[len(panels):]:
+    for ax in list(axes.flat)[len(panels) :]:
         ax.axis("off")
     fig.suptitle(title)
     return fig
@@ -250,12 +273,13 @@ def _grid(panels: list, title: str, *, cols: int = 3):
 def _panel(curves: Series, colors: Colors | None, ylabel: str, name: str):
     def draw(ax):
         if colors is None:
-            (steps, values), = curves.values()
+            ((steps, values),) = curves.values()
             _line(ax, steps, values, color="tab:gray", label=name)
             _label(ax, ylabel, legend=False)
         else:
             _curves(ax, curves, colors, ylabel)
         ax.set_title(name, fontsize=10)
+
     return draw
 
 
@@ -271,10 +295,17 @@ def _training(series: Series, agents: Colors, policies: Colors, title: str):
 
 
 def _throughput(series: Series, policies: Colors, title: str):
-    tokens = {k.removeprefix("perf/").removesuffix("_per_s"): v for k, v in series.items()
-              if k.startswith("perf/") and k.endswith("tokens_per_s")}
+    tokens = {
+        k.removeprefix("perf/").removesuffix("_per_s"): v
+        for k, v in series.items()
+        if k.startswith("perf/") and k.endswith("tokens_per_s")
+    }
     samples = {k: v for k, v in series.items() if k == "perf/samples_per_s"}
-    memory = {k.removeprefix("perf/max_memory_gib/"): v for k, v in series.items() if k.startswith("perf/max_memory_gib/")}
+    memory = {
+        k.removeprefix("perf/max_memory_gib/"): v
+        for k, v in series.items()
+        if k.startswith("perf/max_memory_gib/")
+    }
     panels = []
     if tokens:
         panels.append(_panel(tokens, Colors(tokens, "Set1"), "tokens / s", "token throughput"))
@@ -306,8 +337,14 @@ def _eval(series: Series, agents: Colors, policies: Colors, title: str):
         for (eval_set, metric), (steps, values) in sorted(rates.items()):
             color = colors[eval_set if many_sets else metric]
             name = "/".join(filter(None, (eval_set, metric)))
-            _line(ax, steps, values, color=color, marker=markers[metric],
-                  label=f"{name}: {values[0]:.3g} -> {values[-1]:.3g}")
+            _line(
+                ax,
+                steps,
+                values,
+                color=color,
+                marker=markers[metric],
+                label=f"{name}: {values[0]:.3g} -> {values[-1]:.3g}",
+            )
             ax.axhline(values[0], color=color, linestyle="--", linewidth=1, alpha=0.6)
         first = min(s for steps, _ in rates.values() for s in steps)
         ax.set_title(f"{title}: held-out evaluation (dashed: base model, step {first})")
@@ -316,7 +353,9 @@ def _eval(series: Series, agents: Colors, policies: Colors, title: str):
     if agent_success:
         ax = axes[-1]
         for agent, (steps, values) in sorted(agent_success.items()):
-            _line(ax, steps, values, color=agents[agent], label=f"{agent}: {values[0]:.3g} -> {values[-1]:.3g}")
+            _line(
+                ax, steps, values, color=agents[agent], label=f"{agent}: {values[0]:.3g} -> {values[-1]:.3g}"
+            )
             ax.axhline(values[0], color=agents[agent], linestyle="--", linewidth=1, alpha=0.6)
         ax.set_title("held-out own success per agent (dashed: base model)")
         _label(ax, "own success rate")

@@ -69,4 +69,6 @@ def mark_stopped(run_dir: Path, *, step: int, received: signal.Signals | None) -
     """The driver, once the checkpoint of ``step`` is saved: ``<run_dir>/PREEMPTED`` says that this run
     stopped early on a signal (what a batch script reads before it requeues the job)."""
     marker = Path(run_dir) / MARKER
-    marker.write_text(json.dumps({"step": step, "signal": received.name if received else "another rank"}) + "\n")
+    marker.write_text(
+        json.dumps({"step": step, "signal": received.name if received else "another rank"}) + "\n"
+    )

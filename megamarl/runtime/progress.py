@@ -83,8 +83,15 @@ class Phase:
 class RunProgress:
     """The driver's view of the run (see the module docstring). ``live``: None = auto (a TTY)."""
 
-    def __init__(self, *, total_steps: int, enabled: bool = True, live: bool | None = None,
-                 stream=None, quiet: bool = False) -> None:
+    def __init__(
+        self,
+        *,
+        total_steps: int,
+        enabled: bool = True,
+        live: bool | None = None,
+        stream=None,
+        quiet: bool = False,
+    ) -> None:
         self.quiet = quiet  # prints nothing at all (ranks other than the driver)
         self.total_steps = total_steps
         self.enabled = enabled
@@ -97,9 +104,15 @@ class RunProgress:
         self._run_task = self._phase_task = None
         if self.live:
             self._bars = Progress(
-                TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TaskProgressColumn(),
-                TextColumn("{task.fields[extra]}"), TimeElapsedColumn(),
-                console=Console(file=self.stream, force_terminal=True), transient=False, refresh_per_second=4,
+                TextColumn("{task.description}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TaskProgressColumn(),
+                TextColumn("{task.fields[extra]}"),
+                TimeElapsedColumn(),
+                console=Console(file=self.stream, force_terminal=True),
+                transient=False,
+                refresh_per_second=4,
             )
             self._run_task = self._bars.add_task("steps", total=max(total_steps, 1), extra="")
             self._bars.start()
@@ -130,8 +143,9 @@ class RunProgress:
 
     # ---- phases ---------------------------------------------------------------------------------
     @contextmanager
-    def phase(self, name: str, *, total: int | None = None, unit: str = "episodes",
-              in_step: bool = True) -> Iterator[Phase]:
+    def phase(
+        self, name: str, *, total: int | None = None, unit: str = "episodes", in_step: bool = True
+    ) -> Iterator[Phase]:
         """A phase (of the current step when ``in_step``); its counters show live and as one line
         when it ends."""
         phase = Phase(name, total, unit)

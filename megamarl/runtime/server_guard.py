@@ -51,7 +51,9 @@ def _terminate(proc: subprocess.Popen) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--owner", type=int, required=True, help="PID whose death stops the server")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- then the server command")
     args = parser.parse_args(argv)

@@ -20,7 +20,9 @@ import torch
 TOP_LEVEL_SECTIONS = ("rollout", "update", "weight_sync")  # timing_s/<section> that add up to a step
 
 
-def throughput_metrics(*, num_train_tokens: int, update_s: float, num_samples: int, step_s: float) -> dict[str, float]:
+def throughput_metrics(
+    *, num_train_tokens: int, update_s: float, num_samples: int, step_s: float
+) -> dict[str, float]:
     """``perf/train_tokens_per_s``: tokens the update processed per second of ``timing_s/update``;
     ``perf/samples_per_s``: the step's samples per second of ``timing_s/step`` (end to end)."""
     return {
@@ -42,8 +44,14 @@ def step_end_metrics(metrics: Mapping[str, float], *, step_s: float, summary) ->
     ended = {"timing_s/step": step_s}
     ended["timing_s/idle"] = idle_seconds({**metrics, **ended})
     update_s = metrics["timing_s/update"]
-    ended.update(throughput_metrics(num_train_tokens=summary.num_train_tokens, update_s=update_s,
-                                    num_samples=summary.num_samples, step_s=step_s))
+    ended.update(
+        throughput_metrics(
+            num_train_tokens=summary.num_train_tokens,
+            update_s=update_s,
+            num_samples=summary.num_samples,
+            step_s=step_s,
+        )
+    )
     return ended
 
 

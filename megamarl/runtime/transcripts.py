@@ -28,8 +28,21 @@ from pathlib import Path
 from typing import Any
 
 EPISODES_DIR = "episodes"
-TABLE_COLUMNS = ("step", "episode_id", "call_step", "agent", "policy", "turn", "branch", "prompt", "response",
-                 "action", "valid", "local_reward", "team_reward")
+TABLE_COLUMNS = (
+    "step",
+    "episode_id",
+    "call_step",
+    "agent",
+    "policy",
+    "turn",
+    "branch",
+    "prompt",
+    "response",
+    "action",
+    "valid",
+    "local_reward",
+    "team_reward",
+)
 
 
 def pick_episodes(episode_ids: Sequence[str], task_ids: Sequence[str], limit: int) -> list[str]:
@@ -48,8 +61,13 @@ def pick_episodes(episode_ids: Sequence[str], task_ids: Sequence[str], limit: in
 
 
 def episode_transcripts(
-    samples: Sequence, episodes: Iterable, *, step: int, limit: int,
-    decode: Callable[[str, list[int]], str], parse: Callable[[str, str], Any],
+    samples: Sequence,
+    episodes: Iterable,
+    *,
+    step: int,
+    limit: int,
+    decode: Callable[[str, list[int]], str],
+    parse: Callable[[str, str], Any],
 ) -> list[dict]:
     """Transcripts of up to ``limit`` episodes of ``samples`` (``rl.sample.Sample``, in rollout order).
 
@@ -69,22 +87,37 @@ def episode_transcripts(
     for episode in chosen:
         rows = sorted(calls[episode], key=lambda s: (s.step, s.branch))
         info = stats.get(episode)
-        records.append({
-            "step": step, "task_id": rows[0].task_id, "episode_id": episode,
-            "status": info.status if info else None, "success": info.success if info else None,
-            "team_reward": rows[0].team_reward, "agent_success": dict(info.agent_success) if info else None,
-            "calls": [_call(s, decode, parse) for s in rows],
-        })
+        records.append(
+            {
+                "step": step,
+                "task_id": rows[0].task_id,
+                "episode_id": episode,
+                "status": info.status if info else None,
+                "success": info.success if info else None,
+                "team_reward": rows[0].team_reward,
+                "agent_success": dict(info.agent_success) if info else None,
+                "calls": [_call(s, decode, parse) for s in rows],
+            }
+        )
     return records
 
 
 def _call(s, decode, parse) -> dict:
     action = parse(s.agent, s.response_text)
     return {
-        "step": s.step, "agent": s.agent, "policy": s.policy, "turn": s.turn, "branch": s.branch,
-        "prompt": decode(s.policy, s.prompt_ids), "response": s.response_text,
-        "action": None if action is None else str(action), "valid": s.valid, "truncated": s.truncated,
-        "local_reward": s.local_reward, "team_reward": s.team_reward, "weight_version": s.weight_version,
+        "step": s.step,
+        "agent": s.agent,
+        "policy": s.policy,
+        "turn": s.turn,
+        "branch": s.branch,
+        "prompt": decode(s.policy, s.prompt_ids),
+        "response": s.response_text,
+        "action": None if action is None else str(action),
+        "valid": s.valid,
+        "truncated": s.truncated,
+        "local_reward": s.local_reward,
+        "team_reward": s.team_reward,
+        "weight_version": s.weight_version,
     }
 
 
@@ -100,9 +133,25 @@ def write_transcripts(run_dir: Path, step: int, records: Sequence[dict]) -> Path
 
 def table_rows(records: Sequence[dict]) -> list[list]:
     """One row per call (``TABLE_COLUMNS``) for a wandb table."""
-    return [[r["step"], r["episode_id"], c["step"], c["agent"], c["policy"], c["turn"], c["branch"], c["prompt"],
-             c["response"], c["action"], c["valid"], c["local_reward"], c["team_reward"]]
-            for r in records for c in r["calls"]]
+    return [
+        [
+            r["step"],
+            r["episode_id"],
+            c["step"],
+            c["agent"],
+            c["policy"],
+            c["turn"],
+            c["branch"],
+            c["prompt"],
+            c["response"],
+            c["action"],
+            c["valid"],
+            c["local_reward"],
+            c["team_reward"],
+        ]
+        for r in records
+        for c in r["calls"]
+    ]
 
 
 def read_transcripts(run_dir: Path, step: int | None = None) -> tuple[int, list[dict]]:
@@ -112,8 +161,10 @@ def read_transcripts(run_dir: Path, step: int | None = None) -> tuple[int, list[
     files = folder.glob("step_*.jsonl") if folder.is_dir() else []
     steps = sorted(int(p.stem.split("_", 1)[1]) for p in files)
     if not steps:
-        raise FileNotFoundError(f"{folder}: no episode transcripts (step_<N>.jsonl); is {run_dir} a run "
-                                f"directory, and logger.episodes_per_step > 0?")
+        raise FileNotFoundError(
+            f"{folder}: no episode transcripts (step_<N>.jsonl); is {run_dir} a run "
+            f"directory, and logger.episodes_per_step > 0?"
+        )
     if step is None:
         step = steps[-1]
     path = folder / f"step_{step}.jsonl"

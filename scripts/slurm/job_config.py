@@ -45,8 +45,10 @@ def job_config(config: str, overrides: list[str]) -> dict[str, str | list[str]]:
     else:
         world = declared_world_size(cfg)
         if world % nodes:
-            raise ValueError(f"cluster.num_nodes={nodes} does not divide the {world} ranks this CPU config runs on; "
-                             "set cluster.num_nodes to a divisor (1 for a CPU run on one node)")
+            raise ValueError(
+                f"cluster.num_nodes={nodes} does not divide the {world} ranks this CPU config runs on; "
+                "set cluster.num_nodes to a divisor (1 for a CPU run on one node)"
+            )
         ranks_per_node = world // nodes
         resources = ["--cpus-per-task", str(ranks_per_node)]
     return {

@@ -35,22 +35,39 @@ def _train_and_record(rank: int, output_dir: str) -> list[dict]:
 
         def rollout_and_prepare(self):
             received, metrics = super().rollout_and_prepare()
-            records.append({
-                "trained_policies": received.summary.trained_policies,
-                "num_samples": received.summary.num_samples,
-                "num_bytes": len(pickle.dumps(received)),
-                "shares": {name: {"row_policies": sorted({p for m in share.minis for p in m.rows.names("policy")}),
-                                  "rows": [(e, a) for m in share.minis
-                                           for e, a in zip(m.rows.names("episode"), m.rows.names("agent"))],
-                                  "counts": [m.counts for m in share.minis]}
-                           for name, share in received.shares.items()},
-            })
+            records.append(
+                {
+                    "trained_policies": received.summary.trained_policies,
+                    "num_samples": received.summary.num_samples,
+                    "num_bytes": len(pickle.dumps(received)),
+                    "shares": {
+                        name: {
+                            "row_policies": sorted({p for m in share.minis for p in m.rows.names("policy")}),
+                            "rows": [
+                                (e, a)
+                                for m in share.minis
+                                for e, a in zip(m.rows.names("episode"), m.rows.names("agent"))
+                            ],
+                            "counts": [m.counts for m in share.minis],
+                        }
+                        for name, share in received.shares.items()
+                    },
+                }
+            )
             return received, metrics
 
-    cfg = load_config(PRESET, [
-        "policies.receiver_policy.ranks=[2,3]", f"trainer.total_steps={NUM_STEPS}", "eval.num_tasks=0",
-        "rollout.num_tasks=2", "rollout.group_size=4", f"output_dir={output_dir}", "name=run",
-    ])
+    cfg = load_config(
+        PRESET,
+        [
+            "policies.receiver_policy.ranks=[2,3]",
+            f"trainer.total_steps={NUM_STEPS}",
+            "eval.num_tasks=0",
+            "rollout.num_tasks=2",
+            "rollout.group_size=4",
+            f"output_dir={output_dir}",
+            "name=run",
+        ],
+    )
     RecordingTrainer(cfg).fit()
     return records
 
@@ -61,8 +78,9 @@ def test_a_rank_receives_only_its_policys_dp_share(tmp_path):
     assert [m["step"] for m in metrics] == list(range(1, NUM_STEPS + 1))
     for step, row in enumerate(metrics):
         driver, sender, receiver_a, receiver_b = (records[step] for records in per_rank)
-        assert {r["trained_policies"] for r in (driver, sender, receiver_a, receiver_b)} == \
-            {("sender_policy", "receiver_policy")}
+        assert {r["trained_policies"] for r in (driver, sender, receiver_a, receiver_b)} == {
+            ("sender_policy", "receiver_policy")
+        }
         assert driver["shares"] == {}  # the driver holds no WG shard: counts only
         assert list(sender["shares"]) == ["sender_policy"]
         assert sender["shares"]["sender_policy"]["row_policies"] == ["sender_policy"]
@@ -75,9 +93,15 @@ def test_a_rank_receives_only_its_policys_dp_share(tmp_path):
             halves.append(set(share["rows"]))
         assert not halves[0] & halves[1]  # DP ranks: disjoint parts ...
         assert len(halves[0] | halves[1]) == row["agent/receiver/num_samples"]  # ... that make the whole
-        assert receiver_a["shares"]["receiver_policy"]["counts"] == receiver_b["shares"]["receiver_policy"]["counts"]
+        assert (
+            receiver_a["shares"]["receiver_policy"]["counts"]
+            == receiver_b["shares"]["receiver_policy"]["counts"]
+        )
         assert driver["num_samples"] == row["agent/sender/num_samples"] + row["agent/receiver/num_samples"]
         # the metric is the largest payload; the driver's own (a summary) is a few hundred bytes
-        assert row["perf/batch_bytes_per_rank"] >= max(r["num_bytes"] for r in (sender, receiver_a, receiver_b)) * 0.9
+        assert (
+            row["perf/batch_bytes_per_rank"]
+            >= max(r["num_bytes"] for r in (sender, receiver_a, receiver_b)) * 0.9
+        )
         assert row["perf/batch_bytes_total"] > row["perf/batch_bytes_per_rank"]
         assert driver["num_bytes"] < 1000 < sender["num_bytes"]

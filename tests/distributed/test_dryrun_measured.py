@@ -38,9 +38,20 @@ POLICIES = {
     "tp2_qwen3": ("qwen3", {"tp": 2, "dtype": "bf16", "distributed_optimizer": False}),
     "pp2_dist": ("llama", {"pp": 2, "dtype": "bf16", "distributed_optimizer": True}),
     "pp2_fp32_ref": ("llama", {"pp": 2, "dtype": "fp32", "distributed_optimizer": False, "kl_coef": 0.1}),
-    "tp2pp2_dist_ref": ("llama", {"tp": 2, "pp": 2, "dtype": "bf16", "distributed_optimizer": True, "kl_coef": 0.1}),
-    "tp2_lora": ("llama", {"tp": 2, "dtype": "bf16", "distributed_optimizer": True, "kl_coef": 0.1,
-                           "lora": {"rank": 4, "targets": ["qkv", "proj", "fc1", "fc2"]}}),
+    "tp2pp2_dist_ref": (
+        "llama",
+        {"tp": 2, "pp": 2, "dtype": "bf16", "distributed_optimizer": True, "kl_coef": 0.1},
+    ),
+    "tp2_lora": (
+        "llama",
+        {
+            "tp": 2,
+            "dtype": "bf16",
+            "distributed_optimizer": True,
+            "kl_coef": 0.1,
+            "lora": {"rank": 4, "targets": ["qkv", "proj", "fc1", "fc2"]},
+        },
+    ),
 }
 
 
@@ -52,8 +63,16 @@ def _write_config(tmp_path) -> str:
         # untied, QK-norm; 49155 rows: padded to 49156 at TP=2
         "qwen3": save_tiny_model(tmp_path / "qwen3", "qwen3", seed=0, vocab_size=49155),
     }
-    common = {"ranks": list(range(WORLD)), "micro_batch_size": 2, "seq_len": 16, "lr": 1e-3, "engine": {"backend": "hf"}}
-    policies = {name: {"model": str(models[family]), **common, **keys} for name, (family, keys) in POLICIES.items()}
+    common = {
+        "ranks": list(range(WORLD)),
+        "micro_batch_size": 2,
+        "seq_len": 16,
+        "lr": 1e-3,
+        "engine": {"backend": "hf"},
+    }
+    policies = {
+        name: {"model": str(models[family]), **common, **keys} for name, (family, keys) in POLICIES.items()
+    }
     # the LoRA policy's agents, one adapter each (the batch's agent names)
     agents = {"solver": {"policy": "tp2_lora", "lora": "s"}, "verifier": {"policy": "tp2_lora", "lora": "v"}}
     path = tmp_path / "config.yaml"
@@ -68,12 +87,18 @@ def _batch():
     g = torch.Generator().manual_seed(0)
     samples = []
     for i, (p_len, r_len) in enumerate([(5, 4), (3, 6), (7, 2), (4, 5)]):
-        samples.append(Sample(
-            task_id=f"t{i % 2}", episode_id=f"e{i}", agent="solver" if i % 2 else "verifier", policy="p", turn=0,
-            prompt_ids=torch.randint(0, 49152, (p_len,), generator=g).tolist(),
-            response_ids=torch.randint(0, 49152, (r_len,), generator=g).tolist(),
-            rollout_logprobs=(-torch.rand(r_len, generator=g) * 3).tolist(),
-        ))
+        samples.append(
+            Sample(
+                task_id=f"t{i % 2}",
+                episode_id=f"e{i}",
+                agent="solver" if i % 2 else "verifier",
+                policy="p",
+                turn=0,
+                prompt_ids=torch.randint(0, 49152, (p_len,), generator=g).tolist(),
+                response_ids=torch.randint(0, 49152, (r_len,), generator=g).tolist(),
+                rollout_logprobs=(-torch.rand(r_len, generator=g) * 3).tolist(),
+            )
+        )
     return collate(samples, pad_id=0).replace(advantages=torch.tensor([1.0, -0.5, 0.25, -1.5]))
 
 
@@ -100,8 +125,16 @@ def allocated_bytes(worker) -> dict[str, int]:
     add("grads", [b.grad_data for b in buffers])
     optimizers = torch_optimizers([worker.optimizer])
     add("main_params", [p for opt in optimizers for p in main_params(opt)])
-    add("optimizer", [v for opt in optimizers for state in opt.state.values() for v in state.values()
-                      if isinstance(v, torch.Tensor)])
+    add(
+        "optimizer",
+        [
+            v
+            for opt in optimizers
+            for state in opt.state.values()
+            for v in state.values()
+            if isinstance(v, torch.Tensor)
+        ],
+    )
     if worker.ref is not None:
         add("reference", list(worker.ref.model.parameters()))
     return out
@@ -117,15 +150,26 @@ def _measure_body(rank, config_path):
     wgs = build_worker_groups(placement_of(cfg, WORLD))
     results = {}
     for name, policy in cfg.policies.items():
-        workers = build_workers({name: policy}, cfg.agents, {name: cfg.algorithm}, {name: wgs[name]}, seed=0,
-                                dtypes={name: DTYPES[policy_dtype(cfg, name)]})
+        workers = build_workers(
+            {name: policy},
+            cfg.agents,
+            {name: cfg.algorithm},
+            {name: wgs[name]},
+            seed=0,
+            dtypes={name: DTYPES[policy_dtype(cfg, name)]},
+        )
         worker = workers.pop(name)
         metrics = worker.train_step(_batch())
         base = sum(p.numel() for n, p in worker.model.module.named_parameters() if ".lora_adapters." not in n)
         adapters = sum(p.numel() for n, p in worker.model.module.named_parameters() if ".lora_adapters." in n)
-        results[name] = {"pp": wgs[name].pp_rank, "bytes": allocated_bytes(worker), "num_base": base,
-                         "num_adapters": adapters, "skipped": metrics.get("nonfinite_skipped", 0.0),
-                         "optimizer_state": sum(len(o.state) for o in _torch_optimizers(worker))}
+        results[name] = {
+            "pp": wgs[name].pp_rank,
+            "bytes": allocated_bytes(worker),
+            "num_base": base,
+            "num_adapters": adapters,
+            "skipped": metrics.get("nonfinite_skipped", 0.0),
+            "optimizer_state": sum(len(o.state) for o in _torch_optimizers(worker)),
+        }
         del worker, workers
         gc.collect()
     return results
@@ -148,8 +192,12 @@ def test_dry_run_bytes_equal_what_the_worker_allocates(tmp_path):
     config_path = _write_config(tmp_path)
     cfg = load_config(config_path)
     # before any process group: the dry-run builds a fake world of its own
-    report = dry_run(cfg, overlaps_training=overlaps_training(cfg.trainer), console=Console(file=io.StringIO(), width=250),
-                     world_size=WORLD)
+    report = dry_run(
+        cfg,
+        overlaps_training=overlaps_training(cfg.trainer),
+        console=Console(file=io.StringIO(), width=250),
+        world_size=WORLD,
+    )
     measured = run_ranks(_measure_body, WORLD, config_path, timeout_s=900)
     rows = []
     for rank, per_policy in enumerate(measured):
@@ -159,9 +207,18 @@ def test_dry_run_bytes_equal_what_the_worker_allocates(tmp_path):
             assert got["skipped"] == 0 and got["optimizer_state"] > 0, (rank, name, got)  # one real Adam step
             # the per-rank parameter count is exact
             lay = wg.layout
-            params = rank_parameters(wg.shape, tp=lay.tp, pp=lay.pp, stage=got["pp"], lora=cfg.policies[name].lora,
-                                     num_adapters=wg.setup.num_adapters)
-            assert (got["num_base"], got["num_adapters"]) == (params.num_base, sum(params.adapters)), (rank, name)
+            params = rank_parameters(
+                wg.shape,
+                tp=lay.tp,
+                pp=lay.pp,
+                stage=got["pp"],
+                lora=cfg.policies[name].lora,
+                num_adapters=wg.setup.num_adapters,
+            )
+            assert (got["num_base"], got["num_adapters"]) == (params.num_base, sum(params.adapters)), (
+                rank,
+                name,
+            )
             for kind in KINDS:
                 plan, real = getattr(planned, kind), got["bytes"][kind]
                 rows.append((rank, name, kind, plan, real))
@@ -169,7 +226,12 @@ def test_dry_run_bytes_equal_what_the_worker_allocates(tmp_path):
             total_plan = sum(getattr(planned, k) for k in KINDS)
             total_real = sum(got["bytes"].values())
             rows.append((rank, name, "total", total_plan, total_real))
-            assert abs(total_plan - total_real) <= TOLERANCE * total_real, (rank, name, total_plan, total_real)
+            assert abs(total_plan - total_real) <= TOLERANCE * total_real, (
+                rank,
+                name,
+                total_plan,
+                total_real,
+            )
     print("\nrank policy kind planned measured ratio")
     for rank, name, kind, plan, real in rows:
         print(rank, name, kind, int(plan), real, f"{plan / real:.4f}" if real else "-")
@@ -178,7 +240,9 @@ def test_dry_run_bytes_equal_what_the_worker_allocates(tmp_path):
 # ---- activations: what autograd keeps for backward, local spec (CPU), per recompute mode ---------
 
 # (recompute, dtype, pack): packed, the micro-batch is one row of ROWS * SEQ_LEN tokens
-ACTIVATION_CASES = [(recompute, dtype, False) for recompute in ("none", "selective", "full") for dtype in ("bf16", "fp32")]
+ACTIVATION_CASES = [
+    (recompute, dtype, False) for recompute in ("none", "selective", "full") for dtype in ("bf16", "fp32")
+]
 ACTIVATION_CASES += [("none", "bf16", True), ("selective", "bf16", True)]
 ROWS, SEQ_LEN = 2, 48
 
@@ -194,7 +258,9 @@ def _activations_body(rank, model_dir):
     wg = build_worker_groups(PlacementConfig({"tp2": WorkerGroupLayout(ranks=[0, 1], tp=2)}))["tp2"]
     tokens = torch.randint(0, 49152, (ROWS, SEQ_LEN), generator=torch.Generator().manual_seed(0))
     padded = (tokens, torch.arange(SEQ_LEN).expand_as(tokens), causal_mask(SEQ_LEN))
-    packed = pack(tokens, torch.ones_like(tokens, dtype=torch.bool))  # as rl.forward.packed_forward (local spec)
+    packed = pack(
+        tokens, torch.ones_like(tokens, dtype=torch.bool)
+    )  # as rl.forward.packed_forward (local spec)
     packed = (packed.tokens, packed.position_ids, packed.causal_mask())
     saved = {}
     for recompute, dtype, packing in ACTIVATION_CASES:
@@ -202,12 +268,13 @@ def _activations_body(rank, model_dir):
         model = load_policy_model(policy, wg, seed=0, dtype=DTYPES[dtype]).model  # the worker's own builder
         params = {p.untyped_storage().data_ptr() for p in model.parameters()}
         storages: dict[int, int] = {}
-        with torch.autograd.graph.saved_tensors_hooks(partial(record_saved_storage, params, storages), lambda tensor: tensor):
+        with torch.autograd.graph.saved_tensors_hooks(
+            partial(record_saved_storage, params, storages), lambda tensor: tensor
+        ):
             logits = model(*(packed if packing else padded))
         logits.float().sum().backward()  # the saved tensors were usable
         saved[(recompute, dtype, packing)] = sum(storages.values())
     return saved
-
 
 
 def test_saved_activations_match_the_local_spec_formula(tmp_path):
@@ -225,7 +292,9 @@ def test_saved_activations_match_the_local_spec_formula(tmp_path):
     shape, layout = resolve_model_shape(model_dir), WorkerGroupLayout(ranks=[0, 1], tp=2)
     print("\nrecompute dtype pack planned measured ratio")
     for recompute, dtype, packing in ACTIVATION_CASES:
-        policy = PolicyConfig(model=model_dir, recompute=recompute, seq_len=SEQ_LEN, micro_batch_size=ROWS, pack=packing)
+        policy = PolicyConfig(
+            model=model_dir, recompute=recompute, seq_len=SEQ_LEN, micro_batch_size=ROWS, pack=packing
+        )
         setup = TrainingSetup(dtype=dtype, micro_batch_size=ROWS, spec="local")
         planned = saved_activation_bytes(shape, policy, layout, setup, stage=0)
         for rank in range(2):

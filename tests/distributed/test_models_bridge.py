@@ -34,12 +34,16 @@ def _tiny_cases(rank):
     from megamarl.models.tiny import tiny_model
     from megamarl.parallel.placement import PlacementConfig, WorkerGroupLayout, build_worker_groups
 
-    wgs = build_worker_groups(PlacementConfig({
-        "tp1": WorkerGroupLayout(ranks=[0]),
-        "tp2": WorkerGroupLayout(ranks=[0, 1], tp=2),
-        "pp2": WorkerGroupLayout(ranks=[2, 3], pp=2),
-        "tp2pp2": WorkerGroupLayout(ranks=[0, 1, 2, 3], tp=2, pp=2),
-    }))
+    wgs = build_worker_groups(
+        PlacementConfig(
+            {
+                "tp1": WorkerGroupLayout(ranks=[0]),
+                "tp2": WorkerGroupLayout(ranks=[0, 1], tp=2),
+                "pp2": WorkerGroupLayout(ranks=[2, 3], pp=2),
+                "tp2pp2": WorkerGroupLayout(ranks=[0, 1, 2, 3], tp=2, pp=2),
+            }
+        )
+    )
     out = {}
     for case, (family, overrides) in CASES.items():
         hf = tiny_model(family, **overrides)
@@ -83,7 +87,9 @@ def test_roundtrip_tp2_pp2_bit_exact(tiny_results, case):
         exported |= set(result[(case, "tp2pp2", "exported")])
     # TP peers yield identical tensors; together the two stages yield every HF tensor exactly once.
     assert tiny_results[0][(case, "tp2pp2", "exported")] == tiny_results[1][(case, "tp2pp2", "exported")]
-    assert not set(tiny_results[0][(case, "tp2pp2", "exported")]) & set(tiny_results[2][(case, "tp2pp2", "exported")])
+    assert not set(tiny_results[0][(case, "tp2pp2", "exported")]) & set(
+        tiny_results[2][(case, "tp2pp2", "exported")]
+    )
     assert exported == set(tiny_results[0][(case, "hf_names")])
 
 

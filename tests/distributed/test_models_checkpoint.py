@@ -23,7 +23,9 @@ def _state_by_hf_name(model, wg, optimizer):
 
     out = {}
     for key in ("exp_avg", "exp_avg_sq"):
-        for name, tensor in bridge.export_hf_weights(model, wg, source=lambda p, key=key: optimizer.state[p][key]):
+        for name, tensor in bridge.export_hf_weights(
+            model, wg, source=lambda p, key=key: optimizer.state[p][key]
+        ):
             out[f"{key}/{name}"] = tensor.clone()
     for name, tensor in bridge.export_hf_weights(model, wg):
         out[f"param/{name}"] = tensor.clone()
@@ -38,11 +40,15 @@ def _save_then_load(rank, ckpt_dir):
     from megamarl.models.tiny import tiny_model
     from megamarl.parallel.placement import PlacementConfig, WorkerGroupLayout, build_worker_groups
 
-    wgs = build_worker_groups(PlacementConfig({
-        "src": WorkerGroupLayout(ranks=[0, 1], tp=2),
-        "tp1": WorkerGroupLayout(ranks=[0]),
-        "pp2": WorkerGroupLayout(ranks=[2, 3], pp=2),
-    }))
+    wgs = build_worker_groups(
+        PlacementConfig(
+            {
+                "src": WorkerGroupLayout(ranks=[0, 1], tp=2),
+                "tp1": WorkerGroupLayout(ranks=[0]),
+                "pp2": WorkerGroupLayout(ranks=[2, 3], pp=2),
+            }
+        )
+    )
     hf = tiny_model("llama", **MODEL)
     ids = torch.randint(0, 1001, (2, 9), generator=torch.Generator().manual_seed(5))
     result = {}
@@ -89,7 +95,11 @@ def test_checkpoint_tp2_loads_at_tp1_and_pp2(tmp_path):
     assert (results[3]["pp2_logits"] - src_logits).abs().max() < 1e-5  # last stage of the PP=2 WG
     assert results[0]["tp1_state"].keys() == src_state.keys()
     for key, value in src_state.items():
-        assert results[0]["tp1_state"][key] == value if key == "step" else torch.equal(results[0]["tp1_state"][key], value), key
+        assert (
+            results[0]["tp1_state"][key] == value
+            if key == "step"
+            else torch.equal(results[0]["tp1_state"][key], value)
+        ), key
     pp_state = {**results[2]["pp2_state"], **results[3]["pp2_state"]}
     for key, value in src_state.items():
         if key != "step":

@@ -26,7 +26,18 @@ def test_convert_cli_roundtrip_bit_exact(tmp_path):
     src = save_tiny_model(tmp_path / "hf", "qwen3", head_dim=24)
     _cli("--from", "hf", "--to", "megatron", "--tp", "2", "--pp", "2", str(src), str(tmp_path / "mcore"))
     assert (tmp_path / "mcore" / "megatron" / "metadata.json").is_file()
-    _cli("--from", "megatron", "--to", "hf", "--tp", "1", "--pp", "2", str(tmp_path / "mcore"), str(tmp_path / "back"))
+    _cli(
+        "--from",
+        "megatron",
+        "--to",
+        "hf",
+        "--tp",
+        "1",
+        "--pp",
+        "2",
+        str(tmp_path / "mcore"),
+        str(tmp_path / "back"),
+    )
 
     original = load_file(str(src / "model.safetensors"))
     back = {}
@@ -34,5 +45,7 @@ def test_convert_cli_roundtrip_bit_exact(tmp_path):
         back.update(load_file(str(file)))
     assert back.keys() == original.keys()
     assert [n for n in original if not torch.equal(original[n], back[n])] == []
-    model = AutoModelForCausalLM.from_pretrained(tmp_path / "back", dtype=torch.float32)  # index + tokenizer work
+    model = AutoModelForCausalLM.from_pretrained(
+        tmp_path / "back", dtype=torch.float32
+    )  # index + tokenizer work
     assert (tmp_path / "back" / "tokenizer.json").is_file() and model.config.head_dim == 24

@@ -30,9 +30,14 @@ def _lora_case(rank, out_dir):
     from megamarl.models.tiny import tiny_model
     from megamarl.parallel.placement import PlacementConfig, WorkerGroupLayout, build_worker_groups
 
-    wgs = build_worker_groups(PlacementConfig({
-        "tp2": WorkerGroupLayout(ranks=[0, 1], tp=2), "pp2": WorkerGroupLayout(ranks=[2, 3], pp=2),
-    }))
+    wgs = build_worker_groups(
+        PlacementConfig(
+            {
+                "tp2": WorkerGroupLayout(ranks=[0, 1], tp=2),
+                "pp2": WorkerGroupLayout(ranks=[2, 3], pp=2),
+            }
+        )
+    )
     layout, wg = next((n, w) for n, w in wgs.items() if w.is_member)
     hf = tiny_model(FAMILY[0], **FAMILY[1])
     vocab = hf.config.vocab_size
@@ -56,6 +61,7 @@ def _lora_case(rank, out_dir):
     out["only_lora_trainable"] = {id(p) for p in trainable} == set(lora_before)
     optimizer = torch.optim.AdamW(trainable, lr=5e-2, weight_decay=0.0)
     for sign, agent in zip((1.0, -1.0), AGENTS):  # the two agents are pushed in opposite directions
+
         def loss_fn(logits, microbatch, sign=sign):
             full = megatron_steps.gather_logits(logits, wg, vocab_size=vocab)
             return sign * full[..., :50].float().mean(), {}
@@ -65,9 +71,13 @@ def _lora_case(rank, out_dir):
             megatron_steps.run_forward_backward(model, wg, [{"input_ids": ids}], loss_fn)
         optimizer.step()
 
-    out["base_unchanged"] = all(torch.equal(t, base_before[n]) for n, t in bridge.export_hf_weights(model, wg))
-    changed = {agent: any(not torch.equal(p, lora_before[id(p)]) for p in lora.lora_parameters(model, agent))
-               for agent in AGENTS}
+    out["base_unchanged"] = all(
+        torch.equal(t, base_before[n]) for n, t in bridge.export_hf_weights(model, wg)
+    )
+    changed = {
+        agent: any(not torch.equal(p, lora_before[id(p)]) for p in lora.lora_parameters(model, agent))
+        for agent in AGENTS
+    }
     out["adapters_changed"] = changed
     for agent in AGENTS:
         with lora.active_adapter(model, agent):

@@ -19,12 +19,18 @@ def _batch(nan_row: int | None):
     g = torch.Generator().manual_seed(0)
     samples = []
     for i, (p_len, r_len) in enumerate([(5, 4), (3, 6), (7, 2), (4, 5)]):
-        samples.append(Sample(
-            task_id=f"t{i % 2}", episode_id=f"e{i}", agent="solver" if i % 2 else "verifier", policy="p", turn=0,
-            prompt_ids=torch.randint(0, 49152, (p_len,), generator=g).tolist(),
-            response_ids=torch.randint(0, 49152, (r_len,), generator=g).tolist(),
-            rollout_logprobs=(-torch.rand(r_len, generator=g) * 3).tolist(),
-        ))
+        samples.append(
+            Sample(
+                task_id=f"t{i % 2}",
+                episode_id=f"e{i}",
+                agent="solver" if i % 2 else "verifier",
+                policy="p",
+                turn=0,
+                prompt_ids=torch.randint(0, 49152, (p_len,), generator=g).tolist(),
+                response_ids=torch.randint(0, 49152, (r_len,), generator=g).tolist(),
+                rollout_logprobs=(-torch.rand(r_len, generator=g) * 3).tolist(),
+            )
+        )
     advantages = torch.tensor([1.0, -0.5, 0.25, -1.5])
     if nan_row is not None:
         advantages[nan_row] = float("nan")
@@ -38,11 +44,13 @@ def _body(rank, model_dir):
     from megamarl.rl.policy_setup import load_policy_model
     from megamarl.rl.worker import PolicyWorker
 
-    placement = PlacementConfig({
-        "dp2": WorkerGroupLayout(ranks=[0, 1]),
-        "tp2": WorkerGroupLayout(ranks=[0, 1], tp=2),
-        "pp2": WorkerGroupLayout(ranks=[0, 1], pp=2),
-    })
+    placement = PlacementConfig(
+        {
+            "dp2": WorkerGroupLayout(ranks=[0, 1]),
+            "tp2": WorkerGroupLayout(ranks=[0, 1], tp=2),
+            "pp2": WorkerGroupLayout(ranks=[0, 1], pp=2),
+        }
+    )
     out = {}
     for name, wg in build_worker_groups(placement).items():
         policy = PolicyConfig(model=str(model_dir), micro_batch_size=1, lr=1e-3, grad_clip=1.0)
@@ -56,9 +64,18 @@ def _body(rank, model_dir):
         clean = worker.train_step(_batch(nan_row=None))
         changed = any(not torch.equal(before[n], t) for n, t in worker.export())
         finite = all(torch.isfinite(t).all() for _, t in worker.export())
-        out[name] = {"skipped": [m["nonfinite_skipped"] for m in skipped], "same": same, "state_empty": state_empty,
-                     "streak": streak, "fault": fault, "clean": clean["nonfinite_skipped"], "grad_norm": clean["grad_norm"],
-                     "changed": changed, "finite": finite, "after": (worker.skip_streak, worker.num_skipped, worker.num_updates)}
+        out[name] = {
+            "skipped": [m["nonfinite_skipped"] for m in skipped],
+            "same": same,
+            "state_empty": state_empty,
+            "streak": streak,
+            "fault": fault,
+            "clean": clean["nonfinite_skipped"],
+            "grad_norm": clean["grad_norm"],
+            "changed": changed,
+            "finite": finite,
+            "after": (worker.skip_streak, worker.num_skipped, worker.num_updates),
+        }
     return out
 
 
@@ -76,6 +93,8 @@ def test_nonfinite_loss_skips_the_update_on_every_rank(tmp_path):
             # the rank that computed the NaN loss names it; the others know only that the WG skipped
             if r["fault"].endswith("(samples not attributable)"):
                 continue
-            assert "non-finite loss in micro-batches of agents ['solver'] episodes ['e3']" in r["fault"], where
+            assert "non-finite loss in micro-batches of agents ['solver'] episodes ['e3']" in r["fault"], (
+                where
+            )
     for layout in results[0]:  # some rank of every WG saw the NaN loss and names its samples
         assert any("episodes ['e3']" in res[layout]["fault"] for res in results), layout

@@ -41,10 +41,14 @@ def _body(rank, model_dir):
         params = list(offloading.model.parameters())
         buffers = [b.param_data for b in offloading.model.buffers if b.param_data is not None]
         stats = offloading.train_state.offload()
-        state = [v for s in offloading.optimizer.chained_optimizers[0].optimizer.state.values() for v in s.values()]
-        empty = {"params": all(p.untyped_storage().nbytes() == 0 for p in params),
-                 "adam": all(v.untyped_storage().nbytes() == 0 for v in state),
-                 "ddp_param_data": all(b.untyped_storage().nbytes() == 0 for b in buffers)}
+        state = [
+            v for s in offloading.optimizer.chained_optimizers[0].optimizer.state.values() for v in s.values()
+        ]
+        empty = {
+            "params": all(p.untyped_storage().nbytes() == 0 for p in params),
+            "adam": all(v.untyped_storage().nbytes() == 0 for v in state),
+            "ddp_param_data": all(b.untyped_storage().nbytes() == 0 for b in buffers),
+        }
         restored = offloading.train_state.restore()
         buffer_storages = {b.untyped_storage().data_ptr() for b in buffers}
         views = all(p.untyped_storage().data_ptr() in buffer_storages for p in params) if buffers else None
@@ -52,9 +56,17 @@ def _body(rank, model_dir):
         offloading.train_step(_batch())
         a, b = ({n: t.clone() for n, t in w.export()} for w in (plain, offloading))
         out[(str(dtype), distributed)] = {
-            "moved": stats.num_bytes, "restored": restored.num_bytes, "empty": empty, "views": views, "num_buffers": len(buffers),
+            "moved": stats.num_bytes,
+            "restored": restored.num_bytes,
+            "empty": empty,
+            "views": views,
+            "num_buffers": len(buffers),
             "same": all(torch.equal(a[n], b[n]) for n in a),
-            "numel": {str(t): sum(p.numel() for p in params if p.dtype == t) for t in (torch.bfloat16, torch.float32)}}
+            "numel": {
+                str(t): sum(p.numel() for p in params if p.dtype == t)
+                for t in (torch.bfloat16, torch.float32)
+            },
+        }
     return out
 
 

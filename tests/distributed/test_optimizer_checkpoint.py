@@ -28,12 +28,19 @@ def _batch():
     from megamarl.rl.sample import Sample
 
     g = torch.Generator().manual_seed(0)
-    samples = [Sample(
-        task_id=f"t{i % 2}", episode_id=f"e{i}", agent="a", policy="p", turn=0,
-        prompt_ids=torch.randint(0, 49152, (p_len,), generator=g).tolist(),
-        response_ids=torch.randint(0, 49152, (r_len,), generator=g).tolist(),
-        rollout_logprobs=(-torch.rand(r_len, generator=g) * 3).tolist(),
-    ) for i, (p_len, r_len) in enumerate([(5, 4), (3, 6), (7, 2), (4, 5)])]
+    samples = [
+        Sample(
+            task_id=f"t{i % 2}",
+            episode_id=f"e{i}",
+            agent="a",
+            policy="p",
+            turn=0,
+            prompt_ids=torch.randint(0, 49152, (p_len,), generator=g).tolist(),
+            response_ids=torch.randint(0, 49152, (r_len,), generator=g).tolist(),
+            rollout_logprobs=(-torch.rand(r_len, generator=g) * 3).tolist(),
+        )
+        for i, (p_len, r_len) in enumerate([(5, 4), (3, 6), (7, 2), (4, 5)])
+    ]
     return collate(samples, pad_id=0).replace(advantages=torch.tensor([1.0, -0.5, 0.25, -1.5]))
 
 
@@ -65,18 +72,24 @@ def _save_then_load(rank, model_dir, ckpt_dir):
     result = {}
     worker = None
     if wg.is_member:
-        worker = PolicyWorker("p", policy, wg, load_policy_model(policy, wg, seed=0, dtype=torch.bfloat16), LossConfig())
+        worker = PolicyWorker(
+            "p", policy, wg, load_policy_model(policy, wg, seed=0, dtype=torch.bfloat16), LossConfig()
+        )
         assert worker.compute_dtype == torch.bfloat16
         worker.train_step(_batch())
         worker.scheduler.step(increment=1)  # hyper-parameters the checkpoint must carry
         result["saved"] = _optimizer_state(worker)
-    dist_checkpoint.save_checkpoint(ckpt_dir, worker.model if worker else None, wg,
-                               optimizer=worker.optimizer if worker else None)
+    dist_checkpoint.save_checkpoint(
+        ckpt_dir, worker.model if worker else None, wg, optimizer=worker.optimizer if worker else None
+    )
     fresh = None
     if wg.is_member:
-        fresh = PolicyWorker("p", policy, wg, load_policy_model(policy, wg, seed=1, dtype=torch.bfloat16), LossConfig())
-    dist_checkpoint.load_checkpoint(ckpt_dir, fresh.model if fresh else None, wg,
-                               optimizer=fresh.optimizer if fresh else None)
+        fresh = PolicyWorker(
+            "p", policy, wg, load_policy_model(policy, wg, seed=1, dtype=torch.bfloat16), LossConfig()
+        )
+    dist_checkpoint.load_checkpoint(
+        ckpt_dir, fresh.model if fresh else None, wg, optimizer=fresh.optimizer if fresh else None
+    )
     if fresh is not None:
         result["loaded"] = _optimizer_state(fresh)
     return result
@@ -103,7 +116,7 @@ def test_bf16_optimizer_round_trip_when_rank0_is_outside_the_wg(tmp_path):
     dcp_to_torch_save(tmp_path / "ckpt", tmp_path / "flat.pt")
     flat = torch.load(tmp_path / "flat.pt", weights_only=False)
     prefix = "optimizer.state.param."
-    mains = {k[len(prefix):]: v for k, v in flat.items() if k.startswith(prefix)}
+    mains = {k[len(prefix) :]: v for k, v in flat.items() if k.startswith(prefix)}
     assert mains and all(k in flat for k in mains), sorted(flat)[:20]
     for name, main in mains.items():
         assert torch.equal(main.to(torch.bfloat16), flat[name].to(torch.bfloat16)), name

@@ -27,16 +27,35 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]
 PRESET = ROOT / "configs" / "presets" / "l1_colocated.yaml"
 TOLERANCE = 0.05
-OVERRIDES = ["trainer.total_steps=2", "trainer.save_every=1", "eval.every=1", "eval.num_tasks=2",
-             "rollout.num_tasks=2", "rollout.group_size=2", "policies.shared.dtype=bf16",
-             "policies.shared.distributed_optimizer=true", "policies.shared.kl_coef=0.1",
-             "policies.shared.offload_train_state=true", "trainer.resume=none"]
+OVERRIDES = [
+    "trainer.total_steps=2",
+    "trainer.save_every=1",
+    "eval.every=1",
+    "eval.num_tasks=2",
+    "rollout.num_tasks=2",
+    "rollout.group_size=2",
+    "policies.shared.dtype=bf16",
+    "policies.shared.distributed_optimizer=true",
+    "policies.shared.kl_coef=0.1",
+    "policies.shared.offload_train_state=true",
+    "trainer.resume=none",
+]
 # what each phase action does to the real objects (the recorded names below)
 CALLS = {
-    "wake_weights": ["wake:weights"], "push_all": ["push"], "push": ["push"], "save": ["save"],
-    "offload": ["offload", "release"], "wake_kv": ["wake:kv_cache", "verify"], "evaluate": ["evaluate"],
-    "rollout": ["collect"], "sleep": ["sleep"], "restore": ["restore"], "train": ["train_share"],
-    "release": ["release"], "final_save": ["save"], "resync": [],  # no replica restarted here
+    "wake_weights": ["wake:weights"],
+    "push_all": ["push"],
+    "push": ["push"],
+    "save": ["save"],
+    "offload": ["offload", "release"],
+    "wake_kv": ["wake:kv_cache", "verify"],
+    "evaluate": ["evaluate"],
+    "rollout": ["collect"],
+    "sleep": ["sleep"],
+    "restore": ["restore"],
+    "train": ["train_share"],
+    "release": ["release"],
+    "final_save": ["save"],
+    "resync": [],  # no replica restarted here
 }
 
 
@@ -56,16 +75,26 @@ def _run_and_record(rank: int, output_dir: str):
 
         def wrapper(*args, **kwargs):
             tags = kwargs.get("tags", args[1] if len(args) > 1 else None) if attr == "wake" else None
-            calls.append(label or (f"wake:{','.join(tags or ('weights', 'kv_cache'))}" if attr == "wake" else attr))
+            calls.append(
+                label or (f"wake:{','.join(tags or ('weights', 'kv_cache'))}" if attr == "wake" else attr)
+            )
             return real(*args, **kwargs)
+
         setattr(owner, attr, wrapper)
 
-    for owner, attr, label in [(PolicyReplicas, "wake", None), (PolicyReplicas, "sleep", None),
-                               (PolicyReplicas, "push", None), (PolicyReplicas, "verify_pushed", "verify"),
-                               (TrainStateOffload, "offload", None), (TrainStateOffload, "restore", None),
-                               (PolicyWorker, "train_share", None), (RolloutDriver, "collect", None),
-                               (RolloutDriver, "evaluate", None), (Checkpointer, "save", None),
-                               (trainer_module, "release_cached_memory", "release")]:
+    for owner, attr, label in [
+        (PolicyReplicas, "wake", None),
+        (PolicyReplicas, "sleep", None),
+        (PolicyReplicas, "push", None),
+        (PolicyReplicas, "verify_pushed", "verify"),
+        (TrainStateOffload, "offload", None),
+        (TrainStateOffload, "restore", None),
+        (PolicyWorker, "train_share", None),
+        (RolloutDriver, "collect", None),
+        (RolloutDriver, "evaluate", None),
+        (Checkpointer, "save", None),
+        (trainer_module, "release_cached_memory", "release"),
+    ]:
         spy(owner, attr, label)
     TrainStateOffload.applies = property(lambda self: True)  # offload on CPU ranks too
 
@@ -83,8 +112,12 @@ def _run_and_record(rank: int, output_dir: str):
     trainer = MeasuringTrainer(cfg)
     executed = [p.action for p in (*trainer.phases.start, *trainer.phases.step, *trainer.phases.step)]
     trainer.fit()
-    return {"calls": calls, "executed": executed, "measured": measured,
-            "offloaded": list(trainer.run.offloaded)}
+    return {
+        "calls": calls,
+        "executed": executed,
+        "measured": measured,
+        "offloaded": list(trainer.run.offloaded),
+    }
 
 
 def _engine_bytes(engine) -> int:
@@ -119,8 +152,14 @@ def test_each_phase_holds_what_the_plan_says(run):
     from megamarl.planning.dryrun import plan_memory
 
     cfg = load_config(PRESET, OVERRIDES)
-    report = plan_memory(cfg, world_size=2, gpus_per_node=2, on_gpus=False, offload_applies=True,
-                         overlaps_training=overlaps_training(cfg.trainer))
+    report = plan_memory(
+        cfg,
+        world_size=2,
+        gpus_per_node=2,
+        on_gpus=False,
+        offload_applies=True,
+        overlaps_training=overlaps_training(cfg.trainer),
+    )
     kinds = ("weights", "grads", "main_params", "optimizer", "reference", "engine_weights")
     rows = []
     for rank, got in enumerate(run):

@@ -17,12 +17,18 @@ def _batch():
     g = torch.Generator().manual_seed(0)
     samples = []
     for i, (p_len, r_len) in enumerate([(5, 4), (3, 6), (7, 2), (4, 5), (6, 3)]):
-        samples.append(Sample(
-            task_id=f"t{i % 2}", episode_id=f"e{i}", agent="solver" if i % 2 else "verifier", policy="p", turn=0,
-            prompt_ids=torch.randint(0, 49152, (p_len,), generator=g).tolist(),
-            response_ids=torch.randint(0, 49152, (r_len,), generator=g).tolist(),
-            rollout_logprobs=(-torch.rand(r_len, generator=g) * 3).tolist(),
-        ))
+        samples.append(
+            Sample(
+                task_id=f"t{i % 2}",
+                episode_id=f"e{i}",
+                agent="solver" if i % 2 else "verifier",
+                policy="p",
+                turn=0,
+                prompt_ids=torch.randint(0, 49152, (p_len,), generator=g).tolist(),
+                response_ids=torch.randint(0, 49152, (r_len,), generator=g).tolist(),
+                rollout_logprobs=(-torch.rand(r_len, generator=g) * 3).tolist(),
+            )
+        )
     batch = collate(samples, pad_id=0)
     return batch.replace(advantages=torch.tensor([1.0, -0.5, 0.25, -1.5, 0.75]))
 
@@ -44,9 +50,15 @@ def _reference_grads(model_dir, batch=None):
     logits = model(batch.tokens, attention_mask=batch.attention_mask.long()).logits
     logprobs, entropy = vocab_parallel_logprobs(logits, batch.tokens)
     loss, _ = policy_loss(
-        logprobs, batch.advantages, batch.response_mask, _loss_cfg(), old_logprobs=logprobs.detach(),
-        rollout_logprobs=batch.rollout_logprobs, entropy=entropy,
-        num_tokens=int(batch.response_mask.sum()), num_seqs=batch.num_samples,
+        logprobs,
+        batch.advantages,
+        batch.response_mask,
+        _loss_cfg(),
+        old_logprobs=logprobs.detach(),
+        rollout_logprobs=batch.rollout_logprobs,
+        entropy=entropy,
+        num_tokens=int(batch.response_mask.sum()),
+        num_seqs=batch.num_samples,
     )
     loss.backward()
     return {n: p.grad.clone() for n, p in model.named_parameters()}
@@ -58,19 +70,22 @@ def _ranks_body(rank, model_dir):
     from megamarl.rl.policy_setup import load_policy_model
     from megamarl.rl.worker import PolicyWorker
 
-    placement = PlacementConfig({
-        "tp2": WorkerGroupLayout(ranks=[0, 1], tp=2),
-        "pp2": WorkerGroupLayout(ranks=[0, 1], pp=2),
-        "dp2": WorkerGroupLayout(ranks=[0, 1]),
-    })
+    placement = PlacementConfig(
+        {
+            "tp2": WorkerGroupLayout(ranks=[0, 1], tp=2),
+            "pp2": WorkerGroupLayout(ranks=[0, 1], pp=2),
+            "dp2": WorkerGroupLayout(ranks=[0, 1]),
+        }
+    )
     wgs = build_worker_groups(placement)
     reference = _reference_grads(model_dir)
     batch = _batch()
     counts = {"num_tokens": int(batch.response_mask.sum()), "num_seqs": batch.num_samples}
     diffs = {}
     for name, wg in wgs.items():
-        policy = PolicyConfig(model=str(model_dir), micro_batch_size=2, lr=1e-3, grad_clip=0.0,
-                              distributed_optimizer=False)  # full grads in main_grad after backward
+        policy = PolicyConfig(
+            model=str(model_dir), micro_batch_size=2, lr=1e-3, grad_clip=0.0, distributed_optimizer=False
+        )  # full grads in main_grad after backward
         worker = PolicyWorker(name, policy, wg, load_policy_model(policy, wg, seed=0), _loss_cfg())
         part = worker.my_part(batch)
         worker.backward(part, worker.compute_logprobs(part), counts)
@@ -89,19 +104,26 @@ def test_megatron_policy_gradients_equal_single_process_reference(tmp_path):
 
     model_dir = save_tiny_model(tmp_path / "tiny", "llama", seed=0)
     results = run_ranks(_ranks_body, 2, str(model_dir))
-    reference_norm = float(torch.sqrt(sum(g.double().pow(2).sum() for g in _reference_grads(model_dir).values())))
+    reference_norm = float(
+        torch.sqrt(sum(g.double().pow(2).sum() for g in _reference_grads(model_dir).values()))
+    )
     for rank, diffs in enumerate(results):
         for layout in ("tp2", "pp2", "dp2"):
             assert diffs[layout] < 1e-5, (rank, layout, diffs)
             assert diffs[layout + "_changed"], (rank, layout)
             # megatron-core's norm sums fp32 per-tensor norms (torch.norm over ~1.5M embedding grads):
             # ~6e-5 relative from the float64 reference here
-            assert abs(diffs[layout + "_norm"] - reference_norm) < 2e-4 * reference_norm, (layout, diffs, reference_norm)
+            assert abs(diffs[layout + "_norm"] - reference_norm) < 2e-4 * reference_norm, (
+                layout,
+                diffs,
+                reference_norm,
+            )
     # PP=2: each stage exports its own layers; together they cover every HF tensor.
     assert results[0]["pp2_num"] + results[1]["pp2_num"] >= results[0]["tp2_num"]
 
 
 # ---- per-agent settings, reference-model KL and restricted sampling vocabularies -----------------
+
 
 def _agent_cfgs():
     from megamarl.rl.losses import LossConfig
@@ -134,7 +156,9 @@ def _reference_grads_per_agent(model_dir, ref_dir):
     def logprobs_of(m):
         logits = m(batch.tokens, attention_mask=batch.attention_mask.long()).logits
         logits = logits / torch.tensor(batch.temperatures).view(-1, 1, 1)
-        logits = logits.masked_fill(restricted_vocab_mask(batch.allowed, 0, logits.shape[-1]).unsqueeze(1), float("-inf"))
+        logits = logits.masked_fill(
+            restricted_vocab_mask(batch.allowed, 0, logits.shape[-1]).unsqueeze(1), float("-inf")
+        )
         return vocab_parallel_logprobs(logits, batch.tokens)
 
     logprobs, entropy = logprobs_of(model)
@@ -146,9 +170,14 @@ def _reference_grads_per_agent(model_dir, ref_dir):
     for agent, cfg in cfgs.items():
         rows = torch.tensor([a == agent for a in batch.names("agent")])
         loss, _ = policy_loss(
-            logprobs[rows], batch.advantages[rows], batch.response_mask[rows], cfg,
-            rollout_logprobs=batch.rollout_logprobs[rows], entropy=entropy[rows],
-            ref_logprobs=ref_logprobs[rows] if cfg.kl_coef > 0 else None, **counts,
+            logprobs[rows],
+            batch.advantages[rows],
+            batch.response_mask[rows],
+            cfg,
+            rollout_logprobs=batch.rollout_logprobs[rows],
+            entropy=entropy[rows],
+            ref_logprobs=ref_logprobs[rows] if cfg.kl_coef > 0 else None,
+            **counts,
         )
         total = total + loss
     total.backward()
@@ -161,21 +190,31 @@ def _per_agent_body(rank, model_dir, ref_dir):
     from megamarl.rl.policy_setup import load_policy_model
     from megamarl.rl.worker import PolicyWorker
 
-    placement = PlacementConfig({
-        "tp2": WorkerGroupLayout(ranks=[0, 1], tp=2),
-        "pp2": WorkerGroupLayout(ranks=[0, 1], pp=2),
-    })
+    placement = PlacementConfig(
+        {
+            "tp2": WorkerGroupLayout(ranks=[0, 1], tp=2),
+            "pp2": WorkerGroupLayout(ranks=[0, 1], pp=2),
+        }
+    )
     wgs = build_worker_groups(placement)
     reference = _reference_grads_per_agent(model_dir, ref_dir)
     batch = _restricted_batch()
     counts = {"num_tokens": int(batch.response_mask.sum()), "num_seqs": batch.num_samples}
     diffs = {}
     for name, wg in wgs.items():
-        policy = PolicyConfig(model=str(model_dir), micro_batch_size=2, lr=1e-3, grad_clip=0.0,
-                              distributed_optimizer=False)  # full grads in main_grad after backward
+        policy = PolicyConfig(
+            model=str(model_dir), micro_batch_size=2, lr=1e-3, grad_clip=0.0, distributed_optimizer=False
+        )  # full grads in main_grad after backward
         ref = load_policy_model(PolicyConfig(model=str(ref_dir)), wg, seed=0)
-        worker = PolicyWorker(name, policy, wg, load_policy_model(policy, wg, seed=0), _loss_cfg(),
-                              agents=_agent_cfgs(), ref_handle=ref)
+        worker = PolicyWorker(
+            name,
+            policy,
+            wg,
+            load_policy_model(policy, wg, seed=0),
+            _loss_cfg(),
+            agents=_agent_cfgs(),
+            ref_handle=ref,
+        )
         part = worker.my_part(batch)
         ref_logprobs = worker.compute_logprobs(part, reference=True)
         worker.backward(part, None, counts, ref=ref_logprobs)
@@ -205,11 +244,14 @@ def test_per_agent_losses_reference_kl_and_restricted_vocab_match_reference(tmp_
 
 # ---- GAE with a critic (value head on the Megatron model) ---------------------------------------
 
+
 def _critic_cfg():
     from megamarl.rl.advantages import AdvantageConfig
     from megamarl.rl.critic import CriticConfig
 
-    return CriticConfig(AdvantageConfig(estimator="gae", gamma=0.9, lam=0.8, norm_std=True), value_coef=0.5, value_clip=0.2)
+    return CriticConfig(
+        AdvantageConfig(estimator="gae", gamma=0.9, lam=0.8, norm_std=True), value_coef=0.5, value_clip=0.2
+    )
 
 
 def _critic_reference(model_dir):
@@ -227,16 +269,25 @@ def _critic_reference(model_dir):
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     head = torch.nn.Linear(model.config.hidden_size, 1)
     torch.nn.init.zeros_(head.weight), torch.nn.init.zeros_(head.bias)
-    hidden = model.model(batch.tokens, attention_mask=batch.attention_mask.long()).last_hidden_state  # [B, T, H]
+    hidden = model.model(
+        batch.tokens, attention_mask=batch.attention_mask.long()
+    ).last_hidden_state  # [B, T, H]
     logits = model.lm_head(hidden)
     logprobs, entropy = vocab_parallel_logprobs(logits, batch.tokens)
     values = torch.cat([torch.zeros(batch.num_samples, 1), head(hidden).squeeze(-1)[:, :-1]], dim=1)
     mask = batch.response_mask
-    adv, returns = gae(rewards_to_tokens(batch.rewards, mask), values.detach(), mask, gamma=cfg.advantage.gamma, lam=cfg.advantage.lam)
+    adv, returns = gae(
+        rewards_to_tokens(batch.rewards, mask),
+        values.detach(),
+        mask,
+        gamma=cfg.advantage.gamma,
+        lam=cfg.advantage.lam,
+    )
     adv = masked_whiten(adv, mask)
     counts = {"num_tokens": int(mask.sum()), "num_seqs": batch.num_samples}
-    loss, _ = policy_loss(logprobs, adv, mask, _loss_cfg(), rollout_logprobs=batch.rollout_logprobs,
-                          entropy=entropy, **counts)
+    loss, _ = policy_loss(
+        logprobs, adv, mask, _loss_cfg(), rollout_logprobs=batch.rollout_logprobs, entropy=entropy, **counts
+    )
     per_token, _ = value_loss(values, values.detach(), returns, mask, clip=cfg.value_clip)
     loss = loss + cfg.value_coef * LOSS_AGGREGATIONS.get("token-mean")(per_token, mask, **counts)
     loss.backward()
@@ -250,20 +301,25 @@ def _critic_body(rank, model_dir):
     from megamarl.rl.policy_setup import load_policy_model
     from megamarl.rl.worker import PolicyWorker
 
-    placement = PlacementConfig({
-        "tp2": WorkerGroupLayout(ranks=[0, 1], tp=2),
-        "pp2": WorkerGroupLayout(ranks=[0, 1], pp=2),
-        "dp2": WorkerGroupLayout(ranks=[0, 1]),
-    })
+    placement = PlacementConfig(
+        {
+            "tp2": WorkerGroupLayout(ranks=[0, 1], tp=2),
+            "pp2": WorkerGroupLayout(ranks=[0, 1], pp=2),
+            "dp2": WorkerGroupLayout(ranks=[0, 1]),
+        }
+    )
     wgs = build_worker_groups(placement)
     reference, reference_head = _critic_reference(model_dir)
     batch = _batch().replace(rewards=torch.tensor([1.0, 0.0, 0.5, 2.0, -1.0]), advantages=None)
     counts = {"num_tokens": int(batch.response_mask.sum()), "num_seqs": batch.num_samples}
     diffs = {}
     for name, wg in wgs.items():
-        policy = PolicyConfig(model=str(model_dir), micro_batch_size=2, lr=1e-3, grad_clip=0.0,
-                              distributed_optimizer=False)  # full grads in main_grad after backward
-        worker = PolicyWorker(name, policy, wg, load_policy_model(policy, wg, seed=0), _loss_cfg(), critic=_critic_cfg())
+        policy = PolicyConfig(
+            model=str(model_dir), micro_batch_size=2, lr=1e-3, grad_clip=0.0, distributed_optimizer=False
+        )  # full grads in main_grad after backward
+        worker = PolicyWorker(
+            name, policy, wg, load_policy_model(policy, wg, seed=0), _loss_cfg(), critic=_critic_cfg()
+        )
         part, returns, values = worker.critic_targets(worker.my_part(batch))
         worker.backward(part, None, counts, critic=(returns, values))
         grads = dict(megatron_steps.export_hf_grads(worker.model, wg))
@@ -291,6 +347,7 @@ def test_gae_critic_gradients_equal_single_process_reference(tmp_path):
 
 # ---- a policy batch with fewer rows than DP ranks (issue #16 item 7) -------------------------------
 
+
 def _one_row_body(rank, model_dir):
     from megamarl.config import PolicyConfig
     from megamarl.parallel.placement import PlacementConfig, WorkerGroupLayout, build_worker_groups
@@ -300,8 +357,9 @@ def _one_row_body(rank, model_dir):
 
     wg = build_worker_groups(PlacementConfig({"dp2": WorkerGroupLayout(ranks=[0, 1])}))["dp2"]
     batch = _batch().select([1])  # one row for two DP ranks
-    policy = PolicyConfig(model=str(model_dir), micro_batch_size=2, lr=1e-3, grad_clip=0.0,
-                              distributed_optimizer=False)  # full grads in main_grad after backward
+    policy = PolicyConfig(
+        model=str(model_dir), micro_batch_size=2, lr=1e-3, grad_clip=0.0, distributed_optimizer=False
+    )  # full grads in main_grad after backward
     worker = PolicyWorker("dp2", policy, wg, load_policy_model(policy, wg, seed=0), _loss_cfg())
     part = worker.my_part(batch)
     worker.backward(part, None, loss_counts(batch.response_mask))  # rank 1 used to skip this and hang rank 0
@@ -309,9 +367,11 @@ def _one_row_body(rank, model_dir):
     reference = _reference_grads(model_dir, batch)
     metrics = worker.train_step(batch)  # the whole update, optimizer step included
     return {
-        "rows": part.num_samples, "response_tokens": int(part.response_mask.sum()),
+        "rows": part.num_samples,
+        "response_tokens": int(part.response_mask.sum()),
         "diff": max((grads[n] - reference[n]).abs().max().item() for n in grads),
-        "metrics": sorted(metrics), "weights": float(sum(t.double().sum() for _, t in worker.export())),
+        "metrics": sorted(metrics),
+        "weights": float(sum(t.double().sum() for _, t in worker.export())),
     }
 
 
@@ -325,5 +385,7 @@ def test_one_row_batch_at_dp2_every_rank_takes_part(tmp_path):
     assert [(r["rows"], r["response_tokens"] > 0) for r in results] == [(1, True), (1, False)]
     assert all(r["diff"] < 1e-5 for r in results), [r["diff"] for r in results]
     assert results[0]["weights"] == results[1]["weights"]
-    assert "pg_loss" in results[0]["metrics"] and "pg_loss" not in results[1]["metrics"]  # stand-in: no loss terms
+    assert (
+        "pg_loss" in results[0]["metrics"] and "pg_loss" not in results[1]["metrics"]
+    )  # stand-in: no loss terms
     assert "grad_norm" in results[1]["metrics"]

@@ -16,8 +16,10 @@ pytestmark = pytest.mark.distributed
 
 def _stage(rank: int) -> list[tuple[str, torch.Tensor]]:
     g = torch.Generator().manual_seed(rank)
-    return [(f"model.layers.{rank}.w{i}", torch.randn(64, 32, generator=g).to(dtype))
-            for i, dtype in enumerate((torch.float32, torch.bfloat16, torch.float32))]
+    return [
+        (f"model.layers.{rank}.w{i}", torch.randn(64, 32, generator=g).to(dtype))
+        for i, dtype in enumerate((torch.float32, torch.bfloat16, torch.float32))
+    ]
 
 
 def _gather(rank: int) -> list | None:
@@ -27,7 +29,9 @@ def _gather(rank: int) -> list | None:
 
     device = forward_device(on_gpu=False)
     if rank == 1:
-        assert forward_stage(iter(_stage(1)), dst=0, bucket_bytes=10_000, device=device) == 3  # one tensor each
+        assert (
+            forward_stage(iter(_stage(1)), dst=0, bucket_bytes=10_000, device=device) == 3
+        )  # one tensor each
         return None
     got = list(itertools.chain(_stage(0), receive_stage(1, device=device)))
     return [(n, t.dtype, t.device.type, t.clone()) for n, t in got]
@@ -53,12 +57,16 @@ def _relay(rank: int) -> list:
     device, layout, fed = forward_device(on_gpu=False), WorkerGroupLayout([0, 1], pp=2), []
     for leaders in ({0, 1}, {1}):
         role = relay_roles(layout, leaders)[rank]
-        named = relay_stage(iter(_stage(rank)), destinations=role.destinations, bucket_bytes=10_000, device=device)
+        named = relay_stage(
+            iter(_stage(rank)), destinations=role.destinations, bucket_bytes=10_000, device=device
+        )
         if not role.feeds:
             drain(named)
             fed.append(None)
             continue
-        stages = [named if s == role.stage else receive_stage(role.sources[s], device=device) for s in range(2)]
+        stages = [
+            named if s == role.stage else receive_stage(role.sources[s], device=device) for s in range(2)
+        ]
         fed.append([(n, t.dtype, t.clone()) for n, t in itertools.chain(*stages)])
     return fed
 

@@ -26,8 +26,12 @@ def _worker(name, wg, model_dir, **policy_keys):
     from megamarl.rl.worker import PolicyWorker
 
     dtype = policy_keys.pop("dtype", torch.float32)
-    policy = PolicyConfig(model=str(model_dir), **{"micro_batch_size": 2, "lr": 1e-2, "grad_clip": 1.0, **policy_keys})
-    return PolicyWorker(name, policy, wg, load_policy_model(policy, wg, seed=0, dtype=dtype), _loss_cfg(), total_steps=4)
+    policy = PolicyConfig(
+        model=str(model_dir), **{"micro_batch_size": 2, "lr": 1e-2, "grad_clip": 1.0, **policy_keys}
+    )
+    return PolicyWorker(
+        name, policy, wg, load_policy_model(policy, wg, seed=0, dtype=dtype), _loss_cfg(), total_steps=4
+    )
 
 
 def _weights(worker) -> dict[str, torch.Tensor]:
@@ -52,8 +56,11 @@ def _optimizer_body(rank, model_dir):
             # Adam state held by this rank: sharded over DP with the distributed optimizer
             inner = worker.optimizer.chained_optimizers[0].optimizer
             out[f"{dtype}_{distributed}_state_numel"] = sum(
-                s["exp_avg"].numel() for s in inner.state.values())
-        out[f"{dtype}_max_diff"] = max((weights[True][n] - weights[False][n]).abs().max().item() for n in weights[True])
+                s["exp_avg"].numel() for s in inner.state.values()
+            )
+        out[f"{dtype}_max_diff"] = max(
+            (weights[True][n] - weights[False][n]).abs().max().item() for n in weights[True]
+        )
     return out
 
 
@@ -82,17 +89,26 @@ def _features_body(rank, model_dir):
     from megamarl.parallel.placement import PlacementConfig, WorkerGroupLayout, build_worker_groups
     from megamarl.rl.losses import loss_counts
 
-    wgs = build_worker_groups(PlacementConfig({"tp2": WorkerGroupLayout(ranks=[0, 1], tp=2),
-                                               "dp2": WorkerGroupLayout(ranks=[0, 1])}))
+    wgs = build_worker_groups(
+        PlacementConfig(
+            {"tp2": WorkerGroupLayout(ranks=[0, 1], tp=2), "dp2": WorkerGroupLayout(ranks=[0, 1])}
+        )
+    )
     batch = _batch()
     out = {}
     # mini-batches: 5 rows in mini-batches of 2 -> 3 optimizer steps per epoch, 6 with two epochs
     worker = _worker("dp2", wgs["dp2"], model_dir, mini_batch_size=2, ppo_epochs=2)
     calls = []
     compute = worker.compute_logprobs
-    worker.compute_logprobs = lambda part, **kw: calls.append(kw.get("reference", False)) or compute(part, **kw)
+    worker.compute_logprobs = lambda part, **kw: (
+        calls.append(kw.get("reference", False)) or compute(part, **kw)
+    )
     metrics = worker.train_step(batch)
-    out["mini_steps"], out["mini_updates"], out["old_calls"] = metrics["optimizer_steps"], worker.num_updates, len(calls)
+    out["mini_steps"], out["mini_updates"], out["old_calls"] = (
+        metrics["optimizer_steps"],
+        worker.num_updates,
+        len(calls),
+    )
     out["mini_sizes"] = [m.num_samples for m in worker.mini_batches(batch)]
     one = _worker("dp2", wgs["dp2"], model_dir, mini_batch_size=8)  # >= the batch: today's single step
     base = _worker("dp2", wgs["dp2"], model_dir)
@@ -103,8 +119,12 @@ def _features_body(rank, model_dir):
     # recompute and packing: the same gradients as the plain padded path (TP=2, fp32)
     counts = loss_counts(batch.response_mask)
     grads = {}
-    for label, keys in {"none": {}, "selective": {"recompute": "selective"}, "full": {"recompute": "full"},
-                        "packed": {"pack": True, "max_tokens_per_micro_batch": 32, "micro_batch_size": 4}}.items():
+    for label, keys in {
+        "none": {},
+        "selective": {"recompute": "selective"},
+        "full": {"recompute": "full"},
+        "packed": {"pack": True, "max_tokens_per_micro_batch": 32, "micro_batch_size": 4},
+    }.items():
         worker = _worker(label, wgs["tp2"], model_dir, distributed_optimizer=False, **keys)
         part = worker.my_part(batch)
         collected = worker.backward(part, worker.compute_logprobs(part), counts)
@@ -113,11 +133,15 @@ def _features_body(rank, model_dir):
         out[f"{label}_micro_batches"] = len(worker._micro_batches(part))
         out[f"{label}_padding"] = worker.padding_fraction(part)
     for label in ("selective", "full", "packed"):
-        out[f"{label}_grad_diff"] = max((grads[label][n] - grads["none"][n]).abs().max().item() for n in grads["none"])
+        out[f"{label}_grad_diff"] = max(
+            (grads[label][n] - grads["none"][n]).abs().max().item() for n in grads["none"]
+        )
     out["grad_scale"] = max(g.abs().max().item() for g in grads["none"].values())
 
     # learning-rate schedule: 2 warmup updates, cosine to min_lr over 4 (megatron-core's formula)
-    worker = _worker("dp2", wgs["dp2"], model_dir, lr_schedule={"warmup_steps": 2, "decay": "cosine", "min_lr": 1e-3})
+    worker = _worker(
+        "dp2", wgs["dp2"], model_dir, lr_schedule={"warmup_steps": 2, "decay": "cosine", "min_lr": 1e-3}
+    )
     out["lrs"] = [worker.train_step(batch)["lr"] for _ in range(5)]
     return out
 

@@ -34,15 +34,32 @@ def _tree_batch():
     rows.append(("t1", "m", "solver", 0, instructions + ids(4), first))
     rows.append(("t1", "m", "solver", 1, rows[-1][4] + first + ids(2), ids(4)))
     rows += [("t0", f"v{k}", "verifier", 0, instructions + ids(4), ids(2 + k)) for k in range(2)]
-    samples = [Sample(task_id=t, episode_id=e, agent=a, policy="p", turn=turn, prompt_ids=p, response_ids=r,
-                      rollout_logprobs=(-torch.rand(len(r), generator=g) * 3).tolist())
-               for t, e, a, turn, p, r in rows]
+    samples = [
+        Sample(
+            task_id=t,
+            episode_id=e,
+            agent=a,
+            policy="p",
+            turn=turn,
+            prompt_ids=p,
+            response_ids=r,
+            rollout_logprobs=(-torch.rand(len(r), generator=g) * 3).tolist(),
+        )
+        for t, e, a, turn, p, r in rows
+    ]
     batch = collate(samples, pad_id=0)
-    allowed = tuple(tuple(sorted(set(batch.tokens[i][batch.response_mask[i]].tolist()) | {7, 11}))
-                    if i in (1, 6) else None for i in range(batch.num_samples))
+    allowed = tuple(
+        tuple(sorted(set(batch.tokens[i][batch.response_mask[i]].tolist()) | {7, 11}))
+        if i in (1, 6)
+        else None
+        for i in range(batch.num_samples)
+    )
     advantages = torch.linspace(-1.0, 1.0, batch.num_samples)
-    return batch.replace(advantages=advantages, allowed=allowed, temperatures=tuple(0.8 + 0.1 * (i % 3)
-                                                                                     for i in range(batch.num_samples)))
+    return batch.replace(
+        advantages=advantages,
+        allowed=allowed,
+        temperatures=tuple(0.8 + 0.1 * (i % 3) for i in range(batch.num_samples)),
+    )
 
 
 def _worker(name, wg, model_dir, tree, ref_dir=None, agents=None, critic=None, **keys):
@@ -50,12 +67,31 @@ def _worker(name, wg, model_dir, tree, ref_dir=None, agents=None, critic=None, *
     from megamarl.rl.policy_setup import load_policy_model
     from megamarl.rl.worker import PolicyWorker
 
-    policy = PolicyConfig(model=str(model_dir), **{"micro_batch_size": 8, "lr": 1e-3, "grad_clip": 0.0,
-                                                   "distributed_optimizer": False, "pack": True,
-                                                   "prefix_tree": tree, **keys})
+    policy = PolicyConfig(
+        model=str(model_dir),
+        **{
+            "micro_batch_size": 8,
+            "lr": 1e-3,
+            "grad_clip": 0.0,
+            "distributed_optimizer": False,
+            "pack": True,
+            "prefix_tree": tree,
+            **keys,
+        },
+    )
     ref = load_policy_model(PolicyConfig(model=str(ref_dir)), wg, seed=0) if ref_dir else None
-    return PolicyWorker(name, policy, wg, load_policy_model(policy, wg, seed=0), _loss_cfg(), agents=agents,
-                        ref_handle=ref, critic=critic, lora=keys.get("lora"), total_steps=2)
+    return PolicyWorker(
+        name,
+        policy,
+        wg,
+        load_policy_model(policy, wg, seed=0),
+        _loss_cfg(),
+        agents=agents,
+        ref_handle=ref,
+        critic=critic,
+        lora=keys.get("lora"),
+        total_steps=2,
+    )
 
 
 def _grads(worker, wg):
@@ -75,9 +111,15 @@ def _tree_body(rank, model_dir, ref_dir):
     from megamarl.rl.tree import tree_tokens
     from megamarl.rl.worker import AgentTraining
 
-    wgs = build_worker_groups(PlacementConfig({"tp2": WorkerGroupLayout(ranks=[0, 1], tp=2),
-                                               "pp2": WorkerGroupLayout(ranks=[0, 1], pp=2),
-                                               "dp2": WorkerGroupLayout(ranks=[0, 1])}))
+    wgs = build_worker_groups(
+        PlacementConfig(
+            {
+                "tp2": WorkerGroupLayout(ranks=[0, 1], tp=2),
+                "pp2": WorkerGroupLayout(ranks=[0, 1], pp=2),
+                "dp2": WorkerGroupLayout(ranks=[0, 1]),
+            }
+        )
+    )
     batch = _tree_batch()
     counts = loss_counts(batch.response_mask)
     out = {}
@@ -97,7 +139,8 @@ def _tree_body(rank, model_dir, ref_dir):
             out[f"{layout}_{tree}_loss"] = sum(c["loss"] for c in collected)
             out[f"{layout}_{tree}_forwarded"] = sum(
                 (tree_tokens(mb.tokens, mb.attention_mask) if tree else int(mb.lengths.sum()))
-                for mb in worker._micro_batches(part))
+                for mb in worker._micro_batches(part)
+            )
         if wg.is_last_stage:
             out[f"{layout}_logprobs"] = (lps[True] - lps[False]).abs().max().item()
         out[f"{layout}_grads"] = _diff(grads[True], grads[False])
@@ -122,7 +165,9 @@ def _tree_body(rank, model_dir, ref_dir):
     # DP=2: L2, one LoRA adapter per agent (the base frozen; only adapter gradients)
     grads = {}
     lora = LoraConfig(rank=4, alpha=8.0)
-    agents = {a: AgentTraining(loss=_loss_cfg(), micro_batch_size=8, adapter=a) for a in ("solver", "verifier")}
+    agents = {
+        a: AgentTraining(loss=_loss_cfg(), micro_batch_size=8, adapter=a) for a in ("solver", "verifier")
+    }
     for tree in (False, True):
         worker = _worker("dp2", wg, model_dir, tree, agents=agents, lora=lora)
         part = worker.my_part(batch)
@@ -138,8 +183,10 @@ def _tree_body(rank, model_dir, ref_dir):
         worker = _worker("dp2", wg, model_dir, tree, ref_dir=ref_dir, ppo_epochs=2, mini_batch_size=4)
         worker.loss_cfg = kl
         metrics[tree] = worker.train_step(batch)
-    out["epochs"] = {k: (metrics[False][k], metrics[True][k]) for k in ("loss", "pg_loss", "kl_loss", "grad_norm",
-                                                                        "optimizer_steps")}
+    out["epochs"] = {
+        k: (metrics[False][k], metrics[True][k])
+        for k in ("loss", "pg_loss", "kl_loss", "grad_norm", "optimizer_steps")
+    }
     return out
 
 

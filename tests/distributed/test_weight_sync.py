@@ -31,12 +31,18 @@ def train_batch(step: int):
     g = torch.Generator().manual_seed(step)
     samples = []
     for i, (p_len, r_len) in enumerate([(5, 4), (3, 6), (7, 2), (4, 5)]):
-        samples.append(Sample(
-            task_id=f"t{i % 2}", episode_id=f"e{i}", agent="solver", policy="p", turn=0,
-            prompt_ids=torch.randint(0, 49152, (p_len,), generator=g).tolist(),
-            response_ids=torch.randint(0, 49152, (r_len,), generator=g).tolist(),
-            rollout_logprobs=(-torch.rand(r_len, generator=g) * 3).tolist(),
-        ))
+        samples.append(
+            Sample(
+                task_id=f"t{i % 2}",
+                episode_id=f"e{i}",
+                agent="solver",
+                policy="p",
+                turn=0,
+                prompt_ids=torch.randint(0, 49152, (p_len,), generator=g).tolist(),
+                response_ids=torch.randint(0, 49152, (r_len,), generator=g).tolist(),
+                rollout_logprobs=(-torch.rand(r_len, generator=g) * 3).tolist(),
+            )
+        )
     return collate(samples, pad_id=0).replace(advantages=torch.tensor([1.0, -0.5, 0.75, -1.25]))
 
 
@@ -92,9 +98,15 @@ def _disaggregated(rank, model_dir):
     from megamarl.rollout.engines.hf import HFEngine
     from megamarl.rollout.weights.weight_sync import sync_weights
 
-    wgs = build_worker_groups(PlacementConfig({
-        "tp2": WorkerGroupLayout(ranks=[1, 2], tp=2), "pp2": WorkerGroupLayout(ranks=[1, 2], pp=2),
-    }, mode="colocated"))
+    wgs = build_worker_groups(
+        PlacementConfig(
+            {
+                "tp2": WorkerGroupLayout(ranks=[1, 2], tp=2),
+                "pp2": WorkerGroupLayout(ranks=[1, 2], pp=2),
+            },
+            mode="colocated",
+        )
+    )
     engine = HFEngine(model_dir, max_wait_ms=1) if rank == ENGINE_RANK else None
     out = {"synced": {}, "exported": {}, "stats": {}}
     if engine is not None:
@@ -110,8 +122,12 @@ def _disaggregated(rank, model_dir):
             if worker is not None:
                 worker.train_step(train_batch(version))
             stats = sync_weights(
-                wg, worker.export if worker else None, [engine] if engine else None,
-                version=version, engine_rank=ENGINE_RANK, bucket_mb=BUCKET_MB,
+                wg,
+                worker.export if worker else None,
+                [engine] if engine else None,
+                version=version,
+                engine_rank=ENGINE_RANK,
+                bucket_mb=BUCKET_MB,
             )
             out["stats"][version] = (stats.num_tensors, stats.num_bytes, stats.num_buckets)
             if engine is not None:  # the weights every generation stamped `version` must have used
@@ -124,7 +140,9 @@ def _disaggregated(rank, model_dir):
     if engine is not None:
         out["generations"] = background.finish()
         out["versions_served"] = sorted({v for v, _, _ in out["generations"]})
-        out["generations_ok"] = _generations_match_their_versions(model_dir, out["generations"], out["synced"])
+        out["generations_ok"] = _generations_match_their_versions(
+            model_dir, out["generations"], out["synced"]
+        )
         out["synced"] = {v: {k: digest(t) for k, t in state.items()} for v, state in out["synced"].items()}
     return out
 
@@ -167,7 +185,9 @@ def test_disaggregated_sync_tp2_and_pp2_stamps_versions(tmp_path):
     changed = [engine["synced"][v] != engine["synced"][w] for v, w in [(0, 1), (1, 2), (2, 3), (3, 4)]]
     assert all(changed), changed  # every train step changed the weights the engine serves
 
-    assert engine["versions_served"][0] == 0 and len(engine["versions_served"]) >= 3, engine["versions_served"]
+    assert engine["versions_served"][0] == 0 and len(engine["versions_served"]) >= 3, engine[
+        "versions_served"
+    ]
     assert all(engine["generations_ok"].values()), engine["generations_ok"]
 
 

@@ -63,8 +63,13 @@ def _l2_sync(rank, model_dir, out_dir):
         optimizer.step()
 
     stats = sync_weights(
-        wg, (lambda: lora.export_lora_weights(model, wg, "solver")) if model is not None else None,
-        [engine] if engine else None, version=1, engine_rank=0, bucket_mb=0.01, lora="solver",
+        wg,
+        (lambda: lora.export_lora_weights(model, wg, "solver")) if model is not None else None,
+        [engine] if engine else None,
+        version=1,
+        engine_rank=0,
+        bucket_mb=0.01,
+        lora="solver",
     )
     if model is not None:
         lora.save_peft_adapter(model, wg, "solver", f"{out_dir}/synced/solver")  # the reference

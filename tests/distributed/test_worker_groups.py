@@ -19,8 +19,16 @@ BATCH, SEQ = 4, 8
 # Two different tiny llamas: A untied (lm_head split over TP), B tied with an odd vocab (padded at TP=2).
 MODELS = {
     "a": {"seed": 1},
-    "b": {"seed": 2, "hidden_size": 96, "intermediate_size": 160, "num_hidden_layers": 2, "num_attention_heads": 4,
-          "num_key_value_heads": 2, "vocab_size": 1001, "tie_word_embeddings": True},
+    "b": {
+        "seed": 2,
+        "hidden_size": 96,
+        "intermediate_size": 160,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 1001,
+        "tie_word_embeddings": True,
+    },
 }
 MODELS["a"].update(tie_word_embeddings=False)
 
@@ -56,8 +64,9 @@ def _run_wg(wg, overrides):
 
     model = bridge.build_model(hf.config, wg, init_weights=False)
     bridge.load_hf_weights(model, hf.state_dict(), wg)
-    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model,
-                                  pg_collection=wg.pgs)
+    ddp = DistributedDataParallel(
+        model.config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model, pg_collection=wg.pgs
+    )
     rows = slice(wg.dp_rank * BATCH // wg.layout.dp, (wg.dp_rank + 1) * BATCH // wg.layout.dp)
 
     def loss_fn(logits, microbatch):
@@ -66,7 +75,9 @@ def _run_wg(wg, overrides):
         return loss, {"logits": full.detach()}
 
     ddp.zero_grad_buffer()
-    out = megatron_steps.run_forward_backward(ddp, wg, [{"input_ids": ids[rows], "labels": labels[rows]}], loss_fn)
+    out = megatron_steps.run_forward_backward(
+        ddp, wg, [{"input_ids": ids[rows], "labels": labels[rows]}], loss_fn
+    )
     finalize_model_grads([ddp], pg_collection=wg.pgs)
     result = {"logits_diff": None, "grad_diff": {}}
     if wg.is_last_stage:
@@ -84,11 +95,16 @@ def _placement_case(rank, mode):
     if mode == "disaggregated":
         layouts = {"a": WorkerGroupLayout(ranks=[0, 1], tp=2), "b": WorkerGroupLayout(ranks=[2, 3], tp=2)}
     else:
-        layouts = {"a": WorkerGroupLayout(ranks=[0, 1, 2, 3], tp=2, dp=2),
-                   "b": WorkerGroupLayout(ranks=[0, 1, 2, 3], pp=2, dp=2)}
+        layouts = {
+            "a": WorkerGroupLayout(ranks=[0, 1, 2, 3], tp=2, dp=2),
+            "b": WorkerGroupLayout(ranks=[0, 1, 2, 3], pp=2, dp=2),
+        }
     wgs = build_worker_groups(PlacementConfig(layouts, mode=mode))
-    return {name: {**_run_wg(wg, MODELS[name]), "coords": dict(wg.coords)}
-            for name, wg in wgs.items() if wg.is_member}
+    return {
+        name: {**_run_wg(wg, MODELS[name]), "coords": dict(wg.coords)}
+        for name, wg in wgs.items()
+        if wg.is_member
+    }
 
 
 def _check(results, expected_members):
@@ -100,7 +116,12 @@ def _check(results, expected_members):
         for r in per_rank:
             assert r["grad_diff"], f"{name}: a rank exported no gradients"
             worst = max(r["grad_diff"].values())
-            assert worst < 1e-5, (name, r["coords"], worst, sorted(r["grad_diff"].items(), key=lambda x: -x[1])[:3])
+            assert worst < 1e-5, (
+                name,
+                r["coords"],
+                worst,
+                sorted(r["grad_diff"].items(), key=lambda x: -x[1])[:3],
+            )
             covered |= set(r["grad_diff"])
         assert covered == set(per_rank[0]["hf_names"]), (name, set(per_rank[0]["hf_names"]) ^ covered)
 

@@ -12,7 +12,9 @@ import torch
 @pytest.fixture(autouse=True)
 def _needs_cuda(request):
     if request.node.get_closest_marker("gpu") and not torch.cuda.is_available():
-        pytest.skip("needs CUDA (torch.cuda.is_available() is False); run it on a GPU node: bash scripts/gpu_check.sh")
+        pytest.skip(
+            "needs CUDA (torch.cuda.is_available() is False); run it on a GPU node: bash scripts/gpu_check.sh"
+        )
 
 
 @pytest.fixture(scope="session")

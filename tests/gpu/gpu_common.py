@@ -22,11 +22,15 @@ def save_tiny_random(path: str | Path, family: str = "llama", *, seed: int = 0, 
     from megamarl.models.tiny import tiny_model
 
     path = Path(path)
-    save_hf_model(tiny_model(family, seed=seed, vocab_size=overrides.pop("vocab_size", VOCAB_SIZE), **overrides), path)
+    save_hf_model(
+        tiny_model(family, seed=seed, vocab_size=overrides.pop("vocab_size", VOCAB_SIZE), **overrides), path
+    )
     return str(path)
 
 
-def make_batch(seed: int = 0, *, lengths=((5, 4), (3, 6), (7, 2), (4, 5), (6, 3)), vocab_size: int = VOCAB_SIZE):
+def make_batch(
+    seed: int = 0, *, lengths=((5, 4), (3, 6), (7, 2), (4, 5), (6, 3)), vocab_size: int = VOCAB_SIZE
+):
     """A collated batch of ``(prompt, response)`` lengths with random tokens, rollout log-probs and
     advantages (seeded, on the CPU, as the driver collates it)."""
     from megamarl.rl.batch import collate
@@ -34,10 +38,17 @@ def make_batch(seed: int = 0, *, lengths=((5, 4), (3, 6), (7, 2), (4, 5), (6, 3)
 
     g = torch.Generator().manual_seed(seed)
     samples = [
-        Sample(task_id=f"t{i % 2}", episode_id=f"e{i}", agent="solver", policy="p", turn=0,
-               prompt_ids=torch.randint(0, vocab_size, (p_len,), generator=g).tolist(),
-               response_ids=torch.randint(0, vocab_size, (r_len,), generator=g).tolist(),
-               rollout_logprobs=(-torch.rand(r_len, generator=g) * 3).tolist(), temperature=1.0)
+        Sample(
+            task_id=f"t{i % 2}",
+            episode_id=f"e{i}",
+            agent="solver",
+            policy="p",
+            turn=0,
+            prompt_ids=torch.randint(0, vocab_size, (p_len,), generator=g).tolist(),
+            response_ids=torch.randint(0, vocab_size, (r_len,), generator=g).tolist(),
+            rollout_logprobs=(-torch.rand(r_len, generator=g) * 3).tolist(),
+            temperature=1.0,
+        )
         for i, (p_len, r_len) in enumerate(lengths)
     ]
     batch = collate(samples, pad_id=0)
@@ -63,8 +74,12 @@ def make_worker(model_dir: str, wg, *, dtype: torch.dtype = torch.float32, **pol
     from megamarl.rl.policy_setup import load_policy_model
     from megamarl.rl.worker import PolicyWorker
 
-    policy = PolicyConfig(model=model_dir, **{"micro_batch_size": 2, "lr": 1e-3, "grad_clip": 1.0, **policy_keys})
-    return PolicyWorker(wg.name, policy, wg, load_policy_model(policy, wg, seed=0, dtype=dtype), loss_config())
+    policy = PolicyConfig(
+        model=model_dir, **{"micro_batch_size": 2, "lr": 1e-3, "grad_clip": 1.0, **policy_keys}
+    )
+    return PolicyWorker(
+        wg.name, policy, wg, load_policy_model(policy, wg, seed=0, dtype=dtype), loss_config()
+    )
 
 
 def weights(worker) -> dict[str, torch.Tensor]:

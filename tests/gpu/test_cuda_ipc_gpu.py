@@ -50,8 +50,15 @@ def _decode_like_vllm(update_info: dict, inbox, outbox) -> None:
             args = list(handle[uuid])
             args[6] = device_index  # the receiver's device index, as vLLM does
             tensors.append(rebuild_cuda_tensor(*args))
-        outbox.put(("read", [(str(t.dtype).removeprefix("torch."), list(t.shape), str(t.device), t.cpu().clone())
-                             for t in tensors]))
+        outbox.put(
+            (
+                "read",
+                [
+                    (str(t.dtype).removeprefix("torch."), list(t.shape), str(t.device), t.cpu().clone())
+                    for t in tensors
+                ],
+            )
+        )
         inbox.get(timeout=120)  # the sender wrote into its tensors: read again through the same views
         torch.cuda.synchronize()
         outbox.put(("reread", [t.cpu().clone() for t in tensors]))
@@ -75,9 +82,12 @@ def test_ipc_bucket_round_trip_decoded_like_vllm_in_a_child_process(record_prope
     sender.dtype = ENGINE_DTYPE
     (bucket,) = list(buckets(named, 64 * 2**20, dtype=ENGINE_DTYPE))
     bucket = [(name, sender._wire(t)) for name, t in bucket]  # what travels: kept referenced, as in send()
-    update_info = {"names": [n for n, _ in bucket], "dtype_names": [dtype_name(t.dtype) for _, t in bucket],
-                   "shapes": [list(t.shape) for _, t in bucket],
-                   "ipc_handles_pickled": _pickled([_ipc_handles(t) for _, t in bucket])}
+    update_info = {
+        "names": [n for n, _ in bucket],
+        "dtype_names": [dtype_name(t.dtype) for _, t in bucket],
+        "shapes": [list(t.shape) for _, t in bucket],
+        "ipc_handles_pickled": _pickled([_ipc_handles(t) for _, t in bucket]),
+    }
     # no synchronize, as in send(): the child's reads are ordered after the casts by the CUDA event
     # ``reduce_tensor`` records on the current stream, which ``rebuild_cuda_tensor`` waits on
 
@@ -89,7 +99,11 @@ def test_ipc_bucket_round_trip_decoded_like_vllm_in_a_child_process(record_prope
         kind, read = outbox.get(timeout=180)
         assert kind == "read", read
         for (name, sent), (dtype, shape, where, got) in zip(bucket, read):
-            assert dtype == update_info["dtype_names"][update_info["names"].index(name)] == dtype_name(sent.dtype)
+            assert (
+                dtype
+                == update_info["dtype_names"][update_info["names"].index(name)]
+                == dtype_name(sent.dtype)
+            )
             assert shape == list(sent.shape) and where.startswith("cuda"), (name, shape, where)
             assert torch.equal(got, sent.cpu()), name  # bit-exact
         assert [dtype for dtype, *_ in read] == ["bfloat16", "bfloat16", "bfloat16", "int64"]

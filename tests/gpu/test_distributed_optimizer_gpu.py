@@ -34,12 +34,21 @@ def _body(rank, model_dir):
             key = (str(dtype), distributed)
             out[key] = {
                 "type": type(worker.optimizer.chained_optimizers[0]).__name__,
-                "skipped": [m["nonfinite_skipped"] for m in metrics], "grad_norms": [m["grad_norm"] for m in metrics],
+                "skipped": [m["nonfinite_skipped"] for m in metrics],
+                "grad_norms": [m["grad_norm"] for m in metrics],
                 "main_devices": sorted({str(p.device) for opt in inner for p in main_params(opt)}),
                 "main_dtypes": sorted({str(p.dtype) for opt in inner for p in main_params(opt)}),
-                "state_devices": sorted({str(v.device) for opt in inner for s in opt.state.values()
-                                      for k, v in s.items() if isinstance(v, torch.Tensor) and k != "step"}),
-                "weights": weights(worker), "moved": max_abs_diff(weights(worker), initial),
+                "state_devices": sorted(
+                    {
+                        str(v.device)
+                        for opt in inner
+                        for s in opt.state.values()
+                        for k, v in s.items()
+                        if isinstance(v, torch.Tensor) and k != "step"
+                    }
+                ),
+                "weights": weights(worker),
+                "moved": max_abs_diff(weights(worker), initial),
             }
     return out
 
@@ -62,12 +71,19 @@ def test_distributed_optimizer_steps_on_cuda_like_the_plain_one(tiny_llama, reco
     dist_w, plain_w = r[(bf16, True)]["weights"], r[(bf16, False)]["weights"]
     bf16_diff = max_abs_diff(dist_w, plain_w)
     one_step = max(w.abs().max().item() for w in plain_w.values()) * 2.0**-7  # bf16: 8 significant bits
-    differing = sum((dist_w[n] != plain_w[n]).sum().item() for n in plain_w) / sum(w.numel() for w in plain_w.values())
-    for name, value in (("fp32_weight_diff", fp32_diff), ("bf16_weight_diff", bf16_diff),
-                        ("bf16_fraction_differing", differing)):
+    differing = sum((dist_w[n] != plain_w[n]).sum().item() for n in plain_w) / sum(
+        w.numel() for w in plain_w.values()
+    )
+    for name, value in (
+        ("fp32_weight_diff", fp32_diff),
+        ("bf16_weight_diff", bf16_diff),
+        ("bf16_fraction_differing", differing),
+    ):
         record_property(name, value)
-    print(f"\ndistributed vs plain optimizer after 2 updates: fp32 max diff {fp32_diff:.2e}, bf16 max diff "
-          f"{bf16_diff:.2e} (one bf16 step at the largest weight {one_step:.2e}), {differing:.2%} of bf16 weights differ")
+    print(
+        f"\ndistributed vs plain optimizer after 2 updates: fp32 max diff {fp32_diff:.2e}, bf16 max diff "
+        f"{bf16_diff:.2e} (one bf16 step at the largest weight {one_step:.2e}), {differing:.2%} of bf16 weights differ"
+    )
     assert bf16_diff <= one_step and differing <= 0.01, (bf16_diff, one_step, differing)
     for dtype in (fp32, bf16):
         assert r[(dtype, True)]["grad_norms"] == pytest.approx(r[(dtype, False)]["grad_norms"], rel=1e-3)

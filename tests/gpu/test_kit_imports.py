@@ -19,8 +19,9 @@ pytestmark = [pytest.mark.gpu_kit]
 
 TESTS = Path(__file__).resolve().parents[1]
 # the tier's own sources: its test modules and the tests/ helpers they import
-SOURCES = sorted((TESTS / "gpu").glob("*.py")) + [TESTS / f for f in ("device_checker.py", "megatron_steps.py",
-                                                                      "saved_storage.py")]
+SOURCES = sorted((TESTS / "gpu").glob("*.py")) + [
+    TESTS / f for f in ("device_checker.py", "megatron_steps.py", "saved_storage.py")
+]
 
 
 def tier_imports() -> list[str]:
@@ -37,7 +38,9 @@ def tier_imports() -> list[str]:
 
 def test_tier_sources_are_read():
     names = tier_imports()
-    assert {"megamarl.rl.worker", "megamarl.rollout.weights.vllm_native_sync", "gpu_common"} <= set(names), names
+    assert {"megamarl.rl.worker", "megamarl.rollout.weights.vllm_native_sync", "gpu_common"} <= set(names), (
+        names
+    )
 
 
 def test_every_module_the_tier_and_its_ranks_import_imports_here():
@@ -46,17 +49,25 @@ def test_every_module_the_tier_and_its_ranks_import_imports_here():
     from megamarl.parallel.launch import RANK_PRELOAD
 
     modules = sorted(set(tier_imports()) | (set(RANK_PRELOAD) - set(TRAIN_PRELOAD)))
-    probe = ("import importlib, sys, traceback\n"
-             "failed = []\n"
-             "for name in sys.argv[1:]:\n"
-             "    try:\n"
-             "        importlib.import_module(name)\n"
-             "    except Exception as exc:\n"
-             "        failed.append(f'{name}: {type(exc).__name__}: {exc}')\n"
-             "print('\\n'.join(failed))\n"
-             "sys.exit(bool(failed))\n")
+    probe = (
+        "import importlib, sys, traceback\n"
+        "failed = []\n"
+        "for name in sys.argv[1:]:\n"
+        "    try:\n"
+        "        importlib.import_module(name)\n"
+        "    except Exception as exc:\n"
+        "        failed.append(f'{name}: {type(exc).__name__}: {exc}')\n"
+        "print('\\n'.join(failed))\n"
+        "sys.exit(bool(failed))\n"
+    )
     env_path = [str(TESTS / "gpu"), str(TESTS), *sys.path]
     env = {**os.environ, "PYTHONPATH": ":".join(p for p in env_path if p)}
-    result = subprocess.run([sys.executable, "-c", probe, *modules], check=False, capture_output=True, text=True,
-                            timeout=300, env=env)
+    result = subprocess.run(
+        [sys.executable, "-c", probe, *modules],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert result.returncode == 0, f"{sys.executable} cannot import:\n{result.stdout}{result.stderr[-2000:]}"

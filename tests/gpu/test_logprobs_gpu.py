@@ -57,7 +57,9 @@ def test_worker_logprobs_equal_transformers_on_the_gpu(tiny_llama, record_proper
     fp32, bf16 = str(torch.float32), str(torch.bfloat16)
     assert r["device"].startswith("cuda") and r[f"hf_device_{fp32}"].startswith("cuda"), r["device"]
     reference = r[f"hf_{fp32}"]
-    assert reference[r["mask"]].le(0).all() and reference[r["mask"]].lt(0).any()  # response positions are filled
+    assert (
+        reference[r["mask"]].le(0).all() and reference[r["mask"]].lt(0).any()
+    )  # response positions are filled
     figures = {
         "fp32_padded": (r[f"worker_{fp32}"] - reference).abs().max().item(),
         "fp32_packed": (r["worker_packed"] - reference).abs().max().item(),

@@ -31,15 +31,24 @@ def _body(rank, model_dir):
     offloading.train_step(make_batch(1))
     same = all(torch.equal(a, b) for a, b in zip(plain.model.parameters(), offloading.model.parameters()))
     held = sum(p.numel() * p.element_size() for p in offloading.model.parameters())
-    return {"device": str(wg.device), "moved": stats.num_bytes, "freed": freed, "held": held, "emptied": emptied, "same": same}
+    return {
+        "device": str(wg.device),
+        "moved": stats.num_bytes,
+        "freed": freed,
+        "held": held,
+        "emptied": emptied,
+        "same": same,
+    }
 
 
 def test_offload_frees_the_gpu_and_restores_the_exact_state(tiny_llama, record_property):
     (r,) = run_ranks(_body, 1, tiny_llama)
     for key in ("moved", "freed", "held"):
         record_property(key, r[key])
-    print(f"\noffload: {r['moved']} bytes to host, {r['freed']} freed on the GPU ({r['freed'] / r['moved']:.1%}); "
-          f"weights {r['held']} bytes; identical after restore and one more update: {r['same']}")
+    print(
+        f"\noffload: {r['moved']} bytes to host, {r['freed']} freed on the GPU ({r['freed'] / r['moved']:.1%}); "
+        f"weights {r['held']} bytes; identical after restore and one more update: {r['same']}"
+    )
     assert r["device"].startswith("cuda"), r
     assert r["emptied"] and r["same"], r
     # weights + fp32 grad buffer + two Adam moments: at least weights + moments leave the GPU

@@ -47,12 +47,17 @@ def _body(rank, model_dir):
             old_logprobs = worker.compute_logprobs(part)
             params = {q.untyped_storage().data_ptr() for q in worker.model.parameters()}
             storages: dict[int, int] = {}
-            with torch.autograd.graph.saved_tensors_hooks(partial(_forward_saved, params, storages), lambda t: t):
+            with torch.autograd.graph.saved_tensors_hooks(
+                partial(_forward_saved, params, storages), lambda t: t
+            ):
                 collected = worker.backward(part, old_logprobs, counts)
             grads = {n: g.float().cpu() for n, g in megatron_steps.export_hf_grads(worker.model, wg)}
-            out[(str(dtype), mode)] = {"loss": sum(c["loss"] for c in collected), "grads": grads,
-                                       "recompute": worker.model.config.recompute_granularity,
-                                       "saved_bytes": sum(storages.values())}
+            out[(str(dtype), mode)] = {
+                "loss": sum(c["loss"] for c in collected),
+                "grads": grads,
+                "recompute": worker.model.config.recompute_granularity,
+                "saved_bytes": sum(storages.values()),
+            }
             del worker
             torch.cuda.empty_cache()
     return out
@@ -70,7 +75,9 @@ def test_recompute_none_selective_full_give_equal_gradients(tiny_llama, record_p
         # full keeps only each layer's input; selective's saving (the attention probabilities) is below its
         # checkpoint's own inputs at these tiny lengths (CPU run of this body: fp32 1191458 / 1115153 / 493274,
         # bf16 803441 / 809470 / 461810 bytes), so only its granularity is checked
-        assert 0 < saved[2] < min(saved[0], saved[1]), f"{dtype}: full recompute does not cut what the forward keeps: {saved}"
+        assert 0 < saved[2] < min(saved[0], saved[1]), (
+            f"{dtype}: full recompute does not cut what the forward keeps: {saved}"
+        )
         for mode in ("selective", "full"):
             got = r[(dtype, mode)]
             assert got["recompute"] == mode, got["recompute"]

@@ -14,8 +14,10 @@ pytestmark = [pytest.mark.gpu]
 
 def _stage(rank: int) -> list[tuple[str, torch.Tensor]]:
     g = torch.Generator().manual_seed(rank)
-    return [(f"model.layers.{rank}.w{i}", torch.randn(256, 128, generator=g).to(dtype))
-            for i, dtype in enumerate((torch.bfloat16, torch.float32, torch.bfloat16))]
+    return [
+        (f"model.layers.{rank}.w{i}", torch.randn(256, 128, generator=g).to(dtype))
+        for i, dtype in enumerate((torch.bfloat16, torch.float32, torch.bfloat16))
+    ]
 
 
 def _relay(rank: int) -> list:

@@ -34,12 +34,20 @@ def _step_body(rank, model_dir):
         before = worker.compute_logprobs(batch).float().cpu()
         metrics = worker.train_step(batch)
         after = worker.compute_logprobs(batch).float().cpu()
-        out[str(dtype)] = {"before": before, "after": after, "loss": metrics["loss"], "grad_norm": metrics["grad_norm"],
-                           "skipped": metrics["nonfinite_skipped"],
-                           "param_device": str(next(worker.model.parameters()).device)}
+        out[str(dtype)] = {
+            "before": before,
+            "after": after,
+            "loss": metrics["loss"],
+            "grad_norm": metrics["grad_norm"],
+            "skipped": metrics["nonfinite_skipped"],
+            "param_device": str(next(worker.model.parameters()).device),
+        }
     # after megamarl (and megatron-core under it) built and stepped both workers: torch's default is off,
     # so only something megamarl set would turn it on
-    out["tf32"] = {"matmul": torch.backends.cuda.matmul.allow_tf32, "precision": torch.get_float32_matmul_precision()}
+    out["tf32"] = {
+        "matmul": torch.backends.cuda.matmul.allow_tf32,
+        "precision": torch.get_float32_matmul_precision(),
+    }
     return out
 
 
@@ -52,7 +60,9 @@ def test_train_step_on_cuda_equals_the_cpu_step(tiny_llama, monkeypatch, record_
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # the child sees no GPU: the CPU path, shims and all
     (cpu,) = run_ranks(_step_body, 1, tiny_llama)
     assert gpu["device"].startswith("cuda") and cpu["device"] == "cpu", (gpu["device"], cpu["device"])
-    assert gpu["tf32"] == {"matmul": False, "precision": "highest"}, f"TF32 matmuls are on after the steps: {gpu['tf32']}"
+    assert gpu["tf32"] == {"matmul": False, "precision": "highest"}, (
+        f"TF32 matmuls are on after the steps: {gpu['tf32']}"
+    )
     fp32, bf16 = str(torch.float32), str(torch.bfloat16)
     assert gpu[fp32]["param_device"].startswith("cuda") and cpu[fp32]["param_device"] == "cpu"
     for run in (gpu, cpu):
@@ -61,7 +71,10 @@ def test_train_step_on_cuda_equals_the_cpu_step(tiny_llama, monkeypatch, record_
 
     # fp32: the same numbers up to kernel differences
     g, c = gpu[fp32], cpu[fp32]
-    figures = {"fp32_before": _max_diff(g["before"], c["before"]), "fp32_after": _max_diff(g["after"], c["after"])}
+    figures = {
+        "fp32_before": _max_diff(g["before"], c["before"]),
+        "fp32_after": _max_diff(g["after"], c["after"]),
+    }
     assert g["after"][mask].ne(g["before"][mask]).any(), "the step changed nothing"
     assert figures["fp32_before"] <= FP32_ATOL and figures["fp32_after"] <= FP32_ATOL, figures
     assert g["loss"] == pytest.approx(c["loss"], rel=FP32_RTOL, abs=1e-6)

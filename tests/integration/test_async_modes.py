@@ -21,12 +21,21 @@ CONFIG = ROOT / "configs" / "signalling_tiny.yaml"
 
 
 def train_signalling(
-    mode: str, run_dir: Path, *overrides: str, nproc: int = 1, timeout_s: float = 1800,
+    mode: str,
+    run_dir: Path,
+    *overrides: str,
+    nproc: int = 1,
+    timeout_s: float = 1800,
 ) -> tuple[list[dict], list[dict]]:
     """Run scripts/train.py on the signalling config in ``mode``; returns (metrics lines, eval entries)."""
-    _, metrics, _ = train(CONFIG, run_dir.parent, nproc=nproc, timeout=timeout_s,
-                          env={"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"},
-                          overrides=(f"trainer.mode={mode}", f"name={run_dir.name}", *overrides))
+    _, metrics, _ = train(
+        CONFIG,
+        run_dir.parent,
+        nproc=nproc,
+        timeout=timeout_s,
+        env={"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"},
+        overrides=(f"trainer.mode={mode}", f"name={run_dir.name}", *overrides),
+    )
     eval_file = run_dir / "eval.json"
     evals = json.loads(eval_file.read_text()) if eval_file.is_file() else []
     return metrics, evals
@@ -38,8 +47,13 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 @pytest.mark.distributed
 def test_fully_async_partial_rollout_on_two_ranks(tmp_path):
     metrics, _ = train_signalling(
-        "fully_async", tmp_path / "fa2", "trainer.total_steps=3", "eval.num_tasks=0", "trainer.max_staleness=2",
-        "trainer.partial_rollout=true", nproc=2,
+        "fully_async",
+        tmp_path / "fa2",
+        "trainer.total_steps=3",
+        "eval.num_tasks=0",
+        "trainer.max_staleness=2",
+        "trainer.partial_rollout=true",
+        nproc=2,
     )
     assert [m["step"] for m in metrics] == [1, 2, 3]
     check_staleness(metrics, max_staleness=2)

@@ -30,8 +30,13 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]
 RUN = "signalling_tiny"
 RUN_TIMEOUT_S = 600  # a hang guard, sized for a busy machine (the suite runs on two xdist workers)
-OVERRIDES = ("trainer.total_steps=4", "rollout.num_tasks=4", "eval.num_tasks=0", "logger.progress=false",
-             "trainer.max_staleness=1")
+OVERRIDES = (
+    "trainer.total_steps=4",
+    "rollout.num_tasks=4",
+    "eval.num_tasks=0",
+    "logger.progress=false",
+    "trainer.max_staleness=1",
+)
 CASES = {  # mode -> (signal, save_every, logged step after which it is sent)
     "one_step_off": (signal.SIGKILL, 1, 2),
     "fully_async": (signal.SIGTERM, 0, 1),
@@ -40,8 +45,15 @@ CASES = {  # mode -> (signal, save_every, logged step after which it is sent)
 
 def _start(output_dir: Path, mode: str, save_every: int, *extra: str) -> Ranks:
     env = {"PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
-    argv = ["--config", "configs/signalling_tiny.yaml", *OVERRIDES, f"trainer.mode={mode}",
-            f"trainer.save_every={save_every}", f"output_dir={output_dir}", *extra]
+    argv = [
+        "--config",
+        "configs/signalling_tiny.yaml",
+        *OVERRIDES,
+        f"trainer.mode={mode}",
+        f"trainer.save_every={save_every}",
+        f"output_dir={output_dir}",
+        *extra,
+    ]
     return start(argv, nproc=1, log=output_dir.parent / f"{output_dir.name}-{len(extra)}.log", env=env)
 
 
@@ -104,5 +116,7 @@ def test_async_run_killed_and_resumed_trains_the_same_samples(tmp_path, mode):
     assert [r["step"] for r in res_metrics] == [1, 2, 3, 4]
     for ref, res in zip(ref_metrics, res_metrics, strict=True):
         assert res == ref, f"step {ref['step']}"
-    assert all(r["async/staleness/1"] == r["rollout/num_samples"] for r in ref_metrics[1:])  # really off-policy
+    assert all(
+        r["async/staleness/1"] == r["rollout/num_samples"] for r in ref_metrics[1:]
+    )  # really off-policy
     assert any(r["policy/shared/grad_norm"] > 0 for r in ref_metrics)

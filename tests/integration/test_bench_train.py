@@ -16,18 +16,42 @@ from script_loader import load_script  # tests/ helper
 pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[2]
-VARIANT_KEYS = {"label", "optimizer", "param_dtype", "main_param_dtype", "padding_fraction", "num_micro_batches",
-                "micro_batch_shapes", "recomputes_old_logprobs", "seconds_best", "seconds_all", "warmup_s",
-                "tokens_per_s", "useful_flops", "useful_flops_per_s", "fraction_of_matmul_peak",
-                "speedup_vs_fp32_padded", "load_1min_after_each", "cpu_seconds_best", "tokens_per_cpu_s",
-                "fraction_of_matmul_peak_cpu", "speedup_vs_fp32_padded_cpu"}
+VARIANT_KEYS = {
+    "label",
+    "optimizer",
+    "param_dtype",
+    "main_param_dtype",
+    "padding_fraction",
+    "num_micro_batches",
+    "micro_batch_shapes",
+    "recomputes_old_logprobs",
+    "seconds_best",
+    "seconds_all",
+    "warmup_s",
+    "tokens_per_s",
+    "useful_flops",
+    "useful_flops_per_s",
+    "fraction_of_matmul_peak",
+    "speedup_vs_fp32_padded",
+    "load_1min_after_each",
+    "cpu_seconds_best",
+    "tokens_per_cpu_s",
+    "fraction_of_matmul_peak_cpu",
+    "speedup_vs_fp32_padded_cpu",
+}
 
 
 def test_quick_run_writes_the_result(tmp_path):
     out = tmp_path / "train.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_train.py"), "--quick", "--out", str(out)],
-                          cwd=ROOT, env=dict(os.environ, PYTHONWARNINGS="ignore"), capture_output=True, text=True,
-                          timeout=300, check=False)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "bench_train.py"), "--quick", "--out", str(out)],
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONWARNINGS="ignore"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "fp32_padded" in proc.stdout and "tokens/s" in proc.stdout
     result = json.loads(out.read_text())
@@ -43,14 +67,19 @@ def test_quick_run_writes_the_result(tmp_path):
         assert v["recomputes_old_logprobs"] is False  # ppo_epochs=1, one mini-batch: no extra forward
         assert 0 < v["fraction_of_matmul_peak"]
     assert variants["fp32_padded"]["param_dtype"] == "torch.float32"
-    assert variants["bf16_padded"]["param_dtype"] == variants["bf16_packed"]["param_dtype"] == "torch.bfloat16"
+    assert (
+        variants["bf16_padded"]["param_dtype"] == variants["bf16_packed"]["param_dtype"] == "torch.bfloat16"
+    )
     assert variants["fp32_padded"]["speedup_vs_fp32_padded"] == 1.0
     # variable lengths: padded micro-batches carry padding, packed ones none, and all see the same FLOPs
     assert variants["bf16_padded"]["padding_fraction"] == variants["fp32_padded"]["padding_fraction"] > 0
     assert variants["bf16_packed"]["padding_fraction"] == 0.0
     assert all(rows == 1 for rows, _ in variants["bf16_packed"]["micro_batch_shapes"])
     assert len({v["useful_flops"] for v in variants.values()}) == 1
-    assert sum(length for _, length in variants["bf16_packed"]["micro_batch_shapes"]) == result["batch"]["num_tokens"]
+    assert (
+        sum(length for _, length in variants["bf16_packed"]["micro_batch_shapes"])
+        == result["batch"]["num_tokens"]
+    )
 
     for key in ("matmul_peak_flops_per_s", "matmul_peak_flops_per_cpu_s"):
         assert set(result[key]) == {"fp32", "bf16"} and all(x > 0 for x in result[key].values())
@@ -66,9 +95,13 @@ def test_random_weights_build_the_preset_architecture(tmp_path, monkeypatch):
     from megamarl.planning import model_presets
 
     # its dataclasses look their module up in sys.modules
-    bench = load_script("scripts/bench_train.py", before_exec=lambda m: monkeypatch.setitem(sys.modules, "bench_train", m))
-    shapes = {"tiny-gqa": model_presets.ModelShape(2, 64, 4, 2, 96, 320, tied_embeddings=True),
-              "tiny-qwen3": model_presets.ModelShape(2, 64, 4, 2, 96, 320, head_dim=32, qk_norm=True)}
+    bench = load_script(
+        "scripts/bench_train.py", before_exec=lambda m: monkeypatch.setitem(sys.modules, "bench_train", m)
+    )
+    shapes = {
+        "tiny-gqa": model_presets.ModelShape(2, 64, 4, 2, 96, 320, tied_embeddings=True),
+        "tiny-qwen3": model_presets.ModelShape(2, 64, 4, 2, 96, 320, head_dim=32, qk_norm=True),
+    }
     monkeypatch.setattr(model_presets, "PRESETS", shapes)
     for name, shape in shapes.items():
         path = bench.random_weights_model(name, tmp_path / name)

@@ -24,8 +24,14 @@ def _run(rank, output_dir, where):
     from megamarl.models import dist_checkpoint
     from megamarl.trainer import Trainer
 
-    overrides = ["trainer.total_steps=2", "trainer.save_every=1", "rollout.num_tasks=2", "rollout.group_size=4",
-                 "eval.num_tasks=0", f"output_dir={output_dir}"]
+    overrides = [
+        "trainer.total_steps=2",
+        "trainer.save_every=1",
+        "rollout.num_tasks=2",
+        "rollout.group_size=4",
+        "eval.num_tasks=0",
+        f"output_dir={output_dir}",
+    ]
     trainer = Trainer(load_config(ROOT / "configs/signalling_tiny.yaml", overrides))
     real = {"shards": dist_checkpoint.save_checkpoint, "marker": Path.write_text}
     calls = {"n": 0}
@@ -54,9 +60,12 @@ def _run(rank, output_dir, where):
 
 @pytest.mark.parametrize("where", ["shards", "marker"])
 def test_failed_checkpoint_write_keeps_the_previous_one(tmp_path, where):
-    (error, calls, left, resumed_step), = run_ranks(_run, 1, str(tmp_path), where, timeout_s=300)
+    ((error, calls, left, resumed_step),) = run_ranks(_run, 1, str(tmp_path), where, timeout_s=300)
     previous = tmp_path / "signalling_tiny" / "checkpoints" / "step_000001"
     assert calls == 1 and left == ["step_000001"], (left, error)  # no step_000002(.partial) left
-    assert "writing checkpoint" in error and "step_000002 failed (rank 0: OSError: [Errno 28] No space left" in error
+    assert (
+        "writing checkpoint" in error
+        and "step_000002 failed (rank 0: OSError: [Errno 28] No space left" in error
+    )
     assert f"the previous checkpoint {previous} is complete and loadable" in error
     assert resumed_step == 1

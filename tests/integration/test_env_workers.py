@@ -35,17 +35,32 @@ TIMEOUT_S = 5.0  # a hang guard for the fast judges on a loaded machine, far bel
 
 
 def _run(out: Path, *overrides: str) -> tuple[dict, str]:
-    _, rows, output = train(CONFIG, out, nproc=1, timeout=600, env=ENV, overrides=(
-        "trainer.total_steps=1", f"rollout.num_tasks={NUM_TASKS}", f"rollout.group_size={GROUP_SIZE}", *overrides))
+    _, rows, output = train(
+        CONFIG,
+        out,
+        nproc=1,
+        timeout=600,
+        env=ENV,
+        overrides=(
+            "trainer.total_steps=1",
+            f"rollout.num_tasks={NUM_TASKS}",
+            f"rollout.group_size={GROUP_SIZE}",
+            *overrides,
+        ),
+    )
     assert len(rows) == 1
     return rows[0], output
 
 
 @pytest.fixture(scope="module")
 def process_run(tmp_path_factory) -> tuple[dict, str]:
-    return _run(tmp_path_factory.mktemp("env_workers"), "rollout.env_workers.backend=process",
-                "rollout.env_workers.num_workers=2", f"env.kwargs.judge_s=[{','.join(map(str, JUDGE_S))}]",
-                f"rollout.env_timeout_s={TIMEOUT_S}")
+    return _run(
+        tmp_path_factory.mktemp("env_workers"),
+        "rollout.env_workers.backend=process",
+        "rollout.env_workers.num_workers=2",
+        f"env.kwargs.judge_s=[{','.join(map(str, JUDGE_S))}]",
+        f"rollout.env_timeout_s={TIMEOUT_S}",
+    )
 
 
 def test_process_workers_run_every_judged_step(process_run):
@@ -69,8 +84,12 @@ def test_worker_timeout_is_a_counted_failed_episode(process_run):
 @pytest.mark.slow  # a local Ray cluster starts and stops in the run (~10 CPU-s)
 def test_ray_actors_in_a_local_cluster_started_by_the_run(tmp_path):
     pytest.importorskip("ray")
-    metrics, output = _run(tmp_path, "rollout.env_workers.backend=ray", "rollout.env_workers.num_workers=1",
-                           "env.kwargs.judge_s=[0.05]")
+    metrics, output = _run(
+        tmp_path,
+        "rollout.env_workers.backend=ray",
+        "rollout.env_workers.num_workers=1",
+        "env.kwargs.judge_s=[0.05]",
+    )
     assert "env steps of slow_judge: in 1 ray workers (rollout.env_workers)" in output
     assert metrics["env_workers/calls"] == 2 * NUM_TASKS * GROUP_SIZE and metrics["rollout/num_failed"] == 0
 

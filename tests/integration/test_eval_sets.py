@@ -46,7 +46,9 @@ def test_train_on_a_evaluate_on_b_and_a(tmp_path):
     config = tmp_path / "config.yaml"
     config.write_text(CONFIG.replace("TRAIN", str(train)).replace("HELDOUT", str(heldout)))
     env = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    run_dir, _, output = run_train(config, tmp_path / "runs", nproc=1, timeout=600, env=env, overrides=("name=run",))
+    run_dir, _, output = run_train(
+        config, tmp_path / "runs", nproc=1, timeout=600, env=env, overrides=("name=run",)
+    )
     assert f"eval set heldout: env math {{'dataset_path': '{heldout}'" in output
     assert f"eval set train: env math {{'dataset_path': '{train}'" in output
     evals = json.loads((run_dir / "eval.json").read_text())

@@ -54,9 +54,20 @@ def _env():
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     """The training run: (run directory, its eval.json entries by step)."""
-    run_dir, _, _ = train(PRESET, tmp_path_factory.mktemp("train"), nproc=1, timeout=600, env=_env(),
-                          overrides=("name=run", "trainer.save_every=1", "eval.every=1", "policies.shared.entropy_coef=0.01",
-                                     *EVAL))
+    run_dir, _, _ = train(
+        PRESET,
+        tmp_path_factory.mktemp("train"),
+        nproc=1,
+        timeout=600,
+        env=_env(),
+        overrides=(
+            "name=run",
+            "trainer.save_every=1",
+            "eval.every=1",
+            "policies.shared.entropy_coef=0.01",
+            *EVAL,
+        ),
+    )
     entries = json.loads((run_dir / "eval.json").read_text())
     assert [e["step"] for e in entries] == [0, 1, 2]
     logged = {e["step"]: e["results"] for e in entries}
@@ -97,8 +108,15 @@ def test_evaluate_a_run_scores_what_it_logged(run, tmp_path):
 
 def test_evaluate_a_checkpoint_on_two_ranks(run, tmp_path):
     run_dir, logged = run
-    entry, _ = _evaluate(tmp_path / "eval", "--config", str(PRESET), "--checkpoint",
-                         str(run_dir / "checkpoints" / "step_000001"), *EVAL, nproc=2)
+    entry, _ = _evaluate(
+        tmp_path / "eval",
+        "--config",
+        str(PRESET),
+        "--checkpoint",
+        str(run_dir / "checkpoints" / "step_000001"),
+        *EVAL,
+        nproc=2,
+    )
     assert entry["step"] == 1 and entry["results"] == logged[1], (entry, logged)
 
 

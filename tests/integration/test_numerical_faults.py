@@ -40,10 +40,18 @@ def _run(rank, output_dir):
     from megamarl.errors import NumericalFaultError
     from megamarl.trainer import Trainer
 
-    cfg = load_config(ROOT / "configs/signalling_tiny.yaml", [
-        "trainer.total_steps=8", "trainer.save_every=1", "rollout.num_tasks=2", "rollout.group_size=4",
-        "eval.num_tasks=0", "env.name=nan_after_two_steps", f"output_dir={output_dir}",
-    ])
+    cfg = load_config(
+        ROOT / "configs/signalling_tiny.yaml",
+        [
+            "trainer.total_steps=8",
+            "trainer.save_every=1",
+            "rollout.num_tasks=2",
+            "rollout.group_size=4",
+            "eval.num_tasks=0",
+            "env.name=nan_after_two_steps",
+            f"output_dir={output_dir}",
+        ],
+    )
     trainer = Trainer(cfg)
     try:
         trainer.fit()
@@ -59,7 +67,7 @@ def _run(rank, output_dir):
 def test_three_nonfinite_updates_in_a_row_stop_the_run(tmp_path):
     from megamarl.runtime.checkpoint import list_checkpoints
 
-    (error, step, engine_finite), = run_ranks(_run, 1, str(tmp_path), timeout_s=300)
+    ((error, step, engine_finite),) = run_ranks(_run, 1, str(tmp_path), timeout_s=300)
     run_dir = tmp_path / "signalling_tiny"
     assert step == 4 and engine_finite  # steps 3, 4 skipped and saved; step 5's skip is the third
     assert "3 non-finite updates in a row (trainer.max_nonfinite_updates=3)" in error, error

@@ -55,8 +55,10 @@ def hf_engine(tmp_path_factory):
 
 def _agents(tokenizer, max_tokens=12):
     maker = EnvMaker("math")
-    configs = {role: AgentConfig(policy="default", sampling=SamplingConfig(temperature=1.0, max_tokens=max_tokens))
-               for role in ("solver", "verifier")}
+    configs = {
+        role: AgentConfig(policy="default", sampling=SamplingConfig(temperature=1.0, max_tokens=max_tokens))
+        for role in ("solver", "verifier")
+    }
     return maker, build_agents(configs, tokenizer, default_kinds=maker.default_agents)
 
 
@@ -67,8 +69,18 @@ def test_openai_client_drives_two_roles_token_exact(hf_engine, tmp_path, monkeyp
     maker, agents = _agents(tokenizer)
     engine = RecordingEngine(hf_engine)
     orchestra = build_orchestra("external", command=["python", str(PROGRAMS / "two_roles.py")], timeout_s=60)
-    result = asyncio.run(run_episodes(orchestra, maker, maker.tasks(2, seed=0), agents=agents,
-                                      engines={"default": engine}, group_size=2, max_concurrency=4, seed=1))
+    result = asyncio.run(
+        run_episodes(
+            orchestra,
+            maker,
+            maker.tasks(2, seed=0),
+            agents=agents,
+            engines={"default": engine},
+            group_size=2,
+            max_concurrency=4,
+            seed=1,
+        )
+    )
     assert result.num_failed == 0, result.first_error()
     posted = {row["episode_id"]: row for row in map(json.loads, log.read_text().splitlines())}
     assert sorted(posted) == sorted(e.episode_id for e in result.episodes) and len(posted) == 4
@@ -77,26 +89,41 @@ def test_openai_client_drives_two_roles_token_exact(hf_engine, tmp_path, monkeyp
     for episode_id, row in posted.items():
         samples = sorted((s for s in result.samples if s.episode_id == episode_id), key=lambda s: s.step)
         assert [(s.agent, s.turn, s.step) for s in samples] == [
-            ("solver", 0, 0), ("verifier", 0, 1), ("solver", 1, 2), ("solver", 2, 3)]
+            ("solver", 0, 0),
+            ("verifier", 0, 1),
+            ("solver", 1, 2),
+            ("solver", 2, 3),
+        ]
         for sample, text in zip(samples, row["texts"]):
             # token in / token out: what the engine saw and returned, not a re-tokenisation
-            assert (tuple(sample.prompt_ids), tuple(sample.response_ids), tuple(sample.rollout_logprobs)) in generated
+            assert (
+                tuple(sample.prompt_ids),
+                tuple(sample.response_ids),
+                tuple(sample.rollout_logprobs),
+            ) in generated
             assert sample.response_text == text  # the program received the decoded sampled ids
             assert sample.team_reward == row["reward"]["team"]
             expected_local = row["reward"]["agents"].get(sample.agent, row["reward"]["team"])
             assert sample.local_reward == expected_local
         # the chat prompt is the template's rendering of the program's messages, encoded once
         question = maker.tasks(2, seed=0)[int(episode_id.split("-")[-1].split("/")[0])].payload.question
-        rendered = tokenizer.apply_chat_template([{"role": "system", "content": "Solve."},
-                                                  {"role": "user", "content": question}],
-                                                 tokenize=False, add_generation_prompt=True)
+        rendered = tokenizer.apply_chat_template(
+            [{"role": "system", "content": "Solve."}, {"role": "user", "content": question}],
+            tokenize=False,
+            add_generation_prompt=True,
+        )
         assert samples[0].prompt_ids == tokenizer.encode(rendered, add_special_tokens=False)
         assert samples[2].prompt_ids == tokenizer.encode(f"Answer: {question}")
         assert row["usage"] == [len(samples[0].response_ids), len(samples[2].response_ids)]
         # a continued conversation keeps the sampled reply's ids (not its text re-encoded)
         first, later = samples[0], samples[3]
-        assert later.prompt_ids[:len(first.prompt_ids) + len(first.response_ids)] == first.prompt_ids + first.response_ids
-        assert tokenizer.decode(later.prompt_ids).endswith("<|im_start|>user\nSure?<|im_end|>\n<|im_start|>assistant\n")
+        assert (
+            later.prompt_ids[: len(first.prompt_ids) + len(first.response_ids)]
+            == first.prompt_ids + first.response_ids
+        )
+        assert tokenizer.decode(later.prompt_ids).endswith(
+            "<|im_start|>user\nSure?<|im_end|>\n<|im_start|>assistant\n"
+        )
     assert {e.team_reward for e in result.episodes} == {row["reward"]["team"] for row in posted.values()}
 
 
@@ -119,9 +146,18 @@ if index == 0:
 def test_failed_programs_are_counted_and_the_run_goes_on():
     tokenizer = smollm2_tokenizer()
     maker, agents = _agents(tokenizer)
-    orchestra = build_orchestra("external", command=[sys.executable, "-c", _MIXED], timeout_s=3, max_concurrency=4)
-    result = asyncio.run(run_episodes(orchestra, maker, maker.tasks(4, seed=0), agents=agents,
-                                      engines={"default": ScriptedEngine(tokenizer, fixed("4"))}))
+    orchestra = build_orchestra(
+        "external", command=[sys.executable, "-c", _MIXED], timeout_s=3, max_concurrency=4
+    )
+    result = asyncio.run(
+        run_episodes(
+            orchestra,
+            maker,
+            maker.tasks(4, seed=0),
+            agents=agents,
+            engines={"default": ScriptedEngine(tokenizer, fixed("4"))},
+        )
+    )
     by_task = {e.task_id.rsplit("-", 1)[1]: e for e in result.episodes}
     assert by_task["0"].status == "ok" and by_task["0"].team_reward == 1.0 and by_task["0"].success
     assert (by_task["1"].status, by_task["1"].reason) == ("failed", "error:ProgramExitError")
@@ -163,15 +199,27 @@ print(json.dumps(out), file=sys.stderr)
 sys.exit(7)
 """
     orchestra = build_orchestra("external", command=[sys.executable, "-c", script], timeout_s=30)
-    result = asyncio.run(run_episodes(orchestra, maker, maker.tasks(1, seed=0), agents=agents,
-                                      engines={"default": ScriptedEngine(tokenizer, fixed("4"))}))
+    result = asyncio.run(
+        run_episodes(
+            orchestra,
+            maker,
+            maker.tasks(1, seed=0),
+            agents=agents,
+            engines={"default": ScriptedEngine(tokenizer, fixed("4"))},
+        )
+    )
     [episode] = result.episodes  # exit 7 makes it failed, so its stderr (the answers) is in the error
     assert episode.reason == "error:ProgramExitError"
     out = json.loads(episode.error.splitlines()[-1])
     assert out["unknown_role"][0] == 404 and out["unknown_role"][1]["error"]["code"] == "unknown_role"
     assert "'critic'" in out["unknown_role"][1]["error"]["message"]
-    assert out["missing_episode"][0] == 400 and out["missing_episode"][1]["error"]["code"] == "missing_episode_id"
-    assert out["unknown_episode"][0] == 404 and out["unknown_episode"][1]["error"]["code"] == "unknown_episode"
+    assert (
+        out["missing_episode"][0] == 400
+        and out["missing_episode"][1]["error"]["code"] == "missing_episode_id"
+    )
+    assert (
+        out["unknown_episode"][0] == 404 and out["unknown_episode"][1]["error"]["code"] == "unknown_episode"
+    )
     assert out["bad_reward"][0] == 400 and out["unknown_agent_reward"][0] == 400
     assert out["n2"][0] == 400
     assert out["ok"][0] == 200 and out["ok"][1]["choices"][0]["message"]["content"] == "4"
@@ -220,7 +268,11 @@ def test_tool_calls_through_the_endpoint(forced, monkeypatch):
         if forced:
             assert request.prompt_text.endswith(opening)
             return question + '"}} and more'  # the reply ends at its first quote (a stop string)
-        return "<tool_call>" + json.dumps({"name": "calculator", "arguments": {"expression": question}}) + "</tool_call>"
+        return (
+            "<tool_call>"
+            + json.dumps({"name": "calculator", "arguments": {"expression": question}})
+            + "</tool_call>"
+        )
 
     engine = ScriptedEngine(tokenizer, policy)
     orchestra = build_orchestra("external", command=["python", str(PROGRAMS / "tool_user.py")], timeout_s=60)
@@ -235,18 +287,34 @@ def test_tool_calls_through_the_endpoint(forced, monkeypatch):
         assert second.response_text.startswith("So it is ")
         if forced:  # the opening: prompt tokens; the continuation kept the first prompt and reply verbatim
             assert tokenizer.decode(first.prompt_ids).endswith(opening)
-            assert second.prompt_ids[:len(first.prompt_ids) + len(first.response_ids)] == first.prompt_ids + first.response_ids
+            assert (
+                second.prompt_ids[: len(first.prompt_ids) + len(first.response_ids)]
+                == first.prompt_ids + first.response_ids
+            )
 
 
 def test_tool_choice_that_cannot_be_honoured_is_a_400():
     from megamarl.orchestration.openai_endpoint import EndpointError, _forced_call
 
-    calc = {"type": "function", "function": {"name": "calculator", "parameters": {
-        "type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}
+    calc = {
+        "type": "function",
+        "function": {
+            "name": "calculator",
+            "parameters": {
+                "type": "object",
+                "properties": {"expression": {"type": "string"}},
+                "required": ["expression"],
+            },
+        },
+    }
     other = {"type": "function", "function": {"name": "lookup"}}
     assert _forced_call({"tools": [calc], "tool_choice": "auto"}) is None
-    assert _forced_call({"tools": [calc], "tool_choice": "required"}).opening.endswith('"arguments": {"expression": "')
-    assert _forced_call({"tools": [other], "tool_choice": "required"}).opening.endswith('"lookup", "arguments": ')
+    assert _forced_call({"tools": [calc], "tool_choice": "required"}).opening.endswith(
+        '"arguments": {"expression": "'
+    )
+    assert _forced_call({"tools": [other], "tool_choice": "required"}).opening.endswith(
+        '"lookup", "arguments": '
+    )
     with pytest.raises(EndpointError, match="needs exactly one tool") as exc:
         _forced_call({"tools": [calc, other], "tool_choice": "required"})
     assert (exc.value.status, exc.value.code) == (400, "unsupported_tool_choice")
@@ -258,8 +326,11 @@ def test_tool_choice_that_cannot_be_honoured_is_a_400():
 def test_prompt_over_budget_answers_400_and_drops_the_episode():
     tokenizer = smollm2_tokenizer()
     maker = EnvMaker("math")
-    agents = build_agents({"solver": AgentConfig(policy="default", max_prompt_tokens=5)}, tokenizer,
-                          default_kinds=maker.default_agents)
+    agents = build_agents(
+        {"solver": AgentConfig(policy="default", max_prompt_tokens=5)},
+        tokenizer,
+        default_kinds=maker.default_agents,
+    )
     script = """
 import json, os, sys, urllib.request, urllib.error
 json.load(sys.stdin)
@@ -272,8 +343,17 @@ except urllib.error.HTTPError as e:
 else:
     sys.exit("no error")
 """
-    orchestra = build_orchestra("external", command=[sys.executable, "-c", script], roles=["solver"], timeout_s=30)
-    result = asyncio.run(run_episodes(orchestra, maker, maker.tasks(1, seed=0), agents=agents,
-                                      engines={"default": ScriptedEngine(tokenizer, fixed("4"))}))
+    orchestra = build_orchestra(
+        "external", command=[sys.executable, "-c", script], roles=["solver"], timeout_s=30
+    )
+    result = asyncio.run(
+        run_episodes(
+            orchestra,
+            maker,
+            maker.tasks(1, seed=0),
+            agents=agents,
+            engines={"default": ScriptedEngine(tokenizer, fixed("4"))},
+        )
+    )
     [episode] = result.episodes
     assert (episode.status, episode.reason) == ("dropped", "prompt_too_long") and result.samples == []

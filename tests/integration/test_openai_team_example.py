@@ -9,11 +9,24 @@ CONFIG = ROOT / "examples" / "openai_team" / "openai_team.yaml"
 
 
 def test_openai_team_example_trains_two_steps(tmp_path):
-    overrides = ("policies.shared.model=tiny-random-llama", "policies.shared.ranks=[0]",
-                 "policies.shared.engine.backend=hf", "rollout.num_tasks=2",
-                 "rollout.group_size=2", "eval.num_tasks=0", "trainer.total_steps=2", "name=run")
-    run_dir, rows, output = train(CONFIG, tmp_path, nproc=1, timeout=300, overrides=overrides,
-                                  env={"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"})
+    overrides = (
+        "policies.shared.model=tiny-random-llama",
+        "policies.shared.ranks=[0]",
+        "policies.shared.engine.backend=hf",
+        "rollout.num_tasks=2",
+        "rollout.group_size=2",
+        "eval.num_tasks=0",
+        "trainer.total_steps=2",
+        "name=run",
+    )
+    run_dir, rows, output = train(
+        CONFIG,
+        tmp_path,
+        nproc=1,
+        timeout=300,
+        overrides=overrides,
+        env={"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"},
+    )
     steps = [r for r in rows if "rollout/num_episodes" in r]
     assert len(steps) == 2, output[-3000:]
     for row in steps:

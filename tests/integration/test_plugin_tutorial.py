@@ -31,18 +31,29 @@ def test_tutorial_code_is_the_example_verbatim():
 
 
 def test_a_plugin_that_is_not_found_is_one_line_naming_plugin_paths(tmp_path):
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "train.py"), "--config", str(CONFIG), "plugin_paths=[]"],
-                          check=False, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "train.py"), "--config", str(CONFIG), "plugin_paths=[]"],
+        check=False,
+        cwd=tmp_path,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2
-    expected = (f"config error: plugins: module 'pair_sum' not found on plugin_paths [] or in the working "
-                f"directory {tmp_path}; set plugin_paths (relative to the config file's directory)")
+    expected = (
+        f"config error: plugins: module 'pair_sum' not found on plugin_paths [] or in the working "
+        f"directory {tmp_path}; set plugin_paths (relative to the config file's directory)"
+    )
     assert proc.stderr.strip().splitlines() == [expected]
 
 
 @pytest.mark.integration
 @pytest.mark.slow
 def test_the_plugin_trains_under_torchrun_from_another_directory(tmp_path):
-    proc = torchrun(["--config", str(CONFIG)], cwd=tmp_path, env=_env())  # the real torchrun, another directory
+    proc = torchrun(
+        ["--config", str(CONFIG)], cwd=tmp_path, env=_env()
+    )  # the real torchrun, another directory
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     run = tmp_path / "runs" / "pair_sum"
     steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]

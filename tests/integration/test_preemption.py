@@ -22,8 +22,13 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]
 RUN = "signalling_tiny"
 RUN_TIMEOUT_S = 600
-OVERRIDES = ("trainer.total_steps=4", "trainer.save_every=0", "rollout.num_tasks=4", "eval.num_tasks=0",
-             "logger.progress=false")
+OVERRIDES = (
+    "trainer.total_steps=4",
+    "trainer.save_every=0",
+    "rollout.num_tasks=4",
+    "eval.num_tasks=0",
+    "logger.progress=false",
+)
 
 
 def _start(output_dir: Path, *extra: str) -> Ranks:
@@ -73,14 +78,18 @@ def test_signal_saves_exits_zero_and_resumes_exactly(tmp_path, reference, sig):
     victim.send_signal(sig)  # somewhere in step 2 (or right at step 1's end)
     assert victim.wait(timeout=RUN_TIMEOUT_S) == 0, _log(victim_dir, 0)[-3000:]
     checkpoints = sorted(p.parent.name for p in (victim_dir / RUN / "checkpoints").glob("step_*/COMPLETE"))
-    assert len(checkpoints) == 1 and checkpoints[0] in ("step_000001", "step_000002", "step_000003"), checkpoints
+    assert len(checkpoints) == 1 and checkpoints[0] in ("step_000001", "step_000002", "step_000003"), (
+        checkpoints
+    )
     saved_step = int(checkpoints[0][-1])
     assert f"preempted ({sig.name}): saved step {saved_step}" in _log(victim_dir, 0)
     assert [r["step"] for r in _metrics(victim_dir)] == list(range(1, saved_step + 1))
     resumed = _start(victim_dir, "trainer.resume=auto")
     assert resumed.wait(timeout=RUN_TIMEOUT_S) == 0, _log(victim_dir, 1)[-3000:]
     assert ref_proc.wait(timeout=RUN_TIMEOUT_S) == 0, _log(reference, 0)[-3000:]
-    assert f"resumed from {victim_dir / RUN / 'checkpoints' / checkpoints[0]} at step {saved_step}" in _log(victim_dir, 1)
+    assert f"resumed from {victim_dir / RUN / 'checkpoints' / checkpoints[0]} at step {saved_step}" in _log(
+        victim_dir, 1
+    )
     ref_metrics, res_metrics = _metrics(reference), _metrics(victim_dir)
     assert [r["step"] for r in res_metrics] == [1, 2, 3, 4]
     assert res_metrics == ref_metrics

@@ -85,11 +85,26 @@ def _world_size(cfg) -> int:
 # Each preset's world size, written out: collection (in every xdist worker) then needs no Hydra compose
 # (~0.5 s per preset); test_presets_load_and_place checks the table against the composed configs.
 WORLD_SIZES = {
-    "code": 1, "grid": 1, "hybrid_colocated": 2, "hybrid_disaggregated": 3, "l1_colocated": 2,
-    "l1_disaggregated": 2, "l2_colocated": 2, "l2_l3_hybrid": 2, "l3_colocated": 2, "l3_disaggregated": 3,
-    "math": 1, "pettingzoo": 1, "search_qa": 1, "signalling": 1, "sokoban": 1, "sudoku": 1,
+    "code": 1,
+    "grid": 1,
+    "hybrid_colocated": 2,
+    "hybrid_disaggregated": 3,
+    "l1_colocated": 2,
+    "l1_disaggregated": 2,
+    "l2_colocated": 2,
+    "l2_l3_hybrid": 2,
+    "l3_colocated": 2,
+    "l3_disaggregated": 3,
+    "math": 1,
+    "pettingzoo": 1,
+    "search_qa": 1,
+    "signalling": 1,
+    "sokoban": 1,
+    "sudoku": 1,
 }
-PRESETS = [Preset(path.stem, path, WORLD_SIZES.get(path.stem, 0)) for path in sorted(PRESET_DIR.glob("*.yaml"))]
+PRESETS = [
+    Preset(path.stem, path, WORLD_SIZES.get(path.stem, 0)) for path in sorted(PRESET_DIR.glob("*.yaml"))
+]
 FULL_RUN_1_RANK = "signalling"  # the 1-rank preset that trains all NUM_STEPS (see the docstring)
 
 
@@ -119,20 +134,33 @@ def preset_runs(request, tmp_path_factory) -> dict[str, Path]:
     base = tmp_path_factory.mktemp("presets")
     _materialize_models()
     selected = {
-        item.callspec.params["preset"].name for item in request.session.items
+        item.callspec.params["preset"].name
+        for item in request.session.items
         if hasattr(item, "callspec") and isinstance(item.callspec.params.get("preset"), Preset)
     }
     worlds: dict[int, list[Preset]] = {}
     for preset in PRESETS:
         if preset.name in selected:
             worlds.setdefault(preset.world_size, []).append(preset)
-    env = {"OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", "PYTHONWARNINGS": "ignore", "TOKENIZERS_PARALLELISM": "false"}
+    env = {
+        "OMP_NUM_THREADS": "1",
+        "WANDB_MODE": "disabled",
+        "PYTHONWARNINGS": "ignore",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+
     def run_world(world_size: int, presets: list[Preset]) -> None:
         out = base / f"world{world_size}"
         out.mkdir()
         try:  # a world that fails or times out leaves its presets unfinished: each test says so
-            launch([str(out), *(str(p.path) for p in presets)], nproc=world_size, log=out / "launch.log",
-                   timeout=WORLD_TIMEOUT_S, env=env, script=Path(__file__).resolve())
+            launch(
+                [str(out), *(str(p.path) for p in presets)],
+                nproc=world_size,
+                log=out / "launch.log",
+                timeout=WORLD_TIMEOUT_S,
+                env=env,
+                script=Path(__file__).resolve(),
+            )
         except TimeoutError:
             pass
 
@@ -225,9 +253,13 @@ def test_preset_trains_and_syncs(preset: Preset, preset_runs):
     for name in sorted({a.policy for a in cfg.agents.values() if not a.frozen} - frozen):
         adapters = {a.lora for a in cfg.agents.values() if a.policy == name and a.lora}
         _check_policy(name, cfg.policies[name], adapters, records)
-    assert records[-1]["async/staleness_max"] == 0, "the last step's samples lack the weight version pushed before it"
+    assert records[-1]["async/staleness_max"] == 0, (
+        "the last step's samples lack the weight version pushed before it"
+    )
     if cfg.rollout.env_workers.backend != "inline":  # code: the judge's steps ran in the env workers
-        assert all(r["env_workers/calls"] > 0 for r in records), "no env step went through rollout.env_workers"
+        assert all(r["env_workers/calls"] > 0 for r in records), (
+            "no env step went through rollout.env_workers"
+        )
     run_dir = out / "runs" / cfg.name
     assert (run_dir / "checkpoints" / f"step_{num_steps:06d}" / "COMPLETE").is_file()
     if cfg.eval.num_tasks > 0:
@@ -249,8 +281,15 @@ def _run_presets(out: Path, configs: list[str]) -> None:
     for config in configs:
         start = time.perf_counter()
         steps = _num_steps(Path(config).stem, world_size)
-        rc = train(["--config", config, f"output_dir={out / 'runs'}", *_fp32_overrides(load_config(config).policies),
-                    f"trainer.total_steps={steps}"])
+        rc = train(
+            [
+                "--config",
+                config,
+                f"output_dir={out / 'runs'}",
+                *_fp32_overrides(load_config(config).policies),
+                f"trainer.total_steps={steps}",
+            ]
+        )
         if rank == 0:
             record = {"preset": Path(config).stem, "rc": rc, "seconds": round(time.perf_counter() - start, 1)}
             with open(out / "results.jsonl", "a") as f:

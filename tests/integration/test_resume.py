@@ -27,7 +27,10 @@ ROOT = Path(__file__).resolve().parents[2]
 RUN = "signalling_tiny"  # the config's name: runs land in <output_dir>/signalling_tiny
 RUN_TIMEOUT_S = 600  # a hang guard, sized for a busy machine (the suite runs on two xdist workers)
 OVERRIDES = (
-    "trainer.total_steps=4", "trainer.save_every=1", "rollout.num_tasks=4", "eval.num_tasks=0",
+    "trainer.total_steps=4",
+    "trainer.save_every=1",
+    "rollout.num_tasks=4",
+    "eval.num_tasks=0",
     "logger.progress=false",
 )
 
@@ -176,15 +179,26 @@ def test_seeded_rollout_does_not_depend_on_batching(tmp_path):
     tokenizer, model = AutoTokenizer.from_pretrained(path), AutoModelForCausalLM.from_pretrained(path)
     maker = EnvMaker("signalling")
     sampling = SamplingConfig(temperature=1.0, max_tokens=2)
-    agents = build_agents({r: AgentConfig(policy="default", sampling=sampling) for r in maker.agents}, tokenizer,
-                          default_kinds=maker.default_agents)
+    agents = build_agents(
+        {r: AgentConfig(policy="default", sampling=sampling) for r in maker.agents},
+        tokenizer,
+        default_kinds=maker.default_agents,
+    )
 
     def rollout(*, max_batch_rows, max_concurrency, engine_seed, seed=7):
         engine = HFEngine(model, max_batch_rows=max_batch_rows, seed=engine_seed)
-        result = asyncio.run(run_episodes(
-            build_orchestra("sequential"), maker, maker.tasks(4, seed=3), agents=agents,
-            engines={"default": engine}, group_size=4, max_concurrency=max_concurrency, seed=seed,
-        ))
+        result = asyncio.run(
+            run_episodes(
+                build_orchestra("sequential"),
+                maker,
+                maker.tasks(4, seed=3),
+                agents=agents,
+                engines={"default": engine},
+                group_size=4,
+                max_concurrency=max_concurrency,
+                seed=seed,
+            )
+        )
         engine.shutdown()
         return [(s.episode_id, s.agent, s.response_ids) for s in result.samples]
 

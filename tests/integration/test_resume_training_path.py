@@ -15,13 +15,20 @@ import time
 import pytest
 from test_resume import RUN, _assert_same_final_checkpoint, _kill, _metrics, _stable, _start, _wait
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow,
-              pytest.mark.timeout(1500)]  # three runs of up to 400 s each, not the suite's 600 s default
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.slow,
+    pytest.mark.timeout(1500),
+]  # three runs of up to 400 s each, not the suite's 600 s default
 
 PATH = (
-    "policies.shared.tp=2", "policies.shared.distributed_optimizer=true", "policies.shared.recompute=full",
-    "policies.shared.pack=true", "policies.shared.max_tokens_per_micro_batch=256",
-    "policies.shared.mini_batch_size=32", "policies.shared.lr_schedule.warmup_steps=2",
+    "policies.shared.tp=2",
+    "policies.shared.distributed_optimizer=true",
+    "policies.shared.recompute=full",
+    "policies.shared.pack=true",
+    "policies.shared.max_tokens_per_micro_batch=256",
+    "policies.shared.mini_batch_size=32",
+    "policies.shared.lr_schedule.warmup_steps=2",
 )
 
 
@@ -46,7 +53,9 @@ def test_four_rank_training_path_killed_and_resumed(tmp_path):
     assert [r["step"] for r in res_metrics] == [1, 2, 3, 4]
     for ref, res in zip(ref_metrics, res_metrics, strict=True):
         assert _stable(res) == _stable(ref), f"step {ref['step']}"
-    assert [r["policy/shared/optimizer_steps"] for r in ref_metrics] == [2.0] * 4  # 64 samples (32 episodes x 2 agents) / 32
+    assert [r["policy/shared/optimizer_steps"] for r in ref_metrics] == [
+        2.0
+    ] * 4  # 64 samples (32 episodes x 2 agents) / 32
     assert [r["policy/shared/lr"] for r in ref_metrics] == pytest.approx([0.0, 5e-4, 1e-3, 1e-3])
     assert all(r["perf/padding_fraction/shared"] == 0.0 for r in ref_metrics)  # packed
 

@@ -49,7 +49,9 @@ def _check_tags(result, tree_agents=None):
             assert len({tuple(s.prompt_ids) for s in group}) == 1  # all K candidates share one prompt
             assert len({s.step for s in group}) == 1
         for agent in {s.agent for s in samples}:
-            assert sorted({t for a, t in groups if a == agent}) == list(range(len({t for a, t in groups if a == agent})))
+            assert sorted({t for a, t in groups if a == agent}) == list(
+                range(len({t for a, t in groups if a == agent}))
+            )
         assert sorted({s.step for s in samples}) == list(range(len({s.step for s in samples})))
 
 
@@ -57,10 +59,22 @@ def test_64_concurrent_math_solver_verifier_episodes(engine_and_tokenizer):
     engine, tokenizer = engine_and_tokenizer
     maker = EnvMaker("math")
     sampling = SamplingConfig(temperature=1.0, max_tokens=12)
-    configs = {"solver": AgentConfig(policy="default", sampling=sampling, multi_turn=True), "verifier": AgentConfig(policy="default", sampling=sampling)}
+    configs = {
+        "solver": AgentConfig(policy="default", sampling=sampling, multi_turn=True),
+        "verifier": AgentConfig(policy="default", sampling=sampling),
+    }
     agents = build_agents(configs, tokenizer, default_kinds=maker.default_agents)
-    result = asyncio.run(run_episodes(build_orchestra("solve_verify", max_loops=2), maker, maker.tasks(16, seed=0),
-                                      agents=agents, engines={"default": engine}, group_size=4, max_concurrency=64))
+    result = asyncio.run(
+        run_episodes(
+            build_orchestra("solve_verify", max_loops=2),
+            maker,
+            maker.tasks(16, seed=0),
+            agents=agents,
+            engines={"default": engine},
+            group_size=4,
+            max_concurrency=64,
+        )
+    )
     assert len(result.episodes) == 64 and result.num_failed == 0 and result.num_dropped == 0
     assert {s.agent for s in result.samples} == {"solver", "verifier"}
     assert len({s.task_id for s in result.samples}) == 16
@@ -85,8 +99,16 @@ def test_16_tree_sampled_planning_episodes(engine_and_tokenizer):
         "executor": AgentConfig(policy="default", sampling=SamplingConfig(max_tokens=8), tree_k=4),
     }
     agents = build_agents(configs, tokenizer, default_kinds=maker.default_agents)
-    result = asyncio.run(run_episodes(build_orchestra("sequential", max_steps=4), maker, maker.tasks(8, seed=0),
-                                      agents=agents, engines={"default": engine}, group_size=2))
+    result = asyncio.run(
+        run_episodes(
+            build_orchestra("sequential", max_steps=4),
+            maker,
+            maker.tasks(8, seed=0),
+            agents=agents,
+            engines={"default": engine},
+            group_size=2,
+        )
+    )
     assert len(result.episodes) == 16 and result.num_failed == 0
     _check_tags(result, tree_agents={"executor": 4})
     executor = [s for s in result.samples if s.agent == "executor"]

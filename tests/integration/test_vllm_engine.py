@@ -39,7 +39,9 @@ def prompts(smollm2_path):
 def engine(smollm2_path):
     from megamarl.rollout.engines.vllm_engine import VLLMEngine
 
-    eng = VLLMEngine(smollm2_path, dtype="float32", max_model_len=512, enable_lora=True, max_lora_rank=LORA_RANK)
+    eng = VLLMEngine(
+        smollm2_path, dtype="float32", max_model_len=512, enable_lora=True, max_lora_rank=LORA_RANK
+    )
     yield eng
     eng.shutdown()
 
@@ -54,11 +56,15 @@ def run(engine, prompts, sampling, lora=None):
 def greedy(engine, prompts, lora=None):
     from megamarl.rollout.engines.base import SamplingParams
 
-    return [g[0] for g in run(engine, prompts, SamplingParams(temperature=0.0, max_tokens=GREEDY_TOKENS), lora)]
+    return [
+        g[0] for g in run(engine, prompts, SamplingParams(temperature=0.0, max_tokens=GREEDY_TOKENS), lora)
+    ]
 
 
 def hf_greedy(model, prompt):
-    out = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=GREEDY_TOKENS, eos_token_id=2)
+    out = model.generate(
+        torch.tensor([prompt]), do_sample=False, max_new_tokens=GREEDY_TOKENS, eos_token_id=2
+    )
     return out[0, len(prompt) :].tolist()
 
 
@@ -89,7 +95,9 @@ def test_two_engines_of_one_process_generate_concurrently(engine, hf_model, prom
         sampling = SamplingParams(temperature=0.0, max_tokens=GREEDY_TOKENS)
 
         async def both():
-            return await asyncio.gather(*(eng.generate(p, sampling) for p in prompts * 2 for eng in (engine, second)))
+            return await asyncio.gather(
+                *(eng.generate(p, sampling) for p in prompts * 2 for eng in (engine, second))
+            )
 
         expected = [hf_greedy(hf_model, p) for p in prompts * 2 for _ in (engine, second)]
         for _ in range(3):
@@ -106,7 +114,9 @@ def test_concurrent_sampling_is_seeded_and_batched(engine, prompts):
     sampling = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=16, n=2, seed=7)
     first = run(engine, prompts * 2, sampling)
     assert all(len(gens) == 2 and all(lp <= 0 for g in gens for lp in g.logprobs) for gens in first)
-    assert [[g.token_ids for g in gens] for gens in first[:4]] == [[g.token_ids for g in gens] for gens in first[4:]]
+    assert [[g.token_ids for g in gens] for gens in first[:4]] == [
+        [g.token_ids for g in gens] for gens in first[4:]
+    ]
 
 
 def perturbed(state, scale):
@@ -118,7 +128,9 @@ def teacher_forced(model, prompt, tokens):
     """transformers' argmax tokens and logprobs along ``tokens`` after ``prompt`` (one forward)."""
     with torch.no_grad():
         logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1]
-    return logits.argmax(-1).tolist(), torch.log_softmax(logits, -1).gather(1, torch.tensor(tokens)[:, None])[:, 0]
+    return logits.argmax(-1).tolist(), torch.log_softmax(logits, -1).gather(1, torch.tensor(tokens)[:, None])[
+        :, 0
+    ]
 
 
 def test_update_weights_changes_then_restores(engine, hf_model, prompts):
@@ -163,7 +175,9 @@ def test_sleep_wake_and_pause_resume(engine, hf_model, prompts):
         from megamarl.rollout.engines.base import SamplingParams
 
         engine.pause()
-        task = asyncio.ensure_future(engine.generate(prompts[0], SamplingParams(temperature=0.0, max_tokens=4)))
+        task = asyncio.ensure_future(
+            engine.generate(prompts[0], SamplingParams(temperature=0.0, max_tokens=4))
+        )
         await asyncio.sleep(0.3)
         assert not task.done()
         engine.resume()
@@ -177,10 +191,18 @@ def write_adapter(path, base_path, tensors):
 
     path.mkdir(parents=True, exist_ok=True)
     config = {
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": LORA_RANK, "lora_alpha": LORA_ALPHA,
-        "target_modules": ["q_proj", "v_proj"], "lora_dropout": 0.0, "bias": "none",
-        "base_model_name_or_path": str(base_path), "fan_in_fan_out": False, "use_rslora": False,
-        "use_dora": False, "modules_to_save": None,
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": LORA_RANK,
+        "lora_alpha": LORA_ALPHA,
+        "target_modules": ["q_proj", "v_proj"],
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "base_model_name_or_path": str(base_path),
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "use_dora": False,
+        "modules_to_save": None,
     }
     (path / "adapter_config.json").write_text(json.dumps(config))
     save_file(tensors, str(path / "adapter_model.safetensors"))
@@ -193,12 +215,18 @@ def random_adapter(hf_model, scale):
         for proj in ("q_proj", "v_proj"):
             weight = getattr(layer.self_attn, proj).weight  # [out, in]
             prefix = f"base_model.model.model.layers.{i}.self_attn.{proj}"
-            tensors[f"{prefix}.lora_A.weight"] = scale * torch.randn(LORA_RANK, weight.shape[1], generator=gen)
-            tensors[f"{prefix}.lora_B.weight"] = scale * torch.randn(weight.shape[0], LORA_RANK, generator=gen)
+            tensors[f"{prefix}.lora_A.weight"] = scale * torch.randn(
+                LORA_RANK, weight.shape[1], generator=gen
+            )
+            tensors[f"{prefix}.lora_B.weight"] = scale * torch.randn(
+                weight.shape[0], LORA_RANK, generator=gen
+            )
     return tensors
 
 
-def test_lora_adapter_matches_merged_hf_and_updates(engine, hf_model, prompts, smollm2_path, tmp_path_factory):
+def test_lora_adapter_matches_merged_hf_and_updates(
+    engine, hf_model, prompts, smollm2_path, tmp_path_factory
+):
     import copy
 
     base = [g.token_ids for g in greedy(engine, prompts)]
@@ -234,6 +262,10 @@ def test_stop_strings_and_max_tokens_reach_vllm_sampling_params():
 
     params = to_vllm_sampling(SamplingParams(max_tokens=5, stop=("</answer>",)))
     assert (params.stop, params.max_tokens, params.detokenize, params.include_stop_str_in_output) == (
-        ["</answer>"], 5, True, True)
+        ["</answer>"],
+        5,
+        True,
+        True,
+    )
     plain = to_vllm_sampling(SamplingParams(max_tokens=3))
     assert (plain.stop, plain.detokenize) == ([], False)

@@ -59,12 +59,29 @@ def servers(model_path, tmp_path_factory):
     logs = tmp_path_factory.mktemp("server-logs")
 
     def spec(replica, transfer, lora=None, tp=1):
-        return ServerSpec(policy="solver", replica=replica, rank=replica, backend="vllm", model_path=model_path,
-                          tp=tp, dtype="fp32", max_num_seqs=8, max_model_len=256, kv_cache_gib=0.25, num_threads=1,
-                          seed=replica, lora=lora, weight_transfer=transfer, log_path=logs / f"r{replica}.log")
+        return ServerSpec(
+            policy="solver",
+            replica=replica,
+            rank=replica,
+            backend="vllm",
+            model_path=model_path,
+            tp=tp,
+            dtype="fp32",
+            max_num_seqs=8,
+            max_model_len=256,
+            kv_cache_gib=0.25,
+            num_threads=1,
+            seed=replica,
+            lora=lora,
+            weight_transfer=transfer,
+            log_path=logs / f"r{replica}.log",
+        )
 
-    procs = [ServerProcess(spec(0, "megamarl_gloo")), ServerProcess(spec(1, "megamarl_gloo", tp=2)),
-             ServerProcess(spec(2, "megamarl_shm", LoraServing(num_adapters=2, rank=LORA_RANK)))]
+    procs = [
+        ServerProcess(spec(0, "megamarl_gloo")),
+        ServerProcess(spec(1, "megamarl_gloo", tp=2)),
+        ServerProcess(spec(2, "megamarl_shm", LoraServing(num_adapters=2, rank=LORA_RANK))),
+    ]
     with ThreadPoolExecutor(len(procs)) as pool:
         futures = [pool.submit(p.start, 600) for p in procs]
         try:
@@ -90,9 +107,10 @@ def greedy(client, prompts=PROMPTS, lora=None):
 def hf_greedy(model, prompts=PROMPTS):
     out = []
     for prompt in prompts:
-        ids = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=NUM_TOKENS, eos_token_id=2,
-                             pad_token_id=2)
-        out.append(ids[0, len(prompt):].tolist())
+        ids = model.generate(
+            torch.tensor([prompt]), do_sample=False, max_new_tokens=NUM_TOKENS, eos_token_id=2, pad_token_id=2
+        )
+        out.append(ids[0, len(prompt) :].tolist())
     return out
 
 
@@ -149,8 +167,10 @@ def test_two_senders_push_into_the_same_replicas_concurrently(servers, hf_model)
     second = [(k, v) for k, v in state.items() if ".layers.1." in k]
     sender.begin()
     with ThreadPoolExecutor(2) as pool:
-        done = [pool.submit(sender.send, first, bucket_bytes=2 * 2**20),
-                pool.submit(stage2.send, second, bucket_bytes=2**20)]
+        done = [
+            pool.submit(sender.send, first, bucket_bytes=2 * 2**20),
+            pool.submit(stage2.send, second, bucket_bytes=2**20),
+        ]
         assert sum(f.result().num_tensors for f in done) == len(state)
     sender.end(version=8)
     for proc in (a, b):
@@ -201,7 +221,9 @@ def test_sleep_holds_requests_until_wake(servers):
     assert client.is_sleeping()
 
     async def held():
-        task = asyncio.ensure_future(client.generate(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS)))
+        task = asyncio.ensure_future(
+            client.generate(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS))
+        )
         await asyncio.sleep(1.5)
         assert not task.done()  # asleep: the request waits
         await asyncio.to_thread(client.wake, ("weights",))
@@ -219,9 +241,19 @@ def test_sleep_holds_requests_until_wake(servers):
 
 
 def test_start_failure_names_replica_and_shows_log(tmp_path):
-    spec = ServerSpec(policy="planner", replica=3, rank=5, backend="vllm", model_path=str(tmp_path / "no-such-model"),
-                      dtype="fp32", max_num_seqs=2, max_model_len=64, kv_cache_gib=0.25, num_threads=1,
-                      log_path=tmp_path / "bad.log")
+    spec = ServerSpec(
+        policy="planner",
+        replica=3,
+        rank=5,
+        backend="vllm",
+        model_path=str(tmp_path / "no-such-model"),
+        dtype="fp32",
+        max_num_seqs=2,
+        max_model_len=64,
+        kv_cache_gib=0.25,
+        num_threads=1,
+        log_path=tmp_path / "bad.log",
+    )
     proc = ServerProcess(spec)
     with pytest.raises(ServerStartError) as err:
         proc.start(timeout_s=300)
@@ -239,10 +271,18 @@ def write_adapter(path, base_path, tensors):
 
     path.mkdir(parents=True, exist_ok=True)
     config = {
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": LORA_RANK, "lora_alpha": LORA_ALPHA,
-        "target_modules": ["q_proj", "v_proj"], "lora_dropout": 0.0, "bias": "none",
-        "base_model_name_or_path": str(base_path), "fan_in_fan_out": False, "use_rslora": False,
-        "use_dora": False, "modules_to_save": None,
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": LORA_RANK,
+        "lora_alpha": LORA_ALPHA,
+        "target_modules": ["q_proj", "v_proj"],
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "base_model_name_or_path": str(base_path),
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "use_dora": False,
+        "modules_to_save": None,
     }
     (path / "adapter_config.json").write_text(json.dumps(config))
     save_file(tensors, str(path / "adapter_model.safetensors"))
@@ -255,8 +295,12 @@ def random_adapter(model, scale):
         for proj in ("q_proj", "v_proj"):
             weight = getattr(layer.self_attn, proj).weight  # [out, in]
             prefix = f"base_model.model.model.layers.{i}.self_attn.{proj}"
-            tensors[f"{prefix}.lora_A.weight"] = scale * torch.randn(LORA_RANK, weight.shape[1], generator=gen)
-            tensors[f"{prefix}.lora_B.weight"] = scale * torch.randn(weight.shape[0], LORA_RANK, generator=gen)
+            tensors[f"{prefix}.lora_A.weight"] = scale * torch.randn(
+                LORA_RANK, weight.shape[1], generator=gen
+            )
+            tensors[f"{prefix}.lora_B.weight"] = scale * torch.randn(
+                weight.shape[0], LORA_RANK, generator=gen
+            )
     return tensors
 
 
@@ -266,5 +310,7 @@ def merged(model, tensors):
         for name, module in out.named_modules():
             key = f"base_model.model.{name}.lora_A.weight"
             if key in tensors:
-                module.weight += (LORA_ALPHA / LORA_RANK) * (tensors[key.replace("lora_A", "lora_B")] @ tensors[key])
+                module.weight += (LORA_ALPHA / LORA_RANK) * (
+                    tensors[key.replace("lora_A", "lora_B")] @ tensors[key]
+                )
     return out

@@ -38,10 +38,16 @@ def train_batch():
 
     g = torch.Generator().manual_seed(0)
     samples = [
-        Sample(task_id=f"t{i % 2}", episode_id=f"e{i}", agent="solver", policy="p", turn=0,
-               prompt_ids=torch.randint(0, 49152, (p_len,), generator=g).tolist(),
-               response_ids=torch.randint(0, 49152, (r_len,), generator=g).tolist(),
-               rollout_logprobs=(-torch.rand(r_len, generator=g) * 3).tolist())
+        Sample(
+            task_id=f"t{i % 2}",
+            episode_id=f"e{i}",
+            agent="solver",
+            policy="p",
+            turn=0,
+            prompt_ids=torch.randint(0, 49152, (p_len,), generator=g).tolist(),
+            response_ids=torch.randint(0, 49152, (r_len,), generator=g).tolist(),
+            rollout_logprobs=(-torch.rand(r_len, generator=g) * 3).tolist(),
+        )
         for i, (p_len, r_len) in enumerate([(5, 4), (3, 6), (6, 3), (4, 5)])
     ]
     return collate(samples, pad_id=0).replace(advantages=torch.tensor([1.0, -0.5, 0.75, -1.25]))
@@ -130,7 +136,9 @@ def test_megatron_tp2_sync_into_vllm_matches_transformers(tmp_path):
 
     from megamarl.models.packaged import save_tiny_model
 
-    model_dir = str(save_tiny_model(tmp_path / "tiny", "llama", seed=0, hidden_size=128, intermediate_size=256))
+    model_dir = str(
+        save_tiny_model(tmp_path / "tiny", "llama", seed=0, hidden_size=128, intermediate_size=256)
+    )
     engine = run_ranks(_colocated_sync, 2, model_dir, timeout_s=420)[0]
     assert engine["dtype"] == "torch.float32"
 

@@ -28,8 +28,13 @@ STOP = ("eval.every=10", f"eval.stop_at.team_accuracy={TARGET}")
 
 def run_signalling(run_dir: Path, mode: str, *overrides: str) -> tuple[list[dict], list[dict]]:
     """Train ``configs/signalling_tiny.yaml`` in ``mode`` (one rank); return (metrics rows, eval rows)."""
-    run, rows, log = train(CONFIG, run_dir, nproc=1, timeout=1200,
-                           overrides=("name=run", f"trainer.mode={mode}", "logger.progress=false", *STOP, *overrides))
+    run, rows, log = train(
+        CONFIG,
+        run_dir,
+        nproc=1,
+        timeout=1200,
+        overrides=("name=run", f"trainer.mode={mode}", "logger.progress=false", *STOP, *overrides),
+    )
     return rows, json.loads((run / "eval.json").read_text()), log
 
 
@@ -37,7 +42,9 @@ def run_signalling(run_dir: Path, mode: str, *overrides: str) -> tuple[list[dict
 def test_signalling_game_learns_to_90_percent(tmp_path, mode):
     metrics, evals, log = run_signalling(tmp_path, mode)
     curve = [(e["step"], e["results"]["team_accuracy"]) for e in evals]
-    rollout = [(m["step"], round(m["rollout/success_rate"], 3)) for m in metrics if "rollout/success_rate" in m]
+    rollout = [
+        (m["step"], round(m["rollout/success_rate"], 3)) for m in metrics if "rollout/success_rate" in m
+    ]
     print(f"\n[{mode}] held-out team accuracy (greedy) by step: {curve}")
     print(f"[{mode}] training success rate by step: {rollout}")
     first_steps = [s for _, s in rollout[:3]]
@@ -50,7 +57,9 @@ def test_signalling_game_learns_to_90_percent(tmp_path, mode):
         assert (tmp_path / "run" / "checkpoints" / f"step_{last:06d}" / "COMPLETE").is_file()
         if mode == "sync":
             again, _, resumed = run_signalling(tmp_path, mode, "trainer.resume=auto")
-            assert f"resumed a run that stopped at step {last}: eval.stop_at reached" in resumed, resumed[-2000:]
+            assert f"resumed a run that stopped at step {last}: eval.stop_at reached" in resumed, resumed[
+                -2000:
+            ]
             assert again == metrics  # no step trained, nothing logged again
 
     assert [m["step"] for m in metrics] == list(range(1, len(metrics) + 1))
@@ -61,4 +70,6 @@ def test_signalling_game_learns_to_90_percent(tmp_path, mode):
     if mode == "one_step_off":
         assert lags[0] == 0.0 and set(lags[1:]) == {1.0}  # the first batch is on-policy, then one version off
     if mode != "sync":  # off-policy correction on (algorithm.tis_cap defaults to 2.0), with its metrics
-        assert all("policy/shared/tis_weight_mean" in m and "policy/shared/tis_clip_frac" in m for m in metrics)
+        assert all(
+            "policy/shared/tis_weight_mean" in m and "policy/shared/tis_clip_frac" in m for m in metrics
+        )

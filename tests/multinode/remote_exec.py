@@ -18,9 +18,18 @@ class Handler(socketserver.StreamRequestHandler):
     def handle(self) -> None:
         job = json.loads(self.rfile.readline())
         argv = [sys.executable, *job["argv"][1:]] if job["argv"][0] == "python" else job["argv"]
-        done = subprocess.run(argv, input=job["stdin"], capture_output=True, text=True, cwd=job["cwd"],
-                              env={**os.environ, **job["env"]}, check=False)
-        self.wfile.write(json.dumps({"rc": done.returncode, "stdout": done.stdout, "stderr": done.stderr}).encode())
+        done = subprocess.run(
+            argv,
+            input=job["stdin"],
+            capture_output=True,
+            text=True,
+            cwd=job["cwd"],
+            env={**os.environ, **job["env"]},
+            check=False,
+        )
+        self.wfile.write(
+            json.dumps({"rc": done.returncode, "stdout": done.stdout, "stderr": done.stderr}).encode()
+        )
 
 
 def serve(addr: str, port: int) -> None:
@@ -46,4 +55,4 @@ if __name__ == "__main__":
     if sys.argv[1] == "serve":
         serve(sys.argv[2], int(sys.argv[3]))
     else:
-        sys.exit(run(sys.argv[1], int(sys.argv[2]), sys.argv[sys.argv.index("--") + 1:]))
+        sys.exit(run(sys.argv[1], int(sys.argv[2]), sys.argv[sys.argv.index("--") + 1 :]))

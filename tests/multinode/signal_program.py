@@ -12,8 +12,9 @@ import urllib.request
 
 
 def post(url: str, body: dict, headers: dict | None = None) -> dict:
-    request = urllib.request.Request(url, data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json", **(headers or {})})
+    request = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json", **(headers or {})}
+    )
     with urllib.request.urlopen(request, timeout=120) as reply:
         return json.loads(reply.read() or b"null")
 
@@ -32,7 +33,9 @@ def main() -> None:
     post(os.environ["MEGAMARL_REWARD_URL"], {"team": float(ord(guess or "\0") % 2 == secret % 2)})
     if os.environ.get("SIGNAL_LOG"):
         with open(os.environ["SIGNAL_LOG"], "a") as log:
-            log.write(json.dumps({"host": socket.gethostname(), "base": base, "episode": job["episode_id"]}) + "\n")
+            log.write(
+                json.dumps({"host": socket.gethostname(), "base": base, "episode": job["episode_id"]}) + "\n"
+            )
 
 
 if __name__ == "__main__":

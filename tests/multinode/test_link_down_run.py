@@ -91,7 +91,9 @@ class ServerLog:
 
 def _rows(run_dir: Path) -> list[dict]:
     path = run_dir / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+    return (
+        [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+    )
 
 
 @pytest.fixture(scope="module")
@@ -103,31 +105,84 @@ def run(tmp_path_factory):
     shared = tmp_path_factory.mktemp("link")
     model = str(resolve_model_path("tiny-random-llama"))
     path = os.pathsep.join(p for p in (str(ROOT / "tests" / "fake_sglang"), str(ROOT)) if p)
-    env = {**os.environ, "PYTHONPATH": path, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1",
-           "WANDB_MODE": "disabled"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": path,
+        "PYTHONWARNINGS": "ignore",
+        "OMP_NUM_THREADS": "1",
+        "WANDB_MODE": "disabled",
+    }
     timeline: dict = {}
     with cluster(2, shared) as nodes:
         n0, n1 = nodes
-        servers = [ServerLog(node.popen([PY, "-m", "sglang.launch_server", "--model-path", model, "--host", node.addr,
-                                         "--port", str(PORT), "--dtype", "float32", "--random-seed", str(node.index)],
-                                        env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-                   for node in nodes]
+        servers = [
+            ServerLog(
+                node.popen(
+                    [
+                        PY,
+                        "-m",
+                        "sglang.launch_server",
+                        "--model-path",
+                        model,
+                        "--host",
+                        node.addr,
+                        "--port",
+                        str(PORT),
+                        "--dtype",
+                        "float32",
+                        "--random-seed",
+                        str(node.index),
+                    ],
+                    env=env,
+                    cwd=ROOT,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                )
+            )
+            for node in nodes
+        ]
         urls = [f"http://{node.addr}:{PORT}" for node in nodes]
         config = shared / "link.yaml"
-        config.write_text(CONFIG.format(urls=json.dumps(urls), stall=STALL_S, patience=PATIENCE_S, steps=STEPS))
+        config.write_text(
+            CONFIG.format(urls=json.dumps(urls), stall=STALL_S, patience=PATIENCE_S, steps=STEPS)
+        )
         log_path, run_dir = shared / "torchrun-n0.log", shared / "link"
         with open(log_path, "w") as log:
-            proc = n0.popen([TORCHRUN, "--nnodes", "1", "--nproc_per_node", "1", "--rdzv-backend", "c10d",
-                             "--rdzv-endpoint", f"{n0.addr}:{RDZV_PORT}", "--rdzv-id", "link", "--max-restarts", "0",
-                             "scripts/train.py", "--config", str(config), f"output_dir={shared}"],
-                            env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+            proc = n0.popen(
+                [
+                    TORCHRUN,
+                    "--nnodes",
+                    "1",
+                    "--nproc_per_node",
+                    "1",
+                    "--rdzv-backend",
+                    "c10d",
+                    "--rdzv-endpoint",
+                    f"{n0.addr}:{RDZV_PORT}",
+                    "--rdzv-id",
+                    "link",
+                    "--max-restarts",
+                    "0",
+                    "scripts/train.py",
+                    "--config",
+                    str(config),
+                    f"output_dir={shared}",
+                ],
+                env=env,
+                cwd=ROOT,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
         start = time.time()
 
         def wait(what: str, done) -> float:
             deadline = time.monotonic() + 600
             while not done():
-                assert proc.poll() is None, f"the run exited {proc.returncode} waiting for {what}:\n" + \
-                    log_path.read_text(errors="replace")[-4000:]
+                assert proc.poll() is None, (
+                    f"the run exited {proc.returncode} waiting for {what}:\n"
+                    + log_path.read_text(errors="replace")[-4000:]
+                )
                 assert time.monotonic() < deadline, f"timed out waiting for {what}"
                 time.sleep(0.05)
             return time.time()
@@ -136,8 +191,9 @@ def run(tmp_path_factory):
         n1.link_down()
         timeline["link_down"] = time.time()
         timeline["rows_at_link_down"] = len(_rows(run_dir))
-        timeline["dead_declared"] = wait("the dead replica's line",
-                                         lambda: "engine replica 1 is unreachable" in log_path.read_text())
+        timeline["dead_declared"] = wait(
+            "the dead replica's line", lambda: "engine replica 1 is unreachable" in log_path.read_text()
+        )
         down_until = timeline["rows_at_link_down"] + 2
         wait(f"step {down_until}'s metrics row", lambda: len(_rows(run_dir)) >= down_until)
         n1.link_up()
@@ -162,8 +218,10 @@ def run(tmp_path_factory):
     served = [at for at, _ in n1_log.after(timeline["resync_stamped"] or up, "/generate")]
     timeline["served_again"] = served[0] if served else None
     timeline["wall_s"] = round(timeline["end"] - start, 1)
-    relative = {k: (round(v - start, 1) if isinstance(v, float) and k not in ("wall_s",) else v)
-                for k, v in timeline.items()}
+    relative = {
+        k: (round(v - start, 1) if isinstance(v, float) and k not in ("wall_s",) else v)
+        for k, v in timeline.items()
+    }
     (shared / "timeline.json").write_text(json.dumps(relative, indent=1))
     print("link-down timeline (s after the launch):", json.dumps(relative), file=sys.stderr)
     return LinkRun(timeline, rows, output, servers, nodes)
@@ -171,11 +229,17 @@ def run(tmp_path_factory):
 
 class LinkRun:
     def __init__(self, timeline, rows, output, servers, nodes) -> None:
-        self.timeline, self.rows, self.output, self.servers, self.nodes = timeline, rows, output, servers, nodes
+        self.timeline, self.rows, self.output, self.servers, self.nodes = (
+            timeline,
+            rows,
+            output,
+            servers,
+            nodes,
+        )
 
     def during_outage(self) -> list[dict]:
         t = self.timeline
-        return self.rows[t["rows_at_link_down"]:t["rows_at_link_up"]]
+        return self.rows[t["rows_at_link_down"] : t["rows_at_link_up"]]
 
 
 KEY = "engine/shared"
@@ -212,11 +276,14 @@ def test_the_steps_of_the_outage_complete_on_the_other_replica(run):
 
 def test_it_rejoins_gets_a_real_push_and_serves_again(run):
     n0, _ = run.nodes
-    after = run.rows[run.timeline["rows_at_link_up"]:]
+    after = run.rows[run.timeline["rows_at_link_up"] :]
     # the first push after the rebuild reaches it: a re-sync of it alone at a step's start, or the step's
     # push into every live replica; verified against transformers on the pushed tensors either way
-    pushed = [r for r in after if r.get("weight_sync/shared/resync/replicas") == 1
-              or r.get("weight_sync/shared/replicas") == 2]
+    pushed = [
+        r
+        for r in after
+        if r.get("weight_sync/shared/resync/replicas") == 1 or r.get("weight_sync/shared/replicas") == 2
+    ]
     assert pushed, after
     row = pushed[0]
     resync = "weight_sync/shared/resync/replicas" in row

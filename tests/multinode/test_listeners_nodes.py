@@ -53,8 +53,14 @@ def nodes(tmp_path_factory):
 
 
 def multi_node_env(rank: int) -> dict[str, str]:
-    return {**os.environ, "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "RANK": str(rank), "MASTER_ADDR": "n0",
-            "PYTHONPATH": str(ROOT)}
+    return {
+        **os.environ,
+        "WORLD_SIZE": "4",
+        "LOCAL_WORLD_SIZE": "2",
+        "RANK": str(rank),
+        "MASTER_ADDR": "n0",
+        "PYTHONPATH": str(ROOT),
+    }
 
 
 @pytest.mark.parametrize("own_name_on_loopback", [False, True], ids=["dns", "debian-hosts"])
@@ -63,8 +69,15 @@ def test_host_address_is_each_nodes_own(own_name_on_loopback, tmp_path):
         pytest.skip(reason)
     with cluster(2, tmp_path, own_name_on_loopback=own_name_on_loopback) as nodes:
         for i, node in enumerate(nodes):
-            done = node.run([PY, "-c", HOST_ADDRESS], env=multi_node_env(2 * i), cwd=ROOT, capture_output=True,
-                            text=True, timeout=60, check=False)
+            done = node.run(
+                [PY, "-c", HOST_ADDRESS],
+                env=multi_node_env(2 * i),
+                cwd=ROOT,
+                capture_output=True,
+                text=True,
+                timeout=60,
+                check=False,
+            )
             assert done.stdout.strip() == node.addr, done.stderr[-2000:]
 
 
@@ -72,9 +85,24 @@ def test_the_world_gloo_group_spans_the_nodes(nodes):
     """torch's gloo device takes the address the hostname resolves to: with Debian's hosts file that is
     127.0.1.1 and the first collective fails ("connectFullMesh ... remote=[127.0.1.1]"); megamarl pins
     GLOO_SOCKET_IFNAME to the host-address rule's interface (``network.pin_gloo_interface``)."""
-    env = {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "n0", "MASTER_PORT": "29411"}
-    ranks = [node.popen([PY, "-c", WORLD], env={**multi_node_env(i), **env, "RANK": str(i)}, cwd=ROOT,
-                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i, node in enumerate(nodes)]
+    env = {
+        "WORLD_SIZE": "2",
+        "LOCAL_WORLD_SIZE": "1",
+        "LOCAL_RANK": "0",
+        "MASTER_ADDR": "n0",
+        "MASTER_PORT": "29411",
+    }
+    ranks = [
+        node.popen(
+            [PY, "-c", WORLD],
+            env={**multi_node_env(i), **env, "RANK": str(i)},
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i, node in enumerate(nodes)
+    ]
     outs = [rank.communicate(timeout=120) for rank in ranks]
     assert [rank.returncode for rank in ranks] == [0, 0], [err[-2000:] for _, err in outs]
     assert [out.split() for out, _ in outs] == [["eth0", "2.0"], ["eth0", "2.0"]]
@@ -82,12 +110,20 @@ def test_the_world_gloo_group_spans_the_nodes(nodes):
 
 def test_the_recording_endpoint_on_n0_answers_n1(nodes):
     n0, n1 = nodes
-    server = n0.popen([PY, "-c", SERVE_ENDPOINT], env=multi_node_env(0), cwd=ROOT, stdout=subprocess.PIPE,
-                      stderr=subprocess.PIPE, text=True)
+    server = n0.popen(
+        [PY, "-c", SERVE_ENDPOINT],
+        env=multi_node_env(0),
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         base = server.stdout.readline().strip()
         assert base.startswith(f"http://{n0.addr}:"), (base, server.stderr.read() if not base else "")
-        reply = n1.run([PY, "-c", GET, f"{base}/v1/models"], capture_output=True, text=True, timeout=60, check=False)
+        reply = n1.run(
+            [PY, "-c", GET, f"{base}/v1/models"], capture_output=True, text=True, timeout=60, check=False
+        )
         assert reply.returncode == 0, reply.stderr[-2000:]
         assert json.loads(reply.stdout)["object"] == "list"
     finally:

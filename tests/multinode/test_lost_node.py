@@ -39,21 +39,51 @@ TOTAL_STEPS = 3
 KILL_AFTER = 2  # step whose checkpoint is complete when n1 dies
 PEER_TIMEOUT_S = 20  # trainer.peer_timeout_s for this run (default 60)
 LOST_BOUND_S = PEER_TIMEOUT_S + 20  # kill -> node 0's torchrun exit: the bound plus torchrun's own teardown
-OVERRIDES = ("policies.shared.ranks=[0,1,2,3]", f"trainer.total_steps={TOTAL_STEPS}", "trainer.save_every=1",
-             "rollout.num_tasks=4", "eval.num_tasks=0", "logger.progress=false", "logger.plots=false",
-             "trainer.resume=auto", f"trainer.peer_timeout_s={PEER_TIMEOUT_S}")
+OVERRIDES = (
+    "policies.shared.ranks=[0,1,2,3]",
+    f"trainer.total_steps={TOTAL_STEPS}",
+    "trainer.save_every=1",
+    "rollout.num_tasks=4",
+    "eval.num_tasks=0",
+    "logger.progress=false",
+    "logger.plots=false",
+    "trainer.resume=auto",
+    f"trainer.peer_timeout_s={PEER_TIMEOUT_S}",
+)
 PORT = 29411
 
 
 def _command(out: Path) -> list[str]:
-    return [str(TORCHRUN), "--nnodes", "2", "--nproc_per_node", "2", "--rdzv-backend", "c10d",
-            "--rdzv-endpoint", f"n0:{PORT}", "--rdzv-id", "lost", "--max-restarts", "0",
-            "scripts/train.py", "--config", f"configs/{RUN}.yaml", *OVERRIDES, f"output_dir={out}"]
+    return [
+        str(TORCHRUN),
+        "--nnodes",
+        "2",
+        "--nproc_per_node",
+        "2",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"n0:{PORT}",
+        "--rdzv-id",
+        "lost",
+        "--max-restarts",
+        "0",
+        "scripts/train.py",
+        "--config",
+        f"configs/{RUN}.yaml",
+        *OVERRIDES,
+        f"output_dir={out}",
+    ]
 
 
 def _env() -> dict[str, str]:
-    env = {**os.environ, "PYTHONWARNINGS": "ignore", "WANDB_MODE": "disabled", "PYTHONPATH": str(ROOT),
-           "GLOO_SOCKET_IFNAME": "eth0"}
+    env = {
+        **os.environ,
+        "PYTHONWARNINGS": "ignore",
+        "WANDB_MODE": "disabled",
+        "PYTHONPATH": str(ROOT),
+        "GLOO_SOCKET_IFNAME": "eth0",
+    }
     env.pop("OMP_NUM_THREADS", None)
     return env
 
@@ -68,13 +98,22 @@ def _launch(nodes, out: Path, tag: str) -> list:
 
 def _metrics(run_dir: Path) -> list[dict]:
     path = run_dir / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+    return (
+        [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+    )
 
 
 def _stable(record: dict) -> dict:
     """Without the timings (test_preemption's rule): what the seeded run computes."""
-    return {k: v for k, v in record.items() if not (k in ("time", "elapsed_s") or k.endswith(("_s", "_ratio"))
-                                                    or k.startswith(("timing/", "timing_s/", "weight_sync/", "perf/")))}
+    return {
+        k: v
+        for k, v in record.items()
+        if not (
+            k in ("time", "elapsed_s")
+            or k.endswith(("_s", "_ratio"))
+            or k.startswith(("timing/", "timing_s/", "weight_sync/", "perf/"))
+        )
+    }
 
 
 @pytest.fixture(scope="module")
@@ -132,7 +171,9 @@ def test_the_surviving_node_stops_within_the_bound_with_a_non_zero_code(lost_run
     t = lost_run.timeline
     assert t["exit_code"] != 0, lost_run.first_log[-3000:]
     assert t["exit"] - t["kill"] < LOST_BOUND_S, (t, lost_run.first_log[-3000:])
-    assert "train.py" in lost_run.listing["n1"] and "train.py" in lost_run.listing["n0"]  # both nodes had ranks
+    assert (
+        "train.py" in lost_run.listing["n1"] and "train.py" in lost_run.listing["n0"]
+    )  # both nodes had ranks
 
 
 def test_one_line_names_the_lost_node_and_its_ranks(lost_run):

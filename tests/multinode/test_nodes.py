@@ -30,12 +30,14 @@ SERVE = textwrap.dedent("""
         conn, _ = srv.accept()
         conn.sendall(socket.gethostname().encode()); conn.close()
 """)
-DIAL = ("import socket, sys\n"
-        "try:\n"
-        "    c = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=float(sys.argv[3]))\n"
-        "    print(c.recv(100).decode())\n"
-        "except OSError as exc:\n"
-        "    print(type(exc).__name__)\n")
+DIAL = (
+    "import socket, sys\n"
+    "try:\n"
+    "    c = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=float(sys.argv[3]))\n"
+    "    print(c.recv(100).decode())\n"
+    "except OSError as exc:\n"
+    "    print(type(exc).__name__)\n"
+)
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +66,9 @@ def test_addresses_hostnames_and_names(nodes):
         assert "state UNKNOWN" in _out(node, "ip link show lo") or "UP" in _out(node, "ip link show lo")
         # its own hostname and the others' resolve to their eth0 addresses (never 127.0.1.1)
         names = "(socket.gethostname(), 'n0', 'n1')"
-        resolved = _out(node, [PY, "-c", f"import socket; print(*(socket.gethostbyname(h) for h in {names}))"])
+        resolved = _out(
+            node, [PY, "-c", f"import socket; print(*(socket.gethostbyname(h) for h in {names}))"]
+        )
         assert resolved == f"{node.addr} {SUBNET}.1 {SUBNET}.2"
         assert _out(node, "ip -4 route") == f"{SUBNET}.0/24 dev eth0 proto kernel scope link src {node.addr}"
 
@@ -98,16 +102,21 @@ def test_private_shm_and_tmp_shared_dir(nodes):
 def test_traffic_between_nodes_only(nodes):
     nodes, _ = nodes
     n0, n1 = nodes
-    server = n1.popen([PY, "-c", SERVE], env={**os.environ, "ADDR": n1.addr, "PORT": "5555"},
-                      stdout=subprocess.PIPE, text=True)
+    server = n1.popen(
+        [PY, "-c", SERVE],
+        env={**os.environ, "ADDR": n1.addr, "PORT": "5555"},
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert server.stdout.readline().strip() == "listening"
         assert _dial(n0, n1.addr, 5555) == "n1"
         assert _dial(n0, "n1", 5555) == "n1"  # by name
         assert _dial(n0, "127.0.0.1", 5555) == "ConnectionRefusedError"  # n0's loopback is its own
         # the host's addresses are not reachable from a node: no route out of the switch
-        host = subprocess.run(["ip", "-4", "-o", "addr", "show", "scope", "global"], check=True, capture_output=True,
-                              text=True).stdout.split()
+        host = subprocess.run(
+            ["ip", "-4", "-o", "addr", "show", "scope", "global"], check=True, capture_output=True, text=True
+        ).stdout.split()
         for addr in [w.split("/")[0] for w in host if "/" in w and w[0].isdigit()]:
             assert _dial(n0, addr, 22, 1.0) in ("OSError", "TimeoutError"), addr  # ENETUNREACH
         # a pulled cable: connections time out while it is down and work again once it is back
@@ -141,10 +150,12 @@ def test_clean_up_also_when_the_owner_is_killed(tmp_path):
     if reason := nodes_permitted():
         pytest.skip(reason)
     tests = Path(__file__).resolve().parents[1]
-    program = (f"import sys, time; sys.path.insert(0, {str(tests)!r}); from nodes import cluster\n"
-               f"with cluster(2, {str(tmp_path)!r}) as ns:\n"
-               "    ns[0].popen(['sleep', '300']); ns[1].popen(['sleep', '300'])\n"
-               "    print(*(n.init_pid for n in ns), ns[0]._switch_pid, flush=True); time.sleep(300)")
+    program = (
+        f"import sys, time; sys.path.insert(0, {str(tests)!r}); from nodes import cluster\n"
+        f"with cluster(2, {str(tmp_path)!r}) as ns:\n"
+        "    ns[0].popen(['sleep', '300']); ns[1].popen(['sleep', '300'])\n"
+        "    print(*(n.init_pid for n in ns), ns[0]._switch_pid, flush=True); time.sleep(300)"
+    )
     owner = subprocess.Popen([PY, "-c", program], stdout=subprocess.PIPE, text=True)
     inits = [int(p) for p in owner.stdout.readline().split()]
     assert len(inits) == 3  # the two nodes' inits and the switch's holder

@@ -33,9 +33,17 @@ TOKEN = os.urandom(16).hex()
 
 
 def _env() -> dict[str, str]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONWARNINGS": "ignore", "WANDB_MODE": "disabled",
-           "RAY_USAGE_STATS_ENABLED": "0", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
-           "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": TOKEN}
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "PYTHONWARNINGS": "ignore",
+        "WANDB_MODE": "disabled",
+        "RAY_USAGE_STATS_ENABLED": "0",
+        "OMP_NUM_THREADS": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "RAY_AUTH_MODE": "token",
+        "RAY_AUTH_TOKEN": TOKEN,
+    }
     env.pop("RAY_ADDRESS", None)
     return env
 
@@ -50,28 +58,77 @@ def ray_run(tmp_path_factory):
     where = shared / "where"
     where.mkdir()
     with cluster(2, shared) as (n0, n1):
-        head = n0.run([str(RAY), "start", "--head", f"--node-ip-address={n0.addr}", f"--port={PORT}", "--num-cpus=1",
-                       "--include-dashboard=false", "--disable-usage-stats"], env=_env(), cwd=ROOT,
-                      capture_output=True, text=True, timeout=300)
+        head = n0.run(
+            [
+                str(RAY),
+                "start",
+                "--head",
+                f"--node-ip-address={n0.addr}",
+                f"--port={PORT}",
+                "--num-cpus=1",
+                "--include-dashboard=false",
+                "--disable-usage-stats",
+            ],
+            env=_env(),
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert head.returncode == 0, head.stdout[-2000:] + head.stderr[-2000:]
-        joined = n1.run([str(RAY), "start", f"--address={n0.addr}:{PORT}", f"--node-ip-address={n1.addr}",
-                         "--num-cpus=1", '--resources={"env_node": 2}', "--disable-usage-stats"], env=_env(), cwd=ROOT,
-                        capture_output=True, text=True, timeout=300)
+        joined = n1.run(
+            [
+                str(RAY),
+                "start",
+                f"--address={n0.addr}:{PORT}",
+                f"--node-ip-address={n1.addr}",
+                "--num-cpus=1",
+                '--resources={"env_node": 2}',
+                "--disable-usage-stats",
+            ],
+            env=_env(),
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert joined.returncode == 0, joined.stdout[-2000:] + joined.stderr[-2000:]
         out = shared / "runs"
-        run = n0.run([str(PY), "scripts/train.py", "--config", "configs/slow_judge.yaml", "trainer.total_steps=1",
-                      f"rollout.num_tasks={NUM_TASKS}", f"rollout.group_size={GROUP_SIZE}",
-                      "rollout.env_workers.backend=ray", f"rollout.env_workers.address={n0.addr}:{PORT}",
-                      f"rollout.env_workers.num_workers={NUM_WORKERS}", "rollout.env_workers.resources={env_node: 1}",
-                      "env.name=where_judge", "env.kwargs.judge_s=[0.01]", f"+env.kwargs.where_dir={where}",
-                      "plugins=[megamarl.orchestration.envs.latency,where_judge]", f"plugin_paths=[{PLUGINS}]",
-                      f"output_dir={out}", "logger.plots=false"],
-                     env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=600)
+        run = n0.run(
+            [
+                str(PY),
+                "scripts/train.py",
+                "--config",
+                "configs/slow_judge.yaml",
+                "trainer.total_steps=1",
+                f"rollout.num_tasks={NUM_TASKS}",
+                f"rollout.group_size={GROUP_SIZE}",
+                "rollout.env_workers.backend=ray",
+                f"rollout.env_workers.address={n0.addr}:{PORT}",
+                f"rollout.env_workers.num_workers={NUM_WORKERS}",
+                "rollout.env_workers.resources={env_node: 1}",
+                "env.name=where_judge",
+                "env.kwargs.judge_s=[0.01]",
+                f"+env.kwargs.where_dir={where}",
+                "plugins=[megamarl.orchestration.envs.latency,where_judge]",
+                f"plugin_paths=[{PLUGINS}]",
+                f"output_dir={out}",
+                "logger.plots=false",
+            ],
+            env=_env(),
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         listing = {node.name: node.ps() for node in (n0, n1)}
         for node in (n1, n0):
             node.run([str(RAY), "stop", "--force"], env=_env(), cwd=ROOT, capture_output=True, timeout=120)
-    metrics = [json.loads(line) for line in (out / "slow_judge" / "metrics.jsonl").read_text().splitlines()] \
-        if (out / "slow_judge" / "metrics.jsonl").is_file() else []
+    metrics = (
+        [json.loads(line) for line in (out / "slow_judge" / "metrics.jsonl").read_text().splitlines()]
+        if (out / "slow_judge" / "metrics.jsonl").is_file()
+        else []
+    )
     judged = {path.name: path.read_text().split() for path in where.iterdir()}
     print("ray env workers (hostname-pid: judged steps):", {k: len(v) for k, v in judged.items()})
     return run, metrics, judged, listing
@@ -81,9 +138,15 @@ def test_the_run_trains_with_env_workers_of_the_other_node(ray_run):
     run, metrics, _, _ = ray_run
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     output = run.stdout + run.stderr
-    assert f"env steps of where_judge: in {NUM_WORKERS} ray workers at {SUBNET}.1:{PORT} (rollout.env_workers)" in output
+    assert (
+        f"env steps of where_judge: in {NUM_WORKERS} ray workers at {SUBNET}.1:{PORT} (rollout.env_workers)"
+        in output
+    )
     assert len(metrics) == 1 and metrics[0]["policy/shared/optimizer_steps"] >= 1
-    assert metrics[0]["env_workers/calls"] == 2 * NUM_TASKS * GROUP_SIZE and metrics[0]["rollout/num_failed"] == 0
+    assert (
+        metrics[0]["env_workers/calls"] == 2 * NUM_TASKS * GROUP_SIZE
+        and metrics[0]["rollout/num_failed"] == 0
+    )
 
 
 def test_every_judged_step_ran_on_n1(ray_run):

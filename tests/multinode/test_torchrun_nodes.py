@@ -83,9 +83,17 @@ def external(command: list[str]) -> str:
 
 def config(name: str, *, pa_ranks, pb_ranks, pa_engine=(), pb_engine=(), orchestra: str) -> str:
     def policy(model, ranks, engine):
-        return POLICY.format(model=model, ranks=list(ranks), engine_ranks=f"ranks: {list(engine)}," if engine else "")
-    return CONFIG.format(name=name, pa=policy("tiny-random-llama", pa_ranks, pa_engine),
-                         pb=policy("tiny-random-qwen2", pb_ranks, pb_engine), orchestra=orchestra, steps=STEPS)
+        return POLICY.format(
+            model=model, ranks=list(ranks), engine_ranks=f"ranks: {list(engine)}," if engine else ""
+        )
+
+    return CONFIG.format(
+        name=name,
+        pa=policy("tiny-random-llama", pa_ranks, pa_engine),
+        pb=policy("tiny-random-qwen2", pb_ranks, pb_engine),
+        orchestra=orchestra,
+        steps=STEPS,
+    )
 
 
 def run_env(**extra: str) -> dict[str, str]:
@@ -110,7 +118,9 @@ class NodeRun:
         procs = []
         for node in nodes:
             with open(self.logs[node.name], "w") as log:
-                procs.append(node.popen(self.command(), env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT))
+                procs.append(
+                    node.popen(self.command(), env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+                )
         deadline = start + RUN_TIMEOUT_S
         while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
             self._sample()
@@ -122,9 +132,23 @@ class NodeRun:
         self.wall_s = time.monotonic() - start
 
     def command(self) -> list[str]:
-        return [TORCHRUN, "--nnodes", str(len(self.nodes)), "--nproc_per_node", "2", "--rdzv-backend", "c10d",
-                "--rdzv-endpoint", f"{self.nodes[0].addr}:{RDZV_PORT}", "--rdzv-id", self.name,
-                "scripts/train.py", "--config", str(self.config), f"output_dir={self.out}"]
+        return [
+            TORCHRUN,
+            "--nnodes",
+            str(len(self.nodes)),
+            "--nproc_per_node",
+            "2",
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            f"{self.nodes[0].addr}:{RDZV_PORT}",
+            "--rdzv-id",
+            self.name,
+            "scripts/train.py",
+            "--config",
+            str(self.config),
+            f"output_dir={self.out}",
+        ]
 
     def _sample(self) -> None:
         for node in self.nodes:
@@ -146,8 +170,11 @@ class NodeRun:
 
     def server_calls(self, policy: str) -> list[dict]:
         log = (self.run_dir / "engine_logs" / f"{policy}-replica0.log").read_text()
-        return [json.loads(line.split("[fake-sglang] ", 1)[1]) for line in log.splitlines()
-                if line.startswith("[fake-sglang] {")]
+        return [
+            json.loads(line.split("[fake-sglang] ", 1)[1])
+            for line in log.splitlines()
+            if line.startswith("[fake-sglang] {")
+        ]
 
 
 @pytest.fixture(scope="module")
@@ -163,12 +190,19 @@ def nodes(tmp_path_factory):
 def run(nodes):
     nodes, shared = nodes
     n1 = nodes[1]
-    relay = n1.popen([PY, RELAY, "serve", n1.addr, str(RELAY_PORT)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    relay = n1.popen(
+        [PY, RELAY, "serve", n1.addr, str(RELAY_PORT)], cwd=ROOT, stdout=subprocess.PIPE, text=True
+    )
     assert relay.stdout.readline().startswith("serving")
     # the program runs on n1, as ``srun -w n1 python signal_program.py`` would run it on a cluster
     command = ["python", RELAY, n1.name, str(RELAY_PORT), "--", "python", PROGRAM]
-    run = NodeRun(nodes, shared, "cross", cross_config(external(command)),
-                  env=run_env(SIGNAL_LOG=str(shared / "cross-signal.jsonl")))
+    run = NodeRun(
+        nodes,
+        shared,
+        "cross",
+        cross_config(external(command)),
+        env=run_env(SIGNAL_LOG=str(shared / "cross-signal.jsonl")),
+    )
     run.signal_log = shared / "cross-signal.jsonl"
     relay.kill()
     relay.wait()
@@ -210,7 +244,10 @@ def test_each_node_runs_its_ranks_and_the_other_policys_server(run):
     assert re.fullmatch(rf"http://{re.escape(n1.addr)}:\d+", servers["pa"]["url"]), servers
     assert re.fullmatch(rf"http://{re.escape(n0.addr)}:\d+", servers["pb"]["url"]), servers
     assert (servers["pa"]["ranks"], servers["pb"]["ranks"]) == ([3], [1])
-    for node, model, other in ((n0, "tiny-random-qwen2", "tiny-random-llama"), (n1, "tiny-random-llama", "tiny-random-qwen2")):
+    for node, model, other in (
+        (n0, "tiny-random-qwen2", "tiny-random-llama"),
+        (n1, "tiny-random-llama", "tiny-random-qwen2"),
+    ):
         listing = run.listings[node.name]  # what ``ps`` inside the node showed at its busiest
         assert listing.count("scripts/train.py") >= 3, listing  # torchrun's agent and its two ranks
         # the server of the policy trained on the other node (megamarl's server_guard and the server under it)
@@ -247,8 +284,22 @@ def test_gives_the_metrics_of_the_one_node_run(run, one_node):
     # depend on how requests were batched (timing), so TIS weights and losses differ in the last bits (~1e-7
     # relative seen); a GRPO loss whose advantages cancel is ~4e-7 itself, and there its noise (6e-8) is the
     # whole value, so it is compared absolutely
-    done = subprocess.run([PY, "scripts/compare_runs.py", "--rtol", "1e-5", "--atol", "1e-6", "--metrics",
-                           str(run_dir / "metrics.jsonl"),
-                           str(run.run_dir / "metrics.jsonl")], cwd=ROOT, capture_output=True, text=True, check=False)
+    done = subprocess.run(
+        [
+            PY,
+            "scripts/compare_runs.py",
+            "--rtol",
+            "1e-5",
+            "--atol",
+            "1e-6",
+            "--metrics",
+            str(run_dir / "metrics.jsonl"),
+            str(run.run_dir / "metrics.jsonl"),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     print(f"\none-node reference: {wall_s:.0f} s wall\n{done.stdout}")
     assert done.returncode == 0, done.stdout + done.stderr

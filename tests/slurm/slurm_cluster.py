@@ -41,7 +41,9 @@ APT_TIMEOUT_S = 300  # one apt-get call
 def ensure_installed() -> str | None:
     """None when this can run the cluster (root, the Slurm and munge binaries now on PATH), else why not."""
     if os.geteuid() != 0:
-        return "the one-node Slurm cluster runs slurmctld/slurmd as root (SlurmUser=root): run the tests as root"
+        return (
+            "the one-node Slurm cluster runs slurmctld/slurmd as root (SlurmUser=root): run the tests as root"
+        )
     if all(shutil.which(b) for b in BINARIES):
         return None
     if not shutil.which("apt-get"):
@@ -49,12 +51,18 @@ def ensure_installed() -> str | None:
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
     install = ["apt-get", "install", "-y", "-qq", "--no-install-recommends", *PACKAGES]
     try:  # bounded: without a reachable package mirror apt may wait long before failing; that is a skip
-        done = subprocess.run(install, check=False, env=env, capture_output=True, text=True, timeout=APT_TIMEOUT_S)
-        if done.returncode != 0:  # a stale package index: refresh it once, as scripts/setup.sh does for bubblewrap
-            subprocess.run(["apt-get", "update", "-qq"], check=False, env=env, capture_output=True,
-                           timeout=APT_TIMEOUT_S)
-            done = subprocess.run(install, check=False, env=env, capture_output=True, text=True,
-                                  timeout=APT_TIMEOUT_S)
+        done = subprocess.run(
+            install, check=False, env=env, capture_output=True, text=True, timeout=APT_TIMEOUT_S
+        )
+        if (
+            done.returncode != 0
+        ):  # a stale package index: refresh it once, as scripts/setup.sh does for bubblewrap
+            subprocess.run(
+                ["apt-get", "update", "-qq"], check=False, env=env, capture_output=True, timeout=APT_TIMEOUT_S
+            )
+            done = subprocess.run(
+                install, check=False, env=env, capture_output=True, text=True, timeout=APT_TIMEOUT_S
+            )
     except subprocess.TimeoutExpired as exc:
         return f"{' '.join(exc.cmd[:3])} took over {APT_TIMEOUT_S} s (no package mirror reachable?)"
     if done.returncode != 0 or not all(shutil.which(b) for b in BINARIES):
@@ -99,51 +107,68 @@ class SlurmCluster:
         key.chmod(0o600)
         self.munge_socket = self.root / "munge" / "munge.socket"
         munge = self.root / "munge"
-        self._spawn("munged", ["munged", "--foreground", "--force", f"--socket={self.munge_socket}",
-                               f"--key-file={key}", f"--pid-file={munge / 'munged.pid'}",
-                               f"--seed-file={munge / 'munged.seed'}", f"--log-file={self.root / 'log' / 'munged.log'}"])
+        self._spawn(
+            "munged",
+            [
+                "munged",
+                "--foreground",
+                "--force",
+                f"--socket={self.munge_socket}",
+                f"--key-file={key}",
+                f"--pid-file={munge / 'munged.pid'}",
+                f"--seed-file={munge / 'munged.seed'}",
+                f"--log-file={self.root / 'log' / 'munged.log'}",
+            ],
+        )
         self._until(lambda: self.munge_socket.exists(), "munged's socket")
 
     def _write_conf(self) -> None:
         log = self.root / "log"
-        self.conf.write_text("\n".join([
-            "ClusterName=megamarl-test",
-            f"SlurmctldHost={self.node}({self.ctld_addr})",
-            f"SlurmctldPort={_free_port()}",
-            f"SlurmdPort={_free_port()}",
-            "SlurmUser=root",
-            "SlurmdUser=root",
-            "AuthType=auth/munge",
-            "CredType=cred/munge",
-            f"AuthInfo=socket={self.munge_socket},cred_expire={CRED_EXPIRE_S}",
-            f"StateSaveLocation={self.root / 'state'}",
-            f"SlurmdSpoolDir={self.root / 'spool' / '%n'}",
-            f"SlurmctldPidFile={self.root / 'slurmctld.pid'}",
-            f"SlurmdPidFile={self.root / 'slurmd-%n.pid'}",
-            f"SlurmctldLogFile={log / 'slurmctld.log'}",
-            f"SlurmdLogFile={log / 'slurmd-%n.log'}",
-            "SlurmctldDebug=info",
-            "SlurmdDebug=info",
-            "MailProg=/bin/true",
-            "ProctrackType=proctrack/linuxproc",
-            "TaskPlugin=task/none",
-            "SelectType=select/cons_tres",
-            "SelectTypeParameters=CR_Core",
-            "SchedulerType=sched/builtin",
-            "SchedulerParameters=sched_interval=1",
-            "MinJobAge=600",
-            "JobRequeue=1",
-            "ReturnToService=2",
-            "MpiDefault=none",
-            "SlurmdParameters=config_overrides",
-            "JobCompType=jobcomp/none",
-            "AccountingStorageType=accounting_storage/none",
-            "JobAcctGatherType=jobacct_gather/none",
-            f"PlugStackConfig={self.root / 'plugstack.conf'}",
-            *(f"NodeName={name} NodeAddr={addr} CPUs={self.num_cpus} State=UNKNOWN" for name, addr in self.node_addrs),
-            "PartitionName=test Nodes=ALL Default=YES MaxTime=INFINITE State=UP",
-            "",
-        ]))
+        self.conf.write_text(
+            "\n".join(
+                [
+                    "ClusterName=megamarl-test",
+                    f"SlurmctldHost={self.node}({self.ctld_addr})",
+                    f"SlurmctldPort={_free_port()}",
+                    f"SlurmdPort={_free_port()}",
+                    "SlurmUser=root",
+                    "SlurmdUser=root",
+                    "AuthType=auth/munge",
+                    "CredType=cred/munge",
+                    f"AuthInfo=socket={self.munge_socket},cred_expire={CRED_EXPIRE_S}",
+                    f"StateSaveLocation={self.root / 'state'}",
+                    f"SlurmdSpoolDir={self.root / 'spool' / '%n'}",
+                    f"SlurmctldPidFile={self.root / 'slurmctld.pid'}",
+                    f"SlurmdPidFile={self.root / 'slurmd-%n.pid'}",
+                    f"SlurmctldLogFile={log / 'slurmctld.log'}",
+                    f"SlurmdLogFile={log / 'slurmd-%n.log'}",
+                    "SlurmctldDebug=info",
+                    "SlurmdDebug=info",
+                    "MailProg=/bin/true",
+                    "ProctrackType=proctrack/linuxproc",
+                    "TaskPlugin=task/none",
+                    "SelectType=select/cons_tres",
+                    "SelectTypeParameters=CR_Core",
+                    "SchedulerType=sched/builtin",
+                    "SchedulerParameters=sched_interval=1",
+                    "MinJobAge=600",
+                    "JobRequeue=1",
+                    "ReturnToService=2",
+                    "MpiDefault=none",
+                    "SlurmdParameters=config_overrides",
+                    "JobCompType=jobcomp/none",
+                    "AccountingStorageType=accounting_storage/none",
+                    "JobAcctGatherType=jobacct_gather/none",
+                    f"PlugStackConfig={self.root / 'plugstack.conf'}",
+                    *(
+                        f"NodeName={name} NodeAddr={addr} CPUs={self.num_cpus} State=UNKNOWN"
+                        for name, addr in self.node_addrs
+                    ),
+                    "PartitionName=test Nodes=ALL Default=YES MaxTime=INFINITE State=UP",
+                    "",
+                ]
+            )
+        )
         (self.root / "plugstack.conf").write_text("")
 
     def _spawn(self, name: str, argv: list[str], node=None) -> None:
@@ -159,7 +184,9 @@ class SlurmCluster:
         while not ready():
             for name, proc in self._daemons:
                 if proc.poll() is not None:
-                    raise RuntimeError(f"{name} exited ({proc.returncode}) while waiting for {what}:\n{self.logs()}")
+                    raise RuntimeError(
+                        f"{name} exited ({proc.returncode}) while waiting for {what}:\n{self.logs()}"
+                    )
             if time.monotonic() > deadline:
                 raise RuntimeError(f"{what} not ready after {timeout_s:.0f} s:\n{self.logs()}")
             time.sleep(0.5)
@@ -172,8 +199,9 @@ class SlurmCluster:
         self._until(idle, f"nodes {[name for name, _ in self.node_addrs]} idle")
 
     def run(self, *argv: str, check: bool = True, **kwargs) -> subprocess.CompletedProcess:
-        return subprocess.run(list(argv), env=kwargs.pop("env", self.env), capture_output=True, text=True,
-                              check=check, **kwargs)
+        return subprocess.run(
+            list(argv), env=kwargs.pop("env", self.env), capture_output=True, text=True, check=check, **kwargs
+        )
 
     def job(self, job_id: str) -> dict[str, str]:
         """``scontrol show job`` as a dict (JobState, Restarts, ExitCode, Reason, ...)."""
@@ -185,8 +213,11 @@ class SlurmCluster:
         return fields
 
     def logs(self) -> str:
-        return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}"
-                         for p in sorted((self.root / "log").glob("*")) if p.is_file())
+        return "\n".join(
+            f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}"
+            for p in sorted((self.root / "log").glob("*"))
+            if p.is_file()
+        )
 
     def stop(self) -> None:
         """SIGTERM every daemon (slurmd first, munged last), SIGKILL what is left after 10 s; jobs still
@@ -224,9 +255,18 @@ class NodeSlurmCluster(SlurmCluster):
         self._write_conf()
         self._spawn("slurmctld", ["slurmctld", "-D", "-i", "-f", str(self.conf)], node=self.nodes[0])
         for node in self.nodes:
-            self._spawn(f"slurmd-{node.name}", ["slurmd", "-D", "-f", str(self.conf), "-N", node.name], node=node)
+            self._spawn(
+                f"slurmd-{node.name}", ["slurmd", "-D", "-f", str(self.conf), "-N", node.name], node=node
+            )
         self._wait_idle()
 
     def run(self, *argv: str, check: bool = True, **kwargs) -> subprocess.CompletedProcess:
-        return self.nodes[0].run(list(argv), env=kwargs.pop("env", self.env), cwd=kwargs.pop("cwd", None),
-                                 capture_output=True, text=True, check=check, **kwargs)
+        return self.nodes[0].run(
+            list(argv),
+            env=kwargs.pop("env", self.env),
+            cwd=kwargs.pop("cwd", None),
+            capture_output=True,
+            text=True,
+            check=check,
+            **kwargs,
+        )

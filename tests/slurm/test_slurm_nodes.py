@@ -42,9 +42,18 @@ ROOT = Path(__file__).resolve().parents[2]
 VENV_BIN = ROOT / ".venv" / "bin"
 RUN = "signalling_tiny"
 # env: the signalling env, waiting in a requeued run until Slurm's warning came (tests/slurm/plugins)
-OVERRIDES = ("policies.shared.ranks=[0,1,2,3]", "cluster.num_nodes=2", "trainer.total_steps=2", "trainer.save_every=0",
-             "rollout.num_tasks=4", "eval.num_tasks=0", "logger.progress=false", "env.name=signalling_slurm_warning_wait",
-             "plugins=[slurm_warning_wait]", f"plugin_paths=[{ROOT / 'tests' / 'slurm' / 'plugins'}]")
+OVERRIDES = (
+    "policies.shared.ranks=[0,1,2,3]",
+    "cluster.num_nodes=2",
+    "trainer.total_steps=2",
+    "trainer.save_every=0",
+    "rollout.num_tasks=4",
+    "eval.num_tasks=0",
+    "logger.progress=false",
+    "env.name=signalling_slurm_warning_wait",
+    "plugins=[slurm_warning_wait]",
+    f"plugin_paths=[{ROOT / 'tests' / 'slurm' / 'plugins'}]",
+)
 JOB_TIMEOUT_S = 1200
 DONE = ("COMPLETED", "FAILED", "TIMEOUT", "CANCELLED", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE")
 
@@ -72,15 +81,22 @@ def test_each_node_runs_its_own_slurmd(slurm):
 
 
 def test_a_two_node_step_runs_a_task_on_each_node(slurm):
-    done = slurm.run("srun", "-N2", "--ntasks-per-node=1", "-l", "sh", "-c", "echo $(hostname) $SLURM_NODEID",
-                     timeout=120)
+    done = slurm.run(
+        "srun", "-N2", "--ntasks-per-node=1", "-l", "sh", "-c", "echo $(hostname) $SLURM_NODEID", timeout=120
+    )
     assert sorted(done.stdout.splitlines()[:2]) == ["0: n0 0", "1: n1 1"], done.stdout + done.stderr
 
 
 def test_a_two_node_batch_job(slurm, tmp_path_factory):
     out = slurm.root / "job.out"
-    done = slurm.run("sbatch", "--nodes=2", "--ntasks-per-node=1", f"--output={out}", "--wrap",
-                     "scontrol show hostnames $SLURM_JOB_NODELIST; srun hostname")
+    done = slurm.run(
+        "sbatch",
+        "--nodes=2",
+        "--ntasks-per-node=1",
+        f"--output={out}",
+        "--wrap",
+        "scontrol show hostnames $SLURM_JOB_NODELIST; srun hostname",
+    )
     job = re.search(r"Submitted batch job (\d+)", done.stdout).group(1)
     deadline = time.monotonic() + 120
     while slurm.job(job).get("JobState") != "COMPLETED":
@@ -93,9 +109,16 @@ def test_a_two_node_batch_job(slurm, tmp_path_factory):
 
 def _metrics(run_dir: Path) -> list[dict]:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in row.items() if k not in ("time", "elapsed_s")
-             and not k.startswith(("timing/", "timing_s/", "weight_sync/", "perf/")) and not k.endswith(("_s", "_ratio"))}
-            for row in rows]
+    return [
+        {
+            k: v
+            for k, v in row.items()
+            if k not in ("time", "elapsed_s")
+            and not k.startswith(("timing/", "timing_s/", "weight_sync/", "perf/"))
+            and not k.endswith(("_s", "_ratio"))
+        }
+        for row in rows
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -103,12 +126,30 @@ def job(slurm, tmp_path_factory):
     out = slurm.root.parent / "job"  # on the shared filesystem
     out.mkdir()
     reference_out = tmp_path_factory.mktemp("reference")
-    env = {**slurm.env, "PATH": f"{VENV_BIN}{os.pathsep}{os.environ['PATH']}", "VIRTUAL_ENV": str(VENV_BIN.parent),
-           "PYTHONWARNINGS": "ignore", "WANDB_MODE": "disabled", "PYTHONPATH": str(ROOT)}
+    env = {
+        **slurm.env,
+        "PATH": f"{VENV_BIN}{os.pathsep}{os.environ['PATH']}",
+        "VIRTUAL_ENV": str(VENV_BIN.parent),
+        "PYTHONWARNINGS": "ignore",
+        "WANDB_MODE": "disabled",
+        "PYTHONPATH": str(ROOT),
+    }
     env.pop("OMP_NUM_THREADS", None)
-    done = slurm.run("scripts/slurm/submit.sh", f"configs/{RUN}.yaml", *OVERRIDES, f"output_dir={out}", "--",
-                     f"--output={out}/%x-%j.out", f"--error={out}/%x-%j.out", "--time=10", "--signal=B:USR1@600", check=False, cwd=ROOT,
-                     env=env, timeout=300)
+    done = slurm.run(
+        "scripts/slurm/submit.sh",
+        f"configs/{RUN}.yaml",
+        *OVERRIDES,
+        f"output_dir={out}",
+        "--",
+        f"--output={out}/%x-%j.out",
+        f"--error={out}/%x-%j.out",
+        "--time=10",
+        "--signal=B:USR1@600",
+        check=False,
+        cwd=ROOT,
+        env=env,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     job_id = re.search(r"Submitted batch job (\d+)", done.stdout).group(1)
     log = out / f"{RUN}-{job_id}.out"
@@ -117,11 +158,18 @@ def job(slurm, tmp_path_factory):
         assert time.monotonic() < deadline, slurm.logs()
         time.sleep(0.2)
     slurm.run("scancel", "--batch", "--signal=USR1", job_id)  # before torchrun: no rank exists yet
-    reference = start(["--config", f"configs/{RUN}.yaml", *OVERRIDES, f"output_dir={reference_out}"], nproc=4,
-                      log=reference_out / "ranks.log", env={"PYTHONWARNINGS": "ignore", "WANDB_MODE": "disabled"})
+    reference = start(
+        ["--config", f"configs/{RUN}.yaml", *OVERRIDES, f"output_dir={reference_out}"],
+        nproc=4,
+        log=reference_out / "ranks.log",
+        env={"PYTHONWARNINGS": "ignore", "WANDB_MODE": "disabled"},
+    )
     try:
+
         def finished(record: dict) -> bool:  # the first run's end before its requeue is not the end
-            return record["JobState"] in DONE and (record.get("Restarts") != "0" or "requeueing job" not in log.read_text())
+            return record["JobState"] in DONE and (
+                record.get("Restarts") != "0" or "requeueing job" not in log.read_text()
+            )
 
         while not finished(record := slurm.job(job_id)):
             assert time.monotonic() < deadline, log.read_text()[-3000:] + slurm.logs()
@@ -129,17 +177,25 @@ def job(slurm, tmp_path_factory):
         assert reference.wait(timeout=max(deadline - time.monotonic(), 1)) == 0
     finally:
         reference.kill()
-    return {"record": record, "log": log.read_text(errors="replace"), "run_dir": out / RUN,
-            "reference_dir": reference_out / RUN}
+    return {
+        "record": record,
+        "log": log.read_text(errors="replace"),
+        "run_dir": out / RUN,
+        "reference_dir": reference_out / RUN,
+    }
 
 
 def test_both_nodes_ranks_train_and_the_requeued_job_completes(job):
     record, log = job["record"], job["log"]
-    assert (record["JobState"], record["ExitCode"], record["Restarts"]) == ("COMPLETED", "0:0", "1"), log[-4000:]
+    assert (record["JobState"], record["ExitCode"], record["Restarts"]) == ("COMPLETED", "0:0", "1"), log[
+        -4000:
+    ]
     assert record["NodeList"] == "n[0-1]" and "gres/gpu" not in record["TRES"], record  # from the CPU config
     first, _, second = log.partition("restart 1,")
     assert "restart 0," in first and second, log[-4000:]  # one log for both runs: appended, not truncated
-    assert first.count("2 nodes x 2 ranks (0 GPUs,") == 1 and second.count("2 nodes x 2 ranks") == 1, log[-4000:]
+    assert first.count("2 nodes x 2 ranks (0 GPUs,") == 1 and second.count("2 nodes x 2 ranks") == 1, log[
+        -4000:
+    ]
     assert "requeueing job" not in second and "megamarl: ranks exited 0" in second
 
 
@@ -162,8 +218,12 @@ def test_the_time_limit_warning_of_the_template_reaches_the_requeued_run(job):
     """Nothing but Slurm signals run 2: the template's warning, at --time=10 --signal=B:USR1@600 (sent at the
     first time-limit check, 0-30 s after the start; run 2's env holds step 2 until the signal came)."""
     record, second = job["record"], job["log"].partition("restart 1,")[2]
-    assert "megamarl: USR1" in second, ("Slurm's time-limit warning did not come while run 2 was running "
-                                        "(its env waits for it 2 minutes)\n" + second[-3000:])
+    assert "megamarl: USR1" in second, (
+        "Slurm's time-limit warning did not come while run 2 was running "
+        "(its env waits for it 2 minutes)\n" + second[-3000:]
+    )
     assert second.index("megamarl: USR1") < second.index("step 2: "), second[-3000:]  # while it started up
     assert "preempted (SIGUSR1): saved step 2;" in second  # the last step: nothing left to requeue for
-    assert record["TimeLimit"] == "00:10:00" and record["JobState"] == "COMPLETED"  # saved and stopped, not killed
+    assert (
+        record["TimeLimit"] == "00:10:00" and record["JobState"] == "COMPLETED"
+    )  # saved and stopped, not killed

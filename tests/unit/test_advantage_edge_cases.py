@@ -23,15 +23,29 @@ R = 1 / math.sqrt(2)  # a {1, 0} pair normalised with the unbiased std
 
 
 def _sample(task, episode, *, step=0, agent="solver", team=0.0, local=0.0, anchor=None):
-    return Sample(task_id=task, episode_id=f"{task}/{episode}", agent=agent, policy="p", turn=step, step=step,
-                  prompt_ids=[1, 2], response_ids=[3, 4], team_reward=team, local_reward=local, anchor=anchor)
+    return Sample(
+        task_id=task,
+        episode_id=f"{task}/{episode}",
+        agent=agent,
+        policy="p",
+        turn=step,
+        step=step,
+        prompt_ids=[1, 2],
+        response_ids=[3, 4],
+        team_reward=team,
+        local_reward=local,
+        anchor=anchor,
+    )
 
 
 def _episodes(task, outcomes, *, anchor_first=None):
     """Samples of ``task``: one episode per (num_steps, team reward), the team reward copied onto
     every call as the rollout records it; ``anchor_first`` names the shared start observation."""
-    return [_sample(task, e, step=s, team=team, anchor=anchor_first if s == 0 else None)
-            for e, (num_steps, team) in enumerate(outcomes) for s in range(num_steps)]
+    return [
+        _sample(task, e, step=s, team=team, anchor=anchor_first if s == 0 else None)
+        for e, (num_steps, team) in enumerate(outcomes)
+        for s in range(num_steps)
+    ]
 
 
 def _no_refill(round_):
@@ -39,7 +53,9 @@ def _no_refill(round_):
 
 
 def close(actual, expected):
-    torch.testing.assert_close(actual.double(), torch.tensor(expected, dtype=torch.float64), atol=1e-6, rtol=0)
+    torch.testing.assert_close(
+        actual.double(), torch.tensor(expected, dtype=torch.float64), atol=1e-6, rtol=0
+    )
 
 
 GIGPO = {"estimator": "gigpo", "dynamic_sampling": True, "estimator_kwargs": {"eps": 1e-12}}
@@ -64,8 +80,12 @@ def test_gigpo_task_whose_episodes_all_succeed_is_dropped_and_refilled():
     algo = AlgorithmConfig(**GIGPO, max_refill_rounds=1)
     out, metrics = prepare_batch(batch, algo, num_tasks=2, draw=draw)
     assert calls == [1]
-    assert metrics == {"rollout/dropped_groups": 1.0, "rollout/refill_rounds": 1.0,
-                       "rollout/informative_tasks": 2.0, "rollout/refill_exhausted": 0.0}
+    assert metrics == {
+        "rollout/dropped_groups": 1.0,
+        "rollout/refill_rounds": 1.0,
+        "rollout/informative_tasks": 2.0,
+        "rollout/refill_exhausted": 0.0,
+    }
     assert out.names("task") == ["b"] * 4 + ["c"] * 4
     close(out.advantages, [R, R, -R, -R, -R, -R, R, R])
 
@@ -74,7 +94,9 @@ def test_gigpo_all_wins_of_different_lengths_keep_their_step_signal():
     # Both episodes win (A_E = 0) but from the shared start state the 2-step win has the larger
     # discounted return (gamma .5: G = .5 vs .25): A_S = +-R there. The estimator compares it: kept.
     batch = collate(_episodes("a", [(2, 1.0), (3, 1.0)], anchor_first="start"), pad_id=0)
-    algo = AlgorithmConfig(estimator="gigpo", dynamic_sampling=True, estimator_kwargs={"eps": 1e-12, "gamma": 0.5})
+    algo = AlgorithmConfig(
+        estimator="gigpo", dynamic_sampling=True, estimator_kwargs={"eps": 1e-12, "gamma": 0.5}
+    )
     out, metrics = prepare_batch(batch, algo, num_tasks=1, draw=_no_refill)
     assert metrics["rollout/dropped_groups"] == 0 and out.num_samples == 5
     close(out.advantages, [R, 0, -R, 0, 0])
@@ -88,8 +110,14 @@ def test_drmas_singleton_kept_when_its_advantage_is_its_reward():
     # task t: solver {1, 0} (+-R); verifier acted once (singleton, advantage = raw reward 0.5): kept,
     #   where the old reward filter dropped it as zero-variance although it trained with 0.5.
     # task u: solver {1, 1} (flat, 0); verifier once with reward 0 (advantage 0): both dropped.
-    samples = [_sample("t", 0, local=1.0), _sample("t", 1, local=0.0), _sample("t", 0, agent="verifier", local=0.5),
-               _sample("u", 0, local=1.0), _sample("u", 1, local=1.0), _sample("u", 0, agent="verifier", local=0.0)]
+    samples = [
+        _sample("t", 0, local=1.0),
+        _sample("t", 1, local=0.0),
+        _sample("t", 0, agent="verifier", local=0.5),
+        _sample("u", 0, local=1.0),
+        _sample("u", 1, local=1.0),
+        _sample("u", 0, agent="verifier", local=0.0),
+    ]
     algo = AlgorithmConfig(estimator="drmas_grpo", dynamic_sampling=True, estimator_kwargs={"eps": 1e-12})
     out, metrics = prepare_batch(collate(samples, pad_id=0), algo, num_tasks=1, draw=_no_refill)
     assert metrics["rollout/dropped_groups"] == 2 and metrics["rollout/informative_tasks"] == 1
@@ -122,16 +150,18 @@ def test_episode_without_its_last_step_is_dropped_and_counted():
     with pytest.raises(RolloutFailureError, match="last-step"):
         prepare_rollout(samples[4:5], [], algo, pad_id=0, num_tasks=1, draw=_no_refill)
     # estimators that keep the team reward on every call do not need the last step: nothing dropped
-    batch, metrics = prepare_rollout(kept, [], AlgorithmConfig(estimator="grpo"), pad_id=0, num_tasks=1,
-                                     draw=_no_refill)
+    batch, metrics = prepare_rollout(
+        kept, [], AlgorithmConfig(estimator="grpo"), pad_id=0, num_tasks=1, draw=_no_refill
+    )
     assert batch.num_samples == 5 and "rollout/dropped_incomplete_episodes" not in metrics
 
 
 # ---- (d) config: estimator_kwargs, value loss aggregation, exhausted refill ------------------------
 
 
-@pytest.mark.parametrize("key, own", [("std_ddof", "std_ddof"), ("group_by", "group_by"),
-                                      ("norm_std", "normalize_std")])
+@pytest.mark.parametrize(
+    "key, own", [("std_ddof", "std_ddof"), ("group_by", "group_by"), ("norm_std", "normalize_std")]
+)
 def test_estimator_kwargs_duplicating_an_algorithm_key_is_rejected(key, own):
     with pytest.raises(ValueError, match=rf"algorithm.estimator_kwargs.{key} duplicates algorithm.{own}"):
         AlgorithmConfig(estimator_kwargs={key: 0})
@@ -160,7 +190,10 @@ def test_value_loss_has_its_own_aggregation_key():
     mask = torch.tensor([[1, 1, 0], [1, 0, 0]], dtype=torch.bool)
     values = torch.tensor([[1.0, 2, 9], [3, 9, 9]])
     per_token, _ = value_loss(values, torch.zeros_like(values), torch.zeros_like(values), mask, clip=None)
-    agg = {name: float(LOSS_AGGREGATIONS.get(name)(per_token, mask)) for name in ("token-mean", "seq-mean-token-sum")}
+    agg = {
+        name: float(LOSS_AGGREGATIONS.get(name)(per_token, mask))
+        for name in ("token-mean", "seq-mean-token-sum")
+    }
     assert agg == pytest.approx({"token-mean": 7 / 3, "seq-mean-token-sum": 3.5})
 
 
@@ -175,14 +208,24 @@ def test_refill_exhausted_train_or_stop():
     def flat(round_):
         return _grpo_task(f"flat{round_}", [0, 0])
 
-    algo = AlgorithmConfig(estimator="grpo", group_by=["task"], dynamic_sampling=True, max_refill_rounds=2,
-                           estimator_kwargs={"eps": 1e-12})
+    algo = AlgorithmConfig(
+        estimator="grpo",
+        group_by=["task"],
+        dynamic_sampling=True,
+        max_refill_rounds=2,
+        estimator_kwargs={"eps": 1e-12},
+    )
     out, metrics = prepare_batch(batch, algo, num_tasks=2, draw=flat)
     assert metrics["rollout/refill_exhausted"] == 1.0 and metrics["rollout/refill_rounds"] == 2.0
     assert out.names("task") == ["a", "a"]
     close(out.advantages, [R, -R])
-    stop = AlgorithmConfig(estimator="grpo", group_by=["task"], dynamic_sampling=True, max_refill_rounds=2,
-                           refill_exhausted="stop")
+    stop = AlgorithmConfig(
+        estimator="grpo",
+        group_by=["task"],
+        dynamic_sampling=True,
+        max_refill_rounds=2,
+        refill_exhausted="stop",
+    )
     with pytest.raises(RefillExhaustedError, match="algorithm.refill_exhausted=stop") as info:
         prepare_batch(batch, stop, num_tasks=2, draw=flat)
     assert isinstance(info.value, RolloutFailureError)  # scripts/train.py: "training stopped", exit code 5

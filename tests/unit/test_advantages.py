@@ -25,8 +25,9 @@ def adv(name, rewards, index, *, response_mask=None, **cfg):
     cfg.setdefault("eps", EPS)
     if response_mask is None and name == "reinforce_pp":  # one response token per sample
         response_mask = torch.ones(len(rewards), 1, dtype=torch.bool)
-    return compute_advantages(torch.tensor(rewards), index, AdvantageConfig(estimator=name, **cfg),
-                              response_mask=response_mask)
+    return compute_advantages(
+        torch.tensor(rewards), index, AdvantageConfig(estimator=name, **cfg), response_mask=response_mask
+    )
 
 
 def close(actual, expected, atol=1e-6):
@@ -84,8 +85,9 @@ def test_grpo_configurable_group_by():
 
 def test_at_grpo_groups_tree_candidates_of_one_step():
     # agent 0 turn 0: 3 branches; agent 0 turn 1: 2 equal branches; agent 1 turn 0: singleton.
-    index = GroupIndex(task=[0] * 6, agent=[0, 0, 0, 0, 0, 1], turn=[0, 0, 0, 1, 1, 0],
-                       branch=[0, 1, 2, 0, 1, 0])
+    index = GroupIndex(
+        task=[0] * 6, agent=[0, 0, 0, 0, 0, 1], turn=[0, 0, 0, 1, 1, 0], branch=[0, 1, 2, 0, 1, 0]
+    )
     # group {1,0,0}: mean 1/3, std sqrt(1/3) -> (2/3)*sqrt(3), (-1/3)*sqrt(3)
     r3 = math.sqrt(3)
     close(adv("at_grpo", [1.0, 0, 0, 1, 1, 1], index), [2 / 3 * r3, -r3 / 3, -r3 / 3, 0, 0, 0])
@@ -94,8 +96,12 @@ def test_at_grpo_groups_tree_candidates_of_one_step():
 def test_drmas_agent_invoked_several_times_and_singleton():
     # task 0: agent A twice in each of 2 episodes (rewards 1,0,0,0); agent B once (0.5) -> singleton.
     # task 1: agent A twice with equal rewards -> 0.
-    index = GroupIndex(task=[0, 0, 0, 0, 0, 1, 1], episode=[0, 0, 1, 1, 0, 2, 2],
-                       agent=[0, 0, 0, 0, 1, 0, 0], turn=[0, 1, 0, 1, 0, 0, 1])
+    index = GroupIndex(
+        task=[0, 0, 0, 0, 0, 1, 1],
+        episode=[0, 0, 1, 1, 0, 2, 2],
+        agent=[0, 0, 0, 0, 1, 0, 0],
+        turn=[0, 1, 0, 1, 0, 0, 1],
+    )
     # A in task 0: mean 0.25, std sqrt(0.75 / 3) = 0.5
     expected = [1.5, -0.5, -0.5, -0.5, 0.5, 0, 0]
     close(adv("drmas_grpo", [1.0, 0, 0, 0, 0.5, 1, 1], index), expected)
@@ -132,7 +138,9 @@ def test_reinforce_pp_whitens_over_tokens_per_policy_item5():
     out = adv("reinforce_pp", [1.0, 0.0, 100.0], GroupIndex(task=[0, 1, 2]), response_mask=mask)
     close(out[:2], [1.5, -0.5])
     with pytest.raises(ValueError, match="response_mask"):
-        compute_advantages(torch.tensor([1.0]), GroupIndex(task=[0]), AdvantageConfig(estimator="reinforce_pp"))
+        compute_advantages(
+            torch.tensor([1.0]), GroupIndex(task=[0]), AdvantageConfig(estimator="reinforce_pp")
+        )
 
 
 def test_reinforce_pp_discounted_over_turns():
@@ -146,17 +154,20 @@ def test_reinforce_pp_discounted_over_turns():
 def test_discounted_returns_siblings_are_parallel_item2():
     # issue #16 item 2: three tree-sampled siblings at step 0 (reward 1 each), then step 1 (reward 1),
     # gamma .9: each sibling is 1 + .9 * 1 = 1.9 (chained as consecutive steps they were 3.439, 2.71, 1.9).
-    out = discounted_returns(torch.tensor([1.0, 1, 1, 1]), torch.zeros(4, dtype=torch.long),
-                             torch.tensor([0, 0, 0, 1]), gamma=0.9)
+    out = discounted_returns(
+        torch.tensor([1.0, 1, 1, 1]), torch.zeros(4, dtype=torch.long), torch.tensor([0, 0, 0, 1]), gamma=0.9
+    )
     close(out, [1.9, 1.9, 1.9, 1.0])
     # siblings at the next position: their mean return continues the trajectory.
     # step 1 siblings {1, 0} -> continuation .5; step 0: 0 + .5 * .5 = .25
-    out = discounted_returns(torch.tensor([0.0, 1, 0]), torch.zeros(3, dtype=torch.long), torch.tensor([0, 1, 1]),
-                             gamma=0.5)
+    out = discounted_returns(
+        torch.tensor([0.0, 1, 0]), torch.zeros(3, dtype=torch.long), torch.tensor([0, 1, 1]), gamma=0.5
+    )
     close(out, [0.25, 1, 0])
     # gaps in the order key do not discount; two sequences are independent
-    out = discounted_returns(torch.tensor([0.0, 2, 4, 1]), torch.tensor([0, 0, 1, 1]), torch.tensor([0, 5, 3, 9]),
-                             gamma=0.5)
+    out = discounted_returns(
+        torch.tensor([0.0, 2, 4, 1]), torch.tensor([0, 0, 1, 1]), torch.tensor([0, 5, 3, 9]), gamma=0.5
+    )
     close(out, [1, 2, 4.5, 1])
 
 
@@ -174,11 +185,19 @@ def test_reinforce_pp_turn_discount_siblings_item2():
 def _gigpo_index():
     # task 0: e0 = [s0 r0, s1 r1], e1 = [s0 r0, s2 r0, s1 r0]; task 1: e2 = [s0 r1]. Shuffled rows.
     rows = [  # (task, episode, step, anchor, reward)
-        (0, 1, 2, "s1", 0.0), (0, 0, 0, "s0", 0.0), (1, 2, 0, "s0", 1.0),
-        (0, 1, 0, "s0", 0.0), (0, 0, 1, "s1", 1.0), (0, 1, 1, "s2", 0.0),
+        (0, 1, 2, "s1", 0.0),
+        (0, 0, 0, "s0", 0.0),
+        (1, 2, 0, "s0", 1.0),
+        (0, 1, 0, "s0", 0.0),
+        (0, 0, 1, "s1", 1.0),
+        (0, 1, 1, "s2", 0.0),
     ]
-    index = GroupIndex(task=[r[0] for r in rows], episode=[r[1] for r in rows], step=[r[2] for r in rows],
-                       anchors=[r[3] for r in rows])
+    index = GroupIndex(
+        task=[r[0] for r in rows],
+        episode=[r[1] for r in rows],
+        step=[r[2] for r in rows],
+        anchors=[r[3] for r in rows],
+    )
     return index, [r[4] for r in rows]
 
 
@@ -189,7 +208,10 @@ def test_gigpo_shared_anchor_across_episodes():
     # anchors: s0 {.5, 0} -> +-r; s1 {1 (e0), 0 (e1)} -> +-r; s2 singleton -> 0; task-1 s0 singleton.
     r = 1 / math.sqrt(2)
     close(adv("gigpo", rewards, index, gamma=0.5), [-2 * r, 2 * r, 0, -2 * r, 2 * r, -r])
-    close(adv("gigpo", rewards, index, gamma=0.5, gigpo_omega=0.5), [-1.5 * r, 1.5 * r, 0, -1.5 * r, 1.5 * r, -r])
+    close(
+        adv("gigpo", rewards, index, gamma=0.5, gigpo_omega=0.5),
+        [-1.5 * r, 1.5 * r, 0, -1.5 * r, 1.5 * r, -r],
+    )
     close(adv("gigpo", rewards, index, gamma=0.5, std_ddof=0), [-2, 2, 0, -2, 2, -1])
 
 
@@ -233,10 +255,16 @@ def test_gae_hand_computed_and_padding_ignored():
 
 
 def test_gae_skips_masked_gaps():
-    gapped = gae(torch.tensor([[0.0, 5, 1]]), torch.tensor([[0.5, 7, 0.7]]), torch.tensor([[1, 0, 1]]).bool(),
-                 gamma=0.9, lam=0.8)[0]
-    contiguous = gae(torch.tensor([[0.0, 1]]), torch.tensor([[0.5, 0.7]]), torch.ones(1, 2).bool(),
-                     gamma=0.9, lam=0.8)[0]
+    gapped = gae(
+        torch.tensor([[0.0, 5, 1]]),
+        torch.tensor([[0.5, 7, 0.7]]),
+        torch.tensor([[1, 0, 1]]).bool(),
+        gamma=0.9,
+        lam=0.8,
+    )[0]
+    contiguous = gae(
+        torch.tensor([[0.0, 1]]), torch.tensor([[0.5, 0.7]]), torch.ones(1, 2).bool(), gamma=0.9, lam=0.8
+    )[0]
     close(gapped[:, [0, 2]], contiguous.tolist())
     assert gapped[0, 1] == 0
 
@@ -245,32 +273,56 @@ def test_gae_estimator_places_reward_on_last_token_and_whitens():
     mask = torch.tensor([[0, 1, 1, 0]], dtype=torch.bool)
     values = torch.tensor([[0.0, 0.25, 0.5, 0.0]])
     index = GroupIndex(task=[0])
-    out, returns = compute_advantages(torch.tensor([1.0]), index, AdvantageConfig(estimator="gae", norm_std=False),
-                                      response_mask=mask, values=values)
+    out, returns = compute_advantages(
+        torch.tensor([1.0]),
+        index,
+        AdvantageConfig(estimator="gae", norm_std=False),
+        response_mask=mask,
+        values=values,
+    )
     close(out, [[0, 0.75, 0.5, 0]])
     close(returns, [[0, 1, 1, 0]])  # A + V: the critic's targets
-    out, _ = compute_advantages(torch.tensor([1.0]), index, AdvantageConfig(estimator="gae", eps=EPS),
-                                response_mask=mask, values=values)
+    out, _ = compute_advantages(
+        torch.tensor([1.0]),
+        index,
+        AdvantageConfig(estimator="gae", eps=EPS),
+        response_mask=mask,
+        values=values,
+    )
     r = 1 / math.sqrt(2)
     close(out, [[0, r, -r, 0]])  # mean .625, unbiased std .125 * sqrt(2)
     # a batch sharded in two: the all_reduce hook sums the statistics, each half whitened as the whole
     halves = [(mask[:, :2], values[:, :2]), (mask[:, 2:], values[:, 2:])]
     adv = [torch.tensor([[0.0, 0.75]]), torch.tensor([[0.5, 0.0]])]
-    totals = sum(torch.stack([torch.where(m, a, 0.0).double().sum(), torch.where(m, a, 0.0).double().pow(2).sum(),
-                              m.sum().double()]) for (m, _), a in zip(halves, adv))
+    totals = sum(
+        torch.stack(
+            [
+                torch.where(m, a, 0.0).double().sum(),
+                torch.where(m, a, 0.0).double().pow(2).sum(),
+                m.sum().double(),
+            ]
+        )
+        for (m, _), a in zip(halves, adv)
+    )
     for (m, _), a, expected in zip(halves, adv, ([[0, 1]], [[-1, 0]])):  # population std: mean .625, std .125
         close(masked_whiten(a, m, eps=EPS, ddof=0, all_reduce=lambda t: t.copy_(totals)), expected)
     with pytest.raises(ValueError, match="gae"):
         compute_advantages(torch.tensor([1.0]), index, AdvantageConfig(estimator="gae"))
 
 
-@pytest.mark.parametrize("kwargs, key", [
-    ({"estimator": "ppo2"}, "advantage.estimator"), ({"group_by": ["colour"]}, "advantage.group_by"),
-    ({"eps": 0.0}, "advantage.eps"), ({"gamma": 1.5}, "advantage.gamma"), ({"lam": -0.1}, "advantage.lam"),
-    ({"std_ddof": 2}, "advantage.std_ddof"),
-    ({"gigpo_omega": -1.0}, "advantage.gigpo_omega"),
-    ({"gigpo_similarity": 0.0}, "advantage.gigpo_similarity"),
-])
+@pytest.mark.parametrize(
+    "kwargs, key",
+    [
+        ({"estimator": "ppo2"}, "advantage.estimator"),
+        ({"group_by": ["colour"]}, "advantage.group_by"),
+        ({"eps": 0.0}, "advantage.eps"),
+        ({"gamma": 1.5}, "advantage.gamma"),
+        ({"lam": -0.1}, "advantage.lam"),
+        ({"std_ddof": 2}, "advantage.std_ddof"),
+        ({"gigpo_omega": -1.0}, "advantage.gigpo_omega"),
+        ({"gigpo_similarity": 0.0}, "advantage.gigpo_similarity"),
+    ],
+)
 def test_config_validation_names_key(kwargs, key):
     with pytest.raises(ValueError, match=key):
         AdvantageConfig(**kwargs)

@@ -20,7 +20,9 @@ from megamarl.rl.sample import Sample
 
 
 def sample(task: str, version: int, *, policy: str = "a", agent: str = "x") -> Sample:
-    return Sample(task_id=task, episode_id=f"{task}/0", agent=agent, policy=policy, turn=0, weight_version=version)
+    return Sample(
+        task_id=task, episode_id=f"{task}/0", agent=agent, policy=policy, turn=0, weight_version=version
+    )
 
 
 def group(task: str, versions, *, policy: str = "a") -> EpisodeGroup:
@@ -80,7 +82,9 @@ def test_buffer_per_policy_lets_a_common_policy_train_while_a_rare_one_fills():
     buf = GroupBuffer(groups_per_batch=2, capacity=2, per_policy=True)
     for i in range(2):
         buf.start_group()
-        samples = [sample(f"t{i}", 0, policy="common")] + ([sample(f"t{i}", 0, policy="rare")] if i == 0 else [])
+        samples = [sample(f"t{i}", 0, policy="common")] + (
+            [sample(f"t{i}", 0, policy="rare")] if i == 0 else []
+        )
         buf.put(EpisodeGroup(f"t{i}", samples), [])
     parts, _, _ = buf.take({"common": 0, "rare": 0}, max_staleness=1)
     assert {s.policy for p in parts for s in p.samples} == {"common"}
@@ -88,7 +92,9 @@ def test_buffer_per_policy_lets_a_common_policy_train_while_a_rare_one_fills():
     buf.start_group()
     buf.put(EpisodeGroup("t2", [sample("t2", 0, policy="rare")]), [])
     parts, _, _ = buf.take({"common": 0, "rare": 0}, max_staleness=1)
-    assert [p.task_id for p in parts] == ["t0", "t2"] and {s.policy for p in parts for s in p.samples} == {"rare"}
+    assert [p.task_id for p in parts] == ["t0", "t2"] and {s.policy for p in parts for s in p.samples} == {
+        "rare"
+    }
 
 
 def test_buffer_never_hands_out_a_sample_beyond_the_bound_under_random_traffic():
@@ -102,7 +108,9 @@ def test_buffer_never_hands_out_a_sample_beyond_the_bound_under_random_traffic()
         for i in range(400):
             if buf.has_space():
                 buf.start_group()
-                samples = [sample(f"t{i}", max(0, versions[p] - rng.randrange(4)), policy=p) for p in ("a", "b")]
+                samples = [
+                    sample(f"t{i}", max(0, versions[p] - rng.randrange(4)), policy=p) for p in ("a", "b")
+                ]
                 buf.put(EpisodeGroup(f"t{i}", samples), [])
                 num_put += 2
             if rng.random() < 0.3:

@@ -45,8 +45,16 @@ class FakeSource:
                 await asyncio.sleep(self.seconds(rng))
                 await self.gate.wait()
                 for p in POLICIES:
-                    samples.append(Sample(task_id=task.task_id, episode_id=f"{task.task_id}/{g}", agent=p, policy=p,
-                                          turn=turn, weight_version=self.version[p]))
+                    samples.append(
+                        Sample(
+                            task_id=task.task_id,
+                            episode_id=f"{task.task_id}/{g}",
+                            agent=p,
+                            policy=p,
+                            turn=turn,
+                            weight_version=self.version[p],
+                        )
+                    )
             self.in_flight -= 1
             return samples, EpisodeStats(task.task_id, f"{task.task_id}/{g}", "ok")
 
@@ -55,7 +63,12 @@ class FakeSource:
 
 
 def make_cfg(mode: str, **trainer):
-    overrides = [f"trainer.mode={mode}", "rollout.num_tasks=4", "rollout.group_size=2", "rollout.max_concurrency=16"]
+    overrides = [
+        f"trainer.mode={mode}",
+        "rollout.num_tasks=4",
+        "rollout.group_size=2",
+        "rollout.max_concurrency=16",
+    ]
     overrides += [f"trainer.{k}={v}" for k, v in trainer.items()]
     return load_config(CONFIG, overrides)
 
@@ -126,7 +139,9 @@ def test_fully_async_respects_the_bound_and_counts_what_it_drops(loop, partial, 
     trained on."""
     cfg = make_cfg("fully_async", max_staleness=max_staleness, partial_rollout=partial)
     source = FakeSource(
-        num_tasks=4, turns=lambda rng: rng.choice([1, 1, 2, 12]), seconds=lambda rng: rng.uniform(0.002, 0.01),
+        num_tasks=4,
+        turns=lambda rng: rng.choice([1, 1, 2, 12]),
+        seconds=lambda rng: rng.uniform(0.002, 0.01),
     )
     schedule = build_schedule(cfg, source, loop)
     batches, metrics = drive(schedule, source, cfg, steps=12, train_s=0.02)
@@ -177,10 +192,15 @@ def test_fully_async_propagates_a_producer_error(loop):
 def test_policy_separable_follows_the_estimators_group_keys():
     algo = make_cfg("sync").algorithm
     assert policy_separable(algo)  # at_grpo: (task, agent, turn)
-    for estimator, group_by, expected in [("grpo", ["task"], False), ("grpo", ["task", "agent"], True),
-                                          ("rloo", ["task", "policy"], True), ("gigpo", ["task", "agent"], False),
-                                          # whitened per policy since #16: its groups never mix policies
-                                          ("reinforce_pp", ["task", "agent"], True), ("gae", ["task"], True)]:
+    for estimator, group_by, expected in [
+        ("grpo", ["task"], False),
+        ("grpo", ["task", "agent"], True),
+        ("rloo", ["task", "policy"], True),
+        ("gigpo", ["task", "agent"], False),
+        # whitened per policy since #16: its groups never mix policies
+        ("reinforce_pp", ["task", "agent"], True),
+        ("gae", ["task"], True),
+    ]:
         algo.estimator, algo.group_by = estimator, group_by
         assert policy_separable(algo) is expected, (estimator, group_by)
 
@@ -197,8 +217,10 @@ def test_async_modes_need_a_staleness_bound_of_at_least_one():
 
 def trained(batches):
     """What each step trained, in order: (task, episode, policy, turn, version) per sample."""
-    return [[(s.task_id, s.episode_id, s.policy, s.turn, s.weight_version) for s in result.samples]
-            for _, result in batches]
+    return [
+        [(s.task_id, s.episode_id, s.policy, s.turn, s.weight_version) for s in result.samples]
+        for _, result in batches
+    ]
 
 
 def stable(metrics):
@@ -250,8 +272,11 @@ def test_fully_async_resume_loses_and_repeats_nothing_under_timing_dependent_tra
     run trains the saved buffer first (oldest first), then continues at the saved task cursor; no
     group is trained twice and none is skipped; staleness stays within the bound."""
     cfg = make_cfg("fully_async", total_steps=100, max_staleness=2, partial_rollout=True)
-    kwargs = {"num_tasks": 4, "turns": lambda rng: rng.choice([1, 1, 2, 12]),
-              "seconds": lambda rng: rng.uniform(0.002, 0.01)}
+    kwargs = {
+        "num_tasks": 4,
+        "turns": lambda rng: rng.choice([1, 1, 2, 12]),
+        "seconds": lambda rng: rng.uniform(0.002, 0.01),
+    }
     schedule = build_schedule(cfg, FakeSource(**kwargs), loop)
     before, before_metrics = drive(schedule, schedule.source, cfg, steps=5, train_s=0.02)
     versions = dict(schedule.source.version)  # what the checkpoint's weights are stamped with
@@ -273,12 +298,16 @@ def test_fully_async_resume_loses_and_repeats_nothing_under_timing_dependent_tra
     first = {(s.task_id, s.policy) for s in after[0][1].samples}
     for key, parts in state["buffer"]["queues"].items():
         fresh = [(p.task_id, key) for p in parts if p.staleness(versions) <= cfg.trainer.max_staleness]
-        if len(fresh) >= cfg.rollout.num_tasks:  # that policy was ready: its oldest saved fresh parts go first
+        if (
+            len(fresh) >= cfg.rollout.num_tasks
+        ):  # that policy was ready: its oldest saved fresh parts go first
             assert set(fresh[: cfg.rollout.num_tasks]) <= first
     resumed_new = {task for task, _ in parts_after} - {task for v in buffered.values() for task, _ in v}
     pending = {t.task_id for t, _, _ in cursor["pending"]}
     chunks = {int(task.rsplit("@", 1)[1]) for task in resumed_new - pending}
-    assert chunks and min(chunks) >= cursor["next_chunk"]  # new work starts at the cursor, nothing skipped before it
+    assert (
+        chunks and min(chunks) >= cursor["next_chunk"]
+    )  # new work starts at the cursor, nothing skipped before it
     assert max(chunks) < cursor["next_chunk"] + len(after) * 4 and parts_after
 
 
@@ -326,7 +355,10 @@ def test_driver_rollout_state_round_trip_and_mismatched_checkpoints(loop):
     drive(saver.schedule, saver.schedule.source, saver.cfg, steps=2)
     state = pickle.loads(pickle.dumps(saver.state_dict()))
     saver.schedule.close()
-    assert state["rollout_state"]["mode"] == "one_step_off" and state["rollout_state"]["prefetched"]["chunk"] == 2
+    assert (
+        state["rollout_state"]["mode"] == "one_step_off"
+        and state["rollout_state"]["prefetched"]["chunk"] == 2
+    )
     same = driver("one_step_off")
     same.load_state_dict(state)
     assert same.schedule._pending.result() is not None and not same.lines

@@ -19,8 +19,17 @@ def make(task, episode, agent, policy, turn, prompt_len, response_len, **kw):
     prompt = list(range(10, 10 + prompt_len))
     response = list(range(50, 50 + response_len))
     logprobs = [-0.5 * (i + 1) for i in range(response_len)]
-    return Sample(task, episode, agent, policy, turn, prompt_ids=prompt, response_ids=response,
-                  rollout_logprobs=logprobs, **kw)
+    return Sample(
+        task,
+        episode,
+        agent,
+        policy,
+        turn,
+        prompt_ids=prompt,
+        response_ids=response,
+        rollout_logprobs=logprobs,
+        **kw,
+    )
 
 
 def three():
@@ -33,8 +42,12 @@ def three():
 
 def test_collate_columns_tokens_masks_logprobs():
     b = collate(three(), PAD)
-    assert b.vocab == {"task": ("t0", "t1"), "episode": ("e0", "e1"), "agent": ("solver", "verifier"),
-                       "policy": ("big", "small")}
+    assert b.vocab == {
+        "task": ("t0", "t1"),
+        "episode": ("e0", "e1"),
+        "agent": ("solver", "verifier"),
+        "policy": ("big", "small"),
+    }
     assert b.task.tolist() == [0, 0, 1] and b.agent.tolist() == [0, 1, 0] and b.policy.tolist() == [0, 1, 0]
     assert b.turn.tolist() == [0, 0, 1] and b.branch.tolist() == [0, 0, 2] and b.step.tolist() == [0, 1, 0]
     assert b.weight_version.tolist() == [0, 0, 4]
@@ -44,7 +57,10 @@ def test_collate_columns_tokens_masks_logprobs():
     assert b.attention_mask.int().tolist() == [[1, 1, 1, 1, 1], [1, 1, 0, 0, 0], [1, 1, 1, 1, 1]]
     assert b.response_mask.int().tolist() == [[0, 0, 1, 1, 1], [0, 1, 0, 0, 0], [0, 0, 0, 1, 1]]
     assert b.rollout_logprobs.tolist() == [
-        [0, 0, -0.5, -1.0, -1.5], [0, -0.5, 0, 0, 0], [0, 0, 0, -0.5, -1.0]]
+        [0, 0, -0.5, -1.0, -1.5],
+        [0, -0.5, 0, 0, 0],
+        [0, 0, 0, -0.5, -1.0],
+    ]
     assert b.team_rewards.tolist() == [1.0, 0, 0] and b.rewards.tolist() == [1.5, 0, 0]
     assert b.anchors == ("obs", None, None)
     assert b.num_tokens == 12 and b.lengths.tolist() == [5, 2, 5]
@@ -117,8 +133,10 @@ def test_concat_merges_vocab_and_repads():
 def gather_across_ranks(batch: SampleBatch, group=None) -> SampleBatch:
     """All-gather every rank's batch (CPU copies, pickled) and ``concat`` them in rank order (moved
     here from megamarl/rl/batch.py: only this test used it)."""
-    cpu = batch.replace(**{c: getattr(batch, c).cpu() for c in ROW_TENSORS + TOKEN_TENSORS},
-                        advantages=None if batch.advantages is None else batch.advantages.cpu())
+    cpu = batch.replace(
+        **{c: getattr(batch, c).cpu() for c in ROW_TENSORS + TOKEN_TENSORS},
+        advantages=None if batch.advantages is None else batch.advantages.cpu(),
+    )
     parts: list[SampleBatch | None] = [None] * dist.get_world_size(group)
     dist.all_gather_object(parts, cpu, group=group)
     return concat(parts)

@@ -29,7 +29,12 @@ def test_cell_config_loads_and_is_its_variant(family, variant, tmp_path):
     cfg = load_config(path)
     roles = bench_learning.FAMILIES[family]["roles"]
     single = bench_learning.FAMILIES[family]["single_role"]
-    assert (cfg.rollout.num_tasks, cfg.rollout.group_size, cfg.trainer.total_steps, cfg.trainer.seed) == (4, 4, 5, 1)
+    assert (cfg.rollout.num_tasks, cfg.rollout.group_size, cfg.trainer.total_steps, cfg.trainer.seed) == (
+        4,
+        4,
+        5,
+        1,
+    )
     assert (cfg.eval.num_tasks, cfg.eval.every, cfg.eval.temperature) == (48, 2, 0.0)
     if variant == "single":
         assert list(cfg.agents) == [single] and list(cfg.policies) == ["shared"]

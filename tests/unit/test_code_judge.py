@@ -34,24 +34,24 @@ HACKS = {
     "SystemExit(0) in the call": "def scale(x):\n    raise SystemExit(0)\n",
     "os._exit(0) in the call": "import os\ndef scale(x):\n    os._exit(0)\n",
     "fake pass markers on stdout": "print('OK: all tests passed')\nprint(json.dumps({'i': 0, 'value': '6'}))\n"
-                                   "import json\n" + FALLBACK,
+    "import json\n" + FALLBACK,
     "forged records on every fd": "import json, os\nfor fd in [int(f) for f in os.listdir('/proc/self/fd') if int(f) > 2]:\n"
-                                  "    for i in range(3):\n        try: os.write(fd, (json.dumps({'i': i, 'value': '6'}) + '\\n').encode())\n"
-                                  "        except OSError: pass\n" + FALLBACK,
+    "    for i in range(3):\n        try: os.write(fd, (json.dumps({'i': i, 'value': '6'}) + '\\n').encode())\n"
+    "        except OSError: pass\n" + FALLBACK,
     "reads files in its cwd": "import os, re\nfound = {}\nfor name in os.listdir('.'):\n"
-                              "    for a, b in re.findall(r'scale\\((-?\\d+)\\) == (-?\\d+)', open(name).read()):\n"
-                              "        found[int(a)] = int(b)\n"
-                              "def scale(x):\n    return found.get(x, 0)\n",
+    "    for a, b in re.findall(r'scale\\((-?\\d+)\\) == (-?\\d+)', open(name).read()):\n"
+    "        found[int(a)] = int(b)\n"
+    "def scale(x):\n    return found.get(x, 0)\n",
     "reads the judge's process": "import os\ntry:\n    leak = open(f'/proc/{os.getppid()}/cmdline').read()\n"
-                                 "except OSError:\n    leak = ''\n" + FALLBACK,
+    "except OSError:\n    leak = ''\n" + FALLBACK,
     "walks the filesystem": "import os\nfor root, dirs, files in os.walk('/'):\n    break\n" + FALLBACK,
     "monkeypatches assert/builtins": "import builtins, json\nbuiltins.AssertionError = type('No', (Exception,), {})\n"
-                                     "builtins.eval = lambda *a, **k: 6\nbuiltins.bool = lambda *a: True\n"
-                                     "json.dumps = lambda *a, **k: '6'\n" + FALLBACK,
+    "builtins.eval = lambda *a, **k: 6\nbuiltins.bool = lambda *a: True\n"
+    "json.dumps = lambda *a, **k: '6'\n" + FALLBACK,
     "__eq__ always True": "class Anything:\n    def __eq__(self, other):\n        return True\n"
-                          "def scale(x):\n    return Anything()\n",
+    "def scale(x):\n    return Anything()\n",
     "int subclass with __eq__": "class Int(int):\n    def __eq__(self, other):\n        return True\n"
-                                "    __hash__ = int.__hash__\ndef scale(x):\n    return Int(0)\n",
+    "    __hash__ = int.__hash__\ndef scale(x):\n    return Int(0)\n",
     "sleeps past the timeout": "import time\ntime.sleep(60)\n" + FALLBACK,
     "sleeps in the call": "import time\ndef scale(x):\n    time.sleep(60)\n    return x * 3\n",
     "forks": "import os\nif os.fork() == 0:\n    os._exit(0)\n" + FALLBACK,
@@ -79,10 +79,13 @@ def test_each_case_is_scored_separately():
 
 def test_expected_values_never_enter_the_sandbox():
     # the candidate echoes everything it can see: its stdin (the request), its source, its dir
-    spy = ("import os, sys\nprint(repr(__import__('builtins').__dict__.get('__channel__')))\n"
-           "for name in os.listdir('.'):\n    print(open(name).read())\n" + FALLBACK)
+    spy = (
+        "import os, sys\nprint(repr(__import__('builtins').__dict__.get('__channel__')))\n"
+        "for name in os.listdir('.'):\n    print(open(name).read())\n" + FALLBACK
+    )
     from megamarl.orchestration import judge
     from megamarl.orchestration.sandbox import run_python
+
     request = json.dumps({"code": spy, "setup": SETUP, "exprs": [c.expr for c in CASES]})
     result = run_python(judge._HARNESS, FAST, stdin=request.encode(), channel=True)
     assert "scale(2)" in request and "15" not in request and "-3" not in request
@@ -92,10 +95,13 @@ def test_expected_values_never_enter_the_sandbox():
 def test_json_round_trip_comparison():
     assert same_value([1, 2], [1, 2]) and not same_value(True, 1) and not same_value(1, True)
     assert same_value(0.1 + 0.2, 0.3) and not same_value("1", 1) and not same_value(None, 0)
-    assert not same_value(10 ** 17 + 1, 10 ** 17) and same_value(10 ** 400, 10 ** 400)  # ints exactly
+    assert not same_value(10**17 + 1, 10**17) and same_value(10**400, 10**400)  # ints exactly
     assert same_value(3, 3.0000001) and not same_value(2, 2.5)
     assert parse_assert_tests("xs = [1]\nassert f(xs) == (1, 2)\nassert g(1)\nassert 3 == h(2)")[1] == [
-        ExprCase("f(xs)", [1, 2]), ExprCase("bool(g(1))", True), ExprCase("h(2)", 3)]
+        ExprCase("f(xs)", [1, 2]),
+        ExprCase("bool(g(1))", True),
+        ExprCase("h(2)", 3),
+    ]
 
 
 STDIO = [StdioCase("1 2\n", "3\n"), StdioCase("10 -4\n", "6"), StdioCase("0 0", "0\n")]
@@ -120,11 +126,17 @@ def test_stdio_real_solution_and_hacks():
 def test_jsonl_loader_both_forms(tmp_path):
     path = tmp_path / "problems.jsonl"
     rows = [
-        {"spec": "Write add(a, b).", "fn_name": "add", "tests": [{"input": [1, 2], "output": 3},
-                                                                 {"input": [[1], [2]], "output": [1, 2]}],
-         "reference": "def add(a, b):\n    return a + b\n"},
-        {"question": "Sum two ints from stdin.", "solutions": json.dumps([STDIO_REAL]),
-         "input_output": json.dumps({"inputs": ["1 2\n", "5 5\n"], "outputs": ["3\n", "10\n"]})},
+        {
+            "spec": "Write add(a, b).",
+            "fn_name": "add",
+            "tests": [{"input": [1, 2], "output": 3}, {"input": [[1], [2]], "output": [1, 2]}],
+            "reference": "def add(a, b):\n    return a + b\n",
+        },
+        {
+            "question": "Sum two ints from stdin.",
+            "solutions": json.dumps([STDIO_REAL]),
+            "input_output": json.dumps({"inputs": ["1 2\n", "5 5\n"], "outputs": ["3\n", "10\n"]}),
+        },
     ]
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     fn, stdio = load_problems(str(path))
@@ -136,7 +148,9 @@ def test_jsonl_loader_both_forms(tmp_path):
         reference = env.step("coder", Action("coder", "", task.payload.reference, True, 0, 0))
         assert reference.local_reward == 1.0 and env.team_reward() == 1.0
         env = maker(task)
-        assert env.step("coder", Action("coder", "", HACKS["os._exit(0) first"], True, 0, 0)).local_reward == 0.0
+        assert (
+            env.step("coder", Action("coder", "", HACKS["os._exit(0) first"], True, 0, 0)).local_reward == 0.0
+        )
     (tmp_path / "bad.jsonl").write_text('{"spec": "x", "tests": []}\n')
     with pytest.raises(ValueError, match=r"env.dataset .*bad.jsonl:1: no tests"):
         EnvMaker("code", dataset=str(tmp_path / "bad.jsonl"))
@@ -144,7 +158,9 @@ def test_jsonl_loader_both_forms(tmp_path):
 
 def test_env_rewards_pass_fraction_and_tester_cannot_be_fooled():
     env = EnvMaker("code", sandbox=FAST)(Task("c", CodeProblem("Write scale.", REAL, HIDDEN)))
-    half = env.step("coder", Action("coder", "", "def scale(x):\n    return 6 if x == 2 else 0\n", True, 0, 0))
+    half = env.step(
+        "coder", Action("coder", "", "def scale(x):\n    return 6 if x == 2 else 0\n", True, 0, 0)
+    )
     assert half.local_reward == pytest.approx(1 / 3) and env.team_reward() == 0.0
     env.step("coder", Action("coder", "", HACKS["os._exit(0) first"], True, 0, 0))
     tester = env.step("tester", Action("tester", "", "assert scale(1) == 3\n", True, 0, 0))

@@ -1,6 +1,5 @@
 """scripts/compare_runs.py's record comparison: bit-identical by default, relative tolerance on request."""
 
-
 from script_loader import load_script  # tests/ helper
 
 compare_runs = load_script("scripts/compare_runs.py")

@@ -55,11 +55,16 @@ def test_the_base_config_loads():
         (["agents.receiver.policy=critic"], "agents.receiver.policy"),  # a policy that is not defined
         (["algorithm.std_ddof=2"], "algorithm.std_ddof"),
         (["algorithm.max_refill_rounds=2"], "algorithm.max_refill_rounds"),  # without dynamic_sampling
-        (["algorithm.dynamic_sampling=true", "algorithm.max_refill_rounds=2", "trainer.mode=fully_async"],
-         "algorithm.max_refill_rounds"),
+        (
+            ["algorithm.dynamic_sampling=true", "algorithm.max_refill_rounds=2", "trainer.mode=fully_async"],
+            "algorithm.max_refill_rounds",
+        ),
         (["eval.env.name=chess"], "eval.env.name"),
         (["eval.sets.b.kwargs.board=8"], "eval.sets.b.kwargs"),
-        (["eval.sets.b.name=math", "eval.sets.b.kwargs.dataset_path=/nonexistent.jsonl"], "eval.sets.b.kwargs"),
+        (
+            ["eval.sets.b.name=math", "eval.sets.b.kwargs.dataset_path=/nonexistent.jsonl"],
+            "eval.sets.b.kwargs",
+        ),
         (["+eval.env.kwargs.terse=true", "eval.sets.b.name=signalling"], "eval.env and eval.sets"),
     ],
 )
@@ -85,8 +90,12 @@ def test_eval_sets_resolve_against_the_training_env():
         (["policies.shared.ranks=[0,1,2]"], 2, ["policies.shared.ranks", "world size 2"]),
         (["policies.shared.tp=2"], 3, ["policies.shared", "tp*pp"]),  # 3 ranks, TP=2
         (
-            ["placement_mode=disaggregated", "policies.shared.ranks=[0,1]",
-             "policies.other.model=tiny-random-llama", "policies.other.ranks=[1]"],
+            [
+                "placement_mode=disaggregated",
+                "policies.shared.ranks=[0,1]",
+                "policies.other.model=tiny-random-llama",
+                "policies.other.ranks=[1]",
+            ],
             2,
             ["policies.other.ranks", "policies.shared.ranks", "rank 1"],
         ),
@@ -108,7 +117,12 @@ def test_layout_that_does_not_fit_the_model_names_the_key(override):
 
     cfg = load_config(CONFIG, [override])
     with pytest.raises(ValueError, match=override.replace(".", r"\.")):
-        dry_run(cfg, overlaps_training=overlaps_training(cfg.trainer), world_size=3, console=Console(file=io.StringIO()))
+        dry_run(
+            cfg,
+            overlaps_training=overlaps_training(cfg.trainer),
+            world_size=3,
+            console=Console(file=io.StringIO()),
+        )
 
 
 def test_missing_config_file_names_the_flag(tmp_path):
@@ -125,8 +139,12 @@ def test_missing_config_file_names_the_flag(tmp_path):
 def test_train_script_prints_one_line(overrides, env, key):
     result = subprocess.run(
         [sys.executable, "scripts/train.py", "--config", str(CONFIG), *overrides],
-        cwd=ROOT, env={**os.environ, "PYTHONWARNINGS": "ignore", **env},
-        capture_output=True, text=True, timeout=120, check=False,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONWARNINGS": "ignore", **env},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
     )
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
@@ -134,33 +152,62 @@ def test_train_script_prints_one_line(overrides, env, key):
     assert "Traceback" not in result.stderr + result.stdout
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["policies.shared.algorithm.estimator=ppo"], "unknown advantage estimator policies.shared.algorithm.estimator='ppo'"),
-    (["policies.shared.algorithm.group_by=[task,agnt]"], "policies.shared.algorithm.group_by has unknown keys ['agnt']"),
-    (["policies.shared.algorithm.std_ddof=2"], "policies.shared.algorithm.std_ddof must be 0"),
-    (["policies.shared.algorithm.loss_agg=foo"], "policies.shared.algorithm.loss_agg='foo'"),
-    (["policies.shared.algorithm.estimator_kwargs={lamda: 0.9}"], "policies.shared.algorithm.estimator_kwargs:"),
-    (["policies.shared.algorithm.estimator=gae", "algorithm.dynamic_sampling=true"],
-     "policies.shared.algorithm sets ['estimator'], but algorithm.dynamic_sampling"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            ["policies.shared.algorithm.estimator=ppo"],
+            "unknown advantage estimator policies.shared.algorithm.estimator='ppo'",
+        ),
+        (
+            ["policies.shared.algorithm.group_by=[task,agnt]"],
+            "policies.shared.algorithm.group_by has unknown keys ['agnt']",
+        ),
+        (["policies.shared.algorithm.std_ddof=2"], "policies.shared.algorithm.std_ddof must be 0"),
+        (["policies.shared.algorithm.loss_agg=foo"], "policies.shared.algorithm.loss_agg='foo'"),
+        (
+            ["policies.shared.algorithm.estimator_kwargs={lamda: 0.9}"],
+            "policies.shared.algorithm.estimator_kwargs:",
+        ),
+        (
+            ["policies.shared.algorithm.estimator=gae", "algorithm.dynamic_sampling=true"],
+            "policies.shared.algorithm sets ['estimator'], but algorithm.dynamic_sampling",
+        ),
+    ],
+)
 def test_per_policy_algorithm_errors_name_the_policy_key(overrides, message):
     assert message in _error(overrides)
 
 
 def test_per_policy_algorithm_merges_over_the_run_algorithm():
-    cfg = load_config(CONFIG, ["policies.shared.algorithm.estimator=gae",
-                               "policies.shared.algorithm.estimator_kwargs={gamma: 1.0, lam: 0.9}"])
+    cfg = load_config(
+        CONFIG,
+        [
+            "policies.shared.algorithm.estimator=gae",
+            "policies.shared.algorithm.estimator_kwargs={gamma: 1.0, lam: 0.9}",
+        ],
+    )
     own = cfg.policy_algorithm("shared")
     assert (own.estimator, own.estimator_kwargs, own.group_by, cfg.algorithm.estimator) == (
-        "gae", {"gamma": 1.0, "lam": 0.9}, cfg.algorithm.group_by, "at_grpo")
+        "gae",
+        {"gamma": 1.0, "lam": 0.9},
+        cfg.algorithm.group_by,
+        "at_grpo",
+    )
     plain = load_config(CONFIG)
     assert plain.policy_algorithm("shared") is plain.algorithm  # nothing set: the run's own settings object
 
 
 def test_per_policy_loss_aggregations_reach_the_policys_loss_and_critic():
     """policies.<p>.algorithm.loss_agg / value_loss_agg: what the policy's worker is built with."""
-    cfg = load_config(CONFIG, ["policies.shared.algorithm.estimator=gae", "policies.shared.algorithm.loss_agg=seq-mean-token-sum",
-                               "policies.shared.algorithm.value_loss_agg=seq-mean-token-mean"])
+    cfg = load_config(
+        CONFIG,
+        [
+            "policies.shared.algorithm.estimator=gae",
+            "policies.shared.algorithm.loss_agg=seq-mean-token-sum",
+            "policies.shared.algorithm.value_loss_agg=seq-mean-token-mean",
+        ],
+    )
     algos = cfg.policy_algorithms()
     policy = cfg.policies["shared"]
     assert loss_config(policy, algos["shared"]).agg_mode == "seq-mean-token-sum"
@@ -169,28 +216,41 @@ def test_per_policy_loss_aggregations_reach_the_policys_loss_and_critic():
     assert critic_config(policy, cfg.algorithm) is None  # the run's at_grpo has no critic
 
 
-@pytest.mark.parametrize("python, message", [
-    ("/nonexistent/bin/python", "does not exist"),
-    (str(ROOT / "README.md"), "is not executable"),
-    (sys.executable, "cannot import 'sglang'"),  # megamarl's env has no sglang (it lives in .venv-sglang)
-])
+@pytest.mark.parametrize(
+    "python, message",
+    [
+        ("/nonexistent/bin/python", "does not exist"),
+        (str(ROOT / "README.md"), "is not executable"),
+        (sys.executable, "cannot import 'sglang'"),  # megamarl's env has no sglang (it lives in .venv-sglang)
+    ],
+)
 def test_engine_server_python_is_checked_at_load(python, message):
     base = ["policies.shared.engine.backend=sglang", "policies.shared.engine.launch=server"]
     if message == "cannot import 'sglang'" and __import__("importlib").util.find_spec("sglang") is not None:
         pytest.skip("this environment has sglang")
     error = _error([*base, f"policies.shared.engine.server_python={python}"])
     assert error.startswith(f"policies.shared.engine.server_python='{python}'") and message in error
-    assert "server_python" in _error(["policies.shared.engine.backend=hf", f"policies.shared.engine.server_python={python}"])
+    assert "server_python" in _error(
+        ["policies.shared.engine.backend=hf", f"policies.shared.engine.server_python={python}"]
+    )
 
 
 def test_engine_server_python_runs_the_server_and_defaults_to_the_sglang_env(monkeypatch, tmp_path):
     from megamarl.rollout.servers import server_launch
     from megamarl.rollout.servers.server_launch import ServerSpec, server_command, server_python
 
-    cfg = load_config(CONFIG, ["policies.shared.engine.backend=vllm", "policies.shared.engine.launch=server",
-                               f"policies.shared.engine.server_python={sys.executable}"])
+    cfg = load_config(
+        CONFIG,
+        [
+            "policies.shared.engine.backend=vllm",
+            "policies.shared.engine.launch=server",
+            f"policies.shared.engine.server_python={sys.executable}",
+        ],
+    )
     assert cfg.policies["shared"].engine.server_python == sys.executable  # finds vllm: accepted
-    spec = ServerSpec(policy="p", replica=0, rank=0, backend="sglang", model_path=str(tmp_path), python="/opt/x/python")
+    spec = ServerSpec(
+        policy="p", replica=0, rank=0, backend="sglang", model_path=str(tmp_path), python="/opt/x/python"
+    )
     assert server_command(spec)[:3] == ["/opt/x/python", "-m", "sglang.launch_server"]
     assert server_python("vllm") == sys.executable
     venv = tmp_path / "sgl"
@@ -208,8 +268,14 @@ def test_sglang_lora_on_cpu_is_refused_before_anything_loads(tmp_path):
     preflight (no model, engine or server started), naming the policy's lora key."""
     from megamarl.cli.front_door import preflight
 
-    cfg = load_config(ROOT / "configs" / "presets" / "l2_colocated.yaml", [
-        "policies.base.engine.backend=sglang", "policies.base.engine.launch=server", f"output_dir={tmp_path}"])
+    cfg = load_config(
+        ROOT / "configs" / "presets" / "l2_colocated.yaml",
+        [
+            "policies.base.engine.backend=sglang",
+            "policies.base.engine.launch=server",
+            f"output_dir={tmp_path}",
+        ],
+    )
     with pytest.raises(ValueError, match=r"policies\.base\.lora with engine\.backend=sglang on CPU"):
         preflight(cfg, world_size=2)
     assert not any(tmp_path.iterdir())  # the run directory was never created

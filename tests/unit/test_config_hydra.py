@@ -32,10 +32,16 @@ def _error(overrides, path=CONFIG) -> str:
 
 
 def test_plus_adds_a_map_entry_and_a_kwarg():
-    cfg = load_config(CONFIG, ["+policies.critic.model=tiny-random-qwen2", "+policies.critic.tp=2",
-                               "+env.kwargs.num_symbols=5"])
+    cfg = load_config(
+        CONFIG,
+        ["+policies.critic.model=tiny-random-qwen2", "+policies.critic.tp=2", "+env.kwargs.num_symbols=5"],
+    )
     assert list(cfg.policies) == ["shared", "critic"]
-    assert (cfg.policies["critic"].model, cfg.policies["critic"].tp, cfg.policies["critic"].lr) == ("tiny-random-qwen2", 2, 1e-6)
+    assert (cfg.policies["critic"].model, cfg.policies["critic"].tp, cfg.policies["critic"].lr) == (
+        "tiny-random-qwen2",
+        2,
+        1e-6,
+    )
     assert cfg.env.kwargs == {"num_symbols": 5}
 
 
@@ -45,13 +51,19 @@ def test_plain_override_still_adds_map_entries():
     assert cfg.policies["other"].model == "tiny-random-llama" and cfg.env.kwargs == {"num_symbols": 5}
 
 
-@pytest.mark.parametrize("override, message", [
-    ("+trainer.foo=1", "config key 'trainer.foo': unknown key"),  # '+' cannot add to a schema section
-    ("trainer.total_step=3", "did you mean trainer.total_steps?"),
-    ("+policies.critic.tpp=2", "config key 'policies.critic.tpp': unknown key; did you mean policies.critic.tp?"),
-    ("+trainer.total_steps=5", "config key 'trainer.total_steps'"),  # '+' on a key that exists
-    ("~trainer.nope", "trainer.nope"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("+trainer.foo=1", "config key 'trainer.foo': unknown key"),  # '+' cannot add to a schema section
+        ("trainer.total_step=3", "did you mean trainer.total_steps?"),
+        (
+            "+policies.critic.tpp=2",
+            "config key 'policies.critic.tpp': unknown key; did you mean policies.critic.tp?",
+        ),
+        ("+trainer.total_steps=5", "config key 'trainer.total_steps'"),  # '+' on a key that exists
+        ("~trainer.nope", "trainer.nope"),
+    ],
+)
 def test_grammar_errors_name_the_key(override, message):
     assert message in _error([override])
 
@@ -60,8 +72,9 @@ def test_tilde_deletes_map_entries_and_resets_fields_to_their_default():
     assert load_config(CONFIG).trainer.total_steps == 2
     cfg = load_config(CONFIG, ["~trainer.total_steps", "~policies.shared.lr"])
     assert (cfg.trainer.total_steps, cfg.policies["shared"].lr) == (10, 1e-6)  # RunConfig's defaults
-    hybrid = load_config(PRESETS / "hybrid_colocated.yaml",
-                         ["~policies.answerer_policy", "agents.answerer.policy=team"])
+    hybrid = load_config(
+        PRESETS / "hybrid_colocated.yaml", ["~policies.answerer_policy", "agents.answerer.policy=team"]
+    )
     assert list(hybrid.policies) == ["team"]
     search = load_config(PRESETS / "search_qa.yaml", ["~env.kwargs.top_k"])
     assert search.env.kwargs == {"num_countries": 20}
@@ -73,8 +86,14 @@ def test_double_plus_sets_or_adds():
 
 
 def test_list_values():
-    cfg = load_config(CONFIG, ["algorithm.group_by=[task,agent]", "policies.shared.ranks=[0,1]",
-                               "agents.sender.sampling.allowed_tokens=[A,B]"])
+    cfg = load_config(
+        CONFIG,
+        [
+            "algorithm.group_by=[task,agent]",
+            "policies.shared.ranks=[0,1]",
+            "agents.sender.sampling.allowed_tokens=[A,B]",
+        ],
+    )
     assert cfg.algorithm.group_by == ["task", "agent"] and cfg.policies["shared"].ranks == [0, 1]
     assert cfg.agents["sender"].sampling.allowed_tokens == ["A", "B"]
 
@@ -112,7 +131,11 @@ def test_a_config_anywhere_composes_groups_from_its_own_directory(tmp_path):
         "orchestra: {name: sequential}\n"
     )
     cfg = load_config(tmp_path / "run.yaml", ["policies.p.tp=2"])
-    assert (cfg.policies["p"].model, cfg.policies["p"].lr, cfg.policies["p"].tp) == ("tiny-random-llama", 2e-3, 2)
+    assert (cfg.policies["p"].model, cfg.policies["p"].lr, cfg.policies["p"].tp) == (
+        "tiny-random-llama",
+        2e-3,
+        2,
+    )
 
 
 def test_config_file_must_be_yaml(tmp_path):
@@ -131,7 +154,11 @@ def test_expand_sweeps_is_the_cartesian_product():
         ["trainer.seed=2", "name=x", "policies.shared.tp=1"],
         ["trainer.seed=2", "name=x", "policies.shared.tp=2"],
     ]
-    assert expand_sweeps(["trainer.seed=range(3)"]) == [["trainer.seed=0"], ["trainer.seed=1"], ["trainer.seed=2"]]
+    assert expand_sweeps(["trainer.seed=range(3)"]) == [
+        ["trainer.seed=0"],
+        ["trainer.seed=1"],
+        ["trainer.seed=2"],
+    ]
     assert expand_sweeps(["a=[1,2]"]) == [["a=[1,2]"]]  # a list is one value
 
 
@@ -151,5 +178,8 @@ def test_loading_does_not_chdir_write_outputs_or_configure_logging(tmp_path, mon
     assert cfg.trainer.seed == 3
     assert Path.cwd() == tmp_path and os.listdir(tmp_path) == []
     assert (list(root.handlers), root.level) == before[:2]
-    assert not [n for n in logging.root.manager.loggerDict if n.startswith("hydra") and n not in before[2]
-                and logging.getLogger(n).handlers]
+    assert not [
+        n
+        for n in logging.root.manager.loggerDict
+        if n.startswith("hydra") and n not in before[2] and logging.getLogger(n).handlers
+    ]

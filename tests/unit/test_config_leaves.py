@@ -29,13 +29,25 @@ CONFIGS = {"signalling_tiny.yaml": 1, "quickstart_cpu.yaml": 2}  # config -> wor
 
 # (leaf pattern, mutation kind): why the mutated value is a valid setting
 FREE = {
-    (r"name|output_dir|logger\.wandb\.(entity|project)", "out of range"): "free text (a run name, a path to create)",
+    (
+        r"name|output_dir|logger\.wandb\.(entity|project)",
+        "out of range",
+    ): "free text (a run name, a path to create)",
     (r"agents\.\w+\.system_prompt", "out of range"): "free text (a prompt)",
     (r"agents\.\w+\.choices", "out of range"): "free text (the choices an agent may name)",
-    (r"rollout\.opponent_pool\.alias", "out of range"): "free text (the name a policy mapping returns for the pool)",
-    (r"rollout\.opponent_pool\.alias", "over-long"): "free text (the name a policy mapping returns for the pool)",
+    (
+        r"rollout\.opponent_pool\.alias",
+        "out of range",
+    ): "free text (the name a policy mapping returns for the pool)",
+    (
+        r"rollout\.opponent_pool\.alias",
+        "over-long",
+    ): "free text (the name a policy mapping returns for the pool)",
     (r"agents\.\w+\.sampling\.stop", "out of range"): "free text (any non-empty string may end a reply)",
-    (r"algorithm\.invalid_penalty", "out of range"): "-1e9 is a (large) penalty; > 0 is rejected (test below)",
+    (
+        r"algorithm\.invalid_penalty",
+        "out of range",
+    ): "-1e9 is a (large) penalty; > 0 is rejected (test below)",
     (r"agents\.\w+\.system_prompt|logger\.wandb\.(entity|project)", "over-long"): "free text of any length",
 }
 DICT_LEAVES = ("env.kwargs", "orchestra.kwargs", "algorithm.estimator_kwargs")  # validated by their component
@@ -114,7 +126,9 @@ def test_every_leaf_mutation_is_named_at_load_time(config, path, kind, text, cap
     monkeypatch.setenv("WORLD_SIZE", str(CONFIGS[config]))
     override = f"{path}={text}"
     if _free(path, kind):
-        placement_of(load_config(ROOT / "configs" / config, [override]), CONFIGS[config])  # accepted, as documented
+        placement_of(
+            load_config(ROOT / "configs" / config, [override]), CONFIGS[config]
+        )  # accepted, as documented
         return
     code = main(["--config", str(ROOT / "configs" / config), "--check", override])
     err = capsys.readouterr().err
@@ -125,20 +139,32 @@ def test_every_leaf_mutation_is_named_at_load_time(config, path, kind, text, cap
     assert re.search(r"(^|[\s'\"(])" + re.escape(path) + r"($|[^\w.])", lines[0]), (override[:200], lines[0])
 
 
-@pytest.mark.parametrize("override, message", [
-    ("algorithm.group_by=[task,agentt]", "algorithm.group_by has unknown keys ['agentt']"),
-    ("algorithm.loss_agg=foo", "algorithm.loss_agg='foo'"),
-    ("algorithm.kl_type=k9", "algorithm.kl_type='k9'"),
-    ("rollout.group_size=0", "rollout.group_size must be an integer >= 1, got 0"),
-    ("rollout.num_tasks=-5", "rollout.num_tasks must be an integer >= 1, got -5"),
-    ("agents.sender.sampling.temperature=-1", "agents.sender.sampling.temperature must be >= 0, got -1.0"),
-    ("agents.receiver.sampling.top_p=5", "agents.receiver.sampling.top_p must be in (0, 1], got 5.0"),
-    ("algorithm.invalid_penalty=0.5", "algorithm.invalid_penalty must be <= 0, got 0.5"),
-    ("policies.shared.model=Qwen/Qwen2.5-0.5B-Instruct", "policies.shared.model='Qwen/Qwen2.5-0.5B-Instruct' looks like a model hub id"),
-    ("policies.shared.lr=-1", "policies.shared.lr must be > 0, got -1.0"),  # was printed as policies.<p>.lr
-    ("policies.shared.lr=nan", "policies.shared.lr must be a finite number, got nan"),
-    ("policies.shared.engine.tp=0", "policies.shared.engine.tp must be >= 1, got 0"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("algorithm.group_by=[task,agentt]", "algorithm.group_by has unknown keys ['agentt']"),
+        ("algorithm.loss_agg=foo", "algorithm.loss_agg='foo'"),
+        ("algorithm.kl_type=k9", "algorithm.kl_type='k9'"),
+        ("rollout.group_size=0", "rollout.group_size must be an integer >= 1, got 0"),
+        ("rollout.num_tasks=-5", "rollout.num_tasks must be an integer >= 1, got -5"),
+        (
+            "agents.sender.sampling.temperature=-1",
+            "agents.sender.sampling.temperature must be >= 0, got -1.0",
+        ),
+        ("agents.receiver.sampling.top_p=5", "agents.receiver.sampling.top_p must be in (0, 1], got 5.0"),
+        ("algorithm.invalid_penalty=0.5", "algorithm.invalid_penalty must be <= 0, got 0.5"),
+        (
+            "policies.shared.model=Qwen/Qwen2.5-0.5B-Instruct",
+            "policies.shared.model='Qwen/Qwen2.5-0.5B-Instruct' looks like a model hub id",
+        ),
+        (
+            "policies.shared.lr=-1",
+            "policies.shared.lr must be > 0, got -1.0",
+        ),  # was printed as policies.<p>.lr
+        ("policies.shared.lr=nan", "policies.shared.lr must be a finite number, got nan"),
+        ("policies.shared.engine.tp=0", "policies.shared.engine.tp must be >= 1, got 0"),
+    ],
+)
 def test_issue_cases(override, message, capsys):
     assert main(["--config", str(ROOT / "configs/signalling_tiny.yaml"), "--dry-run", override]) == 2
     err = capsys.readouterr().err
@@ -148,39 +174,79 @@ def test_issue_cases(override, message, capsys):
 # The front door (issue #28 item 4): inputs an override can give. Each is refused by `train.py --check`
 # (so also by a training launch, which runs the same checks first) with exit 2 and one line holding
 # the message. docs/reliability.md, "The front door", lists them.
-@pytest.mark.parametrize("overrides, message", [
-    (["name=../../elsewhere"], "name='../../elsewhere' escapes output_dir"),
-    (["name=/abs/run"], "name='/abs/run' escapes output_dir"),
-    (["name=" + "n" * 300], "name is too long: 300 bytes in one path component"),
-    (["output_dir=" + "o" * 300], "output_dir is too long: 300 bytes"),
-    (["trainer.seed=99999999999999999999"], "trainer.seed must be in [0, 4294967295], got 99999999999999999999"),
-    (["trainer.seed=4294967296"], "trainer.seed must be in [0, 4294967295], got 4294967296"),
-    (["policies.shared.ranks=[]"], "policies.shared.ranks=[] lists no rank"),
-    (["policies.shared.ranks=[0]", "policies.shared.engine.backend=vllm", "policies.shared.engine.ranks=[5]",
-      "placement_mode=disaggregated"], "policies.shared.engine.ranks"),
-    (["~agents.receiver"], ("agents.receiver is not defined, but orchestra 'sequential' calls role 'receiver' in "
-                            "env 'signalling'")),
-    (["~agents.receiver", "+agents.recever.policy=shared"],
-     "agents.recever: 'recever' is not a role of env 'signalling' (its roles: ['sender', 'receiver'])"),
-    (["orchestra.kwargs.order=[sender,receivr]"], ("agents.receivr is not defined, but orchestra 'sequential' "
-                                                    "calls role 'receivr'")),
-    (["orchestra.name=solve_verify"], "agents.solver is not defined, but orchestra 'solve_verify' calls role 'solver'"),
-    (["agents.sender.sampling.allowed_tokens=[A,hello_world]"],
-     "agents.sender.sampling.allowed_tokens: 'hello_world' is 3 tokens, not one (policies.shared's tokenizer)"),
-    (["trainer.mode=" + "m" * 100_000], "chars cut"),
-    (["+é=3"], "config override '+é=3': LexerNoViableAltException"),  # Hydra's grammar: ASCII keys
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["name=../../elsewhere"], "name='../../elsewhere' escapes output_dir"),
+        (["name=/abs/run"], "name='/abs/run' escapes output_dir"),
+        (["name=" + "n" * 300], "name is too long: 300 bytes in one path component"),
+        (["output_dir=" + "o" * 300], "output_dir is too long: 300 bytes"),
+        (
+            ["trainer.seed=99999999999999999999"],
+            "trainer.seed must be in [0, 4294967295], got 99999999999999999999",
+        ),
+        (["trainer.seed=4294967296"], "trainer.seed must be in [0, 4294967295], got 4294967296"),
+        (["policies.shared.ranks=[]"], "policies.shared.ranks=[] lists no rank"),
+        (
+            [
+                "policies.shared.ranks=[0]",
+                "policies.shared.engine.backend=vllm",
+                "policies.shared.engine.ranks=[5]",
+                "placement_mode=disaggregated",
+            ],
+            "policies.shared.engine.ranks",
+        ),
+        (
+            ["~agents.receiver"],
+            (
+                "agents.receiver is not defined, but orchestra 'sequential' calls role 'receiver' in "
+                "env 'signalling'"
+            ),
+        ),
+        (
+            ["~agents.receiver", "+agents.recever.policy=shared"],
+            "agents.recever: 'recever' is not a role of env 'signalling' (its roles: ['sender', 'receiver'])",
+        ),
+        (
+            ["orchestra.kwargs.order=[sender,receivr]"],
+            ("agents.receivr is not defined, but orchestra 'sequential' calls role 'receivr'"),
+        ),
+        (
+            ["orchestra.name=solve_verify"],
+            "agents.solver is not defined, but orchestra 'solve_verify' calls role 'solver'",
+        ),
+        (
+            ["agents.sender.sampling.allowed_tokens=[A,hello_world]"],
+            "agents.sender.sampling.allowed_tokens: 'hello_world' is 3 tokens, not one (policies.shared's tokenizer)",
+        ),
+        (["trainer.mode=" + "m" * 100_000], "chars cut"),
+        (["+é=3"], "config override '+é=3': LexerNoViableAltException"),  # Hydra's grammar: ASCII keys
+    ],
+)
 def test_front_door_overrides(overrides, message, capsys, tmp_path, monkeypatch):
     # as ``torchrun --nproc_per_node 1`` launches it (outside torchrun --check places on the world the
     # config declares, which grows with engine.ranks)
     monkeypatch.setenv("WORLD_SIZE", "1")
-    code = main(["--config", str(ROOT / "configs/signalling_tiny.yaml"), "--check", f"output_dir={tmp_path}", *overrides])
+    code = main(
+        [
+            "--config",
+            str(ROOT / "configs/signalling_tiny.yaml"),
+            "--check",
+            f"output_dir={tmp_path}",
+            *overrides,
+        ]
+    )
     err = capsys.readouterr().err
     lines = err.strip().splitlines()
-    assert code == 2 and len(lines) == 1 and lines[0].startswith("config error: ") and message in lines[0], err[:2000]
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("config error: ") and message in lines[0], (
+        err[:2000]
+    )
     assert len(lines[0]) < 700 and not list(tmp_path.iterdir())  # cut echo; nothing created under output_dir
 
 
 def test_front_door_accepts_the_config(capsys, tmp_path):
-    assert main(["--config", str(ROOT / "configs/signalling_tiny.yaml"), "--check", f"output_dir={tmp_path}"]) == 0
+    assert (
+        main(["--config", str(ROOT / "configs/signalling_tiny.yaml"), "--check", f"output_dir={tmp_path}"])
+        == 0
+    )
     assert capsys.readouterr().out.startswith("config ok: ") and not list(tmp_path.iterdir())

@@ -16,12 +16,21 @@ from megamarl.rl.sample import Sample
 
 def _batch():
     g = torch.Generator().manual_seed(0)
-    samples = [Sample(task_id=f"t{i % 2}", episode_id=f"e{i}", agent="a", policy="p", turn=0,
-                      prompt_ids=torch.randint(0, 500, (p,), generator=g).tolist(),
-                      response_ids=torch.randint(0, 500, (r,), generator=g).tolist(),
-                      rollout_logprobs=(-torch.rand(r, generator=g)).tolist(),
-                      allowed_token_ids=tuple(range(500)) if i == 1 else None, temperature=0.7)
-               for i, (p, r) in enumerate([(5, 4), (3, 6), (7, 2)])]
+    samples = [
+        Sample(
+            task_id=f"t{i % 2}",
+            episode_id=f"e{i}",
+            agent="a",
+            policy="p",
+            turn=0,
+            prompt_ids=torch.randint(0, 500, (p,), generator=g).tolist(),
+            response_ids=torch.randint(0, 500, (r,), generator=g).tolist(),
+            rollout_logprobs=(-torch.rand(r, generator=g)).tolist(),
+            allowed_token_ids=tuple(range(500)) if i == 1 else None,
+            temperature=0.7,
+        )
+        for i, (p, r) in enumerate([(5, 4), (3, 6), (7, 2)])
+    ]
     return collate(samples, pad_id=0).replace(advantages=torch.tensor([1.0, -0.5, 0.25]))
 
 
@@ -43,14 +52,26 @@ def _body(rank, model_dir):
 
     wg = build_worker_groups(PlacementConfig({"p": WorkerGroupLayout(ranks=[0])}))["p"]
     policy = PolicyConfig(model=str(model_dir), micro_batch_size=2, lr=1e-3, ppo_epochs=2, kl_coef=0.1)
-    worker = PolicyWorker("p", policy, wg, load_policy_model(policy, wg, seed=0), LossConfig(kl_coef=0.1),
-                          ref_handle=load_policy_model(policy, wg, seed=0))
+    worker = PolicyWorker(
+        "p",
+        policy,
+        wg,
+        load_policy_model(policy, wg, seed=0),
+        LossConfig(kl_coef=0.1),
+        ref_handle=load_policy_model(policy, wg, seed=0),
+    )
     batch, recorder, audit = _batch(), DeviceRecorder(), FactoryAudit()  # the driver collates on the CPU
     with audit, recorder:
         metrics = worker.train_step(batch)
-    return {"device": str(wg.device), "devices": sorted(recorder.devices()), "off": recorder.off(wg.device),
-            "ops": sum(recorder.seen.values()), "factories": sorted(audit.calls), "total": audit.total,
-            "grad_norm": metrics["grad_norm"]}
+    return {
+        "device": str(wg.device),
+        "devices": sorted(recorder.devices()),
+        "off": recorder.off(wg.device),
+        "ops": sum(recorder.seen.values()),
+        "factories": sorted(audit.calls),
+        "total": audit.total,
+        "grad_norm": metrics["grad_norm"],
+    }
 
 
 def test_policy_update_keeps_every_tensor_on_the_wg_device(tmp_path):

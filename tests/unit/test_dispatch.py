@@ -11,14 +11,36 @@ from megamarl.rl.dispatch import BatchSplit, plan_policy, rank_batches
 from megamarl.rl.sample import Sample
 
 # (agent, policy, response tokens); every prompt is one token, so a row's length is response + 1
-ROWS = [("x", "alpha", 3), ("z", "beta", 1), ("y", "alpha", 1), ("x", "alpha", 2), ("y", "alpha", 0),
-        ("w", "alpha", 5), ("z", "beta", 2), ("g", "gamma", 1)]
+ROWS = [
+    ("x", "alpha", 3),
+    ("z", "beta", 1),
+    ("y", "alpha", 1),
+    ("x", "alpha", 2),
+    ("y", "alpha", 0),
+    ("w", "alpha", 5),
+    ("z", "beta", 2),
+    ("g", "gamma", 1),
+]
 
 
 @pytest.fixture
 def batch():
-    return collate([Sample("t", f"e{i}", agent, policy, 0, prompt_ids=[5], response_ids=[7] * n,
-                           rollout_logprobs=[-0.5] * n) for i, (agent, policy, n) in enumerate(ROWS)], pad_id=0)
+    return collate(
+        [
+            Sample(
+                "t",
+                f"e{i}",
+                agent,
+                policy,
+                0,
+                prompt_ids=[5],
+                response_ids=[7] * n,
+                rollout_logprobs=[-0.5] * n,
+            )
+            for i, (agent, policy, n) in enumerate(ROWS)
+        ],
+        pad_id=0,
+    )
 
 
 def _episodes(share) -> list[list[str]]:
@@ -31,8 +53,9 @@ def test_trainable_rows_mini_batches_counts_and_dp_parts(batch):
     # frozen w dropped; mini-batches [e0 e2] [e3 e4]; by tokens the longer row of each goes to DP rank 0
     assert [_episodes(s) for s in shares] == [[["e0"], ["e3"]], [["e2"], ["e4"]]]
     # counts of the whole mini-batch on both ranks; e4 has no response token: not a sequence
-    assert [[m.counts for m in s.minis] for s in shares] == [[{"num_tokens": 4, "num_seqs": 2},
-                                                              {"num_tokens": 2, "num_seqs": 1}]] * 2
+    assert [[m.counts for m in s.minis] for s in shares] == [
+        [{"num_tokens": 4, "num_seqs": 2}, {"num_tokens": 2, "num_seqs": 1}]
+    ] * 2
 
 
 def test_per_agent_mini_batches_and_a_zero_weight_stand_in(batch):
@@ -50,24 +73,35 @@ def test_whole_batch_without_sizes_and_nothing_when_all_frozen(batch):
     beta = batch.split_by_policy()["beta"]
     (share,) = plan_policy(beta, BatchSplit(), num_dp=1)
     assert _episodes(share) == [["e1", "e6"]]
-    assert [s.minis for s in plan_policy(beta, BatchSplit(frozen_agents=frozenset({"z"})), num_dp=2)] == [[], []]
+    assert [s.minis for s in plan_policy(beta, BatchSplit(frozen_agents=frozenset({"z"})), num_dp=2)] == [
+        [],
+        [],
+    ]
 
 
 def test_each_rank_receives_only_its_worker_groups_share(batch):
-    layouts = {"alpha": WorkerGroupLayout([0, 1]), "beta": WorkerGroupLayout([2, 3], tp=2),
-               "gamma": WorkerGroupLayout([0])}
+    layouts = {
+        "alpha": WorkerGroupLayout([0, 1]),
+        "beta": WorkerGroupLayout([2, 3], tp=2),
+        "gamma": WorkerGroupLayout([0]),
+    }
     splits = {"alpha": BatchSplit(frozen_agents=frozenset({"w"})), "beta": BatchSplit()}  # gamma is frozen
     ranks = rank_batches(batch, splits, layouts, world_size=5)
     assert [list(r.shares) for r in ranks] == [["alpha"], ["alpha"], ["beta"], ["beta"], []]
     for rank in ranks[:2]:
         assert {p for m in rank.shares["alpha"].minis for p in m.rows.names("policy")} == {"alpha"}
-    assert [_episodes(r.shares["alpha"]) for r in ranks[:2]] == [[["e0", "e4"]], [["e2", "e3"]]]  # 5 | 5 tokens
+    assert [_episodes(r.shares["alpha"]) for r in ranks[:2]] == [
+        [["e0", "e4"]],
+        [["e2", "e3"]],
+    ]  # 5 | 5 tokens
     assert ranks[2].shares["beta"] is ranks[3].shares["beta"]  # TP peers: the same part
     assert _episodes(ranks[2].shares["beta"]) == [["e1", "e6"]]
     summary = ranks[0].summary
     assert all(r.summary == summary for r in ranks)
     assert summary.trained_policies == ("alpha", "beta") and summary.num_samples == 8
-    assert summary.num_train_tokens == (4 + 2 + 3 + 1 + 6) + (2 + 3)  # prompt + response, frozen agent w included
+    assert summary.num_train_tokens == (4 + 2 + 3 + 1 + 6) + (
+        2 + 3
+    )  # prompt + response, frozen agent w included
 
 
 def test_dp_rank_of_each_rank_follows_the_layout(batch):
@@ -80,7 +114,9 @@ def test_dp_rank_of_each_rank_follows_the_layout(batch):
 
 
 def test_a_batch_with_some_policies_only(batch):
-    beta_only = batch.select(batch.policy == batch.vocab["policy"].index("beta"))  # fully_async: one policy ready
+    beta_only = batch.select(
+        batch.policy == batch.vocab["policy"].index("beta")
+    )  # fully_async: one policy ready
     layouts = {"alpha": WorkerGroupLayout([0]), "beta": WorkerGroupLayout([1])}
     ranks = rank_batches(beta_only, {"alpha": BatchSplit(), "beta": BatchSplit()}, layouts, world_size=2)
     assert [list(r.shares) for r in ranks] == [[], ["beta"]]

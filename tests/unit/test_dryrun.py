@@ -78,9 +78,13 @@ def test_70b_hetero_dry_run_passes_and_prints_the_placement():
     assert stage.reference == stage.lora == 0  # kl_coef = 0
     # activations, flash attention (TE), no recompute, T = 2 x 4096 tokens, q_t 2048, kv_t 512, f_t 7168
     tokens = 2 * 4096
-    per_token = 2 * (2 * 2 * 4096 + 4) + (2 * (2048 + 512) + 2 * (2048 + 2 * 512) + 2 * 2048 + 4 * 16) + 5 * 2 * 7168
+    per_token = (
+        2 * (2 * 2 * 4096 + 4) + (2 * (2048 + 512) + 2 * (2048 + 2 * 512) + 2 * 2048 + 4 * 16) + 5 * 2 * 7168
+    )
     final_norm, token_ids = (2 * 2 * 4096 + 4) * tokens, 8 * tokens
-    logits = (2 + 24) * tokens * 128256 / 2  # bf16 logits + six fp32 [T, V/tp] tensors in the log-prob function
+    logits = (
+        (2 + 24) * tokens * 128256 / 2
+    )  # bf16 logits + six fp32 [T, V/tp] tensors in the log-prob function
     assert stage.activations == 32 * per_token * tokens + token_ids + final_norm + logits
     assert round(stage.activations / GIB, 2) == 42.11
     assert round(stage.total / GIB, 2) == 70.16
@@ -90,7 +94,9 @@ def test_70b_hetero_dry_run_passes_and_prints_the_placement():
     # NCCL communicators of an executor rank: world, tp (2), dp (8), tp x dp (the WG's 16): 4 x 256 MiB
     nccl48 = 4 * NCCL_COMMUNICATOR_BYTES
     assert nccl48 == GIB and gpu48.phases["train"].kinds["nccl"] == nccl48
-    assert gpu48.peak_phase == "train" and gpu48.total == stage.total + nccl48 + 4 * GIB  # engine asleep; + reserved
+    assert (
+        gpu48.peak_phase == "train" and gpu48.total == stage.total + nccl48 + 4 * GIB
+    )  # engine asleep; + reserved
     assert gpu48.phase("rollout") == engine.total + nccl48 + 4 * GIB  # the train state offloaded
     assert round(gpu48.total / GIB, 2) == 75.16  # 74.16 before the communicators were counted
 
@@ -100,11 +106,18 @@ def test_70b_hetero_dry_run_passes_and_prints_the_placement():
     buffer = -(-p0 // 384) * 384
     assert buffer - p0 == 128
     s0 = planner.stages[0]
-    assert (s0.weights, s0.grads, s0.main_params, s0.optimizer) == (2 * buffer, 4 * buffer, 4 * buffer / 3, 8 * buffer / 3)
+    assert (s0.weights, s0.grads, s0.main_params, s0.optimizer) == (
+        2 * buffer,
+        4 * buffer,
+        4 * buffer / 3,
+        8 * buffer / 3,
+    )
     assert s0.reference == 2 * p0  # the KL reference model: bf16, no DDP buffer, no optimizer
     # full recompute: each layer's input for 2 micro-batches in flight (1F1B), not split over tp (no
     # sequence parallelism), plus one layer being rebuilt (q_t 1024, kv_t 128, f_t 3584) and token ids
-    rebuilt = (2 * (2 * 2 * 8192 + 4) + (2 * (1024 + 128) + 2 * (1024 + 2 * 128) + 2 * 1024 + 4 * 8) + 5 * 2 * 3584) * 4096
+    rebuilt = (
+        2 * (2 * 2 * 8192 + 4) + (2 * (1024 + 128) + 2 * (1024 + 2 * 128) + 2 * 1024 + 4 * 8) + 5 * 2 * 3584
+    ) * 4096
     assert s0.activations == 2 * 40 * 2 * 4096 * 8192 + rebuilt + 2 * 8 * 4096
     assert round(s0.total / GIB, 2) == 54.70
     gpu0, e0 = report.gpus[0], report.engines["planner"].memory
@@ -156,7 +169,10 @@ def test_async_mode_adds_train_and_rollout():
     [
         ("policies.planner.tp=5", r"policies.planner: 48 ranks are not divisible by tp\*pp"),
         ("policies.planner.pp=3", r"policies.planner.pp=3 does not divide the model's 80 layers"),
-        ("policies.executor.engine.num_replicas=17", r"policies.executor.engine.num_replicas=17: num_replicas \* tp = 17"),
+        (
+            "policies.executor.engine.num_replicas=17",
+            r"policies.executor.engine.num_replicas=17: num_replicas \* tp = 17",
+        ),
         ("policies.executor.engine.tp=3", r"policies.executor.engine.tp=3 does not divide"),
         ("policies.planner.model=llama-nonexistent", r"policies.planner.model='llama-nonexistent'"),
         ("cluster.num_nodes=4", r"planner.ranks \[32, .*\] out of range for world size 32"),
@@ -171,8 +187,9 @@ def test_lora_trains_only_adapters_and_kv_can_be_derived():
     from megamarl.config import LoraConfig, PolicyConfig
 
     shape = resolve_model_shape("smollm2-135m-instruct")  # preset: no GGUF conversion needed
-    policy = PolicyConfig(model="smollm2-135m-instruct", lora=LoraConfig(rank=8), distributed_optimizer=False,
-                          kl_coef=0.1)
+    policy = PolicyConfig(
+        model="smollm2-135m-instruct", lora=LoraConfig(rank=8), distributed_optimizer=False, kl_coef=0.1
+    )
     setup = TrainingSetup(dtype="bf16", num_adapters=2, reference=False)  # LoRA: the base is the reference
     memory = train_memory(shape, policy, WorkerGroupLayout(ranks=[0]), setup, stage=0)
     # r * (in + out) per target: qkv (576, 576 + 2*192), proj (576, 576), fc1 (576, 2*1536), fc2 (1536, 576)
@@ -217,7 +234,9 @@ def test_ddp_buffer_padding_follows_megatron_core():
     # distributed: each tensor starts at a multiple of 64, the bucket ends at a multiple of lcm(dp, 128)
     assert ddp_buffer_numel([100, 30], dp=4, distributed=True) == 256  # 128 + 30 -> 158 -> 256
     assert ddp_buffer_numel([100, 30], dp=3, distributed=True) == 384  # lcm(3, 128)
-    assert ddp_buffer_numel([100], dp=2, distributed=True, own_bucket=1) == 128 + 128  # shared embedding bucket
+    assert (
+        ddp_buffer_numel([100], dp=2, distributed=True, own_bucket=1) == 128 + 128
+    )  # shared embedding bucket
 
 
 def _setup_memory(**policy_keys):
@@ -228,7 +247,8 @@ def _setup_memory(**policy_keys):
     layout = WorkerGroupLayout(ranks=list(range(8)), tp=2, pp=2)  # dp 2
     reference = policy.kl_coef > 0
     return lambda dtype="bf16", stage=0, **kw: train_memory(
-        shape, policy, layout, TrainingSetup(dtype=dtype, reference=reference), stage=stage, **kw)
+        shape, policy, layout, TrainingSetup(dtype=dtype, reference=reference), stage=stage, **kw
+    )
 
 
 def test_every_training_key_changes_the_plan():
@@ -264,11 +284,20 @@ def test_packed_micro_batches_scale_with_the_token_budget():
 
     setup = TrainingSetup(micro_batch_size=4)
     padded = PolicyConfig(model="llama3-8b", seq_len=1024, micro_batch_size=4)
-    packed = PolicyConfig(model="llama3-8b", seq_len=1024, micro_batch_size=4, pack=True, max_tokens_per_micro_batch=2048)
+    packed = PolicyConfig(
+        model="llama3-8b", seq_len=1024, micro_batch_size=4, pack=True, max_tokens_per_micro_batch=2048
+    )
     assert (tokens_per_micro_batch(padded, setup), attention_row(padded, setup)) == (4096, 1024)
-    assert (tokens_per_micro_batch(packed, setup), attention_row(packed, setup)) == (2048, 2048)  # one packed row
-    small = PolicyConfig(model="llama3-8b", seq_len=1024, pack=True, max_tokens_per_micro_batch=100, micro_batch_size=4)
-    assert tokens_per_micro_batch(small, setup) == 1024  # a sample longer than the budget gets a micro-batch alone
+    assert (tokens_per_micro_batch(packed, setup), attention_row(packed, setup)) == (
+        2048,
+        2048,
+    )  # one packed row
+    small = PolicyConfig(
+        model="llama3-8b", seq_len=1024, pack=True, max_tokens_per_micro_batch=100, micro_batch_size=4
+    )
+    assert (
+        tokens_per_micro_batch(small, setup) == 1024
+    )  # a sample longer than the budget gets a micro-batch alone
     layout = WorkerGroupLayout(ranks=[0, 1], tp=2)
     shape = PRESETS["llama3-8b"]
     te = [train_memory(shape, p, layout, setup, stage=0).activations for p in (padded, packed)]
@@ -279,7 +308,10 @@ def test_auto_dtype_plans_bf16_on_gpu_clusters():
     from megamarl.planning.dryrun import training_setup
 
     cfg = load_config(CONFIGS / "70b_hetero.yaml")
-    assert cfg.policies["planner"].dtype == "auto" and training_setup(cfg, "planner", on_gpus=True).dtype == "bf16"
+    assert (
+        cfg.policies["planner"].dtype == "auto"
+        and training_setup(cfg, "planner", on_gpus=True).dtype == "bf16"
+    )
     assert training_setup(cfg, "planner", on_gpus=True).reference  # kl_coef 0.001
     assert not training_setup(cfg, "executor", on_gpus=True).reference
     fp32 = load_config(CONFIGS / "70b_hetero.yaml", ["policies.planner.dtype=fp32"])

@@ -19,10 +19,20 @@ CONFIG = Path(__file__).resolve().parents[2] / "configs" / "70b_hetero.yaml"
 def _fractions(overrides=(), capacity_gib: float = 80.0):
     cfg = load_config(CONFIG, list(overrides))
     world = cfg.cluster.num_nodes * cfg.cluster.gpus_per_node
-    fractions = engine_memory_fractions(cfg, world_size=world, gpus_per_node=cfg.cluster.gpus_per_node,
-                                        capacity_bytes=capacity_gib * GIB, overlaps_training=overlaps_training(cfg.trainer))
-    report = plan_memory(cfg, world_size=world, gpus_per_node=cfg.cluster.gpus_per_node, on_gpus=True,
-                         overlaps_training=overlaps_training(cfg.trainer))
+    fractions = engine_memory_fractions(
+        cfg,
+        world_size=world,
+        gpus_per_node=cfg.cluster.gpus_per_node,
+        capacity_bytes=capacity_gib * GIB,
+        overlaps_training=overlaps_training(cfg.trainer),
+    )
+    report = plan_memory(
+        cfg,
+        world_size=world,
+        gpus_per_node=cfg.cluster.gpus_per_node,
+        on_gpus=True,
+        overlaps_training=overlaps_training(cfg.trainer),
+    )
     return cfg, fractions, report
 
 
@@ -47,15 +57,20 @@ def test_async_modes_leave_the_engine_what_training_does_not_take():
     """one_step_off: training and generation overlap, so the trainer's whole planned peak stays; the
     planner's engine (54.7 GiB of training at peak on its GPUs, + 2.0 of NCCL communicators on a leader) no longer fits an 80 GiB GPU (the
     dry-run refuses this layout too, docs/cluster.md)."""
-    with pytest.raises(ValueError, match=r"^policies\.planner engine replica 0: GPU rank 0 leaves 19\.3 GiB for its "
-                                         r"engines \(GPU 80\.0 GiB - trainer 56\.7 GiB while they are awake - "
-                                         r"cluster\.reserved_gib 4\.0\) < their planned 40\.4 GiB.* set "
-                                         r"policies\.planner\.engine\.gpu_memory_utilization"):
+    with pytest.raises(
+        ValueError,
+        match=r"^policies\.planner engine replica 0: GPU rank 0 leaves 19\.3 GiB for its "
+        r"engines \(GPU 80\.0 GiB - trainer 56\.7 GiB while they are awake - "
+        r"cluster\.reserved_gib 4\.0\) < their planned 40\.4 GiB.* set "
+        r"policies\.planner\.engine\.gpu_memory_utilization",
+    ):
         _fractions(["trainer.mode=one_step_off"])
     _, fractions, report = _fractions(["trainer.mode=one_step_off"], capacity_gib=200.0)
     train = report.gpus[48].phases["train"]  # the trainer's whole peak, next to the awake engine
     trainer = train.total - train.engine - 4 * GIB
-    assert fractions[("executor", 0)] == math.floor((200 * GIB - trainer - 4 * GIB) / (200 * GIB) * 1000) / 1000
+    assert (
+        fractions[("executor", 0)] == math.floor((200 * GIB - trainer - 4 * GIB) / (200 * GIB) * 1000) / 1000
+    )
 
 
 def test_an_explicit_fraction_replaces_the_plan_and_its_check():
@@ -70,8 +85,12 @@ def test_no_fractions_without_cuda(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     cfg = load_config(CONFIG)
-    assert server_memory_fractions(cfg, world_size=64, gpus_per_node=8,
-                                   overlaps_training=overlaps_training(cfg.trainer)) == {}
+    assert (
+        server_memory_fractions(
+            cfg, world_size=64, gpus_per_node=8, overlaps_training=overlaps_training(cfg.trainer)
+        )
+        == {}
+    )
 
 
 def test_fractions_on_the_measured_gpu(monkeypatch):
@@ -82,11 +101,28 @@ def test_fractions_on_the_measured_gpu(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=80 * GIB))
+    monkeypatch.setattr(
+        torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=80 * GIB)
+    )
     cfg = load_config(CONFIG)
-    assert server_memory_fractions(cfg, world_size=64, gpus_per_node=8,
-                                   overlaps_training=overlaps_training(cfg.trainer)) == _fractions()[1]
-    external = load_config(CONFIG, [("policies.planner.engine.server_urls=[http://a:1,http://b:1,http://c:1,"
-                                     "http://d:1,http://e:1,http://f:1]")])  # nobody here starts them
-    assert not any(p == "planner" for p, _ in server_memory_fractions(external, world_size=64, gpus_per_node=8,
-                                                      overlaps_training=overlaps_training(external.trainer)))
+    assert (
+        server_memory_fractions(
+            cfg, world_size=64, gpus_per_node=8, overlaps_training=overlaps_training(cfg.trainer)
+        )
+        == _fractions()[1]
+    )
+    external = load_config(
+        CONFIG,
+        [
+            (
+                "policies.planner.engine.server_urls=[http://a:1,http://b:1,http://c:1,"
+                "http://d:1,http://e:1,http://f:1]"
+            )
+        ],
+    )  # nobody here starts them
+    assert not any(
+        p == "planner"
+        for p, _ in server_memory_fractions(
+            external, world_size=64, gpus_per_node=8, overlaps_training=overlaps_training(external.trainer)
+        )
+    )

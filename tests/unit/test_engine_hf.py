@@ -11,7 +11,12 @@ from megamarl.models.tiny import tiny_model
 from megamarl.rollout.engines.base import ENGINES, SamplingParams
 from megamarl.rollout.engines.hf import HFEngine
 
-PROMPTS = [[1, 9690, 198, 2683, 359], [1, 4093, 28, 17, 12], [1, 300], [1, 77, 88, 99, 1000, 2000, 3000, 4000]]
+PROMPTS = [
+    [1, 9690, 198, 2683, 359],
+    [1, 4093, 28, 17, 12],
+    [1, 300],
+    [1, 77, 88, 99, 1000, 2000, 3000, 4000],
+]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
 
 
@@ -110,7 +115,9 @@ def test_stop_ids_and_max_tokens_per_request():
 
 def test_micro_batcher_merges_concurrent_calls():
     engine = make_engine(max_batch_rows=6, max_wait_ms=50)
-    outs = generate_all(engine, [PROMPTS[i % 4] for i in range(10)], SamplingParams(temperature=0.0, max_tokens=3))
+    outs = generate_all(
+        engine, [PROMPTS[i % 4] for i in range(10)], SamplingParams(temperature=0.0, max_tokens=3)
+    )
     assert len(outs) == 10
     assert engine.batcher.batch_rows == [6, 4]
 
@@ -206,7 +213,9 @@ def test_lora_adapters_match_peft_and_mix_in_one_micro_batch(tmp_path):
     engine.add_lora("verifier", tmp_path / "verifier")
 
     async def mixed():
-        calls = [engine.generate(p, GREEDY, lora=lora) for lora in (None, "solver", "verifier") for p in PROMPTS]
+        calls = [
+            engine.generate(p, GREEDY, lora=lora) for lora in (None, "solver", "verifier") for p in PROMPTS
+        ]
         return await asyncio.gather(*calls)
 
     outs = [g[0].token_ids for g in asyncio.run(mixed())]
@@ -241,7 +250,9 @@ def test_lora_update_in_place_stamps_adapter_version_only(tmp_path, reference):
     assert engine.lora_versions == {"solver": 3} and engine.weight_version == 7
     assert all(n.startswith("base_model.model.model.layers.") for n in other)  # PEFT file names
     with pytest.raises(KeyError, match="not a weight of LoRA adapter 'solver'"):
-        engine.update_weights([("base_model.model.lm_head.lora_A.weight", torch.zeros(1))], version=4, lora="solver")
+        engine.update_weights(
+            [("base_model.model.lm_head.lora_A.weight", torch.zeros(1))], version=4, lora="solver"
+        )
     with pytest.raises(ValueError, match="unknown LoRA adapter"):
         engine.update_weights(other.items(), version=4, lora="nobody")
 
@@ -260,11 +271,16 @@ def test_stop_strings_end_a_row_on_the_decoded_text():
     (base,) = generate_all(engine, PROMPTS[:1], GREEDY)[0]
     cut = 4
     stop = f"{base.token_ids[cut - 2]}><{base.token_ids[cut - 1]}>"  # spans two tokens
-    cut = min(i + 1 for i in range(1, len(base.token_ids))
-              if stop in "".join(f"<{t}>" for t in base.token_ids[: i + 1]))
+    cut = min(
+        i + 1
+        for i in range(1, len(base.token_ids))
+        if stop in "".join(f"<{t}>" for t in base.token_ids[: i + 1])
+    )
 
     async def mixed():
-        stopped = engine.generate(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=12, stop=(stop, "never")))
+        stopped = engine.generate(
+            PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=12, stop=(stop, "never"))
+        )
         plain = engine.generate(PROMPTS[0], GREEDY)
         return await asyncio.gather(stopped, plain)
 

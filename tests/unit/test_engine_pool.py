@@ -102,7 +102,13 @@ def test_a_request_that_fails_on_a_healthy_replica_is_retried_and_the_replica_st
 
     pool = EnginePool(factory, 1)  # the only replica: marking it dead would fail every request
     assert [g.token_ids for g in run(pool, PROMPTS)] == expected
-    assert (pool.connection_errors, pool.live, pool.num_restarts, pool.failovers, built) == (1, [True], [0], 0, [0])
+    assert (pool.connection_errors, pool.live, pool.num_restarts, pool.failovers, built) == (
+        1,
+        [True],
+        [0],
+        0,
+        [0],
+    )
     assert pool.counters()["connection_errors"] == 1.0  # the step metric engine/<policy>/connection_errors
 
 
@@ -267,5 +273,7 @@ def test_liveness_verdicts_refused_at_once_silent_after_patience():
         silent.bind(("127.0.0.1", 0))
         silent.listen(8)
         started = time.monotonic()
-        assert not JSONClient(f"http://127.0.0.1:{silent.getsockname()[1]}").answers(probe_s=0.5, patience_s=1.5)
+        assert not JSONClient(f"http://127.0.0.1:{silent.getsockname()[1]}").answers(
+            probe_s=0.5, patience_s=1.5
+        )
         assert 1.5 <= time.monotonic() - started < 4  # probed again while patience lasted, then judged dead

@@ -50,7 +50,9 @@ def test_registered():
 def test_tensor_serialization_round_trip():
     named = [("a.weight", torch.randn(3, 4)), ("b.bias", torch.arange(5.0))]
     back = deserialize_named_tensors(serialize_named_tensors(named))
-    assert [n for n, _ in back] == ["a.weight", "b.bias"] and all(torch.equal(x, y) for (_, x), (_, y) in zip(named, back))
+    assert [n for n, _ in back] == ["a.weight", "b.bias"] and all(
+        torch.equal(x, y) for (_, x), (_, y) in zip(named, back)
+    )
 
 
 def test_sglang_client_generate_update_lifecycle(local):
@@ -68,7 +70,9 @@ def test_sglang_client_generate_update_lifecycle(local):
         n2 = run(client, PROMPTS[:1], temperature=1.0, max_tokens=6, n=2, seed=3)[0]
         assert len(n2) == 2 and n2[0].token_ids != n2[1].token_ids
 
-        perturbed = [(k, v + 0.3 * torch.randn_like(v)) for k, v in tiny_model("llama", seed=0).state_dict().items()]
+        perturbed = [
+            (k, v + 0.3 * torch.randn_like(v)) for k, v in tiny_model("llama", seed=0).state_dict().items()
+        ]
         client.pause()
         client.update_weights(iter(perturbed), version=4)
         client.resume()
@@ -83,8 +87,13 @@ def test_sglang_client_generate_update_lifecycle(local):
         client.update_weights(tiny_model("llama", seed=0).state_dict().items(), version=6)
         client.flush_cache()
         assert [g[0].token_ids for g in run(client, PROMPTS, **GREEDY)] == [g.token_ids for g in expected]
-        for path in ("/pause_generation", "/continue_generation", "/release_memory_occupation",
-                     "/resume_memory_occupation", "/flush_cache"):
+        for path in (
+            "/pause_generation",
+            "/continue_generation",
+            "/release_memory_occupation",
+            "/resume_memory_occupation",
+            "/flush_cache",
+        ):
             assert path in server.paths()
         assert client.health()
     finally:
@@ -103,9 +112,13 @@ def test_vllm_server_client_generate_and_weight_transfer(local):
         body = next(b for p, b in server.calls if p == "/v1/completions")
         assert body["prompt"] == PROMPTS[0] or body["prompt"] == PROMPTS[1]
         assert body["logprobs"] == 0 and body["return_token_ids"] is True and "stop" not in body
-        (stopped,), = run(client, PROMPTS[:1], temperature=0.0, max_tokens=5, stop=("never seen",))
+        ((stopped,),) = run(client, PROMPTS[:1], temperature=0.0, max_tokens=5, stop=("never seen",))
         body = [b for p, b in server.calls if p == "/v1/completions"][-1]
-        assert (body["stop"], body["include_stop_str_in_output"], body["max_tokens"]) == (["never seen"], True, 5)
+        assert (body["stop"], body["include_stop_str_in_output"], body["max_tokens"]) == (
+            ["never seen"],
+            True,
+            5,
+        )
         assert stopped.token_ids == expected[0].token_ids[:5]
 
         state = tiny_model("llama", seed=0).state_dict()
@@ -113,12 +126,18 @@ def test_vllm_server_client_generate_and_weight_transfer(local):
         client.update_weights(((k, v * 1.5) for k, v in state.items()), version=2)
         client.resume()
         paths = server.paths()
-        assert paths.index("/start_weight_update") < paths.index("/update_weights") < paths.index("/finish_weight_update")
+        assert (
+            paths.index("/start_weight_update")
+            < paths.index("/update_weights")
+            < paths.index("/finish_weight_update")
+        )
         assert paths.count("/update_weights") > 1  # bucketed
         assert [g[0].token_ids for g in run(client, PROMPTS, **GREEDY)] != [g.token_ids for g in expected]
         client.update_weights(state.items(), version=3)
         again = [g[0] for g in run(client, PROMPTS, **GREEDY)]
-        assert [g.token_ids for g in again] == [g.token_ids for g in expected] and again[0].weight_version == 3
+        assert [g.token_ids for g in again] == [g.token_ids for g in expected] and again[
+            0
+        ].weight_version == 3
         with pytest.raises(RuntimeError, match="transport"):
             VLLMServerClient(server.url).update_weights([], version=1)
     finally:

@@ -11,8 +11,11 @@ from megamarl.orchestration.context import Action
 from megamarl.orchestration.envs.code import PROBLEM_KINDS, CodeProblem
 from megamarl.orchestration.sandbox import SandboxConfig
 
-PROBLEM = CodeProblem("Write `scale(x)` returning x * 3.", "def scale(x):\n    return x * 3\n",
-                      "assert scale(2) == 6\nassert scale(-1) == -3\n")
+PROBLEM = CodeProblem(
+    "Write `scale(x)` returning x * 3.",
+    "def scale(x):\n    return x * 3\n",
+    "assert scale(2) == 6\nassert scale(-1) == -3\n",
+)
 GOOD, BAD = "def scale(x):\n    return x * 3\n", "def scale(x):\n    return x + 3\n"
 
 
@@ -36,10 +39,10 @@ def test_generated_references_pass_hidden_tests():
 @pytest.mark.parametrize(
     "code, tests, hidden, tests_pass, tester_reward, done",
     [
-        (GOOD, "assert scale(1) == 3", True, True, 1.0, True),      # right code, right tests
-        (BAD, "assert scale(1) == 3", False, False, 1.0, False),    # tests catch the bug
-        (BAD, "assert scale(0) == 3", False, True, 0.0, True),      # invalid test (fails on reference)
-        (GOOD, "assert scale(1) == 4", True, False, 0.0, False),    # wrong expectation
+        (GOOD, "assert scale(1) == 3", True, True, 1.0, True),  # right code, right tests
+        (BAD, "assert scale(1) == 3", False, False, 1.0, False),  # tests catch the bug
+        (BAD, "assert scale(0) == 3", False, True, 0.0, True),  # invalid test (fails on reference)
+        (GOOD, "assert scale(1) == 4", True, False, 0.0, False),  # wrong expectation
     ],
 )
 def test_transitions_and_rewards(code, tests, hidden, tests_pass, tester_reward, done):
@@ -53,19 +56,36 @@ def test_transitions_and_rewards(code, tests, hidden, tests_pass, tester_reward,
 
 def test_rollout_with_feedback_loop():
     tok = smollm2_tokenizer()
-    replies = {"coder": iter([f"```python\n{BAD}```", f"```python\n{GOOD}```"]), "tester": iter(["```python\nassert scale(1) == 3\n```"] * 2)}
+    replies = {
+        "coder": iter([f"```python\n{BAD}```", f"```python\n{GOOD}```"]),
+        "tester": iter(["```python\nassert scale(1) == 3\n```"] * 2),
+    }
 
     def policy(request):
         return next(replies["tester" if "Write tests" in request.last_user else "coder"])
 
     maker = EnvMaker("code")
-    agents = build_agents({"coder": AgentConfig(policy="default"), "tester": AgentConfig(policy="default")}, tok, default_kinds=maker.default_agents)
+    agents = build_agents(
+        {"coder": AgentConfig(policy="default"), "tester": AgentConfig(policy="default")},
+        tok,
+        default_kinds=maker.default_agents,
+    )
     # no workers: steps run inline here (test_orch_workers.py covers the process pool)
-    result = asyncio.run(run_episodes(build_orchestra("solve_verify", solver="coder", verifier="tester", max_loops=3),
-                                      maker, [Task("c", PROBLEM)], agents=agents,
-                                      engines={"default": ScriptedEngine(tok, policy)}))
+    result = asyncio.run(
+        run_episodes(
+            build_orchestra("solve_verify", solver="coder", verifier="tester", max_loops=3),
+            maker,
+            [Task("c", PROBLEM)],
+            agents=agents,
+            engines={"default": ScriptedEngine(tok, policy)},
+        )
+    )
     assert [(s.agent, s.turn, s.local_reward) for s in result.samples] == [
-        ("coder", 0, 0.0), ("tester", 0, 1.0), ("coder", 1, 1.0), ("tester", 1, 1.0)]
+        ("coder", 0, 0.0),
+        ("tester", 0, 1.0),
+        ("coder", 1, 1.0),
+        ("tester", 1, 1.0),
+    ]
     assert result.episodes[0].team_reward == 1.0 and result.episodes[0].env_done
     assert result.summary()["env/judge_errors"] == 0.0  # Env.metrics(): no case's output was unreadable
 
@@ -77,7 +97,9 @@ def test_judge_errors_are_counted_per_episode():
     # a forged record whose value is 20k-deep JSON: the judge's json.loads raises RecursionError. Under
     # the 64 KiB pipe buffer, so the write never waits for the judge (100k deep did: under load the
     # candidate then ran into its deadline, which scores 0 without a judge error)
-    forged = ("import os\nfor fd in [int(f) for f in os.listdir('/proc/self/fd') if int(f) > 2]:\n    try:\n        os.write(fd, b'{\"i\": 0, \"value\": \"' + "
-              "b'[' * 20000 + b'\"}\\n')\n    except OSError:\n        pass\nos._exit(0)\n")
+    forged = (
+        'import os\nfor fd in [int(f) for f in os.listdir(\'/proc/self/fd\') if int(f) > 2]:\n    try:\n        os.write(fd, b\'{"i": 0, "value": "\' + '
+        "b'[' * 20000 + b'\"}\\n')\n    except OSError:\n        pass\nos._exit(0)\n"
+    )
     assert env.step("coder", act("coder", forged)).local_reward == 0.0
     assert env.metrics() == {"judge_errors": 1.0}

@@ -51,7 +51,12 @@ def test_last_number_and_verdict_parsers():
 
 def test_jsonl_loader(tmp_path):
     path = tmp_path / "d.jsonl"
-    path.write_text(json.dumps({"question": "2+3?", "answer": "5"}) + "\n\n" + json.dumps({"question": "q", "answer": 7}) + "\n")
+    path.write_text(
+        json.dumps({"question": "2+3?", "answer": "5"})
+        + "\n\n"
+        + json.dumps({"question": "q", "answer": 7})
+        + "\n"
+    )
     assert [(p.question, p.answer) for p in load_jsonl(path)] == [("2+3?", 5.0), ("q", 7.0)]
     tasks = EnvMaker("math", dataset_path=str(path)).tasks(4, seed=0)
     assert sorted(t.payload.answer for t in tasks) == [5.0, 5.0, 7.0, 7.0]
@@ -64,7 +69,9 @@ def test_file_tasks_unique_within_a_chunk_item8(tmp_path, tok):
     # issue #16 item 8: 3 problems, a chunk of 7 tasks. Each pass draws every problem once (a seeded
     # permutation); repeats get their own task ids, so their episodes form groups of their own.
     path = tmp_path / "d.jsonl"
-    path.write_text("".join(json.dumps({"question": f"What is {i} + 1?", "answer": i + 1}) + "\n" for i in range(3)))
+    path.write_text(
+        "".join(json.dumps({"question": f"What is {i} + 1?", "answer": i + 1}) + "\n" for i in range(3))
+    )
     maker = EnvMaker("math", dataset_path=str(path), with_verifier=False)
     tasks = maker.tasks(7, seed=0)
     ids = [t.task_id for t in tasks]
@@ -75,8 +82,16 @@ def test_file_tasks_unique_within_a_chunk_item8(tmp_path, tok):
     assert maker.tasks(7, seed=0) == tasks and maker.tasks(3, seed=0) == tasks[:3]
     # through rollout and collate: 7 task groups of group_size episodes, 14 distinct episodes
     agents = build_agents({"solver": AgentConfig(policy="default")}, tok, default_kinds=maker.default_agents)
-    result = asyncio.run(run_episodes(build_orchestra("solve_verify"), maker, tasks, agents=agents, group_size=2,
-                                      engines={"default": ScriptedEngine(tok, _right_solver)}))
+    result = asyncio.run(
+        run_episodes(
+            build_orchestra("solve_verify"),
+            maker,
+            tasks,
+            agents=agents,
+            group_size=2,
+            engines={"default": ScriptedEngine(tok, _right_solver)},
+        )
+    )
     batch = collate(result.samples, pad_id=0)
     assert len(batch.vocab["task"]) == 7 and len(batch.vocab["episode"]) == 14
     assert torch.bincount(batch.task).tolist() == [2] * 7
@@ -84,10 +99,21 @@ def test_file_tasks_unique_within_a_chunk_item8(tmp_path, tok):
 
 def _rollout(tok, policy, *, num_tasks=4, max_loops=3, with_verifier=True):
     maker = EnvMaker("math", kinds=("add1", "mul12"), with_verifier=with_verifier)
-    agents = build_agents({"solver": AgentConfig(policy="default"), "verifier": AgentConfig(policy="default")}, tok, default_kinds=maker.default_agents)
+    agents = build_agents(
+        {"solver": AgentConfig(policy="default"), "verifier": AgentConfig(policy="default")},
+        tok,
+        default_kinds=maker.default_agents,
+    )
     tasks = maker.tasks(num_tasks, seed=1)
-    result = asyncio.run(run_episodes(build_orchestra("solve_verify", max_loops=max_loops), maker, tasks,
-                                      agents=agents, engines={"default": ScriptedEngine(tok, policy)}))
+    result = asyncio.run(
+        run_episodes(
+            build_orchestra("solve_verify", max_loops=max_loops),
+            maker,
+            tasks,
+            agents=agents,
+            engines={"default": ScriptedEngine(tok, policy)},
+        )
+    )
     return result, tasks
 
 
@@ -105,15 +131,24 @@ def test_correct_solver_approving_verifier(tok):
 
 
 def test_wrong_solver_rejecting_verifier_loops_to_budget(tok):
-    result, _ = _rollout(tok, lambda r: "no" if "Proposed solution" in r.last_user else "It is 1000", max_loops=2)
+    result, _ = _rollout(
+        tok, lambda r: "no" if "Proposed solution" in r.last_user else "It is 1000", max_loops=2
+    )
     episode = result.samples[:4]
-    assert [(s.agent, s.turn) for s in episode] == [("solver", 0), ("verifier", 0), ("solver", 1), ("verifier", 1)]
+    assert [(s.agent, s.turn) for s in episode] == [
+        ("solver", 0),
+        ("verifier", 0),
+        ("solver", 1),
+        ("verifier", 1),
+    ]
     assert [s.local_reward for s in episode] == [0.0, 1.0, 0.0, 1.0]  # verifier right to reject
     assert all(s.team_reward == 0.0 for s in result.samples) and not result.episodes[0].env_done
 
 
 def test_wrong_answer_approved_scores_verifier_zero(tok):
-    result, _ = _rollout(tok, lambda r: "yes" if "Proposed solution" in r.last_user else "3 + 4 = 1000", num_tasks=1)
+    result, _ = _rollout(
+        tok, lambda r: "yes" if "Proposed solution" in r.last_user else "3 + 4 = 1000", num_tasks=1
+    )
     solver, verifier = result.samples
     assert (solver.team_reward, verifier.local_reward, result.episodes[0].env_done) == (0.0, 0.0, True)
 

@@ -67,7 +67,10 @@ def test_default_parse_per_space():
 
 
 def test_default_render_lists_legal_actions_not_numpy_reprs():
-    obs = {"observation": np.array([[1, 0], [0, 2]], dtype=np.int8), "action_mask": np.array([0, 1, 1, 0], np.int8)}
+    obs = {
+        "observation": np.array([[1, 0], [0, 2]], dtype=np.int8),
+        "action_mask": np.array([0, 1, 1, 0], np.int8),
+    }
     assert render_observation(obs) == "[[1, 0], [0, 2]]\nLegal actions: 1, 2"
     assert render_observation({"hp": np.int64(3), "name": "orc"}) == "hp: 3\nname: orc"
 
@@ -77,8 +80,17 @@ def _run(tok, maker, orchestra, configs, engines, num_tasks=2, group_size=1, pol
     agents = build_agents(configs, tok)
     if callable(engines):
         engines = {"default": ScriptedEngine(tok, engines)}
-    return asyncio.run(run_episodes(orchestra, maker, maker.tasks(num_tasks, seed=0), agents=agents, engines=engines,
-                                    group_size=group_size, policy_mapping=policy_mapping))
+    return asyncio.run(
+        run_episodes(
+            orchestra,
+            maker,
+            maker.tasks(num_tasks, seed=0),
+            agents=agents,
+            engines=engines,
+            group_size=group_size,
+            policy_mapping=policy_mapping,
+        )
+    )
 
 
 def test_parallel_game(tok):
@@ -106,8 +118,12 @@ def test_aec_game_with_render_hook_counts_until_mistake(tok):
         return "99" if count >= 2 else f"{count} + 1 = {count + 1}"
 
     configs = {p: AgentConfig(policy="default", kind="testing_counter") for p in ("p0", "p1")}
-    maker = EnvMaker("pettingzoo_aec", factory=f"{TOY_GAMES}:make_counting_aec", render=f"{TOY_GAMES}:render_count",
-                     invalid_outcome="pass")
+    maker = EnvMaker(
+        "pettingzoo_aec",
+        factory=f"{TOY_GAMES}:make_counting_aec",
+        render=f"{TOY_GAMES}:render_count",
+        invalid_outcome="pass",
+    )
     result = _run(tok, maker, build_orchestra("sequential", max_steps=20), configs, policy)
     # task 0: seed 0 -> count 0: p0 says 1, p1 says 2, p0 says 99 (legal in Discrete(100), wrong) -> terminated
     first = [s for s in result.samples if s.episode_id == result.episodes[0].episode_id]
@@ -122,17 +138,24 @@ def test_aec_game_with_render_hook_counts_until_mistake(tok):
 
 def _ttt_maker(**kwargs):
     _tictactoe()
-    return EnvMaker("pettingzoo_aec", factory=f"{GAMES}:make_tictactoe", render=f"{GAMES}:render_tictactoe",
-                    scoring="competitive", **kwargs)
+    return EnvMaker(
+        "pettingzoo_aec",
+        factory=f"{GAMES}:make_tictactoe",
+        render=f"{GAMES}:render_tictactoe",
+        scoring="competitive",
+        **kwargs,
+    )
 
 
 def _script(moves):
     """Players read the board and play the first of ``moves[seat]`` that is still free."""
+
     def policy(request):
         text = request.last_user
         free = text.split("Free cells: ")[1].split(".")[0].split()
         seat = "X" if "You play X" in text else "O"
         return next(m for m in moves[seat] if m in free)
+
     return policy
 
 
@@ -142,21 +165,31 @@ TTT_AGENTS = {p: AgentConfig(policy="default", kind="text") for p in ("player_1"
 def test_tictactoe_competitive_scoring(tok):
     # X takes the left column 0, 1, 2 (cells are numbered by column); O plays 4, 5
     policy = _script({"X": ["0", "1", "2"], "O": ["4", "5", "8"]})
-    result = _run(tok, _ttt_maker(), build_orchestra("sequential", max_steps=9), TTT_AGENTS, policy, num_tasks=1)
+    result = _run(
+        tok, _ttt_maker(), build_orchestra("sequential", max_steps=9), TTT_AGENTS, policy, num_tasks=1
+    )
     episode = result.episodes[0]
     assert [s.agent for s in result.samples] == ["player_1", "player_2"] * 2 + ["player_1"]
     assert [s.response_text for s in result.samples] == ["0", "4", "1", "5", "2"]
     assert {s.agent: s.local_reward for s in result.samples} == {"player_1": 1.0, "player_2": -1.0}
     assert episode.team_reward == 0.0  # competitive: no shared reward (the zero-sum sum is not "failure")
     assert episode.success and episode.agent_success == {"player_1": True, "player_2": False}
-    assert "You play X.\nX | 3 | 6\n1 | O | 7\n2 | 5 | 8\nFree cells: 1 2 3 5 6 7 8." in result.samples[2].anchor
+    assert (
+        "You play X.\nX | 3 | 6\n1 | O | 7\n2 | 5 | 8\nFree cells: 1 2 3 5 6 7 8." in result.samples[2].anchor
+    )
 
 
 def test_tictactoe_draw_is_nobodys_success(tok):
     # cells are numbered by column; X0 O4 X8 O2 X6 O3 X5 O7 X1 fills the board with no line
     order = iter(["0", "4", "8", "2", "6", "3", "5", "7", "1"])
-    result = _run(tok, _ttt_maker(), build_orchestra("sequential", max_steps=9), TTT_AGENTS, lambda r: next(order),
-                  num_tasks=1)
+    result = _run(
+        tok,
+        _ttt_maker(),
+        build_orchestra("sequential", max_steps=9),
+        TTT_AGENTS,
+        lambda r: next(order),
+        num_tasks=1,
+    )
     episode = result.episodes[0]
     assert len(result.samples) == 9 and episode.env_done
     assert {s.local_reward for s in result.samples} == {0.0}
@@ -166,8 +199,14 @@ def test_tictactoe_draw_is_nobodys_success(tok):
 @pytest.mark.parametrize("outcome", ["lose", "random"])
 def test_illegal_move_outcomes(tok, outcome):
     replies = iter(["4", "4", "0"] + ["1", "2", "3", "5", "6", "7", "8"] * 2)  # O repeats X's cell
-    result = _run(tok, _ttt_maker(invalid_outcome=outcome), build_orchestra("sequential", max_steps=9), TTT_AGENTS,
-                  lambda r: next(replies), num_tasks=1)
+    result = _run(
+        tok,
+        _ttt_maker(invalid_outcome=outcome),
+        build_orchestra("sequential", max_steps=9),
+        TTT_AGENTS,
+        lambda r: next(replies),
+        num_tasks=1,
+    )
     samples = result.samples
     assert [s.valid for s in samples[:2]] == [True, False]
     if outcome == "lose":  # the offender forfeits at once
@@ -182,9 +221,20 @@ def test_illegal_move_outcomes(tok, outcome):
 def test_policy_mapping_binds_seats_per_episode(tok):
     from megamarl.orchestration.envs.games import tictactoe_self_play
 
-    engines = {name: ScriptedEngine(tok, _script({"X": ["0", "1", "2"], "O": ["4", "5", "8"]})) for name in ("alpha", "beta")}
-    result = _run(tok, _ttt_maker(), build_orchestra("sequential", max_steps=9), TTT_AGENTS, engines, num_tasks=2,
-                  group_size=4, policy_mapping=tictactoe_self_play)
+    engines = {
+        name: ScriptedEngine(tok, _script({"X": ["0", "1", "2"], "O": ["4", "5", "8"]}))
+        for name in ("alpha", "beta")
+    }
+    result = _run(
+        tok,
+        _ttt_maker(),
+        build_orchestra("sequential", max_steps=9),
+        TTT_AGENTS,
+        engines,
+        num_tasks=2,
+        group_size=4,
+        policy_mapping=tictactoe_self_play,
+    )
     seats = []
     for episode in result.episodes:
         tags = {(s.agent, s.policy) for s in result.samples if s.episode_id == episode.episode_id}
@@ -195,15 +245,24 @@ def test_policy_mapping_binds_seats_per_episode(tok):
     assert len(engines["alpha"].requests) == sum(s.policy == "alpha" for s in result.samples)
 
     with pytest.raises(ConfigError, match="rollout.policy_mapping gave 'player_1' policy 'gamma'"):
-        _run(tok, _ttt_maker(), build_orchestra("sequential"), TTT_AGENTS, engines, num_tasks=1,
-             policy_mapping=lambda agent, seed: "gamma")
+        _run(
+            tok,
+            _ttt_maker(),
+            build_orchestra("sequential"),
+            TTT_AGENTS,
+            engines,
+            num_tasks=1,
+            policy_mapping=lambda agent, seed: "gamma",
+        )
 
 
 def test_config_errors_name_the_key():
     with pytest.raises(ValueError, match="module:function"):
         EnvMaker("pettingzoo_aec", factory="nocolon")
     with pytest.raises(ValueError, match="env.kwargs.render"):
-        EnvMaker("pettingzoo_aec", factory=f"{TOY_GAMES}:make_counting_aec", render=f"{TOY_GAMES}:no_such_hook")
+        EnvMaker(
+            "pettingzoo_aec", factory=f"{TOY_GAMES}:make_counting_aec", render=f"{TOY_GAMES}:no_such_hook"
+        )
     with pytest.raises(ValueError, match="env.kwargs.invalid_outcome"):
         EnvMaker("pettingzoo_aec", factory=f"{TOY_GAMES}:make_counting_aec", invalid_outcome="retry")
     with pytest.raises(ValueError, match="env.kwargs.scoring"):

@@ -33,7 +33,10 @@ def test_grid_transitions_exact():
     assert env.render() == "A..\n.#.\n..G"
     env.step("executor", act(["D", "R", "U"]))  # D ok, R into wall blocked, U ok
     assert (env.pos, env.num_actions, env.num_blocked, env.done) == ((0, 0), 3, 1, False)
-    assert env.score("executor", act(["R", "R", "D", "D"])) == 1.0 and env.pos == (0, 0)  # score does not mutate
+    assert env.score("executor", act(["R", "R", "D", "D"])) == 1.0 and env.pos == (
+        0,
+        0,
+    )  # score does not mutate
     env.step("executor", act(["R", "R", "D", "D", "L"]))  # stops at the goal, "L" unused
     assert (env.pos, env.done, env.team_reward(), env.num_actions) == ((2, 2), True, 1.0, 7)
 
@@ -51,7 +54,12 @@ def _bfs_moves(level):
         cell = queue.popleft()
         for name, (dr, dc) in MOVES.items():
             nxt = (cell[0] + dr, cell[1] + dc)
-            if 0 <= nxt[0] < level.size and 0 <= nxt[1] < level.size and nxt not in level.walls and nxt not in prev:
+            if (
+                0 <= nxt[0] < level.size
+                and 0 <= nxt[1] < level.size
+                and nxt not in level.walls
+                and nxt not in prev
+            ):
                 prev[nxt] = (cell, name)
                 queue.append(nxt)
     moves, cell = [], level.goal
@@ -77,8 +85,15 @@ def test_grid_rollout_with_planner_and_tree_sampled_executor(tok):
 
     configs = {"planner": AgentConfig(policy="default"), "executor": AgentConfig(policy="default", tree_k=3)}
     agents = build_agents(configs, tok, default_kinds=maker.default_agents)
-    result = asyncio.run(run_episodes(build_orchestra("sequential", max_steps=4), maker, tasks, agents=agents,
-                                      engines={"default": ScriptedEngine(tok, policy)}))
+    result = asyncio.run(
+        run_episodes(
+            build_orchestra("sequential", max_steps=4),
+            maker,
+            tasks,
+            agents=agents,
+            engines={"default": ScriptedEngine(tok, policy)},
+        )
+    )
     assert all(e.team_reward == 1.0 and e.env_done for e in result.episodes)
     executor = [s for s in result.samples if s.agent == "executor"]
     assert [(s.turn, s.branch) for s in executor] == [(0, 0), (0, 1), (0, 2)] * 3

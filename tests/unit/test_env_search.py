@@ -32,11 +32,22 @@ def test_answer_extraction_and_normalisation():
 
 def _rollout(tok, policy, num_tasks=3):
     maker = EnvMaker("search_qa", top_k=2)
-    configs = {"router": AgentConfig(policy="default", choices=("searcher", "answerer")), "searcher": AgentConfig(policy="default"), "answerer": AgentConfig(policy="default")}
+    configs = {
+        "router": AgentConfig(policy="default", choices=("searcher", "answerer")),
+        "searcher": AgentConfig(policy="default"),
+        "answerer": AgentConfig(policy="default"),
+    }
     agents = build_agents(configs, tok, default_kinds=maker.default_agents)
     tasks = maker.tasks(num_tasks, seed=0)
-    result = asyncio.run(run_episodes(build_orchestra("router", router="router", max_hops=4), maker, tasks,
-                                      agents=agents, engines={"default": ScriptedEngine(tok, policy)}))
+    result = asyncio.run(
+        run_episodes(
+            build_orchestra("router", router="router", max_hops=4),
+            maker,
+            tasks,
+            agents=agents,
+            engines={"default": ScriptedEngine(tok, policy)},
+        )
+    )
     return result, tasks
 
 
@@ -61,8 +72,12 @@ def test_search_then_answer_succeeds(tok):
 
 
 def test_answering_without_evidence_wrong_answer(tok):
-    result, _ = _rollout(tok, lambda r: "answerer" if "Who acts next" in r.last_user else "Answer: Paris", num_tasks=1)
-    assert [s.agent for s in result.samples] == ["router", "answerer"] and result.episodes[0].team_reward == 0.0
+    result, _ = _rollout(
+        tok, lambda r: "answerer" if "Who acts next" in r.last_user else "Answer: Paris", num_tasks=1
+    )
+    assert [s.agent for s in result.samples] == ["router", "answerer"] and result.episodes[
+        0
+    ].team_reward == 0.0
 
 
 def test_invalid_routing_ends_episode(tok):

@@ -29,15 +29,30 @@ def test_symbols_and_digits_are_single_tokens(tok):
 def _play(tok, sender, receiver, num_tasks=10):
     maker = EnvMaker("signalling")
     agents = build_agents(
-        {"sender": AgentConfig(policy="default", sampling=SamplingConfig(max_tokens=1)), "receiver": AgentConfig(policy="default", sampling=SamplingConfig(max_tokens=2))},
-        tok, default_kinds=maker.default_agents,
+        {
+            "sender": AgentConfig(policy="default", sampling=SamplingConfig(max_tokens=1)),
+            "receiver": AgentConfig(policy="default", sampling=SamplingConfig(max_tokens=2)),
+        },
+        tok,
+        default_kinds=maker.default_agents,
     )
 
     def policy(request):
-        return sender(request.last_user) if "secret digit is" in request.last_user else receiver(request.last_user)
+        return (
+            sender(request.last_user)
+            if "secret digit is" in request.last_user
+            else receiver(request.last_user)
+        )
 
-    return asyncio.run(run_episodes(build_orchestra("sequential", max_steps=4), maker, maker.tasks(num_tasks, seed=0),
-                                    agents=agents, engines={"default": ScriptedEngine(tok, policy)}))
+    return asyncio.run(
+        run_episodes(
+            build_orchestra("sequential", max_steps=4),
+            maker,
+            maker.tasks(num_tasks, seed=0),
+            agents=agents,
+            engines={"default": ScriptedEngine(tok, policy)},
+        )
+    )
 
 
 def test_shared_code_always_succeeds(tok):
@@ -49,7 +64,10 @@ def test_shared_code_always_succeeds(tok):
 
     result = _play(tok, sender, receiver)
     assert [e.team_reward for e in result.episodes] == [1.0] * 10
-    assert [(s.agent, s.turn, len(s.response_ids)) for s in result.samples[:2]] == [("sender", 0, 1), ("receiver", 0, 2)]
+    assert [(s.agent, s.turn, len(s.response_ids)) for s in result.samples[:2]] == [
+        ("sender", 0, 1),
+        ("receiver", 0, 2),
+    ]
     assert sorted(int(t.payload) for t in EnvMaker("signalling").tasks(10, seed=0)) == list(range(10))
 
 

@@ -17,15 +17,26 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_result_keys_are_the_keys_of_an_eval_summary():
     cfg = load_config(ROOT / "configs" / "signalling_tiny.yaml", ["eval.k=3"])
-    episodes = [EpisodeStats(task_id=f"t{i % 2}", episode_id=str(i), status="ok" if i else "failed", success=i % 3 == 0,
-                             agent_success={"sender": True, "receiver": i % 2 == 0},
-                             policies={"sender": "shared", "receiver": "shared"}) for i in range(6)]
+    episodes = [
+        EpisodeStats(
+            task_id=f"t{i % 2}",
+            episode_id=str(i),
+            status="ok" if i else "failed",
+            success=i % 3 == 0,
+            agent_success={"sender": True, "receiver": i % 2 == 0},
+            policies={"sender": "shared", "receiver": "shared"},
+        )
+        for i in range(6)
+    ]
     summary = eval_summary(RolloutResult(samples=[], episodes=episodes), k=3)
     assert sorted(cfg.eval.result_keys(cfg.agents)) == sorted(summary)
 
 
 def test_stop_at_names_the_keys_it_knows():
     cfg = load_config(ROOT / "configs" / "signalling_tiny.yaml")
-    with pytest.raises(ValueError, match=r"eval.stop_at has unknown eval results \['team_acc'\]; eval.json holds "
-                                         r"\['team_accuracy', 'avg@1', 'pass@1'"):
+    with pytest.raises(
+        ValueError,
+        match=r"eval.stop_at has unknown eval results \['team_acc'\]; eval.json holds "
+        r"\['team_accuracy', 'avg@1', 'pass@1'",
+    ):
         EvalConfig(num_tasks=4, stop_at={"team_acc": 0.9}).check_stop_at(cfg.agents)

@@ -18,8 +18,9 @@ def _generator():
 def test_committed_page_is_current_and_every_naming_key_is_checked_at_load():
     generator = _generator()
     text = generator.render()
-    assert (ROOT / "docs" / "extension_points.md").read_text() == text, \
+    assert (ROOT / "docs" / "extension_points.md").read_text() == text, (
         "stale: run python scripts/gen_extension_points.py"
+    )
     assert "NOT CHECKED" not in text
     registries = generator.registries()
     assert len(registries) >= 13

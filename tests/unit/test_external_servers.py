@@ -22,9 +22,14 @@ URLS = ["http://127.0.0.1:30001", "http://10.0.0.5:30002"]
 
 
 def _cfg(*overrides: str):
-    external = ("policies.shared.engine.backend=sglang", f"policies.shared.engine.server_urls=[{','.join(URLS)}]",
-                "policies.shared.engine.num_replicas=2", "agents.sender.sampling.allowed_tokens=[]",
-                "agents.receiver.sampling.allowed_tokens=[]", "policies.shared.seq_len=128")
+    external = (
+        "policies.shared.engine.backend=sglang",
+        f"policies.shared.engine.server_urls=[{','.join(URLS)}]",
+        "policies.shared.engine.num_replicas=2",
+        "agents.sender.sampling.allowed_tokens=[]",
+        "agents.receiver.sampling.allowed_tokens=[]",
+        "policies.shared.seq_len=128",
+    )
     return load_config(ROOT / "configs" / "signalling_tiny.yaml", [*external, *overrides])
 
 
@@ -71,8 +76,9 @@ def test_the_pool_of_external_servers_takes_the_stall_keys(tmp_path, world, monk
     cfg = _cfg("policies.shared.engine.stall_s=3", "policies.shared.engine.health_patience_s=5")
     fleet = _fleet(cfg, tmp_path)
     fleet.wait_ready()
-    replicas = PolicyReplicas(cfg, "shared", wg=None, worker=None, fleet=fleet, run_dir=tmp_path, driver_rank=0,
-                              control_group=None)
+    replicas = PolicyReplicas(
+        cfg, "shared", wg=None, worker=None, fleet=fleet, run_dir=tmp_path, driver_rank=0, control_group=None
+    )
     assert replicas.served
     pool = replicas.connect()
     assert pool.stall_s == 3

@@ -39,8 +39,11 @@ def test_in_process_plans_start_no_fleet(tmp_path, monkeypatch):
 def test_sglang_servers_refuse_allowed_tokens_by_key(tmp_path, monkeypatch):
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     cfg = _cfg("policies.shared.engine.backend=sglang", "policies.shared.engine.launch=server")
-    with pytest.raises(ValueError, match=r"^agents\.sender\.sampling\.allowed_tokens: policy shared serves through "
-                                         r"SGLang"):
+    with pytest.raises(
+        ValueError,
+        match=r"^agents\.sender\.sampling\.allowed_tokens: policy shared serves through "
+        r"SGLang",
+    ):
         _build(cfg, tmp_path)
 
 
@@ -64,19 +67,30 @@ def test_senders_and_clients_by_backend():
     assert isinstance(CLIENTS["vllm"]("http://127.0.0.1:1", "default"), VLLMServerClient)
 
 
-@pytest.mark.parametrize("choice,colocated,pp,tp,on_gpu,vllm,sglang", [
-    ("auto", False, 1, 1, False, "megamarl_gloo", "gloo"),   # CPU: megamarl's data planes
-    ("auto", True, 1, 1, False, "megamarl_shm", "gloo"),
-    ("auto", True, 2, 1, False, "megamarl_shm", "gloo"),     # colocated PP>1: the leader relays (vLLM)
-    ("auto", False, 1, 2, True, "nccl", "nccl"),             # GPU: the backend's own
-    ("auto", True, 1, 1, True, "ipc", "cuda_ipc"),
-    ("native", True, 1, 2, True, "megamarl_shm", "cuda_ipc"),  # vLLM IPC needs the replica on one GPU
-    ("auto", False, 2, 1, True, "nccl", "nccl"),             # PP>1: the stages gathered to one nccl sender
-    ("auto", True, 2, 8, True, "megamarl_shm", "nccl"),      # colocated PP>1: the leader relays, no NCCL group
-    ("auto", True, 2, 1, True, "ipc", "nccl"),
-    ("megamarl", False, 1, 1, True, "megamarl_gloo", "gloo"),
-    ("megamarl", True, 1, 1, True, "megamarl_shm", "gloo"),
-])
+@pytest.mark.parametrize(
+    "choice,colocated,pp,tp,on_gpu,vllm,sglang",
+    [
+        ("auto", False, 1, 1, False, "megamarl_gloo", "gloo"),  # CPU: megamarl's data planes
+        ("auto", True, 1, 1, False, "megamarl_shm", "gloo"),
+        ("auto", True, 2, 1, False, "megamarl_shm", "gloo"),  # colocated PP>1: the leader relays (vLLM)
+        ("auto", False, 1, 2, True, "nccl", "nccl"),  # GPU: the backend's own
+        ("auto", True, 1, 1, True, "ipc", "cuda_ipc"),
+        ("native", True, 1, 2, True, "megamarl_shm", "cuda_ipc"),  # vLLM IPC needs the replica on one GPU
+        ("auto", False, 2, 1, True, "nccl", "nccl"),  # PP>1: the stages gathered to one nccl sender
+        (
+            "auto",
+            True,
+            2,
+            8,
+            True,
+            "megamarl_shm",
+            "nccl",
+        ),  # colocated PP>1: the leader relays, no NCCL group
+        ("auto", True, 2, 1, True, "ipc", "nccl"),
+        ("megamarl", False, 1, 1, True, "megamarl_gloo", "gloo"),
+        ("megamarl", True, 1, 1, True, "megamarl_shm", "gloo"),
+    ],
+)
 def test_weight_transfer_choice(choice, colocated, pp, tp, on_gpu, vllm, sglang):
     from types import SimpleNamespace
 
@@ -89,15 +103,25 @@ def test_weight_transfer_choice(choice, colocated, pp, tp, on_gpu, vllm, sglang)
 
 def test_weight_transfer_errors_name_the_key(tmp_path, monkeypatch):
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
-    with pytest.raises(ValueError, match=r"engine.weight_transfer='nvlink' unknown; allowed: \['auto', 'native', "
-                                         r"'megamarl'\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"engine.weight_transfer='nvlink' unknown; allowed: \['auto', 'native', "
+        r"'megamarl'\]",
+    ):
         _cfg("policies.shared.engine.weight_transfer=nvlink")
     cfg = _cfg("policies.shared.engine.weight_transfer=megamarl")  # in-process engines: nothing to choose
-    with pytest.raises(ValueError, match=r"^policies\.shared\.engine\.weight_transfer=megamarl applies to engine "
-                                         r"servers only"):
+    with pytest.raises(
+        ValueError,
+        match=r"^policies\.shared\.engine\.weight_transfer=megamarl applies to engine "
+        r"servers only",
+    ):
         _build(cfg, tmp_path)
-    cfg = _cfg("policies.shared.model=tiny-vllm-llama", "policies.shared.engine.backend=vllm",
-               "policies.shared.engine.launch=server", "policies.shared.engine.weight_transfer=native")
+    cfg = _cfg(
+        "policies.shared.model=tiny-vllm-llama",
+        "policies.shared.engine.backend=vllm",
+        "policies.shared.engine.launch=server",
+        "policies.shared.engine.weight_transfer=native",
+    )
     with pytest.raises(ValueError, match=r"^policies\.shared\.engine\.weight_transfer=native needs CUDA"):
         _build(cfg, tmp_path)
 
@@ -105,39 +129,78 @@ def test_weight_transfer_errors_name_the_key(tmp_path, monkeypatch):
 def test_ipc_servers_may_unpickle_handles():
     from megamarl.rollout.servers.server_launch import ServerSpec, server_env
 
-    spec = {"policy": "p", "replica": 0, "rank": 0, "backend": "vllm", "model_path": "m", "on_gpu": True, "devices": (0,)}
-    assert server_env(ServerSpec(**spec, weight_transfer="ipc"), base={})["VLLM_ALLOW_INSECURE_SERIALIZATION"] == "1"
-    assert "VLLM_ALLOW_INSECURE_SERIALIZATION" not in server_env(ServerSpec(**spec, weight_transfer="nccl"), base={})
+    spec = {
+        "policy": "p",
+        "replica": 0,
+        "rank": 0,
+        "backend": "vllm",
+        "model_path": "m",
+        "on_gpu": True,
+        "devices": (0,),
+    }
+    assert (
+        server_env(ServerSpec(**spec, weight_transfer="ipc"), base={})["VLLM_ALLOW_INSECURE_SERIALIZATION"]
+        == "1"
+    )
+    assert "VLLM_ALLOW_INSECURE_SERIALIZATION" not in server_env(
+        ServerSpec(**spec, weight_transfer="nccl"), base={}
+    )
 
 
 def test_a_seq_len_beyond_the_models_context_names_the_key(tmp_path, monkeypatch):
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
-    cfg = _cfg("policies.shared.model=tiny-vllm-llama", "policies.shared.engine.backend=vllm",
-               "policies.shared.engine.launch=server", "policies.shared.seq_len=4096")
-    with pytest.raises(ValueError, match=r"^policies\.shared\.seq_len=4096 exceeds the model's max_position_embeddings=512"):
+    cfg = _cfg(
+        "policies.shared.model=tiny-vllm-llama",
+        "policies.shared.engine.backend=vllm",
+        "policies.shared.engine.launch=server",
+        "policies.shared.seq_len=4096",
+    )
+    with pytest.raises(
+        ValueError, match=r"^policies\.shared\.seq_len=4096 exceeds the model's max_position_embeddings=512"
+    ):
         _build(cfg, tmp_path)
 
 
 # -- GPU memory hand-over: config keys, server specs, start order ------------------------------------
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["policies.shared.engine.backend=vllm", "policies.shared.engine.gpu_memory_utilization=0"],
-     r"^policies\.shared\.engine\.gpu_memory_utilization must be in \(0, 1\], got 0"),
-    (["policies.shared.engine.backend=vllm", "policies.shared.engine.gpu_memory_utilization=1.2"],
-     r"^policies\.shared\.engine\.gpu_memory_utilization must be in \(0, 1\], got 1.2"),
-    (["policies.shared.engine.enforce_eager=false"],
-     r"^policies\.shared\.engine\.enforce_eager applies to vllm and sglang engines; engine.backend=hf"),
-    (["policies.shared.engine.gpu_memory_utilization=0.5"],
-     r"^policies\.shared\.engine\.gpu_memory_utilization applies to vllm and sglang engines"),
-    (["policies.shared.engine.backend=vllm", "policies.shared.engine.server_start_timeout_s=0"],
-     r"^policies\.shared\.engine\.server_start_timeout_s must be > 0, got 0"),
-    (["policies.shared.engine.server_start_timeout_s=900"],
-     r"^policies\.shared\.engine\.server_start_timeout_s bounds a server's start-up; engine.backend=hf has no server"),
-    (["policies.shared.engine.backend=vllm", "policies.shared.engine.server_start_timeout_s=3600",
-      "trainer.collective_timeout_s=1800"],
-     r"^policies\.shared\.engine\.server_start_timeout_s=3600 exceeds trainer\.collective_timeout_s=1800"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            ["policies.shared.engine.backend=vllm", "policies.shared.engine.gpu_memory_utilization=0"],
+            r"^policies\.shared\.engine\.gpu_memory_utilization must be in \(0, 1\], got 0",
+        ),
+        (
+            ["policies.shared.engine.backend=vllm", "policies.shared.engine.gpu_memory_utilization=1.2"],
+            r"^policies\.shared\.engine\.gpu_memory_utilization must be in \(0, 1\], got 1.2",
+        ),
+        (
+            ["policies.shared.engine.enforce_eager=false"],
+            r"^policies\.shared\.engine\.enforce_eager applies to vllm and sglang engines; engine.backend=hf",
+        ),
+        (
+            ["policies.shared.engine.gpu_memory_utilization=0.5"],
+            r"^policies\.shared\.engine\.gpu_memory_utilization applies to vllm and sglang engines",
+        ),
+        (
+            ["policies.shared.engine.backend=vllm", "policies.shared.engine.server_start_timeout_s=0"],
+            r"^policies\.shared\.engine\.server_start_timeout_s must be > 0, got 0",
+        ),
+        (
+            ["policies.shared.engine.server_start_timeout_s=900"],
+            r"^policies\.shared\.engine\.server_start_timeout_s bounds a server's start-up; engine.backend=hf has no server",
+        ),
+        (
+            [
+                "policies.shared.engine.backend=vllm",
+                "policies.shared.engine.server_start_timeout_s=3600",
+                "trainer.collective_timeout_s=1800",
+            ],
+            r"^policies\.shared\.engine\.server_start_timeout_s=3600 exceeds trainer\.collective_timeout_s=1800",
+        ),
+    ],
+)
 def test_gpu_engine_keys_are_checked_at_load(overrides, message):
     with pytest.raises(ValueError, match=message):
         _cfg(*overrides)
@@ -147,8 +210,11 @@ def test_gpu_memory_utilization_needs_a_gpu(tmp_path, monkeypatch):
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     cfg = _cfg("policies.shared.engine.backend=vllm", "policies.shared.engine.gpu_memory_utilization=0.5")
-    with pytest.raises(ValueError, match=r"^policies\.shared\.engine\.gpu_memory_utilization=0.5 sizes an engine on a "
-                                         r"GPU and this node has none"):
+    with pytest.raises(
+        ValueError,
+        match=r"^policies\.shared\.engine\.gpu_memory_utilization=0.5 sizes an engine on a "
+        r"GPU and this node has none",
+    ):
         _build(cfg, tmp_path)
 
 
@@ -210,13 +276,26 @@ def fake_servers(monkeypatch):
 
     def make(*overrides, on_gpu: bool, rank: int = 0, overlaps_training: bool = False, fractions=None):
         monkeypatch.setattr(torch.cuda, "is_available", lambda: on_gpu)
-        cfg = _cfg("policies.shared.model=tiny-vllm-llama", "policies.shared.engine.backend=vllm",
-                   "policies.shared.engine.launch=server", *overrides)
+        cfg = _cfg(
+            "policies.shared.model=tiny-vllm-llama",
+            "policies.shared.engine.backend=vllm",
+            "policies.shared.engine.launch=server",
+            *overrides,
+        )
         fleet = fleet_module.ServerFleet(
-            cfg, plan=plan_engines(cfg, 2, 2), rank=rank, world_size=2, ranks_per_node=2,
-            model_paths={"shared": Path("/m")}, log_dir=Path("/tmp"), control_group=dist.group.WORLD,
-            num_threads=lambda policy: 1, kv_cache_gib=lambda policy: 1.0, overlaps_training=overlaps_training,
-            memory_fractions=fractions)
+            cfg,
+            plan=plan_engines(cfg, 2, 2),
+            rank=rank,
+            world_size=2,
+            ranks_per_node=2,
+            model_paths={"shared": Path("/m")},
+            log_dir=Path("/tmp"),
+            control_group=dist.group.WORLD,
+            num_threads=lambda policy: 1,
+            kv_cache_gib=lambda policy: 1.0,
+            overlaps_training=overlaps_training,
+            memory_fractions=fractions,
+        )
         fleets.append(fleet)
         return fleet
 
@@ -230,8 +309,16 @@ def fake_servers(monkeypatch):
 
 def _replicas(fleet) -> PolicyReplicas:
     """The policy's replicas on the driver (rank 0): the object that sleeps and wakes them."""
-    return PolicyReplicas(fleet.cfg, "shared", wg=None, worker=None, fleet=fleet, run_dir=Path("/tmp"), driver_rank=0,
-                          control_group=dist.group.WORLD)
+    return PolicyReplicas(
+        fleet.cfg,
+        "shared",
+        wg=None,
+        worker=None,
+        fleet=fleet,
+        run_dir=Path("/tmp"),
+        driver_rank=0,
+        control_group=dist.group.WORLD,
+    )
 
 
 def _build_models(events: list[str]):
@@ -250,7 +337,12 @@ def test_gpu_colocated_servers_are_up_and_asleep_before_models_are_built(fake_se
     assert fleet.starts_first
     with fleet.model_preparation():
         _build_models(events)
-    assert events == ["start shared#0", "healthy shared#0", "sleep http://127.0.0.1:8000 level 1", "models built"]
+    assert events == [
+        "start shared#0",
+        "healthy shared#0",
+        "sleep http://127.0.0.1:8000 level 1",
+        "models built",
+    ]
     spec = _FakeServer.specs[0]
     assert spec.sleeps and spec.on_gpu and spec.memory_fraction == 0.42 and not spec.enforce_eager
     replicas = _replicas(fleet)
@@ -266,8 +358,13 @@ def test_gpu_colocated_servers_that_never_sleep_still_start_first(fake_servers, 
     itself before the trainer allocates; ``engine.gpu_memory_utilization`` replaces the plan."""
     make, events = fake_servers
     monkeypatch.setattr(_FakeServer, "delay_s", 0.3)
-    fleet = make("policies.shared.engine.gpu_memory_utilization=0.3", "policies.shared.engine.enforce_eager=true",
-                 on_gpu=True, overlaps_training=True, fractions={("shared", 0): 0.42})
+    fleet = make(
+        "policies.shared.engine.gpu_memory_utilization=0.3",
+        "policies.shared.engine.enforce_eager=true",
+        on_gpu=True,
+        overlaps_training=True,
+        fractions={("shared", 0): 0.42},
+    )
     with fleet.model_preparation():
         _build_models(events)
     assert events == ["start shared#0", "healthy shared#0", "models built"]
@@ -302,7 +399,9 @@ def test_start_up_overlaps_model_building_elsewhere(fake_servers, monkeypatch, d
     assert events.index("models built") < events.index("healthy shared#0")
     assert not any(e.startswith("sleep") for e in events)
     spec = _FakeServer.specs[0]
-    assert spec.sleeps == (not disaggregated)  # a colocated CPU server hands over (its command omits the flag)
+    assert spec.sleeps == (
+        not disaggregated
+    )  # a colocated CPU server hands over (its command omits the flag)
     assert spec.memory_fraction == (0.9 if on_gpu else None) and spec.enforce_eager == (not on_gpu)
     assert _replicas(fleet).asleep == set()
 
@@ -319,8 +418,11 @@ def test_a_server_that_does_not_fall_asleep_stops_start_up(fake_servers, monkeyp
     monkeypatch.setitem(fleet_module.CLIENTS, "vllm", lambda url, model: Refusing(url, events))
     fleet = make(on_gpu=True)
     with (
-        pytest.raises(RuntimeError, match=r"^vllm server for policy 'shared' replica 0 \(rank 0\) answered at "
-                                          r"http://127\.0\.0\.1:8000 but did not go to sleep after start-up: 503"),
+        pytest.raises(
+            RuntimeError,
+            match=r"^vllm server for policy 'shared' replica 0 \(rank 0\) answered at "
+            r"http://127\.0\.0\.1:8000 but did not go to sleep after start-up: 503",
+        ),
         fleet.model_preparation(),
     ):
         _build_models(events)
@@ -346,7 +448,14 @@ def test_an_in_process_vllm_engine_takes_the_keys_too(monkeypatch, on_gpu):
     engine = _cfg("policies.shared.engine.backend=vllm").policies["shared"].engine
     kwargs = Captured.from_config(engine, Path("/m"), replica=0, seed=0).kwargs
     assert kwargs["enforce_eager"] is (not on_gpu) and "gpu_memory_utilization" not in kwargs
-    engine = _cfg("policies.shared.engine.backend=vllm", "policies.shared.engine.enforce_eager=true",
-                  "policies.shared.engine.gpu_memory_utilization=0.25").policies["shared"].engine
+    engine = (
+        _cfg(
+            "policies.shared.engine.backend=vllm",
+            "policies.shared.engine.enforce_eager=true",
+            "policies.shared.engine.gpu_memory_utilization=0.25",
+        )
+        .policies["shared"]
+        .engine
+    )
     kwargs = Captured.from_config(engine, Path("/m"), replica=0, seed=0).kwargs
     assert kwargs["enforce_eager"] is True and kwargs["gpu_memory_utilization"] == 0.25

@@ -49,11 +49,20 @@ print(json.dumps({"calls": at_import, "control": calls[len(at_import):], "initia
 
 
 def test_fork_server_preloads_never_query_or_initialise_cuda():
-    result = subprocess.run([sys.executable, "-c", PROBE], check=False, capture_output=True, text=True, timeout=600,
-                            cwd=TESTS.parent, env={**os.environ, "PYTHONPATH": f"{TESTS}:{TESTS.parent}"})
+    result = subprocess.run(
+        [sys.executable, "-c", PROBE],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=TESTS.parent,
+        env={**os.environ, "PYTHONPATH": f"{TESTS}:{TESTS.parent}"},
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     got = json.loads(result.stdout.strip().splitlines()[-1])
     assert {"megatron.core", "megamarl.rl.worker", "megamarl.trainer"} <= set(got["modules"]), got["modules"]
     assert got["failed"] == {}, got["failed"]
     assert "is_available" in got["control"], got  # the counters see a call
-    assert got["calls"] == [] and not got["initialized"], f"CUDA touched at import by the fork server's preloads: {got}"
+    assert got["calls"] == [] and not got["initialized"], (
+        f"CUDA touched at import by the fork server's preloads: {got}"
+    )

@@ -13,6 +13,7 @@ def cpu(monkeypatch):
         monkeypatch.setattr(hardware.torch.cuda, "is_available", lambda: False)
         monkeypatch.setattr(hardware.platform, "machine", lambda: "x86_64")
         monkeypatch.setattr(hardware, "cpu_flags", lambda: frozenset(flags))
+
     return set_flags
 
 
@@ -36,16 +37,21 @@ def test_policy_dtype_follows_the_engine_unless_set(cpu, tmp_path):
     assert policy_dtype(cfg, "shared") == "bf16"
     cfg = load_config("configs/quickstart_cpu.yaml", ["policies.shared.engine.dtype=fp32"])
     assert policy_dtype(cfg, "shared") == "fp32"
-    cfg = load_config("configs/quickstart_cpu.yaml", ["policies.shared.dtype=fp32", "policies.shared.engine.dtype=bf16"])
+    cfg = load_config(
+        "configs/quickstart_cpu.yaml", ["policies.shared.dtype=fp32", "policies.shared.engine.dtype=bf16"]
+    )
     assert policy_dtype(cfg, "shared") == "fp32"
 
 
-@pytest.mark.parametrize("override, key", [
-    ("policies.shared.engine.dtype=fp8", "policies.shared.engine.dtype='fp8' unknown"),
-    ("policies.shared.dtype=half", "policies.shared.dtype='half' unknown"),
-    ("policies.shared.engine.num_threads=-1", "policies.shared.engine.num_threads must be >= 0"),
-    ("trainer.collective_timeout_s=0", "trainer.collective_timeout_s must be > 0"),
-])
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("policies.shared.engine.dtype=fp8", "policies.shared.engine.dtype='fp8' unknown"),
+        ("policies.shared.dtype=half", "policies.shared.dtype='half' unknown"),
+        ("policies.shared.engine.num_threads=-1", "policies.shared.engine.num_threads must be >= 0"),
+        ("trainer.collective_timeout_s=0", "trainer.collective_timeout_s must be > 0"),
+    ],
+)
 def test_bad_values_name_the_key(override, key):
     with pytest.raises(ValueError) as info:
         load_config("configs/quickstart_cpu.yaml", [override])

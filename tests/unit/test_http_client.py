@@ -78,7 +78,7 @@ def test_session_closes_with_its_event_loop():
         runner, port = await _serve(ports)
         client.base_url = f"http://127.0.0.1:{port}"
         assert (await client.apost("/v1/completions", {"x": 1})) == {"x": 2}
-        session = (await client._session())
+        session = await client._session()
         await runner.cleanup()
         return session
 

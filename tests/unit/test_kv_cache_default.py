@@ -32,10 +32,13 @@ def _vllm_check(seq_len: int, kv_bytes: float, shape) -> None:
     from vllm.v1.core.kv_cache_utils import _check_enough_kv_cache_memory
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-    spec = FullAttentionSpec(block_size=16, num_kv_heads=shape.num_kv_heads, head_size=shape.head_dim,
-                             dtype=torch.bfloat16)
-    config = SimpleNamespace(model_config=SimpleNamespace(max_model_len=seq_len),
-                             parallel_config=SimpleNamespace(decode_context_parallel_size=1))
+    spec = FullAttentionSpec(
+        block_size=16, num_kv_heads=shape.num_kv_heads, head_size=shape.head_dim, dtype=torch.bfloat16
+    )
+    config = SimpleNamespace(
+        model_config=SimpleNamespace(max_model_len=seq_len),
+        parallel_config=SimpleNamespace(decode_context_parallel_size=1),
+    )
     needed = shape.num_layers * spec.max_memory_usage_bytes(config)
     _check_enough_kv_cache_memory(int(kv_bytes), lambda: needed, seq_len, lambda available: 0)
 
@@ -52,4 +55,3 @@ def test_gpu_default_serves_a_32k_context_that_1_gib_could_not():
     assert on_cpu.kv_cache == 1 * GIB
     with pytest.raises(ValueError, match="max seq len"):  # the old GPU default: vLLM refuses to start
         _vllm_check(32768, on_cpu.kv_cache, shape)
-

@@ -28,23 +28,33 @@ from megamarl.planning.dryrun import GIB, capacity_gib, training_setup
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 GPU_CLUSTER = ["cluster.num_nodes=1", "cluster.gpus_per_node=2"]
-CPU = NodeKernels(cuda=False, transformer_engine=False, wgrad_fusion=False, softmax_fusion=False, rope_fusion=False,
-                  triton=False)
+CPU = NodeKernels(
+    cuda=False,
+    transformer_engine=False,
+    wgrad_fusion=False,
+    softmax_fusion=False,
+    rope_fusion=False,
+    triton=False,
+)
 # an NGC PyTorch image: TE (with its fused RoPE), apex's fused kernels, triton
-NGC = NodeKernels(cuda=True, transformer_engine=True, wgrad_fusion=True, softmax_fusion=True, rope_fusion=True,
-                  triton=True)
+NGC = NodeKernels(
+    cuda=True, transformer_engine=True, wgrad_fusion=True, softmax_fusion=True, rope_fusion=True, triton=True
+)
 
 
 # ---- item 5: one decision, LoRA on the local spec ----------------------------------------------------
 
 
-@pytest.mark.parametrize("lora, cuda, te, spec", [
-    (False, True, True, "te"),
-    (True, True, True, "local"),  # LoRA hooks megatron-core's local linears (models.lora)
-    (False, True, False, "local"),
-    (False, False, True, "local"),  # no CUDA: TE's modules cannot run
-    (True, False, False, "local"),
-])
+@pytest.mark.parametrize(
+    "lora, cuda, te, spec",
+    [
+        (False, True, True, "te"),
+        (True, True, True, "local"),  # LoRA hooks megatron-core's local linears (models.lora)
+        (False, True, False, "local"),
+        (False, False, True, "local"),  # no CUDA: TE's modules cannot run
+        (True, False, False, "local"),
+    ],
+)
 def test_layer_spec_choice(lora, cuda, te, spec):
     assert layer_spec_choice(lora=lora, cuda=cuda, transformer_engine=te) == spec
     node = dataclasses.replace(CPU, cuda=cuda, transformer_engine=te)
@@ -68,8 +78,12 @@ def _build_lora_policy(rank, model_dir):
     model = load_policy_model(policy, wg, seed=0, node=node).model
     params = add_lora_adapter(model, wg, "a", lora)
     qkv = model.decoder.layers[0].self_attention.linear_qkv
-    return {"spec": model.layer_spec, "qkv": type(qkv) is ColumnParallelLinear, "adapter_params": len(params),
-            "non_lora_spec": node.layer_spec(lora=False)}
+    return {
+        "spec": model.layer_spec,
+        "qkv": type(qkv) is ColumnParallelLinear,
+        "adapter_params": len(params),
+        "non_lora_spec": node.layer_spec(lora=False),
+    }
 
 
 def test_lora_policy_is_built_on_the_local_spec_where_te_is_available(tmp_path):
@@ -109,9 +123,14 @@ def test_a_gpu_node_without_te_is_refused_naming_the_policy_and_the_fix():
 
 
 def test_lora_and_frozen_policies_need_no_te():
-    check_layer_specs(load_config(CONFIGS / "presets" / "l2_colocated.yaml", GPU_CLUSTER), cuda=True,
-                      transformer_engine=False)
-    frozen = load_config(CONFIGS / "presets" / "l1_colocated.yaml", GPU_CLUSTER + ["policies.shared.frozen=true"])
+    check_layer_specs(
+        load_config(CONFIGS / "presets" / "l2_colocated.yaml", GPU_CLUSTER),
+        cuda=True,
+        transformer_engine=False,
+    )
+    frozen = load_config(
+        CONFIGS / "presets" / "l1_colocated.yaml", GPU_CLUSTER + ["policies.shared.frozen=true"]
+    )
     assert frozen.policies["shared"].frozen  # served by its engines only: no Megatron model is built
     check_layer_specs(frozen, cuda=True, transformer_engine=False)
 
@@ -137,10 +156,14 @@ def test_capacity_is_the_smaller_of_declared_and_device():
 
 def test_dry_run_on_a_gpu_host_checks_against_the_device(monkeypatch):
     console = Console(file=io.StringIO(), width=220)
-    report = dryrun.dry_run(load_config(CONFIGS / "70b_hetero.yaml"), overlaps_training=False, console=console)
+    report = dryrun.dry_run(
+        load_config(CONFIGS / "70b_hetero.yaml"), overlaps_training=False, console=console
+    )
     assert report.gpu_memory_gib == 79.6 and report.peak_gib > 70  # a CPU host: cluster.gpu_memory_gib
     monkeypatch.setattr(dryrun, "device_total_bytes", lambda: 70 * GIB)  # a GPU host with a 70 GiB device
-    with pytest.raises(ValueError, match=r"needs \d+\.\d GiB > this GPU's 70\.0 GiB \(< cluster.gpu_memory_gib=79.6\)"):
+    with pytest.raises(
+        ValueError, match=r"needs \d+\.\d GiB > this GPU's 70\.0 GiB \(< cluster.gpu_memory_gib=79.6\)"
+    ):
         dryrun.dry_run(load_config(CONFIGS / "70b_hetero.yaml"), overlaps_training=False, console=console)
 
 
@@ -151,12 +174,20 @@ def test_fusions_are_off_on_cpu_and_on_where_the_kernels_are():
     assert not any(kernel_fusions(CPU, packed=False).values())
     assert not any(kernel_fusions(dataclasses.replace(NGC, cuda=False), packed=False).values())
     assert all(kernel_fusions(NGC, packed=False).values())
-    assert kernel_fusions(NGC, packed=True) == {"gradient_accumulation_fusion": True, "bias_activation_fusion": True,
-                                                 "masked_softmax_fusion": False, "apply_rope_fusion": True}
+    assert kernel_fusions(NGC, packed=True) == {
+        "gradient_accumulation_fusion": True,
+        "bias_activation_fusion": True,
+        "masked_softmax_fusion": False,
+        "apply_rope_fusion": True,
+    }
     # a CUDA node with torch alone (the documented install without the gpu extra or apex): SwiGLU only
     bare = dataclasses.replace(CPU, cuda=True, triton=True)
-    assert kernel_fusions(bare, packed=False) == {"gradient_accumulation_fusion": False, "bias_activation_fusion": True,
-                                                  "masked_softmax_fusion": False, "apply_rope_fusion": False}
+    assert kernel_fusions(bare, packed=False) == {
+        "gradient_accumulation_fusion": False,
+        "bias_activation_fusion": True,
+        "masked_softmax_fusion": False,
+        "apply_rope_fusion": False,
+    }
 
 
 def _arch():
@@ -181,7 +212,9 @@ def test_megatron_core_accepts_what_we_turn_on_and_refuses_rope_fusion_without_t
 
     arch = _arch()
     node = dataclasses.replace(NodeKernels.probe(), cuda=True)  # this node's libraries, as if CUDA were here
-    config = transformer_config(arch, **kernel_fusions(node, packed=False))  # TransformerConfig.__post_init__ passes
+    config = transformer_config(
+        arch, **kernel_fusions(node, packed=False)
+    )  # TransformerConfig.__post_init__ passes
     assert config.apply_rope_fusion == node.rope_fusion
     if not node.rope_fusion:  # no TE here: megatron-core refuses the flag itself
         with pytest.raises(ValueError, match="apply_rope_fusion is not available"):
@@ -196,9 +229,13 @@ def _build_with_wgrad_fusion(rank, model_dir):
 
     wg = build_worker_groups(PlacementConfig({"p": WorkerGroupLayout(ranks=[0])}))["p"]
     try:  # a node that claims apex's wgrad kernel without having it
-        bridge.build_model(model_dir, wg, init_weights=False, node=dataclasses.replace(CPU, wgrad_fusion=True))
+        bridge.build_model(
+            model_dir, wg, init_weights=False, node=dataclasses.replace(CPU, wgrad_fusion=True)
+        )
         built_cpu = True
-        bridge.build_model(model_dir, wg, init_weights=False, node=dataclasses.replace(CPU, cuda=True, wgrad_fusion=True))
+        bridge.build_model(
+            model_dir, wg, init_weights=False, node=dataclasses.replace(CPU, cuda=True, wgrad_fusion=True)
+        )
     except RuntimeError as exc:
         return {"built_cpu": built_cpu, "error": str(exc)}
     return {"built_cpu": built_cpu, "error": ""}
@@ -229,8 +266,14 @@ def test_fused_causal_softmax_drops_the_packed_mask(monkeypatch):
 
     def softmax(fused: bool):
         module = fused_softmax.FusedScaleMaskSoftmax(
-            input_in_fp16=False, input_in_bf16=True, attn_mask_type=AttnMaskType.causal,
-            scaled_masked_softmax_fusion=fused, mask_func=attention_mask_func, softmax_in_fp32=True, scale=None)
+            input_in_fp16=False,
+            input_in_bf16=True,
+            attn_mask_type=AttnMaskType.causal,
+            scaled_masked_softmax_fusion=fused,
+            mask_func=attention_mask_func,
+            softmax_in_fp32=True,
+            scale=None,
+        )
         monkeypatch.setattr(module, "is_kernel_available", lambda *shape: fused)
         return module
 

@@ -21,7 +21,10 @@ PACKAGE = Path(__file__).resolve().parents[2] / "megamarl"
 # through). A module may import its own floor and those below it. docs/design-notes.md lists this map
 # ("Layers: one floor per package"); test_the_layer_map_is_written_down keeps the two equal.
 LAYERS = {
-    "errors": 0, "registry": 0, "config_loader": 0, "config_sections": 0,
+    "errors": 0,
+    "registry": 0,
+    "config_loader": 0,
+    "config_sections": 0,
     "config": 1,
     "parallel": 2,
     "models": 3,
@@ -31,8 +34,10 @@ LAYERS = {
     "runtime": 7,
     "planning": 8,
     "driver": 9,
-    "trainer": 10, "run": 10,
-    "cli": 11, "vllm_plugins": 11,
+    "trainer": 10,
+    "run": 10,
+    "cli": 11,
+    "vllm_plugins": 11,
 }
 DESIGN_NOTES = PACKAGE.parent / "docs" / "design-notes.md"
 
@@ -74,8 +79,12 @@ def _imports(module: str) -> list[tuple[str, int, bool, bool]]:
     path = MODULES[module]
     tree = ast.parse(path.read_text())
     typing_only = _type_checking_nodes(tree)
-    in_function = {id(n) for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
-                   for n in ast.walk(f)}
+    in_function = {
+        id(n)
+        for f in ast.walk(tree)
+        if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+        for n in ast.walk(f)
+    }
     package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
     found = []
     for node in ast.walk(tree):
@@ -89,7 +98,9 @@ def _imports(module: str) -> list[tuple[str, int, bool, bool]]:
             names = [f"{base}.{alias.name}" for alias in node.names] + [base]
         else:
             continue
-        targets = {t for t in map(_resolve, (n for n in names if n.startswith("megamarl"))) if t and t != module}
+        targets = {
+            t for t in map(_resolve, (n for n in names if n.startswith("megamarl"))) if t and t != module
+        }
         for target in sorted(targets):
             found.append((target, node.lineno, id(node) in in_function, id(node) in typing_only))
     return found
@@ -104,9 +115,13 @@ def test_every_module_has_a_layer():
 
 
 def _upward() -> list[str]:
-    return [f"{module}:{line} imports {target} (layer {_layer(target)} > {_layer(module)})"
-            for module, imports in IMPORTS.items() if module != "megamarl"
-            for target, line, _, _ in imports if _layer(target) > _layer(module)]
+    return [
+        f"{module}:{line} imports {target} (layer {_layer(target)} > {_layer(module)})"
+        for module, imports in IMPORTS.items()
+        if module != "megamarl"
+        for target, line, _, _ in imports
+        if _layer(target) > _layer(module)
+    ]
 
 
 @pytest.mark.parametrize("module", sorted(m for m in MODULES if m != "megamarl"))
@@ -130,8 +145,8 @@ def test_the_ground_floor_imports_no_megamarl_module():
 def test_the_layer_map_is_written_down():
     """docs/design-notes.md shows the floors this test checks (one line per floor, lowest first)."""
     text = DESIGN_NOTES.read_text()
-    block = text[text.index("## Layers: one floor per package"):]
-    block = block[block.index("```") + 3:]
+    block = text[text.index("## Layers: one floor per package") :]
+    block = block[block.index("```") + 3 :]
     block = block[: block.index("```")]
     written = {}
     for line in block.strip().splitlines():
@@ -142,20 +157,29 @@ def test_the_layer_map_is_written_down():
 
 
 def test_no_function_imports_a_megamarl_module():
-    local = [f"{module}:{line} imports {target} inside a function"
-             for module, imports in IMPORTS.items() for target, line, in_function, _ in imports if in_function]
+    local = [
+        f"{module}:{line} imports {target} inside a function"
+        for module, imports in IMPORTS.items()
+        for target, line, in_function, _ in imports
+        if in_function
+    ]
     assert not local, "\n".join(local)
 
 
 def test_no_import_circles_between_files():
-    graph = {m: sorted({t for t, _, _, typing_only in imports if not typing_only}) for m, imports in IMPORTS.items()}
+    graph = {
+        m: sorted({t for t, _, _, typing_only in imports if not typing_only})
+        for m, imports in IMPORTS.items()
+    }
     circles, state = [], {}  # state: 1 on the current path, 2 done
 
     def visit(node: str, path: list[str]) -> None:
         state[node] = 1
         for nxt in graph[node]:
             if state.get(nxt) == 1:
-                circles.append(" -> ".join(path[path.index(nxt):] + [node, nxt]) if nxt in path else f"{node} -> {nxt}")
+                circles.append(
+                    " -> ".join(path[path.index(nxt) :] + [node, nxt]) if nxt in path else f"{node} -> {nxt}"
+                )
             elif nxt not in state:
                 visit(nxt, path + [node])
         state[node] = 2
@@ -177,7 +201,10 @@ def test_no_function_is_defined_twice():
     where: dict[str, list[str]] = {}
     for module, path in MODULES.items():
         for node in ast.parse(path.read_text()).body:
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name not in PROTOCOL_FUNCTIONS:
+            if (
+                isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+                and node.name not in PROTOCOL_FUNCTIONS
+            ):
                 where.setdefault(node.name, []).append(module)
     twice = {name: modules for name, modules in where.items() if len(modules) > 1}
     assert not twice, twice
@@ -201,7 +228,9 @@ ROOM_LIMITS = {"rl/worker.py": 450, "trainer.py": 250}
 @pytest.mark.parametrize("path", sorted(ROOM_LIMITS))
 def test_the_rooms_that_regrow_stay_within_their_size(path):
     lines = (PACKAGE / path).read_text().count("\n")
-    assert lines <= ROOM_LIMITS[path], f"{path} has {lines} lines (limit {ROOM_LIMITS[path]}): give the new concern a module"
+    assert lines <= ROOM_LIMITS[path], (
+        f"{path} has {lines} lines (limit {ROOM_LIMITS[path]}): give the new concern a module"
+    )
 
 
 # Basenames that may appear in several folders, with the reason.
@@ -215,12 +244,18 @@ def test_no_basename_twice():
     where: dict[str, list[str]] = {}
     for path in PACKAGE.rglob("*.py"):
         where.setdefault(path.name, []).append(str(path.relative_to(PACKAGE)))
-    twice = {name: sorted(paths) for name, paths in where.items() if len(paths) > 1 and name not in SHARED_BASENAMES}
+    twice = {
+        name: sorted(paths)
+        for name, paths in where.items()
+        if len(paths) > 1 and name not in SHARED_BASENAMES
+    }
     assert not twice, twice
 
 
 def _registers_an_env(tree: ast.AST) -> bool:
-    return any(isinstance(node, ast.Call) and ast.unparse(node.func) == "ENVS.register" for node in ast.walk(tree))
+    return any(
+        isinstance(node, ast.Call) and ast.unparse(node.func) == "ENVS.register" for node in ast.walk(tree)
+    )
 
 
 def test_every_env_lives_under_orchestration_envs():
@@ -231,8 +266,11 @@ def test_every_env_lives_under_orchestration_envs():
     assert len(registering) >= 8  # code, math, planning, search, signalling, sudoku, latency, pettingzoo
     outside = [str(p.relative_to(PACKAGE)) for p in registering if envs not in p.parents]
     assert not outside, outside
-    beside = sorted(p.name for p in (PACKAGE / "orchestration").glob("*.py")
-                    if "pettingzoo" in p.name or "games" in p.name or "envs" in p.name)
+    beside = sorted(
+        p.name
+        for p in (PACKAGE / "orchestration").glob("*.py")
+        if "pettingzoo" in p.name or "games" in p.name or "envs" in p.name
+    )
     assert not beside, beside
 
 
@@ -245,7 +283,9 @@ def test_the_style_rules_the_code_cites_are_written_in_the_repository():
     cited: dict[str, list[str]] = {}
     for path in [*root.glob("megamarl/**/*.py"), *root.glob("scripts/**/*.py"), *root.glob("tests/**/*.py")]:
         text = path.read_text()
-        assert outside not in text, f"{path}: cites {outside}, which the repository does not have (docs/style.md)"
+        assert outside not in text, (
+            f"{path}: cites {outside}, which the repository does not have (docs/style.md)"
+        )
         for match in re.finditer(r"docs/style\.md ((?:\"[^\"]+\"(?:, )?)+)", text):
             for name in re.findall(r'"([^"]+)"', match.group(1)):
                 cited.setdefault(" ".join(name.split()), []).append(str(path.relative_to(root)))

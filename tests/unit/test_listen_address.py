@@ -24,13 +24,16 @@ def test_multi_node_is_torchruns_view():
     assert is_multi_node(TWO_NODES)
 
 
-@pytest.mark.parametrize(("host", "environ", "expected"), [
-    ("", ONE_NODE, ("127.0.0.1", "127.0.0.1")),  # auto, one node: loopback only
-    ("", TWO_NODES, ("0.0.0.0", "127.0.0.2")),  # auto, several: every interface, this node's address
-    ("0.0.0.0", ONE_NODE, ("0.0.0.0", "127.0.0.1")),  # explicit wildcard: advertise the rule's answer
-    ("0.0.0.0", TWO_NODES, ("0.0.0.0", "127.0.0.2")),
-    ("10.1.2.3", TWO_NODES, ("10.1.2.3", "10.1.2.3")),  # an explicit address is both
-])
+@pytest.mark.parametrize(
+    ("host", "environ", "expected"),
+    [
+        ("", ONE_NODE, ("127.0.0.1", "127.0.0.1")),  # auto, one node: loopback only
+        ("", TWO_NODES, ("0.0.0.0", "127.0.0.2")),  # auto, several: every interface, this node's address
+        ("0.0.0.0", ONE_NODE, ("0.0.0.0", "127.0.0.1")),  # explicit wildcard: advertise the rule's answer
+        ("0.0.0.0", TWO_NODES, ("0.0.0.0", "127.0.0.2")),
+        ("10.1.2.3", TWO_NODES, ("10.1.2.3", "10.1.2.3")),  # an explicit address is both
+    ],
+)
 def test_listen_address(host, environ, expected):
     assert listen_address(host, environ=environ) == expected
 
@@ -40,11 +43,14 @@ def _models(base: str) -> dict:
         return json.loads(reply.read())
 
 
-@pytest.mark.parametrize(("environ", "host", "advertised"), [
-    (ONE_NODE, None, "127.0.0.1"),
-    (TWO_NODES, None, "127.0.0.2"),  # was 127.0.0.1: no other node could reach it
-    (ONE_NODE, "0.0.0.0", "127.0.0.1"),  # was http://0.0.0.0:port, an address no peer can dial
-])
+@pytest.mark.parametrize(
+    ("environ", "host", "advertised"),
+    [
+        (ONE_NODE, None, "127.0.0.1"),
+        (TWO_NODES, None, "127.0.0.2"),  # was 127.0.0.1: no other node could reach it
+        (ONE_NODE, "0.0.0.0", "127.0.0.1"),  # was http://0.0.0.0:port, an address no peer can dial
+    ],
+)
 def test_external_orchestra_endpoint_binds_and_advertises_by_the_rule(monkeypatch, environ, host, advertised):
     for key, value in environ.items():
         monkeypatch.setenv(key, value)

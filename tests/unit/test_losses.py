@@ -64,8 +64,9 @@ def test_ppo_clip_cases_and_dual_clip():
 def test_ppo_sequence_level_ratio():
     lp = torch.tensor([[ln(2), 0.0, NAN]], requires_grad=True)
     mask = torch.tensor([[1, 1, 0]], dtype=torch.bool)
-    loss, _, _ = ppo_clip_loss(lp, torch.zeros(1, 3), torch.tensor([1.0]), mask, clip_low=0.2, clip_high=0.5,
-                               ratio_level="sequence")
+    loss, _, _ = ppo_clip_loss(
+        lp, torch.zeros(1, 3), torch.tensor([1.0]), mask, clip_low=0.2, clip_high=0.5, ratio_level="sequence"
+    )
     close(loss, [[-math.sqrt(2), -math.sqrt(2), 0]])  # exp(mean(ln2, 0)) = sqrt(2) < 1.5
     loss.sum().backward()
     close(lp.grad, [[-math.sqrt(2), -math.sqrt(2), 0]])
@@ -101,11 +102,14 @@ def _agg_inputs():
     return loss, mask
 
 
-@pytest.mark.parametrize("mode, local, global_", [
-    ("token-mean", 10 / 4, 10 / 8),  # global: num_tokens=8
-    ("seq-mean-token-sum", (6 + 4) / 2, 10 / 4),  # global: num_seqs=4
-    ("seq-mean-token-mean", (2 + 4) / 2, 6 / 4),
-])
+@pytest.mark.parametrize(
+    "mode, local, global_",
+    [
+        ("token-mean", 10 / 4, 10 / 8),  # global: num_tokens=8
+        ("seq-mean-token-sum", (6 + 4) / 2, 10 / 4),  # global: num_seqs=4
+        ("seq-mean-token-mean", (2 + 4) / 2, 6 / 4),
+    ],
+)
 def test_aggregation_modes(mode, local, global_):
     loss, mask = _agg_inputs()
     agg = LOSS_AGGREGATIONS.get(mode)
@@ -151,7 +155,9 @@ def test_seq_mean_counts_skip_rows_without_response_item6():
     # token sums .6, .2, .3 -> 1.1 / 3
     close(LOSS_AGGREGATIONS.get("seq-mean-token-sum")(loss, mask, **counts), 1.1 / 3)
     # the micro-batch split with the global counts adds up to the same value
-    halves = sum(LOSS_AGGREGATIONS.get("seq-mean-token-mean")(loss[r], mask[r], **counts) for r in ([0, 3], [1, 2]))
+    halves = sum(
+        LOSS_AGGREGATIONS.get("seq-mean-token-mean")(loss[r], mask[r], **counts) for r in ([0, 3], [1, 2])
+    )
     close(halves, 0.2)
 
 
@@ -173,8 +179,9 @@ def test_policy_loss_tis_kl_entropy_composed():
     ref = torch.tensor([[ln(1.5) - ln(2), ln(0.5)], [ln(4), NAN]])  # k1 = ln2, 0, 0
     entropy = torch.tensor([[1.0, 2.0], [3.0, NAN]])
     cfg = LossConfig(kl_coef=0.1, kl_type="k1", entropy_coef=0.01, tis_mode="token", tis_cap=2.0)
-    loss, m = policy_loss(lp, adv, mask, cfg, old_logprobs=old, rollout_logprobs=rollout, ref_logprobs=ref,
-                          entropy=entropy)
+    loss, m = policy_loss(
+        lp, adv, mask, cfg, old_logprobs=old, rollout_logprobs=rollout, ref_logprobs=ref, entropy=entropy
+    )
     pg = (2 * -1.2 + 1 * -0.5 + 0.5 * 3.0) / 3
     close(m.pg_loss, pg)
     close(m.kl_loss, ln(2) / 3)
@@ -184,9 +191,21 @@ def test_policy_loss_tis_kl_entropy_composed():
     close(m.tis_weight_max, 3.0)
     close(m.tis_clip_frac, 1 / 3)
     d = m.as_dict("solver/")
-    assert set(d) == {"solver/" + k for k in ("loss", "pg_loss", "clip_frac", "dual_clip_frac", "approx_kl",
-                                              "kl_loss", "entropy", "tis_weight_mean", "tis_weight_max",
-                                              "tis_clip_frac")}
+    assert set(d) == {
+        "solver/" + k
+        for k in (
+            "loss",
+            "pg_loss",
+            "clip_frac",
+            "dual_clip_frac",
+            "approx_kl",
+            "kl_loss",
+            "entropy",
+            "tis_weight_mean",
+            "tis_weight_max",
+            "tis_clip_frac",
+        )
+    }
     assert all(isinstance(v, float) for v in d.values())
 
 
@@ -207,13 +226,21 @@ def test_policy_loss_missing_inputs_raise():
         policy_loss(lp, adv, mask, LossConfig(tis_mode="none", entropy_coef=0.1))
 
 
-@pytest.mark.parametrize("kwargs, key", [
-    ({"clip_low": 1.0}, "loss.clip_low"), ({"clip_high": -0.1}, "loss.clip_high"),
-    ({"dual_clip": 1.0}, "loss.dual_clip"), ({"ratio_level": "word"}, "loss.ratio_level"),
-    ({"kl_coef": -1.0}, "loss.kl_coef"), ({"entropy_coef": -1.0}, "loss.entropy_coef"),
-    ({"kl_type": "k4"}, "loss.kl_type"), ({"agg_mode": "sum"}, "loss.agg_mode"),
-    ({"tis_mode": "seq"}, "loss.tis_mode"), ({"tis_cap": 0.0}, "loss.tis_cap"),
-])
+@pytest.mark.parametrize(
+    "kwargs, key",
+    [
+        ({"clip_low": 1.0}, "loss.clip_low"),
+        ({"clip_high": -0.1}, "loss.clip_high"),
+        ({"dual_clip": 1.0}, "loss.dual_clip"),
+        ({"ratio_level": "word"}, "loss.ratio_level"),
+        ({"kl_coef": -1.0}, "loss.kl_coef"),
+        ({"entropy_coef": -1.0}, "loss.entropy_coef"),
+        ({"kl_type": "k4"}, "loss.kl_type"),
+        ({"agg_mode": "sum"}, "loss.agg_mode"),
+        ({"tis_mode": "seq"}, "loss.tis_mode"),
+        ({"tis_cap": 0.0}, "loss.tis_cap"),
+    ],
+)
 def test_config_validation_names_key(kwargs, key):
     with pytest.raises(ValueError, match=key):
         LossConfig(**kwargs)
@@ -230,8 +257,14 @@ def test_extra_padding_changes_nothing():
         return torch.cat([x.detach(), torch.full((2, 3), fill, dtype=x.dtype)], dim=1)
 
     wide_lp = widen(lp, 7.0).requires_grad_()
-    wide, _ = policy_loss(wide_lp, adv, widen(mask, False), cfg, old_logprobs=widen(old, NAN),
-                          rollout_logprobs=widen(rollout, -1e9))
+    wide, _ = policy_loss(
+        wide_lp,
+        adv,
+        widen(mask, False),
+        cfg,
+        old_logprobs=widen(old, NAN),
+        rollout_logprobs=widen(rollout, -1e9),
+    )
     wide.backward()
     close(wide.detach(), float(base.detach()))
     close(wide_lp.grad[:, :2], lp.grad.tolist())

@@ -88,7 +88,10 @@ def test_aggregation_helpers():
         "agent/executor/pg_loss": 2.0,
     }
     assert describe("reward", [1.0, 3.0]) == {
-        "reward_mean": 2.0, "reward_std": 1.0, "reward_min": 1.0, "reward_max": 3.0
+        "reward_mean": 2.0,
+        "reward_std": 1.0,
+        "reward_min": 1.0,
+        "reward_max": 3.0,
     }
     assert math.isnan(mean([]))
 
@@ -100,7 +103,10 @@ def test_timer_accumulates_and_derives_idle():
     timer.add("update", 4.0)
     timer.add("step", 10.0)
     assert timer.pop() == {
-        "timing_s/rollout": 3.0, "timing_s/update": 4.0, "timing_s/step": 10.0, "timing_s/idle": 3.0
+        "timing_s/rollout": 3.0,
+        "timing_s/update": 4.0,
+        "timing_s/step": 10.0,
+        "timing_s/idle": 3.0,
     }
     assert timer.pop() == {}
     with timer("weight_sync"):

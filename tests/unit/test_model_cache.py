@@ -20,7 +20,12 @@ def _slow_build(tmp: Path, log: str) -> None:
 
 def _worker(target: str, log: str, out) -> None:
     path = build_once(target, lambda tmp: _slow_build(tmp, log), status=lambda line: None)
-    out.put((json.loads((path / "config.json").read_text())["model_type"], (path / "model.safetensors").stat().st_size))
+    out.put(
+        (
+            json.loads((path / "config.json").read_text())["model_type"],
+            (path / "model.safetensors").stat().st_size,
+        )
+    )
 
 
 def test_concurrent_processes_build_once_and_all_read_the_complete_entry(tmp_path):

@@ -48,29 +48,43 @@ def test_the_operators_address_wins(lookups):
 
 
 def test_one_node_stays_on_loopback(lookups):
-    assert host_address(multi_node=False, environ={"GLOO_SOCKET_IFNAME": "ib0", "MASTER_ADDR": "node0"}) == "127.0.0.1"
+    assert (
+        host_address(multi_node=False, environ={"GLOO_SOCKET_IFNAME": "ib0", "MASTER_ADDR": "node0"})
+        == "127.0.0.1"
+    )
     assert lookups == []
 
 
-@pytest.mark.parametrize("env,expected", [
-    ({"GLOO_SOCKET_IFNAME": "ib0", "NCCL_SOCKET_IFNAME": "eth0"}, "192.168.7.5"),  # gloo's first
-    ({"NCCL_SOCKET_IFNAME": "ib0,eth0"}, "192.168.7.5"),  # the first of a list
-    ({"NCCL_SOCKET_IFNAME": "=ib0"}, "192.168.7.5"),  # NCCL's exact-match prefix
-    ({"NCCL_SOCKET_IFNAME": "eth"}, "10.0.0.5"),  # NCCL reads names as prefixes
-    ({"NCCL_SOCKET_IFNAME": "ib"}, "192.168.7.5"),  # ib1 has no IPv4 address: the first that has one
-    ({"GLOO_SOCKET_IFNAME": "ib1,ib0"}, "192.168.7.5"),
-    ({"NCCL_SOCKET_IFNAME": "^docker,lo", "MASTER_ADDR": "node0"}, "10.0.0.5"),  # an exclusion list names none
-])
+@pytest.mark.parametrize(
+    "env,expected",
+    [
+        ({"GLOO_SOCKET_IFNAME": "ib0", "NCCL_SOCKET_IFNAME": "eth0"}, "192.168.7.5"),  # gloo's first
+        ({"NCCL_SOCKET_IFNAME": "ib0,eth0"}, "192.168.7.5"),  # the first of a list
+        ({"NCCL_SOCKET_IFNAME": "=ib0"}, "192.168.7.5"),  # NCCL's exact-match prefix
+        ({"NCCL_SOCKET_IFNAME": "eth"}, "10.0.0.5"),  # NCCL reads names as prefixes
+        ({"NCCL_SOCKET_IFNAME": "ib"}, "192.168.7.5"),  # ib1 has no IPv4 address: the first that has one
+        ({"GLOO_SOCKET_IFNAME": "ib1,ib0"}, "192.168.7.5"),
+        (
+            {"NCCL_SOCKET_IFNAME": "^docker,lo", "MASTER_ADDR": "node0"},
+            "10.0.0.5",
+        ),  # an exclusion list names none
+    ],
+)
 def test_the_interface_the_collectives_use(lookups, env, expected):
     assert host_address(multi_node=True, environ=env) == expected
 
 
 def test_a_named_interface_without_an_address_is_an_error(lookups):
-    with pytest.raises(RuntimeError, match=r"^GLOO_SOCKET_IFNAME=ib9: no interface it names has an IPv4 address "
-                                           r"on this node \(interfaces: \['lo', 'eth0', 'ib0', 'ib1'\]\); fix it or "
-                                           r"set MEGAMARL_HOST_ADDR"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"^GLOO_SOCKET_IFNAME=ib9: no interface it names has an IPv4 address "
+        r"on this node \(interfaces: \['lo', 'eth0', 'ib0', 'ib1'\]\); fix it or "
+        r"set MEGAMARL_HOST_ADDR",
+    ):
         host_address(multi_node=True, environ={"GLOO_SOCKET_IFNAME": "ib9"})
-    with pytest.raises(RuntimeError, match=r"^NCCL_SOCKET_IFNAME==eth: no interface"):  # exact: there is no "eth"
+    with pytest.raises(
+        RuntimeError, match=r"^NCCL_SOCKET_IFNAME==eth: no interface"
+    ):  # exact: there is no "eth"
         host_address(multi_node=True, environ={"NCCL_SOCKET_IFNAME": "=eth"})
 
 

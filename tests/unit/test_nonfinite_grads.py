@@ -17,7 +17,9 @@ def _ddp(*buffers: torch.Tensor):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("bad", [[float("nan")], [float("inf")], [float("-inf")], [float("inf"), float("-inf")]])
+@pytest.mark.parametrize(
+    "bad", [[float("nan")], [float("inf")], [float("-inf")], [float("inf"), float("-inf")]]
+)
 def test_any_nan_or_infinity_in_any_buffer_is_caught(dtype, bad):
     clean = torch.randn(1000).to(dtype)
     dirty = torch.randn(1000).to(dtype)
@@ -28,6 +30,10 @@ def test_any_nan_or_infinity_in_any_buffer_is_caught(dtype, bad):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_finite_buffers_pass(dtype):
-    buffers = [torch.randn(1000).to(dtype) * 1e4, torch.zeros(7, dtype=dtype), torch.full((3,), 3e38).to(dtype)[:1]]
+    buffers = [
+        torch.randn(1000).to(dtype) * 1e4,
+        torch.zeros(7, dtype=dtype),
+        torch.full((3,), 3e38).to(dtype)[:1],
+    ]
     assert grads_nonfinite(_ddp(*buffers), device=CPU).item() == 0.0
     assert nonfinite([], device=CPU).item() == 0.0

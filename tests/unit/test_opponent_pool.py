@@ -23,7 +23,17 @@ POOL = ROOT / "configs" / "tictactoe_pool.yaml"
 
 
 def test_snapshots_go_round_robin_every_n_steps():
-    assert [snapshot_slot(step, every=2, num_slots=3) for step in range(9)] == [None, None, 0, None, 1, None, 2, None, 0]
+    assert [snapshot_slot(step, every=2, num_slots=3) for step in range(9)] == [
+        None,
+        None,
+        0,
+        None,
+        1,
+        None,
+        2,
+        None,
+        0,
+    ]
     assert [snapshot_slot(step, every=1, num_slots=2) for step in range(1, 5)] == [0, 1, 0, 1]
 
 
@@ -42,21 +52,41 @@ def test_the_mapping_resolves_the_alias_per_episode():
     assert [mapping(seat, 1) for seat in ("player_1", "player_2")] == ["past_1", "alpha"]
     pool.record(1, 4)  # past_2 now holds alpha after step 4
     assert mapping("player_2", 0) == "past_2" and pool.metrics() == {
-        "opponent_pool/num_snapshots": 1.0, "opponent_pool/past_1/snapshot_step": 0.0,
-        "opponent_pool/past_2/snapshot_step": 4.0}
+        "opponent_pool/num_snapshots": 1.0,
+        "opponent_pool/past_1/snapshot_step": 0.0,
+        "opponent_pool/past_2/snapshot_step": 4.0,
+    }
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["rollout.opponent_pool.pick=best"], "unknown opponent pick rollout.opponent_pool.pick='best'"),
-    (["rollout.opponent_pool.every=0"], "rollout.opponent_pool.every must be >= 1"),
-    (["rollout.opponent_pool.learner=past_1"], "rollout.opponent_pool.learner='past_1' must be a trained policy"),
-    (["policies.past_2.frozen=false"], "rollout.opponent_pool.snapshots: 'past_2' must be a frozen policy"),
-    (["policies.past_2.model=tiny-plain-llama"], "rollout.opponent_pool.snapshots: 'past_2' must be a frozen policy"),
-    (["rollout.opponent_pool.alias=alpha"], "rollout.opponent_pool.alias='alpha' is a policy's name"),
-    (["rollout.policy_mapping=''"], "rollout.opponent_pool needs rollout.policy_mapping"),
-    (["rollout.opponent_pool.snapshots=[]"], "rollout.opponent_pool.learner='alpha' needs rollout.opponent_pool.snapshots"),
-    (["rollout.opponent_pool.alias=rival"], "rollout.policy_mapping('player_1', 1) returned 'opponent', not a policy"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["rollout.opponent_pool.pick=best"], "unknown opponent pick rollout.opponent_pool.pick='best'"),
+        (["rollout.opponent_pool.every=0"], "rollout.opponent_pool.every must be >= 1"),
+        (
+            ["rollout.opponent_pool.learner=past_1"],
+            "rollout.opponent_pool.learner='past_1' must be a trained policy",
+        ),
+        (
+            ["policies.past_2.frozen=false"],
+            "rollout.opponent_pool.snapshots: 'past_2' must be a frozen policy",
+        ),
+        (
+            ["policies.past_2.model=tiny-plain-llama"],
+            "rollout.opponent_pool.snapshots: 'past_2' must be a frozen policy",
+        ),
+        (["rollout.opponent_pool.alias=alpha"], "rollout.opponent_pool.alias='alpha' is a policy's name"),
+        (["rollout.policy_mapping=''"], "rollout.opponent_pool needs rollout.policy_mapping"),
+        (
+            ["rollout.opponent_pool.snapshots=[]"],
+            "rollout.opponent_pool.learner='alpha' needs rollout.opponent_pool.snapshots",
+        ),
+        (
+            ["rollout.opponent_pool.alias=rival"],
+            "rollout.policy_mapping('player_1', 1) returned 'opponent', not a policy",
+        ),
+    ],
+)
 def test_config_errors_name_the_key(overrides, message):
     pytest.importorskip("pygame")  # the config's env factory
     with pytest.raises(ValueError) as info:
@@ -67,4 +97,10 @@ def test_config_errors_name_the_key(overrides, message):
 def test_the_pool_config_loads():
     pytest.importorskip("pygame")
     pool = load_config(POOL).rollout.opponent_pool
-    assert (pool.learner, pool.snapshots, pool.every, pool.pick, pool.enabled) == ("alpha", ["past_1", "past_2"], 2, "uniform", True)
+    assert (pool.learner, pool.snapshots, pool.every, pool.pick, pool.enabled) == (
+        "alpha",
+        ["past_1", "past_2"],
+        2,
+        "uniform",
+        True,
+    )

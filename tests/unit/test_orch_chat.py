@@ -26,27 +26,36 @@ def test_transcript_appends_deltas_and_closing(tok):
     chat = ChatTranscript(tok, "SYS")
     chat.add_user("What is 2+2?")
     first = list(chat.ids)
-    assert tok.decode(first) == "<|im_start|>system\nSYS<|im_end|>\n<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n"
+    assert (
+        tok.decode(first)
+        == "<|im_start|>system\nSYS<|im_end|>\n<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n"
+    )
     reply = tok.encode(" 2 + 2 = 4", add_special_tokens=False) + [tok.eos_token_id]
     tail = chat.add_response(reply, " 2 + 2 = 4")
     assert tail == tok.encode("\n", add_special_tokens=False)  # <|im_end|> was sampled, only "\n" added
     chat.add_user("Sure?")
     assert chat.ids[: len(first)] == first
     assert chat.ids[len(first) : len(first) + len(reply)] == reply  # the sampled ids, verbatim
-    assert tok.decode(chat.ids).endswith("<|im_end|>\n<|im_start|>user\nSure?<|im_end|>\n<|im_start|>assistant\n")
+    assert tok.decode(chat.ids).endswith(
+        "<|im_end|>\n<|im_start|>user\nSure?<|im_end|>\n<|im_start|>assistant\n"
+    )
 
 
 def test_truncated_reply_gets_full_closing(tok):
     chat = ChatTranscript(tok, None)
     chat.add_user("hi")
     reply = tok.encode("hello there", add_special_tokens=False)  # no eos: truncated
-    assert chat.add_response(reply, "hello there") == [tok.eos_token_id] + tok.encode("\n", add_special_tokens=False)
+    assert chat.add_response(reply, "hello there") == [tok.eos_token_id] + tok.encode(
+        "\n", add_special_tokens=False
+    )
 
 
 def test_odd_tokenization_is_kept_not_retokenized(tok):
     chat = ChatTranscript(tok, "S")
     chat.add_user("q")
-    odd = [tok.convert_tokens_to_ids("4"), tok.convert_tokens_to_ids("2")] + [tok.eos_token_id]  # "42" as 2 tokens
+    odd = [tok.convert_tokens_to_ids("4"), tok.convert_tokens_to_ids("2")] + [
+        tok.eos_token_id
+    ]  # "42" as 2 tokens
     before = len(chat.ids)
     chat.add_response(odd, "42")
     chat.add_user("again")
@@ -63,7 +72,9 @@ class _RewritingTokenizer:
         kept = [m for i, m in enumerate(messages) if m["role"] != "assistant" or i == last_assistant]
         if any(m["role"] == "user" for m in messages[last_assistant + 1 :]) and last_assistant >= 0:
             kept = [m for m in kept if m["role"] != "assistant"]
-        return "".join(f"<{m['role']}>{m['content']}</>" for m in kept) + ("<assistant>" if add_generation_prompt else "")
+        return "".join(f"<{m['role']}>{m['content']}</>" for m in kept) + (
+            "<assistant>" if add_generation_prompt else ""
+        )
 
     def encode(self, text, add_special_tokens=False):
         return [ord(c) for c in text]
@@ -86,15 +97,30 @@ def test_multi_turn_samples_are_exactly_what_the_engine_saw(tok):
     maker = EnvMaker("math", kinds=("add1",))
     sampling = SamplingConfig(max_tokens=32)
     agents = build_agents(
-        {"solver": AgentConfig(policy="default", multi_turn=True, sampling=sampling), "verifier": AgentConfig(policy="default", multi_turn=True, sampling=sampling)},
-        tok, default_kinds=maker.default_agents,
+        {
+            "solver": AgentConfig(policy="default", multi_turn=True, sampling=sampling),
+            "verifier": AgentConfig(policy="default", multi_turn=True, sampling=sampling),
+        },
+        tok,
+        default_kinds=maker.default_agents,
     )
-    result = asyncio.run(run_episodes(
-        build_orchestra("solve_verify", max_loops=3), maker, maker.tasks(1, seed=0), agents=agents,
-        engines={"default": engine}, max_concurrency=1,
-    ))
+    result = asyncio.run(
+        run_episodes(
+            build_orchestra("solve_verify", max_loops=3),
+            maker,
+            maker.tasks(1, seed=0),
+            agents=agents,
+            engines={"default": engine},
+            max_concurrency=1,
+        )
+    )
     samples = result.samples
-    assert [(s.agent, s.turn, s.step) for s in samples] == [("solver", 0, 0), ("verifier", 0, 1), ("solver", 1, 2), ("verifier", 1, 3)]
+    assert [(s.agent, s.turn, s.step) for s in samples] == [
+        ("solver", 0, 0),
+        ("verifier", 0, 1),
+        ("solver", 1, 2),
+        ("verifier", 1, 3),
+    ]
     for sample, (prompt, _, _), reply in zip(samples, engine.requests, engine.replies):
         assert sample.prompt_ids == prompt and sample.response_ids == reply
     solver0, solver1 = samples[0], samples[2]

@@ -63,7 +63,9 @@ def tok():
     return smollm2_tokenizer()
 
 
-def _run(tok, orchestra, policy, *, roles=("a", "b", "c"), configs=None, done_after=99, num_tasks=1, group_size=1):
+def _run(
+    tok, orchestra, policy, *, roles=("a", "b", "c"), configs=None, done_after=99, num_tasks=1, group_size=1
+):
     maker = EnvMaker("testing_log", roles=roles, done_after=done_after)
     configs = configs or {r: AgentConfig(policy="default", kind="text") for r in roles}
     engine = ScriptedEngine(tok, policy)
@@ -74,8 +76,16 @@ def _run(tok, orchestra, policy, *, roles=("a", "b", "c"), configs=None, done_af
         envs.append(maker(task))
         return envs[-1]
 
-    result = asyncio.run(run_episodes(orchestra, make, maker.tasks(num_tasks), agents=agents,
-                                      engines={"default": engine}, group_size=group_size))
+    result = asyncio.run(
+        run_episodes(
+            orchestra,
+            make,
+            maker.tasks(num_tasks),
+            agents=agents,
+            engines={"default": engine},
+            group_size=group_size,
+        )
+    )
     return result, envs, engine
 
 
@@ -87,7 +97,12 @@ def test_sequential_cycles_order_until_budget(tok):
     result, (env,), _ = _run(tok, build_orchestra("sequential", order=("b", "a"), max_steps=5), _who)
     assert [a for a, _ in env.log] == ["b", "a", "b", "a", "b"]
     assert [(s.agent, s.turn, s.step) for s in result.samples] == [
-        ("b", 0, 0), ("a", 0, 1), ("b", 1, 2), ("a", 1, 3), ("b", 2, 4)]
+        ("b", 0, 0),
+        ("a", 0, 1),
+        ("b", 1, 2),
+        ("a", 1, 3),
+        ("b", 2, 4),
+    ]
     assert [s.local_reward for s in result.samples] == [1, 2, 3, 4, 5]
     assert all(s.team_reward == 5.0 for s in result.samples)
     assert result.episodes[0].num_calls == {"a": 2, "b": 3} and not result.episodes[0].env_done
@@ -100,25 +115,50 @@ def test_done_episode_stops_calling_agents(tok):
 
 def test_router_routes_by_parsed_reply(tok):
     replies = iter(["send b", "hi from b", "now c please", "hi from c", "nobody"])
-    configs = {"r": AgentConfig(policy="default", kind="router", choices=("b", "c")), "b": AgentConfig(policy="default", kind="text"), "c": AgentConfig(policy="default", kind="text")}
-    result, (env,), _ = _run(tok, build_orchestra("router", router="r", max_hops=5), lambda q: next(replies),
-                             roles=("r", "b", "c"), configs=configs)
+    configs = {
+        "r": AgentConfig(policy="default", kind="router", choices=("b", "c")),
+        "b": AgentConfig(policy="default", kind="text"),
+        "c": AgentConfig(policy="default", kind="text"),
+    }
+    result, (env,), _ = _run(
+        tok,
+        build_orchestra("router", router="r", max_hops=5),
+        lambda q: next(replies),
+        roles=("r", "b", "c"),
+        configs=configs,
+    )
     assert [a for a, _ in env.log] == ["r", "b", "r", "c", "r"]
     assert [s.valid for s in result.samples] == [True, True, True, True, False]  # "nobody" is invalid
 
 
 def test_solve_verify_exits_on_approval(tok):
     replies = iter(["x", "no", "y", "yes", "never"])
-    configs = {"s": AgentConfig(policy="default", kind="text"), "v": AgentConfig(policy="default", kind="math_verifier")}
-    _result, (env,), _ = _run(tok, build_orchestra("solve_verify", solver="s", verifier="v", max_loops=5, approve_value=True),
-                             lambda q: next(replies), roles=("s", "v"), configs=configs)
+    configs = {
+        "s": AgentConfig(policy="default", kind="text"),
+        "v": AgentConfig(policy="default", kind="math_verifier"),
+    }
+    _result, (env,), _ = _run(
+        tok,
+        build_orchestra("solve_verify", solver="s", verifier="v", max_loops=5, approve_value=True),
+        lambda q: next(replies),
+        roles=("s", "v"),
+        configs=configs,
+    )
     assert env.log == [("s", "x"), ("v", "no"), ("s", "y"), ("v", "yes")]
 
 
 def test_solve_verify_respects_loop_budget(tok):
-    configs = {"s": AgentConfig(policy="default", kind="text"), "v": AgentConfig(policy="default", kind="math_verifier")}
-    _, (env,), _ = _run(tok, build_orchestra("solve_verify", solver="s", verifier="v", max_loops=2, approve_value=True),
-                        lambda q: "no", roles=("s", "v"), configs=configs)
+    configs = {
+        "s": AgentConfig(policy="default", kind="text"),
+        "v": AgentConfig(policy="default", kind="math_verifier"),
+    }
+    _, (env,), _ = _run(
+        tok,
+        build_orchestra("solve_verify", solver="s", verifier="v", max_loops=2, approve_value=True),
+        lambda q: "no",
+        roles=("s", "v"),
+        configs=configs,
+    )
     assert len(env.log) == 4
 
 
@@ -147,8 +187,13 @@ def test_simultaneous_round(tok):
 
 def test_tree_sampling_keeps_k_branches_and_continues_from_best(tok):
     configs = {"a": AgentConfig(policy="default", kind="text", tree_k=3)}
-    result, (env,), engine = _run(tok, build_orchestra("sequential", max_steps=2),
-                                  lambda q: "x" * (q.index + 1) if q.index != 1 else "yyyyyy", roles=("a",), configs=configs)
+    result, (env,), engine = _run(
+        tok,
+        build_orchestra("sequential", max_steps=2),
+        lambda q: "x" * (q.index + 1) if q.index != 1 else "yyyyyy",
+        roles=("a",),
+        configs=configs,
+    )
     assert [(s.turn, s.branch) for s in result.samples] == [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2)]
     assert env.log == [("a", "yyyyyy"), ("a", "yyyyyy")]  # branch 1 is the longest
     assert [s.local_reward for s in result.samples[:3]] == [1.0, 6.0, 3.0]  # candidate scores
@@ -174,7 +219,9 @@ def test_missing_engine_or_agent_is_a_config_error(tok):
     maker = EnvMaker("testing_log", roles=("a",))
     agents = build_agents({"a": AgentConfig(kind="text", policy="other")}, tok)
     with pytest.raises(ConfigError, match="no engine"):
-        asyncio.run(run_episodes(build_orchestra("sequential"), maker, maker.tasks(1), agents=agents, engines={}))
+        asyncio.run(
+            run_episodes(build_orchestra("sequential"), maker, maker.tasks(1), agents=agents, engines={})
+        )
 
 
 def test_prompt_too_long_drops_episode(tok):
@@ -184,6 +231,15 @@ def test_prompt_too_long_drops_episode(tok):
 
 
 def test_group_size_and_episode_ids(tok):
-    result, _, _ = _run(tok, build_orchestra("sequential", max_steps=1), _who, roles=("a",), num_tasks=2, group_size=3)
-    assert [e.episode_id for e in result.episodes] == ["log-0/0", "log-0/1", "log-0/2", "log-1/0", "log-1/1", "log-1/2"]
+    result, _, _ = _run(
+        tok, build_orchestra("sequential", max_steps=1), _who, roles=("a",), num_tasks=2, group_size=3
+    )
+    assert [e.episode_id for e in result.episodes] == [
+        "log-0/0",
+        "log-0/1",
+        "log-0/2",
+        "log-1/0",
+        "log-1/1",
+        "log-1/2",
+    ]
     assert [s.task_id for s in result.samples] == ["log-0"] * 3 + ["log-1"] * 3

@@ -24,9 +24,18 @@ def _rollout(workers, faults, *, step_timeout_s=30.0, **kwargs):
     maker = EnvMaker("testing_faulty")
     agents = build_agents({"actor": AgentConfig(policy="default")}, tok, default_kinds=maker.default_agents)
     tasks = [Task(f"t{i}-{fault}", fault) for i, fault in enumerate(faults)]
-    return asyncio.run(run_episodes(build_orchestra("sequential", max_steps=2), maker, tasks, agents=agents,
-                                    engines={"default": ScriptedEngine(tok, fixed("ok"))}, workers=workers,
-                                    step_timeout_s=step_timeout_s, **kwargs))
+    return asyncio.run(
+        run_episodes(
+            build_orchestra("sequential", max_steps=2),
+            maker,
+            tasks,
+            agents=agents,
+            engines={"default": ScriptedEngine(tok, fixed("ok"))},
+            workers=workers,
+            step_timeout_s=step_timeout_s,
+            **kwargs,
+        )
+    )
 
 
 def test_config_validation():
@@ -93,8 +102,16 @@ def test_episode_timeout_without_workers():
     maker = EnvMaker("math", kinds=("add1",), with_verifier=False)
     agents = build_agents({"solver": AgentConfig(policy="default")}, tok, default_kinds=maker.default_agents)
     slow = ScriptedEngine(tok, fixed("5"), delay_s=5.0)
-    result = asyncio.run(run_episodes(build_orchestra("sequential"), maker, maker.tasks(2), agents=agents,
-                                      engines={"default": slow}, episode_timeout_s=0.05))
+    result = asyncio.run(
+        run_episodes(
+            build_orchestra("sequential"),
+            maker,
+            maker.tasks(2),
+            agents=agents,
+            engines={"default": slow},
+            episode_timeout_s=0.05,
+        )
+    )
     assert result.reasons() == {"episode_timeout": 2} and result.samples == []
 
 
@@ -123,14 +140,29 @@ def _code_rollout(workers):
     def policy(request):
         kind = "scale" if "scale(" in request.last_user else "clip"
         if "Write tests" in request.last_user:
-            return "```python\nassert scale(1) == 3\n```" if kind == "scale" else "```python\nassert clip(100) == 100\n```"
+            return (
+                "```python\nassert scale(1) == 3\n```"
+                if kind == "scale"
+                else "```python\nassert clip(100) == 100\n```"
+            )
         return f"```python\n{replies[kind]}```"
 
-    agents = build_agents({"coder": AgentConfig(policy="default"), "tester": AgentConfig(policy="default")}, tok,
-                          default_kinds=maker.default_agents)
-    return asyncio.run(run_episodes(
-        build_orchestra("solve_verify", solver="coder", verifier="tester", max_loops=2), maker, maker.tasks(4, seed=3),
-        agents=agents, engines={"default": ScriptedEngine(tok, policy)}, workers=workers, step_timeout_s=60.0))
+    agents = build_agents(
+        {"coder": AgentConfig(policy="default"), "tester": AgentConfig(policy="default")},
+        tok,
+        default_kinds=maker.default_agents,
+    )
+    return asyncio.run(
+        run_episodes(
+            build_orchestra("solve_verify", solver="coder", verifier="tester", max_loops=2),
+            maker,
+            maker.tasks(4, seed=3),
+            agents=agents,
+            engines={"default": ScriptedEngine(tok, policy)},
+            workers=workers,
+            step_timeout_s=60.0,
+        )
+    )
 
 
 def test_code_env_round_trip_through_process_workers_equals_inline():
@@ -140,14 +172,21 @@ def test_code_env_round_trip_through_process_workers_equals_inline():
     workers = make_workers(backend="process", num_workers=2)
     try:
         remote = _code_rollout(workers)
-        assert workers.num_calls == sum(e.num_calls.get("coder", 0) + e.num_calls.get("tester", 0)
-                                        for e in remote.episodes) > 0
+        assert (
+            workers.num_calls
+            == sum(e.num_calls.get("coder", 0) + e.num_calls.get("tester", 0) for e in remote.episodes)
+            > 0
+        )
     finally:
         workers.close()
 
     def outcome(result):
-        return ([(s.episode_id, s.agent, s.turn, s.local_reward, s.team_reward, s.valid) for s in result.samples],
-                [(e.status, e.team_reward, e.env_done, e.env_metrics) for e in result.episodes])
+        return (
+            [(s.episode_id, s.agent, s.turn, s.local_reward, s.team_reward, s.valid) for s in result.samples],
+            [(e.status, e.team_reward, e.env_done, e.env_metrics) for e in result.episodes],
+        )
 
     assert outcome(remote) == outcome(inline)
-    assert len({s.local_reward for s in inline.samples}) > 1  # the episodes differ: a comparison that can fail
+    assert (
+        len({s.local_reward for s in inline.samples}) > 1
+    )  # the episodes differ: a comparison that can fail

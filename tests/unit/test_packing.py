@@ -34,7 +34,10 @@ def test_split_by_tokens_first_fit_decreasing():
     assert split_by_tokens(lengths, 12) == [[5], [1, 2], [0, 3], [4]]
     assert split_by_tokens(torch.tensor(lengths), 12) == [[5], [1, 2], [0, 3], [4]]
     assert split_by_tokens(lengths, 12, max_samples=1) == [[5], [1], [3], [0], [2], [4]]
-    assert split_by_tokens(lengths, 100, max_samples=4) == [[0, 1, 3, 5], [2, 4]]  # the 4 longest, then the rest
+    assert split_by_tokens(lengths, 100, max_samples=4) == [
+        [0, 1, 3, 5],
+        [2, 4],
+    ]  # the 4 longest, then the rest
     assert split_by_tokens([20, 3, 4], 10) == [[0], [1, 2]]  # the oversized row stands alone
     assert split_by_tokens([4, 4, 4], 8) == [[0, 1], [2]]  # ties: lower index first
     assert split_by_tokens([], 8) == []
@@ -143,7 +146,9 @@ def test_packed_logprobs_on_selected_rows():
     torch.testing.assert_close(ent, ref_ent * RESPONSE, rtol=0, atol=1e-6)
     # every position including sample ends == the whole row: the ends are dropped
     every = torch.arange(packed.num_tokens)
-    torch.testing.assert_close(packed_logprobs(full, packed, positions=every)[0], packed_logprobs(full, packed)[0])
+    torch.testing.assert_close(
+        packed_logprobs(full, packed, positions=every)[0], packed_logprobs(full, packed)[0]
+    )
     # no response token at all: K = 0 rows, all-zero output
     none = prediction_positions(packed, torch.zeros_like(RESPONSE))
     empty = packed_logprobs(full[:, none], packed, positions=none)
@@ -222,8 +227,12 @@ def _tiny_megatron(rank):
         leaky = unpack(model(packed.tokens, packed.position_ids, causal_mask(packed.num_tokens)), packed)
     out["leaky_logits"] = (leaky - ref_logits)[mask].abs().max().item()
     params_te = packed.seq_params()
-    out["seq_params"] = (isinstance(params_te, PackedSeqParams), params_te.qkv_format,
-                         params_te.cu_seqlens_q.tolist(), params_te.max_seqlen_kv)
+    out["seq_params"] = (
+        isinstance(params_te, PackedSeqParams),
+        params_te.qkv_format,
+        params_te.cu_seqlens_q.tolist(),
+        params_te.max_seqlen_kv,
+    )
     return out
 
 

@@ -27,12 +27,22 @@ class Ranks:
         self.server = dist.TCPStore("127.0.0.1", self.port, is_master=True, timeout=timedelta(seconds=30))
         self.verdicts: dict[int, tuple[list[int], str]] = {}
         self.done = threading.Event()
-        self.watches = [PeerWatch(rank=r, homes=HOMES, timeout_s=timeout_s, on_lost=self._on_lost(r), prefix=prefix,
-                                  store_addr=("127.0.0.1", self.port)) for r in range(3)]
+        self.watches = [
+            PeerWatch(
+                rank=r,
+                homes=HOMES,
+                timeout_s=timeout_s,
+                on_lost=self._on_lost(r),
+                prefix=prefix,
+                store_addr=("127.0.0.1", self.port),
+            )
+            for r in range(3)
+        ]
 
     def _on_lost(self, rank: int):
         def on_lost(lost: list[int], why: str) -> None:
             self.verdicts[rank] = (lost, why)
+
         return on_lost
 
     def freeze(self, rank: int) -> None:

@@ -18,8 +18,16 @@ def test_dp_is_derived_from_ranks():
 
 
 def test_tp_pp_dp_must_match_rank_count():
-    with pytest.raises(ValueError, match=r"placement.worker_groups.actor: tp\*pp\*dp = 2\*2\*2 = 8 differs .* 4"):
-        PlacementConfig({"actor": WorkerGroupLayout(ranks=[0, 1, 2, 3], tp=2, pp=2, dp=2, key="placement.worker_groups.actor")})
+    with pytest.raises(
+        ValueError, match=r"placement.worker_groups.actor: tp\*pp\*dp = 2\*2\*2 = 8 differs .* 4"
+    ):
+        PlacementConfig(
+            {
+                "actor": WorkerGroupLayout(
+                    ranks=[0, 1, 2, 3], tp=2, pp=2, dp=2, key="placement.worker_groups.actor"
+                )
+            }
+        )
     with pytest.raises(ValueError, match=r"3 ranks are not divisible by tp\*pp = 2\*1 = 2"):
         WorkerGroupLayout(ranks=[0, 1, 2], tp=2)
 
@@ -41,19 +49,26 @@ def test_model_divisibility_errors(kwargs, heads, kv, layers, message):
 
 def test_ranks_out_of_range():
     placement = PlacementConfig({"a": WorkerGroupLayout(ranks=[2, 3, 4, 5], tp=2)})
-    with pytest.raises(ValueError, match=r"placement.worker_groups.a.ranks \[4, 5\] out of range for world size 4"):
+    with pytest.raises(
+        ValueError, match=r"placement.worker_groups.a.ranks \[4, 5\] out of range for world size 4"
+    ):
         placement.validate_world(4)
 
 
 def test_overlapping_disaggregated_worker_groups():
     wgs = {"a": WorkerGroupLayout(ranks=[0, 1], tp=2), "b": WorkerGroupLayout(ranks=[1, 2], tp=2)}
-    with pytest.raises(ValueError, match=r"disaggregated .*worker_groups.b.ranks and .*worker_groups.a.ranks overlap at rank 1"):
+    with pytest.raises(
+        ValueError,
+        match=r"disaggregated .*worker_groups.b.ranks and .*worker_groups.a.ranks overlap at rank 1",
+    ):
         PlacementConfig(wgs, mode="disaggregated")
     PlacementConfig(wgs, mode="colocated")  # sharing ranks is what colocated means
 
 
 def test_unknown_mode_lists_allowed():
-    with pytest.raises(ValueError, match=r"placement.mode='spread' unknown; allowed: \['colocated', 'disaggregated'\]"):
+    with pytest.raises(
+        ValueError, match=r"placement.mode='spread' unknown; allowed: \['colocated', 'disaggregated'\]"
+    ):
         PlacementConfig({"a": WorkerGroupLayout(ranks=[0])}, mode="spread")
 
 

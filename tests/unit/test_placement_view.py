@@ -13,8 +13,12 @@ from megamarl.planning.placement_view import show_placement
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "configs" / "signalling_tiny.yaml"
-VLLM_TP2 = ["policies.shared.engine.backend=vllm", "policies.shared.tp=2", "policies.shared.ranks=[0,1]",
-            "policies.shared.engine.num_replicas=2"]
+VLLM_TP2 = [
+    "policies.shared.engine.backend=vllm",
+    "policies.shared.tp=2",
+    "policies.shared.ranks=[0,1]",
+    "policies.shared.engine.num_replicas=2",
+]
 
 
 def _show(overrides, path=TINY, **kwargs) -> list[str]:
@@ -63,25 +67,61 @@ def test_70b_hetero_placement_for_64_ranks(capsys):
     train = load_script("scripts/train.py", name="train_script")
     assert train.main(["--config", str(ROOT / "configs" / "70b_hetero.yaml"), "--show-placement"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0] == "Engine replicas (64 ranks, 8 per node, 8 nodes; every rank computed this same plan in a fake world):"
+    assert (
+        lines[0]
+        == "Engine replicas (64 ranks, 8 per node, 8 nodes; every rank computed this same plan in a fake world):"
+    )
     assert lines[3] == "planner   0        0       0-7    0     0-7      8   yes        server"
     assert lines[8] == "planner   5        40      40-47  5     0-7      8   yes        server"
     assert lines[24] == "executor  15       63      63     7     7        1   yes        server"
     ranks = {line.split()[0]: line for line in lines[29:]}
     assert len(ranks) == 64
-    assert ranks["24"].split() == ["24", "3:0", "planner", "tp0", "pp1", "dp0", "planner#3", "server", "tp8",
-                                   "devices", "0-7", "planner#3", "tp0"]
+    assert ranks["24"].split() == [
+        "24",
+        "3:0",
+        "planner",
+        "tp0",
+        "pp1",
+        "dp0",
+        "planner#3",
+        "server",
+        "tp8",
+        "devices",
+        "0-7",
+        "planner#3",
+        "tp0",
+    ]
     assert ranks["31"].split() == ["31", "3:7", "planner", "tp7", "pp1", "dp0", "-", "planner#3", "tp7"]
-    assert ranks["57"].split() == ["57", "7:1", "executor", "tp1", "pp0", "dp4", "executor#9", "server", "tp1",
-                                   "devices", "1", "executor#9", "tp0"]
+    assert ranks["57"].split() == [
+        "57",
+        "7:1",
+        "executor",
+        "tp1",
+        "pp0",
+        "dp4",
+        "executor#9",
+        "server",
+        "tp1",
+        "devices",
+        "1",
+        "executor#9",
+        "tp0",
+    ]
     leaders = [r for r, line in ranks.items() if "server" in line]
     assert leaders == [str(r) for r in (0, 8, 16, 24, 32, 40, *range(48, 64))]
 
 
 def test_a_replica_across_nodes_fails_the_command(capsys):
     train = load_script("scripts/train.py", name="train_script")
-    argv = ["--config", str(ROOT / "configs" / "70b_hetero.yaml"), "--show-placement",
-            "policies.planner.engine.tp=16", "policies.planner.engine.num_replicas=3"]
+    argv = [
+        "--config",
+        str(ROOT / "configs" / "70b_hetero.yaml"),
+        "--show-placement",
+        "policies.planner.engine.tp=16",
+        "policies.planner.engine.num_replicas=3",
+    ]
     assert train.main(argv) == 2  # a placement that cannot be built is a config error
-    assert "placement failed: policies.planner.engine.tp=16 (colocated on policies.planner.ranks): replica 0" \
+    assert (
+        "placement failed: policies.planner.engine.tp=16 (colocated on policies.planner.ranks): replica 0"
         in capsys.readouterr().err
+    )

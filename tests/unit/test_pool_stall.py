@@ -20,7 +20,9 @@ class Replica(Engine):
     """A replica whose answers take ``delay_s``; ``unreachable`` makes requests hang and probes fail
     (after ``probe_s``, as ``JSONClient.answers`` gives up on a silent server)."""
 
-    def __init__(self, name: str, *, delay_s: float = 0.0, unreachable: bool = False, probe_s: float = 0.2) -> None:
+    def __init__(
+        self, name: str, *, delay_s: float = 0.0, unreachable: bool = False, probe_s: float = 0.2
+    ) -> None:
         self.name, self.delay_s, self.unreachable, self.probe_s = name, delay_s, unreachable, probe_s
         self.weight_version = 0
         self.probes = 0
@@ -31,8 +33,15 @@ class Replica(Engine):
             await asyncio.Event().wait()  # a request into a dropped link: no answer, no error
         await asyncio.sleep(self.delay_s)
         self.answered += 1
-        return [Generation(token_ids=[1], logprobs=[0.0], finish_reason="length", weight_version=self.weight_version,
-                           meta={"replica": self.name})]
+        return [
+            Generation(
+                token_ids=[1],
+                logprobs=[0.0],
+                finish_reason="length",
+                weight_version=self.weight_version,
+                meta={"replica": self.name},
+            )
+        ]
 
     def health(self) -> bool:
         self.probes += 1

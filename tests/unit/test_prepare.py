@@ -21,9 +21,20 @@ from megamarl.rl.sample import Sample
 
 
 def _sample(task, episode, *, step=0, turn=None, agent="solver", team=0.0, local=0.0, anchor=None, branch=0):
-    return Sample(task_id=task, episode_id=episode, agent=agent, policy="p", turn=step if turn is None else turn,
-                  step=step, branch=branch, prompt_ids=[1, 2], response_ids=[3, 4], team_reward=team,
-                  local_reward=local, anchor=anchor)
+    return Sample(
+        task_id=task,
+        episode_id=episode,
+        agent=agent,
+        policy="p",
+        turn=step if turn is None else turn,
+        step=step,
+        branch=branch,
+        prompt_ids=[1, 2],
+        response_ids=[3, 4],
+        team_reward=team,
+        local_reward=local,
+        anchor=anchor,
+    )
 
 
 def _no_refill(round_):
@@ -31,7 +42,9 @@ def _no_refill(round_):
 
 
 def close(actual, expected, atol=1e-6):
-    torch.testing.assert_close(actual.double(), torch.tensor(expected, dtype=torch.float64), atol=atol, rtol=0)
+    torch.testing.assert_close(
+        actual.double(), torch.tensor(expected, dtype=torch.float64), atol=atol, rtol=0
+    )
 
 
 def _win_win_fail():
@@ -52,8 +65,11 @@ def test_gigpo_counts_the_team_reward_once_item1():
     batch = _win_win_fail()
     first = torch.tensor([0, 2, 6])  # rows of step 0
     algo = AlgorithmConfig(estimator="gigpo", std_ddof=0, estimator_kwargs={"gamma": 0.9, "eps": 1e-12})
-    copied = compute_advantages(batch.team_rewards, batch.group_index(),
-                                AdvantageConfig(estimator="gigpo", gamma=0.9, eps=1e-12, std_ddof=0))
+    copied = compute_advantages(
+        batch.team_rewards,
+        batch.group_index(),
+        AdvantageConfig(estimator="gigpo", gamma=0.9, eps=1e-12, std_ddof=0),
+    )
     close(copied[first], [0.086, 2.404, -2.490], atol=1e-3)
     assert estimator_traits("gigpo").team_reward_once
     out, _ = prepare_batch(batch, algo, num_tasks=1, draw=_no_refill)
@@ -92,17 +108,31 @@ def test_dynamic_sampling_uses_the_estimators_group_key_item3():
     # issue #16 item 3: with drmas_grpo the (task, agent) group {1, 1, 0, 0} is informative although
     # each (task, agent, turn) group of algorithm.group_by is flat; the rows were dropped before.
     batch = _drmas_batch()
-    algo = AlgorithmConfig(estimator="drmas_grpo", team_alpha=1.0, dynamic_sampling=True, std_ddof=0,
-                           estimator_kwargs={"eps": 1e-12})
-    assert dynamic_sampling_key(algo) == ("task", "agent") and tuple(algo.group_by) == ("task", "agent", "turn")
+    algo = AlgorithmConfig(
+        estimator="drmas_grpo",
+        team_alpha=1.0,
+        dynamic_sampling=True,
+        std_ddof=0,
+        estimator_kwargs={"eps": 1e-12},
+    )
+    assert dynamic_sampling_key(algo) == ("task", "agent") and tuple(algo.group_by) == (
+        "task",
+        "agent",
+        "turn",
+    )
     out, metrics = prepare_batch(batch, algo, num_tasks=1, draw=_no_refill)
     assert out.num_samples == 4 and metrics["rollout/dropped_groups"] == 0
     close(out.advantages, [1, 1, -1, -1])  # the Dr.MAS advantages +-1 the filter used to drop
     # keyed estimators still use algorithm.group_by; at_grpo its own (task, agent, turn)
     assert dynamic_sampling_key(AlgorithmConfig(estimator="grpo", group_by=["task"])) == ("task",)
-    assert dynamic_sampling_key(AlgorithmConfig(estimator="at_grpo", group_by=["task"])) == ("task", "agent", "turn")
-    out, metrics = prepare_batch(batch, AlgorithmConfig(estimator="at_grpo", dynamic_sampling=True), num_tasks=1,
-                                 draw=_no_refill)
+    assert dynamic_sampling_key(AlgorithmConfig(estimator="at_grpo", group_by=["task"])) == (
+        "task",
+        "agent",
+        "turn",
+    )
+    out, metrics = prepare_batch(
+        batch, AlgorithmConfig(estimator="at_grpo", dynamic_sampling=True), num_tasks=1, draw=_no_refill
+    )
     assert metrics["rollout/dropped_groups"] == 2 and out.num_samples == 4  # nothing informative: kept whole
     assert out.advantages.abs().sum() == 0
 
@@ -116,8 +146,13 @@ def test_refill_until_num_tasks_informative_item3():
     # two informative ones: 2 extra rounds, the batch keeps the first 2 informative tasks (a, c).
     from megamarl.rl.batch import concat
 
-    algo = AlgorithmConfig(estimator="grpo", group_by=["task"], dynamic_sampling=True, max_refill_rounds=3,
-                           estimator_kwargs={"eps": 1e-12})
+    algo = AlgorithmConfig(
+        estimator="grpo",
+        group_by=["task"],
+        dynamic_sampling=True,
+        max_refill_rounds=3,
+        estimator_kwargs={"eps": 1e-12},
+    )
     batch = concat([_grpo_task("a", [1, 0]), _grpo_task("b", [1, 1])])
     draws = {1: _grpo_task("r1", [0, 0]), 2: concat([_grpo_task("c", [0, 1]), _grpo_task("d", [1, 0])])}
     calls = []
@@ -128,29 +163,43 @@ def test_refill_until_num_tasks_informative_item3():
 
     out, metrics = prepare_batch(batch, algo, num_tasks=2, draw=draw)
     assert calls == [1, 2]
-    assert metrics == {"rollout/dropped_groups": 2.0, "rollout/refill_rounds": 2.0, "rollout/informative_tasks": 2.0,
-                       "rollout/refill_exhausted": 0.0}
+    assert metrics == {
+        "rollout/dropped_groups": 2.0,
+        "rollout/refill_rounds": 2.0,
+        "rollout/informative_tasks": 2.0,
+        "rollout/refill_exhausted": 0.0,
+    }
     assert sorted(set(out.names("task"))) == ["a", "c"]
     r = 1 / math.sqrt(2)
     close(out.advantages, [r, -r, -r, r])
     # bounded: every draw is flat -> max_refill_rounds rounds, then train on what there is
     calls.clear()
-    out, metrics = prepare_batch(batch, algo, num_tasks=2, draw=lambda round_: calls.append(round_) or
-                                 _grpo_task(f"flat{round_}", [1, 1]))
+    out, metrics = prepare_batch(
+        batch,
+        algo,
+        num_tasks=2,
+        draw=lambda round_: calls.append(round_) or _grpo_task(f"flat{round_}", [1, 1]),
+    )
     assert calls == [1, 2, 3] and metrics["rollout/refill_rounds"] == 3.0
     assert metrics["rollout/informative_tasks"] == 1.0 and set(out.names("task")) == {"a"}
     # enough informative tasks already: no draw; max_refill_rounds=0: no draw either
-    out, metrics = fill_informative(batch.replace(rewards=shaped_rewards(batch, algo)), _no_refill, algo, num_tasks=1)
+    out, metrics = fill_informative(
+        batch.replace(rewards=shaped_rewards(batch, algo)), _no_refill, algo, num_tasks=1
+    )
     assert metrics["rollout/refill_rounds"] == 0.0 and set(out.names("task")) == {"a"}
     algo0 = AlgorithmConfig(estimator="grpo", group_by=["task"], dynamic_sampling=True)
     out, metrics = prepare_batch(batch, algo0, num_tasks=2, draw=_no_refill)
     assert metrics["rollout/refill_rounds"] == 0.0
 
 
-@pytest.mark.parametrize("kwargs, key", [
-    ({"std_ddof": 2}, "algorithm.std_ddof"), ({"max_refill_rounds": -1}, "algorithm.max_refill_rounds"),
-    ({"max_refill_rounds": 2}, "algorithm.max_refill_rounds"),  # needs dynamic_sampling
-])
+@pytest.mark.parametrize(
+    "kwargs, key",
+    [
+        ({"std_ddof": 2}, "algorithm.std_ddof"),
+        ({"max_refill_rounds": -1}, "algorithm.max_refill_rounds"),
+        ({"max_refill_rounds": 2}, "algorithm.max_refill_rounds"),  # needs dynamic_sampling
+    ],
+)
 def test_algorithm_config_validation(kwargs, key):
     with pytest.raises(ValueError, match=key):
         AlgorithmConfig(**kwargs)
@@ -158,10 +207,20 @@ def test_algorithm_config_validation(kwargs, key):
 
 def test_team_alpha_schedule_shapes_the_step_rewards():
     """algorithm.team_alpha_schedule: step k's rewards use alpha(k); the default is team_alpha, unchanged."""
-    batch = collate([_sample("t", "t/0", team=1.0, local=2.0), _sample("t", "t/1", team=1.0, local=0.0)], pad_id=0)
+    batch = collate(
+        [_sample("t", "t/0", team=1.0, local=2.0), _sample("t", "t/1", team=1.0, local=0.0)], pad_id=0
+    )
     algo = AlgorithmConfig(team_alpha=0.5, team_alpha_schedule={"kind": "linear", "end": 1.5})
-    assert [algorithm_at_step(algo, k, total_steps=4).team_alpha for k in range(5)] == [0.5, 0.75, 1.0, 1.25, 1.5]
-    close(shaped_rewards(batch, algorithm_at_step(algo, 2, total_steps=4)), [3.0, 1.0])  # 1 + 1.0 * 2, 1 + 1.0 * 0
+    assert [algorithm_at_step(algo, k, total_steps=4).team_alpha for k in range(5)] == [
+        0.5,
+        0.75,
+        1.0,
+        1.25,
+        1.5,
+    ]
+    close(
+        shaped_rewards(batch, algorithm_at_step(algo, 2, total_steps=4)), [3.0, 1.0]
+    )  # 1 + 1.0 * 2, 1 + 1.0 * 0
     close(shaped_rewards(batch, algorithm_at_step(algo, 0, total_steps=4)), [2.0, 1.0])
     default = AlgorithmConfig(team_alpha=0.5)
     assert algorithm_at_step(default, 3, total_steps=4) is default  # kind constant: the very same settings
@@ -175,18 +234,32 @@ def test_per_policy_algorithms_compute_each_policys_advantages_over_its_own_rows
     the whole batch would give 1 - 0.75, 0 - 0.75); b's rows get placeholder zeros (its worker's critic
     sets them) and b's agent logs no advantage statistics."""
     rewards = {"a": (1.0, 0.0), "b": (1.0, 1.0)}
-    samples = [Sample(task_id="t", episode_id=f"t/{p}{i}", agent=f"agent_{p}", policy=p, turn=0, prompt_ids=[1, 2],
-                      response_ids=[3, 4], rollout_logprobs=[0.0, 0.0], team_reward=r)
-               for p in ("a", "b") for i, r in enumerate(rewards[p])]
+    samples = [
+        Sample(
+            task_id="t",
+            episode_id=f"t/{p}{i}",
+            agent=f"agent_{p}",
+            policy=p,
+            turn=0,
+            prompt_ids=[1, 2],
+            response_ids=[3, 4],
+            rollout_logprobs=[0.0, 0.0],
+            team_reward=r,
+        )
+        for p in ("a", "b")
+        for i, r in enumerate(rewards[p])
+    ]
     algo = AlgorithmConfig(estimator="grpo", group_by=["task"], normalize_std=False)
     gae = AlgorithmConfig(estimator="gae", group_by=["task"], normalize_std=False)
     whole, _ = prepare_rollout(samples, [], algo, pad_id=0, num_tasks=1, draw=_no_refill)
     close(whole.advantages, [0.25, -0.75, 0.25, 0.25])
-    batch, metrics = prepare_rollout(samples, [], algo, pad_id=0, num_tasks=1, draw=_no_refill,
-                                     policy_algos={"a": algo, "b": gae})
+    batch, metrics = prepare_rollout(
+        samples, [], algo, pad_id=0, num_tasks=1, draw=_no_refill, policy_algos={"a": algo, "b": gae}
+    )
     close(batch.advantages, [0.5, -0.5, 0.0, 0.0])
     close(batch.rewards, [1.0, 0.0, 1.0, 1.0])
     assert metrics["agent/agent_a/advantage_mean"] == 0.0 and "agent/agent_b/advantage_mean" not in metrics
-    only_gae, _ = prepare_rollout(samples[2:], [], algo, pad_id=0, num_tasks=1, draw=_no_refill,
-                                  policy_algos={"a": algo, "b": gae})
+    only_gae, _ = prepare_rollout(
+        samples[2:], [], algo, pad_id=0, num_tasks=1, draw=_no_refill, policy_algos={"a": algo, "b": gae}
+    )
     assert only_gae.advantages is None  # every policy present uses its critic

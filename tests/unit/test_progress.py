@@ -13,7 +13,9 @@ def test_plain_mode_prints_one_line_per_phase_with_counts_tokens_and_eta():
     progress.start_at(2)
     progress.step_done(3, 12.0)
     with progress.phase("rollout", total=64) as phase:
-        threads = [threading.Thread(target=lambda: [phase.advance(tokens=10) for _ in range(16)]) for _ in range(4)]
+        threads = [
+            threading.Thread(target=lambda: [phase.advance(tokens=10) for _ in range(16)]) for _ in range(4)
+        ]
         for t in threads:
             t.start()
         for t in threads:

@@ -33,11 +33,26 @@ from megamarl.rl.rewards import ALPHA_SCHEDULES
 from megamarl.rollout import ENGINES, Engine
 from megamarl.rollout.engines.base import EngineTraits
 
-REGISTRIES = [ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, LOSS_AGGREGATIONS, ENGINES, SCHEDULES, AGENTS, ENVS, ORCHESTRAS,
-              WORKERS, MODEL_FAMILIES, ALPHA_SCHEDULES, OPPONENT_PICKS, TOOLS]
+REGISTRIES = [
+    ADVANTAGE_ESTIMATORS,
+    KL_ESTIMATORS,
+    LOSS_AGGREGATIONS,
+    ENGINES,
+    SCHEDULES,
+    AGENTS,
+    ENVS,
+    ORCHESTRAS,
+    WORKERS,
+    MODEL_FAMILIES,
+    ALPHA_SCHEDULES,
+    OPPONENT_PICKS,
+    TOOLS,
+]
 # envs whose Config has required fields: the kwargs a run would give
-ENV_KWARGS = {"pettingzoo_parallel": {"factory": "megamarl.orchestration.envs.pettingzoo_games:make_echo_parallel"},
-              "pettingzoo_aec": {"factory": "megamarl.orchestration.envs.pettingzoo_games:make_counting_aec"}}
+ENV_KWARGS = {
+    "pettingzoo_parallel": {"factory": "megamarl.orchestration.envs.pettingzoo_games:make_echo_parallel"},
+    "pettingzoo_aec": {"factory": "megamarl.orchestration.envs.pettingzoo_games:make_counting_aec"},
+}
 
 
 @pytest.mark.parametrize("registry", REGISTRIES, ids=lambda r: r.kind)
@@ -71,14 +86,22 @@ def test_registry_rejects_duplicates_wrong_traits_and_names_the_key():
 
 # ---- advantage estimators: the signature, and the traits are true ----------------------------------
 
+
 def _index():
     # 2 tasks x 2 episodes x 2 agents x 1 turn; the two agents act on different policies
     n = 8
     task = [0, 0, 0, 0, 1, 1, 1, 1]
     episode = [0, 0, 1, 1, 2, 2, 3, 3]
     agent = [0, 1] * 4
-    return GroupIndex(task=task, episode=episode, agent=agent, policy=agent, turn=[0] * n, step=[0] * n,
-                      anchors=["a", "b"] * 4)
+    return GroupIndex(
+        task=task,
+        episode=episode,
+        agent=agent,
+        policy=agent,
+        turn=[0] * n,
+        step=[0] * n,
+        anchors=["a", "b"] * 4,
+    )
 
 
 @pytest.mark.parametrize("name", ADVANTAGE_ESTIMATORS.names())
@@ -88,8 +111,13 @@ def test_estimator_signature_and_output_shape(name):
     assert [p.name for p in params[:3]] == ["rewards", "index", "cfg"], name
     rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0, 0.5])
     mask = torch.ones(8, 3, dtype=torch.bool)
-    out = compute_advantages(rewards, _index(), AdvantageConfig(estimator=name, group_by=["task", "agent"]),
-                             response_mask=mask, values=torch.zeros(8, 3))
+    out = compute_advantages(
+        rewards,
+        _index(),
+        AdvantageConfig(estimator=name, group_by=["task", "agent"]),
+        response_mask=mask,
+        values=torch.zeros(8, 3),
+    )
     if ADVANTAGE_ESTIMATORS.traits(name).needs_critic:
         adv, returns = out  # token-level, with the critic's targets
         assert adv.shape == returns.shape == (8, 3) and torch.isfinite(adv).all()
@@ -97,7 +125,9 @@ def test_estimator_signature_and_output_shape(name):
         assert out.shape == (8,) and torch.isfinite(out).all()
 
 
-@pytest.mark.parametrize("name", [n for n in ADVANTAGE_ESTIMATORS.names() if not ADVANTAGE_ESTIMATORS.traits(n).needs_critic])
+@pytest.mark.parametrize(
+    "name", [n for n in ADVANTAGE_ESTIMATORS.names() if not ADVANTAGE_ESTIMATORS.traits(n).needs_critic]
+)
 def test_estimator_traits_tell_the_truth_about_grouping(name):
     """Changing the rewards of one policy's samples leaves the other policy's advantages unchanged
     exactly when the traits say the estimator is policy-separable under its group key."""
@@ -114,6 +144,7 @@ def test_estimator_traits_tell_the_truth_about_grouping(name):
 
 # ---- the other function registries -----------------------------------------------------------------
 
+
 @pytest.mark.parametrize("name", KL_ESTIMATORS.names())
 def test_kl_estimator_is_elementwise_and_zero_at_the_reference(name):
     logp = torch.tensor([[-1.0, -2.0], [-0.5, -3.0]])
@@ -125,8 +156,9 @@ def test_kl_estimator_is_elementwise_and_zero_at_the_reference(name):
 @pytest.mark.parametrize("name", LOSS_AGGREGATIONS.names())
 def test_loss_aggregation_is_a_scalar_of_masked_tokens(name):
     fn = LOSS_AGGREGATIONS.get(name)
-    assert {"num_tokens", "num_seqs"} <= {p.name for p in inspect.signature(fn).parameters.values()
-                                         if p.kind is p.KEYWORD_ONLY}
+    assert {"num_tokens", "num_seqs"} <= {
+        p.name for p in inspect.signature(fn).parameters.values() if p.kind is p.KEYWORD_ONLY
+    }
     loss = torch.tensor([[1.0, 2.0, 99.0], [3.0, 99.0, 99.0]])
     mask = torch.tensor([[True, True, False], [True, False, False]])
     out = fn(loss, mask, num_tokens=3, num_seqs=2)
@@ -134,6 +166,7 @@ def test_loss_aggregation_is_a_scalar_of_masked_tokens(name):
 
 
 # ---- class registries ------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("name", ENGINES.names())
 def test_engine_classes_implement_what_their_traits_declare(name):

@@ -39,8 +39,14 @@ def test_invalid_action_penalty():
 
 def test_shape_rewards_order_mix_discount_penalty():
     cfg = RewardConfig(alpha=0.5, turn_gamma=0.5, invalid_penalty=-0.1)
-    out = shape_rewards(torch.tensor([1.0, 1]), torch.tensor([0.0, 1]), valid=torch.tensor([False, True]),
-                        seq_ids=torch.tensor([0, 0]), turns=torch.tensor([0, 1]), cfg=cfg)
+    out = shape_rewards(
+        torch.tensor([1.0, 1]),
+        torch.tensor([0.0, 1]),
+        valid=torch.tensor([False, True]),
+        seq_ids=torch.tensor([0, 0]),
+        turns=torch.tensor([0, 1]),
+        cfg=cfg,
+    )
     # mix [1, 1.5] -> discount [0.5, 1.5] -> penalty (not discounted) [0.4, 1.5]
     close(out, [0.4, 1.5])
 
@@ -64,9 +70,13 @@ def test_dynamic_sampling_drops_groups_whose_advantages_are_all_zero():
     assert keep.tolist() == [False, False, True, True] and dropped == 1
 
 
-@pytest.mark.parametrize("kwargs, key", [
-    ({"turn_gamma": 0.0}, "reward.turn_gamma"), ({"invalid_penalty": 0.5}, "reward.invalid_penalty"),
-])
+@pytest.mark.parametrize(
+    "kwargs, key",
+    [
+        ({"turn_gamma": 0.0}, "reward.turn_gamma"),
+        ({"invalid_penalty": 0.5}, "reward.invalid_penalty"),
+    ],
+)
 def test_config_validation_names_key(kwargs, key):
     with pytest.raises(ValueError, match=key):
         RewardConfig(**kwargs)
@@ -74,6 +84,7 @@ def test_config_validation_names_key(kwargs, key):
 
 def test_team_alpha_schedule_hand_numbers():
     """alpha(k) = start + (end - start) * shape(min(k / K, 1)); start 1, end 0, K 4."""
+
     def alphas(kind):
         return [team_alpha_at(k, start=1.0, end=0.0, num_steps=4, kind=kind) for k in range(6)]
 

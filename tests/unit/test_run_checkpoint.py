@@ -36,7 +36,11 @@ def test_resume_picks_the_latest_complete_checkpoint(tmp_path):
 
 @pytest.mark.parametrize(
     "bad, why",
-    [("missing", "does not exist"), ("checkpoints/step_000011", "no COMPLETE"), (".", "no complete checkpoint")],
+    [
+        ("missing", "does not exist"),
+        ("checkpoints/step_000011", "no COMPLETE"),
+        (".", "no complete checkpoint"),
+    ],
 )
 def test_resume_from_a_bad_path_names_the_key(tmp_path, bad, why):
     _checkpoint(tmp_path, 11, complete=False)

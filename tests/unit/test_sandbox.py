@@ -17,7 +17,9 @@ from megamarl.orchestration import EnvMaker
 from megamarl.orchestration.sandbox import SandboxConfig, SandboxUnavailableError, isolation_error, run_python
 
 FAST = SandboxConfig(timeout_s=3.0, cpu_s=1, memory_mb=256)
-needs_isolation = pytest.mark.skipif(isolation_error() is not None, reason=f"no isolation here: {isolation_error()}")
+needs_isolation = pytest.mark.skipif(
+    isolation_error() is not None, reason=f"no isolation here: {isolation_error()}"
+)
 
 
 @needs_isolation
@@ -30,15 +32,20 @@ def test_ok_and_assertion_failure():
 
 @needs_isolation
 def test_own_uid_pid_namespace_and_private_tmp():
-    code = ("import os\nprint(os.getuid(), os.getpid(), sorted(p for p in os.listdir('/proc') if p.isdigit()))\n"
-            "print(sorted(os.listdir('/')), os.getcwd())\nopen('scratch.txt', 'w').write('ok')\n"
-            "print(open('/tmp/scratch.txt').read())")
+    code = (
+        "import os\nprint(os.getuid(), os.getpid(), sorted(p for p in os.listdir('/proc') if p.isdigit()))\n"
+        "print(sorted(os.listdir('/')), os.getcwd())\nopen('scratch.txt', 'w').write('ok')\n"
+        "print(open('/tmp/scratch.txt').read())"
+    )
     result = run_python(code, FAST)
     uid, pid, procs = result.stdout.splitlines()[0].split(" ", 2)
     assert result.ok and int(uid) not in (0, os.getuid()) and int(uid) >= 200000
     # the program is pid 2 (bwrap's init is 1); nothing else is visible, the judge least of all
     assert (pid, procs) == ("2", "['1', '2']")
-    assert result.stdout.splitlines()[1] == "['bin', 'dev', 'etc', 'lib', 'lib64', 'proc', 'python', 'sandbox', 'tmp', 'usr'] /tmp"
+    assert (
+        result.stdout.splitlines()[1]
+        == "['bin', 'dev', 'etc', 'lib', 'lib64', 'proc', 'python', 'sandbox', 'tmp', 'usr'] /tmp"
+    )
     assert result.stdout.splitlines()[2] == "ok"
 
 
@@ -81,8 +88,12 @@ def test_memory_hog_and_big_file_are_stopped():
 @needs_isolation
 def test_write_outside_tmp_is_blocked(tmp_path):
     target = tmp_path / "escape.txt"
-    for code in (f"open({str(target)!r}, 'w').write('x')", "open('/usr/x', 'w').write('x')",
-                 "open('/python/x', 'w').write('x')", "import os\nos.mkdir('/sandbox/d')"):
+    for code in (
+        f"open({str(target)!r}, 'w').write('x')",
+        "open('/usr/x', 'w').write('x')",
+        "open('/python/x', 'w').write('x')",
+        "import os\nos.mkdir('/sandbox/d')",
+    ):
         result = run_python(code, FAST)
         assert not result.ok and ("OSError" in result.stderr or "Error" in result.stderr), code
     assert not target.exists()
@@ -92,8 +103,10 @@ def test_write_outside_tmp_is_blocked(tmp_path):
 def test_whole_stdout_comes_back_and_a_flood_is_cut():
     result = run_python("print('y' * 6900)", FAST)
     assert result.ok and len(result.stdout) == 6901  # no tail truncation (was max_output_chars=4000)
-    flood = run_python("import sys\nwhile True:\n    sys.stdout.write('z' * 65536)",
-                       SandboxConfig(timeout_s=5, max_output_mb=1))
+    flood = run_python(
+        "import sys\nwhile True:\n    sys.stdout.write('z' * 65536)",
+        SandboxConfig(timeout_s=5, max_output_mb=1),
+    )
     assert flood.status == "output_limit" and len(flood.stdout) <= 1024 * 1024 + 65536
 
 
@@ -112,7 +125,8 @@ def test_code_env_refuses_without_isolation_unless_opted_in(monkeypatch, tmp_pat
         with pytest.raises(ValueError) as caught:
             EnvMaker("code")
         assert str(caught.value).startswith(
-            "env 'code' cannot isolate candidate code here: bwrap, setpriv, unshare not found")
+            "env 'code' cannot isolate candidate code here: bwrap, setpriv, unshare not found"
+        )
         assert "env.kwargs.unsafe_inprocess=true" in str(caught.value)
         with pytest.raises(SandboxUnavailableError, match="sandbox: cannot isolate candidate code: bwrap"):
             run_python("pass", FAST)
@@ -152,9 +166,27 @@ def test_escape_suite_skips_with_the_reason_where_user_namespaces_are_forbidden(
     """The issue's must-show: where namespaces are missing the escape suite skips (every test) and
     says why, rather than failing or passing vacuously."""
     suite = Path(__file__).with_name("test_sandbox_escapes.py")
-    done = subprocess.run([sys.executable, "-c", _NO_USER_NAMESPACES, sys.executable, "-m", "pytest", "-q", "-rs",
-                           "-n", "0", "-p", "no:cacheprovider", str(suite)],
-                          capture_output=True, text=True, timeout=300, check=False)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            _NO_USER_NAMESPACES,
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-rs",
+            "-n",
+            "0",
+            "-p",
+            "no:cacheprovider",
+            str(suite),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     summary = done.stdout.strip().splitlines()[-1]
     assert done.returncode == 0 and " skipped" in summary and "passed" not in summary, done.stdout[-3000:]
     reason = "sandbox isolation unavailable here: a probe run failed (error, rc 1): unshare: unshare failed"

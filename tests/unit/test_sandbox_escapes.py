@@ -22,8 +22,9 @@ from megamarl.orchestration import sandbox
 from megamarl.orchestration.judge import ExprCase, StdioCase, judge_calls, judge_stdio, parse_assert_tests
 from megamarl.orchestration.sandbox import SandboxConfig, isolation_error
 
-pytestmark = pytest.mark.skipif(isolation_error() is not None,
-                                reason=f"sandbox isolation unavailable here: {isolation_error()}")
+pytestmark = pytest.mark.skipif(
+    isolation_error() is not None, reason=f"sandbox isolation unavailable here: {isolation_error()}"
+)
 
 CONFIG = SandboxConfig(timeout_s=4.0, cpu_s=2, memory_mb=256)
 SETUP, CASES = parse_assert_tests("assert scale(2) == 6\nassert scale(-1) == -3\nassert scale(5) == 15\n")
@@ -64,8 +65,11 @@ OWN_DIRS = f"/tmp/megamarl-sbx-{JUDGE}-*"
 
 
 def own_cgroups(pid: int = JUDGE) -> list[str]:
-    return [path for hierarchy in sandbox._hierarchies()
-            for path in glob.glob(os.path.join(hierarchy.parent, f"megamarl-sbx-{pid}-*"))]
+    return [
+        path
+        for hierarchy in sandbox._hierarchies()
+        for path in glob.glob(os.path.join(hierarchy.parent, f"megamarl-sbx-{pid}-*"))
+    ]
 
 
 def busy_cgroups(within_s: float = 3.0) -> list[str]:
@@ -136,7 +140,8 @@ def scale(x):
     return found.get(x, 0)
 """.replace("JUDGE", str(JUDGE))
 
-FORK_EXEC_SETSID = """
+FORK_EXEC_SETSID = (
+    """
 import _posixsubprocess, os, sys
 exe = os.fsencode(sys.executable)
 for _ in range(20):
@@ -146,9 +151,12 @@ for _ in range(20):
                                    -1, -1, -1, -1, -1, -1, r, w, True, True, -1, None, None, None, -1, None, False)
     except OSError:
         pass
-""" + FALLBACK
+"""
+    + FALLBACK
+)
 
-FORK_SETSID_DOUBLE = """
+FORK_SETSID_DOUBLE = (
+    """
 import os, time
 for _ in range(5):
     if os.fork() == 0:
@@ -158,9 +166,12 @@ for _ in range(5):
             x = bytearray(100 * 1024 * 1024)
             time.sleep(30)
         os._exit(0)
-""" + FALLBACK
+"""
+    + FALLBACK
+)
 
-SIGNALS = """
+SIGNALS = (
+    """
 import os, signal
 for pid in (JUDGE, SENTINEL, os.getppid(), 1):
     for sig in (signal.SIGSTOP, signal.SIGKILL):
@@ -176,15 +187,20 @@ try:
     os.killpg(0, signal.SIGKILL)
 except OSError:
     pass
-""" + FALLBACK
+"""
+    + FALLBACK
+)
 
-PIPE_HOLDER = """
+PIPE_HOLDER = (
+    """
 import os, time
 if os.fork() == 0:
     os.setsid()
     time.sleep(60)  # keeps stdout, stderr and the channel open
     os._exit(0)
-""" + FALLBACK
+"""
+    + FALLBACK
+)
 
 
 def test_reading_judge_memory_finds_nothing():
@@ -211,15 +227,19 @@ def test_detached_child_holding_the_pipes_does_not_hang_the_judge():
     _, seconds = scores_zero(PIPE_HOLDER)
     assert seconds < 2.5
     start = time.monotonic()
-    verdict = judge_stdio("import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(60)\nprint(3)",
-                          [StdioCase("", "3\n")], CONFIG)
+    verdict = judge_stdio(
+        "import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(60)\nprint(3)",
+        [StdioCase("", "3\n")],
+        CONFIG,
+    )
     assert verdict.passed == [True] and time.monotonic() - start < 2.5  # the tree died with its parent
 
 
 def test_writes_outside_the_sandbox_fail(tmp_path):
     target, db = tmp_path / "escape.txt", tmp_path / "escape.sqlite"
     prefix = os.path.realpath(sys.base_prefix)
-    attack = f"""
+    attack = (
+        f"""
 import os, sqlite3
 root = os.open('/', os.O_RDONLY | os.O_DIRECTORY)
 for path in ({str(target)[1:]!r}, 'python/evil.py', 'usr/evil', 'sandbox/main.py', 'etc/evil'):
@@ -231,14 +251,19 @@ try:
     sqlite3.connect({str(db)!r}).execute('create table t (x)')
 except Exception:
     pass
-""" + FALLBACK
+"""
+        + FALLBACK
+    )
     scores_zero(attack)
     assert sorted(os.listdir(tmp_path)) == [] and not os.path.exists(os.path.join(prefix, "evil.py"))
 
 
 def test_stdout_flood_keeps_the_judge_small():
     flood = "import sys\nchunk = 'x' * (1 << 20)\nfor _ in range(100):\n    sys.stdout.write(chunk)\n"
-    chan_flood = "import os\nchunk = b'x' * (1 << 20)\nfor _ in range(100):\n    os.write(__channel__, chunk)\n" + FALLBACK
+    chan_flood = (
+        "import os\nchunk = b'x' * (1 << 20)\nfor _ in range(100):\n    os.write(__channel__, chunk)\n"
+        + FALLBACK
+    )
     tracemalloc.start()
     try:
         verdict = judge_stdio(flood, [StdioCase("", "3\n")], CONFIG)
@@ -251,18 +276,24 @@ def test_stdout_flood_keeps_the_judge_small():
 
 
 def test_overflow_and_deep_values_score_zero_and_are_counted():
-    huge = judge_calls("def half(x):\n    return 10 ** 400\n", [ExprCase("half(3)", 1.5), ExprCase("half(4)", 2)], CONFIG)
+    huge = judge_calls(
+        "def half(x):\n    return 10 ** 400\n", [ExprCase("half(3)", 1.5), ExprCase("half(4)", 2)], CONFIG
+    )
     assert huge.passed == [False, False] and huge.num_judge_errors == 1  # float: OverflowError caught
     deep = "def scale(x):\n    v = []\n    for _ in range(100000):\n        v = [v]\n    return v\n"
     verdict, _ = scores_zero(deep)  # json.dumps fails inside the sandbox: an error record
     # 5000 deep is past json's recursion limit and all of it (~35 KB) fits a pipe's 64 KiB buffer: the
     # candidate never waits for the judge to read, so a loaded machine cannot turn it into a timeout
-    forged = ("import os, json\nfor fd in [int(f) for f in os.listdir('/proc/self/fd') if int(f) > 2]:\n    try:\n        for i in range(3):\n"
-              "            os.write(fd, (json.dumps({'i': i, 'value': '[' * 5000 + ']' * 5000}) + '\\n').encode())\n"
-              "        os.write(fd, b'[' * 5000 + b'\\n')\n    except OSError:\n        pass\nos._exit(0)\n")
+    forged = (
+        "import os, json\nfor fd in [int(f) for f in os.listdir('/proc/self/fd') if int(f) > 2]:\n    try:\n        for i in range(3):\n"
+        "            os.write(fd, (json.dumps({'i': i, 'value': '[' * 5000 + ']' * 5000}) + '\\n').encode())\n"
+        "        os.write(fd, b'[' * 5000 + b'\\n')\n    except OSError:\n        pass\nos._exit(0)\n"
+    )
     verdict, _ = scores_zero(forged)  # the judge's own json.loads hits RecursionError: counted
     assert verdict.num_judge_errors == 3
-    assert judge_calls("def big():\n    return 10 ** 17 + 1\n", [ExprCase("big()", 10 ** 17)], CONFIG).passed == [False]
+    assert judge_calls(
+        "def big():\n    return 10 ** 17 + 1\n", [ExprCase("big()", 10**17)], CONFIG
+    ).passed == [False]
 
 
 def test_long_correct_output_scores_full_marks():
@@ -278,24 +309,32 @@ def test_long_correct_output_scores_full_marks():
 def test_stdio_candidate_cannot_read_the_dataset(tmp_path):
     dataset = tmp_path / "problems.jsonl"
     dataset.write_text('{"tests": [{"input": "1 2", "output": "3"}]}\n')
-    leak = f"try:\n    print(open({str(dataset)!r}).read())\nexcept OSError as exc:\n    print('denied', exc)\n"
+    leak = (
+        f"try:\n    print(open({str(dataset)!r}).read())\nexcept OSError as exc:\n    print('denied', exc)\n"
+    )
     verdict = judge_stdio(leak, [StdioCase("1 2", "3")], CONFIG)
     assert verdict.passed == [False]
 
 
 def test_killed_judge_leaves_nothing(tmp_path):
     # a judge process (sandbox.py alone: it imports nothing from megamarl) SIGKILLed mid-run
-    script = (f"import importlib.util, sys\nspec = importlib.util.spec_from_file_location('sbx', {sandbox.__file__!r})\n"
-              "sbx = sys.modules['sbx'] = importlib.util.module_from_spec(spec)\nspec.loader.exec_module(sbx)\n"
-              "print('started', flush=True)\n"
-              "sbx.run_python(sys.argv[2], sbx.SandboxConfig(timeout_s=60), isolated=sys.argv[1] == 'isolated')\n")
+    script = (
+        f"import importlib.util, sys\nspec = importlib.util.spec_from_file_location('sbx', {sandbox.__file__!r})\n"
+        "sbx = sys.modules['sbx'] = importlib.util.module_from_spec(spec)\nspec.loader.exec_module(sbx)\n"
+        "print('started', flush=True)\n"
+        "sbx.run_python(sys.argv[2], sbx.SandboxConfig(timeout_s=60), isolated=sys.argv[1] == 'isolated')\n"
+    )
     candidate = "import os, time\ntry:\n    os.fork()\nexcept PermissionError:\n    pass\ntime.sleep(60)\n"
     for mode in ("isolated", "unsafe"):
-        judge = subprocess.Popen([sys.executable, "-c", script, mode, candidate], stdout=subprocess.PIPE, text=True)
+        judge = subprocess.Popen(
+            [sys.executable, "-c", script, mode, candidate], stdout=subprocess.PIPE, text=True
+        )
         assert judge.stdout.readline() == "started\n"
         uid = sandbox_uid(judge.pid)
         end = time.monotonic() + 10
-        while not (processes_of(uid) if mode == "isolated" else glob.glob(f"/tmp/megamarl-sbx-{judge.pid}-*")):
+        while not (
+            processes_of(uid) if mode == "isolated" else glob.glob(f"/tmp/megamarl-sbx-{judge.pid}-*")
+        ):
             assert time.monotonic() < end
             time.sleep(0.05)
         time.sleep(0.3)
@@ -323,8 +362,10 @@ def test_killed_judge_leaves_nothing(tmp_path):
             assert glob.glob(f"/tmp/megamarl-sbx-{judge.pid}-*") == []
 
 
-needs_cgroups = pytest.mark.skipif(sandbox.tree_limits() == "rlimits",
-                                   reason="no writable cgroup hierarchy here: limits are per process (rlimits)")
+needs_cgroups = pytest.mark.skipif(
+    sandbox.tree_limits() == "rlimits",
+    reason="no writable cgroup hierarchy here: limits are per process (rlimits)",
+)
 
 # three children each hold 150 MB, under the 256 MB RLIMIT_AS of each process but not of the tree
 MEMORY_HOG = """
@@ -370,10 +411,14 @@ def test_memory_limit_holds_for_the_tree(monkeypatch):
 
 @needs_cgroups
 def test_a_judge_that_exits_removes_its_cgroups():
-    script = (f"import importlib.util, sys\nspec = importlib.util.spec_from_file_location('sbx', {sandbox.__file__!r})\n"
-              "sbx = sys.modules['sbx'] = importlib.util.module_from_spec(spec)\nspec.loader.exec_module(sbx)\n"
-              "print(sbx.run_python('print(1)').stdout.strip(), sbx.tree_limits())\nimport os\nprint(os.getpid())\n")
-    lines = subprocess.run([sys.executable, "-c", script], check=True, capture_output=True, text=True).stdout.split("\n")
+    script = (
+        f"import importlib.util, sys\nspec = importlib.util.spec_from_file_location('sbx', {sandbox.__file__!r})\n"
+        "sbx = sys.modules['sbx'] = importlib.util.module_from_spec(spec)\nspec.loader.exec_module(sbx)\n"
+        "print(sbx.run_python('print(1)').stdout.strip(), sbx.tree_limits())\nimport os\nprint(os.getpid())\n"
+    )
+    lines = subprocess.run(
+        [sys.executable, "-c", script], check=True, capture_output=True, text=True
+    ).stdout.split("\n")
     assert lines[0].startswith("1 cgroup")
     assert own_cgroups(int(lines[1])) == []
 

@@ -23,8 +23,9 @@ PROMPTS = [[1, 9690, 198, 2683, 359], [1, 300, 301]]
 
 def greedy(engine, prompts=PROMPTS):
     async def main():
-        return await asyncio.gather(*(engine.generate(p, SamplingParams(temperature=0.0, max_tokens=6))
-                                      for p in prompts))
+        return await asyncio.gather(
+            *(engine.generate(p, SamplingParams(temperature=0.0, max_tokens=6)) for p in prompts)
+        )
 
     return [g[0] for g in asyncio.run(main())]
 
@@ -41,8 +42,14 @@ def servers():
 def test_one_broadcast_per_bucket_reaches_both_replicas_in_order(servers, flatten):
     target = tiny_model("llama", seed=1)
     named = [(k, v.to(torch.bfloat16)) for k, v in target.state_dict().items()]
-    sender = SGLangWeightSender([s.url for s in servers], transport="gloo", master_port=free_port("127.0.0.1"),
-                                dtype=torch.bfloat16, timeout_s=60, flatten=flatten)
+    sender = SGLangWeightSender(
+        [s.url for s in servers],
+        transport="gloo",
+        master_port=free_port("127.0.0.1"),
+        dtype=torch.bfloat16,
+        timeout_s=60,
+        flatten=flatten,
+    )
     sender.connect()
     try:
         for server in servers:
@@ -54,15 +61,25 @@ def test_one_broadcast_per_bucket_reaches_both_replicas_in_order(servers, flatte
         for server in servers:
             announced = [b for p, b in server.calls if p == "/update_weights_from_distributed"]
             assert len(announced) == stats.num_buckets
-            assert [n for b in announced for n in b["names"]] == [n for n, _ in named]  # export order, bucketed
+            assert [n for b in announced for n in b["names"]] == [
+                n for n, _ in named
+            ]  # export order, bucketed
             assert {d for b in announced for d in b["dtypes"]} == {"bfloat16"}  # the engine's dtype
             assert {b["load_format"] for b in announced} == {"flattened_bucket" if flatten else None}
             assert not any(b["flush_cache"] for b in announced)
             paths = server.paths()
-            assert paths[-5:] == ["/update_weights_from_distributed", "/end_weight_update", "/update_weight_version",
-                                  "/flush_cache", "/continue_generation"]
-            assert paths.index("/pause_generation") < paths.index("/begin_weight_update") < paths.index(
-                "/update_weights_from_distributed")
+            assert paths[-5:] == [
+                "/update_weights_from_distributed",
+                "/end_weight_update",
+                "/update_weight_version",
+                "/flush_cache",
+                "/continue_generation",
+            ]
+            assert (
+                paths.index("/pause_generation")
+                < paths.index("/begin_weight_update")
+                < paths.index("/update_weights_from_distributed")
+            )
             assert server.weight_version == "7"
             loaded = server.engine.model.state_dict()
             for name, tensor in named:  # the fake loads in its own dtype (fp32): bf16 values exactly
@@ -85,9 +102,14 @@ def test_greedy_probe_matches_transformers_after_push(servers):
     from megamarl.rollout.weights.sync_check import reference_tokens
 
     path = resolve_model_path("tiny-plain-llama", key="test")
-    weights = {k: v + 0.01 * torch.randn_like(v) for k, v in AutoModelForCausalLM.from_pretrained(path).state_dict().items()}
+    weights = {
+        k: v + 0.01 * torch.randn_like(v)
+        for k, v in AutoModelForCausalLM.from_pretrained(path).state_dict().items()
+    }
     server = FakeSGLangServer(HFEngine(path, max_wait_ms=1))
-    sender = SGLangWeightSender([server.url], transport="gloo", master_port=free_port("127.0.0.1"), timeout_s=60)
+    sender = SGLangWeightSender(
+        [server.url], transport="gloo", master_port=free_port("127.0.0.1"), timeout_s=60
+    )
     try:
         sender.connect()
         sender.push(weights.items(), version=3)
@@ -122,22 +144,34 @@ def test_memory_tags_and_lora_load_unload(tmp_path, servers):
     client.wake(tags=("kv_cache",))
     released = [b for p, b in server.calls if p == "/release_memory_occupation"]
     resumed = [b for p, b in server.calls if p == "/resume_memory_occupation"]
-    assert released == [{"tags": ["weights", "kv_cache"]}] and resumed == [{"tags": ["weights"]}, {"tags": ["kv_cache"]}]
+    assert released == [{"tags": ["weights", "kv_cache"]}] and resumed == [
+        {"tags": ["weights"]},
+        {"tags": ["kv_cache"]},
+    ]
     client.pause()
-    client.update_weights(tiny_model("llama", seed=0).state_dict().items(), version=1)  # released weights: re-sent
+    client.update_weights(
+        tiny_model("llama", seed=0).state_dict().items(), version=1
+    )  # released weights: re-sent
     client.resume()
 
-    peft = get_peft_model(tiny_model("llama", seed=0), LoraConfig(r=4, target_modules=["q_proj", "v_proj"],
-                                                                  init_lora_weights=False))
+    peft = get_peft_model(
+        tiny_model("llama", seed=0),
+        LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False),
+    )
     peft.save_pretrained(tmp_path / "v0")
     client.add_lora("solver", tmp_path / "v0")
     client.add_lora("solver", tmp_path / "v0")  # a new version: unload, then load
-    assert [p for p in server.paths() if "lora" in p] == ["/load_lora_adapter", "/unload_lora_adapter",
-                                                        "/load_lora_adapter"]
+    assert [p for p in server.paths() if "lora" in p] == [
+        "/load_lora_adapter",
+        "/unload_lora_adapter",
+        "/load_lora_adapter",
+    ]
     client.lora_versions["solver"] = 5
 
     async def one(lora):
-        return (await client.generate(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=6), lora=lora))[0]
+        return (await client.generate(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=6), lora=lora))[
+            0
+        ]
 
     base, adapted = asyncio.run(one(None)), asyncio.run(one("solver"))
     assert base.token_ids != adapted.token_ids and adapted.weight_version == 5 and base.weight_version == 1

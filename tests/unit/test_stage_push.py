@@ -106,7 +106,10 @@ def _stage_sender(replicas: list[_Replica]) -> WeightSender:
     return sender
 
 
-STAGE0 = [("model.embed_tokens.weight", torch.ones(4, 2)), ("model.layers.0.mlp.up_proj.weight", torch.ones(2, 2))]
+STAGE0 = [
+    ("model.embed_tokens.weight", torch.ones(4, 2)),
+    ("model.layers.0.mlp.up_proj.weight", torch.ones(2, 2)),
+]
 STAGE1 = [("model.layers.1.mlp.up_proj.weight", torch.ones(2, 2)), ("lm_head.weight", torch.ones(4, 2))]
 
 
@@ -135,7 +138,12 @@ def test_one_stage_opens_and_closes_both_send_in_between(vllm_config):
         stage0.end(version=version, resume=False)
     for engine in engines:
         session = [c for c in engine.calls if c == "start" or c == "finish" or c[0] == "update"]
-        one = ["start", ("update", tuple(n for n, _ in STAGE1)), ("update", tuple(n for n, _ in STAGE0)), "finish"]
+        one = [
+            "start",
+            ("update", tuple(n for n, _ in STAGE1)),
+            ("update", tuple(n for n, _ in STAGE0)),
+            "finish",
+        ]
         assert session == one + one
 
 
@@ -168,7 +176,9 @@ def test_joining_a_gloo_group_still_needs_its_rendezvous():
 
 
 def _policy(*, backend="vllm", pp=2, weight_transfer="auto"):
-    return SimpleNamespace(pp=pp, engine=SimpleNamespace(backend=backend, tp=8, weight_transfer=weight_transfer))
+    return SimpleNamespace(
+        pp=pp, engine=SimpleNamespace(backend=backend, tp=8, weight_transfer=weight_transfer)
+    )
 
 
 def test_pp2_on_gpu_gathers_to_one_nccl_sender_for_disaggregated_vllm():
@@ -192,7 +202,9 @@ def test_sglang_stages_keep_their_own_named_groups_and_send_in_turn():
     policy = _policy(backend="sglang")
     assert transport_for(policy, colocated=False, on_gpu=True) == "nccl"
     assert not gathers_stages(policy, colocated=False, on_gpu=True)  # SGLang groups are named: one per stage
-    assert transport_for(policy, colocated=True, on_gpu=True) == "nccl"  # CUDA IPC only from its own rank (PP=1)
+    assert (
+        transport_for(policy, colocated=True, on_gpu=True) == "nccl"
+    )  # CUDA IPC only from its own rank (PP=1)
     assert not CONCURRENT_STAGES["sglang"]  # a server blocks in one update request at a time
 
 
@@ -211,7 +223,9 @@ def test_colocated_pp2_never_takes_gloo_its_leaders_are_fed_locally():
         assert relays_stages(_policy(), colocated=True, on_gpu=on_gpu)
         assert not relays_stages(_policy(), colocated=False, on_gpu=on_gpu)
     tp1 = SimpleNamespace(pp=2, engine=SimpleNamespace(backend="vllm", tp=1, weight_transfer="auto"))
-    assert transport_for(tp1, colocated=True, on_gpu=True) == "ipc" and relays_stages(tp1, colocated=True, on_gpu=True)
+    assert transport_for(tp1, colocated=True, on_gpu=True) == "ipc" and relays_stages(
+        tp1, colocated=True, on_gpu=True
+    )
     assert transport_for(_policy(weight_transfer="megamarl"), colocated=True, on_gpu=True) == "megamarl_shm"
     assert not relays_stages(_policy(backend="sglang"), colocated=True, on_gpu=True)  # named groups per stage
 

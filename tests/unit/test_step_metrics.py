@@ -17,8 +17,19 @@ from megamarl.runtime.step_metrics import (
 
 
 def _sample(agent, policy, reward, *, prompt=2, response=1, valid=True, truncated=False):
-    return Sample("t", "t/0", agent, policy, 0, prompt_ids=[5] * prompt, response_ids=[7] * response,
-                  rollout_logprobs=[-0.5] * response, team_reward=reward, valid=valid, truncated=truncated)
+    return Sample(
+        "t",
+        "t/0",
+        agent,
+        policy,
+        0,
+        prompt_ids=[5] * prompt,
+        response_ids=[7] * response,
+        rollout_logprobs=[-0.5] * response,
+        team_reward=reward,
+        valid=valid,
+        truncated=truncated,
+    )
 
 
 @pytest.fixture
@@ -43,7 +54,11 @@ def test_agent_batch_metrics(batch):
     assert m["agent/x/response_clip_ratio"] == pytest.approx(1 / 3)
     assert m["agent/x/invalid_rate"] == pytest.approx(1 / 3)
     assert m["agent/x/num_samples"] == 3.0
-    assert (m["agent/o/reward_std"], m["agent/o/advantage_mean"], m["agent/o/response_clip_ratio"]) == (0.0, 2.0, 1.0)
+    assert (m["agent/o/reward_std"], m["agent/o/advantage_mean"], m["agent/o/response_clip_ratio"]) == (
+        0.0,
+        2.0,
+        1.0,
+    )
 
 
 def test_token_level_advantages_average_over_response_tokens(batch):
@@ -60,22 +75,41 @@ def test_critic_estimators_have_no_driver_advantages(batch):
 
 def test_own_success_per_agent_and_policy():
     def episode(winner, policies):
-        return EpisodeStats("t", "e", "ok", agent_success={"x": winner == "x", "o": winner == "o"}, policies=policies)
+        return EpisodeStats(
+            "t", "e", "ok", agent_success={"x": winner == "x", "o": winner == "o"}, policies=policies
+        )
 
-    episodes = [episode("x", {"x": "alpha", "o": "beta"}), episode("x", {"x": "beta", "o": "alpha"}),
-                episode("o", {"x": "alpha", "o": "beta"}), episode(None, {"x": "beta", "o": "alpha"})]
+    episodes = [
+        episode("x", {"x": "alpha", "o": "beta"}),
+        episode("x", {"x": "beta", "o": "alpha"}),
+        episode("o", {"x": "alpha", "o": "beta"}),
+        episode(None, {"x": "beta", "o": "alpha"}),
+    ]
     assert success_metrics(episodes) == {
-        "agent/o/success": 0.25, "agent/x/success": 0.5,  # not a copy of one team success
-        "policy/alpha/success": 0.25, "policy/beta/success": 0.5,  # alpha won 1 of its 4 seats, beta 2
+        "agent/o/success": 0.25,
+        "agent/x/success": 0.5,  # not a copy of one team success
+        "policy/alpha/success": 0.25,
+        "policy/beta/success": 0.5,  # alpha won 1 of its 4 seats, beta 2
     }
 
 
 def test_throughput_idle_and_rank_merge(batch):
     assert throughput_metrics(num_train_tokens=900, update_s=3.0, num_samples=8, step_s=4.0) == {
-        "perf/train_tokens_per_s": 300.0, "perf/samples_per_s": 2.0}
-    step = {"timing_s/step": 10.0, "timing_s/rollout": 3.0, "timing_s/update": 4.5, "timing_s/alpha/update": 4.0}
+        "perf/train_tokens_per_s": 300.0,
+        "perf/samples_per_s": 2.0,
+    }
+    step = {
+        "timing_s/step": 10.0,
+        "timing_s/rollout": 3.0,
+        "timing_s/update": 4.5,
+        "timing_s/alpha/update": 4.0,
+    }
     assert idle_seconds(step) == 2.5  # nested per-policy sections are inside update, not counted twice
-    merged = merge_rank_metrics([{"perf/max_memory_gib/alpha": 2.0, "policy/alpha/lr": 1.0},
-                                 {"perf/max_memory_gib/alpha": 3.5, "policy/alpha/lr": 1.0},
-                                 {"perf/max_memory_gib/alpha": 1.0}])
+    merged = merge_rank_metrics(
+        [
+            {"perf/max_memory_gib/alpha": 2.0, "policy/alpha/lr": 1.0},
+            {"perf/max_memory_gib/alpha": 3.5, "policy/alpha/lr": 1.0},
+            {"perf/max_memory_gib/alpha": 1.0},
+        ]
+    )
     assert merged == {"perf/max_memory_gib/alpha": 3.5, "policy/alpha/lr": 1.0}

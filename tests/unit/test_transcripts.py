@@ -32,33 +32,61 @@ def test_pick_episodes_round_robin_over_tasks():
 
 def _samples():
     def s(task, g, step, agent, text, local, valid=True):
-        return Sample(task_id=task, episode_id=f"{task}/{g}", agent=agent, policy="p", turn=0, step=step,
-                      prompt_ids=[step, 7], response_ids=[1], response_text=text, team_reward=1.0 if g == 0 else 0.0,
-                      local_reward=local, valid=valid, weight_version=3)
+        return Sample(
+            task_id=task,
+            episode_id=f"{task}/{g}",
+            agent=agent,
+            policy="p",
+            turn=0,
+            step=step,
+            prompt_ids=[step, 7],
+            response_ids=[1],
+            response_text=text,
+            team_reward=1.0 if g == 0 else 0.0,
+            local_reward=local,
+            valid=valid,
+            weight_version=3,
+        )
+
     # rollout order is not step order within an episode (concurrent agents): records sort by step
-    return [s("t", 0, 1, "receiver", "5", 0.5), s("t", 0, 0, "sender", "E", 0.0), s("t", 1, 0, "sender", "??", 0.0,
-            valid=False), s("u", 0, 0, "sender", "C", 0.0)]
+    return [
+        s("t", 0, 1, "receiver", "5", 0.5),
+        s("t", 0, 0, "sender", "E", 0.0),
+        s("t", 1, 0, "sender", "??", 0.0, valid=False),
+        s("u", 0, 0, "sender", "C", 0.0),
+    ]
 
 
 def test_episode_transcripts_records():
     stats = [EpisodeStats("t", "t/0", "ok", team_reward=1.0, success=True, agent_success={"sender": True})]
     records = episode_transcripts(
-        _samples(), stats, step=4, limit=2, decode=lambda policy, ids: f"<{policy}>{ids}",
+        _samples(),
+        stats,
+        step=4,
+        limit=2,
+        decode=lambda policy, ids: f"<{policy}>{ids}",
         parse=lambda agent, text: None if text == "??" else text.lower(),
     )
     assert [r["episode_id"] for r in records] == ["t/0", "u/0"]  # one per task first
     first = records[0]
     assert (first["step"], first["status"], first["success"], first["team_reward"]) == (4, "ok", True, 1.0)
-    assert [(c["step"], c["agent"], c["prompt"], c["response"], c["action"], c["local_reward"])
-            for c in first["calls"]] == [(0, "sender", "<p>[0, 7]", "E", "e", 0.0),
-                                         (1, "receiver", "<p>[1, 7]", "5", "5", 0.5)]
+    assert [
+        (c["step"], c["agent"], c["prompt"], c["response"], c["action"], c["local_reward"])
+        for c in first["calls"]
+    ] == [(0, "sender", "<p>[0, 7]", "E", "e", 0.0), (1, "receiver", "<p>[1, 7]", "5", "5", 0.5)]
     assert records[1]["status"] is None and records[1]["success"] is None  # no EpisodeStats for u/0
     assert episode_transcripts(_samples(), [], step=1, limit=0, decode=str, parse=str) == []
 
 
 def test_files_round_trip_and_show_episodes(tmp_path, capsys):
-    records = episode_transcripts(_samples(), [], step=1, limit=3, decode=lambda p, ids: "system\nsay a digit",
-                                  parse=lambda agent, text: None if text == "??" else text)
+    records = episode_transcripts(
+        _samples(),
+        [],
+        step=1,
+        limit=3,
+        decode=lambda p, ids: "system\nsay a digit",
+        parse=lambda agent, text: None if text == "??" else text,
+    )
     write_transcripts(tmp_path, 1, records)
     write_transcripts(tmp_path, 12, records[:1])
     assert read_transcripts(tmp_path)[0] == 12  # the latest, by number (not "12" < "2" as text)

@@ -20,20 +20,33 @@ def test_trie_nodes_depths_and_ancestor_mask_by_hand():
     assert tree.tokens.tolist() == [[5, 6, 7, 8, 9, 10, 11, 12, 3, 4]]
     assert tree.position_ids.tolist() == [[0, 1, 2, 3, 3, 4, 4, 5, 0, 1]]
     assert tree.parents.tolist() == [-1, 0, 1, 2, 2, 4, 3, 6, -1, 8]
-    assert tree.node_of.tolist() == [[0, 1, 2, 3, -1, -1], [0, 1, 2, 4, 5, -1], [0, 1, 2, 3, 6, 7],
-                                     [8, 9, -1, -1, -1, -1]]
+    assert tree.node_of.tolist() == [
+        [0, 1, 2, 3, -1, -1],
+        [0, 1, 2, 4, 5, -1],
+        [0, 1, 2, 3, 6, 7],
+        [8, 9, -1, -1, -1, -1],
+    ]
     visible = ~tree.causal_mask()[0, 0]
     assert [torch.nonzero(visible[n]).squeeze(1).tolist() for n in range(10)] == [
-        [0], [0, 1], [0, 1, 2], [0, 1, 2, 3], [0, 1, 2, 4], [0, 1, 2, 4, 5], [0, 1, 2, 3, 6],
-        [0, 1, 2, 3, 6, 7], [8], [8, 9]]
+        [0],
+        [0, 1],
+        [0, 1, 2],
+        [0, 1, 2, 3],
+        [0, 1, 2, 4],
+        [0, 1, 2, 4, 5],
+        [0, 1, 2, 3, 6],
+        [0, 1, 2, 3, 6, 7],
+        [8],
+        [8, 9],
+    ]
     assert tree.num_tokens == tree_tokens(TOKENS, MASK) == 10 < int(MASK.sum()) == 17
     response = torch.zeros_like(MASK)
     response[:, 3:] = True
     preds = tree.predictions(response & MASK)
     # (sample, column) -> the node of its previous token; node 2 predicts for three samples (8, 9, 8)
-    assert list(zip(preds.samples.tolist(), preds.columns.tolist(), preds.positions.tolist(),
-                    preds.targets.tolist())) == [(0, 3, 2, 8), (1, 3, 2, 9), (1, 4, 4, 10), (2, 3, 2, 8),
-                                                  (2, 4, 3, 11), (2, 5, 6, 12)]
+    assert list(
+        zip(preds.samples.tolist(), preds.columns.tolist(), preds.positions.tolist(), preds.targets.tolist())
+    ) == [(0, 3, 2, 8), (1, 3, 2, 9), (1, 4, 4, 10), (2, 3, 2, 8), (2, 4, 3, 11), (2, 5, 6, 12)]
     placed = place_tree(torch.arange(1.0, 7.0), preds, 4, 6)
     assert placed.tolist() == [[0, 0, 0, 1, 0, 0], [0, 0, 0, 2, 3, 0], [0, 0, 0, 4, 5, 6], [0] * 6]
 
@@ -91,11 +104,16 @@ def _tiny_tree(rank):
         return vocab_parallel_logprobs(model(tokens, positions, causal_mask(width)), tokens)
 
     def tree_forward(attention_mask=None, positions=tree.position_ids[0]):
-        hook = gpt.output_layer.register_forward_pre_hook(lambda m, args: (args[0][preds.positions],) + args[1:])
+        hook = gpt.output_layer.register_forward_pre_hook(
+            lambda m, args: (args[0][preds.positions],) + args[1:]
+        )
         rotary.positions = positions
         try:
-            logits = model(tree.tokens, tree.position_ids,
-                           tree.causal_mask() if attention_mask is None else attention_mask)  # [1, K, V]
+            logits = model(
+                tree.tokens,
+                tree.position_ids,
+                tree.causal_mask() if attention_mask is None else attention_mask,
+            )  # [1, K, V]
         finally:
             hook.remove()
             rotary.positions = None
@@ -110,9 +128,11 @@ def _tiny_tree(rank):
     # mutations the equivalence must catch: a plain causal mask over the layout (siblings see each
     # other), the layout index as the position (RoPE off by the skipped siblings), no re-indexing at all
     with torch.no_grad():
-        for name, kwargs in (("causal_mask", {"attention_mask": causal_mask(tree.num_tokens)}),
-                             ("layout_positions", {"positions": torch.arange(tree.num_tokens)}),
-                             ("no_positions", {"positions": None})):
+        for name, kwargs in (
+            ("causal_mask", {"attention_mask": causal_mask(tree.num_tokens)}),
+            ("layout_positions", {"positions": torch.arange(tree.num_tokens)}),
+            ("no_positions", {"positions": None}),
+        ):
             out[name] = (tree_forward(**kwargs)[0] - ref_lp * response).abs().max().item()
     return out
 
@@ -137,8 +157,15 @@ def test_prefix_tree_is_rejected_before_any_model_loads_where_it_cannot_run():
     config = Path(__file__).resolve().parents[2] / "configs" / "signalling_tiny.yaml"
     with pytest.raises(ValueError, match=r"policies\.shared\.prefix_tree is a way of packing"):
         load_config(config, ["policies.shared.prefix_tree=true"])
-    cfg = load_config(config, ["policies.shared.pack=true", "policies.shared.prefix_tree=true",
-                               "cluster.num_nodes=1", "cluster.gpus_per_node=1"])
+    cfg = load_config(
+        config,
+        [
+            "policies.shared.pack=true",
+            "policies.shared.prefix_tree=true",
+            "cluster.num_nodes=1",
+            "cluster.gpus_per_node=1",
+        ],
+    )
     check_layer_specs(cfg, cuda=False, transformer_engine=False)  # CPU: the local spec takes the tree mask
     with pytest.raises(ValueError, match=r"policies\.shared\.prefix_tree: tree attention needs an arbitrary"):
         check_layer_specs(cfg, cuda=True, transformer_engine=True)  # a GPU node building TE's spec

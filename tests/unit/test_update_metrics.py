@@ -12,8 +12,12 @@ TOKEN_MEAN = (3 * 1.0 + 1 * 5.0 + 2 * 2.0 + 4 * 0.5) / 10
 
 def _micro_batch(rows):
     tokens = sum(n for n, _, _ in rows)
-    return {"loss": 0.1 * len(rows), "entropy": sum(n * e for n, e, _ in rows) / tokens,
-            "ratio_max": max(r for _, _, r in rows), RESPONSE_TOKENS: float(tokens)}
+    return {
+        "loss": 0.1 * len(rows),
+        "entropy": sum(n * e for n, e, _ in rows) / tokens,
+        "ratio_max": max(r for _, _, r in rows),
+        RESPONSE_TOKENS: float(tokens),
+    }
 
 
 @pytest.mark.parametrize("cut", [[[0, 1], [2, 3]], [[0], [1, 2, 3]], [[0, 2], [1], [3]]])

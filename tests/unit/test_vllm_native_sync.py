@@ -59,18 +59,29 @@ def nccl(monkeypatch):
 
 def test_nccl_push_reaches_every_replica_with_vllms_own_payloads(nccl):
     group, queues, opened = nccl
-    servers = [FakeVLLMServer(HFEngine(tiny_model("llama", seed=0)), q, weight_transfer="nccl") for q in queues]
+    servers = [
+        FakeVLLMServer(HFEngine(tiny_model("llama", seed=0)), q, weight_transfer="nccl") for q in queues
+    ]
     reference = HFEngine(tiny_model("llama", seed=0))
     state = {k: v * 1.5 for k, v in tiny_model("llama", seed=0).state_dict().items()}
     reference.update_weights(list(state.items()), version=5)
-    sender = VLLMNativeSender([s.url for s in servers], transport="nccl", master_port=29555, replica_tp=[1, 2],
-                              dtype=torch.float32, buffer_bytes=1 << 20, num_buffers=2)
+    sender = VLLMNativeSender(
+        [s.url for s in servers],
+        transport="nccl",
+        master_port=29555,
+        replica_tp=[1, 2],
+        dtype=torch.float32,
+        buffer_bytes=1 << 20,
+        num_buffers=2,
+    )
     try:
         sender.connect()
         assert opened == [("127.0.0.1", 29555, 4)]  # the sender and 1 + 2 workers
         infos = [s.init_info for s in servers]  # parsed by vLLM's NCCLWeightTransferInitInfo
         assert [i.rank_offset for i in infos] == [1, 2] and {i.world_size for i in infos} == {4}
-        assert all(i.packed and i.packed_buffer_size_bytes == 1 << 20 and i.packed_num_buffers == 2 for i in infos)
+        assert all(
+            i.packed and i.packed_buffer_size_bytes == 1 << 20 and i.packed_num_buffers == 2 for i in infos
+        )
 
         stats = sender.push(state.items(), version=5, bucket_bytes=64 * 1024, pause=True)
         assert stats.num_tensors == len(state) and stats.num_buckets == len(group.buckets) > 1
@@ -79,8 +90,12 @@ def test_nccl_push_reaches_every_replica_with_vllms_own_payloads(nccl):
             paths = server.paths()
             updates = [i for i, p in enumerate(paths) if p == "/update_weights"]
             assert paths.index("/pause") < paths.index("/start_weight_update") < updates[0]
-            assert updates[-1] < paths.index("/finish_weight_update") < paths.index("/reset_prefix_cache") \
+            assert (
+                updates[-1]
+                < paths.index("/finish_weight_update")
+                < paths.index("/reset_prefix_cache")
                 < paths.index("/resume")
+            )
             assert len(updates) == len(group.buckets)
             announced = [b["update_info"]["names"] for p, b in server.calls if p == "/update_weights"]
             assert announced == group.buckets  # each replica was told exactly what each broadcast carried
@@ -99,7 +114,10 @@ def test_nccl_sends_in_the_engines_dtype(nccl):
     sender = VLLMNativeSender([server.url], transport="nccl", master_port=29556, dtype=torch.bfloat16)
     try:
         sender.connect()
-        named = [("model.embed_tokens.weight", torch.randn(4, 3)), ("step", torch.tensor([7], dtype=torch.int64))]
+        named = [
+            ("model.embed_tokens.weight", torch.randn(4, 3)),
+            ("step", torch.tensor([7], dtype=torch.int64)),
+        ]
         # the fake HF engine loads whatever arrives: check the announcement and the bytes, not the model
         body = []
         server.on_call = lambda path, b: body.append(b) if path == "/update_weights" else None
@@ -123,8 +141,12 @@ def test_ipc_push_hands_over_handles_keyed_by_gpu(monkeypatch):
         return {"GPU-fake-0": (key,)}
 
     monkeypatch.setattr(vllm_native_sync, "_ipc_handles", handles)
-    server = FakeVLLMServer(HFEngine(tiny_model("llama", seed=0)), weight_transfer="ipc", gpu_uuid="GPU-fake-0",
-                            rebuild=lambda args: shared[args[0]].clone())
+    server = FakeVLLMServer(
+        HFEngine(tiny_model("llama", seed=0)),
+        weight_transfer="ipc",
+        gpu_uuid="GPU-fake-0",
+        rebuild=lambda args: shared[args[0]].clone(),
+    )
     reference = HFEngine(tiny_model("llama", seed=0))
     state = {k: v * 0.5 for k, v in tiny_model("llama", seed=0).state_dict().items()}
     reference.update_weights(list(state.items()), version=3)
@@ -279,8 +301,14 @@ def test_packing_streams_wait_for_the_cast(timeline, monkeypatch):
     monkeypatch.setattr(VLLMNativeSender, "_wire", wire)
     named = [(f"layer{i}.weight", torch.randn(64, 32)) for i in range(5)] + [("step", torch.tensor([3]))]
     names = {id(t): n for n, t in named}
-    sender = VLLMNativeSender(["http://127.0.0.1:1"], transport="nccl", master_port=29557, dtype=torch.bfloat16,
-                              buffer_bytes=6000, num_buffers=2)  # 4 KiB per bf16 tensor: two tensors per pack
+    sender = VLLMNativeSender(
+        ["http://127.0.0.1:1"],
+        transport="nccl",
+        master_port=29557,
+        dtype=torch.bfloat16,
+        buffer_bytes=6000,
+        num_buffers=2,
+    )  # 4 KiB per bf16 tensor: two tensors per pack
     group, client = _Group(line), _Client()
     sender.clients, sender.group, sender.connected = [client], group, True
     try:
@@ -289,12 +317,20 @@ def test_packing_streams_wait_for_the_cast(timeline, monkeypatch):
         sender.close()
     assert stats.num_buckets == 2
     ops = [op for _, op, _ in line.log]
-    assert ops.count("cast") == len(named) and ops.count("pack") >= 3 and ops.count("broadcast") == ops.count("pack")
+    assert (
+        ops.count("cast") == len(named)
+        and ops.count("pack") >= 3
+        and ops.count("broadcast") == ops.count("pack")
+    )
     assert {s for s, op, _ in line.log if op == "pack"} <= {"pack1", "pack2"}  # the producer's own streams
     assert line.unordered_packs() == []
     sent = torch.cat(group.sent)
-    expected = torch.cat([t.to(torch.bfloat16 if t.is_floating_point() else t.dtype).reshape(-1).view(torch.uint8)
-                          for _, t in named])
+    expected = torch.cat(
+        [
+            t.to(torch.bfloat16 if t.is_floating_point() else t.dtype).reshape(-1).view(torch.uint8)
+            for _, t in named
+        ]
+    )
     assert torch.equal(sent, expected)
 
 
@@ -306,6 +342,11 @@ def test_the_ordering_check_catches_a_producer_that_does_not_wait(timeline):
     for name in ("a", "b"):
         line.add("cast", name)
         bucket.append((name, torch.ones(4)))
-    packed_tensor.packed_nccl_broadcast_producer(iterator=iter(bucket), group=_Group(line), src=0,
-                                                 post_iter_func=lambda item: item[1], buffer_size_bytes=1 << 20)
+    packed_tensor.packed_nccl_broadcast_producer(
+        iterator=iter(bucket),
+        group=_Group(line),
+        src=0,
+        post_iter_func=lambda item: item[1],
+        buffer_size_bytes=1 << 20,
+    )
     assert line.unordered_packs() == [("pack1", ("a", "b"))]

@@ -15,13 +15,18 @@ from megamarl.rollout.weights.transport import vllm_transport
 @pytest.fixture
 def no_vllm_here(monkeypatch):
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a)
+    )
 
 
 def test_nccl_sender_without_vllm_in_the_trainer_is_refused_naming_the_keys(no_vllm_here):
     engine = EngineConfig(backend="vllm", server_python="/opt/vllm-env/bin/python")
-    with pytest.raises(ValueError, match=r"engine\.weight_transfer='auto'.*cannot import vllm.*server_python.*"
-                                         r"weight_transfer: megamarl"):
+    with pytest.raises(
+        ValueError,
+        match=r"engine\.weight_transfer='auto'.*cannot import vllm.*server_python.*"
+        r"weight_transfer: megamarl",
+    ):
         vllm_transport(engine, colocated=False, pp=1, on_gpu=True)
     with pytest.raises(ValueError, match=r"cannot import vllm"):  # PP>1: the stages gather to one NCCL sender
         vllm_transport(engine, colocated=False, pp=2, on_gpu=True)
@@ -29,10 +34,14 @@ def test_nccl_sender_without_vllm_in_the_trainer_is_refused_naming_the_keys(no_v
 
 def test_transports_that_need_no_vllm_here_still_start(no_vllm_here):
     engine = EngineConfig(backend="vllm", server_python="/opt/vllm-env/bin/python")
-    assert vllm_transport(engine, colocated=True, pp=1, on_gpu=True) == "ipc"  # torch's CUDA IPC handles, HTTP
+    assert (
+        vllm_transport(engine, colocated=True, pp=1, on_gpu=True) == "ipc"
+    )  # torch's CUDA IPC handles, HTTP
     assert vllm_transport(engine, colocated=True, pp=2, on_gpu=True) == "ipc"  # the leader relays the stages
     assert vllm_transport(engine, colocated=False, pp=1, on_gpu=False) == "megamarl_gloo"
-    megamarl = EngineConfig(backend="vllm", server_python="/opt/vllm-env/bin/python", weight_transfer="megamarl")
+    megamarl = EngineConfig(
+        backend="vllm", server_python="/opt/vllm-env/bin/python", weight_transfer="megamarl"
+    )
     assert vllm_transport(megamarl, colocated=False, pp=1, on_gpu=True) == "megamarl_gloo"
 
 

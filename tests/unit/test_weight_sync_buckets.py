@@ -16,7 +16,12 @@ def named(*numels: int) -> list[tuple[str, torch.Tensor]]:
 def test_buckets_respect_the_limit_and_keep_order():
     tensors = named(10, 10, 10, 30, 5, 5)  # 40, 40, 40, 120, 20, 20 bytes
     out = list(buckets(tensors, bucket_bytes=80))
-    assert [[n for n, _ in b] for b in out] == [["t0", "t1"], ["t2"], ["t3"], ["t4", "t5"]]  # t3 alone: too big
+    assert [[n for n, _ in b] for b in out] == [
+        ["t0", "t1"],
+        ["t2"],
+        ["t3"],
+        ["t4", "t5"],
+    ]  # t3 alone: too big
     assert [t for b in out for t in b] == tensors  # same tensors, same order, no copies
     assert all(sum(t.numel() * 4 for _, t in b) <= 80 for b in out if len(b) > 1)
     assert list(buckets([], bucket_bytes=80)) == []
@@ -41,5 +46,7 @@ def test_stage_ranks_follow_megatron_order():
 def test_sync_stats_rates():
     stats = SyncStats(num_tensors=3, num_bytes=2_000_000_000, num_buckets=2, seconds=4.0)
     assert stats.as_dict("weight_sync/p") == {
-        "weight_sync/p/bytes": 2e9, "weight_sync/p/seconds": 4.0, "weight_sync/p/gbps": 0.5,
+        "weight_sync/p/bytes": 2e9,
+        "weight_sync/p/seconds": 4.0,
+        "weight_sync/p/gbps": 0.5,
     }

@@ -32,7 +32,9 @@ def test_cpu_world_pushes_cpu_tensors_and_objects_on_the_world_group(one_rank_wo
 
 
 def test_nccl_world_receives_on_the_local_gpu_and_sends_objects_over_gloo(one_rank_world, monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # as on a GPU node: the default group is NCCL
+    monkeypatch.setattr(
+        torch.cuda, "is_available", lambda: True
+    )  # as on a GPU node: the default group is NCCL
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setenv("LOCAL_RANK", "1")
     via = weight_sync.push_transport()
@@ -58,10 +60,14 @@ def test_engine_rank_receives_into_the_chosen_device_over_the_chosen_group(monke
     ``push_transport().device`` and every metadata message read from ``push_transport().objects``
     (the p2p calls are recorded; the meta device stands in for the GPU)."""
     objects_group = object()
-    monkeypatch.setattr(weight_sync, "push_transport",
-                        lambda: weight_sync.PushTransport(torch.device("meta"), objects_group))
-    metas = [[("a", (2, 3), torch.float32), ("b", (4,), torch.float32)],
-             [("c", (2,), torch.float32), ("d", (3,), torch.bfloat16)], None]
+    monkeypatch.setattr(
+        weight_sync, "push_transport", lambda: weight_sync.PushTransport(torch.device("meta"), objects_group)
+    )
+    metas = [
+        [("a", (2, 3), torch.float32), ("b", (4,), torch.float32)],
+        [("c", (2,), torch.float32), ("d", (3,), torch.bfloat16)],
+        None,
+    ]
     seen = {"object_groups": [], "tensor_devices": []}
 
     def recv_object_list(holder, src=None, group=None, **_):
@@ -74,7 +80,9 @@ def test_engine_rank_receives_into_the_chosen_device_over_the_chosen_group(monke
     monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
     monkeypatch.setattr(dist, "recv_object_list", recv_object_list)
     monkeypatch.setattr(dist, "recv", recv)
-    wg = WorkerGroup("p", WorkerGroupLayout(ranks=[1]))  # rank 0 holds no shard: it receives stage 0 from rank 1
+    wg = WorkerGroup(
+        "p", WorkerGroupLayout(ranks=[1])
+    )  # rank 0 holds no shard: it receives stage 0 from rank 1
     engine = _RecordingEngine()
     stats = weight_sync.sync_weights(wg, None, [engine], version=1, engine_rank=0)
     assert stats.num_buckets == 2 and stats.num_tensors == 4

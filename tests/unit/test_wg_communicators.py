@@ -24,14 +24,25 @@ from megamarl.parallel.placement import (
 
 def test_distinct_multi_rank_sets_of_a_tp2_pp2_dp2_group():
     layout = WorkerGroupLayout(ranks=list(range(8)), tp=2, pp=2)
-    names = {name: sorted({tuple(sorted(g)) for g in e if 0 in g}) for name, e in wg_enumerations(layout).items()}
+    names = {
+        name: sorted({tuple(sorted(g)) for g in e if 0 in g}) for name, e in wg_enumerations(layout).items()
+    }
     assert names["tp_cp"] == names["tp"] == [(0, 1)] and names["dp_cp"] == names["dp"] == [(0, 2)]
     assert names["tp_ep_pp"] == names["mp"] == [(0, 1, 4, 5)] and names["embd"] == names["pp"] == [(0, 4)]
-    assert communicator_rank_sets(layout, 0) == {(0, 1), (0, 4), (0, 2), (0, 1, 4, 5), (0, 1, 2, 3), tuple(range(8))}
+    assert communicator_rank_sets(layout, 0) == {
+        (0, 1),
+        (0, 4),
+        (0, 2),
+        (0, 1, 4, 5),
+        (0, 1, 2, 3),
+        tuple(range(8)),
+    }
     assert num_communicators([layout], 0, world_size=8) == 6 + 1  # and the default (world) group
     other = WorkerGroupLayout(ranks=[8, 9], tp=2, key="placement.worker_groups.b")  # a WG rank 0 is not in
     assert num_communicators([layout, other], 0, world_size=10) == 7
-    assert nccl_reserve_bytes([layout, other], 9, world_size=10) == 2 * NCCL_COMMUNICATOR_BYTES  # tp {8, 9}, world
+    assert (
+        nccl_reserve_bytes([layout, other], 9, world_size=10) == 2 * NCCL_COMMUNICATOR_BYTES
+    )  # tp {8, 9}, world
     assert num_communicators([WorkerGroupLayout(ranks=[0])], 0, world_size=1) == 0  # one rank: no peers
 
 

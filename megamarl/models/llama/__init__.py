@@ -14,5 +14,7 @@ MODEL_TYPES = ("llama",)
 
 def arch_from_hf(hf_config) -> DecoderArch:
     if getattr(hf_config, "attention_bias", False) or getattr(hf_config, "mlp_bias", False):
-        raise ValueError("llama: attention_bias/mlp_bias=True unsupported (megatron has no o_proj/MLP bias here)")
+        raise ValueError(
+            "llama: attention_bias/mlp_bias=True unsupported (megatron has no o_proj/MLP bias here)"
+        )
     return decoder_arch(hf_config, "llama")

@@ -14,7 +14,10 @@ MODEL_TYPES = ("qwen2",)
 
 def arch_from_hf(hf_config) -> DecoderArch:
     if getattr(hf_config, "use_sliding_window", False):
-        raise ValueError("qwen2: use_sliding_window=True unsupported (Megatron side uses full causal attention)")
+        raise ValueError(
+            "qwen2: use_sliding_window=True unsupported (Megatron side uses full causal attention)"
+        )
     # Qwen2 always has QKV bias and derives head_dim from hidden/heads.
-    return decoder_arch(hf_config, "qwen2", qkv_bias=True,
-                        head_dim=hf_config.hidden_size // hf_config.num_attention_heads)
+    return decoder_arch(
+        hf_config, "qwen2", qkv_bias=True, head_dim=hf_config.hidden_size // hf_config.num_attention_heads
+    )

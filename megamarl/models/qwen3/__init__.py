@@ -12,6 +12,9 @@ MODEL_TYPES = ("qwen3",)
 
 def arch_from_hf(hf_config) -> DecoderArch:
     if getattr(hf_config, "use_sliding_window", False):
-        raise ValueError("qwen3: use_sliding_window=True unsupported (Megatron side uses full causal attention)")
-    return decoder_arch(hf_config, "qwen3", qk_norm=True,
-                        qkv_bias=bool(getattr(hf_config, "attention_bias", False)))
+        raise ValueError(
+            "qwen3: use_sliding_window=True unsupported (Megatron side uses full causal attention)"
+        )
+    return decoder_arch(
+        hf_config, "qwen3", qk_norm=True, qkv_bias=bool(getattr(hf_config, "attention_bias", False))
+    )

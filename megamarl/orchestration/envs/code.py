@@ -82,11 +82,17 @@ def _problem_from_row(row: dict) -> CodeProblem:
     if "input_output" in row:  # APPS
         io_spec = row["input_output"]
         io_spec = json.loads(io_spec) if isinstance(io_spec, str) else io_spec
-        tests = [{"input": i, "output": o} for i, o in zip(io_spec["inputs"], io_spec["outputs"], strict=True)]
+        tests = [
+            {"input": i, "output": o} for i, o in zip(io_spec["inputs"], io_spec["outputs"], strict=True)
+        ]
         solutions = row.get("solutions") or []
         solutions = json.loads(solutions) if isinstance(solutions, str) else solutions
-        row = {"spec": row["question"], "fn_name": io_spec.get("fn_name"), "tests": tests,
-               "reference": solutions[0] if solutions else None}
+        row = {
+            "spec": row["question"],
+            "fn_name": io_spec.get("fn_name"),
+            "tests": tests,
+            "reference": solutions[0] if solutions else None,
+        }
     fn_name, tests = row.get("fn_name"), row["tests"]
     if not tests:
         raise ValueError("no tests")
@@ -165,12 +171,15 @@ class CodeConfig(EnvConfig):
             self.sandbox = SandboxConfig(**self.sandbox)
         if not isinstance(self.unsafe_inprocess, bool):
             raise ValueError(  # noqa: TRY004 - config errors are ValueErrors (exit 2)
-                f"env.kwargs.unsafe_inprocess must be true or false, got {self.unsafe_inprocess!r}")
+                f"env.kwargs.unsafe_inprocess must be true or false, got {self.unsafe_inprocess!r}"
+            )
         reason = None if self.unsafe_inprocess else isolation_error()
         if reason is not None:
-            raise ValueError(f"env 'code' cannot isolate candidate code here: {reason}. Set "
-                             "env.kwargs.unsafe_inprocess=true to run it in the old audit-hook sandbox "
-                             "(not a security boundary; see docs/reliability.md)")
+            raise ValueError(
+                f"env 'code' cannot isolate candidate code here: {reason}. Set "
+                "env.kwargs.unsafe_inprocess=true to run it in the old audit-hook sandbox "
+                "(not a security boundary; see docs/reliability.md)"
+            )
         if self.dataset is not None:
             load_problems(self.dataset)  # a bad file fails at load time, naming env.dataset
 
@@ -243,8 +252,12 @@ class CodeEnv(Env):
         cases = []  # ``assert run("<stdin>") == "<stdout>"`` per line
         for node in ast.parse(tests).body:
             test = getattr(node, "test", None)
-            if not (isinstance(test, ast.Compare) and isinstance(test.left, ast.Call)
-                    and getattr(test.left.func, "id", "") == "run" and len(test.left.args) == 1):
+            if not (
+                isinstance(test, ast.Compare)
+                and isinstance(test.left, ast.Call)
+                and getattr(test.left.func, "id", "") == "run"
+                and len(test.left.args) == 1
+            ):
                 raise ValueError("stdin/stdout tests are lines `assert run('<input>') == '<output>'`")
             stdin, stdout = ast.literal_eval(test.left.args[0]), ast.literal_eval(test.comparators[0])
             cases.append(StdioCase(str(stdin), str(stdout)))

@@ -49,8 +49,11 @@ def render_tictactoe(obs: dict, agent: str) -> str:
                 cells.append(str(cell))
         rows.append(" | ".join(cells))
     legal = " ".join(str(a) for a in np.flatnonzero(obs["action_mask"]))
-    return (f"Tic-tac-toe. You play {mine}.\n" + "\n".join(rows)
-            + f"\nFree cells: {legal}. Answer with the number of the cell you take.")
+    return (
+        f"Tic-tac-toe. You play {mine}.\n"
+        + "\n".join(rows)
+        + f"\nFree cells: {legal}. Answer with the number of the cell you take."
+    )
 
 
 def tictactoe_vs_pool(agent_id: str, episode_seed: int) -> str:

@@ -111,7 +111,9 @@ class ToolRelayEnv(ToolEnv):
                 if rng.random() < config.code_fraction:
                     calls.append(_program(rng, config.code_iters))
                 else:
-                    calls.append(ToolCall("wait", seconds=config.wait_s * rng.uniform(0.5, 1.5), expected="ok"))
+                    calls.append(
+                        ToolCall("wait", seconds=config.wait_s * rng.uniform(0.5, 1.5), expected="ok")
+                    )
             tasks.append(Task(f"relay-{seed}-{i}", RelayTask(secret, tuple(calls))))
         return tasks
 
@@ -160,8 +162,13 @@ async def run_tool(call: ToolCall, *, timeout_s: float) -> str:
     if call.kind != "python":
         raise ValueError(f"unknown tool kind {call.kind!r}; known: {TOOL_KINDS}")
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-I", "-S", "-c", call.code,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL,
+        sys.executable,
+        "-I",
+        "-S",
+        "-c",
+        call.code,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.DEVNULL,
     )
     try:
         out, _ = await asyncio.wait_for(proc.communicate(), timeout_s)
@@ -231,8 +238,13 @@ class SlowJudgeEnv(SignallingEnv):
     @classmethod
     def generate_tasks(cls, config: SlowJudgeConfig, *, num_tasks: int, seed: int) -> list[Task]:
         rng = random.Random(seed ^ 0x5EED)  # not the secrets' stream: the same secrets as signalling
-        return [Task(t.task_id.replace("signal-", "judged-", 1), JudgedSecret(t.payload, rng.choice(config.judge_s)))
-                for t in super().generate_tasks(config, num_tasks=num_tasks, seed=seed)]
+        return [
+            Task(
+                t.task_id.replace("signal-", "judged-", 1),
+                JudgedSecret(t.payload, rng.choice(config.judge_s)),
+            )
+            for t in super().generate_tasks(config, num_tasks=num_tasks, seed=seed)
+        ]
 
     def step(self, agent: str, action) -> StepResult:
         time.sleep(self.judge_s)  # blocks its caller: the event loop, or an env worker

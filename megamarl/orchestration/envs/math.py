@@ -83,7 +83,9 @@ class MathConfig(EnvConfig):
         if bad or not self.kinds:
             raise ValueError(f"env.kinds has {bad or 'nothing'}; allowed: {sorted(PROBLEM_KINDS)}")
         if self.dataset_path is not None:
-            load_jsonl(self.dataset_path)  # a bad file fails at load time, naming env.dataset_path, file and line
+            load_jsonl(
+                self.dataset_path
+            )  # a bad file fails at load time, naming env.dataset_path, file and line
 
 
 def load_jsonl(path: str | Path) -> list[MathProblem]:
@@ -93,8 +95,10 @@ def load_jsonl(path: str | Path) -> list[MathProblem]:
     for where, record in read_jsonl(path, key="env.dataset_path"):
         missing = [k for k in ("question", "answer") if k not in record]
         if missing:
-            raise ValueError(f"{where}: each line needs 'question' and 'answer'; missing {missing}, "
-                             f"has {sorted(record)[:10]}")
+            raise ValueError(
+                f"{where}: each line needs 'question' and 'answer'; missing {missing}, "
+                f"has {sorted(record)[:10]}"
+            )
         if not isinstance(record["question"], str) or not record["question"].strip():
             raise ValueError(f"{where}: 'question' must be non-empty text, got {_short(record['question'])}")
         answer, ok = last_number(str(record["answer"]))

@@ -67,13 +67,17 @@ class PettingZooConfig(EnvConfig):
 
     def __post_init__(self) -> None:
         if not self.factory:
-            raise ValueError("env.kwargs.factory must name a 'module:function' that builds the PettingZoo env")
+            raise ValueError(
+                "env.kwargs.factory must name a 'module:function' that builds the PettingZoo env"
+            )
         # resolve at config time, not in the first episode
         for key in ("factory", "render", "parse"):
             if getattr(self, key):
                 resolve_callable(getattr(self, key), key=f"env.kwargs.{key}")
         if self.invalid_outcome not in INVALID_OUTCOMES:
-            raise ValueError(f"env.kwargs.invalid_outcome={self.invalid_outcome!r}; allowed: {list(INVALID_OUTCOMES)}")
+            raise ValueError(
+                f"env.kwargs.invalid_outcome={self.invalid_outcome!r}; allowed: {list(INVALID_OUTCOMES)}"
+            )
         if self.scoring not in SCORINGS:
             raise ValueError(f"env.kwargs.scoring={self.scoring!r}; allowed: {list(SCORINGS)}")
         if self.max_cycles < 1:

@@ -34,7 +34,9 @@ class EchoParallelGame(_ParallelBase):
         self.possible_agents = ["alice", "bob"]
         self.num_rounds = num_rounds
         if _spaces is not None:
-            self.observation_spaces = {a: _spaces.Text(64, charset=TEXT_CHARSET) for a in self.possible_agents}
+            self.observation_spaces = {
+                a: _spaces.Text(64, charset=TEXT_CHARSET) for a in self.possible_agents
+            }
             self.action_spaces = {a: _spaces.Text(16, charset=TEXT_CHARSET) for a in self.possible_agents}
 
     def observation_space(self, agent):

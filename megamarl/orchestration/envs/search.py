@@ -29,7 +29,22 @@ from megamarl.orchestration.agents import AGENTS, Agent
 from megamarl.orchestration.env import ENVS, Env, EnvConfig, StepResult, Task, draw_from_dataset
 
 _SYLLABLES = (
-    "ve", "lo", "ri", "ma", "nos", "ta", "ke", "dru", "sa", "lin", "mor", "ga", "thi", "bel", "qua", "zen",
+    "ve",
+    "lo",
+    "ri",
+    "ma",
+    "nos",
+    "ta",
+    "ke",
+    "dru",
+    "sa",
+    "lin",
+    "mor",
+    "ga",
+    "thi",
+    "bel",
+    "qua",
+    "zen",
 )
 Corpus = tuple[tuple[str, str], ...]  # (doc_id, text)
 
@@ -153,7 +168,11 @@ def _read_jsonl(path: str) -> list[dict]:
 class SearchQAEnv(Env):
     Config = SearchConfig
     agents = ("router", "searcher", "answerer")
-    default_agents: ClassVar[dict[str, str]] = {"router": "router", "searcher": "searcher", "answerer": "answerer"}
+    default_agents: ClassVar[dict[str, str]] = {
+        "router": "router",
+        "searcher": "searcher",
+        "answerer": "answerer",
+    }
 
     def __init__(self, task: Task, config: SearchConfig) -> None:
         super().__init__(task, config)

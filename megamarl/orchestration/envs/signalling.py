@@ -91,7 +91,7 @@ class SignallingEnv(Env):
         if agent == "sender":
             return (
                 f"The secret digit is {self.secret}. Send exactly one letter from "
-                f"{' '.join(SYMBOLS[:self.config.num_symbols])} so your partner can guess the digit."
+                f"{' '.join(SYMBOLS[: self.config.num_symbols])} so your partner can guess the digit."
             )
         return (
             f"Your partner sent the letter: {self.symbol}\n"

@@ -70,19 +70,28 @@ class JSONClient:
         self.max_concurrency = max_concurrency
         # One session per event loop: a session's connections belong to the loop that opened them.
         self._sessions: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, aiohttp.ClientSession] = (
-            weakref.WeakKeyDictionary())
+            weakref.WeakKeyDictionary()
+        )
         self._lock = threading.Lock()
 
     # -- blocking control path -------------------------------------------------------------------
 
     def request(
-        self, method: str, path: str, payload: Any = None, *, query: dict | None = None, timeout_s: float | None = None
+        self,
+        method: str,
+        path: str,
+        payload: Any = None,
+        *,
+        query: dict | None = None,
+        timeout_s: float | None = None,
     ) -> Any:
         url = self.base_url + path
         if query:
             url += "?" + urllib.parse.urlencode(query, doseq=True)
         data = None if payload is None else json.dumps(payload).encode()
-        req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+        req = urllib.request.Request(
+            url, data=data, method=method, headers={"Content-Type": "application/json"}
+        )
         try:
             with urllib.request.urlopen(req, timeout=timeout_s or self.timeout_s) as resp:
                 body = resp.read()
@@ -99,7 +108,9 @@ class JSONClient:
     def get(self, path: str, **kwargs) -> Any:
         return self.request("GET", path, **kwargs)
 
-    def answers(self, path: str = "/health", *, probe_s: float = 5.0, patience_s: float = BUSY_PATIENCE_S) -> bool:
+    def answers(
+        self, path: str = "/health", *, probe_s: float = 5.0, patience_s: float = BUSY_PATIENCE_S
+    ) -> bool:
         """The server is alive: ``path`` answers 200. Refused, reset, unroutable or an error status is
         ``False`` at once; a probe that times out is repeated for ``patience_s`` (a CPU server busy
         generating on a loaded host can take longer than one probe to answer, and declaring it dead
@@ -136,20 +147,27 @@ class JSONClient:
         await closer.__anext__()
         return session
 
-    async def apost(self, path: str, payload: Any = None, *, query: dict | None = None,
-                    timeout_s: float | None = None) -> Any:
+    async def apost(
+        self, path: str, payload: Any = None, *, query: dict | None = None, timeout_s: float | None = None
+    ) -> Any:
         url = self.base_url + path
         aiohttp = _aiohttp()
         timeout = aiohttp.ClientTimeout(total=timeout_s or self.timeout_s)
         try:
             session = await self._session()
-            async with session.post(url, json={} if payload is None else payload, params=query,
-                                            timeout=timeout) as resp:
+            async with session.post(
+                url, json={} if payload is None else payload, params=query, timeout=timeout
+            ) as resp:
                 body = await resp.read()
                 if resp.status >= 400:
                     detail = body.decode(errors="replace")[:500]
                     raise EngineHTTPError(f"POST {url} -> HTTP {resp.status}: {detail}")
-        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError, OSError) as exc:
+        except (
+            aiohttp.ClientConnectionError,
+            aiohttp.ClientPayloadError,
+            asyncio.TimeoutError,
+            OSError,
+        ) as exc:
             raise EngineConnectionError(f"POST {url} failed: {exc!r}") from exc
         return _decode(body)
 

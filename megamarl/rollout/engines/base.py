@@ -111,8 +111,9 @@ class Engine(abc.ABC):
         """Free resources; the engine is unusable afterwards."""
 
     @classmethod
-    def from_config(cls, cfg: Any, path: Path, *, replica: int, seed: int, lora: Any = None,
-                    num_threads: int = 0) -> Engine:
+    def from_config(
+        cls, cfg: Any, path: Path, *, replica: int, seed: int, lora: Any = None, num_threads: int = 0
+    ) -> Engine:
         """Replica ``replica`` of a policy's engine from its ``EngineConfig`` (``lora``: a
         ``rollout.engines.lora_backends.LoraServing`` when the policy serves L2 adapters; ``num_threads``: CPU
         threads of an in-process engine, 0: the process's setting). Engines registered with
@@ -171,19 +172,23 @@ class EngineTraits:
 
 
 ENGINES: Registry[type[Engine]] = Registry(
-    "engine", traits=EngineTraits,
+    "engine",
+    traits=EngineTraits,
     signature="class(Engine); configurable: cls.from_config(cfg: EngineConfig, path, *, replica, seed, lora, num_threads)",
     keys=("policies.<name>.engine.backend",),
 )
 
 
-def buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int, *,
-            dtype: torch.dtype | None = None) -> Iterator[list[tuple[str, torch.Tensor]]]:
+def buckets(
+    named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int, *, dtype: torch.dtype | None = None
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Group tensors into lists of at most ``bucket_bytes`` (a larger tensor goes alone); with
     ``dtype``, floating tensors count at its size (they travel cast to it)."""
     bucket, size = [], 0
     for name, tensor in named:
-        itemsize = dtype.itemsize if dtype is not None and tensor.is_floating_point() else tensor.element_size()
+        itemsize = (
+            dtype.itemsize if dtype is not None and tensor.is_floating_point() else tensor.element_size()
+        )
         nbytes = tensor.numel() * itemsize
         if bucket and size + nbytes > bucket_bytes:
             yield bucket

@@ -43,7 +43,9 @@ from megamarl.rollout.engines.batching import MicroBatcher
 BASE_LAYER = ".base_layer."  # PEFT wraps each adapted linear: its base weight moves under this name
 
 
-@ENGINES.register("hf", traits=EngineTraits(configurable=True, in_process=True, can_sleep=True, serves_lora=True))
+@ENGINES.register(
+    "hf", traits=EngineTraits(configurable=True, in_process=True, can_sleep=True, serves_lora=True)
+)
 class HFEngine(InProcessEngine):
     """Serve one HF causal LM (a directory path or an already-built ``PreTrainedModel``) and, after
     ``add_lora``, its LoRA adapters."""
@@ -96,13 +98,17 @@ class HFEngine(InProcessEngine):
         self, prompt_ids: list[int], sampling: SamplingParams, *, lora: str | None = None
     ) -> list[Generation]:
         if lora is not None and lora not in self.lora_versions:
-            raise ValueError(f"unknown LoRA adapter '{lora}'; registered: {sorted(self.lora_versions) or 'none'}")
+            raise ValueError(
+                f"unknown LoRA adapter '{lora}'; registered: {sorted(self.lora_versions) or 'none'}"
+            )
         if not prompt_ids:
             raise ValueError("prompt_ids must not be empty")
         await self._admitted()
         return await self.batcher.submit((list(prompt_ids), sampling, lora), num_rows=sampling.n)
 
-    def _run_batch(self, requests: list[tuple[list[int], SamplingParams, str | None]]) -> list[list[Generation]]:
+    def _run_batch(
+        self, requests: list[tuple[list[int], SamplingParams, str | None]]
+    ) -> list[list[Generation]]:
         results: list[list[Generation]] = [[] for _ in requests]
         num_rows = sum(sp.n for _, sp, _ in requests)
         if self.num_threads > 0:  # this batch thread's OpenMP team (torch._C: vLLM may patch the wrapper)
@@ -132,7 +138,9 @@ class HFEngine(InProcessEngine):
         """ids -> text, for stop strings: the given tokenizer or the model directory's."""
         if self._tokenizer is None:
             if self.model_path is None:
-                raise ValueError("sampling.stop needs the engine's tokenizer: build HFEngine(..., tokenizer=...)")
+                raise ValueError(
+                    "sampling.stop needs the engine's tokenizer: build HFEngine(..., tokenizer=...)"
+                )
             from transformers import AutoTokenizer
 
             self._tokenizer = AutoTokenizer.from_pretrained(self.model_path)
@@ -171,8 +179,11 @@ class HFEngine(InProcessEngine):
         max_new = [sp.max_tokens for sp in params]
 
         out = self.model(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-            use_cache=True, logits_to_keep=1,
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            use_cache=True,
+            logits_to_keep=1,
         )
         tokens: list[list[int]] = [[] for _ in prompts]
         logprobs: list[list[float]] = [[] for _ in prompts]
@@ -194,8 +205,11 @@ class HFEngine(InProcessEngine):
             attention_mask = torch.cat([attention_mask, attention_mask.new_ones((num_rows, 1))], dim=1)
             position_ids = position_ids[:, -1:] + 1
             out = self.model(
-                input_ids=next_tokens[:, None], attention_mask=attention_mask, position_ids=position_ids,
-                past_key_values=out.past_key_values, use_cache=True,
+                input_ids=next_tokens[:, None],
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                past_key_values=out.past_key_values,
+                use_cache=True,
             )
         return tokens, logprobs, [reason or "length" for reason in reasons]
 
@@ -214,7 +228,9 @@ class HFEngine(InProcessEngine):
                 self.weight_version = version
             else:
                 if lora not in self.lora_versions:
-                    raise ValueError(f"update_weights: unknown LoRA adapter '{lora}'; add it with add_lora first")
+                    raise ValueError(
+                        f"update_weights: unknown LoRA adapter '{lora}'; add it with add_lora first"
+                    )
                 _copy_named(weights, self._lora_targets(lora), what=f"LoRA adapter '{lora}'")
                 self.lora_versions[lora] = version
 
@@ -238,7 +254,9 @@ class HFEngine(InProcessEngine):
     # -- LoRA ------------------------------------------------------------------------------------
 
     @classmethod
-    def from_config(cls, cfg, path: Path, *, replica: int, seed: int, lora=None, num_threads: int = 0) -> HFEngine:
+    def from_config(
+        cls, cfg, path: Path, *, replica: int, seed: int, lora=None, num_threads: int = 0
+    ) -> HFEngine:
         dtype = DTYPES[resolve_dtype(cfg.dtype)]
         return cls(path, seed=seed, max_batch_rows=cfg.max_num_seqs, dtype=dtype, num_threads=num_threads)
 
@@ -247,7 +265,9 @@ class HFEngine(InProcessEngine):
         from peft import PeftModel
 
         if not (Path(path) / "adapter_config.json").is_file():
-            raise ValueError(f"LoRA '{name}': {path} is not a PEFT adapter directory (no adapter_config.json)")
+            raise ValueError(
+                f"LoRA '{name}': {path} is not a PEFT adapter directory (no adapter_config.json)"
+            )
         with self._model_lock:
             if not isinstance(self.model, PeftModel):
                 self.model = PeftModel.from_pretrained(self.base_model, str(path), adapter_name=name)

@@ -23,7 +23,9 @@ class LoraServing:
         ``vllm.config.lora.MaxLoRARanks`` (0.32), so the smallest of them that holds ``rank``."""
         fits = [r for r in VLLM_LORA_RANKS if r >= self.rank]
         if not fits:
-            raise ValueError(f"policies.<p>.lora.rank={self.rank} exceeds vLLM's largest max_lora_rank {VLLM_LORA_RANKS[-1]}")
+            raise ValueError(
+                f"policies.<p>.lora.rank={self.rank} exceeds vLLM's largest max_lora_rank {VLLM_LORA_RANKS[-1]}"
+            )
         return fits[0]
 
 
@@ -42,12 +44,16 @@ def lora_serving(cfg, policy: str) -> LoraServing | None:
     adapters = policy_adapters(cfg, policy)
     if lora is None or not adapters:
         return None
-    return LoraServing(num_adapters=len(adapters), rank=lora.rank, target_modules=tuple(hf_target_modules(lora)))
+    return LoraServing(
+        num_adapters=len(adapters), rank=lora.rank, target_modules=tuple(hf_target_modules(lora))
+    )
 
 
 # SGLang's LoRA kernels are CUDA/Triton; its torch_native LoRA backend was not verified on CPU.
-SGLANG_CPU_LORA = ("policies.{policy}.lora with engine.backend=sglang on CPU: SGLang serves LoRA adapters on GPU "
-                   "only here; use engine.backend=vllm (vLLM-CPU serves them) or drop the lora")
+SGLANG_CPU_LORA = (
+    "policies.{policy}.lora with engine.backend=sglang on CPU: SGLang serves LoRA adapters on GPU "
+    "only here; use engine.backend=vllm (vLLM-CPU serves them) or drop the lora"
+)
 
 
 def check_lora_backends(cfg, *, on_gpu: bool) -> None:

@@ -121,13 +121,22 @@ def _version(stamp: Any, default: int) -> int:
         return default
 
 
-@ENGINES.register("sglang", traits=EngineTraits(configurable=True, can_sleep=True, serves_lora=True, external=True,
-                                                server=True))
+@ENGINES.register(
+    "sglang",
+    traits=EngineTraits(configurable=True, can_sleep=True, serves_lora=True, external=True, server=True),
+)
 class SGLangClient(Engine):
     """Disaggregated SGLang server at ``base_url`` (``http://host:port``)."""
 
-    def __init__(self, base_url: str, *, timeout_s: float = 600.0, tp_size: int = 1, bucket_bytes: int = 512 * 2**20,
-                 health_patience_s: float = BUSY_PATIENCE_S):
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        timeout_s: float = 600.0,
+        tp_size: int = 1,
+        bucket_bytes: int = 512 * 2**20,
+        health_patience_s: float = BUSY_PATIENCE_S,
+    ):
         self.base_url = base_url
         self.health_patience_s = health_patience_s  # ``health``: how long a probe that times out is repeated
         self.http = JSONClient(base_url, timeout_s=timeout_s)
@@ -140,11 +149,15 @@ class SGLangClient(Engine):
         self._in_flight_lock = threading.Lock()
 
     @classmethod
-    def from_config(cls, cfg, path, *, replica: int, seed: int, lora=None, num_threads: int = 0) -> SGLangClient:
+    def from_config(
+        cls, cfg, path, *, replica: int, seed: int, lora=None, num_threads: int = 0
+    ) -> SGLangClient:
         """Replica ``i`` is the server at ``engine.server_urls[i]``."""
         if replica >= len(cfg.server_urls):
-            raise ValueError(f"policies.<p>.engine.backend=sglang needs one engine.server_urls entry per replica "
-                             f"(replica {replica}, {len(cfg.server_urls)} urls)")
+            raise ValueError(
+                f"policies.<p>.engine.backend=sglang needs one engine.server_urls entry per replica "
+                f"(replica {replica}, {len(cfg.server_urls)} urls)"
+            )
         return cls(cfg.server_urls[replica], health_patience_s=cfg.health_patience_s)
 
     async def generate(
@@ -156,8 +169,10 @@ class SGLangClient(Engine):
             "return_logprob": True,
         }
         if sampling.allowed_token_ids:
-            raise NotImplementedError("SGLang's sampling parameters have no allowed_token_ids; drop "
-                                      "agents.<a>.sampling.allowed_tokens for SGLang policies or use backend vllm/hf")
+            raise NotImplementedError(
+                "SGLang's sampling parameters have no allowed_token_ids; drop "
+                "agents.<a>.sampling.allowed_tokens for SGLang policies or use backend vllm/hf"
+            )
         if lora is not None:
             payload["lora_path"] = [lora] * sampling.n
         with self._in_flight_lock:
@@ -169,7 +184,9 @@ class SGLangClient(Engine):
                 self._in_flight -= 1
         gens = [self._to_generation(r) for r in (replies if isinstance(replies, list) else [replies])]
         if lora is not None:  # the server stamps the base weights' version; an adapter has its own
-            gens = [Generation(g.token_ids, g.logprobs, g.finish_reason, self.version_for(lora)) for g in gens]
+            gens = [
+                Generation(g.token_ids, g.logprobs, g.finish_reason, self.version_for(lora)) for g in gens
+            ]
         return gens
 
     def _to_generation(self, reply: dict) -> Generation:
@@ -194,8 +211,10 @@ class SGLangClient(Engine):
     ) -> None:
         """Send tensors in buckets through ``/update_weights_from_tensor`` (same-node servers)."""
         if lora is not None:
-            raise NotImplementedError("SGLangClient: an adapter update is a new PEFT directory loaded with "
-                                      "add_lora (/load_lora_adapter), not tensors")
+            raise NotImplementedError(
+                "SGLangClient: an adapter update is a new PEFT directory loaded with "
+                "add_lora (/load_lora_adapter), not tensors"
+            )
         previous: list[tuple[str, torch.Tensor]] = []
         _check(self.http.post("/begin_weight_update", {}), "begin_weight_update")
         try:
@@ -219,12 +238,22 @@ class SGLangClient(Engine):
         _check(self.http.post("/update_weights_from_tensor", payload), "update_weights_from_tensor")
 
     def init_weights_update_group(
-        self, *, master_address: str, master_port: int, rank_offset: int, world_size: int,
-        group_name: str = "weight_update_group", backend: str = "nccl",
+        self,
+        *,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str = "weight_update_group",
+        backend: str = "nccl",
     ) -> None:
         payload = {
-            "master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
-            "world_size": world_size, "group_name": group_name, "backend": backend,
+            "master_address": master_address,
+            "master_port": master_port,
+            "rank_offset": rank_offset,
+            "world_size": world_size,
+            "group_name": group_name,
+            "backend": backend,
         }
         _check(self.http.post("/init_weights_update_group", payload), "init_weights_update_group")
 
@@ -238,12 +267,16 @@ class SGLangClient(Engine):
         from pathlib import Path
 
         if not (Path(path) / "adapter_config.json").is_file():
-            raise ValueError(f"LoRA '{name}': {path} is not a PEFT adapter directory (no adapter_config.json)")
+            raise ValueError(
+                f"LoRA '{name}': {path} is not a PEFT adapter directory (no adapter_config.json)"
+            )
         if name in self._loaded_loras:
             _check_lora(self.http.post("/unload_lora_adapter", {"lora_name": name}), "unload_lora_adapter")
             self._loaded_loras.discard(name)
-        _check_lora(self.http.post("/load_lora_adapter", {"lora_name": name, "lora_path": str(path)}),
-                    "load_lora_adapter")
+        _check_lora(
+            self.http.post("/load_lora_adapter", {"lora_name": name, "lora_path": str(path)}),
+            "load_lora_adapter",
+        )
         self._loaded_loras.add(name)
         self.lora_versions.setdefault(name, 0)
 
@@ -275,9 +308,11 @@ class SGLangClient(Engine):
     def wake(self, tags: tuple[str, ...] | None = None) -> None:
         """Resume ``tags`` in order (weights first, so a push can land before the KV cache returns);
         None: everything."""
-        for tag in ([None] if tags is None else list(tags)):
-            _check(self.http.post("/resume_memory_occupation", {"tags": None if tag is None else [tag]}),
-                   "resume_memory_occupation")
+        for tag in [None] if tags is None else list(tags):
+            _check(
+                self.http.post("/resume_memory_occupation", {"tags": None if tag is None else [tag]}),
+                "resume_memory_occupation",
+            )
 
     def pause(self, *, drain_timeout_s: float = 600.0) -> None:
         """Requests already sent finish first (like vLLM's ``/pause?mode=wait``), then the scheduler

@@ -160,8 +160,10 @@ def to_vllm_sampling(sampling: SamplingParams):
     )
 
 
-@ENGINES.register("vllm", traits=EngineTraits(configurable=True, in_process=True, can_sleep=True, serves_lora=True,
-                                           server=True))
+@ENGINES.register(
+    "vllm",
+    traits=EngineTraits(configurable=True, in_process=True, can_sleep=True, serves_lora=True, server=True),
+)
 class VLLMEngine(InProcessEngine):
     """In-process vLLM serving one policy (and, with ``enable_lora``, its LoRA adapters)."""
 
@@ -192,9 +194,14 @@ class VLLMEngine(InProcessEngine):
         if kv_cache_bytes is None and self.on_cpu and "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
             kv_cache_bytes = CPU_KV_CACHE_BYTES
         kwargs: dict[str, Any] = {
-            "model": str(model), "dtype": dtype, "seed": seed, "max_model_len": max_model_len,
-            "enforce_eager": enforce_eager, "enable_prefix_caching": enable_prefix_caching,
-            "gpu_memory_utilization": gpu_memory_utilization, "logprobs_mode": "processed_logprobs",
+            "model": str(model),
+            "dtype": dtype,
+            "seed": seed,
+            "max_model_len": max_model_len,
+            "enforce_eager": enforce_eager,
+            "enable_prefix_caching": enable_prefix_caching,
+            "gpu_memory_utilization": gpu_memory_utilization,
+            "logprobs_mode": "processed_logprobs",
             "enable_sleep_mode": self.native_sleep,
         }
         if kv_cache_bytes is not None:
@@ -233,7 +240,9 @@ class VLLMEngine(InProcessEngine):
         # (the rollout event loop would stall and requests would trickle in one per step).
         self._inbox_lock = threading.Lock()
         # (request id, prompt, params, adapter name, LoRARequest, caller's loop, future)
-        self._inbox: list[tuple[str, dict, Any, str | None, Any, asyncio.AbstractEventLoop, asyncio.Future]] = []
+        self._inbox: list[
+            tuple[str, dict, Any, str | None, Any, asyncio.AbstractEventLoop, asyncio.Future]
+        ] = []
         self._futures: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future, str | None]] = {}
         self._hold = False  # set while draining for a weight change: inbox requests wait
         self._wakeup = threading.Event()
@@ -358,13 +367,29 @@ class VLLMEngine(InProcessEngine):
         if importlib.util.find_spec("vllm") is None:
             print("[megamarl] engine.backend=vllm but vllm is not installed: using the hf engine", flush=True)
             return HFEngine.from_config(cfg, path, replica=replica, seed=seed, num_threads=num_threads)
-        lora_kwargs = {"enable_lora": True, "max_loras": max(lora.num_adapters, 1), "max_lora_rank": lora.vllm_max_rank} if lora else {}
+        lora_kwargs = (
+            {"enable_lora": True, "max_loras": max(lora.num_adapters, 1), "max_lora_rank": lora.vllm_max_rank}
+            if lora
+            else {}
+        )
         dtype = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[resolve_dtype(cfg.dtype)]
-        memory = {} if cfg.gpu_memory_utilization is None else {"gpu_memory_utilization": cfg.gpu_memory_utilization}
+        memory = (
+            {}
+            if cfg.gpu_memory_utilization is None
+            else {"gpu_memory_utilization": cfg.gpu_memory_utilization}
+        )
         kv_cache_gib = cfg.kv_cache_setting(on_gpu=torch.cuda.is_available())  # 0: vLLM's fraction sizes it
-        return cls(path, seed=seed, kv_cache_bytes=int(kv_cache_gib * 2**30) or None, dtype=dtype,
-                   num_threads=num_threads, max_num_seqs=cfg.max_num_seqs,
-                   enforce_eager=cfg.eager(on_gpu=torch.cuda.is_available()), **memory, **lora_kwargs)
+        return cls(
+            path,
+            seed=seed,
+            kv_cache_bytes=int(kv_cache_gib * 2**30) or None,
+            dtype=dtype,
+            num_threads=num_threads,
+            max_num_seqs=cfg.max_num_seqs,
+            enforce_eager=cfg.eager(on_gpu=torch.cuda.is_available()),
+            **memory,
+            **lora_kwargs,
+        )
 
     def add_lora(self, name: str, path: str | Path) -> None:
         """Register a PEFT adapter directory under ``name`` (loaded on first use)."""
@@ -373,7 +398,9 @@ class VLLMEngine(InProcessEngine):
         if not self.enable_lora:
             raise ValueError("add_lora needs VLLMEngine(enable_lora=True)")
         if not (Path(path) / "adapter_config.json").is_file():
-            raise ValueError(f"LoRA '{name}': {path} is not a PEFT adapter directory (no adapter_config.json)")
+            raise ValueError(
+                f"LoRA '{name}': {path} is not a PEFT adapter directory (no adapter_config.json)"
+            )
         lora_id = self._loras[name].lora_int_id if name in self._loras else len(self._loras) + 1
         self._loras[name] = LoRARequest(name, lora_id, str(path))
         self.lora_versions[name] = 0
@@ -393,7 +420,10 @@ class VLLMEngine(InProcessEngine):
         target = self._lora_dir / name / f"v{self._next_id}-{time.monotonic_ns()}"
         target.mkdir(parents=True)
         shutil.copy(Path(current.lora_path) / "adapter_config.json", target / "adapter_config.json")
-        save_file({k: v.detach().to("cpu").contiguous() for k, v in weights}, str(target / "adapter_model.safetensors"))
+        save_file(
+            {k: v.detach().to("cpu").contiguous() for k, v in weights},
+            str(target / "adapter_model.safetensors"),
+        )
         self._engine.add_lora(LoRARequest(name, current.lora_int_id, str(target), load_inplace=True))
         self._loras[name] = LoRARequest(name, current.lora_int_id, str(target))
 

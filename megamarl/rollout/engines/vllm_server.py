@@ -187,25 +187,34 @@ class VLLMServerClient(Engine):
         """Register PEFT adapter directory ``path`` under ``name`` with the server."""
         path = Path(path)
         if not (path / "adapter_config.json").is_file():
-            raise ValueError(f"LoRA '{name}': {path} is not a PEFT adapter directory (no adapter_config.json)")
+            raise ValueError(
+                f"LoRA '{name}': {path} is not a PEFT adapter directory (no adapter_config.json)"
+            )
         self._load_lora(name, path)
         self._lora_paths[name] = path
         self.lora_versions[name] = 0
 
     def _load_lora(self, name: str, path: Path) -> None:
         # load_inplace: a name already loaded (a re-registration, a new version) is replaced.
-        self.http.post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(path), "load_inplace": True})
+        self.http.post(
+            "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(path), "load_inplace": True}
+        )
 
     def _update_lora(self, name: str, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         from safetensors.torch import save_file
 
         if name not in self._lora_paths:
-            raise ValueError(f"unknown LoRA adapter '{name}'; registered: {sorted(self._lora_paths) or 'none'}")
+            raise ValueError(
+                f"unknown LoRA adapter '{name}'; registered: {sorted(self._lora_paths) or 'none'}"
+            )
         root = self._lora_dir or Path(tempfile.gettempdir()) / "megamarl-server-lora"
         target = root / name / f"v{time.monotonic_ns()}"
         target.mkdir(parents=True)
         shutil.copy(self._lora_paths[name] / "adapter_config.json", target / "adapter_config.json")
-        save_file({k: v.detach().to("cpu").contiguous() for k, v in weights}, str(target / "adapter_model.safetensors"))
+        save_file(
+            {k: v.detach().to("cpu").contiguous() for k, v in weights},
+            str(target / "adapter_model.safetensors"),
+        )
         self._load_lora(name, target)
         self._lora_paths[name] = target
 

@@ -22,7 +22,9 @@ def engine_threads(cfg, *, overlaps_training: bool, num_local_ranks: int) -> int
     return max(1, cores // num_local_ranks) if overlaps_training else cores
 
 
-def build_engine(cfg, path: Path, *, seed: int = 0, lora: LoraServing | None = None, num_threads: int = 0) -> Engine:
+def build_engine(
+    cfg, path: Path, *, seed: int = 0, lora: LoraServing | None = None, num_threads: int = 0
+) -> Engine:
     """``cfg``: ``policies.<p>.engine``; ``lora``: the policy serves L2 adapters (vLLM must be started
     with LoRA enabled); ``num_threads``: CPU threads per in-process engine (0: leave the process's
     setting). Replica ``i`` samples with seed ``seed + i``."""

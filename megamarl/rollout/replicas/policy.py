@@ -95,8 +95,18 @@ class _Transfer:
 
 
 class PolicyReplicas:
-    def __init__(self, cfg, name: str, *, wg: WorkerGroup, worker, fleet: ServerFleet | None, run_dir: Path,
-                 driver_rank: int, control_group) -> None:
+    def __init__(
+        self,
+        cfg,
+        name: str,
+        *,
+        wg: WorkerGroup,
+        worker,
+        fleet: ServerFleet | None,
+        run_dir: Path,
+        driver_rank: int,
+        control_group,
+    ) -> None:
         """``worker``: this rank's ``PolicyWorker`` of ``name`` (None: no shard here); ``fleet``: the run's
         servers (None: in-process engines only)."""
         self.cfg, self.name, self.policy = cfg, name, cfg.policies[name]
@@ -113,7 +123,9 @@ class PolicyReplicas:
         self.asleep: set[str] = set(ASLEEP) if self.hands_over and self.fleet.on_gpu else set()
         self._transfers: dict[tuple, _Transfer] = {}
         self._stages_key: tuple | None = None  # the targets every stage's sender is connected to
-        self._unverified: list[tuple[Callable[[], int] | None, str]] = []  # pushes whose probes wait for the KV cache
+        self._unverified: list[
+            tuple[Callable[[], int] | None, str]
+        ] = []  # pushes whose probes wait for the KV cache
 
     @property
     def served(self) -> bool:
@@ -183,18 +195,32 @@ class PolicyReplicas:
             return self._push_adapters(version)
         if self.served:  # colocated: the trainer's wake-weights phase woke them (megamarl.planning.phases)
             return self._push_to_servers(version, bucket_bytes=int(self.policy.engine.bucket_mb * 2**20))
-        stats = sync_weights(self.wg, self.export(), self._engines(), version=version, engine_rank=self.driver_rank,
-                             bucket_mb=self.policy.engine.bucket_mb)
+        stats = sync_weights(
+            self.wg,
+            self.export(),
+            self._engines(),
+            version=version,
+            engine_rank=self.driver_rank,
+            bucket_mb=self.policy.engine.bucket_mb,
+        )
         return stats.as_dict(f"weight_sync/{self.name}")
 
     def snapshot_from(self, source: PolicyReplicas, version: int) -> dict[str, float]:
         """Collective: copy ``source``'s current trained weights into this (frozen) policy's in-process
         engines (an opponent-pool slot), stamping ``version``."""
         if self.served:
-            raise ValueError(f"rollout.opponent_pool.snapshots: policies.{self.name} is served by engine servers; "
-                             "snapshots are copied into in-process engines only")
-        stats = sync_weights(source.wg, source.export(), self._engines(), version=version,
-                             engine_rank=self.driver_rank, bucket_mb=self.policy.engine.bucket_mb)
+            raise ValueError(
+                f"rollout.opponent_pool.snapshots: policies.{self.name} is served by engine servers; "
+                "snapshots are copied into in-process engines only"
+            )
+        stats = sync_weights(
+            source.wg,
+            source.export(),
+            self._engines(),
+            version=version,
+            engine_rank=self.driver_rank,
+            bucket_mb=self.policy.engine.bucket_mb,
+        )
         return stats.as_dict(f"weight_sync/{self.name}")
 
     def stale(self) -> list[int]:
@@ -205,7 +231,9 @@ class PolicyReplicas:
     def resync(self, version: int, replicas: list[int]) -> dict[str, float]:
         """Collective: push the current weights (``version``, unchanged) into restarted ``replicas``
         only, before they take traffic; the other replicas keep serving."""
-        return self._push_to_servers(version, bucket_bytes=int(self.policy.engine.bucket_mb * 2**20), only=replicas)
+        return self._push_to_servers(
+            version, bucket_bytes=int(self.policy.engine.bucket_mb * 2**20), only=replicas
+        )
 
     def export(self) -> Callable[[], Iterator[tuple[str, torch.Tensor]]] | None:
         """This rank's export of the full weights, in the engine's dtype (None: no shard here)."""
@@ -216,7 +244,9 @@ class PolicyReplicas:
     def _engines(self) -> list[Engine] | None:
         return [self.engine] if self.is_driver else None
 
-    def _push_to_servers(self, version: int, *, bucket_bytes: int, only: list[int] | None = None) -> dict[str, float]:
+    def _push_to_servers(
+        self, version: int, *, bucket_bytes: int, only: list[int] | None = None
+    ) -> dict[str, float]:
         """Collective over all ranks: the driver's pool (None elsewhere) drains and pauses the replicas
         and names the targets; the training ranks push; the pool stamps ``version``. ``only``: re-sync
         just these (restarted) replicas at the current ``version``; metrics then go under
@@ -231,8 +261,10 @@ class PolicyReplicas:
             dist.all_gather_object(gathered, stats, group=self.control)  # also: every sender is done
         dist.barrier(group=self.control)  # the driver's pool has resumed the replicas: they can answer probes
         total = SyncStats(
-            num_tensors=sum(s.num_tensors for s in gathered), num_bytes=sum(s.num_bytes for s in gathered),
-            num_buckets=sum(s.num_buckets for s in gathered), seconds=max(s.seconds for s in gathered),
+            num_tensors=sum(s.num_tensors for s in gathered),
+            num_bytes=sum(s.num_bytes for s in gathered),
+            num_buckets=sum(s.num_buckets for s in gathered),
+            seconds=max(s.seconds for s in gathered),
         )
         metrics = total.as_dict(prefix)
         metrics[f"{prefix}/replicas"] = float(len(holder[0]))
@@ -260,8 +292,9 @@ class PolicyReplicas:
         dist.all_gather_object(counts, verified, group=self.control)
         return {f"{prefix}/verified_replicas": float(sum(counts))} if self.policy.engine.verify_sync else {}
 
-    def _send_from_here(self, *, version: int, bucket_bytes: int,
-                        targets: list[tuple[int, int]]) -> tuple[SyncStats, Callable[[], int] | None]:
+    def _send_from_here(
+        self, *, version: int, bucket_bytes: int, targets: list[tuple[int, int]]
+    ) -> tuple[SyncStats, Callable[[], int] | None]:
         """This rank's part of a push into the servers. ``targets``: the (replica, restart generation)
         pairs that take this update, the same on every rank. Returns what this rank sent and, with
         ``engine.verify_sync``, the check to run once the replicas have resumed (it returns how many
@@ -269,13 +302,26 @@ class PolicyReplicas:
         servers, wg, export = self.servers, self.wg, self.export()
         stats, start = SyncStats(), time.perf_counter()
         on_gpu = torch.cuda.is_available()
-        if servers.colocated and (wg.layout.pp == 1 or relays_stages(self.policy, colocated=True, on_gpu=on_gpu)):
-            return self._feed_leaders(export, targets, version=version, bucket_bytes=bucket_bytes, stats=stats,
-                                      start=start)
-        return self._send_stages(export, targets, version=version, bucket_bytes=bucket_bytes, stats=stats, start=start)
+        if servers.colocated and (
+            wg.layout.pp == 1 or relays_stages(self.policy, colocated=True, on_gpu=on_gpu)
+        ):
+            return self._feed_leaders(
+                export, targets, version=version, bucket_bytes=bucket_bytes, stats=stats, start=start
+            )
+        return self._send_stages(
+            export, targets, version=version, bucket_bytes=bucket_bytes, stats=stats, start=start
+        )
 
-    def _feed_leaders(self, export, targets: list[tuple[int, int]], *, version: int, bucket_bytes: int,
-                      stats: SyncStats, start: float) -> tuple[SyncStats, Callable[[], int] | None]:
+    def _feed_leaders(
+        self,
+        export,
+        targets: list[tuple[int, int]],
+        *,
+        version: int,
+        bucket_bytes: int,
+        stats: SyncStats,
+        start: float,
+    ) -> tuple[SyncStats, Callable[[], int] | None]:
         """Colocated replicas, each fed by its own leader rank, which holds full tensors after the
         export's TP gather. At PP>1 (``transport.relays_stages``) the leader receives the stages it does
         not hold point to point from its DP replica's ranks of those stages (``stage_gather.relay_roles``)
@@ -289,18 +335,30 @@ class PolicyReplicas:
         device = forward_device(on_gpu=torch.cuda.is_available())
         named = export()
         if role.destinations:
-            named = relay_stage(named, destinations=role.destinations, bucket_bytes=bucket_bytes, device=device)
+            named = relay_stage(
+                named, destinations=role.destinations, bucket_bytes=bucket_bytes, device=device
+            )
         if not role.feeds:
             drain(named)  # a TP peer takes part in the gathers; a source forwards its stage
             return stats, None
-        stages = [named if stage == role.stage else receive_stage(role.sources[stage], device=device)
-                  for stage in range(self.wg.layout.pp)]
+        stages = [
+            named if stage == role.stage else receive_stage(role.sources[stage], device=device)
+            for stage in range(self.wg.layout.pp)
+        ]
         index = leaders[self.rank]
         sender = self._sender((self.rank,), [(index, generations[index])], colocated=True)
         return self._send(sender, itertools.chain(*stages), [index], version, bucket_bytes, stats, start)
 
-    def _send_stages(self, export, targets: list[tuple[int, int]], *, version: int, bucket_bytes: int,
-                     stats: SyncStats, start: float) -> tuple[SyncStats, Callable[[], int] | None]:
+    def _send_stages(
+        self,
+        export,
+        targets: list[tuple[int, int]],
+        *,
+        version: int,
+        bucket_bytes: int,
+        stats: SyncStats,
+        start: float,
+    ) -> tuple[SyncStats, Callable[[], int] | None]:
         """Collective: every pipeline stage's sender pushes its stage into ``targets``, as ONE update
         per replica: stage 0's sender opens it (``begin``) and closes it (``end``), every stage sends
         in between (concurrently where the servers allow it, ``transport.CONCURRENT_STAGES``; else in
@@ -327,8 +385,10 @@ class PolicyReplicas:
                 forward_stage(named, dst=stage_sender(wg, 0), bucket_bytes=bucket_bytes, device=device)
             else:
                 if gather:
-                    named = itertools.chain(named, *(receive_stage(stage_sender(wg, s), device=device)
-                                                     for s in range(1, wg.layout.pp)))
+                    named = itertools.chain(
+                        named,
+                        *(receive_stage(stage_sender(wg, s), device=device) for s in range(1, wg.layout.pp)),
+                    )
                 sender.send(_keep(named, pushed) if verify else named, bucket_bytes=bucket_bytes, stats=stats)
 
         self._agree(lambda: sender.begin(pause=False) if opens else None)  # the pool paused the replicas
@@ -341,9 +401,15 @@ class PolicyReplicas:
         if not (verify and sender is not None):
             return stats, None
         urls = {i: self.servers.urls[i] for i, _ in targets}
-        return stats, lambda: verify_replicas(self.name, self.fleet.model_paths[self.name], pushed, urls,
-                                              served_model=SERVED_MODEL, version=version,
-                                              backend=self.policy.engine.backend)
+        return stats, lambda: verify_replicas(
+            self.name,
+            self.fleet.model_paths[self.name],
+            pushed,
+            urls,
+            served_model=SERVED_MODEL,
+            version=version,
+            backend=self.policy.engine.backend,
+        )
 
     def _agree(self, step: Callable[[], object] | None) -> None:
         """Collective: run ``step`` here (None: nothing) and wait for every rank's; raise on every rank
@@ -356,7 +422,9 @@ class PolicyReplicas:
         except Exception as exc:  # noqa: BLE001 - re-raised below, after the others heard of it
             error = exc
         errors: list = [None] * dist.get_world_size(self.control)
-        dist.all_gather_object(errors, None if error is None else f"rank {self.rank}: {error!r}", group=self.control)
+        dist.all_gather_object(
+            errors, None if error is None else f"rank {self.rank}: {error!r}", group=self.control
+        )
         if error is not None:
             raise error
         failed = [e for e in errors if e is not None]
@@ -375,7 +443,9 @@ class PolicyReplicas:
         if self._stages_key != wanted:
             for stage in range(self.wg.layout.pp):
                 mine = sending and self.wg.pp_rank == stage
-                self._agree((lambda: self._sender(where, targets, colocated=self.servers.colocated)) if mine else None)
+                self._agree(
+                    (lambda: self._sender(where, targets, colocated=self.servers.colocated)) if mine else None
+                )
             self._stages_key = wanted
         return self._transfers[where].sender if sending else None
 
@@ -389,12 +459,19 @@ class PolicyReplicas:
         if not check:
             return stats, None
         urls = {i: self.servers.urls[i] for i in verify}
-        return stats, lambda: verify_replicas(self.name, self.fleet.model_paths[self.name], pushed, urls,
-                                              served_model=SERVED_MODEL, version=version,
-                                              backend=self.policy.engine.backend)
+        return stats, lambda: verify_replicas(
+            self.name,
+            self.fleet.model_paths[self.name],
+            pushed,
+            urls,
+            served_model=SERVED_MODEL,
+            version=version,
+            backend=self.policy.engine.backend,
+        )
 
-    def _sender(self, where: tuple, targets: list[tuple[int, int]], *,
-                colocated: bool) -> WeightSender | VLLMNativeSender | SGLangWeightSender:
+    def _sender(
+        self, where: tuple, targets: list[tuple[int, int]], *, colocated: bool
+    ) -> WeightSender | VLLMNativeSender | SGLangWeightSender:
         """The connection for ``targets``, rebuilt when the replica set or a restart changed it."""
         wanted = tuple(sorted(targets))
         current = self._transfers.get(where)
@@ -407,7 +484,8 @@ class PolicyReplicas:
         sender = SENDERS[self.policy.engine.backend](
             [servers.urls[i] for i in indices],
             transport=transport_for(self.policy, colocated=colocated, on_gpu=torch.cuda.is_available()),
-            master_addr=self.fleet.rendezvous_address(self.name), master_port=free_port("0.0.0.0"),
+            master_addr=self.fleet.rendezvous_address(self.name),
+            master_port=free_port("0.0.0.0"),
             replica_tp=[self.policy.engine.tp] * len(indices),  # an external replica holds no rank here
         )
         sender.connect()
@@ -443,8 +521,15 @@ class PolicyReplicas:
                     metrics[f"weight_sync/{self.name}/{adapter}/verified_replicas"] = float(verified)
             else:
                 export = (lambda a=adapter: worker.export_adapter(a)) if worker else None
-                stats = sync_weights(self.wg, export, self._engines(), version=version, engine_rank=self.driver_rank,
-                                     bucket_mb=self.policy.engine.bucket_mb, lora=adapter)
+                stats = sync_weights(
+                    self.wg,
+                    export,
+                    self._engines(),
+                    version=version,
+                    engine_rank=self.driver_rank,
+                    bucket_mb=self.policy.engine.bucket_mb,
+                    lora=adapter,
+                )
             metrics.update(stats.as_dict(f"weight_sync/{self.name}/{adapter}"))
         return metrics
 
@@ -467,9 +552,16 @@ class PolicyReplicas:
             engine.adapter_updated(adapter, path, version)  # a restarted replica loads the newest directory
             if self.policy.engine.verify_sync:
                 urls = {i: engine.replicas[i].base_url for i, _ in targets}
-                verified += verify_adapter(self.name, adapter, self.fleet.model_paths[self.name], path, urls,
-                                           version=version, served_model=SERVED_MODEL,
-                                           backend=self.policy.engine.backend)
+                verified += verify_adapter(
+                    self.name,
+                    adapter,
+                    self.fleet.model_paths[self.name],
+                    path,
+                    urls,
+                    version=version,
+                    served_model=SERVED_MODEL,
+                    backend=self.policy.engine.backend,
+                )
         return stats, verified
 
     def close(self) -> None:
@@ -480,18 +572,40 @@ class PolicyReplicas:
                 pass
 
 
-def build_replicas(cfg, *, wgs: dict[str, WorkerGroup], workers: dict, fleet: ServerFleet | None, run_dir: Path,
-                   driver_rank: int, control_group) -> dict[str, PolicyReplicas]:
+def build_replicas(
+    cfg,
+    *,
+    wgs: dict[str, WorkerGroup],
+    workers: dict,
+    fleet: ServerFleet | None,
+    run_dir: Path,
+    driver_rank: int,
+    control_group,
+) -> dict[str, PolicyReplicas]:
     """Every policy's replicas, on every rank."""
-    return {name: PolicyReplicas(cfg, name, wg=wgs[name], worker=workers.get(name), fleet=fleet, run_dir=run_dir,
-                                 driver_rank=driver_rank, control_group=control_group)
-            for name in cfg.policies}
+    return {
+        name: PolicyReplicas(
+            cfg,
+            name,
+            wg=wgs[name],
+            worker=workers.get(name),
+            fleet=fleet,
+            run_dir=run_dir,
+            driver_rank=driver_rank,
+            control_group=control_group,
+        )
+        for name in cfg.policies
+    }
 
 
-def stale_replicas(replicas: dict[str, PolicyReplicas], *, driver_rank: int, control_group) -> dict[str, list[int]]:
+def stale_replicas(
+    replicas: dict[str, PolicyReplicas], *, driver_rank: int, control_group
+) -> dict[str, list[int]]:
     """Collective: the driver's replicas (of server-backed policies whose weights train) that restarted
     since their last push, the same on every rank."""
-    if not any(r.served for r in replicas.values()):  # in-process engines: the pool re-sends the weights itself
+    if not any(
+        r.served for r in replicas.values()
+    ):  # in-process engines: the pool re-sends the weights itself
         return {}
     found = {}
     if dist.get_rank() == driver_rank:

@@ -98,8 +98,11 @@ class EnginePool(Engine):
     def _pick(self, exclude: set[int]) -> int:
         with self._lock:
             ready = [
-                i for i in range(len(self.replicas))
-                if self.live[i] and i not in exclude and self.replicas[i].weight_version == self.weight_version
+                i
+                for i in range(len(self.replicas))
+                if self.live[i]
+                and i not in exclude
+                and self.replicas[i].weight_version == self.weight_version
             ]
             if not ready:
                 raise NoLiveReplicaError(
@@ -143,7 +146,9 @@ class EnginePool(Engine):
             finally:
                 with self._lock:
                     self.in_flight[index] -= 1
-        raise NoLiveReplicaError(f"request failed on replicas {sorted(tried)}: {last_error!r}") from last_error
+        raise NoLiveReplicaError(
+            f"request failed on replicas {sorted(tried)}: {last_error!r}"
+        ) from last_error
 
     async def _answer(self, index: int, replica: Engine, call) -> list[Generation]:
         """``call``'s result; raises ``ReplicaLostError`` when ``replica`` is declared dead meanwhile (the
@@ -189,7 +194,9 @@ class EnginePool(Engine):
                 return  # already handled
             self.live[index] = False
             self._restarting.add(index)
-        log.warning("engine replica %d is unreachable: out of service until it is rebuilt and re-synced", index)
+        log.warning(
+            "engine replica %d is unreachable: out of service until it is rebuilt and re-synced", index
+        )
         threading.Thread(target=self._restart, args=(index, replica), daemon=True).start()
 
     def _restart(self, index: int, dead: Engine) -> None:
@@ -266,12 +273,16 @@ class EnginePool(Engine):
         """Live replicas whose weights are not the pool's (restarted since the last push): they take
         no traffic until a push (``external_update(..., only=...)``) re-synced them."""
         with self._lock:
-            return [i for i, r in enumerate(self.replicas)
-                    if self.live[i] and i not in self._restarting and r.weight_version != self.weight_version]
+            return [
+                i
+                for i, r in enumerate(self.replicas)
+                if self.live[i] and i not in self._restarting and r.weight_version != self.weight_version
+            ]
 
     @contextmanager
-    def external_update(self, version: int, *, lora: str | None = None,
-                        only: Iterable[int] | None = None) -> Iterator[list[tuple[int, int]]]:
+    def external_update(
+        self, version: int, *, lora: str | None = None, only: Iterable[int] | None = None
+    ) -> Iterator[list[tuple[int, int]]]:
         """Bracket a weight push that reaches the replicas from outside this process (engine servers
         fed by the training ranks, ``megamarl.rollout.servers.fleet``). Admission stops and every live
         replica pauses (drains); the body gets the ``(index, restart generation)`` pairs that take the
@@ -288,7 +299,9 @@ class EnginePool(Engine):
             targets: list[tuple[int, int]] = []
             try:
                 with self._lock:
-                    live = [i for i in range(len(self.replicas)) if self.live[i] and (only is None or i in only)]
+                    live = [
+                        i for i in range(len(self.replicas)) if self.live[i] and (only is None or i in only)
+                    ]
                 for i in live:
                     try:
                         self.replicas[i].pause()
@@ -313,7 +326,9 @@ class EnginePool(Engine):
     def counters(self) -> dict[str, float]:
         """Cumulative routing counters, for the step metrics."""
         out = {f"replica{i}/requests": float(n) for i, n in enumerate(self.served)}
-        out.update({f"replica{i}/weight_version": float(r.weight_version) for i, r in enumerate(self.replicas)})
+        out.update(
+            {f"replica{i}/weight_version": float(r.weight_version) for i, r in enumerate(self.replicas)}
+        )
         out["failovers"] = float(self.failovers)
         out["connection_errors"] = float(self.connection_errors)
         out["restarts"] = float(sum(self.num_restarts))

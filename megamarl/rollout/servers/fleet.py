@@ -55,7 +55,9 @@ SERVED_MODEL = "default"  # the model name requests use; L2 adapters are served 
 # engine backend -> the driver's client of one server (keywords: the clients' own, e.g. health_patience_s)
 CLIENTS: dict[str, Callable[..., VLLMServerClient | SGLangClient]] = {
     "vllm": lambda url, model, **kw: VLLMServerClient(url, model=model, **kw),
-    "sglang": lambda url, model, **kw: SGLangClient(url, **kw),  # one base model per server: requests name no model
+    "sglang": lambda url, model, **kw: SGLangClient(
+        url, **kw
+    ),  # one base model per server: requests name no model
 }
 
 
@@ -108,15 +110,22 @@ class ServerFleet:
         (servers of a schedule that never overlaps training hand their memory over while it trains)."""
         self.cfg, self.rank, self.control = cfg, rank, control_group
         self.model_paths = model_paths
-        self.multi_node = world_size > ranks_per_node  # servers bind every interface, pushes a routable address
+        self.multi_node = (
+            world_size > ranks_per_node
+        )  # servers bind every interface, pushes a routable address
         self.on_gpu = torch.cuda.is_available()
         self.memory_fractions = memory_fractions or {}  # (policy, replica) -> the plan's GPU fraction
         self.kv_cache_gib = kv_cache_gib
         self.plan = plan
         self.policies = {
-            name: PolicyServers(name, reps, hands_over=reps[0].colocated and not overlaps_training,
-                                urls=[rep.url for rep in reps] if reps[0].launch == "external" else [])
-            for name, reps in plan.items() if fed_by_fleet(cfg, name, reps)
+            name: PolicyServers(
+                name,
+                reps,
+                hands_over=reps[0].colocated and not overlaps_training,
+                urls=[rep.url for rep in reps] if reps[0].launch == "external" else [],
+            )
+            for name, reps in plan.items()
+            if fed_by_fleet(cfg, name, reps)
         }
         self.local: dict[tuple[str, int], ServerProcess] = {}
         self.restarts: dict[tuple[str, int], int] = {}
@@ -126,7 +135,9 @@ class ServerFleet:
         self._stop = threading.Event()
         self._watchdog: threading.Thread | None = None
         for name, servers in self.policies.items():
-            for rep in replicas_led_by({name: servers.replicas}, rank):  # started here (external: led by none)
+            for rep in replicas_led_by(
+                {name: servers.replicas}, rank
+            ):  # started here (external: led by none)
                 spec = self._spec(rep, model_paths[name], log_dir, num_threads(name))
                 proc = ServerProcess(spec)
                 self.local[(name, rep.index)] = proc
@@ -145,15 +156,29 @@ class ServerFleet:
         p = self.cfg.policies[rep.policy]
         fraction = p.engine.gpu_memory_utilization or self.memory_fractions.get((rep.policy, rep.index))
         return ServerSpec(
-            policy=rep.policy, replica=rep.index, rank=self.rank, backend=p.engine.backend,
-            model_path=str(path), tp=p.engine.tp, devices=tuple(rep.devices), dtype=p.engine.dtype,
-            max_num_seqs=p.engine.max_num_seqs, max_model_len=p.seq_len, kv_cache_gib=self.kv_cache_gib(rep.policy),
-            num_threads=threads, seed=self.cfg.trainer.seed + rep.index, lora=lora_serving(self.cfg, rep.policy),
-            log_path=log_dir / f"{rep.policy}-replica{rep.index}.log", weight_transfer=transport_for(p, colocated=rep.colocated, on_gpu=self.on_gpu),
-            served_model_name=SERVED_MODEL, on_gpu=self.on_gpu,
+            policy=rep.policy,
+            replica=rep.index,
+            rank=self.rank,
+            backend=p.engine.backend,
+            model_path=str(path),
+            tp=p.engine.tp,
+            devices=tuple(rep.devices),
+            dtype=p.engine.dtype,
+            max_num_seqs=p.engine.max_num_seqs,
+            max_model_len=p.seq_len,
+            kv_cache_gib=self.kv_cache_gib(rep.policy),
+            num_threads=threads,
+            seed=self.cfg.trainer.seed + rep.index,
+            lora=lora_serving(self.cfg, rep.policy),
+            log_path=log_dir / f"{rep.policy}-replica{rep.index}.log",
+            weight_transfer=transport_for(p, colocated=rep.colocated, on_gpu=self.on_gpu),
+            served_model_name=SERVED_MODEL,
+            on_gpu=self.on_gpu,
             host="0.0.0.0" if self.multi_node else "127.0.0.1",
-            sleeps=self.policies[rep.policy].hands_over, enforce_eager=p.engine.eager(on_gpu=self.on_gpu),
-            memory_fraction=fraction if self.on_gpu else None, python=p.engine.server_python or "",
+            sleeps=self.policies[rep.policy].hands_over,
+            enforce_eager=p.engine.eager(on_gpu=self.on_gpu),
+            memory_fraction=fraction if self.on_gpu else None,
+            python=p.engine.server_python or "",
             weights_pushed=p.base_moves,  # frozen, L2: no push after a wake rewrites the base
             start_timeout_s=p.engine.server_start_timeout(on_gpu=self.on_gpu),
         )
@@ -189,8 +214,10 @@ class ServerFleet:
             try:
                 CLIENTS[spec.backend](url, SERVED_MODEL).sleep(level=1)
             except Exception as exc:  # reported on every rank by wait_ready
-                raise ServerStartError(f"{spec.backend} server for {spec.label} answered at {url} but did not go to "
-                                       f"sleep after start-up: {exc}") from exc
+                raise ServerStartError(
+                    f"{spec.backend} server for {spec.label} answered at {url} but did not go to "
+                    f"sleep after start-up: {exc}"
+                ) from exc
         return url
 
     def wait_ready(self) -> None:
@@ -209,9 +236,13 @@ class ServerFleet:
             raise RuntimeError(errors[0])
         urls = {key: url for m, _ in gathered for key, url in m.items()}
         for name, servers in self.policies.items():
-            servers.urls = [urls.get((name, rep.index), rep.url) for rep in servers.replicas]  # rep.url: external
+            servers.urls = [
+                urls.get((name, rep.index), rep.url) for rep in servers.replicas
+            ]  # rep.url: external
         pids: list = [None] * dist.get_world_size()
-        dist.all_gather_object(pids, {key: proc.proc.pid for key, proc in self.local.items() if proc.proc}, group=self.control)
+        dist.all_gather_object(
+            pids, {key: proc.proc.pid for key, proc in self.local.items() if proc.proc}, group=self.control
+        )
         self.pids = {key: pid for m in pids for key, pid in m.items()}
         if self.local:
             self._watchdog = threading.Thread(target=self._watch, daemon=True, name="engine-watchdog")
@@ -234,7 +265,9 @@ class ServerFleet:
                     if time.monotonic() - silent_since.setdefault(key, time.monotonic()) < HANG_S:
                         continue
                 what = "exited" if exited else f"did not answer /health for {HANG_S:.0f} s"
-                log.warning("engine server %s replica %d (rank %d) %s; restarting", key[0], key[1], self.rank, what)
+                log.warning(
+                    "engine server %s replica %d (rank %d) %s; restarting", key[0], key[1], self.rank, what
+                )
                 try:
                     proc.restart()
                     self.restarts[key] += 1
@@ -255,9 +288,17 @@ class ServerFleet:
     def table(self) -> list[dict]:
         """One row per server (written to ``<run_dir>/engine_servers.json`` by the driver)."""
         return [
-            {"policy": name, "replica": rep.index, "ranks": list(rep.ranks), "devices": list(rep.devices),
-             "url": url, "pid": self.pids.get((name, rep.index)), "colocated": rep.colocated}
-            for name, servers in self.policies.items() for rep, url in zip(servers.replicas, servers.urls)
+            {
+                "policy": name,
+                "replica": rep.index,
+                "ranks": list(rep.ranks),
+                "devices": list(rep.devices),
+                "url": url,
+                "pid": self.pids.get((name, rep.index)),
+                "colocated": rep.colocated,
+            }
+            for name, servers in self.policies.items()
+            for rep, url in zip(servers.replicas, servers.urls)
         ]
 
     def close(self) -> None:
@@ -272,41 +313,60 @@ def _check_context(policy: str, seq_len: int, path: Path) -> None:
     config = json.loads((Path(path) / "config.json").read_text())
     limit = config.get("max_position_embeddings")
     if limit and seq_len > limit:
-        raise ValueError(f"policies.{policy}.seq_len={seq_len} exceeds the model's max_position_embeddings={limit} "
-                         f"({path}); its engine servers would refuse to start")
+        raise ValueError(
+            f"policies.{policy}.seq_len={seq_len} exceeds the model's max_position_embeddings={limit} "
+            f"({path}); its engine servers would refuse to start"
+        )
 
 
 def _check_weight_transfer(cfg, policy: str, *, servers: bool) -> None:
     """``engine.weight_transfer`` chooses how pushes reach SERVERS, and ``native`` needs CUDA."""
     choice = cfg.policies[policy].engine.weight_transfer
     if choice != "auto" and not servers:
-        raise ValueError(f"policies.{policy}.engine.weight_transfer={choice} applies to engine servers only, and this "
-                         f"policy's engines run in-process (engine.launch); drop the key or set engine.launch=server")
+        raise ValueError(
+            f"policies.{policy}.engine.weight_transfer={choice} applies to engine servers only, and this "
+            f"policy's engines run in-process (engine.launch); drop the key or set engine.launch=server"
+        )
     if choice == "native" and not torch.cuda.is_available():
-        raise ValueError(f"policies.{policy}.engine.weight_transfer=native needs CUDA (the backend's own NCCL / CUDA "
-                         f"IPC transfer) and this node has none; use auto or megamarl")
+        raise ValueError(
+            f"policies.{policy}.engine.weight_transfer=native needs CUDA (the backend's own NCCL / CUDA "
+            f"IPC transfer) and this node has none; use auto or megamarl"
+        )
 
 
 def _check_gpu_memory(cfg, policy: str) -> None:
     """``engine.gpu_memory_utilization`` is a GPU engine's share of its device: refuse it without CUDA."""
     value = cfg.policies[policy].engine.gpu_memory_utilization
     if value is not None and not torch.cuda.is_available():
-        raise ValueError(f"policies.{policy}.engine.gpu_memory_utilization={value} sizes an engine on a GPU and this "
-                         f"node has none (CPU engines take engine.kv_cache_gib); drop the key")
+        raise ValueError(
+            f"policies.{policy}.engine.gpu_memory_utilization={value} sizes an engine on a GPU and this "
+            f"node has none (CPU engines take engine.kv_cache_gib); drop the key"
+        )
 
 
 def _check_sglang_sampling(cfg, policy: str) -> None:
     """SGLang's sampling parameters have no ``allowed_token_ids``: refuse the key, never ignore it."""
     for agent, acfg in cfg.agents.items():
         if acfg.policy == policy and acfg.sampling.allowed_tokens:
-            raise ValueError(f"agents.{agent}.sampling.allowed_tokens: policy {policy} serves through SGLang "
-                             "(engine.backend=sglang), whose sampling parameters cannot restrict tokens; drop the "
-                             "key or use engine.backend=vllm")
+            raise ValueError(
+                f"agents.{agent}.sampling.allowed_tokens: policy {policy} serves through SGLang "
+                "(engine.backend=sglang), whose sampling parameters cannot restrict tokens; drop the "
+                "key or use engine.backend=vllm"
+            )
 
 
-def build_fleet(cfg, *, plan: dict[str, list[ReplicaPlacement]], rank: int, world_size: int, run_dir: Path,
-                control_group, overlaps_training: bool = False, kv_estimate: Callable[[str, Path], float] | None = None,
-                memory_fractions: dict[tuple[str, int], float] | None = None) -> ServerFleet | None:
+def build_fleet(
+    cfg,
+    *,
+    plan: dict[str, list[ReplicaPlacement]],
+    rank: int,
+    world_size: int,
+    run_dir: Path,
+    control_group,
+    overlaps_training: bool = False,
+    kv_estimate: Callable[[str, Path], float] | None = None,
+    memory_fractions: dict[tuple[str, int], float] | None = None,
+) -> ServerFleet | None:
     """The run's server fleet when any policy's replicas are servers (None: in-process engines only).
     ``plan``: the run's engine plan (``rollout.engine_placement.plan_engines``, computed once by the
     caller); ``kv_estimate(policy, model_path)``: the GiB of KV cache a server of a policy with
@@ -319,13 +379,17 @@ def build_fleet(cfg, *, plan: dict[str, list[ReplicaPlacement]], rank: int, worl
         _check_gpu_memory(cfg, name)
     if not any(served.values()):
         return None
-    paths = {name: resolve_model_path(p.model, key=f"policies.{name}.model") for name, p in cfg.policies.items()}
+    paths = {
+        name: resolve_model_path(p.model, key=f"policies.{name}.model") for name, p in cfg.policies.items()
+    }
     for name in plan:  # on every rank, before any server or model starts
         if served[name]:  # an external one is fed only by a sender (fed_by_fleet)
             backend = cfg.policies[name].engine.backend
             if backend not in SENDERS:
-                raise ValueError(f"policies.{name}.engine.backend={backend} with launch=server: megamarl starts and "
-                                 f"feeds servers of {sorted(SENDERS)} only")
+                raise ValueError(
+                    f"policies.{name}.engine.backend={backend} with launch=server: megamarl starts and "
+                    f"feeds servers of {sorted(SENDERS)} only"
+                )
             if backend == "sglang":
                 _check_sglang_sampling(cfg, name)
             _check_context(name, cfg.policies[name].seq_len, paths[name])
@@ -342,7 +406,17 @@ def build_fleet(cfg, *, plan: dict[str, list[ReplicaPlacement]], rank: int, worl
             return configured
         return kv_estimate(policy, paths[policy])
 
-    return ServerFleet(cfg, plan=plan, rank=rank, world_size=world_size, ranks_per_node=per_node, model_paths=paths,
-                       log_dir=run_dir / "engine_logs", control_group=control_group, num_threads=threads,
-                       kv_cache_gib=kv_cache_gib, overlaps_training=overlaps_training,
-                       memory_fractions=memory_fractions)
+    return ServerFleet(
+        cfg,
+        plan=plan,
+        rank=rank,
+        world_size=world_size,
+        ranks_per_node=per_node,
+        model_paths=paths,
+        log_dir=run_dir / "engine_logs",
+        control_group=control_group,
+        num_threads=threads,
+        kv_cache_gib=kv_cache_gib,
+        overlaps_training=overlaps_training,
+        memory_fractions=memory_fractions,
+    )

@@ -83,7 +83,11 @@ def server_python(backend: str, configured: str | None = None) -> str:
     SGLang environment exists."""
     if configured:
         return configured
-    if backend == "sglang" and importlib.util.find_spec("sglang") is None and os.access(sglang_venv_python(), os.X_OK):
+    if (
+        backend == "sglang"
+        and importlib.util.find_spec("sglang") is None
+        and os.access(sglang_venv_python(), os.X_OK)
+    ):
         return str(sglang_venv_python())
     return sys.executable
 
@@ -98,18 +102,25 @@ def check_server_python(python: str, backend: str, *, key: str = "policies.<p>.e
     except (OSError, ValueError):  # a name the OS refuses (over 255 bytes, a NUL byte)
         is_file = False
     if not is_file:
-        raise ValueError(f"{key}='{python}' does not exist (the {backend} server's Python interpreter; "
-                         "scripts/setup.sh --extras sglang-cpu builds .venv-sglang/bin/python)")
+        raise ValueError(
+            f"{key}='{python}' does not exist (the {backend} server's Python interpreter; "
+            "scripts/setup.sh --extras sglang-cpu builds .venv-sglang/bin/python)"
+        )
     if not os.access(path, os.X_OK):
         raise ValueError(f"{key}='{python}' is not executable")
     probe = f"import importlib.util, sys; sys.exit(importlib.util.find_spec({backend!r}) is None)"
     try:
-        found = subprocess.run([str(path), "-c", probe], capture_output=True, timeout=60, check=False).returncode == 0
+        found = (
+            subprocess.run([str(path), "-c", probe], capture_output=True, timeout=60, check=False).returncode
+            == 0
+        )
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise ValueError(f"{key}='{python}' does not run: {exc}") from exc
     if not found:
-        raise ValueError(f"{key}='{python}' cannot import '{backend}' (engine.backend={backend}); install it "
-                         "there or name the environment that has it")
+        raise ValueError(
+            f"{key}='{python}' cannot import '{backend}' (engine.backend={backend}); install it "
+            "there or name the environment that has it"
+        )
 
 
 def _model_config(model_path: str) -> dict:
@@ -124,15 +135,27 @@ def _sglang_cpu_args(spec: ServerSpec) -> list[str]:
     cache of ``kv_cache_gib`` (at most ``max_num_seqs`` full-length sequences) as ``--max-total-tokens``."""
     config = _model_config(spec.model_path)
     tokens = spec.max_num_seqs * spec.max_model_len
-    layers, heads = config.get("num_hidden_layers"), config.get("num_key_value_heads", config.get("num_attention_heads"))
+    layers, heads = (
+        config.get("num_hidden_layers"),
+        config.get("num_key_value_heads", config.get("num_attention_heads")),
+    )
     if spec.kv_cache_gib > 0 and layers and heads and config.get("hidden_size"):
         head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
         per_token = 2 * layers * heads * head_dim * _KV_BYTES.get(spec.dtype, 4)
         tokens = min(tokens, int(spec.kv_cache_gib * 2**30) // per_token)
     # No --mem-fraction-static (GPU-only here, like the other memory flags): --max-total-tokens caps
     # the KV pool SGLang would otherwise size from the machine's free RAM.
-    return ["--device", "cpu", "--attention-backend", "torch_native", "--sampling-backend", "pytorch",
-            "--disable-overlap-schedule", "--max-total-tokens", str(max(tokens, spec.max_model_len))]
+    return [
+        "--device",
+        "cpu",
+        "--attention-backend",
+        "torch_native",
+        "--sampling-backend",
+        "pytorch",
+        "--disable-overlap-schedule",
+        "--max-total-tokens",
+        str(max(tokens, spec.max_model_len)),
+    ]
 
 
 class ServerStartError(RuntimeError):
@@ -173,7 +196,9 @@ class ServerSpec:
     # sleeping SGLang server keeps a host copy of them (--enable-weights-cpu-backup; its memory saver
     # otherwise hands back whatever the released memory holds). vLLM's level-1 sleep always keeps one.
     weights_pushed: bool = True
-    start_timeout_s: float | None = None  # until /health answers (engine.server_start_timeout_s); None: by device
+    start_timeout_s: float | None = (
+        None  # until /health answers (engine.server_start_timeout_s); None: by device
+    )
 
     def __post_init__(self) -> None:
         if self.on_gpu is None:
@@ -185,14 +210,18 @@ class ServerSpec:
         if self.memory_fraction is not None and not 0 < self.memory_fraction <= 1:
             raise ValueError(f"ServerSpec.memory_fraction must be in (0, 1], got {self.memory_fraction}")
         if self.backend not in SERVER_BACKENDS:
-            raise ValueError(f"ServerSpec.backend '{self.backend}' has no server; allowed: {list(SERVER_BACKENDS)}")
+            raise ValueError(
+                f"ServerSpec.backend '{self.backend}' has no server; allowed: {list(SERVER_BACKENDS)}"
+            )
         if self.tp < 1:
             raise ValueError(f"ServerSpec.tp must be >= 1, got {self.tp}")
         if self.backend == "sglang" and self.lora is not None and not self.on_gpu:
             raise ValueError(SGLANG_CPU_LORA.format(policy=self.policy))  # preflight refuses it first
         if self.backend == "sglang" and self.lora is not None and not self.lora.target_modules:
-            raise ValueError(f"{self.label}: an SGLang server started without adapters needs the adapted modules "
-                             "(LoraServing.target_modules, from policies.<p>.lora.targets)")
+            raise ValueError(
+                f"{self.label}: an SGLang server started without adapters needs the adapted modules "
+                "(LoraServing.target_modules, from policies.<p>.lora.targets)"
+            )
         if self.devices and len(self.devices) != self.tp:
             raise ValueError(f"ServerSpec.devices {self.devices} must list tp={self.tp} devices")
 
@@ -207,16 +236,45 @@ def server_command(spec: ServerSpec) -> list[str]:
     sleep mode, and a CPU server's memory is sized by ``kv_cache_gib`` alone."""
     python = spec.python or server_python(spec.backend)
     if spec.backend == "sglang":
-        cmd = [python, "-m", "sglang.launch_server", "--model-path", spec.model_path,
-               "--host", spec.host, "--port", str(spec.port), "--tp-size", str(spec.tp),
-               "--dtype", _VLLM_DTYPES.get(spec.dtype, spec.dtype), "--max-running-requests", str(spec.max_num_seqs),
-               "--context-length", str(spec.max_model_len), "--random-seed", str(spec.seed),
-               "--served-model-name", spec.served_model_name]
-        if spec.lora is not None:  # no --lora-paths (adapters arrive later): SGLang needs the rank and modules
-            cmd += ["--enable-lora", "--max-loras-per-batch", str(max(1, spec.lora.num_adapters)),
-                    "--max-lora-rank", str(spec.lora.rank), "--lora-target-modules", *spec.lora.target_modules]
+        cmd = [
+            python,
+            "-m",
+            "sglang.launch_server",
+            "--model-path",
+            spec.model_path,
+            "--host",
+            spec.host,
+            "--port",
+            str(spec.port),
+            "--tp-size",
+            str(spec.tp),
+            "--dtype",
+            _VLLM_DTYPES.get(spec.dtype, spec.dtype),
+            "--max-running-requests",
+            str(spec.max_num_seqs),
+            "--context-length",
+            str(spec.max_model_len),
+            "--random-seed",
+            str(spec.seed),
+            "--served-model-name",
+            spec.served_model_name,
+        ]
+        if (
+            spec.lora is not None
+        ):  # no --lora-paths (adapters arrive later): SGLang needs the rank and modules
+            cmd += [
+                "--enable-lora",
+                "--max-loras-per-batch",
+                str(max(1, spec.lora.num_adapters)),
+                "--max-lora-rank",
+                str(spec.lora.rank),
+                "--lora-target-modules",
+                *spec.lora.target_modules,
+            ]
         config = _model_config(spec.model_path)
-        if not config.get("architectures") and config.get("model_type"):  # SGLang picks its model class by them
+        if not config.get("architectures") and config.get(
+            "model_type"
+        ):  # SGLang picks its model class by them
             from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
             arch = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config["model_type"])
@@ -226,23 +284,58 @@ def server_command(spec: ServerSpec) -> list[str]:
         if spec.on_gpu:
             cmd += ["--enable-memory-saver"] if spec.sleeps else []
             cmd += ["--enable-weights-cpu-backup"] if spec.sleeps and not spec.weights_pushed else []
-            cmd += ["--mem-fraction-static", str(spec.memory_fraction)] if spec.memory_fraction is not None else []
+            cmd += (
+                ["--mem-fraction-static", str(spec.memory_fraction)]
+                if spec.memory_fraction is not None
+                else []
+            )
             cmd += ["--disable-cuda-graph"] if spec.enforce_eager else []
         return cmd
-    cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", spec.model_path,
-           "--served-model-name", spec.served_model_name, "--host", spec.host, "--port", str(spec.port),
-           "--tensor-parallel-size", str(spec.tp), "--dtype", _VLLM_DTYPES.get(spec.dtype, spec.dtype),
-           "--max-num-seqs", str(spec.max_num_seqs), "--max-model-len", str(spec.max_model_len),
-           "--seed", str(spec.seed), *(["--enforce-eager"] if spec.enforce_eager else []),
-           "--logprobs-mode", "processed_logprobs", "--weight-transfer-config", json.dumps({"backend": spec.weight_transfer})]
+    cmd = [
+        python,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        spec.model_path,
+        "--served-model-name",
+        spec.served_model_name,
+        "--host",
+        spec.host,
+        "--port",
+        str(spec.port),
+        "--tensor-parallel-size",
+        str(spec.tp),
+        "--dtype",
+        _VLLM_DTYPES.get(spec.dtype, spec.dtype),
+        "--max-num-seqs",
+        str(spec.max_num_seqs),
+        "--max-model-len",
+        str(spec.max_model_len),
+        "--seed",
+        str(spec.seed),
+        *(["--enforce-eager"] if spec.enforce_eager else []),
+        "--logprobs-mode",
+        "processed_logprobs",
+        "--weight-transfer-config",
+        json.dumps({"backend": spec.weight_transfer}),
+    ]
     if spec.kv_cache_gib > 0 and (spec.on_gpu or spec.kv_cache_gib != int(spec.kv_cache_gib)):
         cmd += ["--kv-cache-memory-bytes", str(int(spec.kv_cache_gib * 2**30))]
     if spec.lora is not None:
-        cmd += ["--enable-lora", "--max-loras", str(max(1, spec.lora.num_adapters)),
-                "--max-lora-rank", str(spec.lora.vllm_max_rank)]
+        cmd += [
+            "--enable-lora",
+            "--max-loras",
+            str(max(1, spec.lora.num_adapters)),
+            "--max-lora-rank",
+            str(spec.lora.vllm_max_rank),
+        ]
     if spec.on_gpu:
         cmd += ["--enable-sleep-mode"] if spec.sleeps else []
-        cmd += ["--gpu-memory-utilization", str(spec.memory_fraction)] if spec.memory_fraction is not None else []
+        cmd += (
+            ["--gpu-memory-utilization", str(spec.memory_fraction)]
+            if spec.memory_fraction is not None
+            else []
+        )
     return cmd
 
 
@@ -255,7 +348,9 @@ def plugin_env(env: dict[str, str]) -> dict[str, str]:
     if "megamarl" not in {ep.name for ep in entry_points(group="vllm.general_plugins")}:
         dist_info = cache_dir() / "vllm_plugin" / "megamarl_vllm_plugin-0.1.dist-info"
         dist_info.mkdir(parents=True, exist_ok=True)
-        (dist_info / "METADATA").write_text("Metadata-Version: 2.1\nName: megamarl-vllm-plugin\nVersion: 0.1\n")
+        (dist_info / "METADATA").write_text(
+            "Metadata-Version: 2.1\nName: megamarl-vllm-plugin\nVersion: 0.1\n"
+        )
         (dist_info / "entry_points.txt").write_text(f"[vllm.general_plugins]\n{PLUGIN_ENTRY_POINT}\n")
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(dist_info.parent), env.get("PYTHONPATH")) if p)
     if env.get("VLLM_PLUGINS"):  # an allow-list: keep ours on it
@@ -266,8 +361,19 @@ def plugin_env(env: dict[str, str]) -> dict[str, str]:
 # What torchrun (torch.distributed.elastic's agent) and megamarl's rank launcher give a rank: a server
 # forms a world of its own (a ``tcp://`` rendezvous), and with ``TORCHELASTIC_USE_AGENT_STORE`` inherited
 # torch's rendezvous dials the agent's store instead of hosting one, so the server never starts.
-LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
-                      "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+LAUNCHER_VARIABLES = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "ROLE_RANK",
+    "ROLE_NAME",
+    "ROLE_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
 LAUNCHER_PREFIXES = ("TORCHELASTIC_",)
 
 
@@ -279,16 +385,21 @@ def visible_devices(spec: ServerSpec, inherited: str | None) -> str:
         return ",".join(str(d) for d in spec.devices)
     seen = [entry.strip() for entry in inherited.split(",") if entry.strip()]
     if any(d >= len(seen) for d in spec.devices):
-        raise ValueError(f"{spec.label} runs on local devices {spec.devices} but this process sees {len(seen)} "
-                         f"(CUDA_VISIBLE_DEVICES={inherited}): give every rank of a node all of the node's GPUs "
-                         "(no per-rank binding by the launcher)")
+        raise ValueError(
+            f"{spec.label} runs on local devices {spec.devices} but this process sees {len(seen)} "
+            f"(CUDA_VISIBLE_DEVICES={inherited}): give every rank of a node all of the node's GPUs "
+            "(no per-rank binding by the launcher)"
+        )
     return ",".join(seen[d] for d in spec.devices)
 
 
 def server_env(spec: ServerSpec, base: dict[str, str] | None = None) -> dict[str, str]:
     rank_env = os.environ if base is None else base
-    env = {key: value for key, value in rank_env.items()
-           if key not in LAUNCHER_VARIABLES and not key.startswith(LAUNCHER_PREFIXES)}
+    env = {
+        key: value
+        for key, value in rank_env.items()
+        if key not in LAUNCHER_VARIABLES and not key.startswith(LAUNCHER_PREFIXES)
+    }
     if spec.host in ANY_HOST and not env.get(HOST_ADDR_ENV):  # serving other nodes: its transfer groups
         # bind where its URL points (found through the rank's route to MASTER_ADDR, dropped below it)
         env[HOST_ADDR_ENV] = host_address(multi_node=True, environ=rank_env)
@@ -333,8 +444,11 @@ class ServerProcess:
         self.proc: subprocess.Popen | None = None
         self.url = ""
         self.port = 0
-        self.log_path = Path(spec.log_path) if spec.log_path else Path(
-            f"/tmp/megamarl-server-{spec.policy}-{spec.replica}-{os.getpid()}.log")
+        self.log_path = (
+            Path(spec.log_path)
+            if spec.log_path
+            else Path(f"/tmp/megamarl-server-{spec.policy}-{spec.replica}-{os.getpid()}.log")
+        )
         self.num_starts = 0
         self._log_start = 0  # where this start's lines begin in the log
 
@@ -359,15 +473,19 @@ class ServerProcess:
                 # overloaded host its HTTP server was not up by then (seen in CI). Once more, warm.
                 if not warmup_retried and self._killed_itself_in_warmup():
                     warmup_retried = True
-                    log.warning("%s: the SGLang server killed itself in its own warm-up; starting it once more",
-                                   self.spec.label)
+                    log.warning(
+                        "%s: the SGLang server killed itself in its own warm-up; starting it once more",
+                        self.spec.label,
+                    )
                     continue
                 raise
         raise AssertionError("unreachable")
 
     def _killed_itself_in_warmup(self) -> bool:
         return self.spec.backend == "sglang" and any(
-            "Initialization failed. warmup error" in line for line in tail(self.log_path, 400, since=self._log_start))
+            "Initialization failed. warmup error" in line
+            for line in tail(self.log_path, 400, since=self._log_start)
+        )
 
     def _start_once(self, timeout_s: float, *, port: int = 0) -> str:
         spec = self.spec
@@ -380,9 +498,23 @@ class ServerProcess:
             log.write(f"[megamarl] {spec.label}: {' '.join(cmd)}\n".encode())
             log.flush()
             # The guard leads the new process group and stops the server if this process dies.
-            guarded = [sys.executable, "-m", "megamarl.runtime.server_guard", "--owner", str(os.getpid()), "--", *cmd]
-            self.proc = subprocess.Popen(guarded, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         env=server_env(spec), start_new_session=True)
+            guarded = [
+                sys.executable,
+                "-m",
+                "megamarl.runtime.server_guard",
+                "--owner",
+                str(os.getpid()),
+                "--",
+                *cmd,
+            ]
+            self.proc = subprocess.Popen(
+                guarded,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=server_env(spec),
+                start_new_session=True,
+            )
         self.num_starts += 1
         self.url = f"http://{self._advertised_host()}:{port}"
         deadline = time.monotonic() + timeout_s

@@ -63,7 +63,9 @@ def wire_dtype(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype:
     return dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
 
 
-def bucket_info(bucket: list[tuple[str, torch.Tensor]], *, dtype: torch.dtype | None = None) -> dict[str, Any]:
+def bucket_info(
+    bucket: list[tuple[str, torch.Tensor]], *, dtype: torch.dtype | None = None
+) -> dict[str, Any]:
     """The ``update_info`` announcing a bucket: names, dtypes (floating tensors cast to ``dtype``),
     shapes, byte offsets and the packed byte size."""
     offsets, dtypes, total = [], [], 0
@@ -80,8 +82,9 @@ def bucket_info(bucket: list[tuple[str, torch.Tensor]], *, dtype: torch.dtype | 
     }
 
 
-def pack_bucket(bucket: list[tuple[str, torch.Tensor]], info: dict[str, Any], *,
-                out: torch.Tensor | None = None) -> torch.Tensor:
+def pack_bucket(
+    bucket: list[tuple[str, torch.Tensor]], info: dict[str, Any], *, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """One uint8 buffer [num_bytes] holding every tensor of the bucket at its offset, in its
     announced dtype. Each tensor is copied once, straight into place (the cast, if any, happens in
     that copy); ``out`` (uint8, at least ``num_bytes``) is packed into instead of a fresh buffer, so
@@ -97,7 +100,9 @@ def pack_bucket(bucket: list[tuple[str, torch.Tensor]], info: dict[str, Any], *,
 def unpack_bucket(flat: torch.Tensor, info: dict[str, Any]) -> list[tuple[str, torch.Tensor]]:
     """Views into ``flat`` (no copy): the inverse of ``pack_bucket``."""
     named = []
-    for name, dtype, shape, offset in zip(info["names"], info["dtype_names"], info["shapes"], info["offsets"]):
+    for name, dtype, shape, offset in zip(
+        info["names"], info["dtype_names"], info["shapes"], info["offsets"]
+    ):
         dtype = getattr(torch, dtype)
         numel = 1
         for s in shape:
@@ -112,8 +117,9 @@ def unshared(buffer: torch.Tensor) -> bool:
     return torch._C._storage_Use_Count(buffer.untyped_storage()._cdata) <= 2
 
 
-def push_whole(sender, named: Iterable[tuple[str, torch.Tensor]], *, version: int, bucket_bytes: int,
-               pause: bool) -> SyncStats:
+def push_whole(
+    sender, named: Iterable[tuple[str, torch.Tensor]], *, version: int, bucket_bytes: int, pause: bool
+) -> SyncStats:
     """One sender's whole push, its three parts in a row: ``begin`` (pausing the replicas), ``send``,
     ``end`` without resuming; then ``resume``, also when the push failed (the senders of every
     backend: ``WeightSender``, ``SGLangWeightSender``)."""
@@ -153,14 +159,24 @@ class BufferPool:
         return buffer[:num_bytes]
 
 
-def new_gloo_group(master_addr: str, master_port: int, *, rank: int, world_size: int, group_name: str,
-                   timeout_s: float, is_master: bool = False, address: str | None = None) -> tuple[Any, Any]:
+def new_gloo_group(
+    master_addr: str,
+    master_port: int,
+    *,
+    rank: int,
+    world_size: int,
+    group_name: str,
+    timeout_s: float,
+    is_master: bool = False,
+    address: str | None = None,
+) -> tuple[Any, Any]:
     """A gloo process group outside the default world (vLLM's workers have their own): a TCPStore
     (hosted by rank 0) with a per-group prefix; this rank's gloo device binds ``address`` (None:
     gloo's own choice; ``network.gloo_group``). Returns ``(group, store)``; keep the store alive."""
     timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.TCPStore(master_addr, master_port, world_size, is_master=is_master, timeout=timeout,
-                          wait_for_workers=False)
+    store = dist.TCPStore(
+        master_addr, master_port, world_size, is_master=is_master, timeout=timeout, wait_for_workers=False
+    )
     group = gloo_group(dist.PrefixStore(group_name, store), rank, world_size, timeout, address=address)
     return group, store
 
@@ -171,8 +187,14 @@ def gloo_broadcast(group, tensor: torch.Tensor, *, src: int = 0) -> None:
     group.broadcast([tensor], opts).wait()
 
 
-def join_replicas(pool: ThreadPoolExecutor, clients: list[JSONClient], path: str, replica_tp: list[int],
-                  init_body: Callable[[int], Any], open_group: Callable[[int], Any]) -> tuple[Any, list[Any]]:
+def join_replicas(
+    pool: ThreadPoolExecutor,
+    clients: list[JSONClient],
+    path: str,
+    replica_tp: list[int],
+    init_body: Callable[[int], Any],
+    open_group: Callable[[int], Any],
+) -> tuple[Any, list[Any]]:
     """The handshake of every broadcast transport (megamarl_gloo, vLLM's nccl, SGLang's update
     groups): the sender is rank 0 of a group of ``1 + sum(replica_tp)`` ranks and replica ``r``'s
     workers sit from ``rank_offset = 1 + sum(replica_tp[:r])``. Each server blocks in ``path`` until the
@@ -196,16 +218,28 @@ class WeightSender:
 
     backends = BACKENDS  # the data planes this sender drives (VLLMNativeSender: vLLM's nccl / ipc)
 
-    def __init__(self, urls: list[str], *, backend: str, master_addr: str = "127.0.0.1", master_port: int = 0,
-                 replica_tp: list[int] | None = None, dtype: torch.dtype | None = None,
-                 timeout_s: float = 600.0) -> None:
+    def __init__(
+        self,
+        urls: list[str],
+        *,
+        backend: str,
+        master_addr: str = "127.0.0.1",
+        master_port: int = 0,
+        replica_tp: list[int] | None = None,
+        dtype: torch.dtype | None = None,
+        timeout_s: float = 600.0,
+    ) -> None:
         if backend not in self.backends:
-            raise ValueError(f"{type(self).__name__} backend '{backend}' unknown; allowed: {list(self.backends)}")
+            raise ValueError(
+                f"{type(self).__name__} backend '{backend}' unknown; allowed: {list(self.backends)}"
+            )
         replica_tp = list(replica_tp) if replica_tp is not None else [1] * len(urls)
         if len(replica_tp) != len(urls):
             raise ValueError(f"replica_tp has {len(replica_tp)} entries for {len(urls)} server urls")
         if backend in ("megamarl_gloo", "nccl") and master_port <= 0:
-            raise ValueError(f"{type(self).__name__}(backend='{backend}') needs master_port (the group's rendezvous port)")
+            raise ValueError(
+                f"{type(self).__name__}(backend='{backend}') needs master_port (the group's rendezvous port)"
+            )
         self.urls, self.backend, self.dtype = list(urls), backend, dtype
         self.master_addr, self.master_port, self.replica_tp = master_addr, master_port, replica_tp
         self.timeout_s = timeout_s
@@ -238,24 +272,47 @@ class WeightSender:
         world_size = 1 + sum(self.replica_tp)
         group_name = self.group_name = f"megamarl-weights-{uuid.uuid4().hex[:8]}"
         # The store must exist before the servers dial it; the group forms once all have joined.
-        self._store = dist.TCPStore(self.master_addr, self.master_port, world_size, is_master=True,
-                                    timeout=datetime.timedelta(seconds=self.timeout_s), wait_for_workers=False)
+        self._store = dist.TCPStore(
+            self.master_addr,
+            self.master_port,
+            world_size,
+            is_master=True,
+            timeout=datetime.timedelta(seconds=self.timeout_s),
+            wait_for_workers=False,
+        )
         timeout = datetime.timedelta(seconds=self.timeout_s)
         self.group, _ = join_replicas(
-            self._pool, self.clients, "/init_weight_transfer_engine", self.replica_tp,
-            lambda offset: {"init_info": {"master_address": self.master_addr, "master_port": self.master_port,
-                                          "rank_offset": offset, "world_size": world_size, "group_name": group_name,
-                                          "timeout_s": self.timeout_s}},
+            self._pool,
+            self.clients,
+            "/init_weight_transfer_engine",
+            self.replica_tp,
+            lambda offset: {
+                "init_info": {
+                    "master_address": self.master_addr,
+                    "master_port": self.master_port,
+                    "rank_offset": offset,
+                    "world_size": world_size,
+                    "group_name": group_name,
+                    "timeout_s": self.timeout_s,
+                }
+            },
             # the sender's gloo device binds the address it advertised (parallel.network.host_address)
-            lambda size: gloo_group(dist.PrefixStore(group_name, self._store), 0, size, timeout,
-                                    address=self.master_addr),
+            lambda size: gloo_group(
+                dist.PrefixStore(group_name, self._store), 0, size, timeout, address=self.master_addr
+            ),
         )
         self.connected = True
 
     # -- data plane --------------------------------------------------------------------------------
 
-    def push(self, named: Iterable[tuple[str, torch.Tensor]], *, version: int, bucket_bytes: int = 64 * 2**20,
-             pause: bool = True) -> SyncStats:
+    def push(
+        self,
+        named: Iterable[tuple[str, torch.Tensor]],
+        *,
+        version: int,
+        bucket_bytes: int = 64 * 2**20,
+        pause: bool = True,
+    ) -> SyncStats:
         """Send ``named`` (HF names) to every replica and stamp ``version``. With ``pause`` the
         replicas stop scheduling first (in-flight requests finish: ``/pause?mode=wait``) and resume
         after the prefix caches are flushed, so no request sees half-updated weights."""
@@ -274,8 +331,13 @@ class WeightSender:
             self._all("/pause", query={"mode": "wait"})
         self._all("/start_weight_update")
 
-    def send(self, named: Iterable[tuple[str, torch.Tensor]], *, bucket_bytes: int = 64 * 2**20,
-             stats: SyncStats | None = None) -> SyncStats:
+    def send(
+        self,
+        named: Iterable[tuple[str, torch.Tensor]],
+        *,
+        bucket_bytes: int = 64 * 2**20,
+        stats: SyncStats | None = None,
+    ) -> SyncStats:
         """Send ``named`` in buckets into the open update of every replica.
 
         Pipelined: bucket k+1 is announced while the servers still load bucket k, and over gloo each
@@ -292,7 +354,9 @@ class WeightSender:
         try:
             while current is not None:
                 following = next(stream, None)
-                next_bytes = bucket_info(following, dtype=self.dtype)["num_bytes"] if following is not None else 0
+                next_bytes = (
+                    bucket_info(following, dtype=self.dtype)["num_bytes"] if following is not None else 0
+                )
                 in_flight = self._start_bucket(current, stats, previous, next_bytes=next_bytes)
                 if previous is not None:
                     previous.settle()
@@ -313,8 +377,14 @@ class WeightSender:
         """The replicas schedule requests again."""
         self._all("/resume")
 
-    def _start_bucket(self, bucket: list[tuple[str, torch.Tensor]], stats: SyncStats,
-                      previous: _InFlight | None, *, next_bytes: int) -> _InFlight:
+    def _start_bucket(
+        self,
+        bucket: list[tuple[str, torch.Tensor]],
+        stats: SyncStats,
+        previous: _InFlight | None,
+        *,
+        next_bytes: int,
+    ) -> _InFlight:
         info = bucket_info(bucket, dtype=self.dtype)
         stats.num_buckets += 1
         stats.num_tensors += len(bucket)
@@ -331,8 +401,11 @@ class WeightSender:
             # previous bucket would leave the servers never receiving this one: check it first (a
             # later failure surfaces at settle, or as the group's timeout).
             self._seq += 1
-            announce = {"update_info": dict(info, group_name=self.group_name, next_num_bytes=next_bytes,
-                                            seq=self._seq)}
+            announce = {
+                "update_info": dict(
+                    info, group_name=self.group_name, next_num_bytes=next_bytes, seq=self._seq
+                )
+            }
             futures = [self._pool.submit(c.post, "/update_weights", announce) for c in self.clients]
             if previous is not None:
                 previous.raise_if_failed()
@@ -357,8 +430,11 @@ class WeightSender:
             try:
                 if self.backend == "megamarl_gloo":
                     if self.group_name is not None:
-                        client.post("/init_weight_transfer_engine",
-                                    {"init_info": {"group_name": self.group_name, "release": True}}, timeout_s=30)
+                        client.post(
+                            "/init_weight_transfer_engine",
+                            {"init_info": {"group_name": self.group_name, "release": True}},
+                            timeout_s=30,
+                        )
                 else:
                     client.post("/shutdown_weight_transfer_engine", timeout_s=30)
             except Exception:  # noqa: BLE001, S110 - the server may already be gone

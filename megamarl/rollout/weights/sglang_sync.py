@@ -55,8 +55,16 @@ TRANSPORTS = ("gloo", "nccl", "cuda_ipc")
 FLATTENED = "flattened_bucket"  # SGLang's load_format for one broadcast per bucket
 
 
-def join_update_group(backend: str, master_address: str, master_port: int, *, rank: int, world_size: int,
-                      group_name: str, timeout_s: float):
+def join_update_group(
+    backend: str,
+    master_address: str,
+    master_port: int,
+    *,
+    rank: int,
+    world_size: int,
+    group_name: str,
+    timeout_s: float,
+):
     """A process group outside the default world, formed the way SGLang's ``init_custom_process_group``
     forms it: the store of a ``tcp://`` rendezvous (rank 0 hosts it), a ``PrefixStore(group_name)``,
     and torch's group constructor (which prefixes the group name and the device type once more). Both
@@ -66,11 +74,21 @@ def join_update_group(backend: str, master_address: str, master_port: int, *, ra
     from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world
 
     timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.TCPStore(master_address, master_port, world_size, is_master=rank == 0, timeout=timeout,
-                          wait_for_workers=False)
-    group, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), PrefixStore(group_name, store),
-                                         group_name=group_name, timeout=timeout)
-    _world.pg_group_ranks[group] = {i: i for i in range(world_size)}  # dist.broadcast(src=0) means group rank 0
+    store = dist.TCPStore(
+        master_address, master_port, world_size, is_master=rank == 0, timeout=timeout, wait_for_workers=False
+    )
+    group, _ = _new_process_group_helper(
+        world_size,
+        rank,
+        [],
+        Backend(backend),
+        PrefixStore(group_name, store),
+        group_name=group_name,
+        timeout=timeout,
+    )
+    _world.pg_group_ranks[group] = {
+        i: i for i in range(world_size)
+    }  # dist.broadcast(src=0) means group rank 0
     return group
 
 
@@ -84,8 +102,11 @@ def announce(bucket: list[tuple[str, torch.Tensor]], group_name: str, *, flatten
     """The ``/update_weights_from_distributed`` body for ``bucket``."""
     flat = flatten and len({t.dtype for _, t in bucket}) == 1
     return {
-        "names": [n for n, _ in bucket], "dtypes": [dtype_name(t.dtype) for _, t in bucket],
-        "shapes": [list(t.shape) for _, t in bucket], "group_name": group_name, "flush_cache": False,
+        "names": [n for n, _ in bucket],
+        "dtypes": [dtype_name(t.dtype) for _, t in bucket],
+        "shapes": [list(t.shape) for _, t in bucket],
+        "group_name": group_name,
+        "flush_cache": False,
         "load_format": FLATTENED if flat else None,
     }
 
@@ -143,19 +164,34 @@ class SGLangWeightSender:
     per bucket (SGLang's ``flattened_bucket``) instead of one per tensor.
     """
 
-    def __init__(self, urls: list[str], *, transport: str, master_addr: str = "127.0.0.1", master_port: int = 0,
-                 replica_tp: list[int] | None = None, dtype: torch.dtype | None = None, timeout_s: float = 600.0,
-                 flatten: bool = True) -> None:
+    def __init__(
+        self,
+        urls: list[str],
+        *,
+        transport: str,
+        master_addr: str = "127.0.0.1",
+        master_port: int = 0,
+        replica_tp: list[int] | None = None,
+        dtype: torch.dtype | None = None,
+        timeout_s: float = 600.0,
+        flatten: bool = True,
+    ) -> None:
         if transport not in TRANSPORTS:
-            raise ValueError(f"SGLangWeightSender transport '{transport}' unknown; allowed: {list(TRANSPORTS)}")
+            raise ValueError(
+                f"SGLangWeightSender transport '{transport}' unknown; allowed: {list(TRANSPORTS)}"
+            )
         if transport == "cuda_ipc" and not torch.cuda.is_available():
-            raise RuntimeError("SGLangWeightSender(transport='cuda_ipc') needs CUDA (colocated GPU replicas); "
-                               "on CPU colocated replicas take the gloo path from their leader rank")
+            raise RuntimeError(
+                "SGLangWeightSender(transport='cuda_ipc') needs CUDA (colocated GPU replicas); "
+                "on CPU colocated replicas take the gloo path from their leader rank"
+            )
         replica_tp = list(replica_tp) if replica_tp is not None else [1] * len(urls)
         if len(replica_tp) != len(urls):
             raise ValueError(f"replica_tp has {len(replica_tp)} entries for {len(urls)} server urls")
         if transport != "cuda_ipc" and master_port <= 0:
-            raise ValueError(f"SGLangWeightSender(transport='{transport}') needs master_port (the rendezvous port)")
+            raise ValueError(
+                f"SGLangWeightSender(transport='{transport}') needs master_port (the rendezvous port)"
+            )
         self.urls, self.transport, self.dtype, self.flatten = list(urls), transport, dtype, flatten
         self.master_addr, self.master_port, self.replica_tp = master_addr, master_port, replica_tp
         self.timeout_s = timeout_s
@@ -187,12 +223,27 @@ class SGLangWeightSender:
         world_size = 1 + sum(self.replica_tp)
         self.group_name = f"megamarl-sglang-{uuid.uuid4().hex[:8]}"
         self.group, replies = join_replicas(
-            self._pool, self.clients, "/init_weights_update_group", self.replica_tp,
-            lambda offset: {"master_address": self.master_addr, "master_port": self.master_port,
-                            "rank_offset": offset, "world_size": world_size, "group_name": self.group_name,
-                            "backend": self.transport},
-            lambda size: join_update_group(self.transport, self.master_addr, self.master_port, rank=0,
-                                           world_size=size, group_name=self.group_name, timeout_s=self.timeout_s),
+            self._pool,
+            self.clients,
+            "/init_weights_update_group",
+            self.replica_tp,
+            lambda offset: {
+                "master_address": self.master_addr,
+                "master_port": self.master_port,
+                "rank_offset": offset,
+                "world_size": world_size,
+                "group_name": self.group_name,
+                "backend": self.transport,
+            },
+            lambda size: join_update_group(
+                self.transport,
+                self.master_addr,
+                self.master_port,
+                rank=0,
+                world_size=size,
+                group_name=self.group_name,
+                timeout_s=self.timeout_s,
+            ),
         )
         for reply, url in zip(replies, self.urls):
             self._checked(reply, "/init_weights_update_group", url)
@@ -200,8 +251,14 @@ class SGLangWeightSender:
 
     # -- data plane --------------------------------------------------------------------------------
 
-    def push(self, named: Iterable[tuple[str, torch.Tensor]], *, version: int, bucket_bytes: int = 64 * 2**20,
-             pause: bool = True) -> SyncStats:
+    def push(
+        self,
+        named: Iterable[tuple[str, torch.Tensor]],
+        *,
+        version: int,
+        bucket_bytes: int = 64 * 2**20,
+        pause: bool = True,
+    ) -> SyncStats:
         """Send ``named`` (HF names) to every replica and stamp ``version``. With ``pause`` the
         replicas pause first (``/pause_generation``, requests keep their place) and continue after
         the caches are flushed."""
@@ -217,8 +274,13 @@ class SGLangWeightSender:
             self._all("/pause_generation", {"mode": "in_place"})
         self._all("/begin_weight_update", {})
 
-    def send(self, named: Iterable[tuple[str, torch.Tensor]], *, bucket_bytes: int = 64 * 2**20,
-             stats: SyncStats | None = None) -> SyncStats:
+    def send(
+        self,
+        named: Iterable[tuple[str, torch.Tensor]],
+        *,
+        bucket_bytes: int = 64 * 2**20,
+        stats: SyncStats | None = None,
+    ) -> SyncStats:
         """Send ``named`` in buckets; each bucket reaches every replica before the next is announced
         (an SGLang server handles one update request at a time)."""
         if not self.connected:
@@ -229,11 +291,15 @@ class SGLangWeightSender:
             stats.num_tensors += len(bucket)
             stats.num_bytes += sum(t.numel() * t.element_size() for _, t in bucket)
             if self.transport == "cuda_ipc":
-                self._all("/update_weights_from_tensor",
-                          payloads=[tensor_payload(bucket, tp=tp) for tp in self.replica_tp])
+                self._all(
+                    "/update_weights_from_tensor",
+                    payloads=[tensor_payload(bucket, tp=tp) for tp in self.replica_tp],
+                )
                 continue
             body = announce(bucket, self.group_name, flatten=self.flatten)
-            futures = [self._pool.submit(c.post, "/update_weights_from_distributed", body) for c in self.clients]
+            futures = [
+                self._pool.submit(c.post, "/update_weights_from_distributed", body) for c in self.clients
+            ]
             try:
                 if body["load_format"] == FLATTENED:
                     broadcast_from_rank0(self.group, torch.cat([t.detach().reshape(-1) for _, t in bucket]))
@@ -274,7 +340,9 @@ class SGLangWeightSender:
         if self.group is not None:
             for client in self.clients:
                 try:
-                    client.post("/destroy_weights_update_group", {"group_name": self.group_name}, timeout_s=30)
+                    client.post(
+                        "/destroy_weights_update_group", {"group_name": self.group_name}, timeout_s=30
+                    )
                 except Exception:  # noqa: BLE001, S110 - the server may already be gone
                     pass
             try:

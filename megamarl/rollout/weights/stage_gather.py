@@ -32,8 +32,14 @@ def forward_device(*, on_gpu: bool) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
 
 
-def forward_stage(named: Iterable[tuple[str, torch.Tensor]], *, dst: int, bucket_bytes: int,
-                  device: torch.device, group=None) -> int:
+def forward_stage(
+    named: Iterable[tuple[str, torch.Tensor]],
+    *,
+    dst: int,
+    bucket_bytes: int,
+    device: torch.device,
+    group=None,
+) -> int:
     """Send a stage's export to ``dst`` (stage 0's sender) in buckets; returns the number of buckets.
     ``group``: the default group (None) unless a test names another."""
     num_buckets = 0
@@ -44,8 +50,14 @@ def forward_stage(named: Iterable[tuple[str, torch.Tensor]], *, dst: int, bucket
     return num_buckets
 
 
-def relay_stage(named: Iterable[tuple[str, torch.Tensor]], *, destinations: tuple[int, ...], bucket_bytes: int,
-                device: torch.device, group=None) -> Iterator[tuple[str, torch.Tensor]]:
+def relay_stage(
+    named: Iterable[tuple[str, torch.Tensor]],
+    *,
+    destinations: tuple[int, ...],
+    bucket_bytes: int,
+    device: torch.device,
+    group=None,
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield this stage's export to the caller (a leader feeding its own replica; anyone else drains it)
     and send it, in buckets of ``bucket_bytes``, to every rank in ``destinations`` (``receive_stage``
     there). A bucket's tensors stay alive until it has been sent."""
@@ -63,8 +75,9 @@ def relay_stage(named: Iterable[tuple[str, torch.Tensor]], *, destinations: tupl
     _send_end(destinations, device=device, group=group)
 
 
-def _send_bucket(bucket: list[tuple[str, torch.Tensor]], destinations: tuple[int, ...], *, device: torch.device,
-                 group) -> None:
+def _send_bucket(
+    bucket: list[tuple[str, torch.Tensor]], destinations: tuple[int, ...], *, device: torch.device, group
+) -> None:
     meta = [(name, tuple(t.shape), t.dtype) for name, t in bucket]
     for dst in destinations:
         dist.send_object_list([meta], dst=dst, group=group, device=device)
@@ -126,7 +139,9 @@ def relay_roles(layout: WorkerGroupLayout, leaders: Iterable[int]) -> dict[int, 
         others = [t for t in range(pp) if t != stage]
         feeds = rank in leaders
         roles[rank] = RelayRole(
-            stage, exports=dp_rank in fed_dps, feeds=feeds,
+            stage,
+            exports=dp_rank in fed_dps,
+            feeds=feeds,
             sources={t: at(t, dp_rank, tp_rank) for t in others} if feeds else {},
             destinations=tuple(r for r in (at(t, dp_rank, tp_rank) for t in others) if r in leaders),
         )

@@ -51,28 +51,43 @@ def _greedy(model) -> list[list[int]]:
             for _ in range(PROBE_TOKENS):
                 next_id = model(ids).logits[0, -1].argmax()
                 ids = torch.cat([ids, next_id.view(1, 1)], dim=1)
-            out.append(ids[0, len(prompt):].tolist())
+            out.append(ids[0, len(prompt) :].tolist())
     return out
 
 
 def _completions_probe(client: JSONClient, prompt: list[int], model: str, lora: str | None) -> list[int]:
     """vLLM's OpenAI server (an adapter is served under its own model name)."""
-    reply = client.post("/v1/completions", {
-        "model": lora or model, "prompt": list(prompt), "max_tokens": PROBE_TOKENS, "min_tokens": PROBE_TOKENS,
-        "temperature": 0.0, "ignore_eos": True, "return_token_ids": True,
-    })
+    reply = client.post(
+        "/v1/completions",
+        {
+            "model": lora or model,
+            "prompt": list(prompt),
+            "max_tokens": PROBE_TOKENS,
+            "min_tokens": PROBE_TOKENS,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+        },
+    )
     return list(reply["choices"][0]["token_ids"])
 
 
 def _generate_probe(client: JSONClient, prompt: list[int], model: str, lora: str | None) -> list[int]:
     """SGLang's native ``/generate`` (no model name: a server serves one base model; ``lora_path``
     names an adapter)."""
-    reply = client.post("/generate", {
-        **({"lora_path": lora} if lora else {}),
-        "input_ids": list(prompt),
-        "sampling_params": {"temperature": 0.0, "max_new_tokens": PROBE_TOKENS, "min_new_tokens": PROBE_TOKENS,
-                            "ignore_eos": True},
-    })
+    reply = client.post(
+        "/generate",
+        {
+            **({"lora_path": lora} if lora else {}),
+            "input_ids": list(prompt),
+            "sampling_params": {
+                "temperature": 0.0,
+                "max_new_tokens": PROBE_TOKENS,
+                "min_new_tokens": PROBE_TOKENS,
+                "ignore_eos": True,
+            },
+        },
+    )
     return list(reply["output_ids"])
 
 
@@ -88,8 +103,16 @@ def served_tokens(url: str, model: str, *, backend: str = "vllm", lora: str | No
         client.close()
 
 
-def verify_replicas(policy: str, model_path: str | Path, weights: dict[str, torch.Tensor], urls: dict[int, str],
-                    *, served_model: str, version: int, backend: str = "vllm") -> int:
+def verify_replicas(
+    policy: str,
+    model_path: str | Path,
+    weights: dict[str, torch.Tensor],
+    urls: dict[int, str],
+    *,
+    served_model: str,
+    version: int,
+    backend: str = "vllm",
+) -> int:
     """Raises ``WeightSyncMismatch`` naming the replica whose tokens differ; returns how many matched."""
     expected = reference_tokens(model_path, weights)
     for index, url in urls.items():
@@ -102,8 +125,17 @@ def verify_replicas(policy: str, model_path: str | Path, weights: dict[str, torc
     return len(urls)
 
 
-def verify_adapter(policy: str, adapter: str, model_path: str | Path, adapter_dir: str | Path,
-                   urls: dict[int, str], *, version: int, served_model: str, backend: str = "vllm") -> int:
+def verify_adapter(
+    policy: str,
+    adapter: str,
+    model_path: str | Path,
+    adapter_dir: str | Path,
+    urls: dict[int, str],
+    *,
+    version: int,
+    served_model: str,
+    backend: str = "vllm",
+) -> int:
     """L2: every replica serving ``adapter`` (under its own model name) decodes what transformers
     decodes with the adapter directory it was told to load. Returns how many matched."""
     expected = adapter_reference_tokens(model_path, adapter_dir)

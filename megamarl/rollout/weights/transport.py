@@ -41,7 +41,8 @@ def check_nccl_sender(engine) -> None:
             f"policies.<p>.engine.weight_transfer='{engine.weight_transfer}' pushes into GPU vLLM servers with vLLM's "
             f"NCCL engine, whose sending end runs in the trainer, but the trainer's Python ({sys.executable}) "
             f"cannot import vllm (engine.server_python={engine.server_python!r} runs the servers only): install vllm "
-            "in the trainer's environment, or set engine.weight_transfer: megamarl")
+            "in the trainer's environment, or set engine.weight_transfer: megamarl"
+        )
 
 
 def sglang_transport(engine, *, colocated: bool, pp: int, on_gpu: bool) -> str:
@@ -82,7 +83,10 @@ def _sglang_sender(urls: list[str], *, transport: str, **kw) -> SGLangWeightSend
 # engine backend -> how its servers receive weights (the transport from the policy's engine config)
 TRANSPORTS: dict[str, Callable[..., str]] = {"vllm": vllm_transport, "sglang": sglang_transport}
 # engine backend -> the weight sender into its servers (connect/begin/send/end/push/close)
-SENDERS: dict[str, Callable[..., WeightSender | VLLMNativeSender | SGLangWeightSender]] = {"vllm": _vllm_sender, "sglang": _sglang_sender}
+SENDERS: dict[str, Callable[..., WeightSender | VLLMNativeSender | SGLangWeightSender]] = {
+    "vllm": _vllm_sender,
+    "sglang": _sglang_sender,
+}
 
 
 def transport_for(policy, *, colocated: bool, on_gpu: bool) -> str:

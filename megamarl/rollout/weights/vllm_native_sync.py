@@ -56,12 +56,14 @@ def _open_nccl(master_address: str, master_port: int, world_size: int) -> Any:
     """The sender's endpoint (rank 0) of the transfer group: vLLM's ``PyNcclCommunicator``."""
     from vllm.distributed.weight_transfer.nccl_common import trainer_init
 
-    return trainer_init({"master_address": master_address, "master_port": master_port, "world_size": world_size},
-                        rank=0)
+    return trainer_init(
+        {"master_address": master_address, "master_port": master_port, "world_size": world_size}, rank=0
+    )
 
 
-def _broadcast_bucket(group: Any, bucket: list[tuple[str, torch.Tensor]], *, buffer_bytes: int,
-                      num_buffers: int) -> None:
+def _broadcast_bucket(
+    group: Any, bucket: list[tuple[str, torch.Tensor]], *, buffer_bytes: int, num_buffers: int
+) -> None:
     """One packed broadcast of ``bucket`` from rank 0 (what the servers' packed consumer expects).
 
     ``bucket``'s tensors were just cast (``VLLMNativeSender._wire``) on the current stream, and vLLM's
@@ -79,8 +81,14 @@ def _broadcast_bucket(group: Any, bucket: list[tuple[str, torch.Tensor]], *, buf
         torch.cuda.current_stream().wait_event(cast_done)  # the producer's packing stream
         return item[1]
 
-    packed_nccl_broadcast_producer(iterator=iter(bucket), group=group, src=0, post_iter_func=after_cast,
-                                   buffer_size_bytes=buffer_bytes, num_buffers=num_buffers)
+    packed_nccl_broadcast_producer(
+        iterator=iter(bucket),
+        group=group,
+        src=0,
+        post_iter_func=after_cast,
+        buffer_size_bytes=buffer_bytes,
+        num_buffers=num_buffers,
+    )
     torch.cuda.current_stream().synchronize()
 
 
@@ -100,14 +108,33 @@ class VLLMNativeSender(WeightSender):
 
     backends = TRANSPORTS
 
-    def __init__(self, urls: list[str], *, transport: str, master_addr: str = "127.0.0.1", master_port: int = 0,
-                 replica_tp: list[int] | None = None, dtype: torch.dtype | None = None, timeout_s: float = 600.0,
-                 buffer_bytes: int = PACKED_BUFFER_BYTES, num_buffers: int = PACKED_NUM_BUFFERS) -> None:
-        super().__init__(urls, backend=transport, master_addr=master_addr, master_port=master_port,
-                         replica_tp=replica_tp, dtype=dtype, timeout_s=timeout_s)
+    def __init__(
+        self,
+        urls: list[str],
+        *,
+        transport: str,
+        master_addr: str = "127.0.0.1",
+        master_port: int = 0,
+        replica_tp: list[int] | None = None,
+        dtype: torch.dtype | None = None,
+        timeout_s: float = 600.0,
+        buffer_bytes: int = PACKED_BUFFER_BYTES,
+        num_buffers: int = PACKED_NUM_BUFFERS,
+    ) -> None:
+        super().__init__(
+            urls,
+            backend=transport,
+            master_addr=master_addr,
+            master_port=master_port,
+            replica_tp=replica_tp,
+            dtype=dtype,
+            timeout_s=timeout_s,
+        )
         if transport == "ipc" and any(tp != 1 for tp in self.replica_tp):
-            raise ValueError(f"VLLMNativeSender(transport='ipc') feeds replicas at engine TP=1 (one GPU, the "
-                             f"sender's); got replica_tp={self.replica_tp}")
+            raise ValueError(
+                f"VLLMNativeSender(transport='ipc') feeds replicas at engine TP=1 (one GPU, the "
+                f"sender's); got replica_tp={self.replica_tp}"
+            )
         self.buffer_bytes, self.num_buffers = buffer_bytes, num_buffers
 
     @property
@@ -121,17 +148,32 @@ class VLLMNativeSender(WeightSender):
             return
         # the servers' workers block in the rendezvous until the sender joins as rank 0
         self.group, _ = join_replicas(
-            self._pool, self.clients, "/init_weight_transfer_engine", self.replica_tp,
-            lambda offset: {"init_info": {
-                "master_address": self.master_addr, "master_port": self.master_port, "rank_offset": offset,
-                "world_size": 1 + sum(self.replica_tp), "packed": True,
-                "packed_buffer_size_bytes": self.buffer_bytes, "packed_num_buffers": self.num_buffers}},
+            self._pool,
+            self.clients,
+            "/init_weight_transfer_engine",
+            self.replica_tp,
+            lambda offset: {
+                "init_info": {
+                    "master_address": self.master_addr,
+                    "master_port": self.master_port,
+                    "rank_offset": offset,
+                    "world_size": 1 + sum(self.replica_tp),
+                    "packed": True,
+                    "packed_buffer_size_bytes": self.buffer_bytes,
+                    "packed_num_buffers": self.num_buffers,
+                }
+            },
             lambda world_size: _open_nccl(self.master_addr, self.master_port, world_size),
         )
         self.connected = True
 
-    def send(self, named: Iterable[tuple[str, torch.Tensor]], *, bucket_bytes: int = 64 * 2**20,
-             stats: SyncStats | None = None) -> SyncStats:
+    def send(
+        self,
+        named: Iterable[tuple[str, torch.Tensor]],
+        *,
+        bucket_bytes: int = 64 * 2**20,
+        stats: SyncStats | None = None,
+    ) -> SyncStats:
         """One ``/update_weights`` per bucket to every replica, with its bytes (one broadcast, or IPC
         handles in the request). Buckets go one at a time: the packed NCCL producer keeps its own
         buffers in flight within a bucket."""
@@ -143,8 +185,11 @@ class VLLMNativeSender(WeightSender):
             stats.num_buckets += 1
             stats.num_tensors += len(bucket)
             stats.num_bytes += sum(t.numel() * t.element_size() for _, t in bucket)
-            info = {"names": [n for n, _ in bucket], "dtype_names": [dtype_name(t.dtype) for _, t in bucket],
-                    "shapes": [list(t.shape) for _, t in bucket]}
+            info = {
+                "names": [n for n, _ in bucket],
+                "dtype_names": [dtype_name(t.dtype) for _, t in bucket],
+                "shapes": [list(t.shape) for _, t in bucket],
+            }
             if self.transport == "ipc":
                 info["ipc_handles_pickled"] = _pickled([_ipc_handles(t) for _, t in bucket])
                 self._all("/update_weights", {"update_info": info})  # the bucket stays referenced until here
@@ -152,18 +197,24 @@ class VLLMNativeSender(WeightSender):
                 if torch.cuda.is_available():
                     torch.cuda.ipc_collect()  # the server has loaded (copied) the bucket: free what it shared
                 continue
-            futures = [self._pool.submit(c.post, "/update_weights", {"update_info": info}) for c in self.clients]
+            futures = [
+                self._pool.submit(c.post, "/update_weights", {"update_info": info}) for c in self.clients
+            ]
             failed = [f for f in futures if f.done() and f.exception() is not None]
             if failed:  # refused before any receive: the broadcast would wait for nobody
                 raise failed[0].exception()
-            _broadcast_bucket(self.group, bucket, buffer_bytes=self.buffer_bytes, num_buffers=self.num_buffers)
+            _broadcast_bucket(
+                self.group, bucket, buffer_bytes=self.buffer_bytes, num_buffers=self.num_buffers
+            )
             for f in futures:
                 f.result()
         return stats
 
     def _wire(self, tensor: torch.Tensor) -> torch.Tensor:
         """The tensor as it travels: on this rank's GPU, in the engine's dtype, contiguous."""
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else tensor.device
+        device = (
+            torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else tensor.device
+        )
         return tensor.detach().to(device=device, dtype=wire_dtype(tensor, self.dtype)).contiguous()
 
     def close(self) -> None:

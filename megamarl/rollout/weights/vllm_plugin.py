@@ -67,8 +67,10 @@ class GlooInitInfo(WeightTransferInitInfo):
 
     def __post_init__(self) -> None:
         if not self.release and not (self.master_address and self.master_port > 0 and self.world_size > 0):
-            raise ValueError(f"megamarl_gloo: joining group {self.group_name!r} needs master_address, "
-                             "master_port and world_size")
+            raise ValueError(
+                f"megamarl_gloo: joining group {self.group_name!r} needs master_address, "
+                "master_port and world_size"
+            )
 
 
 @dataclass
@@ -93,7 +95,9 @@ class BucketInfo(WeightTransferUpdateInfo):
     def __post_init__(self) -> None:
         n = len(self.names)
         if not len(self.dtype_names) == len(self.shapes) == len(self.offsets) == n:
-            raise ValueError("update_info: names, dtype_names, shapes and offsets must have one entry per tensor")
+            raise ValueError(
+                "update_info: names, dtype_names, shapes and offsets must have one entry per tensor"
+            )
 
 
 def repack_tied_lm_head(model: torch.nn.Module) -> None:
@@ -125,9 +129,15 @@ class _LayerwiseEngine(WeightTransferEngine):
         finalize_layerwise_reload(self.model, self.model_config)
         repack_tied_lm_head(self.model)
         t = dict(getattr(self, "_times", {}), finish=time.perf_counter() - start)
-        logger.info("%s: %.1f MB; seconds: start %.3f, receive %.3f, load %.3f, finish %.3f",
-                    self.config.backend, t.get("bytes", 0) / 1e6, t.get("start", 0), t.get("receive", 0),
-                    t.get("load", 0), t["finish"])
+        logger.info(
+            "%s: %.1f MB; seconds: start %.3f, receive %.3f, load %.3f, finish %.3f",
+            self.config.backend,
+            t.get("bytes", 0) / 1e6,
+            t.get("start", 0),
+            t.get("receive", 0),
+            t.get("load", 0),
+            t["finish"],
+        )
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         self.receive_weights(self.parse_update_info(update_info))
@@ -192,8 +202,12 @@ class GlooWeightTransferEngine(_LayerwiseEngine):
         parallel = self.parallel_config
         worker_rank = parallel.data_parallel_index * parallel.world_size + parallel.rank
         self.groups[init_info.group_name] = new_gloo_group(
-            init_info.master_address, init_info.master_port, rank=init_info.rank_offset + worker_rank,
-            world_size=init_info.world_size, group_name=init_info.group_name, timeout_s=init_info.timeout_s,
+            init_info.master_address,
+            init_info.master_port,
+            rank=init_info.rank_offset + worker_rank,
+            world_size=init_info.world_size,
+            group_name=init_info.group_name,
+            timeout_s=init_info.timeout_s,
             # the node's address its owner chose (server_launch.server_env); unset: gloo's own choice
             address=os.environ.get(HOST_ADDR_ENV) or None,
         )
@@ -217,7 +231,9 @@ class GlooWeightTransferEngine(_LayerwiseEngine):
             raise RuntimeError("megamarl_gloo: /update_weights before /init_weight_transfer_engine")
         name = info.group_name
         if name is None and len(self.groups) > 1:
-            raise ValueError(f"megamarl_gloo: update_info must name its group_name; joined {sorted(self.groups)}")
+            raise ValueError(
+                f"megamarl_gloo: update_info must name its group_name; joined {sorted(self.groups)}"
+            )
         group, _ = self.groups[name] if name is not None else next(iter(self.groups.values()))
         state = self.receives.setdefault(name, _Receives())
         # Broadcasts arrive in bucket order and receives are posted in that order; announcements may
@@ -230,13 +246,17 @@ class GlooWeightTransferEngine(_LayerwiseEngine):
         if seq in state.posted:
             work, flat = state.posted.pop(seq)
             if flat.numel() != info.num_bytes:
-                raise RuntimeError(f"megamarl_gloo: bucket {seq} announced {info.num_bytes} bytes, "
-                                   f"its predecessor said {flat.numel()}")
+                raise RuntimeError(
+                    f"megamarl_gloo: bucket {seq} announced {info.num_bytes} bytes, "
+                    f"its predecessor said {flat.numel()}"
+                )
         elif state.next_seq in (None, seq):
             work, flat = self._receive(group, info.num_bytes)
             state.next_seq = seq + 1
         else:
-            raise RuntimeError(f"megamarl_gloo: bucket {seq} announced while bucket {state.next_seq}'s size is unknown")
+            raise RuntimeError(
+                f"megamarl_gloo: bucket {seq} announced while bucket {state.next_seq}'s size is unknown"
+            )
         if info.next_num_bytes and state.next_seq == seq + 1:
             state.posted[seq + 1] = self._receive(group, info.next_num_bytes)
             state.next_seq = seq + 2
@@ -253,6 +273,7 @@ class GlooWeightTransferEngine(_LayerwiseEngine):
         waiting = []
         for work, flat, info in self.arriving:
             if wait or work.is_completed():
+
                 def arrived(work=work, flat=flat) -> torch.Tensor:
                     work.wait()  # raises the broadcast's error, if any
                     return flat

@@ -193,18 +193,24 @@ def drain(named: Iterable) -> None:
         pass
 
 
-def _counted(named: Iterable[tuple[str, torch.Tensor]], stats: SyncStats) -> Iterator[tuple[str, torch.Tensor]]:
+def _counted(
+    named: Iterable[tuple[str, torch.Tensor]], stats: SyncStats
+) -> Iterator[tuple[str, torch.Tensor]]:
     for name, tensor in named:
         stats.num_tensors += 1
         stats.num_bytes += tensor.numel() * tensor.element_size()
         yield name, tensor
 
 
-def _engine_stream(wg: WorkerGroup, export, stats: SyncStats, rank: int) -> Iterator[tuple[str, torch.Tensor]]:
+def _engine_stream(
+    wg: WorkerGroup, export, stats: SyncStats, rank: int
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Every stage's tensors, in stage order: the engine rank's own export for a stage whose TP group
     it belongs to (colocated: no copy), else the stage sender's buckets."""
     for pp_rank in range(wg.layout.pp):
         local = wg.is_member and wg.dp_rank == 0 and rank in stage_ranks(wg, pp_rank)
         if local and export is None:
-            raise ValueError(f"sync_weights: rank {rank} holds stage {pp_rank} of '{wg.name}' but got no export")
+            raise ValueError(
+                f"sync_weights: rank {rank} holds stage {pp_rank} of '{wg.name}' but got no export"
+            )
         yield from export() if local else _recv_buckets(stage_sender(wg, pp_rank), stats)

@@ -11,8 +11,14 @@ import sys
 import threading
 from pathlib import Path
 
-DTYPES = {"auto": "float32", "bfloat16": "bfloat16", "float16": "float16", "half": "float16",
-          "float32": "float32", "float": "float32"}
+DTYPES = {
+    "auto": "float32",
+    "bfloat16": "bfloat16",
+    "float16": "float16",
+    "half": "float16",
+    "float32": "float32",
+    "float": "float32",
+}
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -53,8 +59,13 @@ def main(argv: list[str] | None = None) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/: the fake server lives there
     from fake_servers import FakeSGLangServer
 
-    engine = HFEngine(args.model_path, dtype=getattr(torch, DTYPES[args.dtype]), seed=args.random_seed,
-                      max_batch_rows=args.max_running_requests, max_wait_ms=2.0)
+    engine = HFEngine(
+        args.model_path,
+        dtype=getattr(torch, DTYPES[args.dtype]),
+        seed=args.random_seed,
+        max_batch_rows=args.max_running_requests,
+        max_wait_ms=2.0,
+    )
 
     lock = threading.Lock()  # handler threads log concurrently: one whole line per record
 
@@ -63,10 +74,13 @@ def main(argv: list[str] | None = None) -> None:
             sys.stdout.write("[fake-sglang] " + json.dumps(record) + "\n")
             sys.stdout.flush()
 
-    server = FakeSGLangServer(engine, host=args.host, port=args.port, model_path=args.model_path,
-                              tp_size=args.tp_size, log=log)
-    print(f"[fake-sglang] serving {args.model_path} at {server.url} (tp_size {args.tp_size}, dtype {args.dtype})",
-          flush=True)
+    server = FakeSGLangServer(
+        engine, host=args.host, port=args.port, model_path=args.model_path, tp_size=args.tp_size, log=log
+    )
+    print(
+        f"[fake-sglang] serving {args.model_path} at {server.url} (tp_size {args.tp_size}, dtype {args.dtype})",
+        flush=True,
+    )
     server.serve_forever()
 
 

@@ -17,28 +17,53 @@ def main() -> None:
     client = OpenAI()
     question = job["task"]["question"]
     solver = client.chat.completions.create(
-        model="solver", messages=[{"role": "system", "content": "Solve."}, {"role": "user", "content": question}],
-        max_tokens=8)
+        model="solver",
+        messages=[{"role": "system", "content": "Solve."}, {"role": "user", "content": question}],
+        max_tokens=8,
+    )
     stream = client.chat.completions.create(
-        model="verifier", messages=[{"role": "user", "content": f"{question} {solver.choices[0].message.content}?"}],
-        stream=True)
+        model="verifier",
+        messages=[{"role": "user", "content": f"{question} {solver.choices[0].message.content}?"}],
+        stream=True,
+    )
     verifier = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
     # routed by header instead of the base URL's episode prefix
     plain = OpenAI(base_url=os.environ["OPENAI_BASE_URL"].split("/episodes/")[0] + "/v1")
-    again = plain.completions.create(model="ignored", prompt=f"Answer: {question}", max_tokens=4,
-                                     extra_headers={"X-Episode-Id": os.environ["MEGAMARL_EPISODE_ID"],
-                                                    "X-Megamarl-Agent": "solver"})
+    again = plain.completions.create(
+        model="ignored",
+        prompt=f"Answer: {question}",
+        max_tokens=4,
+        extra_headers={"X-Episode-Id": os.environ["MEGAMARL_EPISODE_ID"], "X-Megamarl-Agent": "solver"},
+    )
     # the solver's conversation continued: its earlier reply comes back as text
-    history = [{"role": "system", "content": "Solve."}, {"role": "user", "content": question},
-               {"role": "assistant", "content": solver.choices[0].message.content}, {"role": "user", "content": "Sure?"}]
+    history = [
+        {"role": "system", "content": "Solve."},
+        {"role": "user", "content": question},
+        {"role": "assistant", "content": solver.choices[0].message.content},
+        {"role": "user", "content": "Sure?"},
+    ]
     sure = client.chat.completions.create(model="solver", messages=history, max_tokens=4)
-    texts = [solver.choices[0].message.content, verifier, again.choices[0].text, sure.choices[0].message.content]
+    texts = [
+        solver.choices[0].message.content,
+        verifier,
+        again.choices[0].text,
+        sure.choices[0].message.content,
+    ]
     team = (len(texts[0]) % 5) / 4
     reward = {"team": team, "agents": {"verifier": len(verifier) % 2 * 0.5}}
     client.post(f"{os.environ['OPENAI_BASE_URL']}/reward", body=reward, cast_to=object)
     with open(os.environ["OAI_TEST_LOG"], "a") as f:
-        f.write(json.dumps({"episode_id": os.environ["MEGAMARL_EPISODE_ID"], "texts": texts, "reward": reward,
-                            "usage": [solver.usage.completion_tokens, again.usage.completion_tokens]}) + "\n")
+        f.write(
+            json.dumps(
+                {
+                    "episode_id": os.environ["MEGAMARL_EPISODE_ID"],
+                    "texts": texts,
+                    "reward": reward,
+                    "usage": [solver.usage.completion_tokens, again.usage.completion_tokens],
+                }
+            )
+            + "\n"
+        )
 
 
 if __name__ == "__main__":
