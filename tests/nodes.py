@@ -157,8 +157,8 @@ def _start_holder(argv: list[str]) -> subprocess.Popen:
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        preexec_fn=_die_with_parent,
-    )  # noqa: PLW1509 (prctl only)
+        preexec_fn=_die_with_parent,  # noqa: PLW1509 (prctl only)
+    )
     lines = []
     for line in proc.stdout:  # ends at EOF: the setup failed
         if line.strip() == "ready":

@@ -330,8 +330,8 @@ def _run_isolated(code: str, config: SandboxConfig, *, stdin: bytes | None, chan
                 stdin=stdin_fd,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
-                preexec_fn=_limits(config, cgroup),
-                start_new_session=True,  # noqa: PLW1509 - os.write/setrlimit only
+                preexec_fn=_limits(config, cgroup),  # noqa: PLW1509 - os.write/setrlimit only
+                start_new_session=True,
                 pass_fds=tuple(fds) + ((chan_w,) if channel else ()),
             )
         finally:
@@ -762,8 +762,8 @@ def _run_audited(code: str, config: SandboxConfig, *, stdin: bytes | None, chann
                 stdin=stdin_fd,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
-                preexec_fn=_limits(config),
-                start_new_session=True,  # noqa: PLW1509 - setrlimit only
+                preexec_fn=_limits(config),  # noqa: PLW1509 - setrlimit only
+                start_new_session=True,
                 pass_fds=(chan_w,) if channel else (),
             )
         finally:
