@@ -293,7 +293,8 @@ class PolicyConfig:
             self.lr_schedule = LrScheduleConfig(**self.lr_schedule)
         if self.mini_batch_size is not None and self.mini_batch_size < 1:
             raise ValueError(
-                f"policies.<p>.mini_batch_size must be >= 1 (or null: the whole batch), got {self.mini_batch_size}"
+                "policies.<p>.mini_batch_size must be >= 1 (or null: the whole batch), got "
+                f"{self.mini_batch_size}"
             )
         if self.prefix_tree and not self.pack:
             raise ValueError(
@@ -367,7 +368,8 @@ class AlgorithmConfig:
     normalize_std: bool = True
     std_ddof: int = 1  # group std: 1 unbiased (n - 1; verl, Dr.MAS, GiGPO), 0 population (n)
     team_alpha: float = 1.0  # reward = team + alpha * local (the schedule's start)
-    # anneal team_alpha per trainer step (kind: constant | linear | cosine; end; steps, 0: trainer.total_steps);
+    # anneal team_alpha per trainer step (kind: constant | linear | cosine; end; steps, 0:
+    # trainer.total_steps);
     # the step's value is logged as algorithm/team_alpha (kind != constant)
     team_alpha_schedule: TeamAlphaSchedule = field(default_factory=TeamAlphaSchedule)
     turn_gamma: float = 1.0
@@ -532,7 +534,8 @@ class TrainerConfig:
             raise ValueError("trainer.resume is empty; use none, auto or a checkpoint/run directory")
         if self.resume not in ("none", "auto") and not path_exists(Path(self.resume), is_dir=True):
             raise ValueError(
-                f"trainer.resume={self.resume}: no such directory; use none, auto or a checkpoint/run directory"
+                f"trainer.resume={self.resume}: no such directory; use none, auto or a checkpoint/run "
+                "directory"
             )
         check_range("trainer.seed", self.seed, low=0, high=MAX_SEED)
         if self.sync_every < 1:
@@ -602,7 +605,8 @@ class RunConfig:
             if agent.lr is not None and agent.lora is None and sharing:
                 raise ValueError(
                     f"agents.{name}.lr is set but the agent shares policies.{agent.policy}'s weights with "
-                    f"{sharing}; a per-agent learning rate needs the agent's own parameters (agents.{name}.lora) "
+                    f"{sharing}; a per-agent learning rate needs the agent's own parameters "
+                    f"(agents.{name}.lora) "
                     f"or a policy of its own; use policies.{agent.policy}.lr instead"
                 )
             for key, value in agent.train_overrides().items():
@@ -656,7 +660,8 @@ class RunConfig:
             if name == pool.learner or policy is None or not policy.frozen or policy.model != learner.model:
                 raise ValueError(
                     f"{key}.snapshots: {name!r} must be a frozen policy (policies.{name}.frozen: true) "
-                    f"of the learner's model {learner.model!r}, not the learner; defined: {sorted(self.policies)}"
+                    f"of the learner's model {learner.model!r}, not the learner; defined: "
+                    f"{sorted(self.policies)}"
                 )
             if policy.lora is not None or policy.engine.launch == "server" or policy.engine.server_urls:
                 raise ValueError(
@@ -688,7 +693,8 @@ class RunConfig:
                 policy = mapping(role, episode_seed)
                 if policy not in allowed:
                     raise ValueError(
-                        f"{key}('{role}', {episode_seed}) returned {policy!r}, not a policy; defined: {sorted(self.policies)}"
+                        f"{key}('{role}', {episode_seed}) returned {policy!r}, not a policy; defined: "
+                        f"{sorted(self.policies)}"
                     )
 
 

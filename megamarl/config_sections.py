@@ -126,7 +126,8 @@ class AgentConfig:
             )
         if self.tools and self.tree_k > 1:
             raise ValueError(
-                "agents.<a>.tools cannot be combined with agents.<a>.tree_k > 1 (tool rounds follow one reply)"
+                "agents.<a>.tools cannot be combined with agents.<a>.tree_k > 1 (tool rounds follow one "
+                "reply)"
             )
         check_range("agents.<a>.memory_tokens", self.memory_tokens, low=0)
         if self.lr is not None:
@@ -174,10 +175,12 @@ class WorkersConfig:
 
     backend: str = "inline"
     num_workers: int = 2  # process slots or Ray actors: remote env steps that run at once
-    # ray: address of an existing cluster (auto, host:port, ray://host:10001); empty: the run starts a local one
+    # ray: address of an existing cluster (auto, host:port, ray://host:10001); empty: the run starts a local
+    # one
     address: str = ""
     # ray: what each actor asks the cluster for, which decides where it runs: {CPU: 1}, or a custom resource
-    # that only some nodes declare (ray start --resources '{"env_node": 8}') with {env_node: 1}; empty: nothing
+    # that only some nodes declare (ray start --resources '{"env_node": 8}') with {env_node: 1}; empty:
+    # nothing
     # (an actor may run on any node, the driver's first)
     resources: dict[str, float] = field(default_factory=dict)
 

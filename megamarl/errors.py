@@ -38,7 +38,8 @@ class CheckpointWriteError(RunStoppedError):
 
     def __init__(self, path: Path, errors: list[str], complete: list[Path]) -> None:
         last = (
-            f"the previous checkpoint {complete[-1]} is complete and loadable (trainer.resume=auto resumes from it)"
+            f"the previous checkpoint {complete[-1]} is complete and loadable (trainer.resume=auto resumes "
+            "from it)"
             if complete
             else "no earlier checkpoint exists"
         )

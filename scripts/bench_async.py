@@ -1,4 +1,4 @@
-"""Trainer modes side by side on a multi-agent workload whose environment has real latency.
+r"""Trainer modes side by side on a multi-agent workload whose environment has real latency.
 
 The workload (configs/bench_async.yaml): two tiny policies, a caller and an answerer, play a
 signalling game through slow tools (megamarl.orchestration.envs.latency): after every caller turn a
@@ -9,7 +9,8 @@ rounds with the modes interleaved so that a shared machine's load drifts over al
 Prints the median steps/hour and samples/hour per mode, the speed-up over sync, idle ratios, the
 weight-sync bubble, staleness and drops, and writes docs/bench/async.json (every run, the machine).
 
-    python scripts/bench_async.py [--steps 10] [--repeats 3] [--modes sync one_step_off fully_async] [key=value ...]
+    python scripts/bench_async.py [--steps 10] [--repeats 3] \
+        [--modes sync one_step_off fully_async] [key=value ...]
 
 Throughput is measured between the log lines of the first and the last step (steady state: the
 first step pays for warm-up in every mode). A *step* is one update of every policy: with per-policy
@@ -193,7 +194,8 @@ def main() -> None:
             run["repeat"] = repeat
             runs.append(run)
             print(
-                f"[bench_async] round {repeat + 1}/{args.repeats} {mode}: {run['steps_per_hour']:.0f} steps/h, "
+                f"[bench_async] round {repeat + 1}/{args.repeats} {mode}: {run['steps_per_hour']:.0f} "
+                "steps/h, "
                 f"{run['samples_per_hour']:.0f} samples/h (load {run['load_avg_1m'][0]:.1f})",
                 flush=True,
             )

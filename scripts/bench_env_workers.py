@@ -56,7 +56,8 @@ CODE_REPLIES = {
 }
 NOTE = (
     "1, 5, 15 min load averages. Other work on the machine lowers every figure and favours backends that run "
-    "more processes at once (they get a larger share of the contended cores): on a loaded machine, gains beyond "
+    "more processes at once (they get a larger share of the contended cores): on a loaded machine, gains "
+    "beyond "
     "the core count are partly that share"
 )
 CODE_TESTS = {"scale": "assert scale(1) == 3\n", "clip": "assert clip(20) == 9\n"}
@@ -213,7 +214,8 @@ def main() -> int:
                 }
             )
     print(
-        f"{args.episodes} concurrent episodes per rollout, {args.rounds} rounds; slow_judge: {args.judge_s} s per step\n"
+        f"{args.episodes} concurrent episodes per rollout, {args.rounds} rounds; slow_judge: {args.judge_s} "
+        "s per step\n"
     )
     print("| workload | backend | episodes/s | vs inline | worker start-up s |\n|---|---|---|---|---|")
     for r in rows:

@@ -400,7 +400,8 @@ def main() -> int:
     for row in rows:
         print("| " + " | ".join(row) + " |")
     print(
-        f"table {result['cells_wall_s'] / 60:.1f} min (this invocation {result['total_s'] / 60:.1f}); load avg (1 min) "
+        f"table {result['cells_wall_s'] / 60:.1f} min (this invocation {result['total_s'] / 60:.1f}); load "
+        "avg (1 min) "
         + (
             f"before {load_before:.1f}, mean {load['mean']:.1f}, max {load['max']:.1f}"
             if ran_here

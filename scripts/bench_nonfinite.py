@@ -1,7 +1,8 @@
-"""The per-step gradient check before an update, old and new, on this machine's CPU: ``isfinite(buffer).all()``
-per DDP buffer, each read back to the host (before), against ``optimizer.nonfinite`` (one fp32 sum per
-buffer, one flag read). Prints a table of seconds per check for fp32 and bf16 buffers of ``--numel``
-elements, side by side in one run, and writes it with the machine and its load to ``--out``.
+"""The per-step gradient check before an update, old and new, on this machine's CPU:
+``isfinite(buffer).all()`` per DDP buffer, each read back to the host (before), against
+``optimizer.nonfinite`` (one fp32 sum per buffer, one flag read). Prints a table of seconds per check for fp32
+and bf16 buffers of ``--numel`` elements, side by side in one run, and writes it with the machine and its load
+to ``--out``.
 
     python scripts/bench_nonfinite.py [--numel 33554432] [--out docs/bench/nonfinite.json]"""
 

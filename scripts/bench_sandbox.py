@@ -9,11 +9,11 @@ worker does): a function-call problem (three cases, one sandboxed process per ca
 stdin/stdout problem (three cases, one process per case). Half the candidates are correct, half
 wrong, so both verdicts are exercised; the paths alternate in 5 rounds so that load drift on a
 shared machine hits both. CPU ms are the sandboxed processes' user + system time (bwrap, setpriv,
-unshare and python for the isolated path), less sensitive to other load than wall time. ``isolated`` is the default path (bubblewrap, own uid and
-namespaces); ``unsafe_inprocess`` is the old one (rlimits + audit hook, same uid as the judge),
-kept only as the explicit opt-in ``env.kwargs.unsafe_inprocess: true``. ``isolated_rlimits_only``
-is the isolated path without its per-run cgroup (tree-wide memory, pids and CPU limits), to show
-what the cgroup costs; the row is left out where no cgroup hierarchy is writable.
+unshare and python for the isolated path), less sensitive to other load than wall time. ``isolated`` is the
+default path (bubblewrap, own uid and namespaces); ``unsafe_inprocess`` is the old one (rlimits + audit hook,
+same uid as the judge), kept only as the explicit opt-in ``env.kwargs.unsafe_inprocess: true``.
+``isolated_rlimits_only`` is the isolated path without its per-run cgroup (tree-wide memory, pids and CPU
+limits), to show what the cgroup costs; the row is left out where no cgroup hierarchy is writable.
 
 ``--preset-steps N`` also trains ``configs/presets/code.yaml`` (the code env's judge in 2 process env
 workers) for N steps on each path (``env.kwargs.unsafe_inprocess`` true, then false, then both again:
@@ -158,7 +158,8 @@ def bench_preset(steps: int, *, num_rounds: int = 2) -> list[dict]:
         for round_ in range(num_rounds):
             for unsafe in (True, False):
                 print(
-                    f"code preset, {'unsafe_inprocess' if unsafe else 'isolated'}, run {round_ + 1}/{num_rounds}",
+                    f"code preset, {'unsafe_inprocess' if unsafe else 'isolated'}, run "
+                    f"{round_ + 1}/{num_rounds}",
                     flush=True,
                 )
                 runs[unsafe].append(train_preset(steps, unsafe=unsafe, out=f"{out}/{round_}"))
@@ -243,12 +244,14 @@ def main() -> int:
         )
     if preset:
         print(
-            "\n| code preset | step s | rollout s | coder reward per step (runs) | coder answers judged per step "
+            "\n| code preset | step s | rollout s | coder reward per step (runs) | coder answers judged per "
+            "step "
             "| judge errors | failed episodes |\n|---|---|---|---|---|---|---|"
         )
         for r in preset:
             print(
-                f"| {r['path']} | {r['step_s']:.2f} | {r['rollout_s']:.2f} | {r['coder_reward_mean_per_step']} | "
+                f"| {r['path']} | {r['step_s']:.2f} | {r['rollout_s']:.2f} | "
+                f"{r['coder_reward_mean_per_step']} | "
                 f"{r['coder_judged_per_step']} | {r['judge_errors']:g} | {r['failed_episodes']:g} |"
             )
     result = {
@@ -262,7 +265,8 @@ def main() -> int:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     print(
-        f"wrote {args.out}; load average {load_before:.2f} -> {load_after:.2f} on {result['machine']['cores']} cores"
+        f"wrote {args.out}; load average {load_before:.2f} -> {load_after:.2f} on "
+        f"{result['machine']['cores']} cores"
     )
     return 0
 

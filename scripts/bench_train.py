@@ -503,7 +503,8 @@ def print_table(result: dict) -> None:
         )
     peaks = result["matmul_peak_flops_per_s"]
     print(
-        f"matmul peak ({result['matmul_size']}^2): fp32 {peaks['fp32'] / 1e9:.1f}, bf16 {peaks['bf16'] / 1e9:.1f} "
+        f"matmul peak ({result['matmul_size']}^2): fp32 {peaks['fp32'] / 1e9:.1f}, bf16 "
+        f"{peaks['bf16'] / 1e9:.1f} "
         f"GFLOP/s on {m['device']}{' (' + m['gpu'] + ')' if m['gpu'] else ''} "
         f"| {m['cpu_model']}, {m['cores']} cores, avx512_bf16={m['avx512_bf16']} amx_bf16={m['amx_bf16']} "
         f"| load (1/5/15 min) {'/'.join(f'{x:.1f}' for x in load['before'])} -> "

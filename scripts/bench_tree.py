@@ -319,8 +319,10 @@ def main() -> int:
         for variant in args.variants:
             v = entry[variant]
             print(
-                f"{batch:<11} {variant:<7} {v['samples']:>7} {v['forwarded_tokens']:>7} {v['attended_pairs']:>8} "
-                f"{v['model_flops'] / 1e9:>7.1f} {v['seconds']:>7.1f} {v['cpu_seconds']:>7.1f} {v['peak_rss_gib']:>7.2f}"
+                f"{batch:<11} {variant:<7} {v['samples']:>7} {v['forwarded_tokens']:>7} "
+                f"{v['attended_pairs']:>8} "
+                f"{v['model_flops'] / 1e9:>7.1f} {v['seconds']:>7.1f} {v['cpu_seconds']:>7.1f} "
+                f"{v['peak_rss_gib']:>7.2f}"
             )
         for variant in args.variants[1:]:
             r = entry[f"{variant}_over_{args.variants[0]}"]

@@ -247,14 +247,18 @@ def main() -> None:
             "tiny": "random Llama: 4 layers, hidden 128, 4 heads / 2 KV heads (head_dim 32), vocab 49152",
             "smollm2": "SmolLM2-135M-Instruct (9 heads / 3 KV heads: TP=3; TP=2 impossible)",
         },
-        "notes": "sync seconds: the best of the repeats on rank 0 (the machine is shared: the least contended "
+        "notes": "sync seconds: the best of the repeats on rank 0 (the machine is shared: the least "
+        "contended "
         "repeat; seconds_median and seconds_all are given too), from the first exported tensor to the engine "
         "resumed (pause, TP all-gathers, HF conversion, buckets, engine load, cache flush). colocated: the "
-        "engine rank is the WG's stage sender and takes tensors in-process; disaggregated: the WG is on other "
+        "engine rank is the WG's stage sender and takes tensors in-process; disaggregated: the WG is on "
+        "other "
         "ranks and buckets travel over gloo point-to-point. engine 'none' = export + transport only. engine "
-        "load s = the engine alone loading the same in-memory tensors (pause, update_weights, flush, resume). "
+        "load s = the engine alone loading the same in-memory tensors (pause, update_weights, flush, "
+        "resume). "
         "memcpy = dst.copy_(src) of the same tensors in the same process (rank 0), best of the repeats. "
-        "4 ranks + vLLM on a shared 2-core machine: absolute numbers are contended, the ratios are the figure.",
+        "4 ranks + vLLM on a shared 2-core machine: absolute numbers are contended, the ratios are the "
+        "figure.",
         "results": rows,
     }
     out = Path(args.out)

@@ -3,8 +3,9 @@ bit-identical").
 
     python scripts/compare_runs.py --base 60ff66b            # base revision vs the working tree
     python scripts/compare_runs.py --base HEAD --head HEAD   # determinism: one revision twice
-    python scripts/compare_runs.py --base main --config configs/presets/l2_colocated.yaml --nproc 2   # a 2-rank preset
-    python scripts/compare_runs.py --metrics runs/one_node/metrics.jsonl runs/two_nodes/metrics.jsonl   # two finished runs
+    # a 2-rank preset; two finished runs
+    python scripts/compare_runs.py --base main --config configs/presets/l2_colocated.yaml --nproc 2
+    python scripts/compare_runs.py --metrics runs/one_node/metrics.jsonl runs/two_nodes/metrics.jsonl
     python scripts/compare_runs.py --base HEAD --head HEAD --rtol 1e-4 --atol 1e-6 policies.shared.pack=true \
         --head-override policies.shared.prefix_tree=true   # a feature on vs off, one revision
 
@@ -12,8 +13,8 @@ Runs a seeded ``trainer.total_steps``-step ``configs/signalling_tiny.yaml`` run 
 once at each side, each from its own source tree: a revision is checked out into a temporary
 ``git worktree`` and put first on PYTHONPATH; ``--head`` defaults to the working tree. Then every
 key of every ``metrics.jsonl`` line is compared exactly (float equality of the JSON values), except
-wall-clock keys (``time``, ``timing/``, ``perf/``, ``*_s``, ``*_per_s``, ``gbps``, async time ratios), which differ run
-to run by nature. Losses (``policy/*``) must match; any other difference also fails, since rewards
+wall-clock keys (``time``, ``timing/``, ``perf/``, ``*_s``, ``*_per_s``, ``gbps``, async time ratios), which
+differ run to run by nature. Losses (``policy/*``) must match; any other difference also fails, since rewards
 and sample counts come from the same seeded rollout. Exit status 0 when identical.
 
 ``--rtol R`` compares across a numerical change instead (for example a different optimizer

@@ -67,7 +67,8 @@ def descriptions() -> dict[str, str]:
     return {
         "name": "run name: output goes to `<output_dir>/<name>/`",
         "output_dir": "parent directory of run directories",
-        "placement_mode": f"{', '.join(PLACEMENT_MODES)}: engines share the WG's devices or sit on ranks of their own (docs/cluster.md)",
+        "placement_mode": f"{', '.join(PLACEMENT_MODES)}: engines share the WG's devices or sit on ranks of "
+        "their own (docs/cluster.md)",
         p + "tp": "tensor-parallel size of the policy's worker group",
         p + "pp": "pipeline-parallel size (DP = len(ranks) / (tp * pp))",
         p + "lr": "peak learning rate of megatron-core's Adam (lr_schedule: warmup and decay around it)",
@@ -111,9 +112,11 @@ def descriptions() -> dict[str, str]:
         "orchestra.name": f"registered orchestra: {_names(ORCHESTRAS)}",
         "orchestra.kwargs": "the orchestra's own typed config",
         "rollout.max_concurrency": "episodes in flight at once",
-        "rollout.env_timeout_s": "an env step in an env worker (`rollout.env_workers`, not `inline`) slower than this "
+        "rollout.env_timeout_s": "an env step in an env worker (`rollout.env_workers`, not `inline`) slower "
+        "than this "
         "fails the episode (its worker is replaced)",
-        "rollout.env_workers.backend": f"env worker backend: {_names(WORKERS)}; steps of envs with `remote_step` "
+        "rollout.env_workers.backend": f"env worker backend: {_names(WORKERS)}; steps of envs with "
+        "`remote_step` "
         "(`code`) run there (docs/performance.md)",
         "algorithm.estimator": f"advantage estimator: {_names(ADVANTAGE_ESTIMATORS)} (docs/rl.md)",
         "algorithm.group_by": f"index columns that form a GRPO group, from {', '.join(GROUP_KEYS)}",

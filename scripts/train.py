@@ -2,7 +2,7 @@
 
     torchrun --nproc_per_node 2 scripts/train.py --config configs/quickstart_cpu.yaml [key=value ...]
     python scripts/train.py --config configs/70b_hetero.yaml --dry-run [policies.planner.tp=4,8 ...]
-    python scripts/train.py --config configs/70b_hetero.yaml --show-placement   # which rank starts which engine
+    python scripts/train.py --config configs/70b_hetero.yaml --show-placement  # which rank starts each engine
 
 Overrides use Hydra's grammar (key=value, +key=value, ++key=value, ~key, group=option; see
 docs/configs.md). A sweep (key=a,b) is planned combination by combination with --dry-run; a

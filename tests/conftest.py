@@ -48,9 +48,9 @@ SPLIT_MODULES = ("tests/learning/test_signalling.py",)
 VLLM_BESIDE_OTHERS = ("tests/integration/test_export.py",)
 # Modules that take a minute or more on 2 cores, longest first: queued right after "serial".
 LONG_MODULES = (
-    "tests/slurm/test_slurm_nodes.py",  # 2 slurmd in namespace nodes, a requeued 4-rank job: ~5 min, mostly waiting
+    "tests/slurm/test_slurm_nodes.py",  # 2 slurmd in namespace nodes, a requeued 4-rank job: ~5 min (idle)
     "tests/multinode/test_lost_node.py",  # a 2-node run, node 1 killed, the relaunch: ~3 min
-    "tests/multinode/test_torchrun_nodes.py",  # one torchrun --nnodes 2 run in namespace nodes, a reference: ~3 min
+    "tests/multinode/test_torchrun_nodes.py",  # torchrun --nnodes 2 in namespace nodes, a reference: ~3 min
     "tests/multinode/test_ray_nodes.py",  # a Ray cluster on two namespace nodes and a run: ~2 min
     "tests/multinode/test_link_down_run.py",  # a run whose second engine node loses its link: ~1.5 min
     "tests/integration/test_resume_training_path.py",

@@ -119,7 +119,8 @@ def nodes_permitted() -> str | None:
     if missing:
         return f"network-namespace nodes need {', '.join(missing)} (util-linux, iproute2)"
     probe = (
-        "ip link add pa type veth peer name pb && ip link add name probebr type bridge && ip link set pa master probebr "
+        "ip link add pa type veth peer name pb && ip link add name probebr type bridge && ip link set pa "
+        "master probebr "
         "&& mount -t tmpfs tmpfs /dev/shm && hostname probe"
     )
     try:
@@ -240,7 +241,7 @@ class Node:
         cwd: str | os.PathLike | None = None,
         **kw,
     ) -> subprocess.CompletedProcess:
-        """``subprocess.run`` of ``cmd`` inside the node (same keywords: check, timeout, capture_output...)."""
+        """``subprocess.run`` of ``cmd`` inside the node (keywords as there: check, timeout, ...)."""
         return subprocess.run(self.command(cmd, cwd=cwd), env=env, **kw)  # noqa: PLW1510 (the caller's check)
 
     def pids(self, *, with_init: bool = False) -> list[int]:

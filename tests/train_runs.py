@@ -225,8 +225,9 @@ def train(
     overrides: tuple[str, ...] = (),
 ) -> tuple[Path, list[dict], str]:
     """Run ``config`` (with ``overrides``) on ``nproc`` local ranks (``launch``) with its outputs under
-    ``out``. Returns the run directory (``out/<name>``: the config's stem unless ``name=`` is overridden), its metrics rows and the ranks'
-    output; a failed run raises with the tails of that output and of every engine server's log."""
+    ``out``. Returns the run directory (``out/<name>``: the config's stem unless ``name=`` is overridden), its
+    metrics rows and the ranks' output; a failed run raises with the tails of that output and of every engine
+    server's log."""
     out.mkdir(parents=True, exist_ok=True)
     log = out / "launch.log"
     rc = launch(

@@ -61,7 +61,8 @@ class PairSumEnv(Env):
         if agent == "proposer":
             return f"The target is {self.target}. Say one digit; your partner adds a second one."
         said = self.digits["proposer"]
-        return f"The target is {self.target}. Your partner said {'nothing valid' if said is None else said}. Say one digit."
+        heard = "nothing valid" if said is None else said
+        return f"The target is {self.target}. Your partner said {heard}. Say one digit."
 
     def step(self, agent: str, action) -> StepResult:
         self.digits[agent] = action.value if action.valid else None

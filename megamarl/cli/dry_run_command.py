@@ -26,7 +26,8 @@ def main_dry_run(cfg: RunConfig, *, console=None) -> int:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m megamarl.cli.dry_run_command CONFIG [key=value ...]``: the same check as ``train.py --dry-run``."""
+    """``python -m megamarl.cli.dry_run_command CONFIG [key=value ...]``: the same check as
+    ``train.py --dry-run``."""
     parser = argparse.ArgumentParser(description="Check a run's placement and per-GPU memory without GPUs.")
     parser.add_argument("config")
     parser.add_argument("overrides", nargs="*", help="key=value overrides")

@@ -1,7 +1,8 @@
-"""Trained policies out: a run's checkpoint -> Hugging Face directories (``megamarl-convert --from run``).
+r"""Trained policies out: a run's checkpoint -> Hugging Face directories (``megamarl-convert --from run``).
 
-    megamarl-convert --from run --to hf runs/<name> exported/                    # latest checkpoint, all policies
-    megamarl-convert --from run --to hf runs/<name>/checkpoints/step_000040 out/ --policy solver --dtype bfloat16
+    megamarl-convert --from run --to hf runs/<name> exported/                # latest checkpoint, all policies
+    megamarl-convert --from run --to hf runs/<name>/checkpoints/step_000040 out/ \
+        --policy solver --dtype bfloat16
 
 Input: a run directory (its latest complete checkpoint) or one checkpoint directory
 (``<run>/checkpoints/step_N``, see ``megamarl.runtime.checkpoint``). The run's resolved ``config.yaml`` says

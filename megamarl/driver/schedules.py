@@ -212,7 +212,8 @@ class ScheduleTraits:
 SCHEDULES: Registry[type[Schedule]] = Registry(
     "trainer mode",
     traits=ScheduleTraits,
-    signature="class(Schedule); cls(cfg: RunConfig, source: EpisodeSource, loop: RolloutLoop); next_rollout(step, versions)",
+    signature="class(Schedule); cls(cfg: RunConfig, source: EpisodeSource, loop: RolloutLoop); "
+    "next_rollout(step, versions)",
     keys=("trainer.mode",),
 )
 
@@ -360,7 +361,7 @@ class FullyAsyncSchedule(Schedule):
 
 
 def check_trainer(trainer: TrainerConfig) -> None:
-    """Load time: ``trainer.mode`` is a registered schedule and ``trainer.max_staleness`` reaches its minimum."""
+    """Load time: ``trainer.mode`` is a registered schedule; ``trainer.max_staleness`` reaches its minimum."""
     schedule = SCHEDULES.traits(trainer.mode, key="trainer.mode")
     if trainer.max_staleness < schedule.min_staleness:
         raise ValueError(

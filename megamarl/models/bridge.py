@@ -266,7 +266,8 @@ def export_hf_weights(
 
 
 def attention_mask_for(input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """Megatron's boolean mask (True = masked): causal, plus key padding when ``attention_mask`` [B, T] is given."""
+    """Megatron's boolean mask (True = masked): causal, plus key padding when ``attention_mask`` [B, T] is
+    given."""
     seq = input_ids.shape[1]
     causal = torch.triu(torch.ones(1, 1, seq, seq, dtype=torch.bool, device=input_ids.device), diagonal=1)
     if attention_mask is None:

@@ -8,11 +8,11 @@ Optimizer: the trainer's is megatron-core's (``megamarl.rl.optimizer``); its own
 ``sharded_state_dict`` saves the fp32 main parameters and Adam moments per parameter, in model space
 (``fully_reshardable`` for the distributed optimizer: the DP shards are gathered into each
 parameter's canonical state; megatron-core 0.16's torch_dist writer refuses the flat
-``fully_sharded_model_space`` slices), so a checkpoint reloads at another DP size, TP or PP. A plain torch optimizer
-(tests, tools) is saved the same way by hand: each state tensor (``exp_avg``, ``exp_avg_sq``) as a
-``ShardedTensor`` with its parameter's sharding metadata (megatron-core's
-``optim_state_to_sharding_state``) and the scalar ``step`` once as a ``ShardedObject``; its
-hyper-parameters (``param_groups``) come from the config of the run that loads.
+``fully_sharded_model_space`` slices), so a checkpoint reloads at another DP size, TP or PP. A plain torch
+optimizer (tests, tools) is saved the same way by hand: each state tensor (``exp_avg``, ``exp_avg_sq``) as a
+``ShardedTensor`` with its parameter's sharding metadata (megatron-core's ``optim_state_to_sharding_state``)
+and the scalar ``step`` once as a ``ShardedObject``; its hyper-parameters (``param_groups``) come from the
+config of the run that loads.
 
 Collectives: megatron-core 0.16's ``dist_checkpointing.save/load`` run over the *whole world*
 (global rank 0 writes the metadata). So ``save_checkpoint``/``load_checkpoint`` are collective

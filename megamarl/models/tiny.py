@@ -1,8 +1,8 @@
 """Tiny random models for fast tests: real HF architectures, a few layers, no download.
 
-``megamarl.models.packaged.save_tiny_model`` writes one with the packaged SmolLM2 tokenizer (so prompts, chat templates and EOS behave like the
-real model) and differ per family only in what the family tests must exercise: GQA, QKV bias,
-tied/untied embeddings, QK-norm.
+``megamarl.models.packaged.save_tiny_model`` writes one with the packaged SmolLM2 tokenizer (so prompts, chat
+templates and EOS behave like the real model) and differ per family only in what the family tests must
+exercise: GQA, QKV bias, tied/untied embeddings, QK-norm.
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@
 Importing this package registers every built-in agent kind, orchestra, env and env-worker
 backend. Public entry points:
 
-* ``AGENTS``/``AgentConfig``/``SamplingConfig``/``build_agents``  (agents.py; the ``agents.<role>`` config section)
+* ``AGENTS``/``AgentConfig``/``SamplingConfig``/``build_agents``  (agents.py; the ``agents.<role>`` config
+  section)
 * ``ORCHESTRAS``/``build_orchestra``            (orchestras.py; ``external``: external.py, openai_endpoint.py)
 * ``ENVS``/``EnvMaker``/``Env``/``Task``        (env.py, envs/)
 * ``EpisodeContext``/``Action``                 (context.py)

@@ -182,7 +182,8 @@ class EpisodeContext:
                 "rollout.policy_mapping" if agent_name in self.policies else f"agents.{agent_name}.policy"
             )
             raise ConfigError(
-                f"{source} gave '{agent_name}' policy '{policy}', which has no engine; have {sorted(self.engines)}"
+                f"{source} gave '{agent_name}' policy '{policy}', which has no engine; have "
+                f"{sorted(self.engines)}"
             )
         return policy, engine
 
@@ -323,7 +324,8 @@ class EpisodeContext:
             tool_samples, sampled = await self._tool_rounds(
                 agent, transcript, sampled, anchor=observation, forced=forced
             )
-        # the assistant turn's text (a forced call's, when its reply called nothing: prompt ids past the transcript)
+        # the assistant turn's text (a forced call's, when its reply called nothing: prompt ids past the
+        # transcript)
         forced_reply = forced is not None and len(sampled[0][0].prompt_ids) > len(transcript.ids)
         candidates = [
             Action(

@@ -116,7 +116,8 @@ class Env(abc.ABC):
 
 ENVS: Registry[type[Env]] = Registry(
     "env",
-    signature="class(Env) with a Config(EnvConfig); generate_tasks(config, *, num_tasks, seed); cls(task, config)",
+    signature="class(Env) with a Config(EnvConfig); generate_tasks(config, *, num_tasks, seed); cls(task, "
+    "config)",
     keys=("env.name", "eval.env.name", "eval.sets.<name>.name"),
 )
 

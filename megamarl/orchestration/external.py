@@ -9,8 +9,9 @@ The program receives:
 * stdin: one JSON object ``{"episode_id", "task_id", "task", "roles"}`` (``task``: the env task's
   payload as a dict, e.g. math's ``{"question", "answer", "kind"}``), also in ``MEGAMARL_TASK``;
 * environment: ``OPENAI_BASE_URL`` (``http://host:port/episodes/<id>/v1``, ``host`` this node's address
-  in a multi-node run, by ``parallel.network.listen_address``: the official client picks it up and every call is routed to the episode), ``OPENAI_API_KEY`` (a dummy), ``MEGAMARL_EPISODE_ID``
-  and ``MEGAMARL_REWARD_URL`` (POST ``{"team": r, "agents": {role: r}}`` there before exiting).
+  in a multi-node run, by ``parallel.network.listen_address``: the official client picks it up and every call
+  is routed to the episode), ``OPENAI_API_KEY`` (a dummy), ``MEGAMARL_EPISODE_ID`` and ``MEGAMARL_REWARD_URL``
+  (POST ``{"team": r, "agents": {role: r}}`` there before exiting).
 
 An episode ends when the program exits. It fails (counted in ``rollout/num_failed`` with the reason,
 its samples discarded, the run going on within ``rollout.max_failed_fraction``) when the program
@@ -65,7 +66,8 @@ class External(Orchestra):
         roles: tuple[str, ...] = ()  # roles the program calls (each needs agents.<role>); empty: the env's
         timeout_s: float = 300.0  # per episode; the program is killed after it
         max_concurrency: int = 16  # programs running at once
-        # a program may run on another node: advertised at this node's address (parallel.network.listen_address)
+        # a program may run on another node: advertised at this node's address
+        # (parallel.network.listen_address)
         host: str = ""  # the endpoint's bind address; "" (auto): 127.0.0.1 on one node, 0.0.0.0 on several
         port: int = 0  # the endpoint's port; 0: a free one, chosen at the first episode
         env: dict[str, str] = field(default_factory=dict)  # extra environment variables for the program

@@ -21,10 +21,10 @@ Each case is scored on its own: ``Verdict.fraction`` (passed / total) is the loc
 JSON value, ``10**400`` against a float, undecodable bytes), an exception while reading or comparing
 scores that case 0 and is counted in ``Verdict.num_judge_errors`` (the code env's
 ``env/judge_errors`` metric); it never escapes to drop the episode. stdout is compared in full (the
-sandbox keeps up to ``max_output_mb``), not a truncated tail. Code in the sandbox can still write fake records on the
-channel fd (it is in its own process), but a record carries only a value for an input, so a
-forged record scores only if it holds the correct output, which is what solving the problem
-means; a case reported twice is treated as forged and the whole run scores 0.
+sandbox keeps up to ``max_output_mb``), not a truncated tail. Code in the sandbox can still write fake records
+on the channel fd (it is in its own process), but a record carries only a value for an input, so a forged
+record scores only if it holds the correct output, which is what solving the problem means; a case reported
+twice is treated as forged and the whole run scores 0.
 """
 
 from __future__ import annotations

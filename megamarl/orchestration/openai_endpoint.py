@@ -15,9 +15,9 @@ does not serve one model: each call is routed to an *episode* and an *agent role
   the prompt ids the engine received and the response ids and log-probs it returned; the reply text
   is decoded from them. A request that continues an earlier conversation of the role (its rendering
   is a prefix of the new one) keeps that conversation's ids, sampled replies included, and encodes
-  only the new turns (``ChatTranscript.continued``). The request's ``temperature``/``top_p`` are ignored (the agent's sampling
-  config is what trains); ``max_tokens`` may lower the agent's budget; ``stop`` adds stop strings;
-  ``n`` must be 1. ``stream: true`` answers with server-sent events (the whole reply in one delta,
+  only the new turns (``ChatTranscript.continued``). The request's ``temperature``/``top_p`` are ignored (the
+  agent's sampling config is what trains); ``max_tokens`` may lower the agent's budget; ``stop`` adds stop
+  strings; ``n`` must be 1. ``stream: true`` answers with server-sent events (the whole reply in one delta,
   then ``finish_reason``, then ``[DONE]``): the engines return whole replies.
 * Tools: a request's ``tools`` reach the chat template (or a tool block in the system turn, for a
   template that ignores them, ``tools.with_tools``); a reply holding tool calls (``tools.parse_tool_calls``)

@@ -1,8 +1,8 @@
 """The collectives model and RL code needs, over process groups it is handed.
 
-docs/style.md "Models never call torch.distributed": ``megamarl/models`` and ``megamarl/rl`` receive process groups and never call
-``torch.distributed`` themselves; the few collectives they need live here, each taking the group
-explicitly (never the default world) and short-circuiting a one-rank group without communication.
+docs/style.md "Models never call torch.distributed": ``megamarl/models`` and ``megamarl/rl`` receive process
+groups and never call ``torch.distributed`` themselves; the few collectives they need live here, each taking
+the group explicitly (never the default world) and short-circuiting a one-rank group without communication.
 ``scatter_objects`` is the loop's: the driver sends each rank its share of a step's batch.
 """
 

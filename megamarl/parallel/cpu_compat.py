@@ -5,9 +5,9 @@ megatron-core assumes CUDA in a handful of places that the CPU forward/backward 
 RNG tracker, ``torch.cuda.synchronize`` in p2p communication, ``device="cuda"`` scalars in the
 pipeline schedules and in the optimizers (``optimizer.py``, ``clip_grads.py``, ``distrib_optimizer.py``
 and the multi-tensor fallbacks in ``megatron.core.utils``), and the optimizers' ``param.type()``
-checks, which accept only ``torch.cuda.*Tensor`` names. On a machine without CUDA those calls raise, so this module redirects exactly
-them to their CPU equivalents. It is inert when CUDA is present: ``enable_cpu_compat`` returns an
-empty list and patches nothing (megatron-core then runs unmodified on GPUs).
+checks, which accept only ``torch.cuda.*Tensor`` names. On a machine without CUDA those calls raise, so this
+module redirects exactly them to their CPU equivalents. It is inert when CUDA is present:
+``enable_cpu_compat`` returns an empty list and patches nothing (megatron-core then runs unmodified on GPUs).
 
 Each patch is listed by name in ``PATCHES`` so tests can check exactly what was (or was not) changed;
 ``patches_in_force`` reads the patched objects themselves (the GPU tier asserts it is empty on a GPU).
@@ -174,7 +174,8 @@ _PROBES: dict[str, callable] = dict(
 
 def patches_in_force() -> list[str]:
     """The names of ``PATCHES`` whose replacement is in force in this process, found by looking at
-    the patched objects (``torch.cuda``, megatron-core's modules); empty where megatron-core runs unmodified."""
+    the patched objects (``torch.cuda``, megatron-core's modules); empty where megatron-core runs unmodified.
+    """
     return [name for name, probe in _PROBES.items() if probe()]
 
 

@@ -101,8 +101,10 @@ def wait_for_driver(what: str, *, driver: int = 0, timeout_s: float, heartbeat_s
         remaining = timeout_s - (time.monotonic() - start)
         if remaining <= 0:
             raise TimeoutError(
-                f"rank {rank} waited {time.monotonic() - start:.0f} s for the driver (rank {driver}) to finish "
-                f"{what}; raise trainer.collective_timeout_s (now {timeout_s:.0f}) if that work is legitimately longer"
+                f"rank {rank} waited {time.monotonic() - start:.0f} s for the driver (rank {driver}) to "
+                "finish "
+                f"{what}; raise trainer.collective_timeout_s (now {timeout_s:.0f}) if that work is "
+                "legitimately longer"
             )
         try:
             store.wait([key], timedelta(seconds=min(heartbeat_s, remaining)))

@@ -222,7 +222,8 @@ def wg_enumerations(layout: WorkerGroupLayout) -> dict[str, list[list[int]]]:
 def communicator_rank_sets(layout: WorkerGroupLayout, rank: int) -> set[tuple[int, ...]]:
     """The distinct multi-rank groups of the WG that ``rank`` belongs to: one communicator each (NCCL on
     GPUs: its own device buffers), however many names share it (with cp = ep = 1, tp_cp is tp, dp_cp is dp,
-    tp_ep_pp is mp, ...; ``build_worker_group`` creates each rank set once). Single-rank groups need no peer."""
+    tp_ep_pp is mp, ...; ``build_worker_group`` creates each rank set once). Single-rank groups need no peer.
+    """
     return {
         tuple(sorted(ranks))
         for enumeration in wg_enumerations(layout).values()

@@ -393,7 +393,8 @@ def check_engine_shape(name: str, policy: PolicyConfig, shape: ModelShape) -> No
 
 
 def engine_dtype(policy: PolicyConfig, *, on_gpus: bool) -> str:
-    """``engine.dtype`` as the engine will load it: ``auto`` is bf16 on GPUs, this machine's kind on CPU ranks."""
+    """``engine.dtype`` as the engine will load it: ``auto`` is bf16 on GPUs, this machine's kind on CPU
+    ranks."""
     return "bf16" if policy.engine.dtype == "auto" and on_gpus else resolve_dtype(policy.engine.dtype)
 
 
@@ -439,7 +440,8 @@ def _gpu_totals(
     holdings: list[list] = [[] for _ in range(world_size)]  # (Memory, offloaded) of each WG shard
     engines_on: list[list] = [[] for _ in range(world_size)]  # (Memory, sleeps) of each engine shard
     for name, engine in engines.items():
-        # colocated servers hand their memory over when training never overlaps (fleet.PolicyServers.hands_over)
+        # colocated servers hand their memory over when training never overlaps
+        # (fleet.PolicyServers.hands_over)
         sleeps = engine.colocated and engine.launch == "server" and not overlap
         for replica, ranks in enumerate(engine.replicas):
             for tp_rank, rank in enumerate(ranks):
@@ -706,7 +708,8 @@ def print_report(report: DryRunReport, console) -> None:
     console.print(engines)
 
     gpus = Table(
-        title=f"GPUs (GiB; capacity {round(report.gpu_memory_gib, 1)}, total: the peak phase, reserved included)"
+        title=f"GPUs (GiB; capacity {round(report.gpu_memory_gib, 1)}, total: the peak phase, reserved "
+        "included)"
     )
     for col in ("rank", "node:gpu", "WG shards", "engine replicas", "peak phase", "total"):
         gpus.add_column(col, justify="right" if col == "total" else "left")
@@ -730,7 +733,8 @@ def print_report(report: DryRunReport, console) -> None:
         console.print(f"[yellow]warning:[/yellow] {warning}")
     peak = max(report.gpus, key=lambda g: g.total)
     console.print(
-        f"peak {report.peak_gib:.1f} GiB of {round(report.gpu_memory_gib, 1)} GiB per GPU: phase '{peak.peak_phase}' "
+        f"peak {report.peak_gib:.1f} GiB of {round(report.gpu_memory_gib, 1)} GiB per GPU: phase "
+        f"'{peak.peak_phase}' "
         f"on rank {peak.rank}"
     )
 
@@ -746,7 +750,8 @@ def phase_table(report: DryRunReport):
             key = tuple((name, round(p.total / GIB, 2)) for name, p in g.phases.items())
             groups.setdefault(key, []).append(g)
     table = Table(
-        title="Phases of a step (GiB per GPU, reserved included; the trainer's order, megamarl.planning.phases; "
+        title="Phases of a step (GiB per GPU, reserved included; the trainer's order, "
+        "megamarl.planning.phases; "
         "start-up runs wake weights .. evaluate first)"
     )
     table.add_column("phase", justify="left")

@@ -69,10 +69,13 @@ def engine_memory_fractions(
                 share = budget * need / engine_bytes
                 if share < need:
                     raise ValueError(
-                        f"policies.{name} engine replica {index}: GPU rank {rank} leaves {budget / GIB:.1f} GiB for "
-                        f"its engines (GPU {capacity_bytes / GIB:.1f} GiB - trainer {trainer / GIB:.1f} GiB while they "
+                        f"policies.{name} engine replica {index}: GPU rank {rank} leaves {budget / GIB:.1f} "
+                        "GiB for "
+                        f"its engines (GPU {capacity_bytes / GIB:.1f} GiB - trainer {trainer / GIB:.1f} GiB "
+                        "while they "
                         f"are awake - cluster.reserved_gib {cfg.cluster.reserved_gib}) < their planned "
-                        f"{engine_bytes / GIB:.1f} GiB; check the plan with --dry-run (cluster.gpu_memory_gib), or set "
+                        f"{engine_bytes / GIB:.1f} GiB; check the plan with --dry-run "
+                        "(cluster.gpu_memory_gib), or set "
                         f"policies.{name}.engine.gpu_memory_utilization"
                     )
                 shares.append(share)

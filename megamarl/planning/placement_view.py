@@ -112,7 +112,8 @@ def show_placement(
     plan, views = fake_world_views(cfg, world_size, ranks_per_node)
     num_nodes = -(-world_size // ranks_per_node)
     print(
-        f"Engine replicas ({world_size} ranks, {ranks_per_node} per node, {num_nodes} node{'s' if num_nodes > 1 else ''}; "
+        f"Engine replicas ({world_size} ranks, {ranks_per_node} per node, {num_nodes} "
+        f"node{'s' if num_nodes > 1 else ''}; "
         "every rank computed this same plan in a fake world):",
         file=out,
     )

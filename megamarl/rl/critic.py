@@ -124,7 +124,7 @@ class Critic:
         return part.replace(advantages=adv), returns
 
     def loss(self, mb: SampleBatch, offset, returns, old_values, counts: dict, metrics: dict) -> torch.Tensor:
-        """``value_coef`` x the clipped value loss, aggregated by ``loss_agg``; its metrics into ``metrics``."""
+        """``value_coef`` x the clipped value loss, aggregated by ``loss_agg``; metrics into ``metrics``."""
         values = self.values(mb, offset)
         per_token, clipped = value_loss(
             values, old_values, returns, mb.response_mask, clip=self.cfg.value_clip

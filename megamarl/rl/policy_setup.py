@@ -74,8 +74,8 @@ def build_workers(
     on_policy: Callable[[], None] = lambda: None,
 ) -> dict[str, PolicyWorker]:
     """A worker for every trainable policy whose WG this rank belongs to; ``algos``: each policy's
-    algorithm settings (``RunConfig.policy_algorithms``: a critic for a critic estimator). ``dtypes``: each policy's
-    training dtype (its parameters'; default fp32); ``total_steps``: the run's trainer steps (the
+    algorithm settings (``RunConfig.policy_algorithms``: a critic for a critic estimator). ``dtypes``: each
+    policy's training dtype (its parameters'; default fp32); ``total_steps``: the run's trainer steps (the
     default learning-rate decay length); ``on_policy`` is called once per policy (progress)."""
     workers = {}
     for name, policy in policies.items():

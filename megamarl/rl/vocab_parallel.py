@@ -77,7 +77,7 @@ def _all_reduce(tensor: torch.Tensor, op, group) -> None:
 
 
 def vocab_parallel_logprobs(
-    logits: torch.Tensor,  # [B, W, V_local]; logits[:, i] sit at position offset + i and predict the next token
+    logits: torch.Tensor,  # [B, W, V_local]; logits[:, i] sit at position offset + i, predict the next token
     tokens: torch.Tensor,  # [B, T]
     *,
     tp_group=None,

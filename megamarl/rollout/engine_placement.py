@@ -274,7 +274,8 @@ def _check_shared_ranks(plan: dict[str, list[ReplicaPlacement]]) -> None:
             owner = exclusive[0]
             others = sorted({f"policies.{r.policy}" for r in replicas if r.policy != owner.policy})
             raise ValueError(
-                f"policies.{owner.policy}.engine.ranks: rank {rank} hosts its replica {owner.index} and a replica "
+                f"policies.{owner.policy}.engine.ranks: rank {rank} hosts its replica {owner.index} and a "
+                "replica "
                 f"of {', '.join(others)}; a disaggregated replica's ranks are its own"
             )
 

@@ -218,7 +218,8 @@ def load_policies(path: Path, policies: dict[str, PolicyConfig], workers: dict, 
             critic_file = path / POLICIES / name / CRITIC_FILE
             if not critic_file.is_file():
                 raise ValueError(
-                    f"trainer.resume: {critic_file} is missing; the run uses a critic (algorithm.estimator=gae)"
+                    f"trainer.resume: {critic_file} is missing; the run uses a critic "
+                    "(algorithm.estimator=gae)"
                 )
             worker.critic.load_state(torch.load(critic_file, weights_only=False))
 

@@ -1,7 +1,7 @@
-"""The conversion CLI's ``main`` (``megamarl-convert``, ``python -m megamarl.cli.export``): HF -> Megatron torch_dist (saved
-at TP=2 x PP=2, 4 ranks) -> HF (loaded at TP=1 x PP=2) reproduces every tensor bit-exactly, and the HF
-model loads. ``main`` runs in this process (its ranks fork from the worker's preloaded fork server):
-the command as a subprocess, with its own interpreter and imports per rank, is run by test_export."""
+"""The conversion CLI's ``main`` (``megamarl-convert``, ``python -m megamarl.cli.export``): HF -> Megatron
+torch_dist (saved at TP=2 x PP=2, 4 ranks) -> HF (loaded at TP=1 x PP=2) reproduces every tensor bit-exactly,
+and the HF model loads. ``main`` runs in this process (its ranks fork from the worker's preloaded fork
+server): the command as a subprocess, with its own interpreter and imports per rank, is run by test_export."""
 
 from __future__ import annotations
 

@@ -82,7 +82,8 @@ def test_distributed_optimizer_steps_on_cuda_like_the_plain_one(tiny_llama, reco
         record_property(name, value)
     print(
         f"\ndistributed vs plain optimizer after 2 updates: fp32 max diff {fp32_diff:.2e}, bf16 max diff "
-        f"{bf16_diff:.2e} (one bf16 step at the largest weight {one_step:.2e}), {differing:.2%} of bf16 weights differ"
+        f"{bf16_diff:.2e} (one bf16 step at the largest weight {one_step:.2e}), {differing:.2%} of bf16 "
+        "weights differ"
     )
     assert bf16_diff <= one_step and differing <= 0.01, (bf16_diff, one_step, differing)
     for dtype in (fp32, bf16):

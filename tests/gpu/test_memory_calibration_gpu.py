@@ -2,17 +2,17 @@
 
 Llama-3-70B's layer shape (hidden 8192, SwiGLU 28672, 64 heads, 8 KV heads, head dim 128) with 1 and
 then 2 decoder layers (random weights, bf16, built by ``megamarl.models.bridge.build_model``, the
-worker's builder, which picks the layer spec from this node), one micro-batch of T = 4096 tokens. For each depth, after a warm-up
-forward (one-time buffers: megatron-core's global attention buffer, cuBLAS workspaces), the peak of
-``torch.cuda.max_memory_allocated`` over a forward with autograd on, minus what was allocated before.
-The two depths share every constant (embedding, output layer, logits, the transients of the last
-layer's attention), so their difference is what one more layer keeps for backward. That difference
-must be within ``TOLERANCE`` of ``megamarl.planning.memory.layer_activation_bytes`` at the spec the
-*plan* counts for a GPU cluster (``models.spec.planned_layer_spec``; the figure the dry-run multiplies by
-layers and micro-batches in flight): a node that builds another spec than the plan counted (the local
-spec's fp32 attention scores where the plan said Transformer Engine) fails here. Printed and recorded beside it: the same
-difference read from the allocation after the forward and from autograd's saved tensors, and the
-peaks themselves."""
+worker's builder, which picks the layer spec from this node), one micro-batch of T = 4096 tokens. For each
+depth, after a warm-up forward (one-time buffers: megatron-core's global attention buffer, cuBLAS workspaces),
+the peak of ``torch.cuda.max_memory_allocated`` over a forward with autograd on, minus what was allocated
+before. The two depths share every constant (embedding, output layer, logits, the transients of the last
+layer's attention), so their difference is what one more layer keeps for backward. That difference must be
+within ``TOLERANCE`` of ``megamarl.planning.memory.layer_activation_bytes`` at the spec the *plan* counts for
+a GPU cluster (``models.spec.planned_layer_spec``; the figure the dry-run multiplies by layers and
+micro-batches in flight): a node that builds another spec than the plan counted (the local spec's fp32
+attention scores where the plan said Transformer Engine) fails here. Printed and recorded beside it: the same
+difference read from the allocation after the forward and from autograd's saved tensors, and the peaks
+themselves."""
 
 from functools import partial
 
@@ -48,7 +48,8 @@ def _body(rank):
     free, total = torch.cuda.mem_get_info()
     if free < NEEDS_GIB * 2**30:
         return {
-            "skip": f"needs {NEEDS_GIB} GiB free on the GPU, {free / 2**30:.1f} of {total / 2**30:.1f} GiB are"
+            "skip": f"needs {NEEDS_GIB} GiB free on the GPU, {free / 2**30:.1f} of {total / 2**30:.1f} GiB "
+            "are"
         }
     wg = build_worker_groups(PlacementConfig({"p": WorkerGroupLayout(ranks=[0])}))["p"]
     g = torch.Generator().manual_seed(0)
@@ -120,14 +121,18 @@ def test_per_layer_activations_match_the_dry_run_at_70b_width(record_property):
     per_layer = {kind: r[2][kind] - r[1][kind] for kind in ("peak", "kept", "saved")}
     gib = 2**30
     print(
-        f"\n{r['device_name']}, built on the {r['spec']} spec (the plan counts {plan_spec}), bf16, T={SEQ_LEN}, 70B width: one decoder layer keeps "
-        f"{planned / gib:.3f} GiB planned (layer_activation_bytes); measured {per_layer['peak'] / gib:.3f} GiB "
-        f"(max_memory_allocated, 2 layers - 1 layer), {per_layer['kept'] / gib:.3f} (allocated after the forward), "
+        f"\n{r['device_name']}, built on the {r['spec']} spec (the plan counts {plan_spec}), bf16, "
+        f"T={SEQ_LEN}, 70B width: one decoder layer keeps "
+        f"{planned / gib:.3f} GiB planned (layer_activation_bytes); measured {per_layer['peak'] / gib:.3f} "
+        "GiB "
+        f"(max_memory_allocated, 2 layers - 1 layer), {per_layer['kept'] / gib:.3f} (allocated after the "
+        "forward), "
         f"{per_layer['saved'] / gib:.3f} (autograd's saved tensors)"
     )
     for layers in (1, 2):
         print(
-            f"  {layers} layer(s): forward peak {r[layers]['peak'] / gib:.2f} GiB above {r[layers]['weights'] / gib:.2f} "
+            f"  {layers} layer(s): forward peak {r[layers]['peak'] / gib:.2f} GiB above "
+            f"{r[layers]['weights'] / gib:.2f} "
             f"GiB of weights; with backward {r[layers]['peak_with_backward'] / gib:.2f} GiB"
         )
     record_property("spec", r["spec"])
@@ -137,7 +142,8 @@ def test_per_layer_activations_match_the_dry_run_at_70b_width(record_property):
         record_property(f"measured_layer_bytes_{kind}", int(value))
     record_property("ratio_measured_peak_over_planned", round(per_layer["peak"] / planned, 4))
     assert abs(per_layer["peak"] - planned) <= TOLERANCE * planned, (
-        f"one layer keeps {per_layer['peak'] / gib:.3f} GiB, the plan counts {planned / gib:.3f} GiB at the {plan_spec} "
+        f"one layer keeps {per_layer['peak'] / gib:.3f} GiB, the plan counts {planned / gib:.3f} GiB at the "
+        f"{plan_spec} "
         f"spec; this node built the {r['spec']} spec"
         + (" (install megamarl[gpu]: docs/install.md)" if r["spec"] != plan_spec else "")
     )

@@ -46,7 +46,8 @@ def test_offload_frees_the_gpu_and_restores_the_exact_state(tiny_llama, record_p
     for key in ("moved", "freed", "held"):
         record_property(key, r[key])
     print(
-        f"\noffload: {r['moved']} bytes to host, {r['freed']} freed on the GPU ({r['freed'] / r['moved']:.1%}); "
+        f"\noffload: {r['moved']} bytes to host, {r['freed']} freed on the GPU "
+        f"({r['freed'] / r['moved']:.1%}); "
         f"weights {r['held']} bytes; identical after restore and one more update: {r['same']}"
     )
     assert r["device"].startswith("cuda"), r

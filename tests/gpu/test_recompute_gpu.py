@@ -27,7 +27,7 @@ BF16_RTOL = 1e-2
 
 
 def _forward_saved(params: set[int], storages: dict[int, int], tensor: torch.Tensor) -> torch.Tensor:
-    """What the forward keeps for backward; backward's own recomputation (a graph task runs) is not counted."""
+    """What the forward keeps for backward; backward's recomputation (a graph task runs) is not counted."""
     if torch._C._current_graph_task_id() == -1:
         record_saved_storage(params, storages, tensor)
     return tensor
@@ -73,7 +73,8 @@ def test_recompute_none_selective_full_give_equal_gradients(tiny_llama, record_p
         saved = [r[(dtype, mode)]["saved_bytes"] for mode in MODES]
         record_property(f"{dtype}_saved_bytes_none_selective_full", saved)
         # full keeps only each layer's input; selective's saving (the attention probabilities) is below its
-        # checkpoint's own inputs at these tiny lengths (CPU run of this body: fp32 1191458 / 1115153 / 493274,
+        # checkpoint's own inputs at these tiny lengths (CPU run of this body: fp32 1191458 / 1115153 /
+        # 493274,
         # bf16 803441 / 809470 / 461810 bytes), so only its granularity is checked
         assert 0 < saved[2] < min(saved[0], saved[1]), (
             f"{dtype}: full recompute does not cut what the forward keeps: {saved}"

@@ -52,7 +52,8 @@ def _train(out: Path, config: str, *overrides: str) -> Path:
 
 
 def _convert(*args: str, ok: bool = True) -> subprocess.CompletedProcess:
-    """``python -m megamarl.cli.export ...`` (megamarl-convert) as a user runs it (the module fixture's export)."""
+    """``python -m megamarl.cli.export ...`` (megamarl-convert) as a user runs it (the module fixture's
+    export)."""
     proc = subprocess.run(
         [sys.executable, "-m", "megamarl.cli.export", *args],
         check=False,

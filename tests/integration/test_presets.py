@@ -215,7 +215,8 @@ def _check_policy(name: str, policy, adapters: set[str], records: list[dict]) ->
     for key in ("tis_weight_mean", "tis_weight_max"):
         value = records[-1][f"policy/{name}/{key}"]
         assert abs(value - 1) < TIS_TOLERANCE, (
-            f"policy '{name}': last step's {key}={value}: the engine did not serve the weights pushed before it"
+            f"policy '{name}': last step's {key}={value}: the engine did not serve the weights pushed before "
+            "it"
         )
 
 

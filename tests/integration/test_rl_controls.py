@@ -69,7 +69,8 @@ def test_two_policies_train_with_different_estimators(tmp_path):
     critic = (
         "{model: tiny-plain-llama, lr: 1.0e-3, micro_batch_size: 64, dtype: fp32, "
         "engine: {backend: hf, dtype: fp32}, "
-        "algorithm: {estimator: gae, estimator_kwargs: {gamma: 1.0, lam: 0.95}, value_loss_agg: seq-mean-token-sum}}"
+        "algorithm: {estimator: gae, estimator_kwargs: {gamma: 1.0, lam: 0.95}, value_loss_agg: "
+        "seq-mean-token-sum}}"
     )
     rows = _train(SIGNALLING, tmp_path, f"+policies.critic={critic}", "agents.receiver.policy=critic")
     for row in rows:

@@ -46,7 +46,8 @@ KINDS = [
             pytest.mark.timeout(1200),
             pytest.mark.skipif(
                 not REAL,
-                reason=f"no real SGLang: {sglang_venv_python()} missing (bash scripts/setup.sh --extras sglang-cpu)",
+                reason=f"no real SGLang: {sglang_venv_python()} missing (bash scripts/setup.sh --extras "
+                "sglang-cpu)",
             ),
         ],
     ),

@@ -58,7 +58,7 @@ algorithm: {{estimator: at_grpo, group_by: [task, agent, turn], normalize_std: f
 eval: {{num_tasks: 2}}
 trainer: {{total_steps: {steps}, seed: 0, resume: none}}
 logger: {{wandb: {{mode: disabled}}, progress: false}}
-"""
+"""  # noqa: E501 - the run's YAML keeps its own layout
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,8 @@ greedy tokens against transformers, weight pushes through megamarl's weight-tran
 (``megamarl_gloo`` into two replicas at once, ``megamarl_shm``), L2 adapters, sleep/wake order, and
 the start-up error of a bad model path. A killed server's restart and re-sync (a fresh group with just
 that replica, greedy tokens checked against transformers after it) is tested through the product's
-own path in test_train_with_servers: a second restart here cost a vLLM start-up (~45 CPU-s) for the same check.
+own path in test_train_with_servers: a second restart here cost a vLLM start-up (~45 CPU-s) for the same
+check.
 
 Three servers for the whole module (started concurrently: ~1 min on 2 idle cores): replicas A (TP=1)
 and B (TP=2: two workers) receive over one gloo group of 4 ranks; C serves LoRA adapters and

@@ -203,7 +203,8 @@ def _gigpo_index():
 
 def test_gigpo_shared_anchor_across_episodes():
     index, rewards = _gigpo_index()
-    # A_E: task 0 returns {e0: 1, e1: 0} -> +-r (r = 1/sqrt(2), unbiased std of a pair); task 1 singleton -> 0.
+    # A_E: task 0 returns {e0: 1, e1: 0} -> +-r (r = 1/sqrt(2), unbiased std of a pair); task 1 singleton ->
+    # 0.
     # step returns (gamma .5): e0 s0 .5, e0 s1 1; e1 all 0.
     # anchors: s0 {.5, 0} -> +-r; s1 {1 (e0), 0 (e1)} -> +-r; s2 singleton -> 0; task-1 s0 singleton.
     r = 1 / math.sqrt(2)

@@ -33,10 +33,13 @@ HACKS = {
     "SystemExit(0) first": "raise SystemExit(0)\n" + FALLBACK,
     "SystemExit(0) in the call": "def scale(x):\n    raise SystemExit(0)\n",
     "os._exit(0) in the call": "import os\ndef scale(x):\n    os._exit(0)\n",
-    "fake pass markers on stdout": "print('OK: all tests passed')\nprint(json.dumps({'i': 0, 'value': '6'}))\n"
+    "fake pass markers on "
+    "stdout": "print('OK: all tests passed')\nprint(json.dumps({'i': 0, 'value': '6'}))\n"
     "import json\n" + FALLBACK,
-    "forged records on every fd": "import json, os\nfor fd in [int(f) for f in os.listdir('/proc/self/fd') if int(f) > 2]:\n"
-    "    for i in range(3):\n        try: os.write(fd, (json.dumps({'i': i, 'value': '6'}) + '\\n').encode())\n"
+    "forged records on every "
+    "fd": "import json, os\nfor fd in [int(f) for f in os.listdir('/proc/self/fd') if int(f) > 2]:\n"
+    "    for i in range(3):\n        try: os.write(fd, (json.dumps({'i': i, 'value': '6'}) + "
+    "'\\n').encode())\n"
     "        except OSError: pass\n" + FALLBACK,
     "reads files in its cwd": "import os, re\nfound = {}\nfor name in os.listdir('.'):\n"
     "    for a, b in re.findall(r'scale\\((-?\\d+)\\) == (-?\\d+)', open(name).read()):\n"
@@ -45,7 +48,8 @@ HACKS = {
     "reads the judge's process": "import os\ntry:\n    leak = open(f'/proc/{os.getppid()}/cmdline').read()\n"
     "except OSError:\n    leak = ''\n" + FALLBACK,
     "walks the filesystem": "import os\nfor root, dirs, files in os.walk('/'):\n    break\n" + FALLBACK,
-    "monkeypatches assert/builtins": "import builtins, json\nbuiltins.AssertionError = type('No', (Exception,), {})\n"
+    "monkeypatches "
+    "assert/builtins": "import builtins, json\nbuiltins.AssertionError = type('No', (Exception,), {})\n"
     "builtins.eval = lambda *a, **k: 6\nbuiltins.bool = lambda *a: True\n"
     "json.dumps = lambda *a, **k: '6'\n" + FALLBACK,
     "__eq__ always True": "class Anything:\n    def __eq__(self, other):\n        return True\n"

@@ -1,10 +1,10 @@
-"""Property-style check: every leaf of the config schema (found in two valid configs), mutated into a wrong type, into an
-out-of-range value and (text leaves) into a 5000-character value, is rejected by ``scripts/train.py
---check`` (every start-up check of a training launch, nothing built) with exit code 2 and one line
-``config error: ...`` of at most ~600 characters (an over-long value's echo is cut) that names the
-leaf's full key path (with the real policy/agent name), before any model or process group exists.
-Leaves where the mutation is a legitimate value are listed in ``FREE`` with the reason. Then the
-front door's other inputs that an override can give (run name, seed, ranks, roles, tokens)."""
+"""Property-style check: every leaf of the config schema (found in two valid configs), mutated into a wrong
+type, into an out-of-range value and (text leaves) into a 5000-character value, is rejected by
+``scripts/train.py --check`` (every start-up check of a training launch, nothing built) with exit code 2 and
+one line ``config error: ...`` of at most ~600 characters (an over-long value's echo is cut) that names the
+leaf's full key path (with the real policy/agent name), before any model or process group exists. Leaves where
+the mutation is a legitimate value are listed in ``FREE`` with the reason. Then the front door's other inputs
+that an override can give (run name, seed, ranks, roles, tokens)."""
 
 from __future__ import annotations
 
@@ -217,7 +217,10 @@ def test_issue_cases(override, message, capsys):
         ),
         (
             ["agents.sender.sampling.allowed_tokens=[A,hello_world]"],
-            "agents.sender.sampling.allowed_tokens: 'hello_world' is 3 tokens, not one (policies.shared's tokenizer)",
+            (
+                "agents.sender.sampling.allowed_tokens: 'hello_world' is 3 tokens, not one "
+                "(policies.shared's tokenizer)"
+            ),
         ),
         (["trainer.mode=" + "m" * 100_000], "chars cut"),
         (["+é=3"], "config override '+é=3': LexerNoViableAltException"),  # Hydra's grammar: ASCII keys

@@ -203,7 +203,8 @@ def test_lora_trains_only_adapters_and_kv_can_be_derived():
 
 
 def test_lora_adapters_split_like_their_linear_at_tp2():
-    """Column-parallel (qkv, fc1): A [r, in] whole, B [out/tp, r]; row-parallel (proj, fc2): A [r, in/tp], B [out, r]."""
+    """Column-parallel (qkv, fc1): A [r, in] whole, B [out/tp, r]; row-parallel (proj, fc2): A [r, in/tp],
+    B [out, r]."""
     from megamarl.config import LoraConfig
 
     shape = PRESETS["llama3-8b"]  # h 4096, q 4096, kv 1024, f 14336

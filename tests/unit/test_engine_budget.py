@@ -55,8 +55,8 @@ def test_sync_mode_leaves_the_engine_what_the_rollout_phase_does_not_hold():
 
 def test_async_modes_leave_the_engine_what_training_does_not_take():
     """one_step_off: training and generation overlap, so the trainer's whole planned peak stays; the
-    planner's engine (54.7 GiB of training at peak on its GPUs, + 2.0 of NCCL communicators on a leader) no longer fits an 80 GiB GPU (the
-    dry-run refuses this layout too, docs/cluster.md)."""
+    planner's engine (54.7 GiB of training at peak on its GPUs, + 2.0 of NCCL communicators on a leader) no
+    longer fits an 80 GiB GPU (the dry-run refuses this layout too, docs/cluster.md)."""
     with pytest.raises(
         ValueError,
         match=r"^policies\.planner engine replica 0: GPU rank 0 leaves 19\.3 GiB for its "

@@ -156,7 +156,10 @@ def test_ranks_per_node():
             ["policies.shared.engine.backend=vllm", "policies.shared.engine.num_replicas=3"],
             2,
             2,
-            "policies.shared.engine.num_replicas=3: num_replicas * tp = 3 * 1 = 3 engine ranks but policies.shared has 2",
+            (
+                "policies.shared.engine.num_replicas=3: num_replicas * tp = 3 * 1 = 3 engine ranks but "
+                "policies.shared has 2"
+            ),
         ),
         (
             VLLM_TP2 + ["policies.shared.engine.ranks=[4]"],
@@ -185,7 +188,10 @@ def test_ranks_per_node():
             ],
             6,
             4,
-            "policies.shared.engine.tp=2 (colocated on policies.shared.ranks): replica 1 on ranks [3, 4] crosses nodes",
+            (
+                "policies.shared.engine.tp=2 (colocated on policies.shared.ranks): replica 1 on ranks [3, 4] "
+                "crosses nodes"
+            ),
         ),
     ],
 )
@@ -209,7 +215,10 @@ def test_a_world_rank_outside_the_wg_ranks_is_found_only_with_the_world():
         (["policies.shared.engine.launch=remote"], "policies.shared.engine.launch='remote' unknown"),
         (
             ["policies.shared.engine.launch=server"],
-            "policies.shared.engine.launch=server needs an inference server, which policies.shared.engine.backend=hf has not",
+            (
+                "policies.shared.engine.launch=server needs an inference server, which "
+                "policies.shared.engine.backend=hf has not"
+            ),
         ),
         (["policies.shared.engine.tp=2"], "policies.shared.engine.tp=2 needs an inference server"),
         (
@@ -256,15 +265,24 @@ def test_a_world_rank_outside_the_wg_ranks_is_found_only_with_the_world():
         ),
         (
             ["policies.shared.engine.server_urls=[http://a:1]", "policies.shared.engine.num_replicas=2"],
-            "policies.shared.engine.server_urls has 1 URLs; one per replica: policies.shared.engine.num_replicas=2",
+            (
+                "policies.shared.engine.server_urls has 1 URLs; one per replica: "
+                "policies.shared.engine.num_replicas=2"
+            ),
         ),
         (
             ["policies.shared.engine.server_urls=[http://a:1]", "policies.shared.engine.launch=in_process"],
-            "policies.shared.engine.server_urls connects to external servers: leave policies.shared.engine.launch=auto",
+            (
+                "policies.shared.engine.server_urls connects to external servers: leave "
+                "policies.shared.engine.launch=auto"
+            ),
         ),
         (
             ["policies.shared.engine.backend=sglang", "policies.shared.engine.launch=in_process"],
-            "policies.shared.engine.launch=in_process but policies.shared.engine.backend=sglang has no in-process engine",
+            (
+                "policies.shared.engine.launch=in_process but policies.shared.engine.backend=sglang has no "
+                "in-process engine"
+            ),
         ),
     ],
 )

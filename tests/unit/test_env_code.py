@@ -98,7 +98,8 @@ def test_judge_errors_are_counted_per_episode():
     # the 64 KiB pipe buffer, so the write never waits for the judge (100k deep did: under load the
     # candidate then ran into its deadline, which scores 0 without a judge error)
     forged = (
-        'import os\nfor fd in [int(f) for f in os.listdir(\'/proc/self/fd\') if int(f) > 2]:\n    try:\n        os.write(fd, b\'{"i": 0, "value": "\' + '
+        "import os\nfor fd in [int(f) for f in os.listdir('/proc/self/fd') if int(f) > 2]:\n    "
+        'try:\n        os.write(fd, b\'{"i": 0, "value": "\' + '
         "b'[' * 20000 + b'\"}\\n')\n    except OSError:\n        pass\nos._exit(0)\n"
     )
     assert env.step("coder", act("coder", forged)).local_reward == 0.0

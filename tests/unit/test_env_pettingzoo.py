@@ -125,7 +125,8 @@ def test_aec_game_with_render_hook_counts_until_mistake(tok):
         invalid_outcome="pass",
     )
     result = _run(tok, maker, build_orchestra("sequential", max_steps=20), configs, policy)
-    # task 0: seed 0 -> count 0: p0 says 1, p1 says 2, p0 says 99 (legal in Discrete(100), wrong) -> terminated
+    # task 0: seed 0 -> count 0: p0 says 1, p1 says 2, p0 says 99 (legal in Discrete(100), wrong) ->
+    # terminated
     first = [s for s in result.samples if s.episode_id == result.episodes[0].episode_id]
     assert [s.agent for s in first] == ["p0", "p1", "p0"]
     assert [s.local_reward for s in first] == [1.0, 1.0, 1.0]  # per-agent episode totals: p0 1, p1 1

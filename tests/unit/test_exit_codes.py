@@ -93,7 +93,8 @@ def test_no_module_exits_with_a_number_of_its_own():
 
 
 def test_the_launch_returns_the_codes_by_name():
-    """scripts/train.py and scripts/evaluate.py return named codes (``exc.exit_code``, ``EXIT_*``), not numbers."""
+    """scripts/train.py and scripts/evaluate.py return named codes (``exc.exit_code``, ``EXIT_*``), not
+    numbers."""
     for script in ("train.py", "evaluate.py"):
         tree = ast.parse((ROOT / "scripts" / script).read_text())
         numbers = [

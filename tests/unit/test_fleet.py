@@ -1,5 +1,5 @@
-"""``build_fleet``'s start-up decisions (no server is started here; tests/integration/test_train_with_servers.py
-runs real ones)."""
+"""``build_fleet``'s start-up decisions (no server is started here;
+tests/integration/test_train_with_servers.py runs real ones)."""
 
 from __future__ import annotations
 
@@ -189,7 +189,10 @@ def test_a_seq_len_beyond_the_models_context_names_the_key(tmp_path, monkeypatch
         ),
         (
             ["policies.shared.engine.server_start_timeout_s=900"],
-            r"^policies\.shared\.engine\.server_start_timeout_s bounds a server's start-up; engine.backend=hf has no server",
+            (
+                r"^policies\.shared\.engine\.server_start_timeout_s bounds a server's start-up; "
+                r"engine.backend=hf has no server"
+            ),
         ),
         (
             [
@@ -197,7 +200,10 @@ def test_a_seq_len_beyond_the_models_context_names_the_key(tmp_path, monkeypatch
                 "policies.shared.engine.server_start_timeout_s=3600",
                 "trainer.collective_timeout_s=1800",
             ],
-            r"^policies\.shared\.engine\.server_start_timeout_s=3600 exceeds trainer\.collective_timeout_s=1800",
+            (
+                r"^policies\.shared\.engine\.server_start_timeout_s=3600 exceeds "
+                r"trainer\.collective_timeout_s=1800"
+            ),
         ),
     ],
 )

@@ -45,7 +45,7 @@ at_import = list(calls)
 torch.cuda.is_available()  # the probe's own control: a call is seen
 print(json.dumps({"calls": at_import, "control": calls[len(at_import):], "initialized": torch.cuda.is_initialized(),
                   "failed": failed, "modules": [*RANK_PRELOAD, *TRAIN_PRELOAD]}))
-"""
+"""  # noqa: E501 - the embedded program keeps its own layout
 
 
 def test_fork_server_preloads_never_query_or_initialise_cuda():

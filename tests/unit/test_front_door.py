@@ -159,8 +159,8 @@ def test_output_dir_that_cannot_hold_a_run_directory(tmp_path, capsys):
     )
     line = _refused(capsys, SIGNALLING, "output_dir=/proc/megamarl-runs")  # not writable, even for root
     assert (
-        "output_dir: cannot create the run directory /proc/megamarl-runs/signalling_tiny: /proc is not writable"
-        in line
+        "output_dir: cannot create the run directory /proc/megamarl-runs/signalling_tiny: /proc is not "
+        "writable" in line
     )
     (tmp_path / "signalling_tiny").write_text("")
     line = _refused(capsys, SIGNALLING, f"output_dir={tmp_path}")

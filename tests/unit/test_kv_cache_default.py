@@ -1,4 +1,5 @@
-"""``engine.kv_cache_gib`` by default: the plan's figure on GPUs, 1 GiB on CPU (``EngineConfig.kv_cache_setting``).
+"""``engine.kv_cache_gib`` by default: the plan's figure on GPUs, 1 GiB on CPU
+(``EngineConfig.kv_cache_setting``).
 
 A 1 GiB default on GPU held two 4k sequences of an 8B model, and vLLM refuses to start when the
 cache cannot hold one sequence of ``max_model_len``: checked here with vLLM's own check and KV spec.

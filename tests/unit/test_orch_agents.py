@@ -90,7 +90,8 @@ def test_first_choice_parser():
 def test_plugin_registration_and_failing_import(tmp_path, monkeypatch):
     (tmp_path / "my_agents_plugin.py").write_text(
         "from megamarl.orchestration import AGENTS, Agent\n"
-        "@AGENTS.register('shouter')\nclass Shouter(Agent):\n    def parse(self, text):\n        return text.upper(), True\n"
+        "@AGENTS.register('shouter')\nclass Shouter(Agent):\n    def parse(self, text):\n        return "
+        "text.upper(), True\n"
     )
     (tmp_path / "broken_plugin.py").write_text("import does_not_exist\n")
     monkeypatch.syspath_prepend(str(tmp_path))

@@ -27,8 +27,8 @@ def test_transcript_appends_deltas_and_closing(tok):
     chat.add_user("What is 2+2?")
     first = list(chat.ids)
     assert (
-        tok.decode(first)
-        == "<|im_start|>system\nSYS<|im_end|>\n<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n"
+        tok.decode(first) == "<|im_start|>system\nSYS<|im_end|>\n<|im_start|>user\nWhat is "
+        "2+2?<|im_end|>\n<|im_start|>assistant\n"
     )
     reply = tok.encode(" 2 + 2 = 4", add_special_tokens=False) + [tok.eos_token_id]
     tail = chat.add_response(reply, " 2 + 2 = 4")

@@ -69,7 +69,8 @@ def test_70b_hetero_placement_for_64_ranks(capsys):
     lines = capsys.readouterr().out.splitlines()
     assert (
         lines[0]
-        == "Engine replicas (64 ranks, 8 per node, 8 nodes; every rank computed this same plan in a fake world):"
+        == "Engine replicas (64 ranks, 8 per node, 8 nodes; every rank computed this same plan in a fake "
+        "world):"
     )
     assert lines[3] == "planner   0        0       0-7    0     0-7      8   yes        server"
     assert lines[8] == "planner   5        40      40-47  5     0-7      8   yes        server"

@@ -3,8 +3,8 @@
 Each attack runs through the real judge (``judge_calls`` / ``judge_stdio``) in the isolated
 sandbox; each must score 0 (the real solution scores full marks on the same cases), with the judge
 (this test process) alive and nothing left behind: no process of the sandbox uid, no new
-``/tmp/megamarl-sbx-*`` entry, no task in the judge's cgroups, no file written outside. Skipped where isolation
-cannot be set up; the tree-limit tests also where no cgroup hierarchy is writable.
+``/tmp/megamarl-sbx-*`` entry, no task in the judge's cgroups, no file written outside. Skipped where
+isolation cannot be set up; the tree-limit tests also where no cgroup hierarchy is writable.
 """
 
 import glob
@@ -151,7 +151,7 @@ for _ in range(20):
                                    -1, -1, -1, -1, -1, -1, r, w, True, True, -1, None, None, None, -1, None, False)
     except OSError:
         pass
-"""
+"""  # noqa: E501 - the embedded program keeps its own layout
     + FALLBACK
 )
 
@@ -285,8 +285,10 @@ def test_overflow_and_deep_values_score_zero_and_are_counted():
     # 5000 deep is past json's recursion limit and all of it (~35 KB) fits a pipe's 64 KiB buffer: the
     # candidate never waits for the judge to read, so a loaded machine cannot turn it into a timeout
     forged = (
-        "import os, json\nfor fd in [int(f) for f in os.listdir('/proc/self/fd') if int(f) > 2]:\n    try:\n        for i in range(3):\n"
-        "            os.write(fd, (json.dumps({'i': i, 'value': '[' * 5000 + ']' * 5000}) + '\\n').encode())\n"
+        "import os, json\nfor fd in [int(f) for f in os.listdir('/proc/self/fd') if int(f) > 2]:\n    "
+        "try:\n        for i in range(3):\n"
+        "            os.write(fd, (json.dumps({'i': i, 'value': '[' * 5000 + ']' * 5000}) + "
+        "'\\n').encode())\n"
         "        os.write(fd, b'[' * 5000 + b'\\n')\n    except OSError:\n        pass\nos._exit(0)\n"
     )
     verdict, _ = scores_zero(forged)  # the judge's own json.loads hits RecursionError: counted
@@ -319,7 +321,8 @@ def test_stdio_candidate_cannot_read_the_dataset(tmp_path):
 def test_killed_judge_leaves_nothing(tmp_path):
     # a judge process (sandbox.py alone: it imports nothing from megamarl) SIGKILLed mid-run
     script = (
-        f"import importlib.util, sys\nspec = importlib.util.spec_from_file_location('sbx', {sandbox.__file__!r})\n"
+        "import importlib.util, sys\nspec = importlib.util.spec_from_file_location('sbx', "
+        f"{sandbox.__file__!r})\n"
         "sbx = sys.modules['sbx'] = importlib.util.module_from_spec(spec)\nspec.loader.exec_module(sbx)\n"
         "print('started', flush=True)\n"
         "sbx.run_python(sys.argv[2], sbx.SandboxConfig(timeout_s=60), isolated=sys.argv[1] == 'isolated')\n"
@@ -412,7 +415,8 @@ def test_memory_limit_holds_for_the_tree(monkeypatch):
 @needs_cgroups
 def test_a_judge_that_exits_removes_its_cgroups():
     script = (
-        f"import importlib.util, sys\nspec = importlib.util.spec_from_file_location('sbx', {sandbox.__file__!r})\n"
+        "import importlib.util, sys\nspec = importlib.util.spec_from_file_location('sbx', "
+        f"{sandbox.__file__!r})\n"
         "sbx = sys.modules['sbx'] = importlib.util.module_from_spec(spec)\nspec.loader.exec_module(sbx)\n"
         "print(sbx.run_python('print(1)').stdout.strip(), sbx.tree_limits())\nimport os\nprint(os.getpid())\n"
     )

@@ -437,7 +437,8 @@ def test_guard_stops_the_server_when_its_owner_dies(tmp_path):
     # a "server" that forks a child of its own (like vLLM's engine core) and records both pids
     server = (
         "import os, subprocess, sys, time; c = subprocess.Popen([sys.executable, '-c', 'import time; "
-        f"time.sleep(600)']); open({str(pid_file)!r}, 'w').write(f'{{os.getpid()}} {{c.pid}}'); time.sleep(600)"
+        f"time.sleep(600)']); open({str(pid_file)!r}, 'w').write(f'{{os.getpid()}} {{c.pid}}'); "
+        "time.sleep(600)"
     )
     guard = subprocess.Popen(
         [
@@ -550,7 +551,8 @@ def test_sglang_lora_on_cpu_is_refused_before_any_server_starts():
     spec(backend="vllm", lora=LoraServing(num_adapters=1, rank=4), on_gpu=False)  # vLLM-CPU serves adapters
 
 
-# what torchrun gives its workers (torch.distributed.elastic's LocalElasticAgent), and megamarl's rank launcher
+# what torchrun gives its workers (torch.distributed.elastic's LocalElasticAgent), and megamarl's rank
+# launcher
 LAUNCHER_ENV = {
     "RANK": "3",
     "LOCAL_RANK": "3",
@@ -665,7 +667,7 @@ class Health(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
         self.send_response(200); self.end_headers(); self.wfile.write(b"ok")
 http.server.HTTPServer(("127.0.0.1", port), Health).serve_forever()
-""")
+""")  # noqa: E501 - the fake server's program keeps its own layout
     python.chmod(0o755)
     proc = server_launch.ServerProcess(
         spec(

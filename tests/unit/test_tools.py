@@ -35,7 +35,10 @@ def test_parse_hermes_blocks_with_text_around():
     )
     content, calls = parse_tool_calls(text)
     assert calls == [ToolCall("calculator", {"expression": "3*4"})] and content == "Let me compute.  ok"
-    two = '<tool_call>{"name": "a", "arguments": "{\\"x\\": 1}"}</tool_call><tool_call>{"name": "b"}</tool_call>'
+    two = (
+        '<tool_call>{"name": "a", "arguments": "{\\"x\\": 1}"}</tool_call>'
+        '<tool_call>{"name": "b"}</tool_call>'
+    )
     assert [c.name for c in parse_tool_calls(two)[1]] == ["a", "b"] and parse_tool_calls(two)[1][
         0
     ].arguments == {"x": 1}
@@ -154,7 +157,10 @@ def test_a_failing_tool_call_is_counted_and_answered_with_the_error():
         if "<|im_start|>tool\n" in request.prompt_text:
             seen.append(request.prompt_text)
             return "The answer is 0"
-        return '<tool_call>{"name": "abacus", "arguments": {}}</tool_call><tool_call>{"name": "calculator", "arguments": {"expression": "2*"}}</tool_call>'
+        return (
+            '<tool_call>{"name": "abacus", "arguments": {}}</tool_call>'
+            '<tool_call>{"name": "calculator", "arguments": {"expression": "2*"}}</tool_call>'
+        )
 
     maker = EnvMaker("math", with_verifier=False, kinds=["mul12"])
     configs = {

@@ -3,9 +3,9 @@ the symbol and must name the digit. Both get team reward 1 on success.
 
 Action spaces, chosen to be one token each in common BPE vocabularies (SmolLM2/Llama/Qwen encode
 each of these as a single token at the start of an assistant turn):
-* sender: one of the first ``num_symbols`` capital letters (default 10: ``A``..``J``; ``SYMBOLS``). Its reply is parsed by taking
-  the first non-whitespace character; anything else is invalid (the receiver then sees ``?``).
-  Sample the sender with ``max_tokens=1`` to make "one token" literal.
+* sender: one of the first ``num_symbols`` capital letters (default 10: ``A``..``J``; ``SYMBOLS``). Its reply
+  is parsed by taking the first non-whitespace character; anything else is invalid (the receiver then sees
+  ``?``). Sample the sender with ``max_tokens=1`` to make "one token" literal.
 * receiver: a digit ``0``..``9``, parsed as the first non-whitespace character.
 
 The mapping symbol -> digit is not given to anyone, so a team only succeeds above chance (10%)

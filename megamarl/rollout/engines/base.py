@@ -174,7 +174,8 @@ class EngineTraits:
 ENGINES: Registry[type[Engine]] = Registry(
     "engine",
     traits=EngineTraits,
-    signature="class(Engine); configurable: cls.from_config(cfg: EngineConfig, path, *, replica, seed, lora, num_threads)",
+    signature="class(Engine); configurable: cls.from_config(cfg: EngineConfig, path, *, replica, seed, lora, "
+    "num_threads)",
     keys=("policies.<name>.engine.backend",),
 )
 

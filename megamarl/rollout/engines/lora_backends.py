@@ -24,7 +24,8 @@ class LoraServing:
         fits = [r for r in VLLM_LORA_RANKS if r >= self.rank]
         if not fits:
             raise ValueError(
-                f"policies.<p>.lora.rank={self.rank} exceeds vLLM's largest max_lora_rank {VLLM_LORA_RANKS[-1]}"
+                f"policies.<p>.lora.rank={self.rank} exceeds vLLM's largest max_lora_rank "
+                f"{VLLM_LORA_RANKS[-1]}"
             )
         return fits[0]
 

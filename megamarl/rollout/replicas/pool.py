@@ -4,12 +4,12 @@ Routing: each request goes to the live replica with the fewest requests in fligh
 Failure: a replica whose request raises ``ConnectionError`` and that then fails ``health()`` is
 marked dead (a server client's ``health`` is ``JSONClient.answers``: refused or unroutable at once,
 silent only after ``BUSY_PATIENCE_S``, so a server slow under load is not taken for dead), the
-request is retried on another replica, and the replica is rebuilt by ``factory(index)`` in the background. A request that fails on a replica that
-still answers ``health()`` (a keep-alive connection the server closed as the request went out, a
-reset under load) is retried, on any live replica, and the replica stays: marking a live server dead
-would take it out of service until the next push re-synced it. A rebuilt replica starts from its
-checkpoint, so it only takes traffic again once its ``weight_version`` equals the pool's: at once
-when ``weights_provider`` can re-send the current weights, otherwise at the next update.
+request is retried on another replica, and the replica is rebuilt by ``factory(index)`` in the background. A
+request that fails on a replica that still answers ``health()`` (a keep-alive connection the server closed as
+the request went out, a reset under load) is retried, on any live replica, and the replica stays: marking a
+live server dead would take it out of service until the next push re-synced it. A rebuilt replica starts from
+its checkpoint, so it only takes traffic again once its ``weight_version`` equals the pool's: at once when
+``weights_provider`` can re-send the current weights, otherwise at the next update.
 
 A replica that answers nothing at all (its node unreachable: a pulled link drops packets, so neither
 the requests in flight nor those on its kept-alive connections ever fail) is caught by the stall

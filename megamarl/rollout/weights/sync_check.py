@@ -36,7 +36,7 @@ def reference_tokens(model_path: str | Path, weights: dict[str, torch.Tensor]) -
 
 
 def adapter_reference_tokens(model_path: str | Path, adapter_dir: str | Path) -> list[list[int]]:
-    """The same continuations by the base model with the PEFT adapter in ``adapter_dir`` merged in, in fp32."""
+    """The same continuations by the base model with the PEFT adapter in ``adapter_dir`` merged, in fp32."""
     from peft import PeftModel
 
     base = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
@@ -119,7 +119,8 @@ def verify_replicas(
         got = served_tokens(url, served_model, backend=backend)
         if got != expected:
             raise WeightSyncMismatch(
-                f"policy {policy} replica {index} ({url}) after weight version {version}: greedy tokens {got} "
+                f"policy {policy} replica {index} ({url}) after weight version {version}: greedy tokens "
+                f"{got} "
                 f"differ from transformers on the pushed weights {expected}"
             )
     return len(urls)
@@ -143,7 +144,8 @@ def verify_adapter(
         got = served_tokens(url, served_model, backend=backend, lora=adapter)
         if got != expected:
             raise WeightSyncMismatch(
-                f"policy {policy} adapter {adapter} replica {index} ({url}) after version {version}: greedy tokens "
+                f"policy {policy} adapter {adapter} replica {index} ({url}) after version {version}: greedy "
+                "tokens "
                 f"{got} differ from transformers with {adapter_dir} {expected}"
             )
     return len(urls)

@@ -38,9 +38,12 @@ def check_nccl_sender(engine) -> None:
     when this one cannot import vLLM (servers from ``engine.server_python``, a trainer without vLLM)."""
     if importlib.util.find_spec("vllm") is None:
         raise ValueError(
-            f"policies.<p>.engine.weight_transfer='{engine.weight_transfer}' pushes into GPU vLLM servers with vLLM's "
-            f"NCCL engine, whose sending end runs in the trainer, but the trainer's Python ({sys.executable}) "
-            f"cannot import vllm (engine.server_python={engine.server_python!r} runs the servers only): install vllm "
+            f"policies.<p>.engine.weight_transfer='{engine.weight_transfer}' pushes into GPU vLLM servers "
+            "with vLLM's "
+            "NCCL engine, whose sending end runs in the trainer, but the trainer's Python "
+            f"({sys.executable}) "
+            f"cannot import vllm (engine.server_python={engine.server_python!r} runs the servers only): "
+            "install vllm "
             "in the trainer's environment, or set engine.weight_transfer: megamarl"
         )
 

@@ -78,7 +78,8 @@ def main(argv: list[str] | None = None) -> None:
         engine, host=args.host, port=args.port, model_path=args.model_path, tp_size=args.tp_size, log=log
     )
     print(
-        f"[fake-sglang] serving {args.model_path} at {server.url} (tp_size {args.tp_size}, dtype {args.dtype})",
+        f"[fake-sglang] serving {args.model_path} at {server.url} (tp_size {args.tp_size}, dtype "
+        f"{args.dtype})",
         flush=True,
     )
     server.serve_forever()

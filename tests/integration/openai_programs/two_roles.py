@@ -1,8 +1,9 @@
 """Test program for the recording endpoint: two roles through the official ``openai`` client.
 
 Calls the solver (chat, plain), the verifier (chat, streamed), the solver again through
-``/v1/completions`` routed by header, and the solver's first conversation continued; posts a reward derived from the replies and appends what it
-received and posted to ``$OAI_TEST_LOG`` (one JSON line per episode) for the test to compare.
+``/v1/completions`` routed by header, and the solver's first conversation continued; posts a reward derived
+from the replies and appends what it received and posted to ``$OAI_TEST_LOG`` (one JSON line per episode) for
+the test to compare.
 """
 
 import json

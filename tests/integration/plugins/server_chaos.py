@@ -1,9 +1,9 @@
 """A signalling env that kills an engine server in the middle of a rollout (test harness for
 tests/integration/test_train_with_servers.py): episode ``kill_at`` sends SIGKILL to the server of
-``policy`` replica ``replica`` (its process group, led by the pid in ``<run_dir>/engine_servers.json``); episode ``wait_at``
-(counted over training and evaluation episodes) blocks until the owning rank has restarted it and
-the driver's pool has rebuilt its client, so the trainer finds it restarted and unsynced at the
-next step boundary."""
+``policy`` replica ``replica`` (its process group, led by the pid in ``<run_dir>/engine_servers.json``);
+episode ``wait_at`` (counted over training and evaluation episodes) blocks until the owning rank has restarted
+it and the driver's pool has rebuilt its client, so the trainer finds it restarted and unsynced at the next
+step boundary."""
 
 from __future__ import annotations
 
