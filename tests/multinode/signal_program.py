@@ -1,8 +1,8 @@
 """The signalling game as a program for the ``external`` orchestra, over the OpenAI HTTP API (stdlib only:
 an interpreter start per episode, no client import). The sender sees the secret bit, the receiver the
 sender's reply; the team reward is 1 when the parity of the receiver's first character is the secret (a
-game a random tiny model wins half the time, so advantages and losses are not all zero). Appends the endpoint URL it used
-and the hostname it ran on to ``$SIGNAL_LOG`` (one line per episode) for the tests."""
+game a random tiny model wins half the time, so advantages and losses are not all zero). Appends the endpoint
+URL it used and the hostname it ran on to ``$SIGNAL_LOG`` (one line per episode) for the tests."""
 
 import json
 import os
