@@ -199,7 +199,7 @@ def main() -> int:
     rows = []
     for name in benches:
         inline_rate = args.episodes * args.rounds / totals[name, "inline"]
-        for label, (workers, startup_s) in backends.items():
+        for label, (_workers, startup_s) in backends.items():
             seconds = totals[name, label]
             rate = args.episodes * args.rounds / seconds
             rows.append(

@@ -363,7 +363,7 @@ def main() -> int:
     )
     # cells kept from an earlier invocation (--work) ran under that invocation's load, not this one's
     result["load_avg_1min"] = {"before": round(load_before, 2), **load} if ran_here else None
-    for family, variants in result["families"].items():
+    for variants in result["families"].values():
         for block in variants.values():
             block["summary"] = summarise(list(block["runs"].values()))
 

@@ -89,7 +89,7 @@ class OpponentPool:
         out.update(
             {
                 f"opponent_pool/{name}/snapshot_step": float(step)
-                for name, step in zip(self.cfg.snapshots, self.snapshot_steps)
+                for name, step in zip(self.cfg.snapshots, self.snapshot_steps, strict=True)
             }
         )
         return out

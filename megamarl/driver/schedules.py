@@ -154,7 +154,7 @@ class Schedule(abc.ABC):
         called by the driver at a step boundary, after the step's weight push."""
         return {}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict) -> None:  # noqa: B027 - optional hook, a no-op unless the schedule keeps state
         pass
 
     # -- weight pushes ---------------------------------------------------------------------------
@@ -176,7 +176,7 @@ class Schedule(abc.ABC):
         """Make the engines safe to update; returns seconds spent waiting for rollout data."""
         return 0.0
 
-    def _after_update(self) -> None:
+    def _after_update(self) -> None:  # noqa: B027 - optional hook, a no-op unless the schedule keeps state
         pass
 
     # -- utilisation -----------------------------------------------------------------------------

@@ -259,7 +259,9 @@ def export_hf_weights(
         rule, local, _ = rule_for(name)
         tensor = source(param).detach()
         shards = all_gather_tensors(tensor, wg.pgs.tp) if rule.kind in TP_KINDS else [tensor]
-        yield from zip(rule.names(_global_layer(model, local)), hf_from_shards(rule, shards, arch=arch))
+        yield from zip(
+            rule.names(_global_layer(model, local)), hf_from_shards(rule, shards, arch=arch), strict=False
+        )  # strict=False: the rule's conversion gives one tensor per name
 
 
 # ---- running the model ----------------------------------------------------------------------------

@@ -218,7 +218,9 @@ def export_lora_weights(model, wg, name: str) -> Iterator[tuple[str, torch.Tenso
         else:
             a_full = torch.cat(all_gather_tensors(adapter.A.detach(), wg.pgs.tp), dim=1)
             b_parts = [adapter.B.detach()]
-        for hf_name, b in zip(hf_names, b_parts):
+        for hf_name, b in zip(
+            hf_names, b_parts, strict=False
+        ):  # strict=False: the target's table gives one B part per HF name
             prefix = f"base_model.model.model.layers.{layer}.{parent}.{hf_name}"
             yield f"{prefix}.lora_A.weight", a_full.clone()  # q/k/v (gate/up) share A: one copy each
             yield f"{prefix}.lora_B.weight", b.contiguous()

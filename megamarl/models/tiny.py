@@ -54,7 +54,7 @@ def tiny_model(family: str = "llama", *, seed: int = 0, init_std: float | None =
     if init_std is None:
         return model.eval()
     with torch.no_grad():
-        for name, param in model.named_parameters():
+        for _name, param in model.named_parameters():
             if param.dim() > 1:
                 param.normal_(0.0, init_std)
     return model.eval()

@@ -346,7 +346,7 @@ class EpisodeContext:
         if num_candidates > 1:
             scores = [await self._score(agent, c) for c in candidates]
             best = candidates[max(range(num_candidates), key=lambda i: (scores[i], -i))]
-            for sample, score in zip(samples, scores):
+            for sample, score in zip(samples, scores, strict=True):
                 sample.local_reward = score
                 self._scored.add(id(sample))
         best_sample = samples[best.branch]

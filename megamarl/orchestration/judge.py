@@ -118,7 +118,7 @@ def same_value(got, want) -> bool:
     if isinstance(want, (int, float)) and isinstance(got, (int, float)):
         return math.isclose(got, want, rel_tol=1e-6, abs_tol=1e-9)
     if isinstance(want, list) and isinstance(got, list):
-        return len(got) == len(want) and all(same_value(g, w) for g, w in zip(got, want))
+        return len(got) == len(want) and all(same_value(g, w) for g, w in zip(got, want, strict=True))
     if isinstance(want, dict) and isinstance(got, dict):
         return got.keys() == want.keys() and all(same_value(got[k], want[k]) for k in want)
     return type(got) is type(want) and got == want

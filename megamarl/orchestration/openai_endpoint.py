@@ -440,7 +440,9 @@ def _reply(
         token_logprobs = {
             "content": [
                 {"token": tok, "logprob": lp, "bytes": list(tok.encode()), "top_logprobs": []}
-                for tok, lp in zip(tokens, sample.rollout_logprobs)
+                for tok, lp in zip(
+                    tokens, sample.rollout_logprobs, strict=False
+                )  # strict=False: one logprob per response token, as the engine reported them
             ]
         }
     if chat:

@@ -244,7 +244,7 @@ class Dag(Orchestra):
                 if ctx.done or not level:
                     return
                 actions = await asyncio.gather(*(self._node(ctx, agent, outputs) for agent in level))
-                for agent, action in zip(level, actions):
+                for agent, action in zip(level, actions, strict=True):
                     outputs[agent] = action
                     if not ctx.done:
                         await ctx.step(agent, action)
@@ -266,5 +266,5 @@ class Simultaneous(Orchestra):
                 return
             observations = {agent: ctx.env.observe(agent) for agent in active}
             actions = await asyncio.gather(*(ctx.act(agent, observations[agent]) for agent in active))
-            for agent, action in zip(active, actions):
+            for agent, action in zip(active, actions, strict=True):
                 await ctx.step(agent, action)

@@ -80,7 +80,7 @@ class EnvWorkers(abc.ABC):
         }
         return {"calls": float(self.num_calls), **failures}
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - optional hook, a no-op unless the backend holds workers
         """Stop the workers now (a call still running is killed). Idempotent."""
 
     def _fail(self, reason: str) -> EnvWorkerError:

@@ -168,7 +168,11 @@ def _optimizers_patched() -> bool:
 
 
 _PROBES: dict[str, callable] = dict(
-    zip(PATCHES, (_torch_cuda_patched, _tp_random_patched, _schedules_patched, _optimizers_patched))
+    zip(
+        PATCHES,
+        (_torch_cuda_patched, _tp_random_patched, _schedules_patched, _optimizers_patched),
+        strict=True,
+    )
 )
 
 

@@ -186,7 +186,7 @@ def rank_coords(layout: WorkerGroupLayout, global_rank: int) -> dict[str, int]:
     """This rank's index along every axis of the WG (tp fastest)."""
     index = layout.ranks.index(global_rank)
     coords = {}
-    for axis, size in zip(AXES, [layout.tp, 1, 1, layout.dp, layout.pp]):
+    for axis, size in zip(AXES, [layout.tp, 1, 1, layout.dp, layout.pp], strict=True):
         coords[axis] = index % size
         index //= size
     return coords

@@ -135,7 +135,9 @@ def discounted_returns(rewards: Tensor, seq_ids: Tensor, order: Tensor, *, gamma
     """
     seqs, keys, r = seq_ids.tolist(), order.tolist(), rewards.double().tolist()
     positions: dict[int, dict[int, list[int]]] = {}  # seq -> order value -> rows
-    for i, (s, k) in enumerate(zip(seqs, keys)):
+    for i, (s, k) in enumerate(
+        zip(seqs, keys, strict=False)
+    ):  # strict=False: both [N] by the caller's contract
         positions.setdefault(s, {}).setdefault(k, []).append(i)
     out = [0.0] * len(r)
     for by_key in positions.values():
@@ -249,7 +251,9 @@ def anchor_ids(
     reps: dict[int, list[str]] = {}  # prefix -> representative strings of its clusters
     exact: dict[tuple[int, str], int] = {}  # (prefix, anchor) -> cluster
     out = []
-    for i, (p, anchor) in enumerate(zip(prefix_ids.tolist(), anchors)):
+    for i, (p, anchor) in enumerate(
+        zip(prefix_ids.tolist(), anchors, strict=False)
+    ):  # strict=False: one anchor per sample by the caller's contract
         if anchor is None:
             out.append(len(clusters))
             clusters[(p, -1 - i)] = len(clusters)

@@ -133,7 +133,7 @@ def plan_policy(batch: SampleBatch, split: BatchSplit, *, num_dp: int) -> list[P
         return shares
     for mini in mini_batches(rows, split):
         counts = loss_counts(mini.response_mask)
-        for share, part in zip(shares, dp_parts(mini, num_dp)):
+        for share, part in zip(shares, dp_parts(mini, num_dp), strict=True):
             share.minis.append(MiniBatchPart(part, counts))
     return shares
 

@@ -87,7 +87,9 @@ def model_shape(mb: SampleBatch, packed: bool) -> tuple[int, int]:
 
 
 def _row_ids(mb: SampleBatch) -> list[tuple[int, int, int, int]]:
-    return list(zip(mb.episode.tolist(), mb.agent.tolist(), mb.turn.tolist(), mb.branch.tolist()))
+    return list(
+        zip(mb.episode.tolist(), mb.agent.tolist(), mb.turn.tolist(), mb.branch.tolist(), strict=True)
+    )
 
 
 def split_rows(
@@ -107,7 +109,9 @@ def merge_rows(
     """Inverse of ``split_rows``: micro-batch rows back into ``part``'s row order, padded to ``width``."""
     index = {key: i for i, key in enumerate(_row_ids(part))}
     out = pieces[0].new_zeros(part.num_samples, width)
-    for piece, mb in zip(pieces, micro_batches):
+    for piece, mb in zip(
+        pieces, micro_batches, strict=False
+    ):  # strict=False: one piece per micro-batch by the caller's contract
         out[[index[k] for k in _row_ids(mb)], : piece.shape[1]] = piece
     return out
 

@@ -125,7 +125,9 @@ def _index_params_as_installed(optimizer) -> None:
             inner.model_param_group_index_map = {
                 param: (group_index, order)
                 for group_index, (fp32, half) in enumerate(
-                    zip(inner.model_fp32_groups, inner.model_float16_groups)
+                    zip(
+                        inner.model_fp32_groups, inner.model_float16_groups, strict=False
+                    )  # strict=False: megatron-core's parallel group lists
                 )
                 for order, param in enumerate([*fp32, *half])
             }

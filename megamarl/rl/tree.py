@@ -150,7 +150,9 @@ class _Trie:
 
 
 def _rows(tokens: Tensor, attention_mask: Tensor) -> list[list[int]]:
-    return [row[:n] for row, n in zip(tokens.tolist(), attention_mask.bool().sum(dim=1).tolist())]
+    return [
+        row[:n] for row, n in zip(tokens.tolist(), attention_mask.bool().sum(dim=1).tolist(), strict=False)
+    ]  # strict=False: rows of one [B, T] batch by the caller's contract
 
 
 def tree_tokens(tokens: Tensor, attention_mask: Tensor) -> int:

@@ -27,7 +27,7 @@ def summarise(collected: list[dict[str, float]], **extra: float) -> dict[str, fl
             weights = [c.get(RESPONSE_TOKENS, 1.0) for c in rows]
             total = sum(weights)
             out[key] = (
-                sum(w * c[key] for w, c in zip(weights, rows)) / total
+                sum(w * c[key] for w, c in zip(weights, rows, strict=True)) / total
                 if total
                 else average([c[key] for c in rows])
             )

@@ -324,7 +324,7 @@ class PolicyWorker:
         for _ in range(self.cfg.ppo_epochs):
             collected = [
                 self._update(part, old, count, ref=ref, critic=critic)
-                for part, old, count, ref, critic in zip(parts, olds, counts, refs, critics)
+                for part, old, count, ref, critic in zip(parts, olds, counts, refs, critics, strict=True)
             ]
         timings["timing_s/update"] = time.perf_counter() - start
         metrics = mean_over_steps(collected)

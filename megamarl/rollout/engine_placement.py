@@ -328,7 +328,9 @@ def placement_table(plan: dict[str, list[ReplicaPlacement]]) -> str:
 
 def format_table(columns: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
     widths = [max(len(c), *(len(row[i]) for row in rows)) if rows else len(c) for i, c in enumerate(columns)]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths)).rstrip()]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True)).rstrip()]
     lines.append("  ".join("-" * w for w in widths))
-    lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+    lines += [
+        "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=False)).rstrip() for row in rows
+    ]  # strict=False: a row has a cell per column by the caller's contract
     return "\n".join(lines)

@@ -211,9 +211,9 @@ def _rewards(series: Series, agents: Colors, policies: Colors, title: str):
     stds = _per_name(series, "agent", "reward_std")
     for agent in sorted(set(stds) & set(rewards)):
         steps, means = rewards[agent]
-        spread = dict(zip(*stds[agent]))
-        low = [m - spread.get(s, 0.0) for s, m in zip(steps, means)]
-        high = [m + spread.get(s, 0.0) for s, m in zip(steps, means)]
+        spread = dict(zip(*stds[agent], strict=True))
+        low = [m - spread.get(s, 0.0) for s, m in zip(steps, means, strict=True)]
+        high = [m + spread.get(s, 0.0) for s, m in zip(steps, means, strict=True)]
         axes[0].fill_between(steps, low, high, color=agents[agent], alpha=0.12, linewidth=0)
     _curves(axes[0], rewards, agents, "shaped reward (mean; band: +-std)" if stds else "shaped reward (mean)")
     axes[0].set_title(f"{title}: reward per agent")
@@ -240,13 +240,13 @@ def _timing(series: Series, title: str):
         return None
     names = [n for n in TIMING_ORDER if n in parts] + sorted(n for n in parts if n not in TIMING_ORDER)
     steps = sorted({s for n in names for s in parts[n][0]})
-    stacks = [[dict(zip(*parts[n])).get(s, 0.0) for s in steps] for n in names]
+    stacks = [[dict(zip(*parts[n], strict=True)).get(s, 0.0) for s in steps] for n in names]
     fig, ax = plt.subplots(figsize=(8, 3.6))
     if len(steps) > 1:
         ax.stackplot(steps, stacks, labels=names, alpha=0.85)
     else:
         bottom = 0.0
-        for name, stack in zip(names, stacks):
+        for name, stack in zip(names, stacks, strict=True):
             ax.bar(steps, stack, bottom=bottom, label=name)
             bottom += stack[0]
     if total is not None:
@@ -262,7 +262,9 @@ def _grid(panels: list, title: str, *, cols: int = 3):
     cols = min(cols, len(panels))
     rows = -(-len(panels) // cols)
     fig, axes = plt.subplots(rows, cols, figsize=(4.3 * cols, 3.1 * rows), squeeze=False)
-    for ax, draw in zip(axes.flat, panels):
+    for ax, draw in zip(
+        axes.flat, panels, strict=False
+    ):  # strict=False: the grid may have more axes than panels
         draw(ax)
     for ax in list(axes.flat)[len(panels) :]:
         ax.axis("off")
@@ -333,7 +335,9 @@ def _eval(series: Series, agents: Colors, policies: Colors, title: str):
         ax = axes[0]
         many_sets = len({s for s, _ in rates}) > 1  # colour by set, marker by metric; else colour by metric
         colors = Colors([s if many_sets else m for s, m in rates], "Set1")
-        markers = dict(zip(sorted({m for _, m in rates}), "os^Dv"))
+        markers = dict(
+            zip(sorted({m for _, m in rates}), "os^Dv", strict=False)
+        )  # strict=False: at most five metrics get a marker
         for (eval_set, metric), (steps, values) in sorted(rates.items()):
             color = colors[eval_set if many_sets else metric]
             name = "/".join(filter(None, (eval_set, metric)))

@@ -48,7 +48,9 @@ TABLE_COLUMNS = (
 def pick_episodes(episode_ids: Sequence[str], task_ids: Sequence[str], limit: int) -> list[str]:
     """Up to ``limit`` distinct episode ids, round-robin over tasks in first-appearance order."""
     by_task: dict[str, list[str]] = {}
-    for episode, task in zip(episode_ids, task_ids):
+    for episode, task in zip(
+        episode_ids, task_ids, strict=False
+    ):  # strict=False: both one per sample by the caller's contract
         episodes = by_task.setdefault(task, [])
         if episode not in episodes:
             episodes.append(episode)

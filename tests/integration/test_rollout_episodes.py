@@ -44,7 +44,7 @@ def _check_tags(result, tree_agents=None):
         groups = defaultdict(list)
         for sample in samples:
             groups[(sample.agent, sample.turn)].append(sample)
-        for (agent, turn), group in groups.items():
+        for (agent, _turn), group in groups.items():
             assert [s.branch for s in group] == list(range(tree_agents.get(agent, 1)))
             assert len({tuple(s.prompt_ids) for s in group}) == 1  # all K candidates share one prompt
             assert len({s.step for s in group}) == 1

@@ -224,7 +224,7 @@ class SlurmCluster:
         running are cancelled first so that no training rank outlives the test."""
         if any(name == "slurmctld" and proc.poll() is None for name, proc in self._daemons):
             self.run("scancel", "--full", "--user=root", check=False, timeout=30)
-        for name, proc in reversed(self._daemons):
+        for _name, proc in reversed(self._daemons):
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGTERM)
                 try:

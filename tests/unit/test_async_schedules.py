@@ -147,7 +147,7 @@ def test_fully_async_respects_the_bound_and_counts_what_it_drops(loop, partial, 
     batches, metrics = drive(schedule, source, cfg, steps=12, train_s=0.02)
     schedule.close()
     assert source.max_in_flight <= cfg.rollout.max_concurrency
-    for versions, result in batches:
+    for _versions, result in batches:
         for part in {s.task_id for s in result.samples}:
             samples = [s for s in result.samples if s.task_id == part]
             assert len({s.episode_id for s in samples}) == cfg.rollout.group_size  # whole groups only

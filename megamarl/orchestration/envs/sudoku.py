@@ -85,7 +85,9 @@ def generate_solution(size: int, rng: random.Random) -> list[list[int]]:
 def is_valid_solution(grid: list[list[int]]) -> bool:
     n, box = len(grid), math.isqrt(len(grid))
     full = set(range(1, n + 1))
-    units = [set(row) for row in grid] + [set(col) for col in zip(*grid)]
+    units = [set(row) for row in grid] + [
+        set(col) for col in zip(*grid, strict=False)
+    ]  # strict=False: a ragged grid must score as invalid, not raise
     units += [
         {grid[r][c] for r in range(br, br + box) for c in range(bc, bc + box)}
         for br in range(0, n, box)

@@ -87,27 +87,27 @@ class Engine(abc.ABC):
         """Load HF-named tensors (full or adapter-only when ``lora`` names an adapter) and set
         ``weight_version``. Callers pause the engine first; the engine flushes caches after."""
 
-    def sleep(self, *, level: int = 1) -> None:
+    def sleep(self, *, level: int = 1) -> None:  # noqa: B027 - optional hook, a no-op unless the engine has the ability
         """Release memory while colocated training runs: level 1 frees the KV cache and offloads
         weights to host memory; level 2 also discards the weights (the next ``update_weights``
         must then carry all of them). Requests wait until ``wake``."""
 
-    def wake(self) -> None:
+    def wake(self) -> None:  # noqa: B027 - optional hook, a no-op unless the engine has the ability
         """Restore what ``sleep`` released."""
 
-    def pause(self) -> None:
+    def pause(self) -> None:  # noqa: B027 - optional hook, a no-op unless the engine has the ability
         """Stop admitting new requests; in-flight ones drain or are held."""
 
-    def resume(self) -> None:
+    def resume(self) -> None:  # noqa: B027 - optional hook, a no-op unless the engine has the ability
         """Admit requests again."""
 
-    def flush_cache(self) -> None:
+    def flush_cache(self) -> None:  # noqa: B027 - optional hook, a no-op unless the engine has the ability
         """Drop cached prefixes/KV computed with older weights."""
 
     def health(self) -> bool:
         return True
 
-    def shutdown(self) -> None:
+    def shutdown(self) -> None:  # noqa: B027 - optional hook, a no-op unless the engine has the ability
         """Free resources; the engine is unusable afterwards."""
 
     @classmethod

@@ -132,7 +132,9 @@ def to_generations(output: Any, version: int) -> list[Generation]:
     generations = []
     for completion in sorted(output.outputs, key=lambda c: c.index):
         tokens = list(completion.token_ids)
-        logprobs = [float(step[tok].logprob) for step, tok in zip(completion.logprobs, tokens)]
+        logprobs = [
+            float(step[tok].logprob) for step, tok in zip(completion.logprobs, tokens, strict=False)
+        ]  # strict=False: vLLM gives a logprob entry per sampled token
         reason = "stop" if completion.finish_reason == "stop" else completion.finish_reason or "length"
         generations.append(Generation(tokens, logprobs, reason, version))
     return generations

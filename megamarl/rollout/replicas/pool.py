@@ -259,7 +259,9 @@ class EnginePool(Engine):
                 for replica in targets:
                     replica.flush_cache()
                     replica.resume()
-                for replica, error in zip(targets, errors):
+                for replica, error in zip(
+                    targets, errors, strict=False
+                ):  # strict=False: an early failure of _tee_update is one error for all
                     if isinstance(error, ConnectionError):
                         self._mark_dead(self.replicas.index(replica), replica)
                     elif error is not None:

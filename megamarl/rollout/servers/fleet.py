@@ -298,7 +298,9 @@ class ServerFleet:
                 "colocated": rep.colocated,
             }
             for name, servers in self.policies.items()
-            for rep, url in zip(servers.replicas, servers.urls)
+            for rep, url in zip(
+                servers.replicas, servers.urls, strict=False
+            )  # strict=False: urls are filled once the servers are up
         ]
 
     def close(self) -> None:

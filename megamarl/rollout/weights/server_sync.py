@@ -90,7 +90,9 @@ def pack_bucket(
     that copy); ``out`` (uint8, at least ``num_bytes``) is packed into instead of a fresh buffer, so
     a reused buffer takes no page faults."""
     flat = out[: info["num_bytes"]] if out is not None else torch.empty(info["num_bytes"], dtype=torch.uint8)
-    for (_, tensor), name, offset in zip(bucket, info["dtype_names"], info["offsets"]):
+    for (_, tensor), name, offset in zip(
+        bucket, info["dtype_names"], info["offsets"], strict=False
+    ):  # strict=False: info announces this bucket: one entry per tensor
         dtype = getattr(torch, name)
         dst = flat[offset : offset + tensor.numel() * dtype.itemsize].view(dtype).view(tensor.shape)
         dst.copy_(tensor.detach())
@@ -100,8 +102,8 @@ def pack_bucket(
 def unpack_bucket(flat: torch.Tensor, info: dict[str, Any]) -> list[tuple[str, torch.Tensor]]:
     """Views into ``flat`` (no copy): the inverse of ``pack_bucket``."""
     named = []
-    for name, dtype, shape, offset in zip(
-        info["names"], info["dtype_names"], info["shapes"], info["offsets"]
+    for name, dtype, shape, offset in zip(  # strict=False: info's lists: one entry per announced tensor
+        info["names"], info["dtype_names"], info["shapes"], info["offsets"], strict=False
     ):
         dtype = getattr(torch, dtype)
         numel = 1
@@ -202,7 +204,9 @@ def join_replicas(
     ``pool``), then this rank joins (``open_group(world_size)``). Returns the group and the replies."""
     world_size = 1 + sum(replica_tp)
     offsets = itertools.accumulate([1, *replica_tp[:-1]])
-    futures = [pool.submit(c.post, path, init_body(offset)) for c, offset in zip(clients, offsets)]
+    futures = [
+        pool.submit(c.post, path, init_body(offset)) for c, offset in zip(clients, offsets, strict=True)
+    ]
     group = open_group(world_size)
     return group, [f.result() for f in futures]
 

@@ -206,8 +206,10 @@ class SGLangWeightSender:
     def _all(self, path: str, payload: Any = None, *, payloads: list | None = None) -> list[Any]:
         """POST to every replica concurrently; raise the first failure (naming the replica)."""
         payloads = payloads if payloads is not None else [payload] * len(self.clients)
-        futures = [self._pool.submit(c.post, path, p) for c, p in zip(self.clients, payloads)]
-        return [self._checked(f.result(), path, url) for f, url in zip(futures, self.urls)]
+        futures = [
+            self._pool.submit(c.post, path, p) for c, p in zip(self.clients, payloads, strict=False)
+        ]  # strict=False: payloads, when given, are the caller's: one per client
+        return [self._checked(f.result(), path, url) for f, url in zip(futures, self.urls, strict=True)]
 
     @staticmethod
     def _checked(reply: Any, path: str, url: str) -> Any:
@@ -245,7 +247,7 @@ class SGLangWeightSender:
                 timeout_s=self.timeout_s,
             ),
         )
-        for reply, url in zip(replies, self.urls):
+        for reply, url in zip(replies, self.urls, strict=True):
             self._checked(reply, "/init_weights_update_group", url)
         self.connected = True
 
@@ -308,7 +310,7 @@ class SGLangWeightSender:
                         broadcast_from_rank0(self.group, tensor.detach().contiguous())
             finally:
                 replies = [f.result() for f in futures]
-            for reply, url in zip(replies, self.urls):
+            for reply, url in zip(replies, self.urls, strict=True):
                 self._checked(reply, "/update_weights_from_distributed", url)
         return stats
 
