@@ -31,10 +31,13 @@ import sys
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Self
+from typing import TYPE_CHECKING, Any
 
 from megamarl.config_sections import LoggerConfig
 from megamarl.runtime.transcripts import TABLE_COLUMNS, table_rows, write_transcripts
+
+if TYPE_CHECKING:  # typing.Self is Python 3.11+, and requires-python allows 3.10
+    from typing_extensions import Self
 
 METRICS_FILE = "metrics.jsonl"
 EVAL_FILE = "eval.json"
