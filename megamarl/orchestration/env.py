@@ -19,7 +19,7 @@ import random
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 
 from megamarl.registry import Registry
 
@@ -51,29 +51,33 @@ class EnvConfig:
     """Base config; envs subclass it with their own validated fields."""
 
 
-class Env(abc.ABC):
+ConfigT = TypeVar("ConfigT", bound=EnvConfig)
+
+
+class Env(abc.ABC, Generic[ConfigT]):
     """One episode. Subclasses set ``agents``, ``default_agents``, ``Config`` and implement the
-    abstract methods; the rest have sensible defaults."""
+    abstract methods; the rest have sensible defaults. ``Env[MyConfig]`` types ``self.config`` and
+    the classmethods' ``config`` as the env's own ``Config``."""
 
     Config: ClassVar[type[EnvConfig]] = EnvConfig
     agents: tuple[str, ...] = ()
     default_agents: ClassVar[dict[str, str]] = {}  # role -> AGENTS kind
     remote_step: ClassVar[bool] = False  # step in an env worker (slow or untrusted work)
 
-    def __init__(self, task: Task, config: EnvConfig) -> None:
+    def __init__(self, task: Task, config: ConfigT) -> None:
         self.task = task
         self.config = config
         self.done = False
 
     @classmethod
-    def acting_roles(cls, config: EnvConfig) -> tuple[str, ...]:
+    def acting_roles(cls, config: ConfigT) -> tuple[str, ...]:
         """The roles that act under ``config`` (each needs an ``agents.<role>`` entry); a subset of
         ``agents`` when a setting turns a role off (math's ``with_verifier: false``)."""
         return tuple(cls.agents)
 
     @classmethod
     @abc.abstractmethod
-    def generate_tasks(cls, config: EnvConfig, *, num_tasks: int, seed: int) -> list[Task]:
+    def generate_tasks(cls, config: ConfigT, *, num_tasks: int, seed: int) -> list[Task]:
         """Deterministic for (config, num_tasks, seed)."""
 
     @abc.abstractmethod

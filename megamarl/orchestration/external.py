@@ -91,6 +91,8 @@ class External(Orchestra):
             if self.cwd and not os.path.isdir(self.cwd):
                 raise ValueError(f"orchestra.cwd '{self.cwd}' is not a directory")
 
+    config: Config  # the registry builds each orchestra with its own Config
+
     def __init__(self, config: Config | None = None) -> None:
         super().__init__(config)
         self.endpoint = RecordingEndpoint(host=self.config.host, port=self.config.port)

@@ -122,6 +122,8 @@ class Sequential(Orchestra):
             self.order = tuple(self.order)
             _positive(self.max_steps, "max_steps")
 
+    config: Config  # the registry builds each orchestra with its own Config
+
     def roles(self, env_roles: tuple[str, ...]) -> tuple[str, ...]:
         return self.config.order or env_roles
 
@@ -152,6 +154,8 @@ class Router(Orchestra):
         def __post_init__(self) -> None:
             _positive(self.max_hops, "max_hops")
 
+    config: Config  # the registry builds each orchestra with its own Config
+
     def roles(self, env_roles: tuple[str, ...]) -> tuple[str, ...]:
         return (self.config.router,)  # the router's picks are checked per episode (an unknown pick ends it)
 
@@ -176,6 +180,8 @@ class SolveVerify(Orchestra):
 
         def __post_init__(self) -> None:
             _positive(self.max_loops, "max_loops")
+
+    config: Config  # the registry builds each orchestra with its own Config
 
     def roles(self, env_roles: tuple[str, ...]) -> tuple[str, ...]:
         return (self.config.solver, self.config.verifier)
@@ -208,8 +214,8 @@ def topological_levels(nodes: dict[str, tuple[str, ...]]) -> list[list[str]]:
         levels.append(ready)
         for node in ready:
             del remaining[node]
-        for deps in remaining.values():
-            deps.difference_update(ready)
+        for pending in remaining.values():
+            pending.difference_update(ready)
     return levels
 
 
@@ -227,6 +233,8 @@ class Dag(Orchestra):
             self.nodes = {node: tuple(deps) for node, deps in self.nodes.items()}
             _positive(self.rounds, "rounds")
             self.levels = topological_levels(self.nodes)
+
+    config: Config  # the registry builds each orchestra with its own Config
 
     def roles(self, env_roles: tuple[str, ...]) -> tuple[str, ...]:
         return tuple(self.config.nodes)
@@ -258,6 +266,8 @@ class Simultaneous(Orchestra):
 
         def __post_init__(self) -> None:
             _positive(self.max_rounds, "max_rounds")
+
+    config: Config  # the registry builds each orchestra with its own Config
 
     async def run(self, ctx: EpisodeContext) -> None:
         for _ in range(self.config.max_rounds):

@@ -96,6 +96,7 @@ def _problem_from_row(row: dict) -> CodeProblem:
     fn_name, tests = row.get("fn_name"), row["tests"]
     if not tests:
         raise ValueError("no tests")
+    cases: tuple[ExprCase | StdioCase, ...]
     if fn_name:
         cases = tuple(call_case(fn_name, list(t["input"]), t["output"]) for t in tests)
     else:
@@ -203,7 +204,7 @@ class UnitTester(Agent):
 
 
 @ENVS.register("code")
-class CodeEnv(Env):
+class CodeEnv(Env[CodeConfig]):
     Config = CodeConfig
     agents = ("coder", "tester")
     default_agents: ClassVar[dict[str, str]] = {"coder": "coder", "tester": "unit_tester"}

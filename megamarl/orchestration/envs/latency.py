@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from megamarl.orchestration.context import ConfigError, EpisodeContext
-from megamarl.orchestration.env import ENVS, Env, EnvConfig, StepResult, Task
+from megamarl.orchestration.env import ENVS, ConfigT, Env, EnvConfig, StepResult, Task
 from megamarl.orchestration.envs.signalling import SYMBOLS, SignallingConfig, SignallingEnv
 from megamarl.orchestration.orchestras import ORCHESTRAS, Orchestra, OrchestraConfig
 
@@ -75,7 +75,7 @@ def _program(rng: random.Random, iters: int) -> ToolCall:
     return ToolCall("python", code=code, expected=str(sum(i * i + offset for i in range(iters)) % 9973))
 
 
-class ToolEnv(Env):
+class ToolEnv(Env[ConfigT]):
     """An env whose agent actions may leave a tool call for the orchestra to execute."""
 
     def pending_call(self) -> ToolCall | None:
@@ -86,7 +86,7 @@ class ToolEnv(Env):
 
 
 @ENVS.register("tool_relay")
-class ToolRelayEnv(ToolEnv):
+class ToolRelayEnv(ToolEnv[ToolRelayConfig]):
     Config = ToolRelayConfig
     agents = ("caller", "answerer")
     default_agents: ClassVar[dict[str, str]] = {"caller": "signal_sender", "answerer": "signal_receiver"}
@@ -145,6 +145,7 @@ class ToolRelayEnv(ToolEnv):
         return None if self.pending is None else self.pending[1]
 
     def finish_call(self, output: str) -> None:
+        assert self.pending is not None  # called for the call pending_call() returned
         letter, call = self.pending
         self.delivered = letter if output == call.expected else "?"
         self.pending = None
@@ -195,6 +196,8 @@ class ToolCalls(Orchestra):
             if not self.tool_timeout_s > 0:
                 raise ValueError(f"orchestra.tool_timeout_s must be > 0, got {self.tool_timeout_s}")
 
+    config: Config  # the registry builds each orchestra with its own Config
+
     async def run(self, ctx: EpisodeContext) -> None:
         if not isinstance(ctx.env, ToolEnv):
             raise ConfigError(f"orchestra 'tool_calls' needs a ToolEnv, got {type(ctx.env).__name__}")
@@ -225,7 +228,7 @@ class SlowJudgeConfig(SignallingConfig):
 
 
 @ENVS.register("slow_judge")
-class SlowJudgeEnv(SignallingEnv):
+class SlowJudgeEnv(SignallingEnv[SlowJudgeConfig]):
     """Signalling (sender, receiver) with a blocking judge on every step (module docstring)."""
 
     Config = SlowJudgeConfig

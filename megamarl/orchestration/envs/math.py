@@ -104,6 +104,7 @@ def load_jsonl(path: str | Path) -> list[MathProblem]:
         answer, ok = last_number(str(record["answer"]))
         if not ok or isinstance(record["answer"], (bool, dict, list)):
             raise ValueError(f"{where}: answer {_short(record['answer'])} is not a number")
+        assert answer is not None  # ok: a number was found
         problems.append(MathProblem(record["question"], answer, "dataset"))
     return problems
 
@@ -135,7 +136,7 @@ class MathVerifier(Agent):
 
 
 @ENVS.register("math")
-class MathEnv(Env):
+class MathEnv(Env[MathConfig]):
     Config = MathConfig
     agents = ("solver", "verifier")
     default_agents: ClassVar[dict[str, str]] = {"solver": "math_solver", "verifier": "math_verifier"}

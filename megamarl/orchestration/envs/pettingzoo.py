@@ -84,7 +84,7 @@ class PettingZooConfig(EnvConfig):
             raise ValueError(f"env.kwargs.max_cycles must be >= 1, got {self.max_cycles}")
 
 
-class _PettingZooBase(Env):
+class _PettingZooBase(Env[PettingZooConfig]):
     Config = PettingZooConfig
 
     def __init__(self, task: Task, config: PettingZooConfig) -> None:

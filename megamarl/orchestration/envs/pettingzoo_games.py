@@ -18,7 +18,7 @@ try:
     from pettingzoo import AECEnv as _AECBase
     from pettingzoo import ParallelEnv as _ParallelBase
 except ImportError:  # the adapter only needs the API, not the package
-    _spaces, _AECBase, _ParallelBase = None, object, object
+    _spaces, _AECBase, _ParallelBase = None, object, object  # type: ignore[assignment]  # stand-ins
 
 WORDS = ("red", "green", "blue")
 TEXT_CHARSET = string.ascii_letters + string.digits + " .:"
@@ -62,7 +62,7 @@ class EchoParallelGame(_ParallelBase):
         over = self.round >= self.num_rounds
         terminations = {a: False for a in self.agents}
         truncations = {a: over for a in self.agents}
-        infos = {a: {} for a in self.agents}
+        infos: dict[str, dict[str, Any]] = {a: {} for a in self.agents}
         if over:
             self.agents = []
         return self._obs(), rewards, terminations, truncations, infos
@@ -99,7 +99,7 @@ class CountingAECGame(_AECBase):
         self._cumulative_rewards = {a: 0.0 for a in self.agents}
         self.terminations = {a: False for a in self.agents}
         self.truncations = {a: False for a in self.agents}
-        self.infos = {a: {} for a in self.agents}
+        self.infos: dict[str, dict[str, Any]] = {a: {} for a in self.agents}
         self.agent_selection = self.agents[0]
 
     def observe(self, agent: str) -> np.ndarray:

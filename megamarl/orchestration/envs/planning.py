@@ -26,7 +26,7 @@ import random
 import re
 from collections import deque
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, TypeVar
 
 from megamarl.orchestration.agents import AGENTS, Agent
 from megamarl.orchestration.env import ENVS, Env, EnvConfig, StepResult, Task
@@ -70,13 +70,16 @@ class PlanningConfig(EnvConfig):
             raise ValueError(f"env.max_actions must be >= 1, got {self.max_actions}")
 
 
-class PlanExecEnv(Env):
+PlanningConfigT = TypeVar("PlanningConfigT", bound=PlanningConfig)
+
+
+class PlanExecEnv(Env[PlanningConfigT]):
     """Shared planner/executor protocol; subclasses implement the game."""
 
     agents = ("planner", "executor")
     rules = ""
 
-    def __init__(self, task: Task, config: PlanningConfig) -> None:
+    def __init__(self, task: Task, config: PlanningConfigT) -> None:
         super().__init__(task, config)
         self.plan = ""
         self.num_actions = 0
@@ -162,7 +165,7 @@ class GridConfig(PlanningConfig):
 
 
 @ENVS.register("grid")
-class GridEnv(PlanExecEnv):
+class GridEnv(PlanExecEnv[GridConfig]):
     Config = GridConfig
     default_agents: ClassVar[dict[str, str]] = {"planner": "planner", "executor": "move_executor"}
     rules = "Move the agent A to the goal G on the grid. # is a wall, . is free. Moves: U D L R."
@@ -175,6 +178,7 @@ class GridEnv(PlanExecEnv):
 
     @classmethod
     def generate_tasks(cls, config: GridConfig, *, num_tasks: int, seed: int) -> list[Task]:
+        tasks: list[Task]
         rng, n, tasks = random.Random(seed), config.size, []
         while len(tasks) < num_tasks:
             cells = [(r, c) for r in range(n) for c in range(n)]
@@ -260,7 +264,7 @@ def _reverse_play(rng: random.Random, config: SokobanConfig) -> SokobanLevel | N
 
 
 @ENVS.register("sokoban")
-class SokobanEnv(PlanExecEnv):
+class SokobanEnv(PlanExecEnv[SokobanConfig]):
     Config = SokobanConfig
     default_agents: ClassVar[dict[str, str]] = {"planner": "planner", "executor": "move_executor"}
     rules = (
@@ -276,6 +280,7 @@ class SokobanEnv(PlanExecEnv):
 
     @classmethod
     def generate_tasks(cls, config: SokobanConfig, *, num_tasks: int, seed: int) -> list[Task]:
+        tasks: list[Task]
         rng, tasks = random.Random(seed), []
         while len(tasks) < num_tasks:
             level = _reverse_play(rng, config)

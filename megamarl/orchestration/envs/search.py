@@ -63,6 +63,9 @@ def _name(rng: random.Random, parts: int) -> str:
 @functools.lru_cache(maxsize=4)
 def build_corpus(num_countries: int = 40, seed: int = 1234) -> tuple[Corpus, tuple[QAItem, ...]]:
     """(documents as (doc_id, text), questions); deterministic for (num_countries, seed)."""
+    docs: list[tuple[str, str]]
+    items: list[QAItem]
+    used: set[str]
     rng, docs, items, used = random.Random(seed), [], [], set()
     while len(docs) < num_countries:
         country, capital, river = _name(rng, 3), _name(rng, 2), _name(rng, 2)
@@ -155,6 +158,7 @@ class SearchConfig(EnvConfig):
         if self.corpus_path is None:
             return build_corpus(self.num_countries, self.corpus_seed)
         docs = tuple((r["doc_id"], r["text"]) for r in _read_jsonl(self.corpus_path))
+        assert self.questions_path is not None  # given together with corpus_path (__post_init__)
         questions = _read_jsonl(self.questions_path)
         items = tuple(QAItem(r["question"], str(r["answer"]), r["doc_id"]) for r in questions)
         return docs, items
@@ -165,7 +169,7 @@ def _read_jsonl(path: str) -> list[dict]:
 
 
 @ENVS.register("search_qa")
-class SearchQAEnv(Env):
+class SearchQAEnv(Env[SearchConfig]):
     Config = SearchConfig
     agents = ("router", "searcher", "answerer")
     default_agents: ClassVar[dict[str, str]] = {

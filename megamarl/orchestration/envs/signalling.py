@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, TypeVar
 
 from megamarl.orchestration.agents import AGENTS, Agent
 from megamarl.orchestration.env import ENVS, Env, EnvConfig, StepResult, Task
@@ -61,20 +61,23 @@ class SignallingConfig(EnvConfig):
             raise ValueError(f"env.num_symbols must be in [2, {len(SYMBOLS)}], got {self.num_symbols}")
 
 
+SignallingConfigT = TypeVar("SignallingConfigT", bound=SignallingConfig)
+
+
 @ENVS.register("signalling")
-class SignallingEnv(Env):
+class SignallingEnv(Env[SignallingConfigT]):
     Config = SignallingConfig
     agents = ("sender", "receiver")
     default_agents: ClassVar[dict[str, str]] = {"sender": "signal_sender", "receiver": "signal_receiver"}
 
-    def __init__(self, task: Task, config: SignallingConfig) -> None:
+    def __init__(self, task: Task, config: SignallingConfigT) -> None:
         super().__init__(task, config)
         self.secret: int = task.payload
         self.symbol: str | None = None
         self.guess: int | None = None
 
     @classmethod
-    def generate_tasks(cls, config: SignallingConfig, *, num_tasks: int, seed: int) -> list[Task]:
+    def generate_tasks(cls, config: SignallingConfigT, *, num_tasks: int, seed: int) -> list[Task]:
         rng = random.Random(seed)
         digits = [i % config.num_digits for i in range(num_tasks)]  # balanced secrets
         rng.shuffle(digits)

@@ -20,7 +20,7 @@ import math
 import random
 import re
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, cast
 
 from megamarl.orchestration.agents import AGENTS, Agent
 from megamarl.orchestration.env import ENVS, Task
@@ -31,7 +31,7 @@ Grid = tuple[tuple[int, ...], ...]
 
 def parse_placements(text: str) -> tuple[list[tuple[int, int, int]], bool]:
     lines = re.findall(r"(?m)^\D*?(\d+)[\s,]+(\d+)[\s,:=]+(\d+)\s*$", text)
-    found = [tuple(int(x) for x in m) for m in lines]
+    found = cast("list[tuple[int, int, int]]", [tuple(int(x) for x in m) for m in lines])  # three groups
     return found, bool(found)
 
 
@@ -71,7 +71,7 @@ def generate_solution(size: int, rng: random.Random) -> list[list[int]]:
     def order() -> list[int]:
         bands = list(range(box))
         rng.shuffle(bands)
-        out = []
+        out: list[int] = []
         for band in bands:
             inner = list(range(box))
             rng.shuffle(inner)
@@ -97,7 +97,7 @@ def is_valid_solution(grid: list[list[int]]) -> bool:
 
 
 @ENVS.register("sudoku")
-class SudokuEnv(PlanExecEnv):
+class SudokuEnv(PlanExecEnv[SudokuConfig]):
     Config = SudokuConfig
     default_agents: ClassVar[dict[str, str]] = {"planner": "planner", "executor": "sudoku_executor"}
 
