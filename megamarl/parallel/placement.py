@@ -27,6 +27,8 @@ import torch.distributed as dist
 from megamarl.parallel.distributed import device_backend, local_device
 
 if TYPE_CHECKING:  # annotations only: parallel/ stays importable without the config's Hydra stack
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
     from megamarl.config import RunConfig
 
 AXES = ("tp", "cp", "ep", "dp", "pp")  # megatron-core rank order, fastest-varying first
@@ -128,7 +130,7 @@ class WorkerGroup:
 
     name: str
     layout: WorkerGroupLayout
-    pgs: object | None = None  # megatron.core.process_groups_config.ProcessGroupCollection
+    pgs: ProcessGroupCollection | None = None
     coords: dict[str, int] = field(default_factory=dict)  # this rank's tp/pp/dp index
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
 

@@ -15,7 +15,7 @@ import abc
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -67,6 +67,19 @@ class Generation:
     finish_reason: str  # "stop" (EOS or a stop token) or "length"
     weight_version: int
     meta: dict = field(default_factory=dict)  # engine-specific extras (timings), logging only
+
+
+class ServesAdapters(Protocol):
+    """An engine that serves L2 adapters: the in-process engines with LoRA, the server clients, the pool."""
+
+    def add_lora(self, name: str, path: str | Path) -> None: ...
+
+
+class ServerReplica(ServesAdapters, Protocol):
+    """A server client in a pool: it remembers the version of each adapter it loaded."""
+
+    base_url: str
+    lora_versions: dict[str, int]
 
 
 class Engine(abc.ABC):
@@ -185,6 +198,7 @@ def buckets(
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Group tensors into lists of at most ``bucket_bytes`` (a larger tensor goes alone); with
     ``dtype``, floating tensors count at its size (they travel cast to it)."""
+    bucket: list[tuple[str, torch.Tensor]]
     bucket, size = [], 0
     for name, tensor in named:
         itemsize = (

@@ -41,6 +41,7 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -49,12 +50,12 @@ from megamarl.models.lora import save_peft_adapter
 from megamarl.parallel.hardware import DTYPES, resolve_dtype
 from megamarl.parallel.network import free_port
 from megamarl.parallel.placement import WorkerGroup
-from megamarl.rollout.engines.base import Engine
+from megamarl.rollout.engines.base import Engine, ServerReplica, ServesAdapters
 from megamarl.rollout.engines.lora_backends import policy_adapters
 from megamarl.rollout.engines.sglang import SGLangClient
 from megamarl.rollout.engines.vllm_server import VLLMServerClient
 from megamarl.rollout.replicas.pool import EnginePool
-from megamarl.rollout.servers.fleet import CLIENTS, SERVED_MODEL, ServerFleet
+from megamarl.rollout.servers.fleet import CLIENTS, SERVED_MODEL, PolicyServers, ServerFleet
 from megamarl.rollout.servers.server_launch import healthy
 from megamarl.rollout.weights.server_sync import WeightSender
 from megamarl.rollout.weights.sglang_sync import SGLangWeightSender
@@ -120,7 +121,9 @@ class PolicyReplicas:
         self.engine: Engine | None = None  # the driver's engine of this policy (``attach``)
         # the memory its replicas have released; on GPU servers that hand memory over fall asleep right
         # after start-up (``ServerFleet._start``)
-        self.asleep: set[str] = set(ASLEEP) if self.hands_over and self.fleet.on_gpu else set()
+        self.asleep: set[str] = (
+            set(ASLEEP) if self.hands_over and self.fleet is not None and self.fleet.on_gpu else set()
+        )
         self._transfers: dict[tuple, _Transfer] = {}
         self._stages_key: tuple | None = None  # the targets every stage's sender is connected to
         self._unverified: list[
@@ -149,6 +152,7 @@ class PolicyReplicas:
         unreachable one keeps requests), attached. A dead replica's client is rebuilt once the server
         answers again (its owner restarted it; an external one's node is reachable again), and it takes
         traffic only after a push re-synced it (``resync``, at the next step boundary)."""
+        assert self.servers is not None and self.fleet is not None  # served (``served``)
         urls, engine = self.servers.urls, self.policy.engine
         restart_timeout = self.cfg.trainer.collective_timeout_s
         make_client = CLIENTS[engine.backend]
@@ -175,7 +179,7 @@ class PolicyReplicas:
         """On the driver, after the rollout: release weights and KV cache (level 1: weights kept in
         host memory). Nothing unless the replicas hand their memory over."""
         if self.hands_over and not self.asleep:
-            _each_live(self.engine, lambda r: r.sleep(level=1))
+            _each_live(cast(EnginePool, self.engine), lambda r: r.sleep(level=1))  # served: connect()'s
             self.asleep = set(ASLEEP)
 
     def wake(self, tags: tuple[str, ...] = ASLEEP) -> None:
@@ -183,7 +187,7 @@ class PolicyReplicas:
         the rollout)."""
         wanted = [t for t in tags if t in self.asleep]
         if wanted:
-            _each_live(self.engine, lambda r: r.wake(tags=wanted))
+            _each_live(cast(EnginePool, self.engine), lambda r: r.wake(tags=wanted))  # asleep: served
             self.asleep.difference_update(wanted)
 
     # -- weight pushes (collective) -------------------------------------------------------------------
@@ -226,7 +230,7 @@ class PolicyReplicas:
     def stale(self) -> list[int]:
         """On the driver: the replicas restarted since their last push (server-backed policies whose
         base weights train; frozen and L2 replicas are never stale, ``connect``)."""
-        return self.engine.stale_replicas() if self.served else []
+        return cast(EnginePool, self.engine).stale_replicas() if self.served else []
 
     def resync(self, version: int, replicas: list[int]) -> dict[str, float]:
         """Collective: push the current weights (``version``, unchanged) into restarted ``replicas``
@@ -242,7 +246,7 @@ class PolicyReplicas:
         return (lambda: ((n, t.to(dtype)) for n, t in worker.export())) if worker else None
 
     def _engines(self) -> list[Engine] | None:
-        return [self.engine] if self.is_driver else None
+        return [cast(Engine, self.engine)] if self.is_driver else None  # attached on the driver
 
     def _push_to_servers(
         self, version: int, *, bucket_bytes: int, only: list[int] | None = None
@@ -252,7 +256,7 @@ class PolicyReplicas:
         just these (restarted) replicas at the current ``version``; metrics then go under
         ``weight_sync/<policy>/resync/``. Returns the push's metrics summed over the sending ranks."""
         prefix = f"weight_sync/{self.name}" + ("/resync" if only is not None else "")
-        pool = self.engine if self.is_driver else None
+        pool = cast(EnginePool, self.engine) if self.is_driver else None  # served: connect()'s pool
         with pool.external_update(version, only=only) if pool is not None else _nothing() as targets:
             holder = [targets]
             dist.broadcast_object_list(holder, src=0, group=self.control)
@@ -299,6 +303,7 @@ class PolicyReplicas:
         pairs that take this update, the same on every rank. Returns what this rank sent and, with
         ``engine.verify_sync``, the check to run once the replicas have resumed (it returns how many
         replicas matched)."""
+        assert self.servers is not None and self.fleet is not None  # served (``served``)
         servers, wg, export = self.servers, self.wg, self.export()
         stats, start = SyncStats(), time.perf_counter()
         on_gpu = torch.cuda.is_available()
@@ -326,8 +331,10 @@ class PolicyReplicas:
         export's TP gather. At PP>1 (``transport.relays_stages``) the leader receives the stages it does
         not hold point to point from its DP replica's ranks of those stages (``stage_gather.relay_roles``)
         and feeds its replica every stage, in pp order, as ONE update."""
+        assert self.servers is not None and self.fleet is not None  # served (``served``)
         generations = dict(targets)
-        leaders = {self.servers.replicas[i].leader: i for i in generations}
+        # colocated replicas are started by a rank of the run, never None (external)
+        leaders = cast("dict[int, int]", {self.servers.replicas[i].leader: i for i in generations})
         roles = relay_roles(self.wg.layout, leaders) if self.wg.is_member else {}
         role = roles.get(self.rank)
         if export is None or role is None or not role.exports:
@@ -366,6 +373,7 @@ class PolicyReplicas:
         A vLLM worker refuses a second ``start_weight_update`` while one is open, and a stage that
         closed the update early would finalize the other stage's layers unloaded. Each phase ends in an
         agreement over the control group, so a failure anywhere raises on every rank."""
+        assert self.servers is not None and self.fleet is not None  # served (``served``)
         wg, on_gpu = self.wg, torch.cuda.is_available()
         colocated = self.servers.colocated
         role = stage_role(wg, self.rank) if export is not None else None
@@ -438,18 +446,26 @@ class PolicyReplicas:
         blocks in ``/init_weight_transfer_engine`` until the group forms, so two stages joining at once
         could each hold one replica while waiting for the other (a deadlock across replicas). Each
         stage releases only its own old group (``WeightSender.close``)."""
+        assert self.servers is not None and self.fleet is not None  # served (``served``)
         wanted = tuple(sorted(targets))
         where = ("stage",)
         if self._stages_key != wanted:
             for stage in range(self.wg.layout.pp):
                 mine = sending and self.wg.pp_rank == stage
                 self._agree(
-                    (lambda: self._sender(where, targets, colocated=self.servers.colocated)) if mine else None
+                    (
+                        lambda: self._sender(
+                            where, targets, colocated=cast(PolicyServers, self.servers).colocated
+                        )
+                    )
+                    if mine
+                    else None
                 )
             self._stages_key = wanted
         return self._transfers[where].sender if sending else None
 
     def _send(self, sender, named, verify: list[int], version, bucket_bytes, stats, start):
+        assert self.servers is not None and self.fleet is not None  # served (``served``)
         check = self.policy.engine.verify_sync and verify
         pushed: dict[str, torch.Tensor] = {}
         if check:
@@ -479,6 +495,7 @@ class PolicyReplicas:
             return current.sender
         if current is not None:
             current.sender.close()
+        assert self.servers is not None and self.fleet is not None  # served (``served``)
         servers = self.servers
         indices = [i for i, _ in wanted]
         sender = SENDERS[self.policy.engine.backend](
@@ -510,7 +527,7 @@ class PolicyReplicas:
             if self.is_driver:
                 if self.served:
                     self.wake()  # on GPU asleep since start-up (ServerFleet._start)
-                self.engine.add_lora(adapter, path)
+                cast(ServesAdapters, self.engine).add_lora(adapter, path)  # attached on the driver
 
     def _push_adapters(self, version: int) -> dict[str, float]:
         metrics, worker = {}, self.worker
@@ -542,16 +559,17 @@ class PolicyReplicas:
         verified = 0  # replicas whose greedy tokens matched (engine.verify_sync)
         if self.is_driver:
             stats.num_bytes = sum(f.stat().st_size for f in path.iterdir() if f.is_file())
-            engine = self.engine
+            assert self.servers is not None and self.fleet is not None  # served (``served``)
+            engine = cast(EnginePool, self.engine)  # served: connect()'s pool
             self.wake()  # colocated, asleep since the rollout: weights, KV cache back
             with engine.external_update(version, lora=adapter) as targets:
                 for index, _ in targets:  # every replica reloads the adapter in place
-                    replica = engine.replicas[index]
+                    replica = cast(ServerReplica, engine.replicas[index])
                     replica.add_lora(adapter, path)
                     replica.lora_versions[adapter] = version
             engine.adapter_updated(adapter, path, version)  # a restarted replica loads the newest directory
             if self.policy.engine.verify_sync:
-                urls = {i: engine.replicas[i].base_url for i, _ in targets}
+                urls = {i: cast(ServerReplica, engine.replicas[i]).base_url for i, _ in targets}
                 verified += verify_adapter(
                     self.name,
                     adapter,

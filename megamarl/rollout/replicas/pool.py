@@ -36,10 +36,12 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, cast
 
 import torch
 
-from megamarl.rollout.engines.base import Engine, Generation, SamplingParams
+from megamarl.rollout.engines.base import Engine, Generation, SamplingParams, ServerReplica, ServesAdapters
 from megamarl.rollout.engines.batching import AdmissionGate
 
 _DONE = object()
@@ -90,7 +92,7 @@ class EnginePool(Engine):
         self.restart_errors: list[tuple[int, BaseException]] = []
         self.connection_errors = 0  # requests that raised ConnectionError (each retried), dead replica or not
         self._rotation = itertools.count()
-        self.loras: dict[str, object] = {}  # L2 adapters registered with every replica (add_lora)
+        self.loras: dict[str, str | Path] = {}  # L2 adapters registered with every replica (add_lora)
         self.lora_versions: dict[str, int] = {}  # L2: the version of each adapter's newest directory
 
     # -- routing ---------------------------------------------------------------------------------
@@ -207,8 +209,8 @@ class EnginePool(Engine):
         try:
             fresh = self.factory(index)
             for name, path in self.loras.items():  # the newest directory of each adapter
-                fresh.add_lora(name, path)
-                fresh.lora_versions[name] = self.lora_versions.get(name, 0)
+                cast(ServerReplica, fresh).add_lora(name, path)  # L2 pools hold server clients
+                cast(ServerReplica, fresh).lora_versions[name] = self.lora_versions.get(name, 0)
         except Exception as exc:  # noqa: BLE001 - stays dead; routing skips it, check_health retries
             self.restart_errors.append((index, exc))
             with self._lock:
@@ -342,7 +344,7 @@ class EnginePool(Engine):
         every replica; a rebuilt replica registers the newest directory (``adapter_updated``)."""
         self.adapter_updated(name, path, version)
         for replica in self.replicas:
-            replica.add_lora(name, path)
+            cast(ServesAdapters, replica).add_lora(name, path)
 
     def adapter_updated(self, name: str, path, version: int) -> None:
         """Adapter ``name``'s newest weights (``version``) are in ``path`` (every replica has loaded them)."""
@@ -387,7 +389,7 @@ def _tee_update(
             return [None]
         except Exception as exc:  # noqa: BLE001 - reported per replica
             return [exc]
-    queues = [queue.Queue(maxsize=4) for _ in replicas]
+    queues: list[queue.Queue[Any]] = [queue.Queue(maxsize=4) for _ in replicas]  # tensors, then _DONE
     errors: list[BaseException | None] = [None] * len(replicas)
 
     finished = [False] * len(replicas)
