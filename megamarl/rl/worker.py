@@ -1,31 +1,14 @@
 """One policy's worker group (WG) on this rank: the Megatron model, its optimizer, log-probability
 recompute and the policy-gradient update, all through megatron-core's forward/backward schedules.
 
-How it differs from a single-model RL trainer: several ``PolicyWorker`` objects can live on the same
-rank (colocated WGs), each with its own process groups (``wg.pgs``); nothing here touches
-megatron-core's global ``parallel_state`` groups.
-
-Loss scaling, so gradients equal the unsharded full-batch gradient exactly: every micro-batch loss is
-normalised by the *global* token (or sequence) count of this policy's batch (``policy_loss(num_tokens=...)``),
-then multiplied by ``num_microbatches * dp`` to undo megatron-core's division by the number of
-micro-batches and DDP's averaging over data-parallel ranks.
-
-Optimizer: megatron-core's (``megamarl.rl.optimizer``): parameters in the policy's training dtype
-(bf16 or fp32), fp32 main parameters, Adam moments and gradient buffers, the distributed optimizer
-(``policies.<p>.distributed_optimizer``) sharding the fp32 state over the WG's DP ranks, clipping by
-the global norm, and megatron-core's ``OptimizerParamScheduler`` (``policies.<p>.lr_schedule``),
-advanced once per policy update. On CPU it runs through ``megamarl.parallel.cpu_compat``.
-
-Data: the worker trains on a ``PolicyShare`` (``megamarl.rl.dispatch``), this DP rank's part of
-every PPO mini-batch (``policies.<p>.mini_batch_size``, verl's ``ppo_mini_batch_size``) with each
-mini-batch's global loss counts, planned on the driver by the same pure function ``train_step``
-applies to a whole policy batch; each mini-batch is one optimizer step; the proximal (old) log-probs
-are computed once, before the first mini-batch.
-
-Numerical faults: a non-finite loss (any micro-batch, any rank) or gradient norm skips the update on
-every rank of the WG: no optimizer step, so neither the weights nor the engines ever see NaN. It is
-counted (``nonfinite_skipped``), logged with the agents/episodes of the offending micro-batches, and
-the trainer stops the run after ``trainer.max_nonfinite_updates`` in a row.
+Several ``PolicyWorker`` objects can live on one rank (colocated WGs), each with its own process
+groups (``wg.pgs``); nothing here touches megatron-core's global ``parallel_state`` groups. Gradients
+equal the unsharded full-batch gradient: each micro-batch loss is normalised by the policy batch's
+global token (or sequence) count, then scaled by ``num_microbatches * dp``. The optimizer is
+megatron-core's (``megamarl.rl.optimizer``). The worker trains on a ``PolicyShare`` (``rl.dispatch``):
+one optimizer step per PPO mini-batch, old log-probs computed once before the first. A non-finite
+loss or gradient norm on any rank skips the update on every rank of the WG (``nonfinite_skipped``).
+The full account (loss scaling, optimizer, data, faults): docs/design-notes.md, "megamarl/rl/worker.py".
 """
 
 from __future__ import annotations
