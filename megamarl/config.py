@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import yaml
 from omegaconf import MISSING, DictConfig, OmegaConf
@@ -195,9 +195,9 @@ class EngineConfig:
         bad = [r for r in self.ranks if r < 0]
         if bad:
             raise ValueError(f"policies.<p>.engine.ranks has negative ranks {bad}")
-        bad = [u for u in self.server_urls if not u.startswith(("http://", "https://"))]
-        if bad:
-            raise ValueError(f"policies.<p>.engine.server_urls must be http(s) URLs, got {bad}")
+        bad_urls = [u for u in self.server_urls if not u.startswith(("http://", "https://"))]
+        if bad_urls:
+            raise ValueError(f"policies.<p>.engine.server_urls must be http(s) URLs, got {bad_urls}")
         # dtype, backend and launch rules need the hardware, engine and placement modules: checked at load
         # time by megamarl.cli.configure (check_engine_config, megamarl.rollout.engine_placement.check_launch)
 
@@ -283,14 +283,14 @@ class PolicyConfig:
 
     def __post_init__(self) -> None:
         if isinstance(self.algorithm, (dict, DictConfig)):
-            self.algorithm = PolicyAlgorithmConfig(**self.algorithm)
+            self.algorithm = PolicyAlgorithmConfig(**cast("dict[str, Any]", self.algorithm))  # a mapping here
         check_range("policies.<p>.lr", self.lr, low=0, low_open=True)
         if self.recompute not in RECOMPUTE_CHOICES:
             raise ValueError(
                 f"policies.<p>.recompute={self.recompute!r} unknown; allowed: {list(RECOMPUTE_CHOICES)}"
             )
         if isinstance(self.lr_schedule, (dict, DictConfig)):
-            self.lr_schedule = LrScheduleConfig(**self.lr_schedule)
+            self.lr_schedule = LrScheduleConfig(**cast("dict[str, Any]", self.lr_schedule))  # a mapping here
         if self.mini_batch_size is not None and self.mini_batch_size < 1:
             raise ValueError(
                 "policies.<p>.mini_batch_size must be >= 1 (or null: the whole batch), got "
@@ -350,7 +350,9 @@ class RolloutConfig:
 
     def __post_init__(self) -> None:
         if isinstance(self.opponent_pool, (dict, DictConfig)):
-            self.opponent_pool = OpponentPoolConfig(**self.opponent_pool)
+            self.opponent_pool = OpponentPoolConfig(
+                **cast("dict[str, Any]", self.opponent_pool)
+            )  # a mapping here
         for key in ("num_tasks", "group_size", "max_concurrency"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -418,7 +420,9 @@ class AlgorithmConfig:
         check_range("algorithm.invalid_penalty", self.invalid_penalty, high=0)  # a penalty, not a bonus
         check_range("algorithm.team_alpha", self.team_alpha, low=0)
         if isinstance(self.team_alpha_schedule, (dict, DictConfig)):
-            self.team_alpha_schedule = TeamAlphaSchedule(**self.team_alpha_schedule)
+            self.team_alpha_schedule = TeamAlphaSchedule(
+                **cast("dict[str, Any]", self.team_alpha_schedule)
+            )  # a mapping here
         check_range("algorithm.turn_gamma", self.turn_gamma, low=0, high=1)
         check_range("algorithm.tis_cap", self.tis_cap, low=0)
         if self.std_ddof not in (0, 1):

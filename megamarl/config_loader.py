@@ -36,7 +36,7 @@ import re
 import types
 import typing
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from hydra import compose, initialize_config_dir
 from hydra.core.config_store import ConfigStore
@@ -65,7 +65,7 @@ def register_schema(schema_cls: type) -> None:
     store.store(group=GROUP, name=SCHEMA, node=schema_cls)
     typed = OmegaConf.structured(schema_cls)
     defaults = OmegaConf.create(OmegaConf.to_container(typed))
-    _open_maps(typed, defaults)
+    _open_maps(typed, cast(DictConfig, defaults))  # created from a dataclass's container: a mapping
     store.store(group=GROUP, name=DEFAULTS, node=defaults, package="_global_")
 
 
@@ -191,7 +191,7 @@ def _mismatched_key(schema, composed, prefix: str = "") -> str | None:
             ours = OmegaConf.structured(element)
         else:
             continue
-        path = f"{prefix}{key}"
+        path = f"{prefix}{key}"  # type: ignore[str-bytes-safe]  # a config's keys are str
         if isinstance(theirs, (ListConfig, DictConfig)) and _is_list_node(ours) != isinstance(
             theirs, ListConfig
         ):
@@ -219,6 +219,7 @@ def _is_union(hint) -> bool:
 def _describe(exc: BaseException, schema_cls: type) -> str:
     """The deepest OmegaConf error in the chain carries the full key; Hydra's own errors (an unknown
     group option, a missing defaults entry) name the group or the override in their message."""
+    cause: BaseException | None
     found, cause = None, exc
     while cause is not None:
         if isinstance(cause, OmegaConfBaseException) and getattr(cause, "full_key", None):
@@ -232,6 +233,7 @@ def _describe(exc: BaseException, schema_cls: type) -> str:
             return f"config key '{key}': already set; replace it with {key}=... (or ++{key}=...: set or add)"
         return f"config: {message}"
     key = found.full_key
+    assert key is not None  # found only where full_key is set (above)
     message = first_line(found)
     if "not in struct" in message or "not in '" in message:
         message = f"unknown key{_suggest(schema_cls, key)}"
@@ -241,7 +243,7 @@ def _describe(exc: BaseException, schema_cls: type) -> str:
 def _suggest(schema_cls: type, full_key: str) -> str:
     """'; did you mean trainer.total_steps?' when the key's parent is a schema section."""
     *parents, leaf = full_key.split(".")
-    hint = schema_cls
+    hint: Any = schema_cls  # a dataclass, a dict[...] alias or, off the schema, None
     for part in parents:
         if dataclasses.is_dataclass(hint):
             hint = typing.get_type_hints(hint).get(part)

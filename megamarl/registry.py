@@ -86,7 +86,7 @@ class Registry(Generic[T]):
     def names(self) -> list[str]:
         return sorted(self._items)
 
-    def __contains__(self, name: str) -> bool:
+    def __contains__(self, name: object) -> bool:
         return name in self._items
 
 

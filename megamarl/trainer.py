@@ -14,10 +14,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any, cast
 
 import torch.distributed as dist
 
 from megamarl.config import RunConfig
+from megamarl.driver.rollout_driver import RolloutDriver
 from megamarl.errors import NumericalFaultError
 from megamarl.parallel.collectives import scatter_objects
 from megamarl.parallel.distributed import control_group, wait_for_driver
@@ -100,7 +102,7 @@ class Trainer:
         for phase in phases:
             self.actions[phase.action]()
 
-    def _actions(self) -> dict[str, Callable[[], None]]:
+    def _actions(self) -> dict[str, Callable[[], object]]:  # what an action returns is not read
         """What each phase action of ``megamarl.planning.phases`` does here."""
         run, total = self.run, self.cfg.trainer.total_steps
         return {
@@ -139,7 +141,7 @@ class Trainer:
         self._wait_for_driver("the engines' sleep")
 
     def _train_phase(self) -> None:
-        self._metrics.update(self.update(self._received, self._pending))
+        self._metrics.update(self.update(cast(RankBatch, self._received), self._pending))
         self._pending = {}
         self.step += 1
 
@@ -183,16 +185,17 @@ class Trainer:
             self._metrics.update(step_metrics.step_end_metrics(self._metrics, step_s=step_s, summary=summary))
             self.run.progress.step_done(self.step, step_s)
             if self.is_driver:
-                self.driver.log(self.step, self._metrics)
+                cast(RolloutDriver, self.driver).log(self.step, self._metrics)
             if evaluator.due(self.step):
                 self.stop_reason = evaluator.stop_reason(self.step)
 
     def rollout_and_prepare(self) -> tuple[RankBatch, dict[str, float]]:
         """The driver takes the next batch from its schedule (trainer.mode) and computes advantages;
         each rank receives only its WGs' DP shares and the batch's summary (``rl.dispatch``)."""
+        metrics: dict[str, float]
         payloads, metrics, run = None, {}, self.run
         if self.is_driver:
-            batch, metrics = self.driver.collect(self.step, run.versions.current)
+            batch, metrics = cast(RolloutDriver, self.driver).collect(self.step, run.versions.current)
             layouts = {name: wg.layout for name, wg in run.wgs.items()}
             payloads = rank_batches(batch, run.splits, layouts, world_size=run.world_size)
         self._wait_for_driver(f"the rollout of step {self.step + 1}")
@@ -217,7 +220,7 @@ class Trainer:
                 )
                 metrics[f"perf/max_memory_gib/{name}"] = step_metrics.peak_memory_gib()
         faults = {name: w.last_fault for name, w in self.workers.items() if w.skip_streak}
-        gathered = [None] * self.run.world_size
+        gathered: list[Any] = [None] * self.run.world_size  # each rank's (metrics, faults)
         dist.all_gather_object(gathered, (metrics, faults), group=control_group())
         merged = step_metrics.merge_rank_metrics([rank_metrics for rank_metrics, _ in gathered])
         merged["timing_s/update"] = time.perf_counter() - start

@@ -16,9 +16,11 @@ import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import megamarl.orchestration  # noqa: F401 - registers the built-in agents, envs, orchestras
 from megamarl.config import RunConfig, compose_run_config, path_exists
+from megamarl.config_sections import EnvSpec, OrchestraSpec
 from megamarl.driver.opponent_pool import OPPONENT_PICKS
 from megamarl.driver.schedules import check_trainer
 from megamarl.models.packaged import PACKAGED_MODELS, TINY_MODELS
@@ -30,7 +32,7 @@ from megamarl.orchestration.workers import check_workers
 from megamarl.parallel.hardware import check_dtypes
 from megamarl.parallel.placement import check_placement_mode
 from megamarl.planning.model_presets import PRESETS
-from megamarl.registry import import_plugins
+from megamarl.registry import Registry, import_plugins
 from megamarl.rl.advantages import check_algorithm, check_estimator, check_policy_algorithm
 from megamarl.rl.rewards import check_team_alpha_schedule
 from megamarl.rollout import ENGINES
@@ -110,6 +112,7 @@ def _check_team(cfg: RunConfig) -> None:
         f"eval.sets.{name}" if name else "eval.env": env
         for name, env in cfg.eval.resolved_sets(cfg.env).items()
     }
+    sections: list[tuple[str, Registry[Any], EnvSpec | OrchestraSpec]]
     sections = [("env", ENVS, cfg.env), ("orchestra", ORCHESTRAS, cfg.orchestra)]
     sections += [(key, ENVS, env) for key, env in eval_envs.items()]
     built = {}

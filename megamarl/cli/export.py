@@ -38,7 +38,7 @@ from megamarl.cli.configure import load_config
 from megamarl.errors import EXIT_CONFIG_ERROR
 from megamarl.models import bridge, dist_checkpoint
 from megamarl.models.convert import CONVERSION_TIMEOUT_S, conversion_worker_group, convert, copy_side_files
-from megamarl.models.lora import add_lora_adapter, save_peft_adapter
+from megamarl.models.lora import LoraConfig, add_lora_adapter, save_peft_adapter
 from megamarl.models.model_cache import atomic_dir
 from megamarl.models.packaged import resolve_model_path
 from megamarl.parallel.launch import run_on_ranks
@@ -58,7 +58,7 @@ class PolicyExport:
     shards: str  # <checkpoint>/policies/<name>
     dst: str
     dtype: str
-    lora: object | None  # megamarl.models.lora.LoraConfig
+    lora: LoraConfig | None
     adapters: tuple[str, ...]
 
 
@@ -172,6 +172,7 @@ def export_policy_rank(rank: int, job: PolicyExport, tp: int, pp: int) -> list[s
     wg = conversion_worker_group(tp, pp)
     model = bridge.build_model(job.model_path, wg, init_weights=False, lora=bool(job.adapters))
     for adapter in job.adapters:  # same parameters as the trainer's model, so the shards match
+        assert job.lora is not None  # a policy with adapters has its LoRA config
         add_lora_adapter(model, wg, adapter, job.lora)
     dist_checkpoint.load_checkpoint(job.shards, model, wg)
     dtype = DTYPES[job.dtype]

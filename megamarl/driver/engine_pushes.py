@@ -7,6 +7,7 @@ While weights move, the driver's rollout is drained or paused (``RolloutDriver.w
 from __future__ import annotations
 
 import time
+from collections.abc import Set as AbstractSet
 from contextlib import nullcontext
 from typing import Any
 
@@ -73,7 +74,7 @@ class EnginePushes:
         dist.barrier(group=control_group())
         return metrics
 
-    def resync_restarted(self, *, skip: set[str] = frozenset()) -> dict[str, float]:
+    def resync_restarted(self, *, skip: AbstractSet[str] = frozenset()) -> dict[str, float]:
         """Engine servers restarted since the last push get the current weights now instead of idling
         until the next push (nothing when none restarted); not those of the ``skip`` policies."""
         metrics = {}

@@ -43,7 +43,7 @@ from megamarl.rollout.replicas.policy import PolicyReplicas
 from megamarl.rollout.replicas.pool import EnginePool
 from megamarl.runtime.metrics import MetricsLogger
 from megamarl.runtime.plot import plot_run
-from megamarl.runtime.progress import RunProgress
+from megamarl.runtime.progress import Phase, RunProgress
 from megamarl.runtime.transcripts import episode_transcripts
 
 EVAL_SEED = 10**9 + 7  # held-out tasks: a seed the training stream never uses
@@ -67,7 +67,7 @@ class RolloutDriver:
         self.progress = progress or RunProgress(
             total_steps=cfg.trainer.total_steps, enabled=cfg.logger.progress
         )
-        self._phase = None  # the phase that finished episodes count towards (rollout or eval)
+        self._phase: Phase | None = None  # the phase that finished episodes count towards (rollout or eval)
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(to_yaml(cfg))
         import_plugins(cfg.plugins, paths=cfg.plugin_paths)
@@ -120,7 +120,7 @@ class RolloutDriver:
         cfg = self.cfg
         overlaps = SCHEDULES.traits(cfg.trainer.mode, key="trainer.mode").overlaps_training
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        engines = {}
+        engines: dict[str, Engine] = {}
         with self.progress.phase(
             "engine start-up", total=len(cfg.policies), unit="policies", in_step=False
         ) as phase:
@@ -128,6 +128,7 @@ class RolloutDriver:
                 replicas = self.replicas.get(name)
                 if replicas is not None and replicas.served:
                     servers = replicas.servers
+                    assert servers is not None  # served
                     self.progress.line(
                         f"policy {name}: {len(servers.urls)} x {p.engine.backend} server "
                         f"(tp {p.engine.tp}) at {', '.join(servers.urls)}"

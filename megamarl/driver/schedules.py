@@ -268,7 +268,7 @@ class OneStepOffSchedule(Schedule):
 
     def load_state_dict(self, state: dict) -> None:
         if state["prefetched"] is not None:
-            done = concurrent.futures.Future()
+            done: concurrent.futures.Future = concurrent.futures.Future()
             done.set_result(state["prefetched"]["result"])
             self._pending, self._pending_chunk = done, state["prefetched"]["chunk"]
 

@@ -25,9 +25,9 @@ import concurrent.futures
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Protocol
+from typing import Protocol, cast
 
 from megamarl.orchestration.env import Task
 from megamarl.orchestration.episodes import EpisodeStats, RolloutResult
@@ -57,11 +57,11 @@ class RolloutLoop:
         self._thread.start()
         self._closed = False
 
-    def submit(self, coro: Awaitable) -> concurrent.futures.Future:
+    def submit(self, coro: Coroutine) -> concurrent.futures.Future:
         """Schedule ``coro`` on the loop; the returned future is waitable from any thread."""
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
-    def run(self, coro: Awaitable, timeout: float | None = None):
+    def run(self, coro: Coroutine, timeout: float | None = None):
         """Run ``coro`` on the loop and wait for its result (never call this from the loop thread)."""
         return self.submit(coro).result(timeout)
 
@@ -191,6 +191,8 @@ def split_fresh(
     max_staleness: int,
 ) -> tuple[list[EpisodeGroup], list[EpisodeGroup]]:
     """``(fresh, stale)``: groups within ``max_staleness`` versions, and the rest (to be dropped)."""
+    fresh: list[EpisodeGroup]
+    stale: list[EpisodeGroup]
     fresh, stale = [], []
     for group in groups:
         (fresh if group.staleness(versions) <= max_staleness else stale).append(group)
@@ -491,6 +493,7 @@ class GroupProducer:
                 while self._may_start(len(running)):
                     if not self._pending:
                         chunk = self._next_chunk
+                        assert chunk is not None  # start() set it
                         tasks, seed = self.source.task_chunk(chunk)
                         for t in tasks:
                             self._pending.append(
@@ -503,7 +506,7 @@ class GroupProducer:
                     job = asyncio.ensure_future(self._run_group(*entry))
                     running[job] = entry
                     job.add_done_callback(lambda j: running.pop(j, None))
-                    job.add_done_callback(lambda _: self._wake.set())
+                    job.add_done_callback(lambda _: cast(asyncio.Event, self._wake).set())  # set above
                 await self._wake.wait()
         finally:
             jobs = dict(running)

@@ -32,4 +32,5 @@ def arch_from_hf(hf_config) -> DecoderArch:
             f"unsupported architecture model_type='{model_type}' (architectures={archs}); "
             f"supported model_type: {MODEL_FAMILIES.names()}"
         )
+    assert model_type is not None  # None is no registered family (checked above)
     return MODEL_FAMILIES.get(model_type).arch_from_hf(hf_config)

@@ -121,7 +121,7 @@ def shard_from_hf(
             full = torch.cat([full, full.new_zeros(padded_vocab - full.shape[0], *full.shape[1:])])
         return full.chunk(tp, dim=0)[tp_rank]
     if rule.kind == "qkv":
-        return qkv_pack(*hf, arch).chunk(tp, dim=0)[tp_rank]
+        return qkv_pack(*hf, arch).chunk(tp, dim=0)[tp_rank]  # type: ignore[call-arg]  # hf: (q, k, v)
     if rule.kind == "gate_up":
         gate, up = (t.chunk(tp, dim=0)[tp_rank] for t in hf)
         return torch.cat([gate, up], dim=0)

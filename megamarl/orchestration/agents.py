@@ -17,7 +17,7 @@ reply, because models write "3 + 2 = 5".
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -186,7 +186,7 @@ def verdict(text: str) -> tuple[bool | None, bool]:
     return (found[-1].lower() in _APPROVING, True) if found else (None, False)
 
 
-def first_choice(text: str, choices: tuple[str, ...]) -> tuple[str | None, bool]:
+def first_choice(text: str, choices: Sequence[str]) -> tuple[str | None, bool]:
     """The earliest of ``choices`` (whole word, case-insensitive) mentioned in ``text``."""
     best: tuple[int, str] | None = None
     for choice in choices:

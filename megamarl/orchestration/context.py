@@ -45,7 +45,7 @@ import dataclasses
 import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from megamarl.orchestration.action import Action
 from megamarl.orchestration.chat import ChatTranscript
@@ -319,7 +319,7 @@ class EpisodeContext:
             num_candidates=num_candidates,
             forced=forced,
         )
-        tool_samples = []
+        tool_samples: list[Sample] = []
         if agent.tools:  # tree_k is 1 (AgentConfig): a reply that calls tools is answered, then resampled
             tool_samples, sampled = await self._tool_rounds(
                 agent, transcript, sampled, anchor=observation, forced=forced
@@ -330,7 +330,9 @@ class EpisodeContext:
         candidates = [
             Action(
                 agent_name,
-                forced.turn_text(sample.response_text) if forced_reply else sample.response_text,
+                cast(ForcedCall, forced).turn_text(sample.response_text)
+                if forced_reply
+                else sample.response_text,
                 value,
                 sample.valid,
                 sample.turn,
@@ -456,9 +458,9 @@ class EpisodeContext:
     def finalize(self) -> float:
         """Fill team and local rewards on every Sample; return the team reward."""
         if self.reported is not None:
-            team, local = self.reported
+            team, by_agent = self.reported
             for sample in self.samples:
-                sample.team_reward, sample.local_reward = team, local.get(sample.agent, team)
+                sample.team_reward, sample.local_reward = team, by_agent.get(sample.agent, team)
             return team
         team = float(self.env.team_reward())
         for sample in self.samples:

@@ -106,18 +106,18 @@ class RolloutResult:
         if ok:  # no finished episode (a fully_async step fed only from the buffer): no score, not 0.000
             out["rollout/team_reward_mean"] = sum(e.team_reward for e in ok) / len(ok)
             out["rollout/success_rate"] = sum(e.success for e in ok) / len(ok)
-        calls = Counter()
+        calls: Counter[str] = Counter()
         for e in ok:
             calls.update(e.num_calls)
         for agent, num in sorted(calls.items()):
             out[f"agent/{agent}/num_calls"] = float(num)
         for key in ("tool_calls", "tool_errors"):  # getattr: episodes pickled before the fields existed
-            totals = Counter()
+            totals: Counter[str] = Counter()
             for e in ok:
                 totals.update(getattr(e, key, {}))
             for agent, num in sorted(totals.items()):  # zeros kept: an agent with tools that called none
                 out[f"agent/{agent}/{key}"] = float(num)
-        env_totals = Counter()
+        env_totals: Counter[str] = Counter()
         for e in ok:  # getattr: episodes pickled in a checkpoint written before Env.metrics existed
             env_totals.update(getattr(e, "env_metrics", {}))
         out.update({f"env/{key}": float(value) for key, value in sorted(env_totals.items())})

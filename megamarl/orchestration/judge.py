@@ -32,6 +32,7 @@ from __future__ import annotations
 import ast
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from megamarl.orchestration.sandbox import SandboxConfig, run_python
@@ -173,7 +174,12 @@ def call_case(fn_name: str, args: list, expected) -> ExprCase:
 
 
 def judge_calls(
-    code: str, cases: list[ExprCase], config: SandboxConfig, *, setup: list[str] = (), isolated: bool = True
+    code: str,
+    cases: list[ExprCase],
+    config: SandboxConfig,
+    *,
+    setup: Sequence[str] = (),
+    isolated: bool = True,
 ) -> Verdict:
     """Score ``cases`` against ``code`` (function-call style); see the module docstring.
     ``isolated=False``: the old audit-hook sandbox (``env.kwargs.unsafe_inprocess``)."""

@@ -37,8 +37,9 @@ import asyncio
 import json
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 from urllib.parse import quote
 
 from aiohttp import web
@@ -136,7 +137,7 @@ class RecordingEndpoint:
         bind, advertise = listen_address(self.host)
         site = web.TCPSite(self._runner, bind, self.port)
         await site.start()
-        port = site._server.sockets[0].getsockname()[1]  # port 0: the one the OS chose
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]  # port 0: the OS's pick
         self.loop, self.base_url = loop, f"http://{advertise}:{port}"
         return self.base_url
 
@@ -161,7 +162,7 @@ class RecordingEndpoint:
     # -- routing ---------------------------------------------------------------------------------
 
     def _handle(self, request: web.Request, body: dict) -> EpisodeHandle:
-        metadata = body.get("metadata") if isinstance(body.get("metadata"), dict) else {}
+        metadata = cast(dict, body.get("metadata")) if isinstance(body.get("metadata"), dict) else {}
         episode_id = (
             request.match_info.get("episode_id")
             or request.headers.get(EPISODE_HEADER)
@@ -363,6 +364,7 @@ class RecordingEndpoint:
             except (TypeError, ValueError) as exc:
                 raise EndpointError(400, str(exc), "invalid_reward") from exc
             handle.reward = handle.ctx.reported
+            assert handle.reward is not None  # report_rewards set it
         except EndpointError as exc:
             return _error(exc.status, exc.message, exc.code)
         return web.json_response(
@@ -377,7 +379,7 @@ def _forced_call(body: dict) -> ForcedCall | None:
     choice = body.get("tool_choice")
     if choice in (None, "auto", "none"):
         return None
-    functions = {
+    functions: dict[Any, dict] = {  # keyed by the request's (JSON) names
         f.get("name"): f
         for f in (t.get("function") for t in body.get("tools") or [] if isinstance(t, dict))
         if isinstance(f, dict)
@@ -426,7 +428,7 @@ def _reply(
     finish: str,
     logprobs: bool,
     tokenizer,
-    calls: list[ToolCall] = (),
+    calls: Sequence[ToolCall] = (),
 ) -> dict:
     created = int(time.time())
     usage = {
@@ -446,7 +448,7 @@ def _reply(
             ]
         }
     if chat:
-        message = {"role": "assistant", "content": text}
+        message: dict[str, Any] = {"role": "assistant", "content": text}
         if calls:  # the reply called tools: OpenAI's shape (content is the text around the calls)
             content, _ = parse_tool_calls(text)
             message = {

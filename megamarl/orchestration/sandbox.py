@@ -332,10 +332,12 @@ def _run_isolated(code: str, config: SandboxConfig, *, stdin: bytes | None, chan
                 stderr=subprocess.PIPE,
                 preexec_fn=_limits(config, cgroup),  # noqa: PLW1509 - os.write/setrlimit only
                 start_new_session=True,
-                pass_fds=tuple(fds) + ((chan_w,) if channel else ()),
+                pass_fds=tuple(fds) + ((chan_w,) if chan_w is not None else ()),  # not None: channel
             )
         finally:
-            for fd in fds + ([stdin_fd] if stdin is not None else []) + ([chan_w] if channel else []):
+            for fd in (
+                fds + ([stdin_fd] if stdin is not None else []) + ([chan_w] if chan_w is not None else [])
+            ):
                 os.close(fd)
         return _collect(proc, config, chan_r)
     finally:
@@ -368,6 +370,7 @@ def _collect(proc: subprocess.Popen, config: SandboxConfig, chan_r: int | None) 
     deadline = time.monotonic() + config.timeout_s
     cap = int(config.max_output_mb * _MB)
     keep_err = config.max_output_chars * 4  # bytes; enough for max_output_chars of UTF-8
+    assert proc.stdout is not None and proc.stderr is not None  # both are PIPE
     out_fd, err_fd = proc.stdout.fileno(), proc.stderr.fileno()
     streams = {out_fd: bytearray(), err_fd: bytearray()}
     if chan_r is not None:
@@ -764,12 +767,12 @@ def _run_audited(code: str, config: SandboxConfig, *, stdin: bytes | None, chann
                 stderr=subprocess.PIPE,
                 preexec_fn=_limits(config),  # noqa: PLW1509 - setrlimit only
                 start_new_session=True,
-                pass_fds=(chan_w,) if channel else (),
+                pass_fds=(chan_w,) if chan_w is not None else (),  # not None: channel
             )
         finally:
             if stdin is not None:
                 os.close(stdin_fd)
-            if channel:
+            if chan_w is not None:  # channel
                 os.close(chan_w)
         result = _collect(proc, config, chan_r)
         _kill_group(proc)  # stragglers of its session (it runs as root: nothing else stops them)

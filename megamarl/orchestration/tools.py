@@ -26,7 +26,7 @@ import re
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from megamarl.registry import Registry
 
@@ -106,7 +106,7 @@ def parse_tool_calls(text: str) -> tuple[str, list[ToolCall]]:
             return text, []
         found = [_as_call(o) for o in (obj if isinstance(obj, list) else [obj])]
         if found and all(c is not None for c in found):
-            return "", found
+            return "", cast("list[ToolCall]", found)
     return text, []
 
 
@@ -205,7 +205,7 @@ def with_tools(messages: list[dict], schemas: list[dict], tokenizer: Any) -> tup
 
 # -- built-in tools -------------------------------------------------------------------------------
 
-_OPS = {
+_OPS: dict[type, Callable[..., Any]] = {
     ast.Add: operator.add,
     ast.Sub: operator.sub,
     ast.Mult: operator.mul,

@@ -65,6 +65,7 @@ def scatter_objects(objects: Sequence[Any] | None, *, src: int, group) -> tuple[
     else:
         sizes = torch.zeros(size, dtype=torch.long)
     if size == 1:
+        assert objects is not None  # checked above: this rank is src
         return objects[0], sizes.tolist()
     dist.broadcast(sizes, group=group, group_src=src)
     if rank == src:
@@ -75,6 +76,7 @@ def scatter_objects(objects: Sequence[Any] | None, *, src: int, group) -> tuple[
         ]
         for work in sends:
             work.wait()
+        assert objects is not None  # checked above (rank == src)
         return objects[src], sizes.tolist()
     buffer = torch.empty(int(sizes[rank]), dtype=torch.uint8)
     dist.recv(buffer, group=group, group_src=src)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import types
+from collections.abc import Callable
 
 import torch
 
@@ -132,7 +133,7 @@ def _patch_optimizers() -> None:
 
 
 # name -> what it redirects; applied in this order.
-PATCHES: dict[str, callable] = {
+PATCHES: dict[str, Callable[[], None]] = {
     "torch.cuda (current_device, synchronize, rng), Tensor.cuda": _patch_torch_cuda,
     "megatron.core.tensor_parallel.random (_get/_set_cuda_rng_state)": _patch_tp_random,
     "megatron.core.pipeline_parallel.schedules (device='cuda' tensors)": _patch_schedules,
@@ -167,7 +168,7 @@ def _optimizers_patched() -> bool:
     )
 
 
-_PROBES: dict[str, callable] = dict(
+_PROBES: dict[str, Callable[[], bool]] = dict(
     zip(
         PATCHES,
         (_torch_cuda_patched, _tp_random_patched, _schedules_patched, _optimizers_patched),

@@ -188,6 +188,7 @@ def rank_coords(layout: WorkerGroupLayout, global_rank: int) -> dict[str, int]:
     """This rank's index along every axis of the WG (tp fastest)."""
     index = layout.ranks.index(global_rank)
     coords = {}
+    assert layout.dp is not None  # set by WorkerGroupLayout.__post_init__
     for axis, size in zip(AXES, [layout.tp, 1, 1, layout.dp, layout.pp], strict=True):
         coords[axis] = index % size
         index //= size

@@ -259,6 +259,7 @@ def plan_memory(
         overridden = policy.pack or any(
             a.micro_batch_size or a.mini_batch_size for a in cfg.agents.values() if a.policy == name
         )
+        assert layout.dp is not None  # set by WorkerGroupLayout.__post_init__
         micro_batches = (
             None if policy.mini_batch_size is None or overridden else num_micro_batches(policy, layout.dp)
         )
@@ -628,6 +629,7 @@ def build_fake_groups(placement: PlacementConfig, world_size: int) -> dict[str, 
         dist.init_process_group("fake", store=FakeStore(), rank=layout.ranks[0], world_size=world_size)
         try:
             pgs = build_worker_groups(placement, backend="fake")[name].pgs
+            assert pgs is not None  # this rank (the WG's first) is a member
             sizes[name] = {"tp": pgs.tp.size(), "pp": pgs.pp.size(), "dp": pgs.dp.size()}
         finally:
             dist.destroy_process_group()
@@ -663,7 +665,7 @@ def print_report(report: DryRunReport, console) -> None:
     from rich.table import Table
 
     per_node = report.gpus_per_node
-    numbers = ("weights", "grads", "main", "adam", "ref", "lora", "activ.", "total GiB")
+    numbers: tuple[str, ...] = ("weights", "grads", "main", "adam", "ref", "lora", "activ.", "total GiB")
     wgs = Table(title=f"Worker groups ({report.world_size} GPUs, {per_node} per node; GiB per GPU)")
     for col in ("policy", "model", "ranks", "nodes", "tp x pp x dp", "dtype", "stage") + numbers:
         wgs.add_column(col, justify="right" if col in numbers else "left")
@@ -703,8 +705,8 @@ def print_report(report: DryRunReport, console) -> None:
             "colocated (sleep/wake)" if e.colocated else "own GPUs"
         )
         ranks = rank_ranges([r for replica in e.replicas for r in replica])
-        memory = (e.memory.weights, e.memory.kv_cache, e.memory.lora, e.memory.total)
-        engines.add_row(name, e.backend, f"{len(e.replicas)} x {e.tp}", ranks, where, *map(_g, memory))
+        gib = (e.memory.weights, e.memory.kv_cache, e.memory.lora, e.memory.total)
+        engines.add_row(name, e.backend, f"{len(e.replicas)} x {e.tp}", ranks, where, *map(_g, gib))
     console.print(engines)
 
     gpus = Table(

@@ -270,6 +270,7 @@ def _add_trainable(
     parameters, ``groups``: element width -> (tensor sizes, shared-embedding size). megatron-core's
     DDP keeps one buffer per (param dtype, grad dtype), each padded on its own."""
     distributed, dp = policy.distributed_optimizer, layout.dp
+    assert dp is not None  # set by WorkerGroupLayout.__post_init__
     for width, (numels, shared) in groups.items():
         if not numels and not shared:
             continue
@@ -396,6 +397,7 @@ def _layer_kwargs(policy: PolicyConfig, layout: WorkerGroupLayout, setup: Traini
 def num_micro_batches(policy: PolicyConfig, dp: int) -> int:
     """Micro-batches per optimizer step on one DP rank when ``mini_batch_size`` fixes it: the rows
     of a mini-batch split over ``dp`` (``balance_across_dp``), in micro-batches of ``micro_batch_size``."""
+    assert policy.mini_batch_size is not None  # called when it fixes the count (above)
     rows = -(-policy.mini_batch_size // dp)
     return -(-rows // policy.micro_batch_size)
 

@@ -67,6 +67,7 @@ def fake_world_views(cfg: RunConfig, world_size: int, ranks_per_node: int):
         )
         for name, wg in groups.items():
             if wg.is_member:
+                assert wg.pgs is not None  # is_member
                 if wg.pgs.tp.size() != wg.layout.tp or wg.pgs.pp.size() != wg.layout.pp:
                     raise RuntimeError(f"worker group {name}: rank {rank}'s groups differ from its layout")
                 view.shards.append(Shard(name, wg.tp_rank, wg.pp_rank, wg.dp_rank))

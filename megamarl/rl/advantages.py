@@ -85,6 +85,7 @@ class GroupIndex:
 
     @property
     def num_samples(self) -> int:
+        assert self.task is not None  # __post_init__ fills every key
         return len(self.task)
 
 

@@ -59,7 +59,10 @@ class SampleBatch:
 
     def __post_init__(self) -> None:
         b, t = self.tokens.shape
-        expected = {**{name: [(b,)] for name in ROW_TENSORS}, **{name: [(b, t)] for name in TOKEN_TENSORS}}
+        expected: dict[str, list[tuple[int, ...]]] = {
+            **{name: [(b,)] for name in ROW_TENSORS},
+            **{name: [(b, t)] for name in TOKEN_TENSORS},
+        }
         if self.advantages is not None:
             expected["advantages"] = [(b,), (b, t)]
         for name, shapes in expected.items():
@@ -244,8 +247,8 @@ def concat(batches: Sequence[SampleBatch]) -> SampleBatch:
     pad_ids = {b.pad_id for b in batches}
     if len(pad_ids) != 1:
         raise ValueError(f"concat: batches disagree on pad_id {sorted(pad_ids)}")
-    vocab = {c: {} for c in VOCAB_COLUMNS}
-    remapped = {c: [] for c in VOCAB_COLUMNS}
+    vocab: dict[str, dict[str, int]] = {c: {} for c in VOCAB_COLUMNS}
+    remapped: dict[str, list[Tensor]] = {c: [] for c in VOCAB_COLUMNS}
     for b in batches:
         for c in VOCAB_COLUMNS:
             new_ids = [vocab[c].setdefault(name, len(vocab[c])) for name in b.vocab[c]]

@@ -96,6 +96,7 @@ class Critic:
     def values(self, mb: SampleBatch, where) -> torch.Tensor:
         """[B, T] values of the last forward's windowed hidden states (``where``: the window offset,
         ``(packed, positions)`` for a packed row, or a ``TreeView``)."""
+        assert self.head is not None  # values are read on the last stage, which holds the head
         values = self.head(self.window.hidden)  # [B, W] (packed, tree: [1, K])
         if isinstance(where, TreeView):
             return place_tree(
@@ -112,6 +113,7 @@ class Critic:
     def targets(self, part: SampleBatch, values: torch.Tensor) -> tuple[SampleBatch, torch.Tensor]:
         """The registered critic estimator's ``[B, T]`` advantages (set on ``part``) and returns;
         whitening statistics span every DP rank's part."""
+        assert self.wg.pgs is not None  # a worker lives on its WG's ranks
         estimator = ADVANTAGE_ESTIMATORS.get(self.cfg.advantage.estimator, key="algorithm.estimator")
         adv, returns = estimator(
             part.rewards,
@@ -145,6 +147,7 @@ class Critic:
         """Average the head's gradients over DP, as DDP does for the model's."""
         if self.head is None or self.wg.layout.dp == 1:
             return
+        assert self.wg.pgs is not None  # a worker lives on its WG's ranks
         for p in self.head.parameters():
             if p.grad is not None:
                 dist.all_reduce(p.grad, group=self.wg.pgs.dp)
@@ -162,17 +165,20 @@ class Critic:
             return
         if self.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(self.head.parameters(), self.grad_clip)
+        assert self.optimizer is not None  # built with the head
         self.optimizer.step()
 
     def state(self) -> dict | None:
         """Value head and its optimizer (identical on every last-stage rank), for checkpoints."""
         if self.head is None:
             return None
+        assert self.optimizer is not None  # built with the head
         return {"value_head": self.head.state_dict(), "optimizer": self.optimizer.state_dict()}
 
     def load_state(self, state: dict) -> None:
         if self.head is not None:
             self.head.load_state_dict(state["value_head"])
+            assert self.optimizer is not None  # built with the head
             self.optimizer.load_state_dict(state["optimizer"])
 
 

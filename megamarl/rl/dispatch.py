@@ -94,7 +94,7 @@ def mini_batches(batch: SampleBatch, split: BatchSplit) -> list[SampleBatch]:
     """The policy batch cut into PPO mini-batches. Without a mini-batch size (policy or agent): one
     mini-batch, the whole batch. With per-agent sizes, mini-batch k holds chunk k of every agent's
     rows (in row order)."""
-    sizes = {a: s for a, s in split.agent_mini_batch_sizes.items() if s}
+    sizes: dict[str | None, int] = {a: s for a, s in split.agent_mini_batch_sizes.items() if s}
     if not split.mini_batch_size and not sizes:
         return [batch]
     names = batch.names("agent")
@@ -157,6 +157,7 @@ def rank_batches(
     out = [RankBatch(summary) for _ in range(world_size)]
     for name, rows in by_policy.items():
         layout = layouts[name]
+        assert layout.dp is not None  # set by WorkerGroupLayout.__post_init__
         shares = plan_policy(rows, splits[name], num_dp=layout.dp)
         for rank in layout.ranks:
             out[rank].shares[name] = shares[rank_coords(layout, rank)["dp"]]

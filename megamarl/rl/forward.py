@@ -9,6 +9,8 @@ rows by (episode, agent, turn, branch), so micro-batches may regroup rows (e.g. 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from megamarl.models.bridge import unwrap
@@ -178,6 +180,8 @@ def sampled_logprobs(
         packed, positions = where
         rows = packed.sample_ids[positions].tolist()
         logits = logits.transpose(0, 1)  # [K, 1, V]: each position its own "row"
+    temperatures: Sequence[float]
+    allowed: Sequence[tuple[int, ...] | None]
     if tree is not None or packed is not None:
         temperatures = [mb.temperatures[r] for r in rows] if mb.temperatures else ()
         allowed = [mb.allowed[r] for r in rows] if mb.allowed else ()

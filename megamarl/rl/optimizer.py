@@ -109,7 +109,7 @@ def _keep_step_on_load() -> None:
             if isinstance(state.get("step"), torch.Tensor):
                 state["step"] = state["step"].clone()
 
-    set_keeping_step.megamarl_keeps_step = True
+    set_keeping_step.megamarl_keeps_step = True  # type: ignore[attr-defined]  # a marker on the patch
     DistributedOptimizer._get_main_param_and_optimizer_states = get_without_step
     DistributedOptimizer._set_main_param_and_optimizer_states = set_keeping_step
     DistributedOptimizer.load_state_dict = load_with_own_steps

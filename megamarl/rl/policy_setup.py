@@ -8,6 +8,7 @@ driver cuts each policy's rows, for every WG, including those it holds no shard 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 
@@ -23,7 +24,7 @@ from megamarl.rl.losses import LossConfig
 from megamarl.rl.worker import PolicyWorker
 from megamarl.rl.worker_parts import AgentTraining, ModelHandle, batch_split
 
-RECOMPUTE = {  # policies.<p>.recompute -> megatron-core TransformerConfig fields
+RECOMPUTE: dict[str, dict[str, Any]] = {  # policies.<p>.recompute -> megatron-core TransformerConfig fields
     "none": {},
     # core attention only (megatron-core's default selective module): the [B, heads, T, T] scores
     "selective": {"recompute_granularity": "selective"},

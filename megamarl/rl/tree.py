@@ -100,6 +100,9 @@ def tree_pack(tokens: Tensor, attention_mask: Tensor) -> TreeBatch:
     columns = torch.arange(tokens.shape[1], device=tokens.device)
     if not torch.equal(mask, columns[None, :] < lengths[:, None]):
         raise ValueError("tree_pack: attention_mask must be right padding (each row's real tokens first)")
+    node_tokens: list[int]
+    parents: list[int]
+    depths: list[int]
     node_tokens, parents, depths = [], [], []
     children: dict[tuple[int, int], int] = {}  # (parent node, token) -> node
     node_of = torch.full(tokens.shape, -1, dtype=torch.long)
@@ -235,6 +238,7 @@ class RotaryPositions:
         rotary = getattr(unwrap(model), "rotary_pos_emb", None)
         self.enabled = rotary is not None
         if self.enabled:
+            assert rotary is not None  # enabled
             rotary.register_forward_hook(self._reindex)
 
     def _reindex(self, module, args, output):

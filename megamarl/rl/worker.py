@@ -19,6 +19,7 @@ import math
 import time
 from collections.abc import Iterator
 from functools import partial
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -30,7 +31,7 @@ from megamarl.models.bridge import export_hf_weights
 from megamarl.models.lora import export_lora_weights, set_active_adapter
 from megamarl.parallel.placement import WorkerGroup
 from megamarl.rl.batch import SampleBatch
-from megamarl.rl.critic import CriticConfig
+from megamarl.rl.critic import Critic, CriticConfig
 from megamarl.rl.dispatch import PolicyShare, dp_parts, mini_batches, plan_policy, trainable_rows
 from megamarl.rl.forward import (
     merge_rows,
@@ -44,6 +45,7 @@ from megamarl.rl.forward import (
 from megamarl.rl.losses import LossConfig, policy_loss
 from megamarl.rl.micro_batches import MicroBatcher
 from megamarl.rl.optimizer import any_rank, current_lr, grads_nonfinite
+from megamarl.rl.reference import ReferenceModel
 from megamarl.rl.update_metrics import RESPONSE_TOKENS, average, mean_over_steps, summarise
 from megamarl.rl.worker_parts import AgentTraining, ModelHandle, batch_split, wire_training
 
@@ -139,11 +141,13 @@ class PolicyWorker:
     def my_part(self, batch: SampleBatch) -> SampleBatch:
         """This DP rank's part of a mini-batch (``rl.dispatch.dp_parts``: identical on TP/PP peers;
         a zero-weight stand-in row when the rank has none)."""
+        assert self.wg.layout.dp is not None  # set by WorkerGroupLayout.__post_init__
         return dp_parts(batch, self.wg.layout.dp)[self.wg.dp_rank]
 
     def plan(self, batch: SampleBatch) -> PolicyShare:
         """This rank's share of a whole policy batch, planned here exactly as the driver plans it
         (``rl.dispatch.plan_policy``)."""
+        assert self.wg.layout.dp is not None  # set by WorkerGroupLayout.__post_init__
         return plan_policy(batch, self.split, num_dp=self.wg.layout.dp)[self.wg.dp_rank]
 
     def _micro_batches(self, part: SampleBatch) -> list[SampleBatch]:
@@ -157,6 +161,7 @@ class PolicyWorker:
     def _logprobs(self, logits: torch.Tensor, mb: SampleBatch, where) -> tuple[torch.Tensor, torch.Tensor]:
         """(logprobs, entropy) [B, T] of ``mb``'s tokens under the distribution the engine sampled from
         (``rl.forward.sampled_logprobs``; this rank's vocabulary shard)."""
+        assert self.wg.pgs is not None  # a worker lives on its WG's ranks
         return sampled_logprobs(
             logits,
             mb,
@@ -175,6 +180,7 @@ class PolicyWorker:
         forward_backward = get_forward_backward_func(pp_size=pp, vp_size=None)
         use_ref = reference and self.ref is not None
         if use_ref:
+            assert self.ref is not None  # use_ref
             model, window, rotary = self.ref.model, self.ref.window, self.ref.rotary
         else:  # LoRA policies: the reference is the base model (adapters off)
             model, window, rotary = self.model, self.window, self.rotary
@@ -192,8 +198,9 @@ class PolicyWorker:
                 output, where = padded_forward(model, window, mb)
             return output, partial(loss_func, mb, where)
 
+        assert self.wg.pgs is not None  # a worker lives on its WG's ranks
         p2p = P2PCommunicator(self.wg.pgs.pp, self.model.config) if pp > 1 else None
-        with self.ref.on_device() if use_ref else contextlib.nullcontext():
+        with cast(ReferenceModel, self.ref).on_device() if use_ref else contextlib.nullcontext():
             return forward_backward(
                 forward_step_func=forward_step,
                 data_iterator=iter(micro_batches),
@@ -217,7 +224,9 @@ class PolicyWorker:
     @torch.no_grad()
     def compute_values(self, part: SampleBatch) -> torch.Tensor | None:
         """Critic values [B, T] aligned like logprobs (value at t from the state before token t)."""
-        return self._forward_only(part, lambda mb, offset, logits: self.critic.values(mb, offset), False)
+        return self._forward_only(
+            part, lambda mb, offset, logits: cast(Critic, self.critic).values(mb, offset), False
+        )
 
     def _forward_only(self, part: SampleBatch, per_token, reference: bool) -> torch.Tensor | None:
         def loss_func(mb, offset, logits):
@@ -241,7 +250,7 @@ class PolicyWorker:
         values = self.compute_values(part)
         if values is None:
             return part, None, None
-        part, returns = self.critic.targets(part, values)
+        part, returns = cast(Critic, self.critic).targets(part, values)  # values: a critic's
         return part, returns, values
 
     # ---- per-agent settings ---------------------------------------------------------------------
@@ -375,6 +384,7 @@ class PolicyWorker:
         micro_batches = self._micro_batches(self.on_device(part))
         olds, refs = split_rows(old, micro_batches, part), split_rows(ref, micro_batches, part)
         returns, old_values = (split_rows(t, micro_batches, part) for t in (critic or (None, None)))
+        assert self.wg.layout.dp is not None  # set by WorkerGroupLayout.__post_init__
         scale = len(micro_batches) * self.wg.layout.dp
         collected: list[dict[str, float]] = []
         position = {id(mb): i for i, mb in enumerate(micro_batches)}
@@ -415,6 +425,7 @@ class PolicyWorker:
         fault = self.critic.grads_nonfinite(grads_nonfinite(self.model, device=self.device))
         if self._nonfinite_rows:
             fault = torch.ones_like(fault)
+        assert self.wg.pgs is not None  # a worker lives on its WG's ranks
         if any_rank(fault, self.wg.pgs.intra_dist_opt, self.device):
             self.model.zero_grad_buffer()
             self.optimizer.zero_grad()

@@ -23,8 +23,9 @@ cheap enough for ``scripts/train.py`` to run as a pre-flight check on every rank
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from megamarl.parallel.placement import placement_of
 from megamarl.rollout.engines.base import ENGINES
@@ -194,7 +195,7 @@ def plan_engines(cfg: RunConfig, world_size: int, ranks_per_node: int) -> dict[s
     placement = placement_of(
         cfg, world_size
     )  # WG rank lists (every rank for policies without ranks), checked
-    shard_owner = {}
+    shard_owner: dict[int, str] = {}
     for name, layout in placement.worker_groups.items():
         for rank in layout.ranks:
             shard_owner.setdefault(rank, name)
@@ -296,12 +297,12 @@ def _ranks_text(ranks: tuple[int, ...]) -> str:
 
 def placement_rows(plan: dict[str, list[ReplicaPlacement]]) -> list[tuple[str, ...]]:
     """One row per replica: policy, replica, leader, ranks, node, devices, tp, colocated, launch."""
-    rows = []
+    rows: list[tuple[str, ...]] = []
     for replicas in plan.values():
         for r in replicas:
             leader = "-" if r.leader is None else str(r.leader)
             node = "-" if r.node < 0 else str(r.node)
-            where = r.url if r.launch == "external" else ("yes" if r.colocated else "no")
+            where = cast(str, r.url) if r.launch == "external" else ("yes" if r.colocated else "no")
             rows.append(
                 (
                     r.policy,
@@ -326,7 +327,7 @@ def placement_table(plan: dict[str, list[ReplicaPlacement]]) -> str:
     return format_table(PLACEMENT_COLUMNS, placement_rows(plan))
 
 
-def format_table(columns: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
+def format_table(columns: tuple[str, ...], rows: Sequence[tuple[str, ...]]) -> str:
     widths = [max(len(c), *(len(row[i]) for row in rows)) if rows else len(c) for i, c in enumerate(columns)]
     lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True)).rstrip()]
     lines.append("  ".join("-" * w for w in widths))

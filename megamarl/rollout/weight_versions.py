@@ -8,6 +8,8 @@ overwrites, with no update behind it (``bump``). Saved with the checkpoint (``st
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 
 class WeightVersions:
     def __init__(self, policies: list[str], *, sync_every: int) -> None:
@@ -15,7 +17,7 @@ class WeightVersions:
         self.updates_since_push = {name: 0 for name in policies}
         self.sync_every = sync_every
 
-    def trained(self, policies: list[str]) -> None:
+    def trained(self, policies: Iterable[str]) -> None:
         """These policies had one update each (every rank counts every policy's)."""
         for name in policies:
             self.updates_since_push[name] += 1

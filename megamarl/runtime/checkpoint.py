@@ -58,7 +58,9 @@ def staging_path(path: Path) -> Path:
 
 
 def checkpoint_step(path: Path) -> int:
-    return int(_STEP_DIR.fullmatch(path.name).group(1))
+    match = _STEP_DIR.fullmatch(path.name)
+    assert match is not None, path  # called on step directories
+    return int(match.group(1))
 
 
 def list_checkpoints(run_dir: str | Path) -> list[Path]:

@@ -77,7 +77,11 @@ class MetricsLogger:
             return
         values = {key: _to_float(value) for key, value in metrics.items()}
         now = time.time()
-        record = {"step": int(step), "time": round(now, 3), "elapsed_s": round(now - self._start, 3)}
+        record: dict[str, float | None] = {
+            "step": int(step),
+            "time": round(now, 3),
+            "elapsed_s": round(now - self._start, 3),
+        }
         record.update(values)
         self._jsonl.write(json.dumps(record) + "\n")
         self._jsonl.flush()  # a crashed run still leaves every completed step on disk
@@ -147,7 +151,7 @@ def _init_wandb(run_dir: Path, cfg: LoggerConfig, run_name: str, config_dict: di
         name=run_name,
         config=config_dict,
         dir=str(run_dir),  # wandb writes <run_dir>/wandb/<offline-run-...>
-        mode=cfg.wandb.mode,
+        mode=cfg.wandb.mode,  # type: ignore[arg-type]  # one of WANDB_MODES (WandbConfig checks it)
         settings=settings,
     )
 

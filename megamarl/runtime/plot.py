@@ -28,6 +28,7 @@ import os
 import re
 from collections import defaultdict
 from pathlib import Path
+from typing import Any
 
 import matplotlib
 
@@ -72,7 +73,8 @@ class Colors:
     """name -> colour, fixed by the sorted names of the run so every figure agrees."""
 
     def __init__(self, names, palette: str | tuple[str, ...]) -> None:
-        colors = matplotlib.colormaps[palette].colors if isinstance(palette, str) else palette
+        # a named qualitative palette is a ListedColormap, which has .colors
+        colors = matplotlib.colormaps[palette].colors if isinstance(palette, str) else palette  # type: ignore[attr-defined]
         self._colors = {name: colors[i % len(colors)] for i, name in enumerate(sorted(set(names)))}
 
     def __getitem__(self, name: str):
@@ -205,6 +207,7 @@ def _rewards(series: Series, agents: Colors, policies: Colors, title: str):
     success = _per_name(series, "agent", "success")
     policy_success = _per_name(series, "policy", "success")
     panels = 1 + bool(success) + (len(policy_success) > 1)
+    axes: Any  # a numpy grid of Axes, then its first column as a list
     fig, axes = plt.subplots(panels, 1, figsize=(8, 3.4 * panels), sharex=True, squeeze=False)
     axes = list(axes[:, 0])
     # a +-std band: min/max of game outcomes are just the reward range (-1..1) at every step
@@ -329,6 +332,7 @@ def _eval(series: Series, agents: Colors, policies: Colors, title: str):
     if not rates and not agent_success:
         return None
     panels = int(bool(rates)) + int(bool(agent_success))
+    axes: Any  # a numpy grid of Axes, then its first column as a list
     fig, axes = plt.subplots(panels, 1, figsize=(8, 3.8 * panels), sharex=True, squeeze=False)
     axes = list(axes[:, 0])
     if rates:

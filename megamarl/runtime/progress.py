@@ -26,6 +26,7 @@ from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
     Progress,
+    TaskID,
     TaskProgressColumn,
     TextColumn,
     TimeElapsedColumn,
@@ -101,6 +102,8 @@ class RunProgress:
         self.first_step = 0  # a resumed run's ETA counts only the steps it ran itself
         self.step_seconds: list[float] = []
         self._bars: Progress | None = None
+        self._run_task: TaskID | None
+        self._phase_task: TaskID | None
         self._run_task = self._phase_task = None
         if self.live:
             self._bars = Progress(
@@ -139,6 +142,7 @@ class RunProgress:
 
     def _refresh_run(self) -> None:
         if self._bars is not None:
+            assert self._run_task is not None  # added with the bars
             self._bars.update(self._run_task, completed=self.step, extra=self._eta_text())
 
     # ---- phases ---------------------------------------------------------------------------------
@@ -157,6 +161,7 @@ class RunProgress:
             yield phase
         finally:
             if self._bars is not None:
+                assert self._phase_task is not None  # added above, with the bars
                 self._bars.remove_task(self._phase_task)
                 self._phase_task = None
             if self.enabled and not self.live:  # on a terminal the live bars replace these lines

@@ -23,7 +23,7 @@ samples; the cost is decoding a few prompts per step.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -123,7 +123,7 @@ def _call(s, decode, parse) -> dict:
     }
 
 
-def write_transcripts(run_dir: Path, step: int, records: Sequence[dict]) -> Path:
+def write_transcripts(run_dir: Path, step: int, records: Sequence[Mapping[str, Any]]) -> Path:
     """``<run_dir>/episodes/step_<step>.jsonl`` (rewritten whole: a resumed run redoes a step)."""
     path = Path(run_dir) / EPISODES_DIR / f"step_{step}.jsonl"
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -133,7 +133,7 @@ def write_transcripts(run_dir: Path, step: int, records: Sequence[dict]) -> Path
     return path
 
 
-def table_rows(records: Sequence[dict]) -> list[list]:
+def table_rows(records: Sequence[Mapping[str, Any]]) -> list[list]:
     """One row per call (``TABLE_COLUMNS``) for a wandb table."""
     return [
         [

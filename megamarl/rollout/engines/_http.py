@@ -25,6 +25,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 import weakref
+from collections.abc import AsyncGenerator
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -69,9 +70,10 @@ class JSONClient:
         self.timeout_s = timeout_s
         self.max_concurrency = max_concurrency
         # One session per event loop: a session's connections belong to the loop that opened them.
-        self._sessions: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, aiohttp.ClientSession] = (
-            weakref.WeakKeyDictionary()
-        )
+        # loop -> (its session, the async generator that closes it at the loop's shutdown)
+        self._sessions: weakref.WeakKeyDictionary[
+            asyncio.AbstractEventLoop, tuple[aiohttp.ClientSession, AsyncGenerator]
+        ] = weakref.WeakKeyDictionary()
         self._lock = threading.Lock()
 
     # -- blocking control path -------------------------------------------------------------------

@@ -103,6 +103,7 @@ class MicroBatcher:
         if self._loop is not loop:
             self._loop, self._queue, self._task = loop, asyncio.Queue(), None
         future = loop.create_future()
+        assert self._queue is not None  # created with the loop's first submit
         self._queue.put_nowait(_Pending(payload, num_rows, future))
         if self._task is None:  # the collector exits when idle, so no task outlives its loop
             self._task = loop.create_task(self._collect(self._queue))

@@ -119,8 +119,8 @@ class HFEngine(InProcessEngine):
             if not self._weights_valid:
                 raise RuntimeError("weights were discarded by sleep(level=2); call update_weights first")
             by_adapter = sorted(range(len(requests)), key=lambda i: requests[i][2] or "")
-            for lora, group in groupby(by_adapter, key=lambda i: requests[i][2]):
-                group = list(group)
+            for lora, grouped in groupby(by_adapter, key=lambda i: requests[i][2]):
+                group = list(grouped)
                 rows = [(i, j) for i in group for j in range(requests[i][1].n)]
                 with self._adapter(lora):
                     tokens, logprobs, reasons = self._decode(
@@ -196,7 +196,8 @@ class HFEngine(InProcessEngine):
                 tok = int(next_tokens[r])
                 tokens[r].append(tok)
                 logprobs[r].append(float(next_logprobs[r]))
-                if tok in stop_ids[r] or stop_texts[r] and _has_stop(decode(tokens[r]), stop_texts[r]):
+                # decode is set when any row has stop texts
+                if tok in stop_ids[r] or stop_texts[r] and _has_stop(decode(tokens[r]), stop_texts[r]):  # type: ignore[misc]
                     reasons[r] = "stop"
                 elif len(tokens[r]) >= max_new[r]:
                     reasons[r] = "length"

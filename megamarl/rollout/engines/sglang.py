@@ -360,7 +360,8 @@ class SGLangEngine(Engine):
             return_logprob=True,
             lora_path=None if lora is None else [lora] * sampling.n,
         )
-        return [SGLangClient._to_generation(self, r) for r in out]  # same reply shape as HTTP
+        # same reply shape as HTTP; _to_generation reads only self.weight_version (duck-typed)
+        return [SGLangClient._to_generation(self, r) for r in out]  # type: ignore[arg-type]
 
     def update_weights(self, weights, *, version: int, lora: str | None = None) -> None:
         self._engine.update_weights_from_tensor(list(weights), flush_cache=True)

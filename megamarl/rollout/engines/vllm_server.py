@@ -170,6 +170,7 @@ class VLLMServerClient(Engine):
         # The server blocks in /update_weights until it has received the broadcast: announce and
         # send concurrently.
         reply = announcer.submit(self.http.post, "/update_weights", {"update_info": info})
+        assert self.transport is not None  # update_weights checked it
         self.transport.send([t for _, t in bucket])
         reply.result()
 

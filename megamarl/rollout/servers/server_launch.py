@@ -51,6 +51,7 @@ import urllib.request
 from dataclasses import dataclass
 from importlib.metadata import entry_points
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 
@@ -462,6 +463,7 @@ class ServerProcess:
         ``spec.port == 0`` a free port is picked, and picked again when another process took it
         between the pick and the server's bind (several ranks of a node start servers at once)."""
         timeout_s = self.spec.start_timeout_s if timeout_s is None else timeout_s
+        assert timeout_s is not None  # the fleet's specs carry the device's resolved timeout
         warmup_retried = False
         for attempt in range(4):
             try:
@@ -527,7 +529,7 @@ class ServerProcess:
         self.stop()
         self._fail(f"did not answer {self.url}/health within {timeout_s:.0f} s")
 
-    def _fail(self, what: str) -> None:
+    def _fail(self, what: str) -> NoReturn:
         self.stop()
         raise ServerStartError(
             f"{self.spec.backend} server for {self.spec.label} {what}; log {self.log_path}, last lines:\n"
@@ -542,6 +544,7 @@ class ServerProcess:
         """Stop and start again on the same port, so the URL everyone holds stays valid."""
         self.stop()
         timeout_s = self.spec.start_timeout_s if timeout_s is None else timeout_s
+        assert timeout_s is not None  # the fleet's specs carry the device's resolved timeout
         return self._start_once(timeout_s, port=self.port) if self.port else self.start(timeout_s)
 
     def stop(self, grace_s: float = 15.0) -> None:

@@ -32,7 +32,7 @@ import itertools
 import os
 import time
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -99,7 +99,7 @@ def pack_bucket(
     return flat
 
 
-def unpack_bucket(flat: torch.Tensor, info: dict[str, Any]) -> list[tuple[str, torch.Tensor]]:
+def unpack_bucket(flat: torch.Tensor, info: Mapping[str, Any]) -> list[tuple[str, torch.Tensor]]:
     """Views into ``flat`` (no copy): the inverse of ``pack_bucket``."""
     named = []
     for name, dtype, shape, offset in zip(  # strict=False: info's lists: one entry per announced tensor

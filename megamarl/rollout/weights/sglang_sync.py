@@ -41,7 +41,7 @@ import io
 import uuid
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -141,7 +141,8 @@ def serialize_for_sglang(named_tensors: list[tuple[str, torch.Tensor]]) -> str:
     buf = io.BytesIO()
     pickler = ForkingPickler(buf)
     pickler.dispatch_table = copyreg.dispatch_table.copy()
-    pickler.dispatch_table.update(ForkingPickler._extra_reducers)
+    # a private, untyped table of multiprocessing's (torch's tensor reducers register there)
+    pickler.dispatch_table.update(ForkingPickler._extra_reducers)  # type: ignore[attr-defined]
     pickler.dispatch_table[torch.Tensor] = _reduce_with_uuid
     for cls in torch._tensor_classes:
         pickler.dispatch_table[cls] = _reduce_with_uuid
@@ -243,7 +244,7 @@ class SGLangWeightSender:
                 self.master_port,
                 rank=0,
                 world_size=size,
-                group_name=self.group_name,
+                group_name=cast(str, self.group_name),  # set above
                 timeout_s=self.timeout_s,
             ),
         )
@@ -298,6 +299,7 @@ class SGLangWeightSender:
                     payloads=[tensor_payload(bucket, tp=tp) for tp in self.replica_tp],
                 )
                 continue
+            assert self.group_name is not None  # connected
             body = announce(bucket, self.group_name, flatten=self.flatten)
             futures = [
                 self._pool.submit(c.post, "/update_weights_from_distributed", body) for c in self.clients

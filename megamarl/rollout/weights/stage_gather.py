@@ -124,6 +124,7 @@ def relay_roles(layout: WorkerGroupLayout, leaders: Iterable[int]) -> dict[int, 
     leader (its peers' TP gathers need it)."""
     leaders = set(leaders)
     tp, dp, pp = layout.tp, layout.dp, layout.pp
+    assert dp is not None  # set by WorkerGroupLayout.__post_init__
 
     def at(stage: int, dp_rank: int, tp_rank: int) -> int:  # megatron order: tp fastest, then dp, then pp
         return layout.ranks[(stage * dp + dp_rank) * tp + tp_rank]

@@ -36,7 +36,7 @@ IPC handles need no event of ours: torch's ``reduce_tensor`` records one on the 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -202,7 +202,7 @@ class VLLMNativeSender(WeightSender):
             ]
             failed = [f for f in futures if f.done() and f.exception() is not None]
             if failed:  # refused before any receive: the broadcast would wait for nobody
-                raise failed[0].exception()
+                raise cast(BaseException, failed[0].exception())  # not None: filtered above
             _broadcast_bucket(
                 self.group, bucket, buffer_bytes=self.buffer_bytes, num_buffers=self.num_buffers
             )

@@ -107,6 +107,7 @@ def repack_tied_lm_head(model: torch.nn.Module) -> None:
     embed = getattr(getattr(model, "model", None), "embed_tokens", None)
     tied = lm_head is not None and embed is not None and lm_head.weight is embed.weight
     if tied and hasattr(lm_head, "cpu_linear"):
+        assert lm_head is not None  # tied
         lm_head.quant_method.process_weights_after_loading(lm_head)
 
 

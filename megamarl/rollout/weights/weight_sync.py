@@ -62,6 +62,7 @@ def push_transport() -> PushTransport:
 def stage_ranks(wg: WorkerGroup, pp_rank: int) -> list[int]:
     """Global ranks of pipeline stage ``pp_rank`` with dp_rank 0 (its TP group), in TP order."""
     layout = wg.layout
+    assert layout.dp is not None  # set by WorkerGroupLayout.__post_init__
     first = pp_rank * layout.tp * layout.dp  # megatron order: tp fastest, then dp, then pp
     return layout.ranks[first : first + layout.tp]
 
