@@ -426,7 +426,7 @@ def _engine_report(
 
 
 def _gpu_totals(
-    cfg,
+    cfg: RunConfig,
     worker_groups,
     engines,
     world_size,
@@ -490,7 +490,7 @@ def _gpu_totals(
 
 
 def _relay_buffers(
-    cfg, worker_groups, engines, world_size: int, *, on_gpus: bool
+    cfg: RunConfig, worker_groups, engines, world_size: int, *, on_gpus: bool
 ) -> tuple[list[float], list[int]]:
     """Per rank: the device bytes a relayed push holds (``memory.relay_buffer_bytes``) and its number of
     point-to-point partners, for every policy whose colocated PP>1 servers are fed by their leaders

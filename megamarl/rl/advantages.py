@@ -475,36 +475,36 @@ def compute_advantages(rewards: Tensor, index: GroupIndex, cfg: AdvantageConfig,
 
 
 @register_estimator("grpo")
-def _grpo(rewards, index, cfg, **_):
+def _grpo(rewards, index, cfg: AdvantageConfig, **_):
     return grpo_advantages(
         rewards, group_ids(index, cfg.group_by), eps=cfg.eps, norm_std=cfg.norm_std, ddof=cfg.std_ddof
     )
 
 
 @register_estimator("at_grpo", group_key=("task", "agent", "turn"))
-def _at_grpo(rewards, index, cfg, **_):
+def _at_grpo(rewards, index, cfg: AdvantageConfig, **_):
     gid = group_ids(index, ("task", "agent", "turn"))
     return grpo_advantages(rewards, gid, eps=cfg.eps, norm_std=cfg.norm_std, ddof=cfg.std_ddof)
 
 
 @register_estimator("drmas_grpo", group_key=("task", "agent"))
-def _drmas_grpo(rewards, index, cfg, **_):
+def _drmas_grpo(rewards, index, cfg: AdvantageConfig, **_):
     gid = group_ids(index, ("task", "agent"))
     return drmas_advantages(rewards, gid, eps=cfg.eps, norm_std=cfg.norm_std, ddof=cfg.std_ddof)
 
 
 @register_estimator("dr_grpo")
-def _dr_grpo(rewards, index, cfg, **_):
+def _dr_grpo(rewards, index, cfg: AdvantageConfig, **_):
     return grpo_advantages(rewards, group_ids(index, cfg.group_by), norm_std=False)
 
 
 @register_estimator("rloo")
-def _rloo(rewards, index, cfg, **_):
+def _rloo(rewards, index, cfg: AdvantageConfig, **_):
     return rloo_advantages(rewards, group_ids(index, cfg.group_by))
 
 
 @register_estimator("reinforce_pp", group_key=("policy",))
-def _reinforce_pp(rewards, index, cfg, *, response_mask=None, **_):
+def _reinforce_pp(rewards, index, cfg: AdvantageConfig, *, response_mask=None, **_):
     if response_mask is None:
         raise ValueError(
             "advantage.estimator='reinforce_pp' whitens over response tokens: it needs response_mask"
@@ -525,7 +525,7 @@ def _reinforce_pp(rewards, index, cfg, *, response_mask=None, **_):
 
 
 @register_estimator("gigpo", group_key=("task",), team_reward_once=True)
-def _gigpo(rewards, index, cfg, **_):
+def _gigpo(rewards, index, cfg: AdvantageConfig, **_):
     episodes = group_ids(index, ("task", "episode"))
     anchors = index.anchors or [None] * index.num_samples
     # Anchor groups are per (task, agent): two roles seeing the same text are not alternatives.
@@ -545,7 +545,7 @@ def _gigpo(rewards, index, cfg, **_):
 
 
 @register_estimator("gae", group_key=("policy",), needs_critic=True)
-def _gae(rewards, index, cfg, *, response_mask=None, values=None, all_reduce=None, **_):
+def _gae(rewards, index, cfg: AdvantageConfig, *, response_mask=None, values=None, all_reduce=None, **_):
     """Returns ``(advantages [N, T], returns [N, T])``: the critic's targets come from the same
     recursion. ``all_reduce`` sums the whitening statistics over a sharded batch's shards."""
     if response_mask is None or values is None:

@@ -8,7 +8,7 @@ driver cuts each policy's rows, for every WG, including those it holds no shard 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -24,6 +24,9 @@ from megamarl.rl.losses import LossConfig
 from megamarl.rl.worker import PolicyWorker
 from megamarl.rl.worker_parts import AgentTraining, ModelHandle, batch_split
 
+if TYPE_CHECKING:
+    from megamarl.config import PolicyConfig
+
 RECOMPUTE: dict[str, dict[str, Any]] = {  # policies.<p>.recompute -> megatron-core TransformerConfig fields
     "none": {},
     # core attention only (megatron-core's default selective module): the [B, heads, T, T] scores
@@ -34,7 +37,7 @@ RECOMPUTE: dict[str, dict[str, Any]] = {  # policies.<p>.recompute -> megatron-c
 
 
 def load_policy_model(
-    policy,
+    policy: PolicyConfig,
     wg: WorkerGroup,
     *,
     seed: int,
@@ -112,7 +115,9 @@ def build_workers(
     return workers
 
 
-def agent_trainings(name: str, policy, agents: Mapping, algo: AlgorithmConfig) -> dict[str, AgentTraining]:
+def agent_trainings(
+    name: str, policy: PolicyConfig, agents: Mapping, algo: AlgorithmConfig
+) -> dict[str, AgentTraining]:
     """The settings of policy ``name``'s agents that differ from the policy's (overrides, frozen, LoRA)."""
     lora = policy.lora is not None
     return {
@@ -141,9 +146,9 @@ def batch_splits(
     }
 
 
-def loss_config(policy, algo: AlgorithmConfig, **overrides) -> LossConfig:
+def loss_config(policy: PolicyConfig, algo: AlgorithmConfig, **overrides) -> LossConfig:
     """The policy's loss settings, with an agent's overrides (``agents.<a>.clip_high``, ...) applied."""
-    values = {
+    values: dict[str, Any] = {
         "clip_low": policy.clip_low,
         "clip_high": policy.clip_high,
         "kl_coef": policy.kl_coef,
@@ -159,7 +164,7 @@ def loss_config(policy, algo: AlgorithmConfig, **overrides) -> LossConfig:
     )
 
 
-def critic_config(policy, algo: AlgorithmConfig) -> CriticConfig | None:
+def critic_config(policy: PolicyConfig, algo: AlgorithmConfig) -> CriticConfig | None:
     """The policy's critic when the estimator needs one (its registered traits say so)."""
     if not ADVANTAGE_ESTIMATORS.traits(algo.estimator, key="algorithm.estimator").needs_critic:
         return None

@@ -33,12 +33,16 @@ import threading
 from collections.abc import Iterable
 from itertools import groupby
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from megamarl.parallel.hardware import DTYPES, resolve_dtype
 from megamarl.rollout.engines.base import ENGINES, EngineTraits, Generation, InProcessEngine, SamplingParams
 from megamarl.rollout.engines.batching import MicroBatcher
+
+if TYPE_CHECKING:
+    from megamarl.config import EngineConfig
 
 BASE_LAYER = ".base_layer."  # PEFT wraps each adapted linear: its base weight moves under this name
 
@@ -256,7 +260,7 @@ class HFEngine(InProcessEngine):
 
     @classmethod
     def from_config(
-        cls, cfg, path: Path, *, replica: int, seed: int, lora=None, num_threads: int = 0
+        cls, cfg: EngineConfig, path: Path, *, replica: int, seed: int, lora=None, num_threads: int = 0
     ) -> HFEngine:
         dtype = DTYPES[resolve_dtype(cfg.dtype)]
         return cls(path, seed=seed, max_batch_rows=cfg.max_num_seqs, dtype=dtype, num_threads=num_threads)

@@ -5,8 +5,12 @@ command line, the weight push and the export."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from megamarl.models.lora import hf_target_modules
+
+if TYPE_CHECKING:
+    from megamarl.config import RunConfig
 
 
 @dataclass
@@ -33,13 +37,13 @@ class LoraServing:
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vllm.config.lora.MaxLoRARanks
 
 
-def policy_adapters(cfg, policy: str) -> list[str]:
+def policy_adapters(cfg: RunConfig, policy: str) -> list[str]:
     """L2: the LoRA adapter names the agents of ``policy`` sample from (sorted, unique). ``cfg``: the
     run config (``agents.<a>.policy`` / ``agents.<a>.lora``)."""
     return sorted({a.lora for a in cfg.agents.values() if a.policy == policy and a.lora})
 
 
-def lora_serving(cfg, policy: str) -> LoraServing | None:
+def lora_serving(cfg: RunConfig, policy: str) -> LoraServing | None:
     """What ``policy``'s engines must be started with to serve its adapters (None: no L2 adapters)."""
     lora = cfg.policies[policy].lora
     adapters = policy_adapters(cfg, policy)
@@ -57,7 +61,7 @@ SGLANG_CPU_LORA = (
 )
 
 
-def check_lora_backends(cfg, *, on_gpu: bool) -> None:
+def check_lora_backends(cfg: RunConfig, *, on_gpu: bool) -> None:
     """Refuse, before anything loads, L2 adapters on an engine that cannot serve them on this node
     (the launch's preflight; a dry run of a GPU config on a CPU machine does not call it)."""
     for name, policy in cfg.policies.items():

@@ -49,12 +49,15 @@ import io
 import threading
 import time
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from megamarl.rollout.engines._http import BUSY_PATIENCE_S, EngineHTTPError, JSONClient
 from megamarl.rollout.engines.base import ENGINES, Engine, EngineTraits, Generation, SamplingParams, buckets
+
+if TYPE_CHECKING:
+    from megamarl.config import EngineConfig
 
 
 def serialize_named_tensors(named_tensors: list[tuple[str, torch.Tensor]]) -> str:
@@ -150,7 +153,7 @@ class SGLangClient(Engine):
 
     @classmethod
     def from_config(
-        cls, cfg, path, *, replica: int, seed: int, lora=None, num_threads: int = 0
+        cls, cfg: EngineConfig, path, *, replica: int, seed: int, lora=None, num_threads: int = 0
     ) -> SGLangClient:
         """Replica ``i`` is the server at ``engine.server_urls[i]``."""
         if replica >= len(cfg.server_urls):

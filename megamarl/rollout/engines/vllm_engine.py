@@ -55,7 +55,7 @@ import threading
 import time
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 # Must precede any vllm import in this process: keep the engine core in-process (colocation and
 # in-place weight reload both need it).
@@ -71,6 +71,9 @@ from megamarl.rollout.engines.base import ENGINES, EngineTraits, Generation, InP
 from megamarl.rollout.engines.batching import _set_exception, _set_result
 from megamarl.rollout.engines.hf import HFEngine  # the fallback without vllm
 from megamarl.rollout.engines.private_world import PrivateWorld
+
+if TYPE_CHECKING:
+    from megamarl.config import EngineConfig
 
 CPU_KV_CACHE_BYTES = 256 * 2**20  # small default KV cache on CPU (vLLM's own default is GiBs)
 # vLLM's torch.distributed world, kept apart from the trainer's (one per process: vLLM's parallel
@@ -364,7 +367,9 @@ class VLLMEngine(InProcessEngine):
     # -- LoRA ------------------------------------------------------------------------------------
 
     @classmethod
-    def from_config(cls, cfg, path: Path, *, replica: int, seed: int, lora=None, num_threads: int = 0):
+    def from_config(
+        cls, cfg: EngineConfig, path: Path, *, replica: int, seed: int, lora=None, num_threads: int = 0
+    ):
         """Falls back to the ``hf`` engine when the vllm package is not installed (logged), so one
         config runs on a laptop without vLLM and on a GPU node with it."""
         if importlib.util.find_spec("vllm") is None:
@@ -376,7 +381,7 @@ class VLLMEngine(InProcessEngine):
             else {}
         )
         dtype = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[resolve_dtype(cfg.dtype)]
-        memory = (
+        memory: dict[str, Any] = (
             {}
             if cfg.gpu_memory_utilization is None
             else {"gpu_memory_utilization": cfg.gpu_memory_utilization}

@@ -6,14 +6,18 @@ one ``EnginePool`` (least-loaded routing, failover, one weight update fanned out
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from megamarl.parallel.hardware import node_cores
 from megamarl.rollout.engines.base import ENGINES, Engine
 from megamarl.rollout.engines.lora_backends import LoraServing
 from megamarl.rollout.replicas.pool import EnginePool
 
+if TYPE_CHECKING:
+    from megamarl.config import EngineConfig
 
-def engine_threads(cfg, *, overlaps_training: bool, num_local_ranks: int) -> int:
+
+def engine_threads(cfg: EngineConfig, *, overlaps_training: bool, num_local_ranks: int) -> int:
     """CPU threads an in-process engine decodes with: ``engine.num_threads``, or (0) every core of
     the node when training waits during rollout, else the driver rank's share of the cores."""
     if cfg.num_threads:
@@ -23,7 +27,7 @@ def engine_threads(cfg, *, overlaps_training: bool, num_local_ranks: int) -> int
 
 
 def build_engine(
-    cfg, path: Path, *, seed: int = 0, lora: LoraServing | None = None, num_threads: int = 0
+    cfg: EngineConfig, path: Path, *, seed: int = 0, lora: LoraServing | None = None, num_threads: int = 0
 ) -> Engine:
     """``cfg``: ``policies.<p>.engine``; ``lora``: the policy serves L2 adapters (vLLM must be started
     with LoRA enabled); ``num_threads``: CPU threads per in-process engine (0: leave the process's

@@ -41,7 +41,7 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.distributed as dist
@@ -83,6 +83,9 @@ from megamarl.rollout.weights.weight_sync import (
     sync_weights,
 )
 
+if TYPE_CHECKING:
+    from megamarl.config import RunConfig
+
 UNSYNCED = -1  # weight_version of a restarted replica until a push reaches it
 ASLEEP = ("weights", "kv_cache")  # the memory a sleeping replica has released (level 1)
 
@@ -98,7 +101,7 @@ class _Transfer:
 class PolicyReplicas:
     def __init__(
         self,
-        cfg,
+        cfg: RunConfig,
         name: str,
         *,
         wg: WorkerGroup,
@@ -591,7 +594,7 @@ class PolicyReplicas:
 
 
 def build_replicas(
-    cfg,
+    cfg: RunConfig,
     *,
     wgs: dict[str, WorkerGroup],
     workers: dict,

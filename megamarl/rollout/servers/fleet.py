@@ -31,6 +31,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 import torch
@@ -45,6 +46,9 @@ from megamarl.rollout.engines.sglang import SGLangClient
 from megamarl.rollout.engines.vllm_server import VLLMServerClient
 from megamarl.rollout.servers.server_launch import ServerProcess, ServerSpec, ServerStartError
 from megamarl.rollout.weights.transport import SENDERS, transport_for
+
+if TYPE_CHECKING:
+    from megamarl.config import RunConfig
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +95,7 @@ class ServerFleet:
 
     def __init__(
         self,
-        cfg,
+        cfg: RunConfig,
         *,
         plan: dict[str, list[ReplicaPlacement]],
         rank: int,
@@ -321,7 +325,7 @@ def _check_context(policy: str, seq_len: int, path: Path) -> None:
         )
 
 
-def _check_weight_transfer(cfg, policy: str, *, servers: bool) -> None:
+def _check_weight_transfer(cfg: RunConfig, policy: str, *, servers: bool) -> None:
     """``engine.weight_transfer`` chooses how pushes reach SERVERS, and ``native`` needs CUDA."""
     choice = cfg.policies[policy].engine.weight_transfer
     if choice != "auto" and not servers:
@@ -336,7 +340,7 @@ def _check_weight_transfer(cfg, policy: str, *, servers: bool) -> None:
         )
 
 
-def _check_gpu_memory(cfg, policy: str) -> None:
+def _check_gpu_memory(cfg: RunConfig, policy: str) -> None:
     """``engine.gpu_memory_utilization`` is a GPU engine's share of its device: refuse it without CUDA."""
     value = cfg.policies[policy].engine.gpu_memory_utilization
     if value is not None and not torch.cuda.is_available():
@@ -346,7 +350,7 @@ def _check_gpu_memory(cfg, policy: str) -> None:
         )
 
 
-def _check_sglang_sampling(cfg, policy: str) -> None:
+def _check_sglang_sampling(cfg: RunConfig, policy: str) -> None:
     """SGLang's sampling parameters have no ``allowed_token_ids``: refuse the key, never ignore it."""
     for agent, acfg in cfg.agents.items():
         if acfg.policy == policy and acfg.sampling.allowed_tokens:
@@ -358,7 +362,7 @@ def _check_sglang_sampling(cfg, policy: str) -> None:
 
 
 def build_fleet(
-    cfg,
+    cfg: RunConfig,
     *,
     plan: dict[str, list[ReplicaPlacement]],
     rank: int,

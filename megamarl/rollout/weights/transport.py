@@ -8,11 +8,15 @@ from __future__ import annotations
 import importlib.util
 import sys
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from megamarl.rollout.weights.server_sync import WeightSender
 from megamarl.rollout.weights.sglang_sync import SGLangWeightSender
 from megamarl.rollout.weights.vllm_native_sync import TRANSPORTS as VLLM_NATIVE
 from megamarl.rollout.weights.vllm_native_sync import VLLMNativeSender
+
+if TYPE_CHECKING:
+    from megamarl.config import PolicyConfig
 
 
 def vllm_transport(engine, *, colocated: bool, pp: int, on_gpu: bool) -> str:
@@ -92,18 +96,18 @@ SENDERS: dict[str, Callable[..., WeightSender | VLLMNativeSender | SGLangWeightS
 }
 
 
-def transport_for(policy, *, colocated: bool, on_gpu: bool) -> str:
+def transport_for(policy: PolicyConfig, *, colocated: bool, on_gpu: bool) -> str:
     """The data plane of pushes into the servers of ``policy`` (``policies.<p>``; ``TRANSPORTS``)."""
     return TRANSPORTS[policy.engine.backend](policy.engine, colocated=colocated, pp=policy.pp, on_gpu=on_gpu)
 
 
-def gathers_stages(policy, *, colocated: bool, on_gpu: bool) -> bool:
+def gathers_stages(policy: PolicyConfig, *, colocated: bool, on_gpu: bool) -> bool:
     """A PP>1 push into ``policy``'s servers goes through stage 0's sender alone (``GATHERS``)."""
     transport = transport_for(policy, colocated=colocated, on_gpu=on_gpu)
     return policy.pp > 1 and (policy.engine.backend, transport) in GATHERS
 
 
-def relays_stages(policy, *, colocated: bool, on_gpu: bool) -> bool:
+def relays_stages(policy: PolicyConfig, *, colocated: bool, on_gpu: bool) -> bool:
     """A push into ``policy``'s colocated replicas goes from each replica's leader rank, which holds (or
     receives, at PP>1) every stage's tensors (``RELAYS``)."""
     transport = transport_for(policy, colocated=colocated, on_gpu=on_gpu)
