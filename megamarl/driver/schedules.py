@@ -2,47 +2,16 @@
 
 The trainer's loop is the same in every mode (next batch -> update -> push the weights of the
 policies that are due); ``SCHEDULES[trainer.mode]`` decides where the next batch comes from and what
-a weight push must wait for:
-
-* ``sync``: roll out the step's tasks and return them; nothing runs while the trainer trains.
-  Every sample is 0 versions stale.
-* ``one_step_off``: after handing out step k's batch, start rolling out step k+1's tasks on the
-  current engine weights while step k trains; the weight push waits for that rollout. Every sample
-  is exactly 1 version stale (needs ``trainer.max_staleness >= 1``).
-* ``fully_async``: a ``GroupProducer`` keeps up to ``rollout.max_concurrency`` episodes in flight,
-  admitted a group (all ``group_size`` episodes of one task) at a time; finished groups wait in a
-  bounded ``GroupBuffer`` and a batch is handed out as soon as ``rollout.num_tasks`` fresh groups are
-  ready. When the advantage estimator never groups samples of two policies (``policy_separable``),
-  each policy's share of a group queues separately, so a policy trains as soon as *its* samples
-  are ready. Weights are pushed every ``trainer.sync_every`` updates of a policy. At a push,
-  in-flight episodes are drained first (they finish on the old weights; no new episode starts),
-  or with ``trainer.partial_rollout`` they are paused at their next engine call (the engines'
-  admission gate) and resume on the new weights; each sample still carries its own exact version.
-  The buffer admits ``max(1, max_staleness) * sync_every * num_tasks`` groups (in flight + waiting),
-  so in steady state samples arrive about ``max_staleness`` versions old instead of being generated
-  only to be dropped.
-
-Checkpoints (``state_dict``, saved as the driver's ``rollout_state``): what the rollout side owns
-at a step boundary, so a resumed run continues as the saving run would have. ``sync`` owns nothing
-(step k's tasks and seeds are functions of (trainer.seed, k)). ``one_step_off`` saves the finished
-prefetch of the next step (it was generated on the weights *before* the last update, which the
-checkpoint no longer holds, so it cannot be regenerated). ``fully_async`` drains: admission is held,
-the groups in flight finish into the buffer, then the buffer (finished groups, episodes and drops not
-yet reported) and the producer's cursor are saved and admission resumes. Sampling is seeded per
-request from (trainer.seed, chunk, task, episode, agent, turn), so nothing else is random.
-
-In every mode, groups more than ``trainer.max_staleness`` versions behind the trainer are dropped
-and counted, and the trained samples' staleness is histogrammed.
-
-Overlapping modes run rollout (the driver's event loop thread) and training (the main thread) in one
-process, so they share the GIL. The trainer issues many short torch calls, each releasing and
-re-acquiring the GIL; with CPython's default 5 ms switch interval every re-acquisition can wait up to
-5 ms behind rollout Python (prompt building, parsing, env steps), which slowed updates 1.5-2x on CPU.
-These modes lower the interval to ``GIL_SWITCH_INTERVAL_S`` while they run (restored on close).
-
-Utilisation per step: ``rollout_idle_ratio`` (no episode in flight), ``trainer_idle_ratio`` (the
-trainer waiting for rollout data), ``weight_sync_bubble_s`` (the weight push with its drain/pause,
-when neither side makes progress on generation).
+a weight push must wait for. ``sync``: roll out the step's tasks, nothing runs while training (0
+versions stale). ``one_step_off``: step k+1's rollout runs on the current weights while step k
+trains (exactly 1 version stale). ``fully_async``: a ``GroupProducer`` keeps episodes in flight a
+group at a time into a bounded ``GroupBuffer``; a batch is handed out once ``rollout.num_tasks``
+fresh groups are ready, weights are pushed every ``trainer.sync_every`` updates (in-flight episodes
+drained, or paused with ``trainer.partial_rollout``). Groups more than ``trainer.max_staleness``
+versions behind are dropped and counted. ``state_dict`` saves what the rollout side owns at a step
+boundary, so a resumed run continues as the saving run would have. Overlapping modes lower the GIL
+switch interval while they run. Details (buffer sizing, checkpoints, the GIL, the utilisation
+metrics): docs/design-notes.md, "megamarl/driver/schedules.py".
 """
 
 from __future__ import annotations

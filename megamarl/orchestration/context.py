@@ -1,41 +1,16 @@
 """The episode context: what an orchestra's async code talks to.
 
 ``await ctx.act(agent, observation)`` builds the agent's prompt (token-exact, see ``chat.py``),
-calls the engine of the agent's policy, parses the reply and records one ``Sample`` per sampled
-candidate, tagged (task_id, episode_id, agent, policy, turn, branch, weight_version, valid, step,
-anchor). ``await ctx.complete(agent, prompt_ids)`` samples and records a reply to a prompt rendered
-elsewhere (the OpenAI endpoint) on the same path (``_sample``). ``await ctx.step(agent, action)``
-applies an action to the env (in an env worker when the env says ``remote_step``; ``step_timeout_s``
-bounds each such call). ``ctx.turn(agent)`` is observe + act + step.
-
-Active mask: once the env is done, ``act`` raises ``EpisodeDone`` (the driver treats it as the
-normal end), so an orchestra that forgets to check ``ctx.done`` still never calls an agent of a
-finished episode.
-
-Memory: with ``memory_tokens > 0`` an agent's observation text is prefixed with earlier turns
-(its own with ``memory_scope="self"``, every agent's with ``"team"``), newest kept, *oldest whole
-turns dropped* until the memory fits the token budget. This edits observation text only, so it
-works with single-turn prompts; multi-turn agents keep their full token history instead.
-
-Tree sampling (``tree_k = K > 1``): one engine call with ``n=K``; every candidate is parsed and
-scored (the agent's ``local_reward`` if it returns a value, else the env's ``score`` check fn);
-the conversation continues from the best (lowest branch on ties); all K become Samples sharing
-(task, agent, turn) with branch 0..K-1 and their score as ``local_reward``.
-
-Tools: an agent with ``tools`` whose reply calls them gets each result as a ``tool`` turn of its
-transcript and samples again (``max_tool_calls`` rounds); the calling samples join the action's.
-
-Reported rewards: a program that scores its own episode (``report_rewards``, the external
-orchestra) sets the team and per-agent rewards ``finalize`` writes, and the success statistics.
-
-Policy mapping: a context built with ``policies`` (agent -> policy, from ``rollout.policy_mapping``
-for this episode) sends an agent's calls to that policy's engine and tags its samples with it, so
-the policy trains on them; other agents use their configured ``agents.<a>.policy``.
-
-Seeded sampling: a context built with ``seed`` (the driver derives it from the rollout seed and the
-episode id) sends every engine call ``seed = derive_seed(seed, agent, turn)``, so a sample depends
-on (run seed, step, task, episode, agent, turn) and not on how the engine batched the requests or
-on what it generated before: a resumed run samples exactly what the uninterrupted run sampled.
+calls the engine of the agent's policy, parses the reply and records one tagged ``Sample`` per
+sampled candidate; ``await ctx.complete(agent, prompt_ids)`` does the same for a prompt rendered
+elsewhere (the OpenAI endpoint); ``await ctx.step(agent, action)`` applies an action to the env (in
+an env worker for ``remote_step`` envs); ``ctx.turn(agent)`` is observe + act + step. Once the env
+is done ``act`` raises ``EpisodeDone``. Per agent: ``memory_tokens`` prefixes earlier turns (oldest
+whole turns dropped), ``tree_k > 1`` samples K candidates and continues from the best, ``tools``
+answers tool calls and samples again. ``report_rewards`` sets the rewards ``finalize`` writes;
+``policies`` maps agents to policies for the episode; ``seed`` makes each engine call's sampling a
+function of (run seed, step, task, episode, agent, turn), so a resumed run samples what the
+uninterrupted one did. Details: docs/design-notes.md, "megamarl/orchestration/context.py".
 """
 
 from __future__ import annotations

@@ -1,55 +1,15 @@
 """Run untrusted Python (model-written code and tests) isolated by the kernel, not by hooks.
 
-The default path (``isolated=True``) starts each program in bubblewrap (``bwrap``, the sandbox
-Flatpak uses), run by the (root) judge, with:
-
-* its own PID, mount, network, IPC and UTS namespaces: the judge and every other process are
-  invisible (``/proc`` shows the sandbox's two processes), so nothing can be read from
-  ``/proc/<judge>/mem`` or signalled (``os.kill``, ``pidfd_send_signal``) by pid; no network
-  interfaces but a down loopback;
-* a root file system that is a read-only tmpfs holding only what Python needs: ``/usr`` (with the
-  usual ``/bin``, ``/lib`` links), ``/etc/ld.so.cache``, the interpreter's own prefix (at
-  ``/python``, started with ``-I -S``: no site-packages, no .pth pointing into the repository), a
-  minimal ``/dev``, a fresh ``/proc`` and a private ``/tmp`` (tmpfs of ``file_size_mb``, the cwd).
-  The program text arrives as a read-only file copied from an anonymous memfd: the sandbox needs
-  no directory on the host, so nothing is left in the host's ``/tmp`` even when the judge is
-  SIGKILLed;
-* a uid that is not the judge's: ``setpriv`` drops to an unprivileged uid (200000 + judge pid %
-  100000, so concurrent judges do not share a process budget) with no capabilities, empty bounding
-  set and ``no_new_privs``; ``unshare --user`` then puts the program in a user namespace of its own
-  where that uid maps only to itself;
-* limits for the tree as a whole: each run gets its own cgroup (memory ``memory_mb``, swap
-  included; ``num_procs`` tasks; ``cpus`` cores of CPU bandwidth), entered by the child before it
-  execs bwrap, so every descendant is in it and none can leave (the cgroup namespace hides the
-  hierarchy). cgroup v1 (one directory per controller, as on this hybrid machine) and v2 (one
-  directory, when the judge may enable the controllers for its children) are both handled; the
-  cgroup is created under the judge's own one, so it nests inside whatever limits the judge has.
-  Where no hierarchy is writable, the limits fall back to rlimits alone (``tree_limits()`` says
-  which). rlimits apply in both cases, per process: address space, CPU seconds, file size, open
-  files and processes (``RLIMIT_NPROC`` holds because the uid is not root);
-* the whole tree killed at the end: bwrap's pid 1 exits when the program exits (or bwrap is
-  killed at the deadline, ``--die-with-parent`` also fires when the judge dies), and the kernel
-  kills everything left in a PID namespace whose init is gone: ``fork``/``setsid``/double-fork
-  children cannot outlive the run. Whatever is still in the run's cgroup is then killed; the
-  emptied cgroup is reused by the judge's next run and removed at exit (a SIGKILLed judge's
-  cgroups are removed by the next judge's next run).
-
-Why bubblewrap and not hand-written ``unshare``/``mount`` calls: it is small, audited and
-packaged everywhere, and does the mount set-up (pivot_root, read-only remounts, tmpfs, data files
-from fds) that would otherwise be our own code. It runs privileged (as the root judge) because an
-unprivileged uid cannot reach the interpreter under ``/root/.pyenv``; the uid drop happens inside.
-``scripts/setup.sh`` installs Debian's ``bubblewrap`` when it is missing.
-
-Output is read in bounded chunks with a deadline: stdout, stderr and the judge's channel are pipes
-read by a selector loop; more than ``max_output_mb`` on stdout or the channel kills the run
-(``output_limit``), so a flood cannot grow the judge, and a child holding a pipe open cannot make
-the judge wait past ``timeout_s``.
-
-``isolated=False`` is the old path, kept only as the explicit ``env.kwargs.unsafe_inprocess``
-opt-in and for the side-by-side benchmark: a subprocess with rlimits, an audit hook (PEP 578,
-a tripwire and not a boundary: ``_posixsubprocess.fork_exec`` and ``dir_fd`` paths go around it),
-``unshare -n`` when root, in a host temp dir named after the judge's pid (removed at the next run
-when that pid is gone).
+The default path (``isolated=True``) starts each program in bubblewrap (``bwrap``), run by the
+(root) judge: own PID, mount, network, IPC and UTS namespaces; a read-only root holding only what
+Python needs, with a private ``/tmp`` and the program text copied from an anonymous memfd; an
+unprivileged uid with no capabilities in a user namespace of its own; a cgroup per run (memory,
+tasks, CPU bandwidth; rlimits alone where no hierarchy is writable, ``tree_limits()`` says which)
+plus per-process rlimits; the whole tree killed at the end. Output is read in bounded chunks with a
+deadline (more than ``max_output_mb`` kills the run: ``output_limit``). ``isolated=False`` (the
+explicit ``env.kwargs.unsafe_inprocess`` opt-in) is a plain subprocess with rlimits and an audit
+hook, a tripwire and not a boundary. ``scripts/setup.sh`` installs bubblewrap. The full account (each
+layer, cgroup v1/v2, why bubblewrap): docs/design-notes.md, "megamarl/orchestration/sandbox.py".
 """
 
 from __future__ import annotations

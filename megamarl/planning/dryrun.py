@@ -1,46 +1,16 @@
 """Cluster dry-run: check a run's placement and per-GPU memory on one CPU process, before asking Slurm.
 
 ``dry_run(cfg)`` takes the declared cluster (``cluster.num_nodes * cluster.gpus_per_node`` ranks,
-node-major like torchrun), then
-
-1. builds the placement (layout errors name the config key),
-2. builds every worker group's TP/PP/DP process groups in a FAKE world of that size
-   (``torch.testing._internal.distributed.fake_pg``: no GPUs, no network, milliseconds),
-3. checks each policy's model shape against its layout (``check_model``) and its engine TP,
-   where the shape comes from an architecture preset or a local HF ``config.json``
-   (``megamarl.planning.model_presets``), so 70B-class runs are planned without downloading weights,
-4. prints which GPU holds which WG shard (tp/pp/dp coordinates) and which engine replica, with a
-   per-GPU memory estimate, and raises ``ValueError`` naming the policy, the GPU (node/local index)
-   and the numbers when a GPU does not fit ``cluster.gpu_memory_gib``.
-
-Memory per GPU: ``megamarl.planning.memory`` (the formulas are in its docstring), from the same
-``WorkerGroupLayout`` objects the trainer builds (``RunConfig.placement``) and a ``TrainingSetup``
-per policy with what ``build_workers`` decides (``training_setup``): the training dtype (``auto`` on
-a GPU cluster plans bf16, as ``resolve_dtype`` gives on its GPUs; CPU ranks resolve it here), the
-LoRA adapters, whether a KL reference model exists, the largest micro-batch, and the layer spec
-(``models.spec.planned_layer_spec``: Transformer Engine on GPUs, with flash attention, except for LoRA
-policies; megatron-core's local spec on CPU ranks).
-Engines: weights b_e * P / tp_e (``engine.dtype``; auto is bf16 on GPUs; no PP), KV cache
-``engine.kv_cache_gib`` per GPU, or when 0 (and by default on GPUs):
-max_num_seqs * seq_len * 2 (K, V) * L * ceil(kv_heads / tp_e) * head_dim * 2 bytes; LoRA adapters
-b_e * r * (in + out) / tp_e per targeted linear.
-
-A GPU is priced phase by phase, in the order the trainer runs them (``megamarl.planning.phases``,
-the list ``Trainer.fit`` executes): in each phase it holds the kinds the phase keeps resident
-(the training state of WGs that offload it only in the phases that hold it, every other WG's always;
-the activation peak, one WG at a time, in the train phase; sleeping engines' weights and KV cache
-only in the phases that hold them, other engines always; the buffers of a relayed PP>1 push
-(``_relay_buffers``) in the phases that push; the reference models, the training NCCL communicators
-(``parallel.placement.nccl_reserve_bytes``, + a relay's point-to-point partners) and
-``cluster.reserved_gib`` — CUDA context, fragmentation — everywhere). The GPU needs its
-peak phase, reported by name: in ``trainer.mode=sync`` colocated, the push (train state + woken
-engine weights) or the update; the async modes hold everything at once.
-
-Engine placement comes from ``megamarl.rollout.engine_placement.plan_engines``, the plan every
-rank computes at start-up: ``engine.ranks`` empty -> replica i sits on the policy's WG ranks
-[i*tp_e, (i+1)*tp_e) (colocated); set -> the replicas take those ranks in blocks of tp_e;
-``launch: in_process`` -> every replica on rank 0; ``server_urls`` -> external, no GPU here. A
-replica crossing a node boundary is an error there.
+node-major like torchrun), builds the placement (layout errors name the config key), builds every
+worker group's process groups in a FAKE world of that size (no GPUs, milliseconds), checks each
+policy's model shape (an architecture preset or a local ``config.json``: no weights downloaded)
+against its layout and engine TP, and prints which GPU holds which WG shard and engine replica with
+a per-GPU memory estimate, raising ``ValueError`` naming the policy, GPU and numbers when one does
+not fit ``cluster.gpu_memory_gib``. Memory comes from ``megamarl.planning.memory`` and the engines'
+weights, KV cache and adapters, priced phase by phase in the order the trainer runs them
+(``megamarl.planning.phases``): a GPU needs its peak phase, reported by name. Engine placement is
+``rollout.engine_placement.plan_engines``'s. Details (the training setup, engine formulas, what each
+phase holds): docs/design-notes.md, "megamarl/planning/dryrun.py".
 """
 
 from __future__ import annotations

@@ -3,68 +3,13 @@
 
 Unlike the usual "16 bytes per parameter" rule this follows the trainer's own construction, so a CPU
 test (``tests/distributed/test_dryrun_measured.py``) compares it with the storages tiny workers
-really allocate. Per rank of a WG with layout ``tp x pp x dp`` (``WorkerGroupLayout``), pipeline
-stage ``s``, training dtype of ``b`` bytes (``policies.<p>.dtype``), layer spec ``te``
-(Transformer Engine: GPUs) or ``local`` (megatron-core's torch modules: CPU ranks):
-
-Parameters (``rank_parameters``; megatron-core's ``GPTModel`` shard at ``tp``/``pp``): stage ``s``
-holds ``num_layers / pp`` layers of ``h(q + 2kv)/tp`` [QKV] ``+ qh/tp`` [proj] ``+ 2fh/tp`` [fc1:
-gate, up] ``+ fh/tp`` [fc2] (``+ (q + 2kv)/tp`` QKV bias) and the norms ``2h`` (``+ 2 head_dim``
-QK-norm; replicated over TP); the first stage the embedding ``V_p h / tp``, the last the final norm
-``h`` and the output layer ``V_p h / tp`` (none when tied and pp = 1; a copy of the tied embedding
-when pp > 1). ``V_p``: the vocabulary padded to a multiple of ``tp``. Matrices are in the training
-dtype, norm weights too with TE but fp32 in the local spec. LoRA adds per adapter and targeted
-linear ``A`` and ``B`` in the training dtype: column-parallel (qkv, fc1) ``r in + r out/tp``,
-row-parallel (proj, fc2) ``r in/tp + r out`` (``megamarl.models.lora``).
-
-Static state (``train_memory``); N = the trainable tensors (all, or only the adapters), grouped by
-dtype because megatron-core's ``DistributedDataParallel`` keeps one buffer per (param dtype, grad
-dtype); one bucket per buffer (``overlap_grad_reduce=False``):
-
-- buffer       ``numel_buf`` = sum of N; with the distributed optimizer every parameter starts at
-               a multiple of 64 elements, the bucket ends at a multiple of ``lcm(dp, 128)`` and a
-               tied embedding with pp > 1 has a bucket of its own (``ddp_buffer_numel``).
-- weights      width * ``numel_buf`` with the distributed optimizer (parameters become views of
-               DDP's ``param_data``), else width * sum(N); frozen tensors (a LoRA base) width * numel.
-- grads        ``4 * numel_buf`` (``grad_reduce_in_fp32=True``).
-- main_params  fp32 copies of 16-bit parameters: ``4 * numel_buf / dp`` with the distributed
-               optimizer (this rank's shard of the padded buffer: an upper bound by the padding),
-               ``4 * sum(N)`` without (``Float16OptimizerWithFloat16Params``); none for fp32 tensors.
-- optimizer    Adam ``exp_avg`` + ``exp_avg_sq`` in fp32: ``8 * numel_buf / dp`` or ``8 * sum(N)``.
-- reference    the frozen copy (a second ``GPTModel``, no DDP, no optimizer) when the policy or one
-               of its agents has ``kl_coef > 0``, except for LoRA (the base with adapters off is the
-               reference); 0 at rest with ``ref_offload`` (host memory), which instead brings it in
-               for the reference forward pass: ``reference_visit`` = its weights + the log-prob peak.
-- lora         the adapters' weights (their grads, main copies and Adam state are in the rows above).
-- frozen policies: nothing (``build_workers`` builds no worker; the engines serve the checkpoint).
-
-Activations (``activation_bytes``): ``T`` tokens per micro-batch (``micro_batch_size * seq_len``,
-the largest ``micro_batch_size`` of the policy and its agents, right-padded rows of ``S = seq_len``;
-with ``pack``: one row, ``S = T``, ``T`` at most ``max(max_tokens_per_micro_batch, seq_len)``),
-no sequence parallelism (``megamarl.models.spec.transformer_config``), so the h-sized tensors are
-whole on every TP rank. Per token and layer, what autograd keeps for backward, with
-``q_t = heads * head_dim / tp``, ``kv_t = kv_heads * head_dim / tp``, ``f_t = f / tp``, ``n_t = heads / tp``:
-
-- ``te`` (flash attention): two fused norm+linear, ``2bh + 4`` each (input, normed input, 1/rms);
-  attention ``b(q_t + kv_t)`` [rotated q, k] ``+ b(q_t + 2kv_t)`` [the QKV output, held by v]
-  ``+ b q_t`` [output] ``+ 4 n_t`` [softmax statistics]; MLP ``5 b f_t`` (fc1 output ``2 f_t``;
-  megatron-core's GLU keeps ``silu(gate)``, ``up + 0`` and their product).
-- ``local`` (unfused attention; measured by the test): two RMSNorms computed in fp32,
-  ``8h + bh + 4`` each (fp32 input, fp32 normed, the linear's input, 1/rms); attention ``3 b q_t``
-  [q; k, v expanded to all heads] ``+ 4 n_t S`` [fp32 softmax] ``+ b n_t S`` [probabilities cast
-  back, when b < 4] ``+ b q_t`` [context]; MLP ``5 b f_t``; per layer also ``4 S head_dim b``
-  of rotary tables, per stage the ``S^2`` bool causal mask.
-- ``recompute: selective`` (core attention recomputed): attention keeps its inputs and output,
-  ``b(q_t + kv_t) + b(q_t + 2kv_t) + b q_t``.
-- ``recompute: full`` (every layer recomputed, one at a time): ``b h`` per layer (its input), plus
-  one layer's activations as above while it is rebuilt.
-
-Stage ``s`` keeps ``min(pp - s, micro-batches per optimizer step)`` micro-batches in flight (1F1B;
-the count is known when ``mini_batch_size`` is set); the first stage adds the token ids (8 bytes per
-token), the last the final norm (as a norm above) and the log-prob peak
-``(b + 24) T V_p / tp``: the logits in the training dtype and six fp32 ``[T, V_p/tp]`` tensors live
-at once in ``vocab_parallel_logprobs`` (upcast, shifted, exp, probs, masked shift, product), over
-all ``T`` positions (the output-layer window ``LogitWindow`` can only shrink it).
+really allocate. Per rank of a WG with layout ``tp x pp x dp`` and pipeline stage ``s``:
+``rank_parameters`` (the ``GPTModel`` shard, LoRA adapters included), ``train_memory`` (weights,
+DDP grads, fp32 main parameters and Adam state per dtype buffer, the reference model, adapters) and
+``activation_bytes`` (what autograd keeps per token and layer for the ``te`` or ``local`` layer spec
+and ``recompute`` setting, times the 1F1B micro-batches in flight, plus the log-prob peak on the last
+stage). Frozen policies cost nothing (no worker). The formulas, term by term:
+docs/design-notes.md, "megamarl/planning/memory.py".
 """
 
 from __future__ import annotations
@@ -105,7 +50,7 @@ class TrainingSetup:
 
 @dataclass
 class Memory:
-    """Bytes per GPU, by kind (the module docstring says what each holds)."""
+    """Bytes per GPU, by kind (what each holds: docs/design-notes.md, "megamarl/planning/memory.py")."""
 
     weights: float = 0.0
     grads: float = 0.0
@@ -154,7 +99,7 @@ class RankParameters:
 def rank_parameters(
     shape: ModelShape, *, tp: int, pp: int, stage: int, lora=None, num_adapters: int = 0
 ) -> RankParameters:
-    """The parameter tensors of pipeline stage ``stage`` on one TP rank (module docstring)."""
+    """The parameter tensors of pipeline stage ``stage`` on one TP rank (the formulas: design-notes)."""
     h, f = shape.hidden_size, shape.ffn_hidden_size
     q, kv = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
     layer = [h * (q + 2 * kv) // tp, q * h // tp, 2 * f * h // tp, f * h // tp]
@@ -225,7 +170,7 @@ def train_memory(
     stage: int,
     num_micro_batches: int | None = None,
 ) -> Memory:
-    """Bytes on one rank of pipeline stage ``stage`` (module docstring). ``num_micro_batches``: per
+    """Bytes on one rank of pipeline stage ``stage`` (the formulas: design-notes). ``num_micro_batches``: per
     optimizer step and DP rank, when known (caps the micro-batches in flight)."""
     if policy.frozen:
         return Memory()
@@ -308,7 +253,7 @@ def layer_activation_bytes(
     shape: ModelShape, *, tp: int, tokens: int, seq_len: int, dtype_bytes: int, recompute: str, spec: str
 ) -> float:
     """Bytes one decoder layer keeps for backward for one micro-batch of ``tokens`` in rows of
-    ``seq_len`` (module docstring); with ``recompute='full'``: its input only."""
+    ``seq_len`` (design-notes, memory.py); with ``recompute='full'``: its input only."""
     b, h = dtype_bytes, shape.hidden_size
     q, kv = shape.num_heads * shape.head_dim / tp, shape.num_kv_heads * shape.head_dim / tp
     f, heads = shape.ffn_hidden_size / tp, shape.num_heads / tp

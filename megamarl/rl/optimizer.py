@@ -1,37 +1,14 @@
 """A policy's optimizer: megatron-core's ``get_megatron_optimizer`` and ``OptimizerParamScheduler``
 over the WG's own process groups, with a whole-WG non-finite check in front of every step.
 
-What megatron-core gives: bf16 (or fp32) model parameters, fp32 main parameters and Adam moments,
-gradients accumulated in fp32 in the DDP buffers, clipping by the global norm over the model-parallel
-(or, with the distributed optimizer, the whole WG) group, and with ``distributed_optimizer`` the main
-parameters and Adam moments sharded over the WG's DP ranks (ZeRO-1).
-
-How it differs from Megatron-LM's training loop:
-
-- The learning-rate schedule advances once per *policy update* (one trainer step: all mini-batches
-  and PPO epochs of that step), as verl's actor does, so ``warmup_steps``/``decay_steps`` are counted
-  in trainer steps whatever the batch size.
-- An update is skipped on every rank of the WG when any rank saw a non-finite loss or gradient: the
-  fault flag is reduced over the WG before megatron-core's step (megatron-core's bf16 path has no
-  loss scaler and would apply a NaN update).
-- megatron-core 0.16 gathers parameter-group keys over the *world* while it builds the optimizer
-  (``_get_param_groups``); with several WGs on different ranks that gather must stay inside the WG,
-  so it is scoped to the WG's group here (``_collectives_in``).
-- megatron-core 0.16 with torch's Adam (no Transformer Engine or apex, e.g. on CPU) keeps a per-parameter
-  ``step`` in the inner state, which its distributed-optimizer checkpoint then saves as if it were a
-  parameter-shaped tensor (a garbage step after loading) and looks for among the loaded tensors
-  (``KeyError: 'step'``), and on load gives every parameter one shared step tensor that torch's Adam
-  then increments once per parameter; ``_keep_step_on_load`` keeps ``step`` out of the per-parameter
-  state and gives each parameter its own copy of the restored step.
-- megatron-core 0.16's distributed optimizer records each parameter's place in its parameter group
-  (``model_param_group_index_map``, which checkpoint save and load go by) in grad-buffer order, then
-  installs each group as fp32 parameters first, then the fp32 copies of bf16 ones. A group that
-  mixes both (bf16 training: the no-weight-decay group holds bf16 biases and the fp32 norm weights
-  of megatron-core's local layers) has its state saved under the wrong parameters: a size-mismatch
-  error, or silently swapped state when sizes agree (NVIDIA/Megatron-LM#2777).
-  ``_index_params_as_installed`` rebuilds the map in the installed order.
-- LoRA policies: only the adapters require grad, so DDP buffers and optimizer state exist for them
-  alone; each adapter is a parameter group with its agent's learning rate (``ParamKey`` overrides).
+megatron-core gives bf16 (or fp32) parameters, fp32 main parameters and Adam moments, fp32 gradient
+buffers, global-norm clipping and, with ``distributed_optimizer``, ZeRO-1 sharding over the WG's DP
+ranks. Unlike Megatron-LM's loop: the learning-rate schedule advances once per policy update (one
+trainer step); an update is skipped on every rank of the WG when any rank saw a non-finite loss or
+gradient; megatron-core's build-time gathers are scoped to the WG (``_collectives_in``); two
+megatron-core 0.16 checkpoint bugs are patched (``_keep_step_on_load``,
+``_index_params_as_installed``); LoRA policies optimize only the adapters, one parameter group per
+adapter with its agent's learning rate. Details: docs/design-notes.md, "megamarl/rl/optimizer.py".
 """
 
 from __future__ import annotations

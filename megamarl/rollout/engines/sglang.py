@@ -1,45 +1,16 @@
 """``sglang`` engines: a client for the SGLang HTTP server and a thin in-process wrapper.
 
-Protocol followed: SGLang 0.5.x native server (``python/sglang/srt/entrypoints/http_server.py``
-and the request dataclasses in ``managers/io_struct.py``):
-
-- ``POST /generate`` ``{"input_ids": [[...]], "sampling_params": [{...}], "return_logprob": true,
-  "lora_path": name}`` -> one object per input with ``output_ids`` and ``meta_info``
-  (``finish_reason: {"type": "stop"|"length", ...}``, ``output_token_logprobs: [[logprob, id,
-  text], ...]``, ``weight_version``). Sampling keys: temperature, top_p, top_k (-1 off),
-  max_new_tokens, stop_token_ids, sampling_seed.
-- Weight updates run inside a session (SGLang 0.5.23): ``POST /begin_weight_update {}`` .. ``POST
-  /end_weight_update {}``; outside it the update endpoints answer 400.
-- ``POST /update_weights_from_tensor`` ``{"serialized_named_tensors": [str per TP rank],
-  "load_format": null, "flush_cache": true, "weight_version": "7"}``: each string is SGLang's
-  ``MultiprocessingSerializer.serialize(named_tensors, output_str=True)``, i.e. base64 of a
-  ``ForkingPickler`` dump of ``[(name, tensor), ...]`` (tensor handles: same-node only).
-- ``POST /init_weights_update_group`` ``{"master_address", "master_port", "rank_offset",
-  "world_size", "group_name", "backend"}`` then ``POST /update_weights_from_distributed``
-  ``{"names", "dtypes", "shapes", "group_name", "flush_cache", "weight_version"}`` while the trainer
-  broadcasts the tensors from rank 0 of that group (cross-node path).
-  (``load_format: "flattened_bucket"``: one broadcast of the bucket's flattened concatenation);
-  ``POST /update_weight_version {"new_version"}``; ``POST /destroy_weights_update_group
-  {"group_name"}``. The fan-out sender is ``megamarl.rollout.weights.sglang_sync.SGLangWeightSender``.
-- ``POST /release_memory_occupation`` / ``/resume_memory_occupation`` ``{"tags": ["weights",
-  "kv_cache"] | null}``, ``POST /pause_generation`` ``{"mode": "abort"|"retract"|"in_place"}``, ``POST
-  /continue_generation``, ``POST /flush_cache``, ``GET /health``, ``GET /get_model_info`` (carries
-  ``weight_version``). Replies to the weight endpoints are ``{"success": bool, "message": str}``.
-- L2 adapters (server started with ``--enable-lora``): ``POST /load_lora_adapter {"lora_name",
-  "lora_path"}`` / ``POST /unload_lora_adapter {"lora_name"}`` (replies ``{"success",
-  "error_message", "loaded_adapters"}``); SGLang refuses to load a name twice, so a new version of an
-  adapter is an unload then a load; requests name the adapter in ``lora_path``.
-
-Not supported by SGLang's sampling parameters: ``allowed_token_ids`` (raises; ``build_fleet``
-rejects ``agents.<a>.sampling.allowed_tokens`` for SGLang policies at start-up).
-
-The client is tested against the real SGLang server on CPU where ``scripts/setup.sh --extras
-sglang-cpu`` built it (``.venv-sglang``; tests/integration/test_sglang_real.py) and always against a
-local server speaking the protocol above (``tests/fake_servers.py: FakeSGLangServer``, also
-launchable as ``python -m sglang.launch_server`` from ``tests/fake_sglang``).
-Logprobs: SGLang returns logprobs of the temperature-scaled distribution
-(``--return-logprob`` after temperature); the same quantity as our ``hf``/``vllm`` engines when
-top-k/top-p are off.
+The client speaks SGLang 0.5.x's native server: ``POST /generate`` (token ids in, ``output_ids`` and
+``meta_info`` with logprobs, finish reason and ``weight_version`` out), weight updates inside a
+``/begin_weight_update`` .. ``/end_weight_update`` session (from tensors on one node, or from a
+distributed group: ``megamarl.rollout.weights.sglang_sync.SGLangWeightSender``), memory release and
+resume, pause and continue, health and model info, and L2 adapters loaded and unloaded by name
+(a new version is an unload then a load). ``allowed_token_ids`` is not supported (raises;
+``build_fleet`` rejects it at start-up). Logprobs are of the temperature-scaled distribution, the
+same quantity as the ``hf``/``vllm`` engines' when top-k/top-p are off. Tested against the real
+server on CPU where built (``.venv-sglang``) and always against ``tests/fake_servers.py``'s
+``FakeSGLangServer``. The endpoints and payloads, field by field: docs/design-notes.md,
+"megamarl/rollout/engines/sglang.py".
 """
 
 from __future__ import annotations

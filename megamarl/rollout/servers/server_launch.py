@@ -2,39 +2,14 @@
 
 The rank that leads a replica's device block (``rollout.engine_placement``) owns its server:
 ``ServerProcess(spec).start()`` runs vLLM's OpenAI-compatible server (or SGLang's) in its own
-process group (the server forks an engine core and workers; ``stop`` kills the whole group) under
-``server_guard``, which takes the server down when the owning process dies (even by SIGKILL), logs
-to a file, and returns the base URL once ``/health`` answers. A server that dies during start-up,
-or does not answer within the timeout, raises ``ServerStartError`` naming the policy, replica and
-rank with the last lines of its log. The timeout is ``engine.server_start_timeout_s`` (by device when null).
-
-Every server's environment is its owner's without the launcher's rank variables (torchrun's RANK,
-WORLD_SIZE, MASTER_*, TORCHELASTIC_*...): a server forms a world of its own. On GPU its
-``CUDA_VISIBLE_DEVICES`` names the block's devices through the owner's own list (``visible_devices``).
-
-Environment of a vLLM server: ``VLLM_SERVER_DEV_MODE=1`` (the weight-transfer, pause and sleep
-endpoints), megamarl's weight-transfer plugin (``vllm_plugin``; ``plugin_env``), engine core in its
-own process; on CPU ``VLLM_CPU_KVCACHE_SPACE`` (whole GiB; else ``--kv-cache-memory-bytes``) and
-``num_threads`` OpenMP threads without core binding (several servers share a node's cores). A server
-bound to 0.0.0.0 (other nodes reach it) advertises, and its transfer-group workers bind, this node's
-address (``parallel.network.host_address``, passed as ``MEGAMARL_HOST_ADDR``).
-
-Interpreter: ``ServerSpec.python`` (``engine.server_python``), so a backend may live in an environment
-of its own; empty: ``server_python(backend)`` -- this process's, or for SGLang, when this environment
-has no ``sglang``, the one ``scripts/setup.sh --extras sglang-cpu`` builds (``.venv-sglang``). An SGLang
-server on CPU runs with ``SGLANG_USE_CPU_ENGINE=1`` and SGLang's plain-PyTorch paths (``--device cpu
---attention-backend torch_native --sampling-backend pytorch --disable-overlap-schedule``; its KV
-cache bounded by ``--max-total-tokens`` from ``kv_cache_gib``). SGLang L2 (GPU only) starts without
-adapters, so with ``--max-lora-rank`` and ``--lora-target-modules`` (the HF modules ``lora.targets``
-adapt). A model directory whose config names no ``architectures`` (SGLang needs them) gets them
-through ``--json-model-override-args``.
-
-GPU-only flags, never on a CPU command line (vLLM-CPU refuses sleep mode): ``sleeps`` (a colocated
-server that hands its memory to training) -> vLLM ``--enable-sleep-mode`` / SGLang
-``--enable-memory-saver`` (and ``--enable-weights-cpu-backup`` where no push rewrites the weights after a
-wake: frozen policies, an L2 base); ``memory_fraction`` (the plan's, ``planning.engine_budget``) -> vLLM
-``--gpu-memory-utilization`` / SGLang ``--mem-fraction-static``; ``enforce_eager`` -> vLLM
-``--enforce-eager`` (also on CPU, its default there) / SGLang ``--disable-cuda-graph``.
+process group under ``server_guard`` (the server goes down with its owner, even on SIGKILL), logs to
+a file, and returns the base URL once ``/health`` answers. A server that dies during start-up, or
+does not answer within ``engine.server_start_timeout_s``, raises ``ServerStartError`` naming the
+policy, replica and rank with the last lines of its log. A server's environment is its owner's
+without the launcher's rank variables (it forms a world of its own), its GPUs the block's devices;
+its interpreter is ``engine.server_python`` (or ``server_python(backend)``). GPU-only flags (sleep
+mode, memory fraction, CUDA graphs) never reach a CPU command line. The per-backend environment and
+flags: docs/design-notes.md, "megamarl/rollout/servers/server_launch.py".
 """
 
 from __future__ import annotations

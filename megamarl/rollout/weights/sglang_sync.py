@@ -1,36 +1,14 @@
 """Push a policy's weights from one trainer rank into every replica *SGLang server* of the policy.
 
-The SGLang counterpart of ``server_sync.WeightSender`` (same ``connect/begin/send/end/push/close``),
-speaking SGLang's own weight endpoints (``python/sglang/srt/entrypoints/http_server.py``, request
-structs in ``managers/io_struct.py``):
-
-- ``transport="gloo"`` (CPU) / ``"nccl"`` (GPU), disaggregated replicas, and on CPU colocated ones:
-  ``POST /init_weights_update_group {master_address, master_port, rank_offset, world_size,
-  group_name, backend}`` to every replica while this rank joins the same group as rank 0 (it hosts
-  the TCP rendezvous; replica r's TP workers are ranks ``1 + sum(tp of replicas < r) + tp_rank``,
-  which is how SGLang numbers them: ``rank_offset + tp_rank``). Per bucket: ``POST
-  /update_weights_from_distributed {names, dtypes, shapes, group_name, flush_cache: false,
-  load_format}`` announced to ALL replicas concurrently, then one broadcast from rank 0 reaches them
-  all. SGLang's receiver allocates the announced tensors and (``load_format: "flattened_bucket"``,
-  current SGLang) receives ONE broadcast of their flattened concatenation, or (``load_format: null``,
-  every SGLang version) one broadcast per tensor in the order of ``names``; then ``model.load_weights``.
-  A flattened bucket needs one dtype (SGLang concatenates the receive buffers): a mixed bucket goes
-  per tensor. ``close`` posts ``/destroy_weights_update_group``.
-- ``transport="cuda_ipc"`` (GPU, colocated): ``POST /update_weights_from_tensor
-  {serialized_named_tensors: [one string per TP rank], load_format: null, flush_cache: false}``;
-  each string is SGLang's ``MultiprocessingSerializer`` format (base64 of a ``ForkingPickler`` dump
-  of ``[(name, tensor), ...]``) whose CUDA tensors travel as IPC handles naming their device by UUID
-  (SGLang's patched ``rebuild_cuda_tensor`` accepts that, so the trainer's and the server's
-  ``CUDA_VISIBLE_DEVICES`` may differ). Needs CUDA; not exercised on the CPU machines (its payload
-  format is unit-tested).
-
-Session: SGLang 0.5.23 takes weight updates only inside ``POST /begin_weight_update {}`` ..
-``POST /end_weight_update {}`` (``begin`` opens it after pausing, ``end`` closes it first; found
-against the real server: outside a session the update endpoints answer 400).
-``end(version)``: ``POST /update_weight_version {new_version}`` (so every sender of a pipeline-staged
-update can send without knowing which bucket is last) and ``POST /flush_cache``. Replies are
-``{"success": bool, "message": str}`` (HTTP 400 on failure); a failure raises naming the replica.
-Tensors travel in the engine's dtype (``dtype``; the pusher already casts them).
+The SGLang counterpart of ``server_sync.WeightSender`` (same ``connect/begin/send/end/push/close``).
+``transport="gloo"`` (CPU) / ``"nccl"`` (GPU): every replica joins one update group with this rank as
+rank 0 (replica r's TP workers at ``1 + sum(tp of replicas < r) + tp_rank``); per bucket the update is
+announced to ALL replicas concurrently, then one broadcast reaches them all (one flattened tensor
+when the bucket has one dtype, else one per tensor). ``transport="cuda_ipc"`` (GPU, colocated): the
+tensors as SGLang-serialized CUDA IPC handles, one string per TP rank. Updates run inside SGLang's
+``/begin_weight_update`` .. ``/end_weight_update`` session; ``end(version)`` stamps the version and
+flushes the cache. A failed reply raises naming the replica. Tensors travel in the engine's dtype.
+The endpoints and payloads: docs/design-notes.md, "megamarl/rollout/weights/sglang_sync.py".
 """
 
 from __future__ import annotations

@@ -1,36 +1,16 @@
 """Push weights into vLLM servers on GPUs through vLLM's OWN weight-transfer backends.
 
-On CPU, megamarl feeds vLLM servers through its plugin backends (``server_sync.WeightSender``:
-``megamarl_gloo`` / ``megamarl_shm``). On GPU the servers are started with vLLM's built-in backends
-instead (``--weight-transfer-config {"backend": "nccl"|"ipc"}``) and this sender drives them; the
-server side is vLLM's code unchanged (``NCCLWeightTransferEngine`` / ``IPCWeightTransferEngine``).
-
-- ``transport="nccl"`` (disaggregated replicas): one NCCL group per sender, the sender at rank 0 and
-  replica ``r``'s workers at ``rank_offset = 1 + sum(tp of replicas < r)`` (vLLM's own trainer engine
-  gives every server ``rank_offset=1``, which only fits ONE server per group, hence the handshake
-  here: one ``/init_weight_transfer_engine`` per replica with its own offset, sent while the sender
-  opens its endpoint with vLLM's ``nccl_common.trainer_init``). Per bucket: ``/update_weights
-  {names, dtype_names, shapes}`` to every replica, concurrently with ONE packed broadcast
-  (``packed_tensor.packed_nccl_broadcast_producer``, vLLM's producer for its consumer), so every
-  replica receives each bucket at once. The wire params (packed, buffer size, buffers) are sent at
-  the handshake, as vLLM's trainer engine does.
-- ``transport="ipc"`` (colocated replica at engine TP=1, the GPU its own leader rank trains on):
-  per bucket, ``/update_weights {names, dtype_names, shapes, ipc_handles_pickled}`` where each tensor
-  is shared as a CUDA IPC handle keyed by the GPU's UUID (``reduce_tensor``; the server needs
-  ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` to unpickle the handles; ``server_launch`` sets it). The
-  bucket's tensors stay referenced until the server answered. A colocated replica at engine TP > 1
-  needs every block rank's handles for its own GPU; megamarl feeds it through ``megamarl_shm``.
-
-Versions and caches as for the other senders: ``/finish_weight_update {weight_version}``, then
-``/reset_prefix_cache``. NOT RUN ON A GPU YET (none was lent to the sessions that wrote it, and the
-GPU machine has no vLLM): the HTTP payloads are checked on CPU against vLLM's own worker-side
-dataclasses (tests/unit/test_vllm_native_sync.py); the CUDA calls (``_open_nccl``,
-``_broadcast_bucket``, ``_ipc_handles``) are the three functions that test replaces, and the stream
-order inside ``_broadcast_bucket`` (casts, then an event the producer's packing streams wait on) is
-checked there against vLLM's own producer with fake streams and events.
-IPC handles need no event of ours: torch's ``reduce_tensor`` records one on the current stream
-(after the cast) and the receiver's ``rebuild_cuda_tensor`` waits on it.
-``engine.weight_transfer: megamarl`` keeps the plugin backends on GPU as well.
+On CPU megamarl feeds vLLM servers through its plugin backends (``server_sync.WeightSender``); on GPU
+the servers run vLLM's built-in ``nccl`` or ``ipc`` backend unchanged and this sender drives them.
+``transport="nccl"`` (disaggregated replicas): one NCCL group per sender, each replica's workers at
+their own ``rank_offset`` (one ``/init_weight_transfer_engine`` per replica), then per bucket
+``/update_weights`` to every replica with ONE packed broadcast. ``transport="ipc"`` (a colocated
+replica at engine TP=1): per bucket, the tensors as CUDA IPC handles keyed by the GPU's UUID. Then
+``/finish_weight_update {weight_version}`` and ``/reset_prefix_cache``. ``engine.weight_transfer:
+megamarl`` keeps the plugin backends on GPU. The payloads are checked on CPU against vLLM's own
+dataclasses (tests/unit/test_vllm_native_sync.py); the CUDA calls are three functions that test
+replaces. Details (the handshake, stream order, what has run where):
+docs/design-notes.md, "megamarl/rollout/weights/vllm_native_sync.py".
 """
 
 from __future__ import annotations
