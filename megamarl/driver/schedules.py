@@ -40,7 +40,7 @@ from megamarl.orchestration.episodes import EpisodeStats, RolloutResult
 from megamarl.registry import Registry
 from megamarl.rl.advantages import ADVANTAGE_ESTIMATORS
 
-GIL_SWITCH_INTERVAL_S = 0.0005  # while rollout overlaps training (see the module docstring)
+GIL_SWITCH_INTERVAL_S = 0.0005  # while rollout overlaps training (why: design-notes, driver/schedules.py)
 
 
 def policy_separable(algo: AlgorithmConfig) -> bool:
@@ -119,7 +119,7 @@ class Schedule(abc.ABC):
 
     # -- checkpoint ------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        """What a resumed run needs to hand out the same next batches (see the module docstring);
+        """What a resumed run needs to hand out the same next batches (design-notes, schedules.py);
         called by the driver at a step boundary, after the step's weight push."""
         return {}
 
@@ -299,7 +299,7 @@ class FullyAsyncSchedule(Schedule):
         return parts, episodes, dropped, metrics
 
     def state_dict(self) -> dict:
-        """Drain, then snapshot buffer and cursor (the module docstring says why draining)."""
+        """Drain, then snapshot buffer and cursor (design-notes, schedules.py, says why draining)."""
         held = self.producer.running
         if held:
             self.producer.hold()

@@ -1,35 +1,14 @@
 """Tensor-parallel LoRA on megatron-core's parallel linears: one frozen base, one adapter per agent.
 
-Why not PEFT's Megatron LoRA (``LoraConfig(megatron_config=..., megatron_core="megatron.core")``,
-peft 0.21 ``tuners/lora/tp_layer.py``): it builds its ``lora_A``/``lora_B`` as megatron-core
-Row/ColumnParallelLinear *without* a ``tp_group``, so they fall back to megatron-core's global
-``parallel_state`` groups, which per-WG ``ProcessGroupCollection`` s never initialise (several WGs
-per rank are exactly what we need); it overwrites the shared ``TransformerConfig.params_dtype``;
-it wraps modules (renaming the base weights the HF mapping relies on); and it knows nothing about
-Megatron's fused QKV / gate-up packing, so its adapters cannot be exported under HF module names.
-
-Here an adapter is attached to an existing linear (``linear.lora_adapters[name]``) and applied by a
-forward hook, so base parameter names are unchanged. For ``y = W x`` the adapter adds
-``(alpha / r) * B A x``:
-
-- ColumnParallelLinear (``linear_qkv``, ``linear_fc1``; W split on its output dim): ``A`` [r, in]
-  is full and replicated, ``B`` [out/TP, r] is split like W. ``h = A x`` passes through
-  ``copy_to_tensor_model_parallel_region`` (identity forward, all-reduce backward), so dA and the
-  input gradient are complete and identical on every TP rank.
-- RowParallelLinear (``linear_proj``, ``linear_fc2``; W split on its input dim): ``A`` [r, in/TP]
-  is split like W, ``B`` [out, r] is full. ``h = A_r x_r`` is summed with
-  ``reduce_from_tensor_model_parallel_region`` (all-reduce forward, identity backward).
-
-PEFT export: a LoRA on the fused QKV is exact as separate q/k/v LoRAs that share ``A``: for
-``W = [Wq; Wk; Wv]``, ``dW = B A`` with ``B = [Bq; Bk; Bv]``, so ``q_proj`` gets ``(A, Bq)`` etc.
-Megatron's rows are interleaved per query group (and split over TP), so the TP-gathered ``B`` is
-un-interleaved with the same ``qkv_unpack`` as the weights; ``linear_fc1``'s per-rank
-``[gate_r; up_r]`` rows of ``B`` split into ``gate_proj``/``up_proj`` the same way.
-
-``A`` is initialised from a generator seeded by (seed, adapter, layer, target) on the *full* shape
-(kaiming-uniform like PEFT), then sliced, so an adapter is the same at every TP/PP layout; ``B`` is
-zero, so a new adapter leaves the model's outputs unchanged. Only the local spec's plain
-Column/RowParallelLinear are supported (TE's fused layernorm-linear hides the normed input).
+An adapter is attached to an existing linear (``linear.lora_adapters[name]``) and applied by a
+forward hook, so base parameter names are unchanged; for ``y = W x`` it adds ``(alpha / r) * B A x``.
+ColumnParallelLinear (``linear_qkv``, ``linear_fc1``): ``A`` [r, in] full and replicated, ``B``
+[out/TP, r] split like W. RowParallelLinear (``linear_proj``, ``linear_fc2``): ``A`` [r, in/TP]
+split like W, ``B`` [out, r] full. PEFT export splits the fused QKV / gate-up adapters into exact
+per-projection ones sharing ``A`` (``qkv_unpack``, as for the weights). ``A`` is seeded by (seed,
+adapter, layer, target) on the full shape, then sliced, so an adapter is the same at every TP/PP
+layout; ``B`` starts at zero. Only the local spec's plain Column/RowParallelLinear are supported.
+Why not PEFT's Megatron LoRA, and the TP algebra: docs/design-notes.md, "megamarl/models/lora.py".
 """
 
 from __future__ import annotations

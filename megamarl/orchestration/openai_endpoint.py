@@ -2,33 +2,14 @@
 
 The driver serves ``/v1/chat/completions``, ``/v1/completions``, ``/v1/models`` and
 ``/v1/episodes/{episode_id}/reward`` (aiohttp, on the rollout's event loop) while the external
-orchestra (``external.py``) runs a program per episode. Unlike a plain OpenAI server (vLLM's), it
-does not serve one model: each call is routed to an *episode* and an *agent role* and recorded.
-
-* Episode: the URL prefix ``/episodes/{id}/v1/...`` (what ``OPENAI_BASE_URL`` holds, so an unchanged
-  program that builds ``OpenAI()`` is routed without knowing), else the ``X-Episode-Id`` header,
-  else ``metadata.episode_id``, else the ``user`` field. Missing: 400; not running: 404.
-* Role: the ``X-Megamarl-Agent`` header, else the request's ``model`` (``model="solver"``). Unknown: 404.
-* Generation: the messages are rendered with the role's tokenizer's chat template (``tools`` passed
-  through), encoded without adding special tokens, and sampled by ``EpisodeContext.complete``: the
-  role's policy, engine pool, sampling config and seed, exactly as ``ctx.act``. The Sample records
-  the prompt ids the engine received and the response ids and log-probs it returned; the reply text
-  is decoded from them. A request that continues an earlier conversation of the role (its rendering
-  is a prefix of the new one) keeps that conversation's ids, sampled replies included, and encodes
-  only the new turns (``ChatTranscript.continued``). The request's ``temperature``/``top_p`` are ignored (the
-  agent's sampling config is what trains); ``max_tokens`` may lower the agent's budget; ``stop`` adds stop
-  strings; ``n`` must be 1. ``stream: true`` answers with server-sent events (the whole reply in one delta,
-  then ``finish_reason``, then ``[DONE]``): the engines return whole replies.
-* Tools: a request's ``tools`` reach the chat template (or a tool block in the system turn, for a
-  template that ignores them, ``tools.with_tools``); a reply holding tool calls (``tools.parse_tool_calls``)
-  is answered with ``message.tool_calls`` and ``finish_reason: "tool_calls"``; an assistant message's
-  ``tool_calls`` sent back are rendered as the block the model wrote when the template cannot show them.
-* Reward: ``POST .../reward`` with ``{"team": float, "agents": {role: float}}`` (``agents``
-  optional; a role left out gets the team reward as its local reward). Unknown episode: 404.
-
-Errors use OpenAI's body (``{"error": {"message", "type", "code"}}``) so the official client raises
-its usual ``NotFoundError``/``BadRequestError``. A prompt over ``agents.<role>.max_prompt_tokens``
-answers 400 and drops the episode (counted as ``prompt_too_long``, as in-process agents are).
+orchestra (``external.py``) runs a program per episode. Each call is routed to an *episode* (URL
+prefix ``/episodes/{id}/v1/...``, header, ``metadata`` or ``user``) and an *agent role* (header or
+``model``), rendered with the role's chat template and sampled by ``EpisodeContext.complete`` exactly
+as ``ctx.act`` (the role's policy, sampling config and seed), and recorded as a Sample; the request's
+``temperature``/``top_p`` are ignored. Tools and tool calls round-trip in OpenAI's shape; ``POST
+.../reward`` reports the episode's rewards. Errors use OpenAI's body, so the official client raises
+its usual exceptions. Routing, continuation, streaming and tools in full: docs/design-notes.md,
+"megamarl/orchestration/openai_endpoint.py".
 """
 
 from __future__ import annotations

@@ -3,34 +3,14 @@
 and the per-agent metrics, in that order (``prepare_batch`` is the part after collating).
 
 Each step asks the estimator's registry entry (``estimator_traits``) what it needs instead of
-keeping lists of names:
-
-* ``team_reward_once``: the estimator sums rewards along an episode (GiGPO), so the team reward
-  stays on the episode's last step only (``rewards.last_step_mask``). An episode whose last-step
-  samples were removed before preparation (a policy's stale part dropped by the async buffer) would
-  silently carry its team reward on an earlier step: such an episode is dropped whole and counted
-  (``rollout/dropped_incomplete_episodes``), see ``complete_episodes``;
-* ``group_key``: dynamic sampling drops the groups *the estimator normalises over* (for Dr.MAS that
-  is (task, agent), not ``algorithm.group_by``) in which the estimator's advantages are all exactly
-  0: the filter reads the advantages themselves, so it never keeps a group the estimator gives
-  nothing (GiGPO episodes that all succeed: per-step rewards {0, 1}, advantages 0) nor drops one it
-  gives a signal (a Dr.MAS singleton group, advantage = its raw reward: see ``drmas_advantages``).
-
-Per-policy algorithms (``policies.<p>.algorithm``, passed as ``policy_algos``: policy -> its settings
-where any policy has its own): each policy's rewards are shaped with its estimator's placement and its
-advantages are computed by its estimator over its own rows only (a GRPO group never mixes two
-policies' samples then); the rows of a critic-estimator policy get placeholder zeros, which its worker
-replaces with its critic's advantages, and its agents log no ``advantage_*``. Dynamic sampling is
-run-wide and rejected with per-policy algorithms at load time. Without ``policy_algos`` (the
-default) nothing of this runs.
-
-Refill (DAPO): while fewer than ``num_tasks`` tasks have an informative group and fewer than
-``algorithm.max_refill_rounds`` extra rounds ran, ``draw(round)`` rolls out a fresh chunk of tasks
-(unique task ids, so groups of two rounds never merge); the informative tasks beyond ``num_tasks``
-are trimmed, first drawn kept. The number of extra rounds is logged as ``rollout/refill_rounds``.
-When the rounds run out short of ``num_tasks`` (``rollout/refill_exhausted`` = 1),
-``algorithm.refill_exhausted`` says whether to train on what is left or to stop the run
-(``RefillExhaustedError``).
+keeping lists of names: ``team_reward_once`` keeps the team reward on an episode's last step only
+(an episode whose last step was dropped is dropped whole, ``complete_episodes``); ``group_key`` is
+what dynamic sampling filters on, reading the estimator's own advantages (all exactly 0: dropped).
+Per-policy algorithms (``policy_algos``) shape and normalise each policy's rows with its own
+estimator; a critic policy's rows get placeholder zeros its worker replaces. Refill (DAPO) rolls out
+fresh chunks (``draw(round)``) until ``num_tasks`` tasks are informative or
+``algorithm.max_refill_rounds`` ran; then ``algorithm.refill_exhausted`` trains on what is left or
+stops (``RefillExhaustedError``). Details: docs/design-notes.md, "megamarl/rl/prepare.py".
 """
 
 from __future__ import annotations

@@ -1,35 +1,15 @@
 """PettingZoo adapter: train LLM agents on PettingZoo games (text in, text out).
 
 Two registered envs wrap a user factory ``make(seed) -> env`` (``env.kwargs.factory``,
-``"module:function"``):
-
-* ``pettingzoo_parallel`` (Parallel API). Active agents are the live agents that have not acted
-  this round; ``step(agent, action)`` buffers the action and the last one triggers the joint
-  ``env.step``. Use with the ``simultaneous`` orchestra.
-* ``pettingzoo_aec`` (AEC API). The active agent is ``agent_selection``; dead agents are stepped
-  with ``None`` internally, as the AEC protocol requires. Use with ``sequential``.
-
-Text hooks (per env, ``"module:function"`` in ``env.kwargs``; defaults in ``pettingzoo_text``):
-
-* ``render(obs, agent) -> str``: what the LLM reads. Default: strings as is, arrays as lists, an
-  ``action_mask`` as the list of legal actions (never ``str()`` of a dict of numpy arrays).
-* ``parse(text, agent) -> action``: the game action the reply names; raise ``ValueError`` when it
-  names none. Default by the agent's action space (Discrete: last integer; MultiDiscrete/Box: last
-  numbers; Text: the stripped reply).
-
-An action is *illegal* when the agent's own parser rejected the reply, the env's ``parse`` raised,
-it lies outside the space, or the game's ``action_mask`` forbids it. Its sample is marked invalid
-(``algorithm.invalid_penalty`` applies, ``invalid_rate`` counts it) and ``invalid_outcome`` decides
-what the game sees: ``lose`` (default; the offender forfeits: ``invalid_reward`` is added to its
-return and the episode ends, PettingZoo's classic-games convention), ``random`` (a seeded uniformly
-random legal action is played instead) or ``pass`` (``invalid_action`` is passed to the game).
-
-Scoring. Each agent's PettingZoo rewards are summed over the episode: that is its local reward
-(``agent_reward``). ``scoring: team`` (cooperative): the team reward is the sum over agents, the
-episode succeeds when it is > 0, an agent succeeds when its own return is > 0. ``scoring:
-competitive``: there is no shared reward (team reward 0, so an agent trains on its own return), an
-agent succeeds when it wins (its return is strictly the highest; its success rate is its win rate)
-and the episode "succeeds" when someone won (a decisive game, not a draw).
+``"module:function"``): ``pettingzoo_parallel`` (Parallel API; the last active agent's action
+triggers the joint ``env.step``; use the ``simultaneous`` orchestra) and ``pettingzoo_aec`` (AEC API;
+the active agent is ``agent_selection``; use ``sequential``). Text hooks ``render(obs, agent) -> str``
+and ``parse(text, agent) -> action`` (``env.kwargs``; defaults in ``pettingzoo_text``) turn
+observations into text and replies into actions. An illegal action marks its sample invalid and
+``invalid_outcome`` decides what the game sees (``lose``, ``random`` or ``pass``). Each agent's
+summed PettingZoo rewards are its local reward; ``scoring: team`` sums them into the team reward,
+``scoring: competitive`` has none and an agent succeeds when it wins. Details:
+docs/design-notes.md, "megamarl/orchestration/envs/pettingzoo.py".
 """
 
 from __future__ import annotations

@@ -5,32 +5,14 @@ Built on every rank for every policy (``build_replicas``); the driver attaches t
 rollouts with (``attach``: an in-process ``Engine`` / ``EnginePool``, or for a server-backed policy
 the pool of server clients that ``connect`` builds; external servers, ``engine.server_urls``, too when
 the fleet feeds them: ``fleet.fed_by_fleet``). Every method below that says *collective* runs
-on every rank together; the driver's copy holds the engine, the others ``None``.
-
-Pushes: full weights or (L2) each agent's adapter,
-
-- into in-process engines through the driver (``weights.weight_sync.sync_weights``: the driver pauses
-  its engines, receives each stage's buckets from the stage's sender and loads them);
-- into engine servers straight from the training ranks (``ServerFleet`` started them): the driver's
-  pool opens the update (``EnginePool.external_update``: stop admitting, pause every live replica)
-  and names the targets over the control group; each stage's sender (``weight_sync.stage_role``)
-  pushes over the policy's transport (``weights.transport``): disaggregated replicas get one
-  broadcast per bucket from each stage's sender (all replicas at once; at PP>1 stage 0's sender
-  opens and closes the one update, and on vLLM's one-group nccl carries every stage:
-  ``_send_stages``); colocated replicas are fed by their own leader rank, which holds full tensors
-  after the export's TP gather (vLLM: shared memory, on GPU CUDA IPC at engine TP=1; SGLang (PP=1):
-  CUDA IPC on GPU, on CPU a gloo group of the leader and its replica); at PP>1 (vLLM) the leader first
-  receives the other stages point to point from its DP replica's stage peers (``_feed_leaders``).
-  An all-gather closes the update; the pool stamps the version and resumes.
-- L2 through servers: an adapter's tensors travel as a PEFT directory (written collectively by its WG
-  under ``<run_dir>/adapters/<policy>/<adapter>/v<version>``) that every replica (re)loads through
-  ``/v1/load_lora_adapter``, the way vLLM and SGLang servers take adapters; only that adapter's
-  version changes.
-
-Sleep / wake (colocated servers in a schedule that never overlaps training, ``PolicyServers.hands_over``):
-performed here, ordered by the trainer's phase list (``megamarl.planning.phases``): asleep after the
-rollout, weights woken before a push writes into them, the KV cache only once the train state has
-left the GPU.
+on every rank together; the driver's copy holds the engine, the others ``None``. Pushes carry full
+weights or (L2) each agent's adapter: into in-process engines through the driver
+(``weights.weight_sync.sync_weights``); into engine servers straight from the training ranks, the
+driver's pool pausing the replicas and naming the targets, each stage's sender pushing over the
+policy's transport (``weights.transport``); L2 adapters as PEFT directories every replica reloads.
+Sleep / wake of colocated servers that hand memory over follow the trainer's phase list
+(``megamarl.planning.phases``). The push paths in full: docs/design-notes.md,
+"megamarl/rollout/replicas/policy.py".
 """
 
 from __future__ import annotations
