@@ -2,7 +2,7 @@
 
     python scripts/bench_quickstart.py                 # fresh clone of HEAD, empty model cache
     python scripts/bench_quickstart.py --in-place      # this checkout (its .venv), empty model cache
-    python scripts/bench_quickstart.py --tag avx512    # docs/bench/quickstart_avx512.json, docs/quickstart_avx512/
+    python scripts/bench_quickstart.py --tag avx512    # writes docs/bench/quickstart_avx512.json and so on
 
 Runs the quickstart's first command exactly as README.md prints it (``bash scripts/setup.sh ... &&
 .venv/bin/torchrun ... configs/quickstart_cpu.yaml``) in a clean environment with ``MEGAMARL_CACHE``

@@ -65,6 +65,19 @@ CLIENTS: dict[str, Callable[..., VLLMServerClient | SGLangClient]] = {
 }
 
 
+def _external_url(rep: ReplicaPlacement) -> str:
+    """An external replica's ``engine.server_urls`` entry (the placement sets one for each)."""
+    assert rep.url is not None, f"replica {rep.index} of {rep.policy} has no engine.server_urls entry"
+    return rep.url
+
+
+def _host_of(url: str) -> str:
+    host = urlsplit(url).hostname
+    if not host:
+        raise ValueError(f"policies.<p>.engine.server_urls: {url!r} names no host")
+    return host
+
+
 @dataclass
 class PolicyServers:
     name: str
@@ -126,7 +139,7 @@ class ServerFleet:
                 name,
                 reps,
                 hands_over=reps[0].colocated and not overlaps_training,
-                urls=[rep.url for rep in reps] if reps[0].launch == "external" else [],
+                urls=[_external_url(rep) for rep in reps] if reps[0].launch == "external" else [],
             )
             for name, reps in plan.items()
             if fed_by_fleet(cfg, name, reps)
@@ -241,8 +254,9 @@ class ServerFleet:
         urls = {key: url for m, _ in gathered for key, url in m.items()}
         for name, servers in self.policies.items():
             servers.urls = [
-                urls.get((name, rep.index), rep.url) for rep in servers.replicas
-            ]  # rep.url: external
+                urls[(name, rep.index)] if (name, rep.index) in urls else _external_url(rep)
+                for rep in servers.replicas
+            ]
         pids: list = [None] * dist.get_world_size()
         dist.all_gather_object(
             pids, {key: proc.proc.pid for key, proc in self.local.items() if proc.proc}, group=self.control
@@ -285,7 +299,7 @@ class ServerFleet:
         not loopback unless every one is local (``MEGAMARL_HOST_ADDR`` overrides, as for started servers)."""
         servers = self.policies[policy]
         if servers.external and not os.environ.get(HOST_ADDR_ENV):
-            sources = [route_source(urlsplit(url).hostname) for url in servers.urls]
+            sources = [route_source(_host_of(url)) for url in servers.urls]
             return next((a for a in sources if not ipaddress.ip_address(a).is_loopback), sources[0])
         return host_address(multi_node=self.multi_node)
 
