@@ -1,30 +1,16 @@
 """YAML + command-line overrides -> a validated structured config, through Hydra's compose API.
 
-``compose_config(schema_cls, path, overrides)`` is ``load_config``'s engine (``megamarl.config``). It
-gives a run config the whole Hydra grammar without ``@hydra.main``: Hydra never changes the working
-directory, creates ``outputs/`` or configures logging here, so ``torchrun scripts/train.py --config
-FILE overrides...`` behaves as before on every rank.
-
-How a config is composed (the config directory is the YAML file's own directory)::
-
-    defaults of the primary config (registered in Hydra's ConfigStore, one per load):
-      - megamarl/defaults   every default of the schema, as plain (untyped) YAML
-      - <FILE's stem>       the user's file, itself free to compose groups with ``defaults:``
-      - _self_
-    then the command-line overrides: key=value, +key=value, ++key=value, ~key, group@pkg=option
-
-and the result is merged onto the typed schema (also in the ConfigStore, ``megamarl/schema``) and
-instantiated, which runs every ``__post_init__`` check. Why the two steps instead of putting the
-typed schema first in the defaults list: OmegaConf cannot add an entry to a typed map through an
-override (``+policies.critic.model=x`` fails with "dict is not a subclass of PolicyConfig") and a
-typed field cannot be deleted (``~trainer.total_steps``). On the untyped defaults both work, and
-``~key`` means "back to the schema default". Maps (``policies``, ``agents``, ``*.kwargs``) stay
-open, so ``policies.critic.model=x`` adds a policy without ``+`` as it did before Hydra; a typo in a
-fixed section (``trainer.total_step=3``) is rejected during composition, and a wrong type or an
-unknown key added with ``+`` by the typed merge. Every error names the full key.
-
-Sweeps (``trainer.seed=1,2,3``, ``range(...)``, ``choice(...)``) are expanded by ``expand_sweeps``:
-the dry run plans each combination; training runs one combination per launch.
+``compose_config(schema_cls, path, overrides)`` is ``load_config``'s engine (``megamarl.config``): the
+whole Hydra grammar without ``@hydra.main``, so Hydra never changes the working directory, creates
+``outputs/`` or configures logging, and ``torchrun scripts/train.py --config FILE overrides...``
+behaves the same on every rank. The primary config's defaults are ``megamarl/defaults`` (the schema's
+defaults as untyped YAML), the user's file (free to compose groups) and ``_self_``; the overrides
+(``key=value``, ``+``, ``++``, ``~key``, ``group@pkg=option``) apply to that untyped tree, which is then
+merged onto the typed schema (``megamarl/schema``) and instantiated, running every ``__post_init__``.
+Invariants: ``~key`` means "back to the schema default"; maps (``policies``, ``agents``, ``*.kwargs``)
+stay open; a typo in a fixed section or a wrong type is rejected naming the full key. Sweeps
+(``a=1,2,3``, ``range``, ``choice``) are expanded by ``expand_sweeps``, one combination per launch.
+Why two steps and not the typed schema first: docs/design-notes.md, "megamarl/config_loader.py".
 """
 
 from __future__ import annotations

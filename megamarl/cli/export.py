@@ -4,22 +4,12 @@ r"""Trained policies out: a run's checkpoint -> Hugging Face directories (``mega
     megamarl-convert --from run --to hf runs/<name>/checkpoints/step_000040 out/ \
         --policy solver --dtype bfloat16
 
-Input: a run directory (its latest complete checkpoint) or one checkpoint directory
-(``<run>/checkpoints/step_N``, see ``megamarl.runtime.checkpoint``). The run's resolved ``config.yaml`` says
-which model each policy started from and which LoRA adapters it trains. Output, per exported policy::
-
-    <dst>/<policy>/                 a transformers / vLLM model directory: model.safetensors (or one
-                                    file per pipeline stage + index), config.json (``dtype`` set),
-                                    tokenizer files, chat template, generation config
-    <dst>/<policy>/adapters/<name>/ L2 policies: each agent's LoRA adapter as a PEFT directory
-                                    (adapter_config.json + adapter_model.safetensors) over the base above
-    <dst>/megamarl_export.json      what was exported from where (checkpoint, step, dtype, adapters)
-
-Each policy is loaded from its ``dist_checkpointing`` shards into a Megatron model built at the
-export's ``--tp``/``--pp`` (any layout: the shards are layout-free), then streamed out through the
-same HF mapping the trainer uses to push weights into its engines; tensors are cast to ``dtype``
-on the way out (the trainer's master weights are fp32). Ranks: ``tp * pp`` spawned CPU/gloo ranks,
-or the launched ranks under ``torchrun`` (as for a single model).
+Input: a run directory (its latest complete checkpoint) or one ``<run>/checkpoints/step_N``; the run's
+``config.yaml`` says each policy's base model and LoRA adapters. Output: ``<dst>/<policy>/`` (an HF /
+vLLM model directory), ``<dst>/<policy>/adapters/<name>/`` (L2: one PEFT adapter per agent) and
+``<dst>/megamarl_export.json``. Shards load at the export's ``--tp``/``--pp`` (any layout) and stream out
+through the trainer's own HF mapping, cast to ``dtype``. Ranks: ``tp * pp`` spawned CPU/gloo ranks, or
+the ranks ``torchrun`` launched. The output layout in full: docs/design-notes.md, "megamarl/cli/export.py".
 """
 
 from __future__ import annotations

@@ -2,22 +2,13 @@
 of its own past versions, as in AlphaStar's / OpenAI Five's past-self opponents and RLlib's
 ``policy_mapping_fn`` over frozen policy copies.
 
-A snapshot is a *frozen policy* of the run (``policies.<s>.frozen: true``, the learner's model): its
-engine serves rollouts like any policy's, its samples train nobody. Every ``every`` trainer steps the
-trainer copies the learner's current weights into the next snapshot slot (round-robin, the oldest
-overwritten) through the ordinary weight push (``PolicyReplicas.snapshot_from``). Before the first copy every
-slot holds the initial weights (the learner at step 0).
-
-``rollout.policy_mapping`` stays the one place that binds seats to policies: it returns the pool's
-``alias`` (default ``opponent``) for the seat the pool fills, and the driver replaces the alias,
-per episode, by the slot that ``pick`` chooses from the slots' snapshot steps with a generator seeded
-by the episode seed (so a seeded run picks the same opponents). Picks are a registry:
-
-* ``latest``: the most recent snapshot (ties: the first slot), i.e. play the last saved self;
-* ``uniform``: any slot with equal probability (fictitious-self-play style over the pool).
-
-Everything here is pure bookkeeping (which slot to write at a step, which slot an episode faces);
-the pushes happen in the trainer, the engines in the driver.
+A snapshot is a frozen policy of the run (``policies.<s>.frozen: true``): its engine serves rollouts,
+its samples train nobody. Every ``every`` steps the trainer copies the learner's weights into the next
+slot (round-robin) through the ordinary push (``PolicyReplicas.snapshot_from``); before the first copy
+every slot holds the step-0 weights. ``rollout.policy_mapping`` returns the pool's ``alias`` (default
+``opponent``) for the seat the pool fills; the driver replaces it per episode by the slot ``pick``
+chooses (registry: ``latest``, ``uniform``), seeded by the episode seed. This module is pure
+bookkeeping; pushes happen in the trainer. Details: docs/design-notes.md, "megamarl/driver/opponent_pool.py".
 """
 
 from __future__ import annotations

@@ -1,21 +1,14 @@
 """Machinery of rollout that runs beside training on the driver: a persistent event loop, episode
 groups and their staleness, a bounded buffer of finished groups, and a streaming group producer.
 
-Unlike a synchronous RL loop, where ``asyncio.run`` executes one batch of episodes and returns,
-every engine call of the driver runs on one ``RolloutLoop`` (an asyncio loop on a daemon thread):
-rollout proceeds while the main thread trains, and every engine sees a single event loop (the HF
-engine's micro-batcher keeps per-loop state).
-
-Unit of streaming: an ``EpisodeGroup`` is all ``group_size`` episodes of one task. Whole groups are
-streamed, never single episodes, so group-relative advantages (GRPO and kin) stay valid: a group is
-never split across two training batches (with per-policy batching, each policy's share of a group
-moves as one part).
-
-Staleness: a *weight version* is one push of a policy's weights into its engines
-(``EnginePushes.push``; with ``trainer.sync_every = N`` one version covers N updates) and
-every ``Sample`` carries the version that generated it. A group's staleness when it is trained is
-``max over its samples of versions[sample.policy] - sample.weight_version`` with the trainer's
-current versions. Groups beyond ``trainer.max_staleness`` are dropped and counted, never trained on.
+Unlike a synchronous loop (``asyncio.run`` per batch), every engine call runs on one ``RolloutLoop``
+(an asyncio loop on a daemon thread), so rollout proceeds while the main thread trains. The unit
+streamed is an ``EpisodeGroup`` (all ``group_size`` episodes of one task): a group is never split
+across two training batches, so group-relative advantages stay valid. A weight version is one push of
+a policy's weights (``EnginePushes.push``); every ``Sample`` carries the version that generated it and
+a group's staleness is ``max over its samples of versions[sample.policy] - sample.weight_version``.
+Groups beyond ``trainer.max_staleness`` are dropped and counted, never trained on.
+Details: docs/design-notes.md, "megamarl/driver/streaming.py".
 """
 
 from __future__ import annotations

@@ -1,22 +1,15 @@
 """HF <-> Megatron bridge: build a worker group's sharded ``GPTModel`` from an HF config, load HF
 weights into it, stream it back out as HF-named full tensors, and run it.
 
-Who does what, for a WG with layout TP x PP x DP:
-
-- ``build_model`` / ``load_hf_weights`` run on every rank of the WG; each rank builds and fills only
-  its own stage and TP shard (loading reads the HF tensors it needs, no communication).
-- ``export_hf_weights`` is a generator that yields ``(hf_name, full_tensor)`` one tensor at a time.
-  Every rank of a PP stage yields that stage's tensors (stage 0: ``model.embed_tokens``; its
-  layers under their *global* ``model.layers.{i}`` names; last stage: ``model.norm`` and, when
-  untied, ``lm_head``), TP-gathered over the WG's TP group, so TP peers yield identical tensors
-  and must iterate in lockstep. DP replicas hold identical weights: ranks with ``dp_rank > 0`` may
-  skip iterating (their TP groups are their own). ``is_sender(wg)`` (tp_rank 0 and dp_rank 0)
-  marks the one rank per stage that should push tensors to engines or disk.
-- ``model_forward`` runs one stage's forward with an explicit causal mask (megatron-core's local
-  attention needs it); ``run_forward_backward`` runs megatron-core's pipeline schedule for any PP.
-
-Model code never calls ``torch.distributed`` with the default group: collectives go over the WG's
-groups (``wg.pgs``), passed in by the caller.
+- ``build_model`` / ``load_hf_weights``: every rank of the WG builds and fills only its own stage and
+  TP shard (no communication).
+- ``export_hf_weights``: yields ``(hf_name, full_tensor)`` one at a time, each stage its own tensors
+  under global ``model.layers.{i}`` names, TP-gathered, so TP peers must iterate in lockstep; ranks
+  with ``dp_rank > 0`` may skip. ``is_sender(wg)`` marks the one rank per stage that pushes.
+- ``model_forward`` (one stage, explicit causal mask); ``run_forward_backward`` (megatron-core's
+  pipeline schedule, any PP).
+Collectives go over the WG's groups (``wg.pgs``), never the default group.
+Details: docs/design-notes.md, "megamarl/models/bridge.py".
 """
 
 from __future__ import annotations

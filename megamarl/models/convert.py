@@ -4,20 +4,12 @@
     megamarl-convert --from hf --to megatron --tp 2 --pp 2 SRC_HF_DIR DST
     megamarl-convert --from megatron --to hf [--tp 1 --pp 1] [--dtype D] SRC DST_HF_DIR
 
-``--from run`` exports the policies a training run saved (``runs/<name>/checkpoints/step_N``, L2
-adapters as PEFT directories) to Hugging Face directories: see ``megamarl.cli.export``. The other two
-convert a single model (``python -m megamarl.cli.export`` is the same command).
-
-Megatron side (``DST`` of the first command): ``config.json`` and tokenizer files copied from the
-HF directory, plus ``megatron/`` holding the ``torch_dist`` sharded checkpoint of the model. Because
-``dist_checkpointing`` stores global tensors with their shard offsets, the ``--tp/--pp`` of the
-second command (the layout the checkpoint is *loaded* at) need not match the one it was saved at.
-
-Ranks: by default the command spawns ``tp * pp`` local CPU/gloo ranks with
-``megamarl.parallel.launch.run_ranks``. Under ``torchrun --nproc_per_node tp*pp -m
-megamarl.cli.export ...`` (``RANK`` set) it runs in place on the launched ranks instead (GPUs:
-NCCL). The HF output is one safetensors file per pipeline stage (written by that stage's
-tp_rank-0 rank) plus ``model.safetensors.index.json``; a single stage writes ``model.safetensors``.
+``--from run`` exports a training run's policies (see ``megamarl.cli.export``). The Megatron side is
+``config.json`` and tokenizer files plus ``megatron/`` (a ``torch_dist`` checkpoint, layout-free: the
+``--tp/--pp`` it loads at need not match the one it was saved at). Ranks: ``tp * pp`` spawned CPU/gloo
+ranks, or in place under ``torchrun`` (``RANK`` set). HF output: one safetensors file per pipeline
+stage plus an index, or ``model.safetensors`` for one stage.
+Details: docs/design-notes.md, "megamarl/models/convert.py".
 """
 
 from __future__ import annotations

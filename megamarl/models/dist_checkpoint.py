@@ -1,29 +1,15 @@
 """Save and load a worker group's model (and optimizer state) with megatron-core ``dist_checkpointing``
 in the ``torch_dist`` format, so a checkpoint written at one TP x PP x DP layout loads at any other.
 
-Model: ``GPTModel.sharded_state_dict`` (global tensor keys with the layer axis and TP slices as
-offsets; tied output layers are replicas of the embedding), built with the WG's DP group.
-
-Optimizer: the trainer's is megatron-core's (``megamarl.rl.optimizer``); its own
-``sharded_state_dict`` saves the fp32 main parameters and Adam moments per parameter, in model space
-(``fully_reshardable`` for the distributed optimizer: the DP shards are gathered into each
-parameter's canonical state; megatron-core 0.16's torch_dist writer refuses the flat
-``fully_sharded_model_space`` slices), so a checkpoint reloads at another DP size, TP or PP. A plain torch
-optimizer (tests, tools) is saved the same way by hand: each state tensor (``exp_avg``, ``exp_avg_sq``) as a
-``ShardedTensor`` with its parameter's sharding metadata (megatron-core's ``optim_state_to_sharding_state``)
-and the scalar ``step`` once as a ``ShardedObject``; its hyper-parameters (``param_groups``) come from the
-config of the run that loads.
-
-Collectives: megatron-core 0.16's ``dist_checkpointing.save/load`` run over the *whole world*
-(global rank 0 writes the metadata). So ``save_checkpoint``/``load_checkpoint`` are collective
-over all ranks: ranks outside the WG call them with ``model=None`` (they contribute nothing).
-
-The common part: what a state dict holds besides ``ShardedTensor``/``ShardedObject`` leaves (for
-megatron-core's optimizer: its ``param_groups`` with the step, and the sharding type) goes to
-``common.pt``, which megatron-core writes from *global* rank 0 only. A WG that rank 0 is not in
-(disaggregated placements: the driver on rank 0) would lose it. So the WG's common part is saved as
-one ``ShardedObject`` (``COMMON_KEY``) written by the WG's first rank, and merged back on load;
-checkpoints written before (common part in ``common.pt``) still load.
+Model: ``GPTModel.sharded_state_dict`` (global keys, TP slices as offsets). Optimizer: megatron-core's
+own ``sharded_state_dict`` in model space (``fully_reshardable`` for the distributed optimizer), so it
+reloads at another DP, TP or PP; a plain torch optimizer is saved the same way by hand (state tensors
+as ``ShardedTensor``, ``step`` as a ``ShardedObject``; ``param_groups`` come from the loading run).
+Invariant for callers: ``save_checkpoint``/``load_checkpoint`` are collective over the whole world;
+ranks outside the WG call them with ``model=None``. The WG's common part is one ``ShardedObject``
+(``COMMON_KEY``) written by the WG's first rank, so a WG without global rank 0 keeps it; older
+checkpoints (common part in ``common.pt``) still load.
+Why each of these: docs/design-notes.md, "megamarl/models/dist_checkpoint.py".
 """
 
 from __future__ import annotations

@@ -1,21 +1,13 @@
 """HF <-> Megatron tensor mapping for llama-style decoders (Llama, Qwen2, Qwen3).
 
 Every Megatron parameter is described by a ``Rule``: which HF tensors it comes from and how it is
-packed and split over tensor-parallel (TP) ranks. Packing, for a model with ``ng`` query groups
-(KV heads), ``nq = num_heads / ng`` query heads per group and head size ``hd``:
-
-- ``qkv``: ``linear_qkv`` stacks, *per query group*, that group's ``nq`` query heads, then its key
-  head, then its value head: ``[q_g0 (nq*hd); k_g0 (hd); v_g0 (hd); q_g1; ...]``. TP rank ``r``
-  holds the contiguous groups ``r*ng/tp .. (r+1)*ng/tp - 1``. Biases (Qwen2) pack the same way.
-- ``gate_up``: ``linear_fc1`` on TP rank ``r`` is ``[gate_r; up_r]`` (rank ``r``'s row slices of
-  ``gate_proj`` and ``up_proj``): megatron-core chunks its local fc1 output in two halves.
-- ``column``/``row``: plain split on dim 0 / dim 1 (``o_proj``, ``down_proj`` are row-parallel).
-- ``vocab``: embedding and LM head rows, padded with zero rows to the padded vocab size (a
-  multiple of TP) and split on dim 0; export strips the padding again.
-- ``replicated``: norms (identical on all TP ranks).
-
-Layers are named by their *global* index on the HF side (``model.layers.{i}``) and by their local
-index on each pipeline stage (``decoder.layers.{l}``); ``i = layer.layer_number - 1`` of the module.
+packed and split over tensor-parallel ranks. Packings: ``qkv`` (per query group: its query heads, key,
+value; TP rank ``r`` holds contiguous groups; biases alike), ``gate_up`` (fc1 on rank ``r`` is
+``[gate_r; up_r]``), ``column``/``row`` (split on dim 0 / dim 1), ``vocab`` (rows zero-padded to a
+multiple of TP, stripped again on export) and ``replicated`` (norms). Layers are named by their global
+index on the HF side (``model.layers.{i}``) and their local index per pipeline stage
+(``decoder.layers.{l}``), ``i = layer.layer_number - 1``.
+The layouts element by element: docs/design-notes.md, "megamarl/models/mapping.py".
 """
 
 from __future__ import annotations

@@ -1,19 +1,12 @@
 """Build a model directory once, safely, however many ranks or processes ask for it at the same time.
 
-Every rank of a run resolves its policies' models; on an empty cache they would all convert the same
-model at once and a reader could see a half-written directory (seen: ``Unrecognized model ... Should
-have a model_type key in its config.json``). ``build_once(target, build)``:
-
-1. returns at once when ``target`` holds a *complete* entry: a manifest (``.megamarl-complete``,
-   written last) whose listed files all exist with their recorded sizes;
-2. otherwise takes an exclusive file lock next to the target (``filelock``: one process builds, the
-   others block on the lock and then find the finished entry), re-checks, removes a partial or corrupt
-   entry (logged), builds into a private temporary directory on the same filesystem and renames it
-   into place, manifest included, so a reader never sees a partial directory.
-
-The lock lives on the cache's filesystem, so it serialises processes on one node (torchrun's ranks);
-on a shared filesystem across nodes ``filelock`` falls back to its soft lock where ``fcntl`` is not
-honoured.
+``build_once(target, build)`` returns at once when ``target`` holds a complete entry (a manifest,
+``.megamarl-complete``, written last, whose listed files exist with their sizes); otherwise it takes
+an exclusive ``filelock`` next to the target, re-checks, removes a partial entry (logged), builds into
+a temporary directory on the same filesystem and renames it into place. Invariant: a reader never sees
+a half-written directory, and one process builds while the others wait and reuse it. The lock
+serialises the processes of one node; across nodes on a shared filesystem ``filelock`` falls back to
+its soft lock. Details: docs/design-notes.md, "megamarl/models/model_cache.py".
 """
 
 from __future__ import annotations

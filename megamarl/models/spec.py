@@ -1,20 +1,13 @@
 """What every decoder family shares: the architecture facts read from an HF config, and how they
 become a megatron-core ``TransformerConfig``, a layer spec and ``GPTModel`` arguments.
 
-A family (``megamarl/models/<family>/``) only turns its HF config into a ``DecoderArch`` (and
-rejects what it cannot express); everything downstream (Megatron config, weight mapping, LoRA,
-checkpoints) reads the ``DecoderArch``. The Megatron side is always the same pre-norm decoder:
-RMSNorm, rotary embeddings (non-interleaved, like HF's ``rotate_half``), SwiGLU MLP, GQA, optional
-QKV bias (Qwen2) and per-head RMSNorm on queries and keys (Qwen3).
-
-Layer spec (``layer_spec_choice``, the one decision: the model build and the planner both call it):
-the Transformer Engine spec on a CUDA node with TE importable, unless the policy has LoRA adapters;
-megatron-core's local spec (plain torch modules) otherwise (this machine; LoRA everywhere, as
-``models.lora`` hooks the local Column/RowParallelLinear). Both specs have the same parameter layout
-(TE fuses the pre-norms into the next linear: ``linear_qkv.layer_norm_weight`` /
-``linear_fc1.layer_norm_weight``, handled by the weight mapping). Fused kernels (``kernel_fusions``)
-are on where megatron-core's own availability checks pass on a CUDA node (``NodeKernels.probe``),
-off on CPU.
+A family (``megamarl/models/<family>/``) only turns its HF config into a ``DecoderArch`` (rejecting
+what it cannot express); everything downstream reads the ``DecoderArch``. The Megatron side is always
+one pre-norm decoder: RMSNorm, non-interleaved rotary, SwiGLU, GQA, optional QKV bias (Qwen2) and QK
+RMSNorm (Qwen3). ``layer_spec_choice`` is the one layer-spec decision (model build and planner call
+it): Transformer Engine on a CUDA node with TE and no LoRA, megatron-core's local spec otherwise; both
+have the same parameter layout. ``kernel_fusions`` are on where megatron-core's checks pass on CUDA
+(``NodeKernels.probe``), off on CPU. Details: docs/design-notes.md, "megamarl/models/spec.py".
 """
 
 from __future__ import annotations
