@@ -1,23 +1,14 @@
 """Token-exact chat transcripts: an agent's conversation is kept as token ids, never re-tokenized.
 
-The usual multi-turn recipe (render the whole conversation with the chat template, tokenize it,
-send it) silently changes history: the model's own reply is re-tokenized (BPE merges differ from
-what was sampled), special tokens move, templates strip or rewrite old turns. Then the
-``prompt_ids`` training sees are not what the engine saw. Here a ``ChatTranscript`` owns
-``ids``, the exact token ids of the conversation so far, and only ever *appends*:
-
-* a new user turn: render the full message list (with the generation prompt) as text, check that
-  the text rendered before is an unchanged prefix of it, and tokenize only the new suffix (the
-  "delta"). A template that rewrites earlier turns (e.g. one that drops past reasoning) fails the
-  prefix check and raises ``TemplateDeltaError`` instead of desynchronising tokens from text.
-* a model reply: its sampled token ids are appended verbatim. The template's closing text for an
-  assistant turn (SmolLM2/ChatML: ``<|im_end|>\\n``) is found once by rendering a sentinel reply;
-  when the reply already ended on a stop token whose text begins that closing, only the rest
-  (``\\n``) is tokenized and appended, otherwise the whole closing is (truncated replies).
-
-Deltas begin at special-token boundaries for ChatML-style templates, so tokenizing them alone
-gives the same ids a full render would. The template's text view of the reply (decoded text) is
-kept only to check later prefixes; the ids stay exactly the sampled ones.
+Unlike the usual recipe (render the whole conversation with the chat template and tokenize it each
+turn, which re-tokenizes the model's own replies and lets templates rewrite old turns), a
+``ChatTranscript`` owns ``ids``, the exact token ids so far, and only appends. A user turn: render the
+full message list as text, check that the text rendered before is an unchanged prefix, tokenize only
+the new suffix (a template that rewrites earlier turns raises ``TemplateDeltaError``). A model reply:
+its sampled ids verbatim, then the template's closing for an assistant turn (found once by rendering
+a sentinel reply; only its rest when the reply already ended on a stop token that begins it).
+Invariant: the ``prompt_ids`` training sees are exactly what the engine saw.
+Details: docs/design-notes.md, "megamarl/orchestration/chat.py".
 """
 
 from __future__ import annotations

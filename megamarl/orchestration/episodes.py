@@ -1,19 +1,13 @@
 """Episodes: run many episodes concurrently and hand back agent-tagged Samples plus stats.
 
-``run_episodes`` creates ``group_size`` episodes per task (GRPO groups share the task id), runs up
-to ``max_concurrency`` of them at once on one asyncio loop (engines batch the concurrent
-requests), and at each episode's end fills ``team_reward``/``local_reward`` on its Samples.
-
-An episode ends in one of three states, all counted in ``RolloutResult``:
-* ``ok``: the orchestra returned (env done, or its budget ran out: ``env_done`` tells which);
-* ``dropped``: a budget made it unusable (``EpisodeDropped``, e.g. ``prompt_too_long``);
-* ``failed``: the env crashed, hung (env worker timeout), raised, or the episode timed out.
-Samples of dropped and failed episodes are discarded (their count is kept, a failed episode keeps
-the tail of its traceback in ``EpisodeStats.error``); the run goes on while the failed fraction
-stays within ``rollout.max_failed_fraction`` (``check_failures``), and stops with the first
-traceback above it.
-Programming errors in configuration (an agent with no engine, an unknown agent name) raise
-immediately instead of failing every episode one by one.
+``run_episodes`` creates ``group_size`` episodes per task (GRPO groups share the task id), runs up to
+``max_concurrency`` at once on one asyncio loop and fills ``team_reward``/``local_reward`` at each
+episode's end. An episode ends ``ok`` (the orchestra returned; ``env_done`` tells why), ``dropped``
+(``EpisodeDropped``, e.g. ``prompt_too_long``) or ``failed`` (env crash, hang, exception, timeout),
+all counted in ``RolloutResult``; samples of dropped and failed episodes are discarded. The run goes on
+while the failed fraction stays within ``rollout.max_failed_fraction`` (``check_failures``).
+Configuration errors (an agent with no engine) raise at once.
+Details: docs/design-notes.md, "megamarl/orchestration/episodes.py".
 """
 
 from __future__ import annotations

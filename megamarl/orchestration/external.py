@@ -1,23 +1,13 @@
 """The ``external`` orchestra: an episode is a run of the user's own program, written for the OpenAI API.
 
-Instead of async code over ``EpisodeContext``, the orchestra starts ``command`` (or ``python -m
-module``) once per episode, with the recording endpoint's episode URL in its environment; the
-program calls ``/v1/chat/completions`` with ``model=<role>`` as often as it likes (every call is a
-Sample of that role, see ``openai_endpoint.py``), posts the episode's reward and exits.
-
-The program receives:
-* stdin: one JSON object ``{"episode_id", "task_id", "task", "roles"}`` (``task``: the env task's
-  payload as a dict, e.g. math's ``{"question", "answer", "kind"}``), also in ``MEGAMARL_TASK``;
-* environment: ``OPENAI_BASE_URL`` (``http://host:port/episodes/<id>/v1``, ``host`` this node's address
-  in a multi-node run, by ``parallel.network.listen_address``: the official client picks it up and every call
-  is routed to the episode), ``OPENAI_API_KEY`` (a dummy), ``MEGAMARL_EPISODE_ID`` and ``MEGAMARL_REWARD_URL``
-  (POST ``{"team": r, "agents": {role: r}}`` there before exiting).
-
-An episode ends when the program exits. It fails (counted in ``rollout/num_failed`` with the reason,
-its samples discarded, the run going on within ``rollout.max_failed_fraction``) when the program
-exits non-zero (``ProgramExitError``, with its stderr tail), runs past ``timeout_s`` (killed with its
-process group; ``ProgramTimeoutError``) or exits without posting a reward (``NoRewardError``).
-At most ``max_concurrency`` programs run at once (besides ``rollout.max_concurrency``).
+The orchestra starts ``command`` (or ``python -m module``) once per episode. The program reads the task
+as JSON on stdin (``{"episode_id", "task_id", "task", "roles"}``, also ``MEGAMARL_TASK``), calls
+``/v1/chat/completions`` at ``OPENAI_BASE_URL`` with ``model=<role>`` (every call is a Sample of that
+role, ``openai_endpoint.py``), POSTs ``{"team": r, "agents": {role: r}}`` to ``MEGAMARL_REWARD_URL`` and
+exits. It fails (counted, samples discarded, within ``rollout.max_failed_fraction``) on a non-zero exit
+(``ProgramExitError``), past ``timeout_s`` (process group killed; ``ProgramTimeoutError``) or with no
+reward (``NoRewardError``). At most ``max_concurrency`` programs run at once.
+Details: docs/design-notes.md, "megamarl/orchestration/external.py".
 """
 
 from __future__ import annotations

@@ -1,30 +1,14 @@
 """Code judge: the candidate runs in the sandbox, the verdict is computed outside it.
 
-A common reward for code RL is "exit code 0 of candidate + tests in one program". That is
-reward-hackable: ``os._exit(0)`` or ``raise SystemExit(0)`` before the tests passes them all, and
-a candidate that can read its working directory can read the expected values. Here, as in
-code-RL judges (APPS/CodeContests runners, LiveCodeBench), the sandbox only *observes*:
-
-* **Function-call cases** (``ExprCase``: a Python expression such as ``scale(3)``, or a function
-  name and JSON arguments from a dataset): one sandboxed process loads the candidate, evaluates
-  each expression and writes ``{"i": index, "value": <JSON>}`` records on a channel fd (an
-  anonymous file, separate from stdout, so prints cannot mix with results). The expected values
-  stay in the judge process and are compared here, after a JSON round trip on both sides, so a
-  returned object cannot fool the comparison with ``__eq__`` (it is not JSON and fails) and
-  prints, exit codes and patched builtins carry no verdict.
-* **stdin/stdout cases** (``StdioCase``): one sandboxed process per case with the case's input on
-  stdin; the captured stdout is compared here with the expected output (trailing whitespace per
-  line ignored).
-
-Each case is scored on its own: ``Verdict.fraction`` (passed / total) is the local reward and
-``Verdict.all_passed`` the success. The judge is total: whatever the candidate sends (a 100k-deep
-JSON value, ``10**400`` against a float, undecodable bytes), an exception while reading or comparing
-scores that case 0 and is counted in ``Verdict.num_judge_errors`` (the code env's
-``env/judge_errors`` metric); it never escapes to drop the episode. stdout is compared in full (the
-sandbox keeps up to ``max_output_mb``), not a truncated tail. Code in the sandbox can still write fake records
-on the channel fd (it is in its own process), but a record carries only a value for an input, so a forged
-record scores only if it holds the correct output, which is what solving the problem means; a case reported
-twice is treated as forged and the whole run scores 0.
+Unlike "exit code 0 of candidate + tests in one program" (reward-hackable by ``os._exit(0)`` or by
+reading the expected values), the sandbox only observes. Function-call cases (``ExprCase``): one
+sandboxed process evaluates each expression and writes JSON records on a separate channel fd; the
+expected values stay here and are compared after a JSON round trip. stdin/stdout cases
+(``StdioCase``): one process per case, its full stdout compared here (trailing whitespace per line
+ignored). Each case scores on its own: ``Verdict.fraction`` is the local reward, ``all_passed`` the
+success. The judge is total: any exception reading or comparing scores that case 0 and counts in
+``Verdict.num_judge_errors``, never dropping the episode; a case reported twice scores the run 0.
+The threat model in full: docs/design-notes.md, "megamarl/orchestration/judge.py".
 """
 
 from __future__ import annotations

@@ -1,21 +1,13 @@
 """Orchestras: who acts when, as plain async code over an ``EpisodeContext``.
 
 Each orchestra is a class registered in ``ORCHESTRAS`` with its own validated ``Config``; its
-``run(ctx)`` is ordinary async Python (loops, ifs, ``asyncio.gather``), not a graph DSL. Built-ins:
-
-* ``sequential``: a turn-order FSM; agents act in ``order`` (default: the env's agents), skipping
-  those the env marks inactive, until the env is done or ``max_steps`` agent calls were made.
-* ``router``: the router agent's parsed reply names the next agent; that agent takes a turn;
-  repeat until done, an invalid routing decision, or ``max_hops``.
-* ``solve_verify``: solver turn, verifier turn, repeated up to ``max_loops``; stops early when the
-  env is done (e.g. it accepted the verifier's approval) or the verifier's parsed value equals
-  ``approve_value`` when that is set.
-* ``dag``: ``nodes`` maps each agent to the agents whose outputs it reads; nodes run level by
-  level in topological order, nodes of one level concurrently, each seeing the env's observation
-  followed by its inputs' replies. Env steps of a level are applied in sorted agent order after the
-  level's replies are in, so transitions are deterministic despite concurrency.
-* ``simultaneous``: every active agent acts concurrently on its own observation, then all step
-  (parallel-API games, e.g. PettingZoo parallel envs).
+``run(ctx)`` is ordinary async Python, not a graph DSL. Built-ins: ``sequential`` (turn order, inactive
+agents skipped, up to ``max_steps``), ``router`` (the router's reply names the next agent, up to
+``max_hops``), ``solve_verify`` (solver then verifier, up to ``max_loops``, early stop on done or
+``approve_value``), ``dag`` (``nodes`` run level by level, a level concurrently, its env steps applied
+in sorted agent order so transitions stay deterministic) and ``simultaneous`` (every active agent
+acts at once, then all step: parallel-API games).
+Details: docs/design-notes.md, "megamarl/orchestration/orchestras.py".
 """
 
 from __future__ import annotations

@@ -1,20 +1,12 @@
 """Tools: JSON-schema functions an agent may call, and the tool-call blocks models write.
 
-A tool is a registered Python function with an OpenAI-style JSON schema (``TOOLS``; the built-in
-``calculator`` evaluates arithmetic). An agent declares the tools it may call
-(``agents.<role>.tools``); its prompt carries their schemas through the chat template
-(``apply_chat_template(tools=...)``) or, for a template that ignores tools (SmolLM2's ChatML), a
-Hermes-style tool block appended to the system turn (``tool_system_prompt``). Each reply is searched
-for tool calls (``parse_tool_calls``), in the two formats open models write:
-
-* Hermes / Qwen: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks, any number,
-  with free text around them (the content);
-* Llama 3.x JSON: the whole reply is ``{"name": ..., "parameters": {...}}`` (optionally after
-  ``<|python_tag|>``), or a list of such objects.
-
-A block that is not valid JSON or names no function is not a call (it stays in the content). Running
-a call (``call_tool``) never raises: an unknown tool or a failing function gives an ``error: ...``
-result, which the model sees like any other result.
+A tool is a registered function with an OpenAI-style JSON schema (``TOOLS``; built-in ``calculator``).
+An agent declares its tools (``agents.<role>.tools``); its prompt carries their schemas through the
+chat template, or a Hermes-style block in the system turn for a template that ignores tools
+(``tool_system_prompt``). ``parse_tool_calls`` finds calls in Hermes/Qwen ``<tool_call>{...}</tool_call>``
+blocks or a Llama 3.x JSON reply; a block that is not valid JSON or names no function stays content.
+``call_tool`` never raises: an unknown tool or a failing function gives an ``error: ...`` result.
+Details: docs/design-notes.md, "megamarl/orchestration/tools.py".
 """
 
 from __future__ import annotations

@@ -1,28 +1,14 @@
 """Env workers: run slow or untrusted env steps off the driver's event loop, with per-call timeouts.
 
-``await workers.call(fn, *args, timeout_s=...)`` runs the picklable ``fn(*args)`` elsewhere and
-returns its result, or raises ``EnvWorkerError`` with a short ``reason`` ("timeout", "crash",
-"error: ..."). The driver turns that into a *failed episode* (counted by reason); the run goes on.
-The episode context sends an env step there when the env declares ``Env.remote_step`` (the code
-env's sandboxed judge): the env object goes to the worker, is stepped there and comes back, so
-while one episode's judge runs, the event loop keeps serving every other episode's engine calls.
-
-The run's workers are ``rollout.env_workers`` (``WorkersConfig``), built once per run by the
-rollout driver (only when an env of the run has remote steps) and closed at its end. Backends
-(``WORKERS`` registry; what a backend needs is declared in its ``WorkerTraits``):
-
-* ``inline`` (the default): calls ``fn`` directly on the driver's event loop (no isolation, no
-  timeout, no copy of the env): today's behaviour, bit-identical, and free for cheap envs.
-* ``process``: ``num_workers`` single-process ``concurrent.futures.ProcessPoolExecutor`` slots
-  (forkserver start with ``megamarl.orchestration`` preloaded: workers do not inherit the driver's
-  threads or CUDA state and start in milliseconds). Each call holds one slot, so a worker crash
-  (``BrokenProcessPool``) or a hang (timeout; the slot's process is killed) is attributed to
-  exactly that call, and only that slot is replaced; one shared pool would break every in-flight
-  call on a single crash.
-* ``ray``: a fixed set of Ray actors; a timed-out or dead actor is killed and replaced. With
-  ``address`` empty the run starts a local Ray cluster of its own (and stops it at the end), else
-  it connects to the cluster at ``address`` (``auto``, ``host:port`` or ``ray://host:10001``).
-  ``resources`` is what each actor asks for, which places it (a custom resource only some nodes declare).
+``await workers.call(fn, *args, timeout_s=...)`` runs the picklable ``fn(*args)`` elsewhere and returns
+its result or raises ``EnvWorkerError`` with a ``reason`` ("timeout", "crash", "error: ..."), which the
+driver turns into a failed episode. An env step goes there when the env declares ``Env.remote_step``:
+the env object travels to the worker and back. The run's workers (``rollout.env_workers``) are built
+once by the rollout driver, only when an env has remote steps. Backends (``WORKERS``, traits in
+``WorkerTraits``): ``inline`` (default; on the event loop, bit-identical, no timeout), ``process``
+(``num_workers`` single-process pool slots, forkserver; a crash or hang is attributed to its one call
+and only that slot is replaced) and ``ray`` (actors, replaced when timed out or dead; ``address``,
+``resources``). Details: docs/design-notes.md, "megamarl/orchestration/workers.py".
 """
 
 from __future__ import annotations

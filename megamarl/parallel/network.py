@@ -1,27 +1,13 @@
 """The address this node's processes bind and advertise to other nodes, chosen in one place.
 
-Every weight sender hosts its transfer group's rendezvous at it (``fleet`` passes it as
-``master_addr`` to the vLLM, vLLM-native and SGLang senders), megamarl's own gloo groups bind their
-device to it (``server_sync``), and an engine server bound to 0.0.0.0 advertises its URL with it
-(``server_launch``). ``host_address`` decides, in this order:
-
-1. ``MEGAMARL_HOST_ADDR``, when set (per node; the operator knows the fabric best);
-2. one node (every peer is local): 127.0.0.1;
-3. ``GLOO_SOCKET_IFNAME`` (exact names), else ``NCCL_SOCKET_IFNAME`` (name prefixes, as NCCL reads
-   them; ``=`` for exact names; an ``^`` exclusion list names none and is skipped): the IPv4 address
-   of the first interface it names, so transfers take the network the collectives were pointed at;
-4. the source address of this node's route to the control group's rendezvous host (``MASTER_ADDR``,
-   which torchrun sets on every rank): the interface the control group itself reaches other nodes on;
-5. the source address of the default route;
-6. the node's only non-loopback IPv4 address (a network with no default route, whose rendezvous host
-   names itself on loopback: the rendezvous node of a Debian-style cluster);
-
-and raises otherwise. A loopback answer from 4 or 5 is skipped. Unlike
-``gethostbyname(gethostname())`` (Debian maps the hostname to 127.0.1.1, which other nodes
-cannot dial: a hang across nodes) it never gives a multi-node run a loopback address unless told to.
-``gloo_group`` builds a gloo group whose device binds the chosen address. ``listen_address`` applies
-the rule to a listener's configured host (the recording endpoint's ``orchestra.host``, the engine
-servers'): auto (``""``) stays on loopback on one node and binds every interface on several.
+Weight senders host their rendezvous at it, megamarl's gloo groups bind to it, and an engine server
+bound to 0.0.0.0 advertises its URL with it. ``host_address`` tries, in order: ``MEGAMARL_HOST_ADDR``;
+127.0.0.1 on one node; the interface ``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME`` names; the source
+address of the route to ``MASTER_ADDR``; that of the default route; the node's only non-loopback IPv4
+address; and raises otherwise. Invariant: unlike ``gethostbyname(gethostname())`` it never gives a
+multi-node run a loopback address unless told to. ``gloo_group`` builds a gloo group bound to the
+address; ``listen_address`` maps a listener's host (``""``: loopback on one node, every interface on
+several). The rule step by step: docs/design-notes.md, "megamarl/parallel/network.py".
 """
 
 from __future__ import annotations

@@ -1,19 +1,12 @@
 """``PeerWatch``: which ranks are still alive, so that a lost node stops the run in bounded time.
 
-Every rank of a multi-rank run bumps a counter of its own in the rendezvous store (``MASTER_ADDR:
-MASTER_PORT``, torchrun's agent store) every ``interval_s``, from a thread with a store connection of
-its own (the main thread's may sit in a 30 s ``store.wait``), and reads the others'. A rank whose
-counter has not moved for ``timeout_s`` (``trainer.peer_timeout_s``) is lost: its node died or
-became unreachable. A rank that ends, normally or by an exception, marks itself exited first
-(``stop``, and ``atexit``), so only a SIGKILLed or unreachable rank goes silent.
-
-Why not the collectives' own errors: gloo notices a dead peer only when that peer's sockets are
-closed (the kernel of a surviving host sends the reset), and a collective waits up to
-``trainer.collective_timeout_s`` (hours) for a peer that is merely unreachable. A collective that
-fails early (``suspect``) shortens the wait to ``SUSPECT_INTERVALS`` heartbeats, then names the
-silent ranks. The first rank to conclude publishes the verdict in the store, every rank adopts it
-within an interval, and ``on_lost(lost)`` runs once per rank (the caller reports and exits). A store
-that keeps failing as long (before any rank has exited) loses its host's ranks (rank 0's node).
+Every rank bumps a counter of its own in the rendezvous store every ``interval_s`` (from a thread with
+its own store connection) and reads the others'; a rank whose counter has not moved for ``timeout_s``
+(``trainer.peer_timeout_s``) is lost. A rank that ends marks itself exited first (``stop``, ``atexit``),
+so only a SIGKILLed or unreachable rank goes silent. A collective that fails early (``suspect``)
+shortens the wait to ``SUSPECT_INTERVALS``. The first rank to conclude publishes the verdict, every rank
+adopts it within an interval, and ``on_lost(lost)`` runs once per rank.
+Why not the collectives' own errors: docs/design-notes.md, "megamarl/parallel/peers.py".
 """
 
 from __future__ import annotations

@@ -1,25 +1,14 @@
 """How much of each GPU an engine server may take: its memory fraction (vLLM
 ``--gpu-memory-utilization``, SGLang ``--mem-fraction-static``), from the dry-run's own plan.
 
-Per GPU (``dryrun.plan_memory``, the numbers the dry-run prints, phase by phase in the trainer's
-order, ``megamarl.planning.phases``): the GPU's memory (measured at start-up) minus what the trainer
-keeps on it in the phases where the engines there hold all their memory (weights and KV cache),
-minus ``cluster.reserved_gib`` (CUDA contexts, NCCL buffers, fragmentation):
-
-- ``trainer.mode: sync``: colocated engines hold their KV cache only once the train state has been
-  offloaded (wake kv cache, rollout, evaluate): the reference models and the training state of
-  policies with ``offload_train_state: false`` stay; the push phase, with the train state resident,
-  wakes only the weights, and the dry-run checks that phase against the GPU;
-- the async modes overlap training and generation: the trainer's whole planned peak (its train phase);
-- disaggregated GPUs hold no training state: the whole GPU less the reserve.
-
-Several replicas on one GPU (policies time-sharing ranks) split that budget in proportion to their
-planned bytes; a replica spanning GPUs (engine TP) takes the smallest fraction among its GPUs. A
-budget below a replica's planned bytes (weights + KV cache + adapters) stops start-up with the
-numbers. ``policies.<p>.engine.gpu_memory_utilization`` replaces the plan's figure (``fleet``).
-vLLM checks at start-up that this fraction of the GPU is free, and with ``--kv-cache-memory-bytes``
-(``engine.kv_cache_gib``, or the plan's KV estimate) takes its KV cache from that figure; SGLang sizes
-its KV pool from the fraction.
+Per GPU (``dryrun.plan_memory``, phase by phase, ``megamarl.planning.phases``): the GPU's measured
+memory minus what the trainer keeps there while the engines hold all their memory, minus
+``cluster.reserved_gib``. Sync mode: what stays resident once the train state is offloaded; async
+modes: the trainer's whole planned peak; disaggregated GPUs: the whole GPU less the reserve. Replicas
+sharing a GPU split the budget by planned bytes; a replica spanning GPUs takes the smallest fraction.
+A budget below a replica's planned bytes stops start-up with the numbers;
+``policies.<p>.engine.gpu_memory_utilization`` overrides the figure (``fleet``).
+Details: docs/design-notes.md, "megamarl/planning/engine_budget.py".
 """
 
 from __future__ import annotations

@@ -1,29 +1,14 @@
 """The phases of a training step, in the order the trainer runs them, and what each keeps resident.
 
 One list drives both the trainer (``Trainer`` runs ``phase.action`` for each phase, in order) and the
-memory plan (``planning.dryrun`` prices every phase per GPU and reports the peak phase by name).
-A phase names what is resident on a GPU *while it runs* (``KINDS``) for the parts that move:
-
-- the training state (weights incl. LoRA, DDP grads, fp32 main params, Adam shards) of a policy that
-  offloads it (``offload_train_state`` on a rank sharing its device with an engine, sync mode);
-  a policy that does not offload keeps it in every phase;
-- the activations of the update (one policy at a time: colocated WGs update one after another);
-- the engine weights and KV cache of engines that sleep (colocated servers in a schedule that never
-  overlaps training); engines that do not sleep keep both in every phase.
-
-The reference model (at rest; ``ref_offload`` visits with the activations), the training NCCL
-communicators (one per distinct rank set, ``parallel.placement.num_communicators``) and the reserve
-(``cluster.reserved_gib``: CUDA context, fragmentation) are resident everywhere.
-
-Sync mode, colocated: wake weights -> push -> offload the train state and release the allocator's
-cached blocks -> wake the KV cache -> rollout -> sleep -> restore -> train -> release cached blocks,
-and around again. The first release keeps the activations' cached blocks from sitting under the
-woken engine weights; the offload's keeps the train state's from sitting under the KV cache.
-Start-up (step 0, or a resumed run) runs the same push half before the first rollout and its
-evaluation. A restarted engine replica is re-synced before the rollout when its policy's train
-state is on the device there (it never left: no offload), else in the push phase, with the train
-state back (asleep since the rollout's sleep like its peers, woken with them). In the async modes
-the engines never sleep and nothing is offloaded: the update runs while the engines generate.
+memory plan (``planning.dryrun`` prices every phase per GPU and names the peak phase). A phase names
+what is resident on a GPU while it runs (``KINDS``) for the parts that move: the training state of a
+policy that offloads it, the update's activations (one policy at a time), and the weights and KV
+cache of engines that sleep; the reference model, the NCCL communicators and the reserve are resident
+everywhere. Sync mode, colocated: wake weights -> push -> offload and release -> wake KV cache ->
+rollout -> sleep -> restore -> train -> release, and around; start-up runs the same push half. In the
+async modes the engines never sleep and nothing is offloaded.
+The order's reasons and restarted replicas: docs/design-notes.md, "megamarl/planning/phases.py".
 """
 
 from __future__ import annotations

@@ -1,23 +1,14 @@
 """Code: a coder writes a Python function, a unit-tester writes assert-based tests for it.
 
-Tasks are small function specs with parameters drawn from a seed (e.g. "return x * 7"), each
-with a reference solution and hidden tests, or problems from a JSONL file (``env.dataset``, see
-``load_problems``: function-call tests or APPS/CodeContests-style stdin/stdout tests). Candidate
-code is scored by ``judge`` (candidate in the sandbox, expected values and verdicts outside, one
-verdict per test case), and the env declares ``remote_step`` so the driver runs its steps in an
-env worker.
-
-Transitions (use with the ``solve_verify`` orchestra, solver=coder, verifier=tester):
-* coder step: keep the code; judge it on the hidden tests -> ``hidden_fraction``, ``hidden_pass``.
-* tester step: judge the tester's asserts (``assert f(x) == 3``; for stdin/stdout problems
-  ``assert run("1 2") == "3"``) against the coder's code (``tests_pass``) and against the
-  reference solution (``tests_valid``). If ``tests_pass`` the episode is done (approved);
-  otherwise the first failure is shown to the coder next turn.
-
-Rewards: team = 1 if the latest code passes every hidden test. Tester local reward = 1 if its
-tests are valid (pass on the reference; without a reference, any parseable tests) and agree with
-the hidden tests about the coder's code (pass iff all hidden tests pass), else 0. Coder local
-reward = fraction of hidden tests passed; it is also the tree-sampling check fn for the coder.
+Tasks: seeded small function specs (reference solution, hidden tests) or a JSONL file (``env.dataset``,
+``load_problems``: function-call or stdin/stdout tests). Code is scored by ``judge`` (candidate in the
+sandbox, verdicts outside); the env declares ``remote_step``, so its steps run in an env worker. Use with
+``solve_verify`` (solver=coder, verifier=tester): the coder's code is judged on the hidden tests; the
+tester's asserts are run against the coder's code (``tests_pass``: the episode is done) and the
+reference (``tests_valid``), the first failure shown to the coder otherwise. Rewards: team = 1 if the
+latest code passes every hidden test; tester = 1 if its tests are valid and agree with the hidden tests
+about the code; coder = fraction of hidden tests passed (also its tree-sampling check fn).
+Details: docs/design-notes.md, "megamarl/orchestration/envs/code.py".
 """
 
 from __future__ import annotations

@@ -1,23 +1,13 @@
 """``tool_relay``: a signalling game played through slow tools, the workload of ``scripts/bench_async.py``.
 
-The caller sees a secret digit and, for ``num_rounds`` rounds (uneven: drawn per task from
-``rounds``, long-tailed by default), sends one letter through a relay *tool*; the answerer sees
-only the last letter the relay delivered and names the digit (team reward 1 on success). Every
-tool call has real latency: a ``wait`` tool stands for a remote API (``wait_s`` times a seeded
-factor in [0.5, 1.5]); a ``python`` tool runs a small program in a fresh ``python -I -S``
-subprocess and the env checks its output (a wrong output delivers ``?``). The programs are written
-by the env, not by the model, so they need no sandbox.
-
-Tool calls are awaited by the ``tool_calls`` orchestra on the rollout event loop (``asyncio.sleep``,
-``asyncio.create_subprocess_exec``), so hundreds of episodes can wait on tools at once without
-threads. Import this module as a plugin (``plugins: [megamarl.orchestration.envs.latency]``).
-
-``slow_judge``: the signalling game whose every step waits for a *blocking* judge (``time.sleep``
-for ``judge_s``, as a judge waits on its sandboxed process), declared ``remote_step`` like the code
-env: the workload of ``scripts/bench_env_workers.py``. Inline, each judge blocks the event loop and
-every other episode with it; in env workers (``rollout.env_workers``) the judges of concurrent
-episodes overlap. ``judge_s`` is drawn per task, so a long tail (one value above
-``rollout.env_timeout_s``) makes some steps time out in their worker.
+The caller sees a secret digit and for ``num_rounds`` rounds (drawn per task from ``rounds``) sends a
+letter through a relay tool; the answerer sees the last letter delivered and names the digit (team
+reward 1). Tools have real latency: ``wait`` (``wait_s`` times a seeded factor) and ``python`` (an
+env-written program in a fresh ``python -I -S``), awaited on the rollout event loop by the
+``tool_calls`` orchestra. ``slow_judge``: the same game with a blocking judge per step (``judge_s``,
+``remote_step``), the workload of ``scripts/bench_env_workers.py``: inline it blocks the loop, in env
+workers the judges overlap. Import as a plugin (``plugins: [megamarl.orchestration.envs.latency]``).
+Details: docs/design-notes.md, "megamarl/orchestration/envs/latency.py".
 """
 
 from __future__ import annotations

@@ -1,21 +1,13 @@
 """Math: a solver answers an arithmetic question, a verifier approves or rejects the answer.
 
-Tasks are procedurally generated and seeded (``kinds``): ``add1`` (1-digit +), ``mul1`` (1-digit
-x), ``add2`` (2-digit +), ``mul12`` (up to 12 x 12) and ``word`` (templated word problems with +,
--, x); or loaded from a user JSONL file of ``{"question": ..., "answer": ...}`` lines
-(``dataset_path``). Answers are exact numbers.
-
-Answer extraction takes the LAST number of the solver's reply (the model writes "3 + 2 = 5"; the
-first number would be 3). Transitions: the solver's step records its answer; the verifier's step
-records its verdict (last yes/no-style word) and, if it approves, ends the episode; with
-``with_verifier=False`` the episode ends after the solver. A rejected answer is shown to the
-solver in its next observation.
-
-Rewards: team = 1 if the final (latest) solver answer equals the truth, else 0; verifier local
-reward per turn = 1 if its verdict matches whether the answer it judged is correct, else 0
-(an unparseable verdict scores 0). The solver's local reward is its answer's correctness, which
-also serves as the tree-sampling check fn for the solver. Own success (``agent/<a>/success``): the
-solver's is the team's; the verifier's is "every verdict it gave was right".
+Tasks are seeded (``kinds``: ``add1``, ``mul1``, ``add2``, ``mul12``, ``word``) or a JSONL file of
+``{"question", "answer"}`` (``dataset_path``); answers are exact numbers. The solver's answer is the
+LAST number of its reply; the verifier's verdict is its last yes/no-style word, and an approval ends
+the episode (``with_verifier=False``: the solver alone). A rejected answer is shown to the solver.
+Rewards: team = 1 if the latest answer is right; verifier local = 1 per turn if its verdict matches the
+answer's correctness (unparseable: 0); solver local = its answer's correctness (also the tree-sampling
+check fn). Own success: the solver's is the team's, the verifier's "every verdict right".
+Details: docs/design-notes.md, "megamarl/orchestration/envs/math.py".
 """
 
 from __future__ import annotations

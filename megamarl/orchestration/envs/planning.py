@@ -1,21 +1,13 @@
 """Planning games with a planner and an executor: grid path planning and small Sokoban levels
 (Sudoku lives in ``sudoku.py`` on the same base).
 
-Roles: the planner sees the state and writes a free-text plan (any non-empty reply is valid);
-the executor sees the state and the latest plan and replies with primitive actions, applied in
-order until the puzzle is solved or the episode's action budget (``max_actions``) is spent. Use
-the ``sequential`` orchestra (planner, executor, planner, ...).
-
-Transitions are exact and deterministic. Moves are ``U D L R`` (also the words up/down/left/right);
-a move into a wall (or, in Sokoban, pushing a box into a wall or another box) is a no-op that still
-costs one action and is counted in ``num_blocked``. Team reward = 1 if solved, else 0. The check fn
-for tree sampling (``score``) applies the executor's actions to a copy and returns the game's
-progress in [0, 1] (grid: 1 - BFS distance to the goal / initial distance; Sokoban: fraction of
-boxes on goals), so a candidate that solves the puzzle scores 1.
-
-Levels are generated from a seed: grids by random walls with a BFS reachability check, Sokoban
-by placing boxes on goals and playing random reverse moves ("pulls"), so every level is
-solvable by construction.
+The planner writes a free-text plan; the executor replies with moves (``U D L R`` or the words),
+applied in order until solved or ``max_actions`` is spent. Use the ``sequential`` orchestra.
+Transitions are exact and deterministic; a blocked move is a no-op that costs an action
+(``num_blocked``). Team reward = 1 if solved. ``score`` (the tree-sampling check fn) applies the
+executor's actions to a copy and returns progress in [0, 1]. Levels are generated from a seed and
+solvable by construction (grids: BFS-checked walls; Sokoban: reverse pulls from the goals).
+Details: docs/design-notes.md, "megamarl/orchestration/envs/planning.py".
 """
 
 from __future__ import annotations
