@@ -1,29 +1,14 @@
 """What each rank trains on: the driver plans every policy's update from the step's batch and each
 rank receives only its own share.
 
-The driver (rank 0) holds the prepared batch: every policy's rows, advantages set. For each trained
-policy, ``plan_policy`` is a pure function of the policy's rows, its ``BatchSplit`` (from
-``policies.<p>`` / ``agents.<a>``) and its worker group's DP size:
-
-```
-policy rows
-  -> trainable rows           (agents.<a>.frozen and adapter-less agents of a LoRA policy dropped)
-  -> PPO mini-batches         (policies.<p>.mini_batch_size; per agent with agents.<a>.mini_batch_size)
-  -> per mini-batch: its global loss counts (losses.loss_counts: every DP rank's rows)
-                     and one part per DP rank (SampleBatch.balance_across_dp, by tokens; an empty
-                     part becomes one zero-weight stand-in row, so the rank still joins the all-reduce)
-  -> one PolicyShare per DP rank: its part of every mini-batch, with the counts
-```
-
-``rank_batches`` then gives every rank of the world a ``RankBatch``: for each policy whose worker
-group (WG) holds a shard on the rank, that rank's DP share (TP and PP peers of one DP rank get the
-same share), plus a ``BatchSummary`` of counts every rank needs; nothing of other policies' rows.
-The trainer sends each rank its ``RankBatch`` point to point over the control group
-(``parallel.collectives.scatter_objects``).
-
-How it differs from the usual SPMD trainer (verl's dispatch of a whole batch to every worker,
-Megatron-LM's broadcast within a TP group): the split happens once, on the driver, so a rank's
-traffic and memory are its own share; the worker computes nothing about other ranks' rows.
+On the driver, ``plan_policy`` is a pure function of a policy's rows, its ``BatchSplit`` and its WG's
+DP size: trainable rows (frozen and adapter-less agents dropped) -> PPO mini-batches
+(``mini_batch_size``) -> per mini-batch its global loss counts and one token-balanced part per DP rank
+(an empty part becomes a zero-weight stand-in row, so the rank still joins the all-reduce) -> one
+``PolicyShare`` per DP rank. ``rank_batches`` gives every rank a ``RankBatch`` (its DP share of each
+policy with a shard there, TP/PP peers alike, plus a ``BatchSummary``), sent point to point over the
+control group (``scatter_objects``). Unlike verl's whole-batch dispatch or Megatron-LM's TP broadcast,
+a rank's traffic and memory are its own share. Details: docs/design-notes.md, "megamarl/rl/dispatch.py".
 """
 
 from __future__ import annotations

@@ -1,24 +1,13 @@
 """Training state out of accelerator memory while the engines on the same devices generate
 (``policies.<p>.offload_train_state``, colocated sync mode; the dry-run plans memory this way).
 
-What moves: the storage of every parameter and buffer of the model and of the reference model, of
-the value head, of the optimizers' main parameters and of every tensor of their state is copied to
-(pinned) host memory and then resized to zero bytes (the host buffers are allocated at the first
-offload and reused by every later one: pinning is slow and a fresh pinned copy of the whole state per
-step fragments host memory); ``restore`` resizes each storage back and copies
-the bytes in. Storage by storage, not tensor by tensor: megatron-core's DDP makes every parameter a
-*view* of one ``param_data`` buffer when the distributed optimizer is on, and the optimizer copies
-its updated main parameters into that buffer; replacing ``param.data`` would cut the view (the buffer
-stays on the GPU, and after ``restore`` the parameters would no longer see the optimizer's updates).
-Resizing the shared storage frees the buffer and keeps every view, every Python object and every
-reference to it valid (megatron-core's own ``offload_to_cpu`` does the same). DDP's gradient buffers
-are freed without a copy (``DistributedDataParallel.offload_grad_buffers``: zeroed when
-``restore_grad_buffers`` reallocates them; the next backward starts from zero anyway). Same idea as
-verl's and NeMo-RL's offload of Megatron workers between rollout and update.
-
-On a CPU worker group the state already lives in host memory: both calls do nothing (and say so in
-their return value), so a CPU run honours the key trivially. The mechanism itself is device-agnostic
-(a test forces it on CPU: ``tests/distributed/test_offload_mechanism.py``).
+``offload`` copies the storage of every parameter and buffer (model, reference, value head), of the
+optimizers' main parameters and of their state to pinned host buffers (allocated once, reused) and
+resizes each storage to zero bytes; DDP's gradient buffers are freed without a copy. ``restore``
+resizes back and copies in. Invariant: storage by storage, never ``param.data = ...``, so the views
+megatron-core's DDP makes of ``param_data`` and every Python reference stay valid (as megatron-core's
+own ``offload_to_cpu``; verl and NeMo-RL do the same). On a CPU worker group both calls do nothing and
+say so in their return value. Why storages, and the tests: docs/design-notes.md, "megamarl/rl/offload.py".
 """
 
 from __future__ import annotations

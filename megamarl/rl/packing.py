@@ -1,28 +1,15 @@
 """Sequence packing for the training forward pass: a micro-batch's rows laid end to end in one
 row of ``L = sum(lengths)`` tokens, with no padding.
 
-How it differs from the padded forward (``SampleBatch.micro_batches`` + ``worker.causal_mask``):
-rows are not padded to the longest one, so no FLOPs go to padding (multi-agent transcripts vary a
-lot in length). Each sample only sees itself, either through
-
-- megatron-core's local attention: the block-diagonal causal mask ``PackedBatch.causal_mask()``
-  ([1, 1, L, L] bool, True = masked). RoPE there rotates by the packed position (0..L-1), not the
-  restarting ``position_ids``; that changes nothing within a sample because rotary attention scores
-  depend only on the distance between query and key (equal up to fp32 rounding of the angles);
-- Transformer Engine: ``PackedBatch.seq_params()`` (``qkv_format="thd"`` with ``cu_seqlens``)
-  and no mask; TE restarts RoPE and attention at every ``cu_seqlens`` boundary.
-
-Alignment. Sample ``i`` occupies packed positions ``[s_i, s_i + n_i)`` (``s_i = cu_seqlens[i]``).
-The output at packed position ``p = s_i + j - 1`` predicts token ``j`` of sample ``i`` (``j >= 1``);
-that is the padded ``[B, T]`` layout's ``(i, j)``, where ``vocab_parallel_logprobs`` puts it. The
-last position of each sample, ``s_i + n_i - 1``, predicts the *next sample's* first token: it is
-never a prediction position, so it never reaches a sample's values (and gets zero gradient).
-``prediction_positions`` lists the positions that do predict something (optionally only response
-tokens, so the output layer can run on ``K << L`` rows), ``packed_logprobs`` turns logits at those
-positions into ``[B, T]`` logprobs/entropy through ``_VocabParallelLogprobEntropy`` (same TP math).
-
-Everything here is a pure tensor function: no process groups other than the optional ``tp_group``
-handed through to the vocab-parallel reduction, no config objects.
+Unlike the padded forward (``SampleBatch.micro_batches``), no FLOPs go to padding. Each sample sees
+only itself: megatron-core's local attention through the block-diagonal mask
+``PackedBatch.causal_mask()`` (RoPE by packed position, equal up to fp32 rounding), Transformer Engine
+through ``PackedBatch.seq_params()`` (``thd`` with ``cu_seqlens``). Alignment: the output at packed
+position ``s_i + j - 1`` predicts token ``j`` of sample ``i``, placed at the padded layout's ``(i, j)``; a
+sample's last position is never a prediction position. ``prediction_positions`` (optionally response
+tokens only) and ``packed_logprobs`` (``[B, T]`` logprobs/entropy, same TP math) are the entry points.
+Pure tensor functions: no process groups but an optional ``tp_group``, no config.
+The alignment argument in full: docs/design-notes.md, "megamarl/rl/packing.py".
 """
 
 from __future__ import annotations

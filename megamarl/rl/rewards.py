@@ -1,30 +1,14 @@
 """Reward shaping for agent-tagged samples: pure tensor functions, applied before advantages.
 
-A sample (one agent call) carries the episode's ``team_reward`` and the agent's own
-``local_reward``. Shaping, in the order ``shape_rewards`` applies it:
-
-  0. placement (estimators that sum rewards along an episode, e.g. GiGPO): the team reward stays
-               only on the samples of the episode's last step (``last_step_mask``), so it is
-               counted once per episode however many agent calls the episode made;
-  1. mix:      ``r_i = team_i + alpha * local_i``; ``alpha`` may be annealed over training steps
-               (``team_alpha_at``: ``alpha(k) = start + (end - start) * shape(min(k / K, 1))`` at
-               trainer step k, shape constant 0, linear ``p``, cosine ``(1 - cos(pi p)) / 2``), e.g.
-               from local-reward shaping early to the pure team objective late;
-  2. discount: ``r_i <- gamma^(T_last(s) - t_i) * r_i`` for the sequence s = (task, episode, agent)
-               of sample i, ``t_i`` its turn and ``T_last(s)`` the last turn of that agent in that
-               episode: the last call keeps the full reward, a call k turns earlier gets gamma^k.
-               Unlike return discounting (sum over future rewards), this only scales the reward a
-               sample already carries, which is what a team reward copied to every turn needs.
-  3. penalty:  ``r_i <- r_i + penalty`` where the action did not parse (``valid_i`` False); the
-               penalty is not discounted.
-
-Dynamic sampling (DAPO) is a filter, not shaping: groups (of the estimator's own group key) in
-which the estimator gives every sample an advantage of exactly 0 carry no policy-gradient signal and
-are dropped before the update (``dynamic_sampling_mask``). The filter reads the advantages, not the
-rewards, so it always agrees with what the estimator compares: for GRPO and kin that is "all rewards
-equal"; for GiGPO, whose team reward sits on the last step only (per-step rewards {0, 1} in an episode
-that succeeded), it is "equal episode returns and equal step returns in every anchor group"; a Dr.MAS
-singleton group, whose advantage is its raw reward, is kept unless that reward is 0.
+A sample carries the episode's ``team_reward`` and its agent's ``local_reward``; ``shape_rewards``
+applies, in order: placement (for estimators that sum along an episode, e.g. GiGPO, the team reward
+only on the last step: ``last_step_mask``), mix (``r = team + alpha * local``, ``alpha`` annealed by
+``team_alpha_at``), discount (``r <- gamma^(T_last - t) * r`` per (task, episode, agent): it scales the
+reward a sample carries, unlike return discounting) and penalty (``+ penalty`` where the action did not
+parse, undiscounted). Dynamic sampling (DAPO) is a filter, not shaping: ``dynamic_sampling_mask`` drops
+groups (of the estimator's group key) whose advantages are all exactly 0. It reads advantages, not
+rewards, so it always agrees with what the estimator compares.
+Formulas and each estimator's case: docs/design-notes.md, "megamarl/rl/rewards.py".
 """
 
 from __future__ import annotations

@@ -1,24 +1,15 @@
 """Prefix-tree packing for the training forward pass: every token prefix a micro-batch's samples share
 is laid out and computed once.
 
-The samples of a GRPO group carry the same prompt; a team's agents read the same instructions and each
-other's turns; a multi-turn agent's turn t repeats turn t-1's whole sequence. ``tree_pack`` merges the
-micro-batch's rows into a trie of exact token prefixes and lays its ``N`` nodes out in one row
-(``N`` <= the packed path's ``L = sum(lengths)``), in insertion order, so a node's ancestors come
-before it. Attention is ancestor-only (``TreeBatch.causal_mask``: node n sees node m iff m is n or one
-of its ancestors), which is exactly the context each sample gives the token at that depth. Positions
-are each node's depth (its token's index in every sample passing through it): RoPE must rotate by it,
-since layout distances between a node and its ancestors are not their depth difference
-(``RotaryPositions`` re-indexes megatron-core's rotary table per node).
-
-Predictions: token ``j`` of sample ``i`` is predicted by the output at the node of its token ``j - 1``;
-a shared node predicts for every sample through it, possibly different next tokens (a branch).
-``TreeBatch.predictions`` lists one row per predicted (sample, column) with that node's layout index:
-the output layer runs on those rows only (``LogitWindow.select``; a node repeated for several samples
-is a repeated row), and ``tree_logprobs`` / ``place_tree`` put each row's value at its sample's slot.
-Each sample keeps its own loss mask, advantages, old/reference logprobs and rewards: only the
-forward/backward execution is shared. The gradient of a shared node sums its samples' contributions,
-which is the unshared gradient up to fp32 summation order.
+``tree_pack`` merges the rows (a GRPO group's shared prompt, a team's shared turns, a multi-turn
+agent's repeated history) into a trie of exact token prefixes and lays its ``N <= sum(lengths)`` nodes
+out in insertion order, ancestors first. Attention is ancestor-only (``TreeBatch.causal_mask``);
+positions are each node's depth (``RotaryPositions`` re-indexes the rotary table). Token ``j`` of sample
+``i`` is predicted at its token ``j - 1``'s node; ``TreeBatch.predictions`` lists one row per (sample,
+column), the output layer runs on those rows only, and ``tree_logprobs`` / ``place_tree`` put values at
+each sample's slot. Each sample keeps its own masks, advantages and logprobs; a shared node's gradient
+sums its samples', the unshared gradient up to fp32 summation order.
+Details: docs/design-notes.md, "megamarl/rl/tree.py".
 """
 
 from __future__ import annotations

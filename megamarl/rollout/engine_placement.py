@@ -1,23 +1,14 @@
 """Engine placement: which ranks (and which devices on which node) host each engine replica. It sits
-in rollout/ (it moved from parallel/, 2026-11-28) because it reads the engines' registry traits.
+in rollout/ because it reads the engines' registry traits.
 
-Every rank computes the same plan from the config and the world size (``plan_engines``), before any
-model loads; each rank then starts the replicas it leads (``replicas_led_by``). A replica is a block
-of ``engine.tp`` ranks on ONE node (a tensor-parallel engine needs its devices on one NVLink domain):
-
-- colocated (``engine.ranks`` empty): replica i sits on the worker group's (WG's) ranks
-  ``[i*tp, (i+1)*tp)``, so a TP=8 x DP=6 WG hosts up to 6 replicas at engine TP=8; the replicas
-  sleep while their WG trains. Two policies whose WGs share ranks may colocate replicas there.
-- disaggregated (``engine.ranks`` set): blocks of ``tp`` consecutive entries of ``engine.ranks``;
-  those ranks hold no WG shard and no other policy's replica.
-- in-process (``launch: in_process``): every replica lives in the driver's (rank 0's) process at
-  TP=1 -- one-process runs, tests, the quickstart.
-- external (``engine.server_urls``): servers someone else runs; they take no rank here.
-
-``launch: auto`` resolves at start-up (``resolve_launch``), when the world size is known. Devices
-are node-local indices (``rank % ranks_per_node``), the same order torchrun assigns LOCAL_RANK in.
-Unlike the dry-run's memory model this module knows no model shape: it is pure config arithmetic,
-cheap enough for ``scripts/train.py`` to run as a pre-flight check on every rank.
+Every rank computes the same plan from the config and the world size (``plan_engines``) before any
+model loads, then starts the replicas it leads (``replicas_led_by``). A replica is a block of
+``engine.tp`` ranks on one node: colocated (replica i on the WG's ranks ``[i*tp, (i+1)*tp)``, asleep
+while the WG trains), disaggregated (blocks of ``engine.ranks``, which hold nothing else), in-process
+(rank 0's process, TP=1) or external (``engine.server_urls``, no rank). ``launch: auto`` resolves at
+start-up (``resolve_launch``). Devices are node-local (``rank % ranks_per_node``). Pure config
+arithmetic, no model shape: cheap enough for a pre-flight check on every rank.
+Details: docs/design-notes.md, "megamarl/rollout/engine_placement.py".
 """
 
 from __future__ import annotations

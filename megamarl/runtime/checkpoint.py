@@ -1,24 +1,14 @@
 """The run checkpoint around the policies' shards (``runtime.checkpointer.Checkpointer``; see
 docs/checkpointing.md).
 
-One directory per saved step::
-
-    <run_dir>/checkpoints/step_000040/
-        policies/<policy>/   model + AdamW state in megatron-core dist_checkpointing (torch_dist):
-                             loads at any TP x PP x DP layout (``megamarl.models.dist_checkpoint``)
-        rng/rank_00000.pt    each rank's python / numpy / torch (+ CUDA) generator states
-        trainer.pt           step, weight versions, update counts, the driver's running totals and
-                             its rollout_state (async modes: what the schedule owns, driver/schedules.py)
-        COMPLETE             the marker, written last
-
-How it differs from a plain "torch.save per rank": the shards are layout-free, and the directory
-appears atomically. Ranks write into ``step_000040.partial``; the driver writes ``trainer.pt`` and
-``COMPLETE`` and renames the directory (a rename is atomic on POSIX), so a crash at any moment leaves
-the earlier checkpoints intact and at most a ``.partial`` directory, which resume ignores.
-
-Resume rewinds the run directory to the checkpoint: ``metrics.jsonl`` lines and ``eval.json``
-entries after its step are cut (the resumed run logs those steps again), and complete checkpoints
-after it (an abandoned future, when resuming from an older one) are renamed ``*.discarded``.
+One directory per saved step, ``<run_dir>/checkpoints/step_000040/``: ``policies/<policy>/`` (model +
+AdamW in ``torch_dist``, any layout: ``megamarl.models.dist_checkpoint``), ``rng/rank_*.pt``,
+``trainer.pt`` (step, weight versions, counts, the driver's totals and rollout_state) and ``COMPLETE``,
+written last. Invariant: the directory appears atomically: ranks write ``step_N.partial``, the driver
+renames it, so a crash leaves earlier checkpoints intact and at most a ``.partial`` that resume ignores.
+Resume rewinds the run directory: later ``metrics.jsonl`` lines and ``eval.json`` entries are cut, later
+complete checkpoints renamed ``*.discarded``.
+The layout in full: docs/design-notes.md, "megamarl/runtime/checkpoint.py".
 """
 
 from __future__ import annotations

@@ -1,23 +1,12 @@
 """Run metrics: a local JSONL log that needs no account, wandb (offline by default), timers, progress.
 
-Only global rank 0 (the driver) writes. Every ``log(step, metrics)`` appends one line to
-``<run_dir>/metrics.jsonl``::
-
-    {"step": 3, "time": 1732180000.12, "elapsed_s": 41.7, "agent/planner/reward_mean": 0.5, ...}
-
-(``time`` is Unix time, ``elapsed_s`` counts from the logger's creation; non-finite values are
-written as ``null`` so the file stays strict JSON) and sends the same dict to wandb. Evaluations go
-to ``<run_dir>/eval.json``, a JSON list rewritten atomically after each ``log_eval``, so a reader
-never sees a half-written file. wandb keeps its files in ``<run_dir>/wandb``; ``offline`` and
-``disabled`` never need an account (``logger.wandb.mode=online`` uploads).
-
-Metric names (one wandb panel per prefix, one curve per agent/policy); docs/metrics.md is the
-table of every key, checked against a real run by tests/integration/test_tictactoe.py:
-
-- ``agent/<role>/*`` (reward and advantage statistics, own success, response length and clip
-  ratio, invalid rate), ``policy/<policy>/*`` (loss statistics, grad norm, lr; per worker group);
-- ``perf/*`` (throughput, peak memory per worker group), ``timing_s/<section>`` (seconds, like
-  verl; see ``Timer``), ``weight_sync/<policy>/*``, ``rollout/*``, ``async/*``, ``eval/*``.
+Only global rank 0 writes. ``log(step, metrics)`` appends one strict-JSON line (``step``, ``time``,
+``elapsed_s``, the metrics; non-finite values as ``null``) to ``<run_dir>/metrics.jsonl`` and sends the
+same dict to wandb (files in ``<run_dir>/wandb``; ``offline``/``disabled`` need no account).
+``log_eval`` rewrites ``<run_dir>/eval.json`` atomically. Metric names group by prefix: ``agent/<role>/*``,
+``policy/<policy>/*``, ``perf/*``, ``timing_s/<section>`` (``Timer``), ``weight_sync/<policy>/*``,
+``rollout/*``, ``async/*``, ``eval/*``; docs/metrics.md lists every key, checked by
+tests/integration/test_tictactoe.py. Details: docs/design-notes.md, "megamarl/runtime/metrics.py".
 """
 
 from __future__ import annotations

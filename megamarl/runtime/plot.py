@@ -1,24 +1,12 @@
 """PNG plots of a run from its local logs (``metrics.jsonl``, ``eval.json``): no wandb account needed.
 
-``python -m megamarl.runtime.plot RUN_DIR`` (or ``megamarl-plot RUN_DIR``) writes into ``RUN_DIR/plots`` one
-figure per concern, every axis labelled, each agent (and each policy) drawn in the same colour in
-every figure (colours follow the sorted names, so two runs of one config match too):
-
-- ``rewards.png``: per agent, the shaped reward (mean, with a +-std band when logged) and the
-  agent's own success rate; per policy success when several policies share seats (self-play);
-- ``eval.png``: held-out rates (``team_accuracy``; ``pass@k`` for k > 1), one line per eval set
-  and metric, each with its first evaluation (the base model) as a dashed reference line; per-agent
-  success in a second panel. Counts (``num_tasks``), ``step`` and ``avg@k`` (it equals
-  ``team_accuracy`` when every task ran its k episodes) are not drawn;
-- ``training.png``: small multiples of the per-policy loss-side metrics and per-agent response
-  length / invalid rate / advantage spread;
-- ``timing.png``: seconds per step, the top-level ``timing_s/*`` sections stacked, ``timing_s/step``
-  as the total line;
-- ``throughput.png``: ``perf/*_per_s`` and the per-worker-group peak memory.
-
-Runs logged before the ``timing_s/`` names (``timing/<section>_s``) and eval results without sets
-(``team_accuracy``) or with them (``<set>/team_accuracy``) plot alike. A directory with only an
-``eval.json`` (a committed quickstart) gets ``eval.png``.
+``python -m megamarl.runtime.plot RUN_DIR`` (or ``megamarl-plot RUN_DIR``) writes into ``RUN_DIR/plots``
+one figure per concern, every axis labelled, each agent and policy in the same colour in every figure
+(colours follow sorted names, so two runs of one config match): ``rewards.png``, ``eval.png`` (held-out
+rates, the first evaluation dashed as reference), ``training.png``, ``timing.png`` and
+``throughput.png``. Older metric names (``timing/<section>_s``) and eval results with or without sets
+plot alike; a directory with only ``eval.json`` gets ``eval.png``.
+What each figure draws: docs/design-notes.md, "megamarl/runtime/plot.py".
 """
 
 from __future__ import annotations

@@ -1,24 +1,13 @@
 """Preemption: SIGTERM / SIGUSR1 (Slurm's warning signal) -> finish the step, checkpoint, exit 0.
 
-The handler only sets a flag; the trainer asks ``PreemptionFlag.agreed()`` at the end of every step,
-which all-reduces the flag over the control group, so that when the signal reaches only some ranks
-(Slurm signals the processes of one node's step, a user kills one rank) every rank still sees it at
-the same step, saves the same checkpoint and leaves the loop together. Without the agreement one
-rank would leave the loop while the others wait in the next step's collectives.
-
-A signal that arrives before the loop starts (model loading, engine start-up, the step-0 eval) is
-held, not lost: ``scripts/train.py`` installs a flag first thing, and the loop's flag takes over what
-that one received. The run then stops at the end of its first step, not at once: a Slurm job warned
-during start-up (its time limit near, ``--signal=B:USR1@180``) still saves one more step, and the
-requeued job then makes progress instead of being warned again before it ever trains.
-
-A run that stopped on a signal leaves ``<run_dir>/PREEMPTED`` (the step it saved) next to its
-checkpoint: ``scripts/slurm/train.sbatch`` requeues the job only when its ranks left that marker,
-exited 0 and saved a step below ``trainer.total_steps`` (never a finished run, nor one that
-``eval.stop_at`` ended), and removes it before each launch.
-
-What it does not cover: SIGKILL (Slurm's KillWait after SIGTERM, a node loss); periodic checkpoints
-(``trainer.save_every``) bound what those lose.
+The handler only sets a flag; at the end of every step the trainer asks ``PreemptionFlag.agreed()``,
+which all-reduces it over the control group, so every rank stops at the same step with the same
+checkpoint even when only some ranks got the signal. A signal before the loop (``scripts/train.py``
+installs a flag first thing) is held and stops the run after its first step, so a job warned during
+start-up still saves progress. A run stopped by a signal leaves ``<run_dir>/PREEMPTED`` (the step it
+saved), which ``scripts/slurm/train.sbatch`` reads to decide a requeue. Not covered: SIGKILL;
+``trainer.save_every`` bounds what that loses.
+Details: docs/design-notes.md, "megamarl/runtime/preemption.py".
 """
 
 from __future__ import annotations

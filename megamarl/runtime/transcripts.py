@@ -1,23 +1,12 @@
 """Episode transcripts: what the agents said, for a person debugging an env, a prompt or a parser.
 
-Each training step the driver keeps a few of the step's episodes (``logger.episodes_per_step``) as
-``<run_dir>/episodes/step_<N>.jsonl``, N the step number of metrics.jsonl, one JSON object per
-episode::
-
-    {"step": 3, "task_id": "signal-7", "episode_id": "signal-7/0", "status": "ok", "success": true,
-     "team_reward": 1.0, "agent_success": {"sender": true, ...},
-     "calls": [{"step": 0, "agent": "sender", "policy": "shared", "turn": 0, "branch": 0,
-                "prompt": "<|im_start|>system ...", "response": "2", "action": "2", "valid": true,
-                "truncated": false, "local_reward": 0.0, "team_reward": 1.0, "weight_version": 2}, ...]}
-
-``prompt`` is the rendered prompt exactly as the engine received it (chat template and special tokens
-included), ``response`` the decoded reply the parser read, ``action`` what the agent's parser made of
-it (``str`` of the parsed value; null when it did not parse). With wandb on, the same calls go to a
-``episodes`` table (one row per call). ``scripts/show_episodes.py RUN`` prints the files readably.
-
-Episodes are picked round-robin over tasks (the first episode of each task, then the second...), so
-a few of them show several tasks rather than one task's group. Only finished (ok) episodes have
-samples; the cost is decoding a few prompts per step.
+Each training step the driver keeps ``logger.episodes_per_step`` finished episodes as
+``<run_dir>/episodes/step_<N>.jsonl`` (N as in metrics.jsonl), one JSON object per episode with its
+status, rewards, per-agent success and ``calls``: per agent call its ``prompt`` exactly as the engine
+received it, ``response`` (the decoded reply), ``action`` (the parsed value, null when it did not
+parse), validity, rewards and ``weight_version``. With wandb on, the calls also go to an ``episodes``
+table. Episodes are picked round-robin over tasks. ``scripts/show_episodes.py RUN`` prints the files.
+The record's example: docs/design-notes.md, "megamarl/runtime/transcripts.py".
 """
 
 from __future__ import annotations

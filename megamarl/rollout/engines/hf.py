@@ -1,29 +1,14 @@
 """``hf`` engine: a transformers causal LM with batched KV-cache decoding; no extra install.
 
-Concurrent ``generate`` calls are merged by a ``MicroBatcher`` into one left-padded batch (static
-batching: the batch decodes until its longest member stops). Every row keeps its own sampling
-parameters (temperature, top-k, top-p, max_tokens, stop ids, stop strings, seed), so episodes with
-different settings share a forward pass. Stop strings are matched, as vLLM does, on the decoded text
-of the row's response after each token; they need the tokenizer (``tokenizer``, or the one saved
-next to a model directory, loaded on the first request that has stop strings).
-
-Logprobs (the same definition as the ``vllm`` engine, i.e. vLLM's
-``logprobs_mode="processed_logprobs"``): the log-probability of each sampled token under the
-distribution it was actually drawn from, ``log_softmax(logits / T)`` restricted and renormalised
-to the top-k/top-p support. With top-k/top-p off (the RL default) this is exactly the policy at
-the sampling temperature, the quantity the trainer recomputes for importance ratios. Greedy
-(``T == 0``) has no sampling distribution; it reports ``log_softmax(logits)`` (the policy at T=1).
-
-Sleep: level 1 offloads weights to host memory (a no-op when the model already lives on the CPU);
-level 2 frees the base model's parameter storage, so the next ``update_weights`` must carry every
-base tensor (adapters are kept).
-
-Multi-LoRA (L2, one adapter per agent) through PEFT: ``add_lora(name, path)`` loads a PEFT adapter
-directory next to the others on the same base; ``generate(..., lora=name)`` uses it. A micro-batch
-that mixes adapters runs one decode per adapter group (PEFT selects one active adapter per forward;
-vLLM batches across adapters with punica kernels instead). ``update_weights(..., lora=name)`` copies
-PEFT-named tensors (``base_model.model.<module>.lora_A.weight``) into that adapter in place and
-stamps ``lora_versions[name]``.
+Concurrent ``generate`` calls are merged by a ``MicroBatcher`` into one left-padded static batch;
+every row keeps its own sampling parameters, and stop strings are matched on the decoded response as
+vLLM does. Logprobs follow vLLM's ``processed_logprobs``: the sampled token's log-probability under the
+distribution it was drawn from (``log_softmax(logits / T)`` restricted to the top-k/top-p support);
+greedy reports ``log_softmax(logits)``. Sleep level 1 offloads weights to host memory; level 2 frees
+the base's storage, so the next ``update_weights`` must carry every base tensor. Multi-LoRA through
+PEFT: ``add_lora(name, path)``, ``generate(..., lora=name)`` (one decode per adapter group of a
+micro-batch), ``update_weights(..., lora=name)`` in place, stamping ``lora_versions[name]``.
+Details: docs/design-notes.md, "megamarl/rollout/engines/hf.py".
 """
 
 from __future__ import annotations

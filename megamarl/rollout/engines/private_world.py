@@ -1,19 +1,12 @@
 """A private ``torch.distributed`` world for an in-process engine that lives on one rank of a training job.
 
-vLLM's in-process worker initialises ``torch.distributed`` for its own (single-rank) world: it
-creates its groups with ``new_group``, which is collective over the *default* world, and tears the
-default world down on shutdown (``destroy_process_group()``, which shuts down every group in the
-process). On a rank of a multi-rank training world that hangs (the other ranks never join those
-``new_group`` calls) and, at shutdown, would kill the trainer's process groups.
-
-``PrivateWorld.active()`` swaps c10d's process-group state (the default group and the registries
-behind it) for a separate one while the engine initialises or shuts down, then swaps the trainer's
-back. The engine's groups keep working outside the context (they are plain ``ProcessGroup``
-objects; a TP=1 engine never communicates at run time). Names in c10d's global name registry are
-kept apart by starting the private world's group counter far above the trainer's.
-
-This touches c10d internals (``torch.distributed.distributed_c10d``, checked with torch 2.13); it is
-the price of keeping the engine and the trainer in one process, which in-place weight reload needs.
+vLLM's in-process worker creates its groups with ``new_group`` (collective over the default world) and
+destroys the default world at shutdown; on a rank of a multi-rank job that hangs and would kill the
+trainer's groups. ``PrivateWorld.active()`` swaps c10d's process-group state for a separate one while
+the engine initialises or shuts down, then swaps the trainer's back; the engine's groups keep working
+outside it, and the private group counter starts far above the trainer's. It touches c10d internals
+(checked with torch 2.13), the price of one process for engine and trainer (in-place weight reload).
+Details: docs/design-notes.md, "megamarl/rollout/engines/private_world.py".
 """
 
 from __future__ import annotations

@@ -1,29 +1,14 @@
 """``EnginePool``: several replicas of one policy behind the ``Engine`` protocol.
 
-Routing: each request goes to the live replica with the fewest requests in flight (ties rotate).
-Failure: a replica whose request raises ``ConnectionError`` and that then fails ``health()`` is
-marked dead (a server client's ``health`` is ``JSONClient.answers``: refused or unroutable at once,
-silent only after ``BUSY_PATIENCE_S``, so a server slow under load is not taken for dead), the
-request is retried on another replica, and the replica is rebuilt by ``factory(index)`` in the background. A
-request that fails on a replica that still answers ``health()`` (a keep-alive connection the server closed as
-the request went out, a reset under load) is retried, on any live replica, and the replica stays: marking a
-live server dead would take it out of service until the next push re-synced it. A rebuilt replica starts from
-its checkpoint, so it only takes traffic again once its ``weight_version`` equals the pool's: at once when
-``weights_provider`` can re-send the current weights, otherwise at the next update.
-
-A replica that answers nothing at all (its node unreachable: a pulled link drops packets, so neither
-the requests in flight nor those on its kept-alive connections ever fail) is caught by the stall
-watch: when a replica with requests in flight has answered none for ``stall_s``, one ``health()``
-probe runs in a thread; if it fails (after ``BUSY_PATIENCE_S`` of timed-out probes) the replica is
-marked dead and every request waiting on it is abandoned and retried on another replica. So an
-unreachable replica is out of service within ``stall_s + BUSY_PATIENCE_S`` (30 + 60 s by default);
-a server that is merely slow answers the probe and keeps its requests.
-
-Weight updates fan out to every replica as one barrier: the pool stops admitting, every replica
-pauses and drains, the single weight stream is teed to all replicas concurrently (bounded queues,
-never materialised), caches are flushed, then everything resumes at the new version. A request
-therefore never sees a replica with half-updated weights, and all replicas answer with the same
-``weight_version``.
+Routing: the live replica with the fewest requests in flight (ties rotate). A request that raises
+``ConnectionError`` on a replica that then fails ``health()`` marks it dead; the request is retried
+elsewhere and the replica is rebuilt by ``factory(index)`` in the background, taking traffic again only
+once its ``weight_version`` equals the pool's. A failure on a replica that still answers ``health()`` is
+retried and the replica stays. A stall watch catches a replica that answers nothing: no answer for
+``stall_s`` with requests in flight -> one ``health()`` probe -> dead within ``stall_s + BUSY_PATIENCE_S``.
+Weight updates are one barrier over all replicas (stop admitting, pause and drain, tee the stream,
+flush caches, resume): no request sees half-updated weights, all replicas share one ``weight_version``.
+Details: docs/design-notes.md, "megamarl/rollout/replicas/pool.py".
 """
 
 from __future__ import annotations

@@ -1,21 +1,13 @@
 """``ServerFleet``: the engine server processes of every policy, seen from every rank.
 
-Built on every rank at start-up from the run's engine plan (``megamarl.rollout.engine_placement``,
-computed once by the caller and handed in):
-
-- each rank starts the servers whose device block it leads (``ServerProcess``; started in a thread,
-  so the ~70 s a vLLM-CPU server takes to come up overlaps model preparation; on GPU colocated
-  servers come up, and those that hand memory over fall asleep, before any model is built:
-  ``model_preparation``), watches them and restarts one that dies (same port, so its URL stays valid);
-- ``wait_ready`` exchanges the addresses over the control group; a server that failed to start
-  stops every rank with its error (policy, replica, rank, last log lines);
-- external servers (``engine.server_urls``) of a backend with a sender (``transport.SENDERS``) are in
-  the fleet too, started and watched by nobody here: they are fed as disaggregated servers (pushes
-  from the training ranks, a group whose rendezvous is on the route to them, the re-sync of one that
-  was unreachable and answers again).
-
-What happens to a policy's running servers afterwards (the driver's pool of ``CLIENTS``, pause,
-sleep / wake, weight pushes) is that policy's ``rollout.replicas.policy.PolicyReplicas``.
+Built on every rank at start-up from the engine plan (``megamarl.rollout.engine_placement``, handed
+in): each rank starts the servers whose device block it leads (``ServerProcess``, in a thread, before
+any model is built on GPU), watches them and restarts one that dies on the same port; ``wait_ready``
+exchanges the addresses over the control group, and a server that failed to start stops every rank
+with its error. External servers (``engine.server_urls``) of a backend with a sender are in the fleet
+too, fed as disaggregated servers and started by nobody here. What happens to running servers
+afterwards is ``rollout.replicas.policy.PolicyReplicas``.
+Details: docs/design-notes.md, "megamarl/rollout/servers/fleet.py".
 """
 
 from __future__ import annotations

