@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, ClassVar, cast
+from urllib.parse import urlsplit
 
 import yaml
 from omegaconf import MISSING, DictConfig, OmegaConf
@@ -195,9 +196,16 @@ class EngineConfig:
         bad = [r for r in self.ranks if r < 0]
         if bad:
             raise ValueError(f"policies.<p>.engine.ranks has negative ranks {bad}")
-        bad_urls = [u for u in self.server_urls if not u.startswith(("http://", "https://"))]
+        # a host is needed: pushes into external servers rendezvous on the route towards it (ServerFleet)
+        bad_urls = [
+            u
+            for u in self.server_urls
+            if not u.startswith(("http://", "https://")) or not urlsplit(u).hostname
+        ]
         if bad_urls:
-            raise ValueError(f"policies.<p>.engine.server_urls must be http(s) URLs, got {bad_urls}")
+            raise ValueError(
+                f"policies.<p>.engine.server_urls must be http(s) URLs with a host, got {bad_urls}"
+            )
         # dtype, backend and launch rules need the hardware, engine and placement modules: checked at load
         # time by megamarl.cli.configure (check_engine_config, megamarl.rollout.engine_placement.check_launch)
 

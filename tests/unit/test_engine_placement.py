@@ -271,6 +271,10 @@ def test_a_world_rank_outside_the_wg_ranks_is_found_only_with_the_world():
             ),
         ),
         (
+            ["policies.shared.engine.server_urls=[http://:1]"],  # pushes rendezvous on the route to its host
+            "policies.shared.engine.server_urls must be http(s) URLs with a host, got ['http://:1']",
+        ),
+        (
             ["policies.shared.engine.server_urls=[http://a:1]", "policies.shared.engine.launch=in_process"],
             (
                 "policies.shared.engine.server_urls connects to external servers: leave "
