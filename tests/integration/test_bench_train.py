@@ -1,6 +1,7 @@
 """``scripts/bench_train.py --quick`` (tiny-random-llama, 6 samples, one rank) runs end to end and
 writes the JSON that docs/performance.md quotes: the three variants with their dtypes, optimizer,
-padding, timings, FLOP/s and ratios, the matmul peaks, the machine and the load."""
+padding, timings, FLOP/s and ratios, the matmul peaks, the machine and the load; and the shared-prefix
+part (packed vs tree on the quickstart and multi-turn batch shapes) that docs/rl.md quotes."""
 
 from __future__ import annotations
 
@@ -87,6 +88,23 @@ def test_quick_run_writes_the_result(tmp_path):
     assert len(result["load_avg"]["before"]) == len(result["load_avg"]["after"]) == 3
     assert {"torch", "megatron_core"} <= set(result["versions"])
     assert "6*N_body*T" in result["flops_formula"]
+
+    # shared prefixes (issue 43): packed vs tree on the quickstart and multi-turn shapes, one process each
+    part = result["shared_prefix"]
+    assert list(part["batches"]) == ["quickstart", "multiturn"] and part["scale"] == 0.25
+    for shape, entry in part["batches"].items():
+        packed, tree = entry["packed"], entry["tree"]
+        assert packed["samples"] == tree["samples"] and packed["sample_tokens"] == tree["sample_tokens"]
+        assert packed["forwarded_tokens"] == packed["sample_tokens"], shape  # unshared: every sample token
+        assert tree["forwarded_tokens"] < 0.6 * packed["forwarded_tokens"], (shape, entry)  # prompts once
+        assert (
+            tree["attended_pairs"] < packed["attended_pairs"] and tree["model_flops"] < packed["model_flops"]
+        )
+        assert entry["tree_over_packed"]["forwarded_tokens"] == round(
+            tree["forwarded_tokens"] / packed["forwarded_tokens"], 3
+        )
+        assert all(v["seconds"] > 0 and v["peak_rss_gib"] > 0 for v in (packed, tree))
+    assert "shared prefixes" in proc.stdout and "tree/packed" in proc.stdout
 
 
 def test_random_weights_build_the_preset_architecture(tmp_path, monkeypatch):
