@@ -4,10 +4,11 @@ role its own weights (a LoRA adapter, or a whole policy) pay at this model size?
     python scripts/bench_learning.py                     # the committed table (docs/bench/learning.json)
     python scripts/bench_learning.py --quick             # a 1-step, 1-seed smoke run of every cell
     python scripts/bench_learning.py --families math --seeds 0 1
+    python scripts/bench_learning.py --work DIR --stop-at 2026-12-02T09:10+00:00  # partial; DIR continues it
 
 For each task family and seed, four variants train the packaged SmolLM2-135M-Instruct on CPU with
-``scripts/train.py`` (torchrun, 2 ranks), with the same steps, tasks per step, group size, sampling and
-held-out eval:
+``scripts/train.py`` (torchrun, 2 ranks; prefix-tree micro-batches, exact to the unshared update), with
+the same steps, tasks per step, group size, sampling and held-out eval:
 
   (a) single  one agent (the family's acting role alone), one policy, GRPO grouped by task
   (b) L1      the team on one shared policy, AT-GRPO grouped by (task, agent, turn)
@@ -19,6 +20,12 @@ uses) is measured at step 0 and every ``--eval-every`` steps. Prints a table (me
 the accuracy before and after, the gain, rollout and train tokens, wall time), draws accuracy vs step
 with one band (min..max over seeds) per variant and family (``docs/bench/learning.png``) and writes
 ``docs/bench/learning.json`` with the machine, its load while the table ran, and every run's curve.
+
+The role swap (PettingLLMs' specialisation ablation): each L3 cell's final checkpoint is evaluated
+again with ``scripts/evaluate.py``, as trained and with the two roles' policies swapped
+(``agents.<a>.policy=<b>_policy agents.<b>.policy=<a>_policy``); the re-evaluation must equal the run's
+own last eval, and the drop is as trained minus swapped. Both policies start from the same base
+model, so at step 0 a swap changes nothing: a drop can only come from what training made different.
 
 Families:
   math    solver + verifier on arithmetic and word problems (the quickstart's task); single = the
@@ -40,6 +47,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 
 import yaml
@@ -51,6 +59,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from bench_quickstart import LoadSampler, _cpu_model
 
 from megamarl.parallel.hardware import cpu_flags, native_bf16, node_cores
+from megamarl.runtime.checkpoint import checkpoint_step, list_checkpoints
 from megamarl.runtime.metrics import read_eval, read_metrics
 
 VARIANTS = ("single", "L1", "L2", "L3")
@@ -104,7 +113,17 @@ def variant_config(
     """The full run config of one cell (a plain dict, written as the run's YAML)."""
     fam = FAMILIES[family]
     engine = {"backend": "vllm", "kv_cache_gib": 0.5}
-    policy = {"model": MODEL, "ranks": [0, 1], "lr": LR, "micro_batch_size": 16, "engine": engine}
+    # prefix-tree micro-batches (docs/rl.md, "Shared prefixes computed once"): a group's samples share
+    # their prompt, forwarded once; exact to the unshared update, so the saving buys more steps
+    policy = {
+        "model": MODEL,
+        "ranks": [0, 1],
+        "lr": LR,
+        "micro_batch_size": 16,
+        "pack": True,
+        "prefix_tree": True,
+        "engine": engine,
+    }
     agents = copy.deepcopy(fam["agents"])
     env = copy.deepcopy(fam["env"])
     orchestra = copy.deepcopy(fam["orchestra"])
@@ -141,44 +160,50 @@ def variant_config(
     }
 
 
-def run_cell(cfg: dict, work: Path, env: dict) -> dict:
-    """Train one cell with ``scripts/train.py`` on 2 ranks; its curve, tokens and time."""
-    config_path = work / f"{cfg['name']}.yaml"
-    config_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
-    log = work / f"{cfg['name']}.log"
-    command = [
+def _torchrun(script: str, *args: str) -> list[str]:
+    return [
         str(ROOT / ".venv" / "bin" / "torchrun"),
         "--nproc_per_node",
         "2",
-        str(ROOT / "scripts" / "train.py"),
-        "--config",
-        str(config_path),
-        f"output_dir={work / 'runs'}",
+        str(ROOT / "scripts" / script),
+        *args,
     ]
-    run_dir, done = work / "runs" / cfg["name"], work / f"{cfg['name']}.json"
-    if done.exists():  # finished by an earlier invocation with --work (a crash or a kill loses no cell)
-        return {**json.loads(done.read_text()), "cached": True}
+
+
+def _launch(command: list[str], *, log: Path, env: dict, what: str, clean: Path) -> tuple[float, float, int]:
+    """Run ``command`` (output to ``log``) until it succeeds; a rank killed from outside (the OOM
+    killer on a shared node) tries again, up to 4 times, ``clean`` removed before each attempt.
+    Returns (wall s, CPU s, attempts)."""
     attempts = 4
-    for attempt in range(
-        1, attempts + 1
-    ):  # a rank killed from outside (the OOM killer on a shared node) tries again
-        shutil.rmtree(run_dir, ignore_errors=True)
+    for attempt in range(1, attempts + 1):
+        shutil.rmtree(clean, ignore_errors=True)
         start, cpu_start = time.perf_counter(), _children_cpu_s()
         with open(log, "w") as f:
             code = subprocess.call(command, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
         wall_s, cpu_s = time.perf_counter() - start, _children_cpu_s() - cpu_start
         if code == 0:
-            break
+            return wall_s, cpu_s, attempt
         killed = "exitcode: -9" in log.read_text()
         if attempt == attempts or not killed:
-            raise SystemExit(f"{cfg['name']} failed (exit {code}); log: {log}")
-        print(
-            f"{cfg['name']}: a rank was killed (SIGKILL; out of memory?); running it again in 30 s",
-            flush=True,
-        )
+            raise SystemExit(f"{what} failed (exit {code}); log: {log}")
+        print(f"{what}: a rank was killed (SIGKILL; out of memory?); running it again in 30 s", flush=True)
         time.sleep(30)
+    raise AssertionError("unreachable")
+
+
+def run_cell(cfg: dict, work: Path, env: dict) -> dict:
+    """Train one cell with ``scripts/train.py`` on 2 ranks; its curve, tokens and time. The run's
+    checkpoints are kept (``role_swap`` evaluates the last one; ``drop_checkpoints`` removes them)."""
+    config_path = work / f"{cfg['name']}.yaml"
+    config_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    run_dir, done = work / "runs" / cfg["name"], work / f"{cfg['name']}.json"
+    if done.exists():  # finished by an earlier invocation with --work (a crash or a kill loses no cell)
+        return {**json.loads(done.read_text()), "cached": True}
+    command = _torchrun("train.py", "--config", str(config_path), f"output_dir={work / 'runs'}")
+    wall_s, cpu_s, attempt = _launch(
+        command, log=work / f"{cfg['name']}.log", env=env, what=cfg["name"], clean=run_dir
+    )
     metrics, evals = read_metrics(run_dir), read_eval(run_dir)
-    shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # ~1 GB a cell; the curve is all we keep
     cell = {
         "curve": [[e["step"], e["results"]["team_accuracy"]] for e in evals],
         "rollout_success": [m.get("rollout/success_rate", 0.0) for m in metrics],
@@ -196,6 +221,43 @@ def run_cell(cfg: dict, work: Path, env: dict) -> dict:
     }
     done.write_text(json.dumps(cell))
     return cell
+
+
+def swap_overrides(family: str) -> list[str]:
+    """The L3 cell's two agents each served by the other role's policy."""
+    first, second = FAMILIES[family]["roles"]
+    return [f"agents.{first}.policy={second}_policy", f"agents.{second}.policy={first}_policy"]
+
+
+def role_swap(cfg: dict, family: str, work: Path, env: dict) -> dict | None:
+    """PettingLLMs' specialisation ablation on a trained L3 cell: its final checkpoint evaluated with
+    ``scripts/evaluate.py`` (2 ranks, the run's own eval set) as trained, and with the roles' policies
+    swapped. ``as_trained`` must equal the run's own last eval (``reproduces``): the check that the
+    swapped number is comparable. None when the checkpoint is gone (a cell kept from an older table)."""
+    found = list_checkpoints(work / "runs" / cfg["name"])
+    if not found:
+        return None
+    checkpoint, swap, results = found[-1], {"wall_s": 0.0}, {}
+    for kind, overrides in (("as_trained", []), ("swapped", swap_overrides(family))):
+        out = work / "evals" / f"{cfg['name']}-{kind}"
+        command = _torchrun("evaluate.py", "--checkpoint", str(checkpoint), "--out", str(out), *overrides)
+        wall_s, _, _ = _launch(
+            command, log=work / f"{cfg['name']}-{kind}.log", env=env, what=f"{cfg['name']} {kind}", clean=out
+        )
+        [entry] = json.loads((out / "eval.json").read_text())
+        results[kind] = entry["results"]
+        swap[kind] = entry["results"]["team_accuracy"]
+        swap["wall_s"] = round(swap["wall_s"] + wall_s, 1)
+    swap["drop"] = swap["as_trained"] - swap["swapped"]
+    swap["step"] = checkpoint_step(checkpoint)
+    # which policy served which agent, as each evaluation counted it (agent/<a>/success is the agent's
+    # own success; policy/<p>/success the same episodes counted by the policy that served the agent)
+    swap["results"] = results
+    return swap
+
+
+def drop_checkpoints(cfg: dict, work: Path) -> None:
+    shutil.rmtree(work / "runs" / cfg["name"] / "checkpoints", ignore_errors=True)  # ~1 GB a cell
 
 
 def _children_cpu_s() -> float:
@@ -224,6 +286,15 @@ def summarise(cells: list[dict]) -> dict:
         "samples": stats([c["samples"] for c in cells]),
         "wall_s": stats([c["wall_s"] for c in cells]),
         "cpu_s": stats(cpu) if (cpu := [c["cpu_s"] for c in cells if c.get("cpu_s") is not None]) else None,
+        "swap": {  # L3 only: the role-swap evaluation of the seeds that have one
+            key: stats([c["swap"][key] for c in swapped]) for key in ("as_trained", "swapped", "drop")
+        }
+        | {
+            "seeds": len(swapped),
+            "reproduced": sum(c["swap"]["as_trained"] == c["curve"][-1][1] for c in swapped),
+        }
+        if (swapped := [c for c in cells if "swap" in c])
+        else None,
     }
 
 
@@ -252,6 +323,28 @@ def plot(result: dict, path: Path) -> None:
                 color=colors[variant],
                 alpha=0.15,
             )
+        l3 = result["families"][family].get("L3")
+        swaps = [
+            (c["swap"]["step"], c["swap"]["swapped"])
+            for c in (l3 or {}).get("runs", {}).values()
+            if "swap" in c
+        ]
+        if swaps:
+            values = [acc for _, acc in swaps]
+            step = swaps[0][0] + 0.25  # beside the last step's points
+            ax.errorbar(
+                [step],
+                [statistics.fmean(values)],
+                yerr=[[statistics.fmean(values) - min(values)], [max(values) - statistics.fmean(values)]],
+                fmt="X",
+                markersize=9,
+                color=colors["L3"],
+                markeredgecolor="black",
+                capsize=4,
+                label=f"(d) L3, the roles' policies swapped, step {swaps[0][0]} "
+                f"(n={len(values)}; bar: min..max)",
+            )
+            ax.scatter([step] * len(values), values, s=10, color="black", zorder=3)
         ax.set_title(f"{family}: held-out team accuracy ({result['budget']['eval_tasks']} tasks, greedy)")
         ax.set_xlabel("training step")
         ax.set_ylabel("team accuracy (mean; band: min..max over seeds)")
@@ -260,7 +353,8 @@ def plot(result: dict, path: Path) -> None:
         ax.legend(fontsize=8, loc="upper left")
     fig.suptitle(
         f"{MODEL} on CPU, {result['budget']['steps']} steps x {result['budget']['num_tasks']} tasks "
-        f"x {result['budget']['group_size']} samples; scripts/bench_learning.py",
+        f"x {result['budget']['group_size']} samples; scripts/bench_learning.py"
+        + (f"; PARTIAL: {len(result['unfinished'])} cells not run" if result.get("unfinished") else ""),
         fontsize=9,
     )
     fig.tight_layout()
@@ -275,11 +369,20 @@ def main() -> int:
     parser.add_argument("--families", nargs="+", default=list(FAMILIES), choices=list(FAMILIES))
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
-    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--num-tasks", type=int, default=4, help="tasks per step (rollout.num_tasks)")
     parser.add_argument("--group-size", type=int, default=4, help="samples per task (rollout.group_size)")
     parser.add_argument("--eval-tasks", type=int, default=48)
-    parser.add_argument("--eval-every", type=int, default=2)
+    parser.add_argument("--eval-every", type=int, default=4)
+    parser.add_argument(
+        "--stop-at",
+        type=lambda t: datetime.fromisoformat(t).astimezone(timezone.utc),
+        help="start no cell after this time (ISO 8601, e.g. 2026-12-02T09:10+00:00); the outputs are "
+        "then partial ('unfinished' lists what is left) and --work continues them",
+    )
+    parser.add_argument(
+        "--no-swap", action="store_true", help="skip the L3 cells' role-swap evaluation (role_swap)"
+    )
     parser.add_argument(
         "--quick", action="store_true", help="1 step, 1 seed, 8 eval tasks: a smoke run of every cell"
     )
@@ -324,6 +427,7 @@ def main() -> int:
             "python": platform.python_version(),
         },
         "families": {},
+        "unfinished": [],  # cells --stop-at left for a later invocation with the same --work
     }
     cells = [(f, v, s) for f in args.families for v in args.variants for s in args.seeds]
     load_before, sampler, start = os.getloadavg()[0], LoadSampler(), time.perf_counter()
@@ -339,7 +443,18 @@ def main() -> int:
             eval_tasks=args.eval_tasks,
             eval_every=args.eval_every,
         )
+        late = args.stop_at is not None and datetime.now(timezone.utc) >= args.stop_at
+        if late and not (work / f"{cfg['name']}.json").exists():  # a finished cell is still collected
+            result["unfinished"].append(cfg["name"])
+            continue
         cell = run_cell(cfg, work, env)
+        if variant == "L3" and not args.no_swap and "swap" not in cell:
+            swap = role_swap(cfg, family, work, env)
+            if swap is not None:
+                cell["swap"] = swap
+                done = work / f"{cfg['name']}.json"
+                done.write_text(json.dumps({k: v for k, v in cell.items() if k != "cached"}))
+        drop_checkpoints(cfg, work)  # the curve (and the swap) is all a cell keeps
         block = result["families"].setdefault(family, {}).setdefault(variant, {"config": cfg, "runs": {}})
         block["runs"][str(seed)] = cell
         elapsed = time.perf_counter() - start
@@ -363,7 +478,9 @@ def main() -> int:
     )
     # cells kept from an earlier invocation (--work) ran under that invocation's load, not this one's
     result["load_avg_1min"] = {"before": round(load_before, 2), **load} if ran_here else None
-    for variants in result["families"].values():
+    for family, variants in result["families"].items():
+        # the table's order, whatever order --variants ran them in
+        result["families"][family] = variants = {v: variants[v] for v in VARIANTS if v in variants}
         for block in variants.values():
             block["summary"] = summarise(list(block["runs"].values()))
 
@@ -399,6 +516,25 @@ def main() -> int:
     print("| " + " | ".join(header) + " |\n|" + "---|" * len(header))
     for row in rows:
         print("| " + " | ".join(row) + " |")
+    for family, variants in result["families"].items():
+        swap = variants.get("L3", {}).get("summary", {}).get("swap")
+        if swap is None:
+            continue
+        print(f"\n{family}, L3 roles' policies swapped at the last step ({swap['seeds']} seeds):")
+        print("| seed | logged after | as trained (re-evaluated) | swapped | drop |\n|---|---|---|---|---|")
+        for seed, cell in variants["L3"]["runs"].items():
+            if "swap" in cell:
+                w = cell["swap"]
+                print(
+                    f"| {seed} | {cell['curve'][-1][1]:.1%} | {w['as_trained']:.1%} | {w['swapped']:.1%} | "
+                    f"{w['drop']:+.1%} |"
+                )
+        pm = lambda d, f="{:.1%}": f"{f.format(d['mean'])} +- {f.format(d['std'])}"
+        print(
+            f"| mean +- std | | {pm(swap['as_trained'])} | {pm(swap['swapped'])} | "
+            f"{pm(swap['drop'], '{:+.1%}')} |"
+            f"\n(re-evaluation equal to the run's own last eval in {swap['reproduced']} of {swap['seeds']})"
+        )
     print(
         f"table {result['cells_wall_s'] / 60:.1f} min (this invocation {result['total_s'] / 60:.1f}); load "
         "avg (1 min) "
@@ -408,10 +544,13 @@ def main() -> int:
             else "not measured: every cell came from --work"
         )
     )
+    if result["unfinished"]:
+        print(f"PARTIAL: --stop-at left {len(result['unfinished'])} cells: {', '.join(result['unfinished'])}")
     args.out.mkdir(parents=True, exist_ok=True)
     suffix = "_quick" if args.quick else ""
     (args.out / f"learning{suffix}.json").write_text(json.dumps(result, indent=1) + "\n")
-    plot(result, args.out / f"learning{suffix}.png")
+    if result["families"]:
+        plot(result, args.out / f"learning{suffix}.png")
     print(f"wrote {args.out / f'learning{suffix}.json'} and {args.out / f'learning{suffix}.png'}")
     return 0
 

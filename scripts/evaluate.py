@@ -20,6 +20,11 @@ So a checkpoint evaluated here scores exactly what its run logged at that step. 
   are refused: their adapters are not loaded from an export (evaluate their checkpoint instead).
 * none: the configured models, as a run's step-0 evaluation.
 
+A checkpoint holds policies by name; which agent a policy serves is the config's (``agents.<a>.policy``,
+``agents.<a>.lora``), so overrides may remap them: ``agents.solver.policy=verifier_policy
+agents.verifier.policy=solver_policy`` evaluates an L3 run with the roles' trained policies swapped
+(scripts/bench_learning.py's ablation). What must match is each trained policy's name and model.
+
 Output goes to ``--out`` (default ``<output_dir>/<name>-eval``; never the evaluated run's own
 directory): ``eval.json`` gets one entry per evaluation, ``config.yaml`` the evaluation's config. The
 table of results is printed at the end. Exit codes: 0 done, 2 config error (one line naming the flag

@@ -19,6 +19,13 @@ model's argmax barely moves in 2 steps), while the sampled results differ betwee
 first). The entropy bonus gives the update its gradient: the rewards of a group are all equal here,
 so the advantages are 0 (as in test_export.py).
 
+A second, two-policy run (L3: sender and receiver each on its own copy of the tiny Llama, 1 step)
+checks the role-swap ablation (scripts/bench_learning.py): its checkpoint evaluated with
+``agents.sender.policy=receiver_policy agents.receiver.policy=sender_policy`` loads each policy's
+trained weights under its own name and serves each agent from the other role's policy. A swap at
+step 0 (both policies the same base model) scores exactly the run's step-0 entry; at step 1 the
+unswapped evaluation scores the step-1 entry and the swapped one scores differently.
+
 Errors (bad flags and paths, ``eval.num_tasks=0``) exit 2 before any model loads; they call the
 script's ``main`` in this process.
 """
@@ -33,6 +40,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 from train_runs import launch, train  # tests/ helper
 
 from megamarl.cli.export import main as convert_main
@@ -73,6 +81,37 @@ def run(tmp_path_factory):
     logged = {e["step"]: e["results"] for e in entries}
     assert not logged[0] == logged[1] == logged[2], logged  # measured: all three differ
     return run_dir, logged
+
+
+TINY = {"model": "tiny-random-llama", "lr": 3.0e-3, "entropy_coef": 0.01, "engine": {"backend": "hf"}}
+SWAP = ("agents.sender.policy=receiver_policy", "agents.receiver.policy=sender_policy")
+
+
+@pytest.fixture(scope="module")
+def l3_run(tmp_path_factory):
+    """The two-policy run (module docstring): its config file, run directory and eval.json by step."""
+    root = tmp_path_factory.mktemp("l3")
+    signalling = yaml.safe_load((ROOT / "configs" / "presets" / "task" / "signalling.yaml").read_text())
+    for role in ("sender", "receiver"):
+        signalling["agents"][role]["policy"] = f"{role}_policy"
+    config = root / "l3.yaml"
+    config.write_text(
+        yaml.safe_dump(
+            {
+                **signalling,
+                "name": "l3",
+                "policies": {"sender_policy": dict(TINY), "receiver_policy": dict(TINY)},
+                "rollout": {"num_tasks": 4, "group_size": 4},
+                "eval": {"every": 1, "num_tasks": 16, "k": 4, "temperature": 1.0},
+                "trainer": {"total_steps": 1},
+                "logger": {"wandb": {"mode": "disabled"}, "progress": False},
+            }
+        )
+    )
+    run_dir, _, _ = train(config, root, nproc=1, timeout=600, env=_env())
+    logged = {e["step"]: e["results"] for e in json.loads((run_dir / "eval.json").read_text())}
+    assert list(logged) == [0, 1] and logged[0] != logged[1], logged
+    return config, run_dir, logged
 
 
 def _evaluate(out: Path, *args: str, nproc: int = 1) -> tuple[dict, str]:
@@ -141,3 +180,19 @@ def test_evaluate_errors_name_the_flag_or_key(run, tmp_path):
     assert "--out" in _refused("--run", str(run_dir), "--out", str(run_dir))
     assert "--hf" in _refused("--config", str(PRESET), "--hf", str(tmp_path))  # no <policy>/ model directory
     assert "--config" in _refused("--hf", str(tmp_path))
+
+
+def test_evaluate_with_the_roles_policies_swapped(l3_run, tmp_path):
+    config, run_dir, logged = l3_run
+    base, _ = _evaluate(tmp_path / "base-swapped", "--config", str(config), *SWAP)
+    assert base["results"] == logged[0], (base, logged)  # one base model: a swap changes nothing at step 0
+    step = run_dir / "checkpoints" / "step_000001"
+    trained, _ = _evaluate(tmp_path / "trained", "--checkpoint", str(step))
+    swapped, _ = _evaluate(tmp_path / "swapped", "--checkpoint", str(step), *SWAP)
+    assert trained["results"] == logged[1], (trained, logged)
+    assert swapped["step"] == 1 and swapped["results"] != trained["results"], (swapped, trained)
+    evaluated = yaml.safe_load((tmp_path / "swapped" / "config.yaml").read_text())
+    assert {role: a["policy"] for role, a in evaluated["agents"].items()} == {
+        "sender": "receiver_policy",
+        "receiver": "sender_policy",
+    }

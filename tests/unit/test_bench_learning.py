@@ -1,6 +1,7 @@
 """scripts/bench_learning.py's cells: every (family, variant) config passes every load-time check and
 is the variant it claims (one agent / one shared policy / a LoRA adapter per role / a policy per role),
-with the same rollout budget and eval set across variants."""
+with the same rollout budget and eval set across variants; the L3 cells' role swap loads and gives each
+role the other's policy."""
 
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ def test_cell_config_loads_and_is_its_variant(family, variant, tmp_path):
         1,
     )
     assert (cfg.eval.num_tasks, cfg.eval.every, cfg.eval.temperature) == (48, 2, 0.0)
+    assert all(p.pack and p.prefix_tree for p in cfg.policies.values())  # the shared prompts once
     if variant == "single":
         assert list(cfg.agents) == [single] and list(cfg.policies) == ["shared"]
         assert cfg.algorithm.estimator == "grpo"
@@ -50,3 +52,12 @@ def test_cell_config_loads_and_is_its_variant(family, variant, tmp_path):
     else:
         assert sorted(cfg.policies) == sorted(f"{a}_policy" for a in roles)
         assert {cfg.agents[a].policy for a in roles} == set(cfg.policies)
+
+
+@pytest.mark.parametrize("family", sorted(bench_learning.FAMILIES))
+def test_role_swap_gives_each_role_the_other_policy(family, tmp_path):
+    path = tmp_path / "cell.yaml"
+    path.write_text(yaml.safe_dump(bench_learning.variant_config(family, "L3", **BUDGET)))
+    cfg = load_config(path, bench_learning.swap_overrides(family))
+    first, second = bench_learning.FAMILIES[family]["roles"]
+    assert (cfg.agents[first].policy, cfg.agents[second].policy) == (f"{second}_policy", f"{first}_policy")
