@@ -133,7 +133,7 @@ def main() -> int:
         "success_per_step": [round(entry["reward"] / (1 + team_alpha), 4) for entry in steps],
         "log_history": trainer.state.log_history,
         "param_dtype": str(next(trainer.model.parameters()).dtype),  # the optimizer's (master) weights
-        "mixed_precision": str(trainer.accelerator.mixed_precision),  # bf16: the loss's forward in autocast
+        "mixed_precision": str(trainer.accelerator.mixed_precision),  # bf16: every forward in autocast
         "torch_threads": torch.get_num_threads(),
         "versions": {
             "trl": trl.__version__,
