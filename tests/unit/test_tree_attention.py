@@ -189,19 +189,23 @@ def _model_body(rank):
     from megamarl.parallel.placement import PlacementConfig, WorkerGroupLayout, build_worker_groups
     from megamarl.rl.batch import collate
     from megamarl.rl.forward import LogitWindow, packed_forward, sampled_logprobs, tree_forward
+    from megamarl.rl.policy_setup import RECOMPUTE
     from megamarl.rl.sample import Sample
     from megamarl.rl.tree import RotaryPositions
 
     wg = build_worker_groups(PlacementConfig({"p": WorkerGroupLayout(ranks=[0])}))["p"]
     hf = tiny_model("qwen2", vocab_size=300, num_hidden_layers=2)  # GQA (4 heads, 2 groups), QKV bias
     models = {}
-    for kind in ("mask", "flex"):
-        model = bridge.build_model(hf.config, wg, init_weights=False, tree_attention=kind)
+    for kind in ("mask", "flex", "flex_selective", "flex_full"):  # flex with core attention / each layer
+        recompute = RECOMPUTE[kind.split("_")[1]] if "_" in kind else {}  # rebuilt in backward
+        model = bridge.build_model(
+            hf.config, wg, init_weights=False, tree_attention=kind.split("_")[0], **recompute
+        )
         bridge.load_hf_weights(model, hf.state_dict(), wg)
         models[kind] = model
     hooks = {kind: (LogitWindow(m), RotaryPositions(m)) for kind, m in models.items()}  # once per model
     out = {
-        "kinds": {k: m.tree_attention for k, m in models.items()},
+        "kinds": {k: m.tree_attention for k, m in models.items() if "_" not in k},
         "core": type(models["flex"].decoder.layers[0].self_attention.core_attention).__name__,
     }
     rows = _rows(4, prompt=9, vocab=300)
@@ -239,13 +243,18 @@ def _model_body(rank):
 
     results = {"packed": run("mask", packed), "mask": run("mask", tree)}
     with flex_backward_on_cpu():
-        results["flex"] = run("flex", tree)
+        for kind in ("flex", "flex_selective", "flex_full"):
+            results[kind] = run(kind, tree)
     scale = max(g.abs().max().item() for g in results["packed"][1])
     for name in ("mask", "packed"):
         lp, grads = results[name]
         out[f"flex_vs_{name}_logprobs"] = (results["flex"][0] - lp).abs().max().item()
         out[f"flex_vs_{name}_grads"] = max(
             (a - b).abs().max().item() for a, b in zip(results["flex"][1], grads)
+        )
+    for kind in ("flex_selective", "flex_full"):
+        out[f"{kind}_grads"] = max(
+            (a - b).abs().max().item() for a, b in zip(results[kind][1], results["flex"][1])
         )
     out["mask_vs_packed_grads"] = max(
         (a - b).abs().max().item() for a, b in zip(results["mask"][1], results["packed"][1])
@@ -277,4 +286,8 @@ def test_flex_tree_forward_on_tiny_megatron_equals_dense_mask_and_packed(monkeyp
     assert r["flex_vs_mask_grads"] <= 1e-5 * r["grad_scale"], r
     assert r["flex_vs_packed_grads"] <= 1e-5 * r["grad_scale"], r
     assert r["grad_scale"] > 1e-2, r
+    # recompute: the subtree ends travel as the attention-mask argument, so a rebuilt layer has them
+    assert (
+        r["flex_selective_grads"] <= 1e-6 * r["grad_scale"] and r["flex_full_grads"] <= 1e-6 * r["grad_scale"]
+    ), r
     assert r["mutated_ends"] > 1e-2, r
