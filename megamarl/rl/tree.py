@@ -3,13 +3,12 @@ is laid out and computed once.
 
 ``tree_pack`` merges the rows (a GRPO group's shared prompt, a team's shared turns, a multi-turn
 agent's repeated history) into a trie of exact token prefixes and lays its ``N <= sum(lengths)`` nodes
-out in DFS preorder, so node m's subtree is the interval ``[m, ends[m])``. Attention is ancestor-only:
-a dense mask (``TreeBatch.causal_mask``) or the interval test ``m <= n < ends[m]``
-(``models.tree_attention``); positions are each node's depth (``RotaryPositions``). Token ``j`` of sample
-``i`` is predicted at its token ``j - 1``'s node; ``TreeBatch.predictions`` lists one row per (sample,
-column), the output layer runs on those rows only, and ``tree_logprobs`` / ``place_tree`` put values at
-each sample's slot. Each sample keeps its own masks, advantages and logprobs; a shared node's gradient
-sums its samples', the unshared gradient up to fp32 summation order.
+out in DFS preorder: node m's subtree is ``[m, ends[m])``. Attention is ancestor-only, a dense mask
+(``TreeBatch.causal_mask``) or ``m <= n < ends[m]`` (``models.tree_attention``); positions are node
+depths (``RotaryPositions``). Token ``j`` of sample ``i`` is predicted at its token ``j - 1``'s node;
+``TreeBatch.predictions`` lists one row per (sample, column), the output layer runs on those rows
+only, and ``tree_logprobs`` / ``place_tree`` put values at each sample's slot. Each sample keeps its
+own masks, advantages and logprobs; a shared node's gradient sums its samples' (fp32 order aside).
 Details: docs/design-notes.md, "megamarl/rl/tree.py".
 """
 
