@@ -158,7 +158,7 @@ def test_flex_tree_attention_refuses_what_it_cannot_do():
 def test_the_compiled_cpu_kernel_reads_the_block_mask():
     """Forward only (torch compiles no CPU backward for flex attention): a shared prompt of 300 nodes
     and a second root of 90 make full, partial and skipped 128-blocks; the sparse kernel must equal the
-    dense mask."""
+    dense mask; the next micro-batch of that length reuses the compiled kernel."""
     g = torch.Generator().manual_seed(3)
     prompt = [1] + torch.randint(2, 50, (299,), generator=g).tolist()  # sorts first: nodes 0..299
     replies = [prompt + torch.randint(2, 50, (5,), generator=g).tolist() for _ in range(4)]
@@ -176,6 +176,13 @@ def test_the_compiled_cpu_kernel_reads_the_block_mask():
     out = compiled(q, k, v, block_mask=bm, scale=dim**-0.5, enable_gqa=True).permute(2, 0, 1, 3)
     dense = _dense_attention(query, key, value, tree.causal_mask()[0, 0], dim**-0.5)
     assert (out.reshape(num, 1, -1) - dense).abs().max() <= 1e-5
+    # the next micro-batch of the same length: a new block mask and mask_mod closure, no recompile
+    chain = torch.full_like(tree.ends, num)  # one chain of num nodes: every ancestor of every later node
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        again = compiled(q, k, v, block_mask=tree_block_mask(chain), scale=dim**-0.5, enable_gqa=True)
+    causal = torch.ones(num, num, dtype=torch.bool).triu(1)
+    dense = _dense_attention(query, key, value, causal, dim**-0.5)
+    assert (again.permute(2, 0, 1, 3).reshape(num, 1, -1) - dense).abs().max() <= 1e-5
 
 
 # ---- the tiny megatron-core model: flex tree forward == dense-mask tree forward == packed forward -----
