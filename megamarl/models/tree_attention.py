@@ -31,7 +31,7 @@ def tree_block_mask(ends: Tensor, *, block_size: int = BLOCK_SIZE) -> BlockMask:
     always does (the diagonal); K before Q has one iff ``max(ends[K]) > qs`` and all pairs visible
     ("full", the mask_mod skipped) iff ``min(ends[K]) >= qe`` and Q has no padding rows."""
     num = ends.numel()
-    num_blocks = max(1, -(-num // block_size))
+    num_blocks = _num_blocks(num, block_size)
     padded = num_blocks * block_size
     device = ends.device
     # padding columns end at 0: visible to no query, so the mask_mod may index them safely
@@ -73,8 +73,12 @@ def block_mask_bytes(num_tokens: int, *, block_size: int = BLOCK_SIZE) -> int:
     """Bytes a ``tree_block_mask`` of ``num_tokens`` nodes holds: the padded ends (int64) and eight
     int32 tensors, block counts [nb] and indices [nb, nb] for partial and full blocks, by key block
     and (for the backward) by query block; nb = ceil(N / block_size). What one micro-batch keeps."""
-    num_blocks = max(1, -(-num_tokens // block_size))
+    num_blocks = _num_blocks(num_tokens, block_size)
     return 8 * num_blocks * block_size + 4 * BLOCK_MASK_INDEX_BYTES * (num_blocks + num_blocks**2)
+
+
+def _num_blocks(num_tokens: int, block_size: int) -> int:
+    return max(1, -(-num_tokens // block_size))
 
 
 @functools.cache
