@@ -267,7 +267,8 @@ class PolicyConfig:
     max_tokens_per_micro_batch: int | None = None
     # pack: merge each micro-batch's rows into a trie of shared token prefixes (a group's prompt, an
     # earlier turn), computed once; ancestor-only attention, per-node RoPE positions (rl/tree.py).
-    # Micro-batches are cut by tree tokens. Local layer spec only (CPU; not Transformer Engine)
+    # Micro-batches are cut by tree tokens. Attention: flex attention on CUDA (any layer spec), the local
+    # spec's dense [N, N] mask on CPU (models.spec.tree_attention_choice)
     prefix_tree: bool = False
     # colocated: weights/grads/optimizer leave the GPU while engines generate
     offload_train_state: bool = True

@@ -7,6 +7,7 @@ would otherwise wait for).
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 import time
@@ -47,7 +48,12 @@ def preflight(cfg: RunConfig, *, world_size: int) -> dict[str, list[ReplicaPlace
     engine plan, computed once per run: the launch hands it to the trainer."""
     plan = plan_engines(cfg, world_size, ranks_per_node(cfg.cluster, world_size))  # WG and engine placement
     check_lora_backends(cfg, on_gpu=torch.cuda.is_available())
-    check_layer_specs(cfg, cuda=torch.cuda.is_available(), transformer_engine=transformer_engine_importable())
+    check_layer_specs(
+        cfg,
+        cuda=torch.cuda.is_available(),
+        transformer_engine=transformer_engine_importable(),
+        triton=importlib.util.find_spec("triton") is not None,
+    )
     run_dir = Path(cfg.output_dir) / cfg.name
     resume = checkpoint.find_checkpoint(cfg.trainer.resume, run_dir)
     if resume is not None:
@@ -69,11 +75,12 @@ def preflight(cfg: RunConfig, *, world_size: int) -> dict[str, list[ReplicaPlace
     return plan
 
 
-def check_layer_specs(cfg: RunConfig, *, cuda: bool, transformer_engine: bool) -> None:
+def check_layer_specs(cfg: RunConfig, *, cuda: bool, transformer_engine: bool, triton: bool = True) -> None:
     """Refuse a node that would build a policy on another layer spec than the memory plan counted.
     The plan (``planning.dryrun.training_setup``) counts Transformer Engine's spec for every non-LoRA
     policy on GPUs; without TE this node would build megatron-core's local spec, whose attention keeps
-    the fp32 softmax scores [B, heads, T, T] of every layer (a 70B executor: ~179 GiB per GPU)."""
+    the fp32 softmax scores [B, heads, T, T] of every layer (a 70B executor: ~179 GiB per GPU). A
+    ``prefix_tree`` policy on CUDA runs flex attention compiled by ``torch.compile``: it needs triton."""
     for name, policy in cfg.policies.items():
         if policy.frozen:  # served by its engines only: no Megatron model is built
             continue
@@ -81,11 +88,12 @@ def check_layer_specs(cfg: RunConfig, *, cuda: bool, transformer_engine: bool) -
         built = layer_spec_choice(
             lora=policy.lora is not None, cuda=cuda, transformer_engine=transformer_engine
         )
-        if policy.prefix_tree and built == "te":
+        if policy.prefix_tree and cuda and not triton:
             raise ValueError(
-                f"policies.{name}.prefix_tree: tree attention needs an arbitrary (ancestor) mask, which "
-                "megatron-core's local spec takes and Transformer Engine's attention does not; this node "
-                f"builds the TE spec: set policies.{name}.prefix_tree: false"
+                f"policies.{name}.prefix_tree: tree attention on CUDA is flex attention compiled by "
+                "torch.compile, whose GPU kernels need triton, which is not importable on this node: install "
+                f"the triton that matches this torch (CUDA torch wheels ship it) or set policies.{name}."
+                "prefix_tree: false"
             )
         if planned == "te" and built != "te":
             raise ValueError(

@@ -58,6 +58,8 @@ def build_model(
     init_weights: bool = True,
     lora: bool = False,
     packed: bool = False,
+    prefix_tree: bool = False,
+    tree_attention: str | None = None,
     node: NodeKernels | None = None,
     vocab_multiple: int = 1,
     **config_overrides,
@@ -66,10 +68,12 @@ def build_model(
 
     ``init_weights=False`` skips random init (faster; use when ``load_hf_weights`` follows).
     ``lora``: LoRA adapters will be attached (``models.lora``); ``packed``: rows will be packed
-    (``policies.<p>.pack``). With ``node`` (this node's ``NodeKernels.probe()`` unless given: a seam
-    for tests) they decide the layer spec (``NodeKernels.layer_spec``) and the fused kernels
-    (``kernel_fusions``; ``config_overrides`` win). The ``DecoderArch`` is attached as
-    ``model.hf_arch`` for the weight mapping, the spec as ``model.layer_spec``.
+    (``policies.<p>.pack``); ``prefix_tree``: micro-batches will be prefix trees. With ``node`` (this
+    node's ``NodeKernels.probe()`` unless given: a seam for tests) they decide the layer spec
+    (``NodeKernels.layer_spec``), the tree attention (``NodeKernels.tree_attention``; ``tree_attention``
+    overrides it: a seam for tests) and the fused kernels (``kernel_fusions``; ``config_overrides``
+    win). The ``DecoderArch`` is attached as ``model.hf_arch`` for the weight mapping, the spec as
+    ``model.layer_spec``, the tree attention (None, ``"mask"``, ``"flex"``) as ``model.tree_attention``.
     """
     from megatron.core import tensor_parallel
     from megatron.core.models.gpt import GPTModel
@@ -82,6 +86,8 @@ def build_model(
     tensor_parallel.model_parallel_cuda_manual_seed(seed, tp_rank=wg.tp_rank, ep_rank=0, etp_rank=0)
     node = node or NodeKernels.probe()
     spec = node.layer_spec(lora=lora)
+    if tree_attention is None:
+        tree_attention = node.tree_attention(prefix_tree=prefix_tree)
     config = transformer_config(
         arch,
         tp=layout.tp,
@@ -92,7 +98,7 @@ def build_model(
     )
     model = GPTModel(
         config,
-        layer_spec(arch, spec=spec),
+        layer_spec(arch, spec=spec, tree_attention=tree_attention),
         pre_process=wg.is_first_stage,
         post_process=wg.is_last_stage,
         pg_collection=wg.pgs,
@@ -100,6 +106,7 @@ def build_model(
     )
     model.hf_arch = arch
     model.layer_spec = spec
+    model.tree_attention = tree_attention
     if not init_weights:
         mark_tensor_parallel_params(model)
     return model

@@ -15,12 +15,14 @@ from __future__ import annotations
 # megatron-core (and transformers/safetensors) are imported inside the functions that build, load or run
 # models: importing megatron.core costs ~3 s of CPU (9.7 s wall measured on the loaded 2-core box,
 # 2026-11-23), and config loading and --dry-run import this module without building a model.
+import copy
 import functools
 import importlib.util
 from dataclasses import dataclass
 
 import torch
 
+from megamarl.models.tree_attention import FlexTreeAttention
 from megamarl.parallel.distributed import local_device
 
 
@@ -112,6 +114,19 @@ def layer_spec_choice(*, lora: bool, cuda: bool, transformer_engine: bool) -> st
     return "te" if cuda and transformer_engine else "local"
 
 
+TREE_ATTENTIONS = ("mask", "flex")
+
+
+def tree_attention_choice(*, prefix_tree: bool, cuda: bool) -> str | None:
+    """How a ``prefix_tree`` policy's attention sees the trie (None without it): ``"flex"``
+    (``models.tree_attention``: block-sparse, no N x N tensor) on CUDA, whatever the layer spec;
+    ``"mask"`` (the local spec's core attention with a dense ``[1, 1, N, N]`` mask) on a CPU, where
+    torch 2.13 runs no flex-attention backward. The model build and the planner both ask here."""
+    if not prefix_tree:
+        return None
+    return "flex" if cuda else "mask"
+
+
 def planned_layer_spec(*, lora: bool, on_gpus: bool) -> str:
     """``layer_spec_choice`` for a plan: a GPU cluster is planned with Transformer Engine (the ``gpu``
     extra installs it; ``cli.front_door.check_layer_specs`` refuses a node without it)."""
@@ -166,6 +181,9 @@ class NodeKernels:
 
     def layer_spec(self, *, lora: bool) -> str:
         return layer_spec_choice(lora=lora, cuda=self.cuda, transformer_engine=self.transformer_engine)
+
+    def tree_attention(self, *, prefix_tree: bool) -> str | None:
+        return tree_attention_choice(prefix_tree=prefix_tree, cuda=self.cuda)
 
 
 def kernel_fusions(node: NodeKernels, *, packed: bool) -> dict[str, bool]:
@@ -237,15 +255,23 @@ def transformer_config(
     return TransformerConfig(**kwargs)
 
 
-def layer_spec(arch: DecoderArch, *, spec: str):
-    """The transformer-layer ``ModuleSpec`` for ``spec`` (``layer_spec_choice``)."""
+def layer_spec(arch: DecoderArch, *, spec: str, tree_attention: str | None = None):
+    """The transformer-layer ``ModuleSpec`` for ``spec`` (``layer_spec_choice``); with
+    ``tree_attention="flex"`` its core attention is ``FlexTreeAttention`` (the linears stay the spec's)."""
     from megatron.core.models.gpt import gpt_layer_specs
 
     if spec not in LAYER_SPECS:
         raise ValueError(f"layer spec '{spec}' unknown; allowed: {list(LAYER_SPECS)}")
+    if tree_attention is not None and tree_attention not in TREE_ATTENTIONS:
+        raise ValueError(f"tree attention '{tree_attention}' unknown; allowed: {list(TREE_ATTENTIONS)}")
     if spec == "te":
-        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=arch.qk_norm)
-    return gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=arch.qk_norm, normalization="RMSNorm")
+        built = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=arch.qk_norm)
+    else:
+        built = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=arch.qk_norm, normalization="RMSNorm")
+    if tree_attention == "flex":
+        built = copy.deepcopy(built)  # the getters may share submodule specs between calls
+        built.submodules.self_attention.submodules.core_attention = FlexTreeAttention
+    return built
 
 
 def gpt_model_kwargs(arch: DecoderArch, *, tp: int, vocab_multiple: int = 1) -> dict:

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from megamarl.config import PolicyConfig, RunConfig
-from megamarl.models.spec import planned_layer_spec
+from megamarl.models.spec import planned_layer_spec, tree_attention_choice
 from megamarl.parallel.hardware import resolve_dtype
 from megamarl.parallel.placement import (
     NCCL_COMMUNICATOR_BYTES,
@@ -39,9 +39,11 @@ from megamarl.planning.memory import (
     DTYPE_BYTES,
     Memory,
     TrainingSetup,
+    TreeAttentionCost,
     num_micro_batches,
     relay_buffer_bytes,
     train_memory,
+    tree_attention_cost,
 )
 from megamarl.planning.model_presets import ModelShape, resolve_model_shape
 from megamarl.planning.phases import ENGINE, TRAIN_STATE, Phase, run_phases, step_phases
@@ -60,6 +62,7 @@ class WorkerGroupReport:
     layout: WorkerGroupLayout
     setup: TrainingSetup
     stages: list[Memory]  # per pipeline stage (every GPU of a stage holds the same)
+    tree: TreeAttentionCost | None = None  # prefix_tree: the layout's terms of the activations
 
 
 @dataclass
@@ -237,7 +240,15 @@ def plan_memory(
             train_memory(shape, policy, layout, setup, stage=s, num_micro_batches=micro_batches)
             for s in range(layout.pp)
         ]
-        worker_groups[name] = WorkerGroupReport(name, policy.model, shape, layout, setup, stages)
+        worker_groups[name] = WorkerGroupReport(
+            name,
+            policy.model,
+            shape,
+            layout,
+            setup,
+            stages,
+            tree_attention_cost(shape, policy, layout, setup),
+        )
         engines[name] = _engine_report(
             name,
             policy,
@@ -302,6 +313,8 @@ def training_setup(cfg: RunConfig, name: str, *, on_gpus: bool) -> TrainingSetup
         # the model build's own choice (bridge.build_model). A GPU cluster has TE: the documented GPU
         # install is megamarl[gpu], and cli.front_door.check_layer_specs refuses a node without it
         spec=planned_layer_spec(lora=policy.lora is not None, on_gpus=on_gpus),
+        # the model build's own choice too (bridge.build_model: NodeKernels.tree_attention)
+        tree_attention=tree_attention_choice(prefix_tree=policy.prefix_tree, cuda=on_gpus),
     )
 
 
@@ -584,6 +597,25 @@ def _g(num_bytes: float) -> str:
     return f"{num_bytes / GIB:.1f}"
 
 
+def _mib(num_bytes: float) -> str:
+    return f"{num_bytes / 2**20:,.2f} MiB ({num_bytes:,.0f} B)"
+
+
+def tree_line(name: str, tree: TreeAttentionCost) -> str:
+    """What a ``prefix_tree`` policy's micro-batch layout costs (in the WG table's activations)."""
+    if tree.kind == "flex":
+        attention = f"flex attention: block mask {_mib(tree.mask_bytes)}, no [N, N] mask or scores"
+    else:
+        attention = (
+            f"dense mask: [N, N] mask {_mib(tree.mask_bytes)}, attention scores "
+            f"{_mib(tree.scores_bytes_per_layer)} per layer"
+        )
+    return (
+        f"policies.{name}.prefix_tree: {tree.nodes:,} nodes per micro-batch, {attention}; output layer "
+        f"on up to {tree.prediction_rows:,} prediction rows"
+    )
+
+
 # ----------------------------------------------------------------------------------- groups
 
 
@@ -665,6 +697,9 @@ def print_report(report: DryRunReport, console) -> None:
             )
             wgs.add_row(*cells, f"pp{stage}", *memory)
     console.print(wgs)
+    for name, wg in report.worker_groups.items():
+        if wg.tree is not None:
+            console.print(tree_line(name, wg.tree))
 
     engines = Table(title="Engines (GiB per GPU)")
     numbers = ("weights", "kv cache", "lora", "total GiB")

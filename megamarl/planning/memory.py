@@ -18,6 +18,8 @@ import math
 from dataclasses import dataclass
 
 from megamarl.config import PolicyConfig
+from megamarl.models.spec import TREE_ATTENTIONS
+from megamarl.models.tree_attention import block_mask_bytes
 from megamarl.parallel.placement import WorkerGroupLayout
 from megamarl.planning.model_presets import ModelShape
 
@@ -35,12 +37,18 @@ class TrainingSetup:
     reference: bool = False  # a KL reference model is built (kl_coef > 0 on the policy or an agent; no LoRA)
     micro_batch_size: int = 1  # the largest micro-batch (rows) of the policy and its agents
     spec: str = "te"  # LAYER_SPECS
+    # prefix_tree: models.spec.tree_attention_choice ("mask" | "flex"); None: no tree
+    tree_attention: str | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_BYTES:
             raise ValueError(f"training dtype '{self.dtype}' unknown; allowed: {list(DTYPE_BYTES)}")
         if self.spec not in LAYER_SPECS:
             raise ValueError(f"layer spec '{self.spec}' unknown; allowed: {list(LAYER_SPECS)}")
+        if self.tree_attention is not None and self.tree_attention not in TREE_ATTENTIONS:
+            raise ValueError(
+                f"tree attention '{self.tree_attention}' unknown; allowed: {list(TREE_ATTENTIONS)}"
+            )
 
     @property
     def norm_bytes(self) -> int:
@@ -249,11 +257,66 @@ def attention_row(policy: PolicyConfig, setup: TrainingSetup) -> int:
     return tokens_per_micro_batch(policy, setup) if policy.pack else policy.seq_len
 
 
+def prediction_rows(policy: PolicyConfig, setup: TrainingSetup) -> int:
+    """Rows the output layer and the log-prob function run on, at most: every token of the micro-batch;
+    with ``prefix_tree`` one row per predicted (sample, column) (``rl.tree.TreePredictions``), which
+    the node budget does not bound (a node shared by k samples predicts k times): at most
+    ``micro_batch_size x seq_len``."""
+    if setup.tree_attention is not None:
+        return setup.micro_batch_size * policy.seq_len
+    return tokens_per_micro_batch(policy, setup)
+
+
+@dataclass(frozen=True)
+class TreeAttentionCost:
+    """What a prefix-tree micro-batch's layout costs (``tree_attention_cost``), per micro-batch."""
+
+    kind: str  # "mask" (the local spec's dense mask) | "flex" (models.tree_attention)
+    nodes: int  # N: nodes of the largest micro-batch (its token budget)
+    prediction_rows: int  # K: output-layer rows (``prediction_rows``)
+    mask_bytes: int  # mask: the [N, N] bool mask; flex: the block mask (``block_mask_bytes``)
+    scores_bytes_per_layer: float  # mask: fp32 scores [heads/tp, N, N] (+ probabilities cast back); flex: 0
+
+
+def tree_attention_cost(
+    shape: ModelShape, policy: PolicyConfig, layout: WorkerGroupLayout, setup: TrainingSetup
+) -> TreeAttentionCost | None:
+    """The tree layout's terms of ``activation_bytes`` (None without ``prefix_tree``): the ones that
+    grow with ``N^2`` under the dense mask and are O(N) (block metadata) under flex attention."""
+    if setup.tree_attention is None:
+        return None
+    nodes = tokens_per_micro_batch(policy, setup)
+    flex = setup.tree_attention == "flex"
+    scores = 0.0 if flex else _scores_bytes(shape.num_heads / layout.tp, nodes, DTYPE_BYTES[setup.dtype])
+    return TreeAttentionCost(
+        kind=setup.tree_attention,
+        nodes=nodes,
+        prediction_rows=prediction_rows(policy, setup),
+        mask_bytes=block_mask_bytes(nodes) if flex else nodes**2,
+        scores_bytes_per_layer=scores * nodes,
+    )
+
+
+def _scores_bytes(heads: float, seq_len: int, b: int) -> float:
+    """Per token and layer, the local spec's unfused attention scores: fp32 softmax over ``seq_len``
+    keys per head, plus the probabilities cast back when the dtype is 16-bit."""
+    return 4 * heads * seq_len + (b * heads * seq_len if b < 4 else 0)
+
+
 def layer_activation_bytes(
-    shape: ModelShape, *, tp: int, tokens: int, seq_len: int, dtype_bytes: int, recompute: str, spec: str
+    shape: ModelShape,
+    *,
+    tp: int,
+    tokens: int,
+    seq_len: int,
+    dtype_bytes: int,
+    recompute: str,
+    spec: str,
+    tree_attention: str | None = None,
 ) -> float:
     """Bytes one decoder layer keeps for backward for one micro-batch of ``tokens`` in rows of
-    ``seq_len`` (design-notes, memory.py); with ``recompute='full'``: its input only."""
+    ``seq_len`` (design-notes, memory.py); with ``recompute='full'``: its input only. Flex tree
+    attention replaces the spec's core attention (its scores are never materialised)."""
     b, h = dtype_bytes, shape.hidden_size
     q, kv = shape.num_heads * shape.head_dim / tp, shape.num_kv_heads * shape.head_dim / tp
     f, heads = shape.ffn_hidden_size / tp, shape.num_heads / tp
@@ -262,14 +325,17 @@ def layer_activation_bytes(
     rope = 4 * seq_len * shape.head_dim * b if spec == "local" else 0.0
     norms = 2 * (_norm_bytes(h, b, spec))
     mlp = 5 * b * f
-    if recompute == "selective" or spec == "te":
+    flex = tree_attention == "flex"
+    if recompute == "selective" or spec == "te" or flex:
         attn = (
             b * (q + kv) + b * (q + 2 * kv) + b * q
         )  # rotated q and k, the QKV output (held by v), the output
-        if spec == "te" and recompute == "none":
-            attn += 4 * heads  # softmax statistics
+        if recompute == "none" and (spec == "te" or flex):
+            attn += 4 * heads  # softmax statistics (flex: its logsumexp)
+        if recompute == "none" and flex:
+            attn += b * q  # flex keeps its [heads, N, d] output, the projection the [N, heads d] copy
     else:
-        attn = 3 * b * q + 4 * heads * seq_len + (b * heads * seq_len if b < 4 else 0) + b * q
+        attn = 3 * b * q + _scores_bytes(heads, seq_len, b) + b * q
     return (norms + attn + mlp) * tokens + rope
 
 
@@ -281,9 +347,10 @@ def _norm_bytes(h: int, b: int, spec: str) -> float:
 def logits_peak_bytes(
     shape: ModelShape, policy: PolicyConfig, layout: WorkerGroupLayout, setup: TrainingSetup
 ) -> float:
-    """The log-prob/entropy peak on the last stage: ``(b + 24) * T * V_p / tp``."""
-    tokens = tokens_per_micro_batch(policy, setup)
-    return (DTYPE_BYTES[setup.dtype] + 24) * tokens * shape.padded_vocab_size(layout.tp) / layout.tp
+    """The log-prob/entropy peak on the last stage: ``(b + 24) * K * V_p / tp`` over its ``K``
+    prediction rows (``prediction_rows``)."""
+    rows = prediction_rows(policy, setup)
+    return (DTYPE_BYTES[setup.dtype] + 24) * rows * shape.padded_vocab_size(layout.tp) / layout.tp
 
 
 def activation_bytes(
@@ -314,18 +381,25 @@ def saved_activation_bytes(
 ) -> float:
     """What one micro-batch's forward through stage ``stage`` leaves for its backward (without the
     log-prob function's own tensors): its layers, the token ids (first stage), the final norm and
-    the output layer's input (last stage)."""
+    the output layer's input on its prediction rows (last stage); the attention mask (dense, or flex's
+    block mask: ``tree_attention_cost``)."""
     kwargs = _layer_kwargs(policy, layout, setup)
     saved = (
         shape.num_layers // layout.pp * layer_activation_bytes(shape, recompute=policy.recompute, **kwargs)
     )
+    b, h, tokens = kwargs["dtype_bytes"], shape.hidden_size, kwargs["tokens"]
     if stage == 0:
-        saved += 8 * kwargs["tokens"]  # token ids
-    if stage == layout.pp - 1:
-        saved += _norm_bytes(shape.hidden_size, kwargs["dtype_bytes"], setup.spec) * kwargs["tokens"]
-    if setup.spec == "local":  # the [S, S] bool causal mask; under full recompute the fp32 rotary table
-        row = kwargs["seq_len"]
-        saved += row**2 + (4 * row * shape.head_dim if policy.recompute == "full" else 0)
+        saved += 8 * tokens  # token ids
+    if stage == layout.pp - 1:  # the norm on every token, the output layer's input on its rows
+        saved += (_norm_bytes(h, b, setup.spec) - b * h) * tokens + b * h * prediction_rows(policy, setup)
+    tree = tree_attention_cost(shape, policy, layout, setup)
+    row = kwargs["seq_len"]
+    if tree is not None:
+        saved += tree.mask_bytes
+    elif setup.spec == "local":  # the [S, S] bool causal mask
+        saved += row**2
+    if setup.spec == "local" and policy.recompute == "full":  # the fp32 rotary table
+        saved += 4 * row * shape.head_dim
     return saved
 
 
@@ -336,6 +410,7 @@ def _layer_kwargs(policy: PolicyConfig, layout: WorkerGroupLayout, setup: Traini
         "seq_len": attention_row(policy, setup),
         "dtype_bytes": DTYPE_BYTES[setup.dtype],
         "spec": setup.spec,
+        "tree_attention": setup.tree_attention,
     }
 
 

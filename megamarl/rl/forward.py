@@ -149,9 +149,10 @@ def packed_forward(model, window: LogitWindow, mb: SampleBatch, *, uses_te: bool
 
 
 def tree_forward(model, window: LogitWindow, rotary: RotaryPositions, mb: SampleBatch):
-    """``mb``'s rows as one row of prefix-trie nodes (``rl.tree``): ancestor-only attention (the local
-    spec's explicit mask), RoPE by node depth, the output layer on the prediction rows only; ``where``
-    is a ``TreeView``."""
+    """``mb``'s rows as one row of prefix-trie nodes (``rl.tree``): ancestor-only attention (the model's
+    ``tree_attention``: the dense mask for the local spec's attention, the subtree ends for
+    ``models.tree_attention``), RoPE by node depth, the output layer on the prediction rows only;
+    ``where`` is a ``TreeView``."""
     tree = tree_pack(mb.tokens, mb.attention_mask)
     predictions = tree.predictions(mb.response_mask)
     if not predictions.positions.numel():  # a zero-weight stand-in row: any row keeps the graph connected
@@ -159,7 +160,8 @@ def tree_forward(model, window: LogitWindow, rotary: RotaryPositions, mb: Sample
     gathered = window.select(predictions.positions)
     rotary.positions = tree.position_ids[0]
     try:
-        output = model(tree.tokens, tree.position_ids, tree.causal_mask())
+        flex = unwrap(model).tree_attention == "flex"
+        output = model(tree.tokens, tree.position_ids, tree.subtree_ends() if flex else tree.causal_mask())
     finally:
         rotary.positions = None
     return output, TreeView(tree, predictions, gathered)

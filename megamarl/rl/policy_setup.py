@@ -47,8 +47,8 @@ def load_policy_model(
 ) -> ModelHandle:
     """``policies.<p>``'s model as this rank's shard of ``wg`` in ``dtype``, with the HF weights
     loaded; ``training`` applies ``policies.<p>.recompute`` (a reference model has no backward).
-    Layer spec and fused kernels: ``bridge.build_model`` for this policy's LoRA and packing on
-    ``node`` (this node unless given)."""
+    Layer spec, tree attention and fused kernels: ``bridge.build_model`` for this policy's LoRA,
+    packing and prefix trees on ``node`` (this node unless given)."""
     path = resolve_model_path(policy.model, key="policies.<p>.model")
     hf_config = load_hf_config(path)
     model = build_model(
@@ -59,6 +59,7 @@ def load_policy_model(
         init_weights=False,
         lora=policy.lora is not None,
         packed=policy.pack,
+        prefix_tree=policy.prefix_tree,
         node=node,
         **(RECOMPUTE[policy.recompute] if training else {}),
     )

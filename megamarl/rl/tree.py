@@ -3,12 +3,12 @@ is laid out and computed once.
 
 ``tree_pack`` merges the rows (a GRPO group's shared prompt, a team's shared turns, a multi-turn
 agent's repeated history) into a trie of exact token prefixes and lays its ``N <= sum(lengths)`` nodes
-out in insertion order, ancestors first. Attention is ancestor-only (``TreeBatch.causal_mask``);
-positions are each node's depth (``RotaryPositions`` re-indexes the rotary table). Token ``j`` of sample
-``i`` is predicted at its token ``j - 1``'s node; ``TreeBatch.predictions`` lists one row per (sample,
-column), the output layer runs on those rows only, and ``tree_logprobs`` / ``place_tree`` put values at
-each sample's slot. Each sample keeps its own masks, advantages and logprobs; a shared node's gradient
-sums its samples', the unshared gradient up to fp32 summation order.
+out in DFS preorder: node m's subtree is ``[m, ends[m])``. Attention is ancestor-only, a dense mask
+(``TreeBatch.causal_mask``) or ``m <= n < ends[m]`` (``models.tree_attention``); positions are node
+depths (``RotaryPositions``). Token ``j`` of sample ``i`` is predicted at its token ``j - 1``'s node;
+``TreeBatch.predictions`` lists one row per (sample, column), the output layer runs on those rows
+only, and ``tree_logprobs`` / ``place_tree`` put values at each sample's slot. Each sample keeps its
+own masks, advantages and logprobs; a shared node's gradient sums its samples' (fp32 order aside).
 Details: docs/design-notes.md, "megamarl/rl/tree.py".
 """
 
@@ -41,6 +41,7 @@ class TreeBatch:
     tokens: Tensor  # [1, N] long: each node's token
     position_ids: Tensor  # [1, N] long: each node's depth
     parents: Tensor  # [N] long: the parent node's layout index, -1 for a root
+    ends: Tensor  # [N] long: one past the last node of each node's subtree (preorder: [n, ends[n]))
     node_of: Tensor  # [B, T] long: the node of each real token of the padded batch, -1 in padding
     seq_len: int  # T
 
@@ -64,6 +65,11 @@ class TreeBatch:
             visible[nodes] |= visible[self.parents[nodes]]
         return ~visible.view(1, 1, num, num)
 
+    def subtree_ends(self) -> Tensor:
+        """[1, N] long: what the flex tree attention (``models.tree_attention``) takes in the attention-mask
+        argument; node n sees node m iff ``m <= n < ends[m]``."""
+        return self.ends.view(1, -1)
+
     def predictions(self, response_mask: Tensor | None = None) -> TreePredictions:
         """Every (sample, column j >= 1) with a real token (and, with ``response_mask`` [B, T], a
         response token), sample-major: the rows the output layer runs on."""
@@ -80,7 +86,9 @@ class TreeBatch:
 
 def tree_pack(tokens: Tensor, attention_mask: Tensor) -> TreeBatch:
     """Merge right-padded ``tokens`` [B, T] (``attention_mask`` True = real token) into a trie of exact
-    token prefixes, nodes in insertion order (rows in order, each row's tokens left to right)."""
+    token prefixes, nodes in DFS preorder: rows inserted in lexicographic token order (ties by index),
+    each row's new tokens left to right. Every row between two rows that share a prefix shares it too,
+    so a node's descendants are created before any node outside its subtree (checked: ``_subtree_ends``)."""
     if tokens.shape != attention_mask.shape or tokens.dim() != 2:
         raise ValueError(
             f"tree_pack: tokens {tuple(tokens.shape)} and attention_mask "
@@ -97,10 +105,10 @@ def tree_pack(tokens: Tensor, attention_mask: Tensor) -> TreeBatch:
     node_tokens, parents, depths = [], [], []
     children: dict[tuple[int, int], int] = {}  # (parent node, token) -> node
     node_of = torch.full(tokens.shape, -1, dtype=torch.long)
-    rows = tokens.tolist()
-    for i, length in enumerate(lengths.tolist()):
+    rows = [row[:n] for row, n in zip(tokens.tolist(), lengths.tolist(), strict=True)]
+    for i in sorted(range(len(rows)), key=lambda i: (rows[i], i)):
         parent = -1
-        for j in range(length):
+        for j in range(len(rows[i])):
             key = (parent, rows[i][j])
             node = children.get(key)
             if node is None:
@@ -115,9 +123,27 @@ def tree_pack(tokens: Tensor, attention_mask: Tensor) -> TreeBatch:
         tokens=torch.tensor([node_tokens], dtype=torch.long, device=device),
         position_ids=torch.tensor([depths], dtype=torch.long, device=device),
         parents=torch.tensor(parents, dtype=torch.long, device=device),
+        ends=torch.tensor(_subtree_ends(parents), dtype=torch.long, device=device),
         node_of=node_of.to(device),
         seq_len=tokens.shape[1],
     )
+
+
+def _subtree_ends(parents: list[int]) -> list[int]:
+    """``n + size(subtree of n)`` per node; asserts the layout is a preorder, i.e. every subtree is the
+    interval ``[n, ends[n])``: each node lies inside its parent's interval, after it, and its own
+    interval inside its parent's (by induction every descendant of m lies in ``[m, ends[m])``, and
+    that interval holds exactly size(m) nodes)."""
+    sizes = [1] * len(parents)
+    for node in range(len(parents) - 1, -1, -1):  # children come after their parent
+        if parents[node] >= 0:
+            sizes[parents[node]] += sizes[node]
+    ends = [node + size for node, size in enumerate(sizes)]
+    for node, parent in enumerate(parents):
+        assert parent < 0 or parent < node < ends[parent] and ends[node] <= ends[parent], (
+            f"tree layout is not a DFS preorder at node {node} (parent {parent})"
+        )
+    return ends
 
 
 class _Trie:

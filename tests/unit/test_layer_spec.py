@@ -107,6 +107,43 @@ def test_the_planner_plans_the_spec_the_build_chooses():
         assert training_setup(cfg, name, on_gpus=False).spec == "local"
 
 
+def _build_tree_policies(rank, model_dir):
+    from megamarl.config import PolicyConfig
+    from megamarl.parallel.placement import PlacementConfig, WorkerGroupLayout, build_worker_groups
+    from megamarl.rl.policy_setup import load_policy_model
+
+    wg = build_worker_groups(PlacementConfig({"p": WorkerGroupLayout(ranks=[0])}))["p"]
+    policy = PolicyConfig(model=str(model_dir), micro_batch_size=2, pack=True, prefix_tree=True)
+    out = {}
+    # a CUDA node without TE builds the local spec, whose linears run here; flex replaces its attention
+    for name, node in (("cpu", CPU), ("cuda", dataclasses.replace(CPU, cuda=True))):
+        model = load_policy_model(policy, wg, seed=0, node=node).model
+        core = model.decoder.layers[0].self_attention.core_attention
+        out[name] = (model.layer_spec, model.tree_attention, type(core).__name__)
+    return out
+
+
+def test_the_planner_plans_the_tree_attention_the_build_chooses(tmp_path):
+    from megamarl.models.packaged import save_tiny_model
+
+    model_dir = save_tiny_model(tmp_path / "tiny", "llama", seed=0)
+    (r,) = run_ranks(_build_tree_policies, 1, str(model_dir))
+    assert r == {
+        "cpu": ("local", "mask", "DotProductAttention"),
+        "cuda": ("local", "flex", "FlexTreeAttention"),
+    }, r
+    tree = ["policies.shared.pack=true", "policies.shared.prefix_tree=true"]
+    cfg = load_config(CONFIGS / "presets" / "l1_colocated.yaml", GPU_CLUSTER + tree)
+    assert training_setup(cfg, "shared", on_gpus=True).tree_attention == r["cuda"][1]
+    assert training_setup(cfg, "shared", on_gpus=False).tree_attention == r["cpu"][1]
+    assert (
+        training_setup(
+            load_config(CONFIGS / "presets" / "l1_colocated.yaml"), "shared", on_gpus=True
+        ).tree_attention
+        is None
+    )
+
+
 # ---- item 6: the launch refuses a GPU node without the spec the plan counted -------------------------
 
 

@@ -16,37 +16,40 @@ MASK = TOKENS != 0
 
 def test_trie_nodes_depths_and_ancestor_mask_by_hand():
     tree = tree_pack(TOKENS, MASK)
-    # nodes in insertion order: 5 6 7 8 | 9 10 | 11 12 | 3 4
-    assert tree.tokens.tolist() == [[5, 6, 7, 8, 9, 10, 11, 12, 3, 4]]
-    assert tree.position_ids.tolist() == [[0, 1, 2, 3, 3, 4, 4, 5, 0, 1]]
-    assert tree.parents.tolist() == [-1, 0, 1, 2, 2, 4, 3, 6, -1, 8]
+    # DFS preorder (rows inserted in token order: row 3, row 0, row 2, row 1): 3 4 | 5 6 7 8 11 12 | 9 10
+    assert tree.tokens.tolist() == [[3, 4, 5, 6, 7, 8, 11, 12, 9, 10]]
+    assert tree.position_ids.tolist() == [[0, 1, 0, 1, 2, 3, 4, 5, 3, 4]]
+    assert tree.parents.tolist() == [-1, 0, -1, 2, 3, 4, 5, 6, 4, 8]
+    assert tree.ends.tolist() == [2, 2, 10, 10, 10, 8, 8, 8, 10, 10]  # subtree of n: [n, ends[n])
     assert tree.node_of.tolist() == [
-        [0, 1, 2, 3, -1, -1],
-        [0, 1, 2, 4, 5, -1],
-        [0, 1, 2, 3, 6, 7],
-        [8, 9, -1, -1, -1, -1],
+        [2, 3, 4, 5, -1, -1],
+        [2, 3, 4, 8, 9, -1],
+        [2, 3, 4, 5, 6, 7],
+        [0, 1, -1, -1, -1, -1],
     ]
     visible = ~tree.causal_mask()[0, 0]
     assert [torch.nonzero(visible[n]).squeeze(1).tolist() for n in range(10)] == [
         [0],
         [0, 1],
-        [0, 1, 2],
-        [0, 1, 2, 3],
-        [0, 1, 2, 4],
-        [0, 1, 2, 4, 5],
-        [0, 1, 2, 3, 6],
-        [0, 1, 2, 3, 6, 7],
-        [8],
-        [8, 9],
+        [2],
+        [2, 3],
+        [2, 3, 4],
+        [2, 3, 4, 5],
+        [2, 3, 4, 5, 6],
+        [2, 3, 4, 5, 6, 7],
+        [2, 3, 4, 8],
+        [2, 3, 4, 8, 9],
     ]
+    nodes = torch.arange(10)  # the interval test is the same mask
+    assert torch.equal(visible, (nodes[None, :] <= nodes[:, None]) & (nodes[:, None] < tree.ends[None, :]))
     assert tree.num_tokens == tree_tokens(TOKENS, MASK) == 10 < int(MASK.sum()) == 17
     response = torch.zeros_like(MASK)
     response[:, 3:] = True
     preds = tree.predictions(response & MASK)
-    # (sample, column) -> the node of its previous token; node 2 predicts for three samples (8, 9, 8)
+    # (sample, column) -> the node of its previous token; node 4 predicts for three samples (8, 9, 8)
     assert list(
         zip(preds.samples.tolist(), preds.columns.tolist(), preds.positions.tolist(), preds.targets.tolist())
-    ) == [(0, 3, 2, 8), (1, 3, 2, 9), (1, 4, 4, 10), (2, 3, 2, 8), (2, 4, 3, 11), (2, 5, 6, 12)]
+    ) == [(0, 3, 4, 8), (1, 3, 4, 9), (1, 4, 8, 10), (2, 3, 4, 8), (2, 4, 5, 11), (2, 5, 6, 12)]
     placed = place_tree(torch.arange(1.0, 7.0), preds, 4, 6)
     assert placed.tolist() == [[0, 0, 0, 1, 0, 0], [0, 0, 0, 2, 3, 0], [0, 0, 0, 4, 5, 6], [0] * 6]
 
@@ -148,7 +151,7 @@ def test_tree_forward_matches_padded_on_tiny_megatron(monkeypatch):
     assert min(r["causal_mask"], r["layout_positions"], r["no_positions"]) > 1e-2, r
 
 
-def test_prefix_tree_is_rejected_before_any_model_loads_where_it_cannot_run():
+def test_prefix_tree_runs_on_te_nodes_and_is_rejected_before_any_model_loads_where_it_cannot_run():
     from pathlib import Path
 
     from megamarl.cli.configure import load_config
@@ -167,5 +170,6 @@ def test_prefix_tree_is_rejected_before_any_model_loads_where_it_cannot_run():
         ],
     )
     check_layer_specs(cfg, cuda=False, transformer_engine=False)  # CPU: the local spec takes the tree mask
-    with pytest.raises(ValueError, match=r"policies\.shared\.prefix_tree: tree attention needs an arbitrary"):
-        check_layer_specs(cfg, cuda=True, transformer_engine=True)  # a GPU node building TE's spec
+    check_layer_specs(cfg, cuda=True, transformer_engine=True, triton=True)  # TE's spec, flex attention
+    with pytest.raises(ValueError, match=r"policies\.shared\.prefix_tree: tree attention on CUDA is flex"):
+        check_layer_specs(cfg, cuda=True, transformer_engine=True, triton=False)  # nothing compiles it
