@@ -34,6 +34,8 @@ from pathlib import Path
 import pytest
 from nodes import cluster, nodes_permitted  # tests/ helper
 
+from megamarl.runtime.metrics import read_metrics
+
 pytestmark = [pytest.mark.multinode, pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(900)]
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -90,10 +92,9 @@ class ServerLog:
 
 
 def _rows(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    return (
-        [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
-    )
+    """The rows written so far: polled while the run appends, so a half-written last line is skipped
+    (``read_metrics`` does that)."""
+    return read_metrics(run_dir) if (run_dir / "metrics.jsonl").is_file() else []
 
 
 @pytest.fixture(scope="module")
