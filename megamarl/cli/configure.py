@@ -136,6 +136,14 @@ def _check_team(cfg: RunConfig) -> None:
     kinds = {role: agent.kind for role, agent in cfg.agents.items()}
     for key, (env_cls, env_config) in built.items():  # the training env and every eval env
         env_name = cfg.env.name if key == "env" else eval_envs[key].name
+        bound_s = env_cls.max_step_s(env_config)
+        if bound_s is not None and not bound_s < cfg.rollout.env_timeout_s:
+            raise ValueError(
+                f"{key}.kwargs of env '{env_name}': one step may take up to {bound_s:g} s (its time "
+                f"budget), not below rollout.env_timeout_s={cfg.rollout.env_timeout_s:g}, so a slow "
+                "step would fail its episode instead of scoring 0; lower the env's budget (code: "
+                "problem_budget_s) or raise rollout.env_timeout_s"
+            )
         check_team(
             orchestra,
             orchestra_name=cfg.orchestra.name,

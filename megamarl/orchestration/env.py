@@ -76,6 +76,13 @@ class Env(abc.ABC, Generic[ConfigT]):
         return tuple(cls.agents)
 
     @classmethod
+    def max_step_s(cls, config: ConfigT) -> float | None:
+        """The longest one ``step`` or ``score`` call can take under ``config`` (an env whose steps
+        have a time budget, the code judge's); None: no bound is declared. Load time rejects a
+        bound that is not below ``rollout.env_timeout_s``."""
+        return None
+
+    @classmethod
     @abc.abstractmethod
     def generate_tasks(cls, config: ConfigT, *, num_tasks: int, seed: int) -> list[Task]:
         """Deterministic for (config, num_tasks, seed)."""

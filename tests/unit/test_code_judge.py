@@ -5,6 +5,7 @@ exit code 0 = pass" judge (or read the expected values); the judge must give eac
 """
 
 import json
+import time
 
 import pytest
 
@@ -12,12 +13,15 @@ from megamarl.orchestration import EnvMaker, Task
 from megamarl.orchestration.context import Action
 from megamarl.orchestration.envs.code import CodeProblem, load_problems
 from megamarl.orchestration.judge import (
+    AssertCase,
     ExprCase,
     StdioCase,
+    Verdict,
     call_case,
     judge_calls,
     judge_stdio,
     parse_assert_tests,
+    pin_to,
     same_value,
 )
 from megamarl.orchestration.sandbox import SandboxConfig
@@ -90,7 +94,7 @@ def test_expected_values_never_enter_the_sandbox():
     from megamarl.orchestration import judge
     from megamarl.orchestration.sandbox import run_python
 
-    request = json.dumps({"code": spy, "setup": SETUP, "exprs": [c.expr for c in CASES]})
+    request = json.dumps({"code": spy, "setup": SETUP, "cases": [judge._sandbox_side(c) for c in CASES]})
     result = run_python(judge._HARNESS, FAST, stdin=request.encode(), channel=True)
     assert "scale(2)" in request and "15" not in request and "-3" not in request
     assert "15" not in result.stdout and "== 6" not in result.stdout
@@ -103,7 +107,7 @@ def test_json_round_trip_comparison():
     assert same_value(3, 3.0000001) and not same_value(2, 2.5)
     assert parse_assert_tests("xs = [1]\nassert f(xs) == (1, 2)\nassert g(1)\nassert 3 == h(2)")[1] == [
         ExprCase("f(xs)", [1, 2]),
-        ExprCase("bool(g(1))", True),
+        AssertCase("g(1)", ("g(1)",)),
         ExprCase("h(2)", 3),
     ]
 
@@ -170,3 +174,86 @@ def test_env_rewards_pass_fraction_and_tester_cannot_be_fooled():
     tester = env.step("tester", Action("tester", "", "assert scale(1) == 3\n", True, 0, 0))
     # the hack does not pass the tester's asserts either: episode not approved, tester right
     assert (env.done, tester.local_reward, env.feedback) == (False, 1.0, "exited before reporting")
+
+
+def test_comparison_rules_are_strict_and_recurse():
+    assert not same_value(121932631112635269.0, 121932631112635269)  # a float never answers an int
+    assert not same_value(3.0, 3) and not same_value(True, 1) and not same_value(1, True)
+    assert not same_value(False, 0) and not same_value(None, [])
+    assert same_value(3, 3.0000001) and same_value(1.5 + 1e-9, 1.5)  # a float answer keeps a tolerance
+    assert not same_value([1.0, 2], [1, 2]) and not same_value({"a": [1.0]}, {"a": [1]})  # nested: same rules
+    assert same_value({"a": [1, 0.30000000000000004]}, {"a": [1, 0.3]}) and not same_value({"a": 1}, {"b": 1})
+    assert not same_value([1, 2], [1, 2, 3]) and not same_value("1", 1) and not same_value([1], {"0": 1})
+
+
+def test_asserts_become_operands_compared_here():
+    setup, cases = parse_assert_tests(
+        "k = 3\nassert f(2) > 5\nassert 0 < f(1) <= k\nassert f(1) in [3, 4]\nassert f(9) is not None\n"
+        "assert f(1) != f(2)\nassert 'a' not in g()\nassert g()\nassert f(1) == k\n"
+    )
+    assert setup == ["k = 3"]
+    assert cases == [
+        AssertCase("f(2) > 5", ("f(2)", "5"), ("Gt",)),
+        AssertCase("0 < f(1) <= k", ("0", "f(1)", "k"), ("Lt", "LtE")),
+        AssertCase("f(1) in [3, 4]", ("f(1)", "[3, 4]"), ("In",)),
+        AssertCase("f(9) is not None", ("f(9)", "None"), ("IsNot",)),
+        AssertCase("f(1) != f(2)", ("f(1)", "f(2)"), ("NotEq",)),
+        AssertCase("'a' not in g()", ("'a'", "g()"), ("NotIn",)),
+        AssertCase("g()", ("g()",)),
+        AssertCase("f(1) == k", ("f(1)", "k"), ("Eq",)),
+    ]
+    real = "def f(x):\n    return 3 * x\ndef g():\n    return 'xyz'\n"
+    assert judge_calls(real, cases, FAST, setup=setup).passed == [True] * 8
+    wrong = "def f(x):\n    return [1.0, 3.0, 6.0][x] if x < 3 else None\ndef g():\n    return ''\n"
+    verdict = judge_calls(wrong, cases, FAST, setup=setup)
+    # 6.0 > 5 holds; 0 < 3.0 <= 3 holds (ordering is Python's); 3.0 in [3, 4] is not an int answer
+    assert verdict.passed == [True, True, False, False, True, True, False, False]
+    assert "values [3.0, [3, 4]]" in verdict.messages[0]
+    # literal operands never enter the sandbox: a candidate cannot see or change them
+    from megamarl.orchestration import judge
+
+    assert judge._sandbox_side(cases[2]) == ("values", ["f(1)", None])
+
+
+def test_pinned_asserts_need_the_reference_values():
+    setup, cases = parse_assert_tests("assert f(2) == f(1) * 2\nassert f(1) > 0\nassert f(3) is not None\n")
+    reference = judge_calls("def f(x):\n    return 3 * x\n", cases, FAST, setup=setup)
+    assert reference.passed == [True] * 3 and reference.values[0] == (6, 6)
+    pinned = pin_to(cases, reference)
+    assert pinned[0] == AssertCase("f(2) == f(1) * 2", ("f(2)", "f(1) * 2"), ("Eq",), pinned=(6, 6))
+    linear = "def f(x):\n    return 4 * x\n"  # every assert holds, but not on the reference's values
+    assert judge_calls(linear, cases, FAST, setup=setup).passed == [True] * 3
+    verdict = judge_calls(linear, pinned, FAST, setup=setup)
+    assert verdict.passed == [False, False, False] and "expected [6, 6]" in verdict.messages[0]
+    assert judge_calls("def f(x):\n    return 3 * x\n", pinned, FAST, setup=setup).passed == [True] * 3
+    # a case the reference gave no value for cannot be passed
+    no_value = pin_to(cases, Verdict([False] * 3, values=[None] * 3))
+    assert judge_calls("def f(x):\n    return 3 * x\n", no_value, FAST, setup=setup).passed == [False] * 3
+
+
+def test_tests_see_the_builtins_not_the_candidates_names():
+    setup, cases = parse_assert_tests("assert len(f()) == 2\nassert isinstance(f(), list)\n")
+    shadow = "len = lambda x: 2\nisinstance = lambda *a: True\ndef f():\n    return 'abc'\n"
+    assert judge_calls(shadow, cases, FAST, setup=setup).passed == [False, False]
+    # the candidate's own code still uses its names
+    own = "def size(x):\n    return 2\nlen = size\ndef f():\n    return [len('abc'), 0]\n"
+    assert judge_calls(own, cases, FAST, setup=setup).passed == [True, True]
+
+
+def test_stdio_problem_has_one_budget():
+    cases = [StdioCase(f"{i}\n", f"{i}\n") for i in range(8)]
+    slow = "import time\ntime.sleep(0.6)\nprint(input())\n"  # each case under timeout_s, together over
+    start = time.monotonic()
+    verdict = judge_stdio(slow, cases, FAST, budget_s=2.0)
+    assert time.monotonic() - start < 3.5
+    assert verdict.passed[0] and not any(verdict.passed[4:])
+    assert ": not run: " in verdict.messages[-1]  # the budget spent, or cut by it: timed out
+    stop = judge_stdio("import time\ntime.sleep(9)\n", cases, FAST, budget_s=20.0)
+    assert stop.messages[1].endswith("not run: an earlier case timed out")
+
+
+def test_env_step_bound_and_budget():
+    maker = EnvMaker("code", problem_budget_s=4.0)
+    assert maker.env_cls.max_step_s(maker.config) == 2 * (4.0 + 1.0)
+    with pytest.raises(ValueError, match="problem_budget_s must be seconds > 0"):
+        EnvMaker("code", problem_budget_s=0)

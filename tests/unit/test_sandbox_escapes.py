@@ -18,7 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from megamarl.orchestration import sandbox
+from megamarl.cli.configure import load_config
+from megamarl.orchestration import EnvMaker, Task, sandbox
+from megamarl.orchestration.context import Action
+from megamarl.orchestration.envs.code import CodeProblem
 from megamarl.orchestration.judge import ExprCase, StdioCase, judge_calls, judge_stdio, parse_assert_tests
 from megamarl.orchestration.sandbox import SandboxConfig, isolation_error
 
@@ -431,3 +434,108 @@ def test_a_judge_that_exits_removes_its_cgroups():
 def test_cpu_bandwidth_holds_for_the_tree():
     share = sandbox.run_python(CPU_SPIN, SandboxConfig(timeout_s=4.0, cpus=0.5))
     assert float(share.stdout) <= 0.5 + 0.1, share  # two spinning children share half a core
+
+
+# --- judge attacks (issue #44 item 2): comparison, forged asserts, the problem's time budget -------
+# Each attack scores 0 through the real judge (or the code env around it) while the reference scores
+# full marks; the autouse fixture above checks that the judge stayed alive and nothing was left.
+
+MUL_CASES = parse_assert_tests(
+    "assert mul(123456789, 987654321) == 121932631112635269\nassert mul(10 ** 9, 10 ** 9 + 7) == "
+    "1000000007000000000\nassert mul(3, 4) == 12\n"
+)[1]
+
+
+@pytest.mark.parametrize(
+    "attack",
+    [
+        "def mul(a, b):\n    return float(a * b)\n",  # within 1e-6 relative of every answer, wrong by 1-99
+        "def mul(a, b):\n    return a * b + 1 if a * b > 10 ** 12 else float(a * b)\n",
+    ],
+)
+def test_judge_attack_float_for_an_int_answer(attack):
+    assert judge_calls("def mul(a, b):\n    return a * b\n", MUL_CASES, CONFIG).passed == [True] * 3
+    assert judge_calls(attack, MUL_CASES, CONFIG).passed == [False] * 3
+
+
+# asserts with no literal side: before, `bool(<test>)` evaluated in the candidate's namespace and
+# compared with a public True
+NON_LITERAL = "assert scale(2) > scale(1)\nassert scale(-1) < 0 < scale(1)\nassert scale(1) != scale(0)\n"
+BUILTIN_TESTS = (  # builtins the tests call, which the candidate shadows in its own namespace
+    "assert isinstance(scale(2), int)\nassert len(str(scale(10))) == 2\n"
+    "assert sorted([scale(1), scale(0)]) == [0, 3]\n"
+)
+FORGE = (
+    "import json, os\nfor fd in [int(f) for f in os.listdir('/proc/self/fd') if int(f) > 2]:\n"
+    "    for record in RECORDS:\n        try: os.write(fd, (json.dumps(record) + '\\n').encode())\n"
+    "        except OSError: pass\nos._exit(0)\n"
+)
+SHADOWED = "def scale(x):\n    return 'x'\n"
+ASSERT_ATTACKS = {
+    "shadows bool": ("bool = lambda *a, **k: True\n" + FALLBACK, NON_LITERAL),
+    "patches builtins.bool": (
+        "import builtins\nbuiltins.bool = lambda *a, **k: True\n" + FALLBACK,
+        NON_LITERAL,
+    ),
+    "shadows the builtins a test calls": (
+        "isinstance = lambda *a: True\nlen = lambda *a: 2\nsorted = lambda *a: [0, 3]\n" + SHADOWED,
+        BUILTIN_TESTS,
+    ),
+    "forges the True marker": (
+        "RECORDS = [{'i': i, 'value': 'true'} for i in range(3)]\n" + FORGE,
+        NON_LITERAL,
+    ),
+    # operands that satisfy each comparison (literal ones in any form), in the harness's record format
+    "forges satisfying operands": (
+        "RECORDS = [{'i': 0, 'values': ['2', '1']}, {'i': 1, 'values': ['-1', '0', '1']}, "
+        "{'i': 2, 'values': ['1', '0']}]\n" + FORGE,
+        NON_LITERAL,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(ASSERT_ATTACKS))
+def test_judge_attack_forged_asserts_on_hidden_tests(name):
+    # hidden tests with no literal side: the coder's reward and the team's stay 0
+    attack, tests = ASSERT_ATTACKS[name]
+    env = EnvMaker("code", sandbox=CONFIG)(Task("c", CodeProblem("Write scale.", REAL, tests)))
+    assert env.step("coder", Action("coder", "", REAL, True, 0, 0)).local_reward == 1.0
+    coder = env.step("coder", Action("coder", "", attack, True, 0, 0))
+    assert (coder.local_reward, env.team_reward()) == (0.0, 0.0), env.feedback
+
+
+@pytest.mark.parametrize("name", list(ASSERT_ATTACKS))
+def test_judge_attack_forged_asserts_on_the_tester_path(name):
+    # a wrong coder must not get the episode approved by the tester's (correct) asserts, nor take the
+    # correct tester's reward from 1 to 0
+    attack, tests = ASSERT_ATTACKS[name]
+    env = EnvMaker("code", sandbox=CONFIG)(Task("c", CodeProblem("Write scale.", REAL, HIDDEN_LITERAL)))
+    env.step("coder", Action("coder", "", REAL, True, 0, 0))
+    right = env.step("tester", Action("tester", "", tests, True, 0, 0))
+    assert (right.local_reward, env.done) == (1.0, True)  # the tests hold on the reference and the code
+    env = EnvMaker("code", sandbox=CONFIG)(Task("c", CodeProblem("Write scale.", REAL, HIDDEN_LITERAL)))
+    assert env.step("coder", Action("coder", "", attack, True, 0, 0)).local_reward == 0.0
+    tester = env.step("tester", Action("tester", "", tests, True, 0, 0))
+    assert (tester.local_reward, env.done, env.team_reward()) == (1.0, False, 0.0), env.feedback
+
+
+HIDDEN_LITERAL = "assert scale(2) == 6\nassert scale(-1) == -3\nassert scale(5) == 15\n"
+SLEEPY_STDIO = [StdioCase(f"{i} 1\n", f"{i + 1}\n") for i in range(8)]
+
+
+def test_judge_attack_sleeping_stdio_cases_share_one_budget():
+    # 8 sleeping cases took 8 x timeout_s (40.6 s at timeout_s = 5, past env_timeout_s = 30)
+    config = SandboxConfig(timeout_s=1.0, cpu_s=2, memory_mb=256)
+    real = "a, b = map(int, input().split())\nprint(a + b)\n"
+    assert judge_stdio(real, SLEEPY_STDIO, config).passed == [True] * 8
+    start = time.monotonic()
+    verdict = judge_stdio("import time\ntime.sleep(60)\n", SLEEPY_STDIO, config)
+    elapsed = time.monotonic() - start
+    assert verdict.passed == [False] * 8 and elapsed < 3.0, (elapsed, verdict.messages)
+
+
+def test_judge_attack_a_budget_at_the_env_timeout_is_rejected_at_load():
+    preset = Path(__file__).resolve().parents[2] / "configs" / "presets" / "code.yaml"
+    load_config(preset, [])
+    with pytest.raises(ValueError, match=r"rollout.env_timeout_s"):
+        load_config(preset, ["rollout.env_timeout_s=10"])

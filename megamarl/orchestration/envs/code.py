@@ -4,10 +4,13 @@ Tasks: seeded small function specs (reference solution, hidden tests) or a JSONL
 ``load_problems``: function-call or stdin/stdout tests). Code is scored by ``judge`` (candidate in the
 sandbox, verdicts outside); the env declares ``remote_step``, so its steps run in an env worker. Use with
 ``solve_verify`` (solver=coder, verifier=tester): the coder's code is judged on the hidden tests; the
-tester's asserts are run against the coder's code (``tests_pass``: the episode is done) and the
-reference (``tests_valid``), the first failure shown to the coder otherwise. Rewards: team = 1 if the
-latest code passes every hidden test; tester = 1 if its tests are valid and agree with the hidden tests
-about the code; coder = fraction of hidden tests passed (also its tree-sampling check fn).
+tester's asserts are run on the reference (``tests_valid``) and then on the coder's code, their
+non-literal operands pinned to the reference's values (``tests_pass``: the episode is done), the
+first failure shown to the coder otherwise. Hidden asserts with no literal side are pinned the same
+way. Rewards: team = 1 if the latest code passes every hidden test; tester = 1 if its tests are valid
+and agree with the hidden tests about the code; coder = fraction of hidden tests passed (also its
+tree-sampling check fn). A judging has ``problem_budget_s``; a step judges at most twice, which must
+fit ``rollout.env_timeout_s`` (``max_step_s``, checked at load).
 Details: docs/design-notes.md, "megamarl/orchestration/envs/code.py".
 """
 
@@ -22,6 +25,7 @@ from typing import ClassVar
 from megamarl.orchestration.agents import AGENTS, Agent, code_block
 from megamarl.orchestration.env import ENVS, Env, EnvConfig, StepResult, Task, read_jsonl
 from megamarl.orchestration.judge import (
+    AssertCase,
     ExprCase,
     StdioCase,
     Verdict,
@@ -29,6 +33,7 @@ from megamarl.orchestration.judge import (
     judge_calls,
     judge_stdio,
     parse_assert_tests,
+    pin_to,
 )
 from megamarl.orchestration.sandbox import SandboxConfig, isolation_error
 
@@ -45,6 +50,7 @@ class CodeProblem:
     stdio: bool = False
 
     def hidden_cases(self) -> tuple[list[str], list]:
+        """(setup statements, cases) of the hidden tests."""
         return ([], list(self.cases)) if self.cases else parse_assert_tests(self.hidden_tests)
 
 
@@ -153,8 +159,16 @@ class CodeConfig(EnvConfig):
     # True: run candidates in the old audit-hook sandbox (same uid as the judge, no namespaces but
     # the network one): candidates can read the judge's memory. Only where isolation is impossible.
     unsafe_inprocess: bool = False
+    # seconds one judging (a candidate on all of a problem's cases) may take in all; a step judges at
+    # most twice (reference, then candidate), so 2 x (this + JUDGE_START_S) must be below
+    # rollout.env_timeout_s (checked at load)
+    problem_budget_s: float = 12.0
 
     def __post_init__(self) -> None:
+        if not (isinstance(self.problem_budget_s, (int, float)) and self.problem_budget_s > 0):
+            raise ValueError(
+                f"env.kwargs.problem_budget_s must be seconds > 0, got {self.problem_budget_s!r}"
+            )
         self.kinds = tuple(self.kinds)
         bad = [k for k in self.kinds if k not in PROBLEM_KINDS]
         if bad or not self.kinds:
@@ -174,6 +188,11 @@ class CodeConfig(EnvConfig):
             )
         if self.dataset is not None:
             load_problems(self.dataset)  # a bad file fails at load time, naming env.dataset
+
+
+JUDGE_START_S = 1.0  # per judging, beyond its budget: starting the sandbox, killing it at the deadline
+JUDGINGS_PER_STEP = 2  # a tester step runs the tests on the reference and on the code; a coder step
+# with pinned hidden asserts runs the reference (once per episode) and the code
 
 
 @AGENTS.register("coder")
@@ -209,6 +228,11 @@ class CodeEnv(Env[CodeConfig]):
         self.hidden_pass = False
         self.feedback = ""
         self.judge_errors = 0  # cases scored 0 because their output could not be read/compared
+        self._hidden_pins: list | None = None  # the hidden cases pinned to the reference's values
+
+    @classmethod
+    def max_step_s(cls, config: CodeConfig) -> float:
+        return JUDGINGS_PER_STEP * (config.problem_budget_s + JUDGE_START_S)
 
     @classmethod
     def generate_tasks(cls, config: CodeConfig, *, num_tasks: int, seed: int) -> list[Task]:
@@ -224,10 +248,13 @@ class CodeEnv(Env[CodeConfig]):
 
     def _judge(self, code: str, setup: list[str], cases: list) -> Verdict:
         isolated = not self.config.unsafe_inprocess
+        budget_s = self.config.problem_budget_s
         if self.problem.stdio:
-            verdict = judge_stdio(code, cases, self.config.sandbox, isolated=isolated)
+            verdict = judge_stdio(code, cases, self.config.sandbox, budget_s=budget_s, isolated=isolated)
         else:
-            verdict = judge_calls(code, cases, self.config.sandbox, setup=setup, isolated=isolated)
+            verdict = judge_calls(
+                code, cases, self.config.sandbox, setup=setup, budget_s=budget_s, isolated=isolated
+            )
         self.judge_errors += verdict.num_judge_errors
         return verdict
 
@@ -235,7 +262,20 @@ class CodeEnv(Env[CodeConfig]):
         return {"judge_errors": float(self.judge_errors)}
 
     def _hidden(self, code: str) -> Verdict:
-        return self._judge(code, *self.problem.hidden_cases())
+        setup, cases = self.problem.hidden_cases()
+        if self._hidden_pins is None:
+            needs_pins = any(isinstance(c, AssertCase) for c in cases)
+            self._hidden_pins = self._on_reference(setup, cases)[1] if needs_pins else cases
+        return self._judge(code, setup, self._hidden_pins)
+
+    def _on_reference(self, setup: list[str], cases: list) -> tuple[Verdict | None, list]:
+        """The reference's verdict on ``cases`` and ``cases`` with their asserts pinned to the
+        reference's values; (None, ``cases``) without a reference, where an assert with no literal
+        side trusts the candidate's values."""
+        if self.problem.reference is None:
+            return None, cases
+        verdict = self._judge(self.problem.reference, setup, cases)
+        return verdict, pin_to(cases, verdict)
 
     def _tester_cases(self, tests: str) -> tuple[list[str], list]:
         """The tester's asserts as judge cases; raises for anything that is not a test list."""
@@ -278,10 +318,10 @@ class CodeEnv(Env[CodeConfig]):
             setup, cases = self._tester_cases(action.value)
         except (SyntaxError, ValueError, TypeError) as exc:
             return StepResult(local_reward=0.0, feedback=f"invalid tests: {exc}")
+        on_reference, cases = self._on_reference(setup, cases)
+        tests_valid = on_reference is None or on_reference.all_passed
         on_code = self._judge(self.code or "", setup, cases)
         tests_pass = on_code.all_passed
-        reference = self.problem.reference
-        tests_valid = reference is None or self._judge(reference, setup, cases).all_passed
         self.feedback = "" if tests_pass else on_code.first_failure
         self.done = tests_pass
         return StepResult(local_reward=float(tests_valid and tests_pass == self.hidden_pass))
