@@ -137,30 +137,45 @@ class ProcessWorkers(EnvWorkers):
             process.kill()
         slot.shutdown(wait=False, cancel_futures=True)
 
-    def _replace(
-        self, slot: concurrent.futures.ProcessPoolExecutor
-    ) -> concurrent.futures.ProcessPoolExecutor:
+    def _replace(self, slot: concurrent.futures.ProcessPoolExecutor, free: asyncio.Queue) -> None:
+        """Kill ``slot`` (its call timed out, crashed or was abandoned) and return a fresh slot to
+        ``free`` once its process has started: a call's timeout never pays for a worker's start,
+        which on a loaded machine takes seconds (the fork server's fork plus the initializer)."""
         self._kill(slot)
         fresh = self._new_slot()
         self._slots[self._slots.index(slot)] = fresh
-        return fresh
+        loop = asyncio.get_running_loop()
+
+        def started(_: concurrent.futures.Future) -> None:
+            # a start that failed is put back all the same: its next call fails as a crash and
+            # replaces it again
+            try:
+                loop.call_soon_threadsafe(free.put_nowait, fresh)
+            except RuntimeError:  # the event loop closed meanwhile; _queue() refills from _slots
+                pass
+
+        fresh.submit(_noop).add_done_callback(started)
 
     async def _run(self, fn: Callable[..., Any], *args: Any, timeout_s: float) -> Any:
         free = self._queue()
         slot = await free.get()
         try:
             future = slot.submit(fn, *args)
-            return await asyncio.wait_for(asyncio.wrap_future(future), timeout_s)
+            result = await asyncio.wait_for(asyncio.wrap_future(future), timeout_s)
         except asyncio.TimeoutError:
-            slot = self._replace(slot)
+            self._replace(slot, free)
             raise self._fail("timeout") from None
         except BrokenProcessPool:
-            slot = self._replace(slot)
+            self._replace(slot, free)
             raise self._fail("crash") from None
+        except asyncio.CancelledError:  # the episode was abandoned (its own timeout) mid-call
+            self._replace(slot, free)
+            raise
         except Exception as exc:  # the env raised: that episode fails
-            raise self._fail(f"error: {exc!r}") from exc
-        finally:
             free.put_nowait(slot)
+            raise self._fail(f"error: {exc!r}") from exc
+        free.put_nowait(slot)
+        return result
 
     def close(self) -> None:
         for slot in self._slots:

@@ -1,7 +1,9 @@
 """Env workers: a crashing, hanging or raising env fails only its episode (counted); the run goes on."""
 
 import asyncio
+import concurrent.futures
 import sys
+import time
 
 import pytest
 from scripted import ScriptedEngine, fixed, smollm2_tokenizer  # tests/ helper
@@ -9,6 +11,7 @@ from scripted import ScriptedEngine, fixed, smollm2_tokenizer  # tests/ helper
 from megamarl.orchestration import (
     AgentConfig,
     EnvMaker,
+    EnvWorkerError,
     Task,
     WorkersConfig,
     build_agents,
@@ -16,7 +19,7 @@ from megamarl.orchestration import (
     make_workers,
     run_episodes,
 )
-from megamarl.orchestration.workers import check_workers
+from megamarl.orchestration.workers import ProcessWorkers, check_workers
 
 
 def _rollout(workers, faults, *, step_timeout_s=30.0, **kwargs):
@@ -190,3 +193,32 @@ def test_code_env_round_trip_through_process_workers_equals_inline():
     assert (
         len({s.local_reward for s in inline.samples}) > 1
     )  # the episodes differ: a comparison that can fail
+
+
+class _SlowStartWorkers(ProcessWorkers):
+    """Process workers whose every slot takes ``START_S`` to start (an interpreter on a loaded machine)."""
+
+    START_S = 3.0
+
+    def _new_slot(self):
+        return concurrent.futures.ProcessPoolExecutor(
+            1, mp_context=self._context, initializer=time.sleep, initargs=(self.START_S,)
+        )
+
+
+def test_a_replaced_process_slot_starts_before_it_takes_a_call():
+    """A slot replaced after a timeout is started before it is handed a call, so the next call's
+    timeout covers that call only: on a loaded machine (CI, ``test_env_workers``) a 0.05 s judge
+    timed out at 5 s because its timeout included the fresh worker's start."""
+    workers = _SlowStartWorkers(WorkersConfig(backend="process", num_workers=1))
+
+    async def calls():
+        with pytest.raises(EnvWorkerError, match="timeout"):
+            await workers.call(time.sleep, 60.0, timeout_s=0.5)
+        return await workers.call(abs, -7, timeout_s=_SlowStartWorkers.START_S / 2)
+
+    try:
+        assert asyncio.run(calls()) == 7
+        assert workers.num_failures == {"timeout": 1}
+    finally:
+        workers.close()
