@@ -1,17 +1,17 @@
 """Evaluate a run, a checkpoint or an exported model on the configured eval sets, without training.
 
-    python scripts/evaluate.py --run runs/quickstart_cpu                      # its latest checkpoint, config
+    python scripts/evaluate.py --run-dir runs/quickstart_cpu                  # its latest checkpoint, config
     python scripts/evaluate.py --checkpoint runs/quickstart_cpu/checkpoints/step_000010 eval.num_tasks=500
     python scripts/evaluate.py --config configs/quickstart_cpu.yaml --hf exported/  # megamarl-convert output
     python scripts/evaluate.py --config configs/quickstart_cpu.yaml           # the config's (base) models
-    torchrun --nproc_per_node 2 scripts/evaluate.py --run runs/quickstart_cpu  # on several ranks
+    torchrun --nproc_per_node 2 scripts/evaluate.py --run-dir runs/quickstart_cpu  # on several ranks
 
 The evaluation is the one a training run makes at its eval steps (``eval.env`` / ``eval.sets``,
 ``eval.num_tasks``, ``eval.k``, ``eval.temperature``; the held-out seed): the same ``Trainer`` is built,
 loads the weights and pushes them into its engines, then evaluates once (``Trainer.evaluate_only``).
 So a checkpoint evaluated here scores exactly what its run logged at that step. Sources:
 
-* ``--run DIR``: the run's latest complete checkpoint; ``--checkpoint DIR``: that checkpoint
+* ``--run-dir DIR``: the run's latest complete checkpoint; ``--checkpoint DIR``: that checkpoint
   (``<run>/checkpoints/step_N``). Both set ``trainer.resume``; ``--config`` defaults to the run's
   ``config.yaml``. The entry's step is the checkpoint's.
 * ``--hf DIR``: ``megamarl-convert --to hf`` output (``DIR/<policy>/``: each policy found there is
@@ -44,15 +44,18 @@ from megamarl.config import RunConfig
 from megamarl.errors import EXIT_OK, RolloutFailureError
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line. No flag may be a prefix of one of torchrun's own (``--run`` is one of
+    ``--run-path``: torchrun refuses it as ambiguous before starting a rank), so the source flag is
+    ``--run-dir``; tests/unit/test_torchrun_command_lines.py parses every flag through torchrun's parser."""
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument(
-        "--config", help="YAML run config (default with --run/--checkpoint: the run's config.yaml)"
+        "--config", help="YAML run config (default with --run-dir/--checkpoint: the run's config.yaml)"
     )
     source = parser.add_mutually_exclusive_group()
-    source.add_argument("--run", help="a run directory: its latest complete checkpoint")
+    source.add_argument("--run-dir", dest="run", help="a run directory: its latest complete checkpoint")
     source.add_argument("--checkpoint", help="a checkpoint directory, <run>/checkpoints/step_N")
     source.add_argument(
         "--hf", help="exported HF models (megamarl-convert output, DIR/<policy>/) or one model directory"
@@ -64,7 +67,11 @@ def main(argv=None) -> int:
         help="run the start-up checks (config, sources, placement, output directory) and exit",
     )
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. eval.num_tasks=200 eval.k=4")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     try:
         cfg, step, notes = eval_config(args)
         plan = preflight(cfg, world_size=launch_world(cfg, check=args.check))  # the run's engine plan, once
@@ -100,13 +107,13 @@ def eval_config(args) -> tuple[RunConfig, int | None, list[str]]:
     bad = [o for o in args.overrides if o.lstrip("+~").split("=", 1)[0] == "trainer.resume"]
     if bad:
         raise ValueError(
-            f"{bad[0]}: the evaluated checkpoint is given with --run or --checkpoint, not trainer.resume"
+            f"{bad[0]}: the evaluated checkpoint is given with --run-dir or --checkpoint, not trainer.resume"
         )
     checkpoint = _checkpoint_dir(args)
     config = args.config
     if config is None:  # the run's own resolved config
         if checkpoint is None:
-            raise ValueError("--config is required with --hf or without a source (--run / --checkpoint)")
+            raise ValueError("--config is required with --hf or without a source (--run-dir / --checkpoint)")
         config = checkpoint.parent.parent / "config.yaml"
         if not config.is_file():
             raise ValueError(f"--config is required: the run has no {config}")
@@ -130,7 +137,7 @@ def eval_config(args) -> tuple[RunConfig, int | None, list[str]]:
 
 
 def _checkpoint_dir(args) -> Path | None:
-    """``--run`` / ``--checkpoint`` -> the complete checkpoint directory (ValueError naming the flag)."""
+    """``--run-dir`` / ``--checkpoint`` -> the complete checkpoint directory (ValueError naming the flag)."""
     from megamarl.runtime import checkpoint
 
     if args.checkpoint is not None:
@@ -143,7 +150,7 @@ def _checkpoint_dir(args) -> Path | None:
             )
             raise ValueError(
                 f"--checkpoint {path} {why}; give <run>/{checkpoint.CHECKPOINTS}/step_N, or a run "
-                "directory with --run"
+                "directory with --run-dir"
             )
         return path
     if args.run is not None:
@@ -156,7 +163,7 @@ def _checkpoint_dir(args) -> Path | None:
                 else f"holds no complete checkpoint under {checkpoint.CHECKPOINTS}/"
             )
             raise ValueError(
-                f"--run {path} {why}; give a run directory (or one checkpoint with --checkpoint)"
+                f"--run-dir {path} {why}; give a run directory (or one checkpoint with --checkpoint)"
             )
         return found[-1]
     return None
@@ -189,7 +196,7 @@ def _hf_policies(cfg: RunConfig, path: Path) -> tuple[dict, int, list[str]]:
     if lora:
         raise ValueError(
             f"--hf: policies {lora} are L2 (LoRA) policies, whose exported adapters the engines do not "
-            "load from an export; evaluate their run with --run or --checkpoint"
+            "load from an export; evaluate their run with --run-dir or --checkpoint"
         )
     notes = [
         f"--hf: policy {name} is not in {path}; it keeps policies.{name}.model={p.model}"
@@ -220,9 +227,9 @@ def _check_out(out: Path, checkpoint: Path | None) -> None:
 
 
 def _describe(args) -> str:
-    for flag in ("run", "checkpoint", "hf"):
-        if getattr(args, flag) is not None:
-            return f"--{flag} {getattr(args, flag)}"
+    for flag, dest in (("run-dir", "run"), ("checkpoint", "checkpoint"), ("hf", "hf")):
+        if getattr(args, dest) is not None:
+            return f"--{flag} {getattr(args, dest)}"
     return "the configured models"
 
 

@@ -23,7 +23,9 @@ from megamarl.errors import EXIT_CONFIG_ERROR, EXIT_OK, RunStoppedError
 from megamarl.runtime.preemption import PreemptionFlag
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line; no flag may abbreviate one of torchrun's own
+    (tests/unit/test_torchrun_command_lines.py)."""
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -47,7 +49,11 @@ def main(argv=None) -> int:
     parser.add_argument(
         "overrides", nargs="*", help="Hydra overrides, e.g. trainer.total_steps=5 +env.kwargs.size=6"
     )
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     if args.dry_run:
         return _dry_run(args.config, args.overrides)
     if args.show_placement:

@@ -6,7 +6,7 @@ checkpoint and an evaluation at every step. The exact check: an evaluation of a 
 what the run itself logged at that step (the same weights pushed into the same hf engine, the held-out
 seed, every engine call seeded), so eval.json's results are equal, not close:
 
-* ``--run`` (the run's own config.yaml) == the step-2 entry; the run directory is left as it was;
+* ``--run-dir`` (the run's own config.yaml) == the step-2 entry; the run directory is left as it was;
 * ``--checkpoint .../step_000001`` on 2 ranks (the 1-rank checkpoint loaded at DP=2) == the step-1 entry;
 * ``--hf`` of the run exported with ``megamarl-convert`` == the step-2 entry (the export is fp32,
   the source model's dtype; the worker reads it through the same HF <-> Megatron mapping the push
@@ -138,7 +138,7 @@ def _refused(*args: str) -> str:
 def test_evaluate_a_run_scores_what_it_logged(run, tmp_path):
     run_dir, logged = run
     before = {f: (run_dir / f).read_bytes() for f in ("eval.json", "config.yaml", "metrics.jsonl")}
-    entry, output = _evaluate(tmp_path / "eval", "--run", str(run_dir))
+    entry, output = _evaluate(tmp_path / "eval", "--run-dir", str(run_dir))
     assert entry["step"] == 2 and entry["results"] == logged[2], (entry, logged)
     assert "eval of --run" in output and "team_accuracy" in output  # the table (plain lines: not a TTY)
     assert {f: (run_dir / f).read_bytes() for f in before} == before  # the run's own files untouched
@@ -173,11 +173,11 @@ def test_evaluate_an_export_and_the_base_model(run, tmp_path):
 def test_evaluate_errors_name_the_flag_or_key(run, tmp_path):
     run_dir, _ = run
     step = run_dir / "checkpoints" / "step_000002"
-    assert "--run" in _refused("--run", str(tmp_path / "nope"))
+    assert "--run-dir" in _refused("--run-dir", str(tmp_path / "nope"))
     assert "--checkpoint" in _refused("--checkpoint", str(run_dir))  # a run directory, not a checkpoint
     assert "eval.num_tasks" in _refused("--checkpoint", str(step), "eval.num_tasks=0")
-    assert "trainer.resume" in _refused("--run", str(run_dir), "trainer.resume=none")
-    assert "--out" in _refused("--run", str(run_dir), "--out", str(run_dir))
+    assert "trainer.resume" in _refused("--run-dir", str(run_dir), "trainer.resume=none")
+    assert "--out" in _refused("--run-dir", str(run_dir), "--out", str(run_dir))
     assert "--hf" in _refused("--config", str(PRESET), "--hf", str(tmp_path))  # no <policy>/ model directory
     assert "--config" in _refused("--hf", str(tmp_path))
 
