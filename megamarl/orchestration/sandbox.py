@@ -2,11 +2,13 @@
 
 The default path (``isolated=True``) starts each program in bubblewrap (``bwrap``), run by the
 (root) judge: own PID, mount, network, IPC and UTS namespaces; a read-only root holding only what
-Python needs, with a private ``/tmp`` and the program text copied from an anonymous memfd; an
-unprivileged uid with no capabilities in a user namespace of its own; a cgroup per run (memory,
-tasks, CPU bandwidth; rlimits alone where no hierarchy is writable, ``tree_limits()`` says which)
-plus per-process rlimits; the whole tree killed at the end. Output is read in bounded chunks with a
-deadline (more than ``max_output_mb`` kills the run: ``output_limit``). ``isolated=False`` (the
+Python needs, with a private ``/tmp``, no pty device and the program text copied from an anonymous
+memfd; an unprivileged uid with no capabilities (and none to gain: a seccomp filter built by
+libseccomp refuses new namespaces, keyrings, io_uring, ptrace, mounts and every socket family but
+AF_UNIX); a fresh session keyring; ``oom_score_adj`` 1000; a cgroup per run (memory, tasks, CPU
+bandwidth; rlimits alone where no hierarchy is writable, ``tree_limits()`` says which) plus
+per-process rlimits; the whole tree killed at the end. Output is read in bounded chunks with a
+deadline (more than ``max_output_mb`` on any stream kills the run: ``output_limit``). ``isolated=False`` (the
 explicit ``env.kwargs.unsafe_inprocess`` opt-in) is a plain subprocess with rlimits and an audit
 hook, a tripwire and not a boundary. ``scripts/setup.sh`` installs bubblewrap. The full account (each
 layer, cgroup v1/v2, why bubblewrap): docs/design-notes.md, "megamarl/orchestration/sandbox.py".
@@ -14,6 +16,10 @@ layer, cgroup v1/v2, why bubblewrap): docs/design-notes.md, "megamarl/orchestrat
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import errno
+import fcntl
 import functools
 import glob
 import itertools
@@ -29,6 +35,7 @@ import tempfile
 import textwrap
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 
 # Binds the channel fd and (old path only) installs the audit hook, then runs main.py.
@@ -117,7 +124,7 @@ class SandboxConfig:
     cpus: float = 1.0  # CPU bandwidth of the whole tree in cores (cgroup): <= cpus x timeout_s CPU-s a run
     network_namespace: bool = True  # unsafe_inprocess path only: ``unshare -n`` when root
     max_output_chars: int = 4000  # stderr kept for feedback messages
-    max_output_mb: float = 4.0  # stdout (and channel) read before the run is killed: judge memory bound
+    max_output_mb: float = 4.0  # stdout, stderr, channel: read per stream before the run is killed
 
     def __post_init__(self) -> None:
         for key in (
@@ -147,14 +154,18 @@ class SandboxResult:
 @functools.lru_cache(maxsize=1)
 def isolation_error() -> str | None:
     """None when isolated runs work here, else why not (probed once per process)."""
-    missing = [tool for tool in ("bwrap", "setpriv", "unshare") if shutil.which(tool) is None]
+    missing = [tool for tool in ("bwrap", "setpriv") if shutil.which(tool) is None]
     if missing:
         return (
             f"{', '.join(missing)} not found (install Debian's bubblewrap: scripts/setup.sh does; "
-            "util-linux has setpriv/unshare)"
+            "util-linux has setpriv)"
         )
     if os.geteuid() != 0:
         return "the isolated sandbox needs a root judge (to drop candidates to another uid)"
+    try:
+        _seccomp_program()
+    except SandboxUnavailableError as exc:
+        return str(exc)
     probe = _run_isolated("print(6 * 7)", SandboxConfig(timeout_s=20), stdin=None, channel=False)
     if probe.stdout.strip() != "42":
         return f"a probe run failed ({probe.status}, rc {probe.returncode}): {probe.stderr.strip()[-300:]}"
@@ -197,7 +208,11 @@ def _run_isolated(code: str, config: SandboxConfig, *, stdin: bytes | None, chan
     uid = _UID_BASE + os.getpid() % 100000
     prefix = os.path.realpath(sys.base_prefix)
     python = "/python/bin/" + os.path.basename(os.path.realpath(sys.executable))
-    fds = [_memfd("main.py", code.encode()), _memfd("bootstrap.py", _BOOTSTRAP.encode())]
+    fds = [
+        _memfd("main.py", code.encode()),
+        _memfd("bootstrap.py", _BOOTSTRAP.encode()),
+        _memfd("seccomp", _seccomp_program()),
+    ]
     stdin_fd = _memfd("stdin", stdin) if stdin is not None else subprocess.DEVNULL
     chan_r, chan_w = os.pipe() if channel else (None, None)
     command = [
@@ -231,6 +246,8 @@ def _run_isolated(code: str, config: SandboxConfig, *, stdin: bytes | None, chan
         "/proc",
         "--dev",
         "/dev",
+        "--tmpfs",  # over bwrap's devpts: /dev/ptmx dangles, so no pty (the host's pty/max is global)
+        "/dev/pts",
         "--perms",
         "1777",
         "--size",
@@ -257,6 +274,8 @@ def _run_isolated(code: str, config: SandboxConfig, *, stdin: bytes | None, chan
         "--setenv",
         "TMPDIR",
         "/tmp",
+        "--seccomp",  # loaded in the child just before it execs setpriv: the candidate inherits it
+        str(fds[2]),
         "--",
         "setpriv",
         f"--reuid={uid}",
@@ -265,10 +284,6 @@ def _run_isolated(code: str, config: SandboxConfig, *, stdin: bytes | None, chan
         "--inh-caps=-all",
         "--bounding-set=-all",
         "--no-new-privs",
-        "--",
-        "unshare",
-        "--user",
-        "--map-current-user",
         "--",
         python,
         "-I",
@@ -290,7 +305,7 @@ def _run_isolated(code: str, config: SandboxConfig, *, stdin: bytes | None, chan
                 stdin=stdin_fd,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
-                preexec_fn=_limits(config, cgroup),  # noqa: PLW1509 - os.write/setrlimit only
+                preexec_fn=_limits(config, cgroup, isolated=True),  # noqa: PLW1509 - os.write/setrlimit/keyctl
                 start_new_session=True,
                 pass_fds=tuple(fds) + ((chan_w,) if chan_w is not None else ()),  # not None: channel
             )
@@ -305,16 +320,16 @@ def _run_isolated(code: str, config: SandboxConfig, *, stdin: bytes | None, chan
             _pool().release(cgroup)
 
 
-def _limits(config: SandboxConfig, cgroup: _RunCgroup | None = None):
+def _limits(config: SandboxConfig, cgroup: _RunCgroup | None = None, *, isolated: bool = False):
     procs = [f"{path}/cgroup.procs".encode() for path in cgroup.paths] if cgroup is not None else []
+    join_session = _keyring_joiner() if isolated else None
 
     def apply() -> None:  # in the child before exec: inherited by bwrap and every descendant
         for path in procs:  # "0": the writing process; raw os calls only between fork and exec
-            fd = os.open(path, os.O_WRONLY)
-            try:
-                os.write(fd, b"0")
-            finally:
-                os.close(fd)
+            _write_raw(path, b"0")
+        if join_session is not None:
+            join_session()
+            _write_raw(b"/proc/self/oom_score_adj", b"1000")  # the OOM killer takes candidates first
         resource.setrlimit(resource.RLIMIT_CPU, (config.cpu_s, config.cpu_s + 1))
         resource.setrlimit(resource.RLIMIT_AS, (config.memory_mb * _MB, config.memory_mb * _MB))
         resource.setrlimit(resource.RLIMIT_FSIZE, (config.file_size_mb * _MB, config.file_size_mb * _MB))
@@ -323,6 +338,31 @@ def _limits(config: SandboxConfig, cgroup: _RunCgroup | None = None):
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 
     return apply
+
+
+def _write_raw(path: bytes, data: bytes) -> None:
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        os.write(fd, data)
+    finally:
+        os.close(fd)
+
+
+def _keyring_joiner():
+    """A call that gives the calling process a new anonymous session keyring (resolved before the
+    fork: only the syscall runs in the child). The judge's session keyring (systemd services,
+    pam_keyinit logins, container runtimes have one) would otherwise be every candidate's: a run
+    could store answers there for a later one. The filter refuses keyctl to the candidate anyway."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    number = _seccomp_lib().seccomp_syscall_resolve_name(b"keyctl")
+    syscall = libc.syscall
+    syscall.restype, syscall.argtypes = ctypes.c_long, [ctypes.c_long, ctypes.c_long, ctypes.c_void_p]
+
+    def join() -> None:
+        if syscall(number, 1, None) < 0 and ctypes.get_errno() != errno.ENOSYS:  # KEYCTL_JOIN_SESSION_KEYRING
+            raise OSError(ctypes.get_errno(), "sandbox: cannot give the run a session keyring of its own")
+
+    return join
 
 
 def _collect(proc: subprocess.Popen, config: SandboxConfig, chan_r: int | None) -> SandboxResult:
@@ -335,6 +375,7 @@ def _collect(proc: subprocess.Popen, config: SandboxConfig, chan_r: int | None) 
     streams = {out_fd: bytearray(), err_fd: bytearray()}
     if chan_r is not None:
         streams[chan_r] = bytearray()
+    num_err_bytes = 0  # stderr keeps only its tail, but all of it counts against the cap
     status = None
     with selectors.DefaultSelector() as selector:
         for fd in streams:
@@ -356,8 +397,9 @@ def _collect(proc: subprocess.Popen, config: SandboxConfig, chan_r: int | None) 
                 buffer = streams[key.fd]
                 buffer += chunk
                 if key.fd == err_fd:
+                    num_err_bytes += len(chunk)
                     del buffer[:-keep_err]
-                elif len(buffer) > cap:
+                if len(buffer) > cap or num_err_bytes > cap:
                     status = "output_limit"
             if status:
                 break
@@ -392,6 +434,134 @@ def _kill_group(proc: subprocess.Popen) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
+
+
+# --- the candidate's syscall filter: libseccomp compiles it, bwrap loads it (``--seccomp FD``) ---
+
+# A deny list (everything else is allowed: the candidate is ordinary Python, and an allow list
+# breaks with each new libc or interpreter). Refused with EPERM. Why each entry:
+_DENIED_SYSCALLS = (
+    # namespaces: a new user namespace makes the candidate uid 0 there with a full bounding set and
+    # every capability over the namespaces it creates next (net admin, nf_tables, mounts); clone
+    # with a CLONE_NEW* flag is refused by _CLONE_NAMESPACE_FLAGS, clone3 hides its flags (ENOSYS:
+    # libc falls back to clone)
+    "unshare",
+    "setns",
+    # keyrings outlive the run (the session keyring is fresh per run; the uid's user keyring is not)
+    "keyctl",
+    "add_key",
+    "request_key",
+    # kernel attack surface no test harness needs
+    "io_uring_setup",
+    "io_uring_enter",
+    "io_uring_register",
+    "userfaultfd",
+    "perf_event_open",
+    "bpf",
+    # other processes' memory (none is visible; refused in case one becomes so)
+    "ptrace",
+    "process_vm_readv",
+    "process_vm_writev",
+    "pidfd_getfd",
+    # the mount family (each also needs a capability the candidate lacks)
+    "mount",
+    "umount2",
+    "pivot_root",
+    "chroot",
+    "fsopen",
+    "fsconfig",
+    "fsmount",
+    "fspick",
+    "move_mount",
+    "open_tree",
+    "mount_setattr",
+    "open_tree_attr",
+)
+# syscalls newer than the libseccomp that may be installed (2.5.4 here): x86_64 numbers
+_NEWER_SYSCALLS_X86_64 = {"open_tree_attr": 467}
+_CLONE_NAMESPACE_FLAGS = (0x00020000, 0x02000000, 0x04000000, 0x08000000, 0x10000000, 0x20000000, 0x40000000)
+# socket(2)/socketpair(2) of any family but AF_UNIX (1): no network at all (bwrap's new network
+# namespace has a loopback that is up: refusing AF_INET/AF_INET6 is what makes it unreachable, and
+# what keeps TCP buffers, uncharged to a cgroup v1 memory limit, out of reach); no AF_NETLINK
+# (nf_tables, routing), AF_PACKET, AF_KEY, AF_VSOCK... AF_UNIX stays: asyncio and multiprocessing
+# need socketpair, and in a new network namespace with no host socket bound it reaches nothing.
+_AF_UNIX = 1
+
+_SCMP_ACT_ALLOW = 0x7FFF0000
+_SCMP_CMP_NE, _SCMP_CMP_MASKED_EQ = 1, 7
+
+
+def _scmp_errno(code: int) -> int:
+    return 0x00050000 | code
+
+
+class _ScmpArgCmp(ctypes.Structure):
+    _fields_ = [("arg", ctypes.c_uint), ("op", ctypes.c_int), ("a", ctypes.c_uint64), ("b", ctypes.c_uint64)]
+
+
+@functools.lru_cache(maxsize=1)
+def _seccomp_lib() -> ctypes.CDLL:
+    name = ctypes.util.find_library("seccomp") or "libseccomp.so.2"
+    try:
+        lib = ctypes.CDLL(name, use_errno=True)
+    except OSError as exc:
+        raise SandboxUnavailableError(
+            f"libseccomp not found ({exc}): the candidate's syscall filter cannot be built (install "
+            "Debian's libseccomp2: scripts/setup.sh does)"
+        ) from None
+    lib.seccomp_init.restype, lib.seccomp_init.argtypes = ctypes.c_void_p, [ctypes.c_uint32]
+    lib.seccomp_release.argtypes = [ctypes.c_void_p]
+    lib.seccomp_syscall_resolve_name.argtypes = [ctypes.c_char_p]
+    lib.seccomp_rule_add_array.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_uint32,
+        ctypes.c_int,
+        ctypes.c_uint,
+        ctypes.POINTER(_ScmpArgCmp),
+    ]
+    lib.seccomp_export_bpf.argtypes = [ctypes.c_void_p, ctypes.c_int]
+    return lib
+
+
+@functools.lru_cache(maxsize=1)
+def _seccomp_program() -> bytes:
+    """The compiled BPF program (built once per process). Syscalls of another ABI (i386 via int
+    0x80, x32) kill the process: libseccomp's default for a foreign architecture."""
+    lib = _seccomp_lib()
+    ctx = lib.seccomp_init(_SCMP_ACT_ALLOW)
+    if not ctx:
+        raise SandboxUnavailableError("seccomp_init failed: the candidate's syscall filter cannot be built")
+    try:
+
+        def deny(name: str, *conditions: tuple[int, int, int, int], code: int = errno.EPERM) -> None:
+            number = lib.seccomp_syscall_resolve_name(name.encode())
+            if number < 0 and os.uname().machine == "x86_64":
+                number = _NEWER_SYSCALLS_X86_64.get(name, -1)
+            if number < 0:
+                return  # this architecture has no such syscall
+            array = (_ScmpArgCmp * len(conditions))(*(_ScmpArgCmp(*c) for c in conditions))
+            rc = lib.seccomp_rule_add_array(ctx, _scmp_errno(code), number, len(conditions), array)
+            if rc != 0:
+                raise SandboxUnavailableError(f"seccomp: cannot add the rule for {name} ({os.strerror(-rc)})")
+
+        for name in _DENIED_SYSCALLS:
+            deny(name)
+        deny("clone3", code=errno.ENOSYS)
+        for flag in _CLONE_NAMESPACE_FLAGS:
+            deny("clone", (0, _SCMP_CMP_MASKED_EQ, flag, flag))
+        for name in ("socket", "socketpair"):
+            deny(name, (0, _SCMP_CMP_NE, _AF_UNIX, 0))
+        fd = os.memfd_create("seccomp-bpf", os.MFD_CLOEXEC)
+        try:
+            rc = lib.seccomp_export_bpf(ctx, fd)
+            if rc != 0:
+                raise SandboxUnavailableError(f"seccomp: cannot export the filter ({os.strerror(-rc)})")
+            os.lseek(fd, 0, os.SEEK_SET)
+            return os.read(fd, 1 << 20)
+        finally:
+            os.close(fd)
+    finally:
+        lib.seccomp_release(ctx)
 
 
 # --- per-run cgroups: limits that hold for the tree as a whole -----------------------------------
@@ -486,9 +656,13 @@ def tree_limits() -> str:
 
 @dataclass
 class _RunCgroup:
-    """One cgroup per hierarchy (v1) or one (v2), reused by this judge's runs one at a time."""
+    """One cgroup per hierarchy (v1) or one (v2), reused by this judge's runs one at a time. The
+    judge holds a shared ``flock`` on each directory for as long as it owns it: that lock, not a
+    pid, is what another judge's sweep asks (a pid it cannot see may live in another PID
+    namespace; the lock is released only when no process holds the directory open)."""
 
     paths: list[str]
+    locks: list[int] = field(default_factory=list)
 
     def apply(self, found: tuple[_Hierarchy, ...], config: SandboxConfig) -> None:
         for hierarchy, path in zip(found, self.paths, strict=True):
@@ -513,6 +687,9 @@ class _RunCgroup:
     def remove(self) -> None:
         for path in self.paths:
             _remove_cgroup(path)
+        for fd in self.locks:
+            os.close(fd)
+        self.locks.clear()
 
 
 class _CgroupPool:
@@ -527,6 +704,7 @@ class _CgroupPool:
         self.lock = threading.Lock()
         self.free: list[_RunCgroup] = []
         self.pid = os.getpid()
+        self.token = uuid.uuid4().hex[:16]  # names this judge's cgroups; the pid is for people
         # at exit, also in multiprocessing children (env workers), which leave through os._exit
         multiprocessing.util.Finalize(None, self.close, exitpriority=10)
 
@@ -550,14 +728,17 @@ class _CgroupPool:
 
     def _create(self, found: tuple[_Hierarchy, ...]) -> _RunCgroup:
         cgroup = _RunCgroup([])
-        name = f"{_CGROUP_PREFIX}{os.getpid()}-{next(_run_numbers)}"
+        name = f"{_CGROUP_PREFIX}{os.getpid()}-{self.token}-{next(_run_numbers)}"
         try:
             for hierarchy in found:
                 path = os.path.join(hierarchy.parent, name)
-                if os.path.isdir(path):  # left by a dead process that had this pid
-                    _remove_cgroup(path)
                 os.mkdir(path)
                 cgroup.paths.append(path)
+                fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+                cgroup.locks.append(fd)
+                fcntl.flock(fd, fcntl.LOCK_SH)  # waits while a sweep that saw it unlocked removes it
+                if os.fstat(fd).st_nlink == 0 or not os.path.isdir(path):  # a sweep removed it first
+                    raise FileNotFoundError(errno.ENOENT, "sandbox: a sweep removed a new cgroup", path)
         except OSError:
             cgroup.remove()
             raise
@@ -654,18 +835,33 @@ def _remove_cgroup(path: str, *, within_s: float = 2.0) -> None:
 
 
 def _sweep_stale_cgroups(found: tuple[_Hierarchy, ...]) -> None:
-    """Remove the cgroups of judges that died (SIGKILL skips ``remove``)."""
+    """Remove the cgroups of judges that died (SIGKILL skips ``remove``): those whose directory
+    no process holds locked. Whether the owner's pid is visible proves nothing (a judge in another
+    PID namespace sharing this tree has a pid that is not ours). Names without a token (older
+    judges, which lock nothing) are left to their own sweeps."""
     for hierarchy in found:
         try:
             names = os.listdir(hierarchy.parent)
         except OSError:
             continue
         for name in names:
-            if not name.startswith(_CGROUP_PREFIX):
+            parts = name[len(_CGROUP_PREFIX) :].split("-")
+            if not name.startswith(_CGROUP_PREFIX) or len(parts) != 3 or len(parts[1]) != 16:
                 continue
-            owner = name[len(_CGROUP_PREFIX) :].split("-")[0]
-            if owner.isdigit() and not os.path.exists(f"/proc/{owner}"):
-                _remove_cgroup(os.path.join(hierarchy.parent, name), within_s=0.2)
+            path = os.path.join(hierarchy.parent, name)
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            except OSError:
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:  # held: its judge is alive, whatever PID namespace it is in
+                os.close(fd)
+                continue
+            try:  # removed while holding the lock: an owner creating it waits, then sees it gone
+                _remove_cgroup(path, within_s=0.2)
+            finally:
+                os.close(fd)
 
 
 # --- the old path: env.kwargs.unsafe_inprocess ---------------------------------------------------
