@@ -7,7 +7,7 @@ AdamW in ``torch_dist``, any layout: ``megamarl.models.dist_checkpoint``), ``rng
 written last. Invariant: the directory appears atomically: ranks write ``step_N.partial``, the driver
 renames it, so a crash leaves earlier checkpoints intact and at most a ``.partial`` that resume ignores.
 Resume rewinds the run directory: later ``metrics.jsonl`` lines and ``eval.json`` entries are cut, later
-complete checkpoints renamed ``*.discarded``.
+complete checkpoints renamed ``*.discarded``; a run from step 0 in an earlier run's directory rewinds all.
 The layout in full: docs/design-notes.md, "megamarl/runtime/checkpoint.py".
 """
 
@@ -304,6 +304,23 @@ def rewind_run_dir(run_dir: str | Path, step: int) -> None:
             discarded = later.with_name(later.name + ".discarded")
             clear(discarded)
             os.replace(later, discarded)
+
+
+def earlier_run(run_dir: str | Path) -> str:
+    """What an earlier run left in ``run_dir`` ("2 metrics records, 1 eval entries, checkpoints up to
+    step 2"), '' when nothing: a run that starts from step 0 there cuts it (``rewind_run_dir(-1)``)."""
+    run_dir = Path(run_dir)
+    metrics = run_dir / METRICS_FILE
+    num_records = len(metrics.read_bytes().splitlines()) if metrics.is_file() else 0
+    evals = run_dir / EVAL_FILE
+    num_evals = len(json.loads(evals.read_text(encoding="utf-8") or "[]")) if evals.is_file() else 0
+    saved = list_checkpoints(run_dir)
+    if not (num_records or num_evals or saved):
+        return ""
+    found = [f"{num_records} metrics records", f"{num_evals} eval entries"]
+    if saved:
+        found.append(f"checkpoints up to step {checkpoint_step(saved[-1])}")
+    return ", ".join(found)
 
 
 def truncate_jsonl_after(path: Path, step: int) -> None:

@@ -76,6 +76,14 @@ class RunDirStorage:
         """Later metrics lines are logged again by the resumed run."""
         checkpoint.rewind_run_dir(self.run_dir, step)
 
+    def start_over(self) -> str:
+        """A run from step 0: what an earlier run left here is cut (its checkpoints set aside as
+        ``*.discarded``), so the run directory holds this run alone. Returns what was found."""
+        found = checkpoint.earlier_run(self.run_dir)
+        if found:
+            checkpoint.rewind_run_dir(self.run_dir, -1)
+        return found
+
 
 class Checkpointer:
     def __init__(
@@ -105,6 +113,14 @@ class Checkpointer:
         if path is None:
             if self.trainer.resume == "auto":
                 self.say(f"trainer.resume=auto: no checkpoint in {self.storage.run_dir}; from step 0")
+            if rewind and self.driver is not None:  # a training run, on the rank that writes the logs
+                found = self.storage.start_over()
+                if found:
+                    self.say(
+                        f"{self.storage.run_dir} held an earlier run ({found}): trainer.resume="
+                        f"{self.trainer.resume} starts over (its records cut, its checkpoints renamed "
+                        "*.discarded); trainer.resume=auto continues a run"
+                    )
             return None
         state, has_rng = self.storage.read(path, self.policies, self.workers, self.wgs, rank=self.rank)
         for name, worker in self.workers.items():

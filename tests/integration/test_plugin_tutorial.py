@@ -61,3 +61,56 @@ def test_the_plugin_trains_under_torchrun_from_another_directory(tmp_path):
     assert {"agent/proposer/reward_mean", "agent/finisher/reward_mean"} <= steps[-1].keys()
     assert f"- {EXAMPLE}" in (run / "config.yaml").read_text()  # plugin_paths saved absolute
     assert (run / "checkpoints" / "step_000002" / "COMPLETE").is_file()
+
+
+# the tutorial's "Mistakes and their messages" rows, in order: the overrides that make each mistake
+# ("BROKEN": plugin_paths towards a pair_sum.py that raises on import; first, before the real module
+# is imported in the checking process)
+MISTAKES = (
+    ["plugin_paths=[]"],
+    ["plugin_paths=[BROKEN]"],
+    ["env.name=pair_summ"],
+    ["+env.kwargs.max_targets=9"],
+    ["+agents.judge={policy: shared}"],
+    ["+agents.judge={policy: shared, kind: judg}"],
+)
+_CHECK = """
+import json, sys
+from megamarl.cli.configure import load_config
+from megamarl.cli.front_door import config_error_line
+lines = []
+for overrides in json.loads(sys.argv[2]):
+    try:
+        load_config(sys.argv[1], overrides)
+        lines.append("(loaded)")
+    except (ValueError, ImportError) as exc:
+        lines.append("config error: " + config_error_line(exc))
+print(json.dumps(lines))
+"""
+
+
+def test_the_mistakes_table_is_what_loading_says(tmp_path):
+    """Each row of the tutorial's mistakes table is the one line ``--check`` and start-up print
+    (``config_error_line``, as ``report_config_error`` writes it), at load time: ``[...]`` and ``...``
+    in the table stand for any text."""
+    text = (ROOT / "docs" / "tutorial_plugin.md").read_text()
+    table = text.split("Mistakes and their messages", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\| .*? \| `(config error: .*)` \|$", table, flags=re.MULTILINE)
+    assert len(rows) == len(MISTAKES), rows
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "pair_sum.py").write_text("raise RuntimeError('a plugin that fails on import')\n")
+    overrides = [[o.replace("BROKEN", str(broken)) for o in row] for row in MISTAKES]
+    proc = subprocess.run(
+        [sys.executable, "-c", _CHECK, str(CONFIG), json.dumps(overrides)],
+        check=True,
+        cwd=tmp_path,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    said = json.loads(proc.stdout.strip().splitlines()[-1])
+    for row, line in zip(rows, said, strict=True):
+        pattern = ".*".join(re.escape(part) for part in re.split(r"\[\.\.\.\]|\.\.\.", row))
+        assert re.fullmatch(pattern, line), (row, line)

@@ -6,6 +6,7 @@ pushes and batch dispatch run; the workers, the replicas and the rollout driver 
 
 from __future__ import annotations
 
+import json
 from contextlib import contextmanager
 from pathlib import Path
 from types import SimpleNamespace
@@ -319,4 +320,30 @@ def test_a_resumed_run_continues_the_saved_versions(world, tmp_path):
         "collect 2 v3",
         "push v4",
         "save 3",
+    ]
+
+
+def test_a_fresh_run_in_an_earlier_runs_directory_starts_it_over(world, tmp_path):
+    """``trainer.resume=none`` (the default) in a directory an earlier run of the same ``name`` left:
+    its records are cut and its checkpoints set aside, as a resume rewinds to the step it loads, so
+    metrics.jsonl and eval.json hold this run alone; one line says so and names ``trainer.resume=auto``."""
+    run_dir = tmp_path / "run"
+    old = checkpoint.checkpoint_path(run_dir, 2)
+    old.mkdir(parents=True)
+    (old / checkpoint.COMPLETE).touch()
+    (run_dir / "metrics.jsonl").write_text('{"step": 1, "x": 1.0}\n{"step": 2, "x": 2.0}\n')
+    (run_dir / "eval.json").write_text('[{"step": 0, "team_accuracy": 0.5}]')
+    events: list[str] = []
+    trainer = _trainer(tmp_path, events)
+    assert trainer.step == 0
+    assert (run_dir / "metrics.jsonl").read_text() == ""
+    assert json.loads((run_dir / "eval.json").read_text()) == []
+    assert checkpoint.list_checkpoints(run_dir) == [] and old.with_name(old.name + ".discarded").is_dir()
+    said = [e for e in events if e.startswith("say ")]
+    assert said == [
+        (
+            f"say {run_dir} held an earlier run (2 metrics records, 1 eval entries, checkpoints up to step "
+            "2): trainer.resume=none starts over (its records cut, its checkpoints renamed *.discarded); "
+            "trainer.resume=auto continues a run"
+        )
     ]
