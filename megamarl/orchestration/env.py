@@ -115,8 +115,8 @@ class Env(abc.ABC, Generic[ConfigT]):
         return None
 
     def metrics(self) -> dict[str, float]:
-        """Counters of this episode (e.g. the code judge's ``judge_errors``), summed over a step's
-        finished episodes and logged as ``env/<key>``."""
+        """Figures of this episode (e.g. the code judge's ``judge_errors``), averaged over a step's
+        finished episodes and logged as ``env/<key>`` (a count becomes a count per episode)."""
         return {}
 
     def score(self, agent: str, action: Action) -> float | None:

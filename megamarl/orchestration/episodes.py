@@ -114,7 +114,8 @@ class RolloutResult:
         env_totals: Counter[str] = Counter()
         for e in ok:  # getattr: episodes pickled in a checkpoint written before Env.metrics existed
             env_totals.update(getattr(e, "env_metrics", {}))
-        out.update({f"env/{key}": float(value) for key, value in sorted(env_totals.items())})
+        # a mean per finished episode, as every other rollout/ figure: comparable across batch sizes
+        out.update({f"env/{key}": value / len(ok) for key, value in sorted(env_totals.items())})
         return out
 
 

@@ -113,3 +113,18 @@ def test_throughput_idle_and_rank_merge(batch):
         ]
     )
     assert merged == {"perf/max_memory_gib/alpha": 3.5, "policy/alpha/lr": 1.0}
+
+
+def test_env_metrics_are_means_over_the_finished_episodes():
+    """``env/<key>``: ``Env.metrics()`` averaged over the step's finished episodes (a failed one has
+    none), so the figure does not grow with rollout.num_tasks x group_size."""
+    from megamarl.orchestration.episodes import RolloutResult
+
+    episodes = [
+        EpisodeStats("t", "e0", "ok", env_metrics={"judge_errors": 1.0, "cases": 4.0}),
+        EpisodeStats("t", "e1", "ok", env_metrics={"judge_errors": 0.0, "cases": 2.0}),
+        EpisodeStats("t", "e2", "failed"),
+        EpisodeStats("t", "e3", "ok", env_metrics={"judge_errors": 2.0, "cases": 3.0}),
+    ]
+    summary = RolloutResult([], episodes).summary()
+    assert summary["env/judge_errors"] == 1.0 and summary["env/cases"] == 3.0
