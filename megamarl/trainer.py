@@ -107,7 +107,7 @@ class Trainer:
         run, total = self.run, self.cfg.trainer.total_steps
         return {
             "wake_weights": lambda: self._wake(("weights",)),
-            "push_all": lambda: run.pushes.push(list(self.cfg.policies)),
+            "push_all": lambda: run.pushes.push(list(self.cfg.policies), start_up=True),
             "push": self._push_phase,
             "resync": self._resync_phase,
             "save": lambda: run.checkpointer.save(

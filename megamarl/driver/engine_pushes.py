@@ -42,9 +42,10 @@ class EnginePushes:
     def _rollout_paused(self):
         return self.driver.weight_update() if self.driver is not None else nullcontext()
 
-    def push(self, policies: list[str]) -> dict[str, float]:
+    def push(self, policies: list[str], *, start_up: bool = False) -> dict[str, float]:
         """Push ``policies`` into their engines. Frozen policies get the version but no push (their
-        engines already serve the checkpoint)."""
+        engines already serve the checkpoint). ``start_up``: the push before the step-0 evaluation,
+        which belongs to no step (its progress line says so instead of "step 1/N")."""
         if not policies:
             return {}
         start, metrics = time.perf_counter(), {}
@@ -52,7 +53,8 @@ class EnginePushes:
             for name in policies:
                 version = self.versions.pushed(name)
                 if not self.policies[name].frozen:
-                    with self.progress.phase(f"weight sync {name}", unit=""):
+                    label = f"weight sync {name}" + (" (start-up)" if start_up else "")
+                    with self.progress.phase(label, unit="", in_step=not start_up):
                         metrics.update(self.replicas[name].push(version))
         dist.barrier(group=control_group())
         metrics["timing_s/weight_sync"] = time.perf_counter() - start

@@ -6,6 +6,7 @@ pushes and batch dispatch run; the workers, the replicas and the rollout driver 
 
 from __future__ import annotations
 
+import io
 import json
 from contextlib import contextmanager
 from pathlib import Path
@@ -151,7 +152,7 @@ def world(monkeypatch):
 
 
 def _trainer(
-    tmp_path: Path, events: list[str], *overrides: str, results=None, sync_every: int = 1
+    tmp_path: Path, events: list[str], *overrides: str, results=None, sync_every: int = 1, log=None
 ) -> Trainer:
     cfg = load_config(
         ROOT / "configs" / "signalling_tiny.yaml",
@@ -159,7 +160,9 @@ def _trainer(
     )
     run_dir = tmp_path / "run"
     run_dir.mkdir(exist_ok=True)
-    progress = RunProgress(total_steps=cfg.trainer.total_steps, enabled=False)
+    progress = RunProgress(  # log: a stream for its plain lines (a log file's view), else silent
+        total_steps=cfg.trainer.total_steps, enabled=log is not None, live=False, stream=log
+    )
     workers, replicas = {"shared": _Worker(events)}, {"shared": _Replicas(events)}
     driver = _Driver(events, results or {})
     versions = WeightVersions(["shared"], sync_every=sync_every)
@@ -346,4 +349,17 @@ def test_a_fresh_run_in_an_earlier_runs_directory_starts_it_over(world, tmp_path
             "2): trainer.resume=none starts over (its records cut, its checkpoints renamed *.discarded); "
             "trainer.resume=auto continues a run"
         )
+    ]
+
+
+def test_the_start_up_push_is_not_labelled_as_a_step(world, tmp_path):
+    """The push before the step-0 evaluation belongs to no step: its line must not read "step 1/N"
+    ahead of "eval at step 0" (scripts/evaluate.py, which trains no step, printed it too)."""
+    log = io.StringIO()
+    _trainer(tmp_path, [], "trainer.total_steps=2", log=log).fit()
+    syncs = [line for line in log.getvalue().splitlines() if "weight sync" in line]
+    assert syncs[0].startswith("[megamarl] weight sync shared (start-up): "), syncs
+    assert [line.split(":")[0] for line in syncs[1:]] == [
+        "[megamarl] step 1/2 weight sync shared",
+        "[megamarl] step 2/2 weight sync shared",
     ]
