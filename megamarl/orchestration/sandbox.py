@@ -266,6 +266,8 @@ def _run_isolated(code: str, config: SandboxConfig, *, stdin: bytes | None, chan
         "/sandbox/bootstrap.py",
         "--remount-ro",
         "/",
+        "--remount-ro",  # the candidate may not lower its oom_score_adj (a judge without
+        "/proc",  # CAP_SYS_RESOURCE, as in a container, cannot set the floor that forbids it)
         "--chdir",
         "/tmp",
         "--setenv",
