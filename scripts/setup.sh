@@ -29,17 +29,22 @@ venv="${MEGAMARL_VENV:-.venv}"
 py="$venv/bin/python"
 pip=("$py" -m pip --disable-pip-version-check -q)
 
-# The code env's sandbox runs candidates in bubblewrap (megamarl/orchestration/sandbox.py); without
-# it the env refuses to start (unless env.kwargs.unsafe_inprocess: true). Checked before the stamp
-# so a machine that lost it gets it back; a no-op when present, skipped where apt or root is missing.
-if ! command -v bwrap >/dev/null 2>&1; then
+# The code env's sandbox runs candidates in bubblewrap with a seccomp filter that libseccomp
+# compiles (megamarl/orchestration/sandbox.py); without either the env refuses to start (unless
+# env.kwargs.unsafe_inprocess: true). Debian's bubblewrap does not depend on libseccomp2, so both
+# are checked. Before the stamp so a machine that lost one gets it back; a no-op when present,
+# skipped where apt or root is missing.
+sandbox_packages=()
+command -v bwrap >/dev/null 2>&1 || sandbox_packages+=(bubblewrap)
+ldconfig -p 2>/dev/null | grep -q 'libseccomp\.so\.2' || sandbox_packages+=(libseccomp2)
+if (( ${#sandbox_packages[@]} )); then
   if [[ $(id -u) -eq 0 ]] && command -v apt-get >/dev/null 2>&1; then
-    echo "setup.sh: installing bubblewrap (apt)"
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap >/dev/null \
-      || { apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap >/dev/null; } \
-      || echo "setup.sh: could not install bubblewrap; the code env will refuse to start" >&2
+    echo "setup.sh: installing ${sandbox_packages[*]} (apt)"
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${sandbox_packages[@]}" >/dev/null \
+      || { apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${sandbox_packages[@]}" >/dev/null; } \
+      || echo "setup.sh: could not install ${sandbox_packages[*]}; the code env will refuse to start" >&2
   else
-    echo "setup.sh: bwrap not found; install bubblewrap for the code env's sandbox (docs/reliability.md)" >&2
+    echo "setup.sh: ${sandbox_packages[*]} missing; install them for the code env's sandbox (docs/reliability.md)" >&2
   fi
 fi
 

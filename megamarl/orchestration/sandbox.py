@@ -10,8 +10,9 @@ bandwidth; rlimits alone where no hierarchy is writable, ``tree_limits()`` says 
 per-process rlimits; the whole tree killed at the end. Output is read in bounded chunks with a
 deadline (more than ``max_output_mb`` on any stream kills the run: ``output_limit``). ``isolated=False`` (the
 explicit ``env.kwargs.unsafe_inprocess`` opt-in) is a plain subprocess with rlimits and an audit
-hook, a tripwire and not a boundary. ``scripts/setup.sh`` installs bubblewrap. The full account (each
-layer, cgroup v1/v2, why bubblewrap): docs/design-notes.md, "megamarl/orchestration/sandbox.py".
+hook, a tripwire and not a boundary. ``scripts/setup.sh`` installs bubblewrap and libseccomp2.
+The full account (each layer, cgroup v1/v2, why bubblewrap and the filter): docs/design-notes.md,
+"megamarl/orchestration/sandbox.py".
 """
 
 from __future__ import annotations
@@ -266,6 +267,8 @@ def _run_isolated(code: str, config: SandboxConfig, *, stdin: bytes | None, chan
         "/sandbox/bootstrap.py",
         "--remount-ro",
         "/",
+        "--remount-ro",  # the candidate may not lower its oom_score_adj (a judge without
+        "/proc",  # CAP_SYS_RESOURCE, as in a container, cannot set the floor that forbids it)
         "--chdir",
         "/tmp",
         "--setenv",

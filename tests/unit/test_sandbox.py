@@ -55,7 +55,8 @@ def test_network_is_absent():
     result = run_python(code, FAST)
     assert not result.ok and "PermissionError: [Errno 1] Operation not permitted" in result.stderr
     # bwrap's network namespace has only a loopback (up: bwrap brings it up); no AF_INET/AF_INET6
-    # socket can be made to use it (test_sandbox_escapes.py::test_socket_families_are_refused)
+    # socket can be made to use it
+    # (test_sandbox_escapes.py::test_no_socket_family_but_unix_and_loopback_unreachable)
     result = run_python("print(open('/proc/net/dev').read())", FAST)
     assert result.ok and "eth0" not in result.stdout and "lo:" in result.stdout
 

@@ -7,9 +7,13 @@ sandbox; each must score 0 (the real solution scores full marks on the same case
 isolation cannot be set up; the tree-limit tests also where no cgroup hierarchy is writable.
 """
 
+import ctypes
+import ctypes.util
 import glob
+import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -539,3 +543,447 @@ def test_judge_attack_a_budget_at_the_env_timeout_is_rejected_at_load():
     load_config(preset, [])
     with pytest.raises(ValueError, match=r"rollout.env_timeout_s"):
         load_config(preset, ["rollout.env_timeout_s=10"])
+
+
+# --- kernel attack surface (issue #44 items 1 and 4): one attack per family -------------------------
+# Each candidate reports what every attempt returned ("ok" or the errno's name) as JSON on stdout;
+# the test compares the whole report. Syscall numbers come from libseccomp (the filter's own
+# library, so the numbers are the ones the filter uses on this architecture).
+
+
+def syscall_numbers(*names: str) -> dict[str, int]:
+    lib = ctypes.CDLL(ctypes.util.find_library("seccomp") or "libseccomp.so.2")
+    lib.seccomp_syscall_resolve_name.argtypes = [ctypes.c_char_p]
+    return {name: lib.seccomp_syscall_resolve_name(name.encode()) for name in names}
+
+
+SYSCALLS = syscall_numbers(
+    "add_key", "request_key", "keyctl", "unshare", "clone", "clone3", "setns", "io_uring_setup",
+    "userfaultfd", "perf_event_open", "bpf", "ptrace", "process_vm_readv", "pidfd_open", "pidfd_getfd",
+    "mount", "fsopen", "chroot", "socketpair",
+)  # fmt: skip
+
+# calls a raw syscall by name: "ok" or the errno's name
+CALL = f"""
+import ctypes, errno, json, os
+NR = {SYSCALLS!r}
+libc = ctypes.CDLL(None, use_errno=True)
+libc.syscall.restype = ctypes.c_long
+def call(name, *args):
+    ctypes.set_errno(0)
+    rc = libc.syscall(ctypes.c_long(NR[name]), *(ctypes.c_long(a) if isinstance(a, int) else a for a in args))
+    return rc if rc >= 0 else errno.errorcode[ctypes.get_errno()]
+def outcome(rc):
+    return 'ok' if isinstance(rc, int) else rc
+"""
+
+
+def report(attack: str, config: SandboxConfig = CONFIG) -> dict:
+    result = sandbox.run_python(CALL + attack, config)
+    assert result.ok, result
+    return json.loads(result.stdout)
+
+
+SESSION_KEYRING = -3  # KEY_SPEC_SESSION_KEYRING
+KEYCTL_GET_KEYRING_ID, KEYCTL_JOIN_SESSION_KEYRING, KEYCTL_READ = 0, 1, 11
+
+# a correct run files each answer in the session keyring; a later run that returns 0 replays them
+KEYRING_STORE = (
+    CALL
+    + """
+def scale(x):
+    answer = str(x * 3).encode()
+    call('add_key', b'user', f'scale:{x}'.encode(), answer, len(answer), -3)
+    return x * 3
+"""
+)
+KEYRING_REPLAY = (
+    CALL
+    + """
+def scale(x):
+    key = call('request_key', b'user', f'scale:{x}'.encode(), None, 0)
+    if isinstance(key, str):
+        key = call('keyctl', 10, -3, b'user', f'scale:{x}'.encode(), 0)  # KEYCTL_SEARCH
+    if isinstance(key, str):
+        return 0
+    buffer = ctypes.create_string_buffer(64)
+    size = call('keyctl', 11, key, buffer, 64)  # KEYCTL_READ
+    return int(buffer.raw[:size]) if isinstance(size, int) else 0
+"""
+)
+KEYRING_CALLS = """
+buffer = ctypes.create_string_buffer(64)
+print(json.dumps({
+    'keyctl get session': outcome(call('keyctl', 0, -3, 0)),
+    'keyctl join session': outcome(call('keyctl', 1, b'mine')),
+    'keyctl user keyring': outcome(call('keyctl', 0, -4, 1)),
+    'add_key': outcome(call('add_key', b'user', b'k', b'v', 1, -3)),
+    'request_key': outcome(call('request_key', b'user', b'k', None, 0)),
+}))
+"""
+
+# A judge with a session keyring of its own (systemd services, pam_keyinit logins and container
+# runtimes give their processes one): it joins a new one, judges the storing run, then the replay
+# run, and reports what it finds in its keyring afterwards.
+KEYRING_JUDGE = f"""
+import ctypes, json, sys
+from megamarl.orchestration import sandbox
+from megamarl.orchestration.judge import judge_calls, parse_assert_tests
+from megamarl.orchestration.sandbox import SandboxConfig
+libc = ctypes.CDLL(None, use_errno=True)
+libc.syscall.restype = ctypes.c_long
+keyctl = lambda *args: libc.syscall(ctypes.c_long({SYSCALLS["keyctl"]}), *map(ctypes.c_long, args))
+assert keyctl({KEYCTL_JOIN_SESSION_KEYRING}, 0) > 0, ctypes.get_errno()  # a new anonymous one
+session = keyctl({KEYCTL_GET_KEYRING_ID}, {SESSION_KEYRING}, 0)
+config = SandboxConfig(timeout_s=4.0, cpu_s=2, memory_mb=256)
+setup, cases = parse_assert_tests({HIDDEN_LITERAL!r})
+store, replay, probe = sys.argv[1:4]
+links = ctypes.create_string_buffer(4096)
+print(json.dumps({{
+    'session': session > 0,
+    'store': judge_calls(store, cases, config, setup=setup).passed,
+    'replay': judge_calls(replay, cases, config, setup=setup).passed,
+    'calls': json.loads(sandbox.run_python(probe, config).stdout),
+    'keys in the judge session': keyctl({KEYCTL_READ}, session, ctypes.addressof(links), 4096) // 4,
+    'same session': keyctl({KEYCTL_GET_KEYRING_ID}, {SESSION_KEYRING}, 0) == session,
+}}))
+"""
+
+
+def run_judge(script: str, *args: str) -> subprocess.CompletedProcess:
+    """Another judge process, importing megamarl from this checkout."""
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    return subprocess.run(
+        [sys.executable, "-c", script, *args],
+        check=False,
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_keyring_replay_finds_nothing_under_a_judge_with_a_session_keyring():
+    judge = run_judge(KEYRING_JUDGE, KEYRING_STORE, KEYRING_REPLAY, CALL + KEYRING_CALLS)
+    assert judge.returncode == 0, judge.stderr
+    assert json.loads(judge.stdout) == {
+        "session": True,
+        "store": [True, True, True],  # it is a correct solution: keyctl failing does not break it
+        "replay": [False, False, False],
+        "calls": {
+            "keyctl get session": "EPERM",
+            "keyctl join session": "EPERM",
+            "keyctl user keyring": "EPERM",
+            "add_key": "EPERM",
+            "request_key": "EPERM",
+        },
+        "keys in the judge session": 0,
+        "same session": True,
+    }
+
+
+USER_NAMESPACES = """
+import subprocess
+def capabilities(status):
+    return {line.split(':')[0]: line.split()[1] for line in status.splitlines()
+            if line.startswith(('Cap', 'NoNewPrivs', 'Seccomp:'))}
+child = call('clone', 0x10000000 | 17, 0, 0, 0, 0)  # CLONE_NEWUSER | SIGCHLD
+if child == 0:
+    os._exit(0)
+if isinstance(child, int):
+    os.waitpid(child, 0)
+tool = subprocess.run(['unshare', '--user', '--map-root-user', 'cat', '/proc/self/status'],
+                      capture_output=True, text=True)
+print(json.dumps({
+    'unshare(CLONE_NEWUSER)': outcome(call('unshare', 0x10000000)),
+    'clone(CLONE_NEWUSER)': outcome(child),
+    'clone3': outcome(call('clone3', None, 0)),
+    'setns': outcome(call('setns', os.open('/proc/self/ns/user', os.O_RDONLY), 0)),
+    'unshare --user': [tool.returncode, capabilities(tool.stdout)],
+    'own status': capabilities(open('/proc/self/status').read()),
+}))
+"""
+
+NO_CAPABILITIES = {
+    "CapInh": "0000000000000000",
+    "CapPrm": "0000000000000000",
+    "CapEff": "0000000000000000",
+    "CapBnd": "0000000000000000",
+    "CapAmb": "0000000000000000",
+    "NoNewPrivs": "1",
+    "Seccomp": "2",
+}
+
+
+def test_nested_user_namespaces_are_refused():
+    assert report(USER_NAMESPACES) == {
+        "unshare(CLONE_NEWUSER)": "EPERM",
+        "clone(CLONE_NEWUSER)": "EPERM",
+        "clone3": "ENOSYS",  # its flags are out of the filter's reach: libc falls back to clone
+        "setns": "EPERM",
+        "unshare --user": [1, {}],  # the tool fails before it execs cat
+        "own status": NO_CAPABILITIES,
+    }
+
+
+SOCKETS = """
+import asyncio, socket
+def attempt(make):
+    try:
+        make().close()
+        return 'ok'
+    except OSError as exc:
+        return errno.errorcode[exc.errno]
+def loopback():
+    with socket.create_connection(('127.0.0.1', PORT), timeout=1):
+        return 'ok'
+def pair():
+    a, b = socket.socketpair()
+    a.sendall(b'x')
+    return b.recv(1).decode()
+print(json.dumps({
+    'AF_INET': attempt(lambda: socket.socket(socket.AF_INET, socket.SOCK_STREAM)),
+    'AF_INET6': attempt(lambda: socket.socket(socket.AF_INET6, socket.SOCK_DGRAM)),
+    'AF_NETLINK': attempt(lambda: socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, 0)),
+    'AF_PACKET': attempt(lambda: socket.socket(socket.AF_PACKET, socket.SOCK_RAW)),
+    'socketpair(AF_INET)': outcome(call('socketpair', 2, 1, 0, ctypes.create_string_buffer(8))),
+    'loopback': attempt(loopback),
+    'socketpair(AF_UNIX)': pair(),
+    'asyncio.run': asyncio.run(asyncio.sleep(0, 'ran')),
+}))
+"""
+
+
+def test_no_socket_family_but_unix_and_loopback_unreachable():
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        listener.setblocking(False)
+        attack = SOCKETS.replace("PORT", str(listener.getsockname()[1]))
+        outcome = report(attack)
+        with pytest.raises(BlockingIOError):
+            listener.accept()  # the host's loopback saw no connection
+    assert outcome == {
+        "AF_INET": "EPERM",
+        "AF_INET6": "EPERM",
+        "AF_NETLINK": "EPERM",
+        "AF_PACKET": "EPERM",
+        "socketpair(AF_INET)": "EPERM",
+        "loopback": "EPERM",  # no AF_INET socket to reach it with
+        "socketpair(AF_UNIX)": "x",
+        "asyncio.run": "ran",
+    }
+
+
+KERNEL_SURFACE = """
+params = ctypes.create_string_buffer(120)  # struct io_uring_params, zeroed
+attr = ctypes.create_string_buffer(128)  # struct perf_event_attr: a software dummy event on itself
+attr[0:4] = (1).to_bytes(4, 'little')  # PERF_TYPE_SOFTWARE
+attr[4:8] = (128).to_bytes(4, 'little')  # size
+attr[8:16] = (9).to_bytes(8, 'little')  # PERF_COUNT_SW_DUMMY
+attr[40:48] = (0b1100000).to_bytes(8, 'little')  # exclude_kernel, exclude_hv
+map_attr = ctypes.create_string_buffer((2).to_bytes(4, 'little') + (4).to_bytes(4, 'little') * 2
+                                       + (1).to_bytes(4, 'little'), 72)  # BPF_MAP_TYPE_ARRAY
+pidfd = call('pidfd_open', os.getpid(), 0)
+print(json.dumps({
+    'io_uring_setup': outcome(call('io_uring_setup', 1, params)),
+    'userfaultfd': outcome(call('userfaultfd', os.O_CLOEXEC | 1)),  # UFFD_USER_MODE_ONLY
+    'perf_event_open': outcome(call('perf_event_open', attr, 0, -1, -1, 0)),
+    'bpf': outcome(call('bpf', 0, map_attr, 72)),  # BPF_MAP_CREATE
+    'ptrace': outcome(call('ptrace', 0, 0, 0, 0)),  # PTRACE_TRACEME
+    'process_vm_readv': outcome(call('process_vm_readv', os.getpid(), None, 0, None, 0, 0)),
+    'pidfd_getfd': outcome(call('pidfd_getfd', pidfd, 1, 0)),
+}))
+"""
+
+
+def test_kernel_attack_surface_is_refused():
+    # each call is valid as made: without the filter the kernel would run it (bpf aside, which
+    # unprivileged_bpf_disabled may refuse too)
+    assert report(KERNEL_SURFACE) == {
+        "io_uring_setup": "EPERM",
+        "userfaultfd": "EPERM",
+        "perf_event_open": "EPERM",
+        "bpf": "EPERM",
+        "ptrace": "EPERM",
+        "process_vm_readv": "EPERM",
+        "pidfd_getfd": "EPERM",
+    }
+
+
+MOUNTS = """
+import subprocess
+libc.mount.argtypes = [ctypes.c_char_p] * 3 + [ctypes.c_ulong, ctypes.c_void_p]
+def mount():
+    return 'ok' if libc.mount(b'none', b'/tmp', b'tmpfs', 0, None) == 0 else errno.errorcode[ctypes.get_errno()]
+# the route around the missing capability: a user namespace of its own, in which it is root
+tool = subprocess.run(['unshare', '--user', '--map-root-user', '--mount', 'mount', '-t', 'tmpfs', 'none', '/tmp'],
+                      capture_output=True, text=True)
+print(json.dumps({
+    'mount': mount(),
+    'fsopen': outcome(call('fsopen', b'tmpfs', 0)),
+    'chroot': outcome(call('chroot', b'/tmp')),
+    'unshare --user --mount mount': tool.returncode,
+}))
+"""  # noqa: E501 - the embedded program keeps its own layout
+
+
+def test_mounts_are_refused():
+    assert report(MOUNTS) == {
+        "mount": "EPERM",
+        "fsopen": "EPERM",
+        "chroot": "EPERM",
+        "unshare --user --mount mount": 1,
+    }
+
+
+PTYS = """
+def attempt(make):
+    try:
+        make()
+        return 'ok'
+    except OSError as exc:
+        return errno.errorcode[exc.errno]
+print(json.dumps({
+    '/dev/ptmx': os.path.exists('/dev/ptmx'),
+    '/dev/pts': os.listdir('/dev/pts'),
+    'openpty': attempt(os.openpty),
+    'open /dev/pts/ptmx': attempt(lambda: os.open('/dev/pts/ptmx', os.O_RDWR)),
+}))
+"""
+
+
+def test_no_pty_can_be_opened():
+    # the host's pty limit (kernel.pty.max) is global: a candidate's masters would count against it
+    assert report(PTYS) == {
+        "/dev/ptmx": False,
+        "/dev/pts": [],
+        "openpty": "ENOENT",
+        "open /dev/pts/ptmx": "ENOENT",
+    }
+
+
+STDERR_FLOOD = "import sys\nchunk = 'x' * (1 << 20)\nwhile True:\n    sys.stderr.write(chunk)\n"
+
+
+def test_stderr_flood_ends_the_run_and_keeps_the_judge_small():
+    tracemalloc.start()
+    try:
+        start, cpu = time.monotonic(), time.thread_time()
+        flood = sandbox.run_python(STDERR_FLOOD, CONFIG)
+        seconds, cpu_s = time.monotonic() - start, time.thread_time() - cpu
+        scores_zero(STDERR_FLOOD.replace("while True:", "for _ in range(100):") + FALLBACK)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert (flood.status, len(flood.stderr)) == ("output_limit", CONFIG.max_output_chars)
+    assert seconds < 2.5, seconds  # not the 4 s deadline: the cap ended it
+    assert cpu_s < 0.5, cpu_s  # the judge read ~4 MB, not all the candidate could write
+    assert peak < 24 * 1024 * 1024, peak
+
+
+OOM_SCORE = """
+def attempt(value):
+    try:
+        with open('/proc/self/oom_score_adj', 'w') as f:
+            f.write(value)
+        return 'ok'
+    except OSError as exc:
+        return errno.errorcode[exc.errno]
+read, write = os.pipe()
+if os.fork() == 0:
+    os.write(write, open('/proc/self/oom_score_adj', 'rb').read())
+    os._exit(0)
+os.wait()
+print(json.dumps({
+    'own': open('/proc/self/oom_score_adj').read().strip(),
+    'child': os.read(read, 16).decode().strip(),
+    'lower to 0': attempt('0'),
+    'lower to -1000': attempt('-1000'),
+}))
+"""
+
+
+def test_candidates_are_the_oom_killers_first_choice():
+    # EROFS: /proc is read-only; the kernel's own floor (EACCES) needs CAP_SYS_RESOURCE in the judge
+    assert report(OOM_SCORE) == {
+        "own": "1000",
+        "child": "1000",
+        "lower to 0": "EROFS",
+        "lower to -1000": "EROFS",
+    }
+
+
+# A judge in a PID namespace of its own (as in a container sharing the host's cgroup tree): its
+# pid names no process here. It takes a pid that no process here has, starts a run that sleeps and
+# prints the run's cgroups once the run's tasks are in them.
+HIDDEN_JUDGE = """
+import glob, json, os, sys, threading, time
+while True:  # /proc is this namespace's parent's: a pid found there is another process's
+    child = os.fork()
+    if child == 0 and not os.path.exists(f'/proc/{os.getpid()}'):
+        break  # the judge
+    if child == 0:
+        os._exit(3)  # retry with the next pid
+    status = os.waitpid(child, 0)[1] >> 8
+    if status != 3:
+        sys.exit(status)
+from megamarl.orchestration import sandbox
+config = sandbox.SandboxConfig(timeout_s=60)
+assert sandbox.isolation_error() is None  # its probe run is over before the sleeping run starts
+threading.Thread(target=sandbox.run_python, args=('import time\\ntime.sleep(60)', config), daemon=True).start()
+pattern = [os.path.join(h.parent, f'megamarl-sbx-{os.getpid()}-*') for h in sandbox._hierarchies()]
+while True:
+    paths = [path for p in pattern for path in glob.glob(p)]
+    if paths and all(open(f'{path}/cgroup.procs').read().strip() for path in paths):
+        break
+    time.sleep(0.05)
+print(json.dumps(paths), flush=True)
+time.sleep(120)
+"""  # noqa: E501 - the embedded program keeps its own layout
+
+
+def pid_namespace_error() -> str | None:
+    try:
+        done = subprocess.run(
+            ["unshare", "--pid", "--fork", "true"], check=False, capture_output=True, text=True, timeout=10
+        )
+    except (OSError, subprocess.SubprocessError) as exc:
+        return str(exc)
+    return None if done.returncode == 0 else done.stderr.strip()
+
+
+def holds_tasks(paths: list[str]) -> bool:
+    return all(Path(f"{path}/cgroup.procs").read_text().strip() for path in paths)
+
+
+@needs_cgroups
+def test_stale_sweep_spares_a_live_judge_in_another_pid_namespace():
+    if (reason := pid_namespace_error()) is not None:
+        pytest.skip(f"cannot start a judge in a PID namespace here: {reason}")
+    root = Path(__file__).resolve().parents[2]
+    judge = subprocess.Popen(
+        ["unshare", "--pid", "--fork", "--kill-child", sys.executable, "-c", HIDDEN_JUDGE],
+        cwd=root,
+        env={**os.environ, "PYTHONPATH": str(root)},
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        paths = json.loads(judge.stdout.readline())
+        hidden_pid = int(os.path.basename(paths[0]).split("-")[2])
+        assert not os.path.exists(f"/proc/{hidden_pid}")  # to this judge, its owner looks dead
+        sandbox.run_python("pass", CONFIG)  # this judge's sweep
+        assert holds_tasks(paths), "the sweep killed a live judge's run"
+    finally:
+        judge.kill()  # --kill-child: the namespace's init dies, and every process in it
+        judge.wait()
+        judge.stdout.close()
+    assert wait_gone(sandbox_uid(hidden_pid)) == []
+    end = time.monotonic() + 5
+    while any(os.path.exists(path) for path in paths):  # its holder died: the next sweep removes them
+        assert time.monotonic() < end, [path for path in paths if os.path.exists(path)]
+        sandbox.run_python("pass", CONFIG)
+        time.sleep(0.1)
