@@ -79,14 +79,16 @@ def control_group():
 _DRIVER_WAITS = itertools.count()  # advances identically on every rank: one key per rendezvous
 
 
-def wait_for_driver(what: str, *, driver: int = 0, timeout_s: float, heartbeat_s: float = 30.0) -> None:
+def wait_for_driver(what: str, *, driver: int = 0, timeout_s: float, poll_s: float = 0.25) -> None:
     """Rendezvous after the driver's long work (rollout, eval, engine start-up, plotting), called on
     every rank at the same point: the driver marks it done, the others block until it does.
 
     Why not just enter the next collective: a rank waiting inside a gloo collective dies when the
-    group's timeout passes, however legitimately busy the driver is. Here the others wait on the
-    process group's key-value store in ``heartbeat_s`` slices, so only ``timeout_s``
-    (``trainer.collective_timeout_s``) bounds the wait, and a real hang names what was awaited.
+    group's timeout passes, however legitimately busy the driver is. Here the others poll the
+    process group's key-value store (``check``: it answers at once, where a timed ``wait`` that
+    expires logs c10d's "waitForInput ... timed out" warning each time), every ``poll_s`` at most,
+    so only ``timeout_s`` (``trainer.collective_timeout_s``) bounds the wait, and a real hang names
+    what was awaited.
     """
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return
@@ -96,18 +98,14 @@ def wait_for_driver(what: str, *, driver: int = 0, timeout_s: float, heartbeat_s
     if rank == driver:
         store.set(key, what)
         return
-    start = time.monotonic()
-    while True:
-        remaining = timeout_s - (time.monotonic() - start)
-        if remaining <= 0:
+    start, pause = time.monotonic(), 0.005
+    while not store.check([key]):
+        if time.monotonic() - start >= timeout_s:
             raise TimeoutError(
                 f"rank {rank} waited {time.monotonic() - start:.0f} s for the driver (rank {driver}) to "
                 "finish "
                 f"{what}; raise trainer.collective_timeout_s (now {timeout_s:.0f}) if that work is "
                 "legitimately longer"
             )
-        try:
-            store.wait([key], timedelta(seconds=min(heartbeat_s, remaining)))
-            return
-        except RuntimeError:  # DistStoreError (a RuntimeError): this slice timed out
-            continue
+        time.sleep(pause)
+        pause = min(2 * pause, poll_s)  # short waits return fast, long ones cost a request per poll_s
