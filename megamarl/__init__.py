@@ -14,5 +14,10 @@ for _message in (
     "full scope is deprecated",
     "`torch.distributed.reduce_op` is deprecated",
     "Mismatch dtype between input and weight",  # bf16 autocast into fp32 norm weights: unfused path
+    # megatron-core's optimizer probes hasattr(param, "main_grad") on every parameter each step
+    "The .grad attribute of a Tensor that is not a leaf Tensor is being accessed",
+    # megatron-core's distributed optimizer calls torch's old collective names, each step
+    "`torch.distributed.reduce_scatter_tensor` is deprecated",
+    "`torch.distributed.all_gather_into_tensor` is deprecated",
 ):
     warnings.filterwarnings("ignore", message=f".*{_message}")

@@ -9,8 +9,11 @@ bridge, vLLM, HF engine) reads a plain HF checkpoint. Any other value must be a 
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import io
 import os
+import sys
 from pathlib import Path
 
 from megamarl.models.model_cache import build_once, save_hf_model
@@ -81,6 +84,14 @@ def _gguf_file(name: str) -> Path:
     return gguf
 
 
+def progress_bars_off_a_terminal(stream=None):
+    """A context in which what is written to ``sys.stderr`` is dropped when it is not a terminal: the
+    progress bars transformers draws while it loads (tqdm, no switch of its own) are carriage-return
+    redraws, which a log file keeps as one line of hundreds of frames. An exception still propagates."""
+    stream = sys.stderr if stream is None else stream
+    return contextlib.nullcontext() if stream.isatty() else contextlib.redirect_stderr(io.StringIO())
+
+
 def _convert_packaged(name: str, tmp: Path) -> None:
     """Dequantize the packaged GGUF into a plain fp32 safetensors HF directory at ``tmp``."""
     import torch
@@ -88,7 +99,10 @@ def _convert_packaged(name: str, tmp: Path) -> None:
 
     gguf = _gguf_file(name)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    dequantized = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    with progress_bars_off_a_terminal():
+        dequantized = AutoModelForCausalLM.from_pretrained(
+            gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+        )
     # A fresh model from the config drops the GGUF quantization metadata, so the saved directory is
     # a plain fp32 checkpoint that vLLM and the Megatron bridge load like any other.
     config = dequantized.config

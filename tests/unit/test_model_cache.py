@@ -2,6 +2,7 @@
 finished entry; a partial or corrupt entry is detected and rebuilt (the README quickstart's first run
 crashed when both ranks converted the packaged model into an empty cache at once)."""
 
+import io
 import json
 import multiprocessing as mp
 import time
@@ -80,3 +81,23 @@ def test_atomic_dir_replaces_on_success_and_keeps_the_old_entry_on_failure(tmp_p
         pass
     assert (target / "model.safetensors").read_bytes() == b"v1" and is_complete(target)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["export"]  # no temporary left behind
+
+
+def test_progress_bars_are_dropped_off_a_terminal_only(capsys):
+    """The GGUF conversion's tqdm bars (carriage-return redraws) stay out of log files: what is written
+    to stderr inside the context is dropped when stderr is not a terminal (pytest's capture here)."""
+    import sys
+
+    from megamarl.models.packaged import progress_bars_off_a_terminal
+
+    class _Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    with progress_bars_off_a_terminal():
+        print("Converting and de-quantizing GGUF tensors...:  10%|#", file=sys.stderr)
+    assert capsys.readouterr().err == ""
+    terminal = _Terminal()
+    with progress_bars_off_a_terminal(terminal):
+        print("drawn", file=sys.stderr)
+    assert capsys.readouterr().err == "drawn\n"  # on a terminal the bars stay
