@@ -9,8 +9,9 @@ a per-GPU memory estimate, raising ``ValueError`` naming the policy, GPU and num
 not fit ``cluster.gpu_memory_gib``. Memory comes from ``megamarl.planning.memory`` and the engines'
 weights, KV cache and adapters, priced phase by phase in the order the trainer runs them
 (``megamarl.planning.phases``): a GPU needs its peak phase, reported by name. Engine placement is
-``rollout.engine_placement.plan_engines``'s. Details (the training setup, engine formulas, what each
-phase holds): docs/design-notes.md, "megamarl/planning/dryrun.py".
+``rollout.engine_placement.plan_engines``'s. A CPU config (``cluster.gpus_per_node: 0``) is reported in
+RAM per rank and checked against this host's (``megamarl.planning.host_report``). Details (the training
+setup, engine formulas, what each phase holds): docs/design-notes.md, "megamarl/planning/dryrun.py".
 """
 
 from __future__ import annotations

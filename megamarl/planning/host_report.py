@@ -93,17 +93,17 @@ def print_host_report(report: DryRunReport, cfg: RunConfig, console) -> None:
         engines.add_row(name, e.backend, f"{len(e.replicas)} x {e.tp}", ranks, where, *map(gib, held))
     console.print(engines)
 
-    ranks = Table(title="Ranks (RAM, GiB: a rank's process and the engine servers it starts, at its peak)")
+    per_rank = Table(title="Ranks (RAM, GiB: a rank's process and the engine servers it starts, at its peak)")
     numbers = ("process", "train state", "ref", "engines", "activ.", "logits", "total")
     for col in ("rank", "WG shards", "engine replicas", "peak phase") + numbers:
-        ranks.add_column(col, justify="right" if col in numbers else "left")
+        per_rank.add_column(col, justify="right" if col in numbers else "left")
     for g in report.gpus:
         if not g.phases:
             continue
         kinds = g.phases[g.peak_phase].kinds
         train_state = sum(kinds.get(k, 0.0) for k in ("weights", "grads", "main_params", "optimizer"))
         activations, logits = _split(report, cfg, g)
-        ranks.add_row(
+        per_rank.add_row(
             str(g.rank),
             ", ".join(map(str, g.shards)) or "-",
             ", ".join(map(str, g.engines)) or "-",
@@ -121,7 +121,7 @@ def print_host_report(report: DryRunReport, cfg: RunConfig, console) -> None:
                 ),
             ),
         )
-    console.print(ranks)
+    console.print(per_rank)
     for warning in report.warnings:
         console.print(f"[yellow]warning:[/yellow] {warning}")
     console.print(host_line(report))
