@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import os
 import platform
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -64,6 +65,31 @@ def node_cores() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         return os.cpu_count() or 1
+
+
+@dataclass(frozen=True)
+class HostMemory:
+    """This host's RAM, from ``/proc/meminfo``: ``total`` (MemTotal, what CPU ranks on the node share:
+    the capacity a plan is checked against) and ``available`` (MemAvailable now: less while other
+    processes run), in bytes."""
+
+    total: int
+    available: int
+
+
+def host_memory(path: str = "/proc/meminfo") -> HostMemory | None:
+    """This host's ``HostMemory``; None where ``path`` cannot be read (not Linux)."""
+    fields = {}
+    try:
+        with open(path) as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                fields[key] = int(value.split()[0]) * 1024  # kB
+    except (OSError, ValueError, IndexError):
+        return None
+    if "MemTotal" not in fields:
+        return None
+    return HostMemory(fields["MemTotal"], fields.get("MemAvailable", fields.get("MemFree", 0)))
 
 
 def describe_dtype_choice(name: str) -> str:

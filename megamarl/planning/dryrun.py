@@ -9,153 +9,79 @@ a per-GPU memory estimate, raising ``ValueError`` naming the policy, GPU and num
 not fit ``cluster.gpu_memory_gib``. Memory comes from ``megamarl.planning.memory`` and the engines'
 weights, KV cache and adapters, priced phase by phase in the order the trainer runs them
 (``megamarl.planning.phases``): a GPU needs its peak phase, reported by name. Engine placement is
-``rollout.engine_placement.plan_engines``'s. Details (the training setup, engine formulas, what each
-phase holds): docs/design-notes.md, "megamarl/planning/dryrun.py".
+``rollout.engine_placement.plan_engines``'s. A CPU config (``cluster.gpus_per_node: 0``) is reported in
+RAM per rank and checked against this host's (``megamarl.planning.host_report``). Details (the training
+setup, engine formulas, what each phase holds): docs/design-notes.md, "megamarl/planning/dryrun.py".
 """
 
 from __future__ import annotations
 
 import math
 import sys
-from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
 from megamarl.config import PolicyConfig, RunConfig
 from megamarl.models.spec import planned_layer_spec, tree_attention_choice
-from megamarl.parallel.hardware import resolve_dtype
+from megamarl.parallel.hardware import HostMemory, host_memory, resolve_dtype
 from megamarl.parallel.placement import (
     NCCL_COMMUNICATOR_BYTES,
     PlacementConfig,
-    WorkerGroupLayout,
     build_worker_groups,
     group_enumeration,
     nccl_reserve_bytes,
     placement_of,
     rank_coords,
 )
+from megamarl.planning.host_report import CPU_RANK_BASELINE_BYTES, check_host_memory, print_host_report
 from megamarl.planning.memory import (
     DTYPE_BYTES,
     Memory,
     TrainingSetup,
-    TreeAttentionCost,
     num_micro_batches,
     relay_buffer_bytes,
+    tokens_per_micro_batch,
     train_memory,
     tree_attention_cost,
 )
 from megamarl.planning.model_presets import ModelShape, resolve_model_shape
-from megamarl.planning.phases import ENGINE, TRAIN_STATE, Phase, run_phases, step_phases
+from megamarl.planning.phases import TRAIN_STATE, Phase, run_phases, step_phases
+from megamarl.planning.report import (
+    GIB,
+    DryRunReport,
+    EngineReport,
+    EngineShard,
+    GpuReport,
+    PhaseBytes,
+    Shard,
+    WorkerGroupReport,
+    gib,
+    rank_ranges,
+    tree_line,
+)
 from megamarl.rollout.engine_placement import ReplicaPlacement, plan_engines
 from megamarl.rollout.weights.stage_gather import relay_roles
 from megamarl.rollout.weights.transport import relays_stages
 
-GIB = 2**30
-
-
-@dataclass
-class WorkerGroupReport:
-    name: str
-    model: str
-    shape: ModelShape
-    layout: WorkerGroupLayout
-    setup: TrainingSetup
-    stages: list[Memory]  # per pipeline stage (every GPU of a stage holds the same)
-    tree: TreeAttentionCost | None = None  # prefix_tree: the layout's terms of the activations
-
-
-@dataclass
-class EngineReport:
-    policy: str
-    backend: str
-    tp: int
-    replicas: list[list[int]]  # global ranks of each replica (empty: external servers)
-    colocated: bool
-    memory: Memory
-    launch: str = "server"  # in_process | server | external (rollout.engine_placement.resolve_launch)
-
-
-@dataclass(frozen=True)
-class Shard:
-    """One WG shard on a GPU: policy and its (tp, pp, dp) coordinates."""
-
-    policy: str
-    tp: int
-    pp: int
-    dp: int
-
-    def __str__(self) -> str:
-        return f"{self.policy} tp{self.tp} pp{self.pp} dp{self.dp}"
-
-
-@dataclass(frozen=True)
-class EngineShard:
-    """One engine replica's shard on a GPU."""
-
-    policy: str
-    replica: int
-    tp: int
-
-    def __str__(self) -> str:
-        return f"{self.policy}#{self.replica} tp{self.tp}"
-
-
-@dataclass
-class PhaseBytes:
-    """What one GPU holds during one phase, by kind (``phases.KINDS``), in bytes."""
-
-    name: str
-    kinds: dict[str, float] = field(default_factory=dict)
-
-    @property
-    def total(self) -> float:
-        return sum(self.kinds.values())
-
-    @property
-    def engine(self) -> float:
-        return sum(self.kinds.get(k, 0.0) for k in ENGINE)
-
-
-@dataclass
-class GpuReport:
-    rank: int
-    node: int
-    local: int
-    shards: list[Shard] = field(default_factory=list)
-    engines: list[EngineShard] = field(default_factory=list)
-    phases: dict[str, PhaseBytes] = field(default_factory=dict)  # by phase name, in the trainer's order
-    peak_phase: str = ""
-    total: float = 0.0  # the peak phase's bytes, cluster.reserved_gib included
-
-    def phase(self, name: str) -> float:
-        return self.phases[name].total if name in self.phases else 0.0
-
-
-@dataclass
-class DryRunReport:
-    world_size: int
-    gpus_per_node: int
-    gpu_memory_gib: float
-    worker_groups: dict[str, WorkerGroupReport]
-    engines: dict[str, EngineReport]
-    gpus: list[GpuReport]
-    warnings: list[str] = field(default_factory=list)
-
-    @property
-    def peak_gib(self) -> float:
-        return max(g.total for g in self.gpus) / GIB
-
 
 def dry_run(
-    cfg: RunConfig, *, overlaps_training: bool, console=None, world_size: int | None = None
+    cfg: RunConfig,
+    *,
+    overlaps_training: bool,
+    console=None,
+    world_size: int | None = None,
+    host: HostMemory | None = None,
 ) -> DryRunReport:
     """Validate ``cfg`` against its declared cluster, print the placement and memory tables.
     ``overlaps_training``: the schedule of ``trainer.mode`` rolls out while it trains (its
-    ``ScheduleTraits``, given by the caller: the planner sits below the driver).
+    ``ScheduleTraits``, given by the caller: the planner sits below the driver). CPU ranks
+    (``cluster.gpus_per_node: 0``) get the host report (``planning.host_report``), checked against
+    ``host`` (default: this host's ``/proc/meminfo``).
 
     Raises ``ValueError`` on a layout that cannot be built, a model that cannot be sharded with its
-    layout, or a GPU whose estimate exceeds ``cluster.gpu_memory_gib``.
+    layout, a GPU whose estimate exceeds ``cluster.gpu_memory_gib``, or CPU ranks that need more RAM
+    together than the host has.
     """
     from rich.console import Console
 
@@ -195,12 +121,16 @@ def dry_run(
         if sizes != expected:  # a bug in placement, not in the user's config
             raise RuntimeError(f"worker group {name}: built groups {sizes} differ from the layout {expected}")
 
+    for note in seq_len_notes(cfg, report):
+        console.print(note)
+    if not on_gpus:  # CPU ranks: RAM per rank, checked against this host's (planning.host_report)
+        report.host = host or host_memory()
+        print_host_report(report, cfg, console)
+        check_host_memory(report, cfg)
+        return report
     report.gpu_memory_gib = capacity_gib(cluster.gpu_memory_gib, device_total_bytes())
     print_report(report, console)
-    if on_gpus:
-        _check_capacity(report, cfg)
-    else:
-        console.print("cluster.gpus_per_node=0 (CPU ranks): memory estimated, not checked against a GPU")
+    _check_capacity(report, cfg)
     return report
 
 
@@ -271,8 +201,36 @@ def plan_memory(
         overlap=overlaps_training,
     )
     return DryRunReport(
-        world_size, gpus_per_node, cfg.cluster.gpu_memory_gib, worker_groups, engines, gpus, warnings
+        world_size,
+        gpus_per_node,
+        cfg.cluster.gpu_memory_gib,
+        worker_groups,
+        engines,
+        gpus,
+        warnings,
+        on_gpus=on_gpus,
     )
+
+
+def seq_len_notes(cfg: RunConfig, report: DryRunReport) -> list[str]:
+    """One line per policy that leaves ``seq_len`` at its default while every agent on it replies in far
+    fewer tokens (``sampling.max_tokens`` at most an eighth of it): what that length prices."""
+    default = PolicyConfig.seq_len
+    notes = []
+    for name, policy in cfg.policies.items():
+        replies = [a.sampling.max_tokens for a in cfg.agents.values() if a.policy == name]
+        if policy.seq_len != default or not replies or max(replies) * 8 > policy.seq_len:
+            continue
+        wg = report.worker_groups[name]
+        tokens = tokens_per_micro_batch(policy, wg.setup)
+        notes.append(
+            f"note: policies.{name}.seq_len={policy.seq_len} (the default) prices every sample of "
+            f"{name} at {policy.seq_len} tokens (micro-batches of {tokens:,} tokens, "
+            f"{'the engine KV cache, ' if policy.engine.kv_cache_setting(on_gpu=report.on_gpus) == 0 else ''}"
+            f"a server's max-model-len) while its agents reply in at most {max(replies)} "
+            "(sampling.max_tokens): set it to the longest prompt + reply"
+        )
+    return notes
 
 
 def declared_world_size(cfg: RunConfig) -> int:
@@ -444,7 +402,8 @@ def _gpu_totals(
                 and cfg.policies[name].offload_train_state
             )
             holdings[rank].append((wg.stages[coords["pp"]], offloaded))
-    reserved = cfg.cluster.reserved_gib * GIB
+    # a GPU's reserve (CUDA context, fragmentation); a CPU rank's process baseline
+    reserved = cfg.cluster.reserved_gib * GIB if on_gpus else CPU_RANK_BASELINE_BYTES
     layouts = [
         wg.layout for wg in worker_groups.values()
     ]  # NCCL communicators: only on GPUs (gloo on CPU ranks)
@@ -570,49 +529,26 @@ def _check_capacity(report: DryRunReport, cfg: RunConfig) -> None:
         m = report.worker_groups[shard.policy].stages[shard.pp]
         detail.append(
             f"policies.{shard.policy} training (tp{shard.tp} pp{shard.pp} dp{shard.dp}): weights "
-            f"{_g(m.weights)} + grads {_g(m.grads)} + main params {_g(m.main_params)} + optimizer "
-            f"{_g(m.optimizer)} + reference {_g(m.reference)} + lora {_g(m.lora)} + "
-            f"{'activations' if m.activations >= m.reference_visit else 'reference visit'} {_g(m.peak)} "
-            f"= {_g(m.total)} GiB"
+            f"{gib(m.weights)} + grads {gib(m.grads)} + main params {gib(m.main_params)} + optimizer "
+            f"{gib(m.optimizer)} + reference {gib(m.reference)} + lora {gib(m.lora)} + "
+            f"{'activations' if m.activations >= m.reference_visit else 'reference visit'} {gib(m.peak)} "
+            f"= {gib(m.total)} GiB"
         )
     for engine in gpu.engines:
         m = report.engines[engine.policy].memory
         detail.append(
-            f"policies.{engine.policy} engine replica {engine.replica}: weights {_g(m.weights)} + kv cache "
-            f"{_g(m.kv_cache)} + lora {_g(m.lora)} = {_g(m.total)} GiB"
+            f"policies.{engine.policy} engine replica {engine.replica}: weights {gib(m.weights)} + kv cache "
+            f"{gib(m.kv_cache)} + lora {gib(m.lora)} = {gib(m.total)} GiB"
         )
     peak = gpu.phases[gpu.peak_phase]
-    held = " + ".join(f"{kind} {_g(amount)}" for kind, amount in peak.kinds.items() if amount)
+    held = " + ".join(f"{kind} {gib(amount)}" for kind, amount in peak.kinds.items() if amount)
     raise ValueError(
         f"{' + '.join(f'policies.{h}' for h in holders)}: GPU node {gpu.node} local {gpu.local} (global rank "
-        f"{gpu.rank}) needs {_g(gpu.total)} GiB > {_capacity_key(report, cfg)} "
+        f"{gpu.rank}) needs {gib(gpu.total)} GiB > {_capacity_key(report, cfg)} "
         f"in phase '{gpu.peak_phase}' [{held} GiB; "
         + "; ".join(detail)
         + f"]; {len(over)} of {report.world_size} GPUs over. Raise tp/pp, enable recompute, the "
         "distributed optimizer or ref_offload, lower micro_batch_size/seq_len or engine.kv_cache_gib."
-    )
-
-
-def _g(num_bytes: float) -> str:
-    return f"{num_bytes / GIB:.1f}"
-
-
-def _mib(num_bytes: float) -> str:
-    return f"{num_bytes / 2**20:,.2f} MiB ({num_bytes:,.0f} B)"
-
-
-def tree_line(name: str, tree: TreeAttentionCost) -> str:
-    """What a ``prefix_tree`` policy's micro-batch layout costs (in the WG table's activations)."""
-    if tree.kind == "flex":
-        attention = f"flex attention: block mask {_mib(tree.mask_bytes)}, no [N, N] mask or scores"
-    else:
-        attention = (
-            f"dense mask: [N, N] mask {_mib(tree.mask_bytes)}, attention scores "
-            f"{_mib(tree.scores_bytes_per_layer)} per layer"
-        )
-    return (
-        f"policies.{name}.prefix_tree: {tree.nodes:,} nodes per micro-batch, {attention}; output layer "
-        f"on up to {tree.prediction_rows:,} prediction rows"
     )
 
 
@@ -649,19 +585,6 @@ def _cross_node_warnings(name, layout, gpus_per_node: int) -> list[str]:
 # ----------------------------------------------------------------------------------- printing
 
 
-def rank_ranges(ranks: list[int]) -> str:
-    """[0, 1, 2, 5, 6] -> '0-2,5-6'."""
-    if not ranks:
-        return "-"
-    ranks, spans, start = sorted(ranks), [], None
-    for i, r in enumerate(ranks):
-        start = r if start is None else start
-        if i + 1 == len(ranks) or ranks[i + 1] != r + 1:
-            spans.append(f"{start}-{r}" if r != start else f"{r}")
-            start = None
-    return ",".join(spans)
-
-
 def print_report(report: DryRunReport, console) -> None:
     """Three rich tables: worker groups (per stage), engines, and every GPU with what it holds."""
     from rich.table import Table
@@ -684,16 +607,16 @@ def print_report(report: DryRunReport, console) -> None:
         for stage, m in enumerate(wg.stages):
             cells = head if stage == 0 else [""] * len(head)
             # a ref_offload reference model costs nothing at rest; shown as its visit
-            ref = _g(m.reference) if not m.reference_visit else f"(visit {_g(m.reference_visit)})"
+            ref = gib(m.reference) if not m.reference_visit else f"(visit {gib(m.reference_visit)})"
             memory = (
-                _g(m.weights),
-                _g(m.grads),
-                _g(m.main_params),
-                _g(m.optimizer),
+                gib(m.weights),
+                gib(m.grads),
+                gib(m.main_params),
+                gib(m.optimizer),
                 ref,
-                _g(m.lora),
-                _g(m.activations),
-                _g(m.total),
+                gib(m.lora),
+                gib(m.activations),
+                gib(m.total),
             )
             wgs.add_row(*cells, f"pp{stage}", *memory)
     console.print(wgs)
@@ -710,8 +633,8 @@ def print_report(report: DryRunReport, console) -> None:
             "colocated (sleep/wake)" if e.colocated else "own GPUs"
         )
         ranks = rank_ranges([r for replica in e.replicas for r in replica])
-        gib = (e.memory.weights, e.memory.kv_cache, e.memory.lora, e.memory.total)
-        engines.add_row(name, e.backend, f"{len(e.replicas)} x {e.tp}", ranks, where, *map(_g, gib))
+        held = (e.memory.weights, e.memory.kv_cache, e.memory.lora, e.memory.total)
+        engines.add_row(name, e.backend, f"{len(e.replicas)} x {e.tp}", ranks, where, *map(gib, held))
     console.print(engines)
 
     gpus = Table(
@@ -731,7 +654,7 @@ def print_report(report: DryRunReport, console) -> None:
             shards,
             replicas,
             g.peak_phase or "-",
-            _g(g.total),
+            gib(g.total),
             style=style,
         )
     console.print(gpus)
@@ -770,10 +693,10 @@ def phase_table(report: DryRunReport):
         cells = []
         for members in groups.values():
             g = members[0]
-            cell = _g(g.phase(name))
+            cell = gib(g.phase(name))
             cells.append(f"[bold]{cell}[/bold]" if name == g.peak_phase else cell)
         first = next(iter(groups.values()))[0].phases[name]
-        held = ", ".join(f"{kind} {_g(amount)}" for kind, amount in first.kinds.items() if amount)
+        held = ", ".join(f"{kind} {gib(amount)}" for kind, amount in first.kinds.items() if amount)
         table.add_row(name, *cells, held)
     return table
 

@@ -323,13 +323,20 @@ def test_rank_ranges():
     assert rank_ranges([5, 0, 1, 2, 6, 9]) == "0-2,5-6,9"
 
 
-def test_main_dry_run_returns_status_and_cpu_clusters_are_not_checked(capsys):
+def test_main_dry_run_returns_status_and_cpu_clusters_are_checked_against_the_host(capsys):
     from megamarl.cli.dry_run_command import main_dry_run
+    from megamarl.parallel.hardware import HostMemory
 
     oversized = load_config(CONFIGS / "70b_hetero_oversized.yaml")
     assert main_dry_run(oversized, console=_console()) == 1
     assert "dry-run failed: policies.planner: GPU node 0 local 0" in capsys.readouterr().err
-    # gpus_per_node=0 declares CPU ranks: the world comes from the ranks, memory is shown, not checked
+    # gpus_per_node=0 declares CPU ranks: the world comes from the ranks, their RAM is checked against
+    # the host's (tests/unit/test_dry_run_host.py)
     cpu = load_config(CONFIGS / "70b_hetero_oversized.yaml", ["cluster.gpus_per_node=0"])
-    report = dry_run(cpu, overlaps_training=overlaps_training(cpu.trainer), console=_console())
-    assert report.world_size == 64 and report.peak_gib > 80
+    with pytest.raises(ValueError, match=r"CPU ranks 0-63 need .* GiB of RAM together in phase 'train'"):
+        dry_run(
+            cpu,
+            overlaps_training=overlaps_training(cpu.trainer),
+            console=_console(),
+            host=HostMemory(total=1024 * GIB, available=1024 * GIB),
+        )
