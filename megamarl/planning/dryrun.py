@@ -34,7 +34,7 @@ from megamarl.parallel.placement import (
     placement_of,
     rank_coords,
 )
-from megamarl.planning.host_report import CPU_RANK_BASELINE_BYTES, check_host_memory, print_host_report
+from megamarl.planning.host_report import CPU_RANK_BASELINE_BYTES, host_memory_warning, print_host_report
 from megamarl.planning.memory import (
     DTYPE_BYTES,
     Memory,
@@ -126,7 +126,9 @@ def dry_run(
     if not on_gpus:  # CPU ranks: RAM per rank, checked against this host's (planning.host_report)
         report.host = host or host_memory()
         print_host_report(report, cfg, console)
-        check_host_memory(report, cfg)
+        warning = host_memory_warning(report)
+        if warning:
+            console.print(f"[yellow]warning:[/yellow] {warning}", highlight=False)
         return report
     report.gpu_memory_gib = capacity_gib(cluster.gpu_memory_gib, device_total_bytes())
     print_report(report, console)

@@ -144,14 +144,17 @@ def host_line(report: DryRunReport) -> str:
     )
 
 
-def check_host_memory(report: DryRunReport, cfg: RunConfig) -> None:
-    """Raise ``ValueError`` when the host's ranks need more RAM together than its MemTotal."""
+def host_memory_warning(report: DryRunReport) -> str:
+    """The warning when the host's ranks need more RAM together than its MemTotal ('' when they fit).
+    A warning, not the GPU plan's error: the CPU plan prices a prefix tree as if nothing were shared
+    and the kernel lends memory it may never be asked for, so a shipped config that trains on this
+    machine may still be priced over it; the line names what to lower if the run is OOM-killed."""
     if report.host is None:
-        return
+        return ""
     busy = [g for g in report.gpus if g.phases]
     phase, together = node_peak(report, busy)
     if together <= report.host.total:
-        return
+        return ""
     held: dict[str, list[int]] = {}  # what a rank holds -> the ranks that hold the same
     for g in busy:
         kinds = g.phases[phase].kinds.items()
@@ -159,9 +162,9 @@ def check_host_memory(report: DryRunReport, cfg: RunConfig) -> None:
         held.setdefault(line, []).append(g.rank)
     detail = "; ".join(f"rank {rank_ranges(ranks)}: {line}" for line, ranks in held.items())
     keys = " + ".join(f"policies.{name}" for name in report.worker_groups)
-    raise ValueError(
+    return (
         f"{keys}: CPU ranks {rank_ranges([g.rank for g in busy])} need {gib(together)} GiB of RAM together "
         f"in phase '{phase}' > this host's {gib(report.host.total)} GiB (MemTotal, /proc/meminfo) [{detail} "
-        "GiB]. Lower micro_batch_size, seq_len or max_tokens_per_micro_batch, engine.kv_cache_gib, or run "
-        "fewer ranks on this host."
+        "GiB]. If the run is killed (torchrun: exitcode -9), lower micro_batch_size, seq_len or "
+        "max_tokens_per_micro_batch, engine.kv_cache_gib, or run fewer ranks on this host."
     )

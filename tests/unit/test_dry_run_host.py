@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import io
 import json
+import re
 from pathlib import Path
 
-import pytest
 from rich.console import Console
 
 from megamarl.cli.configure import load_config
@@ -95,14 +95,15 @@ def test_cpu_report_prices_each_rank_by_hand(tmp_path):
     assert "GPU" not in out and "reserve" not in out and "capacity" not in out
 
 
-def test_cpu_ranks_that_need_more_than_the_host_fail_naming_the_numbers(tmp_path):
+def test_cpu_ranks_that_need_more_than_the_host_are_warned_naming_the_numbers(tmp_path):
+    """A warning, not an error: the CPU plan is pessimistic (prefix trees priced unshared)."""
     cfg = _tiny_config(tmp_path)
-    with pytest.raises(
-        ValueError,
-        match=r"CPU ranks 0 need 0\.8 GiB of RAM together in phase 'train' > "
+    _, out = _dry_run(cfg, HostMemory(total=GIB // 2, available=GIB // 4))
+    assert re.search(
+        r"warning: policies\.shared: CPU ranks 0 need 0\.8 GiB of RAM together in phase 'train' > "
         r"this host's 0\.5 GiB \(MemTotal, /proc/meminfo\)",
-    ):
-        _dry_run(cfg, HostMemory(total=GIB // 2, available=GIB // 4))
+        " ".join(out.split()),
+    ), out
 
 
 def test_a_default_seq_len_far_above_the_replies_is_named(tmp_path):
