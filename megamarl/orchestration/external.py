@@ -212,7 +212,7 @@ class External(Orchestra):
                     f"orchestra.timeout_s={self.config.timeout_s} s and was killed"
                 )
         finally:  # every path (exit 0 too, a timeout, the episode cancelled): nothing it started survives
-            _kill_group(transport.get_pid())
+            _kill_leftovers(transport.get_pid())
             # the group is dead, so stderr ends at once, unless a process that left the group (setsid)
             # holds it: the tail is not worth waiting longer for
             await asyncio.wait({program.exited, program.closed}, timeout=_STDERR_GRACE_S)
@@ -252,7 +252,7 @@ class _Program(asyncio.SubprocessProtocol):
             self.closed.set_result(None)
 
 
-def _kill_group(pgid: int) -> None:
+def _kill_leftovers(pgid: int) -> None:
     # the group outlives its leader while any member lives, so its id is not reused meanwhile; once
     # empty, the leader was reaped only this loop iteration ago (a pid is reused after pid_max others)
     try:
