@@ -63,6 +63,7 @@ PASS_ENV = (
     "VIRTUAL_ENV",
     "SSL_CERT_FILE",
     "SSL_CERT_DIR",
+    "SLURM_*",  # a command of `srun -w <node> ...` runs as a step of the driver's job only with these
 )
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\*?")
 _STDERR_GRACE_S = 1.0
