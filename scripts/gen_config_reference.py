@@ -141,7 +141,16 @@ def descriptions() -> dict[str, str]:
 
 def field_comments(cls: type) -> dict[str, str]:
     """``name -> comment`` from the class source: a trailing ``# ...`` on the field's line, else the
-    ``# ...`` lines right above it."""
+    ``# ...`` lines right above it. Fields a dataclass inherits take their base's comments."""
+    comments: dict[str, str] = {}
+    for klass in cls.__mro__[1:]:
+        if dataclasses.is_dataclass(klass):
+            for name, text in _own_comments(klass).items():
+                comments.setdefault(name, text)
+    return {**comments, **{k: v for k, v in _own_comments(cls).items() if v or k not in comments}}
+
+
+def _own_comments(cls: type) -> dict[str, str]:
     try:
         lines = inspect.getsource(cls).splitlines()
     except (OSError, TypeError):

@@ -68,7 +68,11 @@ def main() -> None:
     request = urllib.request.Request(
         os.environ["MEGAMARL_REWARD_URL"],
         data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
+        # the episode's key, as the client sends it: the endpoint answers nothing without it
+        headers={
+            "Content-Type": "application/json",
+            "Authorization": f"Bearer {os.environ['OPENAI_API_KEY']}",
+        },
     )
     urllib.request.urlopen(request, timeout=30).read()
 

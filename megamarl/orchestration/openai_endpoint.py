@@ -7,15 +7,21 @@ prefix ``/episodes/{id}/v1/...``, header, ``metadata`` or ``user``) and an *agen
 ``model``), rendered with the role's chat template and sampled by ``EpisodeContext.complete`` exactly
 as ``ctx.act`` (the role's policy, sampling config and seed), and recorded as a Sample; the request's
 ``temperature``/``top_p`` are ignored. Tools and tool calls round-trip in OpenAI's shape; ``POST
-.../reward`` reports the episode's rewards. Errors use OpenAI's body, so the official client raises
-its usual exceptions. Routing, continuation, streaming and tools in full: docs/design-notes.md,
-"megamarl/orchestration/openai_endpoint.py".
+.../reward`` reports the episode's one reward (finite, within ``max_abs_reward``; a second is a 409).
+Every route needs the episode's own random token (``Authorization: Bearer``, the program's
+``OPENAI_API_KEY``), so no other local process can read or write an episode. Bodies, connections and
+their timeouts are bounded (``EndpointLimits``, ``http_guard``). Errors use OpenAI's body, so the
+official client raises its usual exceptions. Routing, continuation, streaming and tools in full:
+docs/design-notes.md, "megamarl/orchestration/openai_endpoint.py".
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
+import math
+import secrets
 import time
 import uuid
 from collections.abc import Sequence
@@ -27,6 +33,7 @@ from aiohttp import web
 
 from megamarl.orchestration.chat import ChatTranscript, TemplateDeltaError
 from megamarl.orchestration.context import EpisodeContext, EpisodeDone, EpisodeDropped
+from megamarl.orchestration.http_guard import ConnectionGuard, track
 from megamarl.orchestration.tools import (
     ForcedCall,
     ToolCall,
@@ -41,6 +48,36 @@ EPISODE_HEADER = "X-Episode-Id"
 AGENT_HEADER = "X-Megamarl-Agent"
 
 
+READ_CHUNK = 64 * 1024
+# after an early answer (413, 401) aiohttp drains the unread body this long before closing, so the
+# client reads the answer instead of a reset; the drained bytes are discarded, never kept
+LINGER_S = 2.0
+
+
+@dataclass
+class EndpointLimits:
+    """What one client of the endpoint may cost the driver. Set as ``orchestra.kwargs`` of ``external``."""
+
+    max_body_bytes: int = 1024 * 1024  # a larger request body is refused (413) before it is read
+    max_abs_reward: float = 1e4  # a posted reward must be finite and within [-max_abs_reward, max_abs_reward]
+    # open connections; past it, a new one closes the oldest that is not being served (503 if all are)
+    max_connections: int = 256
+    header_timeout_s: float = 10.0  # a request head must be complete this long after its first byte
+    read_timeout_s: float = 30.0  # a request body must be complete this long after its head (else 408)
+    # a connection with no complete request this long after it opened or was last answered is closed
+    # (longer than the OpenAI client's 5 s keep-alive, so a closing never races the client's reuse)
+    idle_timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        for key in ("max_body_bytes", "max_connections"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"orchestra.{key} must be >= 1, got {getattr(self, key)}")
+        for key in ("max_abs_reward", "header_timeout_s", "read_timeout_s", "idle_timeout_s"):
+            value = getattr(self, key)
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"orchestra.{key} must be a finite number > 0, got {value}")
+
+
 class EndpointError(Exception):
     def __init__(self, status: int, message: str, code: str) -> None:
         super().__init__(message)
@@ -52,6 +89,8 @@ class EpisodeHandle:
     """What the endpoint knows about one running episode."""
 
     ctx: EpisodeContext
+    # the episode's key: every request about this episode carries it (``Authorization: Bearer``)
+    token: str = field(default_factory=lambda: secrets.token_urlsafe(32))
     reward: tuple[float, dict[str, float]] | None = None
     error: BaseException | None = None  # e.g. EpisodeDropped from a request: re-raised by the orchestra
     num_requests: int = 0
@@ -62,9 +101,12 @@ class EpisodeHandle:
 
 def _error(status: int, message: str, code: str) -> web.Response:
     kind = "invalid_request_error" if status < 500 else "server_error"
-    return web.json_response(
+    response = web.json_response(
         {"error": {"message": message, "type": kind, "code": code, "param": None}}, status=status
     )
+    if status in (408, 413):  # the body was not read whole: this connection cannot carry another request
+        response.force_close()
+    return response
 
 
 def _content_text(content: Any) -> str:
@@ -85,20 +127,27 @@ def _content_text(content: Any) -> str:
 class RecordingEndpoint:
     """The aiohttp app and the table of running episodes. ``start`` binds it on the running loop."""
 
-    def __init__(self, *, host: str = "", port: int = 0) -> None:
+    def __init__(self, *, host: str = "", port: int = 0, limits: EndpointLimits | None = None) -> None:
         """``host``: the bind address, "" for auto; bound and advertised at ``start`` by the one rule
         (``parallel.network.listen_address``: loopback on one node; every interface of a multi-node run,
         its URLs carrying this node's address). ``port`` 0: a free one."""
         self.host, self.port = host, port
+        self.limits = limits if limits is not None else EndpointLimits()
         self.episodes: dict[str, EpisodeHandle] = {}
         self._runner: web.AppRunner | None = None
+        self._server: asyncio.Server | None = None
+        self.guard: ConnectionGuard | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
         self.base_url = ""
 
     # -- lifecycle -------------------------------------------------------------------------------
 
-    def app(self) -> web.Application:
-        app = web.Application(client_max_size=64 * 1024 * 1024)
+    def app(self, guard: ConnectionGuard | None = None) -> web.Application:
+        # bodies are read by ``_body`` under max_body_bytes; aiohttp's own cap only backs it up
+        app = web.Application(
+            client_max_size=self.limits.max_body_bytes,
+            middlewares=[track(guard)] if guard is not None else [],
+        )
         # episode ids contain "/" (``task/index``): the path parameter matches across segments
         for prefix in ("", "/episodes/{episode_id:.+}"):
             app.router.add_post(prefix + "/v1/chat/completions", self._chat)
@@ -113,19 +162,34 @@ class RecordingEndpoint:
         loop = asyncio.get_running_loop()
         if self._runner is not None and self.loop is loop:
             return self.base_url
-        self._runner = web.AppRunner(self.app(), access_log=None)
-        await self._runner.setup()
+        limits = self.limits
+        guard = ConnectionGuard(
+            max_connections=limits.max_connections, header_timeout_s=limits.header_timeout_s
+        )
+        runner = web.AppRunner(
+            self.app(guard),
+            access_log=None,
+            keepalive_timeout=limits.idle_timeout_s,  # aiohttp starts it at connection_made, too
+            lingering_time=LINGER_S,
+        )
+        await runner.setup()
+        guard.protocol_factory = runner.server
         bind, advertise = listen_address(self.host)
-        site = web.TCPSite(self._runner, bind, self.port)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]  # port 0: the OS's pick
+        # accept at most this many sockets per wake-up, so a burst of connections is admitted (and
+        # older ones evicted) in slices instead of taking every descriptor before any is closed
+        backlog = min(128, limits.max_connections)
+        server = await loop.create_server(guard.factory, bind, self.port, backlog=backlog)
+        port = server.sockets[0].getsockname()[1]  # port 0: the OS's pick
+        self._runner, self._server, self.guard = runner, server, guard
         self.loop, self.base_url = loop, f"http://{advertise}:{port}"
         return self.base_url
 
     async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()  # no new connections; the runner closes the open ones
         if self._runner is not None:
             await self._runner.cleanup()
-            self._runner, self.loop, self.base_url = None, None, ""
+        self._runner, self._server, self.guard, self.loop, self.base_url = None, None, None, None, ""
 
     def open(self, ctx: EpisodeContext) -> EpisodeHandle:
         if ctx.episode_id in self.episodes:
@@ -142,30 +206,34 @@ class RecordingEndpoint:
 
     # -- routing ---------------------------------------------------------------------------------
 
-    def _handle(self, request: web.Request, body: dict) -> EpisodeHandle:
-        metadata = cast(dict, body.get("metadata")) if isinstance(body.get("metadata"), dict) else {}
-        episode_id = (
-            request.match_info.get("episode_id")
-            or request.headers.get(EPISODE_HEADER)
-            or metadata.get("episode_id")
-            or body.get("user")
-        )
-        if not episode_id:
+    def _authorize(self, request: web.Request) -> EpisodeHandle:
+        """The running episode whose token the request carries (``Authorization: Bearer <token>``), each
+        token compared in constant time; a request with none of them is a 401 before its body is read."""
+        scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+        key = given.strip().encode(errors="replace")
+        found = None
+        for handle in self.episodes.values():  # no early exit: the time taken says nothing of a match
+            if hmac.compare_digest(key, handle.token.encode()) and scheme.lower() == "bearer":
+                found = handle
+        if found is None or not key:
             raise EndpointError(
-                400,
-                f"no episode id: use the base URL /episodes/<id>/v1, the {EPISODE_HEADER} "
-                "header, metadata.episode_id or the user field (MEGAMARL_EPISODE_ID holds it)",
-                "missing_episode_id",
+                401,
+                "no running episode has this API key: send the program's OPENAI_API_KEY as "
+                "'Authorization: Bearer <key>' (the official client does); an episode's key ends with it",
+                "invalid_api_key",
             )
-        handle = self.episodes.get(str(episode_id))
-        if handle is None:
-            raise EndpointError(
-                404,
-                f"episode '{episode_id}' is not running (finished, timed out, or never "
-                f"started); running: {len(self.episodes)}",
-                "unknown_episode",
-            )
-        return handle
+        return found
+
+    @staticmethod
+    def _named(request: web.Request, handle: EpisodeHandle, body: dict | None = None) -> None:
+        """An episode the request names (URL prefix, header, ``metadata.episode_id``, ``user``) must be
+        the key's own: one episode's key cannot touch another. Naming none is fine: the key routes it."""
+        named = request.match_info.get("episode_id") or request.headers.get(EPISODE_HEADER)
+        if not named and body is not None:
+            metadata = cast(dict, body.get("metadata")) if isinstance(body.get("metadata"), dict) else {}
+            named = metadata.get("episode_id") or body.get("user")
+        if named and str(named) != handle.ctx.episode_id:
+            raise EndpointError(401, f"this API key is not episode '{named}''s key", "invalid_api_key")
 
     def _role(self, request: web.Request, body: dict, handle: EpisodeHandle) -> str:
         role = request.headers.get(AGENT_HEADER) or body.get("model")
@@ -185,8 +253,35 @@ class RecordingEndpoint:
         return role
 
     async def _body(self, request: web.Request) -> dict:
+        """The JSON body, read in chunks up to ``max_body_bytes`` (413: a larger declared length is
+        refused unread, a chunked one once it passes the limit) within ``read_timeout_s`` (408)."""
+        limit = self.limits.max_body_bytes
+        too_large = f"bytes > orchestra.max_body_bytes={limit}"
+        if request.content_length is not None and request.content_length > limit:
+            raise EndpointError(
+                413, f"request body of {request.content_length} {too_large}", "body_too_large"
+            )
+        data = bytearray()
+
+        async def read() -> None:
+            while chunk := await request.content.read(READ_CHUNK):
+                data.extend(chunk)
+                if len(data) > limit:
+                    raise EndpointError(
+                        413, f"request body of more than {len(data)} {too_large}", "body_too_large"
+                    )
+
         try:
-            body = await request.json()
+            await asyncio.wait_for(read(), self.limits.read_timeout_s)
+        except asyncio.TimeoutError:
+            raise EndpointError(
+                408,
+                f"request body incomplete after orchestra.read_timeout_s={self.limits.read_timeout_s} s "
+                f"({len(data)} bytes received)",
+                "request_timeout",
+            ) from None
+        try:
+            body = json.loads(data)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise EndpointError(400, f"request body is not JSON: {exc}", "invalid_json") from exc
         if not isinstance(body, dict):
@@ -196,7 +291,12 @@ class RecordingEndpoint:
     # -- handlers --------------------------------------------------------------------------------
 
     async def _models(self, request: web.Request) -> web.Response:
-        roles = sorted({role for h in self.episodes.values() for role in h.ctx.agents})
+        try:
+            handle = self._authorize(request)
+            self._named(request, handle)
+        except EndpointError as exc:
+            return _error(exc.status, exc.message, exc.code)
+        roles = sorted(handle.ctx.agents)
         return web.json_response(
             {
                 "object": "list",
@@ -214,8 +314,10 @@ class RecordingEndpoint:
 
     async def _serve(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
         try:
+            handle = self._authorize(request)
+            self._named(request, handle)  # before the body: a wrong key costs no read
             body = await self._body(request)
-            handle = self._handle(request, body)
+            self._named(request, handle, body)
             role = self._role(request, body, handle)
             prompt_ids, anchor, transcript = self._prompt(handle, role, body, chat=chat)
             if int(body.get("n") or 1) != 1:
@@ -325,23 +427,25 @@ class RecordingEndpoint:
 
     async def _reward(self, request: web.Request) -> web.Response:
         try:
-            body = await self._body(request)
-            episode_id = request.match_info["episode_id"]
-            handle = self.episodes.get(episode_id)
-            if handle is None:
+            handle = self._authorize(request)
+            self._named(request, handle)
+            if handle.reward is not None:  # one reward per episode: never overwritten
                 raise EndpointError(
-                    404,
-                    f"episode '{episode_id}' is not running; a reward must be posted "
-                    "before the program exits",
-                    "unknown_episode",
+                    409,
+                    f"episode '{handle.ctx.episode_id}' already has its reward {handle.reward[0]!r}",
+                    "reward_already_posted",
                 )
+            body = await self._body(request)
             team, agents = body.get("team"), body.get("agents") or {}
-            if not isinstance(team, (int, float)) or isinstance(team, bool) or not isinstance(agents, dict):
+            if not isinstance(agents, dict):
                 raise EndpointError(
                     400, 'reward body must be {"team": number, "agents": {role: number}}', "invalid_reward"
                 )
+            self._check_reward("team", team)
+            for role, value in agents.items():
+                self._check_reward(f"agents.{role}", value)
             try:
-                handle.ctx.report_rewards(float(team), {k: float(v) for k, v in agents.items()})
+                handle.ctx.report_rewards(float(cast(float, team)), {k: float(v) for k, v in agents.items()})
             except (TypeError, ValueError) as exc:
                 raise EndpointError(400, str(exc), "invalid_reward") from exc
             handle.reward = handle.ctx.reported
@@ -349,8 +453,28 @@ class RecordingEndpoint:
         except EndpointError as exc:
             return _error(exc.status, exc.message, exc.code)
         return web.json_response(
-            {"episode_id": episode_id, "team": handle.reward[0], "agents": handle.reward[1]}
+            {"episode_id": handle.ctx.episode_id, "team": handle.reward[0], "agents": handle.reward[1]}
         )
+
+    def _check_reward(self, name: str, value: Any) -> None:
+        """A reward trains every sample of the episode: a NaN, an infinity or a huge value would turn
+        the step's advantages into NaN (or swamp them), so each must be a finite number within bound."""
+        bound = self.limits.max_abs_reward
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            raise EndpointError(
+                400,
+                f'reward {name} must be a number, got {value!r:.40}; body: {{"team": number, '
+                '"agents": {role: number}}',
+                "invalid_reward",
+            )
+        # an int is compared as an int: float() of a 400-digit one would overflow
+        if not ((isinstance(value, int) or math.isfinite(value)) and abs(value) <= bound):
+            raise EndpointError(
+                400,
+                f"reward {name}={value!r:.40} must be finite and within [-{bound:g}, {bound:g}] "
+                "(orchestra.max_abs_reward)",
+                "invalid_reward",
+            )
 
 
 def _forced_call(body: dict) -> ForcedCall | None:

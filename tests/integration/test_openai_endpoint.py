@@ -68,7 +68,12 @@ def test_openai_client_drives_two_roles_token_exact(hf_engine, tmp_path, monkeyp
     tokenizer = smollm2_tokenizer()
     maker, agents = _agents(tokenizer)
     engine = RecordingEngine(hf_engine)
-    orchestra = build_orchestra("external", command=["python", str(PROGRAMS / "two_roles.py")], timeout_s=60)
+    orchestra = build_orchestra(
+        "external",
+        command=["python", str(PROGRAMS / "two_roles.py")],
+        timeout_s=60,
+        pass_env=["OAI_TEST_LOG"],
+    )
     result = asyncio.run(
         run_episodes(
             orchestra,
@@ -138,7 +143,8 @@ if index == 2:
     time.sleep(60)
 if index == 0:
     req = urllib.request.Request(os.environ["MEGAMARL_REWARD_URL"], data=json.dumps({"team": 1.0}).encode(),
-                                 headers={"Content-Type": "application/json"})
+                                 headers={"Content-Type": "application/json",
+                                          "Authorization": "Bearer " + os.environ["OPENAI_API_KEY"]})
     urllib.request.urlopen(req).read()
 """
 
@@ -177,7 +183,8 @@ import json, os, sys, urllib.request, urllib.error
 job = json.load(sys.stdin)
 base = os.environ["OPENAI_BASE_URL"]
 root = base.split("/episodes/")[0]
-def post(url, body, headers={}):
+key = {"Authorization": "Bearer " + os.environ["OPENAI_API_KEY"]}
+def post(url, body, headers=key):
     req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json", **headers})
     try:
         with urllib.request.urlopen(req) as r:
@@ -187,13 +194,15 @@ def post(url, body, headers={}):
 chat = {"model": "solver", "messages": [{"role": "user", "content": "hi"}]}
 out = {
   "unknown_role": post(base + "/chat/completions", {**chat, "model": "critic"}),
-  "missing_episode": post(root + "/v1/chat/completions", chat),
-  "unknown_episode": post(root + "/v1/episodes/nope/reward", {"team": 1}),
+  "routed_by_key": post(root + "/v1/chat/completions", chat),
+  "no_key": post(base + "/chat/completions", chat, {}),
+  "another_episode": post(root + "/v1/episodes/nope/reward", {"team": 1}),
   "bad_reward": post(os.environ["MEGAMARL_REWARD_URL"], {"team": "high"}),
   "unknown_agent_reward": post(os.environ["MEGAMARL_REWARD_URL"], {"team": 1, "agents": {"critic": 1}}),
   "n2": post(base + "/chat/completions", {**chat, "n": 2}),
   "ok": post(base + "/chat/completions", chat),
   "reward": post(os.environ["MEGAMARL_REWARD_URL"], {"team": 0.5, "agents": {"solver": 0.25}}),
+  "second_reward": post(os.environ["MEGAMARL_REWARD_URL"], {"team": 1.0}),
 }
 print(json.dumps(out), file=sys.stderr)
 sys.exit(7)
@@ -213,17 +222,15 @@ sys.exit(7)
     out = json.loads(episode.error.splitlines()[-1])
     assert out["unknown_role"][0] == 404 and out["unknown_role"][1]["error"]["code"] == "unknown_role"
     assert "'critic'" in out["unknown_role"][1]["error"]["message"]
-    assert (
-        out["missing_episode"][0] == 400
-        and out["missing_episode"][1]["error"]["code"] == "missing_episode_id"
-    )
-    assert (
-        out["unknown_episode"][0] == 404 and out["unknown_episode"][1]["error"]["code"] == "unknown_episode"
-    )
+    # no episode named: the key names it; a key of no episode, or a URL naming another: 401
+    assert out["routed_by_key"][0] == 200
+    assert out["no_key"][0] == 401 and out["no_key"][1]["error"]["code"] == "invalid_api_key"
+    assert out["another_episode"][0] == 401 and "'nope'" in out["another_episode"][1]["error"]["message"]
     assert out["bad_reward"][0] == 400 and out["unknown_agent_reward"][0] == 400
     assert out["n2"][0] == 400
     assert out["ok"][0] == 200 and out["ok"][1]["choices"][0]["message"]["content"] == "4"
     assert out["reward"] == [200, {"episode_id": episode.episode_id, "team": 0.5, "agents": {"solver": 0.25}}]
+    assert out["second_reward"][0] == 409
 
 
 def test_endpoint_serves_on_the_running_loop_and_stops():
@@ -234,7 +241,7 @@ def test_endpoint_serves_on_the_running_loop_and_stops():
         base = await endpoint.start()
         assert await endpoint.start() == base  # once per loop
         async with aiohttp.ClientSession() as session, session.get(base + "/v1/models") as response:
-            assert response.status == 200 and (await response.json())["data"] == []
+            assert response.status == 401  # no running episode: no key opens it
         await endpoint.stop()
 
     asyncio.run(go())
@@ -247,6 +254,20 @@ def test_config_is_validated_naming_the_key():
         build_orchestra("external", module="x", timeout_s=0)
     with pytest.raises(ValueError, match="orchestra.max_concurrency"):
         build_orchestra("external", module="x", max_concurrency=0)
+    # the endpoint's limits and the program's environment are keys of the orchestra, checked the same way
+    for key, value in [
+        ("max_body_bytes", 0),
+        ("max_connections", 0),
+        ("max_abs_reward", float("nan")),
+        ("read_timeout_s", float("inf")),
+        ("header_timeout_s", 0),
+        ("idle_timeout_s", -1),
+        ("max_stderr_bytes", -1),
+    ]:
+        with pytest.raises(ValueError, match=f"orchestra.{key} must be"):
+            build_orchestra("external", module="x", **{key: value})
+    with pytest.raises(ValueError, match=r"orchestra.pass_env: \['A-B', '\*'\] are not variable names"):
+        build_orchestra("external", module="x", pass_env=["HF_*", "A-B", "*"])
 
 
 @pytest.mark.parametrize("forced", [False, True])
@@ -275,7 +296,12 @@ def test_tool_calls_through_the_endpoint(forced, monkeypatch):
         )
 
     engine = ScriptedEngine(tokenizer, policy)
-    orchestra = build_orchestra("external", command=["python", str(PROGRAMS / "tool_user.py")], timeout_s=60)
+    orchestra = build_orchestra(
+        "external",
+        command=["python", str(PROGRAMS / "tool_user.py")],
+        timeout_s=60,
+        pass_env=["OAI_FORCE_TOOL"],
+    )
     tasks = EnvMaker("math", kinds=["mul12"]).tasks(2, seed=0)
     result = asyncio.run(run_episodes(orchestra, maker, tasks, agents=agents, engines={"default": engine}))
     assert result.num_failed == 0, result.first_error()
@@ -334,7 +360,7 @@ def test_prompt_over_budget_answers_400_and_drops_the_episode():
     script = """
 import json, os, sys, urllib.request, urllib.error
 json.load(sys.stdin)
-req = urllib.request.Request(os.environ["OPENAI_BASE_URL"] + "/chat/completions", headers={"Content-Type": "application/json"},
+req = urllib.request.Request(os.environ["OPENAI_BASE_URL"] + "/chat/completions", headers={"Content-Type": "application/json", "Authorization": "Bearer " + os.environ["OPENAI_API_KEY"]},
                              data=json.dumps({"model": "solver", "messages": [{"role": "user", "content": "hi"}]}).encode())
 try:
     urllib.request.urlopen(req)

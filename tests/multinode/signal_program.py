@@ -11,10 +11,9 @@ import sys
 import urllib.request
 
 
-def post(url: str, body: dict, headers: dict | None = None) -> dict:
-    request = urllib.request.Request(
-        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json", **(headers or {})}
-    )
+def post(url: str, body: dict) -> dict:
+    headers = {"Content-Type": "application/json", "Authorization": f"Bearer {os.environ['OPENAI_API_KEY']}"}
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers=headers)
     with urllib.request.urlopen(request, timeout=120) as reply:
         return json.loads(reply.read() or b"null")
 

@@ -22,14 +22,22 @@ SERVE_ENDPOINT = """
 import asyncio, sys
 from megamarl.orchestration import build_orchestra
 
+class Episode:  # a stand-in running episode: the endpoint answers only its key
+    episode_id, agents = "math-0/0", {"solver": None}
+
 async def main():
     orchestra = build_orchestra("external", command=["true"])
-    print(await orchestra.endpoint.start(), flush=True)
+    base = await orchestra.endpoint.start()
+    print(base, orchestra.endpoint.open(Episode()).token, flush=True)
     await asyncio.sleep(120)
 
 asyncio.run(main())
 """
-GET = "import sys, urllib.request; print(urllib.request.urlopen(sys.argv[1], timeout=5).read().decode())"
+GET = """
+import sys, urllib.request
+request = urllib.request.Request(sys.argv[1], headers={"Authorization": "Bearer " + sys.argv[2]})
+print(urllib.request.urlopen(request, timeout=5).read().decode())
+"""
 # one rank per node: the world's gloo group through megamarl's init_distributed, then an all-reduce
 WORLD = """
 import os, torch, torch.distributed as dist
@@ -119,10 +127,14 @@ def test_the_recording_endpoint_on_n0_answers_n1(nodes):
         text=True,
     )
     try:
-        base = server.stdout.readline().strip()
+        base, token = (server.stdout.readline().split() + ["", ""])[:2]
         assert base.startswith(f"http://{n0.addr}:"), (base, server.stderr.read() if not base else "")
         reply = n1.run(
-            [PY, "-c", GET, f"{base}/v1/models"], capture_output=True, text=True, timeout=60, check=False
+            [PY, "-c", GET, f"{base}/v1/models", token],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
         )
         assert reply.returncode == 0, reply.stderr[-2000:]
         assert json.loads(reply.stdout)["object"] == "list"

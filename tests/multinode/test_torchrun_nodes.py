@@ -77,7 +77,10 @@ logger: {{wandb: {{mode: disabled}}, progress: false, plots: false}}
 
 
 def external(command: list[str]) -> str:
-    kwargs = json.dumps({"command": command, "roles": ["sender", "receiver"], "timeout_s": 120})
+    # SIGNAL_LOG: the driver's variable the program logs to (the program sees only allow-listed ones)
+    kwargs = json.dumps(
+        {"command": command, "roles": ["sender", "receiver"], "timeout_s": 120, "pass_env": ["SIGNAL_LOG"]}
+    )
     return f"{{name: external, kwargs: {kwargs}}}"
 
 

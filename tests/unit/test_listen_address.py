@@ -38,9 +38,14 @@ def test_listen_address(host, environ, expected):
     assert listen_address(host, environ=environ) == expected
 
 
-def _models(base: str) -> dict:
-    with urllib.request.urlopen(base + "/v1/models", timeout=10) as reply:
+def _models(base: str, token: str) -> dict:
+    request = urllib.request.Request(base + "/v1/models", headers={"Authorization": f"Bearer {token}"})
+    with urllib.request.urlopen(request, timeout=10) as reply:
         return json.loads(reply.read())
+
+
+class _Episode:  # what the endpoint reads of a running episode to answer /v1/models
+    episode_id, agents = "math-0/0", {"solver": None}
 
 
 @pytest.mark.parametrize(
@@ -60,8 +65,9 @@ def test_external_orchestra_endpoint_binds_and_advertises_by_the_rule(monkeypatc
 
     async def go() -> str:
         base = await orchestra.endpoint.start()
+        token = orchestra.endpoint.open(_Episode()).token  # type: ignore[arg-type]  # a stand-in
         try:  # reachable at the advertised address (127.0.0.2 is this machine's loopback too)
-            assert (await asyncio.to_thread(_models, base))["object"] == "list"
+            assert (await asyncio.to_thread(_models, base, token))["object"] == "list"
         finally:
             await orchestra.endpoint.stop()
         return base
