@@ -13,9 +13,10 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -74,6 +75,13 @@ class Run:
     checkpointer: Checkpointer
     evaluator: Evaluator
     phases: SimpleNamespace
+    started: float = field(default_factory=time.monotonic)  # build_run's start (time.monotonic)
+
+    def closing_line(self, step: int) -> str:
+        """The run's last line (``checkpoint.closing_line``), timed from ``build_run``'s start."""
+        return checkpoint.closing_line(
+            self.run_dir, self.cfg, step=step, seconds=time.monotonic() - self.started
+        )
 
     def say(self, text: str) -> None:
         """The one way the loop prints: on the driver's console, nothing on the other ranks."""
@@ -126,6 +134,7 @@ def build_run(
 ) -> Run:
     """Collective. ``plan``: the engine plan when the launch already computed it
     (``front_door.preflight``), computed here otherwise."""
+    started = time.monotonic()
     init_distributed(timeout_s=cfg.trainer.collective_timeout_s)
     rank, world_size = dist.get_rank(), dist.get_world_size()
     # the driver shows the run (live on a terminal, one line per phase in logs); others are silent
@@ -156,6 +165,7 @@ def build_run(
     versions = WeightVersions(list(cfg.policies), sync_every=sync_interval(cfg.trainer))
     say = driver.console_print if driver is not None else lambda text: None  # Run.say, before there is a Run
     return Run(
+        started=started,
         cfg=cfg,
         rank=rank,
         world_size=world_size,

@@ -30,10 +30,8 @@ from megamarl.rl.offload import offload_train_states, restore_train_states
 from megamarl.rl.update_metrics import skipped_updates
 from megamarl.rollout.engine_placement import ReplicaPlacement
 from megamarl.run import DRIVER, Run, build_run
-from megamarl.runtime import checkpoint, step_metrics
-from megamarl.runtime.metrics import EVAL_FILE, METRICS_FILE
+from megamarl.runtime import step_metrics
 from megamarl.runtime.preemption import PreemptionFlag, mark_stopped
-from megamarl.runtime.progress import format_duration
 
 
 class Trainer:
@@ -48,13 +46,9 @@ class Trainer:
     ):
         """``eval_only``: the run directory is an evaluation's: a resumed checkpoint's weights are
         loaded and pushed, nothing of its run is continued. ``run``: the parts, when already built."""
-        self._started = time.monotonic()  # the closing line's wall time: models and engines included
         self.cfg, self.run = cfg, run if run is not None else build_run(cfg, plan, run_dir=run_dir)
-        self.run_dir, self.driver, self.is_driver = (
-            self.run.run_dir,
-            self.run.driver,
-            self.run.driver is not None,
-        )
+        self.run_dir, self.driver = self.run.run_dir, self.run.driver
+        self.is_driver = self.driver is not None
         self.workers, self.phases, self.say = self.run.workers, self.run.phases, self.run.say
         self.actions = self._actions()
         self._pending: dict[str, float] = {}  # this rank's offload/restore metrics, sent with the update's
@@ -99,9 +93,7 @@ class Trainer:
                     self.say(f"stopping at step {self.step}: {self.stop_reason} (saved)")
             preemption.uninstall()
             self.close()
-            self.say(
-                closing_line(self.run_dir, self.step, self.cfg, seconds=time.monotonic() - self._started)
-            )
+            self.say(self.run.closing_line(self.step))  # how long, and where its files are
 
     def run_phases(self, phases: Iterable[Phase]) -> None:
         """Run each phase's action in order (``self.actions``: the phase list's seam)."""
@@ -254,18 +246,3 @@ class Trainer:
 
     def close(self) -> None:
         self.run.close()
-
-
-def closing_line(run_dir: Path, step: int, cfg: RunConfig, *, seconds: float) -> str:
-    """The run's last line: how far and how long, and where what it wrote is (what exists of it)."""
-    found = []
-    saved = checkpoint.list_checkpoints(run_dir)
-    if saved:
-        found.append(f"checkpoint {saved[-1]}")
-    for name in (METRICS_FILE, EVAL_FILE):
-        if (run_dir / name).is_file():
-            found.append(f"{name.split('.')[0]} {run_dir / name}")
-    if cfg.logger.plots and any((run_dir / "plots").glob("*.png")):
-        found.append(f"plots {run_dir / 'plots'}/*.png")
-    where = f": {', '.join(found)}" if found else ""
-    return f"finished at step {step}/{cfg.trainer.total_steps} in {format_duration(seconds)}{where}"

@@ -24,10 +24,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from megamarl.config import PolicyConfig
+from megamarl.config import PolicyConfig, RunConfig
 from megamarl.errors import CheckpointWriteError  # noqa: F401 - the trainer raises it as checkpoint.CheckpointWriteError
 from megamarl.models import dist_checkpoint as model_checkpoint  # looked up per call (tests swap in faults)
 from megamarl.runtime.metrics import EVAL_FILE, METRICS_FILE
+from megamarl.runtime.progress import format_duration
 
 CHECKPOINTS = "checkpoints"
 COMPLETE = "COMPLETE"
@@ -321,6 +322,21 @@ def earlier_run(run_dir: str | Path) -> str:
     if saved:
         found.append(f"checkpoints up to step {checkpoint_step(saved[-1])}")
     return ", ".join(found)
+
+
+def closing_line(run_dir: Path, cfg: RunConfig, *, step: int, seconds: float) -> str:
+    """A run's last line: how far and how long, and where what it wrote is (what exists of it)."""
+    found = []
+    saved = list_checkpoints(run_dir)
+    if saved:
+        found.append(f"checkpoint {saved[-1]}")
+    for name in (METRICS_FILE, EVAL_FILE):
+        if (run_dir / name).is_file():
+            found.append(f"{name.split('.')[0]} {run_dir / name}")
+    if cfg.logger.plots and any((run_dir / "plots").glob("*.png")):
+        found.append(f"plots {run_dir / 'plots'}/*.png")
+    where = f": {', '.join(found)}" if found else ""
+    return f"finished at step {step}/{cfg.trainer.total_steps} in {format_duration(seconds)}{where}"
 
 
 def truncate_jsonl_after(path: Path, step: int) -> None:
