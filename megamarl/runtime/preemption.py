@@ -44,7 +44,8 @@ class PreemptionFlag:
                 held = getattr(self._previous[sig], "__self__", None)
                 if isinstance(held, PreemptionFlag):
                     self.received = self.received or held.received
-                    self._oom_kills = held._oom_kills
+                    if held._vmstat == vmstat:  # the same count, read earlier: kills since then count
+                        self._oom_kills = held._oom_kills
 
     def _handle(self, signum, frame) -> None:
         self.received = signal.Signals(signum)
