@@ -23,7 +23,8 @@ Checked from the run directory only (metrics.jsonl, eval.json, checkpoints), per
 Steps: the layout presets (2-3 ranks: L1/L2/L3/hybrid, colocated and disaggregated) and
 ``signalling`` (the 1-rank L1 layout with tiny Llama) train their 2 steps. The other 1-rank presets
 (code, grid, math, pettingzoo, search_qa, sokoban, sudoku) differ from ``signalling`` only in their
-task (env, orchestra, agents) and train 1 step (``trainer.total_steps=1`` at launch): their task is
+task (env, orchestra, agents) and train 1 step (reasoning_gym, an optional extra's, trains 2 steps in its
+own test_reasoning_gym.py) (``trainer.total_steps=1`` at launch): their task is
 exercised by eval at step 0, the step-1 rollout, update and push, eval at step 1 and the checkpoint,
 and the step-1 TIS check still shows the engine serving exactly the trainer's weights (the push before
 the first rollout); that the push after an update is served is the 2-step presets' check, on the same
@@ -34,6 +35,7 @@ evals and 7 checkpoints of the suite's longest module.
 from __future__ import annotations
 
 import functools
+import importlib.util
 import json
 import os
 import struct
@@ -97,6 +99,7 @@ WORLD_SIZES = {
     "l3_disaggregated": 3,
     "math": 1,
     "pettingzoo": 1,
+    "reasoning_gym": 1,
     "search_qa": 1,
     "signalling": 1,
     "sokoban": 1,
@@ -106,6 +109,14 @@ PRESETS = [
     Preset(path.stem, path, WORLD_SIZES.get(path.stem, 0)) for path in sorted(PRESET_DIR.glob("*.yaml"))
 ]
 FULL_RUN_1_RANK = "signalling"  # the 1-rank preset that trains all NUM_STEPS (see the docstring)
+# Presets of an optional extra: the package they need, and the test that trains them (2 steps) instead
+# of this module; without the package they are not loaded here either.
+EXTRA_PRESETS = {"reasoning_gym": ("reasoning_gym", "tests/integration/test_reasoning_gym.py")}
+
+
+def _loadable(preset: Preset) -> bool:
+    package = EXTRA_PRESETS.get(preset.name, ("",))[0]
+    return not package or importlib.util.find_spec(package) is not None
 
 
 def _num_steps(name: str, world_size: int) -> int:
@@ -114,6 +125,8 @@ def _num_steps(name: str, world_size: int) -> int:
 
 def _param(preset: Preset):
     marks = [pytest.mark.distributed] if preset.world_size > 1 else []
+    if preset.name in EXTRA_PRESETS:
+        marks.append(pytest.mark.skip(reason=f"trained by {EXTRA_PRESETS[preset.name][1]}"))
     return pytest.param(preset, id=preset.name, marks=marks)
 
 
@@ -123,7 +136,9 @@ def _materialize_models() -> None:
     cache directory (one rank's rename deletes the other's half-read copy)."""
     from megamarl.models.packaged import resolve_model_path
 
-    for model in sorted({p.model for preset in PRESETS for p in _load(preset.path).policies.values()}):
+    for model in sorted(
+        {p.model for pr in PRESETS if _loadable(pr) for p in _load(pr.path).policies.values()}
+    ):
         resolve_model_path(model)
 
 
@@ -223,7 +238,7 @@ def _check_policy(name: str, policy, adapters: set[str], records: list[dict]) ->
 # ---- the checks -----------------------------------------------------------------------------------
 def test_presets_load_and_place():
     """Every preset (L2 included) passes config validation and placement at its world size."""
-    for preset in PRESETS:
+    for preset in filter(_loadable, PRESETS):
         cfg = _load(preset.path)
         assert preset.world_size == _world_size(cfg), f"{preset.name}: WORLD_SIZES says {preset.world_size}"
         placement_of(cfg, preset.world_size)
