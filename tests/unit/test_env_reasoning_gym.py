@@ -19,7 +19,7 @@ from megamarl.orchestration.envs.reasoning_gym import (
     DatasetSpec,
     ReasoningGymConfig,
     ReasoningGymProblem,
-    extract_answer,
+    extract_tagged_answer,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -60,10 +60,10 @@ def test_tasks_are_seeded_and_scored_by_their_own_generator(no_network):
 
 
 def test_answer_extraction():
-    assert extract_answer("I think <answer> 7 </answer>, no: <answer>8</answer>") == ("8", True)
-    assert extract_answer("  It is 16\n") == ("It is 16", True)  # no tags: the whole reply
-    assert extract_answer("<answer></answer>") == (None, False)
-    assert extract_answer("   ") == (None, False)
+    assert extract_tagged_answer("I think <answer> 7 </answer>, no: <answer>8</answer>") == ("8", True)
+    assert extract_tagged_answer("  It is 16\n") == ("It is 16", True)  # no tags: the whole reply
+    assert extract_tagged_answer("<answer></answer>") == (None, False)
+    assert extract_tagged_answer("   ") == (None, False)
 
 
 def _hand_task() -> Task:

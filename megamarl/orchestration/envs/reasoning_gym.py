@@ -119,7 +119,7 @@ class ReasoningGymProblem:
     entry: dict[str, Any]  # reasoning-gym's item: question, answer, metadata
 
 
-def extract_answer(text: str) -> tuple[str | None, bool]:
+def extract_tagged_answer(text: str) -> tuple[str | None, bool]:
     """The last ``<answer>`` block, else the whole reply (stripped); invalid when empty."""
     blocks = _ANSWER.findall(text)
     answer = (blocks[-1] if blocks else text).strip()
@@ -143,7 +143,7 @@ class ReasoningGymSolver(Agent):
     prompt_template = "{observation}\nGive your final answer between <answer> and </answer> tags."
 
     def parse(self, text: str):
-        return extract_answer(text)
+        return extract_tagged_answer(text)
 
 
 @ENVS.register("reasoning_gym")
