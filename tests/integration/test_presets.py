@@ -104,6 +104,7 @@ WORLD_SIZES = {
     "signalling": 1,
     "sokoban": 1,
     "sudoku": 1,
+    "textarena": 1,
 }
 PRESETS = [
     Preset(path.stem, path, WORLD_SIZES.get(path.stem, 0)) for path in sorted(PRESET_DIR.glob("*.yaml"))
@@ -111,7 +112,10 @@ PRESETS = [
 FULL_RUN_1_RANK = "signalling"  # the 1-rank preset that trains all NUM_STEPS (see the docstring)
 # Presets of an optional extra: the package they need, and the test that trains them (2 steps) instead
 # of this module; without the package they are not loaded here either.
-EXTRA_PRESETS = {"reasoning_gym": ("reasoning_gym", "tests/integration/test_reasoning_gym.py")}
+EXTRA_PRESETS = {
+    "reasoning_gym": ("reasoning_gym", "tests/integration/test_reasoning_gym.py"),
+    "textarena": ("textarena", "tests/integration/test_textarena.py"),
+}
 
 
 def _loadable(preset: Preset) -> bool:
@@ -155,7 +159,7 @@ def preset_runs(request, tmp_path_factory) -> dict[str, Path]:
     }
     worlds: dict[int, list[Preset]] = {}
     for preset in PRESETS:
-        if preset.name in selected:
+        if preset.name in selected and _loadable(preset):
             worlds.setdefault(preset.world_size, []).append(preset)
     env = {
         "OMP_NUM_THREADS": "1",

@@ -52,8 +52,12 @@ REGISTRIES = [
 ENV_KWARGS = {
     "pettingzoo_parallel": {"factory": "megamarl.orchestration.envs.pettingzoo_games:make_echo_parallel"},
     "pettingzoo_aec": {"factory": "megamarl.orchestration.envs.pettingzoo_games:make_counting_aec"},
+    "textarena": {"game": "TicTacToe-v0"},
 }
-ENV_PACKAGES = {"reasoning_gym": "reasoning_gym"}  # envs of an optional extra: skipped without it
+ENV_PACKAGES = {
+    "reasoning_gym": "reasoning_gym",
+    "textarena": "textarena",
+}  # envs of an optional extra: skipped without it
 
 
 @pytest.mark.parametrize("registry", REGISTRIES, ids=lambda r: r.kind)
