@@ -253,7 +253,9 @@ class EpisodeContext:
 
     def report_rewards(self, team: float, agents: Mapping[str, float] | None = None) -> None:
         """Rewards the episode's program computed itself (the external orchestra): ``finalize`` uses
-        them instead of the env's. An agent missing from ``agents`` gets the team reward as its local."""
+        them instead of the env's. An agent missing from ``agents`` has no local reward (0.0, as an
+        agent of a built-in or plugin env without one): the team's would count twice in its shaped
+        reward (team + team_alpha x local = 2.0 for a team reward of 1 at alpha 1)."""
         unknown = sorted(set(agents or {}) - set(self.agents))
         if unknown:
             raise ValueError(f"rewards for unknown agents {unknown}; agents: {sorted(self.agents)}")
@@ -435,7 +437,7 @@ class EpisodeContext:
         if self.reported is not None:
             team, by_agent = self.reported
             for sample in self.samples:
-                sample.team_reward, sample.local_reward = team, by_agent.get(sample.agent, team)
+                sample.team_reward, sample.local_reward = team, by_agent.get(sample.agent, 0.0)
             return team
         team = float(self.env.team_reward())
         for sample in self.samples:

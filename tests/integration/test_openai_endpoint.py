@@ -108,7 +108,8 @@ def test_openai_client_drives_two_roles_token_exact(hf_engine, tmp_path, monkeyp
             ) in generated
             assert sample.response_text == text  # the program received the decoded sampled ids
             assert sample.team_reward == row["reward"]["team"]
-            expected_local = row["reward"]["agents"].get(sample.agent, row["reward"]["team"])
+            # a role the program left out has no local reward (0.0), as a plugin task's agent without one
+            expected_local = row["reward"]["agents"].get(sample.agent, 0.0)
             assert sample.local_reward == expected_local
         # the chat prompt is the template's rendering of the program's messages, encoded once
         question = maker.tasks(2, seed=0)[int(episode_id.split("-")[-1].split("/")[0])].payload.question
