@@ -26,7 +26,7 @@ from megamarl.driver.schedules import check_trainer
 from megamarl.models.packaged import PACKAGED_MODELS, TINY_MODELS
 from megamarl.orchestration.agents import AGENTS
 from megamarl.orchestration.env import ENVS
-from megamarl.orchestration.orchestras import ORCHESTRAS, check_team
+from megamarl.orchestration.orchestras import ORCHESTRAS, check_team, default_kinds
 from megamarl.orchestration.tools import TOOLS
 from megamarl.orchestration.workers import check_workers
 from megamarl.parallel.hardware import check_dtypes
@@ -151,7 +151,7 @@ def _check_team(cfg: RunConfig) -> None:
             env_roles=tuple(env_cls.agents),
             acting=env_cls.acting_roles(env_config),
             agent_kinds=kinds,
-            default_kinds=dict(env_cls.default_agents),
+            default_kinds=default_kinds(orchestra, tuple(env_cls.agents), env_cls.default_agents),
             key=key,
         )
 

@@ -27,7 +27,7 @@ from megamarl.models.packaged import resolve_model_path
 from megamarl.orchestration.agents import build_agents
 from megamarl.orchestration.env import EnvMaker
 from megamarl.orchestration.episodes import RolloutResult, check_failures, run_episodes
-from megamarl.orchestration.orchestras import build_orchestra
+from megamarl.orchestration.orchestras import build_orchestra, default_kinds
 from megamarl.orchestration.workers import EnvWorkers, make_workers
 from megamarl.parallel.hardware import describe_dtype_choice, policy_dtype
 from megamarl.registry import import_plugins, resolve_callable
@@ -83,7 +83,7 @@ class RolloutDriver:
         self.engines = self._start_engines(paths)
         self.env = EnvMaker(cfg.env.name, **cfg.env.kwargs)
         self.orchestra = build_orchestra(cfg.orchestra.name, **cfg.orchestra.kwargs)
-        self.agents = build_agents(cfg.agents, self.tokenizers, default_kinds=self.env.default_agents)
+        self.agents = build_agents(cfg.agents, self.tokenizers, default_kinds=self._default_kinds(self.env))
         self.policy_mapping = _policy_mapping(cfg, self.tokenizers)
         # rollout.opponent_pool: the mapping's alias becomes a snapshot policy per episode
         self.opponent_pool = (
@@ -332,7 +332,7 @@ class RolloutDriver:
         results: dict = {}
         failures, outcomes = [], []
         for name, env in self.eval_envs.items():
-            agents = build_agents(greedy, self.tokenizers, default_kinds=env.default_agents)
+            agents = build_agents(greedy, self.tokenizers, default_kinds=self._default_kinds(env))
             tasks = env.tasks(e.num_tasks, seed=EVAL_SEED)
             label = f"eval {name} at step {step}" if name else f"eval at step {step}"
             with self.progress.phase(label, total=len(tasks) * e.k, in_step=False) as self._phase:
@@ -397,6 +397,9 @@ class RolloutDriver:
                 f"resume: the checkpoint has {saved}; trainer.mode={mode} starts its rollout afresh "
                 "from the checkpoint's step (buffered or prefetched groups are regenerated or lost)"
             )
+
+    def _default_kinds(self, env: EnvMaker) -> dict[str, str]:
+        return default_kinds(self.orchestra, env.agents, env.default_agents)
 
     def close_env_workers(self) -> None:
         """Stop the env workers now (a step still running is killed; a local Ray cluster the run started

@@ -77,6 +77,8 @@ def _payload(value):
 
 @ORCHESTRAS.register("external")
 class External(Orchestra):
+    agent_kind = "text"  # the program's replies are its own: every non-empty one is valid, unparsed
+
     @dataclass
     class Config(OrchestraConfig, EndpointLimits):  # the endpoint's limits are keys of the orchestra
         command: tuple[str, ...] = ()  # argv; a first element "python" is the run's interpreter

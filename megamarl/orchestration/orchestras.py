@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -29,6 +30,11 @@ class OrchestraConfig:
 class Orchestra(abc.ABC):
     Config: ClassVar[type[OrchestraConfig]] = OrchestraConfig
 
+    # the agent kind of every role it calls whose agents.<role>.kind is unset, over the env's default
+    # kinds ("": the env's): an orchestra whose replies are someone else's (the external program's)
+    # must not run the env's parsers on them
+    agent_kind: ClassVar[str] = ""
+
     def __init__(self, config: OrchestraConfig | None = None) -> None:
         self.config = config if config is not None else self.Config()
 
@@ -40,6 +46,16 @@ class Orchestra(abc.ABC):
     @abc.abstractmethod
     async def run(self, ctx: EpisodeContext) -> None:
         """Drive one episode until it is done or out of budget."""
+
+
+def default_kinds(
+    orchestra: Orchestra, env_roles: tuple[str, ...], env_kinds: Mapping[str, str]
+) -> dict[str, str]:
+    """Role -> the agent kind a role without ``agents.<role>.kind`` gets: the env's default, or the
+    orchestra's ``agent_kind`` for every role it calls (one answer for load time and the run)."""
+    if not orchestra.agent_kind:
+        return dict(env_kinds)
+    return {**env_kinds, **dict.fromkeys(orchestra.roles(env_roles), orchestra.agent_kind)}
 
 
 ORCHESTRAS: Registry[type[Orchestra]] = Registry(

@@ -243,3 +243,31 @@ def test_group_size_and_episode_ids(tok):
         "log-1/2",
     ]
     assert [s.task_id for s in result.samples] == ["log-0"] * 3 + ["log-1"] * 3
+
+
+def test_external_roles_take_the_pass_through_kind_at_load_and_in_the_run():
+    """An external program's replies are its own: every role it calls defaults to the ``text`` kind
+    (any non-empty reply valid, unparsed), over the env's kinds, whose parsers marked a critic's
+    "OK"/"REVISE" invalid; a role the env does not know needs no ``agents.<role>.kind`` either. One
+    answer (``default_kinds``) for the load-time check and the driver's agents."""
+    from pathlib import Path
+
+    from megamarl.cli.configure import load_config
+    from megamarl.orchestration.orchestras import default_kinds
+
+    root = Path(__file__).resolve().parents[2]
+    cfg = load_config(
+        root / "examples" / "openai_team" / "openai_team.yaml",
+        ["orchestra.kwargs.roles=[solver,verifier,critic]", "+agents.critic={policy: shared}"],
+    )  # before: "agents.critic.kind is empty and env 'math' has no default kind for role 'critic'"
+    external = build_orchestra(cfg.orchestra.name, **cfg.orchestra.kwargs)
+    maker = EnvMaker("math")
+    kinds = default_kinds(external, maker.agents, maker.default_agents)
+    assert kinds == {"solver": "text", "verifier": "text", "critic": "text"}
+    agents = build_agents(cfg.agents, smollm2_tokenizer(), default_kinds=kinds)
+    assert agents["verifier"].parse(" REVISE: check the sum ") == ("REVISE: check the sum", True)
+    # an orchestra of its own agents keeps the env's kinds
+    assert default_kinds(build_orchestra("solve_verify"), maker.agents, maker.default_agents) == {
+        "solver": "math_solver",
+        "verifier": "math_verifier",
+    }
