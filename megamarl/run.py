@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from megamarl.config import RunConfig
 from megamarl.driver.engine_pushes import EnginePushes
-from megamarl.driver.evaluator import Evaluator
+from megamarl.driver.evaluator import Evaluator, eval_steps
 from megamarl.driver.rollout_driver import RolloutDriver
 from megamarl.driver.schedules import SCHEDULES, sync_interval
 from megamarl.errors import EXIT_LOST_RANKS
@@ -142,6 +142,7 @@ def build_run(
         total_steps=cfg.trainer.total_steps,
         enabled=cfg.logger.progress and rank == DRIVER,
         quiet=rank != DRIVER,
+        eval_steps=eval_steps(cfg.eval, total_steps=cfg.trainer.total_steps),
     )
     run_dir = Path(run_dir or Path(cfg.output_dir) / cfg.name)
     per_node = ranks_per_node(cfg.cluster, world_size)

@@ -17,6 +17,18 @@ from megamarl.parallel.distributed import control_group, wait_for_driver
 DRIVER = 0
 
 
+def is_due(cfg: EvalConfig, step: int, *, total_steps: int) -> bool:
+    return (cfg.every > 0 and step % cfg.every == 0) or step == total_steps
+
+
+def eval_steps(cfg: EvalConfig, *, total_steps: int) -> frozenset[int]:
+    """The training steps after which the run evaluates (none with ``eval.num_tasks`` 0): what the
+    progress's ETA prices besides the steps."""
+    if cfg.num_tasks <= 0:
+        return frozenset()
+    return frozenset(s for s in range(1, total_steps + 1) if is_due(cfg, s, total_steps=total_steps))
+
+
 class Evaluator:
     def __init__(self, cfg: EvalConfig, *, total_steps: int, driver: Any, timeout_s: float) -> None:
         """``driver``: the rollout driver on rank 0, None elsewhere; ``timeout_s``: how long the
@@ -25,7 +37,7 @@ class Evaluator:
 
     def due(self, step: int) -> bool:
         """After a training step: every ``eval.every`` steps, and after the last."""
-        return (self.cfg.every > 0 and step % self.cfg.every == 0) or step == self.total_steps
+        return is_due(self.cfg, step, total_steps=self.total_steps)
 
     def evaluate(self, step: int) -> dict[str, float]:
         """One evaluation labelled ``step``: the results on the driver, {} elsewhere."""

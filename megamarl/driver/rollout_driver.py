@@ -321,7 +321,7 @@ class RolloutDriver:
         """Greedy evaluation on every eval set (``eval.env`` / ``eval.sets``); one eval.json entry
         holds them all: the unnamed default set as ``team_accuracy``, ``avg@k``, ...; a named set as
         ``<set>/team_accuracy`` (logged as ``eval/<set>/team_accuracy``)."""
-        e = self.cfg.eval
+        e, start = self.cfg.eval, time.perf_counter()
         # evaluation is one pass: no best-of-K with the env's check fn (tree_k=1)
         greedy = {
             role: replace(
@@ -349,6 +349,7 @@ class RolloutDriver:
             elif result.num_failed:
                 self.console_print(result.failure_report(what))
         self.logger.log_eval(step, results, failure="; ".join(failures) or None)
+        self.progress.evaluated(step, time.perf_counter() - start)
         self.console_print(f"eval step {step}: " + ", ".join(f"{k}={v:.3f}" for k, v in results.items()))
         for result, what in outcomes:
             check_failures(result, max_failed_fraction=self.cfg.rollout.max_failed_fraction, what=what)

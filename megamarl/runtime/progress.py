@@ -17,7 +17,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -92,9 +92,13 @@ class RunProgress:
         live: bool | None = None,
         stream=None,
         quiet: bool = False,
+        eval_steps: Collection[int] = (),
     ) -> None:
         self.quiet = quiet  # prints nothing at all (ranks other than the driver)
         self.total_steps = total_steps
+        self.eval_steps = frozenset(eval_steps)  # steps whose evaluation the ETA prices (Evaluator's)
+        self.eval_seconds: float | None = None  # the last evaluation's wall time
+        self.evaluated_step = -1  # the step the last evaluation was labelled with
         self.enabled = enabled
         self.stream = stream or sys.stdout
         self.live = enabled and not quiet and (self.stream.isatty() if live is None else live)
@@ -130,11 +134,19 @@ class RunProgress:
         self.step_seconds.append(seconds)
         self._refresh_run()
 
+    def evaluated(self, step: int, seconds: float) -> None:
+        """An evaluation labelled ``step`` took ``seconds``; the ETA prices each one still due at that."""
+        self.evaluated_step, self.eval_seconds = step, seconds
+
     def eta_seconds(self) -> float | None:
+        """The steps left at the recent steps' mean (a step's clock stops before its evaluation) plus
+        the evaluations still due at the last one's duration (the final one included)."""
         if not self.step_seconds:
             return None
         recent = self.step_seconds[-5:]
-        return sum(recent) / len(recent) * max(self.total_steps - self.step, 0)
+        steps = sum(recent) / len(recent) * max(self.total_steps - self.step, 0)
+        due = sum(s > self.step or (s == self.step and s > self.evaluated_step) for s in self.eval_steps)
+        return steps + (self.eval_seconds or 0.0) * due
 
     def _eta_text(self) -> str:
         eta = self.eta_seconds()

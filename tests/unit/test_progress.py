@@ -55,3 +55,26 @@ def test_live_mode_draws_steps_eta_and_the_phase_bar():
 
 def test_format_duration():
     assert [format_duration(s) for s in (5, 65, 3725)] == ["5s", "1m05s", "1h02m"]
+
+
+def test_the_eta_prices_the_evaluations_still_due():
+    """A step's clock stops before its evaluation, so the ETA adds each evaluation still due at the last
+    one's duration: README command 1 evaluates only after its last step, which the ETA left out."""
+    from megamarl.config import EvalConfig
+    from megamarl.driver.evaluator import eval_steps
+
+    steps = eval_steps(EvalConfig(every=2, num_tasks=8), total_steps=4)
+    assert steps == {2, 4} and eval_steps(EvalConfig(every=0, num_tasks=8), total_steps=4) == {4}
+    assert eval_steps(EvalConfig(every=2, num_tasks=0), total_steps=4) == frozenset()
+    progress = RunProgress(total_steps=4, enabled=False, eval_steps=steps)
+    progress.evaluated(0, 20.0)  # the start-up evaluation: 20 s
+    progress.step_done(1, 10.0)
+    assert progress.eta_seconds() == 3 * 10.0 + 2 * 20.0  # steps 2-4, evaluations at 2 and 4
+    progress.step_done(2, 10.0)
+    assert progress.eta_seconds() == 2 * 10.0 + 2 * 20.0  # step 2's evaluation has not run yet
+    progress.evaluated(2, 30.0)
+    assert progress.eta_seconds() == 2 * 10.0 + 1 * 30.0
+    progress.step_done(4, 10.0)
+    assert progress.eta_seconds() == 30.0  # only the final evaluation is left
+    progress.evaluated(4, 30.0)
+    assert progress.eta_seconds() == 0.0
