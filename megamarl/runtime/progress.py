@@ -177,7 +177,8 @@ class RunProgress:
                 self._bars.remove_task(self._phase_task)
                 self._phase_task = None
             if self.enabled and not self.live:  # on a terminal the live bars replace these lines
-                eta = f" | {self._eta_text()}" if self.step_seconds else ""
+                # a step's phases carry the ETA; an evaluation's line ends before its own time is known
+                eta = f" | {self._eta_text()}" if self.step_seconds and in_step else ""
                 self.line(f"{label}: {phase.summary()}{eta}")
 
     def _label(self, name: str) -> str:

@@ -78,3 +78,16 @@ def test_the_eta_prices_the_evaluations_still_due():
     assert progress.eta_seconds() == 30.0  # only the final evaluation is left
     progress.evaluated(4, 30.0)
     assert progress.eta_seconds() == 0.0
+
+
+def test_an_evaluations_line_carries_no_eta():
+    """Its line is printed as it ends, before its duration reaches the ETA: it would count itself."""
+    out = io.StringIO()
+    progress = RunProgress(total_steps=1, stream=out, eval_steps={1})
+    progress.evaluated(0, 20.0)
+    progress.step_done(1, 10.0)
+    with progress.phase("eval at step 1", total=1, in_step=False) as phase:
+        phase.advance()
+    assert "ETA" not in out.getvalue() and out.getvalue().startswith(
+        "[megamarl] eval at step 1: 1/1 episodes"
+    )
