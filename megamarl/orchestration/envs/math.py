@@ -12,11 +12,12 @@ Details: docs/design-notes.md, "megamarl/orchestration/envs/math.py".
 
 from __future__ import annotations
 
+import abc
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar, TypeVar
 
 from megamarl.orchestration.agents import AGENTS, Agent, last_number, verdict
 from megamarl.orchestration.env import ENVS, Env, EnvConfig, StepResult, Task, draw_from_dataset, read_jsonl
@@ -64,10 +65,14 @@ PROBLEM_KINDS: dict[str, Callable[[random.Random], tuple[str, float]]] = {
 
 
 @dataclass
-class MathConfig(EnvConfig):
+class SolveVerifyConfig(EnvConfig):
+    with_verifier: bool = True  # false: the solver's answer ends the episode
+
+
+@dataclass
+class MathConfig(SolveVerifyConfig):
     kinds: tuple[str, ...] = ("add1", "mul1", "add2", "mul12", "word")
     dataset_path: str | None = None  # JSONL {"question", "answer"}; replaces generation
-    with_verifier: bool = True
 
     def __post_init__(self) -> None:
         self.kinds = tuple(self.kinds)
@@ -127,10 +132,82 @@ class MathVerifier(Agent):
         return verdict(text)
 
 
-@ENVS.register("math")
-class MathEnv(Env[MathConfig]):
-    Config = MathConfig
+SolveVerifyConfigT = TypeVar("SolveVerifyConfigT", bound=SolveVerifyConfig)
+
+
+class SolveVerifyEnv(Env[SolveVerifyConfigT]):
+    """The solve/verify protocol of answer-checking envs (math, reasoning_gym): the solver answers;
+    the verifier approves (the episode ends) or rejects (the solver sees the rejected answer and
+    tries again), rewarded for a verdict that matches the truth. A subclass says what an answer is
+    and scores (``_answer``), whether it is correct (``correct``), how a rejected one is shown
+    (``_shown``) and what the verifier reviews (``_review``); ``problem.question`` is the task."""
+
     agents = ("solver", "verifier")
+
+    def __init__(self, task: Task, config: SolveVerifyConfigT) -> None:
+        super().__init__(task, config)
+        self.problem: Any = task.payload
+        self.rejected: list[str] = []  # answers the verifier rejected, shown to the solver
+        self.verdicts_right: list[bool] = []  # per verifier turn: did its verdict match the truth
+
+    @classmethod
+    def acting_roles(cls, config: SolveVerifyConfigT) -> tuple[str, ...]:
+        return cls.agents if config.with_verifier else ("solver",)
+
+    @abc.abstractmethod
+    def _answer(self, action) -> float:
+        """Record the solver's answer; its local reward."""
+
+    @abc.abstractmethod
+    def correct(self) -> bool:
+        """Whether the current answer is right (the verifier's truth)."""
+
+    @abc.abstractmethod
+    def _shown(self) -> str:
+        """The current answer as a rejection shows it to the solver."""
+
+    @abc.abstractmethod
+    def _review(self) -> str:
+        """The verifier's observation."""
+
+    def active_agents(self) -> list[str]:
+        if self.done:
+            return []
+        return ["solver", "verifier"] if self.config.with_verifier else ["solver"]
+
+    def observe(self, agent: str) -> str:
+        if agent == "solver":
+            if not self.rejected:
+                return self.problem.question
+            last = self.rejected[-1]
+            return f"{self.problem.question}\nA reviewer rejected your previous answer: {last}. Try again."
+        return self._review()
+
+    def step(self, agent: str, action) -> StepResult:
+        if agent == "solver":
+            local = self._answer(action)
+            if not self.config.with_verifier:
+                self.done = True
+            return StepResult(local_reward=local)
+        matched = action.valid and action.value == self.correct()
+        self.verdicts_right.append(bool(matched))
+        if action.valid and action.value:
+            self.done = True
+        elif action.valid:
+            self.rejected.append(self._shown())
+        return StepResult(local_reward=float(matched), feedback="approved" if self.done else "rejected")
+
+    def agent_success(self, agent: str) -> bool | None:
+        """The verifier succeeds when every verdict it gave was right (its own job, whatever the
+        solver answered); the solver's success is the team's."""
+        if agent == "verifier":
+            return bool(self.verdicts_right) and all(self.verdicts_right)
+        return None
+
+
+@ENVS.register("math")
+class MathEnv(SolveVerifyEnv[MathConfig]):
+    Config = MathConfig
     default_agents: ClassVar[dict[str, str]] = {"solver": "math_solver", "verifier": "math_verifier"}
 
     def __init__(self, task: Task, config: MathConfig) -> None:
@@ -138,13 +215,7 @@ class MathEnv(Env[MathConfig]):
         self.problem: MathProblem = task.payload
         self.answer: float | None = None
         self.answer_text = ""
-        self.rejected: list[str] = []  # answers the verifier rejected, shown to the solver
-        self.verdicts_right: list[bool] = []  # per verifier turn: did its verdict match the truth
         self.num_solver_turns = 0
-
-    @classmethod
-    def acting_roles(cls, config: MathConfig) -> tuple[str, ...]:
-        return cls.agents if config.with_verifier else ("solver",)
 
     @classmethod
     def generate_tasks(cls, config: MathConfig, *, num_tasks: int, seed: int) -> list[Task]:
@@ -160,55 +231,33 @@ class MathEnv(Env[MathConfig]):
             tasks.append(Task(f"math-{seed}-{i}", MathProblem(question, answer, kind)))
         return tasks
 
-    def active_agents(self) -> list[str]:
-        if self.done:
-            return []
-        return ["solver", "verifier"] if self.config.with_verifier else ["solver"]
+    def _answer(self, action) -> float:
+        self.answer = action.value if action.valid else None
+        self.answer_text = action.text
+        self.num_solver_turns += 1
+        return float(self.correct())
 
-    def observe(self, agent: str) -> str:
-        if agent == "solver":
-            if not self.rejected:
-                return self.problem.question
-            last = self.rejected[-1]
-            return f"{self.problem.question}\nA reviewer rejected your previous answer: {last}. Try again."
+    def correct(self) -> bool:
+        return answer_correct(self.answer, self.problem.answer)
+
+    def _shown(self) -> str:
+        return _format_number(self.answer)
+
+    def _review(self) -> str:
         return (
             f"Problem: {self.problem.question}\nProposed solution: {self.answer_text.strip()}\n"
             "Is the final answer correct? Reply yes or no."
         )
 
-    def step(self, agent: str, action) -> StepResult:
-        if agent == "solver":
-            self.answer = action.value if action.valid else None
-            self.answer_text = action.text
-            self.num_solver_turns += 1
-            if not self.config.with_verifier:
-                self.done = True
-            return StepResult(local_reward=float(answer_correct(self.answer, self.problem.answer)))
-        truth = answer_correct(self.answer, self.problem.answer)
-        matched = action.valid and action.value == truth
-        self.verdicts_right.append(bool(matched))
-        if action.valid and action.value:
-            self.done = True
-        elif action.valid:
-            self.rejected.append(_format_number(self.answer))
-        return StepResult(local_reward=float(matched), feedback="approved" if self.done else "rejected")
-
     def score(self, agent: str, action) -> float | None:
         if agent == "solver":
             return float(action.valid and answer_correct(action.value, self.problem.answer))
         if agent == "verifier":
-            return float(action.valid and action.value == answer_correct(self.answer, self.problem.answer))
+            return float(action.valid and action.value == self.correct())
         return None
 
     def team_reward(self) -> float:
-        return float(answer_correct(self.answer, self.problem.answer))
-
-    def agent_success(self, agent: str) -> bool | None:
-        """The verifier succeeds when every verdict it gave was right (its own job, whatever the
-        solver answered); the solver's success is the team's."""
-        if agent == "verifier":
-            return bool(self.verdicts_right) and all(self.verdicts_right)
-        return None
+        return float(self.correct())
 
 
 def _format_number(value: float | None) -> str:

@@ -26,7 +26,8 @@ from functools import cache
 from typing import Any, ClassVar
 
 from megamarl.orchestration.agents import AGENTS, Agent
-from megamarl.orchestration.env import ENVS, Env, EnvConfig, StepResult, Task
+from megamarl.orchestration.env import ENVS, Task
+from megamarl.orchestration.envs.math import SolveVerifyConfig, SolveVerifyEnv
 
 PACKAGE = "reasoning_gym"
 EXTRA = "reasoning-gym"
@@ -55,10 +56,9 @@ class DatasetSpec:
 
 
 @dataclass
-class ReasoningGymConfig(EnvConfig):
+class ReasoningGymConfig(SolveVerifyConfig):
     # dataset names, or {name, weight, config} mappings
     datasets: tuple[Any, ...] = ("chain_sum", "basic_arithmetic")
-    with_verifier: bool = True
     correct_at: float = 1.0  # a score at or above this is "correct" (the verifier's truth)
 
     def __post_init__(self) -> None:
@@ -147,9 +147,8 @@ class ReasoningGymSolver(Agent):
 
 
 @ENVS.register("reasoning_gym")
-class ReasoningGymEnv(Env[ReasoningGymConfig]):
+class ReasoningGymEnv(SolveVerifyEnv[ReasoningGymConfig]):
     Config = ReasoningGymConfig
-    agents = ("solver", "verifier")
     default_agents: ClassVar[dict[str, str]] = {"solver": "reasoning_gym_solver", "verifier": "math_verifier"}
 
     def __init__(self, task: Task, config: ReasoningGymConfig) -> None:
@@ -157,13 +156,7 @@ class ReasoningGymEnv(Env[ReasoningGymConfig]):
         self.problem: ReasoningGymProblem = task.payload
         self.answer: str | None = None
         self.answer_score = 0.0
-        self.rejected: list[str] = []  # answers the verifier rejected, shown to the solver
-        self.verdicts_right: list[bool] = []  # per verifier turn: did its verdict match the truth
         self.num_score_errors = 0
-
-    @classmethod
-    def acting_roles(cls, config: ReasoningGymConfig) -> tuple[str, ...]:
-        return cls.agents if config.with_verifier else ("solver",)
 
     @classmethod
     def generate_tasks(cls, config: ReasoningGymConfig, *, num_tasks: int, seed: int) -> list[Task]:
@@ -184,63 +177,37 @@ class ReasoningGymEnv(Env[ReasoningGymConfig]):
             tasks.append(Task(f"rg-{seed}-{i}-{specs[k].name}", problem))
         return tasks
 
-    def active_agents(self) -> list[str]:
-        if self.done:
-            return []
-        return ["solver", "verifier"] if self.config.with_verifier else ["solver"]
+    def _answer(self, action) -> float:
+        self.answer = action.value if action.valid else None
+        value, ran = score_answer(self.problem, self.answer)
+        self.num_score_errors += not ran
+        self.answer_score = value
+        return value
 
-    def observe(self, agent: str) -> str:
-        if agent == "solver":
-            if not self.rejected:
-                return self.problem.question
-            return (
-                f"{self.problem.question}\nA reviewer rejected your previous answer: {self.rejected[-1]}. "
-                "Try again."
-            )
+    def correct(self) -> bool:
+        return self.answer_score >= self.config.correct_at
+
+    def _shown(self) -> str:
+        return self.answer or "(none)"
+
+    def _review(self) -> str:
         return (
             f"Problem: {self.problem.question}\nProposed answer: {self.answer or '(none)'}\n"
             "Is the answer correct? Reply yes or no."
         )
 
-    def _score(self, answer: str | None) -> float:
-        value, ran = score_answer(self.problem, answer)
-        self.num_score_errors += not ran
-        return value
-
-    def step(self, agent: str, action) -> StepResult:
-        if agent == "solver":
-            self.answer = action.value if action.valid else None
-            self.answer_score = self._score(self.answer)
-            if not self.config.with_verifier:
-                self.done = True
-            return StepResult(local_reward=self.answer_score)
-        truth = self.answer_score >= self.config.correct_at
-        matched = action.valid and action.value == truth
-        self.verdicts_right.append(bool(matched))
-        if action.valid and action.value:
-            self.done = True
-        elif action.valid:
-            self.rejected.append(self.answer or "(none)")
-        return StepResult(local_reward=float(matched), feedback="approved" if self.done else "rejected")
-
     def score(self, agent: str, action) -> float | None:
         if agent == "solver":
             return score_answer(self.problem, action.value if action.valid else None)[0]
         if agent == "verifier":
-            return float(action.valid and action.value == (self.answer_score >= self.config.correct_at))
+            return float(action.valid and action.value == self.correct())
         return None
 
     def team_reward(self) -> float:
         return self.answer_score
 
     def success(self) -> bool:
-        return self.answer_score >= self.config.correct_at
-
-    def agent_success(self, agent: str) -> bool | None:
-        """The verifier succeeds when every verdict it gave was right; the solver's is the team's."""
-        if agent == "verifier":
-            return bool(self.verdicts_right) and all(self.verdicts_right)
-        return None
+        return self.correct()
 
     def metrics(self) -> dict[str, float]:
         return {"score_errors": float(self.num_score_errors)}
