@@ -56,6 +56,7 @@ from megamarl.planning.report import (
     PhaseBytes,
     Shard,
     WorkerGroupReport,
+    engines_table,
     gib,
     rank_ranges,
     tree_line,
@@ -626,17 +627,13 @@ def print_report(report: DryRunReport, console) -> None:
         if wg.tree is not None:
             console.print(tree_line(name, wg.tree))
 
-    engines = Table(title="Engines (GiB per GPU)")
-    numbers = ("weights", "kv cache", "lora", "total GiB")
-    for col in ("policy", "backend", "replicas x tp", "ranks", "placement") + numbers:
-        engines.add_column(col, justify="right" if col in numbers else "left")
-    for name, e in report.engines.items():
-        where = {"external": "external", "in_process": "in rank 0's process"}.get(e.launch) or (
-            "colocated (sleep/wake)" if e.colocated else "own GPUs"
-        )
-        ranks = rank_ranges([r for replica in e.replicas for r in replica])
-        held = (e.memory.weights, e.memory.kv_cache, e.memory.lora, e.memory.total)
-        engines.add_row(name, e.backend, f"{len(e.replicas)} x {e.tp}", ranks, where, *map(gib, held))
+    launches = {"external": "external", "in_process": "in rank 0's process"}
+    engines = engines_table(
+        report,
+        title="Engines (GiB per GPU)",
+        place="placement",
+        where=lambda e: launches.get(e.launch) or ("colocated (sleep/wake)" if e.colocated else "own GPUs"),
+    )
     console.print(engines)
 
     gpus = Table(

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from megamarl.config import RunConfig
 from megamarl.planning.memory import logits_peak_bytes
-from megamarl.planning.report import DryRunReport, GpuReport, gib, rank_ranges, tree_line
+from megamarl.planning.report import DryRunReport, GpuReport, engines_table, gib, rank_ranges, tree_line
 
 # What an idle CPU rank's process holds after its imports (torch, megatron-core, transformers, the
 # trainer): VmRSS of ``python -c "import megamarl.trainer, megamarl.run"`` measured 577 MiB on the
@@ -82,15 +82,13 @@ def print_host_report(report: DryRunReport, cfg: RunConfig, console) -> None:
         if wg.tree is not None:
             console.print(tree_line(name, wg.tree))
 
-    engines = Table(title="Engines (GiB in the process that runs each replica)")
-    numbers = ("weights", "kv cache", "lora", "total GiB")
-    for col in ("policy", "backend", "replicas x tp", "ranks", "process") + numbers:
-        engines.add_column(col, justify="right" if col in numbers else "left")
-    for name, e in report.engines.items():
-        where = {"external": "external", "in_process": "rank 0's own"}.get(e.launch, "a server by its rank")
-        ranks = rank_ranges([r for replica in e.replicas for r in replica])
-        held = (e.memory.weights, e.memory.kv_cache, e.memory.lora, e.memory.total)
-        engines.add_row(name, e.backend, f"{len(e.replicas)} x {e.tp}", ranks, where, *map(gib, held))
+    in_process = {"external": "external", "in_process": "rank 0's own"}
+    engines = engines_table(
+        report,
+        title="Engines (GiB in the process that runs each replica)",
+        place="process",
+        where=lambda e: in_process.get(e.launch, "a server by its rank"),
+    )
     console.print(engines)
 
     per_rank = Table(title="Ranks (RAM, GiB: a rank's process and the engine servers it starts, at its peak)")

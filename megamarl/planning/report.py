@@ -5,6 +5,7 @@ host report print it).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from megamarl.parallel.hardware import HostMemory
@@ -145,3 +146,19 @@ def rank_ranges(ranks: list[int]) -> str:
             spans.append(f"{start}-{r}" if r != start else f"{r}")
             start = None
     return ",".join(spans)
+
+
+def engines_table(report: DryRunReport, *, title: str, place: str, where: Callable[[EngineReport], str]):
+    """The engines' table of both reports (GPU plan: GiB per GPU; CPU plan: per process): ``place``
+    titles the column ``where`` fills for each engine."""
+    from rich.table import Table
+
+    table = Table(title=title)
+    numbers = ("weights", "kv cache", "lora", "total GiB")
+    for col in ("policy", "backend", "replicas x tp", "ranks", place) + numbers:
+        table.add_column(col, justify="right" if col in numbers else "left")
+    for name, e in report.engines.items():
+        ranks = rank_ranges([r for replica in e.replicas for r in replica])
+        held = (e.memory.weights, e.memory.kv_cache, e.memory.lora, e.memory.total)
+        table.add_row(name, e.backend, f"{len(e.replicas)} x {e.tp}", ranks, where(e), *map(gib, held))
+    return table
