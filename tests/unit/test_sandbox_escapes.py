@@ -25,7 +25,7 @@ import pytest
 from megamarl.cli.configure import load_config
 from megamarl.orchestration import EnvMaker, Task, sandbox
 from megamarl.orchestration.context import Action
-from megamarl.orchestration.envs.code import CodeProblem
+from megamarl.orchestration.envs.code import CodeConfig, CodeProblem
 from megamarl.orchestration.judge import ExprCase, StdioCase, judge_calls, judge_stdio, parse_assert_tests
 from megamarl.orchestration.sandbox import SandboxConfig, isolation_error
 
@@ -528,12 +528,16 @@ SLEEPY_STDIO = [StdioCase(f"{i} 1\n", f"{i + 1}\n") for i in range(8)]
 
 
 def test_judge_attack_sleeping_stdio_cases_share_one_budget():
-    # 8 sleeping cases took 8 x timeout_s (40.6 s at timeout_s = 5, past env_timeout_s = 30)
+    # 8 sleeping cases took 8 x timeout_s (40.6 s at timeout_s = 5, past env_timeout_s = 30). The
+    # problem's budget is the code env's default (problem_budget_s 12): a correct program's 8 sandbox
+    # starts fit it on a slow machine (at budget 1.0 s, CI's machine ran out after 6 cases); the
+    # sleeper's first case times out at 1 s and ends the problem.
     config = SandboxConfig(timeout_s=1.0, cpu_s=2, memory_mb=256)
+    budget_s = CodeConfig().problem_budget_s
     real = "a, b = map(int, input().split())\nprint(a + b)\n"
-    assert judge_stdio(real, SLEEPY_STDIO, config).passed == [True] * 8
+    assert judge_stdio(real, SLEEPY_STDIO, config, budget_s=budget_s).passed == [True] * 8
     start = time.monotonic()
-    verdict = judge_stdio("import time\ntime.sleep(60)\n", SLEEPY_STDIO, config)
+    verdict = judge_stdio("import time\ntime.sleep(60)\n", SLEEPY_STDIO, config, budget_s=budget_s)
     elapsed = time.monotonic() - start
     assert verdict.passed == [False] * 8 and elapsed < 3.0, (elapsed, verdict.messages)
 
