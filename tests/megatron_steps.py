@@ -4,6 +4,9 @@ logprobs). Moved out of ``megamarl/models/bridge.py``, where they were test-only
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
 from collections.abc import Callable, Iterator
 from functools import partial
 
@@ -100,3 +103,44 @@ def forward_logits(
     with torch.no_grad():
         out = run_forward_backward(model, wg, [batch], collect, forward_only=True)
     return out[0]["logits"] if wg.is_last_stage else None
+
+
+# Calls into megatron-core's global ``parallel_state`` that carry no process group: the memory
+# buffer is process-wide by design, and ``is_initialized`` is how ``get_*_if_none`` decide to fall back.
+GROUPLESS_GLOBALS = frozenset({"get_global_memory_buffer", "_set_global_memory_buffer", "is_initialized"})
+
+
+@contextlib.contextmanager
+def global_group_lookups() -> Iterator[dict[tuple[str, tuple[str, ...]], int]]:
+    """Record every call into megatron-core's ``parallel_state`` made from outside it, as
+    ``(function, its three nearest callers) -> count``. A profile hook, not a patch of the module's names:
+    megatron-core binds many of them with ``from megatron.core.parallel_state import ...``."""
+    from megatron.core import parallel_state
+
+    target = parallel_state.__file__
+    root = os.path.dirname(os.path.dirname(os.path.dirname(target)))
+    calls: dict[tuple[str, tuple[str, ...]], int] = {}
+
+    def profile(frame, event, arg):
+        caller = frame.f_back
+        inward = event == "call" and frame.f_code.co_filename == target
+        if inward and caller is not None and caller.f_code.co_filename != target:
+            key = (frame.f_code.co_name, _callers(caller, root))
+            calls[key] = calls.get(key, 0) + 1
+
+    sys.setprofile(profile)
+    try:
+        yield calls
+    finally:
+        sys.setprofile(None)
+
+
+def _callers(frame, root: str, depth: int = 3) -> tuple[str, ...]:
+    """``file:Class.function`` of ``frame`` and the frames above it."""
+    out = []
+    while frame is not None and len(out) < depth:
+        owner = frame.f_locals.get("self")
+        name = f"{type(owner).__name__}.{frame.f_code.co_name}" if owner is not None else frame.f_code.co_name
+        out.append(f"{os.path.relpath(frame.f_code.co_filename, root)}:{name}")
+        frame = frame.f_back
+    return tuple(out)

@@ -1,5 +1,7 @@
 """The policy loss on a Megatron WG at TP=2 and at PP=2 (CPU ranks) gives the same gradients as a
-single-process HF reference on the same batch (< 1e-5), and an optimizer step changes the weights."""
+single-process HF reference on the same batch (< 1e-5), and an optimizer step changes the weights.
+The three grids (TP=2, PP=2, DP=2) live in one process under a global megatron-core grid that is
+wrong for two of them, and no megatron-core code looks up a global group (issue #46 item 6)."""
 
 import megatron_steps  # tests/ helper: gradients by HF name
 import pytest
@@ -64,7 +66,41 @@ def _reference_grads(model_dir, batch=None):
     return {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
+# The one global lookup megatron-core makes on this path, and why it does not matter: its
+# RowParallelLinear._forward_impl passes tp_group=None with allreduce_dgrad=False and
+# sequence_parallel=False, and the group is only used for one of those two (tensor_parallel/layers.py).
+# The gradients of the pp2 and dp2 WGs, for which the global TP=2 group is wrong, show it unused.
+UNUSED_GLOBAL_LOOKUPS = {
+    (
+        "get_tensor_model_parallel_group",
+        (
+            "megatron/core/utils.py:get_tensor_model_parallel_group_if_none",
+            "megatron/core/tensor_parallel/layers.py:linear_with_grad_accumulation_and_async_allreduce",
+            "megatron/core/tensor_parallel/layers.py:RowParallelLinear._forward_impl",
+        ),
+    )
+}
+
+
 def _ranks_body(rank, model_dir):
+    from megatron.core import parallel_state
+
+    # Issue #46 item 6 (Megatron-LM issue 6307: megatron-core's global accessors silently return
+    # another grid's groups). A global grid is set up (TP=2 over both ranks) that is wrong for the
+    # pp2 and dp2 WGs: a lookup of it there changes their gradients, and any lookup at all is recorded.
+    parallel_state._GLOBAL_MEMORY_BUFFER = None  # the rank's start set it (megamarl.parallel.distributed)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
+    try:
+        with megatron_steps.global_group_lookups() as calls:
+            diffs = _three_grids(model_dir)
+    finally:
+        parallel_state.destroy_model_parallel()
+    diffs["global_lookups"] = {k: n for k, n in calls.items() if k[0] not in megatron_steps.GROUPLESS_GLOBALS}
+    diffs["groupless_lookups"] = sorted({k[0] for k in calls} & megatron_steps.GROUPLESS_GLOBALS)
+    return diffs
+
+
+def _three_grids(model_dir):
     from megamarl.config import PolicyConfig
     from megamarl.parallel.placement import PlacementConfig, WorkerGroupLayout, build_worker_groups
     from megamarl.rl.policy_setup import load_policy_model
@@ -120,6 +156,12 @@ def test_megatron_policy_gradients_equal_single_process_reference(tmp_path):
             )
     # PP=2: each stage exports its own layers; together they cover every HF tensor.
     assert results[0]["pp2_num"] + results[1]["pp2_num"] >= results[0]["tp2_num"]
+    # building, log-probs, backward, clipping, the optimizer step and the export of three grids in
+    # one process looked up no global group it uses (besides the process-wide memory buffer and
+    # whether the global state is set); the hook did see calls, so it was installed
+    for diffs in results:
+        assert set(diffs["global_lookups"]) <= UNUSED_GLOBAL_LOOKUPS, diffs["global_lookups"]
+        assert "get_global_memory_buffer" in diffs["groupless_lookups"], diffs["groupless_lookups"]
 
 
 # ---- per-agent settings, reference-model KL and restricted sampling vocabularies -----------------
