@@ -270,6 +270,13 @@ def check_staleness(metrics: list[dict], max_staleness: int) -> None:
         hist = {int(k.rsplit("/", 1)[1]): v for k, v in m.items() if k.startswith("async/staleness/")}
         assert hist and max(hist) <= max_staleness and m["async/staleness_max"] <= max_staleness, m
         assert sum(hist.values()) == m["rollout/num_samples"]  # every sample handed to the trainer
+        # each agent's own histogram (async/agent/<role>/staleness/<lag>) adds up to the whole one
+        per_agent: dict[int, float] = {}
+        for key, value in m.items():
+            if key.startswith("async/agent/") and "/staleness/" in key:
+                lag = int(key.rsplit("/", 1)[1])
+                per_agent[lag] = per_agent.get(lag, 0.0) + value
+        assert per_agent == hist, (per_agent, hist)
         for key in (
             "async/rollout_idle_ratio",
             "async/trainer_idle_ratio",

@@ -197,14 +197,17 @@ class StalenessStats:
     """Per-sample staleness of trained samples (a histogram) and what was dropped as too stale."""
 
     histogram: Counter = field(default_factory=Counter)  # versions behind -> number of trained samples
+    per_agent: dict[str, Counter] = field(default_factory=dict)  # agent -> its own histogram
     dropped_groups: int = 0
     dropped_samples: int = 0
 
     def record_trained(self, groups: Iterable[EpisodeGroup], versions: Mapping[str, int]) -> None:
         for group in groups:
-            self.histogram.update(
-                versions[s.policy] - s.weight_version for s in group.samples if s.policy in versions
-            )
+            for s in group.samples:
+                if s.policy in versions:
+                    lag = versions[s.policy] - s.weight_version
+                    self.histogram[lag] += 1
+                    self.per_agent.setdefault(s.agent, Counter())[lag] += 1
 
     def record_dropped(self, groups: Iterable[EpisodeGroup]) -> None:
         for group in groups:
@@ -218,6 +221,10 @@ class StalenessStats:
         out[f"{prefix}staleness_mean"] = sum(k * v for k, v in self.histogram.items()) / max(num, 1)
         out[f"{prefix}dropped_stale_groups"] = float(self.dropped_groups)
         out[f"{prefix}dropped_stale_samples"] = float(self.dropped_samples)
+        for agent, histogram in sorted(self.per_agent.items()):
+            at = f"{prefix}agent/{agent}/"
+            out.update({f"{at}staleness/{k}": float(v) for k, v in sorted(histogram.items())})
+            out[f"{at}staleness_mean"] = sum(k * v for k, v in histogram.items()) / sum(histogram.values())
         return out
 
 

@@ -46,6 +46,8 @@ from megamarl.parallel.network import listen_address
 
 EPISODE_HEADER = "X-Episode-Id"
 AGENT_HEADER = "X-Megamarl-Agent"
+POLICY_HEADER = "X-Megamarl-Policy"  # on every completion: the policy that wrote it
+VERSION_HEADER = "X-Megamarl-Weight-Version"  # ... and the version of its weights
 
 
 READ_CHUNK = 64 * 1024
@@ -369,9 +371,10 @@ class RecordingEndpoint:
             tokenizer=handle.ctx.agents[role].tokenizer,
             calls=calls,
         )
+        headers = {VERSION_HEADER: str(sample.weight_version), POLICY_HEADER: sample.policy}
         if not body.get("stream"):
-            return web.json_response(reply)
-        return await _stream(request, reply, chat=chat)
+            return web.json_response(reply, headers=headers)
+        return await _stream(request, reply, chat=chat, headers=headers)
 
     def _prompt(
         self, handle: EpisodeHandle, role: str, body: dict, *, chat: bool
@@ -536,6 +539,12 @@ def _reply(
     calls: Sequence[ToolCall] = (),
 ) -> dict:
     created = int(time.time())
+    # which weights wrote the reply: OpenAI's system_fingerprint (an OpenAI client's
+    # ``completion.system_fingerprint``) and the fields themselves (``completion.model_extra``)
+    stamp = {
+        "system_fingerprint": f"{sample.policy}@v{sample.weight_version}",
+        "megamarl": {"policy": sample.policy, "weight_version": sample.weight_version},
+    }
     usage = {
         "prompt_tokens": len(sample.prompt_ids),
         "completion_tokens": len(sample.response_ids),
@@ -570,6 +579,7 @@ def _reply(
             "model": role,
             "choices": [choice],
             "usage": usage,
+            **stamp,
         }
     choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
     return {
@@ -579,15 +589,21 @@ def _reply(
         "model": role,
         "choices": [choice],
         "usage": usage,
+        **stamp,
     }
 
 
-async def _stream(request: web.Request, reply: dict, *, chat: bool) -> web.StreamResponse:
-    """Server-sent events: the whole reply as one chunk, a closing chunk with ``finish_reason``, [DONE]."""
-    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+async def _stream(
+    request: web.Request, reply: dict, *, chat: bool, headers: dict[str, str]
+) -> web.StreamResponse:
+    """Server-sent events: the whole reply as one chunk, a closing chunk with ``finish_reason``, [DONE];
+    every chunk carries the reply's weight stamp."""
+    response = web.StreamResponse(
+        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **headers}
+    )
     await response.prepare(request)
     choice = reply["choices"][0]
-    base = {key: reply[key] for key in ("id", "created", "model")}
+    base = {key: reply[key] for key in ("id", "created", "model", "system_fingerprint", "megamarl")}
     if chat:
         base["object"] = "chat.completion.chunk"
         delta = {"role": "assistant", "content": choice["message"]["content"]}

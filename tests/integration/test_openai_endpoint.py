@@ -5,6 +5,7 @@ Bad input (unknown role, missing episode id, reward for an unknown episode, a pr
 hangs or posts no reward) is a clear HTTP error or a counted failed episode, and the run goes on."""
 
 import asyncio
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -28,14 +29,17 @@ PROGRAMS = Path(__file__).parent / "openai_programs"
 
 
 class RecordingEngine(Engine):
-    """Wraps an engine; keeps every (prompt ids, [(response ids, logprobs)]) it returned."""
+    """Wraps an engine; keeps every (prompt ids, [(response ids, logprobs)]) it returned. ``version``:
+    the weight version its generations carry (as after that many pushes)."""
 
-    def __init__(self, inner: Engine) -> None:
-        self.inner, self.calls = inner, []
+    def __init__(self, inner: Engine, version: int | None = None) -> None:
+        self.inner, self.calls, self.version = inner, [], version
 
     async def generate(self, prompt_ids, sampling, *, lora=None):
         generations = await self.inner.generate(prompt_ids, sampling, lora=lora)
         self.calls.append((list(prompt_ids), [(list(g.token_ids), list(g.logprobs)) for g in generations]))
+        if self.version is not None:
+            generations = [dataclasses.replace(g, weight_version=self.version) for g in generations]
         return generations
 
     def update_weights(self, weights, *, version, lora=None):
@@ -67,7 +71,7 @@ def test_openai_client_drives_two_roles_token_exact(hf_engine, tmp_path, monkeyp
     monkeypatch.setenv("OAI_TEST_LOG", str(log))
     tokenizer = smollm2_tokenizer()
     maker, agents = _agents(tokenizer)
-    engine = RecordingEngine(hf_engine)
+    engine = RecordingEngine(hf_engine, version=7)
     orchestra = build_orchestra(
         "external",
         command=["python", str(PROGRAMS / "two_roles.py")],
@@ -121,6 +125,16 @@ def test_openai_client_drives_two_roles_token_exact(hf_engine, tmp_path, monkeyp
         assert samples[0].prompt_ids == tokenizer.encode(rendered, add_special_tokens=False)
         assert samples[2].prompt_ids == tokenizer.encode(f"Answer: {question}")
         assert row["usage"] == [len(samples[0].response_ids), len(samples[2].response_ids)]
+        # every reply names the policy and weight version that wrote it, and the samples keep them
+        # (issue #46 item 4): system_fingerprint (plain, streamed, completions), the field, the headers
+        assert {(s.policy, s.weight_version) for s in samples} == {("default", 7)}
+        assert row["stamps"] == [
+            "default@v7",
+            "default@v7",
+            "default@v7",
+            {"policy": "default", "weight_version": 7},
+            ["default", "7"],
+        ]
         # a continued conversation keeps the sampled reply's ids (not its text re-encoded)
         first, later = samples[0], samples[3]
         assert (

@@ -54,6 +54,22 @@ def test_staleness_stats_histogram_and_metrics():
     assert m["async/dropped_stale_groups"] == 1 and m["async/dropped_stale_samples"] == 2
 
 
+def test_staleness_histogram_per_agent():
+    # issue #46 item 4: each agent's own lag histogram beside the whole batch's
+    stats = StalenessStats()
+    samples = [sample("t", 3, agent="solver"), sample("t", 2, agent="solver"), sample("t", 1, agent="critic")]
+    stats.record_trained([EpisodeGroup("t", samples)], {"a": 3})
+    m = stats.metrics()
+    assert {k: v for k, v in m.items() if k.startswith("async/agent/")} == {
+        "async/agent/critic/staleness/2": 1.0,
+        "async/agent/critic/staleness_mean": 2.0,
+        "async/agent/solver/staleness/0": 1.0,
+        "async/agent/solver/staleness/1": 1.0,
+        "async/agent/solver/staleness_mean": 0.5,
+    }
+    assert m["async/staleness/0"] == 1 and m["async/staleness/1"] == 1 and m["async/staleness/2"] == 1
+
+
 def test_buffer_capacity_counts_in_flight_and_waiting_groups():
     buf = GroupBuffer(groups_per_batch=2, capacity=3, per_policy=False)
     for _ in range(3):

@@ -1,7 +1,8 @@
 """Test program for the recording endpoint: two roles through the official ``openai`` client.
 
 Calls the solver (chat, plain), the verifier (chat, streamed), the solver again through
-``/v1/completions`` routed by header, and the solver's first conversation continued; posts a reward derived
+``/v1/completions`` routed by header, and the solver's first conversation continued (reading each reply's
+weight stamp: system_fingerprint, the ``megamarl`` field, the headers); posts a reward derived
 from the replies and appends what it received and posted to ``$OAI_TEST_LOG`` (one JSON line per episode) for
 the test to compare.
 """
@@ -27,7 +28,8 @@ def main() -> None:
         messages=[{"role": "user", "content": f"{question} {solver.choices[0].message.content}?"}],
         stream=True,
     )
-    verifier = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    chunks = list(stream)
+    verifier = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     # routed by header instead of the base URL's episode prefix
     plain = OpenAI(base_url=os.environ["OPENAI_BASE_URL"].split("/episodes/")[0] + "/v1")
     again = plain.completions.create(
@@ -43,7 +45,16 @@ def main() -> None:
         {"role": "assistant", "content": solver.choices[0].message.content},
         {"role": "user", "content": "Sure?"},
     ]
-    sure = client.chat.completions.create(model="solver", messages=history, max_tokens=4)
+    raw = client.chat.completions.with_raw_response.create(model="solver", messages=history, max_tokens=4)
+    sure = raw.parse()
+    # which weights wrote each reply, as an OpenAI client reads it
+    stamps = [
+        solver.system_fingerprint,
+        chunks[0].system_fingerprint,
+        again.system_fingerprint,
+        (sure.model_extra or {}).get("megamarl"),
+        [raw.headers.get("X-Megamarl-Policy"), raw.headers.get("X-Megamarl-Weight-Version")],
+    ]
     texts = [
         solver.choices[0].message.content,
         verifier,
@@ -61,6 +72,7 @@ def main() -> None:
                     "texts": texts,
                     "reward": reward,
                     "usage": [solver.usage.completion_tokens, again.usage.completion_tokens],
+                    "stamps": stamps,
                 }
             )
             + "\n"
