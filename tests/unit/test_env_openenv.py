@@ -100,22 +100,25 @@ def test_relay_episodes_through_the_sequential_orchestra():
     )
 
 
-def _echo_env(tmp_path, monkeypatch) -> str:
+@pytest.fixture
+def echo_env(tmp_path, monkeypatch):
     """``openenv init echo`` (OpenEnv's own template) written under tmp_path; its module spec."""
     init = importlib.import_module("openenv.cli.commands.init").init
     monkeypatch.setenv("PATH", str(tmp_path))  # no `uv lock` (it would reach for the network)
     init("echo", output_dir=str(tmp_path))
     # the template's server module imports its models as top-level `models`, as its Dockerfile runs it
     monkeypatch.syspath_prepend(str(tmp_path / "echo"))
-    for name in ("models", "server", "server.echo_environment"):
-        monkeypatch.delitem(sys.modules, name, raising=False)
-    return "server.echo_environment:EchoEnvironment"
+    before = set(sys.modules)
+    yield "server.echo_environment:EchoEnvironment"
+    for name in ("models", "server", "server.echo_environment"):  # top-level names: leave none behind
+        if name not in before:
+            sys.modules.pop(name, None)
 
 
 @needs_openenv
-def test_the_echo_env_openenv_init_writes(tmp_path, monkeypatch):
+def test_the_echo_env_openenv_init_writes(echo_env):
     """reset() takes no seed; the reply is the action's only field; reward 0.1 per character; never done."""
-    maker = EnvMaker("openenv", environment=_echo_env(tmp_path, monkeypatch))
+    maker = EnvMaker("openenv", environment=echo_env)
     env = maker(maker.tasks(1, seed=0)[0])
     assert env.agents == ("agent",)
     assert env.observe("agent") == '{"echoed_message": "Echo environment ready!", "message_length": 0}'
