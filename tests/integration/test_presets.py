@@ -98,6 +98,7 @@ WORLD_SIZES = {
     "l3_colocated": 2,
     "l3_disaggregated": 3,
     "math": 1,
+    "openenv": 1,
     "pettingzoo": 1,
     "reasoning_gym": 1,
     "search_qa": 1,
@@ -113,6 +114,7 @@ FULL_RUN_1_RANK = "signalling"  # the 1-rank preset that trains all NUM_STEPS (s
 # Presets of an optional extra: the package they need, and the test that trains them (2 steps) instead
 # of this module; without the package they are not loaded here either.
 EXTRA_PRESETS = {
+    "openenv": ("openenv", "tests/integration/test_openenv.py"),
     "reasoning_gym": ("reasoning_gym", "tests/integration/test_reasoning_gym.py"),
     "textarena": ("textarena", "tests/integration/test_textarena.py"),
 }

@@ -119,8 +119,9 @@ def _preset_param(stem: str):
 @pytest.mark.parametrize("preset", [_preset_param(p.stem) for p in sorted(PRESETS.glob("*.yaml"))])
 def test_every_preset_composes_to_the_config_it_resolved_to_before(preset):
     """Same values, same map order (agents/policies iterate in this order at run time)."""
-    if preset == "textarena":  # its env checks at load that the optional `textarena` extra is there
-        pytest.importorskip("textarena")
+    extra = {"textarena": "textarena", "openenv": "openenv"}.get(preset)
+    if extra:  # its env checks at load that its optional extra is there
+        pytest.importorskip(extra)
     before = OmegaConf.merge(OmegaConf.structured(RunConfig), OmegaConf.load(RESOLVED / f"{preset}.yaml"))
     assert to_yaml(load_config(PRESETS / f"{preset}.yaml")) == OmegaConf.to_yaml(before)
 

@@ -53,10 +53,12 @@ ENV_KWARGS = {
     "pettingzoo_parallel": {"factory": "megamarl.orchestration.envs.pettingzoo_games:make_echo_parallel"},
     "pettingzoo_aec": {"factory": "megamarl.orchestration.envs.pettingzoo_games:make_counting_aec"},
     "textarena": {"game": "TicTacToe-v0"},
+    "openenv": {"environment": "megamarl.orchestration.envs.openenv_relay:RelayEnvironment"},
 }
 ENV_PACKAGES = {
     "reasoning_gym": "reasoning_gym",
     "textarena": "textarena",
+    "openenv": "openenv",
 }  # envs of an optional extra: skipped without it
 
 
