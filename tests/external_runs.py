@@ -19,6 +19,8 @@ def run_program(
     num_tasks: int = 1,
     agents: dict[str, AgentConfig] | None = None,
     engine=None,
+    episode_timeout_s: float | None = None,
+    episodes_at_once: int = 64,
     **orchestra_kwargs,
 ) -> RolloutResult:
     """``num_tasks`` episodes of ``program`` (Python source run with ``-c``, or an argv) under the
@@ -36,6 +38,8 @@ def run_program(
             maker.tasks(num_tasks, seed=0),
             agents=build_agents(agents, tokenizer, default_kinds=maker.default_agents),
             engines={"default": engine or ScriptedEngine(tokenizer, fixed("4"))},
+            episode_timeout_s=episode_timeout_s,
+            max_concurrency=episodes_at_once,  # run_episodes' own limit (each episode's timeout within)
         )
     )
 

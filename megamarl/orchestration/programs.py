@@ -14,6 +14,7 @@ Details: docs/design-notes.md, "megamarl/orchestration/programs.py".
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -39,6 +40,10 @@ class ProgramTimeoutError(ExternalProgramError):
 
 class NoRewardError(ExternalProgramError):
     pass
+
+
+class _Cancelled(ExternalProgramError):
+    """The episode a long-lived program was serving was cancelled: the program's state is lost."""
 
 
 class DoneLineError(ExternalProgramError):
@@ -195,30 +200,35 @@ class ProgramWorkers:
         return await done  # cancelled (the episode is): the worker kills its program, starts it again
 
     async def _serve(self, index: int) -> None:
-        # at once: the programs' imports overlap
-        started: tuple[asyncio.SubprocessTransport, _Program] | None = await self._start(index)
+        started: tuple[asyncio.SubprocessTransport, _Program] | None = None
+        done: asyncio.Future[dict] | None = None
+        with contextlib.suppress(OSError):  # a command that cannot start: each job reports it
+            started = await self._start(index)  # at once: the programs' imports overlap
         try:
             while True:
                 job, done = await self.jobs.get()
                 if done.done():  # the episode was cancelled while queued
                     continue
-                if started is None or started[1].exited.done():
-                    started = await self._start(index)
                 try:
+                    if started is None or started[1].exited.done():  # failed, or exited between jobs
+                        if started is not None:
+                            await _end(*started)
+                        started = None
+                        started = await self._start(index)
                     answer = await self._episode(*started, job, done)
                     if not done.done():
                         done.set_result(answer)
-                except ExternalProgramError as exc:
-                    await _end(*started)
+                # the episode's failure (or its cancellation: _Cancelled), never the worker's end; the
+                # worker's own cancellation (the loop's end) is not an Exception: ``finally`` kills
+                except Exception as exc:  # noqa: BLE001
+                    if started is not None:
+                        await _end(*started)
                     started = None
                     if not done.done():
                         done.set_exception(exc)
-                except asyncio.CancelledError:
-                    if not done.done():  # the worker, not the episode, was cancelled
-                        raise
-                    await _end(*started)  # the episode was: its program's state is lost with it
-                    started = None
         finally:
+            if done is not None:
+                done.cancel()  # no-op unless the worker ends mid-episode
             if started is not None:
                 await _end(*started)
 
@@ -243,7 +253,7 @@ class ProgramWorkers:
             finally:
                 line.cancel()
             if done.done():
-                raise asyncio.CancelledError
+                raise _Cancelled(f"{what}: the episode was cancelled; its program is started again")
             if line.done() and not line.cancelled():
                 answer = _done_line(line.result())
                 if answer is None:

@@ -467,3 +467,26 @@ def test_a_crashed_or_hung_worker_loses_only_its_episode(tmp_path, monkeypatch):
     assert (by_task[4].status, by_task[4].team_reward) == ("ok", 1.0 / 5)
     assert result.num_failed == 3 and result.summary()["rollout/num_failed"] == 3.0
     assert len(_starts(starts)) == 3  # the first start, a restart after the crash and after the hang
+
+
+def test_a_cancelled_episode_restarts_its_worker_and_a_missing_command_fails_episodes(tmp_path, monkeypatch):
+    """An episode cancelled mid-way (rollout's episode timeout) takes its worker's program with it and
+    the next episode gets a fresh one; a command that cannot start fails each episode (never hangs)."""
+    starts = tmp_path / "starts"
+    monkeypatch.setenv("STARTS", str(starts))
+    monkeypatch.setenv("TASK_FATE", json.dumps({"0": "hang"}))
+    result = run_program(
+        _WORKER,
+        num_tasks=2,
+        mode="long_lived",
+        num_workers=1,
+        pass_env=["STARTS", "TASK_FATE"],
+        episode_timeout_s=2,
+        episodes_at_once=1,
+    )
+    first, second = result.episodes
+    assert (first.status, first.reason) == ("failed", "episode_timeout")
+    assert (second.status, second.team_reward) == ("ok", 0.5)
+    assert len(_starts(starts)) == 2
+    result = run_program([str(tmp_path / "no-such-program")], num_tasks=2, mode="long_lived", num_workers=1)
+    assert [e.reason for e in result.episodes] == ["error:FileNotFoundError"] * 2
