@@ -4,6 +4,7 @@ Nothing here knows about megamarl: ``OpenAI()`` reads ``OPENAI_BASE_URL`` and ``
 from the environment, the task arrives as JSON on stdin, and the reward goes to
 ``MEGAMARL_REWARD_URL``. Run by megamarl's ``external`` orchestra (one process per episode), every
 completion is recorded and trained; pointed at any OpenAI-compatible server it runs as is.
+``team_workers.py`` runs the same ``play`` long-lived (``orchestra.kwargs.mode: long_lived``).
 
 Protocol: the solver answers; the verifier says yes or no; on "no" the solver tries once more.
 Reward: team = the final answer is right; solver = the same; verifier = its verdicts were right.
@@ -41,10 +42,9 @@ def ask(client: OpenAI, role: str, system: str, user: str, *, stream: bool = Fal
     return "".join(chunk.choices[0].delta.content or "" for chunk in chunks if chunk.choices)
 
 
-def main() -> None:
-    job = json.load(sys.stdin)
-    question, truth = job["task"]["question"], float(job["task"]["answer"])
-    client = OpenAI()
+def play(client: OpenAI, task: dict) -> dict:
+    """One episode of the team on ``task`` (``{"question", "answer"}``): the reward body."""
+    question, truth = task["question"], float(task["answer"])
     verdicts_right = []
     answer = None
     for attempt in range(2):
@@ -64,7 +64,12 @@ def main() -> None:
         if judged is not False:  # approved (or no verdict): done
             break
     team = float(correct)
-    body = {"team": team, "agents": {"solver": team, "verifier": float(all(verdicts_right))}}
+    return {"team": team, "agents": {"solver": team, "verifier": float(all(verdicts_right))}}
+
+
+def main() -> None:
+    job = json.load(sys.stdin)
+    body = play(OpenAI(), job["task"])
     request = urllib.request.Request(
         os.environ["MEGAMARL_REWARD_URL"],
         data=json.dumps(body).encode(),

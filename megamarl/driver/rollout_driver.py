@@ -281,6 +281,7 @@ class RolloutDriver:
                 metrics.update({f"engine/{name}/{k}": v for k, v in engine.counters().items()})
         if self.env_workers is not None:
             metrics.update({f"env_workers/{k}": v for k, v in self.env_workers.counters().items()})
+        metrics.update({f"orchestra/{k}": v for k, v in self.orchestra.counters().items()})
         return batch, metrics
 
     def _log_transcripts(self, step: int, result: RolloutResult) -> None:

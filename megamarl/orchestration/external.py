@@ -1,15 +1,16 @@
 """The ``external`` orchestra: an episode is a run of the user's own program, written for the OpenAI API.
 
-The orchestra starts ``command`` (or ``python -m module``) once per episode. The program reads the task
-as JSON on stdin (``{"episode_id", "task_id", "task", "roles"}``, also ``MEGAMARL_TASK``), calls
-``/v1/chat/completions`` at ``OPENAI_BASE_URL`` with ``model=<role>`` (every call is a Sample of that
-role, ``openai_endpoint.py``), POSTs ``{"team": r, "agents": {role: r}}`` to ``MEGAMARL_REWARD_URL`` and
-exits. It fails (counted, samples discarded, within ``rollout.max_failed_fraction``) on a non-zero exit
-(``ProgramExitError``, with the tail of its stderr: at most ``max_stderr_bytes`` are kept), past
-``timeout_s`` (``ProgramTimeoutError``) or with no reward (``NoRewardError``). Whatever way it ends, its
-whole process group is killed, so nothing it started outlives the episode. It sees an allow-listed
-environment (``PASS_ENV`` + ``pass_env`` + ``env`` + the episode's own variables, ``OPENAI_API_KEY``
-being the episode's random key), never the driver's secrets. At most ``max_concurrency`` at once.
+``mode: per_episode`` starts ``command`` (or ``python -m module``) once per episode: it reads the job as
+JSON on stdin (``{"episode_id", "task_id", "task", "roles", "base_url", "api_key", "reward_url"}``, also
+``MEGAMARL_TASK``; ``OPENAI_BASE_URL``/``OPENAI_API_KEY`` are the episode's), calls
+``/v1/chat/completions`` with ``model=<role>`` (every call is a Sample of that role,
+``openai_endpoint.py``), POSTs ``{"team": r, "agents": {role: r}}`` to the reward URL and exits.
+``mode: long_lived`` keeps ``num_workers`` programs running, each reading one job per stdin line and
+writing a done line per episode, which may carry the reward (``programs.py``). An episode fails
+(counted, samples discarded, within ``rollout.max_failed_fraction``) when its program exits
+(``ProgramExitError``), runs past ``timeout_s`` (``ProgramTimeoutError``) or gives no reward
+(``NoRewardError``). A program sees an allow-listed environment (``PASS_ENV`` + ``pass_env`` + ``env``),
+never the driver's secrets; each episode has its own random key. At most ``max_concurrency`` at once.
 Details: docs/design-notes.md, "megamarl/orchestration/external.py".
 """
 
@@ -21,30 +22,25 @@ import fnmatch
 import json
 import os
 import re
-import signal
 import sys
 from dataclasses import dataclass, field
 
 from megamarl.orchestration.context import EpisodeContext
-from megamarl.orchestration.openai_endpoint import EndpointLimits, EpisodeHandle, RecordingEndpoint
+from megamarl.orchestration.openai_endpoint import (
+    EndpointError,
+    EndpointLimits,
+    EpisodeHandle,
+    RecordingEndpoint,
+)
 from megamarl.orchestration.orchestras import ORCHESTRAS, Orchestra, OrchestraConfig
-
-
-class ExternalProgramError(RuntimeError):
-    """The episode's program failed; the episode is counted as failed (reason ``error:<class>``)."""
-
-
-class ProgramExitError(ExternalProgramError):
-    pass
-
-
-class ProgramTimeoutError(ExternalProgramError):
-    pass
-
-
-class NoRewardError(ExternalProgramError):
-    pass
-
+from megamarl.orchestration.programs import (
+    RUNNERS,
+    ExternalProgramError,
+    NoRewardError,
+    ProgramPerEpisode,
+    ProgramSpec,
+    ProgramWorkers,
+)
 
 # the driver's variables a program gets without asking: what an interpreter and its libraries need to
 # start and find files, nothing that names a credential (tokens, cloud keys, proxies with passwords)
@@ -66,7 +62,6 @@ PASS_ENV = (
     "SLURM_*",  # a command of `srun -w <node> ...` runs as a step of the driver's job only with these
 )
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\*?")
-_STDERR_GRACE_S = 1.0
 
 
 def _payload(value):
@@ -84,8 +79,12 @@ class External(Orchestra):
         command: tuple[str, ...] = ()  # argv; a first element "python" is the run's interpreter
         module: str = ""  # or: run ``python -m module`` (found on plugin_paths / sys.path)
         roles: tuple[str, ...] = ()  # roles the program calls (each needs agents.<role>); empty: the env's
+        # per_episode: a program per episode; long_lived: num_workers programs, each serving episode
+        # after episode (one JSON job per stdin line, a done line per episode on stdout)
+        mode: str = "per_episode"
+        num_workers: int = 0  # long_lived: the programs kept running; 0: max_concurrency of them
         timeout_s: float = 300.0  # per episode; the program is killed after it
-        max_concurrency: int = 16  # programs running at once
+        max_concurrency: int = 16  # episodes (per_episode: programs) running at once
         # a program may run on another node: advertised at this node's address
         # (parallel.network.listen_address)
         host: str = ""  # the endpoint's bind address; "" (auto): 127.0.0.1 on one node, 0.0.0.0 on several
@@ -106,6 +105,15 @@ class External(Orchestra):
                     "orchestra.kwargs: set exactly one of orchestra.command (an argv list) and "
                     f"orchestra.module (a module name); got command={list(self.command)}, "
                     f"module='{self.module}'"
+                )
+            if self.mode not in RUNNERS:
+                raise ValueError(f"orchestra.mode must be one of {sorted(RUNNERS)}, got '{self.mode}'")
+            if self.num_workers < 0:
+                raise ValueError(f"orchestra.num_workers must be >= 0, got {self.num_workers}")
+            if self.num_workers and self.mode != "long_lived":
+                raise ValueError(
+                    f"orchestra.num_workers is for orchestra.mode=long_lived (got num_workers="
+                    f"{self.num_workers} with mode={self.mode}); per_episode runs max_concurrency programs"
                 )
             if not self.timeout_s > 0:
                 raise ValueError(f"orchestra.timeout_s must be > 0, got {self.timeout_s}")
@@ -131,9 +139,15 @@ class External(Orchestra):
         super().__init__(config)
         self.endpoint = RecordingEndpoint(host=self.config.host, port=self.config.port, limits=self.config)
         self._limits: dict[asyncio.AbstractEventLoop, asyncio.Semaphore] = {}
+        # the programs of each event loop (long_lived: its workers, which live as long as the loop)
+        self._runners: dict[asyncio.AbstractEventLoop, ProgramPerEpisode | ProgramWorkers] = {}
+        self._counters = {"program_starts": 0}
 
     def roles(self, env_roles: tuple[str, ...]) -> tuple[str, ...]:
         return self.config.roles or env_roles
+
+    def counters(self) -> dict[str, float]:
+        return {key: float(value) for key, value in self._counters.items()}
 
     def argv(self) -> list[str]:
         if self.config.module:
@@ -141,124 +155,89 @@ class External(Orchestra):
         command = list(self.config.command)
         return [sys.executable, *command[1:]] if command[0] == "python" else command
 
-    def environ(self, handle: EpisodeHandle, task_json: str) -> dict[str, str]:
+    def base_environ(self) -> dict[str, str]:
+        """What every program gets: the allow-list, ``pass_env``, ``env`` and the driver's sys.path."""
         patterns = (*PASS_ENV, *self.config.pass_env)
         passed = {k: v for k, v in os.environ.items() if any(fnmatch.fnmatchcase(k, p) for p in patterns)}
         # the program runs with the driver's sys.path, so a module on plugin_paths is found
         paths = [p for p in sys.path if p and os.path.isdir(p)]
-        url = self.endpoint.episode_url(handle.ctx.episode_id)
         return {
             **passed,
             **self.config.env,
             "PYTHONPATH": os.pathsep.join(
                 dict.fromkeys([*paths, *os.environ.get("PYTHONPATH", "").split(os.pathsep)])
             ),
-            "OPENAI_BASE_URL": url,
-            "OPENAI_API_KEY": handle.token,  # the episode's key: the endpoint answers nothing without it
-            "MEGAMARL_EPISODE_ID": handle.ctx.episode_id,
-            "MEGAMARL_TASK": task_json,
-            "MEGAMARL_REWARD_URL": f"{url}/reward",
         }
+
+    def episode_environ(self, job: dict) -> dict[str, str]:
+        """A per-episode program's environment: the episode's URL and key, as the official client
+        reads them."""
+        return {
+            **self.base_environ(),
+            "OPENAI_BASE_URL": job["base_url"],
+            "OPENAI_API_KEY": job["api_key"],  # the episode's key: the endpoint answers nothing without it
+            "MEGAMARL_EPISODE_ID": job["episode_id"],
+            "MEGAMARL_TASK": json.dumps(job),
+            "MEGAMARL_REWARD_URL": job["reward_url"],
+        }
+
+    def _runner(self) -> ProgramPerEpisode | ProgramWorkers:
+        loop = asyncio.get_running_loop()
+        for old in [old for old in self._runners if old.is_closed()]:
+            del self._runners[old]
+        if loop not in self._runners:
+            spec = ProgramSpec(
+                argv=tuple(self.argv()),
+                cwd=self.config.cwd or None,
+                timeout_s=self.config.timeout_s,
+                max_stderr_bytes=self.config.max_stderr_bytes,
+            )
+            self._runners[loop] = RUNNERS[self.config.mode](
+                spec,
+                counters=self._counters,
+                num_workers=self.config.num_workers or self.config.max_concurrency,
+                worker_environ=lambda index: {**self.base_environ(), "MEGAMARL_WORKER": str(index)},
+            )
+        return self._runners[loop]
 
     async def run(self, ctx: EpisodeContext) -> None:
         loop = asyncio.get_running_loop()
         await self.endpoint.start()
         limit = self._limits.setdefault(loop, asyncio.Semaphore(self.config.max_concurrency))
-        task_json = json.dumps(
-            {
+        url = self.endpoint.episode_url(ctx.episode_id)
+        async with limit:
+            handle = self.endpoint.open(ctx)
+            job = {
                 "episode_id": ctx.episode_id,
                 "task_id": ctx.task.task_id,
                 "task": _payload(ctx.task.payload),
                 "roles": list(self.roles(tuple(ctx.env.agents))),
-            },
-            default=str,
-        )
-        async with limit:
-            handle = self.endpoint.open(ctx)
+                "base_url": url,
+                "api_key": handle.token,
+                "reward_url": f"{url}/reward",
+            }
+            job = json.loads(json.dumps(job, default=str))  # what the program reads
             try:
-                await self._run_program(handle, task_json)
+                done = await self._runner().run(job, self.episode_environ(job))
+                if done is not None and "team" in done:  # a long-lived program's reward, in its done line
+                    self._report(handle, done)
             finally:
                 self.endpoint.close(ctx.episode_id)
         if handle.error is not None:  # e.g. a prompt over budget: the episode is dropped
             raise handle.error
         if handle.reward is None:
             raise NoRewardError(
-                f"the program exited without posting a reward to "
-                f"{self.endpoint.episode_url(ctx.episode_id)}/reward ({handle.num_requests} completions)"
+                f"the program gave no reward: none posted to {url}/reward"
+                + (" nor in its done line" if self.config.mode == "long_lived" else "")
+                + f" ({handle.num_requests} completions)"
             )
 
-    async def _run_program(self, handle: EpisodeHandle, task_json: str) -> None:
-        episode_id = handle.ctx.episode_id
-        loop = asyncio.get_running_loop()
-        transport, program = await loop.subprocess_exec(
-            lambda: _Program(loop, self.config.max_stderr_bytes),
-            *self.argv(),
-            stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.DEVNULL,
-            stderr=asyncio.subprocess.PIPE,
-            env=self.environ(handle, task_json),
-            cwd=self.config.cwd or None,
-            start_new_session=True,
-        )  # its own process group: killed whole when the program ends
+    def _report(self, handle: EpisodeHandle, done: dict) -> None:
         try:
-            stdin = transport.get_pipe_transport(0)
-            assert isinstance(stdin, asyncio.WriteTransport)
-            stdin.write(
-                task_json.encode()
-            )  # buffered by the loop: a program that never reads cannot block it
-            stdin.close()
-            # the program's own exit, not its pipes' end: a child it left behind may hold stderr open
-            exited, _ = await asyncio.wait({program.exited}, timeout=self.config.timeout_s)
-            if not exited:
-                raise ProgramTimeoutError(
-                    f"episode {episode_id}: the program ran longer than "
-                    f"orchestra.timeout_s={self.config.timeout_s} s and was killed"
-                )
-        finally:  # every path (exit 0 too, a timeout, the episode cancelled): nothing it started survives
-            _kill_leftovers(transport.get_pid())
-            # the group is dead, so stderr ends at once, unless a process that left the group (setsid)
-            # holds it: the tail is not worth waiting longer for
-            await asyncio.wait({program.exited, program.closed}, timeout=_STDERR_GRACE_S)
-            transport.close()
-        returncode = transport.get_returncode()
-        if returncode != 0:
-            lines = program.tail.decode(errors="replace").strip().splitlines()[-15:]
-            skipped = (
-                f" (the first {program.dropped} bytes of its stderr not kept)" if program.dropped else ""
-            )
-            raise ProgramExitError(
-                f"episode {episode_id}: {self.argv()} exited with {returncode}{skipped}:\n" + "\n".join(lines)
-            )
+            self.endpoint.report(handle, {"team": done["team"], "agents": done.get("agents") or {}})
+        except EndpointError as exc:  # the checks of the reward route: the same bound, once per episode
+            raise InvalidRewardError(f"episode {handle.ctx.episode_id}: done line: {exc.message}") from exc
 
 
-class _Program(asyncio.SubprocessProtocol):
-    """The program's process as the loop sees it: its exit, its pipes' end, the tail of its stderr."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, max_stderr_bytes: int) -> None:
-        self.limit = max_stderr_bytes
-        self.tail, self.dropped = bytearray(), 0
-        self.exited: asyncio.Future[None] = loop.create_future()
-        self.closed: asyncio.Future[None] = loop.create_future()  # exited and every pipe closed
-
-    def pipe_data_received(self, fd: int, data: bytes | bytearray) -> None:
-        self.tail += data  # stderr, the only pipe it writes to; only its last ``limit`` bytes are kept
-        if len(self.tail) > self.limit:
-            self.dropped += len(self.tail) - self.limit
-            del self.tail[: len(self.tail) - self.limit]
-
-    def process_exited(self) -> None:
-        if not self.exited.done():
-            self.exited.set_result(None)
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        if not self.closed.done():
-            self.closed.set_result(None)
-
-
-def _kill_leftovers(pgid: int) -> None:
-    # the group outlives its leader while any member lives, so its id is not reused meanwhile; once
-    # empty, the leader was reaped only this loop iteration ago (a pid is reused after pid_max others)
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except ProcessLookupError:  # the group is empty: nothing was left behind
-        pass
+class InvalidRewardError(ExternalProgramError):
+    """A done line's reward that the reward route would refuse (not finite, out of bound, a second one)."""

@@ -2,7 +2,7 @@
 
 The driver serves ``/v1/chat/completions``, ``/v1/completions``, ``/v1/models`` and
 ``/v1/episodes/{episode_id}/reward`` (aiohttp, on the rollout's event loop) while the external
-orchestra (``external.py``) runs a program per episode. Each call is routed to an *episode* (URL
+orchestra (``external.py``) runs programs. Each call is routed to an *episode* (URL
 prefix ``/episodes/{id}/v1/...``, header, ``metadata`` or ``user``) and an *agent role* (header or
 ``model``), rendered with the role's chat template and sampled by ``EpisodeContext.complete`` exactly
 as ``ctx.act`` (the role's policy, sampling config and seed), and recorded as a Sample; the request's
@@ -432,32 +432,42 @@ class RecordingEndpoint:
         try:
             handle = self._authorize(request)
             self._named(request, handle)
-            if handle.reward is not None:  # one reward per episode: never overwritten
-                raise EndpointError(
-                    409,
-                    f"episode '{handle.ctx.episode_id}' already has its reward {handle.reward[0]!r}",
-                    "reward_already_posted",
-                )
-            body = await self._body(request)
-            team, agents = body.get("team"), body.get("agents") or {}
-            if not isinstance(agents, dict):
-                raise EndpointError(
-                    400, 'reward body must be {"team": number, "agents": {role: number}}', "invalid_reward"
-                )
-            self._check_reward("team", team)
-            for role, value in agents.items():
-                self._check_reward(f"agents.{role}", value)
-            try:
-                handle.ctx.report_rewards(float(cast(float, team)), {k: float(v) for k, v in agents.items()})
-            except (TypeError, ValueError) as exc:
-                raise EndpointError(400, str(exc), "invalid_reward") from exc
-            handle.reward = handle.ctx.reported
-            assert handle.reward is not None  # report_rewards set it
+            self._unrewarded(handle)  # before the body: a second post costs no read
+            self.report(handle, await self._body(request))
+            assert handle.reward is not None  # report set it
         except EndpointError as exc:
             return _error(exc.status, exc.message, exc.code)
         return web.json_response(
             {"episode_id": handle.ctx.episode_id, "team": handle.reward[0], "agents": handle.reward[1]}
         )
+
+    @staticmethod
+    def _unrewarded(handle: EpisodeHandle) -> None:
+        if handle.reward is not None:  # one reward per episode: never overwritten
+            raise EndpointError(
+                409,
+                f"episode '{handle.ctx.episode_id}' already has its reward {handle.reward[0]!r}",
+                "reward_already_posted",
+            )
+
+    def report(self, handle: EpisodeHandle, body: Any) -> None:
+        """The episode's one reward, ``{"team": number, "agents": {role: number}}`` (the reward route's
+        body, or a long-lived program's done line), each value checked; EndpointError if refused."""
+        self._unrewarded(handle)
+        team = body.get("team") if isinstance(body, dict) else None
+        agents = (body.get("agents") or {}) if isinstance(body, dict) else None
+        if not isinstance(agents, dict):
+            raise EndpointError(
+                400, 'reward body must be {"team": number, "agents": {role: number}}', "invalid_reward"
+            )
+        self._check_reward("team", team)
+        for role, value in agents.items():
+            self._check_reward(f"agents.{role}", value)
+        try:
+            handle.ctx.report_rewards(float(cast(float, team)), {k: float(v) for k, v in agents.items()})
+        except (TypeError, ValueError) as exc:
+            raise EndpointError(400, str(exc), "invalid_reward") from exc
+        handle.reward = handle.ctx.reported
 
     def _check_reward(self, name: str, value: Any) -> None:
         """A reward trains every sample of the episode: a NaN, an infinity or a huge value would turn

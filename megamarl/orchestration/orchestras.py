@@ -43,6 +43,11 @@ class Orchestra(abc.ABC):
         each needs an ``agents.<role>`` entry; ``check_team``). Default: the env's roles."""
         return env_roles
 
+    def counters(self) -> dict[str, float]:
+        """Running totals the driver logs each step as ``orchestra/<key>`` (the external orchestra's
+        ``program_starts``); none by default."""
+        return {}
+
     @abc.abstractmethod
     async def run(self, ctx: EpisodeContext) -> None:
         """Drive one episode until it is done or out of budget."""

@@ -18,9 +18,9 @@ import time
 
 import aiohttp
 import pytest
-from scripted import ScriptedEngine, fixed, smollm2_tokenizer
+from external_runs import run_one_episode
+from scripted import smollm2_tokenizer
 
-from megamarl.orchestration import AgentConfig, EnvMaker, build_agents, build_orchestra, run_episodes
 from megamarl.orchestration.context import EpisodeContext
 from megamarl.orchestration.openai_endpoint import EndpointLimits, RecordingEndpoint
 
@@ -290,28 +290,6 @@ def test_many_slow_connections_leave_room_for_a_normal_request():
 # -- the program's process --------------------------------------------------------------------------
 
 
-def _run(script: str, **kwargs):
-    tokenizer = smollm2_tokenizer()
-    maker = EnvMaker("math")
-    agents = build_agents(
-        {"solver": AgentConfig(policy="default")}, tokenizer, default_kinds=maker.default_agents
-    )
-    orchestra = build_orchestra(
-        "external", command=[sys.executable, "-c", script], roles=["solver"], timeout_s=60, **kwargs
-    )
-    result = asyncio.run(
-        run_episodes(
-            orchestra,
-            maker,
-            maker.tasks(1, seed=0),
-            agents=agents,
-            engines={"default": ScriptedEngine(tokenizer, fixed("4"))},
-        )
-    )
-    [episode] = result.episodes
-    return episode
-
-
 POST_REWARD = """
 import json, os, urllib.request
 def post_reward(team):
@@ -343,7 +321,7 @@ def test_200_mb_of_stderr_leaves_the_driver_bounded_and_keeps_the_tail():
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
     try:
-        episode = _run(script)
+        episode = run_one_episode(script)
     finally:
         done.set()
         sampler.join()
@@ -362,7 +340,7 @@ def test_what_the_program_leaves_running_is_killed(exit_code, tmp_path):
         f"open({str(pid_file)!r}, 'w').write(str(child.pid))\n"
         f"post_reward(1.0)\nsys.exit({exit_code})\n"
     )
-    episode = _run(script)
+    episode = run_one_episode(script)
     assert episode.status == ("ok" if exit_code == 0 else "failed"), episode.error
     pid = int(pid_file.read_text())
     deadline = time.monotonic() + 5
@@ -385,7 +363,7 @@ def test_the_program_sees_an_allow_listed_environment(tmp_path, monkeypatch):
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "hunter3")
     monkeypatch.setenv("TEAM_SETTING", "passed")
     script = POST_REWARD + f"json.dump(dict(os.environ), open({str(seen)!r}, 'w'))\npost_reward(1.0)\n"
-    episode = _run(script, pass_env=["TEAM_SETTING"], env={"EXTRA": "1"})
+    episode = run_one_episode(script, pass_env=["TEAM_SETTING"], env={"EXTRA": "1"})
     assert episode.status == "ok", episode.error
     env = json.loads(seen.read_text())
     assert "MEGAMARL_TEST_DRIVER_SECRET" not in env and "AWS_SECRET_ACCESS_KEY" not in env

@@ -7,12 +7,13 @@ hangs or posts no reward) is a clear HTTP error or a counted failed episode, and
 import asyncio
 import dataclasses
 import json
-import sys
+import time
 from pathlib import Path
 
 import aiohttp
 import pytest
-from scripted import ScriptedEngine, fixed, smollm2_tokenizer
+from external_runs import run_program
+from scripted import ScriptedEngine, smollm2_tokenizer
 
 from megamarl.orchestration import (
     AgentConfig,
@@ -26,6 +27,11 @@ from megamarl.rollout.engines.base import Engine
 
 pytestmark = [pytest.mark.integration]
 PROGRAMS = Path(__file__).parent / "openai_programs"
+# the math env's two roles, as _agents builds them
+TEAM = {
+    role: AgentConfig(policy="default", sampling=SamplingConfig(temperature=1.0, max_tokens=12))
+    for role in ("solver", "verifier")
+}
 
 
 class RecordingEngine(Engine):
@@ -165,20 +171,7 @@ if index == 0:
 
 
 def test_failed_programs_are_counted_and_the_run_goes_on():
-    tokenizer = smollm2_tokenizer()
-    maker, agents = _agents(tokenizer)
-    orchestra = build_orchestra(
-        "external", command=[sys.executable, "-c", _MIXED], timeout_s=3, max_concurrency=4
-    )
-    result = asyncio.run(
-        run_episodes(
-            orchestra,
-            maker,
-            maker.tasks(4, seed=0),
-            agents=agents,
-            engines={"default": ScriptedEngine(tokenizer, fixed("4"))},
-        )
-    )
+    result = run_program(_MIXED, num_tasks=4, agents=TEAM, timeout_s=3, max_concurrency=4)
     by_task = {e.task_id.rsplit("-", 1)[1]: e for e in result.episodes}
     assert by_task["0"].status == "ok" and by_task["0"].team_reward == 1.0 and by_task["0"].success
     assert (by_task["1"].status, by_task["1"].reason) == ("failed", "error:ProgramExitError")
@@ -191,8 +184,6 @@ def test_failed_programs_are_counted_and_the_run_goes_on():
 def test_bad_requests_are_clear_http_errors():
     """Unknown role, missing episode id, unknown episode, bad reward body: OpenAI-style errors while an
     episode runs; then the episode ends normally with the reward it posted."""
-    tokenizer = smollm2_tokenizer()
-    maker, agents = _agents(tokenizer)
     script = """
 import json, os, sys, urllib.request, urllib.error
 job = json.load(sys.stdin)
@@ -222,16 +213,7 @@ out = {
 print(json.dumps(out), file=sys.stderr)
 sys.exit(7)
 """  # noqa: E501 - the embedded program keeps its own layout
-    orchestra = build_orchestra("external", command=[sys.executable, "-c", script], timeout_s=30)
-    result = asyncio.run(
-        run_episodes(
-            orchestra,
-            maker,
-            maker.tasks(1, seed=0),
-            agents=agents,
-            engines={"default": ScriptedEngine(tokenizer, fixed("4"))},
-        )
-    )
+    result = run_program(script, agents=TEAM, timeout_s=30)
     [episode] = result.episodes  # exit 7 makes it failed, so its stderr (the answers) is in the error
     assert episode.reason == "error:ProgramExitError"
     out = json.loads(episode.error.splitlines()[-1])
@@ -283,6 +265,12 @@ def test_config_is_validated_naming_the_key():
             build_orchestra("external", module="x", **{key: value})
     with pytest.raises(ValueError, match=r"orchestra.pass_env: \['A-B', '\*'\] are not variable names"):
         build_orchestra("external", module="x", pass_env=["HF_*", "A-B", "*"])
+    with pytest.raises(ValueError, match=r"orchestra.mode must be one of \['long_lived', 'per_episode'\]"):
+        build_orchestra("external", module="x", mode="pooled")
+    with pytest.raises(ValueError, match="orchestra.num_workers is for orchestra.mode=long_lived"):
+        build_orchestra("external", module="x", num_workers=2)
+    with pytest.raises(ValueError, match="orchestra.num_workers must be >= 0, got -1"):
+        build_orchestra("external", module="x", mode="long_lived", num_workers=-1)
 
 
 @pytest.mark.parametrize("forced", [False, True])
@@ -365,13 +353,6 @@ def test_tool_choice_that_cannot_be_honoured_is_a_400():
 
 
 def test_prompt_over_budget_answers_400_and_drops_the_episode():
-    tokenizer = smollm2_tokenizer()
-    maker = EnvMaker("math")
-    agents = build_agents(
-        {"solver": AgentConfig(policy="default", max_prompt_tokens=5)},
-        tokenizer,
-        default_kinds=maker.default_agents,
-    )
     script = """
 import json, os, sys, urllib.request, urllib.error
 json.load(sys.stdin)
@@ -384,17 +365,142 @@ except urllib.error.HTTPError as e:
 else:
     sys.exit("no error")
 """  # noqa: E501 - the embedded program keeps its own layout
-    orchestra = build_orchestra(
-        "external", command=[sys.executable, "-c", script], roles=["solver"], timeout_s=30
-    )
-    result = asyncio.run(
-        run_episodes(
-            orchestra,
-            maker,
-            maker.tasks(1, seed=0),
-            agents=agents,
-            engines={"default": ScriptedEngine(tokenizer, fixed("4"))},
-        )
-    )
+    result = run_program(script, agents={"solver": AgentConfig(policy="default", max_prompt_tokens=5)})
     [episode] = result.episodes
     assert (episode.status, episode.reason) == ("dropped", "prompt_too_long") and result.samples == []
+
+
+# -- long-lived programs (orchestra.mode=long_lived) --------------------------------------------------
+
+# A worker: started once, it reads episodes from stdin (one JSON line each) and answers each with a done
+# line on stdout. It asks the solver once per episode with the episode's own key, tries the previous
+# episode's key (refused: a finished episode's key opens nothing), and reports its reward in the done
+# line or, on odd tasks, by POSTing it to the episode's reward_url first. By task index (TASK_FATE):
+# "crash" dies mid-episode, "hang" never answers, "silent" says done without a reward.
+_WORKER = """
+import json, os, sys, time, urllib.error, urllib.request
+with open(os.environ["STARTS"], "a") as f:
+    f.write(f"{os.getpid()}\\n")
+fates = json.loads(os.environ.get("TASK_FATE", "{}"))
+
+def post(url, body, key):
+    request = urllib.request.Request(url, data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json", "Authorization": "Bearer " + key})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, json.load(response)
+    except urllib.error.HTTPError as e:
+        return e.code, json.load(e)
+
+previous = None
+for line in sys.stdin:
+    job = json.loads(line)
+    index = int(job["task_id"].rsplit("-", 1)[1])
+    chat = {"model": "solver", "messages": [{"role": "user", "content": job["task"]["question"]}]}
+    status, reply = post(job["base_url"] + "/chat/completions", chat, job["api_key"])
+    assert status == 200, reply
+    if previous is not None:
+        assert post(job["base_url"] + "/chat/completions", chat, previous)[0] == 401
+    previous = job["api_key"]
+    fate = fates.get(str(index))
+    if fate == "crash":
+        sys.stderr.write("boom: the worker crashed\\n")
+        os._exit(3)
+    if fate == "hang":
+        time.sleep(60)
+    done = {"episode_id": job["episode_id"], "pid": os.getpid()}
+    team = float(reply["choices"][0]["message"]["content"] == "4") / (index + 1)
+    if fate == "silent":
+        pass
+    elif index % 2:
+        assert post(job["reward_url"], {"team": team}, job["api_key"])[0] == 200
+    else:
+        done.update(team=team, agents={"solver": team / 2})
+    print("a line that is not a done line")
+    print(json.dumps(done), flush=True)
+"""
+
+
+def _starts(path: Path) -> list[int]:
+    return [int(pid) for pid in path.read_text().split()] if path.exists() else []
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return "\nState:\tZ" not in f.read()
+    except FileNotFoundError:
+        return False
+
+
+def test_long_lived_workers_serve_many_episodes(tmp_path, monkeypatch):
+    """Two programs, started once each, serve six episodes: every episode has its own key and reward
+    (in the done line or posted), and nothing of the workers outlives the rollout."""
+    starts = tmp_path / "starts"
+    monkeypatch.setenv("STARTS", str(starts))
+    result = run_program(
+        _WORKER, num_tasks=6, mode="long_lived", num_workers=2, pass_env=["STARTS"], timeout_s=30
+    )
+    assert result.num_failed == 0, result.first_error()
+    pids = _starts(starts)
+    assert len(pids) == 2  # once per worker, not per episode
+    by_task = {int(e.task_id.rsplit("-", 1)[1]): e for e in result.episodes}
+    assert sorted(by_task) == list(range(6)) and all(e.status == "ok" for e in by_task.values())
+    for index, episode in by_task.items():
+        assert episode.team_reward == 1.0 / (index + 1)
+        [sample] = [s for s in result.samples if s.episode_id == episode.episode_id]
+        assert sample.team_reward == 1.0 / (index + 1) and sample.response_text == "4"
+        assert sample.local_reward == (0.0 if index % 2 else 0.5 / (index + 1))
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and any(map(_alive, pids)):
+        time.sleep(0.05)
+    assert not any(map(_alive, pids)), "a worker outlived the rollout"
+
+
+def test_a_crashed_or_hung_worker_loses_only_its_episode(tmp_path, monkeypatch):
+    """One worker serves four episodes in turn: the one it crashes in and the one it hangs in fail
+    (counted, the stderr tail kept) and the worker is restarted after each; an episode answered without
+    a reward fails without a restart; the others are rewarded."""
+    starts = tmp_path / "starts"
+    monkeypatch.setenv("STARTS", str(starts))
+    monkeypatch.setenv("TASK_FATE", json.dumps({"1": "crash", "2": "hang", "3": "silent"}))
+    result = run_program(
+        _WORKER,
+        num_tasks=5,
+        mode="long_lived",
+        num_workers=1,
+        pass_env=["STARTS", "TASK_FATE"],
+        timeout_s=3,
+    )
+    by_task = {int(e.task_id.rsplit("-", 1)[1]): e for e in result.episodes}
+    assert (by_task[0].status, by_task[0].team_reward) == ("ok", 1.0)
+    assert (by_task[1].status, by_task[1].reason) == ("failed", "error:ProgramExitError")
+    assert "boom: the worker crashed" in by_task[1].error
+    assert (by_task[2].status, by_task[2].reason) == ("failed", "error:ProgramTimeoutError")
+    assert (by_task[3].status, by_task[3].reason) == ("failed", "error:NoRewardError")
+    assert (by_task[4].status, by_task[4].team_reward) == ("ok", 1.0 / 5)
+    assert result.num_failed == 3 and result.summary()["rollout/num_failed"] == 3.0
+    assert len(_starts(starts)) == 3  # the first start, a restart after the crash and after the hang
+
+
+def test_a_cancelled_episode_restarts_its_worker_and_a_missing_command_fails_episodes(tmp_path, monkeypatch):
+    """An episode cancelled mid-way (rollout's episode timeout) takes its worker's program with it and
+    the next episode gets a fresh one; a command that cannot start fails each episode (never hangs)."""
+    starts = tmp_path / "starts"
+    monkeypatch.setenv("STARTS", str(starts))
+    monkeypatch.setenv("TASK_FATE", json.dumps({"0": "hang"}))
+    result = run_program(
+        _WORKER,
+        num_tasks=2,
+        mode="long_lived",
+        num_workers=1,
+        pass_env=["STARTS", "TASK_FATE"],
+        episode_timeout_s=2,
+        episodes_at_once=1,
+    )
+    first, second = result.episodes
+    assert (first.status, first.reason) == ("failed", "episode_timeout")
+    assert (second.status, second.team_reward) == ("ok", 0.5)
+    assert len(_starts(starts)) == 2
+    result = run_program([str(tmp_path / "no-such-program")], num_tasks=2, mode="long_lived", num_workers=1)
+    assert [e.reason for e in result.episodes] == ["error:FileNotFoundError"] * 2
