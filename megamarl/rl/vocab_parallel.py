@@ -10,7 +10,9 @@ has its own groups), so this variant takes ``tp_group`` as an argument. Forward:
     H = log Z - sum_i p_i z_i,      d H / d z_i = -p_i (z_i - sum_j p_j z_j)
 
 Columns at or beyond ``vocab_size`` (vocab padding for TP divisibility) are masked to -inf so they
-never take probability mass.
+never take probability mass. Rows are reduced in chunks of ``LOGPROB_CHUNK_BYTES`` and backward
+recomputes each chunk's probabilities from three saved values per row: no ``[rows, V]`` fp32
+temporary beyond the input is kept, with the same bits as one pass over all rows.
 """
 
 from __future__ import annotations
