@@ -58,6 +58,7 @@ class Trainer:
         self._step_start = 0.0
         self._evaluate_only: int | None = None  # evaluate_only's label (-1: the checkpoint's step)
         self._eval_results: dict[str, float] = {}
+        self.memory = step_metrics.ResidentMemory()  # this rank's memory/... metrics, one window a step
         for replicas in self.run.replicas.values():
             replicas.register_adapters()
         # stop_reason: eval.stop_at was reached (the loop ends after the step's checkpoint)
@@ -216,7 +217,7 @@ class Trainer:
                 metrics.update(
                     step_metrics.policy_update_metrics(name, self.workers[name].train_share(share))
                 )
-                metrics[f"perf/max_memory_gib/{name}"] = step_metrics.peak_memory_gib()
+        metrics.update(self.memory.step_metrics(self.run.rank, policies=received.shares))
         faults = {name: w.last_fault for name, w in self.workers.items() if w.skip_streak}
         gathered: list[Any] = [None] * self.run.world_size  # each rank's (metrics, faults)
         dist.all_gather_object(gathered, (metrics, faults), group=control_group())

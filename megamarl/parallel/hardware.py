@@ -10,6 +10,8 @@ node, here, and the choice is logged by the caller.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import functools
 import os
 import platform
@@ -118,10 +120,27 @@ def check_dtypes(cfg: RunConfig) -> None:
 
 
 def release_cached_memory() -> None:
-    """Hand the allocator's cached, unused blocks back to the device (a no-op on CPU): another
-    process (an engine server waking up) can only use memory this one has released."""
+    """Hand the allocators' cached, unused memory back: CUDA's cached blocks (another process, an
+    engine server waking up, can only use memory this one has released) and the C heap's free pages
+    (glibc ``malloc_trim``): CPU tensors below glibc's mmap threshold (up to 32 MiB once it adapts)
+    live in its heaps, whose freed pages stay in the process's RSS until trimmed, so each phase's
+    garbage would otherwise stay resident through the next (docs/performance.md, "Memory")."""
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+    libc = _glibc()
+    if libc is not None:
+        libc.malloc_trim(0)
+
+
+@functools.cache
+def _glibc() -> ctypes.CDLL | None:
+    """The C library when it is glibc (has ``malloc_trim``); None elsewhere (musl, macOS)."""
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+    except OSError:
+        return None
+    return libc if libc is not None and hasattr(libc, "malloc_trim") else None
 
 
 def synchronize() -> None:

@@ -10,7 +10,9 @@ has its own groups), so this variant takes ``tp_group`` as an argument. Forward:
     H = log Z - sum_i p_i z_i,      d H / d z_i = -p_i (z_i - sum_j p_j z_j)
 
 Columns at or beyond ``vocab_size`` (vocab padding for TP divisibility) are masked to -inf so they
-never take probability mass.
+never take probability mass. Rows are reduced in chunks of ``LOGPROB_CHUNK_BYTES`` and backward
+recomputes each chunk's probabilities from three saved values per row: no ``[rows, V]`` fp32
+temporary beyond the input is kept, with the same bits as one pass over all rows.
 """
 
 from __future__ import annotations
@@ -18,46 +20,85 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+# fp32 bytes of one chunk of rows x V_local: the reduction's temporaries (shifted logits, exp,
+# probabilities) exist for one chunk at a time, not for the micro-batch's whole [rows, V] logits
+LOGPROB_CHUNK_BYTES = 32 * 2**20
+
 
 class _VocabParallelLogprobEntropy(torch.autograd.Function):
+    """Rows in chunks of ``LOGPROB_CHUNK_BYTES``; forward keeps the input logits (no copy) and three
+    values per row (max, sum of exp, expected shifted logit) for backward, which recomputes each
+    chunk's probabilities from them: the same floating-point operations per element as one pass over
+    all rows, so the same bits, with O(chunk x V) temporaries instead of several [rows, V] tensors
+    (two of which, the probabilities and shifted logits, used to live until backward)."""
+
     @staticmethod
     def forward(ctx, logits, targets, tp_group, vocab_start, vocab_size):  # logits [B, T, V_local] float
         num_local = logits.shape[-1]
-        z = logits.float()
-        if vocab_start + num_local > vocab_size:  # padded vocab columns on this rank
-            pad_from = max(vocab_size - vocab_start, 0)
-            z = z.clone()
-            z[..., pad_from:] = float("-inf")
-        z_max = z.max(dim=-1).values
+        rows = logits.detach().reshape(-1, num_local)  # [N, V_local]
+        pad_from = max(vocab_size - vocab_start, 0) if vocab_start + num_local > vocab_size else None
+        chunks = _chunks(rows.shape[0], num_local)
+        z_max = rows.new_empty(rows.shape[0], dtype=torch.float32)
+        for c in chunks:
+            z_max[c] = _fp32(rows[c], pad_from).max(dim=-1).values
         _all_reduce(z_max, dist.ReduceOp.MAX, tp_group)
-        shifted = z - z_max.unsqueeze(-1)  # [B, T, V_local]
-        exp = shifted.exp()
-        sum_exp = exp.sum(dim=-1)
-        _all_reduce(sum_exp, dist.ReduceOp.SUM, tp_group)
-        probs = exp / sum_exp.unsqueeze(-1)
-        # sum_j p_j z_j over the whole vocab (finite columns only)
-        finite_shifted = torch.where(torch.isfinite(shifted), shifted, torch.zeros_like(shifted))
-        expected_shifted = (probs * finite_shifted).sum(dim=-1)
-        _all_reduce(expected_shifted, dist.ReduceOp.SUM, tp_group)
-        local_target = targets - vocab_start
+        local_target = targets.reshape(-1) - vocab_start
         in_range = (local_target >= 0) & (local_target < num_local)
         index = local_target.clamp(0, num_local - 1).unsqueeze(-1)
-        target_shifted = torch.gather(finite_shifted, -1, index).squeeze(-1) * in_range
+        sum_exp, target_shifted = z_max.new_empty(z_max.shape), z_max.new_empty(z_max.shape)
+        for c in chunks:
+            shifted = _fp32(rows[c], pad_from) - z_max[c].unsqueeze(-1)
+            sum_exp[c] = shifted.exp().sum(dim=-1)
+            target_shifted[c] = torch.gather(_finite(shifted), -1, index[c]).squeeze(-1) * in_range[c]
+        _all_reduce(sum_exp, dist.ReduceOp.SUM, tp_group)
         _all_reduce(target_shifted, dist.ReduceOp.SUM, tp_group)
+        expected_shifted = z_max.new_empty(z_max.shape)  # sum_j p_j z_j over the whole vocab (finite columns)
+        for c in chunks:
+            shifted = _fp32(rows[c], pad_from) - z_max[c].unsqueeze(-1)
+            probs = shifted.exp() / sum_exp[c].unsqueeze(-1)
+            expected_shifted[c] = (probs * _finite(shifted)).sum(dim=-1)
+        _all_reduce(expected_shifted, dist.ReduceOp.SUM, tp_group)
         log_z = sum_exp.log()
-        logprobs = target_shifted - log_z
-        entropy = log_z - expected_shifted
-        ctx.save_for_backward(probs, finite_shifted, expected_shifted, index, in_range)
+        logprobs = (target_shifted - log_z).view(targets.shape)
+        entropy = (log_z - expected_shifted).view(targets.shape)
+        ctx.pad_from = pad_from
+        ctx.save_for_backward(logits, z_max, sum_exp, expected_shifted, index, in_range)
         return logprobs, entropy
 
     @staticmethod
     def backward(ctx, grad_logprobs, grad_entropy):
-        probs, finite_shifted, expected_shifted, index, in_range = ctx.saved_tensors
-        grad = -probs * grad_logprobs.unsqueeze(-1)
-        onehot = torch.zeros_like(probs).scatter_(-1, index, in_range.unsqueeze(-1).to(probs.dtype))
-        grad = grad + onehot * grad_logprobs.unsqueeze(-1)
-        grad = grad - probs * (finite_shifted - expected_shifted.unsqueeze(-1)) * grad_entropy.unsqueeze(-1)
-        return grad, None, None, None, None
+        logits, z_max, sum_exp, expected_shifted, index, in_range = ctx.saved_tensors
+        num_local = logits.shape[-1]
+        rows = logits.detach().reshape(-1, num_local)
+        grad_logprobs, grad_entropy = grad_logprobs.reshape(-1, 1), grad_entropy.reshape(-1, 1)
+        grad = torch.empty(rows.shape, dtype=torch.float32, device=rows.device)
+        for c in _chunks(rows.shape[0], num_local):
+            shifted = _fp32(rows[c], ctx.pad_from) - z_max[c].unsqueeze(-1)
+            probs = shifted.exp() / sum_exp[c].unsqueeze(-1)
+            g = -probs * grad_logprobs[c]
+            onehot = torch.zeros_like(probs).scatter_(-1, index[c], in_range[c].unsqueeze(-1).to(probs.dtype))
+            g = g + onehot * grad_logprobs[c]
+            grad[c] = g - probs * (_finite(shifted) - expected_shifted[c].unsqueeze(-1)) * grad_entropy[c]
+        return grad.view(logits.shape), None, None, None, None
+
+
+def _chunks(num_rows: int, num_local: int) -> list[slice]:
+    step = max(1, LOGPROB_CHUNK_BYTES // (4 * max(num_local, 1)))
+    return [slice(start, min(start + step, num_rows)) for start in range(0, num_rows, step)]
+
+
+def _fp32(rows: torch.Tensor, pad_from: int | None) -> torch.Tensor:
+    """A chunk of rows in fp32 (a copy: the caller's tensor is never written), padded vocabulary
+    columns (``pad_from`` on) at -inf so they never take probability mass."""
+    z = rows.float()
+    if pad_from is not None:
+        z = z.clone() if z.data_ptr() == rows.data_ptr() else z
+        z[..., pad_from:] = float("-inf")
+    return z
+
+
+def _finite(shifted: torch.Tensor) -> torch.Tensor:
+    return torch.where(torch.isfinite(shifted), shifted, torch.zeros_like(shifted))
 
 
 def scale_logits(logits: torch.Tensor, temperatures) -> torch.Tensor:

@@ -1,11 +1,13 @@
-"""Per-step statistics of the run's time and memory (pure functions, no I/O); those of the batch and
+"""Per-step statistics of the run's time and memory (pure functions but for reading this process's
+memory from ``/proc``); those of the batch and
 the episodes are ``megamarl.rl.batch_metrics``. The trainer logs what these return (docs/metrics.md
 is the table of every key):
 
 * ``throughput_metrics``: ``perf/train_tokens_per_s`` and ``perf/samples_per_s``;
   ``idle_seconds``: the part of ``timing_s/step`` outside its sections; ``step_end_metrics``: the
   step's time, its idle part and its throughput;
-* ``peak_memory_gib``: this process's peak memory (CUDA allocator peak, else peak RSS);
+* ``ResidentMemory``: this rank's resident memory now and its peak in the step (``memory/...``), and
+  its peak memory of the run (``perf/max_memory_gib/<policy>``: CUDA allocator peak, else peak RSS);
 * ``policy_update_metrics``: a worker's update metrics under its policy's keys.
 """
 
@@ -14,6 +16,7 @@ from __future__ import annotations
 import resource
 import sys
 from collections.abc import Iterable, Mapping
+from pathlib import Path
 
 import torch
 
@@ -55,13 +58,56 @@ def step_end_metrics(metrics: Mapping[str, float], *, step_s: float, summary) ->
     return ended
 
 
-def peak_memory_gib() -> float:
-    """Peak memory of this process: ``torch.cuda.max_memory_allocated`` when it uses CUDA, else the
-    peak resident set size (on CPU every worker group of the rank, and rank 0's engines, share it)."""
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        return torch.cuda.max_memory_allocated() / 2**30
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
-    return peak / 2**30 if sys.platform == "darwin" else peak / 2**20
+class ResidentMemory:
+    """This process's memory step by step. Each ``step_metrics`` call reads the resident set now
+    (``VmRSS``) and its peak since the previous call (``VmHWM``), then resets that peak
+    (``clear_refs``; the kernel's high-water mark and ``ru_maxrss`` restart from the current RSS), so
+    a step's peak is the step's own, and keeps the run's peak. ``proc``: the ``/proc/<pid>`` to read
+    (a test points it at a directory of its own); where it cannot be read (not Linux) only the
+    run's peak is reported, from ``ru_maxrss``."""
+
+    def __init__(self, proc: str | Path = "/proc/self") -> None:
+        self.proc = Path(proc)
+        self.run_peak = 0  # bytes, over every window read so far
+
+    def _read(self) -> tuple[int, int] | None:
+        """(VmRSS, VmHWM) in bytes, or None."""
+        fields = {}
+        try:
+            for line in (self.proc / "status").read_text().splitlines():
+                key, _, value = line.partition(":")
+                if key in ("VmRSS", "VmHWM"):
+                    fields[key] = int(value.split()[0]) * 1024  # kB
+        except (OSError, ValueError, IndexError):
+            return None
+        return (fields["VmRSS"], fields["VmHWM"]) if len(fields) == 2 else None
+
+    def step_metrics(self, rank: int, *, policies: Iterable[str]) -> dict[str, float]:
+        """``memory/rss_gib/rank<rank>``, ``memory/peak_rss_gib/rank<rank>`` (GiB; this window's) and
+        ``perf/max_memory_gib/<policy>`` for each of ``policies`` (the run's peak so far)."""
+        metrics = {}
+        read = self._read()
+        if read is not None:
+            rss, window_peak = read
+            self.run_peak = max(self.run_peak, window_peak)
+            metrics[f"memory/rss_gib/rank{rank}"] = rss / 2**30
+            metrics[f"memory/peak_rss_gib/rank{rank}"] = window_peak / 2**30
+            try:
+                (self.proc / "clear_refs").write_text("5")  # 5: reset the peak resident set size
+            except OSError:
+                pass  # the next window's peak is then the run's
+        peak = self.peak_gib()
+        metrics.update({f"perf/max_memory_gib/{policy}": peak for policy in policies})
+        return metrics
+
+    def peak_gib(self) -> float:
+        """The run's peak memory: ``torch.cuda.max_memory_allocated`` when this process uses CUDA, else
+        its peak resident set (on CPU every worker group of the rank, and rank 0's engines, share it)."""
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            return torch.cuda.max_memory_allocated() / 2**30
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+        peak = peak if sys.platform == "darwin" else peak * 1024
+        return max(peak, self.run_peak) / 2**30
 
 
 def policy_update_metrics(policy: str, values: Mapping[str, float]) -> dict[str, float]:

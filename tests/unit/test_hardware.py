@@ -1,6 +1,12 @@
 """``auto`` dtypes resolve from what the node computes natively (``megamarl.parallel.hardware``)."""
 
+import ctypes
+import ctypes.util
+import os
+from pathlib import Path
+
 import pytest
+import torch
 
 from megamarl.cli.configure import load_config
 from megamarl.parallel import hardware
@@ -56,3 +62,28 @@ def test_bad_values_name_the_key(override, key):
     with pytest.raises(ValueError) as info:
         load_config("configs/quickstart_cpu.yaml", [override])
     assert key in str(info.value)
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="reads RSS from Linux /proc")
+def test_release_cached_memory_returns_freed_heap_pages_to_the_os():
+    """64 MiB of 64 KiB CPU tensors (below glibc's mmap threshold: they live in its heap) freed under
+    one live tensor that pins the heap's top: free() keeps the pages resident, the release hands
+    them back (before: a no-op on CPU)."""
+    if not hasattr(ctypes.CDLL(ctypes.util.find_library("c")), "malloc_trim"):
+        pytest.skip("not glibc")
+    hardware.release_cached_memory()
+    chunks = [torch.ones(16 * 1024) for _ in range(1024)]  # 1024 x 64 KiB, every page touched
+    pin = torch.ones(16 * 1024)  # allocated last, kept: the freed chunks sit below it
+    before = _rss_bytes()
+    del chunks
+    freed_by_free = before - _rss_bytes()
+    hardware.release_cached_memory()
+    released = before - _rss_bytes()
+    assert freed_by_free < 16 * 2**20, freed_by_free  # free() alone keeps (almost) all 64 MiB
+    assert released > 56 * 2**20, released  # the release returns nearly all of it
+    del pin

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -10,6 +12,7 @@ from megamarl.rl.batch import collate
 from megamarl.rl.batch_metrics import agent_batch_metrics, success_metrics
 from megamarl.rl.sample import Sample
 from megamarl.runtime.step_metrics import (
+    ResidentMemory,
     idle_seconds,
     merge_rank_metrics,
     throughput_metrics,
@@ -128,3 +131,46 @@ def test_env_metrics_are_means_over_the_finished_episodes():
     ]
     summary = RolloutResult([], episodes).summary()
     assert summary["env/judge_errors"] == 1.0 and summary["env/cases"] == 3.0
+
+
+def _status(proc, rss_kib: int, hwm_kib: int) -> None:
+    (proc / "status").write_text(
+        f"Name:\tpython\nVmHWM:\t {hwm_kib} kB\nVmRSS:\t {rss_kib} kB\nThreads:\t3\n"
+    )
+
+
+def test_resident_memory_reports_each_windows_peak_and_keeps_the_runs(tmp_path):
+    """Exact numbers from a /proc/<pid> of the test's own: the RSS now and the window's peak per rank,
+    the peak reset after each read (clear_refs gets "5"), the run's peak for perf/max_memory_gib."""
+    memory = ResidentMemory(tmp_path)
+    _status(tmp_path, rss_kib=2**20, hwm_kib=3 * 2**20)  # 1 GiB now, 3 GiB peak
+    first = memory.step_metrics(1, policies=["p", "q"])
+    assert (tmp_path / "clear_refs").read_text() == "5"
+    _status(tmp_path, rss_kib=2**20, hwm_kib=3 * 2**19)  # the next window peaked at 1.5 GiB
+    second = memory.step_metrics(1, policies=["p"])
+    assert first == {
+        "memory/rss_gib/rank1": 1.0,
+        "memory/peak_rss_gib/rank1": 3.0,
+        "perf/max_memory_gib/p": 3.0,
+        "perf/max_memory_gib/q": 3.0,
+    }
+    assert second == {
+        "memory/rss_gib/rank1": 1.0,
+        "memory/peak_rss_gib/rank1": 1.5,
+        "perf/max_memory_gib/p": 3.0,  # the run's peak, not the window's
+    }
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="Linux /proc")
+def test_resident_memory_windows_of_this_process():
+    """The real process: a 256 MiB tensor allocated and freed inside a window shows in that window's
+    peak and not in the next one's."""
+    memory = ResidentMemory()
+    memory.step_metrics(0, policies=[])
+    torch.ones(64 * 2**20).sum()  # 256 MiB, freed at once
+    first = memory.step_metrics(0, policies=["p"])
+    second = memory.step_metrics(0, policies=["p"])
+    now = "memory/rss_gib/rank0"
+    assert first["memory/peak_rss_gib/rank0"] - first[now] > 0.24
+    assert second["memory/peak_rss_gib/rank0"] - second[now] < 0.05
+    assert second["perf/max_memory_gib/p"] >= first[now] + 0.24

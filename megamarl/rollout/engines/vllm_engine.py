@@ -36,7 +36,7 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 
 import torch
 
-from megamarl.parallel.hardware import resolve_dtype
+from megamarl.parallel.hardware import release_cached_memory, resolve_dtype
 from megamarl.rollout.engines.base import ENGINES, EngineTraits, Generation, InProcessEngine, SamplingParams
 from megamarl.rollout.engines.batching import _set_exception, _set_result
 from megamarl.rollout.engines.hf import HFEngine  # the fallback without vllm
@@ -419,6 +419,7 @@ class VLLMEngine(InProcessEngine):
                 self._engine.reset_prefix_cache()
                 if level == 2:
                     self.llm.collective_rpc(_discard_weights)
+                release_cached_memory()  # what the rollout freed leaves RSS before the update allocates
             if level == 2:
                 self._weights_valid = False
 
