@@ -253,7 +253,8 @@ def padded_rows(
 ) -> Tensor:
     """``tokens`` [B, T] with every slot outside ``attention_mask`` set to its row's policy's pad id
     (``policy`` [B] indexes ``names``); a policy without one is left to ``SampleBatch`` to report."""
-    row_pads = torch.tensor([pad_ids.get(name, 0) for name in names], dtype=torch.long)[policy]  # [B]
+    table = torch.tensor([pad_ids.get(name, 0) for name in names], dtype=torch.long, device=tokens.device)
+    row_pads = table[policy]  # [B]
     return torch.where(attention_mask, tokens, row_pads[:, None])
 
 
