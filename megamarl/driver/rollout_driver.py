@@ -76,10 +76,8 @@ class RolloutDriver:
             for name, p in cfg.policies.items()
         }
         self.tokenizers = {name: AutoTokenizer.from_pretrained(path) for name, path in paths.items()}
-        self.pad_ids = {
-            name: (t.pad_token_id if t.pad_token_id is not None else t.eos_token_id)
-            for name, t in self.tokenizers.items()
-        }
+        # each policy's rows are padded with its own tokenizer's id (an L3 team may mix tokenizer families)
+        self.pad_ids = policy_pad_ids(self.tokenizers)
         self.engines = self._start_engines(paths)
         self.env = EnvMaker(cfg.env.name, **cfg.env.kwargs)
         self.orchestra = build_orchestra(cfg.orchestra.name, **cfg.orchestra.kwargs)
@@ -263,7 +261,7 @@ class RolloutDriver:
             result.samples,
             result.episodes,
             algo,
-            pad_id=next(iter(self.pad_ids.values())),
+            pad_id=self.pad_ids,
             num_tasks=self.cfg.rollout.num_tasks,
             draw=lambda round_: self._refill(step, round_),
             policy_algos=self.cfg.policy_algorithms(algo) if own else None,
@@ -316,7 +314,7 @@ class RolloutDriver:
         self.totals["failed_episodes"] += result.num_failed
         if not result.samples:
             return None
-        return collate(result.samples, pad_id=next(iter(self.pad_ids.values())))
+        return collate(result.samples, pad_id=self.pad_ids)
 
     def evaluate(self, step: int) -> dict:
         """Greedy evaluation on every eval set (``eval.env`` / ``eval.sets``); one eval.json entry
@@ -419,6 +417,13 @@ class RolloutDriver:
             engine.shutdown()
         if self.cfg.logger.plots:
             plot_run(self.run_dir)
+
+
+def policy_pad_ids(tokenizers: dict) -> dict[str, int]:
+    """Policy -> its tokenizer's pad id (its eos id where it has none)."""
+    return {
+        name: t.eos_token_id if t.pad_token_id is None else t.pad_token_id for name, t in tokenizers.items()
+    }
 
 
 def _policy_mapping(cfg: RunConfig, tokenizers: dict):

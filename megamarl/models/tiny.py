@@ -65,3 +65,71 @@ def tiny_model(family: str = "llama", *, seed: int = 0, init_std: float | None =
 PLAIN_CHAT_TEMPLATE = (
     "{%- for m in messages -%}{{ m['content'] }}{{ '' if m['role'] == 'user' else '\n' }}{%- endfor -%}"
 )
+
+
+# Lines the tiny Qwen2 tokenizer's merges are learnt from: enough English, digits and letters for 256
+# merges, so its vocabulary is 512 byte-level BPE tokens and its specials follow (as in Qwen2).
+_BPE_CORPUS = (
+    "You are a helpful assistant. Answer the question and give the final answer as a number.",
+    (
+        "The sender sees a secret digit and sends one letter; "
+        "the receiver sees only the letter and names the digit."
+    ),
+    "Solve the problem step by step, then check the solution before you reply with the answer.",
+    "Question: what is 12 + 7? Answer: 19. Question: what is 3 x 4? Answer: 12. Question: 8 - 5? Answer: 3.",
+    "The verifier reviews the solver's answer: reply APPROVE when it is correct and REJECT when it is not.",
+    "Search the documents for the title, read the passage and write the answer in a few words.",
+    "Player one moves first; the board has three rows and three columns, and a line of three wins the game.",
+    "A B C D E F G H I J K L M N O P Q R S T U V W X Y Z 0 1 2 3 4 5 6 7 8 9 + - * / = ( ) , . : ; ? !",
+)
+# Qwen2's ChatML template (its default system turn included), reduced to plain turns.
+QWEN2_CHAT_TEMPLATE = (
+    "{%- for m in messages -%}"
+    "{%- if loop.first and m['role'] != 'system' -%}"
+    "{{- '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' -}}"
+    "{%- endif -%}"
+    "{{- '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+)
+
+
+def tiny_qwen2_tokenizer(*, num_regular: int = 512):
+    """A Qwen2 tokenizer of its own, deterministic and offline: byte-level BPE with Qwen2's normalizer
+    and pre-tokenizer, its merges learnt here from ``_BPE_CORPUS`` (``num_regular`` ids), then Qwen2's
+    specials ``<|endoftext|>`` (pad), ``<|im_start|>``, ``<|im_end|>`` (eos) and its ChatML template.
+    Unlike SmolLM2's (49152 ids, pad = eos = 2), so one run can hold two tokenizer families."""
+    import json
+
+    from tokenizers import Regex, Tokenizer, normalizers, pre_tokenizers, trainers
+    from tokenizers.models import BPE
+    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX, Qwen2Tokenizer
+
+    bpe = Tokenizer(BPE(unk_token=None, fuse_unk=False, byte_fallback=False))
+    bpe.normalizer = normalizers.NFC()
+    bpe.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    trainer = trainers.BpeTrainer(
+        vocab_size=num_regular, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+    )
+    bpe.train_from_iterator(_BPE_CORPUS, trainer=trainer)
+    learnt = json.loads(bpe.to_str())["model"]
+    if len(learnt["vocab"]) != num_regular:
+        raise ValueError(
+            f"tiny_qwen2_tokenizer: the corpus gives {len(learnt['vocab'])} tokens, not {num_regular}"
+        )
+    specials = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+    vocab = {**learnt["vocab"], **{token: num_regular + i for i, token in enumerate(specials)}}
+    return Qwen2Tokenizer(
+        vocab=vocab,
+        merges=[tuple(m) for m in learnt["merges"]],
+        unk_token=None,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=list(specials[1:]),
+        chat_template=QWEN2_CHAT_TEMPLATE,
+    )

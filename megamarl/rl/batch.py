@@ -2,7 +2,9 @@
 
 One row per agent call. Index columns are integer tensors; the string-valued ones (task, episode,
 agent, policy) index into ``vocab`` in first-appearance order, so ``batch.names("agent")`` maps
-back. Token layout per row: ``prompt + response`` right-padded with ``pad_id``;
+back. Token layout per row: ``prompt + response`` right-padded with its policy's pad id
+(``pad_ids``: each policy's own tokenizer's, so an L3 team of several tokenizer families trains every
+policy on ids of its own vocabulary);
 ``rollout_logprobs[b, t]`` is the engine's logprob of ``tokens[b, t]`` (0 off the response), the
 same alignment as ``losses.token_logprobs``.
 
@@ -14,8 +16,8 @@ the batch into each rank's share (``megamarl.rl.dispatch``) and the trainer send
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -54,7 +56,7 @@ class SampleBatch:
     anchors: tuple[str | None, ...]  # GiGPO anchor observation per row
     allowed: tuple[tuple[int, ...] | None, ...] = ()  # per row: restricted sampling vocabulary, or None
     temperatures: tuple[float, ...] = ()  # per row: sampling temperature (empty: all 1.0)
-    pad_id: int = 0
+    pad_ids: dict[str, int] = field(default_factory=dict)  # policy -> its tokenizer's pad id
     advantages: Tensor | None = None  # [B] or [B, T] once computed
 
     def __post_init__(self) -> None:
@@ -79,6 +81,9 @@ class SampleBatch:
             self.temperatures = (1.0,) * b
         if len(self.temperatures) != b:
             raise ValueError(f"SampleBatch.temperatures has {len(self.temperatures)} entries, expected {b}")
+        for policy in self.vocab["policy"]:
+            if policy not in self.pad_ids:
+                raise ValueError(f"SampleBatch: policy '{policy}' has no pad id; have {self.pad_ids}")
 
     # ---- views ------------------------------------------------------------------------------
     @property
@@ -198,8 +203,9 @@ class SampleBatch:
         return [self.select(c) for c in chunks]
 
 
-def collate(samples: Sequence[Sample], pad_id: int) -> SampleBatch:
-    """Pad and tag a list of samples (one row each, in order)."""
+def collate(samples: Sequence[Sample], pad_id: int | Mapping[str, int]) -> SampleBatch:
+    """Pad and tag a list of samples (one row each, in order). ``pad_id``: one id for every policy, or
+    policy -> its own tokenizer's pad id (each row is padded with its policy's)."""
     vocab: dict[str, dict[str, int]] = {c: {} for c in VOCAB_COLUMNS}
     cols: dict[str, list] = {c: [] for c in VOCAB_COLUMNS + INT_COLUMNS + BOOL_COLUMNS}
     for s in samples:
@@ -207,8 +213,10 @@ def collate(samples: Sequence[Sample], pad_id: int) -> SampleBatch:
             cols[c].append(vocab[c].setdefault(getattr(s, SAMPLE_FIELDS.get(c, c)), len(vocab[c])))
         for c in INT_COLUMNS + BOOL_COLUMNS:
             cols[c].append(getattr(s, c))
+    policies = tuple(vocab["policy"])
+    pad_ids = {p: pad_id for p in policies} if isinstance(pad_id, int) else dict(pad_id)
     width = max((len(s.prompt_ids) + len(s.response_ids) for s in samples), default=0)
-    tokens = torch.full((len(samples), width), pad_id, dtype=torch.long)
+    tokens = torch.zeros((len(samples), width), dtype=torch.long)
     attention = torch.zeros((len(samples), width), dtype=torch.bool)
     response = torch.zeros_like(attention)
     logprobs = torch.zeros((len(samples), width), dtype=torch.float32)
@@ -221,13 +229,14 @@ def collate(samples: Sequence[Sample], pad_id: int) -> SampleBatch:
             logprobs[b, p:n] = torch.tensor(s.rollout_logprobs, dtype=torch.float32)
     team = torch.tensor([s.team_reward for s in samples], dtype=torch.float32)
     local = torch.tensor([s.local_reward for s in samples], dtype=torch.float32)
+    policy = torch.tensor(cols["policy"], dtype=torch.long)
     return SampleBatch(
         **{c: torch.tensor(cols[c], dtype=torch.long) for c in VOCAB_COLUMNS + INT_COLUMNS},
         **{c: torch.tensor(cols[c], dtype=torch.bool) for c in BOOL_COLUMNS},
         team_rewards=team,
         local_rewards=local,
         rewards=team + local,
-        tokens=tokens,
+        tokens=padded_rows(tokens, attention, policy, policies, pad_ids),
         attention_mask=attention,
         response_mask=response,
         rollout_logprobs=logprobs,
@@ -235,8 +244,18 @@ def collate(samples: Sequence[Sample], pad_id: int) -> SampleBatch:
         anchors=tuple(s.anchor for s in samples),
         allowed=tuple(s.allowed_token_ids for s in samples),
         temperatures=tuple(s.temperature for s in samples),
-        pad_id=pad_id,
+        pad_ids={p: pad_ids[p] for p in policies if p in pad_ids},  # a missing one: __post_init__ names it
     )
+
+
+def padded_rows(
+    tokens: Tensor, attention_mask: Tensor, policy: Tensor, names: Sequence[str], pad_ids: Mapping[str, int]
+) -> Tensor:
+    """``tokens`` [B, T] with every slot outside ``attention_mask`` set to its row's policy's pad id
+    (``policy`` [B] indexes ``names``); a policy without one is left to ``SampleBatch`` to report."""
+    table = torch.tensor([pad_ids.get(name, 0) for name in names], dtype=torch.long, device=tokens.device)
+    row_pads = table[policy]  # [B]
+    return torch.where(attention_mask, tokens, row_pads[:, None])
 
 
 def concat(batches: Sequence[SampleBatch]) -> SampleBatch:
@@ -244,9 +263,14 @@ def concat(batches: Sequence[SampleBatch]) -> SampleBatch:
     Advantages are kept only if every batch has them with the same rank ([B] or [B, T])."""
     if not batches:
         raise ValueError("concat needs at least one batch")
-    pad_ids = {b.pad_id for b in batches}
-    if len(pad_ids) != 1:
-        raise ValueError(f"concat: batches disagree on pad_id {sorted(pad_ids)}")
+    pad_ids: dict[str, int] = {}
+    for b in batches:
+        for policy, pad_id in b.pad_ids.items():
+            if pad_ids.setdefault(policy, pad_id) != pad_id:
+                raise ValueError(
+                    f"concat: policy '{policy}' is padded with {pad_ids[policy]} in one batch "
+                    f"and {pad_id} in another"
+                )
     vocab: dict[str, dict[str, int]] = {c: {} for c in VOCAB_COLUMNS}
     remapped: dict[str, list[Tensor]] = {c: [] for c in VOCAB_COLUMNS}
     for b in batches:
@@ -262,9 +286,11 @@ def concat(batches: Sequence[SampleBatch]) -> SampleBatch:
     changes = {c: torch.cat(remapped[c]) for c in VOCAB_COLUMNS}
     for c in ROW_TENSORS[len(VOCAB_COLUMNS) :]:
         changes[c] = torch.cat([getattr(b, c) for b in batches])
-    changes["tokens"] = torch.cat([pad(b.tokens, b.pad_id) for b in batches])
     for c in ("attention_mask", "response_mask", "rollout_logprobs"):
         changes[c] = torch.cat([pad(getattr(b, c), False if c.endswith("mask") else 0.0) for b in batches])
+    tokens = torch.cat([pad(b.tokens, 0) for b in batches])
+    names = tuple(vocab["policy"])
+    changes["tokens"] = padded_rows(tokens, changes["attention_mask"], changes["policy"], names, pad_ids)
     advs = [b.advantages for b in batches]
     ranks = {a.dim() if a is not None else None for a in advs}
     adv = None
@@ -279,4 +305,5 @@ def concat(batches: Sequence[SampleBatch]) -> SampleBatch:
         allowed=sum((b.allowed for b in batches), ()),
         temperatures=sum((b.temperatures for b in batches), ()),
         vocab={c: tuple(vocab[c]) for c in VOCAB_COLUMNS},
+        pad_ids=pad_ids,
     )

@@ -214,13 +214,14 @@ def prepare_rollout(
     episodes: Iterable,
     algo: AlgorithmConfig,
     *,
-    pad_id: int,
+    pad_id: int | Mapping[str, int],
     num_tasks: int,
     draw: Draw,
     policy_algos: PolicyAlgos | None = None,
 ) -> tuple[SampleBatch, dict[str, float]]:
     """Collected samples -> the training batch and its metrics, in one call: (for ``team_reward_once``
-    estimators) drop episodes that lost their last step, collate, ``prepare_batch`` (shaping, dynamic
+    estimators) drop episodes that lost their last step, collate (``pad_id``: as ``batch.collate``, one
+    id or each policy's own), ``prepare_batch`` (shaping, dynamic
     sampling with refill, advantages), then the per-agent batch statistics and each agent's and
     policy's own success over the finished ``episodes``. ``policy_algos``: per-policy settings, given
     when some policy has its own (module docstring)."""

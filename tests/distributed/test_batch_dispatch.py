@@ -4,7 +4,10 @@ Four spawned gloo ranks train the disaggregated L3 preset for two steps: rank 0 
 and hosts both engines, the sender's worker group (WG) is rank 1, the receiver's WG is ranks 2-3
 (DP 2). A ``Trainer`` subclass records what reached each rank: the driver gets no rows, rank 1 only
 sender rows, ranks 2 and 3 disjoint halves of the receiver rows, and everyone the same summary; the
-run logs ``perf/batch_bytes_per_rank``.
+run logs ``perf/batch_bytes_per_rank``. The two policies are two tokenizer families (tiny Llama with
+SmolLM2's tokenizer, tiny Qwen2 with its own): each rank's rows hold only ids of its policy's
+vocabulary, padded with its own tokenizer's pad id (the receiver may stop after its digit, so its rows
+differ in length), and the receiver trains with a KL term against its own reference model.
 """
 
 from __future__ import annotations
@@ -49,6 +52,14 @@ def _train_and_record(rank: int, output_dir: str) -> list[dict]:
                                 for e, a in zip(m.rows.names("episode"), m.rows.names("agent"))
                             ],
                             "counts": [m.counts for m in share.minis],
+                            "pads": sorted(
+                                {
+                                    t
+                                    for m in share.minis
+                                    for t in m.rows.tokens[~m.rows.attention_mask].tolist()
+                                }
+                            ),
+                            "max_id": max(int(m.rows.tokens.max()) for m in share.minis),
                         }
                         for name, share in received.shares.items()
                     },
@@ -64,6 +75,9 @@ def _train_and_record(rank: int, output_dir: str) -> list[dict]:
             "eval.num_tasks=0",
             "rollout.num_tasks=2",
             "rollout.group_size=4",
+            "agents.receiver.sampling.max_tokens=2",  # a digit, then <|im_end|> or a second digit
+            "agents.receiver.sampling.allowed_tokens=['0','1','2','3','4','5','6','7','8','9','<|im_end|>']",
+            "policies.receiver_policy.kl_coef=0.01",
             f"output_dir={output_dir}",
             "name=run",
         ],
@@ -72,8 +86,25 @@ def _train_and_record(rank: int, output_dir: str) -> list[dict]:
     return records
 
 
+# each policy's tokenizer: (vocabulary size, pad id)
+TOKENIZERS = {"sender_policy": (49152, 2), "receiver_policy": (515, 512)}
+
+
 def test_a_rank_receives_only_its_policys_dp_share(tmp_path):
     per_rank = run_ranks(_train_and_record, 4, str(tmp_path), timeout_s=900)
+    receiver_pads = set()
+    for rank, records in enumerate(per_rank):
+        for step, record in enumerate(records, start=1):
+            for name, share in record["shares"].items():
+                vocab, pad = TOKENIZERS[name]
+                assert share["max_id"] < vocab, (
+                    f"rank {rank}, step {step}: {name} got an id beyond its vocabulary"
+                )
+                assert set(share["pads"]) <= {pad}, (
+                    f"rank {rank}, step {step}: {name} padded with {share['pads']}"
+                )
+                receiver_pads |= set(share["pads"]) if name == "receiver_policy" else set()
+    assert receiver_pads == {512}, "no receiver row was padded: the check above saw no padding"
     metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == list(range(1, NUM_STEPS + 1))
     for step, row in enumerate(metrics):

@@ -30,6 +30,10 @@ and the step-1 TIS check still shows the engine serving exactly the trainer's we
 the first rollout); that the push after an update is served is the 2-step presets' check, on the same
 1-rank path (``signalling``) and on tiny Qwen2 (``l3_*``, ``hybrid_*``). The cut saves 7 steps, 7
 evals and 7 checkpoints of the suite's longest module.
+
+The ``l3_*`` presets are two tokenizer families in one run (the sender's tiny Llama with SmolLM2's
+tokenizer, the receiver's ``tiny-bpe-qwen2`` with a Qwen2-style one of its own): the checks above hold
+for each policy on its own vocabulary.
 """
 
 from __future__ import annotations

@@ -130,6 +130,42 @@ def test_concat_merges_vocab_and_repads():
     assert concat([a, b.replace(advantages=None)]).advantages is None
 
 
+# Two tokenizer families in one L3 team: a Llama-family policy ("big", SmolLM2's pad id 2) and a
+# Qwen-family one ("small", its own tokenizer's <|endoftext|> = 512).
+FAMILY_PADS = {"big": 2, "small": 512}
+
+
+def test_each_policy_rows_are_padded_with_its_own_pad_id():
+    b = collate(three(), FAMILY_PADS)
+    assert b.pad_ids == FAMILY_PADS
+    assert b.tokens.tolist() == [[10, 11, 50, 51, 52], [10, 50, 512, 512, 512], [10, 11, 12, 50, 51]]
+    # a policy's part (what its worker group trains on) keeps its own pad id in its padding
+    small = collate([*three(), make("t2", "e2", "verifier", "small", 0, 2, 2)], FAMILY_PADS)
+    assert small.split_by_policy()["small"].tokens.tolist() == [[10, 50, 512, 512], [10, 11, 50, 51]]
+    big = collate([make("t3", "e3", "solver", "big", 0, 1, 1), *three()], FAMILY_PADS)
+    assert big.split_by_policy()["big"].tokens.tolist() == [
+        [10, 50, 2, 2, 2],
+        [10, 11, 50, 51, 52],
+        [10, 11, 12, 50, 51],
+    ]
+    with pytest.raises(ValueError, match="policy 'small' has no pad id"):
+        collate(three(), {"big": 2})
+
+
+def test_concat_repads_each_row_with_its_policy_pad_id():
+    wide = collate([make("t2", "e2", "verifier", "small", 0, 4, 3)], {"small": 512})
+    c = concat([collate(three(), FAMILY_PADS), wide])
+    assert c.pad_ids == FAMILY_PADS
+    assert c.tokens.tolist() == [
+        [10, 11, 50, 51, 52, 2, 2],
+        [10, 50, 512, 512, 512, 512, 512],
+        [10, 11, 12, 50, 51, 2, 2],
+        [10, 11, 12, 13, 50, 51, 52],
+    ]
+    with pytest.raises(ValueError, match="policy 'small' is padded with 512 in one batch and 0 in another"):
+        concat([collate(three(), FAMILY_PADS), collate(three()[1:2], PAD)])
+
+
 def gather_across_ranks(batch: SampleBatch, group=None) -> SampleBatch:
     """All-gather every rank's batch (CPU copies, pickled) and ``concat`` them in rank order (moved
     here from megamarl/rl/batch.py: only this test used it)."""
