@@ -20,7 +20,7 @@ import sys
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any
 
 from megamarl.config_sections import LoggerConfig
 from megamarl.runtime.transcripts import TABLE_COLUMNS, table_rows, write_transcripts
@@ -30,6 +30,7 @@ if TYPE_CHECKING:  # typing.Self is Python 3.11+, and requires-python allows 3.1
 
 METRICS_FILE = "metrics.jsonl"
 EVAL_FILE = "eval.json"
+TRAINED_GROUPS_FILE = "trained_groups.jsonl"
 
 
 class MetricsLogger:
@@ -48,6 +49,7 @@ class MetricsLogger:
         self.is_writer = rank == 0
         self._start = time.time()
         self._wandb_run = None
+        self._groups_jsonl: IO[str] | None = None  # trained_groups.jsonl, opened at its first line
         if not self.is_writer:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -76,6 +78,15 @@ class MetricsLogger:
         self._jsonl.flush()  # a crashed run still leaves every completed step on disk
         if self._wandb_run is not None:
             self._wandb_run.log({k: v for k, v in values.items() if v is not None}, step=int(step))
+
+    def log_trained_groups(self, step: int, groups: Mapping[str, Any]) -> None:
+        """Append ``{"step": step, "policies": groups}`` to trained_groups.jsonl (``trained_groups``)."""
+        if not self.is_writer:
+            return
+        if self._groups_jsonl is None:
+            self._groups_jsonl = open(self.run_dir / TRAINED_GROUPS_FILE, "a", encoding="utf-8")  # noqa: SIM115 - closed by close()
+        self._groups_jsonl.write(json.dumps({"step": int(step), "policies": groups}) + "\n")
+        self._groups_jsonl.flush()
 
     def log_eval(self, step: int, results: Mapping[str, Any], *, failure: str | None = None) -> None:
         """Add ``{"step", "time", "results"}`` to eval.json (rewritten atomically) and to wandb.
@@ -116,8 +127,9 @@ class MetricsLogger:
     def close(self) -> None:
         if not self.is_writer:
             return
-        if not self._jsonl.closed:
-            self._jsonl.close()
+        for f in (self._jsonl, self._groups_jsonl):
+            if f is not None and not f.closed:
+                f.close()
         if self._wandb_run is not None:
             self._wandb_run.finish()
             self._wandb_run = None
