@@ -3,10 +3,12 @@
 Only global rank 0 writes. ``log(step, metrics)`` appends one strict-JSON line (``step``, ``time``,
 ``elapsed_s``, the metrics; non-finite values as ``null``) to ``<run_dir>/metrics.jsonl`` and sends the
 same dict to wandb (files in ``<run_dir>/wandb``; ``offline``/``disabled`` need no account).
-``log_eval`` rewrites ``<run_dir>/eval.json`` atomically. Metric names group by prefix: ``agent/<role>/*``,
-``policy/<policy>/*``, ``perf/*``, ``timing_s/<section>`` (``Timer``), ``weight_sync/<policy>/*``,
-``rollout/*``, ``async/*``, ``eval/*``; docs/metrics.md lists every key, checked by
-tests/integration/test_tictactoe.py. Details: docs/design-notes.md, "megamarl/runtime/metrics.py".
+``log_eval`` rewrites ``<run_dir>/eval.json`` atomically; ``log_trained_groups`` appends a step's trained
+groups to ``<run_dir>/trained_groups.jsonl`` (``runtime.transcripts.trained_groups``). Metric names
+group by prefix: ``agent/<role>/*``, ``policy/<policy>/*``, ``perf/*``, ``timing_s/<section>``
+(``Timer``), ``weight_sync/<policy>/*``, ``rollout/*``, ``async/*``, ``eval/*``; docs/metrics.md lists
+every key, checked by tests/integration/test_tictactoe.py. Details: docs/design-notes.md,
+"megamarl/runtime/metrics.py".
 """
 
 from __future__ import annotations
