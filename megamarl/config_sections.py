@@ -346,6 +346,10 @@ class LoggerConfig:
     # PNG curves of metrics.jsonl / eval.json in <run>/plots when the run ends (megamarl-plot RUN_DIR
     # draws them any time, e.g. while it runs); false: none (a sweep of many runs watched in wandb)
     plots: bool = True
+    # one line per step in <run>/trained_groups.jsonl: every group of the step's training batch, by
+    # policy, under its estimator's group key (e.g. task, agent, turn), with its number of samples;
+    # rewound with metrics.jsonl on resume (which tasks a step trained, in every trainer.mode)
+    trained_groups: bool = True
 
     def __post_init__(self) -> None:
         if self.episodes_per_step < 0:

@@ -31,6 +31,7 @@ from megamarl.orchestration.orchestras import build_orchestra, default_kinds
 from megamarl.orchestration.workers import EnvWorkers, make_workers
 from megamarl.parallel.hardware import describe_dtype_choice, policy_dtype
 from megamarl.registry import import_plugins, resolve_callable
+from megamarl.rl.advantages import estimator_traits
 from megamarl.rl.batch import SampleBatch, collate
 from megamarl.rl.batch_metrics import success_metrics
 from megamarl.rl.prepare import prepare_rollout
@@ -44,7 +45,7 @@ from megamarl.rollout.replicas.pool import EnginePool
 from megamarl.runtime.metrics import MetricsLogger
 from megamarl.runtime.plot import plot_run
 from megamarl.runtime.progress import Phase, RunProgress
-from megamarl.runtime.transcripts import episode_transcripts
+from megamarl.runtime.transcripts import episode_transcripts, trained_groups
 
 EVAL_SEED = 10**9 + 7  # held-out tasks: a seed the training stream never uses
 
@@ -266,6 +267,12 @@ class RolloutDriver:
             draw=lambda round_: self._refill(step, round_),
             policy_algos=self.cfg.policy_algorithms(algo) if own else None,
         )
+        if self.cfg.logger.trained_groups:
+            keys = {
+                name: estimator_traits(a.estimator).key(a.group_by)
+                for name, a in self.cfg.policy_algorithms(algo).items()
+            }
+            self.logger.log_trained_groups(step + 1, trained_groups(batch, keys))
         self.totals["dropped_groups"] += int(prepare_metrics.get("rollout/dropped_groups", 0))
         for key in ("refill_rounds", "refill_exhausted", "dropped_incomplete_episodes"):
             self.totals[key] += int(prepare_metrics.get(f"rollout/{key}", 0))

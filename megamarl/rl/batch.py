@@ -16,6 +16,7 @@ the batch into each rank's share (``megamarl.rl.dispatch``) and the trainer send
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -101,6 +102,13 @@ class SampleBatch:
     def names(self, column: str) -> list[str]:
         """Per-row strings of a vocab column (task, episode, agent, policy)."""
         return [self.vocab[column][i] for i in getattr(self, column).tolist()]
+
+    def group_sizes(self, key: Sequence[str]) -> dict[tuple[str | int, ...], int]:
+        """Rows per group of the index columns ``key`` (vocab columns as names, the others as ints),
+        groups in first-appearance order: ``{("3@1", "sender", 0): 8, ...}``. An empty key is one group."""
+        columns = [self.names(k) if k in VOCAB_COLUMNS else getattr(self, k).tolist() for k in key]
+        rows = zip(*columns, strict=True) if columns else [()] * self.num_samples
+        return dict(Counter(rows))  # a Counter keeps first-insertion order
 
     def group_index(self) -> GroupIndex:
         return GroupIndex(

@@ -6,8 +6,9 @@ AdamW in ``torch_dist``, any layout: ``megamarl.models.dist_checkpoint``), ``rng
 ``trainer.pt`` (step, weight versions, counts, the driver's totals and rollout_state) and ``COMPLETE``,
 written last. Invariant: the directory appears atomically: ranks write ``step_N.partial``, the driver
 renames it, so a crash leaves earlier checkpoints intact and at most a ``.partial`` that resume ignores.
-Resume rewinds the run directory: later ``metrics.jsonl`` lines and ``eval.json`` entries are cut, later
-complete checkpoints renamed ``*.discarded``; a run from step 0 in an earlier run's directory rewinds all.
+Resume rewinds the run directory: later ``metrics.jsonl`` and ``trained_groups.jsonl`` lines and
+``eval.json`` entries are cut, later complete checkpoints renamed ``*.discarded``; a run from step 0 in
+an earlier run's directory rewinds all.
 The layout in full: docs/design-notes.md, "megamarl/runtime/checkpoint.py".
 """
 
@@ -27,7 +28,7 @@ import torch
 from megamarl.config import PolicyConfig, RunConfig
 from megamarl.errors import CheckpointWriteError  # noqa: F401 - the trainer raises it as checkpoint.CheckpointWriteError
 from megamarl.models import dist_checkpoint as model_checkpoint  # looked up per call (tests swap in faults)
-from megamarl.runtime.metrics import EVAL_FILE, METRICS_FILE
+from megamarl.runtime.metrics import EVAL_FILE, METRICS_FILE, TRAINED_GROUPS_FILE
 from megamarl.runtime.progress import format_duration
 
 CHECKPOINTS = "checkpoints"
@@ -292,6 +293,7 @@ def rewind_run_dir(run_dir: str | Path, step: int) -> None:
     """Make ``run_dir`` look as it did right after ``step`` was saved (see the module doc)."""
     run_dir = Path(run_dir)
     truncate_jsonl_after(run_dir / METRICS_FILE, step)
+    truncate_jsonl_after(run_dir / TRAINED_GROUPS_FILE, step)
     eval_path = run_dir / EVAL_FILE
     if eval_path.is_file():
         entries = json.loads(eval_path.read_text(encoding="utf-8"))

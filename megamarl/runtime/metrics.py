@@ -3,10 +3,12 @@
 Only global rank 0 writes. ``log(step, metrics)`` appends one strict-JSON line (``step``, ``time``,
 ``elapsed_s``, the metrics; non-finite values as ``null``) to ``<run_dir>/metrics.jsonl`` and sends the
 same dict to wandb (files in ``<run_dir>/wandb``; ``offline``/``disabled`` need no account).
-``log_eval`` rewrites ``<run_dir>/eval.json`` atomically. Metric names group by prefix: ``agent/<role>/*``,
-``policy/<policy>/*``, ``perf/*``, ``timing_s/<section>`` (``Timer``), ``weight_sync/<policy>/*``,
-``rollout/*``, ``async/*``, ``eval/*``; docs/metrics.md lists every key, checked by
-tests/integration/test_tictactoe.py. Details: docs/design-notes.md, "megamarl/runtime/metrics.py".
+``log_eval`` rewrites ``<run_dir>/eval.json`` atomically; ``log_trained_groups`` appends a step's trained
+groups to ``<run_dir>/trained_groups.jsonl`` (``runtime.transcripts.trained_groups``). Metric names
+group by prefix: ``agent/<role>/*``, ``policy/<policy>/*``, ``perf/*``, ``timing_s/<section>``
+(``Timer``), ``weight_sync/<policy>/*``, ``rollout/*``, ``async/*``, ``eval/*``; docs/metrics.md lists
+every key, checked by tests/integration/test_tictactoe.py. Details: docs/design-notes.md,
+"megamarl/runtime/metrics.py".
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import sys
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any
 
 from megamarl.config_sections import LoggerConfig
 from megamarl.runtime.transcripts import TABLE_COLUMNS, table_rows, write_transcripts
@@ -30,6 +32,7 @@ if TYPE_CHECKING:  # typing.Self is Python 3.11+, and requires-python allows 3.1
 
 METRICS_FILE = "metrics.jsonl"
 EVAL_FILE = "eval.json"
+TRAINED_GROUPS_FILE = "trained_groups.jsonl"
 
 
 class MetricsLogger:
@@ -48,6 +51,7 @@ class MetricsLogger:
         self.is_writer = rank == 0
         self._start = time.time()
         self._wandb_run = None
+        self._groups_jsonl: IO[str] | None = None  # trained_groups.jsonl, opened at its first line
         if not self.is_writer:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -76,6 +80,15 @@ class MetricsLogger:
         self._jsonl.flush()  # a crashed run still leaves every completed step on disk
         if self._wandb_run is not None:
             self._wandb_run.log({k: v for k, v in values.items() if v is not None}, step=int(step))
+
+    def log_trained_groups(self, step: int, groups: Mapping[str, Any]) -> None:
+        """Append ``{"step": step, "policies": groups}`` to trained_groups.jsonl (``trained_groups``)."""
+        if not self.is_writer:
+            return
+        if self._groups_jsonl is None:
+            self._groups_jsonl = open(self.run_dir / TRAINED_GROUPS_FILE, "a", encoding="utf-8")  # noqa: SIM115 - closed by close()
+        self._groups_jsonl.write(json.dumps({"step": int(step), "policies": groups}) + "\n")
+        self._groups_jsonl.flush()
 
     def log_eval(self, step: int, results: Mapping[str, Any], *, failure: str | None = None) -> None:
         """Add ``{"step", "time", "results"}`` to eval.json (rewritten atomically) and to wandb.
@@ -116,8 +129,9 @@ class MetricsLogger:
     def close(self) -> None:
         if not self.is_writer:
             return
-        if not self._jsonl.closed:
-            self._jsonl.close()
+        for f in (self._jsonl, self._groups_jsonl):
+            if f is not None and not f.closed:
+                f.close()
         if self._wandb_run is not None:
             self._wandb_run.finish()
             self._wandb_run = None

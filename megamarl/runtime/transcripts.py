@@ -16,6 +16,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from megamarl.rl.batch import SampleBatch
+
 EPISODES_DIR = "episodes"
 TABLE_COLUMNS = (
     "step",
@@ -120,6 +122,17 @@ def write_transcripts(run_dir: Path, step: int, records: Sequence[Mapping[str, A
     tmp.write_text("".join(json.dumps(r, default=str) + "\n" for r in records), encoding="utf-8")
     tmp.replace(path)
     return path
+
+
+def trained_groups(batch: SampleBatch, keys: Mapping[str, Sequence[str]]) -> dict[str, dict]:
+    """A step's ``trained_groups.jsonl`` record: for each policy of ``batch`` its estimator's group key
+    ``keys[policy]`` and every group as ``[*key values, num_samples]``, in first-appearance order."""
+    out: dict[str, dict] = {}
+    for policy in dict.fromkeys(batch.names("policy")):
+        key = tuple(keys[policy])
+        sizes = batch.group_sizes(("policy", *key))
+        out[policy] = {"key": list(key), "groups": [[*g[1:], n] for g, n in sizes.items() if g[0] == policy]}
+    return out
 
 
 def table_rows(records: Sequence[Mapping[str, Any]]) -> list[list]:

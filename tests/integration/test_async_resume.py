@@ -12,6 +12,10 @@ staleness histogram, losses and grad norms are equal (float-exact), as sync mode
   ``sync_every=1``) and drained pushes; with larger buffers or partial rollout, which group joins which
   batch depends on finishing times, and the checked bound is "nothing lost or trained twice"
   (tests/unit/test_async_schedules.py).
+* fully_async with two policies (L3: sender_policy, receiver_policy), ``save_every=1``, SIGKILLed at
+  three points inside a step (tests/gated_train.py: mid-episode, between the policies' updates, between
+  their weight pushes), sharing one uninterrupted reference run: every (task, agent, turn) group of the
+  data stream is trained once, in the step the reference trains it (``trained_groups.jsonl``).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from train_runs import Ranks, start  # tests/ helper
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -43,18 +48,31 @@ CASES = {  # mode -> (signal, save_every, logged step after which it is sent)
 }
 
 
-def _start(output_dir: Path, mode: str, save_every: int, *extra: str) -> Ranks:
+def _start(
+    output_dir: Path,
+    mode: str,
+    save_every: int,
+    *extra: str,
+    config: Path = ROOT / "configs" / "signalling_tiny.yaml",
+    gate: tuple[str, int, Path] | None = None,
+) -> Ranks:
+    """``scripts/train.py`` on one rank (``gate``: tests/gated_train.py, which stops there for a kill)."""
     env = {"PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
     argv = [
         "--config",
-        "configs/signalling_tiny.yaml",
+        str(config),
         *OVERRIDES,
         f"trainer.mode={mode}",
         f"trainer.save_every={save_every}",
         f"output_dir={output_dir}",
         *extra,
     ]
-    return start(argv, nproc=1, log=output_dir.parent / f"{output_dir.name}-{len(extra)}.log", env=env)
+    log = output_dir.parent / f"{output_dir.name}-{len(extra)}.log"
+    if gate is None:
+        return start(argv, nproc=1, log=log, env=env)
+    name, step, marker = gate
+    argv = [name, str(step), str(marker), *argv, "logger.plots=false"]
+    return start(argv, nproc=1, log=log, env=env, script=ROOT / "tests" / "gated_train.py")
 
 
 def _log(output_dir: Path, num_extra: int) -> str:
@@ -68,8 +86,8 @@ def _volatile(key: str) -> bool:
     return key.endswith(("_s", "_ratio"))
 
 
-def _metrics(output_dir: Path) -> list[dict]:
-    lines = (output_dir / RUN / "metrics.jsonl").read_text().splitlines()
+def _metrics(output_dir: Path, run: str = RUN) -> list[dict]:
+    lines = (output_dir / run / "metrics.jsonl").read_text().splitlines()
     return [{k: v for k, v in json.loads(line).items() if not _volatile(k)} for line in lines]
 
 
@@ -120,3 +138,94 @@ def test_async_run_killed_and_resumed_trains_the_same_samples(tmp_path, mode):
         r["async/staleness/1"] == r["rollout/num_samples"] for r in ref_metrics[1:]
     )  # really off-policy
     assert any(r["policy/shared/grad_norm"] > 0 for r in ref_metrics)
+
+
+# -- L3: two policies, killed mid-step --------------------------------------------------------------
+
+L3_RUN = "signalling_l3"
+L3_POLICIES = {"sender": "sender_policy", "receiver": "receiver_policy"}
+L3_OVERRIDES = ("trainer.total_steps=3", "trainer.sync_every=1", "trainer.partial_rollout=false")
+L3_KILLS = {"rollout": 2, "update": 2, "push": 3}  # gate (tests/gated_train.py) -> the step it stops in
+GROUP_SIZE = 8  # configs/signalling_tiny.yaml's rollout.group_size
+
+
+def _l3_config(root: Path) -> Path:
+    """configs/signalling_tiny.yaml with its one policy split in two (L3): sender_policy, receiver_policy."""
+    cfg = yaml.safe_load((ROOT / "configs" / "signalling_tiny.yaml").read_text())
+    shared = cfg["policies"].pop("shared")
+    cfg["policies"] = {policy: dict(shared) for policy in L3_POLICIES.values()}
+    for agent, policy in L3_POLICIES.items():
+        cfg["agents"][agent]["policy"] = policy
+    path = root / f"{L3_RUN}.yaml"
+    path.write_text(yaml.safe_dump({**cfg, "name": L3_RUN}))
+    return path
+
+
+def _trained_groups(output_dir: Path) -> list[dict]:
+    lines = (output_dir / L3_RUN / "trained_groups.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines]
+
+
+def test_two_policy_fully_async_run_killed_mid_step_trains_every_group_once(tmp_path):
+    """L3 fully_async, a one-batch buffer and drained pushes (deterministic), ``save_every=1``; three
+    runs SIGKILLed at a gate (tests/gated_train.py): mid-episode in the rollout of step 2's overlap,
+    between the two policies' updates of step 2, between their weight pushes of step 3. Each resumes
+    from the checkpoint before the step it died in, which that step had already taken its batch from.
+    Resumed = uninterrupted: every trained (task, agent, turn) group of every step (trained_groups.jsonl)
+    and every metrics value except wall-clock ones (``_volatile``)."""
+    config = _l3_config(tmp_path)
+    reference = tmp_path / "reference"
+    victims = {gate: tmp_path / gate for gate in L3_KILLS}
+    for path in (reference, *victims.values()):
+        path.mkdir()
+    runs = {"reference": _start(reference, "fully_async", 1, *L3_OVERRIDES, config=config)}
+    for gate, step in L3_KILLS.items():
+        gated = (gate, step, tmp_path / f"{gate}.marker")
+        runs[gate] = _start(victims[gate], "fully_async", 1, *L3_OVERRIDES, config=config, gate=gated)
+    try:
+        deadline = time.monotonic() + RUN_TIMEOUT_S
+        for gate, step in L3_KILLS.items():
+            marker = tmp_path / f"{gate}.marker"
+            while not marker.is_file():
+                assert runs[gate].poll() is None, _log(victims[gate], 3)[-3000:]
+                assert time.monotonic() < deadline, f"the {gate} gate of step {step} was never reached"
+                time.sleep(0.02)
+            assert marker.read_text() == f"{gate} {step}"
+            runs[gate].kill()
+            assert runs[gate].poll() == -signal.SIGKILL
+            # the step it died in had taken its batch (logged), and was never saved
+            assert [g["step"] for g in _trained_groups(victims[gate])] == list(range(1, step + 1))
+            saved = sorted(p.parent.name for p in (victims[gate] / L3_RUN / "checkpoints").glob("*/COMPLETE"))
+            assert saved[-1] == f"step_{step - 1:06d}", saved
+        for gate in L3_KILLS:
+            resume = (*L3_OVERRIDES, "trainer.resume=auto")
+            runs[gate] = _start(victims[gate], "fully_async", 1, *resume, config=config)
+        for name, run in runs.items():
+            out = reference if name == "reference" else victims[name]
+            assert run.wait(timeout=RUN_TIMEOUT_S) == 0, _log(out, 3 if name == "reference" else 4)[-3000:]
+    finally:
+        for run in runs.values():
+            run.kill()
+
+    # the reference trains every group of chunks 0, 1, 2 once: per policy, its agent's (task, agent,
+    # turn) groups of one chunk per step, rollout.num_tasks of them, each of group_size samples
+    ref_groups = _trained_groups(reference)
+    for row in ref_groups:
+        assert set(row["policies"]) == set(L3_POLICIES.values())
+        for agent, policy in L3_POLICIES.items():
+            part = row["policies"][policy]
+            assert part["key"] == ["task", "agent", "turn"]
+            chunk = row["step"] - 1
+            assert len(part["groups"]) == 4 and len({task for task, _, _, _ in part["groups"]}) == 4
+            assert {(task.rsplit("@", 1)[1], a, turn, n) for task, a, turn, n in part["groups"]} == {
+                (str(chunk), agent, 0, GROUP_SIZE)
+            }
+    ref_metrics = _metrics(reference, L3_RUN)
+    assert [r["step"] for r in ref_metrics] == [1, 2, 3]
+    assert all(r["async/staleness/1"] == r["rollout/num_samples"] for r in ref_metrics[1:])  # off-policy
+    for gate, step in L3_KILLS.items():
+        log = _log(victims[gate], 4)
+        assert f"at step {step - 1}" in log and "resumed from" in log, log[-3000:]
+        assert _trained_groups(victims[gate]) == ref_groups, gate
+        for ref, res in zip(ref_metrics, _metrics(victims[gate], L3_RUN), strict=True):
+            assert res == ref, f"{gate}: step {ref['step']}"

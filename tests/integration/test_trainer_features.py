@@ -46,8 +46,10 @@ def test_l2_lora_adapters_train_per_agent_and_sync_adapter_only(tmp_path):
         "agents.receiver.lora=receiver",
         "agents.sender.lr=0.002",
         "agents.receiver.kl_coef=0.1",
+        "logger.trained_groups=false",
     )
     assert [r["step"] for r in rows] == [1, 2]
+    assert not (tmp_path / "run" / "trained_groups.jsonl").exists()  # written by default (test_async_resume)
     for row in rows:
         for adapter in ("sender", "receiver"):
             sent = row[f"weight_sync/shared/{adapter}/bytes"]

@@ -206,3 +206,29 @@ def test_gather_across_ranks_gloo(tmp_path):
         assert g.vocab["agent"] == ("solver", "verifier", "planner")
         assert g.tokens[3].tolist() == [10, 11, 12, 13, 14, 15, 50]
         assert g.tokens[1].tolist() == [10, 50, 0, 0, 0, 0, 0]
+
+
+def test_group_sizes_and_the_trained_groups_record():
+    from megamarl.runtime.transcripts import trained_groups
+
+    b = collate(
+        [
+            *three(),
+            make("t1", "e2", "solver", "big", 1, 1, 1),
+            make("t1", "e3", "verifier", "small", 0, 1, 1),
+        ],
+        PAD,
+    )
+    assert b.group_sizes(("task", "agent", "turn")) == {
+        ("t0", "solver", 0): 1,
+        ("t0", "verifier", 0): 1,
+        ("t1", "solver", 1): 2,
+        ("t1", "verifier", 0): 1,
+    }
+    assert b.group_sizes(("task",)) == {("t0",): 2, ("t1",): 3}
+    assert b.group_sizes(()) == {(): 5}
+    # each policy under its own estimator's key (policies.<p>.algorithm may differ)
+    assert trained_groups(b, {"big": ("task", "agent", "turn"), "small": ("task",)}) == {
+        "big": {"key": ["task", "agent", "turn"], "groups": [["t0", "solver", 0, 1], ["t1", "solver", 1, 2]]},
+        "small": {"key": ["task"], "groups": [["t0", 1], ["t1", 1]]},
+    }

@@ -75,6 +75,7 @@ def test_keep_last(tmp_path):
 def test_rewind_cuts_logs_after_the_step_while_the_logger_appends(tmp_path):
     logger = MetricsLogger(tmp_path, LoggerConfig(wandb=WandbConfig(mode="disabled")), "run")
     for step in (1, 2, 3):
+        logger.log_trained_groups(step, {"p": {"key": ["task"], "groups": [[f"t@{step - 1}", 4]]}})
         logger.log(step, {"loss": float(step)})
         logger.log_eval(step, {"acc": 0.1 * step})
     with open(tmp_path / "metrics.jsonl", "a") as f:
@@ -83,10 +84,17 @@ def test_rewind_cuts_logs_after_the_step_while_the_logger_appends(tmp_path):
     later = _checkpoint(tmp_path, 3)
 
     run_ckpt.rewind_run_dir(tmp_path, 2)  # resume from step 2 with the logger already open
+    logger.log_trained_groups(3, {"p": {"key": ["task"], "groups": [["t@2", 4]]}})
     logger.log(3, {"loss": 30.0})
     logger.close()
 
     assert [(r["step"], r["loss"]) for r in read_metrics(tmp_path)] == [(1, 1.0), (2, 2.0), (3, 30.0)]
+    groups = [json.loads(line) for line in (tmp_path / "trained_groups.jsonl").read_text().splitlines()]
+    assert [(g["step"], g["policies"]["p"]["groups"]) for g in groups] == [
+        (1, [["t@0", 4]]),
+        (2, [["t@1", 4]]),
+        (3, [["t@2", 4]]),
+    ]
     assert [e["step"] for e in read_eval(tmp_path)] == [1, 2]
     assert not later.exists() and later.with_name(later.name + ".discarded").is_dir()
     assert [run_ckpt.checkpoint_step(p) for p in run_ckpt.list_checkpoints(tmp_path)] == [2]
