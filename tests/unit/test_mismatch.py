@@ -24,6 +24,7 @@ from megamarl.rl.mismatch import (
     mismatch_metrics,
     mismatch_row_sums,
 )
+from megamarl.rl.policy_setup import loss_config
 from megamarl.rl.update_metrics import AgentMismatch
 from megamarl.runtime.step_metrics import policy_update_metrics
 
@@ -191,6 +192,7 @@ def test_config_keys_run_wide_per_policy_and_the_retired_tis_cap():
     )
     policy = cfg.policy_algorithm("shared")
     assert policy.mismatch.token == MismatchLevel(mode="mask", lower=0.5, upper=2.0)
+    assert loss_config(cfg.policies["shared"], policy).mismatch is policy.mismatch  # what the worker uses
     assert cfg.algorithm.mismatch.token.mode == "truncate"
     # a loss-only override: the driver's advantages stay run-wide
     assert cfg.policies["shared"].algorithm.advantage_overrides() == {}
