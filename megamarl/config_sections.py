@@ -337,7 +337,7 @@ class MismatchLevel:
 
 
 def _default_token_level() -> MismatchLevel:
-    return MismatchLevel(mode="truncate", upper=2.0)  # token-level TIS with cap 2 (verl's, slime's default)
+    return MismatchLevel(mode="truncate", upper=2.0)  # token-level TIS, cap 2 (the old tis_cap default)
 
 
 @dataclass

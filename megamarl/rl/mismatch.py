@@ -110,14 +110,14 @@ def mismatch_correction(
 
 
 def mismatch_row_sums(old_logprobs: Tensor, rollout_logprobs: Tensor, mask: Tensor, kept: Tensor) -> Tensor:
-    """``[B, 6]`` per-row sums, columns ``MISMATCH_SUMS``: response tokens; ``sum_t d_t``; ``sum_t k3_t``
-    with ``k3 = exp(d) - 1 - d`` (Schulman's k3 estimate of KL(mu || pi) from tokens sampled by mu, >= 0;
-    verl's ``rollout_corr`` k3 KL); tokens not kept; 1 for a row with tokens; 1 for such a row with no
-    token kept (rejected, or every token masked)."""
-    d = mismatch_log_ratio(old_logprobs, rollout_logprobs, mask, level="token").clamp(
-        -MISMATCH_LOG_CLAMP, MISMATCH_LOG_CLAMP
-    )
-    k3 = torch.where(mask, torch.exp(d) - 1 - d, 0.0)
+    """``[B, 6]`` float64 per-row sums, columns ``MISMATCH_SUMS``: response tokens; ``sum_t d_t``;
+    ``sum_t k3_t`` with ``k3 = exp(d) - 1 - d`` (Schulman's k3 estimate of KL(mu || pi) from tokens
+    sampled by mu, >= 0; verl's ``rollout_corr`` k3 KL); tokens not kept; 1 for a row with tokens; 1 for
+    such a row with no token kept (rejected, or every token masked)."""
+    d = mismatch_log_ratio(old_logprobs, rollout_logprobs, mask, level="token")
+    d = d.double().clamp(-MISMATCH_LOG_CLAMP, MISMATCH_LOG_CLAMP)  # float64: sums of ~1e-9 terms
+    # expm1 and the clamp: exp(d) - 1 - d rounds to tiny negatives for |d| ~ 1e-8 (on-policy)
+    k3 = torch.where(mask, (torch.expm1(d) - d).clamp(min=0), 0.0)
     has_tokens = mask.any(1)
     return torch.stack(
         [

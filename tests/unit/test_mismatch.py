@@ -129,6 +129,11 @@ def test_mismatch_sums_and_metrics_per_agent():
         },
         abs=1e-6,
     )
+    # near on-policy k3 ~ d^2 / 2 (fp32 exp(d) - 1 - d would round it to +-6e-8, often below 0)
+    near = torch.tensor([[1e-4, -3e-4, 0.0]])
+    tiny = mismatch_row_sums(near, torch.zeros(1, 3), mask[1:], mask[1:])
+    d = near[0, :2].double()
+    assert float(tiny[0, 2]) == pytest.approx(float((d**2 / 2 + d**3 / 6).sum()), rel=1e-6)
     both = mismatch_metrics(sums.sum(0))
     assert both["mismatch_kl"] == pytest.approx(sum(k3) / 5, abs=1e-6)
     assert both["mismatch_masked_frac"] == pytest.approx(4 / 5) and both["mismatch_rejected_frac"] == 0.5
