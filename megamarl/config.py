@@ -32,6 +32,7 @@ from megamarl.config_sections import (
     LoggerConfig,
     LoraConfig,
     LrScheduleConfig,
+    MismatchConfig,
     OpponentPoolConfig,
     OrchestraSpec,
     TeamAlphaSchedule,
@@ -212,10 +213,13 @@ class EngineConfig:
 
 @dataclass
 class PolicyAlgorithmConfig:
-    """``policies.<p>.algorithm``: this policy's own advantage estimator and loss aggregation, so one
-    policy trains with GRPO while another uses GAE with a critic in the same run. A key left null
-    takes ``algorithm.<key>``; reward shaping, dynamic sampling, KL and TIS stay run-wide. When any
-    policy sets one, every policy's advantages are computed over its own samples (docs/rl.md)."""
+    """``policies.<p>.algorithm``: this policy's own advantage estimator, loss aggregation and mismatch
+    correction, so one policy trains with GRPO while another uses GAE with a critic in the same run. A
+    key left null takes ``algorithm.<key>``; reward shaping, dynamic sampling and KL stay run-wide. When
+    any policy sets an advantage key (all but ``mismatch``), every policy's advantages are computed over
+    its own samples (docs/rl.md)."""
+
+    LOSS_ONLY: ClassVar[tuple[str, ...]] = ("mismatch",)  # read by the worker's loss alone
 
     estimator: str | None = None  # null: algorithm.estimator
     # null: algorithm.estimator_kwargs (replaced whole, not merged)
@@ -225,8 +229,12 @@ class PolicyAlgorithmConfig:
     std_ddof: int | None = None  # null: algorithm.std_ddof
     loss_agg: str | None = None  # null: algorithm.loss_agg
     value_loss_agg: str | None = None  # null: algorithm.value_loss_agg (a critic estimator's value loss)
+    # null: algorithm.mismatch (replaced whole, not merged: unset levels take MismatchConfig's defaults)
+    mismatch: MismatchConfig | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.mismatch, (dict, DictConfig)):
+            self.mismatch = MismatchConfig(**cast("dict[str, Any]", self.mismatch))  # a mapping here
         if self.std_ddof is not None and self.std_ddof not in (0, 1):
             raise ValueError(
                 f"policies.<p>.algorithm.std_ddof must be 0 (population) or 1 (unbiased), got {self.std_ddof}"
@@ -235,6 +243,10 @@ class PolicyAlgorithmConfig:
     def overrides(self) -> dict[str, Any]:
         """The ``algorithm.*`` keys this policy sets (null ones left out)."""
         return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+
+    def advantage_overrides(self) -> dict[str, Any]:
+        """The keys of ``overrides`` that change the driver's advantages (the loss-only ones left out)."""
+        return {k: v for k, v in self.overrides().items() if k not in self.LOSS_ONLY}
 
 
 @dataclass
@@ -397,7 +409,9 @@ class AlgorithmConfig:
     # the critic's value loss (gae): aggregated on its own, not with loss_agg (the same choices)
     value_loss_agg: str = "token-mean"
     kl_type: str = "k3"
-    tis_cap: float = 2.0  # truncated IS cap (rollout vs training logprobs); 0 disables
+    # rollout vs training log-probs: truncate / mask / reject at token, sequence and geometric-mean level
+    # (default: token-level truncated IS, cap 2; every level off: no correction)
+    mismatch: MismatchConfig = field(default_factory=MismatchConfig)
     # the estimator's own settings (AdvantageConfig fields: gamma, lam, eps, gigpo_omega, ...); those
     # with an algorithm.* key of their own (group_by, std_ddof, normalize_std) are rejected here
     estimator_kwargs: dict[str, Any] = field(default_factory=dict)
@@ -433,7 +447,8 @@ class AlgorithmConfig:
                 **cast("dict[str, Any]", self.team_alpha_schedule)
             )  # a mapping here
         check_range("algorithm.turn_gamma", self.turn_gamma, low=0, high=1)
-        check_range("algorithm.tis_cap", self.tis_cap, low=0)
+        if isinstance(self.mismatch, (dict, DictConfig)):
+            self.mismatch = MismatchConfig(**cast("dict[str, Any]", self.mismatch))  # a mapping here
         if self.std_ddof not in (0, 1):
             raise ValueError(
                 f"algorithm.std_ddof must be 0 (population) or 1 (unbiased), got {self.std_ddof}"
@@ -736,6 +751,16 @@ def _check_path_length(key: str, path: str) -> None:
         )
 
 
+# keys that no longer exist -> what replaced them (said at load time instead of "unknown key")
+RETIRED_KEYS = {
+    "algorithm.tis_cap": (
+        "removed; algorithm.mismatch replaces it (tis_cap: C is mismatch: {token: {mode: truncate, upper: "
+        "C}}, the default with C = 2; tis_cap: 0 is algorithm.mismatch.token.mode=off); docs/rl.md, "
+        "'Rollout/training mismatch'"
+    ),
+}
+
+
 def compose_run_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
     """YAML (composed with Hydra; see ``megamarl.config_loader``) + overrides -> a ``RunConfig`` whose
     sections passed their own checks. Errors are ValueErrors that name the offending key (YAML syntax:
@@ -744,7 +769,14 @@ def compose_run_config(path: str | Path | None, overrides: list[str] | tuple[str
     if path is not None and Path(path).is_file():
         _check_yaml_file(Path(path))
     try:
-        return compose_config(RunConfig, path, overrides, rewrite=_resolve_plugin_paths, explain=_with_names)
+        return compose_config(
+            RunConfig,
+            path,
+            overrides,
+            rewrite=_resolve_plugin_paths,
+            explain=_with_names,
+            retired=RETIRED_KEYS,
+        )
     except yaml.YAMLError as exc:  # a file pulled in through `defaults:` (the --config file is checked above)
         raise ValueError(_yaml_error(exc, path)) from None
 
@@ -814,6 +846,16 @@ def _with_names(message: str, merged) -> str:
             except (ValueError, OmegaConfBaseException) as exc:
                 if first_line(exc) == message:
                     return message.replace(placeholder, f"{section}.{name}")
+    if message.startswith("algorithm.mismatch."):  # MismatchConfig names the run-wide key; a policy's?
+        for name in merged["policies"]:
+            node = merged["policies"][name]["algorithm"]["mismatch"]
+            if node is None:
+                continue
+            try:
+                OmegaConf.to_object(node)
+            except (ValueError, OmegaConfBaseException) as exc:
+                if first_line(exc) == message:
+                    return f"policies.{name}.{message}"
     return message
 
 

@@ -37,6 +37,7 @@ SCHEMA = "schema"  # the typed dataclass: validation
 DEFAULTS = "defaults"  # its defaults as untyped YAML with open maps: composition
 _ENTRY = "megamarl_entry"  # the per-load primary config
 _CONFIG_SUFFIXES = (".yaml", ".yml")
+_ABSENT = object()  # OmegaConf.select's default: the key is not in the composed tree
 _registered: dict[str, type] = {}  # group -> the schema class whose nodes the ConfigStore holds
 
 
@@ -73,12 +74,15 @@ def compose_config(
     *,
     rewrite=None,
     explain=None,
+    retired: typing.Mapping[str, str] | None = None,
 ) -> Any:
     """Compose ``path`` (any YAML file; None: schema defaults) with ``overrides`` and instantiate
     ``schema_cls``. ``rewrite(cfg, config_dir)`` may edit the composed DictConfig before the typed
     merge (``load_config`` resolves ``plugin_paths`` against the file's directory there).
     ``explain(message, merged)`` may reword a component's own ValueError (``load_config`` puts the
-    policy's or agent's name into its messages). Raises ValueError naming the offending key."""
+    policy's or agent's name into its messages). ``retired``: keys that no longer exist -> what replaced
+    them, said instead of "unknown key". Raises ValueError naming the offending key."""
+    retired = retired or {}
     overrides = list(overrides)
     _reject_sweeps(overrides)
     register_schema(schema_cls)
@@ -88,6 +92,9 @@ def compose_config(
         GlobalHydra.instance().clear()  # a previous load in this process (tests load many configs)
         with initialize_config_dir(config_dir=str(config_dir), version_base="1.3", job_name="megamarl"):
             composed = compose(config_name=_ENTRY, overrides=overrides)
+        for old_key, replaced_by in retired.items():
+            if OmegaConf.select(composed, old_key, default=_ABSENT) is not _ABSENT:
+                raise ValueError(f"config key '{old_key}': {replaced_by}")
         if rewrite is not None:
             rewrite(composed, config_dir if path is not None else Path.cwd())
         schema = ConfigStore.instance().load(f"{GROUP}/{SCHEMA}.yaml").node
@@ -105,7 +112,7 @@ def compose_config(
                 raise
             raise ValueError(explain(str(exc).strip().splitlines()[0], merged)) from exc
     except (HydraException, OmegaConfBaseException) as exc:
-        raise ValueError(_describe(exc, schema_cls)) from exc
+        raise ValueError(_describe(exc, schema_cls, retired)) from exc
     finally:
         GlobalHydra.instance().clear()
 
@@ -202,7 +209,7 @@ def _is_union(hint) -> bool:
     return typing.get_origin(hint) in (typing.Union, types.UnionType)
 
 
-def _describe(exc: BaseException, schema_cls: type) -> str:
+def _describe(exc: BaseException, schema_cls: type, retired: typing.Mapping[str, str]) -> str:
     """The deepest OmegaConf error in the chain carries the full key; Hydra's own errors (an unknown
     group option, a missing defaults entry) name the group or the override in their message."""
     cause: BaseException | None
@@ -221,7 +228,9 @@ def _describe(exc: BaseException, schema_cls: type) -> str:
     key = found.full_key
     assert key is not None  # found only where full_key is set (above)
     message = first_line(found)
-    if "not in struct" in message or "not in '" in message:
+    if ("not in struct" in message or "not in '" in message) and key in retired:
+        message = retired[key]
+    elif "not in struct" in message or "not in '" in message:
         message = f"unknown key{_suggest(schema_cls, key)}"
     return f"config key '{key}': {message}"
 

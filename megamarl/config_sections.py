@@ -1,5 +1,5 @@
 """Component sections of the run config: agents, env, orchestra, env workers, LoRA, opponent pool,
-learning-rate and team-alpha schedules, logger.
+learning-rate and team-alpha schedules, rollout/training mismatch correction, logger.
 
 They sit at the ground with ``megamarl.config`` (which composes them into ``RunConfig``) so that the
 config imports nothing above it; the modules that act on a section import it from here. Each
@@ -317,6 +317,73 @@ class TeamAlphaSchedule:
             raise ValueError(
                 f"algorithm.team_alpha_schedule.steps must be >= 0 (0: trainer.total_steps), got {self.steps}"
             )
+
+
+MISMATCH_MODES = ("off", "truncate", "mask", "reject")  # algorithm.mismatch.<level>.mode
+MISMATCH_LEVELS = ("token", "sequence", "geometric")  # algorithm.mismatch's sections
+
+
+@dataclass
+class MismatchLevel:
+    """One level of ``algorithm.mismatch``: what happens to a token whose importance ratio (training
+    over rollout probability, at this level) is outside [lower, upper] (null: unbounded on that side).
+    truncate: weight ``min(ratio, upper)``; mask: weight ``ratio`` inside the bounds, 0 outside (at
+    token level only the token, at sequence/geometric level the row); reject: weight 1 inside, and the
+    whole row 0 when any of its ratios is outside. The bounds are read only when mode is not off."""
+
+    mode: str = "off"  # off | truncate | mask | reject
+    lower: float | None = None  # mask / reject: ratios below it are out (truncate: must be null)
+    upper: float | None = None  # truncate: the cap (required); mask / reject: ratios above it are out
+
+
+def _default_token_level() -> MismatchLevel:
+    return MismatchLevel(mode="truncate", upper=2.0)  # token-level TIS, cap 2 (the old tis_cap default)
+
+
+@dataclass
+class MismatchConfig:
+    """``algorithm.mismatch`` (and ``policies.<p>.algorithm.mismatch``): correction of the mismatch
+    between the rollout engine's log-probs and the trainer's, at three levels whose weights multiply:
+    ``token`` (ratio per token), ``sequence`` (the product over the row's tokens) and ``geometric``
+    (their geometric mean, exp of the row's mean token log-ratio). docs/rl.md, "Rollout/training
+    mismatch"."""
+
+    token: MismatchLevel = field(default_factory=_default_token_level)
+    sequence: MismatchLevel = field(default_factory=MismatchLevel)
+    geometric: MismatchLevel = field(default_factory=MismatchLevel)
+
+    @property
+    def enabled(self) -> bool:
+        """Some level corrects (else the loss needs no rollout log-probs)."""
+        return any(getattr(self, level).mode != "off" for level in MISMATCH_LEVELS)
+
+    def __post_init__(self) -> None:
+        for level in MISMATCH_LEVELS:
+            value = getattr(self, level)
+            if isinstance(value, Mapping):
+                value = MismatchLevel(**value)
+                setattr(self, level, value)
+            _check_mismatch_level(value, key=f"algorithm.mismatch.{level}")
+
+
+def _check_mismatch_level(level: MismatchLevel, *, key: str) -> None:
+    if level.mode not in MISMATCH_MODES:
+        raise ValueError(f"{key}.mode={level.mode!r} unknown; allowed: {list(MISMATCH_MODES)}")
+    for bound in ("lower", "upper"):
+        value = getattr(level, bound)
+        if value is not None:
+            check_range(f"{key}.{bound}", value, low=0, low_open=True)
+    if level.mode == "off":
+        return
+    if level.lower is not None and level.upper is not None and not level.lower < level.upper:
+        raise ValueError(f"{key}.lower must be < {key}.upper, got {level.lower} and {level.upper}")
+    if level.mode == "truncate" and (level.upper is None or level.lower is not None):
+        raise ValueError(
+            f"{key}.mode=truncate caps the weight from above: set {key}.upper and leave {key}.lower "
+            f"null (got lower={level.lower}, upper={level.upper}); mask or reject drop low ratios"
+        )
+    if level.lower is None and level.upper is None:
+        raise ValueError(f"{key}.mode={level.mode} needs {key}.lower or {key}.upper (or both)")
 
 
 WANDB_MODES = ("offline", "online", "disabled")

@@ -193,8 +193,10 @@ def _type_name(hint) -> str:
     return f"{name} \\| null" if optional else name
 
 
-def _default(field: dataclasses.Field) -> str:
-    if field.default is not dataclasses.MISSING:
+def _default(field: dataclasses.Field, owner=None) -> str:
+    if owner is not None:  # a section built by its parent's default_factory: its own values
+        value = getattr(owner, field.name)
+    elif field.default is not dataclasses.MISSING:
         value = field.default
     elif field.default_factory is not dataclasses.MISSING:
         value = field.default_factory()
@@ -211,8 +213,9 @@ def _default(field: dataclasses.Field) -> str:
     return f"`{value!r}`".replace("|", "\\|") if isinstance(value, (str, list, dict, tuple)) else f"`{value}`"
 
 
-def rows(cls: type, prefix: str, extra: dict[str, str]) -> list[tuple[str, str, str, str]]:
-    """(key, type, default, description) for every field of ``cls``, nested sections expanded."""
+def rows(cls: type, prefix: str, extra: dict[str, str], owner=None) -> list[tuple[str, str, str, str]]:
+    """(key, type, default, description) for every field of ``cls``, nested sections expanded; ``owner``:
+    the section's default instance when its parent's factory sets values other than ``cls``'s defaults."""
     hints = typing.get_type_hints(cls)
     comments = field_comments(cls)
     out = []
@@ -224,14 +227,17 @@ def rows(cls: type, prefix: str, extra: dict[str, str]) -> list[tuple[str, str, 
         if dataclasses.is_dataclass(inner):
             if optional:
                 out.append((key, "section \\| null", "null", doc or "set it to enable; keys below"))
-            out.extend(rows(inner, f"{key}.", extra))
+            section = getattr(owner, field.name) if owner is not None else None
+            if section is None and field.default_factory is not dataclasses.MISSING:
+                section = field.default_factory()
+            out.extend(rows(inner, f"{key}.", extra, section))
             continue
         value = typing.get_args(inner)[1] if typing.get_origin(inner) is dict else None
         if value is not None and dataclasses.is_dataclass(value):
             out.append((key, f"map of {value.__name__}", "`{}`", doc))
             out.extend(rows(value, f"{key}.<name>.", extra))
             continue
-        out.append((key, _type_name(hint), _default(field), doc))
+        out.append((key, _type_name(hint), _default(field, owner), doc))
     return out
 
 

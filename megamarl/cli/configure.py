@@ -161,7 +161,7 @@ def _check_policy_algorithms(cfg: RunConfig) -> None:
     for name, policy in cfg.policies.items():
         key = f"policies.{name}.algorithm"
         check_policy_algorithm(policy.algorithm, key=key)
-        overrides = policy.algorithm.overrides()
+        overrides = policy.algorithm.advantage_overrides()  # mismatch is the loss's alone
         if not overrides:
             continue
         if cfg.algorithm.dynamic_sampling:

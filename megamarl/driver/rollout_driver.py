@@ -257,7 +257,8 @@ class RolloutDriver:
         algo = algorithm_at_step(
             self.cfg.algorithm, step, total_steps=self.cfg.trainer.total_steps
         )  # annealed team_alpha
-        own = any(p.algorithm.overrides() for p in self.cfg.policies.values())  # policies.<p>.algorithm
+        # policies.<p>.algorithm changes advantages (a mismatch override only the worker's loss)
+        own = any(p.algorithm.advantage_overrides() for p in self.cfg.policies.values())
         batch, prepare_metrics = prepare_rollout(
             result.samples,
             result.episodes,

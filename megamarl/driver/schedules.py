@@ -76,8 +76,10 @@ class Schedule(abc.ABC):
     def describe(self) -> str:
         t, a = self.cfg.trainer, self.cfg.algorithm
         text = f"trainer.mode={t.mode}, max_staleness={t.max_staleness}"
-        if self.overlaps_training and a.tis_cap == 0:
-            text += " (algorithm.tis_cap=0: stale samples get no importance-sampling correction)"
+        if self.overlaps_training and not a.mismatch.enabled:
+            text += (
+                " (every algorithm.mismatch level off: stale samples get no importance-sampling correction)"
+            )
         return text
 
     # -- batches ---------------------------------------------------------------------------------

@@ -6,7 +6,8 @@ Three log-probabilities of each response token meet here:
     before the update; None means on-policy, ``old = logprobs.detach()`` (ratio 1);
   * ``rollout_logprobs``: what the inference engine (vLLM/SGLang) reported when sampling. Engine and
     trainer numerics differ, and in async modes the engine's weights are stale, so the PPO term is
-    reweighted by a *truncated* importance weight ``min(pi_old / pi_rollout, C)`` (no gradient).
+    reweighted by the mismatch correction of ``megamarl.rl.mismatch`` (no gradient; by default the
+    truncated importance weight ``min(pi_old / pi_rollout, 2)``).
 
 Unlike the textbook PPO loss, masked (padding / prompt) positions are replaced by 0 *before* any
 arithmetic, so garbage or NaN in padding can reach neither the loss nor its gradient.
@@ -16,12 +17,14 @@ Shapes: ``[B, T]`` token tensors with a boolean ``response_mask [B, T]``; advant
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import torch
 from torch import Tensor
 
+from megamarl.config_sections import MismatchConfig
 from megamarl.registry import Registry
+from megamarl.rl.mismatch import mismatch_correction, mismatch_row_sums
 
 LOG_RATIO_CLAMP = 20.0  # exp(+-20) is finite in fp32; beyond it ratios are meaningless anyway
 # k3 grows like exp(-d): at d = log pi - log pi_ref = -15 it is 3.3e6, and so is its gradient, which one
@@ -83,7 +86,7 @@ def entropy_from_logits(logits: Tensor, *, chunk_rows: int = 4096) -> Tensor:
 
 
 # --------------------------------------------------------------------------------------------
-# PPO surrogate and truncated importance sampling
+# PPO surrogate
 
 
 def ppo_clip_loss(
@@ -124,29 +127,6 @@ def ppo_clip_loss(
         dual_clipped = (adv < 0) & (loss > bound) & mask
         loss = torch.where(dual_clipped, bound, loss)
     return _masked(loss, mask), clipped, dual_clipped
-
-
-def tis_weights(
-    old_logprobs: Tensor,
-    rollout_logprobs: Tensor,
-    mask: Tensor,
-    *,
-    level: str = "token",
-    cap: float = 2.0,
-) -> tuple[Tensor, Tensor]:
-    """Truncated importance weights (no gradient): returns ``(weights [B, T], raw [B, T])``.
-
-    token:    ``w_t = min(exp(old_t - rollout_t), cap)``;
-    sequence: ``w_t = min(exp(sum_t' (old_t' - rollout_t')), cap)`` for every token of the row.
-    Both are 0 where ``mask`` is False.
-    """
-    log_w = _masked(old_logprobs.detach() - rollout_logprobs, mask)
-    if level == "sequence":
-        log_w = log_w.sum(1, keepdim=True).expand_as(log_w)
-    elif level != "token":
-        raise ValueError(f"loss.tis_mode must be 'token' or 'sequence', got {level!r}")
-    raw = _masked(torch.exp(log_w.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)), mask)
-    return raw.clamp(max=cap), raw
 
 
 # --------------------------------------------------------------------------------------------
@@ -279,8 +259,8 @@ class LossConfig:
     kl_type: str = "k3"  # k1 | k2 | k3
     entropy_coef: float = 0.0
     agg_mode: str = "token-mean"  # token-mean | seq-mean-token-sum | seq-mean-token-mean
-    tis_mode: str = "token"  # none | token | sequence
-    tis_cap: float = 2.0
+    # rollout vs training log-probs (megamarl.rl.mismatch); every level off: no correction
+    mismatch: MismatchConfig = field(default_factory=MismatchConfig)
 
     def __post_init__(self) -> None:
         if not 0 <= self.clip_low < 1:
@@ -296,10 +276,6 @@ class LossConfig:
                 raise ValueError(f"loss.{key} must be >= 0, got {getattr(self, key)}")
         KL_ESTIMATORS.get(self.kl_type, key="loss.kl_type")
         LOSS_AGGREGATIONS.get(self.agg_mode, key="loss.agg_mode")
-        if self.tis_mode not in ("none", "token", "sequence"):
-            raise ValueError(f"loss.tis_mode must be 'none', 'token' or 'sequence', got {self.tis_mode!r}")
-        if not self.tis_cap > 0:
-            raise ValueError(f"loss.tis_cap must be > 0, got {self.tis_cap}")
 
 
 @dataclass
@@ -308,8 +284,10 @@ class LossMetrics:
 
     Token statistics are masked token means over the given tensors: ``clip_frac``/``dual_clip_frac``
     fraction of tokens clipped; ``approx_kl`` mean k3(pi, pi_old); ``entropy`` mean entropy;
-    ``tis_weight_mean`` mean *applied* (truncated) weight, ``tis_weight_max`` max *raw* weight,
-    ``tis_clip_frac`` fraction of tokens whose raw weight exceeded the cap.
+    ``tis_weight_mean`` mean *applied* mismatch weight (every level's, multiplied), ``tis_weight_max``
+    max *raw* token ratio, ``tis_clip_frac`` fraction of tokens a truncating level capped.
+    ``mismatch_rows``: ``[B, 6]`` ``mismatch.mismatch_row_sums`` (given rollout log-probs), for
+    per-agent metrics; not in ``as_dict``.
     """
 
     loss: Tensor
@@ -322,9 +300,10 @@ class LossMetrics:
     tis_weight_mean: Tensor | None = None
     tis_weight_max: Tensor | None = None
     tis_clip_frac: Tensor | None = None
+    mismatch_rows: Tensor | None = None
 
     def as_dict(self, prefix: str = "") -> dict[str, float]:
-        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        values = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "mismatch_rows"}
         return {prefix + name: float(v) for name, v in values.items() if v is not None}
 
 
@@ -344,7 +323,8 @@ def policy_loss(
     """``loss = agg(w_tis * L_ppo) + kl_coef * agg(KL) - entropy_coef * agg(H)`` with ``agg = cfg.agg_mode``.
 
     ``ref_logprobs`` is required when ``kl_coef > 0``, ``entropy [B, T]`` when ``entropy_coef > 0``,
-    ``rollout_logprobs`` unless ``tis_mode == "none"``; given anyway they are logged.
+    ``rollout_logprobs`` unless every ``cfg.mismatch`` level is off; given anyway, the mismatch is
+    measured (``mismatch_rows``).
     """
     mask = response_mask.bool()
     lp = _masked(logprobs, mask)
@@ -363,16 +343,18 @@ def policy_loss(
         ratio_level=cfg.ratio_level,
     )
     tis = {}
-    if cfg.tis_mode != "none":
-        if rollout_logprobs is None:
-            raise ValueError(f"loss.tis_mode={cfg.tis_mode!r} needs rollout_logprobs (or tis_mode='none')")
-        weights, raw = tis_weights(old, rollout_logprobs, mask, level=cfg.tis_mode, cap=cfg.tis_cap)
-        pg_tok = pg_tok * weights
-        tis = {
-            "tis_weight_mean": masked_mean(weights, mask),
-            "tis_weight_max": raw.amax() if raw.numel() else raw.sum(),  # sum: 0 for an empty batch
-            "tis_clip_frac": masked_mean((raw > cfg.tis_cap).float(), mask),
-        }
+    if cfg.mismatch.enabled and rollout_logprobs is None:
+        raise ValueError("loss.mismatch corrects with rollout_logprobs: pass them (or turn every level off)")
+    if rollout_logprobs is not None:
+        corr = mismatch_correction(old, rollout_logprobs, mask, cfg.mismatch)
+        tis["mismatch_rows"] = mismatch_row_sums(old, rollout_logprobs, mask, corr.kept)
+        if corr.weights is not None:
+            pg_tok = pg_tok * corr.weights
+            tis |= {
+                "tis_weight_mean": masked_mean(corr.weights, mask),
+                "tis_weight_max": corr.ratio.amax() if corr.ratio.numel() else corr.ratio.sum(),  # 0 if empty
+                "tis_clip_frac": masked_mean(corr.truncated.float(), mask),
+            }
     pg_loss = agg(pg_tok, mask, **counts)
     total = pg_loss
 

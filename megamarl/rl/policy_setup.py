@@ -160,8 +160,7 @@ def loss_config(policy: PolicyConfig, algo: AlgorithmConfig, **overrides) -> Los
         **values,
         kl_type=algo.kl_type,
         agg_mode=algo.loss_agg,
-        tis_mode="token" if algo.tis_cap > 0 else "none",
-        tis_cap=algo.tis_cap or 2.0,
+        mismatch=algo.mismatch,
     )
 
 

@@ -2,9 +2,15 @@
 normalised by the mini-batch's global counts), maxima maxed, everything else averaged weighted by the
 micro-batch's response tokens (``RESPONSE_TOKENS``), so a step's metrics do not depend on how its rows
 were cut into micro-batches (padded, packed, prefix tree); per optimizer step, the mean over a pass's
-steps, with the non-finite counters summed (skips) or maxed (the streak)."""
+steps, with the non-finite counters summed (skips) or maxed (the streak). The rollout/training
+mismatch is kept per agent (``AgentMismatch``): sums over the agent's rows, divided at the end.
+"""
 
 from __future__ import annotations
+
+import torch
+
+from megamarl.rl.mismatch import mismatch_metrics
 
 RESPONSE_TOKENS = "response_tokens"  # a micro-batch's weight in the step's means (not reported)
 SUMMED = frozenset({"loss", "pg_loss", "kl_loss", "vf_loss"})
@@ -33,6 +39,33 @@ def summarise(collected: list[dict[str, float]], **extra: float) -> dict[str, fl
             )
     out.update(extra)
     return out
+
+
+class AgentMismatch:
+    """Per-agent sums of ``mismatch.mismatch_row_sums`` over an update's micro-batches -> the
+    ``agent/<a>/mismatch_*`` metrics. With several epochs every pass adds the same rows again (the old
+    log-probs are fixed), which leaves the ratios unchanged."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, torch.Tensor] = {}
+
+    def add(self, agents: list[str], rows: torch.Tensor) -> None:
+        """``agents``: the row's agent of each of ``rows [B, 6]``."""
+        for agent in sorted(set(agents)):
+            index = torch.tensor([i for i, a in enumerate(agents) if a == agent], device=rows.device)
+            total = rows.index_select(0, index).sum(0).detach()
+            self.sums[agent] = total if agent not in self.sums else self.sums[agent] + total
+
+    def metrics(self) -> dict[str, float]:
+        """``agent/<a>/mismatch_*`` of every agent with response tokens; then empty until the next ``add``."""
+        out = {
+            f"agent/{agent}/{key}": value
+            for agent, sums in sorted(self.sums.items())
+            if float(sums[0]) > 0
+            for key, value in mismatch_metrics(sums).items()
+        }
+        self.sums = {}
+        return out
 
 
 def mean_over_steps(steps: list[dict[str, float]]) -> dict[str, float]:

@@ -46,7 +46,7 @@ from megamarl.rl.losses import LossConfig, policy_loss
 from megamarl.rl.micro_batches import MicroBatcher
 from megamarl.rl.optimizer import any_rank, current_lr, grads_nonfinite
 from megamarl.rl.reference import ReferenceModel
-from megamarl.rl.update_metrics import RESPONSE_TOKENS, average, mean_over_steps, summarise
+from megamarl.rl.update_metrics import RESPONSE_TOKENS, AgentMismatch, average, mean_over_steps, summarise
 from megamarl.rl.worker_parts import AgentTraining, ModelHandle, batch_split, wire_training
 
 logger = logging.getLogger(__name__)
@@ -108,6 +108,7 @@ class PolicyWorker:
         self.skip_streak = 0
         self.last_fault = ""  # which agents/episodes gave a non-finite loss, for the error message
         self._nonfinite_rows: list[str] = []
+        self.mismatch = AgentMismatch()  # rollout vs training log-probs per agent (agent/<a>/mismatch_*)
 
     def _adapter_lr(self, adapter: str) -> float:
         """The learning rate of LoRA adapter ``adapter``: its agent's ``lr``, else the policy's."""
@@ -334,7 +335,7 @@ class PolicyWorker:
                 for k, v in metrics.items()
                 if k in ("grad_norm", "lr", "optimizer_steps", "padding_fraction", "forwarded_tokens")
             }
-        return {**metrics, **timings}
+        return {**metrics, **timings, **self.mismatch.metrics()}
 
     def _update(
         self, part: SampleBatch, old: torch.Tensor | None, counts: dict, *, ref=None, critic=None
@@ -404,6 +405,8 @@ class PolicyWorker:
                 **counts,
             )
             collected.append({**metrics.as_dict(), RESPONSE_TOKENS: float(mb.response_mask.sum())})
+            if metrics.mismatch_rows is not None:
+                self.mismatch.add(mb.names("agent"), metrics.mismatch_rows)
             if returns is not None:
                 loss = loss + self.critic.loss(mb, offset, returns[i], old_values[i], counts, collected[-1])
             if not torch.isfinite(loss.detach()):

@@ -112,12 +112,14 @@ class ResidentMemory:
 
 def policy_update_metrics(policy: str, values: Mapping[str, float]) -> dict[str, float]:
     """A worker's ``train_share`` metrics named for its policy: ``timing_s/<section>`` becomes
-    ``timing_s/<policy>/<section>``, the throughput figures ``perf/<key>/<policy>``, the rest
-    ``policy/<policy>/<key>``."""
+    ``timing_s/<policy>/<section>``, the throughput figures ``perf/<key>/<policy>``, the per-agent ones
+    (``agent/<a>/...``) stay as they are, the rest ``policy/<policy>/<key>``."""
     metrics = {}
     for key, value in values.items():
         section = key.removeprefix("timing_s/")
-        if key in ("padding_fraction", "forwarded_tokens"):
+        if key.startswith("agent/"):
+            metrics[key] = value
+        elif key in ("padding_fraction", "forwarded_tokens"):
             metrics[f"perf/{key}/{policy}"] = value
         else:
             metrics[f"timing_s/{policy}/{section}" if section != key else f"policy/{policy}/{key}"] = value

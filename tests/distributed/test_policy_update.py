@@ -38,7 +38,7 @@ def _batch():
 def _loss_cfg():
     from megamarl.rl.losses import LossConfig
 
-    return LossConfig(clip_low=0.2, clip_high=0.28, entropy_coef=0.01, tis_mode="token", tis_cap=2.0)
+    return LossConfig(clip_low=0.2, clip_high=0.28, entropy_coef=0.01)
 
 
 def _reference_grads(model_dir, batch=None):
@@ -171,7 +171,7 @@ def _agent_cfgs():
     from megamarl.rl.losses import LossConfig
     from megamarl.rl.worker import AgentTraining
 
-    solver = LossConfig(clip_low=0.1, clip_high=0.5, kl_coef=0.3, kl_type="k3", tis_mode="token", tis_cap=2.0)
+    solver = LossConfig(clip_low=0.1, clip_high=0.5, kl_coef=0.3, kl_type="k3")
     return {"solver": AgentTraining(loss=solver, micro_batch_size=1)}
 
 

@@ -136,8 +136,6 @@ def _tree_body(rank, model_dir, ref_dir):
         clip_high=0.5,
         kl_coef=0.3,
         kl_type="k3",
-        tis_mode="token",
-        tis_cap=2.0,
         entropy_coef=0.01,
     )
     per_agent = {"solver": AgentTraining(loss=solver, micro_batch_size=8)}

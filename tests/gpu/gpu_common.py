@@ -58,7 +58,7 @@ def make_batch(
 def loss_config():
     from megamarl.rl.losses import LossConfig
 
-    return LossConfig(clip_low=0.2, clip_high=0.28, entropy_coef=0.01, tis_mode="token", tis_cap=2.0)
+    return LossConfig(clip_low=0.2, clip_high=0.28, entropy_coef=0.01)
 
 
 def one_rank_wg(name: str = "p"):

@@ -1,6 +1,7 @@
 """trainer.mode through the real entry script on the signalling game (tiny model): fully_async with
 partial rollout on two ranks, per-sample staleness within trainer.max_staleness (from the histogram of
-every trained sample's weight version), utilisation and drop metrics logged.
+every trained sample's weight version), utilisation and drop metrics logged, and stale rows rejected by
+the rollout/training mismatch correction (algorithm.mismatch, geometric level) with its metrics.
 
 Each mode on one rank (sync, one_step_off, fully_async) is checked the same way, with the exact
 staleness of one_step_off and TIS metrics off-policy, by tests/learning/test_signalling.py on its
@@ -53,7 +54,33 @@ def test_fully_async_partial_rollout_on_two_ranks(tmp_path):
         "eval.num_tasks=0",
         "trainer.max_staleness=2",
         "trainer.partial_rollout=true",
+        *REJECT,
         nproc=2,
     )
     assert [m["step"] for m in metrics] == [1, 2, 3]
     check_staleness(metrics, max_staleness=2)
+    check_rejection(metrics)
+
+
+# rows whose geometric-mean ratio (one-token replies: the token's) is outside [0.5, 2] are rejected, on
+# top of the default token truncation; the batches after the first, sampled on the initial weights
+# while the first update changed them, have such rows
+REJECT = (
+    "algorithm.mismatch.geometric.mode=reject",
+    "algorithm.mismatch.geometric.lower=0.5",
+    "algorithm.mismatch.geometric.upper=2.0",
+)
+
+
+def check_rejection(metrics: list[dict]) -> None:
+    """Stale samples are measured and some rejected: the per-agent mismatch metrics in every line, the
+    first batch on-policy (KL ~0), rows dropped later; with one-token replies a dropped token is a
+    rejected row, so the two fractions are equal."""
+    for agent in ("sender", "receiver"):
+        kl = [m[f"agent/{agent}/mismatch_kl"] for m in metrics]
+        masked = [m[f"agent/{agent}/mismatch_masked_frac"] for m in metrics]
+        rejected = [m[f"agent/{agent}/mismatch_rejected_frac"] for m in metrics]
+        print(f"{agent}: mismatch kl {kl}, masked {masked}, rejected {rejected}")
+        assert kl[0] < 1e-4 and masked[0] == 0.0
+        assert masked == rejected
+    assert max(m[f"agent/{a}/mismatch_masked_frac"] for m in metrics for a in ("sender", "receiver")) > 0

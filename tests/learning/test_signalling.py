@@ -7,8 +7,9 @@ more) is checked on the way. The curve is printed to the test log.
 
 The same runs check each mode's staleness on one rank (these were separate 3-step runs in
 tests/integration/test_async_modes.py): every trained sample within trainer.max_staleness (1), sync
-always on-policy, one_step_off on-policy at step 1 and exactly one version behind from then on, and
-the off-policy correction's (TIS) metrics logged in the async modes."""
+always on-policy, one_step_off on-policy at step 1 and exactly one version behind from then on, the
+off-policy correction's (TIS) metrics logged in the async modes, and the rollout/training mismatch
+per agent: ~0 in sync, real (KL > 100x step 1's) in one_step_off from step 2."""
 
 from __future__ import annotations
 
@@ -69,7 +70,26 @@ def test_signalling_game_learns_to_90_percent(tmp_path, mode):
         assert set(lags) == {0.0}
     if mode == "one_step_off":
         assert lags[0] == 0.0 and set(lags[1:]) == {1.0}  # the first batch is on-policy, then one version off
-    if mode != "sync":  # off-policy correction on (algorithm.tis_cap defaults to 2.0), with its metrics
+    if mode != "sync":  # off-policy correction on (token truncation at 2 by default), with its metrics
         assert all(
             "policy/shared/tis_weight_mean" in m and "policy/shared/tis_clip_frac" in m for m in metrics
         )
+    check_mismatch(metrics, mode)
+
+
+def check_mismatch(metrics: list[dict], mode: str) -> None:
+    """The rollout/training mismatch per agent (agent/<a>/mismatch_*): ~0 on-policy (the hf engine and
+    the trainer both fp32), real once the rollout lags. The default correction only truncates, so
+    nothing is masked or rejected (tests/integration/test_async_modes.py rejects)."""
+    for agent in ("sender", "receiver"):
+        kl = [m[f"agent/{agent}/mismatch_kl"] for m in metrics]
+        ppl = [m[f"agent/{agent}/mismatch_ppl_ratio"] for m in metrics]
+        dropped = {m[f"agent/{agent}/mismatch_{k}_frac"] for m in metrics for k in ("masked", "rejected")}
+        print(f"[{mode}] {agent} mismatch kl (k3) by step: {[round(x, 5) for x in kl]}")
+        print(f"[{mode}] {agent} train/rollout ppl ratio by step: {[round(x, 4) for x in ppl]}")
+        assert all(x >= 0 for x in kl) and all(p > 0 for p in ppl) and dropped == {0.0}
+        if mode == "sync":
+            assert max(kl) < 1e-4 and all(abs(p - 1) < 1e-2 for p in ppl)
+        if mode == "one_step_off":
+            assert kl[0] < 1e-4  # the first batch is on-policy
+            assert sum(kl[1:]) / len(kl[1:]) > 100 * max(kl[0], 1e-7)  # then sampled one version behind

@@ -1,10 +1,12 @@
-"""Losses, KL, entropy, logprobs and truncated IS against hand-computed numbers."""
+"""Losses, KL, entropy, logprobs and the mismatch correction in the loss against hand-computed numbers
+(the correction's own levels and modes: tests/unit/test_mismatch.py)."""
 
 import math
 
 import pytest
 import torch
 
+from megamarl.config_sections import MismatchConfig, MismatchLevel
 from megamarl.rl.losses import (
     KL_K3_CLAMP,
     LOSS_AGGREGATIONS,
@@ -15,11 +17,11 @@ from megamarl.rl.losses import (
     loss_counts,
     policy_loss,
     ppo_clip_loss,
-    tis_weights,
     token_logprobs,
 )
 
 NAN = float("nan")
+OFF = MismatchConfig(token=MismatchLevel())  # no rollout/training mismatch correction
 ln = math.log
 
 
@@ -70,19 +72,6 @@ def test_ppo_sequence_level_ratio():
     close(loss, [[-math.sqrt(2), -math.sqrt(2), 0]])  # exp(mean(ln2, 0)) = sqrt(2) < 1.5
     loss.sum().backward()
     close(lp.grad, [[-math.sqrt(2), -math.sqrt(2), 0]])
-
-
-def test_tis_token_and_sequence_truncation():
-    mask = torch.tensor([[1, 1, 1, 0]], dtype=torch.bool)
-    old = torch.zeros(1, 4)
-    rollout = torch.tensor([[-ln(3), -ln(0.5), 0.0, NAN]])  # old - rollout = ln3, ln.5, 0
-    w, raw = tis_weights(old, rollout, mask, level="token", cap=2.0)
-    close(w, [[2, 0.5, 1, 0]])
-    close(raw, [[3, 0.5, 1, 0]])
-    w, raw = tis_weights(old, rollout, mask, level="sequence", cap=2.0)  # exp(ln 1.5)
-    close(w, [[1.5, 1.5, 1.5, 0]])
-    w, _ = tis_weights(old, rollout, mask, level="sequence", cap=1.2)
-    close(w, [[1.2, 1.2, 1.2, 0]])
 
 
 def test_kl_estimators():
@@ -163,7 +152,7 @@ def test_seq_mean_counts_skip_rows_without_response_item6():
 
 def test_policy_loss_ppo_only():
     lp, mask, adv, old = _policy_inputs()
-    loss, m = policy_loss(lp, adv, mask, LossConfig(tis_mode="none"), old_logprobs=old)
+    loss, m = policy_loss(lp, adv, mask, LossConfig(mismatch=OFF), old_logprobs=old)
     close(loss.detach(), (-1.2 - 0.5 + 3.0) / 3)  # clipped, unclipped, dual-clipped
     close(m.clip_frac, 1 / 3)
     close(m.dual_clip_frac, 1 / 3)
@@ -178,7 +167,7 @@ def test_policy_loss_tis_kl_entropy_composed():
     rollout = torch.tensor([[-ln(3), 0.0], [ln(2), NAN]])  # raw weights 3 (-> 2), 1, 0.5
     ref = torch.tensor([[ln(1.5) - ln(2), ln(0.5)], [ln(4), NAN]])  # k1 = ln2, 0, 0
     entropy = torch.tensor([[1.0, 2.0], [3.0, NAN]])
-    cfg = LossConfig(kl_coef=0.1, kl_type="k1", entropy_coef=0.01, tis_mode="token", tis_cap=2.0)
+    cfg = LossConfig(kl_coef=0.1, kl_type="k1", entropy_coef=0.01)  # token TIS, cap 2
     loss, m = policy_loss(
         lp, adv, mask, cfg, old_logprobs=old, rollout_logprobs=rollout, ref_logprobs=ref, entropy=entropy
     )
@@ -211,7 +200,7 @@ def test_policy_loss_tis_kl_entropy_composed():
 
 def test_policy_loss_on_policy_default_ratio_one():
     lp, mask, adv, _ = _policy_inputs()
-    loss, m = policy_loss(lp, adv, mask, LossConfig(tis_mode="none", agg_mode="seq-mean-token-mean"))
+    loss, m = policy_loss(lp, adv, mask, LossConfig(mismatch=OFF, agg_mode="seq-mean-token-mean"))
     close(loss, ((-1 - 1) / 2 + 1) / 2)  # ratio 1: -A per token; row means -1 and +1
     close(m.approx_kl, 0.0)
 
@@ -219,11 +208,11 @@ def test_policy_loss_on_policy_default_ratio_one():
 def test_policy_loss_missing_inputs_raise():
     lp, mask, adv, _ = _policy_inputs()
     with pytest.raises(ValueError, match="rollout_logprobs"):
-        policy_loss(lp, adv, mask, LossConfig(tis_mode="token"))
+        policy_loss(lp, adv, mask, LossConfig())
     with pytest.raises(ValueError, match="ref_logprobs"):
-        policy_loss(lp, adv, mask, LossConfig(tis_mode="none", kl_coef=0.1))
+        policy_loss(lp, adv, mask, LossConfig(mismatch=OFF, kl_coef=0.1))
     with pytest.raises(ValueError, match="entropy"):
-        policy_loss(lp, adv, mask, LossConfig(tis_mode="none", entropy_coef=0.1))
+        policy_loss(lp, adv, mask, LossConfig(mismatch=OFF, entropy_coef=0.1))
 
 
 @pytest.mark.parametrize(
@@ -237,8 +226,6 @@ def test_policy_loss_missing_inputs_raise():
         ({"entropy_coef": -1.0}, "loss.entropy_coef"),
         ({"kl_type": "k4"}, "loss.kl_type"),
         ({"agg_mode": "sum"}, "loss.agg_mode"),
-        ({"tis_mode": "seq"}, "loss.tis_mode"),
-        ({"tis_cap": 0.0}, "loss.tis_cap"),
     ],
 )
 def test_config_validation_names_key(kwargs, key):
