@@ -13,9 +13,10 @@ Runs a seeded ``trainer.total_steps``-step ``configs/signalling_tiny.yaml`` run 
 once at each side, each from its own source tree: a revision is checked out into a temporary
 ``git worktree`` and put first on PYTHONPATH; ``--head`` defaults to the working tree. Then every
 key of every ``metrics.jsonl`` line is compared exactly (float equality of the JSON values), except
-wall-clock keys (``time``, ``timing/``, ``perf/``, ``*_s``, ``*_per_s``, ``gbps``, async time ratios), which
-differ run to run by nature. Losses (``policy/*``) must match; any other difference also fails, since rewards
-and sample counts come from the same seeded rollout. Exit status 0 when identical.
+wall-clock keys (``time``, ``timing/``, ``perf/``, ``memory/``, ``*_s``, ``*_per_s``, ``gbps``, async time
+ratios: ``megamarl.runtime.metrics.MEASURED``), which differ run to run by nature. Losses (``policy/*``)
+must match; any other difference also fails, since rewards and sample counts come from the same seeded
+rollout. Exit status 0 when identical.
 
 ``--rtol R`` compares across a numerical change instead (for example a different optimizer
 implementation): numbers match when ``|a - b| <= R * max(|a|, |b|)``, keys only one side logs are
@@ -39,10 +40,10 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-# wall-clock values: the record's time stamp, durations, throughputs and the async time ratios
-WALL_CLOCK = re.compile(
-    r"^time$|^(timing|perf|progress)/|timing_|_s$|_per_s$|gbps$|/seconds$|^async/.*_ratio$"
-)
+sys.path.insert(0, str(REPO))  # run as a script: this tree's megamarl
+from megamarl.runtime.metrics import MEASURED
+
+WALL_CLOCK = MEASURED  # time stamp, durations, throughputs, async time ratios, resident memory
 
 
 def run_at(

@@ -285,3 +285,12 @@ def check_staleness(metrics: list[dict], max_staleness: int) -> None:
             "rollout/total_dropped_stale_samples",
         ):
             assert key in m, key
+
+
+def varies_between_runs(key: str) -> bool:
+    """Metrics a resumed (or relaunched) run may log differently from an uninterrupted one: the
+    machine's and the moment's (``megamarl.runtime.metrics.measured``: durations, rates, resident
+    memory), the pushes (a resumed run's start-up push is its own) and every ratio."""
+    from megamarl.runtime.metrics import measured
+
+    return measured(key) or key.startswith("weight_sync/") or key.endswith("_ratio")

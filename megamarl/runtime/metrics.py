@@ -17,6 +17,7 @@ import contextlib
 import json
 import math
 import os
+import re
 import statistics
 import sys
 import time
@@ -26,6 +27,19 @@ from typing import IO, TYPE_CHECKING, Any
 
 from megamarl.config_sections import LoggerConfig
 from megamarl.runtime.transcripts import TABLE_COLUMNS, table_rows, write_transcripts
+
+# Values of the machine and the moment, not of the seeded run: the record's time stamp, durations,
+# throughputs, async time ratios and resident memory (``memory/``). Two runs of one seed, resumed or
+# not, on one node or two, differ only in these (scripts/compare_runs.py compares every other key).
+MEASURED = re.compile(
+    r"^time$|^(timing|perf|progress|memory)/|timing_|_s$|_per_s$|gbps$|/seconds$|^async/.*_ratio$"
+)
+
+
+def measured(key: str) -> bool:
+    """A metric of the machine and the moment (``MEASURED``), which no seed makes repeatable."""
+    return MEASURED.search(key) is not None
+
 
 if TYPE_CHECKING:  # typing.Self is Python 3.11+, and requires-python allows 3.10
     from typing_extensions import Self

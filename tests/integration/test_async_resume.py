@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from train_runs import Ranks, start  # tests/ helper
+from train_runs import Ranks, start, varies_between_runs  # tests/ helper
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -79,16 +79,9 @@ def _log(output_dir: Path, num_extra: int) -> str:
     return (output_dir.parent / f"{output_dir.name}-{num_extra}.log").read_text()
 
 
-def _volatile(key: str) -> bool:
-    """Wall-clock values (durations, rates, idle ratios) differ between any two runs."""
-    if key in ("time", "elapsed_s") or key.startswith(("timing_s/", "weight_sync/", "perf/")):
-        return True
-    return key.endswith(("_s", "_ratio"))
-
-
 def _metrics(output_dir: Path, run: str = RUN) -> list[dict]:
     lines = (output_dir / run / "metrics.jsonl").read_text().splitlines()
-    return [{k: v for k, v in json.loads(line).items() if not _volatile(k)} for line in lines]
+    return [{k: v for k, v in json.loads(line).items() if not varies_between_runs(k)} for line in lines]
 
 
 @pytest.mark.parametrize("mode", list(CASES))
@@ -172,7 +165,7 @@ def test_two_policy_fully_async_run_killed_mid_step_trains_every_group_once(tmp_
     between the two policies' updates of step 2, between their weight pushes of step 3. Each resumes
     from the checkpoint before the step it died in, which that step had already taken its batch from.
     Resumed = uninterrupted: every trained (task, agent, turn) group of every step (trained_groups.jsonl)
-    and every metrics value except wall-clock ones (``_volatile``)."""
+    and every metrics value except wall-clock ones (``varies_between_runs``)."""
     config = _l3_config(tmp_path)
     reference = tmp_path / "reference"
     victims = {gate: tmp_path / gate for gate in L3_KILLS}

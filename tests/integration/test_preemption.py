@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from train_runs import Ranks, start  # tests/ helper
+from train_runs import Ranks, start, varies_between_runs  # tests/ helper
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -43,13 +43,7 @@ def _log(output_dir: Path, num_extra: int) -> str:
 
 def _metrics(output_dir: Path) -> list[dict]:
     lines = (output_dir / RUN / "metrics.jsonl").read_text().splitlines()
-    return [{k: v for k, v in json.loads(line).items() if not _volatile(k)} for line in lines]
-
-
-def _volatile(key: str) -> bool:
-    if key in ("time", "elapsed_s") or key.startswith(("timing/", "timing_s/", "weight_sync/", "perf/")):
-        return True
-    return key.endswith(("_s", "_ratio"))
+    return [{k: v for k, v in json.loads(line).items() if not varies_between_runs(k)} for line in lines]
 
 
 @pytest.fixture(scope="module")
