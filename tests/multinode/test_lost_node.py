@@ -29,6 +29,7 @@ from pathlib import Path
 
 import pytest
 from nodes import cluster, nodes_permitted  # tests/ helper
+from train_runs import varies_between_runs  # tests/ helper
 
 pytestmark = [pytest.mark.multinode, pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -105,15 +106,7 @@ def _metrics(run_dir: Path) -> list[dict]:
 
 def _stable(record: dict) -> dict:
     """Without the timings (test_preemption's rule): what the seeded run computes."""
-    return {
-        k: v
-        for k, v in record.items()
-        if not (
-            k in ("time", "elapsed_s")
-            or k.endswith(("_s", "_ratio"))
-            or k.startswith(("timing/", "timing_s/", "weight_sync/", "perf/"))
-        )
-    }
+    return {k: v for k, v in record.items() if not varies_between_runs(k)}
 
 
 @pytest.fixture(scope="module")

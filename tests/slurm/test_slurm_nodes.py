@@ -34,7 +34,7 @@ from pathlib import Path
 import pytest
 from nodes import cluster, nodes_permitted  # tests/ helper
 from slurm_cluster import NodeSlurmCluster, ensure_installed
-from train_runs import start  # tests/ helper
+from train_runs import start, varies_between_runs  # tests/ helper
 
 pytestmark = [pytest.mark.slurm, pytest.mark.multinode, pytest.mark.timeout(1500)]
 
@@ -109,16 +109,7 @@ def test_a_two_node_batch_job(slurm, tmp_path_factory):
 
 def _metrics(run_dir: Path) -> list[dict]:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [
-        {
-            k: v
-            for k, v in row.items()
-            if k not in ("time", "elapsed_s")
-            and not k.startswith(("timing/", "timing_s/", "weight_sync/", "perf/"))
-            and not k.endswith(("_s", "_ratio"))
-        }
-        for row in rows
-    ]
+    return [{k: v for k, v in row.items() if not varies_between_runs(k)} for row in rows]
 
 
 @pytest.fixture(scope="module")
