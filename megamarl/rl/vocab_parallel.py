@@ -3,8 +3,9 @@
 Each tensor-parallel rank holds logits for its slice of the vocabulary ``[vocab_start,
 vocab_start + V_local)``. megatron-core's ``vocab_parallel_cross_entropy`` does the same reduction
 but reads the *global* ``parallel_state`` TP group, which megamarl does not set (every worker group
-has its own groups), so this variant takes ``tp_group`` as an argument. Forward: two all-reduces
-(max, sum-exp) and one for the target logit. Backward is local (no communication):
+has its own groups), so this variant takes ``tp_group`` as an argument. Forward: four all-reduces
+per call, each of one value per row: the max, the sum of exponentials, the target logit and the
+expected logit (for the entropy). Backward is local (no communication):
 
     d logp(y) / d z_i = 1[i = y] - p_i
     H = log Z - sum_i p_i z_i,      d H / d z_i = -p_i (z_i - sum_j p_j z_j)
