@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+import time
 
 from scripted import ScriptedEngine, fixed, smollm2_tokenizer
 
@@ -48,3 +49,20 @@ def run_one_episode(program: str | list[str], **kwargs):
     """The one episode of ``run_program(program, num_tasks=1, ...)``."""
     [episode] = run_program(program, **kwargs).episodes
     return episode
+
+
+def alive(pid: int) -> bool:
+    """The process exists and is not a zombie (a reaped or exited program's pid is not alive)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return "\nState:\tZ" not in f.read()
+    except FileNotFoundError:
+        return False
+
+
+def survivors(pids: list[int], *, within_s: float = 5.0) -> list[int]:
+    """The ``pids`` still alive after waiting up to ``within_s`` for all of them to end."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline and any(map(alive, pids)):
+        time.sleep(0.05)
+    return [pid for pid in pids if alive(pid)]

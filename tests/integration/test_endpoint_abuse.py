@@ -18,7 +18,7 @@ import time
 
 import aiohttp
 import pytest
-from external_runs import run_one_episode
+from external_runs import run_one_episode, survivors
 from scripted import smollm2_tokenizer
 
 from megamarl.orchestration.context import EpisodeContext
@@ -343,18 +343,7 @@ def test_what_the_program_leaves_running_is_killed(exit_code, tmp_path):
     episode = run_one_episode(script)
     assert episode.status == ("ok" if exit_code == 0 else "failed"), episode.error
     pid = int(pid_file.read_text())
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline and _alive(pid):
-        time.sleep(0.05)
-    assert not _alive(pid), f"the program's background child {pid} outlived it"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            return "\nState:\tZ" not in f.read()
-    except FileNotFoundError:
-        return False
+    assert survivors([pid]) == [], f"the program's background child {pid} outlived it"
 
 
 def test_the_program_sees_an_allow_listed_environment(tmp_path, monkeypatch):

@@ -7,12 +7,11 @@ hangs or posts no reward) is a clear HTTP error or a counted failed episode, and
 import asyncio
 import dataclasses
 import json
-import time
 from pathlib import Path
 
 import aiohttp
 import pytest
-from external_runs import run_program
+from external_runs import run_program, survivors
 from scripted import ScriptedEngine, smollm2_tokenizer
 
 from megamarl.orchestration import (
@@ -425,14 +424,6 @@ def _starts(path: Path) -> list[int]:
     return [int(pid) for pid in path.read_text().split()] if path.exists() else []
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            return "\nState:\tZ" not in f.read()
-    except FileNotFoundError:
-        return False
-
-
 def test_long_lived_workers_serve_many_episodes(tmp_path, monkeypatch):
     """Two programs, started once each, serve six episodes: every episode has its own key and reward
     (in the done line or posted), and nothing of the workers outlives the rollout."""
@@ -451,10 +442,7 @@ def test_long_lived_workers_serve_many_episodes(tmp_path, monkeypatch):
         [sample] = [s for s in result.samples if s.episode_id == episode.episode_id]
         assert sample.team_reward == 1.0 / (index + 1) and sample.response_text == "4"
         assert sample.local_reward == (0.0 if index % 2 else 0.5 / (index + 1))
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline and any(map(_alive, pids)):
-        time.sleep(0.05)
-    assert not any(map(_alive, pids)), "a worker outlived the rollout"
+    assert survivors(pids) == [], "a worker outlived the rollout"
 
 
 def test_a_crashed_or_hung_worker_loses_only_its_episode(tmp_path, monkeypatch):
