@@ -196,18 +196,20 @@ def split_fresh(
 class StalenessStats:
     """Per-sample staleness of trained samples (a histogram) and what was dropped as too stale."""
 
-    histogram: Counter = field(default_factory=Counter)  # versions behind -> number of trained samples
-    per_agent: dict[str, Counter] = field(default_factory=dict)  # agent -> its own histogram
+    per_agent: dict[str, Counter] = field(default_factory=dict)  # agent -> versions behind -> samples
     dropped_groups: int = 0
     dropped_samples: int = 0
+
+    @property
+    def histogram(self) -> Counter:
+        """Versions behind -> number of trained samples, over every agent."""
+        return sum(self.per_agent.values(), Counter())
 
     def record_trained(self, groups: Iterable[EpisodeGroup], versions: Mapping[str, int]) -> None:
         for group in groups:
             for s in group.samples:
                 if s.policy in versions:
-                    lag = versions[s.policy] - s.weight_version
-                    self.histogram[lag] += 1
-                    self.per_agent.setdefault(s.agent, Counter())[lag] += 1
+                    self.per_agent.setdefault(s.agent, Counter())[versions[s.policy] - s.weight_version] += 1
 
     def record_dropped(self, groups: Iterable[EpisodeGroup]) -> None:
         for group in groups:
@@ -215,10 +217,11 @@ class StalenessStats:
             self.dropped_samples += group.num_samples
 
     def metrics(self, prefix: str = "async/") -> dict[str, float]:
-        num = sum(self.histogram.values())
-        out = {f"{prefix}staleness/{k}": float(v) for k, v in sorted(self.histogram.items())}
-        out[f"{prefix}staleness_max"] = float(max(self.histogram, default=0))
-        out[f"{prefix}staleness_mean"] = sum(k * v for k, v in self.histogram.items()) / max(num, 1)
+        histogram = self.histogram
+        num = sum(histogram.values())
+        out = {f"{prefix}staleness/{k}": float(v) for k, v in sorted(histogram.items())}
+        out[f"{prefix}staleness_max"] = float(max(histogram, default=0))
+        out[f"{prefix}staleness_mean"] = sum(k * v for k, v in histogram.items()) / max(num, 1)
         out[f"{prefix}dropped_stale_groups"] = float(self.dropped_groups)
         out[f"{prefix}dropped_stale_samples"] = float(self.dropped_samples)
         for agent, histogram in sorted(self.per_agent.items()):
