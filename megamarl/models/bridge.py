@@ -4,8 +4,10 @@ weights into it, stream it back out as HF-named full tensors, and run it.
 - ``build_model`` / ``load_hf_weights``: every rank of the WG builds and fills only its own stage and
   TP shard (no communication).
 - ``export_hf_weights``: yields ``(hf_name, full_tensor)`` one at a time, each stage its own tensors
-  under global ``model.layers.{i}`` names, TP-gathered, so TP peers must iterate in lockstep; ranks
-  with ``dp_rank > 0`` may skip. ``is_sender(wg)`` marks the one rank per stage that pushes.
+  under global ``model.layers.{i}`` names, TP-gathered (routed experts: expert-TP-gathered, then
+  gathered over EP, every expert under its global index), so TP peers must iterate in lockstep; ranks
+  with ``dp_rank > 0`` may skip when ``ep == 1`` (with ``ep > 1`` every rank of the EP group iterates).
+  ``is_sender(wg)`` marks the one rank per stage that pushes.
 - ``model_forward`` (one stage, explicit causal mask); ``run_forward_backward`` (megatron-core's
   pipeline schedule, any PP).
 Collectives go over the WG's groups (``wg.pgs``), never the default group.
@@ -24,7 +26,16 @@ from pathlib import Path
 import torch
 
 from megamarl.models.families import arch_from_hf
-from megamarl.models.mapping import LORA_MARKER, TP_KINDS, hf_from_shards, rule_for, shard_from_hf
+from megamarl.models.mapping import (
+    LORA_MARKER,
+    TP_KINDS,
+    Rule,
+    expert_index,
+    hf_from_shards,
+    rule_for,
+    shard_from_hf,
+)
+from megamarl.models.moe import define_router_gemm_without_te, stage_layer_specs
 from megamarl.models.spec import (
     DecoderArch,
     NodeKernels,
@@ -33,7 +44,7 @@ from megamarl.models.spec import (
     layer_spec,
     transformer_config,
 )
-from megamarl.parallel.collectives import all_gather_tensors
+from megamarl.parallel.collectives import all_gather_tensors, group_rank, group_size
 
 # ---- config and model ------------------------------------------------------------------------------
 
@@ -82,8 +93,12 @@ def build_model(
     arch = arch_from_hf(hf_config)
     layout = wg.layout
     layout.check_model(num_heads=arch.num_heads, num_kv_heads=arch.num_kv_heads, num_layers=arch.num_layers)
+    if arch.moe is not None:
+        layout.check_experts(num_experts=arch.moe.num_experts, ffn_hidden_size=arch.moe.ffn_hidden_size)
     torch.manual_seed(seed)
-    tensor_parallel.model_parallel_cuda_manual_seed(seed, tp_rank=wg.tp_rank, ep_rank=0, etp_rank=0)
+    tensor_parallel.model_parallel_cuda_manual_seed(
+        seed, tp_rank=wg.tp_rank, ep_rank=group_rank(wg.pgs.ep), etp_rank=group_rank(wg.pgs.expt_tp)
+    )
     node = node or NodeKernels.probe()
     spec = node.layer_spec(lora=lora)
     if tree_attention is None:
@@ -92,13 +107,21 @@ def build_model(
         arch,
         tp=layout.tp,
         pp=layout.pp,
+        ep=layout.ep,
+        etp=layout.etp,
+        grouped_experts=spec == "te",
         dtype=dtype,
         init_weights=init_weights,
         **{**kernel_fusions(node, packed=packed), **config_overrides},
     )
+    block = layer_spec(arch, spec=spec, tree_attention=tree_attention)
+    if arch.moe is not None:  # sparse and dense layers: one spec per layer of this stage
+        define_router_gemm_without_te()
+        sparse = layer_spec(arch, spec=spec, tree_attention=tree_attention, num_experts=arch.moe.num_experts)
+        block = stage_layer_specs(arch.moe, dense=block, sparse=sparse, config=config, pp_rank=wg.pp_rank)
     model = GPTModel(
         config,
-        layer_spec(arch, spec=spec, tree_attention=tree_attention),
+        block,
         pre_process=wg.is_first_stage,
         post_process=wg.is_last_stage,
         pg_collection=wg.pgs,
@@ -199,13 +222,28 @@ def _global_layer(model, local: int | None) -> int | None:
     return None if local is None else model.decoder.layers[local].layer_number - 1
 
 
-def _hf_names_for(model, name: str):
+def _hf_names_for(model, name: str, wg):
     rule, local, _ = rule_for(name)
     arch: DecoderArch = model.hf_arch
-    names = rule.names(_global_layer(model, local))
+    expert = None
+    if rule.expert:
+        expert = _global_expert(arch, name, ep_rank=group_rank(wg.pgs.ep), ep=wg.layout.ep)
+    names = rule.names(_global_layer(model, local), expert)
     if name == "output_layer.weight" and arch.tied_embeddings:
         names = ["model.embed_tokens.weight"]  # the last stage's copy of the tied embedding
     return rule, names
+
+
+def _global_expert(arch: DecoderArch, name: str, *, ep_rank: int, ep: int) -> int:
+    """The HF expert index of the routed expert's parameter ``name`` on EP rank ``ep_rank``."""
+    local = expert_index(name)
+    assert arch.moe is not None and local is not None  # expert parameters exist only in MoE models
+    return arch.moe.global_expert(local, ep_rank=ep_rank, ep=ep)
+
+
+def _split_group(rule: Rule, wg):
+    """The group a tensor of ``rule`` is split over: expert TP for routed experts, TP otherwise."""
+    return wg.pgs.expt_tp if rule.expert else wg.pgs.tp
 
 
 @torch.no_grad()
@@ -215,15 +253,16 @@ def load_hf_weights(model, source, wg) -> None:
     hf = source if isinstance(source, HFTensorSource) else HFTensorSource(source)
     padded_vocab = model.vocab_size
     for name, param in _base_params(model):
-        rule, hf_names = _hf_names_for(model, name)
+        rule, hf_names = _hf_names_for(model, name, wg)
         missing = [n for n in hf_names if n not in hf]
         if missing:
             raise KeyError(f"HF checkpoint lacks {missing} (needed for Megatron '{name}')")
+        group = _split_group(rule, wg)
         shard = shard_from_hf(
             rule,
             [hf.get(n) for n in hf_names],
-            tp_rank=wg.tp_rank,
-            tp=wg.layout.tp,
+            tp_rank=group_rank(group),
+            tp=group_size(group),
             arch=model.hf_arch,
             padded_vocab=padded_vocab,
         )
@@ -258,10 +297,17 @@ def export_hf_weights(
             continue
         rule, local, _ = rule_for(name)
         tensor = source(param).detach()
-        shards = all_gather_tensors(tensor, wg.pgs.tp) if rule.kind in TP_KINDS else [tensor]
-        yield from zip(
-            rule.names(_global_layer(model, local)), hf_from_shards(rule, shards, arch=arch), strict=False
-        )  # strict=False: the rule's conversion gives one tensor per name
+        shards = all_gather_tensors(tensor, _split_group(rule, wg)) if rule.kind in TP_KINDS else [tensor]
+        full = hf_from_shards(rule, shards, arch=arch)
+        layer = _global_layer(model, local)
+        if not rule.expert:
+            yield from zip(rule.names(layer), full, strict=False)  # one tensor per name
+            continue
+        # this local expert of every EP rank, in EP-rank order (HF tensors, one list per EP rank)
+        per_ep_rank = zip(*(all_gather_tensors(t, wg.pgs.ep) for t in full), strict=True)
+        for ep_rank, tensors in enumerate(per_ep_rank):
+            expert = _global_expert(arch, name, ep_rank=ep_rank, ep=wg.layout.ep)
+            yield from zip(rule.names(layer, expert), tensors, strict=True)
 
 
 # ---- running the model ----------------------------------------------------------------------------

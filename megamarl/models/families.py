@@ -11,7 +11,13 @@ import importlib
 from megamarl.models.spec import DecoderArch
 from megamarl.registry import Registry
 
-_FAMILY_MODULES = ("megamarl.models.llama", "megamarl.models.qwen2", "megamarl.models.qwen3")
+_FAMILY_MODULES = (
+    "megamarl.models.llama",
+    "megamarl.models.qwen2",
+    "megamarl.models.qwen3",
+    "megamarl.models.qwen2_moe",
+    "megamarl.models.qwen3_moe",
+)
 
 MODEL_FAMILIES: Registry = Registry(
     "model architecture (HF model_type)",

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from megamarl.models.moe import MoEArch, moe_config_kwargs
 from megamarl.models.tree_attention import FlexTreeAttention
 from megamarl.parallel.distributed import local_device
 
@@ -45,6 +46,7 @@ class DecoderArch:
     qkv_bias: bool = False
     qk_norm: bool = False
     tied_embeddings: bool = False
+    moe: MoEArch | None = None  # sparse layers (``models.moe``); None: a dense model
 
     def padded_vocab_size(self, tp: int, *, multiple: int = 1) -> int:
         """Vocab rows on the Megatron side: a multiple of ``tp * multiple`` (extra rows are zeros)."""
@@ -211,11 +213,16 @@ def transformer_config(
     *,
     tp: int = 1,
     pp: int = 1,
+    ep: int = 1,
+    etp: int | None = None,
+    grouped_experts: bool = False,
     dtype: torch.dtype = torch.float32,
     init_weights: bool = True,
     **overrides,
 ):
-    """megatron-core ``TransformerConfig`` for ``arch`` at ``tp`` x ``pp`` (no sequence parallel)."""
+    """megatron-core ``TransformerConfig`` for ``arch`` at ``tp`` x ``pp`` (no sequence parallel); a MoE
+    ``arch`` has its experts over ``ep`` x ``etp`` (expert TP, default ``tp``), grouped (the TE spec's
+    ``TEGroupedMLP``) or one MLP each."""
     from megatron.core.transformer import TransformerConfig
 
     kwargs = {
@@ -250,14 +257,18 @@ def transformer_config(
         "masked_softmax_fusion": False,
         "apply_rope_fusion": False,
         "persist_layer_norm": False,  # apex's persistent LayerNorm: these models use RMSNorm
+        **moe_config_kwargs(arch.moe, ep=ep, etp=tp if etp is None else etp, grouped_gemm=grouped_experts),
     }
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
 
 
-def layer_spec(arch: DecoderArch, *, spec: str, tree_attention: str | None = None):
+def layer_spec(
+    arch: DecoderArch, *, spec: str, tree_attention: str | None = None, num_experts: int | None = None
+):
     """The transformer-layer ``ModuleSpec`` for ``spec`` (``layer_spec_choice``); with
-    ``tree_attention="flex"`` its core attention is ``FlexTreeAttention`` (the linears stay the spec's)."""
+    ``tree_attention="flex"`` its core attention is ``FlexTreeAttention`` (the linears stay the spec's).
+    ``num_experts``: a MoE layer's spec (experts: ``TEGroupedMLP`` on TE, ``SequentialMLP`` on local)."""
     from megatron.core.models.gpt import gpt_layer_specs
 
     if spec not in LAYER_SPECS:
@@ -265,9 +276,13 @@ def layer_spec(arch: DecoderArch, *, spec: str, tree_attention: str | None = Non
     if tree_attention is not None and tree_attention not in TREE_ATTENTIONS:
         raise ValueError(f"tree attention '{tree_attention}' unknown; allowed: {list(TREE_ATTENTIONS)}")
     if spec == "te":
-        built = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=arch.qk_norm)
-    else:
-        built = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=arch.qk_norm, normalization="RMSNorm")
+        built = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
+            num_experts=num_experts, moe_grouped_gemm=num_experts is not None, qk_layernorm=arch.qk_norm
+        )
+    else:  # megatron-core's legacy GroupedMLP needs the grouped_gemm package: SequentialMLP here
+        built = gpt_layer_specs.get_gpt_layer_local_spec(
+            num_experts=num_experts, qk_layernorm=arch.qk_norm, normalization="RMSNorm"
+        )
     if tree_attention == "flex":
         built = copy.deepcopy(built)  # the getters may share submodule specs between calls
         built.submodules.self_attention.submodules.core_attention = FlexTreeAttention

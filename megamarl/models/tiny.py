@@ -21,11 +21,27 @@ TINY_DEFAULTS = {
 }
 
 
+# MoE families at test size: 8 experts of intermediate size 32, top-2 (``tiny_config``'s MoE defaults)
+TINY_MOE_DEFAULTS = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
+
+
 def tiny_config(family: str = "llama", *, vocab_size: int = 49152, **overrides):
-    """A transformers config for ``family`` in {llama, qwen2, qwen3} at test size."""
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+    """A transformers config for ``family`` in {llama, qwen2, qwen3, qwen2_moe, qwen3_moe} at test size.
+    The MoE ones: Qwen3-MoE with ``norm_topk_prob`` and layer 1 dense (``mlp_only_layers``), Qwen2-MoE with
+    a shared expert of intermediate size 48 and top-k probabilities not renormalised."""
+    from transformers import LlamaConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig
 
     kwargs = dict(TINY_DEFAULTS, vocab_size=vocab_size, **overrides)
+    if family == "qwen3_moe":
+        kwargs = {**TINY_MOE_DEFAULTS, "norm_topk_prob": True, "mlp_only_layers": [1], **kwargs}
+        kwargs.setdefault("tie_word_embeddings", False)
+        kwargs.setdefault("head_dim", kwargs["hidden_size"] // kwargs["num_attention_heads"])
+        return Qwen3MoeConfig(**kwargs)
+    if family == "qwen2_moe":
+        shared = {"norm_topk_prob": False, "shared_expert_intermediate_size": 48}
+        kwargs = {**TINY_MOE_DEFAULTS, **shared, **kwargs}
+        kwargs.setdefault("tie_word_embeddings", False)
+        return Qwen2MoeConfig(**kwargs)
     if family == "llama":
         kwargs.setdefault("tie_word_embeddings", True)
         return LlamaConfig(**kwargs)
@@ -36,7 +52,9 @@ def tiny_config(family: str = "llama", *, vocab_size: int = 49152, **overrides):
         kwargs.setdefault("tie_word_embeddings", False)
         kwargs.setdefault("head_dim", kwargs["hidden_size"] // kwargs["num_attention_heads"])
         return Qwen3Config(**kwargs)
-    raise ValueError(f"tiny model family '{family}' unknown; allowed: llama, qwen2, qwen3")
+    raise ValueError(
+        f"tiny model family '{family}' unknown; allowed: llama, qwen2, qwen3, qwen2_moe, qwen3_moe"
+    )
 
 
 def tiny_model(family: str = "llama", *, seed: int = 0, init_std: float | None = 0.15, **overrides):

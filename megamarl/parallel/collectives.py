@@ -21,6 +21,11 @@ def group_size(group) -> int:
     return 1 if group is None else dist.get_world_size(group)
 
 
+def group_rank(group) -> int:
+    """This rank's index in ``group`` (0 for None)."""
+    return 0 if group is None else dist.get_rank(group)
+
+
 def all_gather_tensors(tensor: torch.Tensor, group) -> list[torch.Tensor]:
     """Every rank's version of ``tensor`` (same shape everywhere), in group-rank order."""
     size = group_size(group)

@@ -4,7 +4,8 @@ megatron-core assumes CUDA in a handful of places that the CPU forward/backward 
 ``torch.cuda.current_device()`` as a device argument, ``torch.cuda`` RNG calls in the tensor-parallel
 RNG tracker, ``torch.cuda.synchronize`` in p2p communication, ``device="cuda"`` scalars in the
 pipeline schedules and in the optimizers (``optimizer.py``, ``clip_grads.py``, ``distrib_optimizer.py``
-and the multi-tensor fallbacks in ``megatron.core.utils``), and the optimizers' ``param.type()``
+and the multi-tensor fallbacks in ``megatron.core.utils``), the side stream of the MoE alltoall token
+dispatcher (``torch.cuda.Stream`` for its device-to-host copies), and the optimizers' ``param.type()``
 checks, which accept only ``torch.cuda.*Tensor`` names. On a machine without CUDA those calls raise, so this
 module redirects exactly them to their CPU equivalents. It is inert when CUDA is present:
 ``enable_cpu_compat`` returns an empty list and patches nothing (megatron-core then runs unmodified on GPUs).
@@ -15,6 +16,7 @@ Each patch is listed by name in ``PATCHES`` so tests can check exactly what was 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import types
 from collections.abc import Callable
@@ -77,6 +79,48 @@ class _CudaToCpuTorch(types.ModuleType):
         return self._on_cpu(torch.empty)
 
 
+class _CpuStream:
+    """The one stream a CPU has: work is done when issued, so waits and events are no-ops."""
+
+    def wait_stream(self, _stream) -> None:
+        pass
+
+    def record_event(self) -> _CpuStream:
+        return self  # an event already reached
+
+    def synchronize(self) -> None:
+        pass
+
+
+_CPU_STREAM = _CpuStream()
+
+
+class _CpuStreamsTorch(_CudaToCpuTorch):
+    """``torch`` as seen by the MoE token dispatcher: ``torch.cuda``'s streams are the CPU's one stream
+    (the dispatcher's side stream is then the current one, so it records no tensor on it)."""
+
+    class _Cuda(types.ModuleType):
+        def __init__(self):
+            super().__init__("torch.cuda")
+
+        def __getattr__(self, name):
+            return getattr(torch.cuda, name)
+
+        @staticmethod
+        def Stream(*_args, **_kwargs) -> _CpuStream:  # torch.cuda's name
+            return _CPU_STREAM
+
+        @staticmethod
+        def current_stream(*_args, **_kwargs) -> _CpuStream:
+            return _CPU_STREAM
+
+        @staticmethod
+        def stream(_stream):
+            return contextlib.nullcontext()
+
+    cuda = _Cuda()
+
+
 def _patch_torch_cuda() -> None:
     torch.cuda.current_device = _cpu_device
     torch.cuda.synchronize = lambda *a, **k: None
@@ -132,12 +176,31 @@ def _patch_optimizers() -> None:
     torch.Tensor.type = type_as_cuda
 
 
+def _host_copy(tensor, as_numpy: bool = False, record_stream: bool = False):
+    """``moe_utils.maybe_move_tensor_to_cpu`` on a CPU: the split sizes the GPU path hands to
+    ``all_to_all_single`` are numpy arrays (its device-to-host copies); a CPU tensor stays a tensor
+    there, which c10d's ``all_to_all_single`` refuses as a split-size list."""
+    if as_numpy and isinstance(tensor, torch.Tensor):
+        return tensor.numpy()
+    return tensor
+
+
+def _patch_token_dispatcher() -> None:
+    from megatron.core.transformer.moe import token_dispatcher
+
+    token_dispatcher.torch = _CpuStreamsTorch()
+    token_dispatcher.maybe_move_tensor_to_cpu = _host_copy
+
+
 # name -> what it redirects; applied in this order.
 PATCHES: dict[str, Callable[[], None]] = {
     "torch.cuda (current_device, synchronize, rng), Tensor.cuda": _patch_torch_cuda,
     "megatron.core.tensor_parallel.random (_get/_set_cuda_rng_state)": _patch_tp_random,
     "megatron.core.pipeline_parallel.schedules (device='cuda' tensors)": _patch_schedules,
     "megatron.core.optimizer (device='cuda' tensors, CUDA tensor type names), utils": _patch_optimizers,
+    "megatron.core.transformer.moe.token_dispatcher (torch.cuda streams, host split sizes)": (
+        _patch_token_dispatcher
+    ),
 }
 
 
@@ -168,10 +231,25 @@ def _optimizers_patched() -> bool:
     )
 
 
+def _token_dispatcher_patched() -> bool:
+    from megatron.core.transformer.moe import token_dispatcher
+
+    return (
+        isinstance(token_dispatcher.torch, _CpuStreamsTorch)
+        or token_dispatcher.maybe_move_tensor_to_cpu is _host_copy
+    )
+
+
 _PROBES: dict[str, Callable[[], bool]] = dict(
     zip(
         PATCHES,
-        (_torch_cuda_patched, _tp_random_patched, _schedules_patched, _optimizers_patched),
+        (
+            _torch_cuda_patched,
+            _tp_random_patched,
+            _schedules_patched,
+            _optimizers_patched,
+            _token_dispatcher_patched,
+        ),
         strict=True,
     )
 )

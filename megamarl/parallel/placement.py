@@ -8,8 +8,11 @@ holding shards of several WGs).
 
 Rank layout inside a WG follows megatron-core's order (tp fastest, then cp, ep, dp, pp), computed
 by ``HyperCommGrid`` on logical ranks 0..n-1 and mapped onto the WG's global ranks, so a WG may sit
-on any (even non-contiguous) rank list. Process-group creation is collective over the whole world:
-``build_worker_groups`` must run on every rank with the same config.
+on any (even non-contiguous) rank list. Experts (MoE models) have a grid of their own over the same
+ranks, as in megatron-core: each pipeline stage's ``tp * dp`` ranks re-divided as ``etp * ep * edp``
+(expert TP fastest, then expert parallel, then expert DP); with ``ep = 1`` and ``etp = tp`` its groups are
+the dense ones. Process-group creation is collective over the whole world: ``build_worker_groups`` must
+run on every rank with the same config.
 """
 
 from __future__ import annotations
@@ -32,22 +35,29 @@ if TYPE_CHECKING:  # annotations only: parallel/ stays importable without the co
     from megamarl.config import RunConfig
 
 AXES = ("tp", "cp", "ep", "dp", "pp")  # megatron-core rank order, fastest-varying first
+EXPERT_AXES = ("etp", "ep", "edp", "pp")  # megatron-core's expert rank order (experts of MoE layers)
 PLACEMENT_MODES = ("colocated", "disaggregated")
 
 
 @dataclass
 class WorkerGroupLayout:
-    """Where one policy's WG lives. ``dp`` defaults to ``len(ranks) // (tp * pp)``."""
+    """Where one policy's WG lives. ``dp`` defaults to ``len(ranks) // (tp * pp)``. ``ep`` / ``etp``: the
+    experts of a MoE model split over ``ep`` ranks and each sharded over ``etp`` (default ``tp``) ranks;
+    ``etp * ep`` must divide ``tp * dp`` (the rest, ``edp``, replicates experts)."""
 
     ranks: list[int]
     tp: int = 1
     pp: int = 1
     dp: int | None = None
+    ep: int = 1
+    etp: int | None = None
     key: str = "placement.worker_groups.<wg>"  # config key used in error messages
 
     def __post_init__(self) -> None:
         self.ranks = list(self.ranks)
-        for axis in ("tp", "pp"):
+        if self.etp is None:
+            self.etp = self.tp
+        for axis in ("tp", "pp", "ep", "etp"):
             if getattr(self, axis) < 1:
                 raise ValueError(f"{self.key}.{axis} must be >= 1, got {getattr(self, axis)}")
         if not self.ranks:
@@ -67,6 +77,17 @@ class WorkerGroupLayout:
                 f"{self.key}: tp*pp*dp = {self.tp}*{self.pp}*{self.dp} = {self.tp * self.pp * self.dp} "
                 f"differs from the WG's rank count {len(self.ranks)} (ranks={self.ranks})"
             )
+        if (self.tp * self.dp) % (self.etp * self.ep):
+            raise ValueError(
+                f"{self.key}: etp*ep = {self.etp}*{self.ep} does not divide tp*dp = {self.tp}*{self.dp} "
+                "(each pipeline stage's ranks hold the experts)"
+            )
+
+    @property
+    def edp(self) -> int:
+        """Expert data parallelism: replicas of each expert shard per pipeline stage."""
+        assert self.dp is not None and self.etp is not None  # set by __post_init__
+        return self.tp * self.dp // (self.etp * self.ep)
 
     @property
     def world_size(self) -> int:
@@ -84,6 +105,16 @@ class WorkerGroupLayout:
             )
         if num_layers % self.pp:
             raise ValueError(f"{self.key}.pp={self.pp} does not divide the model's {num_layers} layers")
+
+    def check_experts(self, *, num_experts: int, ffn_hidden_size: int) -> None:
+        """Raise when a MoE model's experts cannot be split with this layout."""
+        assert self.etp is not None  # set by __post_init__
+        if num_experts % self.ep:
+            raise ValueError(f"{self.key}.ep={self.ep} does not divide the model's {num_experts} experts")
+        if ffn_hidden_size % self.etp:
+            raise ValueError(
+                f"{self.key}.etp={self.etp} does not divide the experts' intermediate size {ffn_hidden_size}"
+            )
 
 
 @dataclass
@@ -159,18 +190,16 @@ class WorkerGroup:
         return self.pp_rank == self.layout.pp - 1
 
 
-def rank_grid(layout: WorkerGroupLayout):
-    """megatron-core ``HyperCommGrid`` over the WG's logical ranks 0..n-1 (axes tp, cp, ep, dp, pp)."""
+def _logical_grid(layout: WorkerGroupLayout, shape: list[int], axes: tuple[str, ...]):
     import os
 
     from megatron.core.hyper_comm_grid import HyperCommGrid
 
-    shape = [layout.tp, 1, 1, layout.dp, layout.pp]
     # HyperCommGrid checks its size against WORLD_SIZE; the grid is logical, so size it to the WG.
     saved = os.environ.get("WORLD_SIZE")
     os.environ["WORLD_SIZE"] = str(max(layout.world_size, int(saved or 0)))
     try:
-        return HyperCommGrid(shape, list(AXES))
+        return HyperCommGrid(shape, list(axes))
     finally:
         if saved is None:
             os.environ.pop("WORLD_SIZE")
@@ -178,18 +207,48 @@ def rank_grid(layout: WorkerGroupLayout):
             os.environ["WORLD_SIZE"] = saved
 
 
-def group_enumeration(layout: WorkerGroupLayout, axes: list[str]) -> list[list[int]]:
-    """Global-rank lists of every group spanning ``axes`` (what ``new_subgroups_by_enumeration`` takes)."""
-    logical = rank_grid(layout).get_rank_enum(axes)
-    return [[layout.ranks[i] for i in group] for group in logical]
+def _dense_shape(layout: WorkerGroupLayout) -> list[int]:
+    assert layout.dp is not None  # set by WorkerGroupLayout.__post_init__
+    return [layout.tp, 1, 1, layout.dp, layout.pp]
+
+
+def _expert_shape(layout: WorkerGroupLayout) -> list[int]:
+    assert layout.etp is not None  # set by WorkerGroupLayout.__post_init__
+    return [layout.etp, layout.ep, layout.edp, layout.pp]
+
+
+def rank_grid(layout: WorkerGroupLayout):
+    """megatron-core ``HyperCommGrid`` over the WG's logical ranks 0..n-1 (axes tp, cp, ep, dp, pp)."""
+    return _logical_grid(layout, _dense_shape(layout), AXES)
+
+
+def expert_rank_grid(layout: WorkerGroupLayout):
+    """The experts' ``HyperCommGrid`` over the same logical ranks (axes etp, ep, edp, pp)."""
+    return _logical_grid(layout, _expert_shape(layout), EXPERT_AXES)
+
+
+def group_enumeration(
+    layout: WorkerGroupLayout, axes: list[str], *, experts: bool = False
+) -> list[list[int]]:
+    """Global-rank lists of every group spanning ``axes`` (what ``new_subgroups_by_enumeration`` takes)
+    of the dense grid, or of the experts' grid with ``experts=True``."""
+    grid = expert_rank_grid(layout) if experts else rank_grid(layout)
+    return [[layout.ranks[i] for i in group] for group in grid.get_rank_enum(axes)]
 
 
 def rank_coords(layout: WorkerGroupLayout, global_rank: int) -> dict[str, int]:
     """This rank's index along every axis of the WG (tp fastest)."""
-    index = layout.ranks.index(global_rank)
+    return _grid_coords(layout.ranks.index(global_rank), AXES, _dense_shape(layout))
+
+
+def expert_coords(layout: WorkerGroupLayout, global_rank: int) -> dict[str, int]:
+    """This rank's index along every axis of the WG's experts' grid (etp fastest)."""
+    return _grid_coords(layout.ranks.index(global_rank), EXPERT_AXES, _expert_shape(layout))
+
+
+def _grid_coords(index: int, axes: tuple[str, ...], shape: list[int]) -> dict[str, int]:
     coords = {}
-    assert layout.dp is not None  # set by WorkerGroupLayout.__post_init__
-    for axis, size in zip(AXES, [layout.tp, 1, 1, layout.dp, layout.pp], strict=True):
+    for axis, size in zip(axes, shape, strict=True):
         coords[axis] = index % size
         index //= size
     return coords
@@ -206,13 +265,24 @@ GROUP_AXES = {
     "tp_cp": ["tp", "cp"],
     "dp_cp": ["cp", "dp"],
     "tp_dp_cp": ["tp", "cp", "dp"],
-    "tp_ep_pp": ["tp", "ep", "pp"],
+}
+# ... and those of the experts' grid (megatron-core's expert-parallel groups)
+EXPERT_GROUP_AXES = {
+    "ep": ["ep"],
+    "expt_tp": ["etp"],
+    "expt_dp": ["edp"],
+    "intra_expt_dp": ["edp"],  # one distributed-optimizer instance per WG
+    "tp_ep": ["etp", "ep"],
+    "tp_ep_pp": ["etp", "ep", "pp"],
 }
 
 
 def wg_enumerations(layout: WorkerGroupLayout) -> dict[str, list[list[int]]]:
     """Every group of one WG by its ProcessGroupCollection name, as the global-rank lists of each."""
     out = {name: group_enumeration(layout, axes) for name, axes in GROUP_AXES.items()}
+    out.update(
+        {name: group_enumeration(layout, axes, experts=True) for name, axes in EXPERT_GROUP_AXES.items()}
+    )
     # The distributed optimizer reduces gradient statistics over every rank of the WG (megatron-core's
     # "intra distributed-optimizer instance" group; one instance per WG).
     out["intra_dist_opt"] = [list(layout.ranks)]
@@ -285,9 +355,7 @@ def build_worker_group(name: str, layout: WorkerGroupLayout, *, backend: str | N
     pgs = ProcessGroupCollection()
     for attr, group in groups.items():
         setattr(pgs, attr, group)
-    # Dense models: the expert axes collapse onto the dense ones.
-    pgs.expt_tp, pgs.expt_dp, pgs.tp_ep = groups["tp"], groups["dp"], groups["tp"]
-    pgs.intra_dp_cp, pgs.intra_expt_dp = groups["dp_cp"], groups["dp"]
+    pgs.intra_dp_cp = groups["dp_cp"]
     pgs.hcp = []
     return WorkerGroup(name, layout, pgs, rank_coords(layout, rank), device)
 

@@ -8,6 +8,7 @@ import torch
 
 from megamarl.models import mapping
 from megamarl.models.families import MODEL_FAMILIES, arch_from_hf
+from megamarl.models.moe import MoEArch
 from megamarl.models.spec import DecoderArch, rope_from_hf, transformer_config
 from megamarl.models.tiny import tiny_config
 
@@ -29,10 +30,9 @@ ARCH = DecoderArch(
 def test_registry_lists_supported_families_on_unknown_model_type():
     from transformers import GPT2Config
 
-    assert MODEL_FAMILIES.names() == ["llama", "qwen2", "qwen3"]
-    with pytest.raises(
-        ValueError, match=r"model_type='gpt2'.*supported model_type: \['llama', 'qwen2', 'qwen3'\]"
-    ):
+    families = sorted(["llama", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe"])
+    assert MODEL_FAMILIES.names() == families
+    with pytest.raises(ValueError, match=rf"model_type='gpt2'.*supported model_type: \{families}"):
         arch_from_hf(GPT2Config())
 
 
@@ -53,6 +53,79 @@ def test_arch_from_hf_per_family(family, checks):
     config = transformer_config(arch, tp=2, pp=2)
     assert config.kv_channels == arch.head_dim and config.add_qkv_bias == arch.qkv_bias
     assert config.qk_layernorm == arch.qk_norm and config.num_query_groups == 2
+
+
+def test_moe_arch_from_hf_and_its_megatron_config():
+    # Qwen3-MoE: layer 1 dense (mlp_only_layers), top-k renormalised (megatron's default softmax order)
+    qwen3 = arch_from_hf(tiny_config("qwen3_moe"))
+    sparse = (True, False, True, True)
+    assert qwen3.moe == MoEArch(
+        num_experts=8, top_k=2, ffn_hidden_size=32, sparse_layers=sparse, norm_topk_prob=True
+    )
+    assert qwen3.qk_norm and not qwen3.qkv_bias and qwen3.ffn_hidden_size == 128  # the dense layer's MLP
+    config = transformer_config(qwen3, tp=2, ep=4, etp=1)
+    assert (config.num_moe_experts, config.moe_router_topk, config.moe_ffn_hidden_size) == (8, 2, 32)
+    assert config.moe_layer_freq == [1, 0, 1, 1] and config.moe_router_pre_softmax is False
+    assert (config.expert_model_parallel_size, config.expert_tensor_parallel_size) == (4, 1)
+    assert config.moe_shared_expert_intermediate_size is None
+    assert config.moe_router_load_balancing_type == "none"
+    # Qwen2-MoE: every second layer sparse, shared expert with a sigmoid gate, top-k of the full softmax
+    qwen2 = arch_from_hf(tiny_config("qwen2_moe", decoder_sparse_step=2))
+    assert qwen2.moe == MoEArch(
+        num_experts=8,
+        top_k=2,
+        ffn_hidden_size=32,
+        sparse_layers=(False, True, False, True),
+        norm_topk_prob=False,
+        shared_expert_ffn_hidden_size=48,
+        shared_expert_gate=True,
+    )
+    assert qwen2.qkv_bias and not qwen2.qk_norm
+    config = transformer_config(qwen2, tp=2)
+    assert config.moe_router_pre_softmax is True and config.moe_shared_expert_gate is True
+    assert (config.moe_shared_expert_intermediate_size, config.expert_tensor_parallel_size) == (48, 2)
+    with pytest.raises(ValueError, match="ep=3 does not divide the model's 8 experts"):
+        transformer_config(qwen2, ep=3)
+    with pytest.raises(ValueError, match="shared_expert_intermediate_size"):
+        arch_from_hf(tiny_config("qwen2_moe", shared_expert_intermediate_size=0))
+
+
+def test_moe_rules_name_experts_by_their_global_index():
+    sequential = "decoder.layers.3.mlp.experts.local_experts.5.linear_fc1.weight"
+    rule, layer, rest = mapping.rule_for(sequential)
+    assert (layer, mapping.expert_index(sequential)) == (3, 5)
+    assert rest == "mlp.experts.local_experts.{j}.linear_fc1.weight"
+    assert rule.expert and rule.kind == "gate_up"
+    assert rule.names(3, 13) == [
+        "model.layers.3.mlp.experts.13.gate_proj.weight",
+        "model.layers.3.mlp.experts.13.up_proj.weight",
+    ]
+    grouped = "decoder.layers.0.mlp.experts.linear_fc2.weight7"  # TEGroupedMLP
+    rule, _, _ = mapping.rule_for(grouped)
+    assert mapping.expert_index(grouped) == 7 and rule.kind == "row" and rule.expert
+    assert rule.names(0, 7) == ["model.layers.0.mlp.experts.7.down_proj.weight"]
+    for name, kind, hf in [
+        ("mlp.router.weight", "replicated", "mlp.gate.weight"),
+        ("mlp.shared_experts.linear_fc2.weight", "row", "mlp.shared_expert.down_proj.weight"),
+        ("mlp.shared_experts.gate_weight", "replicated", "mlp.shared_expert_gate.weight"),
+    ]:
+        rule, _, _ = mapping.rule_for(f"decoder.layers.1.{name}")
+        assert (rule.kind, rule.expert, rule.names(1)) == (kind, False, [f"model.layers.1.{hf}"])
+    assert mapping.expert_index("decoder.layers.1.mlp.router.weight") is None
+    # EP rank 3 of 4 holds experts 6 and 7 of 8
+    moe = MoEArch(num_experts=8, top_k=2, ffn_hidden_size=4, sparse_layers=(True,), norm_topk_prob=True)
+    assert [moe.global_expert(j, ep_rank=3, ep=4) for j in range(2)] == [6, 7]
+
+
+def test_hf_param_names_of_a_moe_model():
+    arch = arch_from_hf(tiny_config("qwen2_moe", num_hidden_layers=2, mlp_only_layers=[0]))
+    names = mapping.hf_param_names(arch)
+    assert "model.layers.0.mlp.gate_proj.weight" in names and "model.layers.0.mlp.gate.weight" not in names
+    layer1 = [n for n in names if n.startswith("model.layers.1.mlp.")]
+    # router + 8 experts x 3 + shared expert (3) + its gate
+    assert len(layer1) == 1 + 8 * 3 + 3 + 1
+    assert "model.layers.1.mlp.experts.7.down_proj.weight" in layer1
+    assert "model.layers.1.mlp.shared_expert_gate.weight" in layer1
 
 
 def test_family_quirks_rejected():

@@ -7,8 +7,10 @@ from megamarl.parallel import cpu_compat
 from megamarl.parallel.placement import (
     PlacementConfig,
     WorkerGroupLayout,
+    expert_coords,
     group_enumeration,
     rank_coords,
+    wg_enumerations,
 )
 
 
@@ -82,6 +84,40 @@ def test_rank_enumeration_follows_megatron_order_on_non_contiguous_ranks():
     assert rank_coords(layout, 9) == {"tp": 1, "cp": 0, "ep": 0, "dp": 0, "pp": 1}
     odd = WorkerGroupLayout(ranks=[7, 1, 5, 3], tp=2)
     assert group_enumeration(odd, ["tp"]) == [[7, 1], [5, 3]]
+
+
+def test_expert_grid_redivides_each_stage_as_etp_ep_edp():
+    # Per stage tp*dp = 4 ranks = etp 1 x ep 2 x edp 2 (etp fastest, then ep, edp, pp: megatron-core's order)
+    layout = WorkerGroupLayout(ranks=list(range(8)), tp=2, pp=2, ep=2, etp=1)
+    assert (layout.dp, layout.edp) == (2, 2)
+    groups = wg_enumerations(layout)
+    assert groups["ep"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert groups["expt_dp"] == groups["intra_expt_dp"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert groups["expt_tp"] == [[r] for r in range(8)]
+    assert groups["tp_ep"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert groups["tp_ep_pp"] == [[0, 1, 4, 5], [2, 3, 6, 7]]
+    assert expert_coords(layout, 6) == {"etp": 0, "ep": 0, "edp": 1, "pp": 1}
+    assert rank_coords(layout, 6) == {"tp": 0, "cp": 0, "ep": 0, "dp": 1, "pp": 1}  # dense grid unchanged
+
+
+def test_without_experts_the_expert_groups_are_the_dense_ones():
+    layout = WorkerGroupLayout(ranks=[3, 4, 5, 6, 7, 8, 9, 10], tp=2, pp=2)  # ep 1, etp = tp
+    groups = wg_enumerations(layout)
+    assert groups["expt_tp"] == groups["tp_ep"] == groups["tp"]
+    assert groups["expt_dp"] == groups["dp"] and groups["tp_ep_pp"] == groups["mp"]
+    assert groups["ep"] == [[r] for r in layout.ranks]
+
+
+def test_expert_layout_errors_name_the_key():
+    with pytest.raises(ValueError, match=r"policies.p: etp\*ep = 2\*4 does not divide tp\*dp = 2\*2"):
+        WorkerGroupLayout(ranks=[0, 1, 2, 3], tp=2, ep=4, key="policies.p")
+    with pytest.raises(ValueError, match=r"policies.p.ep must be >= 1, got 0"):
+        WorkerGroupLayout(ranks=[0, 1], ep=0, key="policies.p")
+    layout = WorkerGroupLayout(ranks=[0, 1, 2, 3], tp=2, ep=2, etp=2, key="policies.p")
+    with pytest.raises(ValueError, match=r"policies.p.ep=2 does not divide the model's 3 experts"):
+        layout.check_experts(num_experts=3, ffn_hidden_size=8)
+    with pytest.raises(ValueError, match=r"policies.p.etp=2 does not divide the experts' intermediate size"):
+        layout.check_experts(num_experts=4, ffn_hidden_size=7)
 
 
 def test_cpu_compat_is_inert_when_cuda_is_present(monkeypatch):
