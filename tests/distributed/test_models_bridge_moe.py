@@ -77,7 +77,16 @@ def _moe_cases(rank, paths):
     from megamarl.parallel.placement import PlacementConfig, WorkerGroupLayout, build_worker_groups
 
     wgs = build_worker_groups(PlacementConfig({k: WorkerGroupLayout(**v) for k, v in LAYOUTS.items()}))
-    out = {}
+    pgs = wgs["tp2"].pgs  # ep 1, etp = tp: megatron's expert groups are the dense group objects
+    out = {
+        "dense_expert_groups": [
+            pgs.expt_tp is pgs.tp,
+            pgs.tp_ep is pgs.tp,
+            pgs.expt_dp is pgs.dp,
+            pgs.intra_expt_dp is pgs.dp,
+            pgs.tp_ep_pp is pgs.mp,
+        ]
+    }
     for family, path in paths.items():
         hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         on_disk = bridge.HFTensorSource(path)
@@ -146,3 +155,7 @@ def test_moe_ep2_gradients_match_hf(moe_results, family):
     for result in moe_results:
         assert result[(family, "ep2", "grad_names")]
         assert result[(family, "ep2", "grad_diff")] < 1e-4 * max(1.0, result[(family, "ep2", "grad_scale")])
+
+
+def test_without_experts_megatron_expert_groups_are_the_dense_groups(moe_results):
+    assert [r["dense_expert_groups"] for r in moe_results] == [[True] * 5] * 2
