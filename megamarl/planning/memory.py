@@ -251,28 +251,34 @@ def train_memory(
     return memory
 
 
-def trainable_buffers(
-    params: RankParameters, policy: PolicyConfig, layout: WorkerGroupLayout, setup: TrainingSetup
-) -> dict[str, Memory]:
-    """The trainable state of one rank (weights, grads, main params, Adam) per megatron-core DDP buffer,
-    by name: the dense parameters by dtype ("dense bf16"; "dense fp32": the local spec's norms and an
-    MoE model's routers), reduced and sharded over ``dp``, and an MoE model's "experts", over the
-    expert-data-parallel group (``planning.moe.expert_layout``)."""
+def buffer_elements(params: RankParameters, setup: TrainingSetup) -> dict[str, tuple[int, list[int], int]]:
+    """megatron-core's DDP buffers of one rank's trainable base parameters, by name: (element width,
+    tensor sizes, shared-embedding size). The dense parameters go by dtype ("dense bf16"; "dense fp32":
+    the local spec's norms and an MoE model's routers); an MoE model's "experts" are a buffer of their
+    own (DDP's expert-parallel buffers)."""
     width, norm_width = DTYPE_BYTES[setup.dtype], setup.norm_bytes
     names = {width: f"dense {setup.dtype}", 4: "dense fp32"}
     dense: dict[int, list[int]] = {width: list(params.matrices)}
     dense.setdefault(norm_width, []).extend(params.norms)
     if params.routers:
         dense.setdefault(ROUTER_BYTES, []).extend(params.routers)
-    out: dict[str, Memory] = {}
-    for w, numels in dense.items():
-        shared = params.shared_embedding if w == width else 0
-        out[names[w]] = Memory()
-        _add_trainable(out[names[w]], {w: (numels, shared)}, policy, setup, dp=layout.dp, into="weights")
+    out = {names[w]: (w, numels, params.shared_embedding if w == width else 0) for w, numels in dense.items()}
     if params.experts:
-        edp = expert_layout(layout, ep=policy.ep).edp
-        out["experts"] = Memory()
-        _add_trainable(out["experts"], {width: (params.experts, 0)}, policy, setup, dp=edp, into="weights")
+        out["experts"] = (width, list(params.experts), 0)
+    return out
+
+
+def trainable_buffers(
+    params: RankParameters, policy: PolicyConfig, layout: WorkerGroupLayout, setup: TrainingSetup
+) -> dict[str, Memory]:
+    """The trainable state of one rank (weights, grads, main params, Adam) per ``buffer_elements``
+    buffer: the dense ones reduced and sharded over ``dp``, the "experts" over the expert-data-parallel
+    group (``planning.moe.expert_layout``)."""
+    out: dict[str, Memory] = {}
+    for name, (width, numels, shared) in buffer_elements(params, setup).items():
+        dp = expert_layout(layout, ep=policy.ep).edp if name == "experts" else layout.dp
+        out[name] = Memory()
+        _add_trainable(out[name], {width: (numels, shared)}, policy, setup, dp=dp, into="weights")
     return out
 
 

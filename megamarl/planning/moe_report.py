@@ -14,6 +14,7 @@ from megamarl.parallel.placement import WorkerGroupLayout, rank_coords
 from megamarl.planning.memory import (
     DTYPE_BYTES,
     TrainingSetup,
+    buffer_elements,
     rank_parameters,
     tokens_per_micro_batch,
     trainable_buffers,
@@ -41,7 +42,7 @@ def moe_plan(
 ) -> MoePlan | None:
     """The figures of ``moe_table`` (None for a dense model)."""
     moe = shape.moe
-    if moe is None:
+    if moe is None or policy.frozen:  # a frozen policy has no worker: nothing trains, nothing is pushed
         return None
     grid = expert_layout(layout, ep=policy.ep)
     b, cf = DTYPE_BYTES[setup.dtype], policy.moe.capacity_factor
@@ -50,9 +51,8 @@ def moe_plan(
     for stage in range(layout.pp):
         numels = rank_parameters(shape, tp=layout.tp, pp=layout.pp, stage=stage, ep=policy.ep)
         buffers.append(trainable_buffers(numels, policy, layout, setup))
-        counts = {"experts": sum(numels.experts), "routers": sum(numels.routers)}
-        counts["dense"] = numels.num_base - counts["experts"] - counts["routers"]
-        params.append(counts)
+        elements = buffer_elements(numels, setup).items()
+        params.append({name: sum(sizes) + shared for name, (_, sizes, shared) in elements})
     # a push gathers each layer's experts on the EP groups of the stage senders (tp 0, dp 0)
     senders = [r for r in layout.ranks if rank_coords(layout, r)["tp"] == rank_coords(layout, r)["dp"] == 0]
     gather_ranks = sorted({r for g in grid.groups("ep") if set(g) & set(senders) for r in g})
@@ -109,15 +109,15 @@ def moe_table(name: str, shape: ModelShape, plan: MoePlan, *, dtype: str):
     for col in ("part", "stage") + numbers + ("what",):
         table.add_column(col, justify="right" if col in numbers else "left")
     grid = plan.grid
+    dense = "attention, embeddings, norms" + (", routers" if dtype == "fp32" else "")
     what = {
-        f"dense {dtype}": f"attention, embeddings, norms: over dp ({grid.edp * grid.ep})",
-        "dense fp32": "routers [E, h] fp32, replicated" + ("" if dtype == "fp32" else ": over dp"),
+        "dense fp32": "routers [E, h], replicated (and the local spec's norms): over dp",
+        f"dense {dtype}": f"{dense}: over dp ({grid.edp * grid.ep})",
         "experts": f"{moe.num_experts // grid.ep} of {moe.num_experts} per layer, over edp ({grid.edp})",
     }
-    counts = {f"dense {dtype}": "dense", "dense fp32": "routers", "experts": "experts"}
     for stage, buffers in enumerate(plan.buffers):
         for part, m in buffers.items():
-            params = plan.params[stage][counts[part]] if part in counts else 0
+            params = plan.params[stage][part]
             cells = (gib(m.weights), gib(m.grads), gib(m.main_params), gib(m.optimizer), "")
             table.add_row(part, f"pp{stage}", f"{params:,}", *cells, what.get(part, ""))
     routing = (

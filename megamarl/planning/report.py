@@ -24,7 +24,7 @@ class MoePlan:
 
     grid: ExpertLayout
     buffers: list[dict[str, Memory]]  # per pipeline stage: ``memory.trainable_buffers``
-    params: list[dict[str, int]]  # per stage: elements per rank of each buffer
+    params: list[dict[str, int]]  # per stage: elements per rank of each buffer (``memory.buffer_elements``)
     tokens: int  # tokens of the largest micro-batch
     rows: int  # rows the rank's experts take for it (``moe.routed_rows``)
     capacity_factor: float | None  # policies.<p>.moe.capacity_factor

@@ -122,7 +122,7 @@ def test_30b_a3b_dry_run_equals_the_hand_arithmetic_of_docs_moe():
     routers = 48 * ROUTER
     experts = 48 * 16 * EXPERT  # 16 of 128 experts per layer
     assert (dense, routers, experts) == (1_528_510_464, 12_582_912, 3_623_878_656)
-    assert plan.params[0] == {"dense": dense, "routers": routers, "experts": experts}
+    assert plan.params[0] == {"dense bf16": dense, "dense fp32": routers, "experts": experts}
     buffers = plan.buffers[0]
     assert (buffers["dense bf16"].weights, buffers["dense bf16"].grads) == (2 * dense, 4 * dense)
     assert (buffers["dense bf16"].main_params, buffers["dense bf16"].optimizer) == (
@@ -182,6 +182,10 @@ def test_capacity_factor_and_ep_change_the_plan():
     ep16 = _dry_run(["policies.team.ep=16"])[0].worker_groups["team"]  # 8 experts per rank, edp=1
     assert ep16.moe.grid.edp == 1 and ep16.moe.params[0]["experts"] == 48 * 8 * EXPERT
     assert ep16.moe.buffers[0]["experts"].optimizer == 8 * 48 * 8 * EXPERT  # unsharded over edp=1
+    frozen = _dry_run(["policies.team.frozen=true"])[0]  # no worker: no expert rows, no gather
+    assert (
+        frozen.worker_groups["team"].moe is None and "push_buffers" not in frozen.gpus[0].phases["push"].kinds
+    )
 
 
 @pytest.mark.parametrize(
