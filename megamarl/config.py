@@ -33,6 +33,7 @@ from megamarl.config_sections import (
     LoraConfig,
     LrScheduleConfig,
     MismatchConfig,
+    MoeConfig,
     OpponentPoolConfig,
     OrchestraSpec,
     TeamAlphaSchedule,
@@ -255,6 +256,9 @@ class PolicyConfig:
     ranks: list[int] | None = None  # WG ranks; default: all ranks
     tp: int = 1
     pp: int = 1
+    # expert parallelism (MoE models): each rank of a pipeline stage holds num_experts / ep experts; the
+    # stage's dp ranks are re-divided as ep x expert-dp (megatron-core); dense models: 1
+    ep: int = 1
     lr: float = 1e-6
     weight_decay: float = 0.0
     grad_clip: float = 1.0
@@ -292,6 +296,7 @@ class PolicyConfig:
     # are computed at the precision the engine sampled with.
     dtype: str = "auto"
     lora: LoraConfig | None = None
+    moe: MoeConfig = field(default_factory=MoeConfig)  # MoE models: token routing (capacity factor)
     engine: EngineConfig = field(default_factory=EngineConfig)
     # this policy's own estimator (and its kwargs, group key, loss aggregation); null keys: algorithm.*
     algorithm: PolicyAlgorithmConfig = field(default_factory=PolicyAlgorithmConfig)
@@ -312,6 +317,8 @@ class PolicyConfig:
             )
         if isinstance(self.lr_schedule, (dict, DictConfig)):
             self.lr_schedule = LrScheduleConfig(**cast("dict[str, Any]", self.lr_schedule))  # a mapping here
+        if isinstance(self.moe, (dict, DictConfig)):
+            self.moe = MoeConfig(**cast("dict[str, Any]", self.moe))  # a mapping here
         if self.mini_batch_size is not None and self.mini_batch_size < 1:
             raise ValueError(
                 "policies.<p>.mini_batch_size must be >= 1 (or null: the whole batch), got "
@@ -333,7 +340,7 @@ class PolicyConfig:
             raise ValueError(f"policies.<p>.seq_len must be >= 1, got {self.seq_len}")
         # model (a packaged model, a --dry-run preset or a local directory) and dtype: checked at load time
         # by megamarl.cli.configure, where the model and hardware registries are
-        for key in ("tp", "pp", "ppo_epochs"):
+        for key in ("tp", "pp", "ep", "ppo_epochs"):
             check_range(f"policies.<p>.{key}", getattr(self, key), low=1)
         for key in ("weight_decay", "grad_clip", "kl_coef", "entropy_coef", "value_coef"):
             check_range(f"policies.<p>.{key}", getattr(self, key), low=0)

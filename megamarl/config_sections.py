@@ -1,4 +1,4 @@
-"""Component sections of the run config: agents, env, orchestra, env workers, LoRA, opponent pool,
+"""Component sections of the run config: agents, env, orchestra, env workers, LoRA, MoE, opponent pool,
 learning-rate and team-alpha schedules, rollout/training mismatch correction, logger.
 
 They sit at the ground with ``megamarl.config`` (which composes them into ``RunConfig``) so that the
@@ -232,6 +232,23 @@ class LoraConfig:
     @property
     def scaling(self) -> float:
         return self.alpha / self.rank
+
+
+@dataclass
+class MoeConfig:
+    """``policies.<p>.moe``: how a mixture-of-experts policy routes tokens (a dense model rejects it at
+    load, ``planning.moe.check_expert_parallel``). ``capacity_factor``: each expert takes at most
+    ``ceil(capacity_factor * routed tokens / num_experts)`` tokens per micro-batch and rank, the rest
+    dropped and the buffers padded to it (megatron-core's ``moe_expert_capacity_factor``); null:
+    dropless, buffers as large as the routing makes them (the plan prices balanced routing)."""
+
+    # MoE: each expert takes at most ceil(capacity_factor x its balanced share) tokens, padded to it;
+    # null: dropless
+    capacity_factor: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.capacity_factor is not None:
+            check_range("policies.<p>.moe.capacity_factor", self.capacity_factor, low=0, low_open=True)
 
 
 @dataclass

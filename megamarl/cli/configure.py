@@ -31,7 +31,8 @@ from megamarl.orchestration.tools import TOOLS
 from megamarl.orchestration.workers import check_workers
 from megamarl.parallel.hardware import check_dtypes
 from megamarl.parallel.placement import check_placement_mode
-from megamarl.planning.model_presets import PRESETS
+from megamarl.planning.model_presets import PRESETS, declared_moe
+from megamarl.planning.moe import check_expert_parallel
 from megamarl.registry import Registry, import_plugins
 from megamarl.rl.advantages import check_algorithm, check_estimator, check_policy_algorithm
 from megamarl.rl.rewards import check_team_alpha_schedule
@@ -60,6 +61,7 @@ def check_config(cfg: RunConfig) -> None:
     for name, policy in cfg.policies.items():
         with _named("policies.<p>", f"policies.{name}"):
             _check_model(policy.model)
+            _check_experts(cfg, name)
             if policy.engine.backend not in configurable:
                 raise ValueError(
                     f"policies.<p>.engine.backend='{policy.engine.backend}' unknown; allowed: {configurable}"
@@ -103,6 +105,19 @@ def _check_model(model: str) -> None:
             f"{sorted(PACKAGED_MODELS) + sorted(TINY_MODELS)} or a --dry-run architecture preset "
             f"{sorted(PRESETS)}; scripts/prepare_model.py writes a local directory"
         )
+
+
+def _check_experts(cfg: RunConfig, name: str) -> None:
+    """``policies.<p>.ep`` and ``policies.<p>.moe`` against the model's experts (``planning.moe``), on the
+    WG's ranks when the config fixes them (its ``ranks``, or every rank of a declared GPU cluster)."""
+    policy = cfg.policies[name]
+    try:
+        moe = declared_moe(policy.model)
+    except ValueError as exc:  # an MoE config.json the planner cannot price
+        raise ValueError(f"policies.<p>.model='{policy.model}': {exc}") from exc
+    cluster = cfg.cluster.num_nodes * cfg.cluster.gpus_per_node
+    num_ranks = len(policy.ranks) if policy.ranks else (cluster or None)
+    check_expert_parallel(policy, moe, num_ranks=num_ranks)
 
 
 def _check_team(cfg: RunConfig) -> None:

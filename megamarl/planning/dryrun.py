@@ -29,6 +29,7 @@ from megamarl.parallel.placement import (
     NCCL_COMMUNICATOR_BYTES,
     PlacementConfig,
     build_worker_groups,
+    communicator_rank_sets,
     group_enumeration,
     nccl_reserve_bytes,
     placement_of,
@@ -46,6 +47,7 @@ from megamarl.planning.memory import (
     tree_attention_cost,
 )
 from megamarl.planning.model_presets import ModelShape, resolve_model_shape
+from megamarl.planning.moe_report import expert_communicators, expert_grid_lines, moe_plan, moe_table
 from megamarl.planning.phases import TRAIN_STATE, Phase, run_phases, step_phases
 from megamarl.planning.report import (
     GIB,
@@ -173,6 +175,7 @@ def plan_memory(
             train_memory(shape, policy, layout, setup, stage=s, num_micro_batches=micro_batches)
             for s in range(layout.pp)
         ]
+        width = DTYPE_BYTES[engine_dtype(policy, on_gpus=on_gpus)]
         worker_groups[name] = WorkerGroupReport(
             name,
             policy.model,
@@ -181,6 +184,7 @@ def plan_memory(
             setup,
             stages,
             tree_attention_cost(shape, policy, layout, setup),
+            moe_plan(shape, policy, layout, setup, engine_width=width),
         )
         engines[name] = _engine_report(
             name,
@@ -411,6 +415,11 @@ def _gpu_totals(
         wg.layout for wg in worker_groups.values()
     ]  # NCCL communicators: only on GPUs (gloo on CPU ranks)
     nccl = [nccl_reserve_bytes(layouts, r, world_size) if on_gpus else 0.0 for r in range(world_size)]
+    for wg in worker_groups.values():  # an MoE WG's expert groups: communicators of their own
+        if wg.moe is not None and on_gpus:
+            for rank in wg.layout.ranks:
+                own = expert_communicators(wg.moe, communicator_rank_sets(wg.layout, rank), rank)
+                nccl[rank] += own * NCCL_COMMUNICATOR_BYTES
     relayed, partners = _relay_buffers(cfg, worker_groups, engines, world_size, on_gpus=on_gpus)
     if on_gpus:  # a relay's point-to-point pairs on the default group: an NCCL communicator each
         nccl = [n + partners[r] * NCCL_COMMUNICATOR_BYTES for r, n in enumerate(nccl)]
@@ -439,7 +448,8 @@ def _relay_buffers(
 ) -> tuple[list[float], list[int]]:
     """Per rank: the device bytes a relayed push holds (``memory.relay_buffer_bytes``) and its number of
     point-to-point partners, for every policy whose colocated PP>1 servers are fed by their leaders
-    (``transport.relays_stages``; the roles of ``stage_gather.relay_roles``)."""
+    (``transport.relays_stages``; the roles of ``stage_gather.relay_roles``); plus an MoE policy's
+    experts gathered over EP (``moe_report.MoePlan.gather``)."""
     buffers, partners = [0.0] * world_size, [0] * world_size
     for name, engine in engines.items():
         policy, wg = cfg.policies[name], worker_groups[name]
@@ -462,6 +472,10 @@ def _relay_buffers(
             )
             buffers[rank] = max(buffers[rank], held)  # policies push one after another
             partners[rank] += len(set(role.destinations) | set(role.sources.values()))
+    for wg in worker_groups.values():  # an MoE push gathers each layer's experts over EP (the safe side:
+        if wg.moe is not None:  # on top of a relay's buffers)
+            for rank in wg.moe.gather_ranks:
+                buffers[rank] += wg.moe.gather
     return buffers, partners
 
 
@@ -604,7 +618,7 @@ def print_report(report: DryRunReport, console) -> None:
             f"{wg.model} ({wg.shape.num_params / 1e9:.1f}B)",
             rank_ranges(lay.ranks),
             rank_ranges(sorted({r // per_node for r in lay.ranks})),
-            f"{lay.tp} x {lay.pp} x {lay.dp}",
+            f"{lay.tp} x {lay.pp} x {lay.dp}" + (f" (ep {wg.moe.grid.ep})" if wg.moe else ""),
             wg.setup.dtype,
         ]
         for stage, m in enumerate(wg.stages):
@@ -626,6 +640,10 @@ def print_report(report: DryRunReport, console) -> None:
     for name, wg in report.worker_groups.items():
         if wg.tree is not None:
             console.print(tree_line(name, wg.tree))
+        if wg.moe is not None and wg.shape.moe is not None:
+            for line in expert_grid_lines(name, wg.moe.grid, num_experts=wg.shape.moe.num_experts):
+                console.print(line, highlight=False)
+            console.print(moe_table(name, wg.shape, wg.moe, dtype=wg.setup.dtype))
 
     launches = {"external": "external", "in_process": "in rank 0's process"}
     engines = engines_table(

@@ -8,8 +8,9 @@ really allocate. Per rank of a WG with layout ``tp x pp x dp`` and pipeline stag
 DDP grads, fp32 main parameters and Adam state per dtype buffer, the reference model, adapters) and
 ``activation_bytes`` (what autograd keeps per token and layer for the ``te`` or ``local`` layer spec
 and ``recompute`` setting, times the 1F1B micro-batches in flight, plus the log-prob peak on the last
-stage). Frozen policies cost nothing (no worker). The formulas, term by term:
-docs/design-notes.md, "megamarl/planning/memory.py".
+stage). Frozen policies cost nothing (no worker). A mixture-of-experts policy adds an expert buffer
+sharded over the expert-data-parallel ranks and an fp32 router (``planning.moe``). The formulas, term
+by term: docs/design-notes.md, "megamarl/planning/memory.py", and docs/moe.md.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from megamarl.models.spec import TREE_ATTENTIONS
 from megamarl.models.tree_attention import block_mask_bytes
 from megamarl.parallel.placement import WorkerGroupLayout
 from megamarl.planning.model_presets import ModelShape
+from megamarl.planning.moe import ROUTER_BYTES, dispatcher_bytes, expert_layout, moe_saved_bytes
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 # megamarl.models.spec.layer_spec: Transformer Engine (GPUs with TE) | megatron-core's local spec
@@ -98,19 +100,43 @@ class RankParameters:
     norms: tuple[int, ...]  # RMSNorm and QK-norm weights: fp32 in the local spec, else the training dtype
     shared_embedding: int = 0  # tied embedding (first stage) or its copy (last stage) when pp > 1
     adapters: tuple[int, ...] = ()  # LoRA A and B of every adapter (the training dtype)
+    # MoE: this rank's experts (fc1, fc2 of num_experts / ep experts per layer; the training dtype, a DDP
+    # buffer of their own over the expert-dp group) and the routers (fp32, replicated)
+    experts: tuple[int, ...] = ()
+    routers: tuple[int, ...] = ()
 
     @property
     def num_base(self) -> int:
-        return sum(self.matrices) + sum(self.norms) + self.shared_embedding
+        return (
+            sum(self.matrices)
+            + sum(self.norms)
+            + self.shared_embedding
+            + sum(self.experts)
+            + sum(self.routers)
+        )
 
 
 def rank_parameters(
-    shape: ModelShape, *, tp: int, pp: int, stage: int, lora=None, num_adapters: int = 0
+    shape: ModelShape, *, tp: int, pp: int, stage: int, lora=None, num_adapters: int = 0, ep: int = 1
 ) -> RankParameters:
-    """The parameter tensors of pipeline stage ``stage`` on one TP rank (the formulas: design-notes)."""
+    """The parameter tensors of pipeline stage ``stage`` on one TP rank (the formulas: design-notes);
+    an MoE model's layers hold ``num_experts / ep`` experts split over expert TP (= ``tp``) instead of
+    the MLP, the router replicated and the shared expert split over ``tp`` (docs/moe.md)."""
     h, f = shape.hidden_size, shape.ffn_hidden_size
     q, kv = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
-    layer = [h * (q + 2 * kv) // tp, q * h // tp, 2 * f * h // tp, f * h // tp]
+    layer = [h * (q + 2 * kv) // tp, q * h // tp]
+    layer_experts: list[int] = []
+    layer_routers: list[int] = []
+    if shape.moe is None:
+        layer += [2 * f * h // tp, f * h // tp]
+    else:
+        f_e, f_s = shape.moe.ffn_hidden_size, shape.moe.shared_ffn_hidden_size
+        layer_experts = [2 * f_e * h // tp, f_e * h // tp] * (shape.moe.num_experts // ep)
+        layer_routers = [shape.router_params]
+        if f_s:
+            layer += [2 * f_s * h // tp, f_s * h // tp]
+        if shape.moe.shared_expert_gate:
+            layer.append(h)  # [1, h], replicated
     layer_norms = [h, h]  # replicated over TP
     if shape.qkv_bias:
         layer.append((q + 2 * kv) // tp)
@@ -146,7 +172,14 @@ def rank_parameters(
             else:  # A [r, in/tp], B [out, r] whole
                 adapters += [lora.rank * d_in // tp, d_out * lora.rank]
         adapters = adapters * (num_layers * num_adapters)
-    return RankParameters(tuple(matrices), tuple(norms), shared, tuple(adapters))
+    return RankParameters(
+        tuple(matrices),
+        tuple(norms),
+        shared,
+        tuple(adapters),
+        tuple(layer_experts * num_layers),
+        tuple(layer_routers * num_layers),
+    )
 
 
 def ddp_buffer_numel(numels, *, dp: int, distributed: bool, own_bucket: int = 0) -> int:
@@ -183,10 +216,20 @@ def train_memory(
     if policy.frozen:
         return Memory()
     params = rank_parameters(
-        shape, tp=layout.tp, pp=layout.pp, stage=stage, lora=policy.lora, num_adapters=setup.num_adapters
+        shape,
+        tp=layout.tp,
+        pp=layout.pp,
+        stage=stage,
+        lora=policy.lora,
+        num_adapters=setup.num_adapters,
+        ep=policy.ep,
     )
     width, norm_width = DTYPE_BYTES[setup.dtype], setup.norm_bytes
-    base_bytes = width * (sum(params.matrices) + params.shared_embedding) + norm_width * sum(params.norms)
+    base_bytes = (
+        width * (sum(params.matrices) + params.shared_embedding + sum(params.experts))
+        + norm_width * sum(params.norms)
+        + ROUTER_BYTES * sum(params.routers)
+    )
     memory = Memory(
         activations=activation_bytes(
             shape, policy, layout, setup, stage=stage, num_micro_batches=num_micro_batches
@@ -194,13 +237,11 @@ def train_memory(
     )
     if policy.lora is not None:  # only the adapters train: the base is frozen, and is the reference
         memory.weights = base_bytes
-        _add_trainable(memory, {width: (params.adapters, 0)}, policy, layout, setup, into="lora")
+        _add_trainable(memory, {width: (params.adapters, 0)}, policy, setup, dp=layout.dp, into="lora")
         return memory
-    if norm_width == width:
-        groups = {width: (params.matrices + params.norms, params.shared_embedding)}
-    else:
-        groups = {width: (params.matrices, params.shared_embedding), norm_width: (params.norms, 0)}
-    _add_trainable(memory, groups, policy, layout, setup, into="weights")
+    for part in trainable_buffers(params, policy, layout, setup).values():
+        for kind in ("weights", "grads", "main_params", "optimizer"):
+            setattr(memory, kind, getattr(memory, kind) + getattr(part, kind))
     if setup.reference:
         if policy.ref_offload:
             logits = logits_peak_bytes(shape, policy, layout, setup) if stage == layout.pp - 1 else 0.0
@@ -210,19 +251,50 @@ def train_memory(
     return memory
 
 
+def buffer_elements(params: RankParameters, setup: TrainingSetup) -> dict[str, tuple[int, list[int], int]]:
+    """megatron-core's DDP buffers of one rank's trainable base parameters, by name: (element width,
+    tensor sizes, shared-embedding size). The dense parameters go by dtype ("dense bf16"; "dense fp32":
+    the local spec's norms and an MoE model's routers); an MoE model's "experts" are a buffer of their
+    own (DDP's expert-parallel buffers)."""
+    width, norm_width = DTYPE_BYTES[setup.dtype], setup.norm_bytes
+    names = {width: f"dense {setup.dtype}", 4: "dense fp32"}
+    dense: dict[int, list[int]] = {width: list(params.matrices)}
+    dense.setdefault(norm_width, []).extend(params.norms)
+    if params.routers:
+        dense.setdefault(ROUTER_BYTES, []).extend(params.routers)
+    out = {names[w]: (w, numels, params.shared_embedding if w == width else 0) for w, numels in dense.items()}
+    if params.experts:
+        out["experts"] = (width, list(params.experts), 0)
+    return out
+
+
+def trainable_buffers(
+    params: RankParameters, policy: PolicyConfig, layout: WorkerGroupLayout, setup: TrainingSetup
+) -> dict[str, Memory]:
+    """The trainable state of one rank (weights, grads, main params, Adam) per ``buffer_elements``
+    buffer: the dense ones reduced and sharded over ``dp``, the "experts" over the expert-data-parallel
+    group (``planning.moe.expert_layout``)."""
+    out: dict[str, Memory] = {}
+    for name, (width, numels, shared) in buffer_elements(params, setup).items():
+        dp = expert_layout(layout, ep=policy.ep).edp if name == "experts" else layout.dp
+        out[name] = Memory()
+        _add_trainable(out[name], {width: (numels, shared)}, policy, setup, dp=dp, into="weights")
+    return out
+
+
 def _add_trainable(
     memory: Memory,
     groups: dict,
     policy: PolicyConfig,
-    layout: WorkerGroupLayout,
     setup: TrainingSetup,
     *,
+    dp: int | None,
     into: str,
 ) -> None:
     """Weights (into ``memory.<into>``), DDP grads, main params and Adam state of trainable
-    parameters, ``groups``: element width -> (tensor sizes, shared-embedding size). megatron-core's
-    DDP keeps one buffer per (param dtype, grad dtype), each padded on its own."""
-    distributed, dp = policy.distributed_optimizer, layout.dp
+    parameters, ``groups``: element width -> (tensor sizes, shared-embedding size), reduced over ``dp``
+    ranks. megatron-core's DDP keeps one buffer per (param dtype, grad dtype), each padded on its own."""
+    distributed = policy.distributed_optimizer
     assert dp is not None  # set by WorkerGroupLayout.__post_init__
     for width, (numels, shared) in groups.items():
         if not numels and not shared:
@@ -313,10 +385,12 @@ def layer_activation_bytes(
     recompute: str,
     spec: str,
     tree_attention: str | None = None,
+    capacity_factor: float | None = None,
 ) -> float:
     """Bytes one decoder layer keeps for backward for one micro-batch of ``tokens`` in rows of
     ``seq_len`` (design-notes, memory.py); with ``recompute='full'``: its input only. Flex tree
-    attention replaces the spec's core attention (its scores are never materialised)."""
+    attention replaces the spec's core attention (its scores are never materialised). An MoE layer's
+    MLP keeps its router's and routed experts' tensors (``planning.moe.moe_saved_bytes``)."""
     b, h = dtype_bytes, shape.hidden_size
     q, kv = shape.num_heads * shape.head_dim / tp, shape.num_kv_heads * shape.head_dim / tp
     f, heads = shape.ffn_hidden_size / tp, shape.num_heads / tp
@@ -336,7 +410,10 @@ def layer_activation_bytes(
             attn += b * q  # flex keeps its [heads, N, d] output, the projection the [N, heads d] copy
     else:
         attn = 3 * b * q + _scores_bytes(heads, seq_len, b) + b * q
-    return (norms + attn + mlp) * tokens + rope
+    if shape.moe is None:
+        return (norms + attn + mlp) * tokens + rope
+    experts = moe_saved_bytes(shape, tokens=tokens, dtype_bytes=b, tp=tp, capacity_factor=capacity_factor)
+    return (norms + attn) * tokens + experts + rope
 
 
 def _norm_bytes(h: int, b: int, spec: str) -> float:
@@ -369,8 +446,16 @@ def activation_bytes(
     if num_micro_batches is not None:
         in_flight = max(1, min(in_flight, num_micro_batches))
     peak = in_flight * saved_activation_bytes(shape, policy, layout, setup, stage=stage)
+    kwargs = _layer_kwargs(policy, layout, setup)
     if policy.recompute == "full":  # the layer being rebuilt
-        peak += layer_activation_bytes(shape, recompute="none", **_layer_kwargs(policy, layout, setup))
+        peak += layer_activation_bytes(shape, recompute="none", **kwargs)
+    if shape.moe is not None:  # the running layer's all-to-all buffers
+        peak += dispatcher_bytes(
+            shape,
+            tokens=kwargs["tokens"],
+            dtype_bytes=kwargs["dtype_bytes"],
+            capacity_factor=kwargs["capacity_factor"],
+        )
     if stage == layout.pp - 1:
         peak += logits_peak_bytes(shape, policy, layout, setup)
     return peak
@@ -411,6 +496,7 @@ def _layer_kwargs(policy: PolicyConfig, layout: WorkerGroupLayout, setup: Traini
         "dtype_bytes": DTYPE_BYTES[setup.dtype],
         "spec": setup.spec,
         "tree_attention": setup.tree_attention,
+        "capacity_factor": policy.moe.capacity_factor,
     }
 
 

@@ -3,7 +3,9 @@
 A 70B checkpoint cannot be downloaded here (and a cluster dry-run should not need one), so the
 dry-run and memory estimate work from a ``ModelShape``: a policy's ``model:`` is either a preset
 name below (values copied from the public ``config.json`` of each model) or a local HF directory.
-Only shape facts live here; weight conversion belongs to ``megamarl.models``.
+Only shape facts live here; weight conversion belongs to ``megamarl.models``. A mixture-of-experts
+model (Qwen3-MoE, Qwen2-MoE, Mixtral) carries a ``MoeShape``: every decoder layer's MLP is then its
+routed experts, its router and an optional shared expert instead of one SwiGLU MLP.
 """
 
 from __future__ import annotations
@@ -13,6 +15,31 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megamarl.models.packaged import resolve_model_path
+
+# HF ``model_type`` -> the config.json keys of its experts: (expert count, top-k, expert ffn size)
+MOE_CONFIG_KEYS = {
+    "qwen3_moe": ("num_experts", "num_experts_per_tok", "moe_intermediate_size"),
+    "qwen2_moe": ("num_experts", "num_experts_per_tok", "moe_intermediate_size"),
+    "mixtral": ("num_local_experts", "num_experts_per_tok", "intermediate_size"),
+}
+
+
+@dataclass(frozen=True)
+class MoeShape:
+    """The experts of every decoder layer: ``num_experts`` SwiGLU experts of ``ffn_hidden_size``, each
+    token routed to ``top_k`` of them by a linear router ``[num_experts, hidden]``; Qwen2-MoE adds a
+    shared expert of ``shared_ffn_hidden_size`` that every token passes, scaled by a sigmoid gate
+    ``[1, hidden]``."""
+
+    num_experts: int
+    top_k: int
+    ffn_hidden_size: int
+    shared_ffn_hidden_size: int = 0
+    shared_expert_gate: bool = False
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(f"MoE top_k={self.top_k} must be in [1, num_experts={self.num_experts}]")
 
 
 @dataclass(frozen=True)
@@ -27,6 +54,7 @@ class ModelShape:
     tied_embeddings: bool = False
     qkv_bias: bool = False
     qk_norm: bool = False  # per-head RMSNorm on queries and keys (Qwen3)
+    moe: MoeShape | None = None  # experts replace every layer's MLP (ffn_hidden_size is then unused)
 
     def __post_init__(self) -> None:
         if not self.head_dim:
@@ -42,8 +70,40 @@ class ModelShape:
             attention += q_out + 2 * kv_out
         if self.qk_norm:
             attention += 2 * self.head_dim
-        mlp = 3 * self.hidden_size * self.ffn_hidden_size
-        return attention + mlp + 2 * self.hidden_size
+        return attention + self.mlp_params + 2 * self.hidden_size
+
+    @property
+    def mlp_params(self) -> int:
+        """One layer's MLP: SwiGLU (gate, up, down); MoE: every expert, the router, the shared expert."""
+        if self.moe is None:
+            return 3 * self.hidden_size * self.ffn_hidden_size
+        return self.moe.num_experts * self.expert_params + self.router_params + self.shared_expert_params
+
+    @property
+    def expert_params(self) -> int:
+        """One routed expert: SwiGLU gate, up and down of ``moe.ffn_hidden_size``."""
+        return 3 * self.hidden_size * self.moe.ffn_hidden_size if self.moe else 0
+
+    @property
+    def router_params(self) -> int:
+        return self.moe.num_experts * self.hidden_size if self.moe else 0
+
+    @property
+    def shared_expert_params(self) -> int:
+        if self.moe is None:
+            return 0
+        return 3 * self.hidden_size * self.moe.shared_ffn_hidden_size + (
+            self.hidden_size if self.moe.shared_expert_gate else 0
+        )
+
+    @property
+    def num_active_params(self) -> int:
+        """Parameters one token passes through (an MoE model's "A3B"): top-k experts of every layer."""
+        if self.moe is None:
+            return self.num_params
+        return (
+            self.num_params - self.num_layers * (self.moe.num_experts - self.moe.top_k) * self.expert_params
+        )
 
     def padded_vocab_size(self, tp: int) -> int:
         """Vocabulary rows of the Megatron model at ``tp``: the rule of
@@ -73,12 +133,23 @@ PRESETS: dict[str, ModelShape] = {
     "qwen3-8b": ModelShape(36, 4096, 32, 8, 12288, 151936, head_dim=128, qk_norm=True),
     "qwen3-32b": ModelShape(64, 5120, 64, 8, 25600, 151936, head_dim=128, qk_norm=True),
     "smollm2-135m-instruct": ModelShape(30, 576, 9, 3, 1536, 49152, tied_embeddings=True),
+    # mixture of experts (+ num_experts, num_experts_per_tok, moe_intermediate_size; Mixtral:
+    # num_local_experts and intermediate_size per expert); every layer sparse (decoder_sparse_step 1)
+    "qwen3-30b-a3b": ModelShape(
+        48, 2048, 32, 4, 6144, 151936, head_dim=128, qk_norm=True, moe=MoeShape(128, 8, 768)
+    ),
+    "qwen3-235b-a22b": ModelShape(
+        94, 4096, 64, 4, 12288, 151936, head_dim=128, qk_norm=True, moe=MoeShape(128, 8, 1536)
+    ),
+    "mixtral-8x7b": ModelShape(32, 4096, 32, 8, 14336, 32000, moe=MoeShape(8, 2, 14336)),
 }
 
 
 def shape_from_hf_config(config: dict) -> ModelShape:
-    """A ``ModelShape`` from the dict of a HF ``config.json`` (Llama / Qwen2 / Qwen3 style)."""
+    """A ``ModelShape`` from the dict of a HF ``config.json`` (Llama / Qwen2 / Qwen3 style, and the MoE
+    families of ``MOE_CONFIG_KEYS``)."""
     num_heads = config["num_attention_heads"]
+    model_type = config.get("model_type")
     return ModelShape(
         num_layers=config["num_hidden_layers"],
         hidden_size=config["hidden_size"],
@@ -88,9 +159,37 @@ def shape_from_hf_config(config: dict) -> ModelShape:
         vocab_size=config["vocab_size"],
         head_dim=config.get("head_dim") or 0,
         tied_embeddings=bool(config.get("tie_word_embeddings", False)),
-        qkv_bias=bool(config.get("attention_bias", config.get("model_type") == "qwen2")),
-        qk_norm=config.get("model_type") == "qwen3",  # the families of megamarl.models.families
+        qkv_bias=bool(config.get("attention_bias", model_type in ("qwen2", "qwen2_moe"))),
+        qk_norm=model_type in ("qwen3", "qwen3_moe"),  # the families of megamarl.models.families
+        moe=moe_from_hf_config(config),
     )
+
+
+def moe_from_hf_config(config: dict) -> MoeShape | None:
+    """The experts of a HF ``config.json`` of an MoE family (None for a dense model). Only models whose
+    every layer is sparse are planned: Qwen's ``mlp_only_layers`` / ``decoder_sparse_step`` > 1 (dense
+    layers between sparse ones) are refused."""
+    keys = MOE_CONFIG_KEYS.get(config.get("model_type", ""))
+    if keys is None:
+        return None
+    if config.get("mlp_only_layers") or config.get("decoder_sparse_step", 1) != 1:
+        raise ValueError(
+            f"{config['model_type']} config.json with dense layers (mlp_only_layers="
+            f"{config.get('mlp_only_layers')}, decoder_sparse_step={config.get('decoder_sparse_step')}): "
+            "only models whose every layer is sparse are planned"
+        )
+    num_experts, top_k, ffn = (config[k] for k in keys)
+    shared = config.get("shared_expert_intermediate_size") or 0
+    return MoeShape(num_experts, top_k, ffn, shared, shared_expert_gate=bool(shared))
+
+
+def declared_moe(model: str) -> MoeShape | None:
+    """The experts of ``model`` without materialising anything: a preset's, or a local directory's
+    ``config.json``'s; packaged models (and anything else) are dense."""
+    if model in PRESETS:
+        return PRESETS[model].moe
+    config = Path(model).expanduser() / "config.json"
+    return moe_from_hf_config(json.loads(config.read_text())) if config.is_file() else None
 
 
 def resolve_model_shape(model: str, *, key: str = "model") -> ModelShape:

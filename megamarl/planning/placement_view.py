@@ -7,7 +7,8 @@ what rank r runs before any model loads: it joins a FAKE world of that size as r
 group's process groups (``build_worker_groups``) and the engine plan (``plan_engines``), and
 records which WG shards it holds and which engine replicas it starts. The plans of all ranks must be
 identical (each rank computes its own; nothing is exchanged). Unlike ``--dry-run`` there is no
-memory model here: it is the run-time placement code itself, not an estimate.
+memory model here: it is the run-time placement code itself, not an estimate. An MoE policy adds its
+expert grid: which ranks form each EP and expert-DP group and which experts each EP index holds.
 """
 
 from __future__ import annotations
@@ -20,6 +21,9 @@ import torch.distributed as dist
 from megamarl.config import RunConfig
 from megamarl.parallel.placement import build_worker_groups, placement_of
 from megamarl.planning.dryrun import Shard, declared_world_size, rank_ranges
+from megamarl.planning.model_presets import declared_moe
+from megamarl.planning.moe import expert_layout
+from megamarl.planning.moe_report import expert_grid_lines
 from megamarl.rollout.engine_placement import (
     ReplicaPlacement,
     format_table,
@@ -121,6 +125,12 @@ def show_placement(
     print(placement_table(plan), file=out)
     print("\nRanks (WG shards as tp/pp/dp coordinates; 'starts': the replicas the rank launches):", file=out)
     print(rank_table(views), file=out)
+    placement = placement_of(cfg, world_size)
+    for name, policy in cfg.policies.items():  # MoE policies: the expert groups the stages re-divide into
+        moe = declared_moe(policy.model)
+        if moe is not None:
+            grid = expert_layout(placement.worker_groups[name], ep=policy.ep)
+            print("\n" + "\n".join(expert_grid_lines(name, grid, num_experts=moe.num_experts)), file=out)
     return plan, views
 
 

@@ -12,9 +12,27 @@ from megamarl.parallel.hardware import HostMemory
 from megamarl.parallel.placement import WorkerGroupLayout
 from megamarl.planning.memory import Memory, TrainingSetup, TreeAttentionCost
 from megamarl.planning.model_presets import ModelShape
+from megamarl.planning.moe import ExpertLayout
 from megamarl.planning.phases import ENGINE
 
 GIB = 2**30
+
+
+@dataclass
+class MoePlan:
+    """One MoE policy's expert figures (per rank; activations per layer and micro-batch)."""
+
+    grid: ExpertLayout
+    buffers: list[dict[str, Memory]]  # per pipeline stage: ``memory.trainable_buffers``
+    params: list[dict[str, int]]  # per stage: elements per rank of each buffer (``memory.buffer_elements``)
+    tokens: int  # tokens of the largest micro-batch
+    rows: int  # rows the rank's experts take for it (``moe.routed_rows``)
+    capacity_factor: float | None  # policies.<p>.moe.capacity_factor
+    router: float  # the router's saved tensors, one layer
+    experts: float  # the MLP's saved tensors (router included), one layer
+    dispatcher: float  # the all-to-all buffers of the running layer
+    gather: float  # a push's experts of one layer gathered over EP (engine dtype); 0: nothing pushed
+    gather_ranks: tuple[int, ...]  # the ranks that hold ``gather`` during a push
 
 
 @dataclass
@@ -26,6 +44,7 @@ class WorkerGroupReport:
     setup: TrainingSetup
     stages: list[Memory]  # per pipeline stage (every GPU of a stage holds the same)
     tree: TreeAttentionCost | None = None  # prefix_tree: the layout's terms of the activations
+    moe: MoePlan | None = None  # mixture-of-experts models: the expert grid and rows (planning.moe_report)
 
 
 @dataclass
