@@ -377,6 +377,7 @@ def placement_of(cfg: RunConfig, world_size: int) -> PlacementConfig:
             ranks=list(p.ranks) if p.ranks else list(range(world_size)),
             tp=p.tp,
             pp=p.pp,
+            ep=p.ep,
             key=f"policies.{name}",
         )
         for name, p in cfg.policies.items()

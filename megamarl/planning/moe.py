@@ -18,11 +18,10 @@ import math
 from dataclasses import dataclass
 
 from megamarl.config import PolicyConfig, RunConfig
-from megamarl.parallel.placement import WorkerGroupLayout
+from megamarl.parallel.placement import WorkerGroupLayout, expert_coords, group_enumeration
 from megamarl.planning.model_presets import ModelShape, MoeShape, declared_moe
 
 ROUTER_BYTES = 4  # megatron-core's TopKRouter keeps its weight in fp32 (and computes logits in fp32)
-EXPERT_AXES = ("etp", "ep", "edp", "pp")  # the expert grid's axes, fastest-varying first
 
 
 @dataclass(frozen=True)
@@ -35,25 +34,19 @@ class ExpertLayout:
     edp: int
     pp: int
 
-    def groups(self, axis: str) -> list[list[int]]:
-        """Global-rank lists of every ``axis`` group ("etp", "ep", "edp"): megatron-core's own expert
-        ``RankGenerator`` (the one ``initialize_model_parallel`` builds expert groups with) on the WG's
-        logical ranks, mapped to its global ranks."""
-        from megatron.core.parallel_state import RankGenerator
-
-        generator = RankGenerator(
-            tp=self.etp, ep=self.ep, dp=self.edp, pp=self.pp, cp=1, order="tp-cp-ep-dp-pp"
+    def _worker_group(self) -> WorkerGroupLayout:
+        return WorkerGroupLayout(
+            ranks=list(self.ranks), tp=self.etp, pp=self.pp, ep=self.ep, key="expert grid"
         )
-        name = {"etp": "tp", "ep": "ep", "edp": "dp"}[axis]
-        return [[self.ranks[i] for i in group] for group in generator.get_ranks(name)]
+
+    def groups(self, axis: str) -> list[list[int]]:
+        """Global-rank lists of every ``axis`` group ("etp", "ep", "edp"): the groups the worker group
+        builds (``parallel.placement.group_enumeration`` on its experts' grid; one source for both)."""
+        return group_enumeration(self._worker_group(), [axis], experts=True)
 
     def coords(self, rank: int) -> dict[str, int]:
         """``rank``'s index along each expert axis."""
-        index, out = self.ranks.index(rank), {}
-        for axis, size in zip(EXPERT_AXES, (self.etp, self.ep, self.edp, self.pp), strict=True):
-            out[axis] = index % size
-            index //= size
-        return out
+        return expert_coords(self._worker_group(), rank)
 
 
 def expert_layout(layout: WorkerGroupLayout, *, ep: int) -> ExpertLayout:
