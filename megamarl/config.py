@@ -192,7 +192,8 @@ class EngineConfig:
             )
         if self.delta_sync not in DELTA_SYNC_CHOICES:
             raise ValueError(
-                f"policies.<p>.engine.delta_sync='{self.delta_sync}' unknown; allowed: {list(DELTA_SYNC_CHOICES)}"
+                f"policies.<p>.engine.delta_sync='{self.delta_sync}' unknown; allowed: "
+                f"{list(DELTA_SYNC_CHOICES)}"
             )
         if self.delta_sync != "off" and self.backend == "sglang":
             raise ValueError(
