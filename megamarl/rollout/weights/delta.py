@@ -5,9 +5,10 @@ A sending rank keeps, per HF tensor it streamed in the last push, a digest of it
 engine's dtype* (a small fp32 change that rounds to the same bf16 value moves nothing), and the
 version that push stamped. The next push is a delta only when every target replica holds exactly
 that version; otherwise (first push, a restarted replica, one that missed a push, a failed push)
-it is full. Digests, not copies: a copy is a second model in memory on the sender; a 128-bit
-BLAKE2b digest is 16 bytes a tensor, and a collision (2^-64 for a birthday pair) is far rarer than
-a bit flip in transit.
+it is full. Digests, not copies: a copy is a second model in memory on the sender. XXH3-128
+(``xxhash``), not a cryptographic hash: hashing every tensor is on the push's path, and it is ~10x
+faster than BLAKE2b (docs/design-notes.md); weights are not adversarial, and 128 bits make an
+accidental collision negligible.
 
 The unit of selection is a *sync unit*: every tensor of one decoder layer (``...layers.<i>.``), or
 one module outside the layers (the embedding, the final norm, the LM head). vLLM reloads in place
@@ -18,12 +19,12 @@ nothing keeps its current tensors. A unit is pushed whole when any of its tensor
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import re
 from collections.abc import Iterable, Iterator, Sequence
 
 import torch
+import xxhash
 
 _LAYER = re.compile(r"^(.*?\.layers\.\d+)\.")
 
@@ -35,9 +36,9 @@ def sync_unit(name: str) -> str:
 
 
 def tensor_digest(tensor: torch.Tensor) -> bytes:
-    """128-bit BLAKE2b of the tensor's dtype, shape and bytes (as they would be sent)."""
+    """XXH3-128 of the tensor's dtype, shape and bytes (as they would be sent)."""
     flat = tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8)
-    digest = hashlib.blake2b(f"{tensor.dtype}{tuple(tensor.shape)}".encode(), digest_size=16)
+    digest = xxhash.xxh3_128(f"{tensor.dtype}{tuple(tensor.shape)}".encode())
     digest.update(memoryview(flat.numpy()))
     return digest.digest()
 
