@@ -43,6 +43,7 @@ from megamarl.config_sections import (
 from megamarl.registry import resolve_callable
 
 WEIGHT_TRANSFER_CHOICES = ("auto", "native", "megamarl")  # engine.weight_transfer
+DELTA_SYNC_CHOICES = ("off", "tensors")  # engine.delta_sync
 # engine.server_start_timeout_s when null, by device: a cold GPU start (a 70B checkpoint read from shared
 # storage, TP workers, CUDA-graph capture) takes longer than a tiny CPU server (~80-150 s on 2 cores)
 SERVER_START_TIMEOUT_S = {"cpu": 600.0, "gpu": 1800.0}
@@ -98,6 +99,11 @@ class EngineConfig:
     # megamarl's (gloo broadcast, shared memory); native: the backend's own (needs CUDA); megamarl:
     # megamarl's everywhere (docs/cluster.md, "Weight push").
     weight_transfer: str = "auto"
+    # Full-weight pushes: off: every push sends every tensor; tensors: a push sends only the decoder
+    # layers (and embedding / norm / LM head) whose bytes in the engine's dtype changed since the
+    # version the target replicas hold; a replica at any other version (first push, restarted, one
+    # that missed a push) gets everything (megamarl.rollout.weights.delta). vllm and hf engines.
+    delta_sync: str = "off"
     # vLLM / SGLang engines: no CUDA graphs (vLLM --enforce-eager, SGLang --disable-cuda-graph on GPU).
     # null: true on CPU, false on GPU (CUDA graphs: fast decoding at high engine TP).
     enforce_eager: bool | None = None
@@ -184,6 +190,16 @@ class EngineConfig:
             raise ValueError(
                 f"policies.<p>.engine.weight_transfer='{self.weight_transfer}' unknown; allowed: "
                 f"{list(WEIGHT_TRANSFER_CHOICES)}"
+            )
+        if self.delta_sync not in DELTA_SYNC_CHOICES:
+            raise ValueError(
+                f"policies.<p>.engine.delta_sync='{self.delta_sync}' unknown; allowed: "
+                f"{list(DELTA_SYNC_CHOICES)}"
+            )
+        if self.delta_sync != "off" and self.backend == "sglang":
+            raise ValueError(
+                "policies.<p>.engine.delta_sync: partial pushes are checked against vllm and hf engines "
+                "only; engine.backend=sglang takes full pushes (delta_sync: off)"
             )
         if self.num_threads < 0:
             raise ValueError(
@@ -355,6 +371,11 @@ class PolicyConfig:
             raise ValueError(
                 "policies.<p>.ranks=[] lists no rank; list the worker group's ranks, or leave the key "
                 "out (null) for every rank"
+            )
+        if self.lora is not None and self.engine.delta_sync != "off":
+            raise ValueError(
+                "policies.<p>.engine.delta_sync applies to full-weight pushes; a policy with lora pushes "
+                "only its adapters already: drop the key"
             )
 
 

@@ -72,7 +72,18 @@ def test_two_policies_train_with_different_estimators(tmp_path):
         "algorithm: {estimator: gae, estimator_kwargs: {gamma: 1.0, lam: 0.95}, value_loss_agg: "
         "seq-mean-token-sum}}"
     )
-    rows = _train(SIGNALLING, tmp_path, f"+policies.critic={critic}", "agents.receiver.policy=critic")
+    rows = _train(
+        SIGNALLING,
+        tmp_path,
+        f"+policies.critic={critic}",
+        "agents.receiver.policy=critic",
+        "policies.shared.engine.delta_sync=tensors",  # the trainer's in-process push path honours it
+    )
+    # every tensor's bytes moved in each step (Adam moves every element that had a gradient): the
+    # delta pushes skip nothing and send what a full push sends
+    assert [r["weight_sync/shared/tensors_skipped"] for r in rows] == [0.0, 0.0]
+    assert rows[1]["weight_sync/shared/bytes"] == rows[1]["weight_sync/critic/bytes"] > 0
+    assert "weight_sync/critic/tensors_skipped" not in rows[1]  # delta_sync off there
     for row in rows:
         assert row["policy/critic/vf_loss"] > 0 and "policy/shared/vf_loss" not in row
         assert "agent/sender/advantage_mean" in row and "agent/receiver/advantage_mean" not in row

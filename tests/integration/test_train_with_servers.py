@@ -13,7 +13,8 @@ In step 1's rollout a chaos env (tests/integration/plugins/server_chaos.py) SIGK
 reaches replica 0 only; the evaluation after step 1 waits until the server is back, so at the start
 of step 2 the trainer re-syncs it (the current weights into that replica alone) before it takes
 traffic. ``engine.verify_sync`` makes every push compare each replica's greedy tokens with
-transformers on the pushed tensors.
+transformers on the pushed tensors; ``engine.delta_sync`` makes every push after the first a delta
+against the version the replicas hold, full into the restarted replica.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ policies:
     seq_len: 256
     dtype: fp32
     engine: {{backend: vllm, launch: server, tp: 1, num_replicas: 2, ranks: [2, 3], dtype: fp32,
-             max_num_seqs: 32, kv_cache_gib: 0.25, num_threads: 1, verify_sync: true}}
+             max_num_seqs: 32, kv_cache_gib: 0.25, num_threads: 1, verify_sync: true, delta_sync: tensors}}
   listener:
     model: {model}
     ranks: [0, 1]
@@ -57,7 +58,7 @@ policies:
     seq_len: 256
     dtype: fp32
     engine: {{backend: vllm, launch: server, tp: 1, num_replicas: 2, dtype: fp32,
-             max_num_seqs: 32, kv_cache_gib: 0.25, num_threads: 1, verify_sync: true}}
+             max_num_seqs: 32, kv_cache_gib: 0.25, num_threads: 1, verify_sync: true, delta_sync: tensors}}
 agents:
   sender:
     policy: talker
@@ -122,6 +123,7 @@ def test_every_push_reached_both_replicas_and_matched_transformers(run):
     for row in rows:
         for policy in ("talker", "listener"):
             assert row[f"weight_sync/{policy}/bytes"] > 0
+            assert row[f"weight_sync/{policy}/tensors_skipped"] == 0  # engine.delta_sync, all changed
     # the push at the end of step 1 happened while talker's replica 1 was down: one replica took it
     assert rows[0]["weight_sync/talker/replicas"] == rows[0]["weight_sync/talker/verified_replicas"] == 1
     for row in rows[1:]:
@@ -139,6 +141,9 @@ def test_a_restarted_replica_is_resynced_at_the_next_step_boundary(run):
         == 1
     )
     assert rows[1]["weight_sync/talker/resync/bytes"] == rows[1]["weight_sync/talker/bytes"]
+    # engine.delta_sync: the restarted replica (version -1) got every tensor; the push at the end of
+    # step 2 found both replicas at version 2 again, a delta (Adam moved every tensor: nothing skipped)
+    assert rows[1]["weight_sync/talker/resync/tensors_skipped"] == 0
     assert (
         "weight_sync/talker/resync/replicas" not in rows[0]
         and "weight_sync/talker/resync/replicas" not in rows[2]

@@ -61,6 +61,12 @@ def greedy(engine, prompts, lora=None):
     ]
 
 
+def greedy_ids(engine, prompt_ids, max_tokens):
+    from megamarl.rollout.engines.base import SamplingParams
+
+    return [g[0] for g in run(engine, prompt_ids, SamplingParams(temperature=0.0, max_tokens=max_tokens))]
+
+
 def hf_greedy(model, prompt):
     out = model.generate(
         torch.tensor([prompt]), do_sample=False, max_new_tokens=GREEDY_TOKENS, eos_token_id=2
@@ -156,6 +162,77 @@ def test_update_weights_changes_then_restores(engine, hf_model, prompts):
     restored = greedy(engine, prompts)
     assert [g.token_ids for g in restored] == [g.token_ids for g in before]
     assert {g.weight_version for g in restored} == {2}
+
+
+def _served_plain(worker) -> dict[str, torch.Tensor]:
+    """vLLM's parameters that stay plain tensors on CPU (embedding, norms; linears are packed)."""
+    return {
+        n.replace(".base_layer.", "."): p.detach().clone()  # LoRA-enabled: the base layer's names
+        for n, p in worker.model_runner.get_model().named_parameters()
+        if p.numel() and ("norm" in n or "embed_tokens" in n)
+    }
+
+
+def test_delta_pushes_leave_the_engine_equal_to_the_trainer(engine, hf_model, prompts, smollm2_path):
+    """``engine.delta_sync: tensors`` into vLLM's layer-by-layer in-place reload: after each delta push
+    (some decoder layers, the final norm, the tied embedding), the engine is the trainer's full state:
+    the sync verifier's probes (``sync_check.reference_tokens``) and transformers' greedy tokens and
+    logprobs on it match, its plain tensors bit for bit; a replica at another version gets everything."""
+    import copy
+
+    from megamarl.rollout.weights.delta import DeltaSelector, sync_unit
+    from megamarl.rollout.weights.sync_check import PROBE_PROMPTS, PROBE_TOKENS, reference_tokens
+
+    state = {k: v.clone() for k, v in hf_model.state_dict().items() if k != "lm_head.weight"}  # tied
+    selector, version = DeltaSelector(), engine.weight_version
+
+    def push(*, base) -> list[str]:
+        nonlocal version
+        version += 1
+        pushed: list[str] = []
+        named = selector.select(iter(state.items()), base=base, version=version)
+        engine.pause()
+        engine.update_weights(((pushed.append(n), (n, t))[1] for n, t in named), version=version)
+        engine.resume()
+        return pushed
+
+    def check_engine_is(reference_state) -> list[tuple[list[int], torch.Tensor]]:
+        reference = copy.deepcopy(hf_model)
+        reference.load_state_dict(reference_state, strict=False)
+        reference.tie_weights()
+        logprobs = []
+        for prompt, gen in zip(prompts, greedy(engine, prompts)):
+            argmax, ref = teacher_forced(reference, prompt, gen.token_ids)
+            assert gen.token_ids == argmax and gen.weight_version == version
+            assert (torch.tensor(gen.logprobs) - ref).abs().max() < 1e-3
+            logprobs.append((gen.token_ids, ref))
+        probes = [g.token_ids for g in greedy_ids(engine, PROBE_PROMPTS, PROBE_TOKENS)]
+        expected = reference_tokens(smollm2_path, reference_state)  # the sync verifier's reference
+        assert all(p == e[: len(p)] and p for p, e in zip(probes, expected))
+        served = engine.llm.collective_rpc(_served_plain)[0]
+        assert served.keys() and all(torch.equal(t, reference_state[n]) for n, t in served.items())
+        return logprobs
+
+    assert push(base=None) == list(state)  # nothing recorded yet: a full push
+    previous = check_engine_is(state)
+    gen = torch.Generator().manual_seed(1)
+    for changed in (
+        ["model.layers.3.mlp.down_proj.weight", "model.layers.17.self_attn.k_proj.weight"],
+        ["model.norm.weight"],
+        ["model.embed_tokens.weight"],  # the tied LM head moves with it
+    ):
+        for name in changed:
+            state[name] = state[name] + 0.02 * torch.randn(state[name].shape, generator=gen)
+        units = {sync_unit(n) for n in changed}
+        assert push(base=engine.weight_version) == [n for n in state if sync_unit(n) in units]
+        now = check_engine_is(state)
+        # the change shows (a missed unit would fail the checks above): other tokens or logprobs
+        assert any(t != u or (lp - lq).abs().max() > 1e-2 for (t, lp), (u, lq) in zip(now, previous))
+        previous = now
+    # a replica that missed a version (or restarted) holds another one: it gets every tensor
+    state = {k: v for k, v in hf_model.state_dict().items() if k != "lm_head.weight"}
+    assert push(base=version - 2) == list(state)
+    check_engine_is(state)
 
 
 def test_sleep_wake_and_pause_resume(engine, hf_model, prompts):

@@ -39,6 +39,7 @@ from megamarl.rollout.engines.vllm_server import VLLMServerClient
 from megamarl.rollout.replicas.pool import EnginePool
 from megamarl.rollout.servers.fleet import CLIENTS, SERVED_MODEL, PolicyServers, ServerFleet
 from megamarl.rollout.servers.server_launch import healthy
+from megamarl.rollout.weights.delta import DeltaSelector, common_version
 from megamarl.rollout.weights.server_sync import WeightSender
 from megamarl.rollout.weights.sglang_sync import SGLangWeightSender
 from megamarl.rollout.weights.stage_gather import (
@@ -58,6 +59,7 @@ from megamarl.rollout.weights.transport import (
 )
 from megamarl.rollout.weights.vllm_native_sync import VLLMNativeSender
 from megamarl.rollout.weights.weight_sync import (
+    Select,
     SyncStats,
     drain,
     stage_role,
@@ -110,6 +112,8 @@ class PolicyReplicas:
             set(ASLEEP) if self.hands_over and self.fleet is not None and self.fleet.on_gpu else set()
         )
         self._transfers: dict[tuple, _Transfer] = {}
+        # engine.delta_sync: what this rank last streamed to the replicas (``weights.delta``)
+        self.delta = DeltaSelector() if self.policy.engine.delta_sync == "tensors" else None
         self._stages_key: tuple | None = None  # the targets every stage's sender is connected to
         self._unverified: list[
             tuple[Callable[[], int] | None, str]
@@ -184,6 +188,11 @@ class PolicyReplicas:
             return self._push_adapters(version)
         if self.served:  # colocated: the trainer's wake-weights phase woke them (megamarl.planning.phases)
             return self._push_to_servers(version, bucket_bytes=int(self.policy.engine.bucket_mb * 2**20))
+        held = None
+        if self.delta is not None:  # the versions the in-process replicas hold, from the driver
+            holder = [self._held_in_process() if self.is_driver else None]
+            dist.broadcast_object_list(holder, src=0, group=self.control)
+            held = holder[0]
         stats = sync_weights(
             self.wg,
             self.export(),
@@ -191,8 +200,35 @@ class PolicyReplicas:
             version=version,
             engine_rank=self.driver_rank,
             bucket_mb=self.policy.engine.bucket_mb,
+            select=self._selection(held, version),
         )
-        return stats.as_dict(f"weight_sync/{self.name}")
+        prefix = f"weight_sync/{self.name}"
+        return {**stats.as_dict(prefix), **self._delta_metrics(prefix)}
+
+    def _held_in_process(self) -> list[int]:
+        """On the driver: the weight version each live in-process replica holds."""
+        engine = self.engine
+        if isinstance(engine, EnginePool):
+            return [r.weight_version for i, r in enumerate(engine.replicas) if engine.live[i]]
+        return [cast(Engine, engine).weight_version]
+
+    def _selection(self, held: list[int] | None, version: int) -> Select | None:
+        """``engine.delta_sync``: the filter of this push, a delta against the version every target
+        replica holds (``held``), else everything (None: delta_sync off)."""
+        delta = self.delta
+        if delta is None or held is None:
+            return None
+        base = common_version(held)
+        return lambda named: delta.select(named, base=base, version=version)
+
+    def _delta_metrics(self, prefix: str) -> dict[str, float]:
+        """Collective: ``<prefix>/tensors_skipped``, summed over the ranks that selected (delta_sync)."""
+        if self.delta is None:
+            return {}
+        counts: list = [None] * dist.get_world_size(self.control)
+        dist.all_gather_object(counts, self.delta.num_skipped, group=self.control)
+        self.delta.num_skipped = 0  # counted once: a rank may not select in the next push
+        return {f"{prefix}/tensors_skipped": float(sum(counts))}
 
     def snapshot_from(self, source: PolicyReplicas, version: int) -> dict[str, float]:
         """Collective: copy ``source``'s current trained weights into this (frozen) policy's in-process
@@ -243,9 +279,17 @@ class PolicyReplicas:
         prefix = f"weight_sync/{self.name}" + ("/resync" if only is not None else "")
         pool = cast(EnginePool, self.engine) if self.is_driver else None  # served: connect()'s pool
         with pool.external_update(version, only=only) if pool is not None else _nothing() as targets:
-            holder = [targets]
+            # the versions the targets hold before this push (a restarted one: UNSYNCED)
+            held = [pool.replicas[i].weight_version for i, _ in targets] if pool is not None else None
+            holder = [(targets, held)]
             dist.broadcast_object_list(holder, src=0, group=self.control)
-            stats, check = self._send_from_here(version=version, bucket_bytes=bucket_bytes, targets=holder[0])
+            targets, held = holder[0]
+            stats, check = self._send_from_here(
+                version=version,
+                bucket_bytes=bucket_bytes,
+                targets=targets,
+                select=self._selection(held, version),
+            )
             gathered: list = [None] * dist.get_world_size(self.control)
             dist.all_gather_object(gathered, stats, group=self.control)  # also: every sender is done
         dist.barrier(group=self.control)  # the driver's pool has resumed the replicas: they can answer probes
@@ -255,8 +299,8 @@ class PolicyReplicas:
             num_buckets=sum(s.num_buckets for s in gathered),
             seconds=max(s.seconds for s in gathered),
         )
-        metrics = total.as_dict(prefix)
-        metrics[f"{prefix}/replicas"] = float(len(holder[0]))
+        metrics = {**total.as_dict(prefix), **self._delta_metrics(prefix)}
+        metrics[f"{prefix}/replicas"] = float(len(targets))
         if self.hands_over:  # their KV cache is still asleep: probed once it wakes (``verify_pushed``)
             self._unverified.append((check, prefix))
         else:
@@ -282,12 +326,13 @@ class PolicyReplicas:
         return {f"{prefix}/verified_replicas": float(sum(counts))} if self.policy.engine.verify_sync else {}
 
     def _send_from_here(
-        self, *, version: int, bucket_bytes: int, targets: list[tuple[int, int]]
+        self, *, version: int, bucket_bytes: int, targets: list[tuple[int, int]], select: Select | None
     ) -> tuple[SyncStats, Callable[[], int] | None]:
         """This rank's part of a push into the servers. ``targets``: the (replica, restart generation)
         pairs that take this update, the same on every rank. Returns what this rank sent and, with
         ``engine.verify_sync``, the check to run once the replicas have resumed (it returns how many
-        replicas matched)."""
+        replicas matched). ``select``: a delta push's filter, applied where each stream starts towards
+        the replicas, after the verifier kept the whole stream (its reference is the whole model)."""
         assert self.servers is not None and self.fleet is not None  # served (``served``)
         servers, wg, export = self.servers, self.wg, self.export()
         stats, start = SyncStats(), time.perf_counter()
@@ -296,10 +341,22 @@ class PolicyReplicas:
             wg.layout.pp == 1 or relays_stages(self.policy, colocated=True, on_gpu=on_gpu)
         ):
             return self._feed_leaders(
-                export, targets, version=version, bucket_bytes=bucket_bytes, stats=stats, start=start
+                export,
+                targets,
+                version=version,
+                bucket_bytes=bucket_bytes,
+                stats=stats,
+                start=start,
+                select=select or iter,
             )
         return self._send_stages(
-            export, targets, version=version, bucket_bytes=bucket_bytes, stats=stats, start=start
+            export,
+            targets,
+            version=version,
+            bucket_bytes=bucket_bytes,
+            stats=stats,
+            start=start,
+            select=select or iter,
         )
 
     def _feed_leaders(
@@ -311,6 +368,7 @@ class PolicyReplicas:
         bucket_bytes: int,
         stats: SyncStats,
         start: float,
+        select: Select,
     ) -> tuple[SyncStats, Callable[[], int] | None]:
         """Colocated replicas, each fed by its own leader rank, which holds full tensors after the
         export's TP gather. At PP>1 (``transport.relays_stages``) the leader receives the stages it does
@@ -339,7 +397,8 @@ class PolicyReplicas:
         ]
         index = leaders[self.rank]
         sender = self._sender((self.rank,), [(index, generations[index])], colocated=True)
-        return self._send(sender, itertools.chain(*stages), [index], version, bucket_bytes, stats, start)
+        named = itertools.chain(*stages)
+        return self._send(sender, named, [index], version, bucket_bytes, stats, start, select)
 
     def _send_stages(
         self,
@@ -350,6 +409,7 @@ class PolicyReplicas:
         bucket_bytes: int,
         stats: SyncStats,
         start: float,
+        select: Select,
     ) -> tuple[SyncStats, Callable[[], int] | None]:
         """Collective: every pipeline stage's sender pushes its stage into ``targets``, as ONE update
         per replica: stage 0's sender opens it (``begin``) and closes it (``end``), every stage sends
@@ -382,7 +442,8 @@ class PolicyReplicas:
                         named,
                         *(receive_stage(stage_sender(wg, s), device=device) for s in range(1, wg.layout.pp)),
                     )
-                sender.send(_keep(named, pushed) if verify else named, bucket_bytes=bucket_bytes, stats=stats)
+                named = select(_keep(named, pushed) if verify else named)
+                sender.send(named, bucket_bytes=bucket_bytes, stats=stats)
 
         self._agree(lambda: sender.begin(pause=False) if opens else None)  # the pool paused the replicas
         concurrent = gather or CONCURRENT_STAGES[self.policy.engine.backend]
@@ -449,12 +510,13 @@ class PolicyReplicas:
             self._stages_key = wanted
         return self._transfers[where].sender if sending else None
 
-    def _send(self, sender, named, verify: list[int], version, bucket_bytes, stats, start):
+    def _send(self, sender, named, verify: list[int], version, bucket_bytes, stats, start, select):
         assert self.servers is not None and self.fleet is not None  # served (``served``)
         check = self.policy.engine.verify_sync and verify
-        pushed: dict[str, torch.Tensor] = {}
+        pushed: dict[str, torch.Tensor] = {}  # the whole stream: the verifier's reference model
         if check:
             named = _keep(named, pushed)
+        named = select(named)
         stats = sender.push(named, version=version, bucket_bytes=bucket_bytes, pause=False)  # the pool paused
         stats.seconds = time.perf_counter() - start
         if not check:

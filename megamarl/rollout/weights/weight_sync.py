@@ -23,6 +23,13 @@ from megamarl.parallel.distributed import control_group, device_backend, local_d
 from megamarl.parallel.placement import WorkerGroup
 from megamarl.rollout.engines.base import buckets
 
+Named = Iterable[tuple[str, torch.Tensor]]
+Select = Callable[[Named], Iterator[tuple[str, torch.Tensor]]]  # the tensors of a stream that are pushed
+
+
+def _all(named: Named) -> Iterator[tuple[str, torch.Tensor]]:
+    return iter(named)
+
 
 @dataclass
 class SyncStats:
@@ -141,6 +148,7 @@ def sync_weights(
     engine_rank: int = 0,
     bucket_mb: float = 64,
     lora: str | None = None,
+    select: Select | None = None,
 ) -> SyncStats:
     """Collective over the WG's dp-rank-0 ranks and ``engine_rank``. ``export`` is the WG's streaming
     export (None on ranks outside the WG); ``engines`` the engine replicas (on ``engine_rank``).
@@ -148,9 +156,12 @@ def sync_weights(
     Full sync: ``export`` streams HF-named weights (``PolicyWorker.export``). L2 adapter-only sync:
     ``lora`` names the agent's adapter and ``export`` streams its PEFT tensors
     (``megamarl.models.lora.export_lora_weights``); engines receive ``update_weights(..., lora=lora)``
-    and stamp ``version`` on that adapter only. Returns this rank's counts (on the engine rank: what
+    and stamp ``version`` on that adapter only. ``select``: the filter a delta push
+    (``weights.delta``) applies where a stream starts towards the engines: on each stage's sender,
+    and on the engine rank to its own export. Returns this rank's counts (on the engine rank: what
     the engines received).
     """
+    select = select or _all
     rank = dist.get_rank()
     stats = SyncStats()
     start = time.perf_counter()
@@ -159,11 +170,11 @@ def sync_weights(
     if rank != engine_rank and role is not None and export is not None:
         named = export()
         if role == "sender" and engine_rank not in stage_ranks(wg, wg.pp_rank):
-            stats.num_buckets = _send_buckets(_counted(named, stats), engine_rank, bucket_bytes)
+            stats.num_buckets = _send_buckets(_counted(select(named), stats), engine_rank, bucket_bytes)
         else:
             drain(named)  # TP peers take part in the gathers (an engine rank among them keeps its copy)
     if rank == engine_rank:
-        stream = _counted(_engine_stream(wg, export, stats, rank), stats)
+        stream = _counted(_engine_stream(wg, export, stats, rank, select), stats)
         engines = list(engines or [])
         for engine in engines:
             engine.pause()
@@ -197,7 +208,7 @@ def _counted(
 
 
 def _engine_stream(
-    wg: WorkerGroup, export, stats: SyncStats, rank: int
+    wg: WorkerGroup, export, stats: SyncStats, rank: int, select: Select
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Every stage's tensors, in stage order: the engine rank's own export for a stage whose TP group
     it belongs to (colocated: no copy), else the stage sender's buckets."""
@@ -207,4 +218,4 @@ def _engine_stream(
             raise ValueError(
                 f"sync_weights: rank {rank} holds stage {pp_rank} of '{wg.name}' but got no export"
             )
-        yield from export() if local else _recv_buckets(stage_sender(wg, pp_rank), stats)
+        yield from select(export()) if local else _recv_buckets(stage_sender(wg, pp_rank), stats)
