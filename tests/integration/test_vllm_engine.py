@@ -244,6 +244,7 @@ def test_sleep_wake_and_pause_resume(engine, hf_model, prompts):
     full = engine.weight_bytes()
     engine.sleep(level=2)
     assert engine.weight_bytes() == 0 < full  # weight memory really released
+    assert engine.weight_version == -1  # no version held: a delta push (engine.delta_sync) goes full
     engine.wake()
     engine.update_weights(iter(hf_model.state_dict().items()), version=3)
     assert [g.token_ids for g in greedy(engine, prompts)] == before

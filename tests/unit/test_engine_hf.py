@@ -151,6 +151,7 @@ def test_sleep_wake_and_pause_resume_round_trips(reference):
 
     engine.sleep(level=2)
     assert all(p.numel() == 0 for p in engine.model.parameters())  # storage released
+    assert engine.weight_version == -1  # no version held: a delta push (engine.delta_sync) goes full
     engine.wake()
     with pytest.raises(RuntimeError, match="discarded"):
         generate_all(engine, PROMPTS[:1], GREEDY)

@@ -285,6 +285,7 @@ class HFEngine(InProcessEngine):
                     self._discarded[id(param)] = (param, param.shape)
                     param.data = torch.empty(0, dtype=param.dtype, device=param.device)
                 self._weights_valid = False
+                self.weight_version = -1  # holds no version: the next push is a full one (delta_sync)
 
     def wake(self) -> None:
         with self._model_lock:

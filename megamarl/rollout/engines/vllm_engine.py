@@ -422,6 +422,7 @@ class VLLMEngine(InProcessEngine):
                 release_cached_memory()  # what the rollout freed leaves RSS before the update allocates
             if level == 2:
                 self._weights_valid = False
+                self.weight_version = -1  # holds no version: the next push is a full one (delta_sync)
 
     def wake(self) -> None:
         with self._lock:
