@@ -20,6 +20,7 @@ from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 
 from megamarl.config import PolicyConfig
 from megamarl.models.lora import add_lora_adapter
+from megamarl.parallel.hardware import trim_c_heap
 from megamarl.parallel.placement import WorkerGroup
 from megamarl.rl.critic import Critic, CriticConfig, NoCritic
 from megamarl.rl.dispatch import BatchSplit
@@ -29,6 +30,14 @@ from megamarl.rl.offload import TrainStateOffload
 from megamarl.rl.optimizer import build_optimizer, build_scheduler
 from megamarl.rl.reference import ReferenceModel
 from megamarl.rl.tree import RotaryPositions
+
+
+def finalize_grads_on_trimmed_heap(*args, **kwargs):
+    """megatron-core's ``finalize_model_grads`` (the DP gradient reduce-scatter or all-reduce) once the
+    C heap has handed back what backward freed: on CPU the activations are small tensors in glibc's
+    heaps, and gloo's reduce-scatter copies the whole gradient buffer into fresh pages beside them."""
+    trim_c_heap()
+    return finalize_model_grads(*args, **kwargs)
 
 
 @dataclass
@@ -101,7 +110,7 @@ def wire_training(
             )
         for adapter in adapters:  # before DDP: it allocates grad buffers for what requires grad
             add_lora_adapter(model, wg, adapter, lora)
-    config.finalize_model_grads_func = finalize_model_grads
+    config.finalize_model_grads_func = finalize_grads_on_trimmed_heap
     config.variable_seq_lengths = True  # micro-batches differ in length; PP communicates shapes
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
