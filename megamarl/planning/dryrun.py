@@ -496,7 +496,7 @@ def _capacity_key(report: DryRunReport, cfg: RunConfig) -> str:
 def price_phase(
     phase: Phase,
     shards: list[tuple[Memory, bool]],
-    engines: list[tuple[Memory, bool]],
+    engines: list[tuple[Memory, tuple[str, ...]]],
     *,
     reserved: float,
     nccl: float = 0.0,
