@@ -3,8 +3,10 @@ in the ``torch_dist`` format, so a checkpoint written at one TP x PP x DP layout
 
 Model: ``GPTModel.sharded_state_dict`` (global keys, TP slices as offsets). Optimizer: megatron-core's
 own ``sharded_state_dict`` in model space (``fully_reshardable`` for the distributed optimizer), so it
-reloads at another DP, TP or PP; a plain torch optimizer is saved the same way by hand (state tensors
-as ``ShardedTensor``, ``step`` as a ``ShardedObject``; ``param_groups`` come from the loading run).
+reloads at another DP, TP or PP; saved without gathering (each DP rank writes its own share of each
+parameter as blocks of the global tensor). A plain torch optimizer is saved the same way by hand
+(state tensors as ``ShardedTensor``, ``step`` as a ``ShardedObject``; ``param_groups`` come from the
+loading run).
 Invariant for callers: ``save_checkpoint``/``load_checkpoint`` are collective over the whole world;
 ranks outside the WG call them with ``model=None``. The WG's common part is one ``ShardedObject``
 (``COMMON_KEY``) written by the WG's first rank, so a WG without global rank 0 keeps it; older
@@ -17,6 +19,8 @@ from __future__ import annotations
 # megatron-core (and transformers/safetensors) are imported inside the functions that build, load or run
 # models: importing megatron.core costs ~3 s of CPU (9.7 s wall measured on the loaded 2-core box,
 # 2026-11-23), and config loading and --dry-run import this module without building a model.
+import contextlib
+import math
 import queue
 from pathlib import Path
 
@@ -72,9 +76,12 @@ def optimizer_sharded_state_dict(model_ssd: dict, optimizer, wg, *, is_loading: 
         for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
             init_optimizer_state(inner.optimizer)
         metadata = {"distrib_optim_sharding_type": "fully_reshardable"}
-        return {
-            "optimizer": optimizer.sharded_state_dict(model_ssd, is_loading=is_loading, metadata=metadata)
-        }
+        with contextlib.ExitStack() as stack:
+            if not is_loading:
+                stack.enter_context(_saved_in_pieces(optimizer))
+            return {
+                "optimizer": optimizer.sharded_state_dict(model_ssd, is_loading=is_loading, metadata=metadata)
+            }
     from megatron.core.dist_checkpointing.mapping import ShardedObject
     from megatron.core.dist_checkpointing.optimizer import (
         get_param_id_to_sharded_param_map,
@@ -87,6 +94,151 @@ def optimizer_sharded_state_dict(model_ssd: dict, optimizer, wg, *, is_loading: 
     optim_state_to_sharding_state(state, id_map, exclude_keys=("step",))
     step = ShardedObject(STEP_KEY, _optimizer_step(optimizer), (1,), (0,), replica_id=_replica_id(wg))
     return {"optimizer": state, "step": step}
+
+
+@contextlib.contextmanager
+def _saved_in_pieces(optimizer):
+    """While a save builds its state dict, each distributed optimizer answers megatron-core's
+    ``fully_reshardable`` parameter state with its own DP share (``_param_state_in_pieces``) instead of
+    gathering every parameter's fp32 main copy and Adam moments on every DP rank."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    inners = [
+        o
+        for o in getattr(optimizer, "chained_optimizers", [optimizer])
+        if isinstance(o, DistributedOptimizer)
+    ]
+    for inner in inners:
+        inner.sharded_param_state_fully_reshardable = (
+            lambda model_ssd, is_loading=False, metadata=None, inner=inner: _param_state_in_pieces(
+                inner, model_ssd
+            )
+        )
+    try:
+        yield
+    finally:
+        for inner in inners:
+            del inner.sharded_param_state_fully_reshardable
+
+
+def _param_state_in_pieces(dist_optimizer, model_ssd: dict) -> dict:
+    """The ``fully_reshardable`` parameter state (each parameter's ``param``, ``exp_avg``, ``exp_avg_sq``
+    under ``optimizer.state.<state>.<model key>``, in the model tensor's global shape) written as this
+    rank's flat share of each parameter, cut into rectangular blocks of the global tensor (uneven
+    shards, which torch_dist stores as they are). Loading (megatron-core's own template) reads any
+    layout from the blocks; a save allocates only the writer's copies of this rank's share."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.utils import extract_sharded_tensors_and_factories
+
+    tensors_and_factories, _ = extract_sharded_tensors_and_factories(model_ssd)
+    meta_of = {sh.data: sh for sh in nested_values(tensors_and_factories)}
+    index_of = {  # megatron-core's numbering of the parameters (its fully_reshardable order)
+        param: i
+        for i, param in enumerate(p for buffer in dist_optimizer.buffers for p in buffer.param_index_map)
+    }
+    state = {}
+    for gbuf_range_maps in dist_optimizer.gbuf_ranges:
+        for bucket_maps in gbuf_range_maps.values():
+            for bucket_map in bucket_maps:
+                for model_param, ranges in bucket_map["param_map"].items():
+                    span = ranges["param"]
+                    flat_states = dist_optimizer._get_main_param_and_optimizer_states(model_param)
+                    state[index_of[model_param]] = {
+                        name: _blocks_of_share(
+                            f"optimizer.state.{name}.{meta_of[model_param].key}",
+                            meta_of[model_param],
+                            flat,
+                            span.start,
+                        )
+                        for name, flat in flat_states.items()
+                        if name != "step"
+                    }
+    return state
+
+
+def _blocks_of_share(key: str, meta, flat: torch.Tensor, start: int) -> list:
+    """``flat`` (this rank's share of a parameter's local tensor, from flat index ``start``) as
+    ShardedTensors of the global tensor that ``meta`` (the model's ShardedTensor or factory) maps the
+    local tensor to. A factory (swiglu's fused gate/up) is applied to the local tensor's flat indices to
+    learn where each of its parts lands."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    replica_id = (*meta.replica_id[:2], 0)  # every DP rank writes its own share
+    if isinstance(meta, ShardedTensorFactory):
+        local_index = torch.arange(meta.data.numel()).view(meta.data.shape)
+        parts = list(nested_values(meta.build_fn(key, local_index, replica_id, None)))
+    else:
+        parts = [ShardedTensor(**{**vars(meta), "key": key, "data": None, "dtype": flat.dtype})]
+    out = []
+    stop = start + flat.numel()
+    for i, part in enumerate(parts):
+        numel = math.prod(part.local_shape)
+        base = int(part.data.flatten()[0]) if part.data is not None else 0
+        if part.data is not None and not torch.equal(part.data.flatten(), torch.arange(base, base + numel)):
+            raise ValueError(f"{key}: part {i} of the model's sharding is not one contiguous flat range")
+        lo, hi = max(start, base), min(stop, base + numel)
+        if lo >= hi:
+            continue
+        lead = part.global_offset[: part.prepend_axis_num]
+        for offset, shape in flat_range_blocks(lo - base, hi - base, part.local_shape):
+            first = base + _flat_index(offset, part.local_shape) - start
+            out.append(
+                ShardedTensor(
+                    key=key,
+                    data=flat[first : first + math.prod(shape)].view((1,) * len(lead) + shape),
+                    dtype=flat.dtype,
+                    local_shape=(1,) * len(lead) + shape,
+                    global_shape=part.global_shape,
+                    global_offset=(
+                        *lead,
+                        *(o + g for o, g in zip(offset, part.global_offset[len(lead) :], strict=True)),
+                    ),
+                    axis_fragmentations=None,  # uneven blocks
+                    replica_id=replica_id,
+                )
+            )
+    return out
+
+
+def _flat_index(offset: tuple[int, ...], shape: tuple[int, ...]) -> int:
+    index = 0
+    for o, size in zip(offset, shape, strict=True):
+        index = index * size + o
+    return index
+
+
+def flat_range_blocks(
+    start: int, stop: int, shape: tuple[int, ...]
+) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """Flat (row-major) indices ``[start, stop)`` of a tensor of ``shape`` as ``(offset, size)`` blocks
+    in order: a partial leading row, whole rows, a partial trailing row (each recursively), so that
+    every block is contiguous in memory and there are at most ``2 * len(shape) - 1``."""
+    total = math.prod(shape)
+    if not 0 <= start <= stop <= total:
+        raise ValueError(
+            f"flat range [{start}, {stop}) is outside a tensor of shape {shape} ({total} elements)"
+        )
+    if start == stop:
+        return []
+    if len(shape) == 1:
+        return [((start,), (stop - start,))]
+    inner = math.prod(shape[1:])
+    blocks = []
+    if start % inner:
+        row, head_stop = start // inner, min(stop, (start // inner + 1) * inner)
+        for off, size in flat_range_blocks(start - row * inner, head_stop - row * inner, shape[1:]):
+            blocks.append(((row, *off), (1, *size)))
+        start = head_stop
+    num_rows = (stop - start) // inner
+    if num_rows:
+        blocks.append(((start // inner,) + (0,) * (len(shape) - 1), (num_rows, *shape[1:])))
+        start += num_rows * inner
+    if start < stop:
+        row = start // inner
+        for off, size in flat_range_blocks(0, stop - start, shape[1:]):
+            blocks.append(((row, *off), (1, *size)))
+    return blocks
 
 
 def save_checkpoint(path: str | Path, model, wg, *, optimizer=None) -> None:

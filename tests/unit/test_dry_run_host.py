@@ -79,18 +79,24 @@ def test_cpu_report_prices_each_rank_by_hand(tmp_path):
         "optimizer": ADAM,
         "reference": 0.0,
         "activations": SAVED + LOGITS,
-        "engine_weights": 4 * PARAMS,
-        "kv_cache": GIB // 4,
+        "engine_weights": 4 * PARAMS,  # the in-process engine sleeps: its KV cache is released
         "nccl": 0.0,
         "reserve": CPU_RANK_BASELINE_BYTES,  # the process baseline, not cluster.reserved_gib
     }
-    assert rank.peak_phase == "train" and rank.total == RANK  # 874,574,160 B = 0.81 GiB
-    # every other phase holds the same but the activations (CPU ranks neither offload nor sleep)
-    assert {p.total for name, p in rank.phases.items() if name != "train"} == {RANK - SAVED - LOGITS}
+    # CPU ranks do not offload; the in-process engine's KV cache is held from its wake to its sleep
+    with_kv = {"re-sync restarted", "rollout", "wake kv cache", "evaluate"}
+    assert {name for name, p in rank.phases.items() if p.kinds.get("kv_cache") == GIB // 4} == with_kv
+    assert {p.total for name, p in rank.phases.items() if name in with_kv} == {RANK - SAVED - LOGITS}
+    assert {p.total for name, p in rank.phases.items() if name not in with_kv | {"train"}} == {
+        RANK - SAVED - LOGITS - GIB // 4
+    }
+    assert rank.phases["train"].total == RANK - GIB // 4
+    assert rank.peak_phase == "re-sync restarted" and rank.total == RANK - SAVED - LOGITS  # 0.81 GiB
     assert "Ranks (RAM, GiB" in out and "Worker groups (1 CPU ranks; GiB per rank)" in out
     assert (
-        "peak 0.8 GiB on rank 0 (phase 'train'); ranks 0 need 0.8 GiB together (phase 'train') of this "
-        "host's 16.0 GiB RAM (MemTotal, /proc/meminfo; 8.0 GiB MemAvailable now)" in out.replace("\n", " ")
+        "peak 0.8 GiB on rank 0 (phase 're-sync restarted'); ranks 0 need 0.8 GiB together (phase 're-sync "
+        "restarted') of this host's 16.0 GiB RAM (MemTotal, /proc/meminfo; 8.0 GiB MemAvailable now)"
+        in out.replace("\n", " ")
     )
     assert "GPU" not in out and "reserve" not in out and "capacity" not in out
 
@@ -100,7 +106,8 @@ def test_cpu_ranks_that_need_more_than_the_host_are_warned_naming_the_numbers(tm
     cfg = _tiny_config(tmp_path)
     _, out = _dry_run(cfg, HostMemory(total=GIB // 2, available=GIB // 4))
     assert re.search(
-        r"warning: policies\.shared: CPU ranks 0 need 0\.8 GiB of RAM together in phase 'train' > "
+        r"warning: policies\.shared: CPU ranks 0 need 0\.8 GiB of RAM together in phase "
+        r"'re-sync restarted' > "
         r"this host's 0\.5 GiB \(MemTotal, /proc/meminfo\)",
         " ".join(out.split()),
     ), out

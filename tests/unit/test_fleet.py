@@ -359,6 +359,31 @@ def test_gpu_colocated_servers_are_up_and_asleep_before_models_are_built(fake_se
     assert events[4:] == ["wake http://127.0.0.1:8000 ['weights']", "wake http://127.0.0.1:8000 ['kv_cache']"]
 
 
+def test_in_process_engines_sleep_through_the_update(fake_servers):
+    """An in-process engine (the quickstart's vLLM-CPU on rank 0) sleeps in the sleep phase (on CPU its
+    KV cache's pages go back to the kernel while the update runs) and wakes once, at the weights'
+    wake, before the push writes into it and probes it."""
+    make, _ = fake_servers
+    fleet = make(on_gpu=False)
+    replicas = PolicyReplicas(
+        fleet.cfg,
+        "shared",
+        wg=None,
+        worker=None,
+        fleet=None,  # in-process engines only
+        run_dir=Path("/tmp"),
+        driver_rank=0,
+        control_group=dist.group.WORLD,
+    )
+    log: list[str] = []
+    replicas.attach(_FakeClient("in-process", log))
+    replicas.sleep()
+    replicas.sleep()  # asleep already
+    replicas.wake(tags=("weights",))
+    replicas.wake(tags=("kv_cache",))
+    assert log == ["sleep in-process level 1", "wake in-process ['weights', 'kv_cache']"]
+
+
 def test_gpu_colocated_servers_that_never_sleep_still_start_first(fake_servers, monkeypatch):
     """Async modes (training overlaps rollout): no hand-over, no sleep, but the server still sizes
     itself before the trainer allocates; ``engine.gpu_memory_utilization`` replaces the plan."""

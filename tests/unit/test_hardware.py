@@ -70,10 +70,12 @@ def _rss_bytes() -> int:
 
 
 @pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="reads RSS from Linux /proc")
-def test_release_cached_memory_returns_freed_heap_pages_to_the_os():
+@pytest.mark.parametrize("release", ["release_cached_memory", "trim_c_heap"])
+def test_release_cached_memory_returns_freed_heap_pages_to_the_os(release):
     """64 MiB of 64 KiB CPU tensors (below glibc's mmap threshold: they live in its heap) freed under
     one live tensor that pins the heap's top: free() keeps the pages resident, the release hands
-    them back (before: a no-op on CPU)."""
+    them back (before: a no-op on CPU). ``trim_c_heap`` is what the update calls between backward and
+    the gradient reduce-scatter (``rl.worker_parts.finalize_grads_on_trimmed_heap``)."""
     if not hasattr(ctypes.CDLL(ctypes.util.find_library("c")), "malloc_trim"):
         pytest.skip("not glibc")
     hardware.release_cached_memory()
@@ -82,7 +84,7 @@ def test_release_cached_memory_returns_freed_heap_pages_to_the_os():
     before = _rss_bytes()
     del chunks
     freed_by_free = before - _rss_bytes()
-    hardware.release_cached_memory()
+    getattr(hardware, release)()
     released = before - _rss_bytes()
     assert freed_by_free < 16 * 2**20, freed_by_free  # free() alone keeps (almost) all 64 MiB
     assert released > 56 * 2**20, released  # the release returns nearly all of it

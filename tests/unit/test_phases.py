@@ -75,7 +75,8 @@ def test_unknown_resident_kind_is_refused():
 
 def test_price_phase_follows_offload_and_sleep():
     """A policy that offloads drops its train state outside the phases that hold it; one that does not
-    keeps it everywhere; a sleeping engine only where the phase holds it; one that never sleeps always."""
+    keeps it everywhere; a sleeping engine only where the phase holds it (what it releases asleep); one
+    that never sleeps always."""
     train = Memory(
         weights=1 * GIB,
         grads=2 * GIB,
@@ -89,8 +90,10 @@ def test_price_phase_follows_offload_and_sleep():
     engine = Memory(weights=4 * GIB, kv_cache=8 * GIB)
     phases = {p.name: p for p in run_phases(overlaps_training=False)}
 
-    def price(name, *, sleeps=True):
-        return price_phase(phases[name], [(train, True), (kept, False)], [(engine, sleeps)], reserved=1 * GIB)
+    def price(name, *, released=("engine_weights", "kv_cache")):
+        return price_phase(
+            phases[name], [(train, True), (kept, False)], [(engine, released)], reserved=1 * GIB
+        )
 
     rollout = price("rollout")
     assert rollout.kinds == {
@@ -109,4 +112,7 @@ def test_price_phase_follows_offload_and_sleep():
     )  # activations: one WG at a time
     assert price("push").total == (1.125 + 2 + 0.5 + 1 + 0.25 + 1 + 4 + 1) * GIB  # weights woken, no KV yet
     assert price("sleep").total == (1 + 0.25 + 1) * GIB
-    assert price("sleep", sleeps=False).total == (1 + 0.25 + 1 + 12) * GIB
+    assert price("sleep", released=()).total == (1 + 0.25 + 1 + 12) * GIB
+    # an in-process engine on CPU: asleep it releases its KV cache and keeps its weights
+    assert price("sleep", released=("kv_cache",)).total == (1 + 0.25 + 1 + 4) * GIB
+    assert price("rollout", released=("kv_cache",)).total == rollout.total

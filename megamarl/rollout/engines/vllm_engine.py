@@ -36,7 +36,7 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 
 import torch
 
-from megamarl.parallel.hardware import release_cached_memory, resolve_dtype
+from megamarl.parallel.hardware import drop_pages, release_cached_memory, resolve_dtype
 from megamarl.rollout.engines.base import ENGINES, EngineTraits, Generation, InProcessEngine, SamplingParams
 from megamarl.rollout.engines.batching import _set_exception, _set_result
 from megamarl.rollout.engines.hf import HFEngine  # the fallback without vllm
@@ -95,6 +95,16 @@ def _restore_weight_storage(worker) -> None:
     for storage, nbytes in getattr(worker, "_megamarl_discarded", []):
         storage.resize_(nbytes)
     worker._megamarl_discarded = []
+
+
+def _drop_kv_cache_pages(worker) -> int:
+    """The KV cache's memory back to the kernel (its blocks hold nothing once the prefix cache is
+    reset; they read as zeros and take pages again as the next rollout writes them)."""
+    storages = {}
+    for kv in worker.model_runner.kv_caches:
+        for tensor in kv if isinstance(kv, (list, tuple)) else [kv]:
+            storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage()
+    return sum(drop_pages(storage) for storage in storages.values())
 
 
 def _weight_bytes(worker) -> int:
@@ -408,7 +418,8 @@ class VLLMEngine(InProcessEngine):
     # -- lifecycle -------------------------------------------------------------------------------
 
     def sleep(self, *, level: int = 1) -> None:
-        """Level 1: release KV cache (GPU: offload weights). Level 2: also discard weights."""
+        """Level 1: release KV cache (GPU: offload weights; CPU: its pages go back to the kernel).
+        Level 2: also discard weights."""
         if level not in (1, 2):
             raise ValueError(f"sleep level must be 1 or 2, got {level}")
         self._awake.close()
@@ -417,6 +428,7 @@ class VLLMEngine(InProcessEngine):
                 self.llm.sleep(level=level)
             else:
                 self._engine.reset_prefix_cache()
+                self.llm.collective_rpc(_drop_kv_cache_pages)
                 if level == 2:
                     self.llm.collective_rpc(_discard_weights)
                 release_cached_memory()  # what the rollout freed leaves RSS before the update allocates

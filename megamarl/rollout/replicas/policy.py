@@ -166,16 +166,24 @@ class PolicyReplicas:
 
     def sleep(self) -> None:
         """On the driver, after the rollout: release weights and KV cache (level 1: weights kept in
-        host memory). Nothing unless the replicas hand their memory over."""
+        host memory): servers that hand their memory over, and in-process engines."""
         if self.hands_over and not self.asleep:
             _each_live(cast(EnginePool, self.engine), lambda r: r.sleep(level=1))  # served: connect()'s
+            self.asleep = set(ASLEEP)
+        elif not self.served and self.engine is not None and not self.asleep:
+            # in-process engines on the driver (the sleep phase runs only where training never overlaps
+            # rollout): their KV cache's memory is free while the update runs
+            self.engine.sleep(level=1)
             self.asleep = set(ASLEEP)
 
     def wake(self, tags: tuple[str, ...] = ASLEEP) -> None:
         """On the driver: weights first (before a push writes into them), the KV cache after it (before
         the rollout)."""
         wanted = [t for t in tags if t in self.asleep]
-        if wanted:
+        if wanted and not self.served:  # in-process: one wake, before the push writes and probes
+            cast(Engine, self.engine).wake()
+            self.asleep.clear()
+        elif wanted:
             _each_live(cast(EnginePool, self.engine), lambda r: r.wake(tags=wanted))  # asleep: served
             self.asleep.difference_update(wanted)
 
