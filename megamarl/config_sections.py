@@ -237,7 +237,7 @@ class LoraConfig:
 @dataclass
 class MoeConfig:
     """``policies.<p>.moe``: how a mixture-of-experts policy routes tokens (a dense model rejects it at
-    load, ``planning.moe.check_expert_parallel``). ``capacity_factor``: each expert takes at most
+    load, ``planning.expert_plan.check_expert_parallel``). ``capacity_factor``: each expert takes at most
     ``ceil(capacity_factor * routed tokens / num_experts)`` tokens per micro-batch and rank, the rest
     dropped and the buffers padded to it (megatron-core's ``moe_expert_capacity_factor``); null:
     dropless, buffers as large as the routing makes them (the plan prices balanced routing)."""

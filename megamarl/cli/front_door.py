@@ -21,7 +21,7 @@ from megamarl.models.packaged import resolve_model_path
 from megamarl.models.spec import layer_spec_choice, transformer_engine_importable
 from megamarl.orchestration.agents import check_allowed_tokens
 from megamarl.planning.dryrun import declared_world_size, training_setup
-from megamarl.planning.moe import check_moe_training
+from megamarl.planning.expert_plan import check_moe_training
 from megamarl.rollout.engine_placement import ReplicaPlacement, plan_engines, ranks_per_node
 from megamarl.rollout.engines.lora_backends import check_lora_backends
 from megamarl.runtime import checkpoint
@@ -43,7 +43,7 @@ def launch_world(cfg: RunConfig, *, check: bool) -> int:
 
 def preflight(cfg: RunConfig, *, world_size: int) -> dict[str, list[ReplicaPlacement]]:
     """The checks of a training launch that need more than the config: no MoE policy (planned only for
-    now: ``planning.moe.check_moe_training``), placement on this world,
+    now: ``planning.expert_plan.check_moe_training``), placement on this world,
     the run directory, the resume checkpoint, single-token ``allowed_tokens`` (tokenizers only).
     Nothing here builds a model or engine; the one write is the run directory probe, last, once
     everything else passed (a refused launch leaves an existing run directory as it was). Returns the

@@ -9,7 +9,7 @@ DDP grads, fp32 main parameters and Adam state per dtype buffer, the reference m
 ``activation_bytes`` (what autograd keeps per token and layer for the ``te`` or ``local`` layer spec
 and ``recompute`` setting, times the 1F1B micro-batches in flight, plus the log-prob peak on the last
 stage). Frozen policies cost nothing (no worker). A mixture-of-experts policy adds an expert buffer
-sharded over the expert-data-parallel ranks and an fp32 router (``planning.moe``). The formulas, term
+sharded over the expert-data-parallel ranks and an fp32 router (``planning.expert_plan``). The formulas, term
 by term: docs/design-notes.md, "megamarl/planning/memory.py", and docs/moe.md.
 """
 
@@ -23,7 +23,7 @@ from megamarl.models.spec import TREE_ATTENTIONS
 from megamarl.models.tree_attention import block_mask_bytes
 from megamarl.parallel.placement import WorkerGroupLayout
 from megamarl.planning.model_presets import ModelShape
-from megamarl.planning.moe import ROUTER_BYTES, dispatcher_bytes, expert_layout, moe_saved_bytes
+from megamarl.planning.expert_plan import ROUTER_BYTES, dispatcher_bytes, expert_layout, moe_saved_bytes
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 # megamarl.models.spec.layer_spec: Transformer Engine (GPUs with TE) | megatron-core's local spec
@@ -273,7 +273,7 @@ def trainable_buffers(
 ) -> dict[str, Memory]:
     """The trainable state of one rank (weights, grads, main params, Adam) per ``buffer_elements``
     buffer: the dense ones reduced and sharded over ``dp``, the "experts" over the expert-data-parallel
-    group (``planning.moe.expert_layout``)."""
+    group (``planning.expert_plan.expert_layout``)."""
     out: dict[str, Memory] = {}
     for name, (width, numels, shared) in buffer_elements(params, setup).items():
         dp = expert_layout(layout, ep=policy.ep).edp if name == "experts" else layout.dp
@@ -390,7 +390,7 @@ def layer_activation_bytes(
     """Bytes one decoder layer keeps for backward for one micro-batch of ``tokens`` in rows of
     ``seq_len`` (design-notes, memory.py); with ``recompute='full'``: its input only. Flex tree
     attention replaces the spec's core attention (its scores are never materialised). An MoE layer's
-    MLP keeps its router's and routed experts' tensors (``planning.moe.moe_saved_bytes``)."""
+    MLP keeps its router's and routed experts' tensors (``planning.expert_plan.moe_saved_bytes``)."""
     b, h = dtype_bytes, shape.hidden_size
     q, kv = shape.num_heads * shape.head_dim / tp, shape.num_kv_heads * shape.head_dim / tp
     f, heads = shape.ffn_hidden_size / tp, shape.num_heads / tp

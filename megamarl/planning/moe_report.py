@@ -2,7 +2,7 @@
 expert-DP group) and one table whose rows are the experts, the router and the dispatcher.
 
 Every figure comes from the functions the memory plan sums (``memory.trainable_buffers``,
-``planning.moe``), so a row and the worker-group table cannot disagree: the buffers of a stage add up
+``planning.expert_plan``), so a row and the worker-group table cannot disagree: the buffers of a stage add up
 to its weights, grads, main params and Adam columns. Activation rows are per layer and micro-batch
 (the WG table's activations hold them times the layers and micro-batches kept, by ``recompute``).
 """
@@ -20,7 +20,7 @@ from megamarl.planning.memory import (
     trainable_buffers,
 )
 from megamarl.planning.model_presets import ModelShape
-from megamarl.planning.moe import (
+from megamarl.planning.expert_plan import (
     ExpertLayout,
     dispatcher_bytes,
     expert_gather_bytes,

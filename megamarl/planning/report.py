@@ -12,7 +12,7 @@ from megamarl.parallel.hardware import HostMemory
 from megamarl.parallel.placement import WorkerGroupLayout
 from megamarl.planning.memory import Memory, TrainingSetup, TreeAttentionCost
 from megamarl.planning.model_presets import ModelShape
-from megamarl.planning.moe import ExpertLayout
+from megamarl.planning.expert_plan import ExpertLayout
 from megamarl.planning.phases import ENGINE
 
 GIB = 2**30

@@ -17,7 +17,7 @@ from megamarl.driver.schedules import overlaps_training
 from megamarl.parallel.placement import NCCL_COMMUNICATOR_BYTES
 from megamarl.planning.dryrun import GIB, dry_run
 from megamarl.planning.model_presets import PRESETS, MoeShape, shape_from_hf_config
-from megamarl.planning.moe import routed_rows
+from megamarl.planning.expert_plan import routed_rows
 from megamarl.planning.placement_view import show_placement
 
 ROOT = Path(__file__).resolve().parents[2]
