@@ -31,8 +31,8 @@ from megamarl.orchestration.tools import TOOLS
 from megamarl.orchestration.workers import check_workers
 from megamarl.parallel.hardware import check_dtypes
 from megamarl.parallel.placement import check_placement_mode
-from megamarl.planning.model_presets import PRESETS, declared_moe
 from megamarl.planning.expert_plan import check_expert_parallel
+from megamarl.planning.model_presets import PRESETS, declared_moe
 from megamarl.registry import Registry, import_plugins
 from megamarl.rl.advantages import check_algorithm, check_estimator, check_policy_algorithm
 from megamarl.rl.rewards import check_team_alpha_schedule
@@ -108,8 +108,9 @@ def _check_model(model: str) -> None:
 
 
 def _check_experts(cfg: RunConfig, name: str) -> None:
-    """``policies.<p>.ep`` and ``policies.<p>.moe`` against the model's experts (``planning.expert_plan``), on the
-    WG's ranks when the config fixes them (its ``ranks``, or every rank of a declared GPU cluster)."""
+    """``policies.<p>.ep`` and ``policies.<p>.moe`` against the model's experts
+    (``planning.expert_plan``), on the WG's ranks when the config fixes them (its ``ranks``, or every
+    rank of a declared GPU cluster)."""
     policy = cfg.policies[name]
     try:
         moe = declared_moe(policy.model)

@@ -22,8 +22,8 @@ from megamarl.config import PolicyConfig
 from megamarl.models.spec import TREE_ATTENTIONS
 from megamarl.models.tree_attention import block_mask_bytes
 from megamarl.parallel.placement import WorkerGroupLayout
-from megamarl.planning.model_presets import ModelShape
 from megamarl.planning.expert_plan import ROUTER_BYTES, dispatcher_bytes, expert_layout, moe_saved_bytes
+from megamarl.planning.model_presets import ModelShape
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 # megamarl.models.spec.layer_spec: Transformer Engine (GPUs with TE) | megatron-core's local spec

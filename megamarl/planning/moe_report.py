@@ -11,15 +11,6 @@ from __future__ import annotations
 
 from megamarl.config import PolicyConfig
 from megamarl.parallel.placement import WorkerGroupLayout, rank_coords
-from megamarl.planning.memory import (
-    DTYPE_BYTES,
-    TrainingSetup,
-    buffer_elements,
-    rank_parameters,
-    tokens_per_micro_batch,
-    trainable_buffers,
-)
-from megamarl.planning.model_presets import ModelShape
 from megamarl.planning.expert_plan import (
     ExpertLayout,
     dispatcher_bytes,
@@ -29,6 +20,15 @@ from megamarl.planning.expert_plan import (
     routed_rows,
     router_bytes_per_token,
 )
+from megamarl.planning.memory import (
+    DTYPE_BYTES,
+    TrainingSetup,
+    buffer_elements,
+    rank_parameters,
+    tokens_per_micro_batch,
+    trainable_buffers,
+)
+from megamarl.planning.model_presets import ModelShape
 from megamarl.planning.report import MoePlan, gib, rank_ranges
 
 

@@ -21,8 +21,8 @@ import torch.distributed as dist
 from megamarl.config import RunConfig
 from megamarl.parallel.placement import build_worker_groups, placement_of
 from megamarl.planning.dryrun import Shard, declared_world_size, rank_ranges
-from megamarl.planning.model_presets import declared_moe
 from megamarl.planning.expert_plan import expert_layout
+from megamarl.planning.model_presets import declared_moe
 from megamarl.planning.moe_report import expert_grid_lines
 from megamarl.rollout.engine_placement import (
     ReplicaPlacement,

@@ -10,9 +10,9 @@ from dataclasses import dataclass, field
 
 from megamarl.parallel.hardware import HostMemory
 from megamarl.parallel.placement import WorkerGroupLayout
+from megamarl.planning.expert_plan import ExpertLayout
 from megamarl.planning.memory import Memory, TrainingSetup, TreeAttentionCost
 from megamarl.planning.model_presets import ModelShape
-from megamarl.planning.expert_plan import ExpertLayout
 from megamarl.planning.phases import ENGINE
 
 GIB = 2**30

@@ -16,8 +16,8 @@ from megamarl.cli.configure import load_config
 from megamarl.driver.schedules import overlaps_training
 from megamarl.parallel.placement import NCCL_COMMUNICATOR_BYTES
 from megamarl.planning.dryrun import GIB, dry_run
-from megamarl.planning.model_presets import PRESETS, MoeShape, shape_from_hf_config
 from megamarl.planning.expert_plan import routed_rows
+from megamarl.planning.model_presets import PRESETS, MoeShape, shape_from_hf_config
 from megamarl.planning.placement_view import show_placement
 
 ROOT = Path(__file__).resolve().parents[2]
