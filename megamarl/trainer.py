@@ -210,7 +210,7 @@ class Trainer:
         of the offload and restore phases since the last update, gathered with the update's."""
         start = time.perf_counter()
         metrics: dict[str, float] = dict(pending or {})
-        self.run.versions.trained(received.summary.trained_policies)
+        self.run.versions.trained(received.summary.trained_policies, received.summary.stepped_adapters)
         with self.run.progress.phase("train", unit="micro-batches") as phase:
             for name, share in received.shares.items():
                 self.workers[name].on_micro_batch = phase.advance
