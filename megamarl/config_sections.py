@@ -95,7 +95,8 @@ class AgentConfig:
     tool_choice: str = "auto"
     # Per-agent training hyperparameters; None inherits the policy's value. ``lr`` needs the agent's
     # own parameters (an L2 LoRA adapter or an L3 policy of its own): agents sharing weights share one
-    # optimizer step. ``frozen``: the agent acts but its samples never train the policy.
+    # optimizer step. ``frozen``: the agent acts but its samples never train the policy (L2: its
+    # adapter serves but never steps, and is pushed only at start-up).
     lr: float | None = None
     clip_low: float | None = None
     clip_high: float | None = None

@@ -12,12 +12,16 @@ adapter steps every optimizer step, even on no rows of its own.
 adapters that do not step taken out right after the gradients are prepared (``grad = None``): Adam
 then skips them (no moment, no step count, no weight decay) and the global gradient norm, and so the
 clipping, covers the stepping adapters only. When every adapter steps it is ``optimizer.step()``.
+megatron-core checkpoints one Adam step count for all parameters: ``checkpoint_steps`` gives every
+adapter the largest count (and zero moments where it has none) for the save, and ``load_steps`` puts
+each adapter's own count back after a load (an adapter that never stepped starts fresh).
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -85,6 +89,7 @@ class AdapterSteps:
         self.stepping: tuple[str, ...] | None = None  # this update's (None: every parameter)
         self.steps = dict.fromkeys(self.adapters, 0)  # optimizer steps this update
         self.dropped: dict[str, int] = {}
+        self.total_steps = dict.fromkeys(self.adapters, 0)  # Adam's step count of each adapter
 
     def begin(self, stepping: tuple[str, ...] | None, dropped: Mapping[str, int]) -> None:
         """An update's plan (``PolicyShare.stepping``/``dropped``); None: not L2, every parameter."""
@@ -109,7 +114,52 @@ class AdapterSteps:
         if result[0]:
             for adapter in self.adapters:
                 self.steps[adapter] += adapter not in skipped
+                self.total_steps[adapter] += adapter not in skipped
         return result
+
+    def _states(self, adapter: str) -> Iterator[tuple[dict, torch.Tensor]]:
+        """(optimizer state, main parameter) of each of ``adapter``'s parameters on this rank."""
+        inners = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
+        for inner, params in zip(inners, self.main_params[adapter], strict=True):
+            for param in params:
+                yield inner.optimizer.state[param], param
+
+    @contextmanager
+    def checkpoint_steps(self) -> Iterator[dict[str, int]]:
+        """While saving: every adapter's parameters carry the largest step count (zero moments where an
+        adapter never stepped); yields each adapter's own count, to save beside the checkpoint."""
+        own = dict(self.total_steps)
+        if len(set(own.values())) <= 1:  # one count already: the plain checkpoint
+            yield own
+            return
+        common = max(own.values())
+        for adapter in self.adapters:
+            for state, param in self._states(adapter):
+                if not state:
+                    state.update(exp_avg=torch.zeros_like(param), exp_avg_sq=torch.zeros_like(param))
+                state["step"] = torch.tensor(float(common))
+        try:
+            yield own
+        finally:
+            self.load_steps(own)
+
+    def local_step(self) -> int:
+        """The largest step count in this rank's adapter state (a checkpoint without per-adapter counts
+        holds one count for all; a rank without a shard of any adapter reads 0)."""
+        steps = [int(state["step"]) for a in self.adapters for state, _ in self._states(a) if "step" in state]
+        return max(steps, default=0)
+
+    def load_steps(self, steps: Mapping[str, int]) -> None:
+        """Each adapter's own step count into its parameters' optimizer state (after a load, which
+        gave them all the saved common one); an adapter at 0 gets an empty state (Adam starts it)."""
+        for adapter in self.adapters:
+            count = int(steps.get(adapter, 0))
+            self.total_steps[adapter] = count
+            for state, _ in self._states(adapter):
+                if count == 0:
+                    state.clear()
+                elif state:
+                    state["step"] = torch.tensor(float(count))
 
     def metrics(self) -> dict[str, float]:
         """``adapter/<a>/steps`` (optimizer steps this update) and ``adapter/<a>/samples_dropped``."""

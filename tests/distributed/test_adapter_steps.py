@@ -7,7 +7,10 @@ at PP=2 and at DP=2 with the distributed optimizer (fp32 main-parameter shards).
   solver's weights are bit-identical to a plain L2 update on the solver's rows only, where the
   verifier has no gradient (the rule is the same there: clipping over the stepping adapters'
   gradients); so is the clipped gradient norm at TP=2 (fp32), within 1e-6 with the distributed
-  optimizer (its norm's sum includes the verifier's zeros in another order).
+  optimizer (its norm's sum includes the verifier's zeros in another order). A checkpoint taken then
+  (megatron-core saves one step count for all parameters; each adapter's own goes beside it) resumes
+  into a worker whose next update (the verifier's first step) equals the original's, bit for bit
+  (distributed optimizer).
 * With every adapter above the minimum (``min_samples: 1``) two updates are bit-identical to the plain
   L2 rule (``min_samples: 0``): weights, losses and gradient norms.
 """
@@ -92,7 +95,7 @@ def _optimizer_state(worker, adapter) -> int:
     return sum(len(inner.optimizer.state.get(p, {})) for k, inner in enumerate(inners) for p in params[k])
 
 
-def _case(model_dir, wg, *, dtype, distributed):
+def _case(model_dir, wg, *, dtype, distributed, ckpt):
     batch = _batch()
     solver_rows = batch.select([i for i, a in enumerate(batch.names("agent")) if a == "solver"])
     out = {}
@@ -121,10 +124,42 @@ def _case(model_dir, wg, *, dtype, distributed):
     out["all_metrics"] = [[m.get(k) for k in keys] for m in ones_metrics]
     out["plain_all_metrics"] = [[m.get(k) for k in keys] for m in zeros_metrics]
     out["ones_steps"] = [m["adapter/verifier/steps"] for m in ones_metrics]
+    # megatron-core's FP32Optimizer (no distributed optimizer) does not load a dist checkpoint here
+    # (LocalNonpersistentObject param groups), adapters or not
+    if distributed:
+        _resume(model_dir, wg, rule, batch, out, dtype=dtype, distributed=distributed, ckpt=ckpt)
     return out
 
 
-def _ranks_body(rank, model_dir):
+def _resume(model_dir, wg, rule, batch, out, *, dtype, distributed, ckpt):
+    # a checkpoint holding the verifier's never-stepped adapter saves and resumes: the next update of
+    # the resumed worker equals the original's
+    from megamarl.models import dist_checkpoint
+
+    with rule.adapter_steps.checkpoint_steps() as steps:  # as runtime.checkpoint.save_policies
+        dist_checkpoint.save_checkpoint(ckpt, rule.model, wg, optimizer=rule.optimizer)
+    out["saved_steps"] = steps
+    out["verifier_state_after_save"] = _optimizer_state(rule, "verifier")
+    resumed = _worker(model_dir, wg, min_samples=3, dtype=dtype, distributed=distributed)
+    dist_checkpoint.load_checkpoint(ckpt, resumed.model, wg, optimizer=resumed.optimizer)
+    resumed.adapter_steps.load_steps(steps)
+    # the next update steps both adapters (minimum 0): the verifier's first step, fresh on both sides
+    # (its Adam step count 1, not the solver's 3)
+    from dataclasses import replace
+
+    from megamarl.rl.dispatch import plan_policy
+
+    before = _adapter_weights(rule, "verifier")
+    for worker in (rule, resumed):
+        split = replace(worker.split, min_samples=0)
+        worker.train_share(plan_policy(batch, split, num_dp=wg.layout.dp)[wg.dp_rank])
+    out["verifier_stepped"] = not _equal(_adapter_weights(rule, "verifier"), before)
+    out["resumed_equal"] = all(
+        _equal(_adapter_weights(rule, a), _adapter_weights(resumed, a)) for a in AGENTS
+    )
+
+
+def _ranks_body(rank, model_dir, out_dir):
     import torch
 
     from megamarl.parallel.placement import PlacementConfig, WorkerGroupLayout, build_worker_groups
@@ -140,7 +175,7 @@ def _ranks_body(rank, model_dir):
     )
     kinds = {"tp2": (torch.float32, False), "pp2": (torch.bfloat16, True), "dp2": (torch.bfloat16, True)}
     return {
-        name: _case(model_dir, wg, dtype=kinds[name][0], distributed=kinds[name][1])
+        name: _case(model_dir, wg, dtype=kinds[name][0], distributed=kinds[name][1], ckpt=f"{out_dir}/{name}")
         for name, wg in wgs.items()
     }
 
@@ -148,7 +183,9 @@ def _ranks_body(rank, model_dir):
 def test_an_adapter_below_the_minimum_gets_no_update_and_the_rule_equals_plain_l2(tmp_path):
     from megamarl.models.packaged import resolve_model_path
 
-    results = run_ranks(_ranks_body, 2, str(resolve_model_path("tiny-random-llama")), timeout_s=400)
+    results = run_ranks(
+        _ranks_body, 2, str(resolve_model_path("tiny-random-llama")), str(tmp_path), timeout_s=400
+    )
     for rank, by_layout in enumerate(results):
         for layout, out in by_layout.items():
             where = f"rank {rank} {layout}"
@@ -168,5 +205,9 @@ def test_an_adapter_below_the_minimum_gets_no_update_and_the_rule_equals_plain_l
             assert out["all_equal"] and out["all_changed"], where
             assert out["all_metrics"] == out["plain_all_metrics"], where
             assert out["ones_steps"] == [1, 1], where
+            if layout != "tp2":  # the distributed optimizer's checkpoint (see _case)
+                assert out["saved_steps"] == {"solver": 2, "verifier": 0}, where
+                assert out["verifier_state_after_save"] == 0 and out["resumed_equal"], where
+                assert out["verifier_stepped"], where
         # the distributed optimizer shards the state over DP: some rank holds the solver's
     assert all(any(r[layout]["solver_state"] > 0 for r in results) for layout in results[0])
