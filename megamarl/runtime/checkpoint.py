@@ -208,6 +208,8 @@ def load_policies(path: Path, policies: dict[str, PolicyConfig], workers: dict, 
         raise ValueError(f"trainer.resume: checkpoint {path} has no policies {missing}; it has {have}")
     for name in trained:
         worker = workers.get(name)
+        if worker is not None:  # every rank of the WG reads the same file: all raise, none hangs
+            check_adapters(path / POLICIES / name / ADAPTER_STEPS_FILE, name, worker.adapter_steps.adapters)
         model_checkpoint.load_checkpoint(
             path / POLICIES / name,
             worker.model if worker else None,
@@ -224,6 +226,21 @@ def load_policies(path: Path, policies: dict[str, PolicyConfig], workers: dict, 
                     "(algorithm.estimator=gae)"
                 )
             worker.critic.load_state(torch.load(critic_file, weights_only=False))
+
+
+def check_adapters(file: Path, policy: str, adapters: list[str]) -> None:
+    """L2: the checkpoint (its ``adapter_steps.json``; older ones lack it and are not checked) holds
+    every adapter the run configures; adding one at resume is refused, naming it."""
+    if not file.is_file():
+        return
+    saved = json.loads(file.read_text())
+    missing = sorted(set(adapters) - set(saved))
+    if missing:
+        raise ValueError(
+            f"trainer.resume: checkpoint {file.parent.parent.parent} has no LoRA adapters {missing} of "
+            f"policy '{policy}' (it has {sorted(saved)}); adding an adapter at resume is not supported: drop "
+            f"agents.<a>.lora={missing[0]} or start afresh (trainer.resume=none)"
+        )
 
 
 def _load_adapter_steps(file: Path, worker) -> None:

@@ -91,3 +91,17 @@ def test_a_push_carries_the_adapters_that_stepped_since_the_last_push():
 def test_min_samples_is_validated_with_its_key():
     with pytest.raises(ValueError, match=r"policies.<p>.lora.min_samples must be >= 0, got -1"):
         LoraConfig(min_samples=-1)
+
+
+def test_a_resume_that_adds_an_adapter_is_refused_naming_it(tmp_path):
+    from megamarl.runtime.checkpoint import ADAPTER_STEPS_FILE, check_adapters
+
+    file = tmp_path / "step_000002" / "policies" / "base" / ADAPTER_STEPS_FILE
+    check_adapters(file, "base", ["s", "v"])  # a checkpoint saved before per-adapter counts: not checked
+    file.parent.mkdir(parents=True)
+    file.write_text('{"s": 2, "v": 0}')
+    check_adapters(file, "base", ["s", "v"])
+    with pytest.raises(
+        ValueError, match=r"has no LoRA adapters \['new'\] of policy 'base' \(it has \['s', 'v'\]\)"
+    ):
+        check_adapters(file, "base", ["new", "s", "v"])
