@@ -194,7 +194,7 @@ class Trainer:
         metrics: dict[str, float]
         payloads, metrics, run = None, {}, self.run
         if self.is_driver:
-            batch, metrics = cast(RolloutDriver, self.driver).collect(self.step, run.versions.current)
+            batch, metrics = cast(RolloutDriver, self.driver).collect(self.step, run.versions.serving())
             layouts = {name: wg.layout for name, wg in run.wgs.items()}
             payloads = rank_batches(batch, run.splits, layouts, world_size=run.world_size)
         self._wait_for_driver(f"the rollout of step {self.step + 1}")

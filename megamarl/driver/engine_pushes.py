@@ -52,7 +52,7 @@ class EnginePushes:
         with self._rollout_paused():
             for name in policies:
                 adapters = None if start_up else self.versions.to_push(name)  # L2: those that stepped
-                version = self.versions.pushed(name)
+                version = self.versions.pushed(name, adapters)
                 if not self.policies[name].frozen:
                     label = f"weight sync {name}" + (" (start-up)" if start_up else "")
                     with self.progress.phase(label, unit="", in_step=not start_up):

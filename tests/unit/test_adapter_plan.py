@@ -105,3 +105,27 @@ def test_a_resume_that_adds_an_adapter_is_refused_naming_it(tmp_path):
         ValueError, match=r"has no LoRA adapters \['new'\] of policy 'base' \(it has \['s', 'v'\]\)"
     ):
         check_adapters(file, "base", ["new", "s", "v"])
+
+
+def test_each_adapter_has_the_version_of_its_last_push_and_its_samples_are_as_stale_as_it():
+    from megamarl.driver.streaming import EpisodeGroup, behind
+
+    agents = {"solver": ("base", "s"), "verifier": ("base", "v")}
+    versions = WeightVersions(["base", "full"], sync_every=1, adapters=agents)
+    versions.pushed("base"), versions.pushed("full")  # start-up: every adapter, version 1
+    versions.trained(["base"], {"base": ("s",)})
+    versions.pushed("base", versions.to_push("base"))  # version 2 carries s only
+    assert versions.serving() == {"base": 2, "full": 1, "base/solver": 2, "base/verifier": 1}
+
+    def sample(agent, policy, version):
+        return Sample("t", "e", agent, policy, 0, prompt_ids=[1], response_ids=[2], weight_version=version)
+
+    serving = versions.serving()
+    # the verifier's adapter has not changed since version 1: its version-1 sample is fresh
+    assert behind(serving, sample("verifier", "base", 1)) == 0
+    assert behind(serving, sample("solver", "base", 1)) == 1
+    assert (
+        behind(serving, sample("other", "full", 0)) == 1 and behind(serving, sample("x", "frozen", 0)) is None
+    )
+    group = EpisodeGroup("t", [sample("verifier", "base", 1), sample("solver", "base", 2)])
+    assert group.staleness(serving) == 0

@@ -179,7 +179,7 @@ class PolicyReplicas:
 
     def push(self, version: int, *, adapters: list[str] | None = None) -> dict[str, float]:
         """Collective: this policy's current trained weights (L2: each adapter in ``adapters``, default
-        all; the others keep their weights and are re-stamped) into its replicas, stamped ``version``."""
+        all; the others keep their weights and version) into its replicas, stamped ``version``."""
         if self.policy.lora is not None:
             return self._push_adapters(version, self.adapters if adapters is None else adapters)
         if self.served:  # colocated: the trainer's wake-weights phase woke them (megamarl.planning.phases)
@@ -515,11 +515,9 @@ class PolicyReplicas:
                 cast(ServesAdapters, self.engine).add_lora(adapter, path)  # attached on the driver
 
     def _push_adapters(self, version: int, pushed: list[str]) -> dict[str, float]:
-        """``pushed`` adapters' weights into the replicas; every other adapter re-stamped ``version``
-        (its weights are the trainer's already). ``weight_sync/<p>/bytes``: the bytes of this push."""
+        """``pushed`` adapters' weights into the replicas, stamped ``version``; the others keep theirs (and
+        their version: ``WeightVersions.serving``). ``weight_sync/<p>/bytes``: the bytes of this push."""
         metrics, worker = {}, self.worker
-        for adapter in (a for a in self.adapters if a not in pushed):
-            self._restamp(adapter, version)
         for adapter in (a for a in self.adapters if a in pushed):
             if self.served:
                 stats, verified = self._adapter_to_servers(adapter, version)
@@ -541,17 +539,6 @@ class PolicyReplicas:
         metrics[f"{prefix}bytes"] = sum(metrics.get(f"{prefix}{a}/bytes", 0.0) for a in pushed)
         metrics[f"{prefix}adapters_pushed"] = float(len(pushed))
         return metrics
-
-    def _restamp(self, adapter: str, version: int) -> None:
-        """On the driver: generations of ``adapter`` (weights unchanged since its last push) now carry
-        ``version``, in every engine object that stamps them (the pool and its replicas)."""
-        if not self.is_driver:
-            return
-        engine = self.engine
-        for stamper in (engine, *getattr(engine, "replicas", ())):
-            versions = getattr(stamper, "lora_versions", None)
-            if versions is not None and adapter in versions:
-                versions[adapter] = version
 
     def _adapter_to_servers(self, adapter: str, version: int) -> tuple[SyncStats, int]:
         path = self.adapter_dir(adapter, version)
