@@ -16,8 +16,8 @@ Checked from the run directory only (metrics.jsonl, eval.json, checkpoints), per
   pushes each adapter that stepped (``weight_sync/<policy>/<adapter>/bytes``, their sum
   ``weight_sync/<policy>/bytes``) and nothing else, each stepping adapter logs one step
   (``policy/<policy>/adapter/<a>/steps``) and none dropped: ``l2_l3_hybrid`` runs with its router frozen
-  (``PRESET_OVERRIDES``), whose adapter then never steps and is never pushed after start-up, while its
-  samples still carry the version of each push (staleness 0 below);
+  (``PRESET_OVERRIDES``), whose adapter then never steps and is never pushed after start-up; its
+  samples carry the start-up version, which stays its adapter's version (staleness 0 below, per adapter);
 * the engines served the pushed weights: step 2's samples carry the pushed weight version
   (``async/staleness_max == 0``) and the trainer's recomputed log-probs equal the engine's rollout
   log-probs (TIS weights ``exp(trainer - rollout)`` are 1 within 1e-3; 3e-6 measured). With the
