@@ -15,7 +15,7 @@ Checked from the run directory only (metrics.jsonl, eval.json, checkpoints), per
   tensor arrived at the engine rank, through the TP gather or gloo point-to-point); an L2 policy
   pushes each adapter that stepped (``weight_sync/<policy>/<adapter>/bytes``, their sum
   ``weight_sync/<policy>/bytes``) and nothing else, each stepping adapter logs one step
-  (``policy/<policy>/adapter/<a>/steps``) and none dropped: ``l2_l3_hybrid`` runs with its router frozen
+  (``policy/<policy>/adapter/<a>/steps``) and none dropped: ``l2_l3_hybrid`` runs with its searcher frozen
   (``PRESET_OVERRIDES``), whose adapter then never steps and is never pushed after start-up; its
   samples carry the start-up version, which stays its adapter's version (staleness 0 below, per adapter);
 * the engines served the pushed weights: step 2's samples carry the pushed weight version
@@ -73,7 +73,7 @@ class Preset:
 
 
 # Test-only overrides of one preset (on top of the fp32 ones): a frozen L2 adapter beside a trained one.
-PRESET_OVERRIDES = {"l2_l3_hybrid": ["agents.router.frozen=true"]}
+PRESET_OVERRIDES = {"l2_l3_hybrid": ["agents.searcher.frozen=true"]}
 
 
 def _fp32_overrides(names) -> list[str]:
