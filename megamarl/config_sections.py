@@ -95,7 +95,8 @@ class AgentConfig:
     tool_choice: str = "auto"
     # Per-agent training hyperparameters; None inherits the policy's value. ``lr`` needs the agent's
     # own parameters (an L2 LoRA adapter or an L3 policy of its own): agents sharing weights share one
-    # optimizer step. ``frozen``: the agent acts but its samples never train the policy.
+    # optimizer step. ``frozen``: the agent acts but its samples never train the policy (L2: its
+    # adapter serves but never steps, and is pushed only at start-up).
     lr: float | None = None
     clip_low: float | None = None
     clip_high: float | None = None
@@ -214,8 +215,13 @@ class LoraConfig:
     alpha: float = 16.0
     targets: list[str] = field(default_factory=lambda: list(TARGET_NAMES))
     seed: int = 0  # adapter initialisation (A; B starts at zero)
+    # An adapter steps in an update only when its agents' rows in the policy batch number at least
+    # this; the rows of one below it are dropped and counted (rl.adapters). 0: every adapter steps.
+    min_samples: int = 0
 
     def __post_init__(self) -> None:
+        if self.min_samples < 0:
+            raise ValueError(f"policies.<p>.lora.min_samples must be >= 0, got {self.min_samples}")
         bad = [t for t in self.targets if t not in TARGET_NAMES]
         if bad or not self.targets:
             raise ValueError(f"policies.<p>.lora.targets={list(self.targets)}: allowed {list(TARGET_NAMES)}")

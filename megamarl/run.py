@@ -163,7 +163,11 @@ def build_run(
     gathered: list = [None] * world_size
     dist.all_gather_object(gathered, offloaded, group=control_group())
     overlaps = SCHEDULES.traits(cfg.trainer.mode, key="trainer.mode").overlaps_training
-    versions = WeightVersions(list(cfg.policies), sync_every=sync_interval(cfg.trainer))
+    versions = WeightVersions(
+        list(cfg.policies),
+        sync_every=sync_interval(cfg.trainer),
+        adapters={a: (c.policy, c.lora) for a, c in cfg.agents.items() if c.lora is not None},
+    )
     say = driver.console_print if driver is not None else lambda text: None  # Run.say, before there is a Run
     return Run(
         started=started,

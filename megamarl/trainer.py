@@ -194,7 +194,7 @@ class Trainer:
         metrics: dict[str, float]
         payloads, metrics, run = None, {}, self.run
         if self.is_driver:
-            batch, metrics = cast(RolloutDriver, self.driver).collect(self.step, run.versions.current)
+            batch, metrics = cast(RolloutDriver, self.driver).collect(self.step, run.versions.serving())
             layouts = {name: wg.layout for name, wg in run.wgs.items()}
             payloads = rank_batches(batch, run.splits, layouts, world_size=run.world_size)
         self._wait_for_driver(f"the rollout of step {self.step + 1}")
@@ -210,7 +210,7 @@ class Trainer:
         of the offload and restore phases since the last update, gathered with the update's."""
         start = time.perf_counter()
         metrics: dict[str, float] = dict(pending or {})
-        self.run.versions.trained(received.summary.trained_policies)
+        self.run.versions.trained(received.summary.trained_policies, received.summary.stepped_adapters)
         with self.run.progress.phase("train", unit="micro-batches") as phase:
             for name, share in received.shares.items():
                 self.workers[name].on_micro_batch = phase.advance

@@ -51,11 +51,12 @@ class EnginePushes:
         start, metrics = time.perf_counter(), {}
         with self._rollout_paused():
             for name in policies:
-                version = self.versions.pushed(name)
+                adapters = None if start_up else self.versions.to_push(name)  # L2: those that stepped
+                version = self.versions.pushed(name, adapters)
                 if not self.policies[name].frozen:
                     label = f"weight sync {name}" + (" (start-up)" if start_up else "")
                     with self.progress.phase(label, unit="", in_step=not start_up):
-                        metrics.update(self.replicas[name].push(version))
+                        metrics.update(self.replicas[name].push(version, adapters=adapters))
         dist.barrier(group=control_group())
         metrics["timing_s/weight_sync"] = time.perf_counter() - start
         return metrics

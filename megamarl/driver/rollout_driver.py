@@ -224,7 +224,8 @@ class RolloutDriver:
         """The next batch from the schedule, with advantages; ``versions`` are the trainer's weight
         versions, against which samples beyond ``trainer.max_staleness`` are dropped."""
         start = time.perf_counter()
-        trainable = {name: v for name, v in versions.items() if not self.cfg.policies[name].frozen}
+        # keys: policies, and <policy>/<agent> for L2 agents (WeightVersions.serving)
+        trainable = {k: v for k, v in versions.items() if not self.cfg.policies[k.split("/")[0]].frozen}
         expected = (
             None
             if self.schedule.overlaps_training

@@ -6,7 +6,8 @@ Unlike a synchronous loop (``asyncio.run`` per batch), every engine call runs on
 streamed is an ``EpisodeGroup`` (all ``group_size`` episodes of one task): a group is never split
 across two training batches, so group-relative advantages stay valid. A weight version is one push of
 a policy's weights (``EnginePushes.push``); every ``Sample`` carries the version that generated it and
-a group's staleness is ``max over its samples of versions[sample.policy] - sample.weight_version``.
+a group's staleness is ``max over its samples of versions[sample.policy] - sample.weight_version``
+(an L2 agent's sample: its adapter's version, ``versions["<policy>/<agent>"]``, ``behind``).
 Groups beyond ``trainer.max_staleness`` are dropped and counted, never trained on.
 Details: docs/design-notes.md, "megamarl/driver/streaming.py".
 """
@@ -159,15 +160,20 @@ class EpisodeGroup:
     def staleness(self, versions: Mapping[str, int]) -> int:
         """Versions behind ``versions`` of the stalest sample; policies missing from ``versions``
         (frozen ones, never trained) count 0."""
-        return max(
-            (versions[s.policy] - s.weight_version for s in self.samples if s.policy in versions), default=0
-        )
+        return max((lag for s in self.samples if (lag := behind(versions, s)) is not None), default=0)
 
     def by_policy(self) -> dict[str, EpisodeGroup]:
         parts: dict[str, list[Sample]] = {}
         for s in self.samples:
             parts.setdefault(s.policy, []).append(s)
         return {policy: EpisodeGroup(self.task_id, samples, self.seq) for policy, samples in parts.items()}
+
+
+def behind(versions: Mapping[str, int], sample: Sample) -> int | None:
+    """Versions ``sample`` is behind: its L2 adapter's current version (key ``<policy>/<agent>``), else
+    its policy's, minus its own; None for a policy missing from ``versions`` (frozen, never trained)."""
+    current = versions.get(f"{sample.policy}/{sample.agent}", versions.get(sample.policy))
+    return None if current is None else current - sample.weight_version
 
 
 def group_samples(samples: Iterable[Sample]) -> list[EpisodeGroup]:
@@ -208,8 +214,8 @@ class StalenessStats:
     def record_trained(self, groups: Iterable[EpisodeGroup], versions: Mapping[str, int]) -> None:
         for group in groups:
             for s in group.samples:
-                if s.policy in versions:
-                    self.per_agent.setdefault(s.agent, Counter())[versions[s.policy] - s.weight_version] += 1
+                if (lag := behind(versions, s)) is not None:
+                    self.per_agent.setdefault(s.agent, Counter())[lag] += 1
 
     def record_dropped(self, groups: Iterable[EpisodeGroup]) -> None:
         for group in groups:

@@ -2,7 +2,8 @@
 rank receives only its own share.
 
 On the driver, ``plan_policy`` is a pure function of a policy's rows, its ``BatchSplit`` and its WG's
-DP size: trainable rows (frozen and adapter-less agents dropped) -> PPO mini-batches
+DP size: trainable rows (frozen and adapter-less agents dropped; L2: the rows of adapters below
+``lora.min_samples`` too, ``rl.adapters``) -> PPO mini-batches
 (``mini_batch_size``) -> per mini-batch its global loss counts and one token-balanced part per DP rank
 (an empty part becomes a zero-weight stand-in row, so the rank still joins the all-reduce) -> one
 ``PolicyShare`` per DP rank. ``rank_batches`` gives every rank a ``RankBatch`` (its DP share of each
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from megamarl.parallel.placement import WorkerGroupLayout, rank_coords
+from megamarl.rl.adapters import adapter_plan
 from megamarl.rl.batch import SampleBatch
 from megamarl.rl.losses import loss_counts
 
@@ -30,6 +32,8 @@ class BatchSplit:
     mini_batch_size: int | None = None  # policies.<p>.mini_batch_size (None: one mini-batch)
     agent_mini_batch_sizes: Mapping[str, int] = field(default_factory=dict)  # agents.<a>.mini_batch_size
     frozen_agents: frozenset[str] = frozenset()  # agents whose rows do not train
+    adapters: Mapping[str, str] = field(default_factory=dict)  # L2: agent -> its LoRA adapter
+    min_samples: int = 0  # policies.<p>.lora.min_samples (rl.adapters.adapter_plan)
 
 
 @dataclass
@@ -46,6 +50,8 @@ class PolicyShare:
     every row of the policy belonged to a frozen agent)."""
 
     minis: list[MiniBatchPart] = field(default_factory=list)
+    stepping: tuple[str, ...] | None = None  # L2: the adapters that step (None: not L2, every parameter)
+    dropped: dict[str, int] = field(default_factory=dict)  # L2: adapter -> rows below its minimum
 
 
 @dataclass(frozen=True)
@@ -55,6 +61,8 @@ class BatchSummary:
     trained_policies: tuple[str, ...]  # non-frozen policies with rows this step, in batch order
     num_samples: int  # rows of the whole batch
     num_train_tokens: int  # tokens (prompt + response) of the trained policies' rows
+    # L2 policies: the adapters that step in this update (what the next push carries)
+    stepped_adapters: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
 
 
 @dataclass
@@ -112,8 +120,20 @@ def dp_parts(batch: SampleBatch, num_dp: int) -> list[SampleBatch]:
 
 def plan_policy(batch: SampleBatch, split: BatchSplit, *, num_dp: int) -> list[PolicyShare]:
     """Every DP rank's share of one policy's rows (``batch``: that policy's rows only)."""
-    shares = [PolicyShare() for _ in range(num_dp)]
     rows = trainable_rows(batch, split.frozen_agents)
+    stepping, dropped = None, {}
+    if split.adapters:  # L2: adapters below policies.<p>.lora.min_samples do not step; their rows go
+        plan = adapter_plan(
+            rows.names("agent"),
+            split.adapters,
+            min_samples=split.min_samples,
+            frozen_agents=split.frozen_agents,
+        )
+        stepping, dropped = plan.stepping, dict(plan.dropped)
+        if dropped:
+            keep = [split.adapters.get(a) not in dropped for a in rows.names("agent")]
+            rows = rows.select(torch.tensor(keep, dtype=torch.bool, device=rows.device))
+    shares = [PolicyShare(stepping=stepping, dropped=dropped) for _ in range(num_dp)]
     if not rows.num_samples:
         return shares
     for mini in mini_batches(rows, split):
@@ -134,16 +154,24 @@ def rank_batches(
     (frozen ones have none: their rows train nobody); ``layouts`` places each policy's WG. A batch
     may hold only some policies (the async modes): the others are absent from every rank's batch."""
     by_policy = {name: rows for name, rows in batch.split_by_policy().items() if name in splits}
+    plans = {}
+    for name, rows in by_policy.items():
+        num_dp = layouts[name].dp
+        assert num_dp is not None  # set by WorkerGroupLayout.__post_init__
+        plans[name] = plan_policy(rows, splits[name], num_dp=num_dp)
     summary = BatchSummary(
         trained_policies=tuple(by_policy),
         num_samples=batch.num_samples,
         num_train_tokens=sum(rows.num_tokens for rows in by_policy.values()),
+        stepped_adapters={
+            name: shares[0].stepping if shares[0].minis else ()
+            for name, shares in plans.items()
+            if shares[0].stepping is not None
+        },
     )
     out = [RankBatch(summary) for _ in range(world_size)]
-    for name, rows in by_policy.items():
+    for name, shares in plans.items():
         layout = layouts[name]
-        assert layout.dp is not None  # set by WorkerGroupLayout.__post_init__
-        shares = plan_policy(rows, splits[name], num_dp=layout.dp)
         for rank in layout.ranks:
             out[rank].shares[name] = shares[rank_coords(layout, rank)["dp"]]
     return out

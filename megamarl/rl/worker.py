@@ -30,6 +30,7 @@ from megamarl.config import PolicyConfig
 from megamarl.models.bridge import export_hf_weights
 from megamarl.models.lora import export_lora_weights, set_active_adapter
 from megamarl.parallel.placement import WorkerGroup
+from megamarl.rl.adapters import AdapterSteps
 from megamarl.rl.batch import SampleBatch
 from megamarl.rl.critic import Critic, CriticConfig
 from megamarl.rl.dispatch import PolicyShare, dp_parts, mini_batches, plan_policy, trainable_rows
@@ -101,6 +102,7 @@ class PolicyWorker:
         self.uses_te, self.ref = parts.uses_te, parts.ref
         self.optimizer, self.scheduler = parts.optimizer, parts.scheduler
         self.critic, self.train_state = parts.critic, parts.train_state
+        self.adapter_steps = AdapterSteps(self.model, self.optimizer, self.adapters)  # L2: which step
         self.num_updates = 0
         # Numerical faults: an update whose loss or gradient norm is not finite is skipped on every
         # rank of the WG (the flag is reduced over mp and dp); ``skip_streak`` counts them in a row.
@@ -284,8 +286,9 @@ class PolicyWorker:
     def train_share(self, share: PolicyShare) -> dict[str, float]:
         """``ppo_epochs`` passes over this rank's share, one optimizer step per mini-batch (losses
         normalised by each mini-batch's global counts); then the learning-rate schedule advances once."""
-        if not share.minis:  # every row of the policy was a frozen agent's
-            return {}
+        self.adapter_steps.begin(share.stepping, share.dropped)
+        if not share.minis:  # every row of the policy was a frozen agent's (or below lora.min_samples)
+            return self.adapter_steps.metrics()
         if share.minis[0].rows.advantages is None and not self.critic.enabled:
             raise ValueError(f"policy '{self.name}': train_share needs parts with advantages")
         parts = [self.on_device(mini.rows) for mini in share.minis]
@@ -335,7 +338,7 @@ class PolicyWorker:
                 for k, v in metrics.items()
                 if k in ("grad_norm", "lr", "optimizer_steps", "padding_fraction", "forwarded_tokens")
             }
-        return {**metrics, **timings, **self.mismatch.metrics()}
+        return {**metrics, **timings, **self.mismatch.metrics(), **self.adapter_steps.metrics()}
 
     def _update(
         self, part: SampleBatch, old: torch.Tensor | None, counts: dict, *, ref=None, critic=None
@@ -434,6 +437,6 @@ class PolicyWorker:
             self.optimizer.zero_grad()
             self.critic.zero_grad()
             return float("nan")
-        _, grad_norm, _ = self.optimizer.step()
+        _, grad_norm, _ = self.adapter_steps.step()  # L2: the adapters that step this update
         self.critic.step()
         return float(grad_norm) if grad_norm is not None else 0.0

@@ -74,6 +74,8 @@ def batch_split(cfg: PolicyConfig, agents: Mapping[str, AgentTraining]) -> Batch
         mini_batch_size=cfg.mini_batch_size,
         agent_mini_batch_sizes={a: t.mini_batch_size for a, t in agents.items() if t.mini_batch_size},
         frozen_agents=frozenset(a for a, t in agents.items() if t.frozen),
+        adapters={a: t.adapter for a, t in agents.items() if t.adapter},
+        min_samples=cfg.lora.min_samples if cfg.lora is not None else 0,
     )
 
 

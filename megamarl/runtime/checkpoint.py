@@ -14,6 +14,7 @@ The layout in full: docs/design-notes.md, "megamarl/runtime/checkpoint.py".
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -173,6 +174,7 @@ def validate_checkpoint(path: Path, policies: dict[str, PolicyConfig]) -> None:
 
 
 CRITIC_FILE = "value_head.pt"  # GAE critic: value head + its optimizer (TP/DP-replicated, last stage)
+ADAPTER_STEPS_FILE = "adapter_steps.json"  # L2: each adapter's Adam step count (rl.adapters)
 
 
 def save_policies(path: Path, policies: dict[str, PolicyConfig], workers: dict, wgs: dict) -> None:
@@ -182,12 +184,16 @@ def save_policies(path: Path, policies: dict[str, PolicyConfig], workers: dict, 
         if policy.frozen:
             continue
         worker = workers.get(name)
-        model_checkpoint.save_checkpoint(
-            path / POLICIES / name,
-            worker.model if worker else None,
-            wgs[name],
-            optimizer=worker.optimizer if worker else None,
-        )
+        # megatron-core saves one step count for all parameters; L2 adapters keep their own beside it
+        with worker.adapter_steps.checkpoint_steps() if worker else contextlib.nullcontext({}) as steps:
+            model_checkpoint.save_checkpoint(
+                path / POLICIES / name,
+                worker.model if worker else None,
+                wgs[name],
+                optimizer=worker.optimizer if worker else None,
+            )
+        if steps and wgs[name].tp_rank == 0 and wgs[name].dp_rank == 0 and wgs[name].pp_rank == 0:
+            (path / POLICIES / name / ADAPTER_STEPS_FILE).write_text(json.dumps(steps))
         critic = worker.critic.state() if worker else None
         if critic is not None and wgs[name].tp_rank == 0 and wgs[name].dp_rank == 0:
             torch.save(critic, path / POLICIES / name / CRITIC_FILE)  # replicated: one writer
@@ -202,12 +208,16 @@ def load_policies(path: Path, policies: dict[str, PolicyConfig], workers: dict, 
         raise ValueError(f"trainer.resume: checkpoint {path} has no policies {missing}; it has {have}")
     for name in trained:
         worker = workers.get(name)
+        if worker is not None:  # every rank of the WG reads the same file: all raise, none hangs
+            check_adapters(path / POLICIES / name / ADAPTER_STEPS_FILE, name, worker.adapter_steps.adapters)
         model_checkpoint.load_checkpoint(
             path / POLICIES / name,
             worker.model if worker else None,
             wgs[name],
             optimizer=worker.optimizer if worker else None,
         )
+        if worker is not None and worker.adapter_steps.adapters:
+            _load_adapter_steps(path / POLICIES / name / ADAPTER_STEPS_FILE, worker)
         if worker is not None and worker.critic.has_state:
             critic_file = path / POLICIES / name / CRITIC_FILE
             if not critic_file.is_file():
@@ -216,6 +226,32 @@ def load_policies(path: Path, policies: dict[str, PolicyConfig], workers: dict, 
                     "(algorithm.estimator=gae)"
                 )
             worker.critic.load_state(torch.load(critic_file, weights_only=False))
+
+
+def check_adapters(file: Path, policy: str, adapters: list[str]) -> None:
+    """L2: the checkpoint (its ``adapter_steps.json``; older ones lack it and are not checked) holds
+    every adapter the run configures; adding one at resume is refused, naming it."""
+    if not file.is_file():
+        return
+    saved = json.loads(file.read_text())
+    missing = sorted(set(adapters) - set(saved))
+    if missing:
+        raise ValueError(
+            f"trainer.resume: checkpoint {file.parent.parent.parent} has no LoRA adapters {missing} of "
+            f"policy '{policy}' (it has {sorted(saved)}); adding an adapter at resume is not supported: drop "
+            f"agents.<a>.lora={missing[0]} or start afresh (trainer.resume=none)"
+        )
+
+
+def _load_adapter_steps(file: Path, worker) -> None:
+    """Each L2 adapter's own step count after a load; a checkpoint without the file held one count for
+    every adapter (the largest on any rank of the WG)."""
+    if file.is_file():
+        worker.adapter_steps.load_steps(json.loads(file.read_text()))
+        return
+    step = torch.tensor([float(worker.adapter_steps.local_step())])
+    torch.distributed.all_reduce(step, op=torch.distributed.ReduceOp.MAX, group=worker.wg.pgs.intra_dist_opt)
+    worker.adapter_steps.total_steps = dict.fromkeys(worker.adapter_steps.adapters, int(step.item()))
 
 
 # ---- RNG and run state ---------------------------------------------------------------------------

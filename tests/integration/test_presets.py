@@ -13,7 +13,11 @@ Checked from the run directory only (metrics.jsonl, eval.json, checkpoints), per
 * every trained policy's step-1 gradient was non-zero (its weights changed), and each step pushed
   it to its engines: ``weight_sync/<policy>/bytes`` equals the model's HF checkpoint size (every
   tensor arrived at the engine rank, through the TP gather or gloo point-to-point); an L2 policy
-  pushes each agent's adapter (``weight_sync/<policy>/<adapter>/bytes``) and nothing else;
+  pushes each adapter that stepped (``weight_sync/<policy>/<adapter>/bytes``, their sum
+  ``weight_sync/<policy>/bytes``) and nothing else, each stepping adapter logs one step
+  (``policy/<policy>/adapter/<a>/steps``) and none dropped: ``l2_l3_hybrid`` runs with its searcher frozen
+  (``PRESET_OVERRIDES``), whose adapter then never steps and is never pushed after start-up; its
+  samples carry the start-up version, which stays its adapter's version (staleness 0 below, per adapter);
 * the engines served the pushed weights: step 2's samples carry the pushed weight version
   (``async/staleness_max == 0``) and the trainer's recomputed log-probs equal the engine's rollout
   log-probs (TIS weights ``exp(trainer - rollout)`` are 1 within 1e-3; 3e-6 measured). With the
@@ -68,6 +72,10 @@ class Preset:
     world_size: int
 
 
+# Test-only overrides of one preset (on top of the fp32 ones): a frozen L2 adapter beside a trained one.
+PRESET_OVERRIDES = {"l2_l3_hybrid": ["agents.searcher.frozen=true"]}
+
+
 def _fp32_overrides(names) -> list[str]:
     """fp32 engines and training on every policy (``names``): the TIS check below compares the
     trainer's log-probs with the engine's to 1e-3, which ``auto`` (bf16 on a node with native bf16)
@@ -79,7 +87,9 @@ def _fp32_overrides(names) -> list[str]:
 def _load(path: Path):
     from megamarl.cli.configure import load_config
 
-    return load_config(path, _fp32_overrides(load_config(path).policies))
+    return load_config(
+        path, [*_fp32_overrides(load_config(path).policies), *PRESET_OVERRIDES.get(path.stem, [])]
+    )
 
 
 def _world_size(cfg) -> int:
@@ -221,10 +231,13 @@ def _run_records(preset: Preset, out: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def _check_policy(name: str, policy, adapters: set[str], records: list[dict]) -> None:
+def _check_policy(
+    name: str, policy, adapters: set[str], records: list[dict], frozen: set[str] = frozenset()
+) -> None:
     """The step-1 update changed the weights (non-zero gradient), every step pushed them (the full
-    model, or L2: each agent's adapter and nothing else), and the engines served them at the last step
-    (step 2: the weights pushed after step 1's update; a 1-step preset: the push before its rollout)."""
+    model, or L2: each trained adapter and nothing else; never a ``frozen`` one), and the engines served
+    them at the last step (step 2: the weights pushed after step 1's update; a 1-step preset: the push
+    before its rollout)."""
     full_bytes = _hf_checkpoint_bytes(policy.model)
     prefix = f"weight_sync/{name}/"
     for r in records:
@@ -232,8 +245,15 @@ def _check_policy(name: str, policy, adapters: set[str], records: list[dict]) ->
         if policy.lora is None:  # every tensor of the model reached the engine rank
             assert pushed == {f"{prefix}bytes": full_bytes}, f"step {r['step']}: '{name}' pushed {pushed}"
         else:
-            assert set(pushed) == {f"{prefix}{a}/bytes" for a in adapters}, f"'{name}' pushed {pushed}"
-            assert 0 < sum(pushed.values()) < full_bytes / 10, f"'{name}': not adapter-only: {pushed}"
+            each = {k: v for k, v in pushed.items() if k != f"{prefix}bytes"}
+            assert set(each) == {f"{prefix}{a}/bytes" for a in adapters}, f"'{name}' pushed {pushed}"
+            assert 0 < sum(each.values()) < full_bytes / 10, f"'{name}': not adapter-only: {pushed}"
+            assert pushed[f"{prefix}bytes"] == sum(each.values()) and r[f"{prefix}adapters_pushed"] == len(
+                adapters
+            )
+            for a in adapters | frozen:
+                steps, dropped = (r[f"policy/{name}/adapter/{a}/{k}"] for k in ("steps", "samples_dropped"))
+                assert (steps, dropped) == (float(a in adapters), 0.0), f"step {r['step']} adapter '{a}'"
     assert records[0][f"policy/{name}/grad_norm"] > 0, f"policy '{name}': zero gradient at step 1"
     for key in ("tis_weight_mean", "tis_weight_max"):
         value = records[-1][f"policy/{name}/{key}"]
@@ -276,8 +296,9 @@ def test_preset_trains_and_syncs(preset: Preset, preset_runs):
         assert all(r[f"agent/{agent}/num_samples"] > 0 for r in records), f"agent '{agent}' missed a step"
     frozen = {name for name, p in cfg.policies.items() if p.frozen}
     for name in sorted({a.policy for a in cfg.agents.values() if not a.frozen} - frozen):
-        adapters = {a.lora for a in cfg.agents.values() if a.policy == name and a.lora}
-        _check_policy(name, cfg.policies[name], adapters, records)
+        adapters = {a.lora for a in cfg.agents.values() if a.policy == name and a.lora and not a.frozen}
+        frozen_adapters = {a.lora for a in cfg.agents.values() if a.policy == name and a.lora} - adapters
+        _check_policy(name, cfg.policies[name], adapters, records, frozen_adapters)
     assert records[-1]["async/staleness_max"] == 0, (
         "the last step's samples lack the weight version pushed before it"
     )
@@ -312,6 +333,7 @@ def _run_presets(out: Path, configs: list[str]) -> None:
                 config,
                 f"output_dir={out / 'runs'}",
                 *_fp32_overrides(load_config(config).policies),
+                *PRESET_OVERRIDES.get(Path(config).stem, []),
                 f"trainer.total_steps={steps}",
             ]
         )

@@ -35,7 +35,7 @@ policies:
     lr: 1.0e-3
     seq_len: 256
     dtype: fp32
-    lora: {{rank: 4, alpha: 8}}
+    lora: {{rank: 4, alpha: 8, min_samples: 8}}
     engine: {{backend: vllm, launch: server, num_replicas: 1, dtype: fp32, max_num_seqs: 16, kv_cache_gib: 0.25,
              num_threads: 1, verify_sync: true}}
 agents:
@@ -76,10 +76,15 @@ def test_only_adapters_travel_and_every_push_matches_transformers_with_peft(run)
     _, rows = run
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     for row in rows:
-        assert "weight_sync/shared/bytes" not in row  # the base never moves
-        for adapter in ("sender", "receiver"):
+        adapters = ("sender", "receiver")
+        # the base never moves: the push is the adapters that stepped (both: 16 rows each >= min_samples)
+        assert row["weight_sync/shared/bytes"] == sum(row[f"weight_sync/shared/{a}/bytes"] for a in adapters)
+        assert row["weight_sync/shared/adapters_pushed"] == 2
+        for adapter in adapters:
             assert 0 < row[f"weight_sync/shared/{adapter}/bytes"] < 1_000_000
             assert row[f"weight_sync/shared/{adapter}/verified_replicas"] == 1
+            assert row[f"policy/shared/adapter/{adapter}/steps"] == 1
+            assert row[f"policy/shared/adapter/{adapter}/samples_dropped"] == 0
         assert row["rollout/num_failed"] == 0 and row["async/staleness_max"] == 0
     assert rows[-1]["engine/shared/replica0/requests"] > 0
 

@@ -54,7 +54,11 @@ def test_l2_lora_adapters_train_per_agent_and_sync_adapter_only(tmp_path):
         for adapter in ("sender", "receiver"):
             sent = row[f"weight_sync/shared/{adapter}/bytes"]
             assert 0 < sent < 200_000  # rank-4 adapters (~64 KB), not the 13 MB model
-        assert "weight_sync/shared/bytes" not in row
+        # the base never moves: the push is both adapters (each stepped), and nothing else
+        assert row["weight_sync/shared/bytes"] == sum(
+            row[f"weight_sync/shared/{a}/bytes"] for a in ("sender", "receiver")
+        )
+        assert row["weight_sync/shared/adapters_pushed"] == 2
     assert rows[1]["policy/shared/kl_loss"] > 0  # the receiver's adapter moved away from the base
     adapters = tmp_path / "run" / "adapters" / "shared"
     assert {p.name for p in adapters.iterdir()} == {"receiver", "sender"}

@@ -57,7 +57,7 @@ class _Replicas:
     def register_adapters(self) -> None:
         self.events.append("register")
 
-    def push(self, version: int) -> dict[str, float]:
+    def push(self, version: int, *, adapters=None) -> dict[str, float]:
         self.events.append(f"push v{version}")
         return {}
 

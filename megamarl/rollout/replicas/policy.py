@@ -189,11 +189,11 @@ class PolicyReplicas:
 
     # -- weight pushes (collective) -------------------------------------------------------------------
 
-    def push(self, version: int) -> dict[str, float]:
-        """Collective: this policy's current trained weights (L2: each adapter) into its replicas,
-        stamped ``version``."""
+    def push(self, version: int, *, adapters: list[str] | None = None) -> dict[str, float]:
+        """Collective: this policy's current trained weights (L2: each adapter in ``adapters``, default
+        all; the others keep their weights and version) into its replicas, stamped ``version``."""
         if self.policy.lora is not None:
-            return self._push_adapters(version)
+            return self._push_adapters(version, self.adapters if adapters is None else adapters)
         if self.served:  # colocated: the trainer's wake-weights phase woke them (megamarl.planning.phases)
             return self._push_to_servers(version, bucket_bytes=int(self.policy.engine.bucket_mb * 2**20))
         held = None
@@ -584,9 +584,11 @@ class PolicyReplicas:
                     self.wake()  # on GPU asleep since start-up (ServerFleet._start)
                 cast(ServesAdapters, self.engine).add_lora(adapter, path)  # attached on the driver
 
-    def _push_adapters(self, version: int) -> dict[str, float]:
+    def _push_adapters(self, version: int, pushed: list[str]) -> dict[str, float]:
+        """``pushed`` adapters' weights into the replicas, stamped ``version``; the others keep theirs (and
+        their version: ``WeightVersions.serving``). ``weight_sync/<p>/bytes``: the bytes of this push."""
         metrics, worker = {}, self.worker
-        for adapter in self.adapters:
+        for adapter in (a for a in self.adapters if a in pushed):
             if self.served:
                 stats, verified = self._adapter_to_servers(adapter, version)
                 if self.policy.engine.verify_sync and self.is_driver:
@@ -603,6 +605,9 @@ class PolicyReplicas:
                     lora=adapter,
                 )
             metrics.update(stats.as_dict(f"weight_sync/{self.name}/{adapter}"))
+        prefix = f"weight_sync/{self.name}/"
+        metrics[f"{prefix}bytes"] = sum(metrics.get(f"{prefix}{a}/bytes", 0.0) for a in pushed)
+        metrics[f"{prefix}adapters_pushed"] = float(len(pushed))
         return metrics
 
     def _adapter_to_servers(self, adapter: str, version: int) -> tuple[SyncStats, int]:
