@@ -205,6 +205,8 @@ async def _run_to_end(orchestra: Orchestra, ctx: EpisodeContext) -> None:
         await orchestra.run(ctx)
     except EpisodeDone:
         pass
+    finally:  # done, cut by the orchestra's max_steps, failed or timed out (the cancellation lands here)
+        ctx.env.close()
 
 
 async def run_episodes(
