@@ -221,8 +221,8 @@ class ProgramWorkers:
                 if done.done():  # the episode was cancelled while queued
                     continue
                 try:
-                    if self.crash_loop is not None:
-                        raise self.crash_loop
+                    if self.crash_loop is not None:  # a fresh error per job: one traceback each
+                        raise ProgramCrashLoopError(*self.crash_loop.args)
                     if started is None or started[1].exited.done():  # failed, or exited between jobs
                         if started is not None:
                             await _end(*started)
