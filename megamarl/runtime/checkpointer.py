@@ -81,8 +81,10 @@ class RunDirStorage:
         return state, checkpoint.load_rng(path, rank)
 
     def metrics_line(self, path: Path) -> dict[str, float]:
-        """The metrics line of the checkpoint's step as it stood at the save ({}: none)."""
-        return checkpoint.load_metrics_line(path)
+        """The metrics line of the checkpoint's step as it stood at the save ({}: none, or the checkpoint
+        is another run directory's, whose earlier lines are not here either)."""
+        own = path.resolve().parent == checkpoint.checkpoint_path(self.run_dir, 0).resolve().parent
+        return checkpoint.load_metrics_line(path) if own else {}
 
     def rewind(self, step: int) -> None:
         """Later metrics lines are logged again by the resumed run."""
