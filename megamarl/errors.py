@@ -57,3 +57,8 @@ class RolloutFailureError(RunStoppedError):
 
 class RefillExhaustedError(RolloutFailureError):
     """``algorithm.refill_exhausted=stop`` and the refill rounds left too few informative tasks."""
+
+
+class ProgramCrashLoopError(RolloutFailureError):
+    """A long-lived external program exited before finishing an episode ``orchestra.kwargs.
+    max_start_failures`` times in a row, with no episode finished in between (``orchestration.programs``)."""

@@ -31,7 +31,7 @@ from megamarl.rl.update_metrics import skipped_updates
 from megamarl.rollout.engine_placement import ReplicaPlacement
 from megamarl.run import DRIVER, Run, build_run
 from megamarl.runtime import step_metrics
-from megamarl.runtime.preemption import PreemptionFlag, mark_stopped
+from megamarl.runtime.preemption import PreemptionFlag
 
 
 class Trainer:
@@ -81,14 +81,8 @@ class Trainer:
                 if self.stop_reason or (preempted and self.run.checkpointer.saved_step != self.step):
                     self.run_phases(self.phases.final_save)
                 if preempted:
-                    if self.is_driver and not self.stop_reason:  # stop_at ended it: nothing to requeue
-                        mark_stopped(
-                            self.run_dir, step=self.step, received=preemption.received
-                        )  # for train.sbatch
-                    by = preemption.received.name if preemption.received else "another rank"
-                    self.say(
-                        f"preempted ({by}): saved step {self.step}; trainer.resume=auto continues from it"
-                    )
+                    requeue = self.is_driver and not self.stop_reason
+                    self.say(preemption.stopped(self.run_dir, step=self.step, requeue=requeue))
                     break
                 if self.stop_reason:
                     self.say(f"stopping at step {self.step}: {self.stop_reason} (saved)")
@@ -110,7 +104,7 @@ class Trainer:
             "push": self._push_phase,
             "resync": self._resync_phase,
             "save": lambda: run.checkpointer.save(
-                self.step, last=self.step == total, stop_reason=self.stop_reason
+                self.step, last=self.step == total, stop_reason=self.stop_reason, line=self._line()
             ),
             "final_save": lambda: run.checkpointer.save(self.step, last=True, stop_reason=self.stop_reason),
             "offload": self._offload_phase,
@@ -180,13 +174,20 @@ class Trainer:
             if self.step == 0:
                 evaluator.stop_reason(self.step)
         else:
-            summary, step_s = self._received.summary, time.perf_counter() - self._step_start
-            self._metrics.update(step_metrics.step_end_metrics(self._metrics, step_s=step_s, summary=summary))
-            self.run.progress.step_done(self.step, step_s)
+            self._metrics = self._line()
+            self.run.progress.step_done(self.step, self._metrics["timing_s/step"])
             if self.is_driver:
                 cast(RolloutDriver, self.driver).log(self.step, self._metrics)
             if evaluator.due(self.step):
                 self.stop_reason = evaluator.stop_reason(self.step)
+
+    def _line(self) -> dict[str, float]:
+        """This step's metrics line as it stands: its metrics so far and its time up to now."""
+        step_s, summary = time.perf_counter() - self._step_start, cast(RankBatch, self._received).summary
+        return {
+            **self._metrics,
+            **step_metrics.step_end_metrics(self._metrics, step_s=step_s, summary=summary),
+        }
 
     def rollout_and_prepare(self) -> tuple[RankBatch, dict[str, float]]:
         """The driver takes the next batch from its schedule (trainer.mode) and computes advantages;

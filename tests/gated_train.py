@@ -4,7 +4,7 @@ exactly there (tests/integration/test_async_resume.py):
     gated_train.py GATE STEP MARKER --config ... [overrides]   (then train.py's arguments)
 
 At the gate the rank writes ``MARKER`` (its text: the gate and step) and sleeps; nothing else changes
-(``scripts/train.py``'s own ``main`` runs, its ``Trainer`` a subclass that wraps three of the run's
+(``scripts/train.py``'s own ``main`` runs, its ``Trainer`` a subclass that wraps one of the run's
 objects after they are built). Gates, for a run of two or more policies, "second" meaning the last in
 ``policies:`` order (or in the order the step calls them):
 
@@ -16,6 +16,8 @@ objects after they are built). Gates, for a run of two or more policies, "second
 * ``update``: step ``STEP``'s update, after the first policy's optimizer step, before the second's.
 * ``push``: step ``STEP``'s weight push, after the first policy's engines got the new weights, before
   the second's.
+* ``save``: right after step ``STEP``'s checkpoint is complete, before the step's metrics line is logged
+  (any number of policies).
 """
 
 from __future__ import annotations
@@ -82,7 +84,20 @@ def _gate_push(trainer: megamarl.trainer.Trainer, step: int, marker: Path) -> No
         replicas.push = gated
 
 
-GATES = {"rollout": _gate_rollout, "update": _gate_update, "push": _gate_push}
+def _gate_save(trainer: megamarl.trainer.Trainer, step: int, marker: Path) -> None:
+    checkpointer = trainer.run.checkpointer
+    save = checkpointer.save
+
+    def gated(at: int, **kwargs) -> bool:
+        saved = save(at, **kwargs)
+        if saved and at == step:
+            _stop_here(marker, f"save {step}")
+        return saved
+
+    checkpointer.save = gated
+
+
+GATES = {"rollout": _gate_rollout, "update": _gate_update, "push": _gate_push, "save": _gate_save}
 
 
 def main(argv: list[str]) -> int:

@@ -375,6 +375,14 @@ class RolloutDriver:
         }
         self.console_print(f"step {step}: " + ", ".join(f"{k}={v:.3f}" for k, v in shown.items()))
 
+    def log_if_missing(self, step: int, line: dict[str, float]) -> None:
+        """Resume: ``line`` (the metrics of ``step`` as they stood at its save) logged when metrics.jsonl
+        ends before ``step``: the run died between the save and the line. It lacks what the step
+        measured after its save (its time is the time to the save)."""
+        if line and self.logger.last_step() < step:
+            self.console_print(f"step {step}'s metrics line, logged from its checkpoint:")
+            self.log(step, dict(line))
+
     def console_print(self, text: str) -> None:
         self.progress.line(text)
 

@@ -23,6 +23,7 @@ from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping, S
 from dataclasses import dataclass, field, replace
 from typing import Protocol, cast
 
+from megamarl.errors import RunStoppedError
 from megamarl.orchestration.env import Task
 from megamarl.orchestration.episodes import EpisodeStats, RolloutResult
 from megamarl.rl.sample import Sample
@@ -341,6 +342,8 @@ class GroupBuffer:
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             while True:
+                if isinstance(self._error, RunStoppedError):  # it stops the run with its own exit code
+                    raise self._error
                 if self._error is not None:
                     raise RuntimeError(f"rollout producer failed: {self._error!r}") from self._error
                 if self._drop_stale(versions, max_staleness):

@@ -119,6 +119,10 @@ class Env(abc.ABC, Generic[ConfigT]):
         finished episodes and logged as ``env/<key>`` (a count becomes a count per episode)."""
         return {}
 
+    def close(self) -> None:
+        """Release what the episode holds (a wrapped env, a process, a connection). Called once when the
+        episode ends, however it ended: done, cut by the orchestra's ``max_steps``, failed, timed out."""
+
     def score(self, agent: str, action: Action) -> float | None:
         """Check fn for tree sampling: how good ``action`` would be now, without changing state.
         None: this env has no check for ``agent``."""

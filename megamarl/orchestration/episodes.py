@@ -18,7 +18,7 @@ from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from megamarl.errors import RolloutFailureError
+from megamarl.errors import RolloutFailureError, RunStoppedError
 from megamarl.orchestration.agents import Agent
 from megamarl.orchestration.chat import TemplateDeltaError
 from megamarl.orchestration.context import (
@@ -119,7 +119,8 @@ class RolloutResult:
         return out
 
 
-_CONFIG_ERRORS = (ConfigError, TemplateDeltaError)
+# not one episode's failure: the run stops (a config error; a crash-looping program: RunStoppedError)
+_CONFIG_ERRORS = (ConfigError, TemplateDeltaError, RunStoppedError)
 
 
 async def run_episode(
@@ -205,6 +206,8 @@ async def _run_to_end(orchestra: Orchestra, ctx: EpisodeContext) -> None:
         await orchestra.run(ctx)
     except EpisodeDone:
         pass
+    finally:  # done, cut by the orchestra's max_steps, failed or timed out (the cancellation lands here)
+        ctx.env.close()
 
 
 async def run_episodes(

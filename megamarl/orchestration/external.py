@@ -34,6 +34,7 @@ from megamarl.orchestration.openai_endpoint import (
 )
 from megamarl.orchestration.orchestras import ORCHESTRAS, Orchestra, OrchestraConfig
 from megamarl.orchestration.programs import (
+    DEFAULT_MAX_START_FAILURES,
     RUNNERS,
     ExternalProgramError,
     NoRewardError,
@@ -96,6 +97,9 @@ class External(Orchestra):
         pass_env: tuple[str, ...] = ()
         cwd: str = ""  # the program's working directory; empty: the run's
         max_stderr_bytes: int = 64 * 1024  # the tail of the program's stderr kept (for the episode's error)
+        # long_lived: this many programs in a row that exit (or cannot start) before finishing an
+        # episode, none finished in between, stop the run (a crash loop); 0: 3
+        max_start_failures: int = 0
 
         def __post_init__(self) -> None:
             super().__post_init__()  # EndpointLimits
@@ -127,6 +131,14 @@ class External(Orchestra):
             if bad:
                 raise ValueError(
                     f"orchestra.pass_env: {bad} are not variable names (or prefixes ending in *)"
+                )
+            if self.max_start_failures < 0:
+                raise ValueError(f"orchestra.max_start_failures must be >= 0, got {self.max_start_failures}")
+            if self.max_start_failures and self.mode != "long_lived":
+                raise ValueError(
+                    f"orchestra.max_start_failures is for orchestra.mode=long_lived (got "
+                    f"max_start_failures={self.max_start_failures} with mode={self.mode}); a per_episode "
+                    "program's failures are its episodes' (rollout.max_failed_fraction)"
                 )
             if self.max_stderr_bytes < 0:
                 raise ValueError(f"orchestra.max_stderr_bytes must be >= 0, got {self.max_stderr_bytes}")
@@ -197,6 +209,7 @@ class External(Orchestra):
                 counters=self._counters,
                 num_workers=self.config.num_workers or self.config.max_concurrency,
                 worker_environ=lambda index: {**self.base_environ(), "MEGAMARL_WORKER": str(index)},
+                max_start_failures=self.config.max_start_failures or DEFAULT_MAX_START_FAILURES,
             )
         return self._runners[loop]
 

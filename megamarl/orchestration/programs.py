@@ -6,7 +6,10 @@ the whole rollout loop: each reads jobs from stdin, one JSON line per episode, a
 *done line* on stdout (``{"episode_id": ...}``, optionally with the reward), one episode at a time. In
 both, a program that exits during its episode fails it (``ProgramExitError``, with the tail of its
 stderr), one that runs past ``timeout_s`` is killed and fails it (``ProgramTimeoutError``); a failed
-worker loses only its current episode and is started again for its next one. Every program runs in
+worker loses only its current episode and is started again for its next one, unless it crash-loops:
+``max_start_failures`` programs in a row that exit (or cannot start) before finishing an episode, with
+none finished in between, stop the run (``ProgramCrashLoopError``, naming the program and its last
+stderr lines; supervisord's ``startretries``). Every program runs in
 its own process group, killed whole when it ends, fails, or the loop shuts its worker down.
 Details: docs/design-notes.md, "megamarl/orchestration/programs.py".
 """
@@ -22,8 +25,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from megamarl.errors import ProgramCrashLoopError
+
 _STDERR_GRACE_S = 1.0
 MAX_LINE_BYTES = 1024 * 1024  # a longer stdout line (no newline) is dropped, never kept whole
+DEFAULT_MAX_START_FAILURES = 3  # orchestra.kwargs.max_start_failures=0 (supervisord's startretries)
 
 
 class ExternalProgramError(RuntimeError):
@@ -189,8 +195,12 @@ class ProgramWorkers:
         counters: dict[str, int],
         num_workers: int,
         worker_environ: Callable[[int], dict[str, str]],
+        max_start_failures: int,
     ) -> None:
         self.spec, self.counters, self.worker_environ = spec, counters, worker_environ
+        self.max_start_failures = max_start_failures
+        self.num_start_failures = 0  # programs in a row that ended before finishing an episode
+        self.crash_loop: ProgramCrashLoopError | None = None  # set: every job fails with it, none starts
         self.jobs: asyncio.Queue[tuple[dict, asyncio.Future[dict]]] = asyncio.Queue()
         self.workers = [asyncio.ensure_future(self._serve(index)) for index in range(num_workers)]
 
@@ -202,6 +212,7 @@ class ProgramWorkers:
     async def _serve(self, index: int) -> None:
         started: tuple[asyncio.SubprocessTransport, _Program] | None = None
         done: asyncio.Future[dict] | None = None
+        num_served = 0  # episodes the running program finished
         with contextlib.suppress(OSError):  # a command that cannot start: each job reports it
             started = await self._start(index)  # at once: the programs' imports overlap
         try:
@@ -210,12 +221,18 @@ class ProgramWorkers:
                 if done.done():  # the episode was cancelled while queued
                     continue
                 try:
+                    if self.crash_loop is not None:  # a fresh error per job: one traceback each
+                        raise ProgramCrashLoopError(*self.crash_loop.args)
                     if started is None or started[1].exited.done():  # failed, or exited between jobs
                         if started is not None:
                             await _end(*started)
-                        started = None
+                            if not num_served:  # it exited before its first job was done
+                                what = f"worker {list(self.spec.argv)}"
+                                self._start_failed(started[1].exit_error(started[0].get_returncode(), what))
+                        started, num_served = None, 0
                         started = await self._start(index)
                     answer = await self._episode(*started, job, done)
+                    num_served, self.num_start_failures = num_served + 1, 0
                     if not done.done():
                         done.set_result(answer)
                 # the episode's failure (or its cancellation: _Cancelled), never the worker's end; the
@@ -224,6 +241,8 @@ class ProgramWorkers:
                     if started is not None:
                         await _end(*started)
                     started = None
+                    if isinstance(exc, (ProgramExitError, OSError)) and not num_served:
+                        exc = self._start_failed(exc)
                     if not done.done():
                         done.set_exception(exc)
         finally:
@@ -231,6 +250,19 @@ class ProgramWorkers:
                 done.cancel()  # no-op unless the worker ends mid-episode
             if started is not None:
                 await _end(*started)
+
+    def _start_failed(self, exc: Exception) -> Exception:
+        """A program exited (or could not start) before finishing an episode: counted; the
+        ``max_start_failures``-th in a row stops the run (``crash_loop``, the error every job gets)."""
+        self.num_start_failures += 1
+        if self.crash_loop is None and self.num_start_failures >= self.max_start_failures:
+            self.crash_loop = ProgramCrashLoopError(
+                f"orchestra.kwargs.mode=long_lived: the program {list(self.spec.argv)} exited before "
+                f"finishing an episode {self.num_start_failures} times in a row, no episode finished in "
+                f"between (orchestra.kwargs.max_start_failures={self.max_start_failures}); the run stops. "
+                f"The last: {exc}"
+            )
+        return self.crash_loop or exc
 
     async def _start(self, index: int) -> tuple[asyncio.SubprocessTransport, _Program]:
         started = await _spawn(self.spec, self.worker_environ(index), stdout=asyncio.subprocess.PIPE)

@@ -3,10 +3,14 @@ normalised by the mini-batch's global counts), maxima maxed, everything else ave
 micro-batch's response tokens (``RESPONSE_TOKENS``), so a step's metrics do not depend on how its rows
 were cut into micro-batches (padded, packed, prefix tree); per optimizer step, the mean over a pass's
 steps, with the non-finite counters summed (skips) or maxed (the streak). The rollout/training
-mismatch is kept per agent (``AgentMismatch``): sums over the agent's rows, divided at the end.
+mismatch is kept per agent (``AgentMismatch``): sums over the agent's rows on every DP rank, divided at
+the end.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -44,10 +48,14 @@ def summarise(collected: list[dict[str, float]], **extra: float) -> dict[str, fl
 class AgentMismatch:
     """Per-agent sums of ``mismatch.mismatch_row_sums`` over an update's micro-batches -> the
     ``agent/<a>/mismatch_*`` metrics. With several epochs every pass adds the same rows again (the old
-    log-probs are fixed), which leaves the ratios unchanged."""
+    log-probs are fixed), which leaves the ratios unchanged. ``gather``: every DP rank's object, in
+    rank order (``parallel.collectives.all_gather_objects`` over the policy's DP group; collective):
+    a rank sums only its own rows, so the ranks' sums are added before the ratios are taken, which
+    makes the means token-weighted over the whole batch (None: one DP rank)."""
 
-    def __init__(self) -> None:
+    def __init__(self, gather: Callable[[Any], list[Any]] | None = None) -> None:
         self.sums: dict[str, torch.Tensor] = {}
+        self.gather = gather
 
     def add(self, agents: list[str], rows: torch.Tensor) -> None:
         """``agents``: the row's agent of each of ``rows [B, 6]``."""
@@ -57,10 +65,17 @@ class AgentMismatch:
             self.sums[agent] = total if agent not in self.sums else self.sums[agent] + total
 
     def metrics(self) -> dict[str, float]:
-        """``agent/<a>/mismatch_*`` of every agent with response tokens; then empty until the next ``add``."""
+        """``agent/<a>/mismatch_*`` of every agent with response tokens (on every DP rank: the sums of
+        all of them); then empty until the next ``add``."""
+        summed = self.sums
+        if self.gather is not None:  # an agent's rows may sit on some DP ranks only
+            summed = {}
+            for rank_sums in self.gather({agent: sums.cpu() for agent, sums in self.sums.items()}):
+                for agent, sums in rank_sums.items():
+                    summed[agent] = sums if agent not in summed else summed[agent] + sums
         out = {
             f"agent/{agent}/{key}": value
-            for agent, sums in sorted(self.sums.items())
+            for agent, sums in sorted(summed.items())
             if float(sums[0]) > 0
             for key, value in mismatch_metrics(sums).items()
         }

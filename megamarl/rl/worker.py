@@ -29,6 +29,7 @@ from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from megamarl.config import PolicyConfig
 from megamarl.models.bridge import export_hf_weights
 from megamarl.models.lora import export_lora_weights, set_active_adapter
+from megamarl.parallel.collectives import all_gather_objects
 from megamarl.parallel.placement import WorkerGroup
 from megamarl.rl.adapters import AdapterSteps
 from megamarl.rl.batch import SampleBatch
@@ -73,7 +74,7 @@ class PolicyWorker:
         (``agents[a].adapter``) on a frozen base; only adapters train, each micro-batch runs with its
         agent's adapter, the reference policy is the base itself (adapters off). ``total_steps``:
         trainer steps, the default length of the learning-rate decay."""
-        if not wg.is_member:
+        if wg.pgs is None:  # wg.is_member
             raise ValueError(f"rank {dist.get_rank()} holds no shard of policy '{name}'")
         self.name, self.cfg, self.wg, self.loss_cfg = name, cfg, wg, loss_cfg
         self.device = wg.device  # every tensor of this WG's schedule lives here (see on_device)
@@ -110,7 +111,8 @@ class PolicyWorker:
         self.skip_streak = 0
         self.last_fault = ""  # which agents/episodes gave a non-finite loss, for the error message
         self._nonfinite_rows: list[str] = []
-        self.mismatch = AgentMismatch()  # rollout vs training log-probs per agent (agent/<a>/mismatch_*)
+        # rollout vs training log-probs per agent (agent/<a>/mismatch_*), over the DP ranks' rows
+        self.mismatch = AgentMismatch(gather=partial(all_gather_objects, group=wg.pgs.dp))
 
     def _adapter_lr(self, adapter: str) -> float:
         """The learning rate of LoRA adapter ``adapter``: its agent's ``lr``, else the policy's."""

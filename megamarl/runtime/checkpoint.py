@@ -3,11 +3,13 @@ docs/checkpointing.md).
 
 One directory per saved step, ``<run_dir>/checkpoints/step_000040/``: ``policies/<policy>/`` (model +
 AdamW in ``torch_dist``, any layout: ``megamarl.models.dist_checkpoint``), ``rng/rank_*.pt``,
-``trainer.pt`` (step, weight versions, counts, the driver's totals and rollout_state) and ``COMPLETE``,
-written last. Invariant: the directory appears atomically: ranks write ``step_N.partial``, the driver
-renames it, so a crash leaves earlier checkpoints intact and at most a ``.partial`` that resume ignores.
+``trainer.pt`` (step, weight versions, counts, the driver's totals and rollout_state),
+``metrics_line.json`` (the step's metrics as they stood at the save) and ``COMPLETE``, written last.
+Invariant: the directory appears atomically: ranks write ``step_N.partial``, the driver renames it,
+so a crash leaves earlier checkpoints intact and at most a ``.partial`` that resume ignores.
 Resume rewinds the run directory: later ``metrics.jsonl`` and ``trained_groups.jsonl`` lines and
-``eval.json`` entries are cut, later complete checkpoints renamed ``*.discarded``; a run from step 0 in
+``eval.json`` entries are cut, later complete checkpoints renamed ``*.discarded``, and the checkpoint's
+own step logged from ``metrics_line.json`` when the run died before it logged it; a run from step 0 in
 an earlier run's directory rewinds all.
 The layout in full: docs/design-notes.md, "megamarl/runtime/checkpoint.py".
 """
@@ -35,6 +37,7 @@ from megamarl.runtime.progress import format_duration
 CHECKPOINTS = "checkpoints"
 COMPLETE = "COMPLETE"
 TRAINER_STATE = "trainer.pt"
+METRICS_LINE = "metrics_line.json"  # the step's metrics line as it stood at the save (resume re-logs it)
 POLICIES = "policies"
 _STEP_DIR = re.compile(r"step_(\d+)")
 
@@ -296,10 +299,13 @@ def load_trainer_state(path: Path) -> dict:
     return torch.load(path / TRAINER_STATE, weights_only=False)
 
 
-def commit(staging: Path, final: Path, trainer_state: dict) -> None:
-    """Driver only, after every rank wrote its shards into ``staging``: add the run state and the
-    marker, then rename ``staging`` to ``final`` in one step."""
+def commit(staging: Path, final: Path, trainer_state: dict, line: dict[str, float] | None = None) -> None:
+    """Driver only, after every rank wrote its shards into ``staging``: add the run state, the step's
+    metrics line as it stands (``line``; None: none) and the marker, then rename ``staging`` to
+    ``final`` in one step."""
     torch.save(trainer_state, staging / TRAINER_STATE)
+    if line is not None:
+        (staging / METRICS_LINE).write_text(json.dumps(line) + "\n", encoding="utf-8")
     # the manifest: every file's size, so resume can tell a truncated or replaced file before it loads
     files = {str(f.relative_to(staging)): f.stat().st_size for f in sorted(staging.rglob("*")) if f.is_file()}
     (staging / COMPLETE).write_text(json.dumps({"step": trainer_state["step"], "files": files}) + "\n")
@@ -311,6 +317,12 @@ def commit(staging: Path, final: Path, trainer_state: dict) -> None:
     os.replace(staging, final)
     if stale is not None:
         shutil.rmtree(stale)
+
+
+def load_metrics_line(path: Path) -> dict[str, float]:
+    """The step's metrics line the checkpoint carries ({} when it carries none)."""
+    file = path / METRICS_LINE
+    return json.loads(file.read_text(encoding="utf-8")) if file.is_file() else {}
 
 
 def clear(path: Path) -> None:

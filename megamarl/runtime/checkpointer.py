@@ -1,7 +1,8 @@
 """The run's checkpointer: ``load`` at start-up, ``save(step, last=...)`` when due, ``close`` at the end.
 
 Collective: every rank writes its policies' shards (layout-free) and its RNG, then the driver commits
-the run state and the COMPLETE marker atomically (``megamarl.runtime.checkpoint``, docs/checkpointing.md).
+the run state, the step's metrics line so far and the COMPLETE marker atomically
+(``megamarl.runtime.checkpoint``, docs/checkpointing.md).
 ``save`` decides whether a step is due (``trainer.save_every``, or ``last``). A failed write on any
 rank (disk full, quota, I/O error) is agreed by all ranks: the partial directory goes and
 ``CheckpointWriteError`` stops the run, naming the previous complete checkpoint, which nothing touched.
@@ -32,6 +33,13 @@ class Stateful(Protocol):
     def load_state_dict(self, state: dict) -> None: ...
 
 
+class Driver(Stateful, Protocol):
+    """The driver's state, and its metrics log: a resumed run logs the checkpoint's step when the
+    killed run had not (``log_if_missing``)."""
+
+    def log_if_missing(self, step: int, line: dict[str, float]) -> None: ...
+
+
 class RunDirStorage:
     """Checkpoints as files under ``run_dir/checkpoints`` (``megamarl.runtime.checkpoint``)."""
 
@@ -49,8 +57,8 @@ class RunDirStorage:
         checkpoint.save_policies(staging, policies, workers, wgs)
         checkpoint.save_rng(staging, rank)
 
-    def commit(self, staging: Path, final: Path, state: dict) -> None:
-        checkpoint.commit(staging, final, state)
+    def commit(self, staging: Path, final: Path, state: dict, line: dict[str, float] | None) -> None:
+        checkpoint.commit(staging, final, state, line)
 
     def prune(self, *, keep_last: int) -> None:
         checkpoint.prune(self.run_dir, keep_last=keep_last)
@@ -71,6 +79,12 @@ class RunDirStorage:
         state = checkpoint.load_trainer_state(path)
         checkpoint.load_policies(path, policies, workers, wgs)
         return state, checkpoint.load_rng(path, rank)
+
+    def metrics_line(self, path: Path) -> dict[str, float]:
+        """The metrics line of the checkpoint's step as it stood at the save ({}: none, or the checkpoint
+        is another run directory's, whose earlier lines are not here either)."""
+        own = path.resolve().parent == checkpoint.checkpoint_path(self.run_dir, 0).resolve().parent
+        return checkpoint.load_metrics_line(path) if own else {}
 
     def rewind(self, step: int) -> None:
         """Later metrics lines are logged again by the resumed run."""
@@ -97,7 +111,7 @@ class Checkpointer:
         workers: dict,
         wgs: dict,
         versions: Stateful,
-        driver: Stateful | None,
+        driver: Driver | None,
         say: Callable[[str], None],
     ) -> None:
         self.trainer, self.policies, self.storage = trainer, policies, storage
@@ -136,11 +150,17 @@ class Checkpointer:
             self.driver.load_state_dict(state["driver"])
             self.storage.rewind(step)
             self.say(f"resumed from {path} at step {step}")
+            # a run killed after this save but before the step's metrics line: the line it carries
+            self.driver.log_if_missing(step, self.storage.metrics_line(path))
         return step, state.get("stop_reason", "")
 
-    def save(self, step: int, *, last: bool = False, stop_reason: str = "") -> bool:
+    def save(
+        self, step: int, *, last: bool = False, stop_reason: str = "", line: dict[str, float] | None = None
+    ) -> bool:
         """Collective: saves when ``last`` or at the ``trainer.save_every`` cadence; returns whether it
-        saved. ``stop_reason``: a resumed run that stopped at ``eval.stop_at`` stays stopped."""
+        saved. ``stop_reason``: a resumed run that stopped at ``eval.stop_at`` stays stopped. ``line``:
+        the step's metrics as they stand (the driver's), logged on resume when the run died before it
+        logged the step."""
         every = self.trainer.save_every
         if not (last or (every > 0 and step % every == 0)):
             return False
@@ -165,7 +185,7 @@ class Checkpointer:
                 "driver": self.driver.state_dict(),
                 "stop_reason": stop_reason,
             }
-            error = checkpoint.attempt_write(lambda: self.storage.commit(staging, final, state))
+            error = checkpoint.attempt_write(lambda: self.storage.commit(staging, final, state, line))
             errors += [f"rank {self.rank}: {error}"] if error else []
             if not errors:
                 self.storage.prune(keep_last=self.trainer.keep_last)

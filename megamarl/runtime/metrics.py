@@ -95,6 +95,11 @@ class MetricsLogger:
         if self._wandb_run is not None:
             self._wandb_run.log({k: v for k, v in values.items() if v is not None}, step=int(step))
 
+    def last_step(self) -> int:
+        """The step of metrics.jsonl's last record (0: none; on ranks other than 0 always 0)."""
+        records = read_metrics(self.run_dir) if self.is_writer else []
+        return int(records[-1]["step"]) if records else 0
+
     def log_trained_groups(self, step: int, groups: Mapping[str, Any]) -> None:
         """Append ``{"step": step, "policies": groups}`` to trained_groups.jsonl (``trained_groups``)."""
         if not self.is_writer:

@@ -60,6 +60,14 @@ class PreemptionFlag:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
         return bool(flag.item() > 0)
 
+    def stopped(self, run_dir: Path, *, step: int, requeue: bool) -> str:
+        """The run stops after saving ``step``: ``PREEMPTED`` written (``requeue``: on the driver, unless
+        ``eval.stop_at`` ended it, when there is nothing to requeue); returns the line to say."""
+        if requeue:
+            mark_stopped(run_dir, step=step, received=self.received)  # for train.sbatch
+        by = self.received.name if self.received else "another rank"
+        return f"preempted ({by}): saved step {step}; trainer.resume=auto continues from it"
+
     def uninstall(self) -> None:
         for sig, previous in self._previous.items():
             signal.signal(sig, previous)

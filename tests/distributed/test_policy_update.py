@@ -3,6 +3,8 @@ single-process HF reference on the same batch (< 1e-5), and an optimizer step ch
 The three grids (TP=2, PP=2, DP=2) live in one process under a global megatron-core grid that is
 wrong for two of them, and no megatron-core code looks up a global group (issue #46 item 6)."""
 
+import math
+
 import megatron_steps  # tests/ helper: gradients by HF name
 import pytest
 import torch
@@ -125,6 +127,7 @@ def _three_grids(model_dir):
         worker = PolicyWorker(name, policy, wg, load_policy_model(policy, wg, seed=0), _loss_cfg())
         part = worker.my_part(batch)
         worker.backward(part, worker.compute_logprobs(part), counts)
+        diffs[name + "_mismatch"] = worker.mismatch.metrics()  # what train_share reports (collective)
         grads = dict(megatron_steps.export_hf_grads(worker.model, wg))
         diffs[name] = max((grads[n] - reference[n]).abs().max().item() for n in grads)
         diffs[name + "_num"] = len(grads)
@@ -154,6 +157,16 @@ def test_megatron_policy_gradients_equal_single_process_reference(tmp_path):
                 diffs,
                 reference_norm,
             )
+    # agent/<a>/mismatch_*: each DP rank holds some rows of the batch; the metrics are of all of them,
+    # on every rank, as at TP=2 (one DP rank holding the whole batch)
+    whole = results[0]["tp2_mismatch"]
+    assert sorted(whole) == [
+        f"agent/{agent}/mismatch_{key}"
+        for agent in ("solver", "verifier")
+        for key in ("kl", "masked_frac", "ppl_ratio", "rejected_frac")
+    ]
+    for rank, diffs in enumerate(results):
+        assert diffs["dp2_mismatch"] == pytest.approx(whole, rel=1e-6), rank
     # PP=2: each stage exports its own layers; together they cover every HF tensor.
     assert results[0]["pp2_num"] + results[1]["pp2_num"] >= results[0]["tp2_num"]
     # building, log-probs, backward, clipping, the optimizer step and the export of three grids in
@@ -431,3 +444,40 @@ def test_one_row_batch_at_dp2_every_rank_takes_part(tmp_path):
         "pg_loss" in results[0]["metrics"] and "pg_loss" not in results[1]["metrics"]
     )  # stand-in: no loss terms
     assert "grad_norm" in results[1]["metrics"]
+
+
+def _mismatch_sums_body(rank):
+    import torch.distributed as dist
+
+    from megamarl.parallel.collectives import all_gather_objects
+    from megamarl.rl.update_metrics import AgentMismatch
+
+    mismatch = AgentMismatch(gather=lambda obj: all_gather_objects(obj, dist.group.WORLD))
+    # mismatch_row_sums columns: tokens, sum d, sum k3, tokens not kept, rows with tokens, rows rejected
+    if rank == 0:  # two rows of "a"
+        mismatch.add(
+            ["a", "a"], torch.tensor([[2.0, -0.25, 0.5, 0.0, 1.0, 0.0], [2.0, 0.5, 0.25, 2.0, 1.0, 1.0]])
+        )
+    else:  # one row of "a", one of "b" (an agent rank 0 never saw)
+        mismatch.add(
+            ["a", "b"], torch.tensor([[4.0, 1.75, 0.25, 2.0, 1.0, 0.0], [5.0, -2.5, 1.0, 0.0, 1.0, 0.0]])
+        )
+    return mismatch.metrics(), mismatch.metrics()
+
+
+def test_per_agent_mismatch_is_summed_over_the_dp_ranks():
+    """``AgentMismatch`` with its DP gather: every rank reports the mismatch of all ranks' rows
+    (token-weighted: the sums are added, then divided), also of an agent that only one rank holds."""
+    results = run_ranks(_mismatch_sums_body, 2)
+    expected = {  # a: 8 tokens, sum d 2.0, sum k3 1.0, 4 not kept, 3 rows, 1 rejected; b: rank 1's row
+        "agent/a/mismatch_kl": 1.0 / 8,
+        "agent/a/mismatch_ppl_ratio": math.exp(-2.0 / 8),
+        "agent/a/mismatch_masked_frac": 4.0 / 8,
+        "agent/a/mismatch_rejected_frac": 1.0 / 3,
+        "agent/b/mismatch_kl": 1.0 / 5,
+        "agent/b/mismatch_ppl_ratio": math.exp(2.5 / 5),
+        "agent/b/mismatch_masked_frac": 0.0,
+        "agent/b/mismatch_rejected_frac": 0.0,
+    }
+    for first, second in results:
+        assert first == expected and second == {}  # then empty until the next add

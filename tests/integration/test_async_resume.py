@@ -138,7 +138,7 @@ def test_async_run_killed_and_resumed_trains_the_same_samples(tmp_path, mode):
 L3_RUN = "signalling_l3"
 L3_POLICIES = {"sender": "sender_policy", "receiver": "receiver_policy"}
 L3_OVERRIDES = ("trainer.total_steps=3", "trainer.sync_every=1", "trainer.partial_rollout=false")
-L3_KILLS = {"rollout": 2, "update": 2, "push": 3}  # gate (tests/gated_train.py) -> the step it stops in
+L3_KILLS = {"rollout": 2, "update": 2, "push": 3, "save": 2}  # gate (tests/gated_train.py) -> its step
 GROUP_SIZE = 8  # configs/signalling_tiny.yaml's rollout.group_size
 
 
@@ -154,6 +154,11 @@ def _l3_config(root: Path) -> Path:
     return path
 
 
+def _saved_step(gate: str, step: int) -> int:
+    """The last checkpoint of a run killed at ``gate`` of ``step``: the step's own past its save."""
+    return step if gate == "save" else step - 1
+
+
 def _trained_groups(output_dir: Path) -> list[dict]:
     lines = (output_dir / L3_RUN / "trained_groups.jsonl").read_text().splitlines()
     return [json.loads(line) for line in lines]
@@ -162,8 +167,9 @@ def _trained_groups(output_dir: Path) -> list[dict]:
 def test_two_policy_fully_async_run_killed_mid_step_trains_every_group_once(tmp_path):
     """L3 fully_async, a one-batch buffer and drained pushes (deterministic), ``save_every=1``; three
     runs SIGKILLed at a gate (tests/gated_train.py): mid-episode in the rollout of step 2's overlap,
-    between the two policies' updates of step 2, between their weight pushes of step 3. Each resumes
-    from the checkpoint before the step it died in, which that step had already taken its batch from.
+    between the two policies' updates of step 2, between their weight pushes of step 3, after step 2's
+    checkpoint before its metrics line. Each resumes from the checkpoint before the step it died in,
+    which that step had already taken its batch from (the last: from step 2's, logging its line).
     Resumed = uninterrupted: every trained (task, agent, turn) group of every step (trained_groups.jsonl)
     and every metrics value except wall-clock ones (``varies_between_runs``)."""
     config = _l3_config(tmp_path)
@@ -189,7 +195,8 @@ def test_two_policy_fully_async_run_killed_mid_step_trains_every_group_once(tmp_
             # the step it died in had taken its batch (logged), and was never saved
             assert [g["step"] for g in _trained_groups(victims[gate])] == list(range(1, step + 1))
             saved = sorted(p.parent.name for p in (victims[gate] / L3_RUN / "checkpoints").glob("*/COMPLETE"))
-            assert saved[-1] == f"step_{step - 1:06d}", saved
+            assert saved[-1] == f"step_{_saved_step(gate, step):06d}", saved
+            assert [r["step"] for r in _metrics(victims[gate], L3_RUN)] == list(range(1, step))
         for gate in L3_KILLS:
             resume = (*L3_OVERRIDES, "trainer.resume=auto")
             runs[gate] = _start(victims[gate], "fully_async", 1, *resume, config=config)
@@ -218,7 +225,7 @@ def test_two_policy_fully_async_run_killed_mid_step_trains_every_group_once(tmp_
     assert all(r["async/staleness/1"] == r["rollout/num_samples"] for r in ref_metrics[1:])  # off-policy
     for gate, step in L3_KILLS.items():
         log = _log(victims[gate], 4)
-        assert f"at step {step - 1}" in log and "resumed from" in log, log[-3000:]
+        assert f"at step {_saved_step(gate, step)}" in log and "resumed from" in log, log[-3000:]
         assert _trained_groups(victims[gate]) == ref_groups, gate
         for ref, res in zip(ref_metrics, _metrics(victims[gate], L3_RUN), strict=True):
             assert res == ref, f"{gate}: step {ref['step']}"

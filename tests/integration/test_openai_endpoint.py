@@ -7,6 +7,7 @@ hangs or posts no reward) is a clear HTTP error or a counted failed episode, and
 import asyncio
 import dataclasses
 import json
+import sys
 from pathlib import Path
 
 import aiohttp
@@ -14,6 +15,7 @@ import pytest
 from external_runs import run_program, survivors
 from scripted import ScriptedEngine, smollm2_tokenizer
 
+from megamarl.errors import EXIT_ROLLOUT_FAILURE, ProgramCrashLoopError
 from megamarl.orchestration import (
     AgentConfig,
     EnvMaker,
@@ -270,6 +272,10 @@ def test_config_is_validated_naming_the_key():
         build_orchestra("external", module="x", num_workers=2)
     with pytest.raises(ValueError, match="orchestra.num_workers must be >= 0, got -1"):
         build_orchestra("external", module="x", mode="long_lived", num_workers=-1)
+    with pytest.raises(ValueError, match="orchestra.max_start_failures is for orchestra.mode=long_lived"):
+        build_orchestra("external", module="x", max_start_failures=2)
+    with pytest.raises(ValueError, match="orchestra.max_start_failures must be >= 0, got -1"):
+        build_orchestra("external", module="x", mode="long_lived", max_start_failures=-1)
 
 
 @pytest.mark.parametrize("forced", [False, True])
@@ -492,3 +498,38 @@ def test_a_cancelled_episode_restarts_its_worker_and_a_missing_command_fails_epi
     assert len(_starts(starts)) == 2
     result = run_program([str(tmp_path / "no-such-program")], num_tasks=2, mode="long_lived", num_workers=1)
     assert [e.reason for e in result.episodes] == ["error:FileNotFoundError"] * 2
+
+
+# A program that exits at once, every time (a missing import in the user's team, say).
+_CRASH_AT_START = """
+import os, sys
+with open(os.environ["STARTS"], "a") as f:
+    f.write(f"{os.getpid()}\\n")
+sys.stderr.write("ModuleNotFoundError: No module named 'team'\\n")
+sys.exit(1)
+"""
+
+
+@pytest.mark.parametrize("num_workers", [1, 2])
+def test_a_crash_looping_worker_stops_the_run(tmp_path, monkeypatch, num_workers):
+    """Long-lived programs that exit before finishing an episode, ``max_start_failures`` (2) of them in
+    a row: the run stops (a rollout failure, exit code 5) with an error naming the program and its
+    stderr, after 2 starts (1 worker: the first start and one restart; 2 workers: one start each), not
+    one start per episode of the step."""
+    starts = tmp_path / "starts"
+    monkeypatch.setenv("STARTS", str(starts))
+    with pytest.raises(ProgramCrashLoopError) as caught:
+        run_program(
+            _CRASH_AT_START,
+            num_tasks=6,
+            mode="long_lived",
+            num_workers=num_workers,
+            pass_env=["STARTS"],
+            max_start_failures=2,
+        )
+    message = str(caught.value)
+    assert "exited before finishing an episode 2 times in a row" in message, message
+    assert "orchestra.kwargs.max_start_failures=2" in message and "exited with 1" in message
+    assert "ModuleNotFoundError: No module named 'team'" in message and sys.executable in message
+    assert caught.value.exit_code == EXIT_ROLLOUT_FAILURE
+    assert len(_starts(starts)) == 2

@@ -35,10 +35,18 @@ OVERRIDES = (
 )
 
 
-def _start(output_dir: Path, *extra: str, num_ranks: int = 1) -> Ranks:
+def _start(
+    output_dir: Path, *extra: str, num_ranks: int = 1, gate: tuple[str, int, Path] | None = None
+) -> Ranks:
+    """``scripts/train.py`` (``gate``: tests/gated_train.py, which stops there for a kill)."""
     env = {"PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
     argv = ["--config", "configs/signalling_tiny.yaml", *OVERRIDES, f"output_dir={output_dir}", *extra]
-    return start(argv, nproc=num_ranks, log=output_dir.parent / f"{output_dir.name}.log", env=env)
+    log = output_dir.parent / f"{output_dir.name}.log"
+    if gate is None:
+        return start(argv, nproc=num_ranks, log=log, env=env)
+    name, step, marker = gate
+    argv = [name, str(step), str(marker), *argv, "logger.plots=false"]
+    return start(argv, nproc=num_ranks, log=log, env=env, script=ROOT / "tests" / "gated_train.py")
 
 
 def _kill(proc: Ranks, output_dir: Path) -> None:
@@ -132,6 +140,31 @@ def test_killed_run_resumes_bit_identical(runs, tmp_path):
     assert ref_run["versions"] == {"shared": 5} and ref_run["num_updates"] == {"shared": 4}
     names = sorted(p.name for p in (resumed / RUN / "checkpoints").iterdir())
     assert names == [f"step_00000{i}" for i in range(1, 5)]  # the killed save's .partial was cleared
+
+
+def test_run_killed_between_a_save_and_its_metrics_line(runs, tmp_path):
+    """SIGKILLed right after step 2's checkpoint is complete, before the step's metrics line is logged
+    (tests/gated_train.py's ``save`` gate): the resumed run logs step 2's line from the checkpoint,
+    equal to the uninterrupted run's but for the wall-clock values, then steps 3 and 4."""
+    reference, _, _ = runs
+    victim, marker = tmp_path / "victim", tmp_path / "save.marker"
+    victim.mkdir()
+    proc = _start(victim, gate=("save", 2, marker))
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    while not marker.is_file():
+        assert proc.poll() is None, (tmp_path / "victim.log").read_text()[-3000:]
+        assert time.monotonic() < deadline, "the save gate of step 2 was never reached"
+        time.sleep(0.02)
+    _kill(proc, victim)
+    assert [r["step"] for r in _metrics(victim)] == [1]
+    assert (victim / RUN / "checkpoints" / "step_000002" / "COMPLETE").is_file()
+    _wait(_start(victim, "trainer.resume=auto"), victim)
+
+    ref_metrics, res_metrics = _metrics(reference), _metrics(victim)
+    assert [r["step"] for r in res_metrics] == [1, 2, 3, 4]
+    for ref, res in zip(ref_metrics, res_metrics, strict=True):
+        assert _stable(res) == _stable(ref), f"step {ref['step']}"
+    assert res_metrics[1]["timing_s/step"] > 0  # the re-logged line has the step's time up to its save
 
 
 def test_resume_at_another_layout(runs, tmp_path):

@@ -15,6 +15,7 @@ from megamarl.driver.streaming import (
     group_samples,
     split_fresh,
 )
+from megamarl.errors import ProgramCrashLoopError
 from megamarl.orchestration.episodes import EpisodeStats
 from megamarl.rl.sample import Sample
 
@@ -153,6 +154,11 @@ def test_buffer_take_blocks_until_a_batch_is_ready_and_reports_producer_errors()
     assert [p.task_id for p in parts] == ["t"]
     threading.Timer(0.05, lambda: buf.fail(ValueError("bad config"))).start()
     with pytest.raises(RuntimeError, match="bad config"):
+        buf.take({"a": 0}, 1, poll_s=0.01)
+    # an error that stops the run (a crash-looping external program) keeps its type: its exit code
+    buf = GroupBuffer(groups_per_batch=1, capacity=2, per_policy=False)
+    buf.fail(ProgramCrashLoopError("the program exited before finishing an episode 3 times"))
+    with pytest.raises(ProgramCrashLoopError, match="3 times"):
         buf.take({"a": 0}, 1, poll_s=0.01)
 
 

@@ -146,6 +146,10 @@ def _ledger_module() -> Any:
         def __init__(self, target: int = 3) -> None:
             super().__init__()
             self.target, self.total, self._state = target, 0, State(step_count=0)
+            self.num_closes = 0
+
+        def close(self) -> None:
+            self.num_closes += 1
 
         def reset(self, seed=None, episode_id=None, **kwargs) -> LedgerObservation:
             self.total, self._state = 0, State(episode_id=episode_id, step_count=0)
@@ -186,6 +190,36 @@ def test_json_actions_invalid_replies_and_roles_in_turn(monkeypatch):
         and env.success()
         and env.metrics() == {"turns": 4.0, "invalid_actions": 2.0, "unfinished": 0.0}
     )
+
+
+@needs_openenv
+def test_every_episode_closes_its_environment_once(monkeypatch):
+    """Episodes cut by the orchestra's max_steps before done close the OpenEnv env too; a finished
+    episode closes it once (at done, not again at the episode's end)."""
+    monkeypatch.setitem(sys.modules, "ledger_env", _ledger_module())
+    tok = smollm2_tokenizer()
+    configs = {role: AgentConfig(policy="default", kind="text") for role in ("a", "b")}
+    for amount, done in ((0, False), (3, True)):  # adding 0 never reaches the target 3; adding 3 does
+        maker = EnvMaker("openenv", environment="ledger_env:LedgerEnvironment", roles=["a", "b"])
+        reply = f'{{"op": "add", "amount": {amount}}}'
+        made = []
+
+        def make(task, maker=maker, made=made):
+            made.append(maker(task))
+            return made[-1]
+
+        result = asyncio.run(
+            run_episodes(
+                build_orchestra("sequential", max_steps=2),
+                make,
+                maker.tasks(2, seed=0),
+                agents=build_agents(configs, tok),
+                engines={"default": ScriptedEngine(tok, lambda _, reply=reply: reply)},
+                group_size=2,
+            )
+        )
+        assert [(e.status, e.env_done) for e in result.episodes] == [("ok", done)] * 4
+        assert [env.environment.num_closes for env in made] == [1, 1, 1, 1], done
 
 
 @needs_openenv

@@ -61,6 +61,26 @@ def test_commit_is_a_rename_and_replaces_the_same_step(tmp_path):
     assert sorted(p.name for p in final.parent.iterdir()) == ["step_000003"]
 
 
+def test_a_checkpoint_carries_its_steps_metrics_line(tmp_path):
+    """``commit(..., line)`` writes the step's metrics line (in the manifest, like every file); a
+    checkpoint without one (older, or committed without) reads as {}. The logger's ``last_step`` says
+    whether the resumed run must log it."""
+    final = run_ckpt.checkpoint_path(tmp_path, 2)
+    staging = run_ckpt.staging_path(final)
+    staging.mkdir(parents=True)
+    run_ckpt.commit(staging, final, {"step": 2}, {"loss": 0.5, "timing_s/step": 1.25})
+    assert run_ckpt.load_metrics_line(final) == {"loss": 0.5, "timing_s/step": 1.25}
+    manifest = json.loads((final / run_ckpt.COMPLETE).read_text())
+    assert run_ckpt.METRICS_LINE in manifest["files"]
+    older = _checkpoint(tmp_path, 1)
+    assert run_ckpt.load_metrics_line(older) == {}
+    logger = MetricsLogger(tmp_path, LoggerConfig(wandb=WandbConfig(mode="disabled")), "run")
+    assert logger.last_step() == 0
+    logger.log(1, {"loss": 1.0})
+    assert logger.last_step() == 1
+    logger.close()
+
+
 def test_keep_last(tmp_path):
     for step in (1, 2, 3, 4):
         _checkpoint(tmp_path, step)

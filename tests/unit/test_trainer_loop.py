@@ -107,6 +107,9 @@ class _Driver:
     def log(self, step: int, metrics: dict[str, float]) -> None:
         self.events.append(f"log {step}")
 
+    def log_if_missing(self, step: int, line: dict[str, float]) -> None:
+        self.events.append(f"log if missing {step}: {line.get('reward/mean')}")
+
     @contextmanager
     def weight_update(self):
         yield
@@ -328,8 +331,9 @@ def test_a_resumed_run_continues_the_saved_versions(world, tmp_path):
     )
     resumed.fit()
     # saved at step 2 with version 3: start-up pushes version 3 again, step 3 trains on it and pushes 4
-    assert [e for e in events if e.startswith(("push", "collect", "save", "say resumed"))] == [
+    assert [e for e in events if e.startswith(("push", "collect", "save", "say resumed", "log if"))] == [
         f"say resumed from {tmp_path / 'run' / 'checkpoints' / 'step_000002'} at step 2",
+        "log if missing 2: 1.0",  # the line step 2's checkpoint carries (its metrics as they stood)
         "push v3",
         "collect 2 v3",
         "push v4",

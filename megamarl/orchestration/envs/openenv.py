@@ -11,7 +11,8 @@ field), or parsed as the action's JSON object when it has several; the acting ro
 ``role_field``. A reply that does not validate is an invalid sample and the env is not stepped (the
 same role acts again, within the orchestra's ``max_steps``). An observation's ``reward`` is the acting
 agent's local reward; the team reward is the episode's return (their sum); success: a return of at
-least ``success_reward``. ``openenv`` is imported only when the config names an environment.
+least ``success_reward``. The env is closed once, at done or when the episode ends without it (the
+orchestra's ``max_steps``). ``openenv`` is imported only when the config names an environment.
 """
 
 from __future__ import annotations
@@ -114,6 +115,7 @@ class OpenEnvEnv(Env[OpenEnvConfig]):
         self.episode_return = 0.0
         self.num_turns = 0
         self.num_invalid = 0
+        self._closed = False
         self._follow(self.observation)
 
     @classmethod
@@ -182,8 +184,15 @@ class OpenEnvEnv(Env[OpenEnvConfig]):
             self.current = self.agents[(self.agents.index(agent) + 1) % len(self.agents)]
         self._follow(self.observation)
         if self.done:
-            self.environment.close()
+            self.close()
         return StepResult(local_reward=reward, invalid=not action.valid)
+
+    def close(self) -> None:
+        """The OpenEnv env's ``close()``, once: at done, or when the episode ends without it (cut by
+        the orchestra's ``max_steps``, failed, timed out)."""
+        if not self._closed:
+            self._closed = True
+            self.environment.close()
 
     def team_reward(self) -> float:
         return self.episode_return
