@@ -112,7 +112,8 @@ class PolicyWorker:
         self.last_fault = ""  # which agents/episodes gave a non-finite loss, for the error message
         self._nonfinite_rows: list[str] = []
         # rollout vs training log-probs per agent (agent/<a>/mismatch_*), over the DP ranks' rows
-        self.mismatch = AgentMismatch(gather=partial(all_gather_objects, group=wg.pgs.dp))
+        self.dp_gather = partial(all_gather_objects, group=wg.pgs.dp)
+        self.mismatch = AgentMismatch(gather=self.dp_gather)
 
     def _adapter_lr(self, adapter: str) -> float:
         """The learning rate of LoRA adapter ``adapter``: its agent's ``lr``, else the policy's."""
@@ -348,6 +349,9 @@ class PolicyWorker:
         self._nonfinite_rows = []
         lr = current_lr(self.optimizer)
         collected = self.backward(part, old, counts, ref=ref, critic=critic)
+        # every DP rank's micro-batches (collective): a loss is the sum of the ranks' shares, a mean
+        # weighted by every rank's tokens, so the step's metrics are of the whole batch on each rank
+        collected = [metrics for rank in self.dp_gather(collected) for metrics in rank]
         grad_norm = self._clip_and_step()
         if not math.isfinite(grad_norm):
             return self._skipped(collected)

@@ -135,6 +135,8 @@ def _three_grids(model_dir):
         diffs[name + "_norm"] = worker._clip_and_step()
         after = dict(worker.export())
         diffs[name + "_changed"] = all(not torch.equal(before[n], after[n]) for n in before)
+        # a second whole update's step metrics (what train_share reports), after the same first step
+        diffs[name + "_metrics"] = worker._update(part, worker.compute_logprobs(part), counts)
     return diffs
 
 
@@ -167,6 +169,12 @@ def test_megatron_policy_gradients_equal_single_process_reference(tmp_path):
     ]
     for rank, diffs in enumerate(results):
         assert diffs["dp2_mismatch"] == pytest.approx(whole, rel=1e-6), rank
+    # the step's metrics are of the whole batch on every DP rank: a loss is the sum of the DP ranks'
+    # shares (each normalised by the global counts), a mean is weighted by every rank's tokens
+    whole = results[0]["tp2_metrics"]
+    assert {"loss", "pg_loss", "grad_norm"} <= set(whole)
+    for rank, diffs in enumerate(results):
+        assert diffs["dp2_metrics"] == pytest.approx(whole, rel=1e-4, abs=1e-7), rank
     # PP=2: each stage exports its own layers; together they cover every HF tensor.
     assert results[0]["pp2_num"] + results[1]["pp2_num"] >= results[0]["tp2_num"]
     # building, log-probs, backward, clipping, the optimizer step and the export of three grids in
