@@ -74,12 +74,12 @@ def _gate_push(trainer: megamarl.trainer.Trainer, step: int, marker: Path) -> No
     calls = [0]
     for replicas in trainer.run.replicas.values():
 
-        def gated(version, push=replicas.push):
+        def gated(version, push=replicas.push, **kwargs):
             if trainer.step == step:  # the push phase follows the update that made it STEP
                 calls[0] += 1
                 if calls[0] == 2:
                     _stop_here(marker, f"push {step}")
-            return push(version)
+            return push(version, **kwargs)  # e.g. adapters= (L2: the adapters that stepped)
 
         replicas.push = gated
 

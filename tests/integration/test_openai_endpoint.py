@@ -532,4 +532,7 @@ def test_a_crash_looping_worker_stops_the_run(tmp_path, monkeypatch, num_workers
     assert "orchestra.kwargs.max_start_failures=2" in message and "exited with 1" in message
     assert "ModuleNotFoundError: No module named 'team'" in message and sys.executable in message
     assert caught.value.exit_code == EXIT_ROLLOUT_FAILURE
-    assert len(_starts(starts)) == 2
+    # 1 worker: its first start and one restart. 2 workers: one start each, or a third when one worker
+    # restarts (its own failure counted) before the other's failure makes the second in a row:
+    # concurrent workers start at most max_start_failures + num_workers - 1 programs
+    assert 2 <= len(_starts(starts)) <= 2 + num_workers - 1
