@@ -1,10 +1,12 @@
 """Evaluate a run, a checkpoint or an exported model on the configured eval sets, without training.
 
-    python scripts/evaluate.py --run-dir runs/quickstart_cpu                  # its latest checkpoint, config
-    python scripts/evaluate.py --checkpoint runs/quickstart_cpu/checkpoints/step_000010 eval.num_tasks=500
-    python scripts/evaluate.py --config configs/quickstart_cpu.yaml --hf exported/  # megamarl-convert output
-    python scripts/evaluate.py --config configs/quickstart_cpu.yaml           # the config's (base) models
-    torchrun --nproc_per_node 2 scripts/evaluate.py --run-dir runs/quickstart_cpu  # on several ranks
+    torchrun --nproc_per_node 2 scripts/evaluate.py --run-dir runs/quickstart_cpu  # latest checkpoint, config
+    torchrun --nproc_per_node 2 scripts/evaluate.py --checkpoint runs/quickstart_cpu/checkpoints/step_000010
+    torchrun --nproc_per_node 2 scripts/evaluate.py --config configs/quickstart_cpu.yaml --hf exported/
+    python scripts/evaluate.py --config configs/quickstart_cpu.yaml "policies.shared.ranks=[0]"  # 1 rank
+
+It runs on the ranks the config places its policies on (the quickstart's ``ranks: [0, 1]`` needs two;
+``policies.<p>.ranks=[0]`` moves a policy to one rank, and checkpoints reshard to it).
 
 The evaluation is the one a training run makes at its eval steps (``eval.env`` / ``eval.sets``,
 ``eval.num_tasks``, ``eval.k``, ``eval.temperature``; the held-out seed): the same ``Trainer`` is built,
