@@ -345,19 +345,11 @@ class PolicyReplicas:
         servers, wg, export = self.servers, self.wg, self.export()
         stats, start = SyncStats(), time.perf_counter()
         on_gpu = torch.cuda.is_available()
-        if servers.colocated and (
+        colocated = servers.colocated and (
             wg.layout.pp == 1 or relays_stages(self.policy, colocated=True, on_gpu=on_gpu)
-        ):
-            return self._feed_leaders(
-                export,
-                targets,
-                version=version,
-                bucket_bytes=bucket_bytes,
-                stats=stats,
-                start=start,
-                select=select or iter,
-            )
-        return self._send_stages(
+        )
+        send = self._feed_leaders if colocated else self._send_stages
+        return send(
             export,
             targets,
             version=version,
